@@ -1,0 +1,1 @@
+"""steadyrl services: inference, trainer, weightsync, orchestrator (thin layers over shared)."""

@@ -1,0 +1,1 @@
+"""steadyrl shared library: math, rollout records, models, queues, rpc."""

@@ -1,0 +1,73 @@
+"""Diagnostics the paper watches for collapse: mismatch KL, entropy, first-order validity,
+routing agreement. All reductions are over valid tokens only (`mask`, bool [B, T])."""
+
+from __future__ import annotations
+
+import torch
+
+# exp() of a larger sequence log-ratio overflows float64; the first-order error saturates here.
+MAX_SEQUENCE_LOG_RATIO = 50.0
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values over mask; 0 when nothing is valid."""
+    count = mask.sum()
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / count.clamp(min=1)
+
+
+def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of values over mask; 0 when nothing is valid."""
+    if not bool(mask.any()):
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    return values[mask].max()
+
+
+def mismatch_kl(
+    inference_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training–inference KL D_KL(μ_old ‖ π_old) estimated on μ-sampled tokens.
+
+    k1 = E_μ[log μ − log π];  k3 = E_μ[(π/μ − 1) − log(π/μ)]  (non-negative, lower variance).
+    """
+    log_ratio = train_logprobs - inference_logprobs  # log π/μ
+    k1 = masked_mean(-log_ratio, mask)
+    k3 = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+    return k1, k3
+
+
+def first_order_error(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence |Π_t(1+δ_t) − (1+Σ_t δ_t)| with δ_t = ρ_t − 1, ρ_t = exp(log_ratio_t). [B, T] → [B].
+
+    The product is taken in log space (exp Σ_t log ρ_t), in float64; the sequence log-ratio is
+    capped at MAX_SEQUENCE_LOG_RATIO so the diagnostic stays finite when the surrogate is far off.
+    """
+    log_ratio = torch.where(mask, log_ratio.double(), torch.zeros_like(log_ratio, dtype=torch.float64))
+    product = torch.exp(torch.clamp(log_ratio.sum(dim=-1), max=MAX_SEQUENCE_LOG_RATIO))
+    first_order = 1.0 + torch.expm1(log_ratio).sum(dim=-1)
+    return (product - first_order).abs()
+
+
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Token entropy −Σ_w p(w) log p(w) of logits [B, T, V] → [B, T] (mean over mask if given)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    if mask is None:
+        return entropy
+    return masked_mean(entropy, mask)
+
+
+def routing_agreement(
+    experts_a: torch.Tensor, experts_b: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Share of (token, layer) top-k expert *sets* equal between two traces [..., L, K].
+
+    `mask` selects tokens (shape = the leading dims); every layer of a selected token counts.
+    """
+    if experts_a.shape != experts_b.shape:
+        raise ValueError(f"trace shapes differ: {tuple(experts_a.shape)} vs {tuple(experts_b.shape)}")
+    same = (experts_a.sort(dim=-1).values == experts_b.sort(dim=-1).values).all(dim=-1)
+    if mask is None:
+        return same.double().mean()
+    per_token = mask.unsqueeze(-1).expand_as(same)
+    return masked_mean(same.double(), per_token)

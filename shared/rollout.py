@@ -1,0 +1,245 @@
+"""The Rollout record: one sampled response, its inference logprobs, versions and routing trace.
+
+`encode_rollout` / `decode_rollout` are the wire codec (protobuf `steadyrl.v1.Rollout`, never
+pickle); `validate_rollout` rejects what the trainer must not train on. Every failure of either is
+a `RolloutError` whose `reason` is a short stable code (used as the dead-letter reason and as a
+metric label) and whose message says what was wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from shared.rpc.steadyrl.v1 import rollout_pb2
+
+# Slack for logprobs computed in low precision: a logprob above this is not a probability.
+MAX_LOGPROB = 1e-3
+_TRACE_DTYPES = {rollout_pb2.RoutingTrace.UINT8: np.uint8, rollout_pb2.RoutingTrace.UINT16: np.uint16}
+
+
+class RolloutError(ValueError):
+    """A rollout that cannot be decoded or must not be trained on."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass
+class RolloutTimings:
+    leased_unix_ms: int = 0
+    started_unix_ms: int = 0
+    finished_unix_ms: int = 0
+    generation_seconds: float = 0.0
+
+
+@dataclass
+class Rollout:
+    """One response y to prompt x. Arrays: token ids int32 [P] / [C], inference_logprobs float32 [C],
+    policy_versions uint64 [C] (the version that sampled each token), routing_trace uint8/uint16
+    [P + C − 1, layers, top_k] or None."""
+
+    rollout_id: str
+    group_id: str
+    prompt_token_ids: np.ndarray
+    completion_token_ids: np.ndarray
+    inference_logprobs: np.ndarray
+    policy_versions: np.ndarray
+    reward: float
+    sample_index: int = 0
+    group_size: int = 1
+    run_id: str = ""
+    task_id: str = ""
+    routing_trace: np.ndarray | None = None
+    num_experts: int = 0
+    finish_reason: str = ""
+    replica_id: str = ""
+    engine: str = ""
+    is_eval: bool = False
+    timings: RolloutTimings = field(default_factory=RolloutTimings)
+
+    @property
+    def num_positions(self) -> int:
+        """Positions a routing trace covers: prompt + completion − 1."""
+        return len(self.prompt_token_ids) + len(self.completion_token_ids) - 1
+
+    @property
+    def min_version(self) -> int:
+        return int(self.policy_versions.min()) if len(self.policy_versions) else 0
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """What a valid rollout may hold. None = not checked."""
+
+    max_encoded_bytes: int = 64 * 1024 * 1024
+    max_total_tokens: int = 131072
+    vocab_size: int | None = None
+    num_layers: int | None = None
+    top_k: int | None = None
+    num_experts: int | None = None
+    max_version: int | None = None
+    """Newest policy version that exists (the trainer's); a later one is from the future."""
+
+
+def encode_rollout(rollout: Rollout) -> bytes:
+    msg = rollout_pb2.Rollout(
+        rollout_id=rollout.rollout_id,
+        run_id=rollout.run_id,
+        task_id=rollout.task_id,
+        group_id=rollout.group_id,
+        sample_index=rollout.sample_index,
+        group_size=rollout.group_size,
+        prompt_token_ids=np.asarray(rollout.prompt_token_ids, dtype=np.int32).tolist(),
+        completion_token_ids=np.asarray(rollout.completion_token_ids, dtype=np.int32).tolist(),
+        inference_logprobs=np.asarray(rollout.inference_logprobs, dtype=np.float32).tolist(),
+        policy_versions=np.asarray(rollout.policy_versions, dtype=np.uint64).tolist(),
+        reward=float(rollout.reward),
+        finish_reason=rollout.finish_reason,
+        replica_id=rollout.replica_id,
+        engine=rollout.engine,
+        is_eval=rollout.is_eval,
+        timings=rollout_pb2.RolloutTimings(**vars(rollout.timings)),
+    )
+    if rollout.routing_trace is not None:
+        trace = np.ascontiguousarray(rollout.routing_trace)
+        if trace.ndim != 3:
+            raise RolloutError("trace_shape", f"routing trace must be [positions, layers, top_k], got {trace.shape}")
+        wide = trace.dtype.itemsize > 1 or rollout.num_experts > 256
+        dtype = rollout_pb2.RoutingTrace.UINT16 if wide else rollout_pb2.RoutingTrace.UINT8
+        msg.routing_trace.CopyFrom(
+            rollout_pb2.RoutingTrace(
+                dtype=dtype,
+                num_positions=trace.shape[0],
+                num_layers=trace.shape[1],
+                top_k=trace.shape[2],
+                num_experts=rollout.num_experts,
+                expert_ids=trace.astype("<u2" if wide else np.uint8).tobytes(),
+            )
+        )
+    return msg.SerializeToString()
+
+
+def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
+    """Parse wire bytes into a Rollout; any failure raises RolloutError (never anything else)."""
+    limits = limits or RolloutLimits()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise RolloutError("decode", f"expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_encoded_bytes:
+        raise RolloutError("oversize", f"{len(data)} bytes > limit {limits.max_encoded_bytes}")
+    msg = rollout_pb2.Rollout()
+    try:
+        msg.ParseFromString(bytes(data))
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise RolloutError("decode", f"not a steadyrl.v1.Rollout: {exc}") from None
+    trace = None
+    num_experts = 0
+    if msg.HasField("routing_trace"):
+        trace, num_experts = _decode_trace(msg.routing_trace)
+    return Rollout(
+        rollout_id=msg.rollout_id,
+        run_id=msg.run_id,
+        task_id=msg.task_id,
+        group_id=msg.group_id,
+        sample_index=msg.sample_index,
+        group_size=msg.group_size,
+        prompt_token_ids=np.array(msg.prompt_token_ids, dtype=np.int32),
+        completion_token_ids=np.array(msg.completion_token_ids, dtype=np.int32),
+        inference_logprobs=np.array(msg.inference_logprobs, dtype=np.float32),
+        policy_versions=np.array(msg.policy_versions, dtype=np.uint64),
+        reward=msg.reward,
+        routing_trace=trace,
+        num_experts=num_experts,
+        finish_reason=msg.finish_reason,
+        replica_id=msg.replica_id,
+        engine=msg.engine,
+        is_eval=msg.is_eval,
+        timings=RolloutTimings(
+            leased_unix_ms=msg.timings.leased_unix_ms,
+            started_unix_ms=msg.timings.started_unix_ms,
+            finished_unix_ms=msg.timings.finished_unix_ms,
+            generation_seconds=msg.timings.generation_seconds,
+        ),
+    )
+
+
+def _decode_trace(trace: rollout_pb2.RoutingTrace) -> tuple[np.ndarray, int]:
+    dtype = _TRACE_DTYPES.get(trace.dtype)
+    if dtype is None:
+        raise RolloutError("trace_dtype", f"routing trace dtype {trace.dtype} is not UINT8 or UINT16")
+    shape = (trace.num_positions, trace.num_layers, trace.top_k)
+    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if len(trace.expert_ids) != expected:
+        raise RolloutError(
+            "trace_shape", f"routing trace holds {len(trace.expert_ids)} bytes, shape {shape} needs {expected}"
+        )
+    ids = np.frombuffer(trace.expert_ids, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    return ids.reshape(shape), trace.num_experts
+
+
+def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> Rollout:
+    """Return the rollout unchanged if it may be trained on, else raise RolloutError."""
+    limits = limits or RolloutLimits()
+    if not rollout.rollout_id:
+        raise RolloutError("missing_id", "rollout_id is empty")
+    if not rollout.group_id:
+        raise RolloutError("missing_id", f"rollout {rollout.rollout_id}: group_id is empty")
+    if rollout.group_size < 1 or rollout.sample_index >= rollout.group_size:
+        raise RolloutError(
+            "group", f"sample_index {rollout.sample_index} outside a group of {rollout.group_size}"
+        )
+    prompt_len, completion_len = len(rollout.prompt_token_ids), len(rollout.completion_token_ids)
+    if prompt_len == 0 or completion_len == 0:
+        raise RolloutError("empty", f"prompt has {prompt_len} tokens, completion {completion_len}")
+    if prompt_len + completion_len > limits.max_total_tokens:
+        raise RolloutError(
+            "oversize", f"{prompt_len + completion_len} tokens > limit {limits.max_total_tokens}"
+        )
+    for name in ("inference_logprobs", "policy_versions"):
+        if len(getattr(rollout, name)) != completion_len:
+            raise RolloutError(
+                "length", f"{name} has {len(getattr(rollout, name))} entries for {completion_len} completion tokens"
+            )
+    tokens = np.concatenate([rollout.prompt_token_ids, rollout.completion_token_ids]).astype(np.int64)
+    if tokens.min() < 0 or (limits.vocab_size is not None and tokens.max() >= limits.vocab_size):
+        raise RolloutError("token_range", f"token ids span [{tokens.min()}, {tokens.max()}], vocab {limits.vocab_size}")
+    logprobs = rollout.inference_logprobs
+    if not np.isfinite(logprobs).all():
+        bad = int((~np.isfinite(logprobs)).sum())
+        raise RolloutError("nonfinite_logprobs", f"{bad} of {completion_len} inference logprobs are NaN/inf")
+    if logprobs.max() > MAX_LOGPROB:
+        raise RolloutError("logprob_range", f"inference logprob {float(logprobs.max()):.4g} > 0")
+    if not np.isfinite(rollout.reward):
+        raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}")
+    versions = rollout.policy_versions
+    if np.any(np.diff(versions.astype(np.int64)) < 0):
+        raise RolloutError("version_order", "per-token policy versions decrease along the completion")
+    if limits.max_version is not None and int(versions.max()) > limits.max_version:
+        raise RolloutError(
+            "future_version", f"version {int(versions.max())} is newer than the latest {limits.max_version}"
+        )
+    if rollout.routing_trace is not None:
+        _validate_trace(rollout, limits)
+    return rollout
+
+
+def _validate_trace(rollout: Rollout, limits: RolloutLimits) -> None:
+    trace = rollout.routing_trace
+    assert trace is not None
+    if trace.ndim != 3 or trace.shape[0] != rollout.num_positions:
+        raise RolloutError(
+            "trace_shape", f"routing trace shape {trace.shape}, expected ({rollout.num_positions}, layers, top_k)"
+        )
+    for name, size, limit in (("layers", trace.shape[1], limits.num_layers), ("top_k", trace.shape[2], limits.top_k)):
+        if limit is not None and size != limit:
+            raise RolloutError("trace_shape", f"routing trace has {size} {name}, the model has {limit}")
+    num_experts = limits.num_experts or rollout.num_experts
+    if num_experts and trace.size and int(trace.max()) >= num_experts:
+        raise RolloutError("expert_range", f"expert id {int(trace.max())} >= num_experts {num_experts}")
+    if trace.shape[2] > 1:
+        ordered = np.sort(trace, axis=-1)
+        if np.any(ordered[..., 1:] == ordered[..., :-1]):
+            raise RolloutError("expert_duplicate", "a top-k set names the same expert twice")

@@ -1,0 +1,183 @@
+"""Rollout codec: round trip, validation reasons, and a fuzz of the decoder."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.rollout import (
+    Rollout,
+    RolloutError,
+    RolloutLimits,
+    RolloutTimings,
+    decode_rollout,
+    encode_rollout,
+    validate_rollout,
+)
+
+LIMITS = RolloutLimits(vocab_size=64, num_layers=2, top_k=2, num_experts=8, max_version=10)
+
+
+def make_rollout(prompt_len=3, completion_len=4, trace=True, **overrides) -> Rollout:
+    rng = np.random.default_rng(0)
+    positions = prompt_len + completion_len - 1
+    routing = np.stack([rng.permutation(8)[:2] for _ in range(positions * 2)]).reshape(positions, 2, 2)
+    fields = dict(
+        rollout_id="r-1",
+        group_id="g-1",
+        run_id="run",
+        task_id="t-1",
+        sample_index=1,
+        group_size=4,
+        prompt_token_ids=np.arange(prompt_len, dtype=np.int32),
+        completion_token_ids=np.arange(completion_len, dtype=np.int32) + 10,
+        inference_logprobs=-np.linspace(0.1, 2.0, completion_len).astype(np.float32),
+        policy_versions=np.array([3] * (completion_len - 1) + [4], dtype=np.uint64),
+        reward=1.0,
+        routing_trace=routing.astype(np.uint8) if trace else None,
+        num_experts=8 if trace else 0,
+        finish_reason="stop",
+        replica_id="inf-0",
+        engine="torch",
+        timings=RolloutTimings(1, 2, 3, 0.5),
+    )
+    fields.update(overrides)
+    return Rollout(**fields)
+
+
+def assert_same(a: Rollout, b: Rollout) -> None:
+    for name, value in vars(a).items():
+        other = getattr(b, name)
+        if isinstance(value, np.ndarray):
+            assert other.dtype == value.dtype or name == "routing_trace", name
+            np.testing.assert_array_equal(other, value, err_msg=name)
+        else:
+            assert other == value, name
+
+
+def test_round_trip_and_validates():
+    rollout = make_rollout()
+    back = decode_rollout(encode_rollout(rollout), LIMITS)
+    assert_same(rollout, back)
+    assert validate_rollout(back, LIMITS) is back
+
+
+def test_wide_expert_ids_use_uint16():
+    rollout = make_rollout(num_experts=300)
+    rollout.routing_trace = rollout.routing_trace.astype(np.uint16) + 256
+    back = decode_rollout(encode_rollout(rollout))
+    assert back.routing_trace.dtype == np.uint16
+    np.testing.assert_array_equal(back.routing_trace, rollout.routing_trace)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 30),
+    st.integers(1, 30),
+    st.integers(0, 5),
+    st.integers(1, 4),
+    st.integers(2, 600),
+    st.floats(-1e6, 1e6),
+    st.text(max_size=20),
+    st.integers(0, 2**31 - 1),
+)
+def test_round_trip_property(prompt_len, completion_len, layers, top_k, experts, reward, rid, seed):
+    rng = np.random.default_rng(seed)
+    positions = prompt_len + completion_len - 1
+    trace = rng.integers(0, experts, size=(positions, layers, top_k)) if layers else None
+    dtype = np.uint16 if experts > 256 else np.uint8
+    rollout = Rollout(
+        rollout_id=rid,
+        group_id="g",
+        prompt_token_ids=rng.integers(0, 2**31 - 1, prompt_len).astype(np.int32),
+        completion_token_ids=rng.integers(0, 2**31 - 1, completion_len).astype(np.int32),
+        inference_logprobs=-rng.random(completion_len).astype(np.float32) * 20,
+        policy_versions=np.sort(rng.integers(0, 2**40, completion_len)).astype(np.uint64),
+        reward=reward,
+        routing_trace=None if trace is None else trace.astype(dtype),
+        num_experts=experts if layers else 0,
+    )
+    assert_same(rollout, decode_rollout(encode_rollout(rollout)))
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        ({"rollout_id": ""}, "missing_id"),
+        ({"group_id": ""}, "missing_id"),
+        ({"sample_index": 4}, "group"),
+        ({"completion_token_ids": np.array([], np.int32), "inference_logprobs": np.array([], np.float32),
+          "policy_versions": np.array([], np.uint64), "routing_trace": None}, "empty"),
+        ({"inference_logprobs": np.array([-1, -1, -1], np.float32)}, "length"),
+        ({"policy_versions": np.array([1, 2], np.uint64)}, "length"),
+        ({"inference_logprobs": np.array([-1, np.nan, -1, -1], np.float32)}, "nonfinite_logprobs"),
+        ({"inference_logprobs": np.array([-1, -np.inf, -1, -1], np.float32)}, "nonfinite_logprobs"),
+        ({"inference_logprobs": np.array([-1, 0.5, -1, -1], np.float32)}, "logprob_range"),
+        ({"reward": float("nan")}, "nonfinite_reward"),
+        ({"policy_versions": np.array([4, 3, 3, 3], np.uint64)}, "version_order"),
+        ({"policy_versions": np.array([3, 3, 11, 11], np.uint64)}, "future_version"),
+        ({"completion_token_ids": np.array([10, 11, 12, 64], np.int32)}, "token_range"),
+        ({"completion_token_ids": np.array([10, 11, 12, -1], np.int32)}, "token_range"),
+        ({"routing_trace": np.zeros((5, 2, 2), np.uint8)}, "trace_shape"),
+        ({"routing_trace": np.tile(np.array([0, 1], np.uint8), (6, 3, 1))}, "trace_shape"),
+        ({"routing_trace": np.tile(np.array([0, 8], np.uint8), (6, 2, 1))}, "expert_range"),
+        ({"routing_trace": np.tile(np.array([3, 3], np.uint8), (6, 2, 1))}, "expert_duplicate"),
+    ],
+)
+def test_validator_reasons(overrides, reason):
+    rollout = make_rollout(**overrides)
+    with pytest.raises(RolloutError) as err:
+        validate_rollout(decode_rollout(encode_rollout(rollout)), LIMITS)
+    assert err.value.reason == reason
+    assert str(err.value).startswith(reason + ": ")
+
+
+def test_oversize_is_rejected_before_parsing_and_by_token_count():
+    data = encode_rollout(make_rollout())
+    with pytest.raises(RolloutError, match="oversize"):
+        decode_rollout(data, RolloutLimits(max_encoded_bytes=len(data) - 1))
+    with pytest.raises(RolloutError, match="oversize"):
+        validate_rollout(decode_rollout(data), RolloutLimits(max_total_tokens=6))
+
+
+def test_trace_bytes_that_do_not_fit_the_shape():
+    from shared.rpc.steadyrl.v1 import rollout_pb2
+
+    msg = rollout_pb2.Rollout()
+    msg.ParseFromString(encode_rollout(make_rollout()))
+    msg.routing_trace.expert_ids = msg.routing_trace.expert_ids[:-1]
+    with pytest.raises(RolloutError, match="trace_shape"):
+        decode_rollout(msg.SerializeToString())
+    msg.routing_trace.dtype = 0
+    with pytest.raises(RolloutError, match="trace_dtype"):
+        decode_rollout(msg.SerializeToString())
+
+
+def test_fuzz_random_and_corrupted_bytes_raise_only_rollout_error():
+    """10,000 inputs: random bytes, and valid encodings bit-flipped, truncated, spliced."""
+    rng = np.random.default_rng(1234)
+    seeds = [encode_rollout(make_rollout(p, c, trace=t)) for p, c, t in [(3, 4, True), (5, 9, True), (2, 2, False)]]
+    outcomes = {"accepted": 0, "rejected": 0}
+    for i in range(10_000):
+        kind = i % 4
+        base = bytearray(seeds[i % len(seeds)])
+        if kind == 0:
+            data = rng.bytes(int(rng.integers(0, 200)))
+        elif kind == 1:
+            for _ in range(int(rng.integers(1, 8))):
+                pos = int(rng.integers(0, len(base)))
+                base[pos] ^= 1 << int(rng.integers(0, 8))
+            data = bytes(base)
+        elif kind == 2:
+            data = bytes(base[: int(rng.integers(0, len(base)))])
+        else:
+            other = seeds[int(rng.integers(0, len(seeds)))]
+            cut = int(rng.integers(0, len(base)))
+            data = bytes(base[:cut]) + other[int(rng.integers(0, len(other))) :]
+        try:
+            validate_rollout(decode_rollout(data), LIMITS)
+            outcomes["accepted"] += 1
+        except RolloutError:
+            outcomes["rejected"] += 1
+    assert sum(outcomes.values()) == 10_000
+    assert outcomes["rejected"] > 9_000, outcomes
