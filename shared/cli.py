@@ -26,6 +26,27 @@ def version() -> None:
             typer.echo(f"{name} (not installed)")
 
 
+@app.command("init-model")
+def init_model(
+    out: str = typer.Option(..., help="Directory to write the HF model into."),
+    task: str = typer.Option("arith", help="Task the cold start trains on."),
+    seed: int = typer.Option(0, help="Seed of the init and the cold start."),
+    check_precision: bool = typer.Option(True, help="Report fp32 vs bf16 routing agreement."),
+) -> None:
+    """Build the tiny Qwen3-MoE (character tokenizer, SFT cold start), cached by content."""
+    import json
+    from pathlib import Path
+
+    from shared.models.tiny import init_tiny_model, precision_routing_agreement
+
+    path = init_tiny_model(out, task=task, seed=seed)
+    report = json.loads((Path(path) / "steadyrl_tiny.json").read_text())
+    report.pop("spec", None)
+    if check_precision:
+        report["bf16_vs_fp32"] = precision_routing_agreement(path)
+    typer.echo(json.dumps({"out": str(path), **report}, indent=2))
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,49 @@
+"""Load causal LMs and tokenizers from local Hugging Face directories (never from a hub)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def _local_dir(path: str | os.PathLike) -> Path:
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} is not a local Hugging Face model directory (no config.json)")
+    return directory
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """A transformers causal LM from a local directory, in `dtype`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        _local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)

@@ -1,0 +1,269 @@
+"""The tiny-model kit: a small Qwen3-MoE with a character tokenizer, cold-started on a task.
+
+`init_tiny_model(out)` builds it deterministically from a seed (random init, then a short
+supervised cold start that stops once greedy eval accuracy reaches `target_accuracy`, leaving
+room for RL), saves an HF directory that transformers and vLLM load (head_dim 32: vLLM's CPU
+attention rejects 16), and caches it by content so tests and the demo reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from shared.tasks import ArithTask, Example, get_reward
+
+log = logging.getLogger(__name__)
+
+KIT_VERSION = "1"
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = list("0123456789+-*=() ,.:?abcdefghijklmnopqrstuvwxyz")
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Architecture and cold-start recipe of the tiny model."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 64
+    vocab_size: int = 64
+    max_positions: int = 64
+    digits: int = 2
+    fixed_width: bool = True
+    reverse: bool = True
+    sft_batch_size: int = 64
+    sft_lr: float = 1e-2
+    sft_max_steps: int = 3000
+    sft_eval_every: int = 50
+    sft_eval_size: int = 200
+    target_accuracy: float = 0.3
+
+
+def char_tokenizer():
+    """A character-level tokenizer (tokenizer.json via `tokenizers`), wrapped for transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def build_model(spec: TinySpec, seed: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size * 2,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    return model.float()
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    return [[tokenizer.bos_token_id, *tokenizer.encode(p, add_special_tokens=False)] for p in prompts]
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, examples: list[Example], max_new_tokens: int = 8, batch: int = 256) -> float:
+    """Share of examples whose greedy completion earns reward 1 (exact match)."""
+    reward = get_reward("exact_match")
+    model.eval()
+    correct = 0
+    for start in range(0, len(examples), batch):
+        chunk = examples[start : start + batch]
+        ids = encode_prompts(tokenizer, [e.prompt for e in chunk])
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+        attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=0,
+        )
+        for example, row in zip(chunk, out[:, width:].tolist(), strict=True):
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            correct += reward(text, example.answer) == 1.0
+    return correct / max(len(examples), 1)
+
+
+def sft_batch(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [bos prompt answer eos] and labels on the answer and eos only."""
+    rows, labels = [], []
+    for e in examples:
+        prompt = [tokenizer.bos_token_id, *tokenizer.encode(e.prompt, add_special_tokens=False)]
+        answer = [*tokenizer.encode(e.answer, add_special_tokens=False), tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+    return ids, lab
+
+
+def cold_start(model, tokenizer, task: ArithTask, spec: TinySpec, seed: int) -> dict:
+    """Supervised cold start until greedy eval accuracy ≥ target (or max steps)."""
+    train = task.split("train", min(20000, task.max_split_size("train")))
+    evaluation = task.split("eval", spec.sft_eval_size)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    accuracy, step = greedy_accuracy(model, tokenizer, evaluation), 0
+    while accuracy < spec.target_accuracy and step < spec.sft_max_steps:
+        model.train()
+        for _ in range(spec.sft_eval_every):
+            pick = torch.randint(len(train), (spec.sft_batch_size,), generator=generator).tolist()
+            ids, labels = sft_batch(tokenizer, [train[i] for i in pick])
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+        accuracy = greedy_accuracy(model, tokenizer, evaluation)
+        log.info("cold_start step=%d loss=%.4f greedy_acc=%.3f", step, loss.item(), accuracy)
+    return {"sft_steps": step, "greedy_accuracy": accuracy}
+
+
+def cache_key(spec: TinySpec, task: str, seed: int) -> str:
+    import transformers
+
+    payload = {
+        "kit": KIT_VERSION,
+        "spec": asdict(spec),
+        "task": task,
+        "seed": seed,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    import os
+
+    root = os.environ.get("STEADYRL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "steadyrl"
+    )
+    return Path(root) / "tiny-models"
+
+
+def init_tiny_model(
+    out: str | Path | None = None,
+    task: str = "arith",
+    seed: int = 0,
+    spec: TinySpec | None = None,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Build (or reuse from the cache) the cold-started tiny model; copy it to `out` if given."""
+    if task != "arith":
+        raise ValueError(f"the tiny-model kit knows the 'arith' task, not {task!r}")
+    spec = spec or TinySpec()
+    cached = (cache_dir or default_cache_dir()) / cache_key(spec, task, seed)
+    if not (cached / "steadyrl_tiny.json").is_file():
+        _build_into(cached, spec, task, seed)
+    if out is None:
+        return cached
+    out = Path(out)
+    if out.resolve() != cached.resolve():
+        shutil.copytree(cached, out, dirs_exist_ok=True)
+    return out
+
+
+def _build_into(target: Path, spec: TinySpec, task: str, seed: int) -> None:
+    started = time.perf_counter()
+    torch.use_deterministic_algorithms(True)
+    try:
+        tokenizer = char_tokenizer()
+        model = build_model(spec, seed)
+        report = cold_start(model, tokenizer, ArithTask(digits=spec.digits, seed=seed, fixed_width=spec.fixed_width, reverse=spec.reverse), spec, seed)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    staging = target.with_name(target.name + f".tmp{time.time_ns()}")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    report.update(
+        task=task,
+        seed=seed,
+        digits=spec.digits,
+        parameters=sum(p.numel() for p in model.parameters()),
+        init_seconds=round(time.perf_counter() - started, 2),
+        spec=asdict(spec),
+    )
+    (staging / "steadyrl_tiny.json").write_text(json.dumps(report, indent=2))
+    staging.rename(target) if not target.exists() else shutil.rmtree(staging)
+
+
+@torch.no_grad()
+def precision_routing_agreement(model_dir: str | Path, size: int = 256, low: str = "bfloat16") -> dict:
+    """Routing agreement and logprob gap between fp32 and `low` precision on the eval split.
+
+    The tiny model's training–inference mismatch on CPU: the same weights, the same tokens
+    (prompt + reference answer), routed in two precisions.
+    """
+    from shared.core import routing_agreement
+    from shared.models.loading import load_causal_lm, load_tokenizer
+    from shared.models.routing import RoutingController
+
+    info = json.loads((Path(model_dir) / "steadyrl_tiny.json").read_text())
+    spec = TinySpec(**info["spec"])
+    task = ArithTask(digits=spec.digits, seed=info["seed"], fixed_width=spec.fixed_width, reverse=spec.reverse)
+    tokenizer = load_tokenizer(model_dir)
+    ids, labels = sft_batch(tokenizer, task.split("eval", size))
+    mask = ids != tokenizer.pad_token_id
+    traces, logprobs = [], []
+    for dtype in ("float32", low):
+        model = load_causal_lm(model_dir, dtype)
+        controller = RoutingController(model)
+        with controller.capture() as rec:
+            logits = model(input_ids=ids).logits.float()
+        traces.append(rec.trace(ids.shape))
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        logprobs.append(logp)
+    answer = labels[:, 1:] != -100
+    gap = (logprobs[0] - logprobs[1]).abs()[answer]
+    return {
+        "routing_agreement": float(routing_agreement(traces[0], traces[1], mask)),
+        "answer_logprob_abs_diff_mean": float(gap.mean()),
+        "answer_logprob_abs_diff_max": float(gap.max()),
+        "tokens": int(mask.sum()),
+        "low_precision": low,
+    }

@@ -1,0 +1,77 @@
+"""Tasks and rewards: deterministic disjoint splits, rewards that never raise."""
+
+import json
+
+import pytest
+
+from shared.tasks import ArithTask, MathTask, get_reward, register_reward, reward_names
+
+
+def test_arith_splits_are_deterministic_disjoint_and_correct():
+    task = ArithTask(digits=3, seed=7)
+    train, again = task.split("train", 500), task.split("train", 500)
+    assert train == again
+    evaluation = task.split("eval", 200)
+    assert not {e.prompt for e in train} & {e.prompt for e in evaluation}
+    for e in train[:50]:
+        a, b = e.prompt.rstrip("=").split("+")
+        assert int(e.answer) == int(a) + int(b)
+    # every last digit of the sum appears in eval (no split by digit pattern)
+    assert {e.answer[-1] for e in evaluation} == set("0123456789")
+    assert ArithTask(digits=3, seed=8).split("train", 10) != task.split("train", 10)
+
+
+def test_arith_fixed_width_and_reversed_format():
+    task = ArithTask(digits=3, fixed_width=True, reverse=True)
+    assert task.example(5, 71).prompt == "005+071="
+    assert task.example(5, 71).answer == "6700"  # 076 → width 4 "0076" → reversed
+    assert task.example(999, 999).answer == "8991"
+    assert ArithTask(digits=3).example(5, 71).answer == "76"
+
+
+def test_arith_split_errors():
+    with pytest.raises(ValueError, match="split must be"):
+        ArithTask().split("test", 1)
+    with pytest.raises(ValueError, match="allows 15"):
+        ArithTask(digits=1).split("eval", 16)
+
+
+def test_exact_match_reward():
+    reward = get_reward("exact_match")
+    assert reward("579", "579") == 1.0
+    assert reward(" 579\n", "579") == 1.0
+    assert reward("578", "579") == 0.0
+    assert reward("", "579") == 0.0
+
+
+def test_rewards_never_raise_and_unknown_names_are_clear():
+    @register_reward("test_explodes")
+    def explodes(completion, answer):
+        raise RuntimeError("boom")
+
+    @register_reward("test_nan")
+    def nan(completion, answer):
+        return float("nan")
+
+    assert get_reward("test_explodes")("x", "y") == 0.0
+    assert get_reward("test_nan")("x", "y") == 0.0
+    assert "exact_match" in reward_names()
+    with pytest.raises(KeyError, match="no reward named 'nope'"):
+        get_reward("nope")
+
+
+def test_math_task_reads_jsonl_and_verifies(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"problem": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"}, {"question": "2+2?", "solution": "4"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    examples = MathTask(train_path=str(path)).split("train")
+    assert [e.answer for e in examples] == ["\\frac{3}{4}", "4"]
+    assert "What is 1/2 + 1/4?" in examples[0].prompt and "\\boxed{}" in examples[0].prompt
+    reward = get_reward("math_verify")
+    assert reward("so the answer is \\boxed{0.75}", "\\frac{3}{4}") == 1.0
+    assert reward("\\boxed{3/4}", "\\frac{3}{4}") == 1.0
+    assert reward("\\boxed{5}", "4") == 0.0
+    assert reward("\x00\\boxed{{{", "4") == 0.0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}))
+    with pytest.raises(ValueError, match="none of the fields"):
+        MathTask(train_path=str(tmp_path / "bad.jsonl")).split("train")
