@@ -75,3 +75,15 @@ def test_math_task_reads_jsonl_and_verifies(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}))
     with pytest.raises(ValueError, match="none of the fields"):
         MathTask(train_path=str(tmp_path / "bad.jsonl")).split("train")
+
+
+def test_math_task_reads_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "eval.parquet"
+    pq.write_table(pa.table({"problem": ["1+1?", "3*3?"], "answer": ["2", "9"]}), path)
+    task = MathTask(train_path=str(tmp_path / "none.jsonl"), eval_path=str(path), template="{problem}")
+    assert [(e.prompt, e.answer) for e in task.split("eval")] == [("1+1?", "2"), ("3*3?", "9")]
+    with __import__("pytest").raises(ValueError, match="expected a .jsonl or .parquet"):
+        MathTask(train_path=str(tmp_path / "x.csv")).split("train")
