@@ -1,0 +1,1 @@
+"""The weight-sync service: versioned policy weights over gRPC (Push, Watch, Pull, Latest, List)."""

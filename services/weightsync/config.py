@@ -1,0 +1,48 @@
+"""Settings of the weight-sync service (env prefix STEADYRL_WEIGHTSYNC_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+
+
+class WeightSyncSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_WEIGHTSYNC_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to."""
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port (0 = any free port)."""
+    metrics_port: int = Field(9101, ge=0, le=65535)
+    """Prometheus /metrics port (0 = any free port)."""
+    retain_versions: int = Field(4, ge=1)
+    """Versions kept in all (the oldest is dropped beyond this)."""
+    memory_versions: int = Field(2, ge=1)
+    """Newest versions kept in memory; older retained ones are spilled to disk as safetensors."""
+    spill_dir: Path = Path("/tmp/steadyrl-weightsync")
+    """Where spilled versions are written."""
+    chunk_bytes: int = Field(1024 * 1024, ge=1024)
+    """Bytes per TensorChunk on Pull."""
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
+    """Largest gRPC message accepted or sent."""
+    max_version_bytes: int = Field(256 * 1024**3, ge=1)
+    """Largest total size of one version (a bigger manifest is refused before any byte)."""
+    hmac_key: SecretStr | None = None
+    """Shared key: pushes must carry an HMAC-SHA256 manifest signature made with it."""
+    hmac_key_file: Path | None = None
+    """File holding the shared key (alternative to hmac_key)."""
+
+    @model_validator(mode="after")
+    def _chunks_fit_messages(self) -> WeightSyncSettings:
+        if self.chunk_bytes + 4096 > self.max_message_bytes:
+            raise ValueError("chunk_bytes must leave room for the message envelope within max_message_bytes")
+        return self
+
+    def signing_key(self) -> bytes | None:
+        if self.hmac_key_file is not None:
+            return self.hmac_key_file.read_bytes().strip() or None
+        return self.hmac_key.get_secret_value().encode() if self.hmac_key else None

@@ -1,0 +1,203 @@
+"""Versioned weights on the wire: manifests, per-tensor checksums, HMAC signatures, deltas.
+
+Pure functions over bytes and tensors; the gRPC client helpers live in `shared.weightsync_client`.
+A tensor travels as its raw little-endian bytes (bf16 included); its manifest entry carries
+name, dtype, shape, byte size and a BLAKE2b-256 digest of those bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+
+CHECKSUM_ALGO = "blake2b-256"
+ZSTD_LEVEL = 1
+
+
+class WeightError(ValueError):
+    """A manifest, chunk stream or signature that must not become a version."""
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor (CPU, contiguous), any dtype, without a copy where possible."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise WeightError(f"unknown dtype {dtype!r}")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(torch_dtype).reshape(shape)
+
+
+def digest(data: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def build_manifest(
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
+) -> tuple[pb.WeightManifest, list[memoryview]]:
+    """Manifest of `tensors` (name order kept) and their raw bytes, signed when `key` is given."""
+    manifest = pb.WeightManifest(
+        version=version,
+        parent_version=parent_version,
+        checksum_algo=CHECKSUM_ALGO,
+        created_unix_ms=int(time.time() * 1000),
+    )
+    payloads = []
+    for name, tensor in tensors.items():
+        data = tensor_to_bytes(tensor)
+        payloads.append(data)
+        manifest.tensors.add(
+            name=name,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=list(tensor.shape),
+            nbytes=len(data),
+            checksum=digest(data),
+        )
+    if key:
+        manifest.signature = sign(manifest, key)
+    return manifest, payloads
+
+
+def _canonical(manifest: pb.WeightManifest) -> bytes:
+    unsigned = pb.WeightManifest()
+    unsigned.CopyFrom(manifest)
+    unsigned.signature = b""
+    return unsigned.SerializeToString(deterministic=True)
+
+
+def sign(manifest: pb.WeightManifest, key: bytes) -> bytes:
+    """HMAC-SHA256 over the manifest without its signature (deterministic serialisation)."""
+    return hmac.new(key, _canonical(manifest), hashlib.sha256).digest()
+
+
+def verify_signature(manifest: pb.WeightManifest, key: bytes | None) -> None:
+    """Raise WeightError unless the manifest carries a valid signature (no-op without a key)."""
+    if not key:
+        return
+    if not manifest.signature:
+        raise WeightError("manifest is unsigned and a signing key is configured")
+    if not hmac.compare_digest(manifest.signature, sign(manifest, key)):
+        raise WeightError("manifest signature does not verify")
+
+
+def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None:
+    if manifest.version == 0:
+        raise WeightError("version must be >= 1")
+    if not manifest.tensors:
+        raise WeightError("manifest lists no tensors")
+    if manifest.checksum_algo != CHECKSUM_ALGO:
+        raise WeightError(f"checksum_algo {manifest.checksum_algo!r}, expected {CHECKSUM_ALGO!r}")
+    names = set()
+    total = 0
+    for spec in manifest.tensors:
+        if not spec.name or spec.name in names:
+            raise WeightError(f"tensor name {spec.name!r} is empty or repeated")
+        names.add(spec.name)
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise WeightError(f"tensor {spec.name}: unknown dtype {spec.dtype!r}")
+        if any(d < 0 for d in spec.shape):
+            raise WeightError(f"tensor {spec.name}: negative dimension in {list(spec.shape)}")
+        expected = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
+        if spec.nbytes != expected:
+            raise WeightError(f"tensor {spec.name}: nbytes {spec.nbytes} != {expected} for its shape and dtype")
+        if len(spec.checksum) != 32:
+            raise WeightError(f"tensor {spec.name}: checksum must be 32 bytes")
+        total += spec.nbytes
+    if total > max_total_bytes:
+        raise WeightError(f"version holds {total} bytes > limit {max_total_bytes}")
+
+
+def iter_chunks(index: int, data: bytes | memoryview, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
+    view = memoryview(data)
+    for offset in range(0, len(view), chunk_bytes):
+        yield pb.TensorChunk(tensor_index=index, offset=offset, data=bytes(view[offset : offset + chunk_bytes]))
+
+
+class Assembler:
+    """Collects chunks into one buffer per tensor; `finish()` verifies completeness and digests."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.buffers = [bytearray(n) for n in sizes]
+        self.received = [0] * len(sizes)
+
+    def add(self, chunk: pb.TensorChunk) -> int:
+        if chunk.tensor_index >= len(self.buffers):
+            raise WeightError(f"chunk for tensor {chunk.tensor_index}, manifest has {len(self.buffers)}")
+        buffer = self.buffers[chunk.tensor_index]
+        if chunk.offset != self.received[chunk.tensor_index]:
+            raise WeightError(
+                f"tensor {chunk.tensor_index}: chunk at offset {chunk.offset}, expected {self.received[chunk.tensor_index]}"
+            )
+        end = chunk.offset + len(chunk.data)
+        if end > len(buffer):
+            raise WeightError(f"tensor {chunk.tensor_index}: chunk ends at {end} past its {len(buffer)} bytes")
+        buffer[chunk.offset : end] = chunk.data
+        self.received[chunk.tensor_index] = end
+        return len(chunk.data)
+
+    def finish(self) -> list[bytearray]:
+        missing = [i for i, (got, buf) in enumerate(zip(self.received, self.buffers, strict=True)) if got != len(buf)]
+        if missing:
+            raise WeightError(f"incomplete: tensors {missing[:5]} did not receive all their bytes")
+        return self.buffers
+
+
+def verify_payloads(manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:
+    for spec, data in zip(manifest.tensors, payloads, strict=True):
+        if digest(data) != spec.checksum:
+            raise WeightError(f"tensor {spec.name}: checksum mismatch")
+
+
+# --- deltas -------------------------------------------------------------------------------------
+
+
+def encode_delta(target: bytes | memoryview, base: bytes | memoryview | None, same_digest: bool) -> tuple[int, bytes]:
+    """(encoding, wire bytes) of one tensor against the base version's bytes.
+
+    UNCHANGED when the digests match; XOR_ZSTD (target XOR base, zstd level 1) when it is smaller
+    than the raw bytes; FULL otherwise.
+    """
+    if base is None or len(base) != len(target):
+        return pb.FULL, bytes(target)
+    if same_digest:
+        return pb.UNCHANGED, b""
+    import zstandard
+
+    xored = np.bitwise_xor(np.frombuffer(target, np.uint8), np.frombuffer(base, np.uint8))
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xored.tobytes())
+    if len(packed) < len(target):
+        return pb.XOR_ZSTD, packed
+    return pb.FULL, bytes(target)
+
+
+def decode_delta(encoding: int, wire: bytes | bytearray, base: bytes | bytearray | None, nbytes: int) -> bytearray:
+    """Raw bytes of a tensor from its wire form (inverse of encode_delta)."""
+    if encoding == pb.FULL:
+        return bytearray(wire)
+    if base is None or len(base) != nbytes:
+        raise WeightError("delta against a base the receiver does not hold")
+    if encoding == pb.UNCHANGED:
+        return bytearray(base)
+    if encoding == pb.XOR_ZSTD:
+        import zstandard
+
+        try:
+            xored = zstandard.ZstdDecompressor().decompress(bytes(wire), max_output_size=nbytes)
+        except zstandard.ZstdError as exc:
+            raise WeightError(f"delta does not decompress: {exc}") from None
+        if len(xored) != nbytes:
+            raise WeightError(f"delta decompresses to {len(xored)} bytes, expected {nbytes}")
+        return bytearray(np.bitwise_xor(np.frombuffer(xored, np.uint8), np.frombuffer(base, np.uint8)).tobytes())
+    raise WeightError(f"unknown tensor encoding {encoding}")

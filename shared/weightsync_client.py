@@ -1,0 +1,157 @@
+"""Client helpers of the weight-sync service.
+
+`WeightPublisher` (trainer side) pushes a state dict as a new version. `WeightSubscriber`
+(replica side) watches for versions, pulls each one (as a delta against the version it holds),
+verifies every tensor's checksum and hands a complete state dict to a callback; when a stream
+drops it reconnects with backoff and resumes from the version it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import grpc
+import torch
+
+from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weights import (
+    Assembler,
+    WeightError,
+    build_manifest,
+    bytes_to_tensor,
+    decode_delta,
+    iter_chunks,
+    verify_payloads,
+)
+
+log = logging.getLogger("steadyrl.weightsync.client")
+OnVersion = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
+
+
+class WeightPublisher:
+    def __init__(self, address: str, key: bytes | None = None, chunk_bytes: int = 1024 * 1024,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.stub = weightsync_pb2_grpc.WeightSyncStub(self.channel)
+        self.key, self.chunk_bytes = key, chunk_bytes
+
+    async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
+                   timeout: float | None = 600.0) -> pb.PushReply:
+        """Push a new version; waits (up to `timeout`) for the service when it is restarting."""
+        manifest, payloads = build_manifest(tensors, version, parent_version, self.key)
+
+        def requests():
+            yield pb.PushRequest(manifest=manifest)
+            for index, data in enumerate(payloads):
+                for chunk in iter_chunks(index, data, self.chunk_bytes):
+                    yield pb.PushRequest(chunk=chunk)
+
+        return await self.stub.Push(requests(), wait_for_ready=True, timeout=timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def pull_version(
+    stub: weightsync_pb2_grpc.WeightSyncStub,
+    version: int,
+    base: tuple[int, pb.WeightManifest, list[bytearray]] | None = None,
+) -> tuple[pb.WeightManifest, list[bytearray], int]:
+    """Pull `version` (0 = latest), as a delta against `base` (version, manifest, raw bytes).
+
+    Returns the manifest, the verified raw bytes of every tensor, and the wire bytes received.
+    """
+    stream = stub.Pull(pb.PullRequest(version=version, base_version=base[0] if base else 0))
+    header, assembler, wire = None, None, 0
+    async for item in stream:
+        if header is None:
+            if not item.HasField("header"):
+                raise WeightError("pull stream did not start with a header")
+            header = item.header
+            assembler = Assembler(list(header.encoded_nbytes))
+        else:
+            wire += assembler.add(item.chunk)
+    if header is None:
+        raise WeightError("empty pull stream")
+    manifest = header.manifest
+    encoded = assembler.finish()
+    base_bytes: dict[str, bytearray] = {}
+    if header.base_version:
+        if base is None or base[0] != header.base_version:
+            raise WeightError(f"server sent a delta against {header.base_version}, which is not held")
+        base_bytes = {s.name: data for s, data in zip(base[1].tensors, base[2], strict=True)}
+    payloads = [
+        decode_delta(enc, data, base_bytes.get(spec.name), spec.nbytes)
+        for spec, enc, data in zip(manifest.tensors, header.encodings, encoded, strict=True)
+    ]
+    verify_payloads(manifest, payloads)
+    return manifest, payloads, wire
+
+
+def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dict[str, torch.Tensor]:
+    return {s.name: bytes_to_tensor(d, s.dtype, list(s.shape)) for s, d in zip(manifest.tensors, payloads, strict=True)}
+
+
+class WeightSubscriber:
+    """Watch → pull → verify → `on_version(version, state_dict)`, resuming after dropped streams."""
+
+    def __init__(self, address: str, on_version: OnVersion, subscriber_id: str = "",
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0)) -> None:
+        self.address, self.on_version, self.subscriber_id = address, on_version, subscriber_id
+        self.max_message_bytes, self.backoff = max_message_bytes, backoff
+        self.held: tuple[int, pb.WeightManifest, list[bytearray]] | None = None
+        self.applied: list[int] = []
+        self.wire_bytes = 0
+        self.reconnects = 0
+
+    @property
+    def version(self) -> int:
+        return self.held[0] if self.held else 0
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        delay = self.backoff[0]
+        while stop is None or not stop.is_set():
+            try:
+                async with grpc.aio.insecure_channel(self.address, options=channel_options(self.max_message_bytes)) as channel:
+                    stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+                    watch = stub.Watch(pb.WatchRequest(after_version=self.version, subscriber_id=self.subscriber_id))
+                    async for announcement in watch:
+                        await self._apply(stub, announcement.version.version)
+                        delay = self.backoff[0]
+            except (grpc.aio.AioRpcError, WeightError) as exc:
+                self.reconnects += 1
+                log.warning("event=weights_stream_lost error=%s retry_in=%.1fs held=%d", _short(exc), delay, self.version)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.backoff[1])
+
+    async def _apply(self, stub, announced: int) -> None:
+        if announced <= self.version:
+            return
+        manifest, payloads, wire = await pull_version(stub, announced, self.held)
+        self.wire_bytes += wire
+        result = self.on_version(manifest.version, to_state_dict(manifest, payloads))
+        if asyncio.iscoroutine(result):
+            await result
+        self.held = (manifest.version, manifest, payloads)
+        self.applied.append(manifest.version)
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    return type(exc).__name__
+
+
+async def latest_version(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            info = await weightsync_pb2_grpc.WeightSyncStub(channel).Latest(common_pb2.Empty())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return 0
+            raise
+        return info.version.version

@@ -1,0 +1,293 @@
+"""Weight-sync on loopback: a real grpc.aio server, real clients."""
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+import torch
+
+from services.weightsync.config import WeightSyncSettings
+from services.weightsync.server import WeightSyncServicer
+from shared.rpc import start_server
+from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weights import build_manifest, iter_chunks
+from shared.weightsync_client import WeightPublisher, WeightSubscriber, pull_version, to_state_dict
+
+KEY = b"test-signing-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=gen) * scale,
+        "layer.0.bf16": (torch.randn(300, 17, generator=gen) * scale).to(torch.bfloat16),
+        "layer.0.bias": torch.zeros(17),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+class Server:
+    """The servicer behind a real gRPC server; restartable on the same port with the same store."""
+
+    def __init__(self, tmp_path, **overrides):
+        self.port = free_port()
+        self.settings = WeightSyncSettings(port=self.port, spill_dir=tmp_path / "spill", chunk_bytes=4096, **overrides)
+        self.servicer = WeightSyncServicer(self.settings)
+        self.server = None
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self):
+        self.server, _, _ = await start_server(
+            [(weightsync_pb2_grpc.add_WeightSyncServicer_to_server, self.servicer)],
+            ["steadyrl.v1.WeightSync"], self.address)
+
+    async def stop(self):
+        await self.server.stop(grace=None)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+def assert_equal_states(a, b):
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape
+        assert torch.equal(a[name].view(torch.uint8) if a[name].dim() else a[name], b[name].view(torch.uint8) if b[name].dim() else b[name])
+
+
+def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        received = {}
+        subscriber = WeightSubscriber(server.address, lambda v, sd: received.__setitem__(v, sd))
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscriber.run(stop))
+        publisher = WeightPublisher(server.address, chunk_bytes=1000)
+        for version in (1, 2, 3):
+            reply = await publisher.push(state(version), version, version - 1)
+            assert reply.version.version == version
+            while subscriber.version < version:
+                await asyncio.sleep(0.01)
+        stop.set()
+        task.cancel()
+        for version in (1, 2, 3):
+            if version in received:
+                assert_equal_states(received[version], state(version))
+        assert subscriber.applied == sorted(subscriber.applied) and subscriber.applied[-1] == 3
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            listed = await stub.List(common_pb2.Empty())
+            assert [v.version.version for v in listed.versions] == [1, 2, 3]
+            assert (await stub.Latest(common_pb2.Empty())).version.version == 3
+        await publisher.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_delta_pull_equals_full_pull_and_is_smaller(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        publisher = WeightPublisher(server.address)
+        base = state(1)
+        nxt = {k: v.clone() for k, v in base.items()}
+        nxt["embed.weight"][0, :4] += 1.0  # a few elements change; bias and scalar do not
+        nxt["layer.0.bf16"] = (nxt["layer.0.bf16"].float() * 1.05).to(torch.bfloat16)
+        await publisher.push(base, 1)
+        await publisher.push(nxt, 2, 1)
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            m1, p1, _ = await pull_version(stub, 1)
+            full_manifest, full, full_wire = await pull_version(stub, 2)
+            delta_manifest, delta, delta_wire = await pull_version(stub, 2, (1, m1, p1))
+            header = None
+            async for item in stub.Pull(pb.PullRequest(version=2, base_version=1)):
+                header = item.header
+                break
+        assert full == delta
+        assert_equal_states(to_state_dict(delta_manifest, delta), nxt)
+        assert list(header.encodings) == [pb.XOR_ZSTD, pb.XOR_ZSTD, pb.UNCHANGED, pb.UNCHANGED]
+        assert delta_wire < full_wire / 2
+        await publisher.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_a_push_cut_halfway_never_becomes_visible(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        manifest, payloads = build_manifest(state(1), 1, 0)
+        chunks = [c for i, p in enumerate(payloads) for c in iter_chunks(i, p, 512)]
+        half = len(chunks) // 2
+        release = asyncio.Event()
+
+        async def killed():
+            yield pb.PushRequest(manifest=manifest)
+            for c in chunks[:half]:
+                yield pb.PushRequest(chunk=c)
+            await release.wait()  # the publisher "dies" here
+
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            call = stub.Push(killed())
+            await asyncio.sleep(0.3)
+            call.cancel()
+
+            async def truncated():  # a stream that ends early is refused too
+                yield pb.PushRequest(manifest=manifest)
+                for c in chunks[:half]:
+                    yield pb.PushRequest(chunk=c)
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Push(truncated())
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "incomplete" in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Latest(common_pb2.Empty())
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert (await stub.List(common_pb2.Empty())).versions == []
+        await server.stop()
+
+    run(main())
+
+
+def test_corrupted_chunk_is_rejected(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        manifest, payloads = build_manifest(state(1), 1, 0)
+
+        async def corrupted():
+            yield pb.PushRequest(manifest=manifest)
+            for i, p in enumerate(payloads):
+                for c in iter_chunks(i, p, 512):
+                    if i == 1 and c.offset == 512:
+                        c = pb.TensorChunk(tensor_index=c.tensor_index, offset=c.offset, data=bytes([c.data[0] ^ 1]) + c.data[1:])
+                    yield pb.PushRequest(chunk=c)
+
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Push(corrupted())
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "checksum mismatch" in err.value.details()
+            assert (await stub.List(common_pb2.Empty())).versions == []
+        await server.stop()
+
+    run(main())
+
+
+def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        subscriber = WeightSubscriber(server.address, lambda v, sd: None, backoff=(0.05, 0.2))
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscriber.run(stop))
+        publisher = WeightPublisher(server.address)
+        await publisher.push(state(1), 1)
+        while subscriber.version < 1:
+            await asyncio.sleep(0.01)
+        await server.stop()  # cuts the Watch stream
+        await asyncio.sleep(0.3)
+        await server.start()  # same port, same store
+        await publisher.push(state(2), 2, 1)
+        await publisher.push(state(3), 3, 2)
+        while subscriber.version < 3:
+            await asyncio.sleep(0.01)
+        stop.set()
+        task.cancel()
+        assert subscriber.reconnects >= 1
+        assert subscriber.applied == sorted(set(subscriber.applied)) and subscriber.applied[-1] == 3
+        await publisher.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_signed_pushes_only_when_a_key_is_set(tmp_path):
+    async def main():
+        server = Server(tmp_path, hmac_key=KEY.decode())
+        await server.start()
+        for key in (None, b"wrong-key"):
+            publisher = WeightPublisher(server.address, key=key)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await publisher.push(state(1), 1)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            await publisher.close()
+        publisher = WeightPublisher(server.address, key=KEY)
+        assert (await publisher.push(state(1), 1)).version.version == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await publisher.push(state(1), 1)  # not newer
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        await publisher.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
+    async def main():
+        server = Server(tmp_path, retain_versions=3, memory_versions=1)
+        await server.start()
+        publisher = WeightPublisher(server.address)
+        for version in range(1, 6):
+            await publisher.push(state(version), version, version - 1)
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            listed = (await stub.List(common_pb2.Empty())).versions
+            assert [(v.version.version, v.on_disk) for v in listed] == [(3, True), (4, True), (5, False)]
+            manifest, payloads, _ = await pull_version(stub, 3)
+            assert_equal_states(to_state_dict(manifest, payloads), state(3))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pull_version(stub, 1)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert sorted(p.name for p in (tmp_path / "spill").iterdir()) == ["v3", "v4"]
+        await publisher.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_bad_manifests_get_invalid_argument(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        manifest, _ = build_manifest(state(1), 1, 0)
+        bad = pb.WeightManifest()
+        bad.CopyFrom(manifest)
+        bad.tensors[0].nbytes += 4
+
+        async def one(msg):
+            yield msg
+
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            for request, text in [
+                (pb.PushRequest(manifest=bad), "nbytes"),
+                (pb.PushRequest(chunk=pb.TensorChunk()), "first message"),
+                (pb.PushRequest(manifest=pb.WeightManifest(version=1)), "no tensors"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Push(one(request))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert text in err.value.details()
+        await server.stop()
+
+    run(main())
