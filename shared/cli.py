@@ -47,6 +47,20 @@ def init_model(
     typer.echo(json.dumps({"out": str(path), **report}, indent=2))
 
 
+bench_app = typer.Typer(help="Benchmarks: each prints one JSON object of side-by-side ratios.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("weightsync")
+def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic state dict.")) -> None:
+    """gRPC full pull vs raw TCP on loopback; delta size after one optimizer step."""
+    import json
+
+    from bench.weightsync import main as run
+
+    typer.echo(json.dumps(run(gib)))
+
+
 def main() -> None:
     app()
 

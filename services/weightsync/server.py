@@ -12,9 +12,17 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.store import VersionStore
 from shared.rpc import start_server
-from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weights import Assembler, WeightError, encode_delta, iter_chunks, validate_manifest, verify_payloads, verify_signature
+from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
+from shared.weights import (
+    Assembler,
+    WeightError,
+    encode_delta,
+    iter_chunks,
+    validate_manifest,
+    verify_payloads,
+    verify_signature,
+)
 
 log = logging.getLogger("steadyrl.weightsync")
 
@@ -85,13 +93,17 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         log.info("event=version_published version=%d bytes=%d tensors=%d", manifest.version, received, len(manifest.tensors))
         return pb.PushReply(version=self.store.versions[manifest.version].info().version, bytes_received=received)
 
+    def _latest_version(self) -> int:
+        latest = self.store.latest
+        return latest.manifest.version if latest else 0
+
     async def Watch(self, request, context):
         SUBSCRIBERS.inc()
         seen = request.after_version
         try:
             while True:
                 async with self.changed:
-                    await self.changed.wait_for(lambda: self.store.latest is not None and self.store.latest.manifest.version > seen)
+                    await self.changed.wait_for(lambda after=seen: self._latest_version() > after)
                     info = self.store.latest.info()
                 seen = info.version.version
                 yield pb.VersionAnnouncement(version=info.version, total_bytes=info.total_bytes)

@@ -1,0 +1,153 @@
+"""Weight-sync benchmark: gRPC full pull vs a raw TCP socket copy of the same bytes on loopback,
+and the size of a delta after one real optimizer step of the tiny model (bf16).
+
+Both transfers run in the same run, server side in a separate process each, so the figure is a
+ratio measured side by side. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+TENSOR_MIB = 64
+
+
+def synthetic_state(total_bytes: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    per = TENSOR_MIB * 1024 * 1024 // torch.tensor([], dtype=dtype).element_size()
+    count = max(1, total_bytes // (TENSOR_MIB * 1024 * 1024))
+    gen = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": torch.randn(per, generator=gen).to(dtype) for i in range(count)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RAW_SENDER = """
+import socket, sys
+size, port = int(sys.argv[1]), int(sys.argv[2])
+payload = bytes(range(256)) * (4 * 1024 * 1024 // 256)
+with socket.create_connection(("127.0.0.1", port)) as s:
+    sent = 0
+    while sent < size:
+        n = min(len(payload), size - sent)
+        s.sendall(memoryview(payload)[:n])
+        sent += n
+"""
+
+
+def raw_socket_seconds(size: int) -> float:
+    """Receive `size` bytes from another process over loopback TCP into one buffer."""
+    port = _free_port()
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(size), str(port)])
+        conn, _ = listener.accept()
+        started = time.perf_counter()
+        got = 0
+        with conn:
+            while got < size:
+                n = conn.recv_into(view[got:], min(size - got, 1 << 22))
+                if n == 0:
+                    raise RuntimeError("raw sender closed early")
+                got += n
+        seconds = time.perf_counter() - started
+        sender.wait()
+    return seconds
+
+
+async def _grpc_pull_seconds(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    import grpc
+
+    from shared.rpc import channel_options
+    from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
+    from shared.weightsync_client import WeightPublisher, pull_version
+
+    port = _free_port()
+    env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
+           "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": "1", "STEADYRL_LOG_LEVEL": "WARNING"}
+    server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
+    try:
+        address = f"127.0.0.1:{port}"
+        publisher = WeightPublisher(address)
+        started = time.perf_counter()
+        await publisher.push(state, 1, timeout=600)
+        push_seconds = time.perf_counter() - started
+        await publisher.close()
+        async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+            stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+            started = time.perf_counter()
+            _, payloads, wire = await pull_version(stub, 1)
+            pull_seconds = time.perf_counter() - started
+        assert wire == sum(t.numel() * t.element_size() for t in state.values())
+        return {"push_seconds": push_seconds, "pull_seconds": pull_seconds}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> dict[str, float]:
+    """Wire bytes of a delta (vs the previous version) as a share of the full bf16 state."""
+    from shared.models import load_causal_lm
+    from shared.models.tiny import ArithTask, TinySpec, init_tiny_model, sft_batch
+    from shared.models.tiny import char_tokenizer as tokenizer_factory
+    from shared.weights import digest, encode_delta, tensor_to_bytes
+
+    path = init_tiny_model()
+    spec = TinySpec()
+    task = ArithTask(digits=spec.digits, fixed_width=spec.fixed_width, reverse=spec.reverse)
+    ids, labels = sft_batch(tokenizer_factory(), task.split("train", 64))
+    out = {}
+    for lr in lrs:
+        model = load_causal_lm(path, "float32").train()
+        before = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        after = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        full = wire = 0
+        for name, tensor in after.items():
+            data, base = tensor_to_bytes(tensor), tensor_to_bytes(before[name])
+            _, encoded = encode_delta(data, base, digest(data) == digest(base))
+            full += len(data)
+            wire += len(encoded)
+        out[f"lr_{lr:g}"] = round(wire / full, 4)
+    return out
+
+
+def main(gib: float = 1.0) -> dict:
+    size = int(gib * 1024**3)
+    result: dict = {"benchmark": "weightsync", "payload_gib": gib}
+    for dtype in (torch.float32, torch.bfloat16):
+        state = synthetic_state(size, dtype)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        raw = raw_socket_seconds(nbytes)
+        grpc_times = asyncio.run(_grpc_pull_seconds(state))
+        del state
+        name = str(dtype).removeprefix("torch.")
+        result[name] = {
+            "raw_socket_gib_per_s": round(nbytes / raw / 1024**3, 3),
+            "grpc_pull_gib_per_s": round(nbytes / grpc_times["pull_seconds"] / 1024**3, 3),
+            "grpc_push_gib_per_s": round(nbytes / grpc_times["push_seconds"] / 1024**3, 3),
+            "grpc_pull_to_raw_ratio": round(raw / grpc_times["pull_seconds"], 3),
+        }
+    result["tiny_bf16_delta_share_after_one_adamw_step"] = delta_share_after_one_step()
+    result["target_grpc_pull_to_raw_ratio"] = 0.7
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)))
