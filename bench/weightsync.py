@@ -102,13 +102,13 @@ async def _grpc_pull_seconds(state: dict[str, torch.Tensor]) -> dict[str, float]
 def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> dict[str, float]:
     """Wire bytes of a delta (vs the previous version) as a share of the full bf16 state."""
     from shared.models import load_causal_lm
-    from shared.models.tiny import ArithTask, TinySpec, init_tiny_model, sft_batch
+    from shared.models.tiny import TinySpec, init_tiny_model, sft_batch
     from shared.models.tiny import char_tokenizer as tokenizer_factory
     from shared.weights import digest, encode_delta, tensor_to_bytes
 
     path = init_tiny_model()
     spec = TinySpec()
-    task = ArithTask(digits=spec.digits, fixed_width=spec.fixed_width, reverse=spec.reverse)
+    task = spec.task()
     ids, labels = sft_batch(tokenizer_factory(), task.split("train", 64))
     out = {}
     for lr in lrs:

@@ -51,6 +51,10 @@ class TinySpec:
     sft_eval_size: int = 200
     target_accuracy: float = 0.3
 
+    def task(self, seed: int = 0) -> ArithTask:
+        """The arith task in the format this model is cold-started on."""
+        return ArithTask(digits=self.digits, seed=seed, fixed_width=self.fixed_width, reverse=self.reverse)
+
 
 def char_tokenizer():
     """A character-level tokenizer (tokenizer.json via `tokenizers`), wrapped for transformers."""
@@ -214,7 +218,7 @@ def _build_into(target: Path, spec: TinySpec, task: str, seed: int) -> None:
     try:
         tokenizer = char_tokenizer()
         model = build_model(spec, seed)
-        report = cold_start(model, tokenizer, ArithTask(digits=spec.digits, seed=seed, fixed_width=spec.fixed_width, reverse=spec.reverse), spec, seed)
+        report = cold_start(model, tokenizer, spec.task(seed), spec, seed)
     finally:
         torch.use_deterministic_algorithms(False)
     staging = target.with_name(target.name + f".tmp{time.time_ns()}")
@@ -245,7 +249,7 @@ def precision_routing_agreement(model_dir: str | Path, size: int = 256, low: str
 
     info = json.loads((Path(model_dir) / "steadyrl_tiny.json").read_text())
     spec = TinySpec(**info["spec"])
-    task = ArithTask(digits=spec.digits, seed=info["seed"], fixed_width=spec.fixed_width, reverse=spec.reverse)
+    task = spec.task(info["seed"])
     tokenizer = load_tokenizer(model_dir)
     ids, labels = sft_batch(tokenizer, task.split("eval", size))
     mask = ids != tokenizer.pad_token_id

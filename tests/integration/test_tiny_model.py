@@ -12,7 +12,6 @@ from shared.models.tiny import (
     init_tiny_model,
     precision_routing_agreement,
 )
-from shared.tasks import ArithTask
 
 
 def test_tiny_model_loads_and_has_partial_accuracy(tiny_model_dir):
@@ -24,7 +23,7 @@ def test_tiny_model_loads_and_has_partial_accuracy(tiny_model_dir):
     assert RoutingController(model).num_experts == 8
     assert tokenizer.decode(tokenizer.encode("12+34=", add_special_tokens=False)) == "12+34="
     spec = TinySpec(**report["spec"])
-    task = ArithTask(digits=spec.digits, seed=0, fixed_width=spec.fixed_width, reverse=spec.reverse)
+    task = spec.task(0)
     accuracy = greedy_accuracy(model, tokenizer, task.split("eval", spec.sft_eval_size))
     assert accuracy == report["greedy_accuracy"]
     assert 0.1 <= accuracy <= 0.6
