@@ -1,6 +1,9 @@
 """Weight-sync benchmark: gRPC full pull vs a raw TCP socket copy of the same bytes on loopback,
 and the size of a delta after one real optimizer step of the tiny model (bf16).
 
+The gRPC figure is the whole pull as a replica does it: receive, assemble, verify every SHA-256,
+over one stream and striped over four parallel streams.
+
 Both transfers run in the same run, server side in a separate process each, so the figure is a
 ratio measured side by side. Prints one JSON object.
 """
@@ -69,12 +72,8 @@ def raw_socket_seconds(size: int) -> float:
     return seconds
 
 
-async def _grpc_pull_seconds(state: dict[str, torch.Tensor]) -> dict[str, float]:
-    import grpc
-
-    from shared.rpc import channel_options
-    from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
-    from shared.weightsync_client import WeightPublisher, pull_version
+async def _grpc_pull_seconds(state: dict[str, torch.Tensor], streams: tuple[int, ...]) -> dict[str, float]:
+    from shared.weightsync_client import WeightPublisher, open_channels, pull_version
 
     port = _free_port()
     env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
@@ -87,16 +86,34 @@ async def _grpc_pull_seconds(state: dict[str, torch.Tensor]) -> dict[str, float]
         await publisher.push(state, 1, timeout=600)
         push_seconds = time.perf_counter() - started
         await publisher.close()
-        async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
-            stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+        out = {"push_seconds": push_seconds}
+        channel = open_channels(address, 1)[0]
+        started = time.perf_counter()
+        await _receive_only(channel)
+        out["transport_seconds"] = time.perf_counter() - started
+        await channel.close()
+        for count in streams:
+            channels = open_channels(address, count)
             started = time.perf_counter()
-            _, payloads, wire = await pull_version(stub, 1)
-            pull_seconds = time.perf_counter() - started
-        assert wire == sum(t.numel() * t.element_size() for t in state.values())
-        return {"push_seconds": push_seconds, "pull_seconds": pull_seconds}
+            _, payloads, wire = await pull_version(channels, 1)
+            out[f"pull_seconds_{count}"] = time.perf_counter() - started
+            assert wire == sum(t.numel() * t.element_size() for t in state.values())
+            del payloads
+            for channel in channels:
+                await channel.close()
+        return out
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+async def _receive_only(channel) -> int:
+    """Receive a full pull's frames and nothing else: the gRPC transport's own ceiling."""
+    from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+    from shared.weightsync_client import PULL_METHOD
+
+    call = channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString)
+    return sum([len(raw) async for raw in call(pb.PullRequest(version=1))])
 
 
 def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> dict[str, float]:
@@ -128,6 +145,9 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
     return out
 
 
+STREAMS = (1, 4)
+
+
 def main(gib: float = 1.0) -> dict:
     size = int(gib * 1024**3)
     result: dict = {"benchmark": "weightsync", "payload_gib": gib}
@@ -135,15 +155,19 @@ def main(gib: float = 1.0) -> dict:
         state = synthetic_state(size, dtype)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         raw = raw_socket_seconds(nbytes)
-        grpc_times = asyncio.run(_grpc_pull_seconds(state))
+        grpc_times = asyncio.run(_grpc_pull_seconds(state, STREAMS))
         del state
         name = str(dtype).removeprefix("torch.")
-        result[name] = {
+        entry = {
             "raw_socket_gib_per_s": round(nbytes / raw / 1024**3, 3),
-            "grpc_pull_gib_per_s": round(nbytes / grpc_times["pull_seconds"] / 1024**3, 3),
             "grpc_push_gib_per_s": round(nbytes / grpc_times["push_seconds"] / 1024**3, 3),
-            "grpc_pull_to_raw_ratio": round(raw / grpc_times["pull_seconds"], 3),
+            "grpc_transport_only_to_raw_ratio": round(raw / grpc_times["transport_seconds"], 3),
         }
+        for count in STREAMS:
+            seconds = grpc_times[f"pull_seconds_{count}"]
+            entry[f"grpc_pull_{count}_streams_gib_per_s"] = round(nbytes / seconds / 1024**3, 3)
+            entry[f"grpc_pull_{count}_streams_to_raw_ratio"] = round(raw / seconds, 3)
+        result[name] = entry
     result["tiny_bf16_delta_share_after_one_adamw_step"] = delta_share_after_one_step()
     result["target_grpc_pull_to_raw_ratio"] = 0.7
     return result

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 import torch
@@ -24,8 +24,9 @@ from shared.weights import (
     build_manifest,
     bytes_to_tensor,
     decode_delta,
+    digest,
     iter_chunks,
-    verify_payloads,
+    parse_pull_frame,
 )
 
 log = logging.getLogger("steadyrl.weightsync.client")
@@ -56,27 +57,59 @@ class WeightPublisher:
         await self.channel.close()
 
 
+PULL_METHOD = "/steadyrl.v1.WeightSync/Pull"
+
+
 async def pull_version(
-    stub: weightsync_pb2_grpc.WeightSyncStub,
+    channels: grpc.aio.Channel | Sequence[grpc.aio.Channel],
     version: int,
     base: tuple[int, pb.WeightManifest, list[bytearray]] | None = None,
 ) -> tuple[pb.WeightManifest, list[bytearray], int]:
     """Pull `version` (0 = latest), as a delta against `base` (version, manifest, raw bytes).
 
+    With several channels the pull is striped: one stream per channel, in parallel (each channel
+    is its own TCP connection, so gRPC's transport threads work side by side). Tensors sent in
+    full are digested in worker threads as soon as their last chunk lands.
     Returns the manifest, the verified raw bytes of every tensor, and the wire bytes received.
     """
-    stream = stub.Pull(pb.PullRequest(version=version, base_version=base[0] if base else 0))
-    header, assembler, wire = None, None, 0
-    async for item in stream:
+    channels = [channels] if isinstance(channels, grpc.aio.Channel) else list(channels)
+    if version == 0:
+        latest = await weightsync_pb2_grpc.WeightSyncStub(channels[0]).Latest(common_pb2.Empty())
+        version = latest.version.version
+    loop = asyncio.get_running_loop()
+    state: dict = {"header": None, "assembler": None, "digests": {}, "wire": 0}
+
+    async def stripe(index: int) -> None:
+        request = pb.PullRequest(version=version, base_version=base[0] if base else 0,
+                                 stripe=index, stripes=len(channels))
+        call = channels[index].unary_stream(
+            PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None
+        )(request)
+        header = None
+        async for raw in call:
+            frame = parse_pull_frame(raw)
+            if header is None:
+                if not isinstance(frame, pb.PullHeader):
+                    raise WeightError("pull stream did not start with a header")
+                header = frame
+                if state["header"] is None:
+                    state["header"] = header
+                    state["assembler"] = Assembler(list(header.encoded_nbytes))
+                elif header != state["header"]:
+                    raise WeightError("striped pull streams disagree on the header")
+                continue
+            if isinstance(frame, pb.PullHeader):
+                raise WeightError("a pull stream carries one header")
+            tensor, offset, data = frame
+            assembler = state["assembler"]
+            state["wire"] += assembler.add(tensor, offset, data)
+            if assembler.complete(tensor) and header.encodings[tensor] == pb.FULL:
+                state["digests"][tensor] = loop.run_in_executor(None, digest, assembler.buffers[tensor])
         if header is None:
-            if not item.HasField("header"):
-                raise WeightError("pull stream did not start with a header")
-            header = item.header
-            assembler = Assembler(list(header.encoded_nbytes))
-        else:
-            wire += assembler.add(item.chunk)
-    if header is None:
-        raise WeightError("empty pull stream")
+            raise WeightError("empty pull stream")
+
+    await asyncio.gather(*(stripe(i) for i in range(len(channels))))
+    header, assembler = state["header"], state["assembler"]
     manifest = header.manifest
     encoded = assembler.finish()
     base_bytes: dict[str, bytearray] = {}
@@ -88,8 +121,21 @@ async def pull_version(
         decode_delta(enc, data, base_bytes.get(spec.name), spec.nbytes)
         for spec, enc, data in zip(manifest.tensors, header.encodings, encoded, strict=True)
     ]
-    verify_payloads(manifest, payloads)
-    return manifest, payloads, wire
+    pending = {i: f for i, f in state["digests"].items()}
+    for i, payload in enumerate(payloads):
+        if i not in pending:
+            pending[i] = loop.run_in_executor(None, digest, payload)
+    sums = await asyncio.gather(*(pending[i] for i in range(len(payloads))))
+    for spec, got in zip(manifest.tensors, sums, strict=True):
+        if got != spec.checksum:
+            raise WeightError(f"tensor {spec.name}: checksum mismatch")
+    return manifest, payloads, state["wire"]
+
+
+def open_channels(address: str, count: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[grpc.aio.Channel]:
+    """`count` channels to `address`, each on its own connection (no shared subchannel pool)."""
+    options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+    return [grpc.aio.insecure_channel(address, options=options) for _ in range(count)]
 
 
 def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dict[str, torch.Tensor]:
@@ -100,9 +146,10 @@ class WeightSubscriber:
     """Watch → pull → verify → `on_version(version, state_dict)`, resuming after dropped streams."""
 
     def __init__(self, address: str, on_version: OnVersion, subscriber_id: str = "",
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0)) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0),
+                 streams: int = 1) -> None:
         self.address, self.on_version, self.subscriber_id = address, on_version, subscriber_id
-        self.max_message_bytes, self.backoff = max_message_bytes, backoff
+        self.max_message_bytes, self.backoff, self.streams = max_message_bytes, backoff, streams
         self.held: tuple[int, pb.WeightManifest, list[bytearray]] | None = None
         self.applied: list[int] = []
         self.wire_bytes = 0
@@ -115,23 +162,25 @@ class WeightSubscriber:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         delay = self.backoff[0]
         while stop is None or not stop.is_set():
+            channels = open_channels(self.address, self.streams, self.max_message_bytes)
             try:
-                async with grpc.aio.insecure_channel(self.address, options=channel_options(self.max_message_bytes)) as channel:
-                    stub = weightsync_pb2_grpc.WeightSyncStub(channel)
-                    watch = stub.Watch(pb.WatchRequest(after_version=self.version, subscriber_id=self.subscriber_id))
-                    async for announcement in watch:
-                        await self._apply(stub, announcement.version.version)
-                        delay = self.backoff[0]
+                stub = weightsync_pb2_grpc.WeightSyncStub(channels[0])
+                watch = stub.Watch(pb.WatchRequest(after_version=self.version, subscriber_id=self.subscriber_id))
+                async for announcement in watch:
+                    await self._apply(channels, announcement.version.version)
+                    delay = self.backoff[0]
             except (grpc.aio.AioRpcError, WeightError) as exc:
                 self.reconnects += 1
                 log.warning("event=weights_stream_lost error=%s retry_in=%.1fs held=%d", _short(exc), delay, self.version)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff[1])
+            finally:
+                await asyncio.gather(*(c.close() for c in channels))
 
-    async def _apply(self, stub, announced: int) -> None:
+    async def _apply(self, channels: list[grpc.aio.Channel], announced: int) -> None:
         if announced <= self.version:
             return
-        manifest, payloads, wire = await pull_version(stub, announced, self.held)
+        manifest, payloads, wire = await pull_version(channels, announced, self.held)
         self.wire_bytes += wire
         result = self.on_version(manifest.version, to_state_dict(manifest, payloads))
         if asyncio.iscoroutine(result):

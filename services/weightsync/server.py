@@ -17,8 +17,8 @@ from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
 from shared.weights import (
     Assembler,
     WeightError,
+    encode_chunk_frame,
     encode_delta,
-    iter_chunks,
     validate_manifest,
     verify_payloads,
     verify_signature,
@@ -70,7 +70,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                         )
                     assembler = Assembler([t.nbytes for t in manifest.tensors])
                 elif item.HasField("chunk"):
-                    received += assembler.add(item.chunk)
+                    chunk = item.chunk
+                    received += assembler.add(chunk.tensor_index, chunk.offset, chunk.data)
                 else:
                     raise WeightError("a push may carry one manifest, then chunks")
             if manifest is None:
@@ -134,11 +135,19 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             base_version=base_version,
         )
         yield pb.PullResponse(header=header)
-        sent = 0
+        stripes, stripe = max(request.stripes, 1), request.stripe
+        if stripe >= stripes:
+            await self._fail(context, "pull", "bad_stripe", grpc.StatusCode.INVALID_ARGUMENT,
+                             f"stripe {stripe} of {stripes}")
+        sent, sequence, step = 0, 0, self.settings.chunk_bytes
         for index, (_, wire) in enumerate(encoded):
-            for chunk in iter_chunks(index, wire, self.settings.chunk_bytes):
-                sent += len(chunk.data)
-                yield pb.PullResponse(chunk=chunk)
+            view = memoryview(wire)
+            for offset in range(0, len(view), step):
+                if sequence % stripes == stripe:
+                    data = view[offset : offset + step]
+                    sent += len(data)
+                    yield encode_chunk_frame(index, offset, data)
+                sequence += 1
         BYTES_PULLED.inc(sent)
         PULL_SECONDS.labels("delta" if base_version else "full").observe(time.perf_counter() - started)
 
@@ -152,13 +161,36 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         return pb.VersionList(versions=[self.store.versions[v].info() for v in sorted(self.store.versions)])
 
 
+def _serialize_pull(item: pb.PullResponse | bytes) -> bytes:
+    return item if isinstance(item, bytes) else item.SerializeToString()
+
+
+class _PreEncodedPull:
+    """Registers the generated handlers, with Pull also accepting pre-serialised chunk frames."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # registered below, once the Pull handler has been swapped
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        handlers = {**handlers, "Pull": handlers["Pull"]._replace(response_serializer=_serialize_pull)}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self.server.add_registered_method_handlers(service, handlers)
+
+
+def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
+    weightsync_pb2_grpc.add_WeightSyncServicer_to_server(servicer, _PreEncodedPull(server))
+
+
 async def serve(settings: WeightSyncSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever)."""
     from shared.metrics import start_metrics_server
 
     servicer = WeightSyncServicer(settings)
     server, port, _ = await start_server(
-        [(weightsync_pb2_grpc.add_WeightSyncServicer_to_server, servicer)],
+        [(add_servicer, servicer)],
         ["steadyrl.v1.WeightSync"],
         f"{settings.host}:{settings.port}",
         settings.max_message_bytes,

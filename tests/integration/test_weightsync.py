@@ -8,12 +8,18 @@ import pytest
 import torch
 
 from services.weightsync.config import WeightSyncSettings
-from services.weightsync.server import WeightSyncServicer
+from services.weightsync.server import WeightSyncServicer, add_servicer
 from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weights import build_manifest, iter_chunks
-from shared.weightsync_client import WeightPublisher, WeightSubscriber, pull_version, to_state_dict
+from shared.weightsync_client import (
+    WeightPublisher,
+    WeightSubscriber,
+    open_channels,
+    pull_version,
+    to_state_dict,
+)
 
 KEY = b"test-signing-key"
 
@@ -49,7 +55,7 @@ class Server:
 
     async def start(self):
         self.server, _, _ = await start_server(
-            [(weightsync_pb2_grpc.add_WeightSyncServicer_to_server, self.servicer)],
+            [(add_servicer, self.servicer)],
             ["steadyrl.v1.WeightSync"], self.address)
 
     async def stop(self):
@@ -111,9 +117,9 @@ def test_delta_pull_equals_full_pull_and_is_smaller(tmp_path):
         await publisher.push(nxt, 2, 1)
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
-            m1, p1, _ = await pull_version(stub, 1)
-            full_manifest, full, full_wire = await pull_version(stub, 2)
-            delta_manifest, delta, delta_wire = await pull_version(stub, 2, (1, m1, p1))
+            m1, p1, _ = await pull_version(ch, 1)
+            full_manifest, full, full_wire = await pull_version(ch, 2)
+            delta_manifest, delta, delta_wire = await pull_version(ch, 2, (1, m1, p1))
             header = None
             async for item in stub.Pull(pb.PullRequest(version=2, base_version=1)):
                 header = item.header
@@ -253,10 +259,10 @@ def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
             listed = (await stub.List(common_pb2.Empty())).versions
             assert [(v.version.version, v.on_disk) for v in listed] == [(3, True), (4, True), (5, False)]
-            manifest, payloads, _ = await pull_version(stub, 3)
+            manifest, payloads, _ = await pull_version(ch, 3)
             assert_equal_states(to_state_dict(manifest, payloads), state(3))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await pull_version(stub, 1)
+                await pull_version(ch, 1)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert sorted(p.name for p in (tmp_path / "spill").iterdir()) == ["v3", "v4"]
         await publisher.close()
@@ -288,6 +294,99 @@ def test_bad_manifests_get_invalid_argument(tmp_path):
                     await stub.Push(one(request))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert text in err.value.details()
+        await server.stop()
+
+    run(main())
+
+
+def test_striped_pull_equals_single_stream_and_generated_clients_decode_frames(tmp_path):
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        publisher = WeightPublisher(server.address)
+        await publisher.push(state(7), 1)
+        channels = open_channels(server.address, 3)
+        striped_manifest, striped, striped_wire = await pull_version(channels, 1)
+        single_manifest, single, single_wire = await pull_version(channels[0], 1)
+        assert striped == single and striped_manifest == single_manifest
+        assert striped_wire == single_wire == sum(t.nbytes for t in single_manifest.tensors)
+        # the stock generated stub parses the hand-built chunk frames; stripe 1 of 3 gets a third
+        stub = weightsync_pb2_grpc.WeightSyncStub(channels[0])
+        items = [m async for m in stub.Pull(pb.PullRequest(version=1, stripe=1, stripes=3))]
+        chunks = [m.chunk for m in items[1:]]
+        sequence = [(c.tensor_index, c.offset) for c in chunks]
+        all_chunks = [(i, o) for i, t in enumerate(single_manifest.tensors) for o in range(0, t.nbytes, 4096)]
+        assert sequence == all_chunks[1::3]
+        for c in chunks:
+            assert bytes(c.data) == bytes(single[c.tensor_index][c.offset : c.offset + len(c.data)])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            _ = [m async for m in stub.Pull(pb.PullRequest(version=1, stripe=3, stripes=3))]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await asyncio.gather(*(c.close() for c in channels))
+        await publisher.close()
+        await server.stop()
+
+    run(main())
+
+
+KILLED_PUBLISHER = """
+import asyncio, sys, grpc, torch
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb, weightsync_pb2_grpc
+from shared.weights import build_manifest, iter_chunks
+
+async def main():
+    tensors = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(8)}
+    manifest, payloads = build_manifest(tensors, 1, 0)
+    chunks = [c for i, p in enumerate(payloads) for c in iter_chunks(i, p, 65536)]
+
+    async def requests():
+        yield pb.PushRequest(manifest=manifest)
+        for c in chunks[: len(chunks) // 2]:
+            yield pb.PushRequest(chunk=c)
+        print("HALF", flush=True)
+        await asyncio.Event().wait()
+
+    async with grpc.aio.insecure_channel(sys.argv[1]) as ch:
+        await weightsync_pb2_grpc.WeightSyncStub(ch).Push(requests())
+
+asyncio.run(main())
+"""
+
+
+def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from prometheus_client import REGISTRY
+
+    def cancelled() -> float:  # the cut stream ends early ("invalid") or is cancelled
+        return sum(REGISTRY.get_sample_value("steadyrl_weightsync_failures_total", {"op": "push", "reason": r}) or 0.0
+                   for r in ("invalid", "cancelled"))
+
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        before = cancelled()
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", KILLED_PUBLISHER, server.address,
+                                                     stdout=subprocess.PIPE)
+        assert (await asyncio.wait_for(child.stdout.readline(), 30)).strip() == b"HALF"
+        await asyncio.sleep(0.2)  # let the half reach the server
+        os.kill(child.pid, signal.SIGKILL)
+        assert await child.wait() == -signal.SIGKILL
+        for _ in range(100):
+            if cancelled() > before:
+                break
+            await asyncio.sleep(0.05)
+        assert cancelled() == before + 1
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+            assert (await stub.List(common_pb2.Empty())).versions == []
+            publisher = WeightPublisher(server.address)  # the same version number is free again
+            await publisher.push(state(1), 1)
+            assert [v.version.version for v in (await stub.List(common_pb2.Empty())).versions] == [1]
+            await publisher.close()
         await server.stop()
 
     run(main())

@@ -93,14 +93,18 @@ class VersionAnnouncement(_message.Message):
     def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("version", "base_version", "subscriber_id")
+    __slots__ = ("version", "base_version", "subscriber_id", "stripe", "stripes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
+    STRIPES_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     subscriber_id: str
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+    stripe: int
+    stripes: int
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("manifest", "encodings", "encoded_nbytes", "base_version")

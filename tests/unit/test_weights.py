@@ -1,0 +1,75 @@
+"""Pure weight-wire helpers: chunk frames, the assembler, deltas."""
+
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weights import (
+    Assembler,
+    WeightError,
+    decode_delta,
+    encode_chunk_frame,
+    encode_delta,
+    parse_pull_frame,
+)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**63), st.binary(max_size=300))
+def test_chunk_frame_is_the_protobuf_encoding(index, offset, data):
+    frame = encode_chunk_frame(index, offset, memoryview(data))
+    message = pb.PullResponse.FromString(frame)
+    assert (message.chunk.tensor_index, message.chunk.offset, message.chunk.data) == (index, offset, data)
+    got_index, got_offset, view = parse_pull_frame(frame)
+    assert (got_index, got_offset, bytes(view)) == (index, offset, data)
+    # what the protobuf runtime serialises (zero fields omitted) parses the same way
+    canonical = pb.PullResponse(chunk=pb.TensorChunk(tensor_index=index, offset=offset, data=data))
+    parsed = parse_pull_frame(canonical.SerializeToString())
+    assert (parsed[0], parsed[1], bytes(parsed[2])) == (index, offset, data)
+
+
+def test_pull_frame_header_and_garbage():
+    header = pb.PullHeader(base_version=3, encoded_nbytes=[5])
+    assert parse_pull_frame(pb.PullResponse(header=header).SerializeToString()) == header
+    with pytest.raises(WeightError, match="undecodable"):
+        parse_pull_frame(b"\x12\x05\x1a\xff\xff")  # declared length runs past the end
+    with pytest.raises(WeightError, match="empty"):
+        parse_pull_frame(b"")
+
+
+def test_assembler_accepts_any_order_and_rejects_repeats_gaps_and_overruns():
+    data = os.urandom(10)
+    a = Assembler([10])
+    assert a.add(0, 6, data[6:]) == 4 and not a.complete(0)
+    a.add(0, 0, data[:6])
+    assert a.complete(0) and a.finish() == [bytearray(data)]
+    b = Assembler([10])
+    b.add(0, 0, data[:6])
+    with pytest.raises(WeightError, match="twice"):
+        b.add(0, 0, data[:6])
+    with pytest.raises(WeightError, match="past"):
+        b.add(0, 8, data[:6])
+    with pytest.raises(WeightError, match="manifest has 1"):
+        b.add(1, 0, data)
+    b.add(0, 5, data[5:])  # overlaps byte 5: the counts add up to 11, the tiling does not fit
+    with pytest.raises(WeightError, match="exactly"):
+        b.finish()
+    with pytest.raises(WeightError, match="exactly"):
+        Assembler([4]).finish()
+
+
+def test_delta_round_trip_and_encodings():
+    base = bytearray(os.urandom(4096))
+    target = bytearray(base)
+    target[100] ^= 0xFF
+    enc, wire = encode_delta(memoryview(target), memoryview(base), False)
+    assert enc == pb.XOR_ZSTD and len(wire) < 200
+    assert decode_delta(enc, wire, base, len(target)) == target
+    assert encode_delta(target, base, True) == (pb.UNCHANGED, b"")
+    random = bytearray(os.urandom(4096))
+    enc, wire = encode_delta(random, base, False)
+    assert enc == pb.FULL and bytes(wire) == bytes(random)
+    with pytest.raises(WeightError, match="not hold"):
+        decode_delta(pb.XOR_ZSTD, b"", None, 4096)
