@@ -243,3 +243,36 @@ def _validate_trace(rollout: Rollout, limits: RolloutLimits) -> None:
         ordered = np.sort(trace, axis=-1)
         if np.any(ordered[..., 1:] == ordered[..., :-1]):
             raise RolloutError("expert_duplicate", "a top-k set names the same expert twice")
+
+
+def rollouts_from_samples(task, samples, rewards: list[float], replica_id: str, engine: str,
+                          timings: RolloutTimings) -> list[Rollout]:
+    """The G rollouts of one PromptTask from the engine's samples (shared.engines.Sample).
+
+    Rollout ids are `task_id:sample_index`: a retried task publishes the same ids, so a consumer
+    that dedupes on ids can never count one sample twice."""
+    group_id = task.group_id or task.task_id
+    prompt = np.asarray(task.prompt_token_ids, dtype=np.int32)
+    return [
+        Rollout(
+            rollout_id=f"{task.task_id}:{index}",
+            run_id=task.run_id,
+            task_id=task.task_id,
+            group_id=group_id,
+            sample_index=index,
+            group_size=len(samples),
+            prompt_token_ids=prompt,
+            completion_token_ids=np.asarray(sample.token_ids, dtype=np.int32),
+            inference_logprobs=np.asarray(sample.logprobs, dtype=np.float32),
+            policy_versions=np.asarray(sample.versions, dtype=np.uint64),
+            reward=reward,
+            routing_trace=sample.routing_trace,
+            num_experts=sample.num_experts,
+            finish_reason=sample.finish_reason,
+            replica_id=replica_id,
+            engine=engine,
+            is_eval=task.is_eval,
+            timings=timings,
+        )
+        for index, (sample, reward) in enumerate(zip(samples, rewards, strict=True))
+    ]

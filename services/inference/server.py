@@ -1,0 +1,167 @@
+"""Inference replica: the Inference gRPC API, the rollout loop and the weight subscriber."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+import numpy as np
+from prometheus_client import Gauge, Histogram
+from redis.asyncio import Redis
+
+from services.inference.config import InferenceSettings
+from services.inference.worker import RolloutWorker
+from shared.engines import Engine, Sampling, make_engine
+from shared.queues import WorkQueue
+from shared.rpc import start_server
+from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
+from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+
+log = logging.getLogger("steadyrl.inference")
+
+POLICY_VERSION = Gauge("steadyrl_inference_policy_version", "Policy version the engine serves", ["replica"])
+SWAP_SECONDS = Histogram("steadyrl_inference_swap_seconds", "From a pulled version to the engine serving it",
+                         ["replica"], buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60))
+
+
+def trace_message(trace: np.ndarray, num_experts: int) -> rollout_pb2.RoutingTrace:
+    wide = trace.dtype.itemsize > 1
+    return rollout_pb2.RoutingTrace(
+        dtype=rollout_pb2.RoutingTrace.UINT16 if wide else rollout_pb2.RoutingTrace.UINT8,
+        num_positions=trace.shape[0], num_layers=trace.shape[1], top_k=trace.shape[2],
+        num_experts=num_experts, expert_ids=trace.astype("<u2" if wide else np.uint8).tobytes(),
+    )
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, settings: InferenceSettings, engine: Engine, tokenizer, queue: WorkQueue | None,
+                 worker: RolloutWorker | None) -> None:
+        self.settings, self.engine, self.tokenizer, self.queue, self.worker = settings, engine, tokenizer, queue, worker
+
+    async def _invalid(self, context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
+        await context.abort(code, message)
+
+    async def Generate(self, request, context):
+        if request.prompt_token_ids:
+            prompt = list(request.prompt_token_ids)
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                await self._invalid(context, f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
+        elif request.prompt_text:
+            prompt = list(self.tokenizer(request.prompt_text).input_ids)
+        else:
+            await self._invalid(context, "give prompt_token_ids or prompt_text")
+        try:
+            sampling = Sampling.from_proto(request.sampling)
+        except ValueError as exc:
+            await self._invalid(context, str(exc))
+        if sampling.max_new_tokens > self.settings.max_new_tokens_limit:
+            await self._invalid(context, f"max_new_tokens {sampling.max_new_tokens} > limit "
+                                         f"{self.settings.max_new_tokens_limit}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if len(prompt) + sampling.max_new_tokens > self.engine.max_model_len:
+            await self._invalid(context, f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > "
+                                         f"{self.engine.max_model_len}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if request.return_routing_trace and not self.engine.capabilities.routing_trace:
+            await self._invalid(context, f"the {self.engine.name} engine returns no routing traces here",
+                                grpc.StatusCode.FAILED_PRECONDITION)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_step(step: int, tokens: list[int | None], logprobs: list[float], version: int) -> None:
+            if tokens[0] is not None:
+                loop.call_soon_threadsafe(events.put_nowait, (tokens[0], logprobs[0], version))
+
+        job = asyncio.ensure_future(asyncio.to_thread(
+            self.engine.generate, [prompt], sampling, request.return_routing_trace, on_step))
+        while not (job.done() and events.empty()):
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            token, logprob, version = getter.result()
+            yield pb.GenerateEvent(token_id=token, inference_logprob=logprob, policy_version=version,
+                                   text=self.tokenizer.decode([token]))
+        [sample] = job.result()
+        final = pb.GenerateEvent(token_id=-1, done=True, finish_reason=sample.finish_reason,
+                                 policy_version=sample.versions[-1])
+        if sample.routing_trace is not None:
+            final.routing_trace = trace_message(sample.routing_trace, sample.num_experts).SerializeToString()
+        yield final
+
+    async def Status(self, request, context):
+        lag = 0
+        if self.queue is not None:
+            with contextlib.suppress(Exception):
+                lag = (await self.queue.depths()).pending
+        caps = self.engine.capabilities
+        return pb.InferenceStatus(
+            replica_id=self.settings.replica_id, engine=self.engine.name, model=self.engine.model_path,
+            version=common_pb2.PolicyVersion(version=self.engine.version),
+            capabilities=pb.EngineCapabilities(routing_trace=caps.routing_trace, logprobs=caps.logprobs,
+                                               hot_swap=caps.hot_swap, dtype=caps.dtype),
+            queue_lag=lag,
+            rollouts_published=self.worker.published if self.worker else 0,
+            tokens_per_second=self.worker.tokens_per_second if self.worker else 0.0,
+            busy=bool(self.worker and self.worker.busy),
+        )
+
+
+def load_engine(settings: InferenceSettings) -> Engine:
+    options = {}
+    if settings.engine == "torch" and settings.torch_threads:
+        options["threads"] = settings.torch_threads
+    if settings.engine == "vllm":
+        options.update(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib,
+                       gpu_memory_utilization=settings.vllm_gpu_memory_utilization)
+    return make_engine(settings.engine, settings.model_path, settings.dtype, **options)
+
+
+async def serve(settings: InferenceSettings, engine: Engine | None = None, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run the replica until `stop` is set (or forever)."""
+    from shared.metrics import start_metrics_server
+    from shared.models import load_tokenizer
+    from shared.weightsync_client import WeightSubscriber
+
+    engine = engine or await asyncio.to_thread(load_engine, settings)
+    tokenizer = load_tokenizer(settings.model_path)
+    replica = settings.replica_id
+    stop = stop or asyncio.Event()
+    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
+    queue = WorkQueue(redis, settings.run_id)
+    worker = RolloutWorker(engine, tokenizer, queue, replica, settings.lease_seconds, settings.tasks_per_batch,
+                           settings.idle_poll_seconds, settings.return_routing_traces)
+    servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
+    server, port, _ = await start_server([(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
+                                         ["steadyrl.v1.Inference"], f"{settings.host}:{settings.port}",
+                                         settings.max_message_bytes)
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    POLICY_VERSION.labels(replica).set(engine.version)
+    tasks = [asyncio.create_task(worker.run(stop), name="rollouts")]
+    if settings.weightsync_address:
+        async def on_version(version: int, state_dict) -> None:
+            seconds = await asyncio.to_thread(engine.update_weights, version, state_dict)
+            SWAP_SECONDS.labels(replica).observe(seconds)
+            POLICY_VERSION.labels(replica).set(engine.version)
+            log.info("event=weights_applied version=%d swap_seconds=%.4f", version, seconds)
+
+        subscriber = WeightSubscriber(settings.weightsync_address, on_version, replica,
+                                      settings.max_message_bytes, streams=settings.weight_streams)
+        tasks.append(asyncio.create_task(subscriber.run(stop), name="weights"))
+    servicer.port = port
+    log.info("event=started service=inference replica=%s engine=%s port=%d metrics_port=%d traces=%s",
+             replica, engine.name, port, metrics_port, worker.return_traces)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.stop(grace=1.0)
+        await redis.aclose()
+        engine.close()

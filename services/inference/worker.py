@@ -1,0 +1,161 @@
+"""The rollout loop of a replica: lease tasks → generate G samples each → score → publish → done.
+
+Leases are renewed while a batch generates; a task whose generation fails is handed back (it is
+retried, the attempt counts). Publishing and ending the lease are one atomic step in Redis
+(`WorkQueue.complete`), refused when the lease was lost, so a slow replica never duplicates work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+
+import redis.exceptions
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.engines import Engine, Sample, Sampling
+from shared.queues import Lease, WorkQueue, now_ms
+from shared.rollout import RolloutTimings, encode_rollout, rollouts_from_samples
+from shared.tasks import get_reward
+
+log = logging.getLogger("steadyrl.inference.worker")
+
+TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
+TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s of the last batch", ["replica"])
+BATCH_SIZE = Histogram("steadyrl_inference_batch_sequences", "Sequences per generated batch", ["replica"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+PUBLISHED = Counter("steadyrl_inference_rollouts_published_total", "Rollouts published to the stream", ["replica"])
+LEASES_LOST = Counter("steadyrl_inference_leases_lost_total", "Tasks finished after their lease was taken away",
+                      ["replica"])
+RETRIED = Counter("steadyrl_inference_tasks_retried_total", "Leased tasks that were on a retry", ["replica"])
+ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Batches the engine failed on", ["replica"])
+TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded",
+                      ["replica"])
+QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
+
+
+def prompt_ids(task, tokenizer) -> list[int]:
+    if task.prompt_token_ids:
+        return list(task.prompt_token_ids)
+    if not task.prompt_text:
+        raise ValueError(f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
+    return list(tokenizer(task.prompt_text).input_ids)
+
+
+class RolloutWorker:
+    def __init__(self, engine: Engine, tokenizer, queue: WorkQueue, replica_id: str, lease_seconds: float,
+                 tasks_per_batch: int, idle_poll_seconds: float, return_traces: bool) -> None:
+        self.engine, self.tokenizer, self.queue = engine, tokenizer, queue
+        self.replica_id, self.lease_seconds = replica_id, lease_seconds
+        self.tasks_per_batch, self.idle_poll_seconds = tasks_per_batch, idle_poll_seconds
+        self.return_traces = return_traces and engine.capabilities.routing_trace
+        self.published = 0
+        self.tokens_per_second = 0.0
+        self.busy = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        delay = 0.1
+        while not stop.is_set():
+            try:
+                leases = await self.queue.lease(self.replica_id, self.lease_seconds, self.tasks_per_batch)
+                delay = 0.1
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                QUEUE_ERRORS.labels(self.replica_id).inc()
+                log.warning("event=queue_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
+                await _sleep_or_stop(stop, delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if not leases:
+                await _sleep_or_stop(stop, self.idle_poll_seconds)
+                continue
+            try:
+                await self.work(leases, stop)
+            except redis.exceptions.RedisError as exc:  # leases left behind expire and are retried
+                QUEUE_ERRORS.labels(self.replica_id).inc()
+                log.warning("event=publish_failed error=%s", type(exc).__name__)
+
+    async def work(self, leases: list[Lease], stop: asyncio.Event | None = None) -> None:
+        held = {lease.task_id for lease in leases}
+        RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
+        heartbeat = asyncio.create_task(self._renew(held))
+        self.busy = True
+        try:
+            groups: dict[bytes, list[Lease]] = defaultdict(list)
+            for lease in leases:
+                groups[lease.task.sampling.SerializeToString(deterministic=True)].append(lease)
+            for group in groups.values():
+                await self._generate_group(group, held, stop)
+        finally:
+            self.busy = False
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            for task_id in list(held):  # anything not completed goes back to the queue
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    await self.queue.fail(self.replica_id, task_id)
+
+    async def _generate_group(self, group: list[Lease], held: set[str], stop: asyncio.Event | None) -> None:
+        leased_ms = now_ms()
+        try:
+            sampling = Sampling.from_proto(group[0].task.sampling)
+            need = max(lease.task.min_policy_version for lease in group)
+            while self.engine.version < need and not (stop and stop.is_set()):
+                await asyncio.sleep(0.02)  # admission: the orchestrator asked for a newer policy
+            prompts, owners = [], []
+            for lease in group:
+                ids = prompt_ids(lease.task, self.tokenizer)
+                for _ in range(max(lease.task.group_size, 1)):
+                    prompts.append(ids)
+                    owners.append(lease)
+            started_ms, started = now_ms(), time.perf_counter()
+            samples: list[Sample] = await asyncio.to_thread(self.engine.generate, prompts, sampling, self.return_traces)
+            seconds = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - any engine failure hands the tasks back
+            ENGINE_ERRORS.labels(self.replica_id).inc()
+            log.exception("event=generation_failed tasks=%s error=%s", [lease.task_id for lease in group], exc)
+            return
+        tokens = sum(len(s.token_ids) for s in samples)
+        TOKENS.labels(self.replica_id).inc(tokens)
+        BATCH_SIZE.labels(self.replica_id).observe(len(samples))
+        self.tokens_per_second = tokens / max(seconds, 1e-9)
+        TOKENS_PER_SECOND.labels(self.replica_id).set(self.tokens_per_second)
+        timings = RolloutTimings(leased_ms, started_ms, now_ms(), seconds)
+        position = 0
+        for lease in group:
+            task = lease.task
+            mine = samples[position : position + max(task.group_size, 1)]
+            position += len(mine)
+            try:
+                reward = get_reward(task.task_name)
+                texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in mine]
+                rewards = [reward(text, task.answer) for text in texts]
+                rollouts = rollouts_from_samples(task, mine, rewards, self.replica_id, self.engine.name, timings)
+                payloads = [encode_rollout(r) for r in rollouts]
+            except Exception as exc:  # noqa: BLE001 - a bad task (unknown reward...) is handed back
+                TASK_ERRORS.labels(self.replica_id).inc()
+                log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
+                continue
+            if await self.queue.complete(self.replica_id, lease.task_id, payloads):
+                PUBLISHED.labels(self.replica_id).inc(len(rollouts))
+                self.published += len(rollouts)
+            else:
+                LEASES_LOST.labels(self.replica_id).inc()
+                log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
+            held.discard(lease.task_id)
+
+    async def _renew(self, held: set[str]) -> None:
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            try:
+                await self.queue.extend(self.replica_id, sorted(held), self.lease_seconds)
+            except redis.exceptions.RedisError as exc:
+                QUEUE_ERRORS.labels(self.replica_id).inc()
+                log.warning("event=lease_renew_failed error=%s", type(exc).__name__)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -1,0 +1,108 @@
+"""What every inference engine offers: batched sampling with the logprob of each sampled token
+under the distribution it was sampled from, per-token policy versions, optional routing traces,
+and weight updates that land between decode steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one request (SamplingParams on the wire)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0: off
+    max_new_tokens: int = 16
+    seed: int = 0  # 0: unseeded
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @classmethod
+    def from_proto(cls, params) -> Sampling:
+        """From a steadyrl.v1.SamplingParams; proto3 zeros mean the defaults (top_p 0 → 1)."""
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p or 1.0,
+            top_k=params.top_k,
+            max_new_tokens=params.max_new_tokens or 16,
+            seed=params.seed,
+            stop_token_ids=tuple(params.stop_token_ids),
+        )
+
+
+@dataclass
+class Sample:
+    """One completion: tokens, their logprobs and versions, why it ended, its routing trace."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length"
+    routing_trace: np.ndarray | None = None  # [P + C − 1, layers, top_k] when captured
+    num_experts: int = 0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    routing_trace: bool
+    logprobs: bool = True
+    hot_swap: bool = True
+    dtype: str = "float32"
+    notes: tuple[str, ...] = field(default=())
+
+
+# Called from the generating thread after each decode step: (step, the new token of each sequence
+# or None for sequences already finished, their logprobs, the policy version that sampled them).
+OnStep = Callable[[int, list[int | None], list[float], int], None]
+
+
+class Engine(Protocol):
+    name: str
+    model_path: str
+    capabilities: Capabilities
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
+                 on_step: OnStep | None = None) -> list[Sample]: ...
+
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
+        """Apply `state_dict` as `version` between decode steps; returns seconds until applied."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Log-probabilities [B, V] of the distribution actually sampled from: logits / T, then top-k
+    and top-p truncation (renormalised over what is kept), in float32. T = 0 (greedy) scores
+    under T = 1."""
+    scaled = logits.float() / (sampling.temperature if sampling.temperature > 0 else 1.0)
+    if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+        drop_sorted = before >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)

@@ -1,0 +1,272 @@
+"""Inference on the tiny MoE: the torch engine against fresh forwards, and a whole replica (real
+redis-server, real weight-sync, real gRPC) publishing rollouts, switching weights, surviving a
+SIGKILL."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from redis.asyncio import Redis
+
+from services.inference.config import InferenceSettings
+from services.inference.server import serve as serve_inference
+from services.weightsync.config import WeightSyncSettings
+from services.weightsync.server import serve as serve_weightsync
+from shared.engines import Sampling, make_engine
+from shared.models import load_causal_lm
+from shared.models.routing import RoutingController
+from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+from shared.queues import WorkQueue
+from shared.redis_server import free_port
+from shared.rollout import decode_rollout
+from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
+from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+from shared.weightsync_client import WeightPublisher
+
+
+def prompts_of(count: int, seed: int = 0) -> list[list[int]]:
+    examples = TinySpec().task(seed).split("train", count)
+    return encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+
+
+def fresh_forward(model, prompt: list[int], completion: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+    """Logprobs of `completion` and the routing trace from one full forward, no cache, no padding."""
+    ids = torch.tensor([prompt + completion])
+    routing = RoutingController(model)
+    try:
+        with torch.no_grad(), routing.capture() as recording:
+            logits = model(ids).logits[0].float()
+        trace = recording.trace(ids.shape)[0, :-1].numpy()
+    finally:
+        routing.close()
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1), trace
+
+
+def test_torch_engine_logprobs_and_traces_equal_a_fresh_forward(tiny_model_dir):
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    reference = load_causal_lm(tiny_model_dir, "float32")
+    prompts = prompts_of(6)
+    prompts[1], prompts[4] = prompts[1][3:], prompts[4][:2]  # ragged lengths: left padding at work
+    samples = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=12, seed=7), return_trace=True)
+    worst = 0.0
+    for prompt, sample in zip(prompts, samples, strict=True):
+        logp, trace = fresh_forward(reference, prompt, sample.token_ids)
+        worst = max(worst, float((logp - torch.tensor(sample.logprobs)).abs().max()))
+        assert sample.routing_trace.shape == (len(prompt) + len(sample.token_ids) - 1, 2, 2)
+        np.testing.assert_array_equal(sample.routing_trace, trace)
+        assert sample.versions == [0] * len(sample.token_ids)
+        assert sample.finish_reason == ("stop" if sample.token_ids[-1] == 2 else "length")
+    assert worst <= 1e-5
+    # temperature and top-p: the logprob is under the truncated, renormalised distribution
+    [hot] = engine.generate(prompts[:1], Sampling(temperature=0.7, top_p=0.9, max_new_tokens=6, seed=1))
+    assert all(lp <= 0 for lp in hot.logprobs)
+    [again] = engine.generate(prompts[:1], Sampling(temperature=0.7, top_p=0.9, max_new_tokens=6, seed=1))
+    assert again.token_ids == hot.token_ids  # seeded sampling is reproducible
+
+
+def test_a_sequence_spanning_a_weight_switch_carries_both_versions(tiny_model_dir):
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    new_weights = {k: v * 1.5 if k == "lm_head.weight" else v for k, v in engine.model.state_dict().items()}
+
+    def switch(step, tokens, logprobs, version):
+        if step == 2:
+            engine.update_weights(1, new_weights)  # from the generating thread, between steps
+
+    [sample] = engine.generate(prompts_of(1), Sampling(temperature=1.0, max_new_tokens=8, stop_token_ids=()),
+                               on_step=switch)
+    # stop on eos may end it early; the tiny model answers with 2-3 digits then eos
+    assert sample.versions[:3] == [0, 0, 0] and set(sample.versions[3:]) <= {1}
+    assert engine.version == 1 and torch.equal(engine.model.lm_head.weight, new_weights["lm_head.weight"])
+    [after] = engine.generate(prompts_of(1), Sampling(max_new_tokens=4))
+    assert set(after.versions) == {1}
+
+
+class Replica:
+    """Weight-sync and one inference replica served in this process, on loopback."""
+
+    def __init__(self, tmp_path, model_dir, redis_url, run_id, **overrides):
+        self.ws_port, self.port = free_port(), free_port()
+        self.ws_settings = WeightSyncSettings(port=self.ws_port, metrics_port=0, spill_dir=tmp_path / "spill")
+        self.settings = InferenceSettings(
+            port=self.port, metrics_port=0, model_path=str(model_dir), dtype="float32", redis_url=redis_url,
+            run_id=run_id, replica_id="replica-a", weightsync_address=f"127.0.0.1:{self.ws_port}",
+            lease_seconds=5, **overrides)
+        self.stop = asyncio.Event()
+
+    async def __aenter__(self):
+        ws_ready, ready = asyncio.Event(), asyncio.Event()
+        self.tasks = [asyncio.create_task(serve_weightsync(self.ws_settings, ws_ready, self.stop))]
+        await ws_ready.wait()
+        self.tasks.append(asyncio.create_task(serve_inference(self.settings, ready=ready, stop=self.stop)))
+        await asyncio.wait_for(ready.wait(), 60)
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        self.stop.set()
+        await asyncio.gather(*self.tasks)
+
+
+def arith_task(task_id: str, prompt: list[int], answer: str, group_size: int, **fields) -> common_pb2.PromptTask:
+    return common_pb2.PromptTask(
+        task_id=task_id, run_id="run", task_name="exact_match", prompt_token_ids=prompt, answer=answer,
+        group_size=group_size, sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
+        **fields)
+
+
+async def wait_for(predicate, timeout: float = 60.0):
+    for _ in range(int(timeout / 0.05)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("condition not reached")
+
+
+def test_replica_publishes_scored_rollouts_with_the_pulled_version(tmp_path, tiny_model_dir, redis_server, run_id):
+    examples = TinySpec().task().split("train", 3)
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+    v1 = load_causal_lm(tiny_model_dir, "float32")
+    with torch.no_grad():
+        v1.model.layers[1].mlp.gate.weight.mul_(-1.0)  # a different router: different routing and answers
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = WorkQueue(redis, run_id)
+        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id) as replica:
+            publisher = WeightPublisher(f"127.0.0.1:{replica.ws_port}")
+            await publisher.push(v1.state_dict(), 1)
+            await wait_for(lambda: _version_is(replica.stub, 1))
+            for i, (prompt, example) in enumerate(zip(prompts, examples, strict=True)):
+                await queue.submit(arith_task(f"task{i}", prompt, example.answer, 4, min_policy_version=1))
+            await wait_for(lambda: _completed(queue, 3))
+            status = await replica.stub.Status(common_pb2.Empty())
+            entries = await redis.xrange(queue.rollout_stream)
+            await publisher.close()
+        await redis.aclose()
+        return status, entries
+
+    status, entries = asyncio.run(asyncio.wait_for(main(), 120))
+    assert (status.replica_id, status.engine, status.version.version) == ("replica-a", "torch", 1)
+    assert status.capabilities.routing_trace and status.rollouts_published == 12 and status.queue_lag == 0
+    rollouts = [decode_rollout(fields[b"r"]) for _, fields in entries]
+    assert sorted(r.rollout_id for r in rollouts) == sorted(f"task{t}:{s}" for t in range(3) for s in range(4))
+    worst = 0.0
+    for r in rollouts:
+        assert r.group_size == 4 and r.replica_id == "replica-a" and r.engine == "torch"
+        assert set(r.policy_versions.tolist()) == {1}
+        example = examples[int(r.task_id[-1])]
+        text = char_tokenizer().decode(r.completion_token_ids.tolist(), skip_special_tokens=True)
+        assert r.reward == (1.0 if text.strip() == example.answer else 0.0)
+        logp, trace = fresh_forward(v1, r.prompt_token_ids.tolist(), r.completion_token_ids.tolist())
+        worst = max(worst, float((logp - torch.from_numpy(r.inference_logprobs)).abs().max()))
+        np.testing.assert_array_equal(r.routing_trace, trace)
+    assert worst <= 1e-5
+
+
+async def _version_is(stub, version: int) -> bool:
+    return (await stub.Status(common_pb2.Empty())).version.version == version
+
+
+async def _completed(queue: WorkQueue, count: int) -> bool:
+    return (await queue.depths()).completed >= count
+
+
+def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_dir, redis_server, run_id):
+    prompt = prompts_of(1)[0]
+
+    async def main():
+        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id) as replica:
+            request = pb.GenerateRequest(prompt_token_ids=prompt, return_routing_trace=True,
+                                         sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=6))
+            events = [e async for e in replica.stub.Generate(request)]
+            by_text = [e async for e in replica.stub.Generate(pb.GenerateRequest(
+                prompt_text="<s>12+34=", sampling=common_pb2.SamplingParams(max_new_tokens=3)))]
+            codes = {}
+            for name, bad in {
+                "empty": pb.GenerateRequest(),
+                "vocab": pb.GenerateRequest(prompt_token_ids=[1, 999]),
+                "top_p": pb.GenerateRequest(prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(top_p=1.5)),
+                "long": pb.GenerateRequest(prompt_token_ids=prompt,
+                                           sampling=common_pb2.SamplingParams(max_new_tokens=10_000)),
+            }.items():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    _ = [e async for e in replica.stub.Generate(bad)]
+                codes[name] = (err.value.code(), err.value.details())
+            status = await replica.stub.Status(common_pb2.Empty())
+        return events, by_text, codes, status
+
+    events, by_text, codes, status = asyncio.run(asyncio.wait_for(main(), 120))
+    *tokens, final = events
+    assert final.done and final.token_id == -1 and final.finish_reason in ("stop", "length")
+    assert 1 <= len(tokens) <= 6 and all(not e.done and e.inference_logprob <= 0 for e in tokens)
+    trace = rollout_pb2.RoutingTrace.FromString(final.routing_trace)
+    assert (trace.num_positions, trace.num_layers, trace.top_k) == (len(prompt) + len(tokens) - 1, 2, 2)
+    # greedy: the streamed tokens are the engine's argmax continuation of the same prompt
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    [greedy] = engine.generate([prompt], Sampling(temperature=0, max_new_tokens=6))
+    assert [e.token_id for e in tokens] == greedy.token_ids
+    assert by_text[-1].done and len(by_text) >= 2
+    assert codes["empty"][0] == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in codes["empty"][1]
+    assert codes["vocab"][0] == grpc.StatusCode.INVALID_ARGUMENT and "999" in codes["vocab"][1]
+    assert codes["top_p"][0] == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in codes["top_p"][1]
+    assert codes["long"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status.capabilities.dtype == "float32" and status.model == str(tiny_model_dir)
+
+
+def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, redis_server, run_id):
+    group = 512
+    prompt = prompts_of(1)[0]
+    env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir), "STEADYRL_INFERENCE_DTYPE": "float32",
+           "STEADYRL_INFERENCE_REDIS_URL": redis_server.url, "STEADYRL_INFERENCE_RUN_ID": run_id,
+           "STEADYRL_INFERENCE_PORT": "0", "STEADYRL_INFERENCE_METRICS_PORT": "0",
+           "STEADYRL_INFERENCE_LEASE_SECONDS": "1.5", "STEADYRL_INFERENCE_REPLICA_ID": "doomed",
+           "STEADYRL_INFERENCE_TORCH_THREADS": "1"}
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = WorkQueue(redis, run_id)
+        task = arith_task("slow", prompt, "0", group)
+        task.sampling.max_new_tokens = 48
+        task.sampling.temperature = 5.0  # near-uniform sampling: long sequences, a long generation
+        await queue.submit(task)
+        replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
+        try:
+            await wait_for(lambda: _owned_by(redis, queue, "slow", b"doomed"), 90)
+            os.kill(replica.pid, signal.SIGKILL)  # mid-generation: leased, nothing published yet
+            assert replica.wait(10) == -signal.SIGKILL
+        finally:
+            if replica.poll() is None:
+                replica.kill()
+        assert (await queue.depths()).rollouts == 0
+        await asyncio.sleep(1.6)
+        assert await queue.requeue_expired(max_attempts=3) == (1, 0)
+        settings = InferenceSettings(port=free_port(), metrics_port=0, model_path=str(tiny_model_dir),
+                                     dtype="float32", redis_url=redis_server.url, run_id=run_id,
+                                     replica_id="survivor", lease_seconds=30)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        server = asyncio.create_task(serve_inference(settings, ready=ready, stop=stop))
+        await wait_for(lambda: _completed(queue, 1), 120)
+        stop.set()
+        await server
+        entries = await redis.xrange(queue.rollout_stream)
+        await redis.aclose()
+        return entries
+
+    entries = asyncio.run(asyncio.wait_for(main(), 240))
+    rollouts = [decode_rollout(fields[b"r"]) for _, fields in entries]
+    assert len(rollouts) == group
+    assert sorted(r.sample_index for r in rollouts) == list(range(group))
+    assert {r.replica_id for r in rollouts} == {"survivor"}
+
+
+async def _owned_by(redis, queue: WorkQueue, task_id: str, replica: bytes) -> bool:
+    return await redis.hget(queue.keys["owners"], task_id) == replica

@@ -1,0 +1,85 @@
+"""The Redis work queue on a real redis-server: leases, expiry, retries, dead letters, atomic
+completion."""
+
+import asyncio
+
+from redis.asyncio import Redis
+
+from shared.queues import WorkQueue
+from shared.rpc.steadyrl.v1 import common_pb2
+
+
+def task(task_id: str, group_size: int = 2) -> common_pb2.PromptTask:
+    return common_pb2.PromptTask(task_id=task_id, task_name="exact_match", prompt_token_ids=[1, 5, 6],
+                                 answer="11", group_size=group_size)
+
+
+def run(redis_server, run_id, body):
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        try:
+            await body(WorkQueue(redis, run_id), redis)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_fifo_leases_and_duplicate_submits(redis_server, run_id):
+    async def body(queue, redis):
+        assert await queue.submit(task("a")) and await queue.submit(task("b"))
+        assert not await queue.submit(task("a"))  # already queued: not twice
+        leases = await queue.lease("r1", 30, count=5)
+        assert [lease.task_id for lease in leases] == ["a", "b"]
+        assert leases[0].task.answer == "11" and leases[0].attempt == 0
+        assert await queue.lease("r2", 30) == []
+        depths = await queue.depths()
+        assert (depths.pending, depths.leased, depths.completed) == (0, 2, 0)
+
+    run(redis_server, run_id, body)
+
+
+def test_a_lost_lease_cannot_publish_and_the_new_owner_publishes_once(redis_server, run_id):
+    async def body(queue, redis):
+        await queue.submit(task("a"))
+        [first] = await queue.lease("r1", 0.05)
+        await asyncio.sleep(0.1)
+        assert await queue.requeue_expired(max_attempts=3) == (1, 0)
+        [second] = await queue.lease("r2", 30)
+        assert second.task_id == "a" and second.attempt == 1
+        assert await queue.extend("r1", ["a"], 30) == 0  # r1 no longer holds it
+        assert not await queue.complete("r1", "a", [b"x1", b"x2"])  # late, refused
+        assert await queue.complete("r2", "a", [b"y1", b"y2"])
+        assert not await queue.complete("r2", "a", [b"y1", b"y2"])  # once only
+        entries = await redis.xrange(queue.rollout_stream)
+        assert [e[1][b"r"] for e in entries] == [b"y1", b"y2"]
+        assert all(e[1][b"task"] == b"a" for e in entries)
+        depths = await queue.depths()
+        assert (depths.pending, depths.leased, depths.completed, depths.rollouts) == (0, 0, 1, 2)
+
+    run(redis_server, run_id, body)
+
+
+def test_renewed_leases_survive_and_failures_go_to_dead_letters(redis_server, run_id):
+    async def body(queue, redis):
+        await queue.submit(task("kept"))
+        await queue.submit(task("bad"))
+        leases = {lease.task_id: lease for lease in await queue.lease("r1", 0.3, count=2)}
+        await asyncio.sleep(0.15)
+        assert await queue.extend("r1", ["kept"], 30) == 1
+        assert await queue.fail("r1", "bad")
+        await asyncio.sleep(0.2)
+        assert await queue.requeue_expired(max_attempts=2) == (1, 0)  # "bad" only: "kept" was renewed
+        for attempt in (1, 2):
+            [lease] = await queue.lease("r1", 30)
+            assert (lease.task_id, lease.attempt) == ("bad", attempt)
+            await queue.fail("r1", "bad")
+            assert await queue.requeue_expired(max_attempts=2) == ((1, 0) if attempt == 1 else (0, 1))
+        [(_, fields)] = await redis.xrange(queue.keys["dead"])
+        assert fields[b"task_id"] == b"bad" and b"3 times" in fields[b"reason"]
+        assert common_pb2.PromptTask.FromString(fields[b"task"]).answer == "11"
+        assert "kept" in leases and await queue.complete("r1", "kept", [b"k"])
+        depths = await queue.depths()
+        assert (depths.pending, depths.leased, depths.completed, depths.dead) == (0, 0, 1, 1)
+
+    run(redis_server, run_id, body)
