@@ -61,6 +61,16 @@ def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic 
     typer.echo(json.dumps(run(gib)))
 
 
+@bench_app.command("inference")
+def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precision of both engines.")) -> None:
+    """Replica tokens/s vs the bare engine (service overhead), and torch vs vllm."""
+    import json
+
+    from bench.inference import main as run
+
+    typer.echo(json.dumps(run(dtype)))
+
+
 def main() -> None:
     app()
 

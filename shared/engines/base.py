@@ -4,6 +4,8 @@ and weight updates that land between decode steps."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -106,3 +108,42 @@ def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
+
+
+class StagedWeights:
+    """Weight updates that land between engine steps: `update_weights` stages a version and
+    applies it at once when no step runs, else the running generation applies it before its next
+    step (`_apply_pending` under `_lock`). Subclasses implement `_load(state_dict)`."""
+
+    def _init_weights(self, version: int) -> None:
+        self._lock = threading.Lock()
+        self._version = version
+        self._pending: tuple[int, dict[str, torch.Tensor], float] | None = None
+        self.last_swap_seconds = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
+        """Stage `version`; returns the seconds from staging to serving of the last applied one."""
+        self._pending = (version, state_dict, time.perf_counter())
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_pending()
+            finally:
+                self._lock.release()
+        return self.last_swap_seconds
+
+    def _apply_pending(self) -> None:
+        """Call with `_lock` held."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] <= self._version:
+            return
+        version, state_dict, staged = pending
+        self._load(version, state_dict)
+        self._version = version
+        self.last_swap_seconds = time.perf_counter() - staged
+
+    def _load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError

