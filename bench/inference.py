@@ -27,25 +27,35 @@ def workload():
     return examples, encode_prompts(char_tokenizer(), [e.prompt for e in examples])
 
 
-def bare_engine(name: str, model_dir: str, dtype: str) -> dict:
-    from shared.engines import Sampling, make_engine
+class Bare:
+    """An engine driven directly, with the replica's batching (tasks_per_batch tasks × G)."""
 
-    options = {"max_model_len": 64} if name == "vllm" else {}
-    engine = make_engine(name, model_dir, dtype, **options)
-    _, prompts = workload()
-    sampling = Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
-    traces = engine.capabilities.routing_trace  # as the replica does: traces whenever available
-    engine.generate(prompts[:2], sampling)  # warm-up
-    tokens, started = 0, time.perf_counter()
-    for start in range(0, TASKS, TASKS_PER_BATCH):
-        batch = [p for p in prompts[start : start + TASKS_PER_BATCH] for _ in range(GROUP)]
-        tokens += sum(len(s.token_ids) for s in engine.generate(batch, sampling, traces))
-    seconds = time.perf_counter() - started
-    engine.close()
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+    def __init__(self, name: str, model_dir: str, dtype: str) -> None:
+        from shared.engines import Sampling, make_engine
+
+        self.engine = make_engine(name, model_dir, dtype, **({"max_model_len": 64} if name == "vllm" else {}))
+        self.prompts = workload()[1]
+        self.sampling = Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
+        self.traces = self.engine.capabilities.routing_trace  # as the replica does: traces when available
+        self.engine.generate(self.prompts[:2], self.sampling)  # warm-up
+
+    def round(self) -> tuple[int, float]:
+        tokens, started = 0, time.perf_counter()
+        for start in range(0, TASKS, TASKS_PER_BATCH):
+            batch = [p for p in self.prompts[start : start + TASKS_PER_BATCH] for _ in range(GROUP)]
+            tokens += sum(len(s.token_ids) for s in self.engine.generate(batch, self.sampling, self.traces))
+        return tokens, time.perf_counter() - started
 
 
-async def service(model_dir: str, dtype: str, redis_url: str) -> dict:
+def summary(rounds: list[tuple[int, float]]) -> dict:
+    """Median round: tokens, seconds, tokens/s (and every round's tokens/s)."""
+    rates = sorted(tokens / seconds for tokens, seconds in rounds)
+    return {"tokens_per_round": rounds[0][0], "rounds": len(rounds), "tokens_per_s": round(rates[len(rates) // 2], 1),
+            "tokens_per_s_each": [round(r, 1) for r in rates]}
+
+
+async def service_and_bare(model_dir: str, dtype: str, redis_url: str, rounds: int) -> tuple[dict, dict]:
+    """Alternate rounds: the bare engine, then the replica on the same prompts, `rounds` times."""
     import grpc
     from redis.asyncio import Redis
 
@@ -54,6 +64,7 @@ async def service(model_dir: str, dtype: str, redis_url: str) -> dict:
     from shared.rollout import decode_rollout
     from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 
+    bare = Bare("torch", model_dir, dtype)
     port = free_port()
     env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": model_dir, "STEADYRL_INFERENCE_DTYPE": dtype,
            "STEADYRL_INFERENCE_REDIS_URL": redis_url, "STEADYRL_INFERENCE_RUN_ID": "bench",
@@ -68,45 +79,58 @@ async def service(model_dir: str, dtype: str, redis_url: str) -> dict:
         queue = WorkQueue(redis, "bench")
         examples, prompts = workload()
         sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
-        started = time.perf_counter()
-        for i, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
-            await queue.submit(common_pb2.PromptTask(task_id=f"b{i}", run_id="bench", task_name="exact_match",
-                                                     prompt_token_ids=prompt, answer=example.answer,
-                                                     group_size=GROUP, sampling=sampling))
-        while (await queue.depths()).completed < TASKS:
-            await asyncio.sleep(0.01)
-        seconds = time.perf_counter() - started
-        entries = await redis.xrange(queue.rollout_stream)
-        tokens = sum(len(decode_rollout(fields[b"r"]).completion_token_ids) for _, fields in entries)
-        return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                "rollouts": len(entries)}
+
+        def task(task_id: str, index: int) -> common_pb2.PromptTask:
+            return common_pb2.PromptTask(task_id=task_id, run_id="bench", task_name="exact_match",
+                                         prompt_token_ids=prompts[index], answer=examples[index].answer,
+                                         group_size=GROUP, sampling=sampling)
+
+        async def completed_at_least(count: int) -> None:
+            while await queue.completed_count() < count:
+                await asyncio.sleep(0.05)
+
+        await queue.submit(task("warmup", 0))  # the bare engine is timed warm too
+        await completed_at_least(1)
+        bare_rounds, service_rounds, done = [], [], 1
+        for round_ in range(rounds):
+            bare_rounds.append(bare.round())
+            await redis.delete(queue.rollout_stream)
+            started = time.perf_counter()
+            await queue.submit_many([task(f"r{round_}-{i}", i) for i in range(TASKS)])
+            done += TASKS
+            await completed_at_least(done)
+            seconds = time.perf_counter() - started
+            entries = await redis.xrange(queue.rollout_stream)
+            assert len(entries) == TASKS * GROUP
+            service_rounds.append((sum(len(decode_rollout(f[b"r"]).completion_token_ids) for _, f in entries), seconds))
+        return summary(bare_rounds), summary(service_rounds)
     finally:
         await redis.aclose()
         replica.terminate()
         replica.wait(30)
+        bare.engine.close()
 
 
-def vllm_in_subprocess(model_dir: str, dtype: str) -> dict:
+def vllm_in_subprocess(model_dir: str, dtype: str, rounds: int) -> dict:
     """vLLM spawns workers: it runs in a process of its own, under a __main__ guard."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         return {"skipped": "vllm is not installed"}
-    done = subprocess.run([sys.executable, "-m", "bench.inference", "--bare", "vllm", model_dir, dtype],
+    done = subprocess.run([sys.executable, "-m", "bench.inference", "--bare", "vllm", model_dir, dtype, str(rounds)],
                           capture_output=True, text=True, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-2000:]}
 
 
-def main(dtype: str = "bfloat16") -> dict:
+def main(dtype: str = "bfloat16", rounds: int = 5) -> dict:
     from shared.models.tiny import init_tiny_model
     from shared.redis_server import RedisServer
 
     model_dir = str(init_tiny_model())
-    torch_bare = bare_engine("torch", model_dir, dtype)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
-        replica = asyncio.run(service(model_dir, dtype, redis.url))
-    vllm_bare = vllm_in_subprocess(model_dir, dtype)
+        torch_bare, replica = asyncio.run(service_and_bare(model_dir, dtype, redis.url, rounds))
+    vllm_bare = vllm_in_subprocess(model_dir, dtype, rounds)
     result = {
         "benchmark": "inference", "model": "tiny-qwen3-moe", "dtype": dtype, "tasks": TASKS, "group_size": GROUP,
         "tasks_per_batch": TASKS_PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS,
@@ -122,6 +146,9 @@ def main(dtype: str = "bfloat16") -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--bare"]:
-        print(json.dumps(bare_engine(*sys.argv[2:5])))
+        name, model_dir, dtype, rounds = sys.argv[2:6]
+        engine = Bare(name, model_dir, dtype)
+        print(json.dumps(summary([engine.round() for _ in range(int(rounds))])))
+        engine.engine.close()
     else:
         print(json.dumps(main(*sys.argv[1:2])))

@@ -157,11 +157,18 @@ class WorkQueue:
 
     async def submit(self, task: common_pb2.PromptTask) -> bool:
         """Queue a task; False when a task with its id is already queued or leased."""
-        if not task.task_id:
-            raise ValueError("a task needs a task_id")
-        if not task.enqueued_unix_ms:
-            task.enqueued_unix_ms = now_ms()
-        return bool(await self._submit(self._k("tasks", "pending"), [task.task_id, task.SerializeToString()]))
+        return (await self.submit_many([task]))[0]
+
+    async def submit_many(self, tasks: list[common_pb2.PromptTask]) -> list[bool]:
+        """Queue tasks in one round trip (each one atomically); per task: queued or already there."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task in tasks:
+                if not task.task_id:
+                    raise ValueError("a task needs a task_id")
+                if not task.enqueued_unix_ms:
+                    task.enqueued_unix_ms = now_ms()
+                await self._submit(self._k("tasks", "pending"), [task.task_id, task.SerializeToString()], client=pipe)
+            return [bool(x) for x in await pipe.execute()]
 
     async def lease(self, replica_id: str, lease_seconds: float, count: int = 1) -> list[Lease]:
         flat = await self._lease(
@@ -183,8 +190,18 @@ class WorkQueue:
 
     async def complete(self, replica_id: str, task_id: str, rollouts: list[bytes]) -> bool:
         """Publish a task's rollouts and end its lease, atomically; False when the lease was lost."""
+        return (await self.complete_many(replica_id, [(task_id, rollouts)]))[0]
+
+    async def complete_many(self, replica_id: str, done: list[tuple[str, list[bytes]]]) -> list[bool]:
+        """`complete` for several tasks in one round trip (each task atomically on its own)."""
         keys = self._k("leases", "owners", "tasks", "attempts", "completed", "rollouts")
-        return int(await self._complete(keys, [task_id, replica_id, *rollouts])) >= 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task_id, rollouts in done:
+                await self._complete(keys, [task_id, replica_id, *rollouts], client=pipe)
+            return [int(x) >= 0 for x in await pipe.execute()]
+
+    async def completed_count(self) -> int:
+        return int(await self.redis.hlen(self.keys["completed"]))
 
     async def fail(self, replica_id: str, task_id: str) -> bool:
         """Give a task back (engine error, shutdown): it is retried, and the attempt counts."""

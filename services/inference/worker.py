@@ -57,94 +57,121 @@ class RolloutWorker:
         self.busy = False
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Lease → generate → publish, with the publishing of one batch overlapping the generation
+        of the next (the engine never waits for Redis or the reward function)."""
+        publishing: asyncio.Task | None = None
         delay = 0.1
-        while not stop.is_set():
-            try:
-                leases = await self.queue.lease(self.replica_id, self.lease_seconds, self.tasks_per_batch)
-                delay = 0.1
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                QUEUE_ERRORS.labels(self.replica_id).inc()
-                log.warning("event=queue_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
-                await _sleep_or_stop(stop, delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if not leases:
-                await _sleep_or_stop(stop, self.idle_poll_seconds)
-                continue
-            try:
-                await self.work(leases, stop)
-            except redis.exceptions.RedisError as exc:  # leases left behind expire and are retried
-                QUEUE_ERRORS.labels(self.replica_id).inc()
-                log.warning("event=publish_failed error=%s", type(exc).__name__)
+        try:
+            while not stop.is_set():
+                try:
+                    leases = await self.queue.lease(self.replica_id, self.lease_seconds, self.tasks_per_batch)
+                    delay = 0.1
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                    QUEUE_ERRORS.labels(self.replica_id).inc()
+                    log.warning("event=queue_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
+                    await _sleep_or_stop(stop, delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                if not leases:
+                    if publishing is not None:
+                        await publishing
+                        publishing = None
+                    else:
+                        await _sleep_or_stop(stop, self.idle_poll_seconds)
+                    continue
+                held = {lease.task_id for lease in leases}
+                heartbeat = asyncio.create_task(self._renew(held))
+                RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
+                generated = await self._generate(leases, stop)
+                if publishing is not None:
+                    await publishing
+                publishing = asyncio.create_task(self._publish(generated, held, heartbeat))
+        finally:
+            if publishing is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publishing
 
-    async def work(self, leases: list[Lease], stop: asyncio.Event | None = None) -> None:
-        held = {lease.task_id for lease in leases}
-        RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
-        heartbeat = asyncio.create_task(self._renew(held))
+    async def _generate(self, leases: list[Lease], stop: asyncio.Event | None) -> list[tuple]:
+        """Generate every group of leases with the same sampling; a failed group is left out."""
+        groups: dict[bytes, list[Lease]] = defaultdict(list)
+        for lease in leases:
+            groups[lease.task.sampling.SerializeToString(deterministic=True)].append(lease)
         self.busy = True
         try:
-            groups: dict[bytes, list[Lease]] = defaultdict(list)
-            for lease in leases:
-                groups[lease.task.sampling.SerializeToString(deterministic=True)].append(lease)
-            for group in groups.values():
-                await self._generate_group(group, held, stop)
+            done = [await self._generate_group(group, stop) for group in groups.values()]
         finally:
             self.busy = False
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-            for task_id in list(held):  # anything not completed goes back to the queue
-                with contextlib.suppress(redis.exceptions.RedisError):
-                    await self.queue.fail(self.replica_id, task_id)
+        return [item for item in done if item is not None]
 
-    async def _generate_group(self, group: list[Lease], held: set[str], stop: asyncio.Event | None) -> None:
+    async def _generate_group(self, group: list[Lease], stop: asyncio.Event | None):
         leased_ms = now_ms()
         try:
             sampling = Sampling.from_proto(group[0].task.sampling)
             need = max(lease.task.min_policy_version for lease in group)
             while self.engine.version < need and not (stop and stop.is_set()):
                 await asyncio.sleep(0.02)  # admission: the orchestrator asked for a newer policy
-            prompts, owners = [], []
-            for lease in group:
-                ids = prompt_ids(lease.task, self.tokenizer)
-                for _ in range(max(lease.task.group_size, 1)):
-                    prompts.append(ids)
-                    owners.append(lease)
+            prompts = [prompt_ids(lease.task, self.tokenizer) for lease in group]
+            prompts = [ids for ids, lease in zip(prompts, group, strict=True) for _ in range(max(lease.task.group_size, 1))]
             started_ms, started = now_ms(), time.perf_counter()
             samples: list[Sample] = await asyncio.to_thread(self.engine.generate, prompts, sampling, self.return_traces)
             seconds = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - any engine failure hands the tasks back
             ENGINE_ERRORS.labels(self.replica_id).inc()
             log.exception("event=generation_failed tasks=%s error=%s", [lease.task_id for lease in group], exc)
-            return
+            return None
         tokens = sum(len(s.token_ids) for s in samples)
         TOKENS.labels(self.replica_id).inc(tokens)
         BATCH_SIZE.labels(self.replica_id).observe(len(samples))
         self.tokens_per_second = tokens / max(seconds, 1e-9)
         TOKENS_PER_SECOND.labels(self.replica_id).set(self.tokens_per_second)
-        timings = RolloutTimings(leased_ms, started_ms, now_ms(), seconds)
-        position = 0
-        for lease in group:
-            task = lease.task
-            mine = samples[position : position + max(task.group_size, 1)]
-            position += len(mine)
-            try:
-                reward = get_reward(task.task_name)
-                texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in mine]
-                rewards = [reward(text, task.answer) for text in texts]
-                rollouts = rollouts_from_samples(task, mine, rewards, self.replica_id, self.engine.name, timings)
-                payloads = [encode_rollout(r) for r in rollouts]
-            except Exception as exc:  # noqa: BLE001 - a bad task (unknown reward...) is handed back
-                TASK_ERRORS.labels(self.replica_id).inc()
-                log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
-                continue
-            if await self.queue.complete(self.replica_id, lease.task_id, payloads):
-                PUBLISHED.labels(self.replica_id).inc(len(rollouts))
-                self.published += len(rollouts)
-            else:
-                LEASES_LOST.labels(self.replica_id).inc()
-                log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
-            held.discard(lease.task_id)
+        return group, samples, RolloutTimings(leased_ms, started_ms, now_ms(), seconds)
+
+    async def _publish(self, generated: list[tuple], held: set[str], heartbeat: asyncio.Task) -> None:
+        """Score, encode and publish each task's rollouts (one Redis round trip per batch);
+        whatever is still held at the end (failed generation, bad task, Redis error) is handed
+        back to the queue."""
+        try:
+            ready: list[tuple[Lease, list[bytes]]] = []
+            for group, samples, timings in generated:
+                position = 0
+                for lease in group:
+                    mine = samples[position : position + max(lease.task.group_size, 1)]
+                    position += len(mine)
+                    payloads = self._encode_task(lease, mine, timings)
+                    if payloads is not None:
+                        ready.append((lease, payloads))
+            accepted = await self.queue.complete_many(self.replica_id, [(lease.task_id, payloads) for lease, payloads in ready])
+            for (lease, payloads), ok in zip(ready, accepted, strict=True):
+                if ok:
+                    PUBLISHED.labels(self.replica_id).inc(len(payloads))
+                    self.published += len(payloads)
+                else:
+                    LEASES_LOST.labels(self.replica_id).inc()
+                    log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
+                held.discard(lease.task_id)
+        except redis.exceptions.RedisError as exc:  # leases left behind expire and are retried
+            QUEUE_ERRORS.labels(self.replica_id).inc()
+            log.warning("event=publish_failed error=%s", type(exc).__name__)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            for task_id in list(held):
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    await self.queue.fail(self.replica_id, task_id)
+
+    def _encode_task(self, lease: Lease, samples: list[Sample], timings: RolloutTimings) -> list[bytes] | None:
+        task = lease.task
+        try:
+            reward = get_reward(task.task_name)
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+            rewards = [reward(text, task.answer) for text in texts]
+            rollouts = rollouts_from_samples(task, samples, rewards, self.replica_id, self.engine.name, timings)
+            return [encode_rollout(r) for r in rollouts]
+        except Exception as exc:  # noqa: BLE001 - a bad task (unknown reward...) is handed back
+            TASK_ERRORS.labels(self.replica_id).inc()
+            log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
+            return None
 
     async def _renew(self, held: set[str]) -> None:
         while True:
