@@ -87,10 +87,16 @@ class RoutingController:
         self._recording: Recording | None = None
         self._replay: torch.Tensor | None = None  # [N, L, K]
         self._replay_mask: torch.Tensor | None = None  # [N] bool
+        self.replayed: list[torch.Tensor] = []  # per layer: the ids the last replayed forward used
         self._handles = [
             router.register_forward_hook(self._make_hook(layer, router, rule))
             for layer, (router, rule) in enumerate(self.routers)
         ]
+
+    @property
+    def mode(self) -> str:
+        """"off", "capture" or "replay"."""
+        return self._mode
 
     @property
     def is_moe(self) -> bool:
@@ -175,6 +181,9 @@ class RoutingController:
             if self._replay_mask is not None:
                 keep = self._replay_mask.to(free_indices.device).unsqueeze(-1)
                 indices = torch.where(keep, indices, free_indices)
+            if layer == 0:
+                self.replayed = []
+            self.replayed.append(indices.detach())
             return logits, gate_weights(module, rule, logits, indices), indices
 
         return hook

@@ -1,0 +1,1 @@
+"""Trainer service: version-aware MiniRL over the rollout stream, with routing replay."""

@@ -1,0 +1,74 @@
+"""Trainer process: the Trainer gRPC API (Status, Checkpoint, Pause, Resume) around the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+
+from services.trainer.config import TrainerSettings
+from services.trainer.trainer import Trainer
+from shared.rpc import start_server
+from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
+from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
+
+log = logging.getLogger("steadyrl.trainer")
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def _status(self) -> pb.TrainerStatus:
+        t = self.trainer
+        return pb.TrainerStatus(
+            version=common_pb2.PolicyVersion(version=t.state.version, parent_version=max(t.state.version - 1, 0)),
+            step=t.state.step, paused=t.paused, recipe=t.recipe,
+            rollouts_trained=len(t.state.consumed),
+            rollouts_dropped_stale=t.state.counters.get("dropped_stale", 0),
+            rollouts_dead_lettered=t.state.counters.get("dead_lettered", 0),
+            last_metrics={k: float(v) for k, v in t.last_metrics.items()},
+        )
+
+    async def Status(self, request, context):
+        return self._status()
+
+    async def Checkpoint(self, request, context):
+        path = await self.trainer.checkpoint_now()
+        return pb.CheckpointReply(path=str(path), step=self.trainer.state.step, version=self.trainer.state.version)
+
+    async def Pause(self, request, context):
+        self.trainer.paused = True
+        return self._status()
+
+    async def Resume(self, request, context):
+        self.trainer.paused = False
+        return self._status()
+
+
+async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    from shared.metrics import start_metrics_server
+
+    stop = stop or asyncio.Event()
+    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
+    trainer = await asyncio.to_thread(Trainer, settings, redis)
+    server, port, _ = await start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
+                                         ["steadyrl.v1.Trainer"], f"{settings.host}:{settings.port}",
+                                         settings.max_message_bytes)
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    log.info("event=started service=trainer port=%d metrics_port=%d step=%d version=%d", port, metrics_port,
+             trainer.state.step, trainer.state.version)
+    if ready is not None:
+        ready.set()
+    loop = asyncio.create_task(trainer.run(stop))
+    try:
+        await asyncio.wait({loop, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        if loop.done():
+            loop.result()  # raise what stopped it
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await trainer.close()
+        await server.stop(grace=1.0)
+        await redis.aclose()

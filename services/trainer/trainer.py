@@ -1,0 +1,298 @@
+"""The trainer's loop: rollout stream → complete groups → one global step → checkpoint → publish
+the new version → acknowledge.
+
+Durability: a rollout is XACKed (and appended to the `trained` ledger, in the same MULTI) only
+once a checkpoint that includes its update and its id is on disk. A crash before that leaves the
+entry pending: the restarted trainer claims it back (XAUTOCLAIM) and either trains it (its update
+was lost with the crash) or, if the checkpoint already lists its id, only acknowledges it. So no
+rollout is trained twice into the surviving model and none is skipped. Checkpoint first, then
+publish: a published version always exists in a checkpoint, so a restart never re-numbers one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import redis.exceptions
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+from redis.asyncio import Redis
+
+from services.trainer.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from services.trainer.config import TrainerSettings
+from shared.models import load_causal_lm
+from shared.models.routing import RoutingController
+from shared.queues import WorkQueue
+from shared.rollout import Rollout, RolloutError, RolloutLimits, decode_rollout, validate_rollout
+from shared.training import collate, resolve_recipe, train_step
+
+log = logging.getLogger("steadyrl.trainer")
+GROUP = "trainer"
+
+STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
+VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")
+TRAINED = Counter("steadyrl_trainer_rollouts_trained_total", "Rollouts trained")
+DROPPED = Counter("steadyrl_trainer_rollouts_dropped_stale_total", "Rollouts dropped for staleness")
+DEAD = Counter("steadyrl_trainer_rollouts_dead_lettered_total", "Malformed rollouts sent to the dead-letter stream",
+               ["reason"])
+DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
+STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
+        self.settings = settings
+        torch.manual_seed(settings.seed)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        self.model = load_causal_lm(settings.model_path, "float32").train()
+        self.routing = RoutingController(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=settings.adam_betas,
+                                           weight_decay=settings.weight_decay)
+        config = self.model.config
+        self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
+        self.limits = RolloutLimits(
+            max_encoded_bytes=settings.max_rollout_bytes, vocab_size=int(config.vocab_size),
+            num_layers=self.routing.num_layers or None, top_k=self.routing.top_k or None,
+            num_experts=self.routing.num_experts or None,
+        )
+        self.checkpoints = settings.out_dir / "checkpoints"
+        self.state = TrainerState()
+        found = latest_checkpoint(self.checkpoints)
+        if found is not None:
+            self.state = load_checkpoint(found, self.model, self.optimizer)
+            log.info("event=resumed checkpoint=%s step=%d version=%d consumed=%d", found.name, self.state.step,
+                     self.state.version, len(self.state.consumed))
+        self.redis = redis
+        self.queue = WorkQueue(redis, settings.run_id)
+        self.stream = self.queue.rollout_stream
+        self.dead_stream = self.stream + ":dead"
+        self.ledger = self.queue.keys["tasks"].rsplit(":", 1)[0] + ":trained"
+        self.groups: OrderedDict[str, dict[str, tuple[bytes, Rollout]]] = OrderedDict()
+        self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
+        self.paused = False
+        self.recipe = ""
+        self.last_metrics: dict[str, float] = {}
+        self.publisher = None
+        if settings.weightsync_address:
+            from shared.weightsync_client import WeightPublisher
+
+            key = settings.hmac_key_file.read_bytes().strip() if settings.hmac_key_file else None
+            self.publisher = WeightPublisher(settings.weightsync_address, key=key,
+                                             max_message_bytes=settings.max_message_bytes)
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self.state.counters[name] = self.state.counters.get(name, 0) + amount
+
+    # --- the stream -----------------------------------------------------------------------------
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def claim_pending(self) -> int:
+        """Take over entries a previous trainer read but never acknowledged."""
+        start, claimed = "0-0", 0
+        while True:
+            reply = await self.redis.xautoclaim(self.stream, GROUP, self.settings.consumer, 0, start, count=512)
+            start, entries = reply[0], reply[1]
+            await self.accept(entries, claimed=True)
+            claimed += len(entries)
+            if start in (b"0-0", "0-0"):
+                return claimed
+
+    async def read(self) -> int:
+        reply = await self.redis.xreadgroup(GROUP, self.settings.consumer, {self.stream: ">"}, count=512,
+                                            block=self.settings.read_block_ms)
+        entries = reply[0][1] if reply else []
+        await self.accept(entries)
+        return len(entries)
+
+    async def accept(self, entries: list, claimed: bool = False) -> None:
+        """Decode and validate entries into groups; bad ones go to the dead-letter stream.
+
+        An id the checkpoint already lists was trained: a claimed entry (the crash hit between
+        checkpoint and XACK) is acknowledged into the ledger now; a new one is a duplicate."""
+        for entry_id, fields in entries:
+            data = fields.get(b"r") if fields else None
+            try:
+                if data is None:
+                    raise RolloutError("missing_field", "stream entry has no 'r' field")
+                rollout = validate_rollout(decode_rollout(data, self.limits),
+                                           RolloutLimits(**{**vars(self.limits), "max_version": self.state.version}))
+            except RolloutError as exc:
+                await self.dead_letter(entry_id, exc.reason, str(exc), data or b"")
+                continue
+            if rollout.rollout_id in self.state.consumed:
+                await self.ack([(entry_id, rollout.rollout_id)], ledger=claimed)
+                if not claimed:
+                    DUPLICATES.inc()
+                    self.count("duplicates")
+                continue
+            group = self.groups.setdefault(rollout.group_id, {})
+            if rollout.rollout_id in group:
+                await self.redis.xack(self.stream, GROUP, entry_id)
+                DUPLICATES.inc()
+                self.count("duplicates")
+                continue
+            group[rollout.rollout_id] = (entry_id, rollout)
+
+    async def dead_letter(self, entry_id: bytes, reason: str, message: str, data: bytes) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.dead_stream, {"entry": entry_id, "reason": reason, "message": message[:1000], "r": data})
+            pipe.xack(self.stream, GROUP, entry_id)
+            await pipe.execute()
+        DEAD.labels(reason).inc()
+        self.count("dead_lettered")
+        log.warning("event=rollout_dead_lettered entry=%s reason=%s", entry_id.decode(), reason)
+
+    async def ack(self, items: list[tuple[bytes, str]], ledger: bool = True) -> None:
+        """XACK entries and (for trained ones) append their ids to the ledger, atomically."""
+        if not items:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.stream, GROUP, *[entry for entry, _ in items])
+            if ledger:
+                pipe.rpush(self.ledger, *[rid for _, rid in items])
+            await pipe.execute()
+
+    def complete_groups(self) -> list[str]:
+        size = self.settings.group_size
+        return [gid for gid, members in self.groups.items() if len(members) >= size]
+
+    async def drop_stale(self) -> None:
+        """Whole groups whose oldest token is more than max_staleness versions behind are dropped."""
+        limit = self.state.version - self.settings.max_staleness
+        stale = [gid for gid, members in self.groups.items()
+                 if min(r.min_version for _, r in members.values()) < limit]
+        for gid in stale:
+            members = self.groups.pop(gid)
+            await self.ack([(entry, rid) for rid, (entry, _) in members.items()], ledger=False)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(self.ledger + ":dropped", *members)
+                await pipe.execute()
+            DROPPED.inc(len(members))
+            self.count("dropped_stale", len(members))
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def _step(self, rollouts: list[Rollout]) -> dict[str, float]:
+        batch = collate(rollouts, self.pad_token_id)
+        staleness_max = int((self.state.version - batch.versions[batch.loss_mask]).clamp(min=0).max()) \
+            if batch.loss_mask.any() else 0
+        s = self.settings
+        if s.recipe == "auto":
+            replay, clip, why = resolve_recipe(s.mini_batches, staleness_max, batch.trace is not None)
+            if not self.routing.is_moe:
+                replay, why = "off", why + " (dense model: no replay)"
+        else:
+            replay, clip, why = s.routing_replay, s.clip, "manual"
+        if s.bypass and replay == "r2":
+            replay, why = "off", why + " (bypass: no recompute to replay, R2 off)"
+        recipe = f"{s.objective}{'+tis' if s.train_infer_is else ''}{'+clip' if clip else ''}" + \
+            (f"+{replay}" if replay != "off" else "")
+        if recipe != self.recipe:
+            log.info("event=recipe recipe=%s why=%s", recipe, why)
+            self.recipe = recipe
+        return train_step(self.model, self.optimizer, self.routing, batch, s.group_size,
+                          s.step_config(replay, clip), self.state.version)
+
+    async def step(self, group_ids: list[str]) -> dict[str, float]:
+        started = time.perf_counter()
+        members = [self.groups.pop(gid) for gid in group_ids]
+        rollouts = [r for group in members for _, r in sorted(group.values(), key=lambda x: x[1].sample_index)]
+        log.info("event=step_started step=%d rollouts=%d", self.state.step + 1, len(rollouts))
+        metrics = await asyncio.to_thread(self._step, rollouts)
+        self.state.step += 1
+        self.state.version += 1
+        self.state.consumed.update(r.rollout_id for r in rollouts)
+        self.unacked.extend((entry, rid) for group in members for rid, (entry, _) in group.items())
+        seconds = time.perf_counter() - started
+        metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
+                       tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
+                       dropped_stale=self.state.counters.get("dropped_stale", 0))
+        if self.state.step % self.settings.checkpoint_every == 0 or self.stopping_after_this():
+            await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,
+                                    self.settings.keep_checkpoints)
+            await self.publish()
+            await self.ack(self.unacked)
+            self.unacked = []
+        else:
+            await self.publish()
+        self.write_metrics(metrics)
+        STEPS.inc()
+        TRAINED.inc(len(rollouts))
+        STEP_SECONDS.observe(seconds)
+        VERSION.set(self.state.version)
+        for key, value in metrics.items():
+            LAST.labels(key).set(value)
+        self.last_metrics = metrics
+        return metrics
+
+    def stopping_after_this(self) -> bool:
+        return bool(self.settings.max_steps) and self.state.step >= self.settings.max_steps
+
+    async def publish(self) -> None:
+        if self.publisher is None:
+            return
+        import grpc
+
+        try:
+            await self.publisher.push(self.model.state_dict(), self.state.version, self.state.version - 1)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # already there after a restart
+                raise
+            log.info("event=version_already_published version=%d", self.state.version)
+
+    def write_metrics(self, metrics: dict[str, float]) -> None:
+        self.settings.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.settings.out_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
+                               | {"recipe": self.recipe}) + "\n")
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.ensure_group()
+        claimed = await self.claim_pending()
+        log.info("event=trainer_ready step=%d version=%d claimed=%d recipe=%s", self.state.step,
+                 self.state.version, claimed, self.settings.recipe)
+        while not stop.is_set() and not self.stopping_after_this():
+            if self.paused:
+                await asyncio.sleep(0.1)
+                continue
+            await self.read()
+            await self.drop_stale()
+            ready = self.complete_groups()
+            if len(ready) >= self.settings.batch_prompts:
+                metrics = await self.step(ready[: self.settings.batch_prompts])
+                log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e seconds=%.2f", metrics["step"],
+                         metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"],
+                         metrics["step_seconds"])
+
+    async def checkpoint_now(self) -> Path:
+        path = await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,
+                                       self.settings.keep_checkpoints)
+        await self.ack(self.unacked)
+        self.unacked = []
+        return path
+
+    async def close(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
+

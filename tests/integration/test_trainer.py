@@ -1,0 +1,245 @@
+"""The trainer on the tiny MoE: real redis-server, recorded rollouts from the bf16 torch engine."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from redis.asyncio import Redis
+
+from services.trainer.config import TrainerSettings
+from services.trainer.server import serve as serve_trainer
+from shared.core.loss import LossConfig, policy_loss
+from shared.engines import Sampling, make_engine
+from shared.models import load_causal_lm
+from shared.models.routing import RoutingController
+from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+from shared.queues import WorkQueue
+from shared.rollout import RolloutTimings, encode_rollout, rollouts_from_samples
+from shared.rpc.steadyrl.v1 import common_pb2
+from shared.tasks import get_reward
+from shared.training import StepConfig, collate, sequence_logprobs, train_step
+
+GROUP = 4
+
+
+def recorded_rollouts(model_dir, groups: int, seed: int = 0, version: int = 0):
+    """`groups` prompts × G samples from the bf16 torch engine, scored, as Rollouts."""
+    engine = make_engine("torch", str(model_dir), "bfloat16")
+    tokenizer = char_tokenizer()
+    examples = TinySpec().task(seed).split("train", groups)
+    prompts = encode_prompts(tokenizer, [e.prompt for e in examples])
+    samples = engine.generate([p for p in prompts for _ in range(GROUP)], Sampling(temperature=1.0, max_new_tokens=6,
+                                                                                    seed=seed + 1), return_trace=True)
+    out = []
+    for g, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
+        mine = samples[g * GROUP : (g + 1) * GROUP]
+        for s in mine:
+            s.versions = [version] * len(s.token_ids)
+        task = common_pb2.PromptTask(task_id=f"s{seed}-t{g}", run_id="r", prompt_token_ids=prompt)
+        rewards = [get_reward("exact_match")(tokenizer.decode(s.token_ids, skip_special_tokens=True), example.answer)
+                   for s in mine]
+        out.extend(rollouts_from_samples(task, mine, rewards, "rec", "torch", RolloutTimings()))
+    return out
+
+
+async def publish(redis, run_id, rollouts):
+    stream = WorkQueue(redis, run_id).rollout_stream
+    for r in rollouts:
+        await redis.xadd(stream, {"task": r.task_id, "r": encode_rollout(r)})
+
+
+def settings_for(tmp_path, model_dir, redis_server, run_id, **overrides) -> TrainerSettings:
+    values = dict(port=0, metrics_port=0, model_path=str(model_dir), out_dir=tmp_path / "trainer",
+                  redis_url=redis_server.url, run_id=run_id, batch_prompts=2, group_size=GROUP, lr=1e-3,
+                  read_block_ms=50)
+    return TrainerSettings(**(values | overrides))
+
+
+def test_one_step_through_redis_equals_the_math_by_hand(tmp_path, tiny_model_dir, redis_server, run_id):
+    rollouts = recorded_rollouts(tiny_model_dir, 2)
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        await publish(redis, run_id, rollouts)
+        await publish(redis, run_id, rollouts[:2])  # delivered twice: trained once
+        await serve_trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1))
+        stream = WorkQueue(redis, run_id).rollout_stream
+        pending = await redis.xpending(stream, "trainer")
+        ledger = await redis.lrange(stream.rsplit(":", 1)[0] + ":trained", 0, -1)
+        await redis.aclose()
+        return pending, ledger
+
+    pending, ledger = asyncio.run(asyncio.wait_for(main(), 120))
+    assert pending["pending"] == 0  # everything acknowledged: the step is checkpointed
+    assert sorted(x.decode() for x in ledger) == sorted(r.rollout_id for r in rollouts)
+    # the same step by hand: shared.core on the same batch, AdamW, grad clip 1.0
+    model = load_causal_lm(tiny_model_dir, "float32").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    batch = collate(rollouts)
+    rewards = batch.rewards.view(-1, GROUP)
+    advantages = (rewards - rewards.mean(dim=1, keepdim=True)).reshape(-1)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+        old = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    current = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    loss, _ = policy_loss(current, old, batch.inference_logprobs, advantages, batch.loss_mask, LossConfig())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    from safetensors.torch import load_file
+
+    trained = load_file(str(tmp_path / "trainer" / "checkpoints" / "step-00000001" / "model.safetensors"))
+    start = load_causal_lm(tiny_model_dir, "float32").state_dict()
+    worst = max(float((trained[k] - v).abs().max()) for k, v in model.state_dict().items())
+    moved = max(float((trained[k] - v).abs().max()) for k, v in start.items())
+    assert worst <= 1e-6 and moved > 1e-4
+    line = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("step", "version", "reward_mean", "entropy", "mismatch_kl_k1", "mismatch_kl_k3", "is_weight_mean",
+                "is_weight_max", "is_truncated_frac", "clip_frac", "staleness_mean", "staleness_max",
+                "dropped_stale", "routing_agreement", "first_order_error", "grad_norm", "tokens_per_s",
+                "step_seconds"):
+        assert key in line, key
+    assert line["step"] == 1 and line["version"] == 1 and line["recipe"] == "minirl+tis+clip"
+    assert line["mismatch_kl_k3"] > 0 and 0.9 < line["routing_agreement"] <= 1.0  # bf16 inference vs fp32
+
+
+def forward_snapshots(model, routing):
+    """Record, for every forward of `model`, the expert ids it routed by (replay) per layer."""
+    seen = []
+    def hook(module, args, output):
+        if routing.mode == "replay":
+            seen.append([t.clone() for t in routing.replayed])
+
+    handle = model.register_forward_hook(hook)
+    return seen, handle
+
+
+def test_r3_routes_every_forward_exactly_as_the_inference_trace(tiny_model_dir):
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=3)
+    rng = np.random.default_rng(0)
+    for r in rollouts:  # a trace unlike the model's own routing: replay must follow it
+        r.routing_trace = np.stack([rng.permutation(8)[:2] for _ in range(r.routing_trace.shape[0] * 2)]).reshape(
+            -1, 2, 2).astype(np.uint8)
+    batch = collate(rollouts)
+    model = load_causal_lm(tiny_model_dir, "float32").train()
+    routing = RoutingController(model)
+    seen, handle = forward_snapshots(model, routing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, optimizer, routing, batch, GROUP, StepConfig(replay="r3", mini_batches=2), version=0)
+    handle.remove()
+    assert len(seen) == 3  # π_old recompute + two updates (the agreement capture is not replayed)
+    rows = [list(range(0, 4)), list(range(4, 8))]
+    for forward, picked in zip(seen, [list(range(8)), *rows], strict=True):
+        for layer, used in enumerate(forward):
+            used = used.view(len(picked), batch.input_ids.shape[1], 2)
+            want, where = batch.trace[picked][..., layer, :], batch.trace_mask[picked]
+            assert torch.equal(used[where], want[where])
+
+
+def test_r2_replays_the_recompute_routing_in_every_update(tiny_model_dir):
+    batch = collate(recorded_rollouts(tiny_model_dir, 2, seed=5))
+    model = load_causal_lm(tiny_model_dir, "float32").train()
+    routing = RoutingController(model)
+    with torch.no_grad():
+        expected = sequence_logprobs(model, batch, routing, capture=True).routing
+    seen, handle = forward_snapshots(model, routing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)  # large: free routing would drift
+    train_step(model, optimizer, routing, batch, GROUP, StepConfig(replay="r2", mini_batches=2), version=0)
+    handle.remove()
+    assert len(seen) == 2  # the recompute captures; each update replays
+    for forward, picked in zip(seen, [list(range(0, 4)), list(range(4, 8))], strict=True):
+        where = batch.attention_mask[picked].bool()
+        for layer, used in enumerate(forward):
+            used = used.view(len(picked), batch.input_ids.shape[1], 2)
+            assert torch.equal(used[where], expected[picked][..., layer, :][where])
+    with torch.no_grad():  # and without replay the updated model now routes differently somewhere
+        free = sequence_logprobs(model, batch, routing, capture=True).routing
+    assert not torch.equal(free[batch.attention_mask.bool()], expected[batch.attention_mask.bool()])
+
+
+def test_r3_without_traces_is_an_error(tiny_model_dir):
+    rollouts = recorded_rollouts(tiny_model_dir, 1, seed=7)
+    rollouts[0].routing_trace = None
+    model = load_causal_lm(tiny_model_dir, "float32")
+    with pytest.raises(ValueError, match="R3 needs a routing trace"):
+        train_step(model, torch.optim.AdamW(model.parameters()), RoutingController(model), collate(rollouts),
+                   GROUP, StepConfig(replay="r3"), version=0)
+
+
+def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redis_server, run_id):
+    fresh = recorded_rollouts(tiny_model_dir, 2, seed=11, version=0)
+    future = recorded_rollouts(tiny_model_dir, 1, seed=12, version=9)  # from a version that does not exist
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        stream = WorkQueue(redis, run_id).rollout_stream
+        await redis.xadd(stream, {"r": b"\x00garbage"})
+        await redis.xadd(stream, {"nothing": b"1"})
+        await publish(redis, run_id, future + fresh)
+        await serve_trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1))
+        dead = await redis.xrange(stream + ":dead")
+        pending = await redis.xpending(stream, "trainer")
+        await redis.aclose()
+        return dead, pending
+
+    dead, pending = asyncio.run(asyncio.wait_for(main(), 120))
+    reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
+    assert reasons == ["decode", "future_version", "future_version", "future_version", "future_version",
+                       "missing_field"]
+    assert pending["pending"] == 0
+    line = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["step"] == 1 and line["tokens"] == sum(len(r.completion_token_ids) for r in fresh)
+
+
+TRAINER_ENV = {"STEADYRL_TRAINER_PORT": "0", "STEADYRL_TRAINER_METRICS_PORT": "0", "STEADYRL_TRAINER_LR": "1e-3",
+               "STEADYRL_TRAINER_BATCH_PROMPTS": "4", "STEADYRL_TRAINER_GROUP_SIZE": str(GROUP),
+               "STEADYRL_TRAINER_MAX_STALENESS": "100", "STEADYRL_TRAINER_READ_BLOCK_MS": "50",
+               "STEADYRL_TRAINER_TORCH_THREADS": "1"}
+
+
+def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model_dir, redis_server, run_id):
+    rollouts = recorded_rollouts(tiny_model_dir, 24, seed=21)  # 6 steps of 4 prompts
+    env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+           "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / "trainer"), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "6", "STEADYRL_LOG_LEVEL": "INFO"}
+    metrics = tmp_path / "trainer" / "metrics.jsonl"
+
+    def steps_done() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        await publish(redis, run_id, rollouts)
+        kills = []
+        # between steps: right after step 1 is logged (checkpointed, acknowledged);
+        # mid-step: as soon as step 3 has started (its forwards and optimizer steps are running)
+        for marker in ("event=step step=1 ", "event=step_started step=3 "):
+            trainer = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.trainer", env=env,
+                                                           stderr=subprocess.PIPE)
+            while marker not in (line := (await trainer.stderr.readline()).decode()):
+                assert line, "the trainer exited before the marker"
+            os.kill(trainer.pid, signal.SIGKILL)
+            await trainer.wait()
+            kills.append((marker.strip(), steps_done()))
+        final = subprocess.run([sys.executable, "-m", "services.trainer"], env=env, timeout=300)
+        stream = WorkQueue(redis, run_id).rollout_stream
+        ledger = [x.decode() for x in await redis.lrange(stream.rsplit(":", 1)[0] + ":trained", 0, -1)]
+        pending = await redis.xpending(stream, "trainer")
+        await redis.aclose()
+        return kills, final.returncode, ledger, pending
+
+    kills, code, ledger, pending = asyncio.run(asyncio.wait_for(main(), 600))
+    assert code == 0 and pending["pending"] == 0
+    assert len(ledger) == len(set(ledger)) == len(rollouts)  # no duplicate, no gap
+    assert set(ledger) == {r.rollout_id for r in rollouts}
+    state = json.loads((tmp_path / "trainer" / "checkpoints" / "step-00000006" / "state.json").read_text())
+    assert state["version"] == 6 and len(state["consumed"]) == len(rollouts)
+    print("trainer killed at", kills)
+    assert kills[0][1] == 1 and kills[1][1] == 2  # the mid-step kill lost step 3 before its checkpoint
