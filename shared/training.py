@@ -161,13 +161,24 @@ def split_groups(num_groups: int, group_size: int, parts: int) -> list[list[int]
     return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size)) for i in range(parts)]
 
 
+def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        import torch.distributed as dist
+
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
 def train_step(model, optimizer, routing: RoutingController | None, batch: TrainBatch, group_size: int,
-               config: StepConfig, version: int, scale: float = 1.0, token_total=None) -> dict[str, float]:
+               config: StepConfig, version: int, rank: int = 0, world: int = 1) -> dict[str, float]:
     """One global step on `batch` (rows grouped G by G): advantages, π_old, N optimizer steps.
 
-    `scale` multiplies each loss (data parallel: the world size, since DDP averages gradients) and
-    `token_total(mask)` returns the token normaliser of a mini-batch (data parallel: all ranks').
-    Returns the step's diagnostics (means over the mini-batches)."""
+    Data parallel (`world` > 1, `model` wrapped in DistributedDataParallel): every rank holds the
+    whole global batch, computes the advantages of all of it, and works on rows[rank::world] of
+    each mini-batch; the loss normalisers are summed over ranks and the loss is scaled by `world`
+    (DDP averages gradients), so the update equals one process on the whole batch.
+    Returns the step's diagnostics (this rank's means over the mini-batches)."""
     import time
 
     if batch.size % group_size:
@@ -179,43 +190,51 @@ def train_step(model, optimizer, routing: RoutingController | None, batch: Train
         raise ValueError(f"routing replay {config.replay} needs an MoE model")
     advantages = group_advantages(batch.rewards.view(-1, group_size), config.advantage).reshape(-1)
     staleness = (version - batch.versions).clamp(min=0).float()
+    rows_of = [rows[rank::world] for rows in split_groups(batch.size // group_size, group_size, config.mini_batches)]
+    if any(not rows for rows in rows_of):
+        raise ValueError(f"a mini-batch has fewer rows than the {world} ranks")
+    mine = [row for rows in rows_of for row in rows]
+    position = {row: i for i, row in enumerate(mine)}
+    local = batch.select(mine)
     inner = getattr(model, "module", model)
     old = r2_trace = agreement = None
     with torch.no_grad():
         if not config.bypass:
             recompute = sequence_logprobs(
-                model, batch, routing,
-                replay=batch.trace if config.replay == "r3" else None,
-                replay_mask=batch.trace_mask if config.replay == "r3" else None,
+                model, local, routing,
+                replay=local.trace if config.replay == "r3" else None,
+                replay_mask=local.trace_mask if config.replay == "r3" else None,
                 capture=is_moe and config.replay != "r3",
             )
             old = recompute.logprobs
             r2_trace = recompute.routing
-        if is_moe and batch.trace is not None:
-            own = r2_trace if r2_trace is not None else sequence_logprobs(inner, batch, routing, capture=True).routing
-            agreement = float(routing_agreement(own, batch.trace, batch.trace_mask))
-    rows_of = split_groups(batch.size // group_size, group_size, config.mini_batches)
+        if is_moe and local.trace is not None:
+            own = r2_trace if r2_trace is not None else sequence_logprobs(inner, local, routing, capture=True).routing
+            agreement = float(routing_agreement(own, local.trace, local.trace_mask))
     totals: dict[str, float] = {}
     loss_seconds = 0.0
     entropies, grad_norms = [], []
     for rows in rows_of:
         mb = batch.select(rows)
-        index = torch.tensor(rows)
+        at = torch.tensor([position[row] for row in rows])
         replay = replay_mask = None
         if config.replay == "r3":
             replay, replay_mask = mb.trace, mb.trace_mask
         elif config.replay == "r2":
-            replay, replay_mask = r2_trace.index_select(0, index), mb.attention_mask.bool()
+            replay, replay_mask = r2_trace.index_select(0, at), mb.attention_mask.bool()
         optimizer.zero_grad(set_to_none=True)
         forward = sequence_logprobs(model, mb, routing, replay=replay, replay_mask=replay_mask)
         started = time.perf_counter()
-        normalizer = token_total(mb.loss_mask) if token_total is not None else None
+        counted = mb.loss_mask & torch.isfinite(mb.inference_logprobs)  # policy_loss drops the others
+        tokens = _global_sum(counted.sum(), world)
+        sequences = _global_sum(counted.any(dim=-1).sum(), world)
         loss, metrics = policy_loss(
-            forward.logprobs, None if old is None else old.index_select(0, index), mb.inference_logprobs,
-            advantages.index_select(0, index), mb.loss_mask, config.loss, token_normalizer=normalizer,
+            forward.logprobs, None if old is None else old.index_select(0, at), mb.inference_logprobs,
+            advantages.index_select(0, torch.tensor(rows)), mb.loss_mask, config.loss,
+            token_normalizer=tokens, sequence_normalizer=sequences,
         )
         loss_seconds += time.perf_counter() - started
-        (loss * scale).backward()
+        (loss * world).backward()
         max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()

@@ -53,6 +53,11 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
     stop = stop or asyncio.Event()
     redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
     trainer = await asyncio.to_thread(Trainer, settings, redis)
+    if trainer.rank > 0:  # data parallel: only rank 0 reads Redis, serves gRPC and publishes
+        steps = await asyncio.to_thread(trainer.follow)
+        log.info("event=follower_done rank=%d steps=%d", trainer.rank, steps)
+        await redis.aclose()
+        return
     server, port, _ = await start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
                                          ["steadyrl.v1.Trainer"], f"{settings.host}:{settings.port}",
                                          settings.max_message_bytes)
@@ -69,6 +74,7 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+        await asyncio.to_thread(trainer.stop_followers)
         await trainer.close()
         await server.stop(grace=1.0)
         await redis.aclose()

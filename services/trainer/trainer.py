@@ -30,10 +30,18 @@ from services.trainer.checkpoint import (
     save_checkpoint,
 )
 from services.trainer.config import TrainerSettings
+from shared.distributed import broadcast_payloads, init_from_env
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.queues import WorkQueue
-from shared.rollout import Rollout, RolloutError, RolloutLimits, decode_rollout, validate_rollout
+from shared.rollout import (
+    Rollout,
+    RolloutError,
+    RolloutLimits,
+    decode_rollout,
+    encode_rollout,
+    validate_rollout,
+)
 from shared.training import collate, resolve_recipe, train_step
 
 log = logging.getLogger("steadyrl.trainer")
@@ -59,6 +67,8 @@ class Trainer:
             torch.set_num_threads(settings.torch_threads)
         self.model = load_causal_lm(settings.model_path, "float32").train()
         self.routing = RoutingController(self.model)
+        self.rank, self.world = init_from_env()
+        self.parallel = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=settings.adam_betas,
                                            weight_decay=settings.weight_decay)
         config = self.model.config
@@ -192,6 +202,11 @@ class Trainer:
     # --- one step -------------------------------------------------------------------------------
 
     def _step(self, rollouts: list[Rollout]) -> dict[str, float]:
+        if self.world > 1:  # the other ranks train on the same global batch (see follow)
+            broadcast_payloads([encode_rollout(r) for r in rollouts], self.state.version)
+        return self._step_local(rollouts)
+
+    def _step_local(self, rollouts: list[Rollout]) -> dict[str, float]:
         batch = collate(rollouts, self.pad_token_id)
         staleness_max = int((self.state.version - batch.versions[batch.loss_mask]).clamp(min=0).max()) \
             if batch.loss_mask.any() else 0
@@ -209,8 +224,23 @@ class Trainer:
         if recipe != self.recipe:
             log.info("event=recipe recipe=%s why=%s", recipe, why)
             self.recipe = recipe
-        return train_step(self.model, self.optimizer, self.routing, batch, s.group_size,
-                          s.step_config(replay, clip), self.state.version)
+        return train_step(self.parallel, self.optimizer, self.routing, batch, s.group_size,
+                          s.step_config(replay, clip), self.state.version, self.rank, self.world)
+
+    def follow(self) -> int:
+        """Ranks > 0 of a data-parallel trainer: train each batch rank 0 broadcasts, until it stops."""
+        steps = 0
+        while True:
+            payloads, version = broadcast_payloads(None)
+            if payloads is None:
+                return steps
+            self.state.version = version
+            self._step_local([decode_rollout(p) for p in payloads])
+            steps += 1
+
+    def stop_followers(self) -> None:
+        if self.world > 1 and self.rank == 0:
+            broadcast_payloads(None)
 
     async def step(self, group_ids: list[str]) -> dict[str, float]:
         started = time.perf_counter()

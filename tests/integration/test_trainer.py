@@ -243,3 +243,45 @@ def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model
     assert state["version"] == 6 and len(state["consumed"]) == len(rollouts)
     print("trainer killed at", kills)
     assert kills[0][1] == 1 and kills[1][1] == 2  # the mid-step kill lost step 3 before its checkpoint
+
+
+def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_server, run_id):
+    import grpc
+
+    from shared.redis_server import free_port
+    from shared.rpc.steadyrl.v1 import trainer_pb2_grpc
+    from shared.rpc.steadyrl.v1 import trainer_pb2 as tpb
+
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=51)
+    port = free_port()
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        server = asyncio.create_task(serve_trainer(
+            settings_for(tmp_path, tiny_model_dir, redis_server, run_id, port=port), ready=ready, stop=stop))
+        await ready.wait()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            paused = await stub.Pause(common_pb2.Empty())
+            await publish(redis, run_id, rollouts)
+            await asyncio.sleep(1.0)
+            idle = await stub.Status(common_pb2.Empty())
+            resumed = await stub.Resume(common_pb2.Empty())
+            for _ in range(600):
+                status = await stub.Status(common_pb2.Empty())
+                if status.step == 1:
+                    break
+                await asyncio.sleep(0.05)
+            checkpoint = await stub.Checkpoint(tpb.CheckpointRequest(tag="manual"))
+        stop.set()
+        await server
+        await redis.aclose()
+        return paused, idle, resumed, status, checkpoint
+
+    paused, idle, resumed, status, checkpoint = asyncio.run(asyncio.wait_for(main(), 120))
+    assert paused.paused and idle.paused and idle.step == 0 and not resumed.paused
+    assert status.step == 1 and status.version.version == 1 and status.rollouts_trained == 8
+    assert status.recipe == "minirl+tis+clip" and "reward_mean" in status.last_metrics
+    assert checkpoint.step == 1 and checkpoint.version == 1
+    assert (tmp_path / "trainer" / "checkpoints" / "step-00000001" / "model.safetensors").exists()

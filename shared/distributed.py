@@ -1,0 +1,55 @@
+"""torch.distributed plumbing for data-parallel training (gloo on CPU, nccl on GPU).
+
+Batches travel between ranks as protobuf bytes packed into a uint8 tensor (never pickle, so no
+`broadcast_object_list`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env() -> tuple[int, int]:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def broadcast_payloads(payloads: list[bytes] | None, tag: int = 0, src: int = 0) -> tuple[list[bytes] | None, int]:
+    """Send (on `src`) or receive a list of byte strings and an integer tag; None = stop."""
+    device = _device()
+    if dist.get_rank() == src:
+        items = payloads or []
+        header = torch.tensor([len(items) if payloads is not None else -1, tag], dtype=torch.long, device=device)
+    else:
+        header = torch.zeros(2, dtype=torch.long, device=device)
+    dist.broadcast(header, src)
+    count, tag = int(header[0]), int(header[1])
+    if count < 0:
+        return None, tag
+    if dist.get_rank() == src:
+        lengths = torch.tensor([len(p) for p in items], dtype=torch.long, device=device)
+        data = torch.frombuffer(bytearray(b"".join(items)), dtype=torch.uint8).to(device) if items else \
+            torch.zeros(0, dtype=torch.uint8, device=device)
+    else:
+        lengths = torch.zeros(count, dtype=torch.long, device=device)
+    dist.broadcast(lengths, src)
+    if dist.get_rank() != src:
+        data = torch.zeros(int(lengths.sum()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src)
+    raw = data.cpu().numpy().tobytes()
+    out, offset = [], 0
+    for length in lengths.tolist():
+        out.append(raw[offset : offset + length])
+        offset += length
+    return out, tag
