@@ -249,8 +249,8 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     import grpc
 
     from shared.redis_server import free_port
-    from shared.rpc.steadyrl.v1 import trainer_pb2_grpc
     from shared.rpc.steadyrl.v1 import trainer_pb2 as tpb
+    from shared.rpc.steadyrl.v1 import trainer_pb2_grpc
 
     rollouts = recorded_rollouts(tiny_model_dir, 2, seed=51)
     port = free_port()
