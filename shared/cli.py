@@ -71,6 +71,16 @@ def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precis
     typer.echo(json.dumps(run(dtype)))
 
 
+@bench_app.command("trainer")
+def bench_trainer() -> None:
+    """Loss-math share of a step and the routing replay overhead of a training forward."""
+    import json
+
+    from bench.trainer import main as run
+
+    typer.echo(json.dumps(run()))
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,84 @@
+"""Trainer benchmark on the tiny MoE (fp32): the share of a global step spent in the loss and
+correction math (shared.core.policy_loss), and the routing replay overhead of a training
+forward + backward (R3 replay vs free routing), measured side by side in one run. Prints one
+JSON object."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+GROUPS, GROUP, ROUNDS = 16, 8, 5
+
+
+def rollouts(model_dir):
+    from shared.engines import Sampling, make_engine
+    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+    from shared.rollout import RolloutTimings, rollouts_from_samples
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    engine = make_engine("torch", str(model_dir), "bfloat16")
+    examples = TinySpec().task(seed=2).split("train", GROUPS)
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+    samples = engine.generate([p for p in prompts for _ in range(GROUP)],
+                              Sampling(temperature=1.0, max_new_tokens=8, seed=1), return_trace=True)
+    out = []
+    for g, prompt in enumerate(prompts):
+        task = common_pb2.PromptTask(task_id=f"t{g}", prompt_token_ids=prompt)
+        mine = samples[g * GROUP : (g + 1) * GROUP]
+        out.extend(rollouts_from_samples(task, mine, [float(i % 2) for i in range(GROUP)], "b", "torch",
+                                         RolloutTimings()))
+    return out
+
+
+def main() -> dict:
+    from shared.models import load_causal_lm
+    from shared.models.routing import RoutingController
+    from shared.models.tiny import init_tiny_model
+    from shared.training import StepConfig, collate, sequence_logprobs, train_step
+
+    model_dir = init_tiny_model()
+    batch = collate(rollouts(model_dir))
+    model = load_causal_lm(model_dir, "float32").train()
+    routing = RoutingController(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    shares, steps = [], []
+    for _ in range(ROUNDS):
+        started = time.perf_counter()
+        metrics = train_step(model, optimizer, routing, batch, GROUP, StepConfig(mini_batches=2, replay="r2"), 0)
+        seconds = time.perf_counter() - started
+        shares.append(metrics["loss_seconds"] / seconds)
+        steps.append(seconds)
+
+    def forward_backward(replay: bool) -> float:
+        started = time.perf_counter()
+        forward = sequence_logprobs(model, batch, routing, replay=batch.trace if replay else None,
+                                    replay_mask=batch.trace_mask if replay else None)
+        (forward.logprobs * batch.loss_mask).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    forward_backward(False)
+    free, replayed = [], []
+    for _ in range(ROUNDS * 2):  # alternate, so drift hits both alike
+        free.append(forward_backward(False))
+        replayed.append(forward_backward(True))
+    free_s, replay_s = statistics.median(free), statistics.median(replayed)
+    return {
+        "benchmark": "trainer", "model": "tiny-qwen3-moe", "rollouts": batch.size,
+        "tokens": int(batch.loss_mask.sum()), "mini_batches": 2, "replay": "r2",
+        "step_seconds_median": round(statistics.median(steps), 4),
+        "loss_math_share_of_step": round(statistics.median(shares), 4), "target_loss_math_share": 0.03,
+        "forward_backward_seconds_free": round(free_s, 4), "forward_backward_seconds_replay": round(replay_s, 4),
+        "replay_overhead": round(replay_s / free_s - 1, 4), "target_replay_overhead": 0.10,
+        "threads": torch.get_num_threads(),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
+    sys.exit(0)
