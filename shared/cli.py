@@ -3,6 +3,10 @@ so `steadyrl --help` is instant."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(
@@ -45,6 +49,44 @@ def init_model(
     if check_precision:
         report["bf16_vs_fp32"] = precision_routing_agreement(path)
     typer.echo(json.dumps({"out": str(path), **report}, indent=2))
+
+
+@app.command("run")
+def run_command(
+    config: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Run recipe (TOML).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default runs/<id>-<time>).")] = None,
+) -> None:
+    """Start every service on loopback, run the recipe to the end and write the report."""
+    import time as _time
+
+    from shared.launcher import run
+    from shared.logs import setup_logging
+    from shared.run_config import load_run_config
+
+    setup_logging("run")
+    recipe = load_run_config(config, set_ or [])
+    out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
+    summary = run(recipe, out)
+    typer.echo(json.dumps({k: summary.get(k) for k in (
+        "outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")}))
+    if summary.get("outcome") not in ("finished",):
+        raise typer.Exit(1)
+
+
+@app.command("eval")
+def eval_command(
+    model_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="HF model directory.")],
+    task: Annotated[str, typer.Option(help="arith (tiny-model format) or math.")] = "arith",
+    size: Annotated[int, typer.Option(help="Eval prompts.")] = 300,
+    samples: Annotated[int, typer.Option(help="Samples per prompt for sampled accuracy.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Completion budget.")] = 8,
+    math_path: Annotated[Path | None, typer.Option(help="math: JSONL/Parquet file.")] = None,
+) -> None:
+    """Greedy and sampled accuracy of a model on a task's eval split."""
+    from shared.evaluation import evaluate
+
+    typer.echo(json.dumps(evaluate(str(model_dir), task, size, samples, max_new_tokens, math_path)))
 
 
 bench_app = typer.Typer(help="Benchmarks: each prints one JSON object of side-by-side ratios.")

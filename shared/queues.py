@@ -10,6 +10,7 @@ Keys, all under `steadyrl:{run_id}:`
 - `completed` HASH  task_id → replica whose rollouts were published
 - `dead`      STREAM task_id, reason, task: tasks given up after too many attempts
 - `rollouts`  STREAM one entry per rollout: task (task_id), r (Rollout protobuf bytes)
+- `evals`     STREAM the same for evaluation tasks (is_eval): never trained on
 
 Every state change is one Lua script, so a replica that dies at any point leaves the task either
 pending, leased (its lease expires, `requeue_expired` puts it back) or completed — never half.
@@ -139,7 +140,7 @@ class WorkQueue:
             raise ValueError(f"run_id {run_id!r} must be non-empty without braces, colons or spaces")
         self.redis, self.run_id = redis, run_id
         prefix = f"steadyrl:{run_id}:"
-        names = ("tasks", "pending", "leases", "owners", "attempts", "completed", "dead", "rollouts")
+        names = ("tasks", "pending", "leases", "owners", "attempts", "completed", "dead", "rollouts", "evals")
         self.keys = {name: prefix + name for name in names}
         self._submit = redis.register_script(_SUBMIT)
         self._lease = redis.register_script(_LEASE)
@@ -192,11 +193,14 @@ class WorkQueue:
         """Publish a task's rollouts and end its lease, atomically; False when the lease was lost."""
         return (await self.complete_many(replica_id, [(task_id, rollouts)]))[0]
 
-    async def complete_many(self, replica_id: str, done: list[tuple[str, list[bytes]]]) -> list[bool]:
-        """`complete` for several tasks in one round trip (each task atomically on its own)."""
-        keys = self._k("leases", "owners", "tasks", "attempts", "completed", "rollouts")
+    async def complete_many(self, replica_id: str, done: list[tuple[str, list[bytes]]],
+                            evals: set[str] = frozenset()) -> list[bool]:
+        """`complete` for several tasks in one round trip (each task atomically on its own);
+        the rollouts of tasks in `evals` go to the `evals` stream."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for task_id, rollouts in done:
+                stream = "evals" if task_id in evals else "rollouts"
+                keys = self._k("leases", "owners", "tasks", "attempts", "completed", stream)
                 await self._complete(keys, [task_id, replica_id, *rollouts], client=pipe)
             return [int(x) >= 0 for x in await pipe.execute()]
 

@@ -54,6 +54,8 @@ class InferenceSettings(BaseSettings):
     """Attach routing traces to rollouts when the engine can capture them."""
     weightsync_address: str = ""
     """host:port of the weight-sync service; empty = keep the initial weights."""
+    orchestrator_address: str = ""
+    """host:port of the orchestrator's gRPC API: the replica reports its version there."""
     weight_streams: int = Field(1, ge=1, le=16)
     """Parallel streams per weight pull."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)

@@ -109,6 +109,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
 
 
+async def heartbeat(settings: InferenceSettings, engine: Engine, worker: RolloutWorker, stop: asyncio.Event) -> None:
+    """Report this replica's version to the orchestrator every second (best effort)."""
+    from shared.rpc.steadyrl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+    async with grpc.aio.insecure_channel(settings.orchestrator_address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        while not stop.is_set():
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Heartbeat(orchestrator_pb2.ReplicaHeartbeat(
+                    replica_id=settings.replica_id, service="inference", policy_version=engine.version,
+                    address=f"{settings.host}:{settings.port}", tokens_per_second=worker.tokens_per_second), timeout=2)
+            await asyncio.sleep(1.0)
+
+
 def load_engine(settings: InferenceSettings) -> Engine:
     options = {}
     if settings.engine == "torch" and settings.torch_threads:
@@ -151,6 +165,8 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
         subscriber = WeightSubscriber(settings.weightsync_address, on_version, replica,
                                       settings.max_message_bytes, streams=settings.weight_streams)
         tasks.append(asyncio.create_task(subscriber.run(stop), name="weights"))
+    if settings.orchestrator_address:
+        tasks.append(asyncio.create_task(heartbeat(settings, engine, worker, stop), name="heartbeat"))
     servicer.port = port
     log.info("event=started service=inference replica=%s engine=%s port=%d metrics_port=%d traces=%s",
              replica, engine.name, port, metrics_port, worker.return_traces)

@@ -140,7 +140,9 @@ class RolloutWorker:
                     payloads = self._encode_task(lease, mine, timings)
                     if payloads is not None:
                         ready.append((lease, payloads))
-            accepted = await self.queue.complete_many(self.replica_id, [(lease.task_id, payloads) for lease, payloads in ready])
+            evals = {lease.task_id for lease, _ in ready if lease.task.is_eval}
+            accepted = await self.queue.complete_many(
+                self.replica_id, [(lease.task_id, payloads) for lease, payloads in ready], evals)
             for (lease, payloads), ok in zip(ready, accepted, strict=True):
                 if ok:
                     PUBLISHED.labels(self.replica_id).inc(len(payloads))

@@ -74,6 +74,8 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+        if trainer.unacked:  # a clean stop keeps every trained step: checkpoint, then acknowledge
+            await trainer.checkpoint_now()
         await asyncio.to_thread(trainer.stop_followers)
         await trainer.close()
         await server.stop(grace=1.0)

@@ -95,13 +95,7 @@ class Trainer:
         self.paused = False
         self.recipe = ""
         self.last_metrics: dict[str, float] = {}
-        self.publisher = None
-        if settings.weightsync_address:
-            from shared.weightsync_client import WeightPublisher
-
-            key = settings.hmac_key_file.read_bytes().strip() if settings.hmac_key_file else None
-            self.publisher = WeightPublisher(settings.weightsync_address, key=key,
-                                             max_message_bytes=settings.max_message_bytes)
+        self.publisher = None  # made in the event loop (grpc.aio), on the first publish
 
     def count(self, name: str, amount: int = 1) -> None:
         self.state.counters[name] = self.state.counters.get(name, 0) + amount
@@ -278,9 +272,16 @@ class Trainer:
         return bool(self.settings.max_steps) and self.state.step >= self.settings.max_steps
 
     async def publish(self) -> None:
-        if self.publisher is None:
+        if not self.settings.weightsync_address:
             return
         import grpc
+
+        if self.publisher is None:
+            from shared.weightsync_client import WeightPublisher
+
+            s = self.settings
+            key = s.hmac_key_file.read_bytes().strip() if s.hmac_key_file else None
+            self.publisher = WeightPublisher(s.weightsync_address, key=key, max_message_bytes=s.max_message_bytes)
 
         try:
             await self.publisher.push(self.model.state_dict(), self.state.version, self.state.version - 1)

@@ -59,3 +59,12 @@ def checkpoint_state_dict(model_path: str | os.PathLike, state_dict: dict[str, t
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     return dict(revert_weight_conversion(skeleton, dict(state_dict)))
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a prompt, starting with the BOS token when the tokenizer has one."""
+    ids = list(tokenizer(text, add_special_tokens=True).input_ids)
+    bos = tokenizer.bos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids

@@ -31,7 +31,12 @@ async def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Serve the given servicers plus health (all SERVING) and reflection; returns the bound port."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    server = grpc.aio.server(options=[
+        *channel_options(max_message_bytes),
+        # accept the clients' keepalive pings (every 20 s) instead of answering GOAWAY too_many_pings
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ])
     for add, servicer in register:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

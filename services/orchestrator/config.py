@@ -1,0 +1,77 @@
+"""Settings of the orchestrator (env prefix STEADYRL_ORCHESTRATOR_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class OrchestratorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address the HTTP control plane and the gRPC server bind to."""
+    http_port: int = Field(8080, ge=0, le=65535)
+    """FastAPI control plane (OpenAPI docs at /docs, Prometheus at /metrics)."""
+    grpc_port: int = Field(50054, ge=0, le=65535)
+    """gRPC Orchestrator service (Heartbeat, Status)."""
+    token: SecretStr | None = None
+    """Bearer token required on every route but /health and /metrics (never logged)."""
+    token_file: Path | None = None
+    """File holding the token (alternative to `token`)."""
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """Redis holding the run state, the work queue and the streams."""
+    run_id: str = "default"
+    """The run this orchestrator owns."""
+    model_path: str
+    """Model directory (its tokenizer turns prompts into token ids)."""
+    out_dir: Path = Path("runs/orchestrator")
+    """Where eval.jsonl is written."""
+    trainer_address: str = ""
+    """host:port of the trainer's gRPC API (its version drives admission)."""
+
+    task: Literal["arith", "math"] = "arith"
+    """Dataset: synthetic addition or a local math file."""
+    task_seed: int = 0
+    """Seed of the arith task's split."""
+    arith_digits: int = Field(2, ge=1)
+    """Arith: digits per operand."""
+    arith_fixed_width: bool = True
+    """Arith: zero-pad operands."""
+    arith_reverse: bool = True
+    """Arith: answers least-significant digit first."""
+    math_path: Path | None = None
+    """Math: JSONL or Parquet with problem/answer columns."""
+    train_size: int = Field(3000, ge=1)
+    """Training prompts (cycled over epochs)."""
+    eval_size: int = Field(300, ge=1)
+    """Evaluation prompts."""
+
+    group_size: int = Field(8, ge=1)
+    """G: samples per prompt (must match the trainer's)."""
+    batch_prompts: int = Field(8, ge=1)
+    """B: prompts per global step (must match the trainer's)."""
+    max_staleness: int = Field(1, ge=0)
+    """At most (max_staleness + 1) global batches are outstanding beyond the trainer's version."""
+    steps: int = Field(0, ge=0)
+    """Global steps of the run (0 = until stopped)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of training rollouts."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Completion budget."""
+    eval_every: int = Field(10, ge=0)
+    """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
+    max_attempts: int = Field(3, ge=1)
+    """A task whose lease expired or failed more often goes to the dead-letter stream."""
+    tick_seconds: float = Field(0.1, gt=0)
+    """Period of the admission / lease sweep loop."""
+
+    def bearer_token(self) -> str | None:
+        if self.token_file is not None:
+            return self.token_file.read_text().strip() or None
+        return self.token.get_secret_value() if self.token else None

@@ -1,0 +1,261 @@
+"""`steadyrl run`: the whole system as local processes on loopback, one run, one report.
+
+Starts redis-server (embedded, AOF on), weight-sync, the trainer, K inference replicas and the
+orchestrator on free ports, waits for every gRPC health check, starts the run through the
+control plane, shows progress, and at the end (or on Ctrl-C) stops every process it started —
+SIGTERM, then SIGKILL after a grace period — and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.redis_server import RedisServer, free_port
+from shared.run_config import RunConfig, service_env, validate
+
+
+@dataclass
+class Service:
+    name: str
+    module: str
+    env: dict[str, str]
+    grpc_port: int
+    process: subprocess.Popen | None = None
+    log: Path | None = None
+
+
+@dataclass
+class Launch:
+    config: RunConfig
+    out: Path
+    model_path: str
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    services: list[Service] = field(default_factory=list)
+    redis: RedisServer | None = None
+    http_port: int = 0
+
+    # --- setup ----------------------------------------------------------------------------------
+
+    def plan(self) -> None:
+        c, out = self.config, self.out
+        ws, trainer, orch_grpc = free_port(), free_port(), free_port()
+        self.http_port = free_port()
+        redis_url = self.redis.url
+        common = {"host": "127.0.0.1", "metrics_port": 0}
+        self.services.append(Service("weightsync", "services.weightsync", service_env(c, "weightsync", {
+            **common, "port": ws, "spill_dir": str(out / "weightsync-spill")}), ws))
+        self.services.append(Service("trainer", "services.trainer", service_env(c, "trainer", {
+            **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
+            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}"}), trainer))
+        for index in range(c.replicas):
+            port = free_port()
+            self.services.append(Service(f"inference-{index}", "services.inference", service_env(c, "inference", {
+                **common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
+                "replica_id": f"replica-{index}", "weightsync_address": f"127.0.0.1:{ws}",
+                "orchestrator_address": f"127.0.0.1:{orch_grpc}"}), port))
+        (out / "token").write_text(self.token)
+        os.chmod(out / "token", 0o600)
+        self.services.append(Service("orchestrator", "services.orchestrator", service_env(c, "orchestrator", {
+            "host": "127.0.0.1", "http_port": self.http_port, "grpc_port": orch_grpc, "model_path": self.model_path,
+            "out_dir": str(out / "orchestrator"), "redis_url": redis_url, "trainer_address": f"127.0.0.1:{trainer}",
+            "token_file": str(out / "token")}), orch_grpc))
+        for service in self.services:
+            validate(service.name.split("-")[0], service.env)
+
+    def start(self, service: Service) -> None:
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        service.log = logs / f"{service.name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
+        env.update(service.env, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"))
+        with service.log.open("ab") as log:
+            service.process = subprocess.Popen([sys.executable, "-m", service.module], env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               start_new_session=True)
+
+    def wait_healthy(self, service: Service, timeout: float = 600.0) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if service.process.poll() is not None:
+                    raise RuntimeError(f"{service.name} exited with {service.process.returncode}; see {service.log}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{service.name} not healthy after {timeout:.0f}s; see {service.log}")
+
+    def api(self, method: str, path: str) -> dict:
+        import httpx
+
+        reply = httpx.request(method, f"http://127.0.0.1:{self.http_port}{path}",
+                              headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        reply.raise_for_status()
+        return reply.json()
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def stop_all(self, grace: float = 15.0) -> None:
+        running = [s for s in reversed(self.services) if s.process is not None and s.process.poll() is None]
+        for service in running:
+            _signal_group(service.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for service in running:
+            try:
+                service.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(service.process, signal.SIGKILL)
+                service.process.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def pids(self) -> list[int]:
+        out = [s.process.pid for s in self.services if s.process is not None]
+        if self.redis is not None and self.redis.process is not None:
+            out.append(self.redis.process.pid)
+        return out
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)  # the service and anything it spawned (vLLM workers)
+
+
+def resolve_model(config: RunConfig) -> str:
+    path = str(config.model.get("path", "tiny"))
+    if path == "tiny":
+        from shared.models.tiny import init_tiny_model
+
+        return str(init_tiny_model())
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
+    """Run `config` to the end; returns the summary (also written to out/summary.json)."""
+    from rich.console import Console
+
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    console = Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.resolved.toml").write_text(config.as_toml())
+    console.print(f"[bold]steadyrl run[/] {config.run_id} → {out}")
+    model_path = resolve_model(config)
+    launch = Launch(config, out, model_path)
+    started = time.time()
+    summary: dict = {"run_id": config.run_id, "out": str(out), "model": model_path}
+    try:
+        launch.redis = RedisServer(out / "redis", appendonly=True).start()
+        launch.plan()
+        for service in launch.services:
+            launch.start(service)
+            launch.wait_healthy(service)
+            console.print(f"  {service.name:<14} healthy on 127.0.0.1:{service.grpc_port}")
+        (out / "pids.json").write_text(json.dumps(launch.pids()))
+        launch.api("POST", "/v1/run/start")
+        status = watch(launch, console, progress)
+        summary["final_status"] = status
+        summary["outcome"] = status.get("state", "unknown")
+    except KeyboardInterrupt:
+        summary["outcome"] = "interrupted"
+        console.print("[yellow]interrupted: stopping every service[/]")
+    finally:
+        launch.stop_all()
+    summary["wall_seconds"] = round(time.time() - started, 1)
+    finish(launch, summary)
+    return summary
+
+
+def watch(launch: Launch, console, progress: bool) -> dict:
+    from rich.live import Live
+    from rich.table import Table
+
+    steps = launch.config.steps
+    metrics_path = launch.out / "trainer" / "metrics.jsonl"
+    begun = time.monotonic()
+
+    def render(status: dict) -> Table:
+        rows = read_jsonl(metrics_path)
+        last = rows[-1] if rows else {}
+        evals = read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
+        table = Table(title=f"{launch.config.run_id}: {status.get('state', '?')}", show_header=False)
+        step = int(last.get("step", 0))
+        eta = (time.monotonic() - begun) / step * (steps - step) if step and steps else None
+        for name, value in [
+            ("step", f"{step}/{steps or '∞'}"), ("trainer version", status.get("trainer_version", 0)),
+            ("replica versions", status.get("replica_versions", {})),
+            ("reward", f"{last.get('reward_mean', 0):.3f}"), ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
+            ("staleness max", last.get("staleness_max", 0)), ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
+            ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
+            ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
+        ]:
+            table.add_row(name, str(value))
+        return table
+
+    status: dict = {}
+    with Live(render(status), console=console, refresh_per_second=2, transient=not progress) as live:
+        while True:
+            for service in launch.services:
+                code = service.process.poll()
+                if code is not None and not (service.name == "trainer" and code == 0):
+                    raise RuntimeError(f"{service.name} exited with {code}; see {service.log}")
+            try:
+                status = launch.api("GET", "/v1/run")
+            except Exception:  # noqa: BLE001 - the control plane may be busy; try again
+                time.sleep(0.5)
+                continue
+            live.update(render(status))
+            if status.get("state") in ("finished", "stopped"):
+                return status
+            time.sleep(0.5)
+
+
+def finish(launch: Launch, summary: dict) -> None:
+    """Copy the run's records next to each other, write summary.json, plots and the final model."""
+    out = launch.out
+    metrics = read_jsonl(out / "trainer" / "metrics.jsonl")
+    evals = read_jsonl(out / "orchestrator" / "eval.jsonl")
+    if metrics:
+        shutil.copy(out / "trainer" / "metrics.jsonl", out / "metrics.jsonl")
+    if evals:
+        shutil.copy(out / "orchestrator" / "eval.jsonl", out / "eval.jsonl")
+    by_step: dict[int, dict] = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
+    summary.update(
+        steps=len(by_step), versions=max((int(m["version"]) for m in metrics), default=0),
+        tokens=int(sum(m.get("tokens", 0) for m in by_step.values())),
+        eval_start=evals[0]["accuracy"] if evals else None, eval_end=evals[-1]["accuracy"] if evals else None,
+        evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
+    )
+    try:
+        from shared.report import plot_run, save_final_model
+
+        summary["plots"] = plot_run(out, list(by_step.values()), evals)
+        summary["final_model"] = save_final_model(launch.model_path, out / "trainer" / "checkpoints",
+                                                  out / "final-model")
+    except Exception as exc:  # noqa: BLE001 - a report problem must not hide the run's result
+        summary["report_error"] = f"{type(exc).__name__}: {exc}"
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
