@@ -155,9 +155,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` to the end; returns the summary (also written to out/summary.json)."""
-    from rich.console import Console
-
     import logging
+
+    from rich.console import Console
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     console = Console(stderr=True)
@@ -217,6 +217,7 @@ def watch(launch: Launch, console, progress: bool) -> dict:
         return table
 
     status: dict = {}
+    caught_up_wait = 0.0
     with Live(render(status), console=console, refresh_per_second=2, transient=not progress) as live:
         while True:
             for service in launch.services:
@@ -229,9 +230,19 @@ def watch(launch: Launch, console, progress: bool) -> dict:
                 time.sleep(0.5)
                 continue
             live.update(render(status))
+            if status.get("state") == "finished" and not caught_up(status, launch.config.replicas):
+                caught_up_wait = caught_up_wait or time.monotonic()
+                if time.monotonic() - caught_up_wait < 15:  # let every replica report the last version
+                    time.sleep(0.5)
+                    continue
             if status.get("state") in ("finished", "stopped"):
                 return status
             time.sleep(0.5)
+
+
+def caught_up(status: dict, replicas: int) -> bool:
+    versions = status.get("replica_versions", {})
+    return len(versions) >= replicas and all(v >= status.get("trainer_version", 0) for v in versions.values())
 
 
 def finish(launch: Launch, summary: dict) -> None:

@@ -160,16 +160,23 @@ class WorkQueue:
         """Queue a task; False when a task with its id is already queued or leased."""
         return (await self.submit_many([task]))[0]
 
-    async def submit_many(self, tasks: list[common_pb2.PromptTask]) -> list[bool]:
-        """Queue tasks in one round trip (each one atomically); per task: queued or already there."""
-        async with self.redis.pipeline(transaction=False) as pipe:
+    async def submit_many(self, tasks: list[common_pb2.PromptTask],
+                          record: tuple[str, dict[str, int | str]] | None = None) -> list[bool]:
+        """Queue tasks in one MULTI; per task: queued, or False when its id is already queued.
+
+        `record` = (hash key, fields) is written in the same transaction: a producer's cursor
+        moves exactly when its tasks are queued, so a crash never resubmits or skips one."""
+        async with self.redis.pipeline(transaction=True) as pipe:
             for task in tasks:
                 if not task.task_id:
                     raise ValueError("a task needs a task_id")
                 if not task.enqueued_unix_ms:
                     task.enqueued_unix_ms = now_ms()
                 await self._submit(self._k("tasks", "pending"), [task.task_id, task.SerializeToString()], client=pipe)
-            return [bool(x) for x in await pipe.execute()]
+            if record is not None:
+                pipe.hset(record[0], mapping=record[1])
+            results = await pipe.execute()
+        return [bool(x) for x in results[: len(tasks)]]
 
     async def lease(self, replica_id: str, lease_seconds: float, count: int = 1) -> list[Lease]:
         flat = await self._lease(

@@ -99,9 +99,10 @@ class Orchestrator:
         if self.settings.trainer_address and self._trainer is None:
             import grpc
 
+            from shared.rpc import channel_options
             from shared.rpc.steadyrl.v1 import trainer_pb2_grpc
 
-            self._channel = grpc.aio.insecure_channel(self.settings.trainer_address)
+            self._channel = grpc.aio.insecure_channel(self.settings.trainer_address, options=channel_options())
             self._trainer = trainer_pb2_grpc.TrainerStub(self._channel)
         if self._trainer is not None:
             try:
@@ -155,9 +156,9 @@ class Orchestrator:
             example = self.train[index % len(self.train)]
             tasks.append(self.make_task(f"train-{index}", example, s.group_size, s.temperature, False,
                                         self.trainer_version))
-        await self.queue.submit_many(tasks)
-        await self.redis.hset(self.run_key, mapping={"submitted": p["submitted"] + len(tasks),
-                                                     "epoch": (p["submitted"] + len(tasks)) // len(self.train)})
+        submitted = p["submitted"] + len(tasks)
+        await self.queue.submit_many(tasks, (self.run_key, {"submitted": submitted,
+                                                            "epoch": submitted // len(self.train)}))
         SUBMITTED.labels("train").inc(len(tasks))
         return len(tasks)
 
@@ -176,12 +177,10 @@ class Orchestrator:
         for version in due:
             tasks = [self.make_task(f"eval-{version}-{j}", example, 1, 0.0, True, version)
                      for j, example in enumerate(self.eval)]
-            await self.queue.submit_many(tasks)
             submitted.append(version)
+            await self.queue.submit_many(tasks, (self.run_key, {"evals_submitted": json.dumps(submitted)}))
             SUBMITTED.labels("eval").inc(len(tasks))
             log.info("event=eval_scheduled version=%d prompts=%d", version, len(tasks))
-        if due:
-            await self.redis.hset(self.run_key, "evals_submitted", json.dumps(submitted))
 
     async def collect_evals(self) -> None:
         """Fold eval rollouts into rounds; a complete round is appended to eval.jsonl once."""
