@@ -16,3 +16,11 @@ class WeightLoader:
         tensors = load_file(path)
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
+
+    def parameter_sums(self) -> dict[str, float]:
+        """Sum of every parameter and buffer of the worker's model, by name: a cheap fingerprint to
+        compare a replica's loaded weights before and after an update."""
+        model = self.model_runner.model
+        out = {f"param:{n}": float(p.detach().double().sum()) for n, p in model.named_parameters()}
+        out.update({f"buffer:{n}": float(b.detach().double().sum()) for n, b in model.named_buffers()})
+        return out
