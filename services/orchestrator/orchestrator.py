@@ -63,6 +63,7 @@ class Orchestrator:
         self.train, self.eval, self.reward = dataset(settings)
         self.tokenizer = load_tokenizer(settings.model_path)
         self.trainer_version = 0
+        self.trainer_metrics: dict[str, float] = {}
         self.eval_results: dict[int, dict[str, float]] = {}
         self._eval_cursor = "0-0"
         self._channel = self._trainer = None  # grpc.aio: made in the event loop, on first use
@@ -108,6 +109,7 @@ class Orchestrator:
             try:
                 status = await self._trainer.Status(common_pb2.Empty(), timeout=2)
                 self.trainer_version = status.version.version
+                self.trainer_metrics = dict(status.last_metrics)
                 TRAINER_VERSION.set(self.trainer_version)
                 return self.trainer_version
             except Exception as exc:  # noqa: BLE001 - restarting or finished: fall back to its ledger
@@ -263,6 +265,9 @@ class Orchestrator:
             "queue": {"pending": depths.pending, "leased": depths.leased, "completed": depths.completed,
                       "dead": depths.dead, "rollouts": depths.rollouts},
             "epoch": int(await self.field("epoch", "0")),
+            "staleness": {k: self.trainer_metrics[k] for k in ("staleness_mean", "staleness_max", "dropped_stale")
+                          if k in self.trainer_metrics},
+            "last_metrics": self.trainer_metrics,
             "evals": {str(v): b["correct"] / b["n"] for v, b in self.eval_results.items() if b["n"]},
         }
 

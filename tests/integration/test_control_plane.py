@@ -1,0 +1,49 @@
+"""The orchestrator's HTTP control plane on a real redis-server: auth, transitions, status."""
+
+import asyncio
+
+import httpx
+from redis.asyncio import Redis
+
+from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.orchestrator import Orchestrator
+from services.orchestrator.server import create_app
+
+TOKEN = "s3cret-token"
+
+
+def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_dir, tmp_path):
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_size=5)
+        orchestrator = Orchestrator(settings, redis)
+        await redis.hset(orchestrator.run_key, "state", "created")
+        transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            async def call(method, path, token=TOKEN):
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                return await http.request(method, path, headers=headers)
+
+            assert (await call("GET", "/health", None)).status_code == 200
+            assert (await call("GET", "/metrics", None)).status_code == 200
+            for token in (None, "wrong"):
+                reply = await call("GET", "/v1/run", token)
+                assert reply.status_code == 401 and reply.json()["detail"] == "missing or wrong bearer token"
+            assert (await call("POST", "/v1/run/resume")).status_code == 409  # not paused
+            assert (await call("POST", "/v1/run/start")).json()["state"] == "running"
+            assert (await call("POST", "/v1/run/start")).status_code == 409
+            assert (await call("POST", "/v1/run/pause")).json()["state"] == "paused"
+            assert (await call("POST", "/v1/run/resume")).json()["state"] == "running"
+            assert (await call("POST", "/v1/run/explode")).status_code == 404
+            status = (await call("GET", "/v1/run")).json()
+            assert status["state"] == "running" and status["queue"]["pending"] == 0
+            config = (await call("GET", "/v1/run/config")).json()
+            assert config["batch_prompts"] == 2 and "token" not in config and "redis_url" not in config
+            assert await orchestrator.admit() == 4  # (max_staleness 1 + 1) × B prompts queued
+            assert await orchestrator.admit() == 0  # the budget is spent until the trainer moves
+            assert (await call("GET", "/v1/run")).json()["queue"]["pending"] == 4
+        await orchestrator.close()
+        await redis.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
