@@ -1,0 +1,29 @@
+"""`python -m shared.healthcheck PORT [SERVICE]`: exit 0 when the gRPC health service on
+127.0.0.1:PORT says SERVING (container HEALTHCHECKs and manual probes)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if not argv or not argv[0].isdigit():
+        print("usage: python -m shared.healthcheck PORT [SERVICE]", file=sys.stderr)
+        return 2
+    service = argv[1] if len(argv) > 1 else ""
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{argv[0]}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=3)
+    except grpc.RpcError as exc:
+        print(f"unhealthy: {exc.code().name}", file=sys.stderr)
+        return 1
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print("SERVING" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    return 0 if serving else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,211 @@
+"""Deploy files, validated offline for real: the compose specification, the services' settings,
+kustomize renders checked against the Kubernetes schemas, promtool, a live Prometheus scraping a
+running service, and a dashboard that only names metrics the services export."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.redis_server import free_port
+from shared.run_config import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+SERVICE_OF = {"services.weightsync": "weightsync", "services.trainer": "trainer", "services.inference": "inference",
+              "services.orchestrator": "orchestrator"}
+
+
+def steadyrl_env(env: dict[str, str], service: str) -> dict[str, str]:
+    prefix = f"STEADYRL_{service.upper()}_"
+    return {k: re.sub(r"\$\{?\(?REDIS_PASSWORD\)?\}?", "pw", str(v)) for k, v in env.items() if k.startswith(prefix)}
+
+
+def check_settings(service: str, env: dict[str, str]) -> None:
+    # model_path is required by three services; a probe value stands in where a manifest mounts it
+    validate(service, {f"STEADYRL_{service.upper()}_MODEL_PATH": "/models/tiny", **env}
+             if service != "weightsync" else env)
+
+
+# --- docker compose ------------------------------------------------------------------------------
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())  # resolves the x-steadyrl merge keys
+
+
+def test_compose_follows_the_specification():
+    from compose_spec import PyCompose
+
+    spec = PyCompose.from_json(json.dumps(compose())).to_dict()
+    assert set(spec["services"]) == {"redis", "model-init", "weightsync", "trainer", "inference", "orchestrator",
+                                     "prometheus", "grafana"}
+    with pytest.raises(ValueError, match="imagee"):  # the validator does reject what the spec does not allow
+        PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "imagee": "y"}}}))
+
+
+def test_compose_env_matches_the_settings_and_secrets_stay_out():
+    doc = compose()
+    checked = 0
+    for name, service in doc["services"].items():
+        module = (service.get("command") or [""])[0]
+        if module not in SERVICE_OF:
+            continue
+        kind = SERVICE_OF[module]
+        env = steadyrl_env(service.get("environment", {}), kind)
+        assert env, name
+        check_settings(kind, env)
+        checked += 1
+        assert service["env_file"] == ".env" and "STEADYRL_HEALTH_PORT" in service["environment"]
+    assert checked == 4
+    assert "ports" not in doc["services"]["inference"]  # `--scale inference=N` needs no fixed host port
+    assert "--appendonly yes" in " ".join(doc["services"]["redis"]["command"])
+    assert "--requirepass" in " ".join(doc["services"]["redis"]["command"])
+    example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    check_settings("orchestrator", steadyrl_env(example, "orchestrator"))
+    assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
+    with pytest.raises(ValueError, match="learning_rat"):  # a typo in an env name fails
+        check_settings("trainer", {"STEADYRL_TRAINER_LEARNING_RAT": "1"})
+
+
+# --- kubernetes ----------------------------------------------------------------------------------
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the kustomizations"
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True,
+                         text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay):
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    docs = render(overlay)
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule", "Service",
+                     "StatefulSet"]
+    for doc in docs:
+        if doc["kind"] in ("PodMonitor", "PrometheusRule"):  # prometheus-operator CRDs: checked below
+            continue
+        kubernetes_validate.validate(doc, version, strict=True)
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        container = doc["spec"]["template"]["spec"]["containers"][0]
+        module = container.get("args", [""])[0]
+        if module in SERVICE_OF:
+            kind = SERVICE_OF[module]
+            env = {e["name"]: e.get("value", "secret") for e in container["env"]}
+            check_settings(kind, steadyrl_env(env, kind))
+            assert "grpc" in container["livenessProbe"]  # native gRPC health probes
+            assert container["resources"]["requests"]
+        assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    inference = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "inference")
+    container = inference["spec"]["template"]["spec"]["containers"][0]
+    engine = {e["name"]: e.get("value") for e in container["env"]}["STEADYRL_INFERENCE_ENGINE"]
+    if overlay == "gpu":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1 and engine == "vllm"
+    else:
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {}) and engine == "torch"
+
+
+# --- prometheus and grafana ----------------------------------------------------------------------
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    assert found, "promtool is missing: scripts/install installs Debian's prometheus package as root"
+    return found
+
+
+def test_promtool_accepts_the_config_and_the_rules(tmp_path):
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    config = (DEPLOY / "prometheus" / "prometheus.yml").read_text().replace("/etc/prometheus/alerts.yml",
+                                                                             str(tmp_path / "alerts.yml"))
+    (tmp_path / "prometheus.yml").write_text(config)
+    for args in (["check", "config", str(tmp_path / "prometheus.yml")],
+                 ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")]):
+        done = subprocess.run([promtool(), *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the services register (counters as _total, histograms as _bucket...)."""
+    import importlib
+
+    from prometheus_client import REGISTRY
+
+    for module in ("services.weightsync.server", "services.inference.worker", "services.inference.server",
+                   "services.trainer.trainer", "services.orchestrator.orchestrator", "services.orchestrator.server"):
+        importlib.import_module(module)
+    names = set()
+    for metric in REGISTRY.collect():
+        names.add(metric.name)
+        for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
+            names.add(metric.name + suffix)
+    return {n for n in names if n.startswith("steadyrl_")}
+
+
+def test_dashboard_and_alerts_name_only_exported_metrics():
+    exported = exported_metric_names()
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    named = {m for e in exprs for m in re.findall(r"steadyrl_[a-z0-9_]+", e)}
+    assert named and not (named - exported), sorted(named - exported)
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("reward", "entropy", "mismatch kl", "is weights", "clip", "staleness", "routing agreement",
+                  "first-order", "tokens/s", "queue", "weight-sync", "version"):
+        assert topic in titles, topic
+    used = " ".join(exprs)
+    for name in ("mismatch_kl_k3", "entropy", "staleness_max"):  # the collapse and budget alerts
+        assert name in used
+
+
+def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
+    prometheus = shutil.which("prometheus")
+    assert prometheus, "prometheus is missing: scripts/install installs Debian's package as root"
+    grpc_port, metrics_port, web_port = free_port(), free_port(), free_port()
+    env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(grpc_port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics_port),
+           "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill")}
+    service = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "steadyrl-weightsync",
+                            "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}]}))
+    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web_port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import httpx
+
+        result = []
+        for _ in range(120):
+            time.sleep(0.5)
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{web_port}/api/v1/query",
+                                  params={"query": "steadyrl_weightsync_versions_held"}, timeout=2).json()
+            except httpx.HTTPError:
+                continue
+            result = reply.get("data", {}).get("result", [])
+            if result:
+                break
+        assert result and result[0]["metric"]["job"] == "steadyrl-weightsync"
+        assert float(result[0]["value"][1]) == 0.0  # nothing pushed yet
+    finally:
+        for process in (server, service):
+            process.send_signal(signal.SIGTERM)
+            process.wait(20)
