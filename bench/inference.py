@@ -56,12 +56,12 @@ def summary(rounds: list[tuple[int, float]]) -> dict:
 
 async def service_and_bare(model_dir: str, dtype: str, redis_url: str, rounds: int) -> tuple[dict, dict]:
     """Alternate rounds: the bare engine, then the replica on the same prompts, `rounds` times."""
-    import grpc
     from redis.asyncio import Redis
 
     from shared.queues import WorkQueue
     from shared.redis_server import free_port
     from shared.rollout import decode_rollout
+    from shared.rpc.auth import channel as auth_channel
     from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 
     bare = Bare("torch", model_dir, dtype)
@@ -74,7 +74,7 @@ async def service_and_bare(model_dir: str, dtype: str, redis_url: str, rounds: i
     replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
     redis = Redis.from_url(redis_url)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with auth_channel(f"127.0.0.1:{port}") as channel:
             await inference_pb2_grpc.InferenceStub(channel).Status(common_pb2.Empty(), wait_for_ready=True, timeout=120)
         queue = WorkQueue(redis, "bench")
         examples, prompts = workload()

@@ -77,7 +77,8 @@ class Launch:
         logs.mkdir(parents=True, exist_ok=True)
         service.log = logs / f"{service.name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
-        env.update(service.env, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"))
+        env.update(service.env, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
+                   STEADYRL_TOKEN_FILE=str(self.out / "token"))  # one bearer token for gRPC and HTTP
         with service.log.open("ab") as log:
             service.process = subprocess.Popen([sys.executable, "-m", service.module], env=env, stdout=log,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

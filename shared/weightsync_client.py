@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weights import (
@@ -36,7 +37,7 @@ OnVersion = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
 class WeightPublisher:
     def __init__(self, address: str, key: bytes | None = None, chunk_bytes: int = 1024 * 1024,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = auth_channel(address, options=channel_options(max_message_bytes))
         self.stub = weightsync_pb2_grpc.WeightSyncStub(self.channel)
         self.key, self.chunk_bytes = key, chunk_bytes
 
@@ -135,7 +136,7 @@ async def pull_version(
 def open_channels(address: str, count: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[grpc.aio.Channel]:
     """`count` channels to `address`, each on its own connection (no shared subchannel pool)."""
     options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-    return [grpc.aio.insecure_channel(address, options=options) for _ in range(count)]
+    return [auth_channel(address, options=options) for _ in range(count)]
 
 
 def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dict[str, torch.Tensor]:
@@ -196,7 +197,7 @@ def _short(exc: Exception) -> str:
 
 
 async def latest_version(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with auth_channel(address) as channel:
         try:
             info = await weightsync_pb2_grpc.WeightSyncStub(channel).Latest(common_pb2.Empty())
         except grpc.aio.AioRpcError as exc:

@@ -112,9 +112,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 async def heartbeat(settings: InferenceSettings, engine: Engine, worker: RolloutWorker, stop: asyncio.Event) -> None:
     """Report this replica's version to the orchestrator every second (best effort)."""
     from shared.rpc import channel_options
+    from shared.rpc.auth import channel as auth_channel
     from shared.rpc.steadyrl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-    async with grpc.aio.insecure_channel(settings.orchestrator_address, options=channel_options()) as channel:
+    async with auth_channel(settings.orchestrator_address, options=channel_options()) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         while not stop.is_set():
             with contextlib.suppress(grpc.aio.AioRpcError):

@@ -98,12 +98,11 @@ class Orchestrator:
 
     async def refresh_trainer_version(self) -> int:
         if self.settings.trainer_address and self._trainer is None:
-            import grpc
-
             from shared.rpc import channel_options
+            from shared.rpc.auth import channel
             from shared.rpc.steadyrl.v1 import trainer_pb2_grpc
 
-            self._channel = grpc.aio.insecure_channel(self.settings.trainer_address, options=channel_options())
+            self._channel = channel(self.settings.trainer_address, options=channel_options())
             self._trainer = trainer_pb2_grpc.TrainerStub(self._channel)
         if self._trainer is not None:
             try:

@@ -32,9 +32,17 @@ async def start_server(
     service_names: Sequence[str],
     address: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    token: str | None = None,
 ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
-    """Serve the given servicers plus health (all SERVING) and reflection; returns the bound port."""
-    server = grpc.aio.server(options=[
+    """Serve the given servicers plus health (all SERVING) and reflection; returns the bound port.
+
+    With a bearer token (the argument, else STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) every method but
+    health and reflection requires it."""
+    from shared.rpc.auth import TokenAuthInterceptor, token_from_env
+
+    token = token if token is not None else token_from_env()
+    interceptors = [TokenAuthInterceptor(token)] if token else None
+    server = grpc.aio.server(interceptors=interceptors, options=[
         *channel_options(max_message_bytes),
         # accept the clients' keepalive pings (every 20 s) instead of answering GOAWAY too_many_pings
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),

@@ -1,0 +1,73 @@
+"""The bearer token on gRPC: a weight-sync process with STEADYRL_TOKEN refuses every method to a
+caller without it (UNAUTHENTICATED, counted), serves one that has it, and keeps health open."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import grpc
+import httpx
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.redis_server import free_port
+from shared.rpc.auth import channel
+from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync_client import WeightPublisher, pull_version
+
+TOKEN = "a-long-random-token"
+
+
+def refused(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    lines = [x for x in text.splitlines() if x.startswith("steadyrl_rpc_auth_refused_total{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+
+def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
+    port, metrics = free_port(), free_port()
+    env = {**os.environ, "STEADYRL_TOKEN": TOKEN, "STEADYRL_WEIGHTSYNC_PORT": str(port),
+           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path)}
+    server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
+    address = f"127.0.0.1:{port}"
+
+    async def main():
+        codes = []
+        for token in ("", "wrong-token"):
+            async with channel(address, token=token) as ch:
+                await ch.channel_ready()
+                stub = weightsync_pb2_grpc.WeightSyncStub(ch)
+
+                async def push():
+                    yield pb.PushRequest(manifest=pb.WeightManifest(version=1))
+
+                calls = [stub.Latest(common_pb2.Empty()), stub.List(common_pb2.Empty()), stub.Push(push())]
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call
+                    codes.append(err.value.code())
+                for stream in (stub.Pull(pb.PullRequest(version=1)), stub.Watch(pb.WatchRequest())):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        _ = [m async for m in stream]
+                    codes.append(err.value.code())
+                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+        publisher = WeightPublisher(address)  # the token comes from the environment, as in a service
+        await publisher.push({"w": torch.ones(4)}, 1)
+        await publisher.close()
+        async with channel(address) as ch:
+            manifest, payloads, _ = await pull_version(ch, 1)
+        return codes, manifest, payloads
+
+    monkeypatch.setenv("STEADYRL_TOKEN", TOKEN)
+    try:
+        codes, manifest, payloads = asyncio.run(asyncio.wait_for(main(), 60))
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 10
+        assert manifest.version == 1 and bytes(payloads[0]) == torch.ones(4).numpy().tobytes()
+        assert refused(metrics) == 10
+    finally:
+        server.terminate()
+        server.wait(20)
