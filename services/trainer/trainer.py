@@ -185,11 +185,12 @@ class Trainer:
         stale = [gid for gid, members in self.groups.items()
                  if min(r.min_version for _, r in members.values()) < limit]
         for gid in stale:
-            members = self.groups.pop(gid)
-            await self.ack([(entry, rid) for rid, (entry, _) in members.items()], ledger=False)
-            async with self.redis.pipeline(transaction=False) as pipe:
+            members = self.groups[gid]
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(self.stream, GROUP, *[entry for entry, _ in members.values()])
                 pipe.rpush(self.ledger + ":dropped", *members)
                 await pipe.execute()
+            del self.groups[gid]
             DROPPED.inc(len(members))
             self.count("dropped_stale", len(members))
 
@@ -299,22 +300,43 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.ensure_group()
-        claimed = await self.claim_pending()
+        for attempt in range(60):  # Redis may still be starting
+            try:
+                await self.ensure_group()
+                claimed = await self.claim_pending()
+                break
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if attempt == 59:
+                    raise
+                await asyncio.sleep(1.0)
         log.info("event=trainer_ready step=%d version=%d claimed=%d recipe=%s", self.state.step,
                  self.state.version, claimed, self.settings.recipe)
+        delay = 0.2
         while not stop.is_set() and not self.stopping_after_this():
             if self.paused:
                 await asyncio.sleep(0.1)
                 continue
-            await self.read()
-            await self.drop_stale()
-            ready = self.complete_groups()
-            if len(ready) >= self.settings.batch_prompts:
-                metrics = await self.step(ready[: self.settings.batch_prompts])
-                log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e seconds=%.2f", metrics["step"],
-                         metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"],
-                         metrics["step_seconds"])
+            try:
+                await self.iterate()
+                delay = 0.2
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                # Redis restarting: nothing is lost (trained steps stay unacknowledged until a later
+                # checkpoint acknowledges them); back off and carry on
+                log.warning("event=redis_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def iterate(self) -> None:
+        if self.unacked and self.state.step % self.settings.checkpoint_every == 0:
+            await self.ack(self.unacked)  # a previous acknowledgement was cut off
+            self.unacked = []
+        await self.read()
+        await self.drop_stale()
+        ready = self.complete_groups()
+        if len(ready) >= self.settings.batch_prompts:
+            metrics = await self.step(ready[: self.settings.batch_prompts])
+            log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e seconds=%.2f", metrics["step"],
+                     metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"], metrics["step_seconds"])
 
     async def checkpoint_now(self) -> Path:
         path = await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,

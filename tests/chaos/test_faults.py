@@ -1,0 +1,126 @@
+"""Faults in a whole-system run on loopback (real processes, killed by the pids this test started):
+after each, the run completes and the ledger holds: every submitted task trained, dropped as stale
+or dead-lettered; no rollout trained twice; every replica applied versions in increasing order."""
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from shared.launcher import Launch
+from shared.redis_server import RedisServer
+from shared.run_config import load_run_config
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, B, G = 30, 4, 8
+
+
+def service(launch: Launch, name: str):
+    return next(s for s in launch.services if s.name == name)
+
+
+def kill_and_restart(launch: Launch, name: str) -> None:
+    target = service(launch, name)
+    os.kill(target.process.pid, signal.SIGKILL)
+    target.process.wait(10)
+    launch.start(target)
+    launch.wait_healthy(target)
+
+
+def weightsync_restart(launch: Launch) -> None:
+    target = service(launch, "weightsync")
+    target.process.send_signal(signal.SIGTERM)
+    target.process.wait(20)
+    time.sleep(1.0)  # replicas keep serving their last version meanwhile
+    launch.start(target)
+    launch.wait_healthy(target)
+
+
+def redis_restart(launch: Launch) -> None:
+    launch.redis.stop()  # SIGTERM: the AOF is flushed; a SIGKILL could lose up to its 1 s window
+    time.sleep(1.0)
+    launch.redis.start()
+
+
+def stall_replica(launch: Launch) -> None:
+    target = service(launch, "inference-0")
+    os.kill(target.process.pid, signal.SIGSTOP)  # a frozen process: its leases run out
+    time.sleep(8.0)
+    os.kill(target.process.pid, signal.SIGCONT)
+
+
+def kill_replica(launch: Launch) -> None:
+    target = service(launch, "inference-0")
+    os.kill(target.process.pid, signal.SIGKILL)  # not restarted: the other replica takes over
+    target.process.wait(10)
+    target.process = None  # gone for good: the launcher's watchdog must not mind
+
+
+FAULTS = {
+    "inference_sigkill": kill_replica,
+    "trainer_sigkill": lambda launch: kill_and_restart(launch, "trainer"),
+    "weightsync_restart": weightsync_restart,
+    "redis_restart": redis_restart,
+    "inference_sigstop": stall_replica,
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_run_survives(fault, tmp_path, tiny_model_dir):
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
+        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "run.replicas=2",
+        "orchestrator.eval_every=0", "trainer.checkpoint_every=1", "inference.lease_seconds=3",
+        "inference.tasks_per_batch=2"])
+    launch = Launch(config, tmp_path, str(tiny_model_dir))
+    try:
+        launch.redis = RedisServer(tmp_path / "redis", appendonly=True).start()
+        launch.plan()
+        for s in launch.services:
+            launch.start(s)
+            launch.wait_healthy(s)
+        launch.api("POST", "/v1/run/start")
+        while launch.api("GET", "/v1/run")["trainer_version"] < 2:
+            time.sleep(0.02)
+        FAULTS[fault](launch)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                status = launch.api("GET", "/v1/run")
+            except Exception:  # noqa: BLE001 - the control plane may be reconnecting to Redis
+                status = {}
+            if status.get("state") == "finished":
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
+    finally:
+        launch.stop_all()
+    trained, dropped, dead, submitted = ledger
+    assert len(trained) == len(set(trained)) == STEPS * B * G  # no rollout trained twice
+    by_task: dict[str, int] = {}
+    for rid in trained:
+        task = rid.split(":")[0]
+        by_task[task] = by_task.get(task, 0) + 1
+    assert all(count == G for count in by_task.values())  # whole groups only
+    accounted = set(by_task) | {rid.split(":")[0] for rid in dropped} | dead
+    assert accounted == {f"train-{i}" for i in range(submitted)}  # every task accounted for
+    for log in (tmp_path / "logs").glob("inference-*.log"):
+        versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", log.read_text())]
+        assert versions == sorted(versions) and len(set(versions)) == len(versions), log.name
+
+
+async def read_ledger(url: str, run_id: str):
+    redis = Redis.from_url(url)
+    prefix = f"steadyrl:{run_id}:"
+    trained = [x.decode() for x in await redis.lrange(prefix + "trained", 0, -1)]
+    dropped = [x.decode() for x in await redis.lrange(prefix + "trained:dropped", 0, -1)]
+    dead = {f[b"task_id"].decode() for _, f in await redis.xrange(prefix + "dead")}
+    submitted = int(await redis.hget(prefix + "run", "submitted"))
+    await redis.aclose()
+    return trained, dropped, dead, submitted
