@@ -1,0 +1,155 @@
+"""Hypothesis over every gRPC method of every service: random (well-typed, arbitrary-valued)
+requests get a result or a deliberate status — never INTERNAL/UNKNOWN — and every server stays
+healthy."""
+
+import asyncio
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor as F
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.inference.config import InferenceSettings
+from services.inference.server import serve as serve_inference
+from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.server import serve as serve_orchestrator
+from services.trainer.config import TrainerSettings
+from services.trainer.server import serve as serve_trainer
+from services.weightsync.config import WeightSyncSettings
+from services.weightsync.server import serve as serve_weightsync
+from shared.redis_server import free_port
+from shared.rpc.steadyrl.v1 import inference_pb2, orchestrator_pb2, trainer_pb2, weightsync_pb2
+
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE,
+           grpc.StatusCode.DEADLINE_EXCEEDED}
+SCALARS = {
+    F.TYPE_INT32: st.integers(-(2**31), 2**31 - 1), F.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
+    F.TYPE_UINT32: st.integers(0, 2**32 - 1), F.TYPE_UINT64: st.integers(0, 2**64 - 1),
+    F.TYPE_FLOAT: st.floats(width=32), F.TYPE_DOUBLE: st.floats(), F.TYPE_BOOL: st.booleans(),
+    F.TYPE_STRING: st.text(max_size=20), F.TYPE_BYTES: st.binary(max_size=64),
+}
+
+
+def message(descriptor, cls, depth: int = 0):
+    """Messages of `cls` with random values in every field (nested up to depth 2)."""
+    fields = {}
+    for field in descriptor.fields:
+        if field.type == F.TYPE_MESSAGE:
+            if depth >= 2 or field.message_type.GetOptions().map_entry:
+                continue
+            inner = message(field.message_type, None, depth + 1)
+        elif field.type == F.TYPE_ENUM:
+            inner = st.sampled_from([v.number for v in field.enum_type.values])
+        else:
+            inner = SCALARS[field.type]
+        is_repeated = getattr(field, "is_repeated", None)
+        repeated = is_repeated if isinstance(is_repeated, bool) else field.label == F.LABEL_REPEATED
+        fields[field.name] = st.lists(inner, max_size=4) if repeated else inner
+    optional = st.fixed_dictionaries({}, optional=fields)
+    if cls is None:
+        return optional
+    return optional.map(lambda values: cls(**values))
+
+
+def methods(module, service: str):
+    descriptor = module.DESCRIPTOR.services_by_name[service]
+    for method in descriptor.methods:
+        request = getattr(module, method.input_type.name, None)
+        if request is None:
+            from shared.rpc.steadyrl.v1 import common_pb2
+
+            request = getattr(common_pb2, method.input_type.name)
+        reply = getattr(module, method.output_type.name, None)
+        if reply is None:
+            from shared.rpc.steadyrl.v1 import common_pb2
+
+            reply = getattr(common_pb2, method.output_type.name)
+        yield method, request, reply
+
+
+def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server, run_id):
+    ports = {name: free_port() for name in ("weightsync", "inference", "trainer", "orchestrator")}
+    targets = [(weightsync_pb2, "WeightSync", "weightsync"), (inference_pb2, "Inference", "inference"),
+               (trainer_pb2, "Trainer", "trainer"), (orchestrator_pb2, "Orchestrator", "orchestrator")]
+    calls = {"done": 0, "refused": 0}
+
+    async def main():
+        stop = asyncio.Event()
+        servers = [
+            serve_weightsync(WeightSyncSettings(port=ports["weightsync"], metrics_port=0, spill_dir=tmp_path / "s"),
+                             stop=stop),
+            serve_inference(InferenceSettings(port=ports["inference"], metrics_port=0, model_path=str(tiny_model_dir),
+                                              dtype="float32", redis_url=redis_server.url, run_id=run_id), stop=stop),
+            serve_trainer(TrainerSettings(port=ports["trainer"], metrics_port=0, model_path=str(tiny_model_dir),
+                                          out_dir=tmp_path / "t", redis_url=redis_server.url, run_id=run_id),
+                          stop=stop),
+            serve_orchestrator(OrchestratorSettings(grpc_port=ports["orchestrator"], http_port=0,
+                                                    model_path=str(tiny_model_dir), redis_url=redis_server.url,
+                                                    run_id=run_id, out_dir=tmp_path / "o"), stop=stop),
+        ]
+        tasks = [asyncio.create_task(s) for s in servers]
+        channels = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, port in ports.items()}
+        for channel in channels.values():
+            await asyncio.wait_for(channel.channel_ready(), 120)
+        return stop, tasks, channels
+
+    loop = asyncio.new_event_loop()
+    stop, tasks, channels = loop.run_until_complete(main())
+    try:
+        for module, service, name in targets:
+            for method, request_cls, reply_cls in methods(module, service):
+                path = f"/steadyrl.v1.{service}/{method.name}"
+                channel = channels[name]
+                if method.client_streaming:
+                    call = channel.stream_unary(path, request_serializer=request_cls.SerializeToString,
+                                                response_deserializer=reply_cls.FromString)
+                elif method.server_streaming:
+                    call = channel.unary_stream(path, request_serializer=request_cls.SerializeToString,
+                                                response_deserializer=reply_cls.FromString)
+                else:
+                    call = channel.unary_unary(path, request_serializer=request_cls.SerializeToString,
+                                               response_deserializer=reply_cls.FromString)
+                strategy = message(request_cls.DESCRIPTOR, request_cls)
+                if method.client_streaming:
+                    strategy = st.lists(strategy, max_size=3)
+
+                def make(call, method, strategy):
+                    @settings(max_examples=25, deadline=None, database=None,
+                              suppress_health_check=list(HealthCheck))
+                    @given(strategy)
+                    def fuzz(request):
+                        loop.run_until_complete(once(request, call, method))
+
+                    return fuzz
+
+                async def once(request, call, method):
+                    try:
+                        if method.client_streaming:
+                            async def stream():
+                                for item in request:
+                                    yield item
+
+                            await call(stream(), timeout=5)
+                        elif method.server_streaming:
+                            async for _ in call(request, timeout=2):
+                                pass
+                        else:
+                            await call(request, timeout=5)
+                        calls["done"] += 1
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() in ALLOWED, (method.full_name, exc.code(), exc.details())
+                        calls["refused"] += 1
+
+                make(call, method, strategy)()
+        for name, channel in channels.items():
+            reply = loop.run_until_complete(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+    finally:
+        stop.set()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        for channel in channels.values():
+            loop.run_until_complete(channel.close())
+        loop.close()
+    assert calls["done"] > 0 and calls["refused"] > 0
