@@ -96,6 +96,7 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
         return stop, tasks, channels
 
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # grpc.aio builds calls against the current loop
     stop, tasks, channels = loop.run_until_complete(main())
     try:
         for module, service, name in targets:
@@ -144,12 +145,16 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
 
                 make(call, method, strategy)()
         for name, channel in channels.items():
-            reply = loop.run_until_complete(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()))
+            async def check(channel=channel):
+                return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+
+            reply = loop.run_until_complete(check())
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
     finally:
         stop.set()
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         for channel in channels.values():
             loop.run_until_complete(channel.close())
+        asyncio.set_event_loop(None)
         loop.close()
     assert calls["done"] > 0 and calls["refused"] > 0
