@@ -89,7 +89,10 @@ class Launch:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel:
+        # short reconnect backoff: a channel that met the port closed must not sleep seconds past the bind
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
+        with grpc.insecure_channel(f"127.0.0.1:{service.grpc_port}", options=options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if service.process.poll() is not None:

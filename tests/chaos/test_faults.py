@@ -30,7 +30,13 @@ def kill_and_restart(launch: Launch, name: str) -> None:
     os.kill(target.process.pid, signal.SIGKILL)
     target.process.wait(10)
     launch.start(target)
-    launch.wait_healthy(target)
+    try:
+        launch.wait_healthy(target)
+    except RuntimeError:
+        # a restarted trainer can catch up on the rollouts queued meanwhile and finish the run before
+        # the first health probe; a clean exit is fine, the ledger below checks the run
+        if target.process.returncode != 0:
+            raise
 
 
 def weightsync_restart(launch: Launch) -> None:
