@@ -1,6 +1,7 @@
 """The trainer on the tiny MoE: real redis-server, recorded rollouts from the bf16 torch engine."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from services.trainer.config import TrainerSettings
@@ -20,12 +22,14 @@ from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.queues import WorkQueue
-from shared.rollout import RolloutTimings, encode_rollout, rollouts_from_samples
+from shared.rollout import RolloutTimings, decode_rollout, encode_rollout, rollouts_from_samples
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import get_reward
 from shared.training import StepConfig, collate, sequence_logprobs, train_step
 
 GROUP = 4
+REASONS = ("decode", "missing_field", "future_version", "nonfinite_logprobs", "expert_range", "trace_shape", "length",
+           "oversize")
 
 
 def recorded_rollouts(model_dir, groups: int, seed: int = 0, version: int = 0):
@@ -176,14 +180,35 @@ def test_r3_without_traces_is_an_error(tiny_model_dir):
 def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redis_server, run_id):
     fresh = recorded_rollouts(tiny_model_dir, 2, seed=11, version=0)
     future = recorded_rollouts(tiny_model_dir, 1, seed=12, version=9)  # from a version that does not exist
+    template = recorded_rollouts(tiny_model_dir, 1, seed=13)[0]
+
+    def broken(name, **changes):
+        return dataclasses.replace(template, rollout_id=f"bad-{name}", group_id=f"bad-{name}", **changes)
+
+    nan = template.inference_logprobs.copy()
+    nan[1] = np.nan
+    inf = template.inference_logprobs.copy()
+    inf[0] = -np.inf
+    out_of_range = template.routing_trace.copy()
+    out_of_range[2, 1, 0] = 8  # the tiny model has experts 0..7
+    malformed = [
+        broken("nan", inference_logprobs=nan), broken("inf", inference_logprobs=inf),
+        broken("expert", routing_trace=out_of_range),
+        broken("trace", routing_trace=template.routing_trace[:-1]),  # one position short
+        broken("lengths", inference_logprobs=template.inference_logprobs[:-1]),
+        broken("oversize", prompt_token_ids=np.tile(template.prompt_token_ids, 2000)),  # > max_rollout_bytes
+    ]
+    before = {r: REGISTRY.get_sample_value("steadyrl_trainer_rollouts_dead_lettered_total", {"reason": r}) or 0
+              for r in REASONS}
 
     async def main():
         redis = Redis.from_url(redis_server.url)
         stream = WorkQueue(redis, run_id).rollout_stream
         await redis.xadd(stream, {"r": b"\x00garbage"})
         await redis.xadd(stream, {"nothing": b"1"})
-        await publish(redis, run_id, future + fresh)
-        await serve_trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1))
+        await publish(redis, run_id, future + malformed + fresh)
+        await serve_trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1,
+                                         max_rollout_bytes=4096))
         dead = await redis.xrange(stream + ":dead")
         pending = await redis.xpending(stream, "trainer")
         await redis.aclose()
@@ -191,8 +216,14 @@ def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redi
 
     dead, pending = asyncio.run(asyncio.wait_for(main(), 120))
     reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
-    assert reasons == ["decode", "future_version", "future_version", "future_version", "future_version",
-                       "missing_field"]
+    assert reasons == ["decode", "expert_range", "future_version", "future_version", "future_version",
+                       "future_version", "length", "missing_field", "nonfinite_logprobs", "nonfinite_logprobs",
+                       "oversize", "trace_shape"]
+    kept = {fields[b"reason"].decode(): fields[b"r"] for _, fields in dead}
+    assert decode_rollout(kept["expert_range"]).rollout_id == "bad-expert"  # the payload is kept for inspection
+    counted = {r: REGISTRY.get_sample_value("steadyrl_trainer_rollouts_dead_lettered_total", {"reason": r}) - before[r]
+               for r in REASONS}
+    assert counted == {r: reasons.count(r) for r in REASONS}
     assert pending["pending"] == 0
     line = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
     assert line["step"] == 1 and line["tokens"] == sum(len(r.completion_token_ids) for r in fresh)
