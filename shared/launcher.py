@@ -88,11 +88,13 @@ class Launch:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from shared.rpc.tls import sync_channel
+
         deadline = time.monotonic() + timeout
         # short reconnect backoff: a channel that met the port closed must not sleep seconds past the bind
         options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500)]
-        with grpc.insecure_channel(f"127.0.0.1:{service.grpc_port}", options=options) as channel:
+        with sync_channel(f"127.0.0.1:{service.grpc_port}", options=options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if service.process.poll() is not None:
@@ -109,8 +111,11 @@ class Launch:
     def api(self, method: str, path: str) -> dict:
         import httpx
 
-        reply = httpx.request(method, f"http://127.0.0.1:{self.http_port}{path}",
-                              headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        from shared.rpc.tls import httpx_options, tls_from_env
+
+        tls = tls_from_env()
+        reply = httpx.request(method, f"{'https' if tls else 'http'}://127.0.0.1:{self.http_port}{path}",
+                              headers={"Authorization": f"Bearer {self.token}"}, timeout=10, **httpx_options(tls))
         reply.raise_for_status()
         return reply.json()
 

@@ -72,6 +72,11 @@ class OrchestratorSettings(BaseSettings):
     """Period of the admission / lease sweep loop."""
 
     def bearer_token(self) -> str | None:
+        """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""
         if self.token_file is not None:
             return self.token_file.read_text().strip() or None
-        return self.token.get_secret_value() if self.token else None
+        if self.token:
+            return self.token.get_secret_value()
+        from shared.rpc.auth import token_from_env
+
+        return token_from_env()

@@ -102,6 +102,8 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
                 stop: asyncio.Event | None = None) -> None:
     import uvicorn
 
+    from shared.rpc.tls import tls_from_env, uvicorn_options
+
     stop = stop or asyncio.Event()
     redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
     orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
@@ -110,7 +112,7 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
         ["steadyrl.v1.Orchestrator"], f"{settings.host}:{settings.grpc_port}")
     app = create_app(orchestrator, settings.bearer_token())
     http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
-                                         lifespan="off"))
+                                         lifespan="off", **uvicorn_options(tls_from_env())))
     tasks = [asyncio.create_task(orchestrator.run(stop)), asyncio.create_task(http.serve())]
     while not http.started:
         await asyncio.sleep(0.02)

@@ -93,7 +93,10 @@ class _StreamStream(_Metadata, grpc.aio.StreamStreamClientInterceptor):
 
 
 def channel(address: str, options=None, token: str | None = None) -> grpc.aio.Channel:
-    """A grpc.aio channel whose every call carries the deployment's bearer token (when one is set)."""
+    """A grpc.aio channel whose every call carries the deployment's bearer token (when one is set),
+    over TLS when the deployment uses it."""
+    from shared.rpc.tls import aio_channel
+
     token = token if token is not None else token_from_env()
     interceptors = [cls(token) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if token else None
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return aio_channel(address, options=options, interceptors=interceptors)

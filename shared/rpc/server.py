@@ -37,8 +37,9 @@ async def start_server(
     """Serve the given servicers plus health (all SERVING) and reflection; returns the bound port.
 
     With a bearer token (the argument, else STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) every method but
-    health and reflection requires it."""
+    health and reflection requires it. TLS / mTLS when STEADYRL_TLS_* say so (shared.rpc.tls)."""
     from shared.rpc.auth import TokenAuthInterceptor, token_from_env
+    from shared.rpc.tls import bind, tls_from_env
 
     token = token if token is not None else token_from_env()
     interceptors = [TokenAuthInterceptor(token)] if token else None
@@ -56,7 +57,7 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    port = bind(server, address, tls_from_env())
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     await server.start()
