@@ -51,6 +51,7 @@ class RedisServer:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisServer:
+        self.directory = Path(self.directory).resolve()  # redis-server enters --dir before it opens --logfile
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         args = [

@@ -83,3 +83,16 @@ def test_renewed_leases_survive_and_failures_go_to_dead_letters(redis_server, ru
         assert (depths.pending, depths.leased, depths.completed, depths.dead) == (0, 0, 1, 1)
 
     run(redis_server, run_id, body)
+
+
+def test_redis_server_in_a_relative_directory(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import redis
+
+    from shared.redis_server import RedisServer
+
+    monkeypatch.chdir(tmp_path)
+    with RedisServer(Path("runs") / "r" / "redis") as server:  # `steadyrl run --out runs/...` is relative
+        assert redis.Redis.from_url(server.url).ping()
+        assert server.directory == tmp_path / "runs" / "r" / "redis" and (server.directory / "redis.log").exists()
