@@ -54,6 +54,8 @@ DROPPED = Counter("steadyrl_trainer_rollouts_dropped_stale_total", "Rollouts dro
 DEAD = Counter("steadyrl_trainer_rollouts_dead_lettered_total", "Malformed rollouts sent to the dead-letter stream",
                ["reason"])
 DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
+RESTORED = Counter("steadyrl_trainer_ledger_restored_total",
+                   "Ledger entries written again after Redis came back without them (a lost AOF window)")
 STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
@@ -92,6 +94,8 @@ class Trainer:
         self.ledger = self.queue.keys["tasks"].rsplit(":", 1)[0] + ":trained"
         self.groups: OrderedDict[str, dict[str, tuple[bytes, Rollout]]] = OrderedDict()
         self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
+        self.redis_run_id = ""  # which redis-server process we last talked to (see reconcile)
+        self.identity_checked = 0.0
         self.paused = False
         self.recipe = ""
         self.last_metrics: dict[str, float] = {}
@@ -149,6 +153,8 @@ class Trainer:
                     self.count("duplicates")
                 continue
             group = self.groups.setdefault(rollout.group_id, {})
+            if rollout.rollout_id in group and group[rollout.rollout_id][0] == entry_id:
+                continue  # the entry already held, claimed again after a Redis restart: not a duplicate
             if rollout.rollout_id in group:
                 await self.redis.xack(self.stream, GROUP, entry_id)
                 DUPLICATES.inc()
@@ -304,6 +310,7 @@ class Trainer:
             try:
                 await self.ensure_group()
                 claimed = await self.claim_pending()
+                self.redis_run_id = await self.redis_identity()
                 break
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 if attempt == 59:
@@ -326,7 +333,34 @@ class Trainer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    async def redis_identity(self) -> str:
+        """The redis-server process's run id: a new one means Redis restarted (and may have lost writes)."""
+        return str((await self.redis.info("server"))["run_id"])
+
+    async def reconcile(self) -> None:
+        """Redis restarted. With appendfsync everysec a host crash loses up to the last second of
+        acknowledged writes: here that can be acknowledgements and ledger entries of rollouts this
+        trainer trained. Its checkpointed state knows them, so it writes them again: pending entries
+        are claimed (trained ones acknowledged into the ledger, the rest grouped again), then every
+        acknowledged id the ledger lacks is appended. Entries re-delivered later are known as trained."""
+        claimed = await self.claim_pending()
+        acked = self.state.consumed - {rid for _, rid in self.unacked}
+        present = {x.decode() for x in await self.redis.lrange(self.ledger, 0, -1)}
+        missing = sorted(acked - present)
+        if missing:
+            await self.redis.rpush(self.ledger, *missing)
+            RESTORED.inc(len(missing))
+        self.count("ledger_restored", len(missing))
+        log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, len(missing))
+
     async def iterate(self) -> None:
+        now = time.monotonic()
+        if now - self.identity_checked >= 1.0:
+            self.identity_checked = now
+            identity = await self.redis_identity()
+            if identity != self.redis_run_id:
+                await self.reconcile()
+                self.redis_run_id = identity
         if self.unacked and self.state.step % self.settings.checkpoint_every == 0:
             await self.ack(self.unacked)  # a previous acknowledgement was cut off
             self.unacked = []

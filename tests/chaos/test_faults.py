@@ -54,6 +54,23 @@ def redis_restart(launch: Launch) -> None:
     launch.redis.start()
 
 
+def redis_sigkill(launch: Launch) -> None:
+    launch.redis.stop(kill=True)  # the kernel still holds what redis wrote: a process crash loses ~nothing
+    time.sleep(1.0)
+    launch.redis.start()
+
+
+def redis_host_crash(launch: Launch) -> None:
+    """A host crash under appendfsync everysec: the disk keeps the AOF as it was up to a second ago."""
+    aof = launch.redis.directory / "appendonly.aof"
+    on_disk = aof.read_bytes()
+    time.sleep(1.0)  # the run goes on; these writes are acknowledged but never reach the disk
+    launch.redis.stop(kill=True)
+    assert aof.stat().st_size > len(on_disk)  # something is really lost
+    aof.write_bytes(on_disk)
+    launch.redis.start()
+
+
 def stall_replica(launch: Launch) -> None:
     target = service(launch, "inference-0")
     os.kill(target.process.pid, signal.SIGSTOP)  # a frozen process: its leases run out
@@ -73,6 +90,9 @@ FAULTS = {
     "trainer_sigkill": lambda launch: kill_and_restart(launch, "trainer"),
     "weightsync_restart": weightsync_restart,
     "redis_restart": redis_restart,
+    "redis_sigkill": redis_sigkill,
+    "redis_host_crash": redis_host_crash,
+    "orchestrator_sigkill": lambda launch: kill_and_restart(launch, "orchestrator"),
     "inference_sigstop": stall_replica,
 }
 
@@ -116,6 +136,8 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
     assert all(count == G for count in by_task.values())  # whole groups only
     accounted = set(by_task) | {rid.split(":")[0] for rid in dropped} | dead
     assert accounted == {f"train-{i}" for i in range(submitted)}  # every task accounted for
+    if fault == "redis_host_crash":  # the trainer noticed and put back what it knew it had written
+        assert re.search(r"event=redis_restarted claimed=\d+ ledger_restored=\d+", (tmp_path / "logs" / "trainer.log").read_text())
     for log in (tmp_path / "logs").glob("inference-*.log"):
         versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", log.read_text())]
         assert versions == sorted(versions) and len(set(versions)) == len(versions), log.name
