@@ -46,37 +46,42 @@ def control_plane(redis_server, tiny_model_dir, tmp_path_factory):
     process.wait(20)
 
 
+HEADERS = {"token": {"Authorization": f"Bearer {TOKEN}"}, "wrong": {"Authorization": "Bearer nope"}, "none": {}}
+
+
+def fuzz(url: str, operation, auth: str, outcomes: collections.Counter, failures: list) -> None:
+    """EXAMPLES generated requests to one operation with one kind of credentials."""
+    name = f"{operation.method.upper()} {operation.path}"
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy())
+    def probe(case):
+        response = case.call(base_url=url, headers=HEADERS[auth], timeout=10)
+        key = f"{name} [{auth}] {response.status_code}"
+        outcomes[key] += 1
+        if response.status_code >= 500:
+            failures.append((key, case.path_parameters, response.text[:200]))
+        elif response.status_code >= 400:
+            body = response.json()  # every error is JSON with a detail
+            assert isinstance(body.get("detail"), str | list), body
+        if operation.path.startswith("/v1/") and auth != "token":
+            assert response.status_code == 401, key
+
+    probe()
+
+
 def test_rest_api_fuzz(control_plane):
     url, process = control_plane
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     outcomes: collections.Counter = collections.Counter()
-    failures = []
+    failures: list = []
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} == {
         "GET /health", "GET /metrics", "GET /v1/run", "GET /v1/run/config", "POST /v1/run/{action}"}
     for operation in operations:
-        for auth in ("token", "wrong", "none"):
-            headers = {"token": {"Authorization": f"Bearer {TOKEN}"}, "wrong": {"Authorization": "Bearer nope"},
-                       "none": {}}[auth]
-
-            @settings(max_examples=EXAMPLES, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy())
-            def probe(case):
-                response = case.call(base_url=url, headers=headers, timeout=10)
-                key = f"{operation.method.upper()} {operation.path} [{auth}] {response.status_code}"
-                outcomes[key] += 1
-                if response.status_code >= 500:
-                    failures.append((key, case.path_parameters, response.text[:200]))
-                elif response.status_code >= 400:
-                    body = response.json()  # every error is JSON with a detail
-                    assert isinstance(body.get("detail"), str | list), body
-                protected = operation.path.startswith("/v1/")
-                if protected and auth != "token":
-                    assert response.status_code == 401, key
-
-            probe()
+        for auth in HEADERS:
+            fuzz(url, operation, auth, outcomes, failures)
     print(json.dumps({"inputs": sum(outcomes.values()), "by_outcome": dict(sorted(outcomes.items()))}, indent=1))
     assert not failures, failures[:5]
     assert process.poll() is None and httpx.get(f"{url}/health").status_code == 200
-    assert sum(outcomes.values()) >= 5 * 3 * 2  # every operation × auth was really exercised
+    assert sum(outcomes.values()) >= 5 * 3 * 2  # every operation × credentials was really exercised

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from shared.experiment import aggregate, load_grid, markdown_table, mean_curve, moving_mean, run_config_for, summarise_run
+from shared.experiment import (
+    aggregate,
+    load_grid,
+    markdown_table,
+    mean_curve,
+    moving_mean,
+    run_config_for,
+    summarise_run,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
