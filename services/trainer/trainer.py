@@ -347,7 +347,8 @@ class Trainer:
         acknowledged writes: here that can be acknowledgements and ledger entries of rollouts this
         trainer trained. Its checkpointed state knows them, so it writes them again: pending entries
         are claimed (trained ones acknowledged into the ledger, the rest grouped again), then every
-        acknowledged id the ledger lacks is appended. Entries re-delivered later are known as trained."""
+        acknowledged id the ledger lacks is appended (reading the whole ledger: rare, and linear in
+        the rollouts of the run). Entries re-delivered later are known as trained."""
         claimed = await self.claim_pending()
         acked = self.state.consumed - {rid for _, rid in self.unacked}
         present = {x.decode() for x in await self.redis.lrange(self.ledger, 0, -1)}

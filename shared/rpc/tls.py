@@ -9,8 +9,8 @@ Deployment-wide, from the environment (like the bearer token), so every service 
     STEADYRL_TLS_CLIENT_AUTH  true: mutual TLS, servers refuse a client without a certificate the CA signed
     STEADYRL_TLS_SERVER_NAME  the name clients expect in server certificates (default: the host dialled)
 
-Unset, everything is plaintext (loopback demo). Set, a plaintext client cannot talk to a server and
-a server without a certificate cannot start with a half-configured TLS.
+Unset, everything is plaintext (the loopback demo). Set, servers refuse plaintext clients, and a
+half-configured TLS (a certificate without its key, mTLS without a CA) fails at start.
 """
 
 from __future__ import annotations
