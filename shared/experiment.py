@@ -206,6 +206,11 @@ def mean_curve(runs: list[list[dict]], key: str) -> tuple[list[int], list[float]
     return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
+def line_style(index: int) -> dict:
+    """Ten colours, then the same colours dashed, dotted…: every configuration its own line."""
+    return {"color": f"C{index % 10}", "linestyle": ["-", "--", ":", "-."][index // 10 % 4]}
+
+
 def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[list[dict], list[dict]]]]) -> list[str]:
     """One PNG per diagnostic with a line per configuration (mean over its seeds)."""
     import matplotlib
@@ -219,13 +224,13 @@ def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[l
     for key, title, log in CURVES:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         drawn = False
-        for config in configs:
+        for index, config in enumerate(configs):
             steps, values = mean_curve([m for m, _ in runs.get(config.name, [])], key)
             if not steps:
                 continue
             if key == "reward_mean":
                 values = moving_mean(values, 10)
-            ax.plot(steps, values, linewidth=1.1, label=config.label)
+            ax.plot(steps, values, linewidth=1.1, label=config.label, **line_style(index))
             drawn = True
         if not drawn:
             plt.close(fig)
@@ -240,7 +245,7 @@ def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[l
         plt.close(fig)
         written.append(f"plots/{key}.png")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for config in configs:
+    for index, config in enumerate(configs):
         by_version: dict[int, list[float]] = {}
         for _, evals in runs.get(config.name, []):
             for e in evals:
@@ -248,7 +253,7 @@ def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[l
         if by_version:
             versions = sorted(by_version)
             ax.plot(versions, [statistics.fmean(by_version[v]) for v in versions], marker="o", markersize=3,
-                    linewidth=1.1, label=config.label)
+                    linewidth=1.1, label=config.label, **line_style(index))
     ax.set_xlabel("policy version")
     ax.set_title("greedy eval accuracy (mean over seeds)")
     ax.legend(fontsize=7)
