@@ -160,9 +160,12 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     if settings.weightsync_address:
         async def on_version(version: int, state_dict) -> None:
             seconds = await asyncio.to_thread(engine.update_weights, version, state_dict)
-            SWAP_SECONDS.labels(replica).observe(seconds)
             POLICY_VERSION.labels(replica).set(engine.version)
-            log.info("event=weights_applied version=%d swap_seconds=%.4f", version, seconds)
+            if engine.version >= version:
+                SWAP_SECONDS.labels(replica).observe(seconds)
+                log.info("event=weights_applied version=%d swap_seconds=%.4f", version, seconds)
+            else:  # a step is running: it applies the version when it ends
+                log.info("event=weights_staged version=%d serving=%d", version, engine.version)
 
         subscriber = WeightSubscriber(settings.weightsync_address, on_version, replica,
                                       settings.max_message_bytes, streams=settings.weight_streams)

@@ -4,6 +4,7 @@ and weight updates that land between decode steps."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -112,8 +113,9 @@ def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
 
 class StagedWeights:
     """Weight updates that land between engine steps: `update_weights` stages a version and
-    applies it at once when no step runs, else the running generation applies it before its next
-    step (`_apply_pending` under `_lock`). Subclasses implement `_load(state_dict)`."""
+    applies it at once when no step runs, else the running step applies it on its way out
+    (`_serving`). Subclasses implement `_load(state_dict)` and run each step (torch: a forward;
+    vLLM: a whole batch) inside `with self._serving():`."""
 
     def _init_weights(self, version: int) -> None:
         self._lock = threading.Lock()
@@ -128,12 +130,27 @@ class StagedWeights:
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
         """Stage `version`; returns the seconds from staging to serving of the last applied one."""
         self._pending = (version, state_dict, time.perf_counter())
-        if self._lock.acquire(blocking=False):
+        self._drain()
+        return self.last_swap_seconds
+
+    @contextlib.contextmanager
+    def _serving(self):
+        """Hold the engine for one step, on the newest staged weights. A version staged during the
+        step is applied right after it: none is left pending while the engine sits idle (a replica
+        waiting for that version before its next batch would otherwise wait forever)."""
+        with self._lock:
+            self._apply_pending()
+            yield
+        self._drain()
+
+    def _drain(self) -> None:
+        # whoever gets the lock applies; a stager that finds it taken relies on the holder's drain,
+        # which re-checks after releasing, so no staged version is missed
+        while self._pending is not None and self._lock.acquire(blocking=False):
             try:
                 self._apply_pending()
             finally:
                 self._lock.release()
-        return self.last_swap_seconds
 
     def _apply_pending(self) -> None:
         """Call with `_lock` held."""

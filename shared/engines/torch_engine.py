@@ -52,8 +52,7 @@ class TorchEngine(StagedWeights):
                            f"missing {missing[:3]}, unexpected {unexpected[:3]}")
 
     def _forward(self, **inputs):
-        with self._lock:
-            self._apply_pending()
+        with self._serving():
             version = self._version
             out = self.model(**inputs, use_cache=True)
         return out, version

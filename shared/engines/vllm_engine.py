@@ -95,8 +95,7 @@ class VllmEngine(StagedWeights):
         if return_trace and not self.capabilities.routing_trace:
             raise ValueError(f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}")
         params = [self._params(sampling, i) for i in range(len(prompts))]
-        with self._lock:
-            self._apply_pending()
+        with self._serving():
             version = self._version
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         samples = []

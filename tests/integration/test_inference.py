@@ -88,6 +88,22 @@ def test_a_sequence_spanning_a_weight_switch_carries_both_versions(tiny_model_di
     assert set(after.versions) == {1}
 
 
+def test_a_version_staged_during_the_last_step_is_applied_when_it_ends(tiny_model_dir):
+    """A replica that waits for version v before its next batch must not wait forever because v
+    arrived while the previous batch's last step held the engine."""
+    import threading
+
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    new_weights = {k: v * 1.5 if k == "lm_head.weight" else v for k, v in engine.model.state_dict().items()}
+    with engine._serving():  # a step runs; weight-sync delivers version 1 from its own thread
+        stager = threading.Thread(target=engine.update_weights, args=(1, new_weights))
+        stager.start()
+        stager.join()
+        assert engine.version == 0  # staged, not applied under a running step
+    assert engine.version == 1  # applied as the step ended, with no further step
+    assert torch.equal(engine.model.lm_head.weight, new_weights["lm_head.weight"])
+
+
 class Replica:
     """Weight-sync and one inference replica served in this process, on loopback."""
 
