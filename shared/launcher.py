@@ -162,8 +162,35 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@contextlib.contextmanager
+def interruptible():
+    """SIGINT and SIGTERM raise KeyboardInterrupt while a run is on, so a job scheduler's SIGTERM
+    or `timeout` stops every service like Ctrl-C does (and a SIGINT ignored by the shell that
+    started us in the background still works). The previous handlers come back afterwards."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` to the end; returns the summary (also written to out/summary.json)."""
+    with interruptible():
+        return _run(config, out, progress)
+
+
+def _run(config: RunConfig, out: Path, progress: bool) -> dict:
     import logging
 
     from rich.console import Console
@@ -193,7 +220,12 @@ def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
         summary["outcome"] = "interrupted"
         console.print("[yellow]interrupted: stopping every service[/]")
     finally:
-        launch.stop_all()
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:  # a second signal must not cut the teardown short and leave services behind
+            launch.stop_all()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     summary["wall_seconds"] = round(time.time() - started, 1)
     finish(launch, summary)
     return summary

@@ -53,6 +53,29 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     assert sum(p.numel() for p in model.parameters()) == 230_848
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir, sig):
+    out = tmp_path / "run"
+    # SIG_IGN for SIGINT, as a shell gives a background job: the run must still honour it
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+         "--set", "run.steps=100000", "--set", "orchestrator.eval_every=0"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 300
+    while not (out / "pids.json").exists():  # written once every service is healthy
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    pids = json.loads((out / "pids.json").read_text())
+    assert len(pids) == 5 and all(alive(pid) for pid in pids)  # 4 services and redis-server
+    time.sleep(2.0)
+    process.send_signal(sig)
+    assert process.wait(60) == 1  # the run did not finish
+    time.sleep(0.5)
+    assert not [pid for pid in pids if alive(pid)]
+    assert json.loads((out / "summary.json").read_text())["outcome"] == "interrupted"
+
+
 def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):
     import asyncio
 
