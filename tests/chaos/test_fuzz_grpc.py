@@ -1,10 +1,12 @@
 """Hypothesis over every gRPC method of every service: random (well-typed, arbitrary-valued)
 requests get a result or a deliberate status — never INTERNAL/UNKNOWN — and every server stays
-healthy."""
+healthy. The services run with a bearer token: every method refuses a caller without it and one
+with a wrong token (UNAUTHENTICATED), while health stays open. Counts are printed (-s)."""
 
 import asyncio
 
 import grpc
+import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
@@ -69,11 +71,36 @@ def methods(module, service: str):
         yield method, request, reply
 
 
-def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server, run_id):
+TOKEN = "fuzz-token"
+
+
+def stub_call(channel, path: str, method, request_cls, reply_cls):
+    kind = ("stream_unary" if method.client_streaming else "unary_stream" if method.server_streaming
+            else "unary_unary")
+    return getattr(channel, kind)(path, request_serializer=request_cls.SerializeToString,
+                                  response_deserializer=reply_cls.FromString)
+
+
+async def invoke(call, method, request, timeout: float):
+    if method.client_streaming:
+        async def stream():
+            for item in request:
+                yield item
+
+        return await call(stream(), timeout=timeout)
+    if method.server_streaming:
+        return [reply async for reply in call(request, timeout=timeout)]
+    return await call(request, timeout=timeout)
+
+
+def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server, run_id, monkeypatch):
+    from shared.rpc.auth import channel as auth_channel
+
+    monkeypatch.setenv("STEADYRL_TOKEN", TOKEN)  # every service requires it, as deployed
     ports = {name: free_port() for name in ("weightsync", "inference", "trainer", "orchestrator")}
     targets = [(weightsync_pb2, "WeightSync", "weightsync"), (inference_pb2, "Inference", "inference"),
                (trainer_pb2, "Trainer", "trainer"), (orchestrator_pb2, "Orchestrator", "orchestrator")]
-    calls = {"done": 0, "refused": 0}
+    calls: dict[str, int] = {}
 
     async def main():
         stop = asyncio.Event()
@@ -90,7 +117,7 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
                                                     run_id=run_id, out_dir=tmp_path / "o"), stop=stop),
         ]
         tasks = [asyncio.create_task(s) for s in servers]
-        channels = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, port in ports.items()}
+        channels = {name: auth_channel(f"127.0.0.1:{port}", token=TOKEN) for name, port in ports.items()}
         for channel in channels.values():
             await asyncio.wait_for(channel.channel_ready(), 120)
         return stop, tasks, channels
@@ -101,17 +128,8 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
     try:
         for module, service, name in targets:
             for method, request_cls, reply_cls in methods(module, service):
-                path = f"/steadyrl.v1.{service}/{method.name}"
-                channel = channels[name]
-                if method.client_streaming:
-                    call = channel.stream_unary(path, request_serializer=request_cls.SerializeToString,
-                                                response_deserializer=reply_cls.FromString)
-                elif method.server_streaming:
-                    call = channel.unary_stream(path, request_serializer=request_cls.SerializeToString,
-                                                response_deserializer=reply_cls.FromString)
-                else:
-                    call = channel.unary_unary(path, request_serializer=request_cls.SerializeToString,
-                                               response_deserializer=reply_cls.FromString)
+                call = stub_call(channels[name], f"/steadyrl.v1.{service}/{method.name}", method, request_cls,
+                                 reply_cls)
                 strategy = message(request_cls.DESCRIPTOR, request_cls)
                 if method.client_streaming:
                     strategy = st.lists(strategy, max_size=3)
@@ -127,23 +145,32 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
 
                 async def once(request, call, method):
                     try:
-                        if method.client_streaming:
-                            async def stream():
-                                for item in request:
-                                    yield item
-
-                            await call(stream(), timeout=5)
-                        elif method.server_streaming:
-                            async for _ in call(request, timeout=2):
-                                pass
-                        else:
-                            await call(request, timeout=5)
-                        calls["done"] += 1
+                        await invoke(call, method, request, 2 if method.server_streaming else 5)
+                        calls["OK"] = calls.get("OK", 0) + 1
                     except grpc.aio.AioRpcError as exc:
                         assert exc.code() in ALLOWED, (method.full_name, exc.code(), exc.details())
-                        calls["refused"] += 1
+                        calls[exc.code().name] = calls.get(exc.code().name, 0) + 1
 
                 make(call, method, strategy)()
+        refused = 0
+        for module, service, name in targets:  # and every method refuses a missing or a wrong token
+            for token in ("", "wrong-token"):
+                async def refuse(token=token, module=module, service=service, name=name):
+                    count = 0
+                    async with auth_channel(f"127.0.0.1:{ports[name]}", token=token) as bare:
+                        for method, request_cls, reply_cls in methods(module, service):
+                            call = stub_call(bare, f"/steadyrl.v1.{service}/{method.name}", method, request_cls,
+                                             reply_cls)
+                            request = [request_cls()] if method.client_streaming else request_cls()
+                            with pytest.raises(grpc.aio.AioRpcError) as err:
+                                await invoke(call, method, request, 5)
+                            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, method.full_name
+                            count += 1
+                        reply = await health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest())
+                        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # health stays open
+                    return count
+
+                refused += loop.run_until_complete(refuse())
         for name, channel in channels.items():
             async def check(channel=channel):
                 return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
@@ -157,4 +184,7 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
             loop.run_until_complete(channel.close())
         asyncio.set_event_loop(None)
         loop.close()
-    assert calls["done"] > 0 and calls["refused"] > 0
+    methods_total = sum(len(module.DESCRIPTOR.services_by_name[service].methods) for module, service, _ in targets)
+    print({"inputs": sum(calls.values()), "by_status": calls, "methods": methods_total, "auth_refused": refused})
+    assert calls.get("OK", 0) > 0 and sum(calls.values()) - calls.get("OK", 0) > 0
+    assert refused == 2 * methods_total
