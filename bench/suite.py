@@ -105,9 +105,11 @@ def markdown(result: dict) -> str:
                      f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |")
     asy = b.get("async", {})
     for name in ("async_1", "async_2"):
-        lines.append(f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy, sync / {name} "
+        lines.append(f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy (mean of 3 evals), sync / {name} "
                      f"({_get(asy, 'variants', 'sync', 'seconds')} s vs {_get(asy, 'variants', name, 'seconds')} s) "
                      f"| {_get(asy, 'variants', name, 'speedup_vs_sync')} | > 1 |")
+        lines.append(f"| async | versions per second, {name} / sync | "
+                     f"{_get(asy, 'variants', name, 'versions_per_second_vs_sync')} | > 1 |")
     failed = [name for name, value in b.items() if "error" in value]
     if failed:
         lines += ["", f"Failed: {', '.join(failed)} (see the JSON)."]

@@ -27,10 +27,12 @@ def test_transport_rollouts_are_valid():
 
 
 def test_time_to_target():
-    evals = [{"version": 0, "accuracy": 0.4, "unix_ms": 1000}, {"version": 10, "accuracy": 0.48, "unix_ms": 6000},
-             {"version": 20, "accuracy": 0.52, "unix_ms": 11500}, {"version": 30, "accuracy": 0.6, "unix_ms": 17000}]
-    assert time_to_target(evals, 0.5) == {"seconds": 10.5, "version": 20, "best": 0.6}
-    assert time_to_target(evals, 0.7) == {"seconds": None, "version": None, "best": 0.6}
+    evals = [{"version": 0, "accuracy": 0.4, "unix_ms": 1000}, {"version": 10, "accuracy": 0.58, "unix_ms": 6000},
+             {"version": 20, "accuracy": 0.48, "unix_ms": 11500}, {"version": 30, "accuracy": 0.55, "unix_ms": 17000},
+             {"version": 40, "accuracy": 0.6, "unix_ms": 21000}]
+    # v10 alone crosses 0.5; the first window of 3 averaging 0.5 ends at v30 (0.58, 0.48, 0.55)
+    assert time_to_target(evals, 0.5) == {"seconds": 16.0, "version": 30, "best": 0.6, "seconds_per_version": 0.5}
+    assert time_to_target(evals, 0.7)["seconds"] is None and time_to_target(evals, 0.7)["best"] == 0.6
     assert time_to_target([], 0.5)["seconds"] is None
 
 
