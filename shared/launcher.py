@@ -84,6 +84,16 @@ class Launch:
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True)
 
+    def start_all(self, on_healthy=None) -> None:
+        """redis-server (AOF on), then every service in order, each waited for until healthy."""
+        self.redis = RedisServer(self.out / "redis", appendonly=True).start()
+        self.plan()
+        for service in self.services:
+            self.start(service)
+            self.wait_healthy(service)
+            if on_healthy is not None:
+                on_healthy(service)
+
     def wait_healthy(self, service: Service, timeout: float = 600.0) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -205,12 +215,7 @@ def _run(config: RunConfig, out: Path, progress: bool) -> dict:
     started = time.time()
     summary: dict = {"run_id": config.run_id, "out": str(out), "model": model_path}
     try:
-        launch.redis = RedisServer(out / "redis", appendonly=True).start()
-        launch.plan()
-        for service in launch.services:
-            launch.start(service)
-            launch.wait_healthy(service)
-            console.print(f"  {service.name:<14} healthy on 127.0.0.1:{service.grpc_port}")
+        launch.start_all(lambda s: console.print(f"  {s.name:<14} healthy on 127.0.0.1:{s.grpc_port}"))
         (out / "pids.json").write_text(json.dumps(launch.pids()))
         launch.api("POST", "/v1/run/start")
         status = watch(launch, console, progress)

@@ -13,7 +13,6 @@ import pytest
 from redis.asyncio import Redis
 
 from shared.launcher import Launch
-from shared.redis_server import RedisServer
 from shared.run_config import load_run_config
 
 pytestmark = pytest.mark.e2e
@@ -105,11 +104,7 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
         "inference.tasks_per_batch=2"])
     launch = Launch(config, tmp_path, str(tiny_model_dir))
     try:
-        launch.redis = RedisServer(tmp_path / "redis", appendonly=True).start()
-        launch.plan()
-        for s in launch.services:
-            launch.start(s)
-            launch.wait_healthy(s)
+        launch.start_all()
         launch.api("POST", "/v1/run/start")
         while launch.api("GET", "/v1/run")["trainer_version"] < 2:
             time.sleep(0.02)

@@ -15,7 +15,6 @@ import pytest
 from redis.asyncio import Redis
 
 from shared.launcher import Launch
-from shared.redis_server import RedisServer
 from shared.run_config import load_run_config
 
 pytestmark = pytest.mark.soak
@@ -74,11 +73,7 @@ def test_soak(tmp_path, tiny_model_dir):
     samples: dict[str, list[tuple[float, float]]] = {}
     depth = []
     try:
-        launch.redis = RedisServer(tmp_path / "redis", appendonly=True).start()
-        launch.plan()
-        for s in launch.services:
-            launch.start(s)
-            launch.wait_healthy(s)
+        launch.start_all()
         launch.api("POST", "/v1/run/start")
         started = time.monotonic()
         while (elapsed := time.monotonic() - started) < MINUTES * 60:
