@@ -1,12 +1,14 @@
 """The trainer's loop: rollout stream → complete groups → one global step → checkpoint → publish
 the new version → acknowledge.
 
-Durability: a rollout is XACKed (and appended to the `trained` ledger, in the same MULTI) only
+Durability: a rollout is XACKed (and appended to the `trained` ledger, in the same script) only
 once a checkpoint that includes its update and its id is on disk. A crash before that leaves the
 entry pending: the restarted trainer claims it back (XAUTOCLAIM) and either trains it (its update
 was lost with the crash) or, if the checkpoint already lists its id, only acknowledges it. So no
 rollout is trained twice into the surviving model and none is skipped. Checkpoint first, then
 publish: a published version always exists in a checkpoint, so a restart never re-numbers one.
+Settling is idempotent: a reply lost while Redis goes down makes the trainer settle again, and the
+ledger still lists each id once.
 """
 
 from __future__ import annotations
@@ -46,6 +48,37 @@ from shared.training import collate, resolve_recipe, train_step
 
 log = logging.getLogger("steadyrl.trainer")
 GROUP = "trainer"
+
+# Settle stream entries: XACK + XDEL each, and record its rollout id in a ledger list, atomically.
+# Idempotent, because a reply can be lost after Redis applied the script (Redis going down) and the
+# trainer then settles the same entries again. KEYS: stream, ledger list ('' for none), the set of
+# ids the ledger holds. ARGV: group, mode, then (entry id | '', rollout id) pairs. mode 'trained':
+# an id is appended once ever (the set guards it; '' entries restore ids Redis lost). mode
+# 'pending': an id is appended only if its entry was still pending (the first settlement).
+_SETTLE = """
+local group, mode, added = ARGV[1], ARGV[2], 0
+for i = 3, #ARGV, 2 do
+  local entry, rid, pending = ARGV[i], ARGV[i + 1], 0
+  if entry ~= '' then
+    pending = redis.call('XACK', KEYS[1], group, entry)
+    redis.call('XDEL', KEYS[1], entry)
+  end
+  local record = (mode == 'trained' and redis.call('SADD', KEYS[3], rid) == 1) or (mode == 'pending' and pending == 1)
+  if record then
+    redis.call('RPUSH', KEYS[2], rid)
+    added = added + 1
+  end
+end
+return added
+"""
+# Dead-letter an entry once: only while it is still pending (a repeat after a lost reply is a no-op).
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('XADD', KEYS[2], '*', 'entry', ARGV[2], 'reason', ARGV[3], 'message', ARGV[4], 'r', ARGV[5])
+end
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
 
 STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
 VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")
@@ -92,6 +125,10 @@ class Trainer:
         self.stream = self.queue.rollout_stream
         self.dead_stream = self.stream + ":dead"
         self.ledger = self.queue.keys["tasks"].rsplit(":", 1)[0] + ":trained"
+        self.ledger_ids = self.ledger + ":ids"  # the same ids as a set: appends stay idempotent
+        self._settle = redis.register_script(_SETTLE)
+        self._dead_letter = redis.register_script(_DEAD_LETTER)
+        self.resync = False  # a Redis call failed: replies may be lost, entries delivered but never seen
         self.groups: OrderedDict[str, dict[str, tuple[bytes, Rollout]]] = OrderedDict()
         self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
         self.redis_run_id = ""  # which redis-server process we last talked to (see reconcile)
@@ -163,27 +200,24 @@ class Trainer:
             group[rollout.rollout_id] = (entry_id, rollout)
 
     async def dead_letter(self, entry_id: bytes, reason: str, message: str, data: bytes) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.dead_stream, {"entry": entry_id, "reason": reason, "message": message[:1000], "r": data})
-            pipe.xack(self.stream, GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
-            await pipe.execute()
+        await self._dead_letter(keys=[self.stream, self.dead_stream],
+                                args=[GROUP, entry_id, reason, message[:1000], data])
         DEAD.labels(reason).inc()
         self.count("dead_lettered")
         log.warning("event=rollout_dead_lettered entry=%s reason=%s", entry_id.decode(), reason)
 
-    async def ack(self, items: list[tuple[bytes, str]], ledger: bool = True) -> None:
-        """XACK and delete entries and (for trained ones) append their ids to the ledger, atomically.
-        Deleting keeps the stream as long as the work in flight, not the whole run (a 30B-A3B rollout
-        with its routing trace is ~0.9 MB)."""
+    async def settle(self, items: list[tuple[bytes | str, str]], ledger: str = "", mode: str = "trained") -> int:
+        """XACK and delete entries and append their ids to `ledger`, atomically and idempotently
+        (see _SETTLE). Deleting keeps the stream as long as the work in flight, not the whole run
+        (a 30B-A3B rollout with its routing trace is ~0.9 MB). Returns how many ids were appended."""
         if not items:
-            return
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(self.stream, GROUP, *[entry for entry, _ in items])
-            pipe.xdel(self.stream, *[entry for entry, _ in items])
-            if ledger:
-                pipe.rpush(self.ledger, *[rid for _, rid in items])
-            await pipe.execute()
+            return 0
+        args = [GROUP, mode] + [x for entry, rid in items for x in (entry, rid)]
+        return int(await self._settle(keys=[self.stream, ledger, self.ledger_ids], args=args))
+
+    async def ack(self, items: list[tuple[bytes, str]], ledger: bool = True) -> None:
+        """Trained entries are acknowledged into the ledger; duplicates only acknowledged."""
+        await self.settle(items, self.ledger if ledger else "", "trained" if ledger else "none")
 
     def complete_groups(self) -> list[str]:
         size = self.settings.group_size
@@ -196,11 +230,8 @@ class Trainer:
                  if min(r.min_version for _, r in members.values()) < limit]
         for gid in stale:
             members = self.groups[gid]
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xack(self.stream, GROUP, *[entry for entry, _ in members.values()])
-                pipe.xdel(self.stream, *[entry for entry, _ in members.values()])
-                pipe.rpush(self.ledger + ":dropped", *members)
-                await pipe.execute()
+            await self.settle([(entry, rid) for rid, (entry, _) in members.items()], self.ledger + ":dropped",
+                              "pending")
             del self.groups[gid]
             DROPPED.inc(len(members))
             self.count("dropped_stale", len(members))
@@ -334,6 +365,7 @@ class Trainer:
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                 # Redis restarting: nothing is lost (trained steps stay unacknowledged until a later
                 # checkpoint acknowledges them); back off and carry on
+                self.resync = True
                 log.warning("event=redis_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -347,17 +379,16 @@ class Trainer:
         acknowledged writes: here that can be acknowledgements and ledger entries of rollouts this
         trainer trained. Its checkpointed state knows them, so it writes them again: pending entries
         are claimed (trained ones acknowledged into the ledger, the rest grouped again), then every
-        acknowledged id the ledger lacks is appended (reading the whole ledger: rare, and linear in
-        the rollouts of the run). Entries re-delivered later are known as trained."""
+        acknowledged id the ledger lacks is appended (the set that guards the ledger decides; rare,
+        and linear in the rollouts of the run). Entries re-delivered later are known as trained."""
         claimed = await self.claim_pending()
-        acked = self.state.consumed - {rid for _, rid in self.unacked}
-        present = {x.decode() for x in await self.redis.lrange(self.ledger, 0, -1)}
-        missing = sorted(acked - present)
-        if missing:
-            await self.redis.rpush(self.ledger, *missing)
-            RESTORED.inc(len(missing))
-        self.count("ledger_restored", len(missing))
-        log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, len(missing))
+        acked = sorted(self.state.consumed - {rid for _, rid in self.unacked})
+        restored = 0
+        for start in range(0, len(acked), 4096):
+            restored += await self.settle([("", rid) for rid in acked[start : start + 4096]], self.ledger)
+        RESTORED.inc(restored)
+        self.count("ledger_restored", restored)
+        log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, restored)
 
     async def iterate(self) -> None:
         now = time.monotonic()
@@ -367,6 +398,11 @@ class Trainer:
             if identity != self.redis_run_id:
                 await self.reconcile()
                 self.redis_run_id = identity
+                self.resync = False
+        if self.resync:  # the same Redis, but a reply was lost: what it delivered is pending to us
+            claimed = await self.claim_pending()
+            self.resync = False
+            log.info("event=resynced claimed=%d", claimed)
         if self.unacked and self.state.step % self.settings.checkpoint_every == 0:
             await self.ack(self.unacked)  # a previous acknowledgement was cut off
             self.unacked = []

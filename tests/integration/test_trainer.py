@@ -316,3 +316,50 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     assert status.recipe == "minirl+tis+clip" and "reward_mean" in status.last_metrics
     assert checkpoint.step == 1 and checkpoint.version == 1
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000001" / "model.safetensors").exists()
+
+
+def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_dir, redis_server, run_id):
+    """Redis can apply a settlement and go down before its reply arrives; the trainer then settles
+    the same entries again. Trained, dropped and dead-lettered entries are each recorded once, and a
+    ledger Redis lost is written back once."""
+    from services.trainer.trainer import Trainer
+
+    rollouts = recorded_rollouts(tiny_model_dir, 3, seed=61)
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        await publish(redis, run_id, rollouts)
+        trainer = Trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id), redis)
+        await trainer.ensure_group()
+        while sum(len(g) for g in trainer.groups.values()) < len(rollouts):
+            await trainer.read()
+        (trained_gid, trained), (stale_gid, stale), (dead_gid, dead) = list(trainer.groups.items())
+        items = [(entry, rid) for rid, (entry, _) in trained.items()]
+        trainer.state.consumed.update(rid for _, rid in items)
+        appended = [await trainer.settle(items, trainer.ledger) for _ in range(2)]
+        del trainer.groups[trained_gid], trainer.groups[dead_gid]
+        trainer.state.version = 10  # the stale group is now beyond max_staleness
+        await trainer.drop_stale()
+        trainer.groups[stale_gid] = stale  # its settlement "failed": still held, dropped again
+        await trainer.drop_stale()
+        entry = next(iter(dead.values()))[0]
+        for _ in range(2):
+            await trainer.dead_letter(entry, "decode", "test", b"x")
+        ledger = [x.decode() for x in await redis.lrange(trainer.ledger, 0, -1)]
+        dropped = [x.decode() for x in await redis.lrange(trainer.ledger + ":dropped", 0, -1)]
+        dead_letters = await redis.xlen(trainer.dead_stream)
+        await redis.delete(trainer.ledger, trainer.ledger_ids)  # Redis came back without them
+        await trainer.reconcile()
+        await trainer.reconcile()
+        restored = [x.decode() for x in await redis.lrange(trainer.ledger, 0, -1)]
+        left = await redis.xlen(trainer.stream)
+        await redis.aclose()
+        return items, appended, ledger, dropped, sorted(stale), dead_letters, restored, left
+
+    items, appended, ledger, dropped, stale, dead_letters, restored, left = asyncio.run(asyncio.wait_for(main(), 120))
+    assert appended == [GROUP, 0]
+    assert ledger == [rid for _, rid in items]
+    assert sorted(dropped) == stale and len(stale) == GROUP
+    assert dead_letters == 1
+    assert sorted(restored) == sorted(ledger)
+    assert left == GROUP - 1  # only the dead group's other members remain, unsettled
