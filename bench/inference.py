@@ -3,7 +3,11 @@ rollouts on the stream) against the bare engine on the same prompts, and the tor
 against the vllm engine, all in one run. Prints one JSON object.
 
 The replica is a real `python -m services.inference` process on a real redis-server; the bare
-engines run the same batches (tasks_per_batch tasks × G samples) with the same sampling.
+engines run the same batches (tasks_per_batch tasks × G samples) with the same sampling. The torch
+engine has one intra-op thread in both, as in configs/tiny-arith.toml (the tiny model gains
+nothing from a second one, and the replica's own work and Redis get the other core). Bare and
+replica rounds alternate; the machine's speed drifts within a run, so the ratio is the median of
+each replica round over the bare round just before it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 # 512 tasks: a round of a few seconds, so the fixed latencies of a round (the replica's idle poll
 # before its first lease, this process's completion poll) are not counted as service overhead
 TASKS, GROUP, TASKS_PER_BATCH, MAX_NEW_TOKENS = 512, 8, 8, 8
+TORCH_THREADS = 1
 
 
 def workload():
@@ -35,7 +40,8 @@ class Bare:
     def __init__(self, name: str, model_dir: str, dtype: str) -> None:
         from shared.engines import Sampling, make_engine
 
-        self.engine = make_engine(name, model_dir, dtype, **({"max_model_len": 64} if name == "vllm" else {}))
+        self.engine = make_engine(name, model_dir, dtype,
+                                  **({"max_model_len": 64} if name == "vllm" else {"threads": TORCH_THREADS}))
         self.prompts = workload()[1]
         self.sampling = Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
         self.traces = self.engine.capabilities.routing_trace  # as the replica does: traces when available
@@ -56,8 +62,15 @@ def summary(rounds: list[tuple[int, float]]) -> dict:
             "tokens_per_s_each": [round(r, 1) for r in rates]}
 
 
-async def service_and_bare(model_dir: str, dtype: str, redis_url: str, rounds: int) -> tuple[dict, dict]:
-    """Alternate rounds: the bare engine, then the replica on the same prompts, `rounds` times."""
+def paired_ratios(service: list[tuple[int, float]], bare: list[tuple[int, float]]) -> list[float]:
+    """tokens/s of each replica round over that of the bare round just before it, sorted."""
+    return sorted(round((st / ss) / (bt / bs), 3) for (st, ss), (bt, bs) in zip(service, bare, strict=True))
+
+
+async def service_and_bare(model_dir: str, dtype: str, redis_url: str,
+                           rounds: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """Alternate rounds: the bare engine, then the replica on the same prompts, `rounds` times;
+    (tokens, seconds) of each round of each."""
     from redis.asyncio import Redis
 
     from shared.queues import WorkQueue
@@ -72,6 +85,7 @@ async def service_and_bare(model_dir: str, dtype: str, redis_url: str, rounds: i
            "STEADYRL_INFERENCE_REDIS_URL": redis_url, "STEADYRL_INFERENCE_RUN_ID": "bench",
            "STEADYRL_INFERENCE_PORT": str(port), "STEADYRL_INFERENCE_METRICS_PORT": "0",
            "STEADYRL_INFERENCE_TASKS_PER_BATCH": str(TASKS_PER_BATCH), "STEADYRL_INFERENCE_RETURN_ROUTING_TRACES": "1",
+           "STEADYRL_INFERENCE_TORCH_THREADS": str(TORCH_THREADS),
            "STEADYRL_LOG_LEVEL": "WARNING"}
     replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
     redis = Redis.from_url(redis_url)
@@ -105,7 +119,7 @@ async def service_and_bare(model_dir: str, dtype: str, redis_url: str, rounds: i
             entries = await redis.xrange(queue.rollout_stream)
             assert len(entries) == TASKS * GROUP
             service_rounds.append((sum(len(decode_rollout(f[b"r"]).completion_token_ids) for _, f in entries), seconds))
-        return summary(bare_rounds), summary(service_rounds)
+        return bare_rounds, service_rounds
     finally:
         await redis.aclose()
         replica.terminate()
@@ -125,19 +139,21 @@ def vllm_in_subprocess(model_dir: str, dtype: str, rounds: int) -> dict:
     return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-2000:]}
 
 
-def main(dtype: str = "bfloat16", rounds: int = 5) -> dict:
+def main(dtype: str = "bfloat16", rounds: int = 7) -> dict:
     from shared.models.tiny import init_tiny_model
     from shared.redis_server import RedisServer
 
     model_dir = str(init_tiny_model())
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
-        torch_bare, replica = asyncio.run(service_and_bare(model_dir, dtype, redis.url, rounds))
+        bare_rounds, service_rounds = asyncio.run(service_and_bare(model_dir, dtype, redis.url, rounds))
+    torch_bare, replica, paired = summary(bare_rounds), summary(service_rounds), paired_ratios(service_rounds, bare_rounds)
     vllm_bare = vllm_in_subprocess(model_dir, dtype, rounds)
     result = {
         "benchmark": "inference", "model": "tiny-qwen3-moe", "dtype": dtype, "tasks": TASKS, "group_size": GROUP,
-        "tasks_per_batch": TASKS_PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS,
+        "tasks_per_batch": TASKS_PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": TORCH_THREADS,
         "torch_bare": torch_bare, "torch_service": replica,
-        "service_to_bare_ratio": round(replica["tokens_per_s"] / torch_bare["tokens_per_s"], 3),
+        "service_to_bare_ratio": paired[len(paired) // 2], "service_to_bare_ratio_each_round": paired,
+        "ratio_of_median_rates": round(replica["tokens_per_s"] / torch_bare["tokens_per_s"], 3),
         "target_service_to_bare_ratio": 0.9,
         "vllm_bare": vllm_bare,
     }

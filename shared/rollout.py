@@ -105,22 +105,23 @@ def encode_rollout(rollout: Rollout) -> bytes:
         timings=rollout_pb2.RolloutTimings(**vars(rollout.timings)),
     )
     if rollout.routing_trace is not None:
-        trace = np.ascontiguousarray(rollout.routing_trace)
-        if trace.ndim != 3:
-            raise RolloutError("trace_shape", f"routing trace must be [positions, layers, top_k], got {trace.shape}")
-        wide = trace.dtype.itemsize > 1 or rollout.num_experts > 256
-        dtype = rollout_pb2.RoutingTrace.UINT16 if wide else rollout_pb2.RoutingTrace.UINT8
-        msg.routing_trace.CopyFrom(
-            rollout_pb2.RoutingTrace(
-                dtype=dtype,
-                num_positions=trace.shape[0],
-                num_layers=trace.shape[1],
-                top_k=trace.shape[2],
-                num_experts=rollout.num_experts,
-                expert_ids=trace.astype("<u2" if wide else np.uint8).tobytes(),
-            )
-        )
+        msg.routing_trace.CopyFrom(_trace_message(rollout.routing_trace, rollout.num_experts))
     return msg.SerializeToString()
+
+
+def _trace_message(routing_trace: np.ndarray, num_experts: int) -> rollout_pb2.RoutingTrace:
+    trace = np.ascontiguousarray(routing_trace)
+    if trace.ndim != 3:
+        raise RolloutError("trace_shape", f"routing trace must be [positions, layers, top_k], got {trace.shape}")
+    wide = trace.dtype.itemsize > 1 or num_experts > 256
+    return rollout_pb2.RoutingTrace(
+        dtype=rollout_pb2.RoutingTrace.UINT16 if wide else rollout_pb2.RoutingTrace.UINT8,
+        num_positions=trace.shape[0],
+        num_layers=trace.shape[1],
+        top_k=trace.shape[2],
+        num_experts=num_experts,
+        expert_ids=trace.astype("<u2" if wide else np.uint8).tobytes(),
+    )
 
 
 def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
@@ -279,3 +280,27 @@ def rollouts_from_samples(task, samples, rewards: list[float], replica_id: str, 
         )
         for index, (sample, reward) in enumerate(zip(samples, rewards, strict=True))
     ]
+
+
+def encode_samples(task, samples, rewards: list[float], replica_id: str, engine: str,
+                   timings: RolloutTimings) -> list[bytes]:
+    """`[encode_rollout(r) for r in rollouts_from_samples(...)]` without the Rollout objects, in
+    about half the time: what the G rollouts of a task share is serialized once, and each rollout
+    is that prefix followed by its own fields (protobuf merges concatenated messages; the two
+    parts set disjoint fields, so the decoded rollout is the same)."""
+    shared = rollout_pb2.Rollout(
+        run_id=task.run_id, task_id=task.task_id, group_id=task.group_id or task.task_id, group_size=len(samples),
+        prompt_token_ids=task.prompt_token_ids, replica_id=replica_id, engine=engine, is_eval=task.is_eval,
+        timings=rollout_pb2.RolloutTimings(**vars(timings)),
+    ).SerializeToString()
+    out = []
+    for index, (sample, reward) in enumerate(zip(samples, rewards, strict=True)):
+        own = rollout_pb2.Rollout(
+            rollout_id=f"{task.task_id}:{index}", sample_index=index, completion_token_ids=sample.token_ids,
+            inference_logprobs=sample.logprobs, policy_versions=sample.versions, reward=float(reward),
+            finish_reason=sample.finish_reason,
+        )
+        if sample.routing_trace is not None:
+            own.routing_trace.CopyFrom(_trace_message(sample.routing_trace, sample.num_experts))
+        out.append(shared + own.SerializeToString())
+    return out

@@ -22,10 +22,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _status(self) -> pb.TrainerStatus:
         t = self.trainer
+        step, version, trained = t.reported
         return pb.TrainerStatus(
-            version=common_pb2.PolicyVersion(version=t.state.version, parent_version=max(t.state.version - 1, 0)),
-            step=t.state.step, paused=t.paused, recipe=t.recipe,
-            rollouts_trained=len(t.state.consumed),
+            version=common_pb2.PolicyVersion(version=version, parent_version=max(version - 1, 0)),
+            step=step, paused=t.paused, recipe=t.recipe,
+            rollouts_trained=trained,
             rollouts_dropped_stale=t.state.counters.get("dropped_stale", 0),
             rollouts_dead_lettered=t.state.counters.get("dead_lettered", 0),
             last_metrics={k: float(v) for k, v in t.last_metrics.items()},

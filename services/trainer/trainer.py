@@ -14,6 +14,7 @@ ledger still lists each id once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -44,6 +45,7 @@ from shared.rollout import (
     encode_rollout,
     validate_rollout,
 )
+from shared.torch_threads import bind_torch_threads
 from shared.training import collate, resolve_recipe, train_step
 
 log = logging.getLogger("steadyrl.trainer")
@@ -98,8 +100,7 @@ class Trainer:
     def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
         self.settings = settings
         torch.manual_seed(settings.seed)
-        if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)
+        bind_torch_threads(settings.torch_threads)
         self.model = load_causal_lm(settings.model_path, "float32").train()
         self.routing = RoutingController(self.model)
         self.rank, self.world = init_from_env()
@@ -136,6 +137,8 @@ class Trainer:
         self.paused = False
         self.recipe = ""
         self.last_metrics: dict[str, float] = {}
+        self.reported = self.progress()
+        self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.publisher = None  # made in the event loop (grpc.aio), on the first publish
 
     def count(self, name: str, amount: int = 1) -> None:
@@ -244,6 +247,7 @@ class Trainer:
         return self._step_local(rollouts)
 
     def _step_local(self, rollouts: list[Rollout]) -> dict[str, float]:
+        bind_torch_threads(self.settings.torch_threads)  # steps run on executor threads
         batch = collate(rollouts, self.pad_token_id)
         staleness_max = int((self.state.version - batch.versions[batch.loss_mask]).clamp(min=0).max()) \
             if batch.loss_mask.any() else 0
@@ -280,27 +284,40 @@ class Trainer:
             broadcast_payloads(None)
 
     async def step(self, group_ids: list[str]) -> dict[str, float]:
+        """One step, carried to its end even when the loop is cancelled meanwhile (a clean stop):
+        the training thread cannot be interrupted, and a model updated without its bookkeeping
+        would be checkpointed as the step before, its rollouts trained again after a restart."""
+        step = asyncio.ensure_future(self._train_step(group_ids))
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await step
+            raise
+
+    async def _train_step(self, group_ids: list[str]) -> dict[str, float]:
         started = time.perf_counter()
         members = [self.groups.pop(gid) for gid in group_ids]
         rollouts = [r for group in members for _, r in sorted(group.values(), key=lambda x: x[1].sample_index)]
         log.info("event=step_started step=%d rollouts=%d", self.state.step + 1, len(rollouts))
-        metrics = await asyncio.to_thread(self._step, rollouts)
-        self.state.step += 1
-        self.state.version += 1
-        self.state.consumed.update(r.rollout_id for r in rollouts)
-        self.unacked.extend((entry, rid) for group in members for rid, (entry, _) in group.items())
-        seconds = time.perf_counter() - started
-        metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
-                       tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
-                       dropped_stale=self.state.counters.get("dropped_stale", 0))
-        if self.state.step % self.settings.checkpoint_every == 0 or self.stopping_after_this():
-            await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,
-                                    self.settings.keep_checkpoints)
-            await self.publish()
-            await self.ack(self.unacked)
-            self.unacked = []
-        else:
-            await self.publish()
+        async with self.model_lock:  # a Checkpoint request waits for the step, never saves half of one
+            metrics = await asyncio.to_thread(self._step, rollouts)
+            self.state.step += 1
+            self.state.version += 1
+            self.state.consumed.update(r.rollout_id for r in rollouts)
+            self.unacked.extend((entry, rid) for group in members for rid, (entry, _) in group.items())
+            seconds = time.perf_counter() - started
+            metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
+                           tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
+                           dropped_stale=self.state.counters.get("dropped_stale", 0))
+            if self.state.step % self.settings.checkpoint_every == 0 or self.stopping_after_this():
+                await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,
+                                        self.settings.keep_checkpoints)
+                await self.publish()
+                await self.ack(self.unacked)
+                self.unacked = []
+            else:
+                await self.publish()
         self.write_metrics(metrics)
         STEPS.inc()
         TRAINED.inc(len(rollouts))
@@ -309,7 +326,13 @@ class Trainer:
         for key, value in metrics.items():
             LAST.labels(key).set(value)
         self.last_metrics = metrics
+        self.reported = self.progress()
         return metrics
+
+    def progress(self) -> tuple[int, int, int]:
+        """(step, version, rollouts trained) as of the last step that finished (Status reports it:
+        a version is not announced before it is published)."""
+        return self.state.step, self.state.version, len(self.state.consumed)
 
     def stopping_after_this(self) -> bool:
         return bool(self.settings.max_steps) and self.state.step >= self.settings.max_steps
@@ -415,10 +438,11 @@ class Trainer:
                      metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"], metrics["step_seconds"])
 
     async def checkpoint_now(self) -> Path:
-        path = await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,
-                                       self.settings.keep_checkpoints)
-        await self.ack(self.unacked)
-        self.unacked = []
+        async with self.model_lock:
+            path = await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state,
+                                           self.settings.keep_checkpoints)
+            await self.ack(self.unacked)
+            self.unacked = []
         return path
 
     async def close(self) -> None:

@@ -23,14 +23,15 @@ from shared.engines.base import (
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
 from shared.models.routing import RoutingController
+from shared.torch_threads import bind_torch_threads
 
 
 class TorchEngine(StagedWeights):
     name = "torch"
 
     def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0) -> None:
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = threads
+        bind_torch_threads(threads)
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
         self.model = load_causal_lm(model_path, self.dtype).eval()
@@ -52,6 +53,7 @@ class TorchEngine(StagedWeights):
                            f"missing {missing[:3]}, unexpected {unexpected[:3]}")
 
     def _forward(self, **inputs):
+        bind_torch_threads(self.threads)  # the thread that runs the model, whichever it is
         with self._serving():
             version = self._version
             out = self.model(**inputs, use_cache=True)

@@ -1,6 +1,6 @@
 """Hugging Face model loading, MoE routing capture/replay (R2/R3), and the tiny-model kit."""
 
-from shared.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from shared.models.loading import decode_completions, load_causal_lm, load_tokenizer, resolve_dtype
 from shared.models.routing import NotMoEError, Recording, RoutingController
 
-__all__ = ["NotMoEError", "Recording", "RoutingController", "load_causal_lm", "load_tokenizer", "resolve_dtype"]
+__all__ = ["NotMoEError", "Recording", "RoutingController", "decode_completions", "load_causal_lm", "load_tokenizer", "resolve_dtype"]

@@ -49,6 +49,15 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
 
 
+def decode_completions(tokenizer, token_ids: list[list[int]]) -> list[str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` of each, in one call to a fast tokenizer's
+    backend when the wrapper would add nothing to it (no clean-up of spaces)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch([list(ids) for ids in token_ids], skip_special_tokens=True)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
+
+
 def checkpoint_state_dict(model_path: str | os.PathLike, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers module state dict in the on-disk (checkpoint) layout, e.g. fused MoE expert
     tensors split back per expert: what `save_pretrained` writes and vLLM's `load_weights` reads."""

@@ -363,3 +363,51 @@ def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_
     assert dead_letters == 1
     assert sorted(restored) == sorted(ledger)
     assert left == GROUP - 1  # only the dead group's other members remain, unsettled
+
+
+def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(tmp_path, tiny_model_dir, redis_server,
+                                                                          run_id):
+    """The training thread cannot be interrupted: a Checkpoint request during a step saves the
+    step whole once it ends (never a half-updated model), and a stop (cancel) lets the step finish
+    its bookkeeping, so the rollouts it trained are never trained again after a restart."""
+    import threading
+
+    from services.trainer.trainer import Trainer
+
+    rollouts = recorded_rollouts(tiny_model_dir, 4, seed=71)
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        await publish(redis, run_id, rollouts)
+        trainer = Trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id), redis)
+        await trainer.ensure_group()
+        while len(trainer.complete_groups()) < 4:
+            await trainer.read()
+        gate, train = threading.Event(), trainer._step
+        trainer._step = lambda batch: (gate.wait(30), train(batch))[1]  # hold the step mid-training
+        stepping = asyncio.create_task(trainer.step(trainer.complete_groups()[:2]))
+        await asyncio.sleep(0.2)
+        saving = asyncio.create_task(trainer.checkpoint_now())
+        await asyncio.sleep(0.5)
+        waited = not saving.done() and trainer.reported == (0, 0, 0)
+        gate.set()
+        await stepping
+        saved = await saving
+        gate.clear()
+        stopped = asyncio.create_task(trainer.step(trainer.complete_groups()[:2]))
+        await asyncio.sleep(0.2)
+        stopped.cancel()  # a clean stop arrives mid-step
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await stopped
+        ledger = await redis.lrange(trainer.ledger, 0, -1)
+        await redis.aclose()
+        return waited, saved, trainer, ledger
+
+    waited, saved, trainer, ledger = asyncio.run(asyncio.wait_for(main(), 120))
+    assert waited  # the Checkpoint request waited for the step; Status still reported step 0
+    assert saved.name == "step-00000001" and json.loads((saved / "state.json").read_text())["step"] == 1
+    assert trainer.reported == (2, 2, 4 * GROUP) and trainer.state.step == 2  # the cancelled step finished
+    assert len(ledger) == 4 * GROUP  # and was checkpointed and acknowledged (checkpoint_every=1)
+    latest = json.loads((tmp_path / "trainer" / "checkpoints" / "step-00000002" / "state.json").read_text())
+    assert len(latest["consumed"]) == 4 * GROUP

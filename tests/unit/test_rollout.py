@@ -12,6 +12,8 @@ from shared.rollout import (
     RolloutTimings,
     decode_rollout,
     encode_rollout,
+    encode_samples,
+    rollouts_from_samples,
     validate_rollout,
 )
 
@@ -100,6 +102,35 @@ def test_round_trip_property(prompt_len, completion_len, layers, top_k, experts,
     assert_same(rollout, decode_rollout(encode_rollout(rollout)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 3), st.sampled_from([8, 300]), st.booleans(), st.text(max_size=8),
+       st.integers(0, 2**31 - 1))
+def test_encode_samples_equals_encoding_each_rollout(group, layers, experts, is_eval, group_id, seed):
+    from shared.engines import Sample
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 2**31 - 1, int(rng.integers(1, 20))).tolist()
+    task = common_pb2.PromptTask(task_id=f"t{seed}", run_id="run", group_id=group_id, prompt_token_ids=prompt,
+                                 is_eval=is_eval)
+    samples = []
+    for _ in range(group):
+        n = int(rng.integers(1, 12))
+        trace = rng.integers(0, experts, size=(len(prompt) + n - 1, layers, 2)) if layers else None
+        samples.append(Sample(token_ids=rng.integers(0, 2**31 - 1, n).tolist(), logprobs=(-rng.random(n) * 9).tolist(),
+                              versions=sorted(rng.integers(0, 2**40, n).tolist()), finish_reason="length",
+                              routing_trace=None if trace is None else trace.astype(np.uint16 if experts > 256 else np.uint8),
+                              num_experts=experts if layers else 0))
+    rewards = rng.random(group).tolist()
+    timings = RolloutTimings(5, 6, 7, 0.25)
+    expected = rollouts_from_samples(task, samples, rewards, "inf-0", "torch", timings)
+    encoded = encode_samples(task, samples, rewards, "inf-0", "torch", timings)
+    assert len(encoded) == group
+    for want, data in zip(expected, encoded, strict=True):
+        assert_same(want, decode_rollout(data))
+        assert len(data) == len(encode_rollout(want))
+
+
 @pytest.mark.parametrize(
     "overrides, reason",
     [
@@ -181,3 +212,16 @@ def test_fuzz_random_and_corrupted_bytes_raise_only_rollout_error():
             outcomes["rejected"] += 1
     assert sum(outcomes.values()) == 10_000
     assert outcomes["rejected"] > 9_000, outcomes
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_completions_equals_decoding_each(tiny_model_dir, clean_up):
+    from shared.models import decode_completions, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.clean_up_tokenization_spaces = clean_up  # True: the wrapper's own path
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(0, tokenizer.vocab_size, int(rng.integers(0, 20))).tolist() for _ in range(200)]
+    texts = decode_completions(tokenizer, ids)
+    assert texts == [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+    assert sum(len(t) for t in texts) > 1000

@@ -1,0 +1,36 @@
+"""torch's thread count reaches the thread that runs the model, not only the one that set it."""
+
+import concurrent.futures
+import os
+
+import pytest
+import torch
+
+from shared.torch_threads import bind_torch_threads
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is one thread anyway")
+
+
+def threads_started_by(fn) -> int:
+    """OS threads that appear while `fn` runs on a fresh executor thread (OpenMP starts its team
+    of intra-op threads lazily, per calling thread)."""
+
+    def run() -> int:
+        before = set(os.listdir("/proc/self/task"))
+        fn()
+        return len(set(os.listdir("/proc/self/task")) - before)  # new ids: a thread ending meanwhile does not count
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(run).result()
+
+
+def matmul() -> None:
+    a = torch.randn(800, 800)
+    torch.softmax(a @ a, -1)
+
+
+def test_set_elsewhere_does_not_reach_a_worker_thread_but_bind_does():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(torch.set_num_threads, 1).result()
+    assert threads_started_by(matmul) >= 1  # set in another thread: torch's default team here
+    assert threads_started_by(lambda: (bind_torch_threads(1), matmul())) == 0
