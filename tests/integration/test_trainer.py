@@ -318,21 +318,27 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000001" / "model.safetensors").exists()
 
 
+async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):
+    """A Trainer in this event loop that has read `rollouts` from the stream into its groups."""
+    from services.trainer.trainer import Trainer
+
+    redis = Redis.from_url(redis_server.url)
+    await publish(redis, run_id, rollouts)
+    trainer = Trainer(settings_for(tmp_path, model_dir, redis_server, run_id), redis)
+    await trainer.ensure_group()
+    while sum(len(g) for g in trainer.groups.values()) < len(rollouts):
+        await trainer.read()
+    return redis, trainer
+
+
 def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_dir, redis_server, run_id):
     """Redis can apply a settlement and go down before its reply arrives; the trainer then settles
     the same entries again. Trained, dropped and dead-lettered entries are each recorded once, and a
     ledger Redis lost is written back once."""
-    from services.trainer.trainer import Trainer
-
     rollouts = recorded_rollouts(tiny_model_dir, 3, seed=61)
 
     async def main():
-        redis = Redis.from_url(redis_server.url)
-        await publish(redis, run_id, rollouts)
-        trainer = Trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id), redis)
-        await trainer.ensure_group()
-        while sum(len(g) for g in trainer.groups.values()) < len(rollouts):
-            await trainer.read()
+        redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts)
         (trained_gid, trained), (stale_gid, stale), (dead_gid, dead) = list(trainer.groups.items())
         items = [(entry, rid) for rid, (entry, _) in trained.items()]
         trainer.state.consumed.update(rid for _, rid in items)
@@ -372,17 +378,10 @@ def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(tmp_pat
     its bookkeeping, so the rollouts it trained are never trained again after a restart."""
     import threading
 
-    from services.trainer.trainer import Trainer
-
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=71)
 
     async def main():
-        redis = Redis.from_url(redis_server.url)
-        await publish(redis, run_id, rollouts)
-        trainer = Trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id), redis)
-        await trainer.ensure_group()
-        while len(trainer.complete_groups()) < 4:
-            await trainer.read()
+        redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts)
         gate, train = threading.Event(), trainer._step
         trainer._step = lambda batch: (gate.wait(30), train(batch))[1]  # hold the step mid-training
         stepping = asyncio.create_task(trainer.step(trainer.complete_groups()[:2]))
