@@ -1,22 +1,17 @@
-"""The Redis work queue of prompt tasks (with leases) and the rollout stream.
-
-Keys, all under `steadyrl:{run_id}:`
-
-- `tasks`     HASH  task_id → PromptTask (protobuf bytes) while the task is not done
-- `pending`   LIST  task_ids waiting for a replica (LPUSH new, RPOP next; a retry goes first)
-- `leases`    ZSET  task_id → lease deadline (unix ms)
-- `owners`    HASH  task_id → replica holding the lease
-- `attempts`  HASH  task_id → leases that expired or failed so far
-- `completed` HASH  task_id → replica whose rollouts were published
-- `dead`      STREAM task_id, reason, task: tasks given up after too many attempts
-- `rollouts`  STREAM one entry per rollout: task (task_id), r (Rollout protobuf bytes)
-- `evals`     STREAM the same for evaluation tasks (is_eval): never trained on
+"""The Redis work queue of prompt tasks (with leases) and the rollout stream (`shared.keys` names
+every key).
 
 Every state change is one Lua script, so a replica that dies at any point leaves the task either
 pending, leased (its lease expires, `requeue_expired` puts it back) or completed — never half.
 `complete` publishes all G rollouts of a task and ends its lease in one step, and only while the
 caller still owns the lease: a replica whose lease was taken away publishes nothing, so each task
-reaches the stream exactly once.
+reaches the stream exactly once. Each published entry carries the lease that produced it
+(`replica|attempt`, stamped by the script, also recorded in `completed`), so the trainer can tell
+a real rollout from a stray or replayed entry.
+
+A task that cannot be served (undecodable, invalid, a version that never comes) goes to the `dead`
+stream with a reason code and a message; `dead:counts` counts every code for good, while the
+stream itself keeps only the newest `dead_maxlen` entries.
 """
 
 from __future__ import annotations
@@ -24,8 +19,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 
+from shared.keys import RunKeys
 from shared.rpc.steadyrl.v1 import common_pb2
 
 _SUBMIT = """
@@ -66,28 +63,35 @@ end
 return kept
 """
 
-# KEYS: leases owners tasks attempts completed rollouts; ARGV: id replica r1 ... rN
+# KEYS: leases owners tasks attempts completed stream errors; ARGV: id replica r1 ... rN.
+# Each entry carries the lease stamp (`replica|attempt` of the lease being completed) and n, the
+# number of rollouts published together.
 _COMPLETE = """
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end
+local stamp = ARGV[2] .. '|' .. (redis.call('HGET', KEYS[4], ARGV[1]) or '0')
+local n = tostring(#ARGV - 2)
 for i = 3, #ARGV do
-  redis.call('XADD', KEYS[6], '*', 'task', ARGV[1], 'r', ARGV[i])
+  redis.call('XADD', KEYS[6], '*', 'task', ARGV[1], 'lease', stamp, 'n', n, 'r', ARGV[i])
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HSET', KEYS[5], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[7], ARGV[1])
+redis.call('HSET', KEYS[5], ARGV[1], stamp)
 return #ARGV - 2
 """
 
-# KEYS: leases owners; ARGV: id replica. Ends the lease now; the next sweep counts the attempt.
+# KEYS: leases owners errors; ARGV: id replica reason. Ends the lease now; the next sweep counts
+# the attempt (and names the reason if the task runs out of attempts).
 _FAIL = """
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('ZADD', KEYS[1], 0, ARGV[1])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
 return 1
 """
 
-# KEYS: leases owners attempts pending tasks dead; ARGV: now_ms max_attempts
+# KEYS: leases owners attempts pending tasks dead errors dead_counts; ARGV: now_ms max_attempts maxlen
 _REQUEUE = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 local requeued, dead = 0, 0
@@ -98,10 +102,15 @@ for _, id in ipairs(ids) do
   local attempts = redis.call('HINCRBY', KEYS[3], id, 1)
   if attempts > tonumber(ARGV[2]) then
     local task = redis.call('HGET', KEYS[5], id) or ''
-    redis.call('XADD', KEYS[6], '*', 'task_id', id, 'reason',
-      'lease expired or failed ' .. attempts .. ' times (last replica ' .. owner .. ')', 'task', task)
+    local last = redis.call('HGET', KEYS[7], id)
+    local message = 'lease expired or failed ' .. attempts .. ' times (last replica ' .. owner .. ')'
+    if last then message = message .. '; last error: ' .. last end
+    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[3], '*', 'task_id', id, 'code', 'attempts',
+      'reason', 'attempts: ' .. message, 'task', task)
+    redis.call('HINCRBY', KEYS[8], 'attempts', 1)
     redis.call('HDEL', KEYS[5], id)
     redis.call('HDEL', KEYS[3], id)
+    redis.call('HDEL', KEYS[7], id)
     dead = dead + 1
   else
     redis.call('RPUSH', KEYS[4], id)
@@ -109,6 +118,22 @@ for _, id in ipairs(ids) do
   end
 end
 return {requeued, dead}
+"""
+
+# KEYS: tasks leases owners attempts errors dead dead_counts; ARGV: id replica code message maxlen.
+# Only the replica holding the lease may give the task up.
+_DEAD_LETTER = """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
+local task = redis.call('HGET', KEYS[1], ARGV[1]) or ''
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'task_id', ARGV[1], 'code', ARGV[3],
+  'reason', ARGV[3] .. ': ' .. ARGV[4], 'task', task, 'replica', ARGV[2])
+redis.call('HINCRBY', KEYS[7], ARGV[3], 1)
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
+return 1
 """
 
 
@@ -135,26 +160,28 @@ class QueueDepths:
 class WorkQueue:
     """One run's work queue and rollout stream on a Redis server (redis.asyncio client)."""
 
-    def __init__(self, redis: Redis, run_id: str) -> None:
-        if not run_id or any(c in run_id for c in "{}: "):
-            raise ValueError(f"run_id {run_id!r} must be non-empty without braces, colons or spaces")
-        self.redis, self.run_id = redis, run_id
-        prefix = f"steadyrl:{run_id}:"
-        names = ("tasks", "pending", "leases", "owners", "attempts", "completed", "dead", "rollouts", "evals")
-        self.keys = {name: prefix + name for name in names}
+    def __init__(self, redis: Redis, run_id: str, dead_maxlen: int = 10_000) -> None:
+        self.redis, self.run_id, self.dead_maxlen = redis, run_id, dead_maxlen
+        self.run_keys = RunKeys(run_id)
         self._submit = redis.register_script(_SUBMIT)
         self._lease = redis.register_script(_LEASE)
         self._extend = redis.register_script(_EXTEND)
         self._complete = redis.register_script(_COMPLETE)
         self._fail = redis.register_script(_FAIL)
         self._requeue = redis.register_script(_REQUEUE)
+        self._dead_letter = redis.register_script(_DEAD_LETTER)
+
+    @property
+    def keys(self) -> dict[str, str]:
+        """Every key of the run by name (`shared.keys`)."""
+        return self.run_keys.all()
 
     def _k(self, *names: str) -> list[str]:
-        return [self.keys[n] for n in names]
+        return [getattr(self.run_keys, n) for n in names]
 
     @property
     def rollout_stream(self) -> str:
-        return self.keys["rollouts"]
+        return self.run_keys.rollouts
 
     async def submit(self, task: common_pb2.PromptTask) -> bool:
         """Queue a task; False when a task with its id is already queued or leased."""
@@ -179,22 +206,30 @@ class WorkQueue:
         return [bool(x) for x in results[: len(tasks)]]
 
     async def lease(self, replica_id: str, lease_seconds: float, count: int = 1) -> list[Lease]:
+        """Up to `count` tasks, each leased to `replica_id` for `lease_seconds`. A task whose bytes
+        are not a PromptTask goes to the dead-letter stream (code `decode`) instead."""
         flat = await self._lease(
             self._k("pending", "leases", "owners", "tasks", "attempts"),
             [now_ms(), int(lease_seconds * 1000), replica_id, count],
         )
         out = []
         for i in range(0, len(flat), 3):
-            task = common_pb2.PromptTask.FromString(flat[i + 1])
+            task_id = flat[i].decode(errors="replace")
+            try:
+                task = common_pb2.PromptTask.FromString(flat[i + 1])
+            except (DecodeError, RuntimeError, ValueError) as exc:
+                await self.dead_letter(replica_id, task_id, "decode", f"not a steadyrl.v1.PromptTask: {exc}")
+                continue
             task.attempt = int(flat[i + 2])
-            out.append(Lease(flat[i].decode(), task, task.attempt))
+            out.append(Lease(task_id, task, task.attempt))
         return out
 
     async def extend(self, replica_id: str, task_ids: list[str], lease_seconds: float) -> int:
         """Push the deadlines of leases this replica still holds; returns how many it holds."""
         if not task_ids:
             return 0
-        return int(await self._extend(self._k("leases", "owners"), [now_ms(), int(lease_seconds * 1000), replica_id, *task_ids]))
+        return int(await self._extend(self._k("leases", "owners"),
+                                      [now_ms(), int(lease_seconds * 1000), replica_id, *task_ids]))
 
     async def complete(self, replica_id: str, task_id: str, rollouts: list[bytes]) -> bool:
         """Publish a task's rollouts and end its lease, atomically; False when the lease was lost."""
@@ -204,28 +239,48 @@ class WorkQueue:
                             evals: set[str] = frozenset()) -> list[bool]:
         """`complete` for several tasks in one round trip (each task atomically on its own);
         the rollouts of tasks in `evals` go to the `evals` stream."""
+        if not done:
+            return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for task_id, rollouts in done:
                 stream = "evals" if task_id in evals else "rollouts"
-                keys = self._k("leases", "owners", "tasks", "attempts", "completed", stream)
+                keys = self._k("leases", "owners", "tasks", "attempts", "completed", stream, "errors")
                 await self._complete(keys, [task_id, replica_id, *rollouts], client=pipe)
             return [int(x) >= 0 for x in await pipe.execute()]
 
     async def completed_count(self) -> int:
-        return int(await self.redis.hlen(self.keys["completed"]))
+        return int(await self.redis.hlen(self.run_keys.completed))
 
-    async def fail(self, replica_id: str, task_id: str) -> bool:
-        """Give a task back (engine error, shutdown): it is retried, and the attempt counts."""
-        return bool(await self._fail(self._k("leases", "owners"), [task_id, replica_id]))
+    async def lease_stamps(self, task_ids: list[str]) -> dict[str, str | None]:
+        """The lease (`replica|attempt`) that completed each task, None where none did."""
+        if not task_ids:
+            return {}
+        values = await self.redis.hmget(self.run_keys.completed, task_ids)
+        return {t: (v.decode() if v is not None else None) for t, v in zip(task_ids, values, strict=True)}
+
+    async def fail(self, replica_id: str, task_id: str, reason: str = "") -> bool:
+        """Give a task back (engine error, shutdown): it is retried, and the attempt counts. The
+        reason is kept, and named if the task runs out of attempts."""
+        return bool(await self._fail(self._k("leases", "owners", "errors"), [task_id, replica_id, reason[:500]]))
+
+    async def dead_letter(self, replica_id: str, task_id: str, code: str, message: str) -> bool:
+        """Give up a task this replica holds that can never be served: to `dead` with the reason."""
+        keys = self._k("tasks", "leases", "owners", "attempts", "errors", "dead", "dead_counts")
+        return bool(await self._dead_letter(keys, [task_id, replica_id, code, message[:1000], self.dead_maxlen]))
 
     async def requeue_expired(self, max_attempts: int) -> tuple[int, int]:
         """Re-queue tasks whose lease expired; past `max_attempts` they go to `dead`. (requeued, dead)"""
-        keys = self._k("leases", "owners", "attempts", "pending", "tasks", "dead")
-        requeued, dead = await self._requeue(keys, [now_ms(), max_attempts])
+        keys = self._k("leases", "owners", "attempts", "pending", "tasks", "dead", "errors", "dead_counts")
+        requeued, dead = await self._requeue(keys, [now_ms(), max_attempts, self.dead_maxlen])
         return int(requeued), int(dead)
 
+    async def dead_counts(self) -> dict[str, int]:
+        """Dead-lettered tasks by reason code, since the run began."""
+        return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.run_keys.dead_counts)).items()}
+
     async def depths(self) -> QueueDepths:
+        k = self.run_keys
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.llen(self.keys["pending"]).zcard(self.keys["leases"]).hlen(self.keys["completed"])
-            pipe.xlen(self.keys["dead"]).xlen(self.keys["rollouts"])
+            pipe.llen(k.pending).zcard(k.leases).hlen(k.completed)
+            pipe.xlen(k.dead).xlen(k.rollouts)
             return QueueDepths(*(int(x) for x in await pipe.execute()))

@@ -105,11 +105,11 @@ def encode_rollout(rollout: Rollout) -> bytes:
         timings=rollout_pb2.RolloutTimings(**vars(rollout.timings)),
     )
     if rollout.routing_trace is not None:
-        msg.routing_trace.CopyFrom(_trace_message(rollout.routing_trace, rollout.num_experts))
+        msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
     return msg.SerializeToString()
 
 
-def _trace_message(routing_trace: np.ndarray, num_experts: int) -> rollout_pb2.RoutingTrace:
+def trace_message(routing_trace: np.ndarray, num_experts: int) -> rollout_pb2.RoutingTrace:
     trace = np.ascontiguousarray(routing_trace)
     if trace.ndim != 3:
         raise RolloutError("trace_shape", f"routing trace must be [positions, layers, top_k], got {trace.shape}")
@@ -301,6 +301,6 @@ def encode_samples(task, samples, rewards: list[float], replica_id: str, engine:
             finish_reason=sample.finish_reason,
         )
         if sample.routing_trace is not None:
-            own.routing_trace.CopyFrom(_trace_message(sample.routing_trace, sample.num_experts))
+            own.routing_trace.CopyFrom(trace_message(sample.routing_trace, sample.num_experts))
         out.append(shared + own.SerializeToString())
     return out

@@ -1,13 +1,28 @@
-"""The entry point every service shares: settings from the environment, logging, and a serve()
-that stops cleanly on SIGTERM / SIGINT."""
+"""What every service shares: the entry point (settings from the environment, logging, a serve()
+that stops cleanly on SIGTERM / SIGINT) and the loop supervision of serve().
+
+A loop that dies is never silent: `run_loops` logs why, turns the gRPC health NOT_SERVING, stops
+the other loops and raises `LoopDied`, so the process exits non-zero and its supervisor
+(`steadyrl run`, Kubernetes, compose) restarts it. Health turns NOT_SERVING before any server
+stops, on a clean stop too.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import signal
+import sys
+from collections.abc import Coroutine
 
 from shared.logs import setup_logging
+
+log = logging.getLogger("steadyrl.service")
+
+
+class LoopDied(RuntimeError):
+    """A service loop ended by itself (an error, or a return it must never make)."""
 
 
 def run_service(name: str, settings_cls: type, server_module: str) -> None:
@@ -23,4 +38,49 @@ def run_service(name: str, settings_cls: type, server_module: str) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve(settings, stop=stop)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except LoopDied as exc:
+        log.error("event=service_exit service=%s reason=%s", name, exc)
+        sys.exit(1)
+
+
+async def not_serving(health) -> None:
+    """Every service name of this server NOT_SERVING from now on (before it stops)."""
+    if health is not None:
+        await health.enter_graceful_shutdown()
+
+
+async def run_loops(loops: dict[str, Coroutine], stop: asyncio.Event, health=None,
+                    finishing: frozenset[str] = frozenset(), grace: float = 30.0) -> None:
+    """Run a service's loops until `stop` is set. A loop named in `finishing` may return: the
+    service's work is done, and it stops cleanly. Any other end of a loop (an exception, or a
+    return before `stop`) is logged with why and raises LoopDied once the others are stopped."""
+    tasks = {asyncio.create_task(coro, name=name): name for name, coro in loops.items()}
+    stopping = asyncio.create_task(stop.wait())
+    died: str | None = None
+    try:
+        done, _ = await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is stopping:
+                continue
+            name = tasks[task]
+            error = None if task.cancelled() else task.exception()
+            if error is None and (name in finishing or stop.is_set()):
+                log.info("event=loop_finished loop=%s", name)
+                continue
+            died = f"loop {name} {'failed: ' + repr(error) if error else 'returned'}"
+            log.error("event=loop_died loop=%s error=%r", name, error, exc_info=error)
+    finally:
+        await not_serving(health)
+        stopping.cancel()
+        for task in tasks:
+            task.cancel()
+        ended, stuck = await asyncio.wait(tasks, timeout=grace) if tasks else (set(), set())
+        for task in ended:
+            if not task.cancelled() and task.exception() is not None and died is None:
+                log.warning("event=loop_error_on_stop loop=%s error=%r", tasks[task], task.exception())
+        for task in stuck:  # a loop that ignores its cancellation: say so, do not wait forever
+            log.error("event=loop_stuck loop=%s", tasks[task])
+    if died is not None:
+        raise LoopDied(died)

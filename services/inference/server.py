@@ -7,32 +7,24 @@ import contextlib
 import logging
 
 import grpc
-import numpy as np
 from prometheus_client import Gauge, Histogram
-from redis.asyncio import Redis
 
 from services.inference.config import InferenceSettings
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling, make_engine
 from shared.queues import WorkQueue
+from shared.rollout import trace_message
 from shared.rpc import start_server
-from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
+from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+from shared.service_main import run_loops
+from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference")
 
 POLICY_VERSION = Gauge("steadyrl_inference_policy_version", "Policy version the engine serves", ["replica"])
 SWAP_SECONDS = Histogram("steadyrl_inference_swap_seconds", "From a pulled version to the engine serving it",
                          ["replica"], buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60))
-
-
-def trace_message(trace: np.ndarray, num_experts: int) -> rollout_pb2.RoutingTrace:
-    wide = trace.dtype.itemsize > 1
-    return rollout_pb2.RoutingTrace(
-        dtype=rollout_pb2.RoutingTrace.UINT16 if wide else rollout_pb2.RoutingTrace.UINT8,
-        num_positions=trace.shape[0], num_layers=trace.shape[1], top_k=trace.shape[2],
-        num_experts=num_experts, expert_ids=trace.astype("<u2" if wide else np.uint8).tobytes(),
-    )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -146,17 +138,19 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     tokenizer = load_tokenizer(settings.model_path)
     replica = settings.replica_id
     stop = stop or asyncio.Event()
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
+    redis = settings.redis()
     queue = WorkQueue(redis, settings.run_id)
+    rewards = RewardRunner(settings.reward_timeout_seconds)
     worker = RolloutWorker(engine, tokenizer, queue, replica, settings.lease_seconds, settings.tasks_per_batch,
-                           settings.idle_poll_seconds, settings.return_routing_traces)
+                           settings.idle_poll_seconds, settings.return_routing_traces, rewards,
+                           settings.version_wait_seconds)
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
-    server, port, _ = await start_server([(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
+    server, port, health = await start_server([(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
                                          ["steadyrl.v1.Inference"], f"{settings.host}:{settings.port}",
                                          settings.max_message_bytes)
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     POLICY_VERSION.labels(replica).set(engine.version)
-    tasks = [asyncio.create_task(worker.run(stop), name="rollouts")]
+    loops = {"rollouts": worker.run(stop)}
     if settings.weightsync_address:
         async def on_version(version: int, state_dict) -> None:
             seconds = await asyncio.to_thread(engine.update_weights, version, state_dict)
@@ -169,20 +163,18 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
 
         subscriber = WeightSubscriber(settings.weightsync_address, on_version, replica,
                                       settings.max_message_bytes, streams=settings.weight_streams)
-        tasks.append(asyncio.create_task(subscriber.run(stop), name="weights"))
+        loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
-        tasks.append(asyncio.create_task(heartbeat(settings, engine, worker, stop), name="heartbeat"))
+        loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
     servicer.port = port
     log.info("event=started service=inference replica=%s engine=%s port=%d metrics_port=%d traces=%s",
              replica, engine.name, port, metrics_port, worker.return_traces)
     if ready is not None:
         ready.set()
     try:
-        await stop.wait()
+        await run_loops(loops, stop, health)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(grace=1.0)
         await redis.aclose()
+        rewards.close()
         engine.close()

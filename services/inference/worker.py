@@ -1,8 +1,11 @@
-"""The rollout loop of a replica: lease tasks → generate G samples each → score → publish → done.
+"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → publish.
 
 Leases are renewed while a batch generates; a task whose generation fails is handed back (it is
 retried, the attempt counts). Publishing and ending the lease are one atomic step in Redis
 (`WorkQueue.complete`), refused when the lease was lost, so a slow replica never duplicates work.
+A task that can never be served (undecodable, invalid, too long for the engine, an unknown
+reward, another run's) goes to the dead-letter stream with its reason; a task waiting for a
+policy version waits at most `version_wait_seconds`, then goes back with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import redis.exceptions
 from prometheus_client import Counter, Gauge, Histogram
@@ -21,12 +25,13 @@ from shared.engines import Engine, Sample, Sampling
 from shared.models import decode_completions
 from shared.queues import Lease, WorkQueue, now_ms
 from shared.rollout import RolloutTimings, encode_samples
-from shared.tasks import get_reward
+from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")
 # every batch runs on this one thread: torch's OpenMP keeps one thread team per calling thread, and
 # the default executor's changing threads each woke a team of their own (measured: −10–20% tokens/s)
 ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+MAX_GROUP_SIZE = 4096
 
 TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
 TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s of the last batch", ["replica"])
@@ -39,24 +44,45 @@ RETRIED = Counter("steadyrl_inference_tasks_retried_total", "Leased tasks that w
 ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Batches the engine failed on", ["replica"])
 TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded",
                       ["replica"])
+BAD_TASKS = Counter("steadyrl_inference_tasks_dead_lettered_total", "Tasks given up as unservable", ["reason"])
+VERSION_WAITS = Counter("steadyrl_inference_version_wait_expired_total",
+                        "Tasks handed back after waiting too long for their policy version", ["replica"])
+REWARD_FAILURES = Counter("steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed",
+                          ["reward", "reason"])
 QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
+
+
+class BadTask(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
 
 
 def prompt_ids(task, tokenizer) -> list[int]:
     if task.prompt_token_ids:
         return list(task.prompt_token_ids)
     if not task.prompt_text:
-        raise ValueError(f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
+        raise BadTask("prompt", f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
     return list(tokenizer(task.prompt_text).input_ids)
+
+
+@dataclass
+class Checked:
+    lease: Lease
+    prompt: list[int]
+    sampling: Sampling
 
 
 class RolloutWorker:
     def __init__(self, engine: Engine, tokenizer, queue: WorkQueue, replica_id: str, lease_seconds: float,
-                 tasks_per_batch: int, idle_poll_seconds: float, return_traces: bool) -> None:
+                 tasks_per_batch: int, idle_poll_seconds: float, return_traces: bool,
+                 rewards: RewardRunner | None = None, version_wait_seconds: float = 120.0) -> None:
         self.engine, self.tokenizer, self.queue = engine, tokenizer, queue
         self.replica_id, self.lease_seconds = replica_id, lease_seconds
         self.tasks_per_batch, self.idle_poll_seconds = tasks_per_batch, idle_poll_seconds
         self.return_traces = return_traces and engine.capabilities.routing_trace
+        self.rewards = rewards or RewardRunner()
+        self.version_wait_seconds = version_wait_seconds
         self.published = 0
         self.tokens_per_second = 0.0
         self.generating = 0  # batches with the engine (running or queued)
@@ -67,7 +93,7 @@ class RolloutWorker:
         current one generates and queued on the engine thread behind it, so the engine goes from
         one batch to the next without waiting for this loop; a batch is published once the one
         queued behind it is with the engine."""
-        inflight: deque[tuple[asyncio.Task, set[str], asyncio.Task]] = deque()  # (generating, held, heartbeat)
+        inflight: deque[tuple[asyncio.Task, set[str], _Heartbeat]] = deque()  # (generating, held, heartbeat)
         publishing: asyncio.Task | None = None
         try:
             while not stop.is_set():
@@ -76,9 +102,9 @@ class RolloutWorker:
                     continue
                 if leases:
                     held = {lease.task_id for lease in leases}
-                    heartbeat = asyncio.create_task(self._renew(held))
+                    heartbeat = _Heartbeat(self, held)
                     RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
-                    inflight.append((asyncio.create_task(self._generate(leases, stop)), held, heartbeat))
+                    inflight.append((asyncio.create_task(self._generate(leases, held, stop)), held, heartbeat))
                     await asyncio.sleep(0)  # its job reaches the engine thread's queue
                 if inflight and (len(inflight) > 1 or not leases):
                     generating, held, heartbeat = inflight.popleft()
@@ -117,39 +143,95 @@ class RolloutWorker:
             leases = await self.queue.lease(self.replica_id, self.lease_seconds, self.tasks_per_batch)
             self._delay = 0.1
             return leases
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        except redis.exceptions.RedisError as exc:
             QUEUE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=queue_unreachable error=%s retry_in=%.1fs", type(exc).__name__, self._delay)
             await _sleep_or_stop(stop, self._delay)
             self._delay = min(self._delay * 2, 5.0)
             return None
 
-    async def _generate(self, leases: list[Lease], stop: asyncio.Event | None) -> list[tuple]:
-        """Generate every group of leases with the same sampling; a failed group is left out."""
-        groups: dict[bytes, list[Lease]] = defaultdict(list)
+    def check(self, lease: Lease) -> Checked:
+        """The task's prompt and sampling, or BadTask when it can never be served here."""
+        task = lease.task
+        if task.run_id and task.run_id != self.queue.run_id:
+            raise BadTask("other_run", f"task of run {task.run_id!r} in the queue of {self.queue.run_id!r}")
+        if not 1 <= task.group_size <= MAX_GROUP_SIZE:
+            raise BadTask("group_size", f"group_size {task.group_size} outside [1, {MAX_GROUP_SIZE}]")
+        try:
+            sampling = Sampling.from_proto(task.sampling)
+        except ValueError as exc:
+            raise BadTask("sampling", str(exc)) from None
+        prompt = prompt_ids(task, self.tokenizer)
+        if not prompt or min(prompt) < 0 or max(prompt) >= self.engine.vocab_size:
+            raise BadTask("prompt", f"prompt token ids outside the vocabulary [0, {self.engine.vocab_size})")
+        if len(prompt) + sampling.max_new_tokens > self.engine.max_model_len:
+            raise BadTask("context", f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > the "
+                                     f"engine's {self.engine.max_model_len} positions")
+        try:
+            self.rewards.check(task.task_name)
+        except KeyError as exc:
+            raise BadTask("reward", str(exc)) from None
+        return Checked(lease, prompt, sampling)
+
+    async def _generate(self, leases: list[Lease], held: set[str], stop: asyncio.Event | None) -> list[tuple]:
+        """Check, wait for the version asked for (bounded), then generate every group of tasks
+        with the same sampling; a failed group is left out (its leases go back when published)."""
+        checked = []
         for lease in leases:
-            groups[lease.task.sampling.SerializeToString(deterministic=True)].append(lease)
+            try:
+                checked.append(self.check(lease))
+            except BadTask as exc:
+                await self._give_up(lease, exc.code, str(exc), held)
+        checked = await self._wait_for_versions(checked, held, stop)
+        groups: dict[bytes, list[Checked]] = defaultdict(list)
+        for item in checked:
+            groups[item.lease.task.sampling.SerializeToString(deterministic=True)].append(item)
         self.generating += 1
         try:
-            done = [await self._generate_group(group, stop) for group in groups.values()]
+            done = [await self._generate_group(group) for group in groups.values()]
         finally:
             self.generating -= 1
         return [item for item in done if item is not None]
 
-    async def _generate_group(self, group: list[Lease], stop: asyncio.Event | None):
-        leased_ms = now_ms()
+    async def _give_up(self, lease: Lease, code: str, message: str, held: set[str]) -> None:
+        BAD_TASKS.labels(code).inc()
+        log.warning("event=task_dead_lettered task=%s reason=%s", lease.task_id, message)
         try:
-            sampling = Sampling.from_proto(group[0].task.sampling)
-            need = max(lease.task.min_policy_version for lease in group)
-            while self.engine.version < need and not (stop and stop.is_set()):
-                await asyncio.sleep(0.02)  # admission: the orchestrator asked for a newer policy
-            prompts = [prompt_ids(lease.task, self.tokenizer) for lease in group]
-            prompts = [ids for ids, lease in zip(prompts, group, strict=True) for _ in range(max(lease.task.group_size, 1))]
+            await self.queue.dead_letter(self.replica_id, lease.task_id, code, message)
+            held.discard(lease.task_id)
+        except redis.exceptions.RedisError as exc:  # still held: handed back when the batch ends
+            QUEUE_ERRORS.labels(self.replica_id).inc()
+            log.warning("event=dead_letter_failed task=%s error=%s", lease.task_id, type(exc).__name__)
+
+    async def _wait_for_versions(self, checked: list[Checked], held: set[str],
+                                 stop: asyncio.Event | None) -> list[Checked]:
+        """Admission asks some tasks for a policy version newer than the one served: wait for it,
+        at most `version_wait_seconds`; tasks still waiting then go back with the reason."""
+        need = max((c.lease.task.min_policy_version for c in checked), default=0)
+        deadline = time.monotonic() + self.version_wait_seconds
+        while self.engine.version < need and time.monotonic() < deadline and not (stop and stop.is_set()):
+            await asyncio.sleep(0.02)
+        ready = [c for c in checked if c.lease.task.min_policy_version <= self.engine.version]
+        for c in checked:
+            if c.lease.task.min_policy_version > self.engine.version:
+                VERSION_WAITS.labels(self.replica_id).inc()
+                reason = (f"version_wait: needs policy version {c.lease.task.min_policy_version}, served "
+                          f"{self.engine.version} after {self.version_wait_seconds:.0f}s")
+                log.warning("event=version_wait_expired task=%s %s", c.lease.task_id, reason)
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    if await self.queue.fail(self.replica_id, c.lease.task_id, reason):
+                        held.discard(c.lease.task_id)
+        return ready
+
+    async def _generate_group(self, group: list[Checked]):
+        leased_ms = now_ms()
+        prompts = [c.prompt for c in group for _ in range(c.lease.task.group_size)]
+        try:
             samples, seconds, encoded = await asyncio.get_running_loop().run_in_executor(
-                ENGINE_THREAD, self._generate_and_encode, group, prompts, sampling, leased_ms)
+                ENGINE_THREAD, self._generate_and_encode, group, prompts, group[0].sampling, leased_ms)
         except Exception as exc:  # noqa: BLE001 - any engine failure hands the tasks back
             ENGINE_ERRORS.labels(self.replica_id).inc()
-            log.exception("event=generation_failed tasks=%s error=%s", [lease.task_id for lease in group], exc)
+            log.exception("event=generation_failed tasks=%s error=%s", [c.lease.task_id for c in group], exc)
             return None
         tokens = sum(len(s.token_ids) for s in samples)
         TOKENS.labels(self.replica_id).inc(tokens)
@@ -158,7 +240,7 @@ class RolloutWorker:
         TOKENS_PER_SECOND.labels(self.replica_id).set(self.tokens_per_second)
         return encoded
 
-    def _generate_and_encode(self, group: list[Lease], prompts: list[list[int]], sampling: Sampling,
+    def _generate_and_encode(self, group: list[Checked], prompts: list[list[int]], sampling: Sampling,
                              leased_ms: int) -> tuple[list[Sample], float, list[tuple[Lease, list[bytes]]]]:
         """On the engine thread: generate, then score and encode each task's rollouts. Right after
         its batch this costs the engine ~1.5 ms of a ~40 ms batch (tiny model, 2 cores); on the
@@ -169,16 +251,16 @@ class RolloutWorker:
         seconds = time.perf_counter() - started
         timings = RolloutTimings(leased_ms, started_ms, now_ms(), seconds)
         encoded, position = [], 0
-        for lease in group:
-            mine = samples[position : position + max(lease.task.group_size, 1)]
+        for item in group:
+            mine = samples[position : position + item.lease.task.group_size]
             position += len(mine)
-            payloads = self._encode_task(lease, mine, timings)
+            payloads = self._encode_task(item.lease, mine, timings)
             if payloads is not None:
-                encoded.append((lease, payloads))
+                encoded.append((item.lease, payloads))
         return samples, seconds, encoded
 
     async def _publish(self, generated: list[list[tuple[Lease, list[bytes]]]], held: set[str],
-                       heartbeat: asyncio.Task) -> None:
+                       heartbeat: _Heartbeat) -> None:
         """Publish each batch's encoded rollouts (one Redis round trip); whatever is still held at
         the end (failed generation, bad task, Redis error) is handed back to the queue."""
         try:
@@ -198,33 +280,57 @@ class RolloutWorker:
             QUEUE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=publish_failed error=%s", type(exc).__name__)
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-            for task_id in list(held):
+            left = sorted(held)
+            await heartbeat.stop()  # never renews again, whatever Redis did to it
+            for task_id in left:
                 with contextlib.suppress(redis.exceptions.RedisError):
-                    await self.queue.fail(self.replica_id, task_id)
+                    await self.queue.fail(self.replica_id, task_id, "handed back: generation or publish failed")
 
     def _encode_task(self, lease: Lease, samples: list[Sample], timings: RolloutTimings) -> list[bytes] | None:
         task = lease.task
         try:
-            reward = get_reward(task.task_name)
             texts = decode_completions(self.tokenizer, [s.token_ids for s in samples])
-            rewards = [reward(text, task.answer) for text in texts]
-            return encode_samples(task, samples, rewards, self.replica_id, self.engine.name, timings)
-        except Exception as exc:  # noqa: BLE001 - a bad task (unknown reward...) is handed back
+            scores = self.rewards.score(task.task_name, texts, task.answer)
+            for s in scores:
+                if s.reason:
+                    REWARD_FAILURES.labels(task.task_name, s.reason.split(":")[0]).inc()
+                    log.warning("event=reward_failed task=%s reward=%s reason=%s", lease.task_id, task.task_name,
+                                s.reason)
+            if not task.run_id:
+                task.run_id = self.queue.run_id
+            return encode_samples(task, samples, [s.value for s in scores], self.replica_id, self.engine.name,
+                                  timings)
+        except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is handed back
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
             return None
 
-    async def _renew(self, held: set[str]) -> None:
-        while True:
-            await asyncio.sleep(self.lease_seconds / 3)
+
+class _Heartbeat:
+    """Renews the leases of one batch until stopped. Stopping empties what it renews first, so
+    even a renewal stuck in a Redis call that outlives its cancellation renews nothing after."""
+
+    def __init__(self, worker: RolloutWorker, held: set[str]) -> None:
+        self.worker, self.held, self.done = worker, held, asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        w = self.worker
+        while not self.done.is_set():
+            await _sleep_or_stop(self.done, w.lease_seconds / 3)
+            if self.done.is_set():
+                return
             try:
-                await self.queue.extend(self.replica_id, sorted(held), self.lease_seconds)
+                await w.queue.extend(w.replica_id, sorted(self.held), w.lease_seconds)
             except redis.exceptions.RedisError as exc:
-                QUEUE_ERRORS.labels(self.replica_id).inc()
+                QUEUE_ERRORS.labels(w.replica_id).inc()
                 log.warning("event=lease_renew_failed error=%s", type(exc).__name__)
+
+    async def stop(self) -> None:
+        self.done.set()
+        self.held.clear()
+        self.task.cancel()
+        await asyncio.wait({self.task}, timeout=1.0)  # never waits on a call that ignores its cancel
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -7,15 +7,16 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from shared.core.loss import LossConfig
+from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.training import StepConfig
 
 
-class TrainerSettings(BaseSettings):
+class TrainerSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -28,8 +29,6 @@ class TrainerSettings(BaseSettings):
     """Local Hugging Face model directory to start from (the checkpoint wins when one exists)."""
     out_dir: Path = Path("runs/trainer")
     """Checkpoints (`checkpoints/`) and the per-step `metrics.jsonl`."""
-    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
-    """Redis holding the rollout stream (may carry a password; never logged)."""
     run_id: str = "default"
     """Run whose rollout stream is trained on."""
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -40,6 +39,8 @@ class TrainerSettings(BaseSettings):
     """Key file for signing weight manifests (must match the weight-sync service's)."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
     """Largest gRPC message."""
+    publish_timeout_seconds: float = Field(600.0, gt=0)
+    """Bound on one version push; a push that fails is retried on the next turn of the loop."""
 
     batch_prompts: int = Field(8, ge=1)
     """B: prompts (complete groups) per global step."""
@@ -99,6 +100,8 @@ class TrainerSettings(BaseSettings):
     """XREADGROUP block time while waiting for rollouts."""
     max_rollout_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     """Larger stream entries go to the dead-letter stream."""
+    dead_letter_maxlen: int = Field(10_000, ge=1)
+    """Newest dead-lettered rollouts kept with their payload (every reason stays counted)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
@@ -106,6 +109,8 @@ class TrainerSettings(BaseSettings):
             raise ValueError("R2 replays the π_old recompute's routing: it needs bypass off")
         if self.mini_batches > self.batch_prompts:
             raise ValueError("mini_batches cannot exceed batch_prompts (mini-batches hold whole groups)")
+        if self.read_block_ms >= self.redis_timeout_seconds * 1000:
+            raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self
 
     def loss_config(self, clip: bool | None = None) -> LossConfig:

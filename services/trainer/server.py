@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from redis.asyncio import Redis
-
 from services.trainer.config import TrainerSettings
 from services.trainer.trainer import Trainer
 from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
 from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
+from shared.service_main import run_loops
 
 log = logging.getLogger("steadyrl.trainer")
 
@@ -25,7 +24,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         step, version, trained = t.reported
         return pb.TrainerStatus(
             version=common_pb2.PolicyVersion(version=version, parent_version=max(version - 1, 0)),
-            step=step, paused=t.paused, recipe=t.recipe,
+            step=step, paused=t.paused, recipe=t.runner.recipe,
             rollouts_trained=trained,
             rollouts_dropped_stale=t.state.counters.get("dropped_stale", 0),
             rollouts_dead_lettered=t.state.counters.get("dead_lettered", 0),
@@ -52,32 +51,27 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
     from shared.metrics import start_metrics_server
 
     stop = stop or asyncio.Event()
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
+    redis = settings.redis()
     trainer = await asyncio.to_thread(Trainer, settings, redis)
-    if trainer.rank > 0:  # data parallel: only rank 0 reads Redis, serves gRPC and publishes
-        steps = await asyncio.to_thread(trainer.follow)
-        log.info("event=follower_done rank=%d steps=%d", trainer.rank, steps)
+    if trainer.runner.rank > 0:  # data parallel: only rank 0 reads Redis, serves gRPC and publishes
+        steps = await asyncio.to_thread(trainer.runner.follow)
+        log.info("event=follower_done rank=%d steps=%d", trainer.runner.rank, steps)
         await redis.aclose()
         return
-    server, port, _ = await start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
-                                         ["steadyrl.v1.Trainer"], f"{settings.host}:{settings.port}",
-                                         settings.max_message_bytes)
+    server, port, health = await start_server(
+        [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))], ["steadyrl.v1.Trainer"],
+        f"{settings.host}:{settings.port}", settings.max_message_bytes)
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     log.info("event=started service=trainer port=%d metrics_port=%d step=%d version=%d", port, metrics_port,
              trainer.state.step, trainer.state.version)
     if ready is not None:
         ready.set()
-    loop = asyncio.create_task(trainer.run(stop))
     try:
-        await asyncio.wait({loop, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        if loop.done():
-            loop.result()  # raise what stopped it
+        await run_loops({"trainer": trainer.run(stop)}, stop, health, finishing=frozenset({"trainer"}))
     finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
         if trainer.unacked:  # a clean stop keeps every trained step: checkpoint, then acknowledge
             await trainer.checkpoint_now()
-        await asyncio.to_thread(trainer.stop_followers)
+        await asyncio.to_thread(trainer.runner.stop_followers)
         await trainer.close()
         await server.stop(grace=1.0)
         await redis.aclose()

@@ -23,6 +23,14 @@ def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values[mask].max()
 
 
+def mismatch_kl_terms(
+    inference_logprobs: torch.Tensor, train_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token terms of the training–inference KL estimators (see `mismatch_kl`), [B, T] each."""
+    log_ratio = train_logprobs - inference_logprobs  # log π/μ
+    return -log_ratio, torch.expm1(log_ratio) - log_ratio
+
+
 def mismatch_kl(
     inference_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,10 +38,8 @@ def mismatch_kl(
 
     k1 = E_μ[log μ − log π];  k3 = E_μ[(π/μ − 1) − log(π/μ)]  (non-negative, lower variance).
     """
-    log_ratio = train_logprobs - inference_logprobs  # log π/μ
-    k1 = masked_mean(-log_ratio, mask)
-    k3 = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
-    return k1, k3
+    k1, k3 = mismatch_kl_terms(inference_logprobs, train_logprobs)
+    return masked_mean(k1, mask), masked_mean(k3, mask)
 
 
 def first_order_error(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

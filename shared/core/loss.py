@@ -5,6 +5,12 @@ Shapes: logprobs float [B, T]; advantages [B] (one per sequence) or [B, T]; loss
 Names say which engine produced a value: `trainer_logprobs` = log π_θ (with gradient),
 `old_logprobs` = log π_old (training engine, start of the global step; None = bypass mode,
 π_old := μ_old), `inference_logprobs` = log μ_old (the sampling engine).
+
+Normaliser ("tokens"): the number of valid tokens of the mini-batch of the update, summed over
+data-parallel ranks — one constant for every sequence of the update, as verl's token-mean
+(`token_normalizer`; micro-batches keep their mini-batch's constant). "sequence" (length
+normalisation, an ablation) averages each sequence over its tokens, then over the sequences with
+a valid token.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from typing import Literal
 import torch
 
 from shared.core import corrections
-from shared.core.diagnostics import first_order_error, masked_max, masked_mean, mismatch_kl
+from shared.core.diagnostics import first_order_error, masked_max, masked_mean, mismatch_kl_terms
+from shared.core.stats import StepStats
 
 Objective = Literal["minirl", "grpo"]
 Normalization = Literal["tokens", "sequence"]
@@ -40,18 +47,19 @@ class LossConfig:
     train_infer_is: bool = True
     """Apply the training–inference IS weight; False sets w_t := 1 (the paper's ablation)."""
     tis_cap: float = 5.0
-    """Truncation C of the IS weight (paper: 5)."""
+    """Truncation C of the IS weight (paper: 5); > 0."""
     is_level: ISLevel = "token"
     """"token": w_t = min(ρ_t, C); "sequence": w = min(Π_t ρ_t, C) for every token of y."""
     clip: bool = True
     """MiniRL: token mask M_t; GRPO: PPO clip. False removes it (the paper's ablation)."""
     eps_low: float = 0.2
-    """Lower clip range ε_low."""
+    """Lower clip range ε_low, in [0, 1)."""
     eps_high: float = 0.27
-    """Upper clip range ε_high."""
+    """Upper clip range ε_high, ≥ 0."""
     normalization: Normalization = "tokens"
-    """"tokens": divide by the valid tokens of the whole batch; "sequence": per-sequence mean,
-    then batch mean (length normalisation; an ablation for MiniRL, GRPO's original form)."""
+    """"tokens": divide by the valid tokens of the mini-batch of the update (all ranks);
+    "sequence": length normalisation — per-sequence mean, then the mean over sequences (an
+    ablation for MiniRL, GRPO's original form)."""
     rejection: Rejection = "none"
     """Extra mismatch rejection on k_t = π_old/μ_old: sequence MIS, geometric mean, or IcePop."""
     rejection_bounds: tuple[float | None, float | None] | None = None
@@ -68,8 +76,10 @@ class LossConfig:
             raise ValueError(f"unknown rejection {self.rejection!r}")
         if not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"eps_low must lie in [0, 1), got {self.eps_low}")
+        if not self.eps_high >= 0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
 
     @classmethod
     def grpo(cls, **overrides: object) -> LossConfig:
@@ -78,6 +88,134 @@ class LossConfig:
 
     def bounds(self) -> tuple[float | None, float | None]:
         return self.rejection_bounds or DEFAULT_REJECTION_BOUNDS.get(self.rejection, (None, None))
+
+
+@dataclass
+class TokenTerms:
+    """What every objective reads, sanitised: [B, T] each, zero where `mask` is False, so a masked
+    position never turns 0·inf into NaN in the graph. Ratios are detached (they enter the loss
+    under stop-gradient); `trainer` carries the gradient."""
+
+    mask: torch.Tensor  # valid: in the loss mask with finite logprobs everywhere
+    trainer: torch.Tensor  # log π_θ
+    old: torch.Tensor  # log π_old (= log μ_old in bypass mode)
+    inference: torch.Tensor  # log μ_old
+    advantages: torch.Tensor  # Â, broadcast per token
+    bypass: bool
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        """log π_θ/μ_old (Eq. 7's IS ratio)."""
+        return self.trainer.detach() - self.inference
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        """r_t = π_θ/π_old (staleness; decides the clip mask)."""
+        return torch.exp(self.trainer.detach() - self.old)
+
+    @property
+    def log_discrepancy(self) -> torch.Tensor:
+        """log k_t = log π_old/μ_old; in bypass mode (π_old := μ_old) log π_θ/μ_old instead."""
+        return self.log_ratio if self.bypass else self.old - self.inference
+
+
+def token_terms(trainer_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, inference_logprobs: torch.Tensor,
+                advantages: torch.Tensor, loss_mask: torch.Tensor) -> TokenTerms:
+    _check_shapes(trainer_logprobs, old_logprobs, inference_logprobs, advantages, loss_mask)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(trainer_logprobs)
+    finite = torch.isfinite(inference_logprobs) & torch.isfinite(trainer_logprobs.detach())
+    if old_logprobs is not None:
+        finite &= torch.isfinite(old_logprobs)
+    mask = loss_mask.bool() & finite
+    zeros = torch.zeros_like(trainer_logprobs)
+    inference = torch.where(mask, inference_logprobs.to(zeros.dtype), zeros.detach())
+    old = inference if old_logprobs is None else torch.where(mask, old_logprobs.to(zeros.dtype), zeros.detach())
+    return TokenTerms(mask, torch.where(mask, trainer_logprobs, zeros), old, inference,
+                      torch.where(mask, advantages.to(zeros.dtype), zeros.detach()), old_logprobs is None)
+
+
+@dataclass
+class Parts:
+    """The per-token factors an objective used: IS weight w_t, truncated?, clip keep M_t, rejection keep."""
+
+    weight: torch.Tensor
+    truncated: torch.Tensor
+    clip_keep: torch.Tensor
+    keep: torch.Tensor
+
+
+def minirl_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
+                sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+    """MiniRL, paper Eq. 7:  −Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â · log π_θ(y_t)  / N.
+
+    M_t = 0 where Â > 0 and r_t > 1+ε_high or Â < 0 and r_t < 1−ε_low (r_t = π_θ/π_old), else 1;
+    N = the update's normaliser (module docstring). Returns the loss and its per-token parts."""
+    weight, truncated = is_weight(t.log_ratio, t.mask, config)  # sg[w_t]
+    clip_keep = corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high) if config.clip \
+        else torch.ones_like(t.mask)  # M_t
+    keep = rejection_mask(t.log_discrepancy, t.mask, config)
+    per_token = torch.where(t.mask & keep, clip_keep * weight * t.advantages * t.trainer, torch.zeros_like(t.trainer))
+    loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
+    return loss, Parts(weight, truncated, clip_keep, keep)
+
+
+def grpo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
+              sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+    """GRPO (Appendix A) with the decoupled IS weight:
+    −Σ_t sg[min(π_old/μ_old, C)] · min(r_t·Â, clip(r_t, 1−ε_low, 1+ε_high)·Â) / N, r_t = π_θ/π_old
+    with gradient (equal to Eq. 7's weight on-policy)."""
+    weight, truncated = is_weight(t.log_discrepancy, t.mask, config)
+    ratio = torch.exp(t.trainer - t.old)
+    surrogate = ratio * t.advantages
+    if config.clip:
+        bounded = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+        surrogate = torch.minimum(surrogate, bounded * t.advantages)
+    # where PPO-min takes its constant clipped branch is exactly where Eq. 7's M_t is 0
+    clip_keep = corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high) if config.clip \
+        else torch.ones_like(t.mask)
+    keep = rejection_mask(t.log_discrepancy, t.mask, config)
+    per_token = torch.where(t.mask & keep, weight * surrogate, torch.zeros_like(t.trainer))
+    loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
+    return loss, Parts(weight, truncated, clip_keep, keep)
+
+
+OBJECTIVES = {"minirl": minirl_loss, "grpo": grpo_loss}
+
+
+def is_weight(log_ratio: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The truncated IS weight of `log_ratio` (token or sequence level) and where it was truncated;
+    1 everywhere when the training–inference IS is off."""
+    if not config.train_infer_is:
+        return torch.ones_like(log_ratio), torch.zeros_like(mask)
+    if config.is_level == "token":
+        return corrections.token_tis_weight(log_ratio, config.tis_cap), log_ratio > math.log(config.tis_cap)
+    raw = corrections.sequence_log_ratio(log_ratio, mask).unsqueeze(-1).expand_as(mask)
+    return corrections.sequence_tis_weight(log_ratio, mask, config.tis_cap), raw > math.log(config.tis_cap)
+
+
+def rejection_mask(log_discrepancy: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    low, high = config.bounds()
+    if config.rejection == "seq_mis":
+        return corrections.sequence_mis_mask(log_discrepancy, mask, low, high)
+    if config.rejection == "geo":
+        return corrections.geometric_mask(log_discrepancy, mask, low, high)
+    if config.rejection == "icepop":
+        return corrections.icepop_mask(log_discrepancy, low or 0.0, high or math.inf)
+    return torch.ones_like(mask)
+
+
+def normalise(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig, token_normalizer=None,
+              sequence_normalizer=None) -> torch.Tensor:
+    """Σ per_token / N ("tokens"), or the mean over sequences of per-sequence means ("sequence")."""
+    if config.normalization == "tokens":
+        denominator = mask.sum() if token_normalizer is None else token_normalizer
+        return per_token.sum() / torch.as_tensor(denominator, dtype=per_token.dtype).clamp(min=1)
+    lengths = mask.sum(dim=-1)
+    has_tokens = lengths > 0
+    per_sequence = per_token.sum(dim=-1) / lengths.clamp(min=1)
+    count = has_tokens.sum() if sequence_normalizer is None else sequence_normalizer
+    return per_sequence[has_tokens].sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp(min=1)
 
 
 def policy_loss(
@@ -89,115 +227,51 @@ def policy_loss(
     config: LossConfig,
     token_normalizer: float | torch.Tensor | None = None,
     sequence_normalizer: float | torch.Tensor | None = None,
+    stats: StepStats | None = None,
+    buckets: tuple[torch.Tensor, list[int]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss to minimise and a dict of scalar diagnostics.
-
-    MiniRL: loss = −Σ_t mask·M_t·sg[w_t]·Â·log π_θ(y_t) / N with w_t = min(π_θ/μ_old, C) and
-    M_t from r_t = π_θ/π_old (Eq. 7). GRPO: loss = −Σ_t mask·sg[w_t]·min(r_t·Â, clip(r_t)·Â) / N
-    with the decoupled weight w_t = min(π_old/μ_old, C) (equal to Eq. 7's on-policy).
-
-    N = token_normalizer (the whole optimizer step's valid tokens, when the trainer accumulates
-    micro-batches) or this batch's valid tokens; "sequence" normalisation averages per sequence
-    first, over sequences with a valid token, divided by sequence_normalizer when given.
-    Tokens whose inference logprob is not finite leave numerator and denominator alike.
-    """
-    _check_shapes(trainer_logprobs, old_logprobs, inference_logprobs, advantages, loss_mask)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(trainer_logprobs)
-    advantages = advantages.to(trainer_logprobs.dtype)
-
-    finite = torch.isfinite(inference_logprobs) & torch.isfinite(trainer_logprobs.detach())
-    if old_logprobs is not None:
-        finite &= torch.isfinite(old_logprobs)
-    mask = loss_mask.bool() & finite
-    zeros = torch.zeros_like(trainer_logprobs)
-    # Sanitise so masked positions never turn 0·inf into NaN in the graph.
-    lp_infer = torch.where(mask, inference_logprobs.to(trainer_logprobs.dtype), zeros)
-    lp_old = lp_infer if old_logprobs is None else torch.where(mask, old_logprobs.to(zeros.dtype), zeros)
-    lp_train = torch.where(mask, trainer_logprobs, zeros)
-    lp_train_sg = lp_train.detach()
-
-    log_ratio_full = lp_train_sg - lp_infer  # log π_θ/μ_old
-    log_ratio_old = lp_train_sg - lp_old  # log r_t = log π_θ/π_old
-    # Discrepancy k_t = π_old/μ_old; in bypass mode π_old := μ_old, so look at π_θ/μ_old instead.
-    log_discrepancy = log_ratio_full if old_logprobs is None else lp_old - lp_infer
-    ratio = torch.exp(log_ratio_old)
-
-    # The log-ratio the IS weight truncates: the full ratio for MiniRL (Eq. 7), the decoupled
-    # factor π_old/μ_old for GRPO (its r_t already carries π_θ/π_old).
-    is_log_ratio = log_ratio_full if config.objective == "minirl" else log_discrepancy
-    if config.train_infer_is:
-        if config.is_level == "token":
-            weight = corrections.token_tis_weight(is_log_ratio, config.tis_cap)
-            raw = is_log_ratio
-        else:
-            weight = corrections.sequence_tis_weight(is_log_ratio, mask, config.tis_cap)
-            raw = corrections.sequence_log_ratio(is_log_ratio, mask).unsqueeze(-1).expand_as(mask)
-        truncated = raw > math.log(config.tis_cap)
-    else:
-        weight = torch.ones_like(lp_train_sg)
-        truncated = torch.zeros_like(mask)
-
-    keep = _rejection_mask(log_discrepancy, mask, config)
-    # Where PPO-min picks its constant clipped branch is exactly where Eq. 7's M_t is 0.
-    clip_keep = (
-        corrections.clip_mask(ratio, advantages, config.eps_low, config.eps_high)
-        if config.clip
-        else torch.ones_like(mask)
-    )
-    if config.objective == "minirl":
-        per_token = clip_keep * weight * advantages * lp_train
-    else:
-        ratio_grad = torch.exp(lp_train - lp_old)
-        surrogate = ratio_grad * advantages
-        if config.clip:
-            bounded = torch.clamp(ratio_grad, 1.0 - config.eps_low, 1.0 + config.eps_high)
-            surrogate = torch.minimum(surrogate, bounded * advantages)
-        per_token = weight * surrogate
-    contributing = mask & keep
-    per_token = torch.where(contributing, per_token, zeros)
-
-    if config.normalization == "tokens":
-        denominator = mask.sum() if token_normalizer is None else token_normalizer
-        objective = per_token.sum() / torch.as_tensor(denominator, dtype=per_token.dtype).clamp(min=1)
-    else:
-        lengths = mask.sum(dim=-1)
-        has_tokens = lengths > 0
-        per_sequence = per_token.sum(dim=-1) / lengths.clamp(min=1)
-        count = has_tokens.sum() if sequence_normalizer is None else sequence_normalizer
-        objective = per_sequence[has_tokens].sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp(min=1)
-    loss = -objective
-
+    """The configured objective's loss to minimise and a dict of scalar diagnostics (means over
+    this call's valid tokens). With `stats`, the same diagnostics are also added there as token
+    sums (whole-step statistics); `buckets` = (staleness bucket per token [B, T], bucket values)
+    adds mismatch KL and IS weight per staleness bucket. Tokens whose logprobs are not finite
+    leave numerator and denominator alike."""
+    t = token_terms(trainer_logprobs, old_logprobs, inference_logprobs, advantages, loss_mask)
+    loss, parts = OBJECTIVES[config.objective](t, config, token_normalizer, sequence_normalizer)
     with torch.no_grad():
-        k1, k3 = mismatch_kl(lp_infer, lp_old if old_logprobs is not None else lp_train_sg, mask)
-        sequences = mask.any(dim=-1)
-        fo_error = first_order_error(log_ratio_full, mask)
-        metrics = {
-            "is_weight_mean": masked_mean(weight, mask),
-            "is_weight_max": masked_max(weight, mask),
-            "is_truncated_frac": masked_mean(truncated.to(weight.dtype), mask),
-            "clip_frac": masked_mean((~clip_keep).to(weight.dtype), mask),
-            "rejected_frac": masked_mean((~keep).to(weight.dtype), mask),
-            "importance_ratio_mean": masked_mean(ratio, mask),
-            "mismatch_kl_k1": k1,
-            "mismatch_kl_k3": k3,
-            "first_order_error": masked_mean(fo_error, sequences),
-            "advantage_mean": masked_mean(advantages, mask),
-            "valid_tokens": mask.sum().to(weight.dtype),
-            "nonfinite_tokens": (loss_mask.bool() & ~finite).sum().to(weight.dtype),
-        }
+        metrics = diagnostics(t, parts, loss_mask, stats, buckets)
     return loss, metrics
 
 
-def _rejection_mask(log_discrepancy: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    low, high = config.bounds()
-    if config.rejection == "seq_mis":
-        return corrections.sequence_mis_mask(log_discrepancy, mask, low, high)
-    if config.rejection == "geo":
-        return corrections.geometric_mask(log_discrepancy, mask, low, high)
-    if config.rejection == "icepop":
-        return corrections.icepop_mask(log_discrepancy, low or 0.0, high or math.inf)
-    return torch.ones_like(mask)
+def diagnostics(t: TokenTerms, parts: Parts, loss_mask: torch.Tensor, stats: StepStats | None = None,
+                buckets: tuple[torch.Tensor, list[int]] | None = None) -> dict[str, torch.Tensor]:
+    mask, dtype = t.mask, parts.weight.dtype
+    k1, k3 = mismatch_kl_terms(t.inference, t.trainer.detach() if t.bypass else t.old)
+    sequences = mask.any(dim=-1)
+    per_token = {
+        "is_weight_mean": parts.weight, "is_truncated_frac": parts.truncated.to(dtype),
+        "clip_frac": (~parts.clip_keep).to(dtype), "rejected_frac": (~parts.keep).to(dtype),
+        "importance_ratio_mean": t.ratio, "mismatch_kl_k1": k1, "mismatch_kl_k3": k3, "advantage_mean": t.advantages,
+    }
+    first_order = first_order_error(t.log_ratio, mask)
+    metrics = {name: masked_mean(values, mask) for name, values in per_token.items()}
+    metrics.update(is_weight_max=masked_max(parts.weight, mask),
+                   first_order_error=masked_mean(first_order, sequences),
+                   valid_tokens=mask.sum().to(dtype),
+                   nonfinite_tokens=(loss_mask.bool() & ~mask).sum().to(dtype))
+    if stats is not None:
+        for name, values in per_token.items():
+            stats.add_mean(name, values, mask)
+        stats.add_max("is_weight_max", parts.weight, mask)
+        stats.add_mean("first_order_error", first_order, sequences)
+        stats.add_total("valid_tokens", mask.sum())
+        stats.add_total("nonfinite_tokens", (loss_mask.bool() & ~mask).sum())
+        if buckets is not None:
+            bucket_of, values = buckets
+            for b in values:
+                where = mask & (bucket_of == b)
+                stats.add_mean(f"mismatch_kl_k3_s{b}", k3, where)
+                stats.add_mean(f"is_weight_mean_s{b}", parts.weight, where)
+    return metrics
 
 
 def _check_shapes(

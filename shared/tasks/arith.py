@@ -69,7 +69,7 @@ def _is_eval(a: int, b: int, seed: int) -> bool:
     return int.from_bytes(digest, "little") % 5 == 0
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", inline=True)
 def exact_match(completion: str, answer: str) -> float:
     """1.0 when the completion, stripped of whitespace, equals the answer; else 0.0."""
     return 1.0 if completion.strip() == answer.strip() else 0.0

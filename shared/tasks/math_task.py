@@ -56,9 +56,13 @@ class MathTask:
 
 @register_reward("math_verify")
 def math_verify_reward(completion: str, answer: str) -> float:
-    """1.0 when math-verify finds the completion's final answer equal to the reference."""
+    """1.0 when math-verify finds the completion's final answer equal to the reference.
+
+    math-verify's own time limits use signal.alarm, which works only on a main thread: they are
+    off here, and the reward process that runs this reward (shared.tasks.reward_runner) bounds
+    its time instead, on whatever thread the caller is."""
     from math_verify import parse, verify
 
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-    predicted = parse(completion)
-    return 1.0 if gold and predicted and verify(gold, predicted) else 0.0
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=None)
+    predicted = parse(completion, parsing_timeout=None)
+    return 1.0 if gold and predicted and verify(gold, predicted, timeout_seconds=None) else 0.0

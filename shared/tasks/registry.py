@@ -1,12 +1,19 @@
 """Rewards and tasks registered by name.
 
-A reward is a plain callable `(completion_text, answer) -> float`; it never raises (a completion
-it cannot parse scores 0). A task turns a seed/split into prompt/answer examples.
+A reward is a plain callable `(completion_text, answer) -> float`. `score` calls one and never
+raises: a completion it cannot parse, an exception or a non-finite value scores 0 with a reason.
+A reward is named by its registered name (`exact_match`, `math_verify`) or by a dotted path
+`package.module:function`, imported where it runs. Rewards registered `inline` are pure and
+cheap (they run where they are called); every other reward runs with a time limit in a reward
+process (`shared.tasks.reward_runner`).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +21,8 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 _REWARDS: dict[str, RewardFn] = {}
+_INLINE: set[str] = set()
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -25,27 +34,62 @@ class Example:
     meta: dict[str, str] = field(default_factory=dict)
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register `fn` as the reward called `name`; its failures score 0."""
+def score(fn: RewardFn, completion: str, answer: str) -> tuple[float, str]:
+    """(reward, reason): reason is '' for a good value, else why it is 0."""
+    try:
+        value = float(fn(completion, answer))
+    except Exception as exc:  # a reward must never take a replica down
+        return 0.0, f"error:{type(exc).__name__}"
+    if not math.isfinite(value):
+        return 0.0, "nonfinite"
+    return value, ""
+
+
+def register_reward(name: str, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register `fn` as the reward called `name`; its failures score 0.
+
+    `inline`: pure and cheap, safe to run on the caller's thread without a time limit."""
 
     def decorate(fn: RewardFn) -> RewardFn:
         def safe(completion: str, answer: str) -> float:
-            try:
-                value = float(fn(completion, answer))
-            except Exception as exc:  # a reward must never take a replica down
-                log.warning("reward=%s error=%s", name, type(exc).__name__)
-                return 0.0
-            return value if value == value and abs(value) != float("inf") else 0.0
+            value, reason = score(fn, completion, answer)
+            if reason:
+                log.warning("reward=%s failed reason=%s", name, reason)
+            return value
 
         safe.__name__ = fn.__name__
         safe.__doc__ = fn.__doc__
+        safe.raw = fn  # type: ignore[attr-defined]
         _REWARDS[name] = safe
+        if inline:
+            _INLINE.add(name)
         return safe
 
     return decorate
 
 
+def is_inline(name: str) -> bool:
+    return name in _INLINE
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The raw reward callable for a registered name or a `module:function` path."""
+    if name in _REWARDS:
+        return _REWARDS[name].raw  # type: ignore[attr-defined]
+    if not _DOTTED.match(name):
+        raise KeyError(f"no reward named {name!r}; registered: {sorted(_REWARDS)}, or give module:function")
+    module, attr = name.split(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"reward {name!r} cannot be imported: {exc}") from None
+    if not callable(fn):
+        raise KeyError(f"reward {name!r} is not callable")
+    return fn
+
+
 def get_reward(name: str) -> RewardFn:
+    """A registered reward, wrapped so that it never raises (0 on failure)."""
     try:
         return _REWARDS[name]
     except KeyError:

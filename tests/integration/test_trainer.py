@@ -25,6 +25,7 @@ from shared.queues import WorkQueue
 from shared.rollout import RolloutTimings, decode_rollout, encode_rollout, rollouts_from_samples
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import get_reward
+from tests.helpers import publish
 from shared.training import StepConfig, collate, sequence_logprobs, train_step
 
 GROUP = 4
@@ -50,12 +51,6 @@ def recorded_rollouts(model_dir, groups: int, seed: int = 0, version: int = 0):
                    for s in mine]
         out.extend(rollouts_from_samples(task, mine, rewards, "rec", "torch", RolloutTimings()))
     return out
-
-
-async def publish(redis, run_id, rollouts):
-    stream = WorkQueue(redis, run_id).rollout_stream
-    for r in rollouts:
-        await redis.xadd(stream, {"task": r.task_id, "r": encode_rollout(r)})
 
 
 def settings_for(tmp_path, model_dir, redis_server, run_id, **overrides) -> TrainerSettings:
@@ -325,9 +320,9 @@ async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):
     redis = Redis.from_url(redis_server.url)
     await publish(redis, run_id, rollouts)
     trainer = Trainer(settings_for(tmp_path, model_dir, redis_server, run_id), redis)
-    await trainer.ensure_group()
-    while sum(len(g) for g in trainer.groups.values()) < len(rollouts):
-        await trainer.read()
+    await trainer.source.ensure_group()
+    while trainer.buffer.held < len(rollouts):
+        await trainer.intake.take(await trainer.source.read(50))
     return redis, trainer
 
 
@@ -339,28 +334,30 @@ def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_
 
     async def main():
         redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts)
-        (trained_gid, trained), (stale_gid, stale), (dead_gid, dead) = list(trainer.groups.items())
-        items = [(entry, rid) for rid, (entry, _) in trained.items()]
+        keys = trainer.source.keys
+        (trained_gid, trained), (stale_gid, stale), (dead_gid, dead) = list(trainer.buffer.groups.items())
+        items = [(held.entry, held.rollout.rollout_id) for held in trained.values()]
         trainer.state.consumed.update(rid for _, rid in items)
-        appended = [await trainer.settle(items, trainer.ledger) for _ in range(2)]
-        del trainer.groups[trained_gid], trainer.groups[dead_gid]
+        appended = [await trainer.source.trained(items) for _ in range(2)]
+        del trainer.buffer.groups[trained_gid], trainer.buffer.groups[dead_gid]
         trainer.state.version = 10  # the stale group is now beyond max_staleness
-        await trainer.drop_stale()
-        trainer.groups[stale_gid] = stale  # its settlement "failed": still held, dropped again
-        await trainer.drop_stale()
-        entry = next(iter(dead.values()))[0]
+        await trainer.intake.drop_stale(trainer.settings.max_staleness)
+        trainer.buffer.groups[stale_gid] = stale  # its settlement "failed": still held, dropped again
+        await trainer.intake.drop_stale(trainer.settings.max_staleness)
+        entry = next(iter(dead.values())).entry
         for _ in range(2):
-            await trainer.dead_letter(entry, "decode", "test", b"x")
-        ledger = [x.decode() for x in await redis.lrange(trainer.ledger, 0, -1)]
-        dropped = [x.decode() for x in await redis.lrange(trainer.ledger + ":dropped", 0, -1)]
-        dead_letters = await redis.xlen(trainer.dead_stream)
-        await redis.delete(trainer.ledger, trainer.ledger_ids)  # Redis came back without them
+            await trainer.source.dead_letter(entry, "decode", "test", b"x")
+        ledger = [x.decode() for x in await redis.lrange(keys.trained, 0, -1)]
+        dropped = [x.decode() for x in await redis.lrange(keys.dropped, 0, -1)]
+        dead_letters = await redis.xlen(keys.rollouts_dead)
+        await redis.delete(keys.trained, keys.trained_ids)  # Redis came back without them
         await trainer.reconcile()
         await trainer.reconcile()
-        restored = [x.decode() for x in await redis.lrange(trainer.ledger, 0, -1)]
-        left = await redis.xlen(trainer.stream)
+        restored = [x.decode() for x in await redis.lrange(keys.trained, 0, -1)]
+        left = await redis.xlen(keys.rollouts)
         await redis.aclose()
-        return items, appended, ledger, dropped, sorted(stale), dead_letters, restored, left
+        return (items, appended, ledger, dropped, sorted(h.rollout.rollout_id for h in stale.values()), dead_letters,
+                restored, left)
 
     items, appended, ledger, dropped, stale, dead_letters, restored, left = asyncio.run(asyncio.wait_for(main(), 120))
     assert appended == [GROUP, 0]
@@ -382,9 +379,9 @@ def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(tmp_pat
 
     async def main():
         redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts)
-        gate, train = threading.Event(), trainer._step
-        trainer._step = lambda batch: (gate.wait(30), train(batch))[1]  # hold the step mid-training
-        stepping = asyncio.create_task(trainer.step(trainer.complete_groups()[:2]))
+        gate, train = threading.Event(), trainer.runner.step
+        trainer.runner.step = lambda batch, version: (gate.wait(30), train(batch, version))[1]  # hold it mid-step
+        stepping = asyncio.create_task(trainer.step(trainer.buffer.complete()[:2]))
         await asyncio.sleep(0.2)
         saving = asyncio.create_task(trainer.checkpoint_now())
         await asyncio.sleep(0.5)
@@ -393,13 +390,13 @@ def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(tmp_pat
         await stepping
         saved = await saving
         gate.clear()
-        stopped = asyncio.create_task(trainer.step(trainer.complete_groups()[:2]))
+        stopped = asyncio.create_task(trainer.step(trainer.buffer.complete()[:2]))
         await asyncio.sleep(0.2)
         stopped.cancel()  # a clean stop arrives mid-step
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await stopped
-        ledger = await redis.lrange(trainer.ledger, 0, -1)
+        ledger = await redis.lrange(trainer.source.keys.trained, 0, -1)
         await redis.aclose()
         return waited, saved, trainer, ledger
 

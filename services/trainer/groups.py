@@ -1,0 +1,135 @@
+"""The trainer's group buffer: stream entries in, whole groups of G rollouts out. Pure (no I/O).
+
+Every entry gets a verdict. A rollout is held only if it belongs to this run, is a training
+rollout, was published by the lease that completed its task (the entry's `lease` stamp equals
+the task's record in `completed`), is neither trained nor held already, is valid for this model,
+and fits its group: group size G, published as one of exactly G, `rollout_id` =
+`task_id:sample_index`, the group's prompt. An entry
+failing a check is dead with a reason code. When a check fails for a rollout that a real lease
+published, its whole group can never be trained: the group is poisoned, the members held so far
+and any that arrive later are dead too (`group_poisoned`), so no group waits forever and no
+partial group is trained.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from shared.rollout import Rollout, RolloutError, RolloutLimits, decode_rollout, validate_rollout
+
+
+@dataclass
+class Held:
+    entry: bytes
+    rollout: Rollout
+
+
+@dataclass
+class Verdict:
+    """What to do with one entry.
+
+    kind: "held" (kept in its group), "again" (this very entry is already held: a re-claim),
+    "trained" (its rollout id is in a checkpoint: acknowledge it into the ledger), "duplicate"
+    (another entry carries this rollout: acknowledge only), "dead" (dead-letter it with `code`).
+    `released`: held members of a group this entry poisoned (dead-letter them too)."""
+
+    kind: str
+    code: str = ""
+    message: str = ""
+    rollout: Rollout | None = None
+    released: list[Held] = field(default_factory=list)
+    group: str = ""  # the poisoned group, when one was
+
+
+class GroupBuffer:
+    def __init__(self, group_size: int, run_id: str, limits: RolloutLimits, dead_groups: set[str] | None = None):
+        self.group_size, self.run_id, self.limits = group_size, run_id, limits
+        self.groups: OrderedDict[str, dict[int, Held]] = OrderedDict()
+        self.dead_groups: set[str] = set(dead_groups or ())  # poisoned: never trained
+
+    @property
+    def held(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+    def accept(self, entry: bytes, fields: dict[bytes, bytes] | None, stamps: dict[str, str | None],
+               version: int, trained: set[str]) -> Verdict:
+        """The verdict on one stream entry. `stamps`: task id → the lease that completed it;
+        `version`: the newest policy version (later ones are from the future); `trained`: rollout
+        ids already in a checkpoint."""
+        fields = fields or {}
+        data = fields.get(b"r")
+        if data is None:
+            return Verdict("dead", "missing_field", "stream entry has no 'r' field")
+        try:
+            rollout = decode_rollout(data, self.limits)
+        except RolloutError as exc:
+            return Verdict("dead", exc.reason, str(exc))
+        if rollout.run_id != self.run_id:
+            return Verdict("dead", "other_run", f"rollout of run {rollout.run_id!r}, not {self.run_id!r}", rollout)
+        if rollout.is_eval:
+            return Verdict("dead", "eval_rollout", "evaluation rollouts are never trained", rollout)
+        task, lease = _text(fields.get(b"task")), _text(fields.get(b"lease"))
+        if not lease or stamps.get(task) != lease:
+            return Verdict("dead", "no_lease", f"entry for task {task!r} was not published by the lease that "
+                                               f"completed it ({lease!r} vs {stamps.get(task)!r})", rollout)
+        if rollout.task_id != task:
+            return Verdict("dead", "task_mismatch", f"rollout of task {rollout.task_id!r} under the lease of {task!r}",
+                           rollout)
+        if rollout.rollout_id in trained:  # whatever this copy holds, the rollout is trained already
+            return Verdict("trained", rollout=rollout)
+        held = self.groups.get(rollout.group_id, {}).get(rollout.sample_index)
+        if held is not None and held.rollout.rollout_id == rollout.rollout_id:
+            return Verdict("again" if held.entry == entry else "duplicate", rollout=rollout)
+        try:
+            validate_rollout(rollout, replace(self.limits, max_version=version))
+        except RolloutError as exc:
+            return self._poison(rollout, exc.reason, str(exc))
+        if rollout.group_id in self.dead_groups:
+            return Verdict("dead", "group_poisoned", f"group {rollout.group_id} was dead-lettered", rollout)
+        problem = self._check_group(rollout, fields)
+        if problem is not None:
+            return self._poison(rollout, *problem)
+        group = self.groups.setdefault(rollout.group_id, {})
+        first = next(iter(group.values()), None)
+        if first is not None and not np.array_equal(first.rollout.prompt_token_ids, rollout.prompt_token_ids):
+            return self._poison(rollout, "group_mismatch", "members of one group have different prompts")
+        group[rollout.sample_index] = Held(entry, rollout)
+        return Verdict("held", rollout=rollout)
+
+    def _check_group(self, rollout: Rollout, fields: dict[bytes, bytes]) -> tuple[str, str] | None:
+        g = self.group_size
+        if rollout.group_size != g:
+            return "group_size", f"group of {rollout.group_size}, the trainer trains groups of {g}"
+        published = _text(fields.get(b"n"))
+        if published != str(g):
+            return "publication_size", f"published as one of {published or '?'} rollouts, a group is {g}"
+        if rollout.rollout_id != f"{rollout.task_id}:{rollout.sample_index}":
+            return "rollout_id", f"rollout id {rollout.rollout_id!r} is not task_id:sample_index"
+        return None
+
+    def _poison(self, rollout: Rollout, code: str, message: str) -> Verdict:
+        gid = rollout.group_id
+        self.dead_groups.add(gid)
+        released = list(self.groups.pop(gid, {}).values())
+        return Verdict("dead", code, message, rollout, released, gid)
+
+    def complete(self) -> list[str]:
+        """Groups holding all G members, oldest first."""
+        return [gid for gid, members in self.groups.items() if len(members) == self.group_size]
+
+    def take(self, group_ids: list[str]) -> list[list[Held]]:
+        """Remove and return these groups, each ordered by sample index."""
+        return [[m for _, m in sorted(self.groups.pop(gid).items())] for gid in group_ids]
+
+    def drop_stale(self, oldest_allowed: int) -> list[list[Held]]:
+        """Remove and return the groups holding a token older than `oldest_allowed`."""
+        stale = [gid for gid, members in self.groups.items()
+                 if min(m.rollout.min_version for m in members.values()) < oldest_allowed]
+        return [list(self.groups.pop(gid).values()) for gid in stale]
+
+
+def _text(value: bytes | None) -> str:
+    return value.decode(errors="replace") if value is not None else ""

@@ -1,0 +1,77 @@
+"""From the stream into the group buffer: each entry's verdict carried out in Redis (hold,
+acknowledge, dead-letter with its reason, drop as stale), with the trainer's counters."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter
+
+from services.trainer.checkpoint import TrainerState
+from services.trainer.groups import GroupBuffer, Held, Verdict
+from services.trainer.stream import RolloutSource
+from shared.rollout import encode_rollout
+
+log = logging.getLogger("steadyrl.trainer")
+
+DROPPED = Counter("steadyrl_trainer_rollouts_dropped_stale_total", "Rollouts dropped for staleness")
+DEAD = Counter("steadyrl_trainer_rollouts_dead_lettered_total", "Rollouts sent to the dead-letter stream", ["reason"])
+DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
+
+
+class Intake:
+    def __init__(self, source: RolloutSource, buffer: GroupBuffer, state: TrainerState) -> None:
+        self.source, self.buffer, self.state = source, buffer, state
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self.state.counters[name] = self.state.counters.get(name, 0) + amount
+
+    async def take(self, entries: list, claimed: bool = False) -> None:
+        """Give every entry its verdict and settle what is not held."""
+        stamps = await self.source.stamps(entries)
+        for entry, fields in entries:
+            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed)
+            if verdict.kind == "dead":
+                await self.dead_letter(entry, (fields or {}).get(b"r", b""), verdict)
+            elif verdict.kind in ("trained", "duplicate"):
+                rid = verdict.rollout.rollout_id
+                if verdict.kind == "trained" and claimed:  # the crash hit between checkpoint and XACK
+                    await self.source.trained([(entry, rid)])
+                    continue
+                await self.source.duplicates([(entry, rid)])
+                DUPLICATES.inc()
+                self.count("duplicates")
+
+    async def claim_all(self) -> int:
+        """Take over every entry delivered to a consumer but never acknowledged."""
+        start, claimed = "0-0", 0
+        while True:
+            start, entries = await self.source.claim(start)
+            await self.take(entries, claimed=True)
+            claimed += len(entries)
+            if start in (b"0-0", "0-0"):
+                return claimed
+
+    async def dead_letter(self, entry: bytes, payload: bytes, verdict: Verdict) -> None:
+        await self.source.dead_letter(entry, verdict.code, verdict.message, payload, verdict.group)
+        self._dead(entry, verdict.code, verdict.message)
+        for held in verdict.released:  # the rest of a poisoned group
+            message = f"group {verdict.group} poisoned by {verdict.code}: {verdict.message}"
+            await self.source.dead_letter(held.entry, "group_poisoned", message, encode_rollout(held.rollout),
+                                          verdict.group)
+            self._dead(held.entry, "group_poisoned", message)
+
+    def _dead(self, entry: bytes, code: str, message: str) -> None:
+        DEAD.labels(code).inc()
+        self.count("dead_lettered")
+        log.warning("event=rollout_dead_lettered entry=%s reason=%s message=%s", entry.decode(), code, message[:200])
+
+    async def drop_stale(self, max_staleness: int) -> None:
+        """Whole groups whose oldest token is more than max_staleness versions behind are dropped."""
+        for members in self.buffer.drop_stale(self.state.version - max_staleness):
+            await self.source.dropped([(m.entry, m.rollout.rollout_id) for m in members])
+            DROPPED.inc(len(members))
+            self.count("dropped_stale", len(members))
+
+    async def trained(self, members: list[Held]) -> None:
+        await self.source.trained([(m.entry, m.rollout.rollout_id) for m in members])

@@ -1,0 +1,79 @@
+"""The trainer's weight publishing: each version to the weight-sync service, never twice under
+one number.
+
+Before a version is pushed, its number is recorded in Redis (`trainer.published_version`): a
+restarted trainer whose checkpoint is older than what was published continues numbering past it
+(`newest_published`), so no number is ever reused for other weights. A push that fails (the
+service frozen or restarting) is not fatal: the trainer retries on its next turn, and a newer
+version supersedes an unpublished one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import grpc
+import torch
+from prometheus_client import Counter
+from redis.asyncio import Redis
+
+from services.trainer.config import TrainerSettings
+from shared.keys import RunKeys
+
+log = logging.getLogger("steadyrl.trainer")
+PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])
+
+
+class VersionPublisher:
+    def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
+        self.settings, self.redis, self.keys = settings, redis, RunKeys(settings.run_id)
+        self.client = None  # shared.weightsync_client.WeightPublisher, made in the event loop
+        self.published = 0  # the newest version pushed by this process (or found published)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.settings.weightsync_address)
+
+    async def newest_published(self) -> int:
+        """The newest version any replica may hold: the larger of the number recorded before each
+        push and the weight-sync service's latest (0 when neither is known)."""
+        recorded = await self.redis.hget(self.keys.trainer, "published_version")
+        newest = int(recorded or 0)
+        if self.enabled:
+            from shared.weightsync_client import latest_version
+
+            try:
+                newest = max(newest, await asyncio.wait_for(latest_version(self.settings.weightsync_address),
+                                                            self.settings.publish_timeout_seconds))
+            except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                log.warning("event=weightsync_latest_unknown error=%s", type(exc).__name__)
+        return newest
+
+    async def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Push `version`; True once the service holds it. False (logged, counted) on failure."""
+        if not self.enabled:
+            self.published = version
+            return True
+        await self.redis.hset(self.keys.trainer, "published_version", version)  # before any byte leaves
+        if self.client is None:
+            from shared.weightsync_client import WeightPublisher
+
+            s = self.settings
+            key = s.hmac_key_file.read_bytes().strip() if s.hmac_key_file else None
+            self.client = WeightPublisher(s.weightsync_address, key=key, max_message_bytes=s.max_message_bytes)
+        try:
+            await self.client.push(weights, version, self.published, timeout=self.settings.publish_timeout_seconds)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # FAILED_PRECONDITION: already there
+                PUBLISH_FAILURES.labels(exc.code().name).inc()
+                log.warning("event=publish_failed version=%d code=%s", version, exc.code().name)
+                return False
+            log.info("event=version_already_published version=%d", version)
+        self.published = version
+        return True
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()

@@ -1,0 +1,36 @@
+"""The Redis client every service uses: every call bounded in time, retried at most once.
+
+A frozen Redis (a long fsync, a paused VM, SIGSTOP) must surface as an error within a bound, not
+a wait forever: each socket read and connect is limited to `timeout` seconds, and only a broken
+connection is retried (once, on a new connection); a timeout is never retried, because the command
+may have been applied and the caller decides what a repeat means.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+
+class RedisSettings(BaseSettings):
+    """The Redis connection fields of a service's settings (declared once, inherited)."""
+
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """Redis of the run (may carry a password; never logged)."""
+    redis_timeout_seconds: float = Field(5.0, gt=0, le=300)
+    """Bound on each Redis call (socket read and connect); a longer one fails and is recovered."""
+
+    def redis(self) -> Redis:
+        return connect(self.redis_url.get_secret_value(), self.redis_timeout_seconds)
+
+
+def connect(url: str, timeout: float = 5.0) -> Redis:
+    """An asyncio client whose calls fail after `timeout` seconds of silence from the server."""
+    return Redis.from_url(
+        url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=10,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(RedisConnectionError,)),
+    )

@@ -1,0 +1,123 @@
+"""Rewards with a time limit that works on any thread.
+
+Replicas score completions on their engine thread, where `signal.alarm` (math-verify's own time
+limit) cannot work. `RewardRunner` runs every reward that is not registered `inline` in a child
+process (`shared.tasks.reward_worker`, JSON lines over its stdin/stdout: no pickle). Each
+completion gets `timeout` seconds; a reward that hangs is killed with its process, scores 0 with
+the reason `timeout`, and a fresh process takes the rest. A reward that raises or returns a
+non-finite value scores 0 with its reason. Nothing a reward does stops the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from shared.tasks.registry import is_inline, resolve_reward, score
+
+log = logging.getLogger("steadyrl.rewards")
+
+
+@dataclass(frozen=True)
+class Score:
+    value: float
+    reason: str = ""  # '' = a good value; else why it is 0: timeout, error:<type>, nonfinite, ...
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "shared.tasks.reward_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=None, bufsize=0)
+        self.buffer = b""
+
+    def send(self, requests: list[dict]) -> None:
+        self.process.stdin.write(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+        self.process.stdin.flush()
+
+    def reply(self, deadline: float) -> dict | None:
+        """The next reply, or None when none arrives by `deadline` (or the process died)."""
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            stream.close()
+
+
+class RewardRunner:
+    """Score completions against an answer. Thread-safe; one reward process, started on demand."""
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        self.timeout = timeout
+        self._worker: _Worker | None = None
+        self._lock = threading.Lock()
+
+    def check(self, name: str) -> None:
+        """Raise KeyError now if `name` is neither a registered reward nor an importable path."""
+        resolve_reward(name)
+
+    def score(self, name: str, completions: list[str], answer: str) -> list[Score]:
+        if is_inline(name):
+            fn = resolve_reward(name)
+            return [Score(*score(fn, c, answer)) for c in completions]
+        with self._lock:
+            return self._score_isolated(name, completions, answer)
+
+    def _score_isolated(self, name: str, completions: list[str], answer: str) -> list[Score]:
+        out: list[Score] = []
+        while len(out) < len(completions):
+            worker = self._ensure_worker()
+            todo = completions[len(out):]
+            try:
+                worker.send([{"reward": name, "completion": c, "answer": answer} for c in todo])
+            except OSError:  # the process died between two calls
+                self._restart()
+                worker = self._ensure_worker()
+                worker.send([{"reward": name, "completion": c, "answer": answer} for c in todo])
+            for _ in todo:
+                started = time.monotonic()
+                reply = worker.reply(started + self.timeout)
+                if reply is None:
+                    died = worker.process.poll() is not None
+                    reason = "worker_died" if died else "timeout"
+                    log.warning("event=reward_failed reward=%s reason=%s seconds=%.1f", name, reason,
+                                time.monotonic() - started)
+                    out.append(Score(0.0, reason))
+                    self._restart()  # the rest go to a fresh process
+                    break
+                out.append(Score(float(reply["value"]), str(reply["reason"])))
+        return out
+
+    def _ensure_worker(self) -> _Worker:
+        if self._worker is None or self._worker.process.poll() is not None:
+            self._worker = _Worker()
+        return self._worker
+
+    def _restart(self) -> None:
+        if self._worker is not None:
+            self._worker.kill()
+        self._worker = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._restart()

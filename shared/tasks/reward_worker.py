@@ -1,0 +1,38 @@
+"""The reward process: `python -m shared.tasks.reward_worker`. Reads one JSON request per line on
+stdin — {"reward": name, "completion": text, "answer": text} — and writes one JSON reply per
+line — {"value": float, "reason": str} — in order. Rewards run on this process's main thread, so
+their own signal-based limits work too; the parent bounds the time of each one regardless.
+
+Anything a reward prints goes to stderr: stdout carries only the replies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints cannot corrupt the replies
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled": the parent bounds it
+    from shared.tasks import resolve_reward, score
+
+    cache: dict = {}
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            name = request["reward"]
+            if name not in cache:
+                cache[name] = resolve_reward(name)
+            value, reason = score(cache[name], str(request["completion"]), str(request["answer"]))
+        except KeyError as exc:
+            value, reason = 0.0, f"unknown_reward:{exc}"[:200]
+        except ValueError:
+            value, reason = 0.0, "bad_request"
+        replies.write(json.dumps({"value": value, "reason": reason}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
