@@ -1,9 +1,16 @@
 """`steadyrl run`: the whole system as local processes on loopback, one run, one report.
 
-Starts redis-server (embedded, AOF on), weight-sync, the trainer, K inference replicas and the
-orchestrator on free ports, waits for every gRPC health check, starts the run through the
-control plane, shows progress, and at the end (or on Ctrl-C) stops every process it started —
-SIGTERM, then SIGKILL after a grace period — and writes the run directory.
+Starts redis-server (embedded, AOF on, a password made for this run), weight-sync, the trainer,
+K inference replicas and the orchestrator on free ports, waits for every gRPC health check,
+starts the run through the control plane, shows progress, and at the end (or on Ctrl-C) stops
+every process it started — SIGTERM, then SIGKILL after a grace period — and writes the run
+directory.
+
+While the run is on it supervises, as Kubernetes would: a service (or redis-server) that exits
+is restarted on the same port after a backoff (run.restart_backoff_seconds, doubled each time),
+at most run.max_restarts times per service, each logged; the services resume where they were
+(the trainer from its checkpoint and the stream, replicas from the queue), so nothing is lost.
+The trainer exiting 0 means it finished its steps and is not restarted.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class Service:
     grpc_port: int
     process: subprocess.Popen | None = None
     log: Path | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when a restart is due (monotonic), while one is pending
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Launch:
     out: Path
     model_path: str
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    redis_password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     services: list[Service] = field(default_factory=list)
     redis: RedisServer | None = None
     http_port: int = 0
@@ -86,7 +96,7 @@ class Launch:
 
     def start_all(self, on_healthy=None) -> None:
         """redis-server (AOF on), then every service in order, each waited for until healthy."""
-        self.redis = RedisServer(self.out / "redis", appendonly=True).start()
+        self.redis = RedisServer(self.out / "redis", appendonly=True, password=self.redis_password).start()
         self.plan()
         for service in self.services:
             self.start(service)
@@ -128,6 +138,36 @@ class Launch:
                               headers={"Authorization": f"Bearer {self.token}"}, timeout=10, **httpx_options(tls))
         reply.raise_for_status()
         return reply.json()
+
+    # --- supervision ----------------------------------------------------------------------------
+
+    def supervise(self, echo=print) -> None:
+        """One look at every process: schedule a restart for one that exited, start those due.
+        Raises RuntimeError once a service has used up run.max_restarts."""
+        run = self.config.run
+        if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+            echo(f"event=service_exited service=redis-server code={self.redis.process.returncode} restart=now")
+            self.redis.start()
+        for service in self.services:
+            if service.process is None:  # removed on purpose
+                continue
+            code = service.process.poll()
+            if code is None or (service.name == "trainer" and code == 0):
+                continue
+            if service.restart_at is None:
+                if service.restarts >= run.max_restarts:
+                    raise RuntimeError(f"{service.name} exited with {code} after {service.restarts} restarts; "
+                                       f"see {service.log}")
+                delay = run.restart_backoff_seconds * 2 ** service.restarts
+                service.restart_at = time.monotonic() + delay
+                echo(f"event=service_exited service={service.name} code={code} restart_in={delay:.1f}s "
+                     f"restarts={service.restarts}/{run.max_restarts}")
+            elif time.monotonic() >= service.restart_at:
+                service.restarts += 1
+                service.restart_at = None
+                self.start(service)
+                echo(f"event=service_restarted service={service.name} pid={service.process.pid} "
+                     f"restarts={service.restarts}/{run.max_restarts}")
 
     # --- teardown -------------------------------------------------------------------------------
 
@@ -266,10 +306,7 @@ def watch(launch: Launch, console, progress: bool) -> dict:
     caught_up_wait = 0.0
     with Live(render(status), console=console, refresh_per_second=2, transient=not progress) as live:
         while True:
-            for service in launch.services:
-                code = service.process.poll()
-                if code is not None and not (service.name == "trainer" and code == 0):
-                    raise RuntimeError(f"{service.name} exited with {code}; see {service.log}")
+            launch.supervise(lambda line: console.print(line, markup=False))
             try:
                 status = launch.api("GET", "/v1/run")
             except Exception:  # noqa: BLE001 - the control plane may be busy; try again

@@ -1,7 +1,7 @@
 """A run recipe (TOML) and what each service's settings become.
 
 ```toml
-[run]            # id, replicas, steps, batch_prompts, group_size, max_staleness
+[run]            # RunSection: id, replicas, steps, batch_prompts, group_size, max_staleness, restarts
 [model]          # path ("tiny" = the cold-started tiny MoE, built and cached on first use)
 [trainer]        # any STEADYRL_TRAINER_* field (services/trainer/config.py)
 [inference]      # any STEADYRL_INFERENCE_* field
@@ -9,44 +9,97 @@
 [weightsync]     # any STEADYRL_WEIGHTSYNC_* field
 ```
 
-[run] values that several services must agree on are copied into each of them. Every section is
-validated against its service's settings model before any process starts, so a typo is an error
-naming the field, not a silent default.
+[run] values that several services must agree on (the run id, B, G, the staleness bound, the
+steps) are declared there once and copied into each service; a service section that sets one is
+refused, so the services can never disagree. Every section is validated against its service's
+settings model — from the same environment variables the process will read, and nothing else —
+before any process starts, so a typo or a bad value is an error naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 SERVICES = ("trainer", "inference", "orchestrator", "weightsync")
+SETTINGS = {
+    "trainer": ("services.trainer.config", "TrainerSettings"),
+    "inference": ("services.inference.config", "InferenceSettings"),
+    "orchestrator": ("services.orchestrator.config", "OrchestratorSettings"),
+    "weightsync": ("services.weightsync.config", "WeightSyncSettings"),
+}
+
+
+class RunSection(BaseModel):
+    """[run]: what the whole run shares."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = "run"
+    """Run id: the Redis key space and the run directory's name."""
+    replicas: int = Field(1, ge=1)
+    """Inference replicas."""
+    steps: int = Field(0, ge=0)
+    """Global steps (0 = until stopped)."""
+    batch_prompts: int = Field(8, ge=1)
+    """B: prompts (complete groups) per global step."""
+    group_size: int = Field(8, ge=1)
+    """G: samples per prompt."""
+    max_staleness: int = Field(1, ge=0)
+    """Versions a rollout may lag the trainer when trained (0 = synchronous)."""
+    max_restarts: int = Field(5, ge=0)
+    """`steadyrl run`: restarts of one crashed service before the run gives up."""
+    restart_backoff_seconds: float = Field(1.0, gt=0)
+    """`steadyrl run`: first wait before a restart, doubled at each restart of the same service."""
+
+    @field_validator("id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        from shared.keys import check_run_id
+
+        return check_run_id(value)
+
+
+# [run] field → the field it becomes in each service's settings
+SHARED = {
+    "trainer": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
+                "max_staleness": "max_staleness", "steps": "max_steps"},
+    "orchestrator": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
+                     "max_staleness": "max_staleness", "steps": "steps"},
+    "inference": {"id": "run_id"},
+    "weightsync": {},
+}
 
 
 @dataclass
 class RunConfig:
-    run: dict[str, Any] = field(default_factory=dict)
+    run: RunSection = field(default_factory=RunSection)
     model: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
-        return str(self.run.get("id", "run"))
+        return self.run.id
 
     @property
     def replicas(self) -> int:
-        return int(self.run.get("replicas", 1))
+        return self.run.replicas
 
     @property
     def steps(self) -> int:
-        return int(self.run.get("steps", 0))
+        return self.run.steps
 
     def section(self, name: str) -> dict[str, Any]:
         return self.sections.setdefault(name, {})
 
     def as_toml(self) -> str:
-        parts = [_table("run", self.run), _table("model", self.model)]
+        parts = [_table("run", self.run.model_dump()), _table("model", self.model)]
         parts += [_table(name, self.sections[name]) for name in SERVICES if self.sections.get(name)]
         return "\n".join(parts)
 
@@ -58,6 +111,8 @@ def _value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_value(v)}" for k, v in value.items()) + "}"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
 
@@ -67,7 +122,8 @@ def _table(name: str, values: dict[str, Any]) -> str:
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """`section.key=value` (value in TOML syntax, else a string) → (section, key, value)."""
+    """`section.key=value` (value in TOML syntax, else a string) → (section, key, value). A key
+    may be dotted (`trainer.loss.eps_low=0.1`) for a nested setting."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ValueError(f"--set expects section.key=value, got {text!r}")
     path, raw = text.split("=", 1)
@@ -79,79 +135,115 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def _set(values: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for name in parents:
+        child = values.setdefault(name, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{dotted}: {name} is a value, not a table")
+        values = child
+    values[last] = value
+
+
 def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     data = tomllib.loads(Path(path).read_text())
     unknown = set(data) - {"run", "model", *SERVICES}
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)} in {path}; expected run, model, {', '.join(SERVICES)}")
-    config = RunConfig(dict(data.get("run", {})), dict(data.get("model", {})),
-                       {name: dict(data.get(name, {})) for name in SERVICES})
+    run = dict(data.get("run", {}))
+    model = dict(data.get("model", {}))
+    sections = {name: json.loads(json.dumps(data.get(name, {}))) for name in SERVICES}
     for text in overrides:
         section, key, value = parse_override(text)
         if section == "run":
-            config.run[key] = value
+            run[key] = value
         elif section == "model":
-            config.model[key] = value
+            model[key] = value
         elif section in SERVICES:
-            config.section(section)[key] = value
+            _set(sections[section], key, value)
         else:
             raise ValueError(f"unknown section {section!r} in --set {text!r}")
+    try:
+        config = RunConfig(RunSection(**run), model, sections)
+    except ValidationError as exc:
+        raise ValueError(f"[run] {exc}") from None
+    for service, shared in SHARED.items():
+        clash = sorted(set(config.section(service)) & set(shared.values()))
+        if clash:
+            raise ValueError(f"[{service}] sets {clash}, which [run] declares for every service: set "
+                             f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead")
     return config
 
 
-def service_env(config: RunConfig, service: str, extra: dict[str, Any]) -> dict[str, str]:
-    """STEADYRL_<SERVICE>_* variables of one service: its section, the shared [run] values, `extra`."""
-    values: dict[str, Any] = dict(config.section(service))
-    run = config.run
-    shared = {
-        "trainer": {"batch_prompts": run.get("batch_prompts"), "group_size": run.get("group_size"),
-                    "max_staleness": run.get("max_staleness"), "max_steps": run.get("steps"),
-                    "run_id": config.run_id},
-        "orchestrator": {"batch_prompts": run.get("batch_prompts"), "group_size": run.get("group_size"),
-                         "max_staleness": run.get("max_staleness"), "steps": run.get("steps"),
-                         "run_id": config.run_id},
-        "inference": {"run_id": config.run_id},
-        "weightsync": {},
-    }[service]
-    values.update({k: v for k, v in shared.items() if v is not None})
-    values.update(extra)
+def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One service's settings: its section, the shared [run] values, then `extra`."""
+    values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
+    values.update({target: getattr(config.run, name) for name, target in SHARED[service].items()})
+    values.update(extra or {})
+    return values
+
+
+def service_env(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """STEADYRL_<SERVICE>_* variables of one service (nested settings: `__` between the names)."""
     prefix = f"STEADYRL_{service.upper()}_"
-    return {prefix + k.upper(): _env_value(v) for k, v in values.items()}
+    return {prefix + k.upper(): _env_value(v) for k, v in _flatten(service_values(config, service, extra)).items()}
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}__"))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 def _env_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list | tuple):
-        import json
-
         return json.dumps(list(value))
     return str(value)
 
 
-def validate(service: str, env: dict[str, str]) -> None:
-    """Build the service's settings model from `env` alone: unknown or invalid fields raise."""
-    import os
-    from unittest import mock
+def settings_class(service: str) -> type:
+    import importlib
 
-    from pydantic import ValidationError
+    module, name = SETTINGS[service]
+    return getattr(importlib.import_module(module), name)
 
-    models = {
-        "trainer": ("services.trainer.config", "TrainerSettings"),
-        "inference": ("services.inference.config", "InferenceSettings"),
-        "orchestrator": ("services.orchestrator.config", "OrchestratorSettings"),
-        "weightsync": ("services.weightsync.config", "WeightSyncSettings"),
-    }
-    module, name = models[service]
-    settings_cls = getattr(__import__(module, fromlist=[name]), name)
+
+def build_settings(service: str, env: Mapping[str, str]):
+    """The service's settings exactly as its process would read them from `env`, and from
+    nothing else (not this process's environment). Unknown or invalid fields raise ValueError."""
+    from pydantic_settings import EnvSettingsSource
+    from pydantic_settings.sources.utils import parse_env_vars
+
+    cls = settings_class(service)
     prefix = f"STEADYRL_{service.upper()}_"
+    known = set(cls.model_fields)
     unknown = sorted(k.removeprefix(prefix).lower() for k in env
-                     if k.removeprefix(prefix).lower() not in settings_cls.model_fields)
+                     if k.removeprefix(prefix).lower().split("__")[0] not in known)
     if unknown:
+        module = SETTINGS[service][0]
         raise ValueError(f"[{service}] unknown settings {unknown}; see {module.replace('.', '/')}.py")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
-    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
-        try:
-            settings_cls()
-        except ValidationError as exc:
-            raise ValueError(f"[{service}] {exc}") from None
+
+    class FromMapping(EnvSettingsSource):
+        def _load_env_vars(self):
+            return parse_env_vars(dict(env), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    class Isolated(cls):
+        @classmethod
+        def settings_customise_sources(cls_, settings_cls, **sources):
+            return (FromMapping(settings_cls),)
+
+    try:
+        return Isolated()
+    except ValidationError as exc:
+        raise ValueError(f"[{service}] {exc}") from None
+
+
+def validate(service: str, env: Mapping[str, str]) -> None:
+    """Build the service's settings from `env` alone: unknown or invalid fields raise ValueError."""
+    build_settings(service, env)

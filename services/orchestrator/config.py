@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from shared.redis_client import RedisSettings
 
 
-class OrchestratorSettings(BaseSettings):
+class OrchestratorSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -22,8 +24,6 @@ class OrchestratorSettings(BaseSettings):
     """Bearer token required on every route but /health and /metrics (never logged)."""
     token_file: Path | None = None
     """File holding the token (alternative to `token`)."""
-    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
-    """Redis holding the run state, the work queue and the streams."""
     run_id: str = "default"
     """The run this orchestrator owns."""
     model_path: str
@@ -44,7 +44,12 @@ class OrchestratorSettings(BaseSettings):
     arith_reverse: bool = True
     """Arith: answers least-significant digit first."""
     math_path: Path | None = None
-    """Math: JSONL or Parquet with problem/answer columns."""
+    """Math: JSONL or Parquet with problem/answer columns (training problems)."""
+    math_eval_path: Path | None = None
+    """Math: the evaluation problems; unset = the last eval_size rows of math_path, held out of training."""
+    allow_eval_overlap: bool = False
+    """Allow eval problems that are also training problems (refused by default: evals would measure
+    memorisation)."""
     train_size: int = Field(3000, ge=1)
     """Training prompts (cycled over epochs)."""
     eval_size: int = Field(300, ge=1)
@@ -70,6 +75,9 @@ class OrchestratorSettings(BaseSettings):
     """A task whose lease expired or failed more often goes to the dead-letter stream."""
     tick_seconds: float = Field(0.1, gt=0)
     """Period of the admission / lease sweep loop."""
+    autostart: bool = False
+    """Start the run as soon as the orchestrator is up (else it waits in `created` for
+    POST /v1/run/start)."""
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""

@@ -8,30 +8,31 @@ import logging
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
-from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.orchestrator import Orchestrator
+from services.orchestrator.orchestrator import Orchestrator, TransitionRefused
 from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
 from shared.rpc.steadyrl.v1 import orchestrator_pb2 as pb
+from shared.service_main import run_loops
 
 log = logging.getLogger("steadyrl.orchestrator")
 REFUSED = Counter("steadyrl_orchestrator_auth_refused_total", "Requests refused for a missing or wrong token")
 
 BEARER = HTTPBearer(auto_error=False)
-ACTIONS = {"start": ("created", "paused"), "pause": ("running",), "resume": ("paused",),
-           "stop": ("created", "running", "paused")}
-TARGET = {"start": "running", "pause": "paused", "resume": "running", "stop": "stopped"}
+ACTIONS = ("start", "pause", "resume", "stop")
 
 
 def create_app(orchestrator: Orchestrator, token: str | None) -> FastAPI:
-    app = FastAPI(title="steadyrl orchestrator", version="1",
+    app = FastAPI(title="steadyrl orchestrator", version="1", docs_url=None, redoc_url=None, openapi_url=None,
                   description="Control plane of one steadyrl run. Every route but /health and /metrics needs "
-                              "`Authorization: Bearer <token>` when a token is configured.")
+                              "`Authorization: Bearer <token>` when a token is configured (the OpenAPI "
+                              "document and its pages too).")
+
     def authorised(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
         if token is None:
             return
@@ -52,6 +53,18 @@ def create_app(orchestrator: Orchestrator, token: str | None) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[Depends(authorised)], include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/redoc", dependencies=[Depends(authorised)], include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
     @app.get("/v1/run", dependencies=[Depends(authorised)])
     async def status() -> dict:
         """State, versions of the trainer and of every replica, queue depths, progress, evals."""
@@ -64,14 +77,14 @@ def create_app(orchestrator: Orchestrator, token: str | None) -> FastAPI:
 
     @app.post("/v1/run/{action}", dependencies=[Depends(authorised)])
     async def act(action: str) -> dict:
-        """start | pause | resume | stop the run."""
+        """start | pause | resume | stop the run (one atomic step each; stopped is final)."""
         if action not in ACTIONS:
             raise HTTPException(status_code=404, detail=f"unknown action {action!r}; one of {sorted(ACTIONS)}")
-        state = await orchestrator.state()
-        if state not in ACTIONS[action]:
-            raise HTTPException(status_code=409, detail=f"cannot {action} a run that is {state}")
-        await orchestrator.set_state(TARGET[action])
-        return {"run_id": orchestrator.settings.run_id, "state": TARGET[action]}
+        try:
+            state = await orchestrator.transition(action)
+        except TransitionRefused as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        return {"run_id": orchestrator.settings.run_id, "state": state}
 
     return app
 
@@ -85,7 +98,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         if not request.replica_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id is required")
-        await self.orchestrator.redis.hset(self.orchestrator.replicas_key, request.replica_id, request.policy_version)
+        await self.orchestrator.redis.hset(self.orchestrator.keys.replicas, request.replica_id, request.policy_version)
         return common_pb2.Empty()
 
     async def Status(self, request, context):
@@ -105,27 +118,39 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
     from shared.rpc.tls import tls_from_env, uvicorn_options
 
     stop = stop or asyncio.Event()
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=30, health_check_interval=10)
+    redis = settings.redis()
     orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
-    server, grpc_port, _ = await start_server(
+    server, grpc_port, health = await start_server(
         [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, OrchestratorServicer(orchestrator))],
         ["steadyrl.v1.Orchestrator"], f"{settings.host}:{settings.grpc_port}")
     app = create_app(orchestrator, settings.bearer_token())
     http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
                                          lifespan="off", **uvicorn_options(tls_from_env())))
-    tasks = [asyncio.create_task(orchestrator.run(stop)), asyncio.create_task(http.serve())]
+    serving = asyncio.create_task(http.serve())
     while not http.started:
+        if serving.done():  # the port is taken, TLS files are missing...
+            raise RuntimeError(f"the HTTP control plane did not start: {serving.exception()!r}")
         await asyncio.sleep(0.02)
     log.info("event=started service=orchestrator run=%s http_port=%d grpc_port=%d auth=%s", settings.run_id,
              http.servers[0].sockets[0].getsockname()[1], grpc_port, settings.bearer_token() is not None)
     if ready is not None:
         ready.set()
     try:
-        await stop.wait()
+        await run_loops({"orchestrator": orchestrator.run(stop), "http": _until(serving, stop)}, stop, health)
     finally:
         http.should_exit = True
-        tasks[0].cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait({serving}, timeout=10)
         await server.stop(grace=1.0)
         await orchestrator.close()
         await redis.aclose()
+
+
+async def _until(serving: asyncio.Task, stop: asyncio.Event) -> None:
+    """The HTTP server as a loop: returning before `stop` means it died."""
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if serving.done() and not stop.is_set():
+        serving.result()

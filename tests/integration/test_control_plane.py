@@ -18,7 +18,7 @@ def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_
         settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
                                         out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_size=5)
         orchestrator = Orchestrator(settings, redis)
-        await redis.hset(orchestrator.run_key, "state", "created")
+        await redis.hset(orchestrator.keys.run, "state", "created")
         transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             async def call(method, path, token=TOKEN):

@@ -134,7 +134,7 @@ class Replica:
 
 def arith_task(task_id: str, prompt: list[int], answer: str, group_size: int, **fields) -> common_pb2.PromptTask:
     return common_pb2.PromptTask(
-        task_id=task_id, run_id="run", task_name="exact_match", prompt_token_ids=prompt, answer=answer,
+        task_id=task_id, task_name="exact_match", prompt_token_ids=prompt, answer=answer,
         group_size=group_size, sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
         **fields)
 

@@ -22,11 +22,11 @@ from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.queues import WorkQueue
-from shared.rollout import RolloutTimings, decode_rollout, encode_rollout, rollouts_from_samples
+from shared.rollout import RolloutTimings, decode_rollout, rollouts_from_samples
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import get_reward
-from tests.helpers import publish
 from shared.training import StepConfig, collate, sequence_logprobs, train_step
+from tests.helpers import publish
 
 GROUP = 4
 REASONS = ("decode", "missing_field", "future_version", "nonfinite_logprobs", "expert_range", "trace_shape", "length",
