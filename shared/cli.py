@@ -62,10 +62,15 @@ def run_command(
 
     from shared.launcher import run
     from shared.logs import setup_logging
-    from shared.run_config import load_run_config
+    from shared.run_config import check, load_run_config
 
     setup_logging("run")
-    recipe = load_run_config(config, set_ or [])
+    try:
+        recipe = load_run_config(config, set_ or [])
+        check(recipe)
+    except ValueError as exc:
+        typer.echo(f"steadyrl run: {config}: {exc}", err=True)
+        raise typer.Exit(2) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
     summary = run(recipe, out)
     typer.echo(json.dumps({k: summary.get(k) for k in (

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.redis_server import RedisServer, free_port
-from shared.run_config import RunConfig, service_env, validate
+from shared.run_config import RunConfig, check, service_env, validate
 
 
 @dataclass
@@ -235,7 +235,9 @@ def interruptible():
 
 
 def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
-    """Run `config` to the end; returns the summary (also written to out/summary.json)."""
+    """Run `config` to the end; returns the summary (also written to out/summary.json). The recipe
+    is checked first: a bad value fails here, before any process starts."""
+    check(config)
     with interruptible():
         return _run(config, out, progress)
 
@@ -264,6 +266,9 @@ def _run(config: RunConfig, out: Path, progress: bool) -> dict:
     except KeyboardInterrupt:
         summary["outcome"] = "interrupted"
         console.print("[yellow]interrupted: stopping every service[/]")
+    except (RuntimeError, TimeoutError) as exc:  # a service that keeps failing, or never became healthy
+        summary.update(outcome="failed", error=str(exc))
+        console.print(f"run failed: {exc}", markup=False, style="red")
     finally:
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:  # a second signal must not cut the teardown short and leave services behind

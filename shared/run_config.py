@@ -233,15 +233,33 @@ def build_settings(service: str, env: Mapping[str, str]):
         def _load_env_vars(self):
             return parse_env_vars(dict(env), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
 
-    class Isolated(cls):
-        @classmethod
-        def settings_customise_sources(cls_, settings_cls, **sources):
-            return (FromMapping(settings_cls),)
+    def only_the_mapping(cls_, settings_cls, **sources):
+        return (FromMapping(settings_cls),)
 
+    isolated = type(cls.__name__, (cls,), {"settings_customise_sources": classmethod(only_the_mapping)})
     try:
-        return Isolated()
+        return isolated()
     except ValidationError as exc:
         raise ValueError(f"[{service}] {exc}") from None
+
+
+# values only `steadyrl run` knows (ports, paths, addresses) stand in as probes when a recipe is checked
+PROBES = {"trainer": {"model_path": "model"}, "inference": {"model_path": "model"},
+          "orchestrator": {"model_path": "model"}, "weightsync": {}}
+
+
+def check(config: RunConfig) -> dict[str, Any]:
+    """Validate every service's settings of a recipe and what it needs of this machine, before any
+    process starts; returns each service's settings. Raises ValueError naming the field."""
+    settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
+                for service in SERVICES}
+    if settings["inference"].engine == "vllm":
+        from shared.engines import vllm_unavailable
+
+        reason = vllm_unavailable()
+        if reason:
+            raise ValueError(f"[inference] engine = \"vllm\" cannot run here: {reason}; use engine = \"torch\"")
+    return settings
 
 
 def validate(service: str, env: Mapping[str, str]) -> None:

