@@ -148,6 +148,7 @@ class Launch:
         if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
             echo(f"event=service_exited service=redis-server code={self.redis.process.returncode} restart=now")
             self.redis.start()
+            self.write_pids()
         for service in self.services:
             if service.process is None:  # removed on purpose
                 continue
@@ -166,6 +167,7 @@ class Launch:
                 service.restarts += 1
                 service.restart_at = None
                 self.start(service)
+                self.write_pids()
                 echo(f"event=service_restarted service={service.name} pid={service.process.pid} "
                      f"restarts={service.restarts}/{run.max_restarts}")
 
@@ -185,11 +187,15 @@ class Launch:
         if self.redis is not None:
             self.redis.stop()
 
-    def pids(self) -> list[int]:
-        out = [s.process.pid for s in self.services if s.process is not None]
+    def pids(self) -> dict[str, int]:
+        """Process ids by service name (redis-server included), as they are now."""
+        out = {s.name: s.process.pid for s in self.services if s.process is not None}
         if self.redis is not None and self.redis.process is not None:
-            out.append(self.redis.process.pid)
+            out["redis-server"] = self.redis.process.pid
         return out
+
+    def write_pids(self) -> None:
+        (self.out / "pids.json").write_text(json.dumps(self.pids()))
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -258,7 +264,7 @@ def _run(config: RunConfig, out: Path, progress: bool) -> dict:
     summary: dict = {"run_id": config.run_id, "out": str(out), "model": model_path}
     try:
         launch.start_all(lambda s: console.print(f"  {s.name:<14} healthy on 127.0.0.1:{s.grpc_port}"))
-        (out / "pids.json").write_text(json.dumps(launch.pids()))
+        launch.write_pids()
         launch.api("POST", "/v1/run/start")
         status = watch(launch, console, progress)
         summary["final_status"] = status

@@ -171,8 +171,9 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - restarting or finished: fall back to its ledger
             log.debug("event=trainer_unreachable error=%s", type(exc).__name__)
             steps = await self.redis.llen(self.keys.trained) // self.settings.group_size // self.settings.batch_prompts
+            offset = self.trainer_version - self.trainer_step  # versions a restarted trainer numbered past steps
             self.trainer_step = max(self.trainer_step, steps)
-            self.trainer_version = max(self.trainer_version, steps)
+            self.trainer_version = max(self.trainer_version, steps + offset)
         TRAINER_VERSION.set(self.trainer_version)
         TRAINER_STEP.set(self.trainer_step)
 

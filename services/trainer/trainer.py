@@ -90,26 +90,28 @@ class Trainer:
             await self.publish()
 
     async def start(self, stop: asyncio.Event) -> None:
-        """Join the consumer group, take back what a previous trainer left pending, and continue
-        the version numbering past anything already published."""
+        """Continue the version numbering past anything already published (before any entry is
+        judged against it), join the consumer group and take back what a previous trainer left
+        pending."""
         while not stop.is_set():
             try:
+                published = await self.publisher.newest_published()
+                if published > self.state.version:
+                    log.warning("event=version_continues checkpoint_version=%d published=%d version=%d",
+                                self.state.version, published, published + 1)
+                    self.state.version = published + 1
+                self.publisher.published = min(published, self.state.version) if self.publisher.enabled \
+                    else self.state.version
                 await self.source.ensure_group()
                 self.buffer.dead_groups |= await self.source.dead_groups()
                 claimed = await self.intake.claim_all()
                 self.redis_id = await self.source.identity()
-                published = await self.publisher.newest_published()
                 break
             except redis.exceptions.RedisError as exc:  # Redis may still be starting
                 log.warning("event=redis_unreachable error=%s retry_in=1s", type(exc).__name__)
                 await asyncio.sleep(1.0)
         else:
             return
-        self.publisher.published = min(published, self.state.version) if self.publisher.enabled else self.state.version
-        if published > self.state.version:
-            log.warning("event=version_continues checkpoint_version=%d published=%d version=%d",
-                        self.state.version, published, published + 1)
-            self.state.version = published + 1
         self.reported = self.progress()
         log.info("event=trainer_ready step=%d version=%d claimed=%d recipe=%s", self.state.step, self.state.version,
                  claimed, self.settings.recipe)

@@ -71,6 +71,15 @@ def redis_host_crash(launch: Launch) -> None:
     launch.redis.start()
 
 
+def freeze(process, seconds: float) -> None:
+    """A process hung but alive (a long fsync, a paused VM): SIGSTOP, then SIGCONT."""
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+
+
 def stall_replica(launch: Launch) -> None:
     target = service(launch, "inference-0")
     os.kill(target.process.pid, signal.SIGSTOP)  # a frozen process: its leases run out
@@ -94,6 +103,8 @@ FAULTS = {
     "redis_host_crash": redis_host_crash,
     "orchestrator_sigkill": lambda launch: kill_and_restart(launch, "orchestrator"),
     "inference_sigstop": stall_replica,
+    "redis_sigstop": lambda launch: freeze(launch.redis.process, 20.0),
+    "weightsync_sigstop": lambda launch: freeze(service(launch, "weightsync").process, 15.0),
 }
 
 
@@ -123,7 +134,8 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
         ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
     finally:
         launch.stop_all()
-    trained, dropped, dead, submitted = ledger
+    trained, dropped, dead, submitted, rollouts_dead = ledger
+    assert "future_version" not in rollouts_dead and not rollouts_dead.get("no_lease")
     assert len(trained) == len(set(trained)) == STEPS * B * G  # the ledger lists each rollout once
     final = sorted((tmp_path / "trainer" / "checkpoints").glob("step-*"))[-1]
     state = json.loads((final / "state.json").read_text())
@@ -150,5 +162,6 @@ async def read_ledger(url: str, run_id: str):
     dropped = [x.decode() for x in await redis.lrange(prefix + "trained:dropped", 0, -1)]
     dead = {f[b"task_id"].decode() for _, f in await redis.xrange(prefix + "dead")}
     submitted = int(await redis.hget(prefix + "run", "submitted"))
+    rollouts_dead = {k.decode(): int(v) for k, v in (await redis.hgetall(prefix + "rollouts:dead:counts")).items()}
     await redis.aclose()
-    return trained, dropped, dead, submitted
+    return trained, dropped, dead, submitted, rollouts_dead

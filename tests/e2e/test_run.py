@@ -46,7 +46,7 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     assert [e["version"] for e in evals] == [0, 2, 4] and all(0 <= e["accuracy"] <= 1 for e in evals)
     assert len(summary["plots"]) >= 8 and (out / "config.resolved.toml").exists()
     time.sleep(0.5)
-    assert not [pid for pid in json.loads((out / "pids.json").read_text()) if alive(pid)]  # no orphan
+    assert not [pid for pid in json.loads((out / "pids.json").read_text()).values() if alive(pid)]  # no orphan
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "final-model")  # loadable by transformers
@@ -66,7 +66,7 @@ def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir
     while not (out / "pids.json").exists():  # written once every service is healthy
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.2)
-    pids = json.loads((out / "pids.json").read_text())
+    pids = list(json.loads((out / "pids.json").read_text()).values())
     assert len(pids) == 5 and all(alive(pid) for pid in pids)  # 4 services and redis-server
     time.sleep(2.0)
     process.send_signal(sig)

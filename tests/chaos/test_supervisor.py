@@ -1,0 +1,81 @@
+"""`steadyrl run` restarts what crashes: the trainer SIGKILLed between two checkpoints of the
+default recipe (checkpoint_every = 10), with no test harness restarting it. The run finishes on
+its own, nothing is lost or trained twice, no rollout is refused as from the future, and the
+versions the replicas serve are the trainer's."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from shared.redis_server import RedisServer
+from tests.chaos.test_faults import read_ledger
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, B, G = 30, 4, 8
+
+
+def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+         "--set", f"run.steps={STEPS}", "--set", f"run.batch_prompts={B}", "--set", f"run.group_size={G}",
+         "--set", "run.replicas=2", "--set", "orchestrator.eval_every=0", "--set", "inference.lease_seconds=3",
+         "--set", "inference.tasks_per_batch=2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "trainer" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    try:
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 15:
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.poll() else ""
+            time.sleep(0.05)
+        killed_at = json.loads(metrics.read_text().splitlines()[-1])["step"]
+        os.kill(json.loads((out / "pids.json").read_text())["trainer"], signal.SIGKILL)
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert killed_at % 10, f"the kill must fall between checkpoints, it came at step {killed_at}"
+    assert run.returncode == 0, stderr[-3000:]
+    assert re.search(r"event=service_restarted service=trainer", stderr)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["steps"] == STEPS
+
+    with RedisServer(out / "redis", appendonly=True) as redis:  # the run's Redis, from its AOF
+        trained, dropped, dead, submitted, rollouts_dead = asyncio.run(read_ledger(redis.url, "tiny-arith"))
+        dead_groups = asyncio.run(smembers(redis.url, "steadyrl:tiny-arith:trained:dead"))
+    assert len(trained) == len(set(trained)) == STEPS * B * G  # nothing trained twice, nothing skipped
+    final = sorted((out / "trainer" / "checkpoints").glob("step-*"))[-1]
+    state = json.loads((final / "state.json").read_text())
+    assert state["step"] == STEPS and len(state["consumed"]) == STEPS * B * G
+    assert "future_version" not in rollouts_dead, rollouts_dead
+    tasks = {rid.split(":")[0] for rid in trained}
+    accounted = tasks | {rid.split(":")[0] for rid in dropped} | dead | dead_groups
+    assert accounted == {f"train-{i}" for i in range(submitted)}  # every task: trained, dropped or dead
+    # the restarted trainer continued past what it had published, and the replicas followed it
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    continued = re.search(r"event=version_continues checkpoint_version=(\d+) published=(\d+) version=(\d+)", trainer_log)
+    assert continued and int(continued[1]) == killed_at // 10 * 10 and int(continued[2]) >= killed_at
+    final_version = state["version"]
+    assert final_version == STEPS + int(continued[3]) - int(continued[1])
+    assert summary["final_status"]["trainer_version"] == final_version
+    assert set(summary["final_status"]["replica_versions"].values()) == {final_version}
+    for log in (out / "logs").glob("inference-*.log"):
+        versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", log.read_text())]
+        assert versions == sorted(set(versions)) and versions[-1] == final_version, log.name
+
+
+async def smembers(url: str, key: str) -> set[str]:
+    redis = Redis.from_url(url)
+    members = {m.decode() for m in await redis.smembers(key)}
+    await redis.aclose()
+    return members
