@@ -72,7 +72,7 @@ def fuzz(url: str, operation, auth: str, outcomes: collections.Counter, failures
 
 def test_rest_api_fuzz(control_plane):
     url, process = control_plane
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=HEADERS["token"])  # behind the token
     outcomes: collections.Counter = collections.Counter()
     failures: list = []
     operations = [result.ok() for result in schema.get_all_operations()]

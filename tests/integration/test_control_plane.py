@@ -47,3 +47,38 @@ def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_
         await redis.aclose()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id, tiny_model_dir, tmp_path):
+    import random
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, eval_size=5)
+        orchestrator = Orchestrator(settings, redis)
+        transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN))
+        outcomes = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            for attempt in range(20):
+                await redis.hset(orchestrator.keys.run, "state", "running")
+                actions = ["stop", "pause", "pause", "pause"]
+                random.Random(attempt).shuffle(actions)
+                replies = await asyncio.gather(*(http.post(f"/v1/run/{a}") for a in actions))
+                stop = replies[actions.index("stop")]
+                resumed = await http.post("/v1/run/resume")  # a resume after a stop must not restart the run
+                started = await http.post("/v1/run/start")
+                outcomes.append((stop.status_code, stop.json()["state"], resumed.status_code, started.status_code,
+                                 await orchestrator.state()))
+            docs = {path: (await http.get(path, headers={"Authorization": ""})).status_code
+                    for path in ("/openapi.json", "/docs", "/redoc")}
+            openapi = await http.get("/openapi.json")
+        await orchestrator.close()
+        await redis.aclose()
+        return outcomes, docs, openapi
+
+    outcomes, docs, openapi = asyncio.run(asyncio.wait_for(main(), 60))
+    assert outcomes == [(200, "stopped", 409, 409, "stopped")] * 20
+    assert docs == {"/openapi.json": 401, "/docs": 401, "/redoc": 401}  # the API's description needs the token
+    assert openapi.status_code == 200 and "/v1/run/{action}" in openapi.json()["paths"]

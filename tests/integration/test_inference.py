@@ -286,3 +286,51 @@ def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, re
 
 async def _owned_by(redis, queue: WorkQueue, task_id: str, replica: bytes) -> bool:
     return await redis.hget(queue.keys["owners"], task_id) == replica
+
+
+def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_server, run_id):
+    """On the engine thread of a running replica: math-verify scores a right answer 1.0 (its own
+    time limit, signal.alarm, cannot work there), a plug-in reward loaded by path scores, and a
+    reward that hangs or raises scores 0 with a counted reason while the replica goes on."""
+    from prometheus_client import REGISTRY
+
+    from shared.tasks import RewardRunner
+
+    prompts = prompts_of(2)
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    greedy = [char_tokenizer().decode(s.token_ids, skip_special_tokens=True)
+              for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=6))]
+    assert RewardRunner().score("math_verify", [greedy[0]], greedy[0])[0].value == 1.0  # what the replica should get
+
+    def failures(reward, reason):
+        return REGISTRY.get_sample_value("steadyrl_inference_reward_failures_total",
+                                         {"reward": reward, "reason": reason}) or 0.0
+
+    before = {r: failures(f"tests.rewards:{r}", reason) for r, reason in (("hang", "timeout"), ("explode", "error"))}
+    tasks = [("right", "math_verify", prompts[0], greedy[0]), ("wrong", "math_verify", prompts[0], greedy[0] + "1"),
+             ("plugin", "tests.rewards:length", prompts[1], "-"), ("hang", "tests.rewards:hang", prompts[1], "-"),
+             ("explode", "tests.rewards:explode", prompts[1], "-"), ("after", "math_verify", prompts[1], greedy[1])]
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = WorkQueue(redis, run_id)
+        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, reward_timeout_seconds=2,
+                           tasks_per_batch=1) as replica:
+            for name, reward, prompt, answer in tasks:
+                task = arith_task(name, prompt, answer, 1)
+                task.task_name, task.sampling.temperature = reward, 0
+                task.sampling.max_new_tokens = 6
+                await queue.submit(task)
+            await wait_for(lambda: _completed(queue, len(tasks)), 120)
+            alive = (await replica.stub.Status(common_pb2.Empty())).replica_id
+            entries = await redis.xrange(queue.rollout_stream)
+        await redis.aclose()
+        return alive, entries
+
+    alive, entries = asyncio.run(asyncio.wait_for(main(), 240))
+    rewards = {decode_rollout(f[b"r"]).task_id: decode_rollout(f[b"r"]).reward for _, f in entries}
+    assert alive == "replica-a"
+    assert rewards == {"right": 1.0, "wrong": 0.0, "plugin": float(len(greedy[1])), "hang": 0.0, "explode": 0.0,
+                       "after": 1.0}
+    assert failures("tests.rewards:hang", "timeout") == before["hang"] + 1
+    assert failures("tests.rewards:explode", "error") == before["explode"] + 1

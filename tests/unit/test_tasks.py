@@ -87,3 +87,29 @@ def test_math_task_reads_parquet(tmp_path):
     assert [(e.prompt, e.answer) for e in task.split("eval")] == [("1+1?", "2"), ("3*3?", "9")]
     with __import__("pytest").raises(ValueError, match="expected a .jsonl or .parquet"):
         MathTask(train_path=str(tmp_path / "x.csv")).split("train")
+
+
+def test_math_evals_never_measure_memorisation(tmp_path):
+    from services.orchestrator.config import OrchestratorSettings
+    from services.orchestrator.orchestrator import dataset
+
+    def write(name, problems):
+        path = tmp_path / name
+        path.write_text("\n".join(json.dumps({"problem": p, "answer": str(i)}) for i, p in enumerate(problems)))
+        return path
+
+    train = write("train.jsonl", [f"problem {i}" for i in range(10)])
+    settings = dict(model_path="m", task="math", math_path=train, eval_size=3, train_size=100)
+    held_train, held_eval, _ = dataset(OrchestratorSettings(**settings))  # no eval file: the last rows held out
+    assert [e.prompt.split("\n")[0] for e in held_eval] == ["problem 7", "problem 8", "problem 9"]
+    assert len(held_train) == 7 and not {e.prompt for e in held_train} & {e.prompt for e in held_eval}
+    overlapping = write("eval.jsonl", ["problem 2", "a new problem"])
+    with pytest.raises(ValueError, match="1 eval problems are also training problems"):
+        dataset(OrchestratorSettings(**settings, math_eval_path=overlapping))
+    _, evals, _ = dataset(OrchestratorSettings(**settings, math_eval_path=overlapping, allow_eval_overlap=True))
+    assert len(evals) == 2
+    separate = write("separate.jsonl", ["another problem"])
+    full_train, evals, reward = dataset(OrchestratorSettings(**settings, math_eval_path=separate))
+    assert len(full_train) == 10 and len(evals) == 1 and reward == "math_verify"
+    with pytest.raises(ValueError, match="too few to hold out"):
+        dataset(OrchestratorSettings(**{**settings, "eval_size": 10}))

@@ -1,0 +1,18 @@
+"""Reward plug-ins the tests load by dotted path (`tests.rewards:<name>`), as a user's would be."""
+
+import time
+
+
+def hang(completion: str, answer: str) -> float:
+    """A reward that never returns."""
+    while True:
+        time.sleep(1)
+
+
+def explode(completion: str, answer: str) -> float:
+    raise RuntimeError("a reward bug")
+
+
+def length(completion: str, answer: str) -> float:
+    """The completion's length in characters (a plug-in that works)."""
+    return float(len(completion))
