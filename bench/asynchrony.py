@@ -37,8 +37,8 @@ def time_to_target(evals: list[dict], target: float, window: int = 3) -> dict:
 
 
 def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> dict:
-    from shared.launcher import read_jsonl, run
-    from shared.run_config import load_run_config
+    from steadyrl.launcher import read_jsonl, run
+    from steadyrl.run_config import load_run_config
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,8 +17,9 @@ GROUPS, GROUP, ROUNDS = 16, 8, 5
 
 def rollouts(model_dir):
     from shared.engines import Sampling, make_engine
+    from shared.engines.rollouts import rollouts_from_samples
     from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
-    from shared.rollout import RolloutTimings, rollouts_from_samples
+    from shared.rollout import RolloutTimings
     from shared.rpc.steadyrl.v1 import common_pb2
 
     engine = make_engine("torch", str(model_dir), "bfloat16")
@@ -86,9 +87,9 @@ def measure(model, batch) -> dict:
 
 
 def main() -> dict:
+    from shared.batch import collate
     from shared.models import load_causal_lm
     from shared.models.tiny import init_tiny_model
-    from shared.training import collate
 
     model_dir = init_tiny_model()
     batch = collate(rollouts(model_dir))

@@ -73,7 +73,7 @@ def raw_socket_seconds(size: int) -> float:
 
 
 async def _grpc_pull_seconds(state: dict[str, torch.Tensor], streams: tuple[int, ...]) -> dict[str, float]:
-    from shared.weightsync_client import WeightPublisher, open_channels, pull_version
+    from shared.weightsync_client import GrpcWeightPublisher, open_channels, pull_version
 
     port = _free_port()
     env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
@@ -81,7 +81,7 @@ async def _grpc_pull_seconds(state: dict[str, torch.Tensor], streams: tuple[int,
     server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     try:
         address = f"127.0.0.1:{port}"
-        publisher = WeightPublisher(address)
+        publisher = GrpcWeightPublisher(address)
         started = time.perf_counter()
         await publisher.push(state, 1, timeout=600)
         push_seconds = time.perf_counter() - started

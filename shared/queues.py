@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 
+from shared.interfaces import RolloutSink
 from shared.keys import RunKeys
 from shared.rpc.steadyrl.v1 import common_pb2
 
@@ -157,7 +158,7 @@ class QueueDepths:
     rollouts: int
 
 
-class WorkQueue:
+class WorkQueue(RolloutSink):
     """One run's work queue and rollout stream on a Redis server (redis.asyncio client)."""
 
     def __init__(self, redis: Redis, run_id: str, dead_maxlen: int = 10_000) -> None:

@@ -10,11 +10,13 @@ stops, on a clean stop too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
 
 from shared.logs import setup_logging
 
@@ -43,6 +45,37 @@ def run_service(name: str, settings_cls: type, server_module: str) -> None:
     except LoopDied as exc:
         log.error("event=service_exit service=%s reason=%s", name, exc)
         sys.exit(1)
+
+
+@dataclass(frozen=True)
+class Serving:
+    port: int  # the gRPC port bound
+    metrics_port: int  # the /metrics port bound (0: none)
+    health: object  # the gRPC health servicer
+
+
+@contextlib.asynccontextmanager
+async def grpc_service(name: str, register: Sequence, service_names: Sequence[str], host: str, port: int,
+                       max_message_bytes: int, metrics_port: int | None, ready: asyncio.Event | None = None,
+                       **fields: object) -> AsyncIterator[Serving]:
+    """The skeleton every service shares: its gRPC API (with health, reflection, the token and
+    TLS: `shared.rpc.start_server`) and /metrics; `ready` is set once both listen. On the way
+    out health turns NOT_SERVING first, then the server stops."""
+    from shared.metrics import start_metrics_server
+    from shared.rpc import start_server
+
+    server, bound, health = await start_server(register, service_names, f"{host}:{port}", max_message_bytes)
+    try:
+        metrics = start_metrics_server(metrics_port, host) if metrics_port is not None else 0
+        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        logging.getLogger(f"steadyrl.{name}").info("event=started service=%s port=%d metrics_port=%d %s", name, bound,
+                                                   metrics, extra)
+        if ready is not None:
+            ready.set()
+        yield Serving(bound, metrics, health)
+    finally:
+        await not_serving(health)
+        await server.stop(grace=1.0)
 
 
 async def not_serving(health) -> None:

@@ -1,6 +1,6 @@
 """Client helpers of the weight-sync service.
 
-`WeightPublisher` (trainer side) pushes a state dict as a new version. `WeightSubscriber`
+`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version. `GrpcWeightSubscriber`
 (replica side) watches for versions, pulls each one (as a delta against the version it holds),
 verifies every tensor's checksum and hands a complete state dict to a callback; when a stream
 drops it reconnects with backoff and resumes from the version it holds.
@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import grpc
 import torch
 
+from shared.interfaces import WeightPublisher, WeightSubscriber
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
@@ -34,7 +35,7 @@ log = logging.getLogger("steadyrl.weightsync.client")
 OnVersion = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
 
 
-class WeightPublisher:
+class GrpcWeightPublisher(WeightPublisher):
     def __init__(self, address: str, key: bytes | None = None, chunk_bytes: int = 1024 * 1024,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.channel = auth_channel(address, options=channel_options(max_message_bytes))
@@ -143,7 +144,7 @@ def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dic
     return {s.name: bytes_to_tensor(d, s.dtype, list(s.shape)) for s, d in zip(manifest.tensors, payloads, strict=True)}
 
 
-class WeightSubscriber:
+class GrpcWeightSubscriber(WeightSubscriber):
     """Watch → pull → verify → `on_version(version, state_dict)`, resuming after dropped streams."""
 
     def __init__(self, address: str, on_version: OnVersion, subscriber_id: str = "",

@@ -14,10 +14,9 @@ from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling, make_engine
 from shared.queues import WorkQueue
 from shared.rollout import trace_message
-from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
-from shared.service_main import run_loops
+from shared.service_main import grpc_service, run_loops
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference")
@@ -130,9 +129,8 @@ def load_engine(settings: InferenceSettings) -> Engine:
 async def serve(settings: InferenceSettings, engine: Engine | None = None, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the replica until `stop` is set (or forever)."""
-    from shared.metrics import start_metrics_server
     from shared.models import load_tokenizer
-    from shared.weightsync_client import WeightSubscriber
+    from shared.weightsync_client import GrpcWeightSubscriber
 
     engine = engine or await asyncio.to_thread(load_engine, settings)
     tokenizer = load_tokenizer(settings.model_path)
@@ -145,10 +143,6 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
                            settings.idle_poll_seconds, settings.return_routing_traces, rewards,
                            settings.version_wait_seconds)
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
-    server, port, health = await start_server([(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
-                                         ["steadyrl.v1.Inference"], f"{settings.host}:{settings.port}",
-                                         settings.max_message_bytes)
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     POLICY_VERSION.labels(replica).set(engine.version)
     loops = {"rollouts": worker.run(stop)}
     if settings.weightsync_address:
@@ -161,20 +155,18 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
             else:  # a step is running: it applies the version when it ends
                 log.info("event=weights_staged version=%d serving=%d", version, engine.version)
 
-        subscriber = WeightSubscriber(settings.weightsync_address, on_version, replica,
+        subscriber = GrpcWeightSubscriber(settings.weightsync_address, on_version, replica,
                                       settings.max_message_bytes, streams=settings.weight_streams)
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
-    servicer.port = port
-    log.info("event=started service=inference replica=%s engine=%s port=%d metrics_port=%d traces=%s",
-             replica, engine.name, port, metrics_port, worker.return_traces)
-    if ready is not None:
-        ready.set()
     try:
-        await run_loops(loops, stop, health)
+        async with grpc_service("inference", [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
+                                ["steadyrl.v1.Inference"], settings.host, settings.port, settings.max_message_bytes,
+                                settings.metrics_port, ready, replica=replica, engine=engine.name,
+                                traces=worker.return_traces) as serving:
+            await run_loops(loops, stop, serving.health)
     finally:
-        await server.stop(grace=1.0)
         await redis.aclose()
         rewards.close()
         engine.close()

@@ -16,22 +16,22 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
 
 import redis.exceptions
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
 from shared.engines import Engine, Sample, Sampling
+from shared.engines.rollouts import encode_samples
 from shared.models import decode_completions
 from shared.queues import Lease, WorkQueue, now_ms
-from shared.rollout import RolloutTimings, encode_samples
+from shared.rollout import RolloutTimings
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")
 # every batch runs on this one thread: torch's OpenMP keeps one thread team per calling thread, and
 # the default executor's changing threads each woke a team of their own (measured: −10–20% tokens/s)
 ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-MAX_GROUP_SIZE = 4096
 
 TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
 TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s of the last batch", ["replica"])
@@ -50,27 +50,6 @@ VERSION_WAITS = Counter("steadyrl_inference_version_wait_expired_total",
 REWARD_FAILURES = Counter("steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed",
                           ["reward", "reason"])
 QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
-
-
-class BadTask(ValueError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-def prompt_ids(task, tokenizer) -> list[int]:
-    if task.prompt_token_ids:
-        return list(task.prompt_token_ids)
-    if not task.prompt_text:
-        raise BadTask("prompt", f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
-    return list(tokenizer(task.prompt_text).input_ids)
-
-
-@dataclass
-class Checked:
-    lease: Lease
-    prompt: list[int]
-    sampling: Sampling
 
 
 class RolloutWorker:
@@ -93,7 +72,7 @@ class RolloutWorker:
         current one generates and queued on the engine thread behind it, so the engine goes from
         one batch to the next without waiting for this loop; a batch is published once the one
         queued behind it is with the engine."""
-        inflight: deque[tuple[asyncio.Task, set[str], _Heartbeat]] = deque()  # (generating, held, heartbeat)
+        inflight: deque[tuple[asyncio.Task, set[str], LeaseRenewal]] = deque()  # (generating, held, heartbeat)
         publishing: asyncio.Task | None = None
         try:
             while not stop.is_set():
@@ -102,7 +81,7 @@ class RolloutWorker:
                     continue
                 if leases:
                     held = {lease.task_id for lease in leases}
-                    heartbeat = _Heartbeat(self, held)
+                    heartbeat = LeaseRenewal(self.queue, self.replica_id, self.lease_seconds, held)
                     RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
                     inflight.append((asyncio.create_task(self._generate(leases, held, stop)), held, heartbeat))
                     await asyncio.sleep(0)  # its job reaches the engine thread's queue
@@ -150,36 +129,13 @@ class RolloutWorker:
             self._delay = min(self._delay * 2, 5.0)
             return None
 
-    def check(self, lease: Lease) -> Checked:
-        """The task's prompt and sampling, or BadTask when it can never be served here."""
-        task = lease.task
-        if task.run_id and task.run_id != self.queue.run_id:
-            raise BadTask("other_run", f"task of run {task.run_id!r} in the queue of {self.queue.run_id!r}")
-        if not 1 <= task.group_size <= MAX_GROUP_SIZE:
-            raise BadTask("group_size", f"group_size {task.group_size} outside [1, {MAX_GROUP_SIZE}]")
-        try:
-            sampling = Sampling.from_proto(task.sampling)
-        except ValueError as exc:
-            raise BadTask("sampling", str(exc)) from None
-        prompt = prompt_ids(task, self.tokenizer)
-        if not prompt or min(prompt) < 0 or max(prompt) >= self.engine.vocab_size:
-            raise BadTask("prompt", f"prompt token ids outside the vocabulary [0, {self.engine.vocab_size})")
-        if len(prompt) + sampling.max_new_tokens > self.engine.max_model_len:
-            raise BadTask("context", f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > the "
-                                     f"engine's {self.engine.max_model_len} positions")
-        try:
-            self.rewards.check(task.task_name)
-        except KeyError as exc:
-            raise BadTask("reward", str(exc)) from None
-        return Checked(lease, prompt, sampling)
-
     async def _generate(self, leases: list[Lease], held: set[str], stop: asyncio.Event | None) -> list[tuple]:
         """Check, wait for the version asked for (bounded), then generate every group of tasks
         with the same sampling; a failed group is left out (its leases go back when published)."""
         checked = []
         for lease in leases:
             try:
-                checked.append(self.check(lease))
+                checked.append(check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards))
             except BadTask as exc:
                 await self._give_up(lease, exc.code, str(exc), held)
         checked = await self._wait_for_versions(checked, held, stop)
@@ -260,7 +216,7 @@ class RolloutWorker:
         return samples, seconds, encoded
 
     async def _publish(self, generated: list[list[tuple[Lease, list[bytes]]]], held: set[str],
-                       heartbeat: _Heartbeat) -> None:
+                       heartbeat: LeaseRenewal) -> None:
         """Publish each batch's encoded rollouts (one Redis round trip); whatever is still held at
         the end (failed generation, bad task, Redis error) is handed back to the queue."""
         try:
@@ -304,33 +260,6 @@ class RolloutWorker:
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
             return None
-
-
-class _Heartbeat:
-    """Renews the leases of one batch until stopped. Stopping empties what it renews first, so
-    even a renewal stuck in a Redis call that outlives its cancellation renews nothing after."""
-
-    def __init__(self, worker: RolloutWorker, held: set[str]) -> None:
-        self.worker, self.held, self.done = worker, held, asyncio.Event()
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        w = self.worker
-        while not self.done.is_set():
-            await _sleep_or_stop(self.done, w.lease_seconds / 3)
-            if self.done.is_set():
-                return
-            try:
-                await w.queue.extend(w.replica_id, sorted(self.held), w.lease_seconds)
-            except redis.exceptions.RedisError as exc:
-                QUEUE_ERRORS.labels(w.replica_id).inc()
-                log.warning("event=lease_renew_failed error=%s", type(exc).__name__)
-
-    async def stop(self) -> None:
-        self.done.set()
-        self.held.clear()
-        self.task.cancel()
-        await asyncio.wait({self.task}, timeout=1.0)  # never waits on a call that ignores its cancel
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

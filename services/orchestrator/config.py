@@ -9,9 +9,10 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
+from shared.settings import StepShape
 
 
-class OrchestratorSettings(RedisSettings):
+class OrchestratorSettings(RedisSettings, StepShape):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -55,12 +56,6 @@ class OrchestratorSettings(RedisSettings):
     eval_size: int = Field(300, ge=1)
     """Evaluation prompts."""
 
-    group_size: int = Field(8, ge=1)
-    """G: samples per prompt (must match the trainer's)."""
-    batch_prompts: int = Field(8, ge=1)
-    """B: prompts per global step (must match the trainer's)."""
-    max_staleness: int = Field(1, ge=0)
-    """At most (max_staleness + 1) global batches are outstanding beyond the trainer's version."""
     steps: int = Field(0, ge=0)
     """Global steps of the run (0 = until stopped)."""
     temperature: float = Field(1.0, ge=0)

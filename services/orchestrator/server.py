@@ -15,10 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.orchestrator import Orchestrator, TransitionRefused
-from shared.rpc import start_server
+from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
 from shared.rpc.steadyrl.v1 import orchestrator_pb2 as pb
-from shared.service_main import run_loops
+from shared.service_main import grpc_service, run_loops
 
 log = logging.getLogger("steadyrl.orchestrator")
 REFUSED = Counter("steadyrl_orchestrator_auth_refused_total", "Requests refused for a missing or wrong token")
@@ -120,27 +120,26 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
     stop = stop or asyncio.Event()
     redis = settings.redis()
     orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
-    server, grpc_port, health = await start_server(
-        [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, OrchestratorServicer(orchestrator))],
-        ["steadyrl.v1.Orchestrator"], f"{settings.host}:{settings.grpc_port}")
     app = create_app(orchestrator, settings.bearer_token())
     http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
                                          lifespan="off", **uvicorn_options(tls_from_env())))
     serving = asyncio.create_task(http.serve())
-    while not http.started:
-        if serving.done():  # the port is taken, TLS files are missing...
-            raise RuntimeError(f"the HTTP control plane did not start: {serving.exception()!r}")
-        await asyncio.sleep(0.02)
-    log.info("event=started service=orchestrator run=%s http_port=%d grpc_port=%d auth=%s", settings.run_id,
-             http.servers[0].sockets[0].getsockname()[1], grpc_port, settings.bearer_token() is not None)
-    if ready is not None:
-        ready.set()
     try:
-        await run_loops({"orchestrator": orchestrator.run(stop), "http": _until(serving, stop)}, stop, health)
+        while not http.started:
+            if serving.done():  # the port is taken, TLS files are missing...
+                raise RuntimeError(f"the HTTP control plane did not start: {serving.exception()!r}")
+            await asyncio.sleep(0.02)
+        async with grpc_service(
+                "orchestrator", [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
+                                  OrchestratorServicer(orchestrator))], ["steadyrl.v1.Orchestrator"], settings.host,
+                settings.grpc_port, DEFAULT_MAX_MESSAGE_BYTES, None, ready, run=settings.run_id,
+                http_port=http.servers[0].sockets[0].getsockname()[1],
+                auth=settings.bearer_token() is not None) as grpc_serving:
+            await run_loops({"orchestrator": orchestrator.run(stop), "http": _until(serving, stop)}, stop,
+                            grpc_serving.health)
     finally:
         http.should_exit = True
         await asyncio.wait({serving}, timeout=10)
-        await server.stop(grace=1.0)
         await orchestrator.close()
         await redis.aclose()
 

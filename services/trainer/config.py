@@ -14,10 +14,11 @@ from pydantic_settings import SettingsConfigDict
 from shared.core.loss import LossConfig
 from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.settings import StepShape
 from shared.training import StepConfig
 
 
-class TrainerSettings(RedisSettings):
+class TrainerSettings(RedisSettings, StepShape):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -43,14 +44,8 @@ class TrainerSettings(RedisSettings):
     publish_timeout_seconds: float = Field(600.0, gt=0)
     """Bound on one version push; a push that fails is retried on the next turn of the loop."""
 
-    batch_prompts: int = Field(8, ge=1)
-    """B: prompts (complete groups) per global step."""
-    group_size: int = Field(8, ge=1)
-    """G: samples per prompt."""
     mini_batches: int = Field(1, ge=1)
     """N: optimizer steps per global step (1 = on-policy)."""
-    max_staleness: int = Field(1, ge=0)
-    """Rollouts older than trainer version − max_staleness (any token) are dropped."""
     max_steps: int = Field(0, ge=0)
     """Stop after this many global steps (0 = run until stopped)."""
     lr: float = Field(1e-5, gt=0)

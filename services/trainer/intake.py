@@ -8,8 +8,8 @@ import logging
 from prometheus_client import Counter
 
 from services.trainer.checkpoint import TrainerState
-from services.trainer.groups import GroupBuffer, Held, Verdict
-from services.trainer.stream import RolloutSource
+from services.trainer.groups import GroupBuffer, Verdict
+from shared.interfaces import RolloutSource
 from shared.rollout import encode_rollout
 
 log = logging.getLogger("steadyrl.trainer")
@@ -17,6 +17,8 @@ log = logging.getLogger("steadyrl.trainer")
 DROPPED = Counter("steadyrl_trainer_rollouts_dropped_stale_total", "Rollouts dropped for staleness")
 DEAD = Counter("steadyrl_trainer_rollouts_dead_lettered_total", "Rollouts sent to the dead-letter stream", ["reason"])
 DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
+RESTORED = Counter("steadyrl_trainer_ledger_restored_total",
+                   "Ledger entries written again after Redis came back without them (a lost AOF window)")
 
 
 class Intake:
@@ -73,5 +75,15 @@ class Intake:
             DROPPED.inc(len(members))
             self.count("dropped_stale", len(members))
 
-    async def trained(self, members: list[Held]) -> None:
-        await self.source.trained([(m.entry, m.rollout.rollout_id) for m in members])
+    async def reconcile(self, unacknowledged: set[str]) -> None:
+        """Redis restarted. With appendfsync everysec a host crash loses up to the last second of
+        acknowledged writes, here acknowledgements and ledger entries of trained rollouts: claim
+        what is pending again, then write back every checkpointed id the ledger lacks."""
+        claimed = await self.claim_all()
+        acked = sorted(self.state.consumed - unacknowledged)
+        restored = 0
+        for start in range(0, len(acked), 4096):
+            restored += await self.source.trained([("", rid) for rid in acked[start : start + 4096]])
+        RESTORED.inc(restored)
+        self.count("ledger_restored", restored)
+        log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, restored)

@@ -29,7 +29,7 @@ PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version p
 class VersionPublisher:
     def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
         self.settings, self.redis, self.keys = settings, redis, RunKeys(settings.run_id)
-        self.client = None  # shared.weightsync_client.WeightPublisher, made in the event loop
+        self.client = None  # shared.weightsync_client.GrpcWeightPublisher, made in the event loop
         self.published = 0  # the newest version pushed by this process (or found published)
 
     @property
@@ -51,6 +51,18 @@ class VersionPublisher:
                 log.warning("event=weightsync_latest_unknown error=%s", type(exc).__name__)
         return newest
 
+    async def resume(self, version: int) -> int:
+        """The version a (re)started trainer continues from: its checkpoint's `version`, or the
+        next number past the newest published one when that is newer (the steps behind it were
+        lost with a crash; their numbers are never reused)."""
+        published = await self.newest_published()
+        if published > version:
+            log.warning("event=version_continues checkpoint_version=%d published=%d version=%d", version, published,
+                        published + 1)
+            version = published + 1
+        self.published = min(published, version) if self.enabled else version
+        return version
+
     async def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> bool:
         """Push `version`; True once the service holds it. False (logged, counted) on failure."""
         if not self.enabled:
@@ -58,11 +70,11 @@ class VersionPublisher:
             return True
         await self.redis.hset(self.keys.trainer, "published_version", version)  # before any byte leaves
         if self.client is None:
-            from shared.weightsync_client import WeightPublisher
+            from shared.weightsync_client import GrpcWeightPublisher
 
             s = self.settings
             key = s.hmac_key_file.read_bytes().strip() if s.hmac_key_file else None
-            self.client = WeightPublisher(s.weightsync_address, key=key, max_message_bytes=s.max_message_bytes)
+            self.client = GrpcWeightPublisher(s.weightsync_address, key=key, max_message_bytes=s.max_message_bytes)
         try:
             await self.client.push(weights, version, self.published, timeout=self.settings.publish_timeout_seconds)
         except grpc.aio.AioRpcError as exc:

@@ -7,10 +7,9 @@ import logging
 
 from services.trainer.config import TrainerSettings
 from services.trainer.trainer import Trainer
-from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
 from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
-from shared.service_main import run_loops
+from shared.service_main import grpc_service, run_loops
 
 log = logging.getLogger("steadyrl.trainer")
 
@@ -48,8 +47,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
 
 async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    from shared.metrics import start_metrics_server
-
     stop = stop or asyncio.Event()
     redis = settings.redis()
     trainer = await asyncio.to_thread(Trainer, settings, redis)
@@ -58,20 +55,15 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
         log.info("event=follower_done rank=%d steps=%d", trainer.runner.rank, steps)
         await redis.aclose()
         return
-    server, port, health = await start_server(
-        [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))], ["steadyrl.v1.Trainer"],
-        f"{settings.host}:{settings.port}", settings.max_message_bytes)
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    log.info("event=started service=trainer port=%d metrics_port=%d step=%d version=%d", port, metrics_port,
-             trainer.state.step, trainer.state.version)
-    if ready is not None:
-        ready.set()
     try:
-        await run_loops({"trainer": trainer.run(stop)}, stop, health, finishing=frozenset({"trainer"}))
+        async with grpc_service("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
+                                ["steadyrl.v1.Trainer"], settings.host, settings.port, settings.max_message_bytes,
+                                settings.metrics_port, ready, step=trainer.state.step,
+                                version=trainer.state.version) as serving:
+            await run_loops({"trainer": trainer.run(stop)}, stop, serving.health, finishing=frozenset({"trainer"}))
     finally:
         if trainer.unacked:  # a clean stop keeps every trained step: checkpoint, then acknowledge
             await trainer.checkpoint_now()
         await asyncio.to_thread(trainer.runner.stop_followers)
         await trainer.close()
-        await server.stop(grace=1.0)
         await redis.aclose()

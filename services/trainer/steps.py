@@ -19,12 +19,13 @@ from services.trainer.checkpoint import (
     save_checkpoint,
 )
 from services.trainer.config import TrainerSettings
+from shared.batch import collate
 from shared.distributed import broadcast_payloads, init_from_env
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
 from shared.torch_threads import bind_torch_threads
-from shared.training import StepConfig, collate, resolve_recipe, train_step
+from shared.training import StepConfig, resolve_recipe, train_step
 
 log = logging.getLogger("steadyrl.trainer")
 

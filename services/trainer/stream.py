@@ -1,5 +1,5 @@
-"""The trainer's side of the rollout stream (`RolloutSource`): the consumer group, settlements,
-dead letters, and reconciliation after a Redis restart.
+"""The trainer's side of the rollout stream (`RedisRolloutSource`, a `shared.interfaces.RolloutSource`):
+the Redis consumer group, settlements and dead letters.
 
 Settling is idempotent: a reply can be lost after Redis applied a script (Redis going down),
 and the trainer then settles the same entries again; the ledger still lists each id once.
@@ -12,6 +12,7 @@ import logging
 import redis.exceptions
 from redis.asyncio import Redis
 
+from shared.interfaces import RolloutSource
 from shared.keys import RunKeys
 
 log = logging.getLogger("steadyrl.trainer")
@@ -54,7 +55,7 @@ return 1
 """
 
 
-class RolloutSource:
+class RedisRolloutSource(RolloutSource):
     """The run's rollout stream read through the trainer's consumer group."""
 
     def __init__(self, redis: Redis, run_id: str, consumer: str, dead_maxlen: int = 10_000,
@@ -65,7 +66,8 @@ class RolloutSource:
         self._settle = redis.register_script(_SETTLE)
         self._dead_letter = redis.register_script(_DEAD_LETTER)
 
-    async def ensure_group(self) -> None:
+    async def open(self) -> None:
+        """Create the consumer group if it does not exist."""
         try:
             await self.redis.xgroup_create(self.keys.rollouts, GROUP, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:

@@ -18,32 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
 
 import redis.exceptions
-from prometheus_client import Counter, Gauge, Histogram
 from redis.asyncio import Redis
 
 from services.trainer.config import TrainerSettings
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
 from services.trainer.publisher import VersionPublisher
+from services.trainer.report import StepLog
 from services.trainer.steps import StepRunner
-from services.trainer.stream import RolloutSource
+from services.trainer.stream import RedisRolloutSource
 
 log = logging.getLogger("steadyrl.trainer")
-STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
-VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")
-TRAINED = Counter("steadyrl_trainer_rollouts_trained_total", "Rollouts trained")
-LAST_STEP = Gauge("steadyrl_trainer_last_step_unix_seconds", "When the last global step finished")
-RESTORED = Counter("steadyrl_trainer_ledger_restored_total",
-                   "Ledger entries written again after Redis came back without them (a lost AOF window)")
-STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
-                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
 
 
 class Trainer:
@@ -51,13 +41,14 @@ class Trainer:
         self.settings = s = settings
         self.runner = StepRunner(settings)
         self.state = self.runner.restore()
-        self.source = RolloutSource(redis, s.run_id, s.consumer, s.dead_letter_maxlen)
+        self.source = RedisRolloutSource(redis, s.run_id, s.consumer, s.dead_letter_maxlen)
         self.buffer = GroupBuffer(s.group_size, s.run_id, self.runner.limits)
         self.intake = Intake(self.source, self.buffer, self.state)
         self.publisher = VersionPublisher(settings, redis)
         self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
         self.redis_id, self.checked_redis, self.resync = "", 0.0, False
         self.paused, self.last_metrics = False, {}
+        self.steplog = StepLog(settings.out_dir)
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = time.monotonic()
@@ -95,14 +86,8 @@ class Trainer:
         pending."""
         while not stop.is_set():
             try:
-                published = await self.publisher.newest_published()
-                if published > self.state.version:
-                    log.warning("event=version_continues checkpoint_version=%d published=%d version=%d",
-                                self.state.version, published, published + 1)
-                    self.state.version = published + 1
-                self.publisher.published = min(published, self.state.version) if self.publisher.enabled \
-                    else self.state.version
-                await self.source.ensure_group()
+                self.state.version = await self.publisher.resume(self.state.version)
+                await self.source.open()
                 self.buffer.dead_groups |= await self.source.dead_groups()
                 claimed = await self.intake.claim_all()
                 self.redis_id = await self.source.identity()
@@ -121,8 +106,8 @@ class Trainer:
         if time.monotonic() - self.checked_redis >= 1.0:
             self.checked_redis = time.monotonic()
             identity = await self.source.identity()
-            if identity != self.redis_id:
-                await self.reconcile()
+            if identity != self.redis_id:  # Redis restarted: it may have lost acknowledged writes
+                await self.intake.reconcile({rid for _, rid in self.unacked})
                 self.redis_id, self.resync = identity, False
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
@@ -136,19 +121,6 @@ class Trainer:
             log.info("event=waiting_for_rollouts held=%d complete_groups=%d", self.buffer.held,
                      len(self.buffer.complete()))
             self.last_step = time.monotonic()
-
-    async def reconcile(self) -> None:
-        """Redis restarted. With appendfsync everysec a host crash loses up to the last second of
-        acknowledged writes, here acknowledgements and ledger entries of trained rollouts: claim
-        what is pending again, then write back every checkpointed id the ledger lacks."""
-        claimed = await self.intake.claim_all()
-        acked = sorted(self.state.consumed - {rid for _, rid in self.unacked})
-        restored = 0
-        for start in range(0, len(acked), 4096):
-            restored += await self.source.trained([("", rid) for rid in acked[start : start + 4096]])
-        RESTORED.inc(restored)
-        self.intake.count("ledger_restored", restored)
-        log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, restored)
 
     async def step(self, group_ids: list[str]) -> dict[str, float]:
         """One step, carried to its end even when the loop is cancelled meanwhile (a clean stop):
@@ -180,7 +152,8 @@ class Trainer:
         metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
                        tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
                        dropped_stale=self.state.counters.get("dropped_stale", 0))
-        self.record(metrics, len(rollouts))
+        self.steplog.record(metrics, len(rollouts), self.runner.recipe)
+        self.last_metrics, self.last_step = metrics, time.monotonic()
         log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e seconds=%.2f", metrics["step"],
                  metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"], metrics["step_seconds"])
         return metrics
@@ -203,28 +176,12 @@ class Trainer:
             await asyncio.sleep(0.5)
         self.reported = self.progress()
 
-    def record(self, metrics: dict[str, float], rollouts: int) -> None:
-        out = self.settings.out_dir
-        out.mkdir(parents=True, exist_ok=True)
-        with (out / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
-                               | {"recipe": self.runner.recipe}) + "\n")
-        STEPS.inc()
-        TRAINED.inc(rollouts)
-        STEP_SECONDS.observe(metrics["step_seconds"])
-        VERSION.set(self.state.version)
-        LAST_STEP.set(time.time())
-        for key, value in metrics.items():
-            LAST.labels(key).set(value)
-        self.last_metrics, self.last_step = metrics, time.monotonic()
-
     def progress(self) -> tuple[int, int, int]:
-        """(step, version, rollouts trained) as of the last version published (Status reports it:
-        a version is not announced before it exists)."""
+        """(step, version, rollouts trained) as of the last published version (what Status says)."""
         return self.state.step, min(self.state.version, self.publisher.published), len(self.state.consumed)
 
     async def checkpoint_now(self) -> Path:
-        async with self.model_lock:
+        async with self.model_lock:  # never half a step
             return await self.save()
 
     async def close(self) -> None:

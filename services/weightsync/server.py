@@ -11,9 +11,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.store import VersionStore
-from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
+from shared.service_main import grpc_service, run_loops
 from shared.weights import (
     Assembler,
     WeightError,
@@ -186,23 +186,9 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
 
 async def serve(settings: WeightSyncSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever)."""
-    from shared.metrics import start_metrics_server
-
     servicer = WeightSyncServicer(settings)
-    server, port, _ = await start_server(
-        [(add_servicer, servicer)],
-        ["steadyrl.v1.WeightSync"],
-        f"{settings.host}:{settings.port}",
-        settings.max_message_bytes,
-    )
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    log.info("event=started service=weightsync port=%d metrics_port=%d signed=%s", port, metrics_port, servicer.key is not None)
-    servicer.port = port
-    if ready is not None:
-        ready.set()
-    try:
-        await (stop.wait() if stop is not None else asyncio.Future())
-    finally:
-        await server.stop(grace=1.0)
-
-
+    stop = stop or asyncio.Event()
+    async with grpc_service("weightsync", [(add_servicer, servicer)], ["steadyrl.v1.WeightSync"], settings.host,
+                            settings.port, settings.max_message_bytes, settings.metrics_port, ready,
+                            signed=servicer.key is not None) as serving:
+        await run_loops({}, stop, serving.health)

@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from shared.launcher import Launch
-from shared.run_config import load_run_config
+from shared.keys import RunKeys
+from shared.ledger import Ledger
+from steadyrl.launcher import Launch
+from steadyrl.run_config import load_run_config
+from tests.helpers import running, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,26 +117,10 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
         f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "run.replicas=2",
         "orchestrator.eval_every=0", "trainer.checkpoint_every=1", "inference.lease_seconds=3",
         "inference.tasks_per_batch=2"])
-    launch = Launch(config, tmp_path, str(tiny_model_dir))
-    try:
-        launch.start_all()
-        launch.api("POST", "/v1/run/start")
-        while launch.api("GET", "/v1/run")["trainer_version"] < 2:
-            time.sleep(0.02)
+    with running(config, tmp_path, tiny_model_dir) as launch:
         FAULTS[fault](launch)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                status = launch.api("GET", "/v1/run")
-            except Exception:  # noqa: BLE001 - the control plane may be reconnecting to Redis
-                status = {}
-            if status.get("state") == "finished":
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.2)
+        wait_until(launch, lambda status: status["state"] == "finished")
         ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
-    finally:
-        launch.stop_all()
     trained, dropped, dead, submitted, rollouts_dead = ledger
     assert "future_version" not in rollouts_dead and not rollouts_dead.get("no_lease")
     assert len(trained) == len(set(trained)) == STEPS * B * G  # the ledger lists each rollout once
@@ -157,11 +144,10 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
 
 async def read_ledger(url: str, run_id: str):
     redis = Redis.from_url(url)
-    prefix = f"steadyrl:{run_id}:"
-    trained = [x.decode() for x in await redis.lrange(prefix + "trained", 0, -1)]
-    dropped = [x.decode() for x in await redis.lrange(prefix + "trained:dropped", 0, -1)]
-    dead = {f[b"task_id"].decode() for _, f in await redis.xrange(prefix + "dead")}
-    submitted = int(await redis.hget(prefix + "run", "submitted"))
-    rollouts_dead = {k.decode(): int(v) for k, v in (await redis.hgetall(prefix + "rollouts:dead:counts")).items()}
+    ledger, keys = Ledger(redis, run_id), RunKeys(run_id)
+    trained, dropped = await ledger.trained(), await ledger.dropped()
+    dead = {f[b"task_id"].decode() for _, f in await redis.xrange(keys.dead)}
+    submitted = int(await redis.hget(keys.run, "submitted"))
+    rollouts_dead = await ledger.rollouts_dead_counts()
     await redis.aclose()
     return trained, dropped, dead, submitted, rollouts_dead

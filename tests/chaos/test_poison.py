@@ -4,7 +4,6 @@ Each goes to a dead-letter stream with its reason (or is refused and counted); t
 every replica keep stepping, and the run finishes with every task accounted for."""
 
 import asyncio
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +11,11 @@ import pytest
 from redis.asyncio import Redis
 
 from shared.keys import RunKeys
-from shared.launcher import Launch
 from shared.rollout import Rollout, encode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
-from shared.run_config import load_run_config
+from steadyrl.run_config import load_run_config
 from tests.chaos.test_faults import read_ledger
+from tests.helpers import running, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,26 +89,13 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
         f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "run.replicas=2",
         "orchestrator.eval_every=0", "inference.lease_seconds=3", "inference.tasks_per_batch=2",
         "inference.version_wait_seconds=1", "orchestrator.max_attempts=2"])
-    launch = Launch(config, tmp_path, str(tiny_model_dir))
-    try:
-        launch.start_all()
-        launch.api("POST", "/v1/run/start")
-        while launch.api("GET", "/v1/run")["trainer_version"] < 2:
-            time.sleep(0.02)
+    with running(config, tmp_path, tiny_model_dir) as launch:
         asyncio.run(inject(launch.redis.url))
-        deadline = time.monotonic() + 300
-        while True:
-            status = launch.api("GET", "/v1/run")
-            tasks_dead = status["dead_letters"]["tasks"]
-            if status["state"] == "finished" and tasks_dead.get("attempts"):  # the far-future task ran out too
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.2)
+        # finished, and the far-future task ran out of attempts too
+        wait_until(launch, lambda status: status["state"] == "finished" and status["dead_letters"]["tasks"].get("attempts"))
         alive = {s.name: s.process.poll() is None for s in launch.services}
         trained, dropped, dead, submitted, _ = asyncio.run(read_ledger(launch.redis.url, RUN))
         rollouts_dead, tasks_dead, dead_groups, task_reasons = asyncio.run(dead_letters(launch.redis.url))
-    finally:
-        launch.stop_all()
     assert alive == {"weightsync": True, "trainer": False, "inference-0": True, "inference-1": True,
                      "orchestrator": True}  # the trainer finished its steps; nothing else stopped
     assert rollouts_dead == {

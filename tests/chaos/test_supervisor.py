@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from shared.keys import RunKeys
 from shared.redis_server import RedisServer
 from tests.chaos.test_faults import read_ledger
 
@@ -27,7 +28,7 @@ STEPS, B, G = 30, 4, 8
 def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
          "--set", f"run.steps={STEPS}", "--set", f"run.batch_prompts={B}", "--set", f"run.group_size={G}",
          "--set", "run.replicas=2", "--set", "orchestrator.eval_every=0", "--set", "inference.lease_seconds=3",
          "--set", "inference.tasks_per_batch=2"],
@@ -52,7 +53,7 @@ def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path,
 
     with RedisServer(out / "redis", appendonly=True) as redis:  # the run's Redis, from its AOF
         trained, dropped, dead, submitted, rollouts_dead = asyncio.run(read_ledger(redis.url, "tiny-arith"))
-        dead_groups = asyncio.run(smembers(redis.url, "steadyrl:tiny-arith:trained:dead"))
+        dead_groups = asyncio.run(smembers(redis.url, RunKeys("tiny-arith").trained_dead))
     assert len(trained) == len(set(trained)) == STEPS * B * G  # nothing trained twice, nothing skipped
     final = sorted((out / "trainer" / "checkpoints").glob("step-*"))[-1]
     state = json.loads((final / "state.json").read_text())

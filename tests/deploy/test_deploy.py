@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from shared.redis_server import free_port
-from shared.run_config import validate
+from steadyrl.run_config import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -31,7 +31,7 @@ label = "N=2 + R2"
 set = ["trainer.mini_batches=2", "trainer.routing_replay=r2"]
 ''')
     out = tmp_path / "exp"
-    command = [sys.executable, "-m", "shared.cli", "experiment", str(grid), "--seeds", "2", "--out", str(out)]
+    command = [sys.executable, "-m", "steadyrl.cli", "experiment", str(grid), "--seeds", "2", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -29,7 +29,7 @@ def alive(pid: int) -> bool:
 def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
          "--set", "run.steps=4", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=2",
          "--set", "orchestrator.eval_size=40", "--set", "run.replicas=2", "--set", "trainer.checkpoint_every=2"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -58,7 +58,7 @@ def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir
     out = tmp_path / "run"
     # SIG_IGN for SIGINT, as a shell gives a background job: the run must still honour it
     process = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
          "--set", "run.steps=100000", "--set", "orchestrator.eval_every=0"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
@@ -81,9 +81,9 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
 
     from redis.asyncio import Redis
 
-    from shared.launcher import Launch
     from shared.redis_server import RedisServer
-    from shared.run_config import load_run_config
+    from steadyrl.launcher import Launch
+    from steadyrl.run_config import load_run_config
 
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
         "run.steps=6", "run.batch_prompts=4", "orchestrator.eval_every=0", "trainer.checkpoint_every=1"])

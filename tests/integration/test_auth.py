@@ -16,7 +16,7 @@ from shared.redis_server import free_port
 from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync_client import WeightPublisher, pull_version
+from shared.weightsync_client import GrpcWeightPublisher, pull_version
 
 TOKEN = "a-long-random-token"
 
@@ -55,7 +55,7 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
                     codes.append(err.value.code())
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
-        publisher = WeightPublisher(address)  # the token comes from the environment, as in a service
+        publisher = GrpcWeightPublisher(address)  # the token comes from the environment, as in a service
         await publisher.push({"w": torch.ones(4)}, 1)
         await publisher.close()
         async with channel(address) as ch:

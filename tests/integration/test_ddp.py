@@ -5,11 +5,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from shared.batch import collate
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.redis_server import free_port
 from shared.rollout import decode_rollout, encode_rollout
-from shared.training import StepConfig, collate, train_step
+from shared.training import StepConfig, train_step
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 CONFIG = StepConfig(mini_batches=2, replay="r2")

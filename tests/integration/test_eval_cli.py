@@ -9,7 +9,7 @@ from shared.models.tiny import TinySpec, char_tokenizer, greedy_accuracy
 
 
 def test_eval_command_greedy_matches_hf_generate(tiny_model_dir):
-    done = subprocess.run([sys.executable, "-m", "shared.cli", "eval", str(tiny_model_dir), "--size", "60",
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "eval", str(tiny_model_dir), "--size", "60",
                            "--samples", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -27,7 +27,7 @@ from shared.redis_server import free_port
 from shared.rollout import decode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
-from shared.weightsync_client import WeightPublisher
+from shared.weightsync_client import GrpcWeightPublisher
 
 
 def prompts_of(count: int, seed: int = 0) -> list[list[int]]:
@@ -158,7 +158,7 @@ def test_replica_publishes_scored_rollouts_with_the_pulled_version(tmp_path, tin
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id) as replica:
-            publisher = WeightPublisher(f"127.0.0.1:{replica.ws_port}")
+            publisher = GrpcWeightPublisher(f"127.0.0.1:{replica.ws_port}")
             await publisher.push(v1.state_dict(), 1)
             await wait_for(lambda: _version_is(replica.stub, 1))
             for i, (prompt, example) in enumerate(zip(prompts, examples, strict=True)):

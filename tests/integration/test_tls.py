@@ -24,7 +24,7 @@ from shared.redis_server import free_port
 from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.tls import tls_from_env
-from shared.weightsync_client import WeightPublisher, pull_version
+from shared.weightsync_client import GrpcWeightPublisher, pull_version
 
 TOKEN = "tls-test-token"
 
@@ -137,7 +137,7 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
                 patch.setenv(key, value)
 
             async def round_trip():
-                publisher = WeightPublisher(address)
+                publisher = GrpcWeightPublisher(address)
                 await publisher.push({"w": torch.arange(6, dtype=torch.float32)}, 1)
                 await publisher.close()
                 async with channel(address) as ch:

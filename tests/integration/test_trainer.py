@@ -16,16 +16,18 @@ from redis.asyncio import Redis
 
 from services.trainer.config import TrainerSettings
 from services.trainer.server import serve as serve_trainer
+from shared.batch import collate
 from shared.core.loss import LossConfig, policy_loss
 from shared.engines import Sampling, make_engine
+from shared.engines.rollouts import rollouts_from_samples
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.queues import WorkQueue
-from shared.rollout import RolloutTimings, decode_rollout, rollouts_from_samples
+from shared.rollout import RolloutTimings, decode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import get_reward
-from shared.training import StepConfig, collate, sequence_logprobs, train_step
+from shared.training import StepConfig, sequence_logprobs, train_step
 from tests.helpers import publish
 
 GROUP = 4
@@ -320,7 +322,7 @@ async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):
     redis = Redis.from_url(redis_server.url)
     await publish(redis, run_id, rollouts)
     trainer = Trainer(settings_for(tmp_path, model_dir, redis_server, run_id), redis)
-    await trainer.source.ensure_group()
+    await trainer.source.open()
     while trainer.buffer.held < len(rollouts):
         await trainer.intake.take(await trainer.source.read(50))
     return redis, trainer
@@ -351,8 +353,8 @@ def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_
         dropped = [x.decode() for x in await redis.lrange(keys.dropped, 0, -1)]
         dead_letters = await redis.xlen(keys.rollouts_dead)
         await redis.delete(keys.trained, keys.trained_ids)  # Redis came back without them
-        await trainer.reconcile()
-        await trainer.reconcile()
+        await trainer.intake.reconcile(set())
+        await trainer.intake.reconcile(set())
         restored = [x.decode() for x in await redis.lrange(keys.trained, 0, -1)]
         left = await redis.xlen(keys.rollouts)
         await redis.aclose()

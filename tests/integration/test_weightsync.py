@@ -14,8 +14,8 @@ from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weights import build_manifest, iter_chunks
 from shared.weightsync_client import (
-    WeightPublisher,
-    WeightSubscriber,
+    GrpcWeightPublisher,
+    GrpcWeightSubscriber,
     open_channels,
     pull_version,
     to_state_dict,
@@ -78,10 +78,10 @@ def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
         server = Server(tmp_path)
         await server.start()
         received = {}
-        subscriber = WeightSubscriber(server.address, lambda v, sd: received.__setitem__(v, sd))
+        subscriber = GrpcWeightSubscriber(server.address, lambda v, sd: received.__setitem__(v, sd))
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
-        publisher = WeightPublisher(server.address, chunk_bytes=1000)
+        publisher = GrpcWeightPublisher(server.address, chunk_bytes=1000)
         for version in (1, 2, 3):
             reply = await publisher.push(state(version), version, version - 1)
             assert reply.version.version == version
@@ -108,7 +108,7 @@ def test_delta_pull_equals_full_pull_and_is_smaller(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
-        publisher = WeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address)
         base = state(1)
         nxt = {k: v.clone() for k, v in base.items()}
         nxt["embed.weight"][0, :4] += 1.0  # a few elements change; bias and scalar do not
@@ -203,10 +203,10 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
-        subscriber = WeightSubscriber(server.address, lambda v, sd: None, backoff=(0.05, 0.2))
+        subscriber = GrpcWeightSubscriber(server.address, lambda v, sd: None, backoff=(0.05, 0.2))
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
-        publisher = WeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address)
         await publisher.push(state(1), 1)
         while subscriber.version < 1:
             await asyncio.sleep(0.01)
@@ -232,12 +232,12 @@ def test_signed_pushes_only_when_a_key_is_set(tmp_path):
         server = Server(tmp_path, hmac_key=KEY.decode())
         await server.start()
         for key in (None, b"wrong-key"):
-            publisher = WeightPublisher(server.address, key=key)
+            publisher = GrpcWeightPublisher(server.address, key=key)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await publisher.push(state(1), 1)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             await publisher.close()
-        publisher = WeightPublisher(server.address, key=KEY)
+        publisher = GrpcWeightPublisher(server.address, key=KEY)
         assert (await publisher.push(state(1), 1)).version.version == 1
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await publisher.push(state(1), 1)  # not newer
@@ -252,7 +252,7 @@ def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
     async def main():
         server = Server(tmp_path, retain_versions=3, memory_versions=1)
         await server.start()
-        publisher = WeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address)
         for version in range(1, 6):
             await publisher.push(state(version), version, version - 1)
         async with grpc.aio.insecure_channel(server.address) as ch:
@@ -303,7 +303,7 @@ def test_striped_pull_equals_single_stream_and_generated_clients_decode_frames(t
     async def main():
         server = Server(tmp_path)
         await server.start()
-        publisher = WeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address)
         await publisher.push(state(7), 1)
         channels = open_channels(server.address, 3)
         striped_manifest, striped, striped_wire = await pull_version(channels, 1)
@@ -383,7 +383,7 @@ def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
             assert (await stub.List(common_pb2.Empty())).versions == []
-            publisher = WeightPublisher(server.address)  # the same version number is free again
+            publisher = GrpcWeightPublisher(server.address)  # the same version number is free again
             await publisher.push(state(1), 1)
             assert [v.version.version for v in (await stub.List(common_pb2.Empty())).versions] == [1]
             await publisher.close()

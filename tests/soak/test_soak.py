@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from shared.launcher import Launch
-from shared.run_config import load_run_config
+from shared.keys import RunKeys
+from shared.ledger import Ledger
+from steadyrl.launcher import Launch
+from steadyrl.run_config import load_run_config
 
 pytestmark = pytest.mark.soak
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,16 +49,15 @@ def _children(pid: int) -> list[int]:
 async def ledger(url: str, run_id: str) -> dict:
     """Where every submitted task is: trained, dropped as stale, dead, still queued or leased, or with
     rollouts on the stream the trainer has not trained yet (a group cut by the stop)."""
-    redis = Redis.from_url(url)
-    prefix = f"steadyrl:{run_id}:"
-    trained = [x.decode() for x in await redis.lrange(prefix + "trained", 0, -1)]
-    dropped = {x.decode().split(":")[0] for x in await redis.lrange(prefix + "trained:dropped", 0, -1)}
-    dead = {f[b"task_id"].decode() for _, f in await redis.xrange(prefix + "dead")}
-    queued = {x.decode() for x in await redis.lrange(prefix + "pending", 0, -1)}
-    queued |= {x.decode() for x in await redis.zrange(prefix + "leases", 0, -1)}
-    on_stream = {f[b"task"].decode() for _, f in await redis.xrange(prefix + "rollouts")}
-    rollouts_dead = await redis.xlen(prefix + "rollouts:dead")
-    submitted = int(await redis.hget(prefix + "run", "submitted") or 0)
+    redis, keys = Redis.from_url(url), RunKeys(run_id)
+    trained = await Ledger(redis, run_id).trained()
+    dropped = {x.split(":")[0] for x in await Ledger(redis, run_id).dropped()}
+    dead = {f[b"task_id"].decode() for _, f in await redis.xrange(keys.dead)}
+    queued = {x.decode() for x in await redis.lrange(keys.pending, 0, -1)}
+    queued |= {x.decode() for x in await redis.zrange(keys.leases, 0, -1)}
+    on_stream = {f[b"task"].decode() for _, f in await redis.xrange(keys.rollouts)}
+    rollouts_dead = await redis.xlen(keys.rollouts_dead)
+    submitted = int(await redis.hget(keys.run, "submitted") or 0)
     await redis.aclose()
     tasks_trained = {rid.split(":")[0] for rid in trained}
     unaccounted = {f"train-{i}" for i in range(submitted)} - tasks_trained - dropped - dead - queued - on_stream

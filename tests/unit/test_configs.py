@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.run_config import SERVICES, load_run_config, service_env, validate
+from steadyrl.run_config import SERVICES, load_run_config, service_env, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = {p for p in (ROOT / "configs").glob("*.toml") if "grid" in tomllib.loads(p.read_text())}  # experiment grids
@@ -40,7 +40,7 @@ def test_a_bad_value_fails_before_any_process_starts(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "shared.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
                            "--out", str(out), "--set", "trainer.loss.eps_low=1.5"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and "eps_low must lie in [0, 1)" in done.stderr and "loss" in done.stderr
@@ -61,7 +61,7 @@ def test_services_cannot_disagree_on_what_run_declares():
 
 
 def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
-    from shared.run_config import build_settings
+    from steadyrl.run_config import build_settings
 
     monkeypatch.setenv("STEADYRL_TRAINER_LR", "0.5")  # this process's environment is not the service's
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3",

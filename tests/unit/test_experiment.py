@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.experiment import (
+from steadyrl.experiment import (
     aggregate,
     load_grid,
     markdown_table,
@@ -25,7 +25,7 @@ def steps(n, **fixed):
 
 
 def test_the_paper_grid_loads_and_every_run_recipe_validates():
-    from shared.run_config import SERVICES, service_env, validate
+    from steadyrl.run_config import SERVICES, service_env, validate
 
     grid = load_grid(ROOT / "configs" / "paper-grid.toml")
     names = [c.name for c in grid.configs]

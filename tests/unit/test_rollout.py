@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.engines.rollouts import encode_samples, rollouts_from_samples
 from shared.rollout import (
     Rollout,
     RolloutError,
@@ -12,8 +13,6 @@ from shared.rollout import (
     RolloutTimings,
     decode_rollout,
     encode_rollout,
-    encode_samples,
-    rollouts_from_samples,
     validate_rollout,
 )
 

@@ -91,7 +91,7 @@ def test_math_task_reads_parquet(tmp_path):
 
 def test_math_evals_never_measure_memorisation(tmp_path):
     from services.orchestrator.config import OrchestratorSettings
-    from services.orchestrator.orchestrator import dataset
+    from services.orchestrator.data import dataset
 
     def write(name, problems):
         path = tmp_path / name

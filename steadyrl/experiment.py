@@ -33,7 +33,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.run_config import RunConfig, load_run_config
+from steadyrl.run_config import RunConfig, load_run_config
 
 # per-step diagnostics summarised per run: (metrics key, how, column)
 RUN_COLUMNS = [
@@ -267,7 +267,7 @@ def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[l
 # --- running --------------------------------------------------------------------------------------
 
 def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    from shared.launcher import read_jsonl
+    from steadyrl.launcher import read_jsonl
 
     return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
 
@@ -275,7 +275,7 @@ def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
 def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (),
              echo=print) -> dict:
     """Run every (configuration, seed) not finished yet, then write results.csv, table.md, plots."""
-    from shared.launcher import run
+    from steadyrl.launcher import run
 
     configs = [c for c in grid.configs if not only or c.name in only]
     missing = set(only) - {c.name for c in grid.configs}

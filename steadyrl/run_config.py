@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+
+from shared.settings import StepShape
 
 SERVICES = ("trainer", "inference", "orchestrator", "weightsync")
 SETTINGS = {
@@ -36,7 +38,7 @@ SETTINGS = {
 }
 
 
-class RunSection(BaseModel):
+class RunSection(StepShape):
     """[run]: what the whole run shares."""
 
     model_config = ConfigDict(extra="forbid")
@@ -47,12 +49,6 @@ class RunSection(BaseModel):
     """Inference replicas."""
     steps: int = Field(0, ge=0)
     """Global steps (0 = until stopped)."""
-    batch_prompts: int = Field(8, ge=1)
-    """B: prompts (complete groups) per global step."""
-    group_size: int = Field(8, ge=1)
-    """G: samples per prompt."""
-    max_staleness: int = Field(1, ge=0)
-    """Versions a rollout may lag the trainer when trained (0 = synchronous)."""
     max_restarts: int = Field(5, ge=0)
     """`steadyrl run`: restarts of one crashed service before the run gives up."""
     restart_backoff_seconds: float = Field(1.0, gt=0)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.redis_server import RedisServer, free_port
-from shared.run_config import RunConfig, check, service_env, validate
+from steadyrl.run_config import RunConfig, check, service_env, validate
 
 
 @dataclass
@@ -356,7 +356,7 @@ def finish(launch: Launch, summary: dict) -> None:
         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
     )
     try:
-        from shared.report import plot_run, save_final_model
+        from steadyrl.report import plot_run, save_final_model
 
         summary["plots"] = plot_run(out, list(by_step.values()), evals)
         summary["final_model"] = save_final_model(launch.model_path, out / "trainer" / "checkpoints",

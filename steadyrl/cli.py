@@ -60,9 +60,9 @@ def run_command(
     """Start every service on loopback, run the recipe to the end and write the report."""
     import time as _time
 
-    from shared.launcher import run
     from shared.logs import setup_logging
-    from shared.run_config import check, load_run_config
+    from steadyrl.launcher import run
+    from steadyrl.run_config import check, load_run_config
 
     setup_logging("run")
     try:
@@ -89,7 +89,7 @@ def eval_command(
     math_path: Annotated[Path | None, typer.Option(help="math: JSONL/Parquet file.")] = None,
 ) -> None:
     """Greedy and sampled accuracy of a model on a task's eval split."""
-    from shared.evaluation import evaluate
+    from steadyrl.evaluation import evaluate
 
     typer.echo(json.dumps(evaluate(str(model_dir), task, size, samples, max_new_tokens, math_path)))
 
@@ -104,8 +104,8 @@ def experiment_command(
     report_only: Annotated[bool, typer.Option(help="Write the table and plots from the runs already there.")] = False,
 ) -> None:
     """Run a grid of configurations × seeds (each a full run), then write table.md, results.csv and plots."""
-    from shared.experiment import load_grid, run_grid, write_report
     from shared.logs import setup_logging
+    from steadyrl.experiment import load_grid, run_grid, write_report
 
     setup_logging("experiment")
     spec = load_grid(grid)

@@ -1,0 +1,93 @@
+"""What a replica checks before it serves a leased task, and the renewal of a batch's leases."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import redis.exceptions
+from prometheus_client import Counter
+
+from shared.engines import Engine, Sampling
+from shared.queues import Lease, WorkQueue
+from shared.tasks import RewardRunner
+
+log = logging.getLogger("steadyrl.inference.worker")
+MAX_GROUP_SIZE = 4096
+RENEW_ERRORS = Counter("steadyrl_inference_lease_renew_errors_total", "Lease renewals Redis refused or timed out",
+                       ["replica"])
+
+
+class BadTask(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def prompt_ids(task, tokenizer) -> list[int]:
+    if task.prompt_token_ids:
+        return list(task.prompt_token_ids)
+    if not task.prompt_text:
+        raise BadTask("prompt", f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
+    return list(tokenizer(task.prompt_text).input_ids)
+
+
+@dataclass
+class Checked:
+    lease: Lease
+    prompt: list[int]
+    sampling: Sampling
+
+
+def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: RewardRunner) -> Checked:
+    """The task's prompt and sampling, or BadTask when it can never be served here."""
+    task = lease.task
+    if task.run_id and task.run_id != run_id:
+        raise BadTask("other_run", f"task of run {task.run_id!r} in the queue of {run_id!r}")
+    if not 1 <= task.group_size <= MAX_GROUP_SIZE:
+        raise BadTask("group_size", f"group_size {task.group_size} outside [1, {MAX_GROUP_SIZE}]")
+    try:
+        sampling = Sampling.from_proto(task.sampling)
+    except ValueError as exc:
+        raise BadTask("sampling", str(exc)) from None
+    prompt = prompt_ids(task, tokenizer)
+    if not prompt or min(prompt) < 0 or max(prompt) >= engine.vocab_size:
+        raise BadTask("prompt", f"prompt token ids outside the vocabulary [0, {engine.vocab_size})")
+    if len(prompt) + sampling.max_new_tokens > engine.max_model_len:
+        raise BadTask("context", f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > the "
+                                 f"engine's {engine.max_model_len} positions")
+    try:
+        rewards.check(task.task_name)
+    except KeyError as exc:
+        raise BadTask("reward", str(exc)) from None
+    return Checked(lease, prompt, sampling)
+
+
+class LeaseRenewal:
+    """Renews the leases of one batch until stopped. Stopping empties what it renews first, so
+    even a renewal stuck in a Redis call that outlives its cancellation renews nothing after."""
+
+    def __init__(self, queue: WorkQueue, replica_id: str, lease_seconds: float, held: set[str]) -> None:
+        self.queue, self.replica_id, self.lease_seconds = queue, replica_id, lease_seconds
+        self.held, self.done = held, asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self.done.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.done.wait(), self.lease_seconds / 3)
+            if self.done.is_set():
+                return
+            try:
+                await self.queue.extend(self.replica_id, sorted(self.held), self.lease_seconds)
+            except redis.exceptions.RedisError as exc:
+                RENEW_ERRORS.labels(self.replica_id).inc()
+                log.warning("event=lease_renew_failed error=%s", type(exc).__name__)
+
+    async def stop(self) -> None:
+        self.done.set()
+        self.held.clear()
+        self.task.cancel()
+        await asyncio.wait({self.task}, timeout=1.0)  # never waits on a call that ignores its cancel

@@ -1,0 +1,55 @@
+"""The run's data: train and eval examples (never overlapping unless allowed) and the prompt tasks
+made from them."""
+
+from __future__ import annotations
+
+from services.orchestrator.config import OrchestratorSettings
+from shared.models import load_tokenizer
+from shared.models.loading import encode_prompt
+from shared.rpc.steadyrl.v1 import common_pb2
+from shared.tasks import ArithTask, Example, MathTask
+
+
+def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example], str]:
+    """(train, eval, reward) of the run; train and eval never share a problem unless allowed."""
+    if settings.task == "arith":
+        task = ArithTask(digits=settings.arith_digits, seed=settings.task_seed,
+                         fixed_width=settings.arith_fixed_width, reverse=settings.arith_reverse)
+        train = task.split("train", min(settings.train_size, task.max_split_size("train")))
+        return train, task.split("eval", min(settings.eval_size, task.max_split_size("eval"))), "exact_match"
+    if settings.math_path is None:
+        raise ValueError("task 'math' needs math_path")
+    task = MathTask(str(settings.math_path), str(settings.math_eval_path) if settings.math_eval_path else None)
+    if settings.math_eval_path is None:  # hold the last eval_size rows out of training
+        rows = task.split("train")
+        if len(rows) <= settings.eval_size:
+            raise ValueError(f"{settings.math_path} has {len(rows)} rows: too few to hold out eval_size="
+                             f"{settings.eval_size} for evaluation (or give math_eval_path)")
+        return rows[: -settings.eval_size][: settings.train_size], rows[-settings.eval_size:], "math_verify"
+    train, evals = task.split("train", settings.train_size), task.split("eval", settings.eval_size)
+    overlap = {e.prompt for e in train} & {e.prompt for e in evals}
+    if overlap and not settings.allow_eval_overlap:
+        raise ValueError(f"{len(overlap)} eval problems are also training problems (e.g. "
+                         f"{next(iter(overlap))[:80]!r}); evals would measure memorisation. Remove them or set "
+                         "allow_eval_overlap = true")
+    return train, evals, "math_verify"
+
+
+class Tasks:
+    """The examples of a run and the PromptTasks made of them (prompts tokenized here)."""
+
+    def __init__(self, settings: OrchestratorSettings) -> None:
+        self.settings = settings
+        self.train, self.eval, self.reward = dataset(settings)
+        self.tokenizer = load_tokenizer(settings.model_path)
+
+    def make(self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool,
+             min_version: int) -> common_pb2.PromptTask:
+        s = self.settings
+        return common_pb2.PromptTask(
+            task_id=task_id, run_id=s.run_id, group_id=task_id, task_name=self.reward,
+            prompt_token_ids=encode_prompt(self.tokenizer, example.prompt), answer=example.answer,
+            group_size=group_size, is_eval=is_eval, min_policy_version=min_version,
+            sampling=common_pb2.SamplingParams(temperature=temperature, top_p=s.top_p if temperature else 1.0,
+                                               max_new_tokens=s.max_new_tokens),
+        )

@@ -1,0 +1,35 @@
+"""What each step leaves behind: a line in metrics.jsonl and the trainer's Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
+VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")
+TRAINED = Counter("steadyrl_trainer_rollouts_trained_total", "Rollouts trained")
+LAST_STEP = Gauge("steadyrl_trainer_last_step_unix_seconds", "When the last global step finished")
+STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
+
+
+class StepLog:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def record(self, metrics: dict[str, float], rollouts: int, recipe: str) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.out_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
+                               | {"recipe": recipe}) + "\n")
+        STEPS.inc()
+        TRAINED.inc(rollouts)
+        STEP_SECONDS.observe(metrics["step_seconds"])
+        VERSION.set(metrics["version"])
+        LAST_STEP.set(time.time())
+        for key, value in metrics.items():
+            LAST.labels(key).set(value)

@@ -1,0 +1,85 @@
+"""From rollouts to the tensors of a training step.
+
+Layout: each rollout is one row of the full sequence s = prompt + completion, right-padded to
+S = max(P + C). Per-token tensors are [B, S − 1] in the "next token" layout: position j holds
+what the logits at j say about token j + 1, so completion token t of a row sits at P + t − 1.
+A routing trace covers positions 0 .. P + C − 2 of the forward (every input token but the last),
+so it is replayed on [B, S] with a mask that frees the last token and the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.rollout import Rollout
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, S] long
+    attention_mask: torch.Tensor  # [B, S] long
+    loss_mask: torch.Tensor  # [B, S-1] bool: completion tokens
+    inference_logprobs: torch.Tensor  # [B, S-1] float32 (0 off the mask)
+    versions: torch.Tensor  # [B, S-1] long (0 off the mask)
+    rewards: torch.Tensor  # [B] float32
+    trace: torch.Tensor | None  # [B, S, layers, top_k] long, when every rollout has one
+    trace_mask: torch.Tensor | None  # [B, S] bool: positions the trace covers
+    rollout_ids: list[str]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: list[int] | torch.Tensor) -> TrainBatch:
+        index = torch.as_tensor(rows, dtype=torch.long)
+        pick = (lambda t: None if t is None else t.index_select(0, index))  # noqa: E731
+        return TrainBatch(
+            pick(self.input_ids), pick(self.attention_mask), pick(self.loss_mask), pick(self.inference_logprobs),
+            pick(self.versions), pick(self.rewards), pick(self.trace), pick(self.trace_mask),
+            [self.rollout_ids[i] for i in index.tolist()],
+        )
+
+
+def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
+    if not rollouts:
+        raise ValueError("no rollouts to collate")
+    lengths = [len(r.prompt_token_ids) + len(r.completion_token_ids) for r in rollouts]
+    batch, width = len(rollouts), max(lengths)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros(batch, width, dtype=torch.long)
+    loss_mask = torch.zeros(batch, width - 1, dtype=torch.bool)
+    inference = torch.zeros(batch, width - 1)
+    versions = torch.zeros(batch, width - 1, dtype=torch.long)
+    with_trace = all(r.routing_trace is not None for r in rollouts)
+    trace = trace_mask = None
+    if with_trace:
+        layers, top_k = rollouts[0].routing_trace.shape[1:]
+        trace = torch.zeros(batch, width, layers, top_k, dtype=torch.long)
+        trace_mask = torch.zeros(batch, width, dtype=torch.bool)
+    for row, r in enumerate(rollouts):
+        prompt, completion = len(r.prompt_token_ids), len(r.completion_token_ids)
+        tokens = np.concatenate([r.prompt_token_ids, r.completion_token_ids]).astype(np.int64)
+        input_ids[row, : len(tokens)] = torch.from_numpy(tokens)
+        attention[row, : len(tokens)] = 1
+        span = slice(prompt - 1, prompt + completion - 1)
+        loss_mask[row, span] = True
+        inference[row, span] = torch.from_numpy(np.asarray(r.inference_logprobs, dtype=np.float32))
+        versions[row, span] = torch.from_numpy(np.asarray(r.policy_versions, dtype=np.int64))
+        if with_trace:
+            positions = r.routing_trace.shape[0]
+            trace[row, :positions] = torch.from_numpy(r.routing_trace.astype(np.int64))
+            trace_mask[row, :positions] = True
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    return TrainBatch(input_ids, attention, loss_mask, inference, versions, rewards, trace, trace_mask,
+                      [r.rollout_id for r in rollouts])
+
+
+def split_groups(num_groups: int, group_size: int, parts: int) -> list[list[int]]:
+    """Rows of `parts` mini-batches, each a contiguous run of whole groups."""
+    if parts > num_groups:
+        raise ValueError(f"{parts} mini-batches need at least {parts} groups, got {num_groups}")
+    bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
+    return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size)) for i in range(parts)]

@@ -1,0 +1,38 @@
+"""What the trainer recorded about a run's work, read for the orchestrator, tests and operators
+(the trainer is the only writer: `shared.keys`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from shared.keys import RunKeys
+
+
+@dataclass(frozen=True)
+class LedgerCounts:
+    trained: int  # rollouts trained into a checkpoint
+    dropped: int  # rollouts dropped as stale
+    dead_groups: frozenset[str]  # groups (tasks) the trainer dead-lettered whole
+
+
+class Ledger:
+    def __init__(self, redis: Redis, run_id: str) -> None:
+        self.redis, self.keys = redis, RunKeys(run_id)
+
+    async def counts(self) -> LedgerCounts:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.llen(self.keys.trained).llen(self.keys.dropped).smembers(self.keys.trained_dead)
+            trained, dropped, dead = await pipe.execute()
+        return LedgerCounts(int(trained), int(dropped), frozenset(g.decode() for g in dead))
+
+    async def trained(self) -> list[str]:
+        return [x.decode() for x in await self.redis.lrange(self.keys.trained, 0, -1)]
+
+    async def dropped(self) -> list[str]:
+        return [x.decode() for x in await self.redis.lrange(self.keys.dropped, 0, -1)]
+
+    async def rollouts_dead_counts(self) -> dict[str, int]:
+        """Rollouts the trainer dead-lettered, by reason, since the run began."""
+        return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.rollouts_dead_counts)).items()}
