@@ -19,6 +19,7 @@ BENCHMARKS = {
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
     "trainer": ("bench.trainer", []),
+    "trainer_memory": ("bench.trainer_memory", []),
     "async": ("bench.asynchrony", []),
 }
 
@@ -103,6 +104,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| trainer | loss + correction math / step, {size} | {_get(tr, size, 'loss_math_share_of_step')} | ≤ 0.03 |")
         lines.append(f"| trainer | routing replay overhead on forward + backward, {size} "
                      f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |")
+    mem = b.get("trainer_memory", {})
+    lines.append(f"| trainer memory | FSDP / DDP parameter + AdamW bytes per rank, 2 gloo ranks, "
+                 f"{_get(mem, 'parameters')}-parameter MoE | {_get(mem, 'fsdp_over_ddp_param_optimizer_bytes')} | ≤ 0.6 |")
+    lines.append(f"| trainer memory | FSDP / DDP peak resident memory per rank | {_get(mem, 'fsdp_over_ddp_peak_rss')} | – |")
+    lines.append(f"| trainer memory | published bytes per version, bf16 / fp32 | {_get(mem, 'published_bf16_over_fp32')} "
+                 f"| 0.5 |")
     asy = b.get("async", {})
     for name in ("async_1", "async_2"):
         lines.append(f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy (mean of 3 evals), sync / {name} "

@@ -49,8 +49,9 @@ def wider_model(model_dir):
 
 
 def measure(model, batch) -> dict:
+    from shared.forward import sequence_logprobs
     from shared.models.routing import RoutingController
-    from shared.training import StepConfig, sequence_logprobs, train_step
+    from shared.training import StepConfig, train_step
 
     routing = RoutingController(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

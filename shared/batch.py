@@ -33,13 +33,39 @@ class TrainBatch:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def width(self) -> int:
+        """S: positions per row."""
+        return self.input_ids.shape[1]
+
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens of each row (prompt + completion)."""
+        return self.attention_mask.sum(dim=1)
+
     def select(self, rows: list[int] | torch.Tensor) -> TrainBatch:
         index = torch.as_tensor(rows, dtype=torch.long)
-        pick = (lambda t: None if t is None else t.index_select(0, index))  # noqa: E731
+        pick = (lambda t: None if t is None else t.index_select(0, index.to(t.device)))  # noqa: E731
         return TrainBatch(
             pick(self.input_ids), pick(self.attention_mask), pick(self.loss_mask), pick(self.inference_logprobs),
             pick(self.versions), pick(self.rewards), pick(self.trace), pick(self.trace_mask),
             [self.rollout_ids[i] for i in index.tolist()],
+        )
+
+    def trimmed(self) -> TrainBatch:
+        """The same rows cut to their own longest row (less padding to compute)."""
+        width = max(int(self.lengths().max()), 2)
+        cut = (lambda t, n: None if t is None else t[:, :n])  # noqa: E731
+        return TrainBatch(
+            cut(self.input_ids, width), cut(self.attention_mask, width), cut(self.loss_mask, width - 1),
+            cut(self.inference_logprobs, width - 1), cut(self.versions, width - 1), self.rewards,
+            cut(self.trace, width), cut(self.trace_mask, width), self.rollout_ids,
+        )
+
+    def to(self, device: torch.device) -> TrainBatch:
+        move = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
+        return TrainBatch(
+            move(self.input_ids), move(self.attention_mask), move(self.loss_mask), move(self.inference_logprobs),
+            move(self.versions), move(self.rewards), move(self.trace), move(self.trace_mask), self.rollout_ids,
         )
 
 
@@ -83,3 +109,19 @@ def split_groups(num_groups: int, group_size: int, parts: int) -> list[list[int]
         raise ValueError(f"{parts} mini-batches need at least {parts} groups, got {num_groups}")
     bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
     return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size)) for i in range(parts)]
+
+
+def token_budget_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive positions of `lengths` in chunks of at most `budget` tokens each (a row longer
+    than the budget is a chunk of its own); budget 0 = one chunk."""
+    if budget <= 0 or not lengths:
+        return [list(range(len(lengths)))]
+    chunks: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if chunks[-1] and used + n > budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += n
+    return chunks

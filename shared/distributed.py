@@ -1,7 +1,8 @@
-"""torch.distributed plumbing for data-parallel training (gloo on CPU, nccl on GPU).
+"""torch.distributed plumbing for the trainer: each rank's device, the process group (nccl on
+CUDA, gloo on CPU), and rank 0's commands to the other ranks.
 
-Batches travel between ranks as protobuf bytes packed into a uint8 tensor (never pickle, so no
-`broadcast_object_list`)."""
+Commands and batches travel between ranks as protobuf bytes packed into a uint8 tensor (never
+pickle, so no `broadcast_object_list`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,27 @@ import torch
 import torch.distributed as dist
 
 
-def init_from_env() -> tuple[int, int]:
-    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world)."""
+def rank_device(setting: str = "auto") -> torch.device:
+    """This process's device: `cuda:LOCAL_RANK` (made current) when asked for or when CUDA exists
+    under "auto", else the CPU."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.device = 'cuda' but no CUDA device is visible to this process")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes (WORLD_SIZE > 1) with the backend of this rank's
+    device (nccl for CUDA, gloo for CPU); returns (rank, world)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        cuda = device is not None and device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -27,8 +27,24 @@ class LoopDied(RuntimeError):
     """A service loop ended by itself (an error, or a return it must never make)."""
 
 
+def die_with_parent() -> None:
+    """A rank torchrun started dies when torchrun does (Linux: PR_SET_PDEATHSIG), so a killed
+    launcher never leaves ranks behind that keep consuming the run's work."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    if sys.platform != "linux" or "LOCAL_RANK" not in os.environ:
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 def run_service(name: str, settings_cls: type, server_module: str) -> None:
     """Build `settings_cls()` from STEADYRL_* variables and run `server_module.serve` until a signal."""
+    die_with_parent()
     settings = settings_cls()
     setup_logging(name)
 

@@ -1,53 +1,19 @@
-"""One global step of the training engine: its logprobs, π_old, the N updates, the statistics.
-Batches are laid out by `shared.batch`."""
+"""One global step of the training engine: π_old, the N updates (each in micro-batches), the
+statistics. Batches are laid out by `shared.batch`; forwards run in `shared.forward`."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 
-from shared.batch import TrainBatch, split_groups
+from shared.batch import TrainBatch, split_groups, token_budget_chunks
 from shared.core.advantages import group_advantages
-from shared.core.diagnostics import entropy_from_logits
 from shared.core.loss import LossConfig, policy_loss
 from shared.core.stats import StepStats
+from shared.forward import Compute, gradient_sync, routing_context, sequence_logprobs
 from shared.models.routing import RoutingController
-
-
-@dataclass
-class Forward:
-    logprobs: torch.Tensor  # [B, S-1] log π(y_{j+1}) at each position (with grad when asked)
-    entropy_per_token: torch.Tensor  # [B, S-1] token entropy of π (no grad)
-    routing: torch.Tensor | None  # [B, S, layers, top_k] experts the forward routed to (captured)
-
-
-def sequence_logprobs(model, batch: TrainBatch, routing: RoutingController | None = None,
-                      replay: torch.Tensor | None = None, replay_mask: torch.Tensor | None = None,
-                      capture: bool = False) -> Forward:
-    """One forward of the training engine over `batch`: next-token logprobs and entropy.
-
-    `replay` ([B, S, L, K] with `replay_mask` [B, S]) forces the routing; `capture` records it.
-    """
-    if (replay is not None or capture) and routing is None:
-        raise ValueError("routing replay or capture needs a RoutingController")
-    context: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if replay is not None:
-        context = routing.replay(replay, replay_mask)
-    elif capture:
-        context = routing.capture()
-    with context as recording:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float()
-    targets = batch.input_ids[:, 1:]
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits.detach())
-    captured = recording.trace(batch.input_ids.shape) if capture else None
-    return Forward(logprobs, entropy, captured)
-
 
 REPLAY_MODES = ("off", "r2", "r3")
 
@@ -153,72 +119,96 @@ class OldPolicy:
 
 @torch.no_grad()
 def recompute_old(model, plan: StepPlan, routing: RoutingController | None, config: StepConfig,
-                  stats: StepStats) -> OldPolicy:
+                  stats: StepStats, compute: Compute) -> OldPolicy:
     """log π_old once per global step, before any update, replaying R3 traces or capturing the
-    routing for R2; records the routing agreement with the inference traces (MoE with traces)."""
+    routing for R2, in micro-batches; records the routing agreement with the inference traces."""
     local, is_moe = plan.local, routing is not None and routing.is_moe
-    logprobs = captured = None
-    if not config.bypass:
-        r3 = config.replay == "r3"
-        forward = sequence_logprobs(model, local, routing, replay=local.trace if r3 else None,
-                                    replay_mask=local.trace_mask if r3 else None, capture=is_moe and not r3)
-        logprobs, captured = forward.logprobs, forward.routing
-    if is_moe and local.trace is not None:
-        inner = getattr(model, "module", model)
-        own = captured if captured is not None else sequence_logprobs(inner, local, routing, capture=True).routing
-        same = (own.sort(dim=-1).values == local.trace.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
-        stats.add_mean("routing_agreement", same, local.trace_mask.unsqueeze(-1).expand_as(same))
+    width, device = local.width, compute.device
+    logprobs = torch.zeros(local.size, width - 1, device=device) if not config.bypass else None
+    captured = None
+    for chunk in token_budget_chunks(local.lengths().tolist(), compute.micro_batch_tokens):
+        part = local.select(chunk).trimmed().to(device)
+        at = torch.tensor(chunk, device=device)
+        own = None
+        if not config.bypass:
+            r3 = config.replay == "r3"
+            forward = sequence_logprobs(model, part, routing, replay=part.trace if r3 else None,
+                                        replay_mask=part.trace_mask if r3 else None, capture=is_moe and not r3,
+                                        compute=compute)
+            logprobs[at, : part.width - 1] = forward.logprobs
+            own = forward.routing
+            if own is not None:
+                if captured is None:
+                    captured = torch.zeros(local.size, width, *own.shape[2:], dtype=own.dtype, device=device)
+                captured[at, : part.width] = own
+        if is_moe and part.trace is not None:
+            inner = getattr(model, "module", model)
+            if own is None:
+                own = sequence_logprobs(inner, part, routing, capture=True, compute=compute).routing
+            same = (own.sort(dim=-1).values == part.trace.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
+            stats.add_mean("routing_agreement", same, part.trace_mask.unsqueeze(-1).expand_as(same))
     return OldPolicy(logprobs, captured)
 
 
 def update(model, optimizer, routing: RoutingController | None, plan: StepPlan, old: OldPolicy, rows: list[int],
-           config: StepConfig, stats: StepStats, world: int) -> None:
-    """One optimizer step on `rows` (this rank's part of one mini-batch)."""
-    mb = plan.batch.select(rows)
-    at = torch.tensor([plan.position[row] for row in rows])
-    replay = replay_mask = None
-    if config.replay == "r3":
-        replay, replay_mask = mb.trace, mb.trace_mask
-    elif config.replay == "r2":
-        replay, replay_mask = old.routing.index_select(0, at), mb.attention_mask.bool()
+           config: StepConfig, stats: StepStats, world: int, compute: Compute) -> None:
+    """One optimizer step on `rows` (this rank's part of one mini-batch), its gradients
+    accumulated over micro-batches of at most `compute.micro_batch_tokens` tokens. Every
+    micro-batch divides by the mini-batch's normaliser (its valid tokens over all ranks), so the
+    update equals the unsplit one."""
+    whole = plan.batch.select(rows)
+    counted = whole.loss_mask & torch.isfinite(whole.inference_logprobs)  # policy_loss drops the others
+    tokens = _global_sum(counted.sum().to(compute.device), world)
+    sequences = _global_sum(counted.any(dim=-1).sum().to(compute.device), world)
+    chunks = token_budget_chunks(whole.lengths().tolist(), compute.micro_batch_tokens)
     optimizer.zero_grad(set_to_none=True)
-    forward = sequence_logprobs(model, mb, routing, replay=replay, replay_mask=replay_mask)
-    started = time.perf_counter()
-    counted = mb.loss_mask & torch.isfinite(mb.inference_logprobs)  # policy_loss drops the others
-    tokens = _global_sum(counted.sum(), world)
-    sequences = _global_sum(counted.any(dim=-1).sum(), world)
-    staleness = plan.staleness.index_select(0, torch.tensor(rows)).long()
-    loss, _ = policy_loss(
-        forward.logprobs, None if old.logprobs is None else old.logprobs.index_select(0, at), mb.inference_logprobs,
-        plan.advantages.index_select(0, torch.tensor(rows)), mb.loss_mask, config.loss,
-        token_normalizer=tokens, sequence_normalizer=sequences, stats=stats, buckets=(staleness, plan.buckets),
-    )
-    stats.add_total("loss_seconds", time.perf_counter() - started)
-    (loss * world).backward()
+    for i, chunk in enumerate(chunks):
+        picked = [rows[j] for j in chunk]
+        mb = plan.batch.select(picked).trimmed().to(compute.device)
+        w = mb.width
+        at = torch.tensor([plan.position[row] for row in picked], device=compute.device)
+        replay = replay_mask = None
+        if config.replay == "r3":
+            replay, replay_mask = mb.trace, mb.trace_mask
+        elif config.replay == "r2":
+            replay, replay_mask = old.routing.index_select(0, at)[:, :w], mb.attention_mask.bool()
+        staleness = plan.staleness.index_select(0, torch.tensor(picked))[:, : w - 1].long().to(compute.device)
+        with gradient_sync(model, i == len(chunks) - 1), routing_context(routing, replay, replay_mask):
+            forward = sequence_logprobs(model, mb, compute=compute)  # replay stays on through the backward
+            started = time.perf_counter()
+            loss, _ = policy_loss(
+                forward.logprobs, None if old.logprobs is None else old.logprobs.index_select(0, at)[:, : w - 1],
+                mb.inference_logprobs, plan.advantages.index_select(0, torch.tensor(picked)).to(compute.device),
+                mb.loss_mask, config.loss, token_normalizer=tokens, sequence_normalizer=sequences, stats=stats,
+                buckets=(staleness, plan.buckets))
+            stats.add_total("loss_seconds", time.perf_counter() - started)
+            (loss * world).backward()
+        stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks, micro- and mini-batches
+        stats.add_mean("entropy", forward.entropy_per_token, mb.loss_mask)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip if config.grad_clip > 0
                                                else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
     optimizer.step()
-    stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks and mini-batches: their mean
     stats.add_sum("grad_norm", grad_norm / world, 1.0 / world)  # every rank holds the same global norm
     stats.add_max("grad_norm_max", grad_norm.reshape(1))
-    stats.add_mean("entropy", forward.entropy_per_token, mb.loss_mask)
 
 
 def train_step(model, optimizer, routing: RoutingController | None, batch: TrainBatch, group_size: int,
-               config: StepConfig, version: int, rank: int = 0, world: int = 1) -> dict[str, float]:
+               config: StepConfig, version: int, rank: int = 0, world: int = 1,
+               compute: Compute = Compute()) -> dict[str, float]:  # noqa: B008
     """One global step on `batch` (rows grouped G by G): advantages, π_old, N optimizer steps.
 
     Data parallel (`world` > 1, `model` wrapped in DistributedDataParallel): every rank holds the
     whole global batch, computes the advantages of all of it, and works on rows[rank::world] of
     each mini-batch; the loss normalisers are summed over ranks and the loss is scaled by `world`
-    (DDP averages gradients), so the update equals one process on the whole batch.
+    (DDP and FSDP average gradients), so the update equals one process on the whole batch.
     Returns the step's diagnostics: token-weighted over the whole step (every mini-batch, every
     rank), maxima as maxima, and per staleness bucket `_s<k>` (k versions behind)."""
     plan = plan_step(batch, group_size, config, routing, version, rank, world)
     stats = StepStats()
-    old = recompute_old(model, plan, routing, config, stats)
+    old = recompute_old(model, plan, routing, config, stats, compute)
     for rows in plan.rows_of:
-        update(model, optimizer, routing, plan, old, rows, config, stats, world)
+        update(model, optimizer, routing, plan, old, rows, config, stats, world, compute)
     reduce_stats(stats, world)
     metrics = stats.result()
     mask = batch.loss_mask

@@ -44,20 +44,21 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def build_manifest(
+def describe(
     tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
-) -> tuple[pb.WeightManifest, list[memoryview]]:
-    """Manifest of `tensors` (name order kept) and their raw bytes, signed when `key` is given."""
+) -> pb.WeightManifest:
+    """Manifest of `tensors` (name order kept), signed when `key` is given. Reads one tensor at a
+    time and keeps none of their bytes: a mapping that materialises each tensor on access (a cast,
+    a gather) is streamed, never copied whole."""
     manifest = pb.WeightManifest(
         version=version,
         parent_version=parent_version,
         checksum_algo=CHECKSUM_ALGO,
         created_unix_ms=int(time.time() * 1000),
     )
-    payloads = []
-    for name, tensor in tensors.items():
+    for name in tensors:
+        tensor = tensors[name]
         data = tensor_to_bytes(tensor)
-        payloads.append(data)
         manifest.tensors.add(
             name=name,
             dtype=str(tensor.dtype).removeprefix("torch."),
@@ -67,7 +68,14 @@ def build_manifest(
         )
     if key:
         manifest.signature = sign(manifest, key)
-    return manifest, payloads
+    return manifest
+
+
+def build_manifest(
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
+) -> tuple[pb.WeightManifest, list[memoryview]]:
+    """`describe(tensors, ...)` and the raw bytes of every tensor (all held at once)."""
+    return describe(tensors, version, parent_version, key), [tensor_to_bytes(tensors[name]) for name in tensors]
 
 
 def _canonical(manifest: pb.WeightManifest) -> bytes:

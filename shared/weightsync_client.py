@@ -23,12 +23,13 @@ from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weights import (
     Assembler,
     WeightError,
-    build_manifest,
     bytes_to_tensor,
     decode_delta,
+    describe,
     digest,
     iter_chunks,
     parse_pull_frame,
+    tensor_to_bytes,
 )
 
 log = logging.getLogger("steadyrl.weightsync.client")
@@ -44,13 +45,15 @@ class GrpcWeightPublisher(WeightPublisher):
 
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
                    timeout: float | None = 600.0) -> pb.PushReply:
-        """Push a new version; waits (up to `timeout`) for the service when it is restarting."""
-        manifest, payloads = build_manifest(tensors, version, parent_version, self.key)
+        """Push a new version; waits (up to `timeout`) for the service when it is restarting.
+        Streams: the manifest is made in one pass over `tensors`, then each tensor is read again
+        and sent, one at a time (a lazily cast mapping never exists whole)."""
+        manifest = describe(tensors, version, parent_version, self.key)
 
         def requests():
             yield pb.PushRequest(manifest=manifest)
-            for index, data in enumerate(payloads):
-                for chunk in iter_chunks(index, data, self.chunk_bytes):
+            for index, name in enumerate(tensors):
+                for chunk in iter_chunks(index, tensor_to_bytes(tensors[name]), self.chunk_bytes):
                     yield pb.PushRequest(chunk=chunk)
 
         return await self.stub.Push(requests(), wait_for_ready=True, timeout=timeout)

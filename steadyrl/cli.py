@@ -142,12 +142,15 @@ def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precis
 
 
 @bench_app.command("trainer")
-def bench_trainer() -> None:
-    """Loss-math share of a step and the routing replay overhead of a training forward."""
+def bench_trainer(memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead.")) -> None:
+    """Loss-math share of a step and the routing replay overhead of a training forward; with
+    --memory, parameter + optimizer bytes and peak memory per rank, DDP vs FSDP on 2 gloo ranks."""
     import json
 
-    from bench.trainer import main as run
-
+    if memory:
+        from bench.trainer_memory import main as run
+    else:
+        from bench.trainer import main as run
     typer.echo(json.dumps(run()))
 
 

@@ -28,15 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.redis_server import RedisServer, free_port
+from steadyrl.placement import placement_of
 from steadyrl.run_config import RunConfig, check, service_env, validate
 
 
 @dataclass
 class Service:
     name: str
-    module: str
-    env: dict[str, str]
+    argv: list[str]  # after `python`: ["-m", "services.trainer"], or torchrun's
+    env: dict[str, str]  # STEADYRL_<SERVICE>_* (validated against the service's settings)
     grpc_port: int
+    devices: dict[str, str] = field(default_factory=dict)  # CUDA_VISIBLE_DEVICES
     process: subprocess.Popen | None = None
     log: Path | None = None
     restarts: int = 0
@@ -53,32 +55,38 @@ class Launch:
     services: list[Service] = field(default_factory=list)
     redis: RedisServer | None = None
     http_port: int = 0
+    gpus_available: int | None = None  # None: this machine's (steadyrl.placement.gpu_inventory)
 
     # --- setup ----------------------------------------------------------------------------------
 
-    def plan(self) -> None:
+    def plan(self, redis_url: str) -> None:
+        """Every service's command, environment, port and devices (nothing starts here)."""
         c, out = self.config, self.out
+        settings = check(c, self.gpus_available)
+        placement = placement_of(c, settings, self.gpus_available)
         ws, trainer, orch_grpc = free_port(), free_port(), free_port()
         self.http_port = free_port()
-        redis_url = self.redis.url
         common = {"host": "127.0.0.1", "metrics_port": 0}
-        self.services.append(Service("weightsync", "services.weightsync", service_env(c, "weightsync", {
-            **common, "port": ws, "spill_dir": str(out / "weightsync-spill")}), ws))
-        self.services.append(Service("trainer", "services.trainer", service_env(c, "trainer", {
+        self.services.append(Service("weightsync", ["-m", "services.weightsync"], service_env(c, "weightsync", {
+            **common, "port": ws, "spill_dir": str(out / "weightsync-spill")}), ws, placement.visible(())))
+        self.services.append(Service("trainer", placement.trainer_argv(free_port()), service_env(c, "trainer", {
             **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
-            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}"}), trainer))
+            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}",
+            **({} if "publish_dtype" in c.section("trainer") else {"publish_dtype": settings["inference"].dtype}),
+        }), trainer, placement.visible(placement.trainer)))
         for index in range(c.replicas):
             port = free_port()
-            self.services.append(Service(f"inference-{index}", "services.inference", service_env(c, "inference", {
-                **common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
-                "replica_id": f"replica-{index}", "weightsync_address": f"127.0.0.1:{ws}",
-                "orchestrator_address": f"127.0.0.1:{orch_grpc}"}), port))
+            self.services.append(Service(f"inference-{index}", ["-m", "services.inference"], service_env(
+                c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
+                                 "replica_id": f"replica-{index}", "weightsync_address": f"127.0.0.1:{ws}",
+                                 "orchestrator_address": f"127.0.0.1:{orch_grpc}"}),
+                port, placement.visible(placement.replicas[index])))
         (out / "token").write_text(self.token)
         os.chmod(out / "token", 0o600)
-        self.services.append(Service("orchestrator", "services.orchestrator", service_env(c, "orchestrator", {
+        self.services.append(Service("orchestrator", ["-m", "services.orchestrator"], service_env(c, "orchestrator", {
             "host": "127.0.0.1", "http_port": self.http_port, "grpc_port": orch_grpc, "model_path": self.model_path,
             "out_dir": str(out / "orchestrator"), "redis_url": redis_url, "trainer_address": f"127.0.0.1:{trainer}",
-            "token_file": str(out / "token")}), orch_grpc))
+            "token_file": str(out / "token")}), orch_grpc, placement.visible(())))
         for service in self.services:
             validate(service.name.split("-")[0], service.env)
 
@@ -87,17 +95,17 @@ class Launch:
         logs.mkdir(parents=True, exist_ok=True)
         service.log = logs / f"{service.name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
-        env.update(service.env, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
+        env.update(service.env, **service.devices, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
                    STEADYRL_TOKEN_FILE=str(self.out / "token"))  # one bearer token for gRPC and HTTP
         with service.log.open("ab") as log:
-            service.process = subprocess.Popen([sys.executable, "-m", service.module], env=env, stdout=log,
+            service.process = subprocess.Popen([sys.executable, *service.argv], env=env, stdout=log,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True)
 
     def start_all(self, on_healthy=None) -> None:
         """redis-server (AOF on), then every service in order, each waited for until healthy."""
         self.redis = RedisServer(self.out / "redis", appendonly=True, password=self.redis_password).start()
-        self.plan()
+        self.plan(self.redis.url)
         for service in self.services:
             self.start(service)
             self.wait_healthy(service)
@@ -243,7 +251,7 @@ def interruptible():
 def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` to the end; returns the summary (also written to out/summary.json). The recipe
     is checked first: a bad value fails here, before any process starts."""
-    check(config)
+    check(config)  # placement included: a recipe that needs more GPUs than exist never starts
     with interruptible():
         return _run(config, out, progress)
 

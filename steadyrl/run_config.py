@@ -244,11 +244,15 @@ PROBES = {"trainer": {"model_path": "model"}, "inference": {"model_path": "model
           "orchestrator": {"model_path": "model"}, "weightsync": {}}
 
 
-def check(config: RunConfig) -> dict[str, Any]:
-    """Validate every service's settings of a recipe and what it needs of this machine, before any
-    process starts; returns each service's settings. Raises ValueError naming the field."""
+def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
+    """Validate every service's settings of a recipe and what it needs of this machine (the vllm
+    engine, its GPUs), before any process starts; returns each service's settings. Raises
+    ValueError naming the field."""
+    from steadyrl.placement import placement_of
+
     settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
                 for service in SERVICES}
+    placement_of(config, settings, gpus_available)
     if settings["inference"].engine == "vllm":
         from shared.engines import vllm_unavailable
 

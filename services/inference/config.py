@@ -39,6 +39,9 @@ class InferenceSettings(RedisSettings):
     """vLLM: longest prompt + completion."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     """vLLM on a GPU: share of device memory it may take."""
+    gpus_per_replica: int = Field(0, ge=0)
+    """GPUs of this replica (`steadyrl run` gives each replica its own through CUDA_VISIBLE_DEVICES);
+    vLLM's tensor_parallel_size follows it. 0 = the CPU."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     run_id: str = "default"

@@ -116,14 +116,20 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
             await asyncio.sleep(1.0)
 
 
-def load_engine(settings: InferenceSettings) -> Engine:
-    options = {}
+def engine_options(settings: InferenceSettings) -> dict:
+    """What `make_engine` gets beyond the path and dtype."""
+    options: dict = {}
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads
     if settings.engine == "vllm":
         options.update(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib,
-                       gpu_memory_utilization=settings.vllm_gpu_memory_utilization)
-    return make_engine(settings.engine, settings.model_path, settings.dtype, **options)
+                       gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                       tensor_parallel_size=max(settings.gpus_per_replica, 1))
+    return options
+
+
+def load_engine(settings: InferenceSettings) -> Engine:
+    return make_engine(settings.engine, settings.model_path, settings.dtype, **engine_options(settings))
 
 
 async def serve(settings: InferenceSettings, engine: Engine | None = None, ready: asyncio.Event | None = None,

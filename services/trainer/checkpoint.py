@@ -1,10 +1,16 @@
 """Checkpoints without pickle: tensors in safetensors, everything else in JSON.
 
-`checkpoints/step-00000012/` holds model.safetensors (the model's state dict), optimizer.safetensors
-(AdamW moments, one entry per parameter index and state key), rng.safetensors (torch's CPU RNG
-state) and state.json (step, version, optimizer param groups and scalar state, consumed rollout
-ids). A checkpoint is written into a temporary directory and renamed into place, then `LATEST`
-is replaced atomically: a crash leaves either the old or the new checkpoint, never half of one.
+`checkpoints/step-00000012/` holds model.safetensors (the full model state, parameter names as in
+`state_dict()`), optimizer.safetensors (AdamW moments, keyed `<parameter name>::<state key>`),
+rng.safetensors (torch's CPU RNG state) and state.json (step, version, the optimizer's param
+groups and scalar state, the trained rollout ids). The same full-state format serves one process,
+DDP and FSDP: under FSDP the ranks gather it to rank 0, which writes it, and a restore broadcasts
+it back into every rank's shards (torch.distributed.checkpoint.state_dict). Chosen over per-rank
+DCP shards so that one checkpoint is readable by any parallelism and by `steadyrl export`; the
+cost is rank 0's host memory during a save (the fp32 parameters and two AdamW moments).
+
+A checkpoint is written into a temporary directory and renamed into place, then `LATEST` is
+replaced atomically: a crash leaves either the old or the new checkpoint, never half of one.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+SEP = "::"
+
 
 @dataclass
 class TrainerState:
@@ -27,27 +35,27 @@ class TrainerState:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    state = optimizer.state_dict()
+def _split_optimizer(optimizer_state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, scalars = {}, {}
-    for index, entry in state["state"].items():
+    for name, entry in optimizer_state.get("state", {}).items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                tensors[f"{index}.{key}"] = value.contiguous()
+                tensors[f"{name}{SEP}{key}"] = value.detach().contiguous().cpu()
             else:
-                scalars[f"{index}.{key}"] = float(value)
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+                scalars[f"{name}{SEP}{key}"] = float(value)
+    return tensors, {"param_groups": optimizer_state.get("param_groups", []), "scalars": scalars}
 
 
-def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+def save_checkpoint(root: Path, model_state: dict[str, torch.Tensor], optimizer_state: dict, state: TrainerState,
                     keep: int = 2) -> Path:
+    """Write one checkpoint from full (gathered) state dicts; returns its directory."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = _split_optimizer(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     meta = {"step": state.step, "version": state.version, "consumed": sorted(state.consumed),
@@ -71,17 +79,22 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, TrainerState]:
+    """(full model state, full optimizer state, trainer state) of a checkpoint; restores the RNG."""
     meta = json.loads((path / "state.json").read_text())
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    entries: dict[int, dict] = {}
-    for key, value in tensors.items():
-        index, name = key.split(".", 1)
-        entries.setdefault(int(index), {})[name] = value
+    state: dict[str, dict] = {}
+    for key, value in load_file(str(path / "optimizer.safetensors")).items():
+        name, item = key.rsplit(SEP, 1)
+        state.setdefault(name, {})[item] = value
     for key, value in meta["optimizer"]["scalars"].items():
-        index, name = key.split(".", 1)
-        entries.setdefault(int(index), {})[name] = torch.tensor(value)
-    optimizer.load_state_dict({"state": entries, "param_groups": meta["optimizer"]["param_groups"]})
+        name, item = key.rsplit(SEP, 1)
+        state.setdefault(name, {})[item] = torch.tensor(value)
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["cpu"])
-    return TrainerState(meta["step"], meta["version"], set(meta["consumed"]), meta.get("counters", {}))
+    trainer = TrainerState(meta["step"], meta["version"], set(meta["consumed"]), meta.get("counters", {}))
+    return load_file(str(path / "model.safetensors")), {"state": state, "param_groups": meta["optimizer"]["param_groups"]}, \
+        trainer
+
+
+def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Only the model's tensors of a checkpoint (for an export)."""
+    return load_file(str(path / "model.safetensors"))

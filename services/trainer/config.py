@@ -61,6 +61,26 @@ class TrainerSettings(RedisSettings, StepShape):
     torch_threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
 
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Each rank's device: auto = cuda:LOCAL_RANK when CUDA is visible, else the CPU."""
+    precision: Literal["auto", "fp32", "bf16-mixed"] = "auto"
+    """fp32, or bf16 compute over fp32 parameters, gradients and optimizer state (the loss math
+    stays fp32); auto = bf16-mixed on CUDA, fp32 on the CPU."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism over the torchrun ranks: a full model per rank (ddp), or parameters,
+    gradients and optimizer state sharded over the ranks (fsdp: FSDP2 per decoder layer, then the root)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Split each rank's mini-batch into micro-batches of at most this many tokens, gradients
+    accumulated (the update is the unsplit one); 0 = no split."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them."""
+    publish_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the published weights: the replicas' (`steadyrl run` sets it from inference.dtype)."""
+    gpus: int = Field(0, ge=0)
+    """`steadyrl run`: GPUs for the trainer, one torchrun rank each (0 = the CPU)."""
+    ranks: int = Field(0, ge=0)
+    """`steadyrl run`: torchrun ranks on the CPU when gpus = 0 (0 = one process)."""
+
     recipe: Literal["auto", "manual"] = "auto"
     """auto: replay and clipping from N and the observed staleness (DESIGN.md §3); manual: as set
     (routing_replay, loss.clip)."""
@@ -91,6 +111,8 @@ class TrainerSettings(RedisSettings, StepShape):
             self.step_config(self.routing_replay, self.loss.clip)  # the step's own rules (e.g. R2 needs π_old)
         if self.mini_batches > self.batch_prompts:
             raise ValueError("mini_batches cannot exceed batch_prompts (mini-batches hold whole groups)")
+        if self.gpus and self.ranks and self.ranks != self.gpus:
+            raise ValueError(f"ranks ({self.ranks}) must equal gpus ({self.gpus}) on GPUs: one rank per GPU")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self

@@ -1,13 +1,14 @@
-"""The trainer's model side (`StepRunner`): the model, data parallelism, the optimizer, the recipe,
-one global step, checkpoints. No Redis, no gRPC.
+"""The trainer's model side (`StepRunner`): the model on its ranks, the optimizer, the recipe,
+one global step, checkpoints, the weights a version publishes. No Redis, no gRPC.
 
-Data parallel: rank 0 broadcasts each global batch (protobuf bytes) to the other ranks, which
-train the same batch (`follow`) until rank 0 says stop.
+Data parallel: rank 0 broadcasts each command to the other ranks, which follow (`follow`): a
+global batch to train (protobuf bytes), a checkpoint to gather, or stop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -19,15 +20,26 @@ from services.trainer.checkpoint import (
     save_checkpoint,
 )
 from services.trainer.config import TrainerSettings
+from services.trainer.parallel import (
+    CastView,
+    full_state,
+    gather_published,
+    load_state,
+    prepare,
+    wants_bf16,
+)
 from shared.batch import collate
-from shared.distributed import broadcast_payloads, init_from_env
+from shared.distributed import broadcast_payloads, init_from_env, rank_device
+from shared.forward import Compute
 from shared.models import load_causal_lm
+from shared.models.loading import resolve_dtype
 from shared.models.routing import RoutingController
 from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
 from shared.torch_threads import bind_torch_threads
 from shared.training import StepConfig, resolve_recipe, train_step
 
 log = logging.getLogger("steadyrl.trainer")
+SAVE, GATHER = -2, -3  # broadcast tags of the checkpoint and gather commands (a step's tag is its version, >= 0)
 
 
 def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: bool,
@@ -49,41 +61,71 @@ def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: boo
 
 class StepRunner:
     def __init__(self, settings: TrainerSettings) -> None:
-        self.settings = settings
-        torch.manual_seed(settings.seed)
-        bind_torch_threads(settings.torch_threads)
-        self.model = load_causal_lm(settings.model_path, "float32").train()
+        self.settings = s = settings
+        torch.manual_seed(s.seed)
+        bind_torch_threads(s.torch_threads)
+        self.device = rank_device(s.device)
+        self.rank, self.world = init_from_env(self.device)
+        self.model = load_causal_lm(s.model_path, "float32")
         self.routing = RoutingController(self.model)
-        self.rank, self.world = init_from_env()
-        self.parallel = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=settings.adam_betas,
-                                           weight_decay=settings.weight_decay)
+        self.parallel = prepare(self.model, s, self.device, self.world)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.adam_betas,
+                                           weight_decay=s.weight_decay)
+        bf16 = wants_bf16(s, self.device)
+        sharded = s.parallel == "fsdp" and self.world > 1
+        self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
+        self.sharded = sharded
+        self.publish_dtype = resolve_dtype(s.publish_dtype)
+        self.gathered: dict[str, torch.Tensor] | None = None  # sharded: the last version's weights on rank 0
         config = self.model.config
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         context = int(getattr(config, "max_position_embeddings", 0) or 0) or RolloutLimits.max_total_tokens
         self.limits = RolloutLimits(
-            max_encoded_bytes=settings.max_rollout_bytes, max_total_tokens=context, vocab_size=int(config.vocab_size),
+            max_encoded_bytes=s.max_rollout_bytes, max_total_tokens=context, vocab_size=int(config.vocab_size),
             num_layers=self.routing.num_layers or None, top_k=self.routing.top_k or None,
             num_experts=self.routing.num_experts or None,
         )
         self.recipe = ""
-        self.checkpoints = settings.out_dir / "checkpoints"
+        self.checkpoints = s.out_dir / "checkpoints"
+        log.info("event=trainer_layout rank=%d world=%d device=%s precision=%s parallel=%s micro_batch_tokens=%d "
+                 "activation_checkpointing=%s", self.rank, self.world, self.device, "bf16-mixed" if bf16 else "fp32",
+                 "fsdp" if sharded else ("ddp" if self.world > 1 else "single"), s.micro_batch_tokens,
+                 s.activation_checkpointing)
 
     def restore(self) -> TrainerState:
+        """The newest checkpoint into the model and optimizer (every rank calls this)."""
         found = latest_checkpoint(self.checkpoints)
         if found is None:
             return TrainerState()
-        state = load_checkpoint(found, self.model, self.optimizer)
+        reader = self.rank == 0 or not self.sharded  # sharded: rank 0 reads, the others receive
+        model_state, optimizer_state, state = load_checkpoint(found) if reader else ({}, {}, TrainerState())
+        load_state(self.model, self.optimizer, model_state, optimizer_state)
         log.info("event=resumed checkpoint=%s step=%d version=%d consumed=%d", found.name, state.step, state.version,
                  len(state.consumed))
         return state
 
-    def save(self, state: TrainerState) -> Path:
-        return save_checkpoint(self.checkpoints, self.model, self.optimizer, state, self.settings.keep_checkpoints)
+    def save(self, state: TrainerState) -> Path | None:
+        """A checkpoint of `state` (rank 0; the other ranks join the gather)."""
+        if self.world > 1:
+            broadcast_payloads([], SAVE)
+        return self._save(state)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """What a version publishes."""
-        return self.model.state_dict()
+    def _save(self, state: TrainerState | None) -> Path | None:
+        model_state, optimizer_state = full_state(self.model, self.optimizer)
+        if self.rank != 0 or state is None:
+            return None
+        return save_checkpoint(self.checkpoints, model_state, optimizer_state, state, self.settings.keep_checkpoints)
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """What the current version publishes, in the published dtype, one tensor at a time. A
+        sharded model publishes what its last step gathered; with none (a restart), the ranks
+        gather it now."""
+        if not self.sharded:
+            return CastView(self.model.state_dict(), self.publish_dtype)
+        if self.gathered is None:
+            broadcast_payloads([], GATHER)
+            self.gathered = gather_published(self.model, self.publish_dtype, self.rank)
+        return self.gathered
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         """One global step on whole groups (ordered by group, then sample index)."""
@@ -101,17 +143,26 @@ class StepRunner:
         if recipe != self.recipe:
             log.info("event=recipe recipe=%s why=%s", recipe, why)
             self.recipe = recipe
-        return train_step(self.parallel, self.optimizer, self.routing, batch, self.settings.group_size, config,
-                          version, self.rank, self.world)
+        metrics = train_step(self.parallel, self.optimizer, self.routing, batch, self.settings.group_size, config,
+                             version, self.rank, self.world, self.compute)
+        if self.sharded and self.settings.weightsync_address:  # the version's bytes, gathered by every rank
+            self.gathered = gather_published(self.model, self.publish_dtype, self.rank)
+        return metrics
 
     def follow(self) -> int:
-        """Ranks > 0: train each batch rank 0 broadcasts, until it stops."""
+        """Ranks > 0: follow rank 0's commands — train a batch, join a checkpoint — until stop."""
         steps = 0
         while True:
-            payloads, version = broadcast_payloads(None)
+            payloads, tag = broadcast_payloads(None)
             if payloads is None:
                 return steps
-            self._step([decode_rollout(p) for p in payloads], version)
+            if tag == SAVE:
+                self._save(None)
+                continue
+            if tag == GATHER:
+                gather_published(self.model, self.publish_dtype, self.rank)
+                continue
+            self._step([decode_rollout(p) for p in payloads], tag)
             steps += 1
 
     def stop_followers(self) -> None:

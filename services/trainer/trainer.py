@@ -171,7 +171,8 @@ class Trainer:
     async def publish(self) -> None:
         """Publish the current weights as the current version (call with the model lock held);
         on failure the next turn of the loop tries again, two seconds later at the earliest."""
-        if not await self.publisher.publish(self.runner.weights(), self.state.version):
+        weights = self.runner.weights() if self.publisher.enabled else {}
+        if not await self.publisher.publish(weights, self.state.version):
             self.next_publish = time.monotonic() + 2.0
             await asyncio.sleep(0.5)
         self.reported = self.progress()

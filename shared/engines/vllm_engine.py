@@ -29,7 +29,7 @@ class VllmEngine(StagedWeights):
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
-                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85) -> None:
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1) -> None:
         from transformers import AutoConfig
 
         self.model_path = str(model_path)
@@ -47,6 +47,7 @@ class VllmEngine(StagedWeights):
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         if on_gpu:
             options["gpu_memory_utilization"] = gpu_memory_utilization
+            options["tensor_parallel_size"] = tensor_parallel_size
             if traces:
                 options["enable_return_routed_experts"] = True
         self.llm = LLM(**options)

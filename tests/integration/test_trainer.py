@@ -20,6 +20,7 @@ from shared.batch import collate
 from shared.core.loss import LossConfig, policy_loss
 from shared.engines import Sampling, make_engine
 from shared.engines.rollouts import rollouts_from_samples
+from shared.forward import sequence_logprobs
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
@@ -27,7 +28,7 @@ from shared.queues import WorkQueue
 from shared.rollout import RolloutTimings, decode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import get_reward
-from shared.training import StepConfig, sequence_logprobs, train_step
+from shared.training import StepConfig, train_step
 from tests.helpers import publish
 
 GROUP = 4

@@ -1,0 +1,88 @@
+"""The training engine's forward: next-token logprobs and entropy of a batch, in the precision
+and on the device the step runs with, the loss math always in fp32.
+
+`Compute` says how a step is computed — never what it computes: the device, bf16 autocast over
+fp32 parameters (`bf16-mixed`: parameters, gradients and optimizer state stay fp32; under FSDP
+the same is a MixedPrecisionPolicy set where the model is sharded), and micro-batches of at most
+`micro_batch_tokens` tokens whose gradients accumulate into one update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from shared.batch import TrainBatch
+from shared.core.diagnostics import entropy_from_logits
+from shared.models.routing import RoutingController
+
+
+@dataclass(frozen=True)
+class Compute:
+    device: torch.device = torch.device("cpu")
+    """Where the model and each micro-batch live."""
+    autocast: torch.dtype | None = None
+    """bf16-mixed: forwards under torch.autocast to this dtype (None: the parameters' dtype)."""
+    micro_batch_tokens: int = 0
+    """Tokens per micro-batch (gradient accumulation within a mini-batch); 0 = the whole mini-batch."""
+
+
+@dataclass
+class Forward:
+    logprobs: torch.Tensor  # [B, S-1] float32: log π(y_{j+1}) at each position (with grad when asked)
+    entropy_per_token: torch.Tensor  # [B, S-1] float32 token entropy of π (no grad)
+    routing: torch.Tensor | None  # [B, S, layers, top_k] experts the forward routed to (captured)
+
+
+def routing_context(routing: RoutingController | None, replay: torch.Tensor | None = None,
+                    replay_mask: torch.Tensor | None = None, capture: bool = False):
+    """The routing mode of the forwards (and, with activation checkpointing, of the recomputes in
+    the backward) inside the block: replay `replay`, capture, or free."""
+    if (replay is not None or capture) and routing is None:
+        raise ValueError("routing replay or capture needs a RoutingController")
+    if replay is not None:
+        return routing.replay(replay, replay_mask)
+    if capture:
+        return routing.capture()
+    return contextlib.nullcontext()
+
+
+def sequence_logprobs(model, batch: TrainBatch, routing: RoutingController | None = None,
+                      replay: torch.Tensor | None = None, replay_mask: torch.Tensor | None = None,
+                      capture: bool = False, compute: Compute = Compute()) -> Forward:  # noqa: B008
+    """One forward of the training engine over `batch`: next-token logprobs and entropy, in fp32
+    whatever the parameters' or the autocast dtype. `replay` ([B, S, L, K] with `replay_mask`
+    [B, S]) forces the routing; `capture` records it."""
+    autocast = torch.autocast(compute.device.type, dtype=compute.autocast or torch.float32,
+                              enabled=compute.autocast is not None)
+    with routing_context(routing, replay, replay_mask, capture) as recording, autocast:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast
+    targets = batch.input_ids[:, 1:]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits.detach())
+    captured = recording.trace(batch.input_ids.shape) if capture else None
+    return Forward(logprobs, entropy, captured)
+
+
+@contextlib.contextmanager
+def gradient_sync(model, enabled: bool) -> Iterator[None]:
+    """Accumulate gradients locally (no all-reduce / reduce-scatter) unless `enabled`: every
+    micro-batch but a mini-batch's last. DDP: `no_sync`; FSDP2: `set_requires_gradient_sync`."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

@@ -1,0 +1,59 @@
+"""Which GPUs each process of a run gets: the trainer `trainer.gpus` (one torchrun rank each),
+every replica its own `inference.gpus_per_replica` (vLLM's tensor_parallel_size), disjoint, as
+CUDA_VISIBLE_DEVICES. A recipe that asks for more GPUs than the machine has is refused before any
+process starts. On a machine (or a recipe) without GPUs nothing changes: every process sees none."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    trainer: tuple[int, ...]  # GPU indices of the trainer's ranks (empty: the CPU)
+    replicas: tuple[tuple[int, ...], ...]  # GPU indices of each replica
+    trainer_ranks: int  # torchrun ranks (1: a plain process)
+
+    def visible(self, gpus: tuple[int, ...]) -> dict[str, str]:
+        """The environment that gives a process exactly `gpus` (none: CUDA hidden)."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+
+    def trainer_argv(self, master_port: int) -> list[str]:
+        """`python` arguments of the trainer: torchrun with one rank per GPU (or per CPU rank)."""
+        if self.trainer_ranks <= 1:
+            return ["-m", "services.trainer"]
+        return ["-m", "torch.distributed.run", "--nproc_per_node", str(self.trainer_ranks), "--master_port",
+                str(master_port), "-m", "services.trainer"]
+
+
+def plan_placement(trainer_gpus: int, trainer_ranks: int, replicas: int, gpus_per_replica: int,
+                   available: int) -> Placement:
+    need = trainer_gpus + replicas * gpus_per_replica
+    if need > available:
+        raise ValueError(f"the recipe needs {need} GPUs (trainer.gpus {trainer_gpus} + {replicas} replicas × "
+                         f"inference.gpus_per_replica {gpus_per_replica}) and this machine has {available}")
+    trainer = tuple(range(trainer_gpus))
+    first = trainer_gpus
+    placed = tuple(tuple(range(first + i * gpus_per_replica, first + (i + 1) * gpus_per_replica))
+                   for i in range(replicas))
+    return Placement(trainer, placed, trainer_gpus or max(trainer_ranks, 1))
+
+
+def gpu_inventory() -> int:
+    """GPUs this machine offers (STEADYRL_GPUS overrides; 0 without CUDA)."""
+    if "STEADYRL_GPUS" in os.environ:
+        return int(os.environ["STEADYRL_GPUS"])
+    if "torch" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+        return 0  # no NVIDIA driver: no need to import torch to know
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def placement_of(config, settings: dict, available: int | None = None) -> Placement:
+    """The placement of a checked recipe (`steadyrl.run_config.check`'s settings)."""
+    trainer, inference = settings["trainer"], settings["inference"]
+    return plan_placement(trainer.gpus, trainer.ranks, config.replicas, inference.gpus_per_replica,
+                          gpu_inventory() if available is None else available)

@@ -1,0 +1,195 @@
+"""The trainer's scale path on CPU: micro-batches, bf16-mixed precision, FSDP2 over gloo ranks —
+the same code that runs on CUDA with nccl."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from services.trainer.config import TrainerSettings
+from services.trainer.parallel import CastView, full_state, prepare
+from shared.batch import collate, token_budget_chunks
+from shared.forward import Compute, sequence_logprobs
+from shared.models import load_causal_lm
+from shared.models.routing import RoutingController
+from shared.redis_server import free_port
+from shared.rollout import decode_rollout, encode_rollout
+from shared.training import StepConfig, train_step
+from tests.integration.test_trainer import GROUP, recorded_rollouts
+
+
+def step(model_dir, rollouts, config: StepConfig, compute: Compute = Compute(), lr: float = 1e-3):  # noqa: B008
+    torch.manual_seed(0)
+    model = load_causal_lm(model_dir, "float32").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    metrics = train_step(model, optimizer, RoutingController(model), collate(rollouts), GROUP, config, 0,
+                         compute=compute)
+    return model, metrics
+
+
+def worst_difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_micro_batches_make_the_unsplit_update(tiny_model_dir):
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=81)  # 8 rows, one mini-batch
+    lengths = collate(rollouts).lengths().tolist()
+    budget = next(b for b in range(max(lengths), sum(lengths)) if len(token_budget_chunks(lengths, b)) == 3)
+    for config in (StepConfig(replay="r2"), StepConfig(replay="r3"), StepConfig(loss=StepConfig().loss.grpo())):
+        whole, whole_metrics = step(tiny_model_dir, rollouts, config)
+        split, split_metrics = step(tiny_model_dir, rollouts, config, Compute(micro_batch_tokens=budget))
+        worst = worst_difference(whole.state_dict(), split.state_dict())
+        print(f"{config.replay} {config.loss.normalization}: 3 micro-batches vs 1, max |Δparam| {worst:.2e}")
+        assert worst <= 1e-6
+        for key in ("loss", "mismatch_kl_k3", "is_weight_max", "entropy", "grad_norm"):
+            assert abs(whole_metrics[key] - split_metrics[key]) <= 1e-5 * max(1, abs(whole_metrics[key])), key
+
+
+def test_bf16_mixed_is_close_to_fp32_and_the_loss_math_stays_fp32(tiny_model_dir):
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=83)
+    start = load_causal_lm(tiny_model_dir, "float32").state_dict()
+    fp32, _ = step(tiny_model_dir, rollouts, StepConfig(), lr=1e-4)
+    bf16, _ = step(tiny_model_dir, rollouts, StepConfig(), Compute(autocast=torch.bfloat16), lr=1e-4)
+    fp32_update = torch.cat([(fp32.state_dict()[k] - v).flatten() for k, v in start.items()])
+    bf16_update = torch.cat([(bf16.state_dict()[k] - v).flatten() for k, v in start.items()])
+    cosine = float(torch.nn.functional.cosine_similarity(fp32_update, bf16_update, dim=0))
+    relative = float((bf16_update - fp32_update).norm() / fp32_update.norm())
+    print(f"bf16-mixed vs fp32, one step (lr 1e-4): cosine {cosine:.4f}, relative |Δ| {relative:.3f}, "
+          f"max |Δparam| {float((bf16_update - fp32_update).abs().max()):.2e}")
+    assert all(p.dtype == torch.float32 for p in bf16.parameters())  # fp32 master weights
+    assert cosine >= 0.9 and relative <= 0.45  # AdamW's first step is lr × sign(g): bf16 flips the smallest
+    dtypes = []
+    model = load_causal_lm(tiny_model_dir, "float32")
+    model.lm_head.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    forward = sequence_logprobs(model, collate(rollouts), compute=Compute(autocast=torch.bfloat16))
+    assert dtypes == [torch.bfloat16]  # the model computed in bf16...
+    assert forward.logprobs.dtype == forward.entropy_per_token.dtype == torch.float32  # ...the loss math in fp32
+
+
+def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], out: str, replay: str,
+                parallel: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = load_causal_lm(model_dir, "float32")
+    routing = RoutingController(model)
+    settings = TrainerSettings(model_path=model_dir, parallel=parallel, precision="fp32")
+    wrapped = prepare(model, settings, torch.device("cpu"), world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metrics = train_step(wrapped, optimizer, routing, collate([decode_rollout(d) for d in data]), GROUP,
+                         StepConfig(mini_batches=2, replay=replay), 0, rank, world)
+    model_state, optimizer_state = full_state(model, optimizer)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in model_state.items()}, out)
+        with open(f"{out}.json", "w") as f:
+            json.dump({"metrics": metrics, "moments": sorted(optimizer_state["state"])}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_fsdp_on_two_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay):
+    rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: 2 mini-batches × 2 ranks
+    out = str(tmp_path / "fsdp.safetensors")
+    mp.start_processes(fsdp_worker, args=(2, free_port(), str(tiny_model_dir), [encode_rollout(r) for r in rollouts],
+                                          out, replay, "fsdp"), nprocs=2, join=True, start_method="spawn")
+    single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=2, replay=replay))
+    sharded = load_file(out)
+    start = load_causal_lm(tiny_model_dir, "float32").state_dict()
+    worst = worst_difference(single.state_dict(), sharded)
+    moved = worst_difference(start, sharded)
+    print(f"FSDP(2 gloo ranks, {replay}) vs 1 process: max |Δparam| {worst:.2e}; the step moved up to {moved:.2e}")
+    assert worst <= 1e-5 and moved > 1e-4
+    saved = json.loads((tmp_path / "fsdp.safetensors.json").read_text())
+    assert set(saved["moments"]) == set(start)  # AdamW state for every parameter, by name
+    for key in ("mismatch_kl_k3", "is_weight_max", "entropy", "routing_agreement"):
+        assert abs(saved["metrics"][key] - metrics[key]) <= 1e-5 * max(1, abs(metrics[key])), key
+
+
+def test_published_weights_are_cast_one_tensor_at_a_time(tiny_model_dir):
+    from shared.weights import describe
+
+    model = load_causal_lm(tiny_model_dir, "float32")
+    view = CastView(model.state_dict(), torch.bfloat16)
+    bf16 = describe(view, 1, 0)
+    fp32 = describe(model.state_dict(), 1, 0)
+    assert {t.dtype for t in bf16.tensors} == {"bfloat16"} and [t.name for t in bf16.tensors] == list(view)
+    assert sum(t.nbytes for t in bf16.tensors) * 2 == sum(t.nbytes for t in fp32.tensors)  # 0.5 of fp32
+
+
+def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tiny_model_dir, redis_server, run_id):
+    """The trainer service under torchrun with FSDP on 2 gloo ranks, SIGKILLed (the whole process
+    group) after step 1 and in the middle of step 3, then run to the end: the ledger lists every
+    rollout once, the checkpoint (gathered from the shards) holds them all, versions continue."""
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from redis.asyncio import Redis
+
+    from shared.ledger import Ledger
+    from tests.helpers import publish
+    from tests.integration.test_trainer import TRAINER_ENV
+
+    rollouts = recorded_rollouts(tiny_model_dir, 24, seed=87)  # 6 steps of 4 prompts
+    env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+           "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / "trainer"), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "6", "STEADYRL_TRAINER_PARALLEL": "fsdp",
+           "STEADYRL_TRAINER_MICRO_BATCH_TOKENS": "64", "STEADYRL_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+
+    def torchrun():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), "-m", "services.trainer"]
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        # rollouts arrive two steps at a time, so each kill falls before the end of the run
+        for part, marker in enumerate(("event=step step=1 ", "event=step_started step=3 ")):
+            await publish(redis, run_id, rollouts[part * 32 : (part + 1) * 32])
+            trainer = await asyncio.create_subprocess_exec(*torchrun(), env=env, stderr=subprocess.PIPE,
+                                                           start_new_session=True)
+            while marker not in (line := (await trainer.stderr.readline()).decode()):
+                assert line, "the trainer exited before the marker"
+            os.killpg(trainer.pid, signal.SIGKILL)  # torchrun and both ranks
+            await trainer.wait()
+        await publish(redis, run_id, rollouts[64:])
+        final = subprocess.run(torchrun(), env=env, timeout=300, capture_output=True, text=True)
+        ledger = await Ledger(redis, run_id).trained()
+        await redis.aclose()
+        return final, ledger
+
+    final, ledger = asyncio.run(asyncio.wait_for(main(), 600))
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "parallel=fsdp" in final.stderr and "event=resumed checkpoint=step-0000000" in final.stderr
+    assert len(ledger) == len(set(ledger)) == len(rollouts)  # no duplicate, no gap
+    state = json.loads((tmp_path / "trainer" / "checkpoints" / "step-00000006" / "state.json").read_text())
+    assert state["version"] == 6 and len(state["consumed"]) == len(rollouts)
+    weights = load_file(str(tmp_path / "trainer" / "checkpoints" / "step-00000006" / "model.safetensors"))
+    assert set(weights) == set(load_causal_lm(tiny_model_dir, "float32").state_dict())  # whole, not a shard
+
+
+def test_activation_checkpointing_keeps_the_replayed_routing_in_the_recompute(tiny_model_dir):
+    """With each decoder layer recomputed in the backward, R2/R3 replay must hold there too (else
+    the recomputed forward routes freely and the gradient is another model's): the update equals
+    the one without checkpointing."""
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=89)
+    results = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = load_causal_lm(tiny_model_dir, "float32")
+        routing = RoutingController(model)
+        settings = TrainerSettings(model_path=str(tiny_model_dir), activation_checkpointing=checkpointing)
+        wrapped = prepare(model, settings, torch.device("cpu"), 1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)  # large: a routing change would show
+        for replay in ("r3", "r2"):
+            train_step(wrapped, optimizer, routing, collate(rollouts), GROUP, StepConfig(mini_batches=2, replay=replay),
+                       0)
+        results[checkpointing] = model.state_dict()
+    assert model.is_gradient_checkpointing
+    worst = worst_difference(results[False], results[True])
+    print(f"activation checkpointing vs none (R3 then R2, 2 mini-batches each): max |Δparam| {worst:.2e}")
+    assert worst <= 1e-6

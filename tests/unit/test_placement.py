@@ -1,0 +1,57 @@
+"""GPU placement of a run's processes (a simulated inventory: this machine has no GPU)."""
+
+from pathlib import Path
+
+import pytest
+
+from services.inference.config import InferenceSettings
+from services.inference.server import engine_options
+from steadyrl.launcher import Launch
+from steadyrl.placement import plan_placement
+from steadyrl.run_config import build_settings, load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_RUN = ["run.replicas=2", "inference.gpus_per_replica=2", "trainer.gpus=4", "inference.engine=vllm"]
+
+
+def planned(tmp_path, overrides, gpus: int) -> Launch:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    launch = Launch(load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides), tmp_path, "model",
+                    gpus_available=gpus)
+    launch.plan("redis://127.0.0.1:1/0")
+    return launch
+
+
+def test_each_process_gets_its_own_gpus_and_the_trainer_runs_under_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)  # a GPU box has vLLM
+    launch = planned(tmp_path, GPU_RUN, gpus=8)
+    devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services}
+    assert devices == {"weightsync": "", "trainer": "0,1,2,3", "inference-0": "4,5", "inference-1": "6,7",
+                       "orchestrator": ""}
+    trainer = next(s for s in launch.services if s.name == "trainer")
+    assert trainer.argv[:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port"]
+    assert trainer.argv[-2:] == ["-m", "services.trainer"]
+    replica = next(s for s in launch.services if s.name == "inference-0")
+    settings = build_settings("inference", replica.env)
+    assert settings.gpus_per_replica == 2 and engine_options(settings)["tensor_parallel_size"] == 2
+    # the trainer publishes in the replicas' dtype unless told otherwise
+    assert trainer.env["STEADYRL_TRAINER_PUBLISH_DTYPE"] == "bfloat16"
+
+
+def test_a_recipe_needing_more_gpus_than_exist_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
+    with pytest.raises(ValueError, match=r"needs 8 GPUs \(trainer.gpus 4 \+ 2 replicas × inference.gpus_per_replica "
+                                         r"2\) and this machine has 4"):
+        planned(tmp_path, GPU_RUN, gpus=4)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_on_the_cpu_nothing_changes(tmp_path):
+    launch = planned(tmp_path, [], gpus=0)
+    assert {s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services} == {""}
+    assert [s.argv for s in launch.services if s.name == "trainer"] == [["-m", "services.trainer"]]
+    cpu_ranks = planned(tmp_path / "ranks", ["trainer.ranks=2"], gpus=0)
+    trainer = next(s for s in cpu_ranks.services if s.name == "trainer")
+    assert trainer.argv[3] == "2" and trainer.devices["CUDA_VISIBLE_DEVICES"] == ""
+    assert plan_placement(0, 0, 3, 0, 0).replicas == ((), (), ())
+    assert engine_options(InferenceSettings(model_path="m", engine="torch")) == {}
