@@ -12,6 +12,7 @@ import os
 import resource
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -94,7 +95,7 @@ def main() -> dict:
             path = os.path.join(tmp, parallel)
             mp.start_processes(worker, args=(2, free_port(), parallel, path), nprocs=2, join=True,
                                start_method="spawn")
-            out[parallel] = [json.loads(open(f"{path}.{r}").read()) for r in range(2)]
+            out[parallel] = [json.loads(Path(f"{path}.{r}").read_text()) for r in range(2)]
     ddp = max(r["param_and_optimizer_bytes"] for r in out["ddp"])
     fsdp = max(r["param_and_optimizer_bytes"] for r in out["fsdp"])
     published = out["ddp"][0].pop("published_bytes")
