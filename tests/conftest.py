@@ -5,6 +5,19 @@ import uuid
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run only where CUDA is: elsewhere they are skipped, saying so (never faked)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA: this machine has no GPU")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """The default tiny Qwen3-MoE, cold-started on arith (built once per cache, then reused)."""

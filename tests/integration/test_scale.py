@@ -70,17 +70,18 @@ def test_bf16_mixed_is_close_to_fp32_and_the_loss_math_stays_fp32(tiny_model_dir
 
 
 def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], out: str, replay: str,
-                parallel: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+                parallel: str, device: str = "cpu") -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = load_causal_lm(model_dir, "float32")
     routing = RoutingController(model)
     settings = TrainerSettings(model_path=model_dir, parallel=parallel, precision="fp32")
-    wrapped = prepare(model, settings, torch.device("cpu"), world)
+    wrapped = prepare(model, settings, torch.device(device), world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = train_step(wrapped, optimizer, routing, collate([decode_rollout(d) for d in data]), GROUP,
-                         StepConfig(mini_batches=2, replay=replay), 0, rank, world)
+                         StepConfig(mini_batches=2, replay=replay), 0, rank, world, Compute(torch.device(device)))
     model_state, optimizer_state = full_state(model, optimizer)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in model_state.items()}, out)
