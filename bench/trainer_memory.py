@@ -57,6 +57,7 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     from services.trainer.config import TrainerSettings
     from services.trainer.parallel import CastView, prepare
     from shared.batch import collate
+    from shared.distributed import exit_rank
     from shared.models.routing import RoutingController
     from shared.training import StepConfig, train_step
     from shared.weights import describe
@@ -81,7 +82,7 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
         result["parameters"] = sum(p.numel() for p in model.parameters())
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def main() -> dict:

@@ -36,6 +36,22 @@ def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def exit_rank(code: int = 0) -> None:
+    """End a rank process: wait for the others, leave the group, then exit without running C++
+    static destructors — a gloo thread still being torn down there aborts the process ("terminate
+    called without an active exception"), failing a rank whose work was done."""
+    import logging
+    import sys
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -32,7 +33,6 @@ def die_with_parent() -> None:
     launcher never leaves ranks behind that keep consuming the run's work."""
     import ctypes
     import ctypes.util
-    import os
 
     if sys.platform != "linux" or "LOCAL_RANK" not in os.environ:
         return
@@ -56,11 +56,17 @@ def run_service(name: str, settings_cls: type, server_module: str) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve(settings, stop=stop)
 
+    code = 0
     try:
         asyncio.run(run())
     except LoopDied as exc:
         log.error("event=service_exit service=%s reason=%s", name, exc)
-        sys.exit(1)
+        code = 1
+    if "LOCAL_RANK" in os.environ:  # a torchrun rank: leave the group, skip C++ teardown (exit_rank)
+        from shared.distributed import exit_rank
+
+        exit_rank(code)
+    sys.exit(code)
 
 
 @dataclass(frozen=True)

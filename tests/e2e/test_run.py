@@ -90,7 +90,7 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
     launch = Launch(config, tmp_path, str(tiny_model_dir))
     try:
         launch.redis = RedisServer(tmp_path / "redis").start()
-        launch.plan()
+        launch.plan(launch.redis.url)
         for service in launch.services:
             launch.start(service)
             launch.wait_healthy(service)

@@ -6,6 +6,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from shared.batch import collate
+from shared.distributed import exit_rank
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.redis_server import free_port
@@ -34,7 +35,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], 
               f"{out}.metrics-{rank}")
     if rank == 0:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def test_two_gloo_ranks_update_like_one_process(tmp_path, tiny_model_dir):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from services.trainer.config import TrainerSettings
 from services.trainer.parallel import CastView, full_state, prepare
 from shared.batch import collate, token_budget_chunks
+from shared.distributed import exit_rank
 from shared.forward import Compute, sequence_logprobs
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
@@ -87,7 +88,7 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[byt
         save_file({k: v.contiguous() for k, v in model_state.items()}, out)
         with open(f"{out}.json", "w") as f:
             json.dump({"metrics": metrics, "moments": sorted(optimizer_state["state"])}, f)
-    dist.destroy_process_group()
+    exit_rank()
 
 
 @pytest.mark.parametrize("replay", ["r2", "r3"])
