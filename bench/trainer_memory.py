@@ -55,12 +55,12 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     import torch.distributed as dist
 
     from services.trainer.config import TrainerSettings
-    from services.trainer.parallel import CastView, prepare
+    from services.trainer.parallel import prepare
     from shared.batch import collate
     from shared.distributed import exit_rank
     from shared.models.routing import RoutingController
     from shared.training import StepConfig, train_step
-    from shared.weights import describe
+    from shared.weights import CastView, describe
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)

@@ -2,8 +2,9 @@
 
 Pure functions over bytes and tensors; the gRPC client helpers live in `shared.weightsync_client`.
 A tensor travels as its raw little-endian bytes (bf16 included); its manifest entry carries
-name, dtype, shape, byte size and a SHA-256 digest of those bytes (SHA-256 rather than BLAKE2b:
-1.0 vs 0.37 GiB/s here, thanks to the CPU's SHA extensions).
+name, dtype, shape, byte size and a BLAKE3 digest (256 bits) of those bytes. BLAKE3 is a
+cryptographic hash — collision-resistant, which the signed manifest relies on — and 4× faster
+than SHA-256 here on one thread (7.3 vs 1.8 GiB/s), more on several.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import hmac
 import time
 from collections.abc import Iterator, Mapping
 
+import blake3
 import numpy as np
 import torch
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 
-CHECKSUM_ALGO = "sha256"
+CHECKSUM_ALGO = "blake3"
 ZSTD_LEVEL = 1
 
 
@@ -41,7 +43,33 @@ def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: str, shape: lis
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
+    """BLAKE3-256 of `data` (several threads for large inputs)."""
+    threads = blake3.blake3.AUTO if len(data) >= 1 << 22 else 1
+    return blake3.blake3(data, max_threads=threads).digest()
+
+
+class CastView(Mapping):
+    """A model's tensors in the published dtype, cast one at a time on access: a push streams the
+    version without a second copy of the model in memory."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.tensors, self.dtype = tensors, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.tensors[name].detach()
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def meta(self, name: str) -> tuple[str, list[int]]:
+        """(dtype name, shape) of a tensor without casting it."""
+        tensor = self.tensors[name]
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return str(dtype).removeprefix("torch."), list(tensor.shape)
 
 
 def describe(

@@ -67,8 +67,9 @@ class Launch:
         ws, trainer, orch_grpc = free_port(), free_port(), free_port()
         self.http_port = free_port()
         common = {"host": "127.0.0.1", "metrics_port": 0}
+        shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].shm_dir)}
         self.services.append(Service("weightsync", ["-m", "services.weightsync"], service_env(c, "weightsync", {
-            **common, "port": ws, "spill_dir": str(out / "weightsync-spill")}), ws, placement.visible(())))
+            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), **shm}), ws, placement.visible(())))
         self.services.append(Service("trainer", placement.trainer_argv(free_port()), service_env(c, "trainer", {
             **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
             "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}",
@@ -194,6 +195,10 @@ class Launch:
                 service.process.wait()
         if self.redis is not None:
             self.redis.stop()
+        trainer = next((s for s in self.services if s.name == "trainer"), None)
+        if trainer is not None:  # the shared-memory version files of this run (RAM, not disk)
+            shm = Path(trainer.env.get("STEADYRL_TRAINER_SHM_DIR", "/dev/shm/steadyrl")) / self.config.run_id
+            shutil.rmtree(shm, ignore_errors=True)
 
     def pids(self) -> dict[str, int]:
         """Process ids by service name (redis-server included), as they are now."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -63,6 +64,9 @@ class InferenceSettings(RedisSettings):
     """host:port of the weight-sync service; empty = keep the initial weights."""
     orchestrator_address: str = ""
     """host:port of the orchestrator's gRPC API: the replica reports its version there."""
+    weight_transports: list[Literal["grpc", "shm", "collective"]] = ["shm", "collective", "grpc"]
+    """How this replica can receive versions: the weight-sync service says which one each version
+    takes (shm only on its host); gRPC is always possible."""
     weight_streams: int = Field(1, ge=1, le=16)
     """Parallel streams per weight pull."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)

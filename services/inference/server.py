@@ -162,7 +162,8 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
                 log.info("event=weights_staged version=%d serving=%d", version, engine.version)
 
         subscriber = GrpcWeightSubscriber(settings.weightsync_address, on_version, replica,
-                                      settings.max_message_bytes, streams=settings.weight_streams)
+                                          settings.max_message_bytes, streams=settings.weight_streams,
+                                          transports=settings.weight_transports)
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)

@@ -43,6 +43,14 @@ class TrainerSettings(RedisSettings, StepShape):
     """Largest gRPC message."""
     publish_timeout_seconds: float = Field(600.0, gt=0)
     """Bound on one version push; a push that fails is retried on the next turn of the loop."""
+    weight_transport: Literal["grpc", "shm", "collective"] = "grpc"
+    """How the bytes of each version reach the replicas (the signed manifest always goes through
+    the weight-sync service): gRPC chunks, a shared-memory file (same host), or a broadcast to a
+    torch.distributed group (gloo on CPU, nccl on GPU)."""
+    shm_dir: Path = Path("/dev/shm/steadyrl")
+    """shm transport: version files go to <shm_dir>/<run_id>/ (the weight-sync service's shm_dir)."""
+    shm_keep: int = Field(4, ge=1)
+    """shm transport: version files kept (older ones are deleted; a reader keeps what it mapped)."""
 
     mini_batches: int = Field(1, ge=1)
     """N: optimizer steps per global step (1 = on-policy)."""

@@ -3,8 +3,6 @@ activation checkpointing; and the state moved in and out of it (checkpoints, pub
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -65,24 +63,6 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_sharded(model))
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
-
-
-class CastView(Mapping):
-    """A model's tensors in the published dtype, cast one at a time on access: a push streams the
-    version without a second copy of the model in memory."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
-        self.tensors, self.dtype = tensors, dtype
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self.tensors[name].detach()
-        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def gather_published(model: torch.nn.Module, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:

@@ -29,7 +29,7 @@ PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version p
 class VersionPublisher:
     def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
         self.settings, self.redis, self.keys = settings, redis, RunKeys(settings.run_id)
-        self.client = None  # shared.weightsync_client.GrpcWeightPublisher, made in the event loop
+        self.client = None  # a shared.weight_publishers publisher of the configured transport, made in the event loop
         self.published = 0  # the newest version pushed by this process (or found published)
 
     @property
@@ -70,11 +70,12 @@ class VersionPublisher:
             return True
         await self.redis.hset(self.keys.trainer, "published_version", version)  # before any byte leaves
         if self.client is None:
-            from shared.weightsync_client import GrpcWeightPublisher
+            from shared.weight_publishers import make_publisher
 
             s = self.settings
             key = s.hmac_key_file.read_bytes().strip() if s.hmac_key_file else None
-            self.client = GrpcWeightPublisher(s.weightsync_address, key=key, max_message_bytes=s.max_message_bytes)
+            self.client = make_publisher(s.weight_transport, s.weightsync_address, key, s.max_message_bytes,
+                                         s.shm_dir / s.run_id, s.shm_keep)
         try:
             await self.client.push(weights, version, self.published, timeout=self.settings.publish_timeout_seconds)
         except grpc.aio.AioRpcError as exc:

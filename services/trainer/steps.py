@@ -21,7 +21,6 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.parallel import (
-    CastView,
     full_state,
     gather_published,
     load_state,
@@ -37,6 +36,7 @@ from shared.models.routing import RoutingController
 from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
 from shared.torch_threads import bind_torch_threads
 from shared.training import StepConfig, resolve_recipe, train_step
+from shared.weights import CastView
 
 log = logging.getLogger("steadyrl.trainer")
 SAVE, GATHER = -2, -3  # broadcast tags of the checkpoint and gather commands (a step's tag is its version, >= 0)

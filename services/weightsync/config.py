@@ -35,6 +35,16 @@ class WeightSyncSettings(BaseSettings):
     """Shared key: pushes must carry an HMAC-SHA256 manifest signature made with it."""
     hmac_key_file: Path | None = None
     """File holding the shared key (alternative to hmac_key)."""
+    shm_dir: Path = Path("/dev/shm/steadyrl")
+    """Versions announced through shared memory must be files under this directory (same host)."""
+    store_port: int = Field(0, ge=0, le=65535)
+    """Port of the rendezvous store of collective groups (0 = any free port)."""
+    advertise_host: str = ""
+    """Host members dial for the store (empty = `host`, or 127.0.0.1 when binding 0.0.0.0)."""
+    collective_timeout_seconds: float = Field(60.0, gt=0)
+    """Bound on forming a collective group and on one broadcast; a member slower than this leaves."""
+    bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    """Bytes per broadcast bucket."""
 
     @model_validator(mode="after")
     def _chunks_fit_messages(self) -> WeightSyncSettings:

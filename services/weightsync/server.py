@@ -1,18 +1,24 @@
-"""gRPC servicer of the weight-sync service and its main loop."""
+"""The weight-sync service: the control plane of weights. Every version is announced with its
+signed manifest; its bytes come by gRPC Push, by a shared-memory file the trainer wrote, or by a
+collective broadcast this service takes part in (rank 1), and it keeps every version for gRPC
+pulls (replicas that join late, fall behind, or live on another network). Each Watch subscriber
+is told how it receives each version (`members.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.weightsync.config import WeightSyncSettings
+from services.weightsync.members import COLLECTIVE, GRPC, SHM, Membership, Subscriber
 from services.weightsync.store import VersionStore
+from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
 from shared.service_main import grpc_service, run_loops
 from shared.weights import (
     Assembler,
@@ -33,15 +39,25 @@ BYTES_PULLED = Counter("steadyrl_weightsync_pulled_bytes_total", "Bytes sent by 
 PUSH_SECONDS = Histogram("steadyrl_weightsync_push_seconds", "Duration of successful pushes")
 PULL_SECONDS = Histogram("steadyrl_weightsync_pull_seconds", "Duration of completed pulls", ["mode"])
 SUBSCRIBERS = Gauge("steadyrl_weightsync_subscribers", "Open Watch streams")
+EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")
+MEMBERS = Gauge("steadyrl_weightsync_collective_members", "Replicas in the current collective epoch")
+ANNOUNCED = Counter("steadyrl_weightsync_versions_announced_total", "Versions announced", ["transport"])
 FAILURES = Counter("steadyrl_weightsync_failures_total", "Failed pushes and pulls", ["op", "reason"])
 
 
 class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     def __init__(self, settings: WeightSyncSettings) -> None:
+        import socket
+
         self.settings = settings
         self.key = settings.signing_key()
         self.store = VersionStore(settings.retain_versions, settings.memory_versions, settings.spill_dir)
-        self.changed = asyncio.Condition()
+        self.members = Membership()
+        self.host = socket.gethostname()
+        self.store_address = ""  # the collective rendezvous store, hosted here once asked for
+        self._rendezvous = None
+        self._groups = None
+        self._receiving: asyncio.Task | None = None
 
     async def _fail(self, context, op: str, reason: str, code: grpc.StatusCode, message: str):
         FAILURES.labels(op, reason).inc()
@@ -85,11 +101,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             log.warning("event=push_failed reason=cancelled version=%s bytes=%d", manifest and manifest.version, received)
             raise
         BYTES_PUSHED.inc(received)
-        async with self.changed:
-            self.store.add(manifest, payloads)
-            self.changed.notify_all()
-        VERSIONS_HELD.set(len(self.store.versions))
-        LATEST_VERSION.set(manifest.version)
+        self.store.add(manifest, payloads)
+        self._stored(manifest, skip=frozenset())
         PUSH_SECONDS.observe(time.perf_counter() - started)
         log.info("event=version_published version=%d bytes=%d tensors=%d", manifest.version, received, len(manifest.tensors))
         return pb.PushReply(version=self.store.versions[manifest.version].info().version, bytes_received=received)
@@ -98,18 +111,166 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         latest = self.store.latest
         return latest.manifest.version if latest else 0
 
+    def _stored(self, manifest: pb.WeightManifest, skip: frozenset[str]) -> None:
+        """A version is held: tell every subscriber not served otherwise (`skip`) to pull it."""
+        VERSIONS_HELD.set(len(self.store.versions))
+        LATEST_VERSION.set(manifest.version)
+        info = self.store.versions[manifest.version].info()
+        for subscriber in self.members.subscribers.values():
+            if subscriber.id not in skip:
+                subscriber.queue.put_nowait(pb.VersionAnnouncement(
+                    version=info.version, total_bytes=info.total_bytes, transport=pb.Transport(kind=GRPC)))
+
     async def Watch(self, request, context):
-        SUBSCRIBERS.inc()
+        subscriber = self.members.add(Subscriber(request.subscriber_id or f"anonymous-{id(context)}",
+                                                 {GRPC, *request.transports}, request.host))
+        SUBSCRIBERS.set(len(self.members.subscribers))
+        latest = self.store.latest
+        if latest is not None and latest.manifest.version > request.after_version:
+            info = latest.info()
+            subscriber.queue.put_nowait(pb.VersionAnnouncement(version=info.version, total_bytes=info.total_bytes,
+                                                               transport=pb.Transport(kind=GRPC)))
         seen = request.after_version
         try:
             while True:
-                async with self.changed:
-                    await self.changed.wait_for(lambda after=seen: self._latest_version() > after)
-                    info = self.store.latest.info()
-                seen = info.version.version
-                yield pb.VersionAnnouncement(version=info.version, total_bytes=info.total_bytes)
+                announcement = await subscriber.queue.get()
+                if announcement.version.version > seen:
+                    seen = announcement.version.version
+                    yield announcement
         finally:
-            SUBSCRIBERS.dec()
+            self.members.remove(subscriber)
+            SUBSCRIBERS.set(len(self.members.subscribers))
+
+    async def Announce(self, request, context):
+        """A version whose bytes travel by shared memory or by a collective (see the module)."""
+        manifest, kind = request.manifest, request.transport.kind
+        try:
+            validate_manifest(manifest, self.settings.max_version_bytes)
+        except WeightError as exc:
+            await self._fail(context, "announce", "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            verify_signature(manifest, self.key)
+        except WeightError as exc:
+            await self._fail(context, "announce", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        if self._receiving is not None:  # the previous collective, bounded by its timeout
+            await asyncio.wait({self._receiving})
+        if manifest.version <= self._latest_version():
+            await self._fail(context, "announce", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
+                             f"version {manifest.version} is not newer than {self._latest_version()}")
+        ANNOUNCED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
+        if kind == SHM:
+            return await self._announce_shm(manifest, request.transport, context)
+        if kind == COLLECTIVE:
+            return await self._announce_collective(manifest, request.transport)
+        await self._fail(context, "announce", "transport", grpc.StatusCode.INVALID_ARGUMENT,
+                         "announce carries SHM or COLLECTIVE versions; gRPC versions are pushed")
+
+    async def _announce_shm(self, manifest, transport, context):
+        path = Path(transport.shm_path).resolve()
+        root = self.settings.shm_dir.resolve()
+        if root not in path.parents or not path.is_file():
+            await self._fail(context, "announce", "shm_path", grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{path} is not a file under {root} on this host")
+        self.store.add_shm(manifest, path)
+        mapped = {s.id for s in self.members.subscribers.values() if SHM in s.transports and s.host == self.host}
+        for subscriber in self.members.subscribers.values():
+            if subscriber.id in mapped:
+                subscriber.queue.put_nowait(pb.VersionAnnouncement(
+                    version=self.store.versions[manifest.version].info().version, manifest=manifest,
+                    transport=pb.Transport(kind=SHM, shm_path=str(path))))
+        self._stored(manifest, skip=frozenset(mapped))
+        log.info("event=version_published version=%d transport=shm tensors=%d mapped_by=%d", manifest.version,
+                 len(manifest.tensors), len(mapped))
+        return pb.AnnounceReply(version=self.store.versions[manifest.version].info().version,
+                                transport=pb.Transport(kind=SHM, shm_path=str(path)))
+
+    async def _announce_collective(self, manifest, requested: pb.Transport):
+        epoch = self.members.epoch_for_announce()
+        nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
+        first = 1 if nccl else 2
+        transport = pb.Transport(kind=COLLECTIVE, epoch=epoch.number, world_size=first + len(epoch.members), rank=0,
+                                 store_address=self._store(), bucket_bytes=self.settings.bucket_bytes,
+                                 backend="nccl" if nccl else "gloo",
+                                 timeout_seconds=self.settings.collective_timeout_seconds)
+        EPOCH.set(epoch.number)
+        MEMBERS.set(len(epoch.members))
+        version = pb.VersionAnnouncement(version=common_pb2.PolicyVersion(
+            version=manifest.version, parent_version=manifest.parent_version,
+            created_unix_ms=manifest.created_unix_ms), manifest=manifest)
+        for rank, member in enumerate(epoch.members, start=first):
+            announcement = pb.VersionAnnouncement()
+            announcement.CopyFrom(version)
+            announcement.transport.CopyFrom(transport)
+            announcement.transport.rank = rank
+            self.members.subscribers[member].queue.put_nowait(announcement)
+        if not nccl:
+            mine = pb.Transport()
+            mine.CopyFrom(transport)
+            mine.rank = 1
+            self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
+        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d", manifest.version,
+                 epoch.number, len(epoch.members))
+        return pb.AnnounceReply(version=version.version, transport=transport)
+
+    def _store(self) -> str:
+        """The rendezvous store of the collective groups (started on first use)."""
+        if self._rendezvous is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            from shared.weight_transport import Groups
+
+            host = self.settings.advertise_host or (self.settings.host if self.settings.host != "0.0.0.0"
+                                                     else "127.0.0.1")
+            timeout = datetime.timedelta(seconds=self.settings.collective_timeout_seconds)
+            self._rendezvous = dist.TCPStore(self.settings.host, self.settings.store_port, None, True, timeout=timeout,
+                                             wait_for_workers=False)
+            self.store_address = f"{host}:{self._rendezvous.port}"
+            self._groups = Groups()
+        return self.store_address
+
+    async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
+        """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
+        the epoch (the trainer then pushes the version over gRPC)."""
+        from shared.weight_transport import receive_version
+        from shared.weights import tensor_to_bytes
+
+        started = time.perf_counter()
+        try:
+            def work():
+                group = self._groups.get(transport, 1)
+                tensors = receive_version(group, transport, manifest)
+                return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in manifest.tensors]
+
+            payloads = await asyncio.to_thread(work)
+        except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes
+            FAILURES.labels("collective", type(exc).__name__).inc()
+            self._groups.drop()
+            gone = self.members.fail(transport.epoch, manifest.version)
+            log.warning("event=collective_failed version=%d epoch=%d error=%s left=%s", manifest.version,
+                        transport.epoch, exc, gone)
+            return
+        finally:
+            self._receiving = None
+        if manifest.version > self._latest_version():
+            self.store.add(manifest, payloads)
+            self._stored(manifest, skip=members)
+        BYTES_PUSHED.inc(sum(len(p) for p in payloads))
+        PUSH_SECONDS.observe(time.perf_counter() - started)
+        log.info("event=version_published version=%d transport=collective epoch=%d bytes=%d", manifest.version,
+                 transport.epoch, sum(len(p) for p in payloads))
+
+    async def Report(self, request, context):
+        """How a collective went for the trainer or a member: a failure ends the epoch."""
+        if request.ok:
+            self.members.confirm(request.epoch, request.version, request.subscriber_id)
+        else:
+            FAILURES.labels("collective", "reported").inc()
+            gone = self.members.fail(request.epoch, request.version)
+            log.warning("event=collective_reported_failed version=%d epoch=%d by=%s error=%s left=%s",
+                        request.version, request.epoch, request.subscriber_id or "trainer", request.error[:200], gone)
+        return common_pb2.Empty()
 
     async def Pull(self, request, context):
         started = time.perf_counter()
@@ -118,9 +279,12 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         if version not in self.store.versions:
             await self._fail(context, "pull", "not_found", grpc.StatusCode.NOT_FOUND, f"version {version} is not held")
         target = self.store.versions[version]
-        payloads = self.store.payloads(version)
         base_version = request.base_version if request.base_version in self.store.versions else 0
-        base = self.store.payloads(base_version) if base_version else None
+        try:
+            payloads = self.store.payloads(version)
+            base = self.store.payloads(base_version) if base_version else None
+        except (OSError, WeightError) as exc:  # a shared-memory file gone or changed since it was announced
+            await self._fail(context, "pull", "data_loss", grpc.StatusCode.DATA_LOSS, f"version {version}: {exc}")
         base_specs = {s.name: (i, s) for i, s in enumerate(self.store.versions[base_version].manifest.tensors)} if base else {}
         encoded = []
         for spec, data in zip(target.manifest.tensors, payloads, strict=True):

@@ -1,4 +1,5 @@
-"""The versions held: the newest in memory, older retained ones spilled to disk as safetensors."""
+"""The versions held: the newest in memory, older retained ones spilled to disk as safetensors;
+a version that came through shared memory is read from its file (the trainer's) when pulled."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from shared.weights import bytes_to_tensor, tensor_to_bytes
 @dataclass
 class StoredVersion:
     manifest: pb.WeightManifest
-    payloads: list[bytearray] | None  # None once spilled
+    payloads: list[bytearray] | None  # None once spilled (or when shm-backed)
     path: Path | None = None
+    shm_path: Path | None = None  # the trainer's shared-memory file of this version
 
     @property
     def total_bytes(self) -> int:
@@ -40,20 +42,35 @@ class VersionStore:
     def latest(self) -> StoredVersion | None:
         return self.versions[max(self.versions)] if self.versions else None
 
+    def add_shm(self, manifest: pb.WeightManifest, path: Path) -> None:
+        """A version whose bytes stay in the trainer's shared-memory file."""
+        self.versions[manifest.version] = StoredVersion(manifest, None, shm_path=path)
+        self._trim()
+
     def add(self, manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:
         self.versions[manifest.version] = StoredVersion(manifest, payloads)
+        self._trim()
+
+    def _trim(self) -> None:
         ordered = sorted(self.versions, reverse=True)
         for version in ordered[self.retain :]:
             dropped = self.versions.pop(version)
             if dropped.path is not None:
                 shutil.rmtree(dropped.path, ignore_errors=True)
         for version in ordered[self.in_memory : self.retain]:
-            self._spill(self.versions[version])
+            if self.versions[version].shm_path is None:
+                self._spill(self.versions[version])
 
     def payloads(self, version: int) -> list[bytearray]:
+        """The raw bytes of every tensor (verified against the manifest when read from shm)."""
         stored = self.versions[version]
         if stored.payloads is not None:
             return stored.payloads
+        if stored.shm_path is not None:
+            from shared.weight_transport import read_shm
+
+            tensors = read_shm(stored.shm_path, stored.manifest)
+            return [tensor_to_bytes(tensors[spec.name]) for spec in stored.manifest.tensors]
         from safetensors.torch import load_file
 
         assert stored.path is not None

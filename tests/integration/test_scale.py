@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from services.trainer.config import TrainerSettings
-from services.trainer.parallel import CastView, full_state, prepare
+from services.trainer.parallel import full_state, prepare
 from shared.batch import collate, token_budget_chunks
 from shared.distributed import exit_rank
 from shared.forward import Compute, sequence_logprobs
@@ -19,6 +19,7 @@ from shared.models.routing import RoutingController
 from shared.redis_server import free_port
 from shared.rollout import decode_rollout, encode_rollout
 from shared.training import StepConfig, train_step
+from shared.weights import CastView
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 

@@ -9,12 +9,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WeightTransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransportKind]
+    GRPC: _ClassVar[WeightTransportKind]
+    SHM: _ClassVar[WeightTransportKind]
+    COLLECTIVE: _ClassVar[WeightTransportKind]
+
 class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TENSOR_ENCODING_UNSPECIFIED: _ClassVar[TensorEncoding]
     FULL: _ClassVar[TensorEncoding]
     UNCHANGED: _ClassVar[TensorEncoding]
     XOR_ZSTD: _ClassVar[TensorEncoding]
+TRANSPORT_UNSPECIFIED: WeightTransportKind
+GRPC: WeightTransportKind
+SHM: WeightTransportKind
+COLLECTIVE: WeightTransportKind
 TENSOR_ENCODING_UNSPECIFIED: TensorEncoding
 FULL: TensorEncoding
 UNCHANGED: TensorEncoding
@@ -76,21 +87,81 @@ class PushReply(_message.Message):
     bytes_received: int
     def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
+class Transport(_message.Message):
+    __slots__ = ("kind", "shm_path", "epoch", "world_size", "rank", "store_address", "bucket_bytes", "backend", "timeout_seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: WeightTransportKind
+    shm_path: str
+    epoch: int
+    world_size: int
+    rank: int
+    store_address: str
+    bucket_bytes: int
+    backend: str
+    timeout_seconds: float
+    def __init__(self, kind: _Optional[_Union[WeightTransportKind, str]] = ..., shm_path: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., store_address: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class AnnounceRequest(_message.Message):
+    __slots__ = ("manifest", "transport")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    transport: Transport
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., transport: _Optional[_Union[Transport, _Mapping]] = ...) -> None: ...
+
+class AnnounceReply(_message.Message):
+    __slots__ = ("version", "transport")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    version: _common_pb2.PolicyVersion
+    transport: Transport
+    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., transport: _Optional[_Union[Transport, _Mapping]] = ...) -> None: ...
+
+class TransferReport(_message.Message):
+    __slots__ = ("version", "epoch", "ok", "subscriber_id", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    epoch: int
+    ok: bool
+    subscriber_id: str
+    error: str
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., ok: _Optional[bool] = ..., subscriber_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class WatchRequest(_message.Message):
-    __slots__ = ("after_version", "subscriber_id")
+    __slots__ = ("after_version", "subscriber_id", "transports", "host")
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     after_version: int
     subscriber_id: str
-    def __init__(self, after_version: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+    transports: _containers.RepeatedScalarFieldContainer[WeightTransportKind]
+    host: str
+    def __init__(self, after_version: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[WeightTransportKind, str]]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class VersionAnnouncement(_message.Message):
-    __slots__ = ("version", "total_bytes")
+    __slots__ = ("version", "total_bytes", "manifest", "transport")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     version: _common_pb2.PolicyVersion
     total_bytes: int
-    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    manifest: WeightManifest
+    transport: Transport
+    def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., transport: _Optional[_Union[Transport, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("version", "base_version", "subscriber_id", "stripe", "stripes")

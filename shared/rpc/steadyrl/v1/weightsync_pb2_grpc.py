@@ -61,6 +61,16 @@ class WeightSyncStub:
                 request_serializer=steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.VersionList.FromString,
                 _registered_method=True)
+        self.Announce = channel.unary_unary(
+                '/steadyrl.v1.WeightSync/Announce',
+                request_serializer=steadyrl_dot_v1_dot_weightsync__pb2.AnnounceRequest.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.AnnounceReply.FromString,
+                _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/steadyrl.v1.WeightSync/Report',
+                request_serializer=steadyrl_dot_v1_dot_weightsync__pb2.TransferReport.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServicer:
@@ -96,6 +106,18 @@ class WeightSyncServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Announce(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Report(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +145,16 @@ def add_WeightSyncServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=steadyrl_dot_v1_dot_weightsync__pb2.VersionList.SerializeToString,
+            ),
+            'Announce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Announce,
+                    request_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.AnnounceRequest.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_weightsync__pb2.AnnounceReply.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.TransferReport.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +292,60 @@ class WeightSync:
             '/steadyrl.v1.WeightSync/List',
             steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
             steadyrl_dot_v1_dot_weightsync__pb2.VersionList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Announce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.WeightSync/Announce',
+            steadyrl_dot_v1_dot_weightsync__pb2.AnnounceRequest.SerializeToString,
+            steadyrl_dot_v1_dot_weightsync__pb2.AnnounceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.WeightSync/Report',
+            steadyrl_dot_v1_dot_weightsync__pb2.TransferReport.SerializeToString,
+            steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,90 @@
+"""Who receives each version, and how: the subscribers of the Watch streams, and the members of
+the current collective epoch.
+
+A subscriber says which transports it can receive (gRPC always) and on which host it runs. A
+subscriber that can receive collectives joins at the next epoch: when a version is announced for
+a collective, the epoch is kept if its members are still the subscribers that want it and no
+transfer of it failed, else a new epoch is formed from them (rank 0 the trainer, rank 1 this
+service on gloo, the members after). A member whose stream closes ends its epoch; a failed
+transfer ends it too, and members that did not confirm the failed version leave the collective
+(they receive by gRPC until they subscribe again), so a dead or frozen replica is never waited
+for twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+
+GRPC, SHM, COLLECTIVE = pb.GRPC, pb.SHM, pb.COLLECTIVE
+
+
+@dataclass(eq=False)
+class Subscriber:
+    id: str
+    transports: set[int]
+    host: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    order: int = 0
+
+
+@dataclass
+class Epoch:
+    number: int = 0
+    members: tuple[str, ...] = ()
+    ended: bool = True
+    confirmed: dict[int, set[str]] = field(default_factory=dict)  # version → members that received it
+
+
+class Membership:
+    def __init__(self) -> None:
+        self.subscribers: dict[str, Subscriber] = {}
+        self.epoch = Epoch()
+        self._order = itertools.count()
+
+    def add(self, subscriber: Subscriber) -> Subscriber:
+        previous = self.subscribers.get(subscriber.id)
+        if previous is not None:
+            self.remove(previous)
+        subscriber.order = next(self._order)
+        self.subscribers[subscriber.id] = subscriber
+        return subscriber
+
+    def remove(self, subscriber: Subscriber) -> None:
+        if self.subscribers.get(subscriber.id) is subscriber:
+            del self.subscribers[subscriber.id]
+            if subscriber.id in self.epoch.members:
+                self.epoch.ended = True
+
+    def wanting(self) -> tuple[str, ...]:
+        """Subscribers that receive collectives, in the order they joined."""
+        live = [s for s in self.subscribers.values() if COLLECTIVE in s.transports]
+        return tuple(s.id for s in sorted(live, key=lambda s: s.order))
+
+    def epoch_for_announce(self) -> Epoch:
+        """The epoch the next collective uses (a new one when membership changed or one failed)."""
+        members = self.wanting()
+        if self.epoch.ended or members != self.epoch.members:
+            self.epoch = Epoch(self.epoch.number + 1, members, False)
+        return self.epoch
+
+    def confirm(self, epoch: int, version: int, subscriber_id: str) -> None:
+        if epoch == self.epoch.number:
+            self.epoch.confirmed.setdefault(version, set()).add(subscriber_id)
+
+    def fail(self, epoch: int, version: int) -> list[str]:
+        """A transfer of `version` on `epoch` failed: end the epoch; members that did not confirm
+        the version leave the collective. Returns who left."""
+        if epoch != self.epoch.number or self.epoch.ended:
+            return []
+        self.epoch.ended = True
+        confirmed = self.epoch.confirmed.get(version, set())
+        gone = [m for m in self.epoch.members if m not in confirmed]
+        for member in gone:
+            subscriber = self.subscribers.get(member)
+            if subscriber is not None:
+                subscriber.transports.discard(COLLECTIVE)
+        return gone

@@ -1,0 +1,141 @@
+"""Every weight transport delivers bit-exact weights to a replica's torch engine — gRPC chunks, a
+shared-memory file, a gloo broadcast — and a corrupted or unsigned version is refused on each."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from shared.models import load_causal_lm
+from shared.rpc.steadyrl.v1 import common_pb2
+from shared.weight_publishers import make_publisher
+from shared.weights import CastView
+from tests.integration.test_inference import Replica, _version_is, wait_for
+
+KEY = b"transport-test-key"
+
+
+def versions(model_dir, count: int) -> list[dict[str, torch.Tensor]]:
+    """`count` distinct bf16 versions of the tiny model (what a trainer publishes)."""
+    out = []
+    for v in range(count):
+        model = load_causal_lm(model_dir, "float32")
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.0 + 0.1 * (v + 1))
+            model.model.layers[1].mlp.gate.weight.add_(0.01 * (v + 1))
+        out.append(dict(CastView(model.state_dict(), torch.bfloat16)))
+    return out
+
+
+def served(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["grpc", "shm", "collective"])
+def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, tiny_model_dir, redis_server, run_id,
+                                                                     kind):
+    good = versions(tiny_model_dir, 2)
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY)
+
+    async def main():
+        ws = {"shm_dir": tmp_path / "shm", "hmac_key_file": key_file, "collective_timeout_seconds": 5}
+        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
+                           weight_transports=["shm", "collective", "grpc"]) as replica:
+            address = f"127.0.0.1:{replica.ws_port}"
+            await wait_for(subscribed, 30)  # the replica watches: it is a member from the first version
+            signed = make_publisher(kind, address, KEY, shm_dir=tmp_path / "shm" / "run")
+            unsigned = make_publisher(kind, address, None, shm_dir=tmp_path / "shm" / "run")
+            await signed.push(good[0], 1, 0, timeout=60)
+            await wait_for(lambda: _version_is(replica.stub, 1), 60)
+            first = served(replica.engine)
+            refused = {}
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no signature: the service refuses it
+                await unsigned.push(good[1], 2, 1, timeout=60)
+            refused["unsigned"] = err.value.code()
+            corrupt = dict(good[1])
+            corrupt["lm_head.weight"] = corrupt["lm_head.weight"].clone()
+            if kind == "grpc":  # bytes that differ from what the signed manifest says
+                from shared.weights import describe
+
+                manifest = describe(good[1], 2, 1, KEY)
+                refused["corrupt"] = await push_mismatched(signed, manifest, corrupt)
+            elif kind == "shm":  # the file changed after it was written and digested
+                refused["corrupt"] = await announce_tampered_file(signed, good[1], tmp_path / "shm" / "run", 2)
+            else:  # the broadcast carries other bytes than the manifest's
+                refused["corrupt"] = await broadcast_mismatched(signed, good[1], corrupt, 2)
+            await asyncio.sleep(1.0)
+            after = (await replica.stub.Status(common_pb2.Empty())).version.version
+            received = received_by(kind)
+            await signed.close()
+            await unsigned.close()
+        return first, refused, after, received
+
+    before = received_by(kind)
+    first, refused, after, received = asyncio.run(asyncio.wait_for(main(), 180))
+    expected = {k: v.float() for k, v in good[0].items()}
+    assert all(torch.equal(first[k], expected[k]) for k in expected)  # bit-exact (bf16 values in fp32)
+    assert received - before == 1  # it came by this transport (no fallback), and only the good version did
+    assert refused["unsigned"] == grpc.StatusCode.PERMISSION_DENIED
+    assert refused["corrupt"] == {"grpc": grpc.StatusCode.INVALID_ARGUMENT, "shm": "announced", "collective": "sent"}[kind]
+    assert after == 1  # nothing corrupted was ever served
+
+
+async def subscribed() -> bool:
+    from prometheus_client import REGISTRY
+
+    return (REGISTRY.get_sample_value("steadyrl_weightsync_subscribers") or 0) >= 1
+
+
+def received_by(kind: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("steadyrl_inference_weight_versions_received_total", {"transport": kind}) or 0.0
+
+
+async def announce_tampered_file(publisher, tensors, directory, version: int) -> str:
+    """A version file digested as written, then changed before a replica maps it."""
+    from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+    from shared.weight_transport import write_shm
+
+    path = directory / f"v{version}.safetensors"
+    manifest = write_shm(path, tensors, version, version - 1, KEY)
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0xFF  # a byte of the last tensor
+    path.write_bytes(bytes(data))
+    await publisher.grpc.stub.Announce(pb.AnnounceRequest(
+        manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))), timeout=60)
+    return "announced"
+
+
+async def push_mismatched(publisher, manifest, tensors) -> grpc.StatusCode:
+    from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+    from shared.weights import iter_chunks, tensor_to_bytes
+
+    tensors["lm_head.weight"].view(-1)[0] += 1
+
+    def requests():
+        yield pb.PushRequest(manifest=manifest)
+        for index, name in enumerate(tensors):
+            for chunk in iter_chunks(index, tensor_to_bytes(tensors[name]), 1 << 20):
+                yield pb.PushRequest(chunk=chunk)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await publisher.stub.Push(requests(), timeout=60)
+    return err.value.code()
+
+
+async def broadcast_mismatched(publisher, good, corrupt, version: int) -> str:
+    """Announce the good version's manifest, broadcast corrupted bytes."""
+    from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+    from shared.weight_transport import send_version
+    from shared.weights import describe
+
+    corrupt["lm_head.weight"].view(-1)[0] += 1
+    manifest = describe(good, version, version - 1, KEY)
+    reply = await publisher.grpc.stub.Announce(pb.AnnounceRequest(
+        manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend="gloo")), timeout=60)
+    await asyncio.to_thread(lambda: send_version(publisher.groups.get(reply.transport, 0), reply.transport, manifest,
+                                                 corrupt))
+    return "sent"
