@@ -136,7 +136,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
                 stop: asyncio.Event | None = None) -> None:
     """Run the replica until `stop` is set (or forever)."""
     from shared.models import load_tokenizer
-    from shared.weightsync_client import GrpcWeightSubscriber
+    from shared.weight_subscriber import GrpcWeightSubscriber
 
     engine = engine or await asyncio.to_thread(load_engine, settings)
     tokenizer = load_tokenizer(settings.model_path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -17,6 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.members import COLLECTIVE, GRPC, SHM, Membership, Subscriber
 from services.weightsync.store import VersionStore
+from services.weightsync.transfers import Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.service_main import grpc_service, run_loops
@@ -39,25 +39,17 @@ BYTES_PULLED = Counter("steadyrl_weightsync_pulled_bytes_total", "Bytes sent by 
 PUSH_SECONDS = Histogram("steadyrl_weightsync_push_seconds", "Duration of successful pushes")
 PULL_SECONDS = Histogram("steadyrl_weightsync_pull_seconds", "Duration of completed pulls", ["mode"])
 SUBSCRIBERS = Gauge("steadyrl_weightsync_subscribers", "Open Watch streams")
-EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")
-MEMBERS = Gauge("steadyrl_weightsync_collective_members", "Replicas in the current collective epoch")
 ANNOUNCED = Counter("steadyrl_weightsync_versions_announced_total", "Versions announced", ["transport"])
 FAILURES = Counter("steadyrl_weightsync_failures_total", "Failed pushes and pulls", ["op", "reason"])
 
 
 class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     def __init__(self, settings: WeightSyncSettings) -> None:
-        import socket
-
         self.settings = settings
         self.key = settings.signing_key()
         self.store = VersionStore(settings.retain_versions, settings.memory_versions, settings.spill_dir)
         self.members = Membership()
-        self.host = socket.gethostname()
-        self.store_address = ""  # the collective rendezvous store, hosted here once asked for
-        self._rendezvous = None
-        self._groups = None
-        self._receiving: asyncio.Task | None = None
+        self.transfers = Transfers(settings, self.store, self.members, self._stored)
 
     async def _fail(self, context, op: str, reason: str, code: grpc.StatusCode, message: str):
         FAILURES.labels(op, reason).inc()
@@ -152,124 +144,25 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             verify_signature(manifest, self.key)
         except WeightError as exc:
             await self._fail(context, "announce", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        if self._receiving is not None:  # the previous collective, bounded by its timeout
-            await asyncio.wait({self._receiving})
+        await self.transfers.settled()  # the previous collective, bounded by its timeout
         if manifest.version <= self._latest_version():
             await self._fail(context, "announce", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
                              f"version {manifest.version} is not newer than {self._latest_version()}")
         ANNOUNCED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
         if kind == SHM:
-            return await self._announce_shm(manifest, request.transport, context)
+            path = self.transfers.shm_path(request.transport.shm_path)
+            if path is None:
+                await self._fail(context, "announce", "shm_path", grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{request.transport.shm_path} is not a file under {self.settings.shm_dir} on this host")
+            return self.transfers.announce_shm(manifest, path)
         if kind == COLLECTIVE:
-            return await self._announce_collective(manifest, request.transport)
+            return self.transfers.announce_collective(manifest, request.transport)
         await self._fail(context, "announce", "transport", grpc.StatusCode.INVALID_ARGUMENT,
                          "announce carries SHM or COLLECTIVE versions; gRPC versions are pushed")
 
-    async def _announce_shm(self, manifest, transport, context):
-        path = Path(transport.shm_path).resolve()
-        root = self.settings.shm_dir.resolve()
-        if root not in path.parents or not path.is_file():
-            await self._fail(context, "announce", "shm_path", grpc.StatusCode.INVALID_ARGUMENT,
-                             f"{path} is not a file under {root} on this host")
-        self.store.add_shm(manifest, path)
-        mapped = {s.id for s in self.members.subscribers.values() if SHM in s.transports and s.host == self.host}
-        for subscriber in self.members.subscribers.values():
-            if subscriber.id in mapped:
-                subscriber.queue.put_nowait(pb.VersionAnnouncement(
-                    version=self.store.versions[manifest.version].info().version, manifest=manifest,
-                    transport=pb.Transport(kind=SHM, shm_path=str(path))))
-        self._stored(manifest, skip=frozenset(mapped))
-        log.info("event=version_published version=%d transport=shm tensors=%d mapped_by=%d", manifest.version,
-                 len(manifest.tensors), len(mapped))
-        return pb.AnnounceReply(version=self.store.versions[manifest.version].info().version,
-                                transport=pb.Transport(kind=SHM, shm_path=str(path)))
-
-    async def _announce_collective(self, manifest, requested: pb.Transport):
-        epoch = self.members.epoch_for_announce()
-        nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
-        first = 1 if nccl else 2
-        transport = pb.Transport(kind=COLLECTIVE, epoch=epoch.number, world_size=first + len(epoch.members), rank=0,
-                                 store_address=self._store(), bucket_bytes=self.settings.bucket_bytes,
-                                 backend="nccl" if nccl else "gloo",
-                                 timeout_seconds=self.settings.collective_timeout_seconds)
-        EPOCH.set(epoch.number)
-        MEMBERS.set(len(epoch.members))
-        version = pb.VersionAnnouncement(version=common_pb2.PolicyVersion(
-            version=manifest.version, parent_version=manifest.parent_version,
-            created_unix_ms=manifest.created_unix_ms), manifest=manifest)
-        for rank, member in enumerate(epoch.members, start=first):
-            announcement = pb.VersionAnnouncement()
-            announcement.CopyFrom(version)
-            announcement.transport.CopyFrom(transport)
-            announcement.transport.rank = rank
-            self.members.subscribers[member].queue.put_nowait(announcement)
-        if not nccl:
-            mine = pb.Transport()
-            mine.CopyFrom(transport)
-            mine.rank = 1
-            self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
-        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d", manifest.version,
-                 epoch.number, len(epoch.members))
-        return pb.AnnounceReply(version=version.version, transport=transport)
-
-    def _store(self) -> str:
-        """The rendezvous store of the collective groups (started on first use)."""
-        if self._rendezvous is None:
-            import datetime
-
-            import torch.distributed as dist
-
-            from shared.weight_transport import Groups
-
-            host = self.settings.advertise_host or (self.settings.host if self.settings.host != "0.0.0.0"
-                                                     else "127.0.0.1")
-            timeout = datetime.timedelta(seconds=self.settings.collective_timeout_seconds)
-            self._rendezvous = dist.TCPStore(self.settings.host, self.settings.store_port, None, True, timeout=timeout,
-                                             wait_for_workers=False)
-            self.store_address = f"{host}:{self._rendezvous.port}"
-            self._groups = Groups()
-        return self.store_address
-
-    async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
-        """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
-        the epoch (the trainer then pushes the version over gRPC)."""
-        from shared.weight_transport import receive_version
-        from shared.weights import tensor_to_bytes
-
-        started = time.perf_counter()
-        try:
-            def work():
-                group = self._groups.get(transport, 1)
-                tensors = receive_version(group, transport, manifest)
-                return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in manifest.tensors]
-
-            payloads = await asyncio.to_thread(work)
-        except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes
-            FAILURES.labels("collective", type(exc).__name__).inc()
-            self._groups.drop()
-            gone = self.members.fail(transport.epoch, manifest.version)
-            log.warning("event=collective_failed version=%d epoch=%d error=%s left=%s", manifest.version,
-                        transport.epoch, exc, gone)
-            return
-        finally:
-            self._receiving = None
-        if manifest.version > self._latest_version():
-            self.store.add(manifest, payloads)
-            self._stored(manifest, skip=members)
-        BYTES_PUSHED.inc(sum(len(p) for p in payloads))
-        PUSH_SECONDS.observe(time.perf_counter() - started)
-        log.info("event=version_published version=%d transport=collective epoch=%d bytes=%d", manifest.version,
-                 transport.epoch, sum(len(p) for p in payloads))
-
     async def Report(self, request, context):
         """How a collective went for the trainer or a member: a failure ends the epoch."""
-        if request.ok:
-            self.members.confirm(request.epoch, request.version, request.subscriber_id)
-        else:
-            FAILURES.labels("collective", "reported").inc()
-            gone = self.members.fail(request.epoch, request.version)
-            log.warning("event=collective_reported_failed version=%d epoch=%d by=%s error=%s left=%s",
-                        request.version, request.epoch, request.subscriber_id or "trainer", request.error[:200], gone)
+        self.transfers.report(request)
         return common_pb2.Empty()
 
     async def Pull(self, request, context):

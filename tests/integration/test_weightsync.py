@@ -12,14 +12,9 @@ from services.weightsync.server import WeightSyncServicer, add_servicer
 from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weight_subscriber import GrpcWeightSubscriber
 from shared.weights import build_manifest, iter_chunks
-from shared.weightsync_client import (
-    GrpcWeightPublisher,
-    GrpcWeightSubscriber,
-    open_channels,
-    pull_version,
-    to_state_dict,
-)
+from shared.weightsync_client import GrpcWeightPublisher, open_channels, pull_version, to_state_dict
 
 KEY = b"test-signing-key"
 

@@ -1,0 +1,155 @@
+"""The bytes that reach this service off the gRPC push path: a shared-memory file the trainer
+wrote (this service reads it to serve pulls), or a collective broadcast it takes part in as
+rank 1 of each membership epoch (`members.py`), receiving, verifying and keeping the version."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.weightsync.config import WeightSyncSettings
+from services.weightsync.members import COLLECTIVE, SHM, Membership
+from services.weightsync.store import VersionStore
+from shared.rpc.steadyrl.v1 import common_pb2
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+
+log = logging.getLogger("steadyrl.weightsync")
+EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")
+MEMBERS = Gauge("steadyrl_weightsync_collective_members", "Replicas in the current collective epoch")
+RECEIVED_BYTES = Counter("steadyrl_weightsync_collective_received_bytes_total", "Bytes received by broadcast")
+RECEIVE_SECONDS = Histogram("steadyrl_weightsync_collective_receive_seconds", "Duration of received broadcasts")
+FAILED = Counter("steadyrl_weightsync_collective_failures_total", "Collective transfers that failed", ["reason"])
+
+
+class Transfers:
+    def __init__(self, settings: WeightSyncSettings, store: VersionStore, members: Membership,
+                 stored: Callable[[pb.WeightManifest, frozenset[str]], None]) -> None:
+        self.settings, self.store, self.members, self.stored = settings, store, members, stored
+        self.host = socket.gethostname()
+        self.store_address = ""  # the collective rendezvous store, hosted here once asked for
+        self._rendezvous = None
+        self._groups = None
+        self._receiving: asyncio.Task | None = None
+
+    def latest(self) -> int:
+        latest = self.store.latest
+        return latest.manifest.version if latest else 0
+
+    async def settled(self) -> None:
+        """Wait for a broadcast still being received (bounded by the collective timeout)."""
+        if self._receiving is not None:
+            await asyncio.wait({self._receiving})
+
+    def shm_path(self, given: str) -> Path | None:
+        """`given` resolved, if it is a file under this service's shm_dir (else None)."""
+        path = Path(given).resolve()
+        root = self.settings.shm_dir.resolve()
+        return path if root in path.parents and path.is_file() else None
+
+    def announce_shm(self, manifest: pb.WeightManifest, path: Path) -> pb.AnnounceReply:
+        self.store.add_shm(manifest, path)
+        mapped = {s.id for s in self.members.subscribers.values() if SHM in s.transports and s.host == self.host}
+        for subscriber in self.members.subscribers.values():
+            if subscriber.id in mapped:
+                subscriber.queue.put_nowait(pb.VersionAnnouncement(
+                    version=self.store.versions[manifest.version].info().version, manifest=manifest,
+                    transport=pb.Transport(kind=SHM, shm_path=str(path))))
+        self.stored(manifest, skip=frozenset(mapped))
+        log.info("event=version_published version=%d transport=shm tensors=%d mapped_by=%d", manifest.version,
+                 len(manifest.tensors), len(mapped))
+        return pb.AnnounceReply(version=self.store.versions[manifest.version].info().version,
+                                transport=pb.Transport(kind=SHM, shm_path=str(path)))
+
+    def announce_collective(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
+        epoch = self.members.epoch_for_announce()
+        nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
+        first = 1 if nccl else 2
+        transport = pb.Transport(kind=COLLECTIVE, epoch=epoch.number, world_size=first + len(epoch.members), rank=0,
+                                 store_address=self._store(), bucket_bytes=self.settings.bucket_bytes,
+                                 backend="nccl" if nccl else "gloo",
+                                 timeout_seconds=self.settings.collective_timeout_seconds)
+        EPOCH.set(epoch.number)
+        MEMBERS.set(len(epoch.members))
+        version = pb.VersionAnnouncement(version=common_pb2.PolicyVersion(
+            version=manifest.version, parent_version=manifest.parent_version,
+            created_unix_ms=manifest.created_unix_ms), manifest=manifest)
+        for rank, member in enumerate(epoch.members, start=first):
+            announcement = pb.VersionAnnouncement()
+            announcement.CopyFrom(version)
+            announcement.transport.CopyFrom(transport)
+            announcement.transport.rank = rank
+            self.members.subscribers[member].queue.put_nowait(announcement)
+        if not nccl:
+            mine = pb.Transport()
+            mine.CopyFrom(transport)
+            mine.rank = 1
+            self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
+        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d", manifest.version,
+                 epoch.number, len(epoch.members))
+        return pb.AnnounceReply(version=version.version, transport=transport)
+
+    def _store(self) -> str:
+        """The rendezvous store of the collective groups (started on first use)."""
+        if self._rendezvous is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            from shared.weight_transport import Groups
+
+            host = self.settings.advertise_host or (self.settings.host if self.settings.host != "0.0.0.0"
+                                                     else "127.0.0.1")
+            timeout = datetime.timedelta(seconds=self.settings.collective_timeout_seconds)
+            self._rendezvous = dist.TCPStore(self.settings.host, self.settings.store_port, None, True, timeout=timeout,
+                                             wait_for_workers=False)
+            self.store_address = f"{host}:{self._rendezvous.port}"
+            self._groups = Groups()
+        return self.store_address
+
+    async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
+        """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
+        the epoch (the trainer then pushes the version over gRPC)."""
+        from shared.weight_transport import receive_version
+        from shared.weights import tensor_to_bytes
+
+        started = time.perf_counter()
+        try:
+            def work():
+                group = self._groups.get(transport, 1)
+                tensors = receive_version(group, transport, manifest)
+                return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in manifest.tensors]
+
+            payloads = await asyncio.to_thread(work)
+        except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes
+            FAILED.labels(type(exc).__name__).inc()
+            self._groups.drop()
+            gone = self.members.fail(transport.epoch, manifest.version)
+            log.warning("event=collective_failed version=%d epoch=%d error=%s left=%s", manifest.version,
+                        transport.epoch, exc, gone)
+            return
+        finally:
+            self._receiving = None
+        if manifest.version > self.latest():
+            self.store.add(manifest, payloads)
+            self.stored(manifest, skip=members)
+        RECEIVED_BYTES.inc(sum(len(p) for p in payloads))
+        RECEIVE_SECONDS.observe(time.perf_counter() - started)
+        log.info("event=version_published version=%d transport=collective epoch=%d bytes=%d", manifest.version,
+                 transport.epoch, sum(len(p) for p in payloads))
+
+    def report(self, request: pb.TransferReport) -> None:
+        """How a collective went for the trainer or a member: a failure ends the epoch."""
+        if request.ok:
+            self.members.confirm(request.epoch, request.version, request.subscriber_id)
+        else:
+            FAILED.labels("reported").inc()
+            gone = self.members.fail(request.epoch, request.version)
+            log.warning("event=collective_reported_failed version=%d epoch=%d by=%s error=%s left=%s",
+                        request.version, request.epoch, request.subscriber_id or "trainer", request.error[:200], gone)
+
