@@ -91,6 +91,16 @@ class Launch:
         for service in self.services:
             validate(service.name.split("-")[0], service.env)
 
+    def add_replica(self, template: Service, replica_id: str) -> Service:
+        """One more inference replica like `template`, started now (it joins the running run)."""
+        port = free_port()
+        env = {**template.env, "STEADYRL_INFERENCE_PORT": str(port), "STEADYRL_INFERENCE_REPLICA_ID": replica_id}
+        validate("inference", env)
+        service = Service(replica_id, list(template.argv), env, port, dict(template.devices))
+        self.services.append(service)
+        self.start(service)
+        return service
+
     def start(self, service: Service) -> None:
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
