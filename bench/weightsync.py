@@ -146,6 +146,40 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
 
 
 STREAMS = (1, 4)
+MODEL_30B_A3B_BF16_BYTES = 61e9  # Qwen3-30B-A3B in bf16: what one version of it weighs
+
+
+def transports(size: int) -> dict:
+    """shm and collective on the same bf16 payload, each against raw sockets measured beside it,
+    and what one 61 GB version would take at each measured rate."""
+    from bench.weight_transports import collective_seconds, raw_sockets_seconds, shm_seconds
+
+    state = synthetic_state(size, torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    out: dict = {"payload_bytes": nbytes}
+    raw = {n: raw_sockets_seconds(nbytes, n) for n in (1, 2)}
+    shm = shm_seconds(state)
+    out["raw_socket_1_gib_per_s"] = round(nbytes / raw[1] / 1024**3, 3)
+    out["raw_sockets_2_gib_per_s_each"] = round(nbytes / raw[2] / 1024**3, 3)
+    out["shm_write_gib_per_s"] = round(nbytes / shm["write_seconds"] / 1024**3, 3)
+    out["shm_map_load_gib_per_s"] = round(nbytes / shm["map_load_seconds"] / 1024**3, 3)
+    out["shm_map_load_to_raw_ratio"] = round(raw[1] / shm["map_load_seconds"], 3)  # target >= 1.0
+    out["shm_map_verify_load_gib_per_s"] = round(nbytes / shm["map_verify_load_seconds"] / 1024**3, 3)
+    out["shm_map_verify_load_to_raw_ratio"] = round(raw[1] / shm["map_verify_load_seconds"], 3)
+    verified_seconds = {}
+    for receivers in (1, 2):
+        plain = collective_seconds(state, receivers, verify=False)
+        verified = verified_seconds[receivers] = collective_seconds(state, receivers, verify=True)
+        out[f"collective_{receivers}_gib_per_s"] = round(nbytes / plain / 1024**3, 3)
+        out[f"collective_{receivers}_verified_gib_per_s"] = round(nbytes / verified / 1024**3, 3)
+        out[f"collective_{receivers}_to_raw_1_ratio"] = round(raw[1] / plain, 3)  # target >= 0.9
+        out[f"collective_{receivers}_to_raw_{receivers}_ratio"] = round(raw[receivers] / plain, 3)
+    rates = {"raw_socket": raw[1], "shm_map_load": shm["map_load_seconds"],
+             "shm_map_verify_load": shm["map_verify_load_seconds"],
+             "collective_1_verified": verified_seconds[1], "collective_2_verified": verified_seconds[2]}
+    out["modelled_seconds_61gb_version"] = {k: round(MODEL_30B_A3B_BF16_BYTES / (nbytes / v), 1)
+                                           for k, v in rates.items()}
+    return out
 
 
 def main(gib: float = 1.0) -> dict:
@@ -168,6 +202,7 @@ def main(gib: float = 1.0) -> dict:
             entry[f"grpc_pull_{count}_streams_gib_per_s"] = round(nbytes / seconds / 1024**3, 3)
             entry[f"grpc_pull_{count}_streams_to_raw_ratio"] = round(raw / seconds, 3)
         result[name] = entry
+    result["transports_bfloat16"] = transports(size)
     result["tiny_bf16_delta_share_after_one_adamw_step"] = delta_share_after_one_step()
     result["target_grpc_pull_to_raw_ratio"] = 0.7
     return result

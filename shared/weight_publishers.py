@@ -18,7 +18,7 @@ import torch
 
 from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weight_transport import Groups, prune_shm, send_version, write_shm
+from shared.weight_transport import Groups, Staging, prune_shm, send_version, write_shm
 from shared.weights import describe
 from shared.weightsync_client import GrpcWeightPublisher
 
@@ -54,6 +54,7 @@ class CollectiveWeightPublisher(WeightPublisher):
     def __init__(self, grpc_publisher: GrpcWeightPublisher) -> None:
         self.grpc = grpc_publisher
         self.groups = Groups()
+        self.staging = Staging()  # the buckets are filled from the tensors each version: one set serves all
 
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
                    timeout: float | None = 600.0):
@@ -66,7 +67,7 @@ class CollectiveWeightPublisher(WeightPublisher):
         transport = reply.transport
         try:
             def broadcast() -> int:
-                return send_version(self.groups.get(transport, 0), transport, manifest, tensors)
+                return send_version(self.groups.get(transport, 0), transport, manifest, tensors, self.staging)
 
             await asyncio.to_thread(broadcast)
         except Exception as exc:  # noqa: BLE001 - a member died or stalled: the epoch ends, gRPC carries it

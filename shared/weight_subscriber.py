@@ -16,6 +16,7 @@ from shared.interfaces import WeightSubscriber
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
+from shared.weight_transport import Staging
 from shared.weights import WeightError, tensor_to_bytes
 from shared.weightsync_client import _short, open_channels, pull_version, to_state_dict
 
@@ -36,7 +37,8 @@ class GrpcWeightSubscriber(WeightSubscriber):
 
     def __init__(self, address: str, on_version: OnVersion, subscriber_id: str = "",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0),
-                 streams: int = 1, transports: Sequence[str] = ("grpc",), host: str | None = None) -> None:
+                 streams: int = 1, transports: Sequence[str] = ("grpc",), host: str | None = None,
+                 in_use: Callable[[int], bool] | None = None) -> None:
         import socket
 
         from shared.weight_transport import Groups
@@ -52,6 +54,21 @@ class GrpcWeightSubscriber(WeightSubscriber):
         self.wire_bytes = 0
         self.reconnects = 0
         self.groups = Groups()
+        # collective versions land in one of two resident buffer sets, reused only when neither
+        # this subscriber (`held`, its delta base) nor the consumer (`in_use`) still reads them;
+        # without `in_use` every version gets fresh buffers (the consumer may keep what it got)
+        self.in_use = in_use
+        self.staging: list[tuple[int, Staging]] = []
+
+    def _staging_for(self, version: int) -> Staging:
+        if self.in_use is None:
+            return Staging()
+        free = [(v, s) for v, s in self.staging if v != self.version and not self.in_use(v)]
+        if not free and len(self.staging) >= 2:
+            return Staging()  # both sets still in use: this version gets its own buffers
+        staging = free[0][1] if free else Staging()
+        self.staging = [(v, s) for v, s in self.staging if s is not staging] + [(version, staging)]
+        return staging
 
     @property
     def version(self) -> int:
@@ -97,9 +114,11 @@ class GrpcWeightSubscriber(WeightSubscriber):
                 log.warning("event=weights_refused version=%d transport=shm error=%s", version, exc)
         elif transport.kind == pb.COLLECTIVE:
             try:
+                staging = self._staging_for(version)
+
                 def join():
                     group = self.groups.get(transport, transport.rank)
-                    return receive_version(group, transport, announcement.manifest)
+                    return receive_version(group, transport, announcement.manifest, staging=staging)
 
                 tensors = await asyncio.to_thread(join)
                 await stub.Report(pb.TransferReport(version=version, epoch=transport.epoch, ok=True,

@@ -163,7 +163,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
 
         subscriber = GrpcWeightSubscriber(settings.weightsync_address, on_version, replica,
                                           settings.max_message_bytes, streams=settings.weight_streams,
-                                          transports=settings.weight_transports)
+                                          transports=settings.weight_transports, in_use=engine.holds)
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)

@@ -101,7 +101,7 @@ class Transfers:
 
             import torch.distributed as dist
 
-            from shared.weight_transport import Groups
+            from shared.weight_transport import Groups, Staging
 
             host = self.settings.advertise_host or (self.settings.host if self.settings.host != "0.0.0.0"
                                                      else "127.0.0.1")
@@ -110,6 +110,7 @@ class Transfers:
                                              wait_for_workers=False)
             self.store_address = f"{host}:{self._rendezvous.port}"
             self._groups = Groups()
+            self._staging = Staging()  # what arrives is copied out before the next version: one set serves all
         return self.store_address
 
     async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
@@ -122,7 +123,7 @@ class Transfers:
         try:
             def work():
                 group = self._groups.get(transport, 1)
-                tensors = receive_version(group, transport, manifest)
+                tensors = receive_version(group, transport, manifest, staging=self._staging)
                 return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in manifest.tensors]
 
             payloads = await asyncio.to_thread(work)

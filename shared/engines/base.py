@@ -86,6 +86,12 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
                  on_step: OnStep | None = None) -> list[Sample]: ...
 
+    def holds(self, version: int) -> bool:
+        """Whether the tensors staged as `version` are still needed (pending, or being loaded):
+        until they are not, whoever lent them must not write over them."""
+        pending = self._pending
+        return self._applying == version or (pending is not None and pending[0] == version)
+
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
         """Apply `state_dict` as `version` between decode steps; returns seconds until applied."""
         ...
@@ -121,11 +127,18 @@ class StagedWeights:
         self._lock = threading.Lock()
         self._version = version
         self._pending: tuple[int, dict[str, torch.Tensor], float] | None = None
+        self._applying = 0
         self.last_swap_seconds = 0.0
 
     @property
     def version(self) -> int:
         return self._version
+
+    def holds(self, version: int) -> bool:
+        """Whether the tensors staged as `version` are still needed (pending, or being loaded):
+        until they are not, whoever lent them must not write over them."""
+        pending = self._pending
+        return self._applying == version or (pending is not None and pending[0] == version)
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
         """Stage `version`; returns the seconds from staging to serving of the last applied one."""
@@ -158,7 +171,11 @@ class StagedWeights:
         if pending is None or pending[0] <= self._version:
             return
         version, state_dict, staged = pending
-        self._load(version, state_dict)
+        self._applying = version
+        try:
+            self._load(version, state_dict)
+        finally:
+            self._applying = 0
         self._version = version
         self.last_swap_seconds = time.perf_counter() - staged
 

@@ -77,7 +77,8 @@ def test_a_replica_started_mid_run_catches_up_and_joins(tmp_path, tiny_model_dir
         joiner = launch.add_replica(template, "replica-late")
         launch.wait_healthy(joiner)
         wait_until(launch, lambda s: s["state"] == "finished")
-        final = launch.api("GET", "/v1/run")
+        # the replica reports its version on its heartbeat: the last one lands within a beat or two
+        final = wait_until(launch, lambda s: s["replica_versions"].get("replica-late") == 150, timeout=30)
     late_log = (tmp_path / "logs" / "replica-late.log").read_text()
     received = [int(v) for v in re.findall(r"event=weights_(?:applied|staged) version=(\d+)", late_log)]
     assert joined_at < 150 and received[0] >= joined_at  # it caught up at once to the version current when it came
