@@ -48,15 +48,23 @@ def run_one(name: str) -> dict:
     if done.returncode != 0:
         return {"error": f"exit {done.returncode}", "stderr_tail": done.stderr[-2000:], "seconds": seconds}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return {**json.loads(lines[-1]), "seconds": seconds}
+    return {**json.loads(lines[-1]), "seconds": seconds, "date": time.strftime("%Y-%m-%d")}
 
 
-def main(only: list[str] = ()) -> dict:
+def main(only: list[str] = (), previous: dict | None = None) -> dict:
+    """Run the benchmarks (`only` some of them); with `previous` (an earlier result on the same
+    machine), the others keep their earlier figures, each benchmark dated with its own run."""
     names = [n for n in BENCHMARKS if not only or n in only]
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "benchmarks": {}}
+    if previous:
+        if previous.get("machine", {}).get("cpu") != result["machine"]["cpu"]:
+            raise ValueError("the earlier results come from another machine: run every benchmark")
+        for name, value in previous.get("benchmarks", {}).items():
+            result["benchmarks"][name] = {"date": previous.get("date"), **value}
     for name in names:
         print(f"bench {name} …", file=sys.stderr, flush=True)
         result["benchmarks"][name] = run_one(name)
+    result["benchmarks"] = {n: result["benchmarks"][n] for n in BENCHMARKS if n in result["benchmarks"]}
     return result
 
 
@@ -75,8 +83,9 @@ def markdown(result: dict) -> str:
         "# Benchmarks", "",
         "Written by `steadyrl bench all --markdown docs/BENCHMARKS.md --json docs/benchmarks.json`; every figure",
         "is a ratio of two things measured side by side in that one run (the JSON has the raw numbers).", "",
-        f"Measured {result['date']} on {m['cores']} cores of {m['cpu']}, {m['memory_gib']} GiB, "
-        f"{'a GPU' if m['gpu'] else 'no GPU'}; Python {m['python']}, torch {m['torch']}.", "",
+        f"Measured on {m['cores']} cores of {m['cpu']}, {m['memory_gib']} GiB, "
+        f"{'a GPU' if m['gpu'] else 'no GPU'}; Python {m['python']}, torch {m['torch']}; "
+        + ", ".join(f"{n} {v.get('date', result['date'])}" for n, v in b.items()) + ".", "",
         "| benchmark | figure (ratio measured side by side in one run) | value | target |",
         "|---|---|---|---|",
     ]
@@ -88,6 +97,22 @@ def markdown(result: dict) -> str:
     for dtype in ("float32",):
         lines.append(f"| weightsync | gRPC transport alone / raw TCP socket, {dtype} "
                      f"| {_get(ws, dtype, 'grpc_transport_only_to_raw_ratio')} | – |")
+    tr_ = _get(ws, "transports_bfloat16", default={})
+    raw = f"raw socket {_get(tr_, 'raw_socket_1_gib_per_s')} GiB/s"
+    for receivers in (1, 2):
+        lines.append(f"| weightsync | gloo broadcast to {receivers} / raw TCP socket to 1, bf16 "
+                     f"({_get(tr_, f'collective_{receivers}_gib_per_s')} GiB/s each vs {raw}) "
+                     f"| {_get(tr_, f'collective_{receivers}_to_raw_1_ratio')} | ≥ 0.9 |")
+    lines.append(f"| weightsync | gloo broadcast to 2 / raw TCP sockets to 2 at once, bf16 "
+                 f"| {_get(tr_, 'collective_2_to_raw_2_ratio')} | – |")
+    lines.append(f"| weightsync | shm map + load / raw TCP socket, bf16 ({_get(tr_, 'shm_map_load_gib_per_s')} GiB/s vs "
+                 f"{raw}) | {_get(tr_, 'shm_map_load_to_raw_ratio')} | ≥ 1.0 |")
+    lines.append(f"| weightsync | shm map + verify + load / raw TCP socket, bf16 "
+                 f"({_get(tr_, 'shm_map_verify_load_gib_per_s')} GiB/s) | {_get(tr_, 'shm_map_verify_load_to_raw_ratio')} | – |")
+    modelled = _get(tr_, "modelled_seconds_61gb_version", default={})
+    if isinstance(modelled, dict) and modelled:
+        lines.append("| weightsync | modelled seconds per 61 GB version (30B-A3B bf16) at the measured rates: "
+                     + ", ".join(f"{k} {v}" for k, v in modelled.items()) + " | – | – |")
     delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})
     if isinstance(delta, dict):
         for lr, share in delta.items():

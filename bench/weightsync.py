@@ -203,6 +203,10 @@ def main(gib: float = 1.0) -> dict:
             entry[f"grpc_pull_{count}_streams_to_raw_ratio"] = round(raw / seconds, 3)
         result[name] = entry
     result["transports_bfloat16"] = transports(size)
+    pulled = result.get("bfloat16", {}).get("grpc_pull_1_streams_gib_per_s")
+    if pulled:
+        result["transports_bfloat16"]["modelled_seconds_61gb_version"]["grpc_pull"] = round(
+            MODEL_30B_A3B_BF16_BYTES / (pulled * 1024**3), 1)
     result["tiny_bf16_delta_share_after_one_adamw_step"] = delta_share_after_one_step()
     result["target_grpc_pull_to_raw_ratio"] = 0.7
     return result

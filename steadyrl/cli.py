@@ -178,12 +178,15 @@ def bench_all(
     only: Annotated[list[str] | None, typer.Option("--only", help="Run only this benchmark (repeatable).")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Also write the markdown summary here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
+    update: Annotated[bool, typer.Option(help="With --only and --json: keep the other benchmarks' figures "
+                                               "from that file (same machine), each dated.")] = False,
 ) -> None:
     """Every benchmark, each in its own process: one JSON object with the machine it ran on."""
     from bench.suite import main as run
     from bench.suite import markdown as render
 
-    result = run(only or [])
+    previous = json.loads(json_out.read_text()) if update and json_out and json_out.exists() else None
+    result = run(only or [], previous)
     text = json.dumps(result)
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")

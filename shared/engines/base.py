@@ -87,10 +87,8 @@ class Engine(Protocol):
                  on_step: OnStep | None = None) -> list[Sample]: ...
 
     def holds(self, version: int) -> bool:
-        """Whether the tensors staged as `version` are still needed (pending, or being loaded):
-        until they are not, whoever lent them must not write over them."""
-        pending = self._pending
-        return self._applying == version or (pending is not None and pending[0] == version)
+        """Whether the tensors staged as `version` are still read (pending, or being loaded)."""
+        ...
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
         """Apply `state_dict` as `version` between decode steps; returns seconds until applied."""

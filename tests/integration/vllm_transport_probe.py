@@ -1,0 +1,49 @@
+"""A replica on the vllm engine (in its own process: vLLM spawns workers and needs a __main__
+guard) with the weight-sync service beside it; versions 1, 2, 3 arrive by gRPC, shared memory
+and a gloo broadcast in turn, and after each it prints what the engine then generates greedily,
+with logprobs. Used by test_vllm_engine."""
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+TRANSPORTS = ("grpc", "shm", "collective")
+KEY = b"vllm-transport-key"
+
+
+async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: list[list[int]]) -> dict:
+    from shared.engines import Sampling, make_engine
+    from shared.weight_publishers import make_publisher
+    from tests.integration.test_inference import Replica, _version_is, wait_for
+    from tests.integration.test_weight_transports import received_by, subscribed, versions
+
+    engine = make_engine("vllm", model_dir, "float32", max_model_len=64)
+    (tmp / "key").write_bytes(KEY)
+    ws = {"shm_dir": tmp / "shm", "hmac_key_file": tmp / "key", "collective_timeout_seconds": 30}
+    out: dict = {}
+    async with Replica(tmp, model_dir, redis_url, run_id, ws_overrides=ws, engine=engine,
+                       weight_transports=["shm", "collective", "grpc"]) as replica:
+        await wait_for(subscribed, 60)
+        address = f"127.0.0.1:{replica.ws_port}"
+        for version, (kind, tensors) in enumerate(zip(TRANSPORTS, versions(model_dir, 3), strict=True), 1):
+            before = received_by(kind)
+            publisher = make_publisher(kind, address, KEY, shm_dir=tmp / "shm" / "run")
+            await publisher.push(tensors, version, version - 1, timeout=120)
+            await wait_for(lambda v=version: _version_is(replica.stub, v), 120)
+            await publisher.close()
+            greedy = await asyncio.to_thread(engine.generate, prompts, Sampling(temperature=0, max_new_tokens=10))
+            out[kind] = {"version": version, "received": received_by(kind) - before,
+                         "samples": [vars(s) for s in greedy]}
+    engine.close()
+    return out
+
+
+def main() -> None:
+    model_dir, redis_url, run_id, tmp, prompts = sys.argv[1:6]
+    out = asyncio.run(asyncio.wait_for(run(model_dir, redis_url, run_id, Path(tmp), json.loads(prompts)), 600))
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
