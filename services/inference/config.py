@@ -50,7 +50,21 @@ class InferenceSettings(RedisSettings):
     lease_seconds: float = Field(60.0, gt=0)
     """A leased task whose replica stops renewing is retried after this long."""
     tasks_per_batch: int = Field(4, ge=1)
-    """Tasks leased at once and generated as one batch (each with G samples)."""
+    """Most tasks leased in one Redis call (each with G samples); with `batching = "barrier"`, the
+    tasks of one batch."""
+    max_inflight_tasks: int = Field(16, ge=1)
+    """Continuous batching: most leased tasks with the engine at once (their G requests each); the
+    replica leases more as tasks finish. Size it so that G × this fills `max_num_seqs`."""
+    batching: Literal["continuous", "barrier"] = "continuous"
+    """`continuous`: every task enters the engine when leased and is published when its G samples
+    are done. `barrier`: lease `tasks_per_batch`, wait for all of them, then lease again (the
+    behaviour before continuous batching, kept for comparison)."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences the engine generates at once (vLLM's max_num_seqs; the torch engine's batch)."""
+    update_mode: Literal["in_flight", "between_requests"] = "in_flight"
+    """`in_flight`: a new version lands between two engine steps and running sequences continue on
+    it (their KV recomputed; each token carries the version that sampled it). `between_requests`:
+    the running sequences finish on the old weights first (new ones wait): single-version rollouts."""
     version_wait_seconds: float = Field(120.0, gt=0)
     """A task asking for a policy version this replica does not serve yet waits at most this long,
     then goes back to the queue with the reason (after max_attempts, to the dead-letter stream)."""

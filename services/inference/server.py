@@ -60,22 +60,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def on_step(step: int, tokens: list[int | None], logprobs: list[float], version: int) -> None:
-            if tokens[0] is not None:
-                loop.call_soon_threadsafe(events.put_nowait, (tokens[0], logprobs[0], version))
+        def on_token(token: int, logprob: float, version: int) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (token, logprob, version))
 
-        job = asyncio.ensure_future(asyncio.to_thread(
-            self.engine.generate, [prompt], sampling, request.return_routing_trace, on_step))
-        while not (job.done() and events.empty()):
-            getter = asyncio.ensure_future(events.get())
-            await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                continue
-            token, logprob, version = getter.result()
-            yield pb.GenerateEvent(token_id=token, inference_logprob=logprob, policy_version=version,
-                                   text=self.tokenizer.decode([token]))
-        [sample] = job.result()
+        try:
+            job = asyncio.wrap_future(self.engine.start(prompt, sampling, request.return_routing_trace, on_token))
+        except ValueError as exc:
+            await self._invalid(context, str(exc))
+        try:
+            while not (job.done() and events.empty()):
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                token, logprob, version = getter.result()
+                yield pb.GenerateEvent(token_id=token, inference_logprob=logprob, policy_version=version,
+                                       text=self.tokenizer.decode([token]))
+        finally:
+            job.cancel()  # the client went away: the engine drops the sequence (or never starts it)
+        sample = job.result()
         final = pb.GenerateEvent(token_id=-1, done=True, finish_reason=sample.finish_reason,
                                  policy_version=sample.versions[-1])
         if sample.routing_trace is not None:
@@ -118,7 +122,7 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
 
 def engine_options(settings: InferenceSettings) -> dict:
     """What `make_engine` gets beyond the path and dtype."""
-    options: dict = {}
+    options: dict = {"max_num_seqs": settings.max_num_seqs, "update_mode": settings.update_mode}
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads
     if settings.engine == "vllm":
@@ -138,6 +142,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     from shared.models import load_tokenizer
     from shared.weight_subscriber import GrpcWeightSubscriber
 
+    owned = engine is None  # an engine handed in outlives this replica
     engine = engine or await asyncio.to_thread(load_engine, settings)
     tokenizer = load_tokenizer(settings.model_path)
     replica = settings.replica_id
@@ -147,7 +152,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     rewards = RewardRunner(settings.reward_timeout_seconds)
     worker = RolloutWorker(engine, tokenizer, queue, replica, settings.lease_seconds, settings.tasks_per_batch,
                            settings.idle_poll_seconds, settings.return_routing_traces, rewards,
-                           settings.version_wait_seconds)
+                           settings.version_wait_seconds, settings.max_inflight_tasks, settings.batching)
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
     POLICY_VERSION.labels(replica).set(engine.version)
     loops = {"rollouts": worker.run(stop)}
@@ -176,4 +181,5 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     finally:
         await redis.aclose()
         rewards.close()
-        engine.close()
+        if owned:
+            engine.close()

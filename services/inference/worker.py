@@ -1,11 +1,17 @@
-"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → publish.
+"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → publish,
+one task at a time, without batch barriers.
 
-Leases are renewed while a batch generates; a task whose generation fails is handed back (it is
-retried, the attempt counts). Publishing and ending the lease are one atomic step in Redis
-(`WorkQueue.complete`), refused when the lease was lost, so a slow replica never duplicates work.
-A task that can never be served (undecodable, invalid, too long for the engine, an unknown
-reward, another run's) goes to the dead-letter stream with its reason; a task waiting for a
-policy version waits at most `version_wait_seconds`, then goes back with the reason.
+Each leased task's G requests enter the engine as soon as the task is leased and checked; the task
+is scored and published as soon as its G samples are done, whatever else is still generating.
+The loop keeps up to `max_inflight_tasks` tasks with the engine, leasing more as tasks finish
+(`batching = "barrier"` keeps the old behaviour for comparison: lease `tasks_per_batch`, wait for
+all of them, lease again). Leases are renewed while tasks generate; a task whose generation
+fails is handed back (it is retried, the attempt counts). Publishing and ending the lease are one
+atomic step in Redis (`WorkQueue.complete_many`), refused when the lease was lost, so a slow
+replica never duplicates work. A task that can never be served (undecodable, invalid, too long
+for the engine, an unknown reward, another run's) goes to the dead-letter stream with its reason;
+a task waiting for a policy version waits at most `version_wait_seconds`, then goes back with
+the reason.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 
 import redis.exceptions
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
-from shared.engines import Engine, Sample, Sampling
+from shared.engines import Engine, Sample
 from shared.engines.rollouts import encode_samples
 from shared.models import decode_completions
 from shared.queues import Lease, WorkQueue, now_ms
@@ -29,19 +35,21 @@ from shared.rollout import RolloutTimings
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")
-# every batch runs on this one thread: torch's OpenMP keeps one thread team per calling thread, and
-# the default executor's changing threads each woke a team of their own (measured: −10–20% tokens/s)
-ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+BATCHING = ("continuous", "barrier")
+# rollouts are scored and encoded on one thread: a reward process serves one call at a time, and
+# the event loop stays free for Redis and gRPC
+SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
 
 TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
-TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s of the last batch", ["replica"])
-BATCH_SIZE = Histogram("steadyrl_inference_batch_sequences", "Sequences per generated batch", ["replica"],
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s over the last 10 s",
+                          ["replica"])
+INFLIGHT = Gauge("steadyrl_inference_inflight_tasks", "Leased tasks with the engine or being scored", ["replica"])
+RUNNING = Gauge("steadyrl_inference_running_sequences", "Sequences the engine is generating", ["replica"])
 PUBLISHED = Counter("steadyrl_inference_rollouts_published_total", "Rollouts published to the stream", ["replica"])
 LEASES_LOST = Counter("steadyrl_inference_leases_lost_total", "Tasks finished after their lease was taken away",
                       ["replica"])
 RETRIED = Counter("steadyrl_inference_tasks_retried_total", "Leased tasks that were on a retry", ["replica"])
-ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Batches the engine failed on", ["replica"])
+ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Tasks the engine failed on", ["replica"])
 TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded",
                       ["replica"])
 BAD_TASKS = Counter("steadyrl_inference_tasks_dead_lettered_total", "Tasks given up as unservable", ["reason"])
@@ -52,74 +60,109 @@ REWARD_FAILURES = Counter("steadyrl_inference_reward_failures_total", "Rewards s
 QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
 
 
+class EngineDead(RuntimeError):
+    """The engine can serve nothing any more: the replica must stop (its supervisor restarts it)."""
+
+
+class TokenRate:
+    """Completion tokens per second over a sliding window."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self.window, self.events = window, deque()
+
+    def add(self, tokens: int) -> None:
+        self.events.append((time.monotonic(), tokens))
+
+    @property
+    def per_second(self) -> float:
+        now = time.monotonic()
+        while self.events and now - self.events[0][0] > self.window:
+            self.events.popleft()
+        if not self.events:
+            return 0.0
+        span = max(now - self.events[0][0], 1.0)
+        return sum(t for _, t in self.events) / span
+
+
 class RolloutWorker:
     def __init__(self, engine: Engine, tokenizer, queue: WorkQueue, replica_id: str, lease_seconds: float,
                  tasks_per_batch: int, idle_poll_seconds: float, return_traces: bool,
-                 rewards: RewardRunner | None = None, version_wait_seconds: float = 120.0) -> None:
+                 rewards: RewardRunner | None = None, version_wait_seconds: float = 120.0,
+                 max_inflight_tasks: int = 16, batching: str = "continuous") -> None:
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         self.engine, self.tokenizer, self.queue = engine, tokenizer, queue
         self.replica_id, self.lease_seconds = replica_id, lease_seconds
         self.tasks_per_batch, self.idle_poll_seconds = tasks_per_batch, idle_poll_seconds
+        self.max_inflight_tasks, self.batching = max(max_inflight_tasks, 1), batching
         self.return_traces = return_traces and engine.capabilities.routing_trace
         self.rewards = rewards or RewardRunner()
         self.version_wait_seconds = version_wait_seconds
         self.published = 0
-        self.tokens_per_second = 0.0
-        self.generating = 0  # batches with the engine (running or queued)
+        self.rate = TokenRate()
+        self.held: set[str] = set()  # leases this replica renews
+        self.inflight: dict[str, asyncio.Task] = {}
+        self._ready: list[tuple[Lease, list[bytes]]] = []
         self._delay = 0.1  # backoff while Redis is unreachable
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Lease → generate → publish, keeping the engine busy: the next batch is leased while the
-        current one generates and queued on the engine thread behind it, so the engine goes from
-        one batch to the next without waiting for this loop; a batch is published once the one
-        queued behind it is with the engine."""
-        inflight: deque[tuple[asyncio.Task, set[str], LeaseRenewal]] = deque()  # (generating, held, heartbeat)
-        publishing: asyncio.Task | None = None
-        try:
-            while not stop.is_set():
-                leases = await self._lease(stop)
-                if leases is None:  # Redis unreachable: backed off already
-                    continue
-                if leases:
-                    held = {lease.task_id for lease in leases}
-                    heartbeat = LeaseRenewal(self.queue, self.replica_id, self.lease_seconds, held)
-                    RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
-                    inflight.append((asyncio.create_task(self._generate(leases, held, stop)), held, heartbeat))
-                    await asyncio.sleep(0)  # its job reaches the engine thread's queue
-                if inflight and (len(inflight) > 1 or not leases):
-                    generating, held, heartbeat = inflight.popleft()
-                    publishing = await self._start_publishing(publishing, (await generating, held, heartbeat))
-                elif not leases:
-                    if publishing is not None:
-                        await publishing
-                        publishing = None
-                    else:
-                        await _sleep_or_stop(stop, self.idle_poll_seconds)
-        finally:
-            while inflight:  # generations already with the engine: published, or handed back
-                generating, held, heartbeat = inflight.popleft()
-                try:
-                    generated = await generating
-                except BaseException:  # noqa: BLE001 - cancelled with the loop: the leases go back
-                    generated = []
-                publishing = await self._start_publishing(publishing, (generated, held, heartbeat))
-            if publishing is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await publishing
 
     @property
     def busy(self) -> bool:
-        return self.generating > 0
+        return bool(self.inflight)
 
-    async def _start_publishing(self, previous: asyncio.Task | None, finished: tuple) -> asyncio.Task:
-        if previous is not None:
-            await previous  # one batch in flight to Redis at a time
-        return asyncio.create_task(self._publish(*finished))
+    @property
+    def tokens_per_second(self) -> float:
+        return self.rate.per_second
 
-    async def _lease(self, stop: asyncio.Event) -> list[Lease] | None:
-        """The next batch of leases ([] when the queue is empty); None after a Redis error, once
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep the engine full: lease while there is room, serve every task on its own, publish
+        whatever is done in one Redis call at a time."""
+        renewal = LeaseRenewal(self.queue, self.replica_id, self.lease_seconds, self.held)
+        ready = asyncio.Event()
+        publisher = asyncio.create_task(self._publish_loop(ready))
+        try:
+            while not stop.is_set():
+                self._check_engine()
+                room = self._room()
+                leases = await self._lease(stop, min(room, self.tasks_per_batch)) if room else []
+                if leases is None:  # Redis unreachable: backed off already
+                    continue
+                for lease in leases:
+                    self.held.add(lease.task_id)
+                    self.inflight[lease.task_id] = asyncio.create_task(self._serve(lease, ready))
+                RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
+                INFLIGHT.labels(self.replica_id).set(len(self.inflight))
+                RUNNING.labels(self.replica_id).set(getattr(self.engine, "running", 0))
+                TOKENS_PER_SECOND.labels(self.replica_id).set(self.rate.per_second)
+                if leases and len(leases) == min(room, self.tasks_per_batch) and self._room():
+                    continue  # the queue may hold more: lease again at once
+                await self._wait(stop, poll=bool(self._room()))
+        finally:
+            await self._shutdown(publisher, ready, renewal)
+
+    def _room(self) -> int:
+        if self.batching == "barrier":
+            return 0 if self.inflight else self.tasks_per_batch
+        return self.max_inflight_tasks - len(self.inflight)
+
+    def _check_engine(self) -> None:
+        error = getattr(self.engine, "error", None)
+        if error is not None:
+            raise EngineDead(f"the {self.engine.name} engine died: {error}")
+
+    async def _wait(self, stop: asyncio.Event, poll: bool) -> None:
+        """Until a task finishes (there is room again) or, with room, the next poll of the queue."""
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({stopping, *self.inflight.values()}, return_when=asyncio.FIRST_COMPLETED,
+                               timeout=self.idle_poll_seconds if poll or not self.inflight else None)
+        finally:
+            stopping.cancel()
+
+    async def _lease(self, stop: asyncio.Event, count: int) -> list[Lease] | None:
+        """Up to `count` leases ([] when the queue is empty); None after a Redis error, once
         backed off."""
         try:
-            leases = await self.queue.lease(self.replica_id, self.lease_seconds, self.tasks_per_batch)
+            leases = await self.queue.lease(self.replica_id, self.lease_seconds, count)
             self._delay = 0.1
             return leases
         except redis.exceptions.RedisError as exc:
@@ -129,118 +172,134 @@ class RolloutWorker:
             self._delay = min(self._delay * 2, 5.0)
             return None
 
-    async def _generate(self, leases: list[Lease], held: set[str], stop: asyncio.Event | None) -> list[tuple]:
-        """Check, wait for the version asked for (bounded), then generate every group of tasks
-        with the same sampling; a failed group is left out (its leases go back when published)."""
-        checked = []
-        for lease in leases:
-            try:
-                checked.append(check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards))
-            except BadTask as exc:
-                await self._give_up(lease, exc.code, str(exc), held)
-        checked = await self._wait_for_versions(checked, held, stop)
-        groups: dict[bytes, list[Checked]] = defaultdict(list)
-        for item in checked:
-            groups[item.lease.task.sampling.SerializeToString(deterministic=True)].append(item)
-        self.generating += 1
+    async def _serve(self, lease: Lease, ready: asyncio.Event) -> None:
+        """One task: check, wait for its version (bounded), generate its G samples, score and
+        encode them, and queue them for publishing; on any failure the lease goes back."""
         try:
-            done = [await self._generate_group(group) for group in groups.values()]
+            try:
+                checked = check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards)
+            except BadTask as exc:
+                await self._give_up(lease, exc.code, str(exc))
+                return
+            if not await self._version_ready(checked):
+                return
+            leased_ms = now_ms()
+            samples, timings = await self._generate(checked, leased_ms)
+            if samples is None:
+                await self._hand_back(lease.task_id, "generation failed")
+                return
+            payloads = await asyncio.get_running_loop().run_in_executor(SCORING, self._encode_task, lease, samples,
+                                                                        timings)
+            if payloads is None:
+                await self._hand_back(lease.task_id, "the task's rollouts could not be scored or encoded")
+                return
+            self._ready.append((lease, payloads))
+            ready.set()
         finally:
-            self.generating -= 1
-        return [item for item in done if item is not None]
+            self.inflight.pop(lease.task_id, None)
 
-    async def _give_up(self, lease: Lease, code: str, message: str, held: set[str]) -> None:
+    async def _generate(self, checked: Checked, leased_ms: int) -> tuple[list[Sample] | None, RolloutTimings | None]:
+        task = checked.lease.task
+        started_ms, started = now_ms(), time.perf_counter()
+        futures = []
+        try:
+            futures = [asyncio.wrap_future(self.engine.start(checked.prompt, checked.sampling, self.return_traces,
+                                                             index=i)) for i in range(task.group_size)]
+            samples = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for f in futures:
+                f.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - any engine failure hands the task back
+            for f in futures:
+                f.cancel()
+            ENGINE_ERRORS.labels(self.replica_id).inc()
+            log.warning("event=generation_failed task=%s error=%s", checked.lease.task_id, exc)
+            return None, None
+        tokens = sum(len(s.token_ids) for s in samples)
+        TOKENS.labels(self.replica_id).inc(tokens)
+        self.rate.add(tokens)
+        return samples, RolloutTimings(leased_ms, started_ms, now_ms(), time.perf_counter() - started)
+
+    async def _give_up(self, lease: Lease, code: str, message: str) -> None:
         BAD_TASKS.labels(code).inc()
         log.warning("event=task_dead_lettered task=%s reason=%s", lease.task_id, message)
         try:
             await self.queue.dead_letter(self.replica_id, lease.task_id, code, message)
-            held.discard(lease.task_id)
-        except redis.exceptions.RedisError as exc:  # still held: handed back when the batch ends
+            self.held.discard(lease.task_id)
+        except redis.exceptions.RedisError as exc:  # still held: handed back below
             QUEUE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=dead_letter_failed task=%s error=%s", lease.task_id, type(exc).__name__)
+            await self._hand_back(lease.task_id, f"dead letter failed: {message}")
 
-    async def _wait_for_versions(self, checked: list[Checked], held: set[str],
-                                 stop: asyncio.Event | None) -> list[Checked]:
-        """Admission asks some tasks for a policy version newer than the one served: wait for it,
-        at most `version_wait_seconds`; tasks still waiting then go back with the reason."""
-        need = max((c.lease.task.min_policy_version for c in checked), default=0)
+    async def _hand_back(self, task_id: str, reason: str) -> None:
+        """Stop renewing the task and give it back to the queue (if Redis is down, its lease expires
+        and it is retried all the same)."""
+        self.held.discard(task_id)
+        with contextlib.suppress(redis.exceptions.RedisError):
+            await self.queue.fail(self.replica_id, task_id, f"handed back: {reason}")
+
+    async def _version_ready(self, checked: Checked) -> bool:
+        """Admission may ask for a policy version newer than the one served: wait for it, at most
+        `version_wait_seconds`; a task still waiting then goes back with the reason."""
+        need = checked.lease.task.min_policy_version
         deadline = time.monotonic() + self.version_wait_seconds
-        while self.engine.version < need and time.monotonic() < deadline and not (stop and stop.is_set()):
+        while self.engine.version < need and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        ready = [c for c in checked if c.lease.task.min_policy_version <= self.engine.version]
-        for c in checked:
-            if c.lease.task.min_policy_version > self.engine.version:
-                VERSION_WAITS.labels(self.replica_id).inc()
-                reason = (f"version_wait: needs policy version {c.lease.task.min_policy_version}, served "
-                          f"{self.engine.version} after {self.version_wait_seconds:.0f}s")
-                log.warning("event=version_wait_expired task=%s %s", c.lease.task_id, reason)
-                with contextlib.suppress(redis.exceptions.RedisError):
-                    if await self.queue.fail(self.replica_id, c.lease.task_id, reason):
-                        held.discard(c.lease.task_id)
-        return ready
+        if self.engine.version >= need:
+            return True
+        VERSION_WAITS.labels(self.replica_id).inc()
+        reason = (f"version_wait: needs policy version {need}, served {self.engine.version} after "
+                  f"{self.version_wait_seconds:.0f}s")
+        log.warning("event=version_wait_expired task=%s %s", checked.lease.task_id, reason)
+        self.held.discard(checked.lease.task_id)
+        with contextlib.suppress(redis.exceptions.RedisError):
+            await self.queue.fail(self.replica_id, checked.lease.task_id, reason)
+        return False
 
-    async def _generate_group(self, group: list[Checked]):
-        leased_ms = now_ms()
-        prompts = [c.prompt for c in group for _ in range(c.lease.task.group_size)]
+    async def _publish_loop(self, ready: asyncio.Event) -> None:
+        while True:
+            await ready.wait()
+            ready.clear()
+            await self._publish()
+
+    async def _publish(self) -> None:
+        """Publish every finished task's rollouts in one Redis round trip."""
+        batch, self._ready = self._ready, []
+        if not batch:
+            return
         try:
-            samples, seconds, encoded = await asyncio.get_running_loop().run_in_executor(
-                ENGINE_THREAD, self._generate_and_encode, group, prompts, group[0].sampling, leased_ms)
-        except Exception as exc:  # noqa: BLE001 - any engine failure hands the tasks back
-            ENGINE_ERRORS.labels(self.replica_id).inc()
-            log.exception("event=generation_failed tasks=%s error=%s", [c.lease.task_id for c in group], exc)
-            return None
-        tokens = sum(len(s.token_ids) for s in samples)
-        TOKENS.labels(self.replica_id).inc(tokens)
-        BATCH_SIZE.labels(self.replica_id).observe(len(samples))
-        self.tokens_per_second = tokens / max(seconds, 1e-9)
-        TOKENS_PER_SECOND.labels(self.replica_id).set(self.tokens_per_second)
-        return encoded
-
-    def _generate_and_encode(self, group: list[Checked], prompts: list[list[int]], sampling: Sampling,
-                             leased_ms: int) -> tuple[list[Sample], float, list[tuple[Lease, list[bytes]]]]:
-        """On the engine thread: generate, then score and encode each task's rollouts. Right after
-        its batch this costs the engine ~1.5 ms of a ~40 ms batch (tiny model, 2 cores); on the
-        event loop during the next batch it slowed that batch by ~20%, the threads taking turns
-        on the GIL between torch ops."""
-        started_ms, started = now_ms(), time.perf_counter()
-        samples: list[Sample] = self.engine.generate(prompts, sampling, self.return_traces)
-        seconds = time.perf_counter() - started
-        timings = RolloutTimings(leased_ms, started_ms, now_ms(), seconds)
-        encoded, position = [], 0
-        for item in group:
-            mine = samples[position : position + item.lease.task.group_size]
-            position += len(mine)
-            payloads = self._encode_task(item.lease, mine, timings)
-            if payloads is not None:
-                encoded.append((item.lease, payloads))
-        return samples, seconds, encoded
-
-    async def _publish(self, generated: list[list[tuple[Lease, list[bytes]]]], held: set[str],
-                       heartbeat: LeaseRenewal) -> None:
-        """Publish each batch's encoded rollouts (one Redis round trip); whatever is still held at
-        the end (failed generation, bad task, Redis error) is handed back to the queue."""
-        try:
-            ready = [item for encoded in generated for item in encoded]
-            evals = {lease.task_id for lease, _ in ready if lease.task.is_eval}
+            evals = {lease.task_id for lease, _ in batch if lease.task.is_eval}
             accepted = await self.queue.complete_many(
-                self.replica_id, [(lease.task_id, payloads) for lease, payloads in ready], evals)
-            for (lease, payloads), ok in zip(ready, accepted, strict=True):
-                if ok:
-                    PUBLISHED.labels(self.replica_id).inc(len(payloads))
-                    self.published += len(payloads)
-                else:
-                    LEASES_LOST.labels(self.replica_id).inc()
-                    log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
-                held.discard(lease.task_id)
-        except redis.exceptions.RedisError as exc:  # leases left behind expire and are retried
+                self.replica_id, [(lease.task_id, payloads) for lease, payloads in batch], evals)
+        except redis.exceptions.RedisError as exc:  # the leases expire and the tasks are retried
             QUEUE_ERRORS.labels(self.replica_id).inc()
-            log.warning("event=publish_failed error=%s", type(exc).__name__)
-        finally:
-            left = sorted(held)
-            await heartbeat.stop()  # never renews again, whatever Redis did to it
-            for task_id in left:
-                with contextlib.suppress(redis.exceptions.RedisError):
-                    await self.queue.fail(self.replica_id, task_id, "handed back: generation or publish failed")
+            log.warning("event=publish_failed tasks=%d error=%s", len(batch), type(exc).__name__)
+            accepted = [None] * len(batch)
+        for (lease, payloads), ok in zip(batch, accepted, strict=True):
+            self.held.discard(lease.task_id)
+            if ok:
+                PUBLISHED.labels(self.replica_id).inc(len(payloads))
+                self.published += len(payloads)
+            elif ok is not None:
+                LEASES_LOST.labels(self.replica_id).inc()
+                log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
+
+    async def _shutdown(self, publisher: asyncio.Task, ready: asyncio.Event, renewal: LeaseRenewal) -> None:
+        """Stopping: tasks still generating go back to the queue, finished ones are published."""
+        serving = list(self.inflight.values())
+        for task in serving:
+            task.cancel()
+        await asyncio.gather(*serving, return_exceptions=True)
+        publisher.cancel()
+        await asyncio.gather(publisher, return_exceptions=True)
+        with contextlib.suppress(asyncio.TimeoutError, redis.exceptions.RedisError):
+            await asyncio.wait_for(self._publish(), 10)
+        left = sorted(self.held)
+        await renewal.stop()  # never renews again, whatever Redis did to it
+        for task_id in left:
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self.queue.fail(self.replica_id, task_id, "handed back: the replica stopped")
 
     def _encode_task(self, lease: Lease, samples: list[Sample], timings: RolloutTimings) -> list[bytes] | None:
         task = lease.task

@@ -34,8 +34,9 @@ class OrchestratorSettings(RedisSettings, StepShape):
     trainer_address: str = ""
     """host:port of the trainer's gRPC API (its version drives admission)."""
 
-    task: Literal["arith", "math"] = "arith"
-    """Dataset: synthetic addition or a local math file."""
+    task: Literal["arith", "math", "mul_trace"] = "arith"
+    """Dataset: synthetic addition, a local math file, or multiplication as a worked trace of
+    partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`)."""
     task_seed: int = 0
     """Seed of the arith task's split."""
     arith_digits: int = Field(2, ge=1)
@@ -44,6 +45,10 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Arith: zero-pad operands."""
     arith_reverse: bool = True
     """Arith: answers least-significant digit first."""
+    trace_max_answer_tokens: int = Field(256, ge=8)
+    """mul_trace: the longest answer, in characters (= tokens with the tiny model's tokenizer)."""
+    trace_alpha: float = Field(1.3, gt=0)
+    """mul_trace: power-law exponent of the answer length (smaller = heavier tail)."""
     math_path: Path | None = None
     """Math: JSONL or Parquet with problem/answer columns (training problems)."""
     math_eval_path: Path | None = None

@@ -8,6 +8,7 @@ from shared.models import load_tokenizer
 from shared.models.loading import encode_prompt
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import ArithTask, Example, MathTask
+from shared.tasks.trace import MulTraceTask
 
 
 def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example], str]:
@@ -17,6 +18,9 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
                          fixed_width=settings.arith_fixed_width, reverse=settings.arith_reverse)
         train = task.split("train", min(settings.train_size, task.max_split_size("train")))
         return train, task.split("eval", min(settings.eval_size, task.max_split_size("eval"))), "exact_match"
+    if settings.task == "mul_trace":
+        trace = MulTraceTask(settings.trace_max_answer_tokens, settings.trace_alpha, seed=settings.task_seed)
+        return trace.split("train", settings.train_size), trace.split("eval", settings.eval_size), "exact_match"
     if settings.math_path is None:
         raise ValueError("task 'math' needs math_path")
     task = MathTask(str(settings.math_path), str(settings.math_eval_path) if settings.math_eval_path else None)

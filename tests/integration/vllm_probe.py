@@ -1,29 +1,63 @@
 """Runs the vllm engine in its own process (vLLM spawns workers: it needs a __main__ guard) and
-prints what it sampled as JSON, before and after a weight update. Used by test_vllm_engine."""
+prints what it sampled as JSON: before and after a weight update, across an update that lands in
+flight, and across one that waits for the running request (between_requests). Used by
+test_vllm_engine."""
 
 import json
 import sys
+import threading
+
+
+def version_model(model_dir: str, k: int):
+    """Version k of the tiny model: the router's sign flipped k times, lm_head scaled by 1 + 0.3k."""
+    import torch
+
+    from shared.models import load_causal_lm
+
+    model = load_causal_lm(model_dir, "float32")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.mul_((-1.0) ** k)
+        model.lm_head.weight.mul_(1.0 + 0.3 * k)
+    return model
+
+
+def across_an_update(engine, prompt: list[int], version: int, model_dir: str, after: int = 4) -> dict:
+    """A long request; version `version` is staged (from weight-sync's side, a thread) once
+    `after` tokens are out."""
+    from shared.engines import Sampling
+
+    seen, staged = [], []
+
+    def on_token(token, logprob, v):
+        seen.append(token)
+        if len(seen) == after and not staged:
+            staged.append(threading.Thread(target=engine.update_weights,
+                                           args=(version, version_model(model_dir, version).state_dict())))
+            staged[0].start()
+
+    sample = engine.start(prompt, Sampling(temperature=1.0, max_new_tokens=40, seed=9, ignore_eos=True),
+                          on_token=on_token).result(300)
+    staged[0].join(300)
+    return vars(sample)
 
 
 def main() -> None:
-    import torch
-
     from shared.engines import Sampling, make_engine
-    from shared.models import load_causal_lm
 
     model_dir, dtype, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     engine = make_engine("vllm", model_dir, dtype, max_model_len=64)
     out = {"capabilities": {"routing_trace": engine.capabilities.routing_trace, "notes": engine.capabilities.notes}}
     sampled = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=11))
     out["v0"] = [vars(s) for s in sampled]
-    new = load_causal_lm(model_dir, "float32")
-    with torch.no_grad():
-        new.model.layers[1].mlp.gate.weight.mul_(-1.0)
-        new.lm_head.weight.mul_(1.3)
-    seconds = engine.update_weights(1, new.state_dict())
+    seconds = engine.update_weights(1, version_model(model_dir, 1).state_dict())
     out["swap_seconds"] = seconds
     out["v1_greedy"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
     out["v1"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=3))]
+    out["in_flight"] = across_an_update(engine, prompts[0], 2, model_dir)
+    engine.update_mode = "between_requests"
+    out["between_requests"] = across_an_update(engine, prompts[1], 3, model_dir)
+    out["after"] = vars(engine.generate(prompts[:1], Sampling(max_new_tokens=4))[0])
+    out["first_token_at"] = engine.first_token_at
     try:
         engine.generate(prompts, Sampling(), return_trace=True)
         out["trace_error"] = ""

@@ -18,20 +18,22 @@ class PolicyVersion(_message.Message):
     def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop_token_ids", "ignore_eos")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     max_new_tokens: int
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PromptTask(_message.Message):
     __slots__ = ("task_id", "run_id", "group_id", "task_name", "prompt_token_ids", "prompt_text", "answer", "group_size", "sampling", "attempt", "is_eval", "min_policy_version", "enqueued_unix_ms")
