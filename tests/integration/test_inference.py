@@ -429,3 +429,45 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
                        "after": 1.0}
     assert failures("tests.rewards:hang", "timeout") == before["hang"] + 1
     assert failures("tests.rewards:explode", "error") == before["explode"] + 1
+
+
+def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_model_dir, redis_server, run_id):
+    """The engine thread dies mid-task: the task is handed back (not lost, not published) and the
+    rollout loop stops the replica (LoopDied: NOT_SERVING, exit for the supervisor)."""
+    from shared.service_main import LoopDied
+
+    class Crash(BaseException):  # not an Exception: nothing on the way catches it
+        pass
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = WorkQueue(redis, run_id)
+        engine = make_engine("torch", str(tiny_model_dir), "float32")
+        decode = engine._decode
+
+        def dying(*args):
+            if engine.steps >= 3:
+                raise Crash("the engine thread fell over")
+            return decode(*args)
+
+        engine._decode = dying
+        settings = InferenceSettings(port=free_port(), metrics_port=0, model_path=str(tiny_model_dir),
+                                     dtype="float32", redis_url=redis_server.url, run_id=run_id,
+                                     replica_id="fragile", lease_seconds=30)
+        task = arith_task("doomed", prompts_of(1)[0], "0", 4)
+        task.sampling.max_new_tokens, task.sampling.ignore_eos = 20, True
+        await queue.submit(task)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        server = asyncio.create_task(serve_inference(settings, engine, ready=ready, stop=stop))
+        with pytest.raises(LoopDied, match="engine died"):
+            await asyncio.wait_for(server, 60)
+        requeued = await queue.requeue_expired(max_attempts=3)  # the orchestrator's sweep
+        depths = await queue.depths()
+        reason = await redis.hget(queue._k("errors")[0], "doomed")
+        await redis.aclose()
+        return requeued, depths, reason, engine.error
+
+    requeued, depths, reason, error = asyncio.run(main())
+    assert isinstance(error, BaseException) and "fell over" in str(error)
+    assert requeued == (1, 0) and depths.rollouts == 0 and depths.pending == 1  # back in the queue, not lost
+    assert b"handed back" in reason

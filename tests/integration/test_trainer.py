@@ -146,7 +146,10 @@ def test_r3_routes_every_forward_exactly_as_the_inference_trace(tiny_model_dir):
 
 
 def test_r2_replays_the_recompute_routing_in_every_update(tiny_model_dir):
-    batch = collate(recorded_rollouts(tiny_model_dir, 2, seed=5))
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=5)
+    for i, r in enumerate(rollouts):  # rewards that differ within each group: the update moves the model
+        r.reward = float(i % 2)
+    batch = collate(rollouts)
     model = load_causal_lm(tiny_model_dir, "float32").train()
     routing = RoutingController(model)
     with torch.no_grad():

@@ -54,4 +54,5 @@ def test_on_the_cpu_nothing_changes(tmp_path):
     trainer = next(s for s in cpu_ranks.services if s.name == "trainer")
     assert trainer.argv[3] == "2" and trainer.devices["CUDA_VISIBLE_DEVICES"] == ""
     assert plan_placement(0, 0, 3, 0, 0).replicas == ((), (), ())
-    assert engine_options(InferenceSettings(model_path="m", engine="torch")) == {}
+    assert engine_options(InferenceSettings(model_path="m", engine="torch")) == {"max_num_seqs": 256,
+                                                                                "update_mode": "in_flight"}

@@ -74,9 +74,10 @@ class _Engine(StagedWeights):
 
 def test_an_engine_holds_a_version_while_pending_or_loading_and_not_after():
     engine = _Engine()
-    with engine._serving():  # a step runs: the update waits for it
+    with engine._lock:  # a step runs: the update waits for it
         engine.update_weights(1, {})
-        assert engine.holds(1) and not engine.holds(2)
+        assert engine.holds(1) and not engine.holds(2) and engine.loaded == []
+    engine._drain()  # the engine's thread applies it when the step ends
     assert engine.loaded == [1] and engine.during == [True] and not engine.holds(1)
 
 
