@@ -133,7 +133,8 @@ def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic 
 
 @bench_app.command("inference")
 def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precision of both engines.")) -> None:
-    """Replica tokens/s vs the bare engine (service overhead), and torch vs vllm."""
+    """Long-tail workload on both engines: continuous vs batch-barrier replica, replica vs bare engine,
+    publication → first token of a version in flight vs drain-first."""
     import json
 
     from bench.inference import main as run

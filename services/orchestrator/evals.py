@@ -105,6 +105,11 @@ class EvalRounds:
         EVAL_REFUSED.labels(reason).inc()
         log.warning("event=eval_rollout_refused entry=%s reason=%s", entry_id.decode(), reason)
 
+    async def baseline_written(self) -> bool:
+        """Whether the step-0 round (the cold start) is in, or there is none: training waits for it,
+        else versions that land while it generates would be scored as version 0."""
+        return not self.settings.eval_every or 0 in await self._json("evals_written", "[]")
+
     async def all_written(self, trainer_step: int) -> bool:
         return set(self.steps(trainer_step)) <= set(await self._json("evals_written", "[]"))
 

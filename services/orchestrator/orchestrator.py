@@ -194,8 +194,9 @@ class Orchestrator:
         await self.count_dead()
         await self.evals.collect()
         if state == "running":
-            await self.admit()
             await self.evals.schedule(self.trainer_step, self.trainer_version)
+            if await self.evals.baseline_written():  # the step-0 eval runs on version 0 alone
+                await self.admit()
             if await self.finished():
                 try:
                     await self.transition("finish")

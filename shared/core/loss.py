@@ -1,5 +1,6 @@
-"""The policy-gradient objectives: MiniRL (paper Eq. 7) and GRPO (Appendix A), with the
-training–inference corrections of DESIGN.md §3.
+"""The policy-gradient objectives: MiniRL (paper Eq. 7), GRPO (Appendix A) and DPPO (arXiv
+2602.04879, its binary TV / KL trust region), with the training–inference corrections of
+DESIGN.md §3.
 
 Shapes: logprobs float [B, T]; advantages [B] (one per sequence) or [B, T]; loss_mask bool [B, T].
 Names say which engine produced a value: `trainer_logprobs` = log π_θ (with gradient),
@@ -25,7 +26,8 @@ from shared.core import corrections
 from shared.core.diagnostics import first_order_error, masked_max, masked_mean, mismatch_kl_terms
 from shared.core.stats import StepStats
 
-Objective = Literal["minirl", "grpo"]
+Objective = Literal["minirl", "grpo", "dppo"]
+Divergence = Literal["tv", "kl"]
 Normalization = Literal["tokens", "sequence"]
 ISLevel = Literal["token", "sequence"]
 Rejection = Literal["none", "seq_mis", "geo", "icepop"]
@@ -43,7 +45,8 @@ class LossConfig:
     """How the policy loss is formed. Defaults are the paper's MiniRL recipe."""
 
     objective: Objective = "minirl"
-    """"minirl": Σ M_t·sg[w_t]·Â·log π_θ (Eq. 7); "grpo": PPO-min clipped surrogate (App. A)."""
+    """"minirl": Σ M_t·sg[w_t]·Â·log π_θ (Eq. 7); "grpo": PPO-min clipped surrogate (App. A);
+    "dppo": Eq. 7 with the trust region on the sampled token's probability, not its ratio."""
     train_infer_is: bool = True
     """Apply the training–inference IS weight; False sets w_t := 1 (the paper's ablation)."""
     tis_cap: float = 5.0
@@ -64,10 +67,22 @@ class LossConfig:
     """Extra mismatch rejection on k_t = π_old/μ_old: sequence MIS, geometric mean, or IcePop."""
     rejection_bounds: tuple[float | None, float | None] | None = None
     """(low, high) for `rejection`; None = DEFAULT_REJECTION_BOUNDS[rejection]."""
+    dppo_divergence: Divergence = "tv"
+    """DPPO's divergence between π_θ and μ_old on the sampled token: "tv" = π_θ(y) − μ_old(y);
+    "kl" = the KL between Bernoulli(μ_old(y)) and Bernoulli(π_θ(y))."""
+    dppo_delta_low: float = 0.15
+    """DPPO: a token with Â < 0 leaves the loss once π_θ has fallen past this divergence (> 0)."""
+    dppo_delta_high: float = 0.15
+    """DPPO: a token with Â > 0 leaves the loss once π_θ has risen past this divergence (> 0)."""
 
     def __post_init__(self) -> None:
-        if self.objective not in ("minirl", "grpo"):
-            raise ValueError(f"objective must be 'minirl' or 'grpo', got {self.objective!r}")
+        if self.objective not in ("minirl", "grpo", "dppo"):
+            raise ValueError(f"objective must be 'minirl', 'grpo' or 'dppo', got {self.objective!r}")
+        if self.dppo_divergence not in ("tv", "kl"):
+            raise ValueError(f"dppo_divergence must be 'tv' or 'kl', got {self.dppo_divergence!r}")
+        if not (self.dppo_delta_low > 0 and self.dppo_delta_high > 0):
+            raise ValueError(f"dppo_delta_low and dppo_delta_high must be > 0, got {self.dppo_delta_low}, "
+                             f"{self.dppo_delta_high}")
         if self.normalization not in ("tokens", "sequence"):
             raise ValueError(f"normalization must be 'tokens' or 'sequence', got {self.normalization!r}")
         if self.is_level not in ("token", "sequence"):
@@ -180,7 +195,40 @@ def grpo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
     return loss, Parts(weight, truncated, clip_keep, keep)
 
 
-OBJECTIVES = {"minirl": minirl_loss, "grpo": grpo_loss}
+def dppo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
+              sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+    """DPPO (binary trust region):  −Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â · log π_θ(y_t) / N, with
+    M_t = 0 where Â > 0 and π_θ has moved up past δ_high from μ_old on the sampled token, or Â < 0
+    and it has moved down past δ_low; the divergence is the probability difference ("tv") or
+    the Bernoulli KL ("kl"), anchored to the sampling engine's μ_old, not π_old. `clip = False`
+    removes the mask (plain IS policy gradient)."""
+    weight, truncated = is_weight(t.log_ratio, t.mask, config)
+    clip_keep = dppo_mask(t.trainer.detach(), t.inference, t.advantages, config) if config.clip \
+        else torch.ones_like(t.mask)
+    keep = rejection_mask(t.log_discrepancy, t.mask, config)
+    per_token = torch.where(t.mask & keep, clip_keep * weight * t.advantages * t.trainer, torch.zeros_like(t.trainer))
+    loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
+    return loss, Parts(weight, truncated, clip_keep, keep)
+
+
+def dppo_mask(logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages: torch.Tensor,
+              config: LossConfig) -> torch.Tensor:
+    """DPPO's keep mask (bool [B, T]): False where the sampled token's probability left the trust
+    region around the anchor in the direction the advantage pushes it."""
+    p, q = torch.exp(logprobs), torch.exp(anchor_logprobs)
+    up, down = p > q, p < q
+    if config.dppo_divergence == "tv":
+        divergence = (p - q).abs()
+    else:  # KL(Bernoulli(q) ‖ Bernoulli(p)), finite at the edges
+        tiny = torch.finfo(p.dtype).tiny
+        divergence = q * (anchor_logprobs - logprobs) + (1 - q) * (torch.log((1 - q).clamp(min=tiny))
+                                                                 - torch.log((1 - p).clamp(min=tiny)))
+    outside = torch.where(advantages > 0, up & (divergence > config.dppo_delta_high),
+                          (advantages < 0) & down & (divergence > config.dppo_delta_low))
+    return ~outside
+
+
+OBJECTIVES = {"minirl": minirl_loss, "grpo": grpo_loss, "dppo": dppo_loss}
 
 
 def is_weight(log_ratio: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,6 +139,15 @@ def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
     return torch.log_softmax(scaled, dim=-1)
 
 
+def generate_all(engine: Engine, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
+                 on_token: OnToken | None = None) -> list[Sample]:
+    """`Engine.generate` from `Engine.start`: prompt i with index i, `on_token` on the first."""
+    if not prompts:
+        raise ValueError("no prompts")
+    futures = [engine.start(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
+    return [f.result() for f in futures]
+
+
 class StagedWeights:
     """Weight updates that land between engine steps: `update_weights` stages a version and
     applies it at once when the engine lets it (`_may_apply`) and no step holds `_lock`; else the

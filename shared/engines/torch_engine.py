@@ -34,6 +34,7 @@ from shared.engines.base import (
     Sample,
     Sampling,
     StagedWeights,
+    generate_all,
     processed_logprobs,
 )
 from shared.models import load_causal_lm
@@ -106,6 +107,8 @@ class TorchEngine(StagedWeights):
 
     # --- the public side ---------------------------------------------------------------------------
 
+    generate = generate_all
+
     def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
               on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
         """Queue one sequence; its Sample arrives on the future. Seeded sampling uses `seed +
@@ -119,14 +122,6 @@ class TorchEngine(StagedWeights):
             self._waiting.append(seq)
             self._wake.notify()
         return seq.future
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
-                 on_token: OnToken | None = None) -> list[Sample]:
-        if not prompts:
-            raise ValueError("no prompts")
-        futures = [self.start(p, sampling, return_trace, on_token if i == 0 else None, i)
-                   for i, p in enumerate(prompts)]
-        return [f.result() for f in futures]
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
         seconds = super().update_weights(version, state_dict)

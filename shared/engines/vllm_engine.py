@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.engines.base import Capabilities, OnToken, Sample, Sampling, StagedWeights
+from shared.engines.base import Capabilities, OnToken, Sample, Sampling, StagedWeights, generate_all
 
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
 UPDATE_MODES = ("in_flight", "between_requests")
@@ -104,6 +104,8 @@ class VllmEngine(StagedWeights):
 
     # --- generation --------------------------------------------------------------------------------
 
+    generate = generate_all
+
     def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
               on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
         """Submit one sequence; its Sample arrives on the future (cancel it to abort the request)."""
@@ -115,14 +117,6 @@ class VllmEngine(StagedWeights):
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {self.max_model_len}")
         return asyncio.run_coroutine_threadsafe(self._generate(list(prompt), sampling, return_trace, on_token, index),
                                                 self._loop)
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
-                 on_token: OnToken | None = None) -> list[Sample]:
-        if not prompts:
-            raise ValueError("no prompts")
-        futures = [self.start(p, sampling, return_trace, on_token if i == 0 else None, i)
-                   for i, p in enumerate(prompts)]
-        return [f.result() for f in futures]
 
     @property
     def running(self) -> int:

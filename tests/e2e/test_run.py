@@ -44,6 +44,7 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
         assert all(key in x for x in lines), key
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 2, 4] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    assert evals[0]["policy_version_max"] == 0  # the cold start is scored before any version lands
     assert len(summary["plots"]) >= 8 and (out / "config.resolved.toml").exists()
     time.sleep(0.5)
     assert not [pid for pid in json.loads((out / "pids.json").read_text()).values() if alive(pid)]  # no orphan

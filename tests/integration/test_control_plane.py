@@ -1,6 +1,7 @@
 """The orchestrator's HTTP control plane on a real redis-server: auth, transitions, status."""
 
 import asyncio
+import json
 
 import httpx
 from redis.asyncio import Redis
@@ -82,3 +83,40 @@ def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id,
     assert outcomes == [(200, "stopped", 409, 409, "stopped")] * 20
     assert docs == {"/openapi.json": 401, "/docs": 401, "/redoc": 401}  # the API's description needs the token
     assert openapi.status_code == 200 and "/v1/run/{action}" in openapi.json()["paths"]
+
+
+def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model_dir, tmp_path):
+    """Versions landing while the step-0 eval generates would be scored as version 0: no train task
+    is queued until that round is in."""
+    import numpy as np
+
+    from shared.rollout import Rollout, encode_rollout
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
+                                        eval_size=5)
+        orchestrator = Orchestrator(settings, redis)
+        await redis.hset(orchestrator.keys.run, "state", "running")
+        await orchestrator.tick()
+        await orchestrator.tick()
+        pending = sorted(t.decode() for t in await redis.lrange(orchestrator.keys.pending, 0, -1))
+        assert pending == [f"eval-0-{j}" for j in range(5)]
+        for j in range(5):
+            rollout = Rollout(rollout_id=f"eval-0-{j}:0", group_id=f"eval-0-{j}", task_id=f"eval-0-{j}", run_id=run_id,
+                              sample_index=0, group_size=1, prompt_token_ids=np.array([1, 5], dtype=np.int32),
+                              completion_token_ids=np.array([7, 2], dtype=np.int32),
+                              inference_logprobs=np.array([-0.5, -0.1], np.float32),
+                              policy_versions=np.array([0, 0], dtype=np.uint64), reward=float(j < 2), is_eval=True)
+            await redis.xadd(orchestrator.keys.evals, {"task": f"eval-0-{j}", "n": "1", "r": encode_rollout(rollout)})
+        await orchestrator.tick()
+        pending = [t.decode() for t in await redis.lrange(orchestrator.keys.pending, 0, -1)]
+        await orchestrator.close()
+        await redis.aclose()
+        return pending
+
+    pending = asyncio.run(asyncio.wait_for(main(), 60))
+    assert sum(t.startswith("train-") for t in pending) == 4  # admitted once the round is in
+    first = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()][0]
+    assert first["step"] == 0 and first["accuracy"] == 0.4 and first["policy_version_max"] == 0

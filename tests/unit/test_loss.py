@@ -172,6 +172,29 @@ def test_per_token_advantages_equal_broadcast_ones():
     assert_close(ga, gb)
 
 
+def test_dppo_tv_masks_by_probability_moved_from_the_sampler():
+    # |π_θ − μ_old| on the sampled token: seq0 t1 rose 0.4 (Â > 0, inside δ_high = 0.5: kept, where
+    # MiniRL's ratio clip drops it); seq1 t0 fell 0.2 (Â < 0, past δ_low = 0.1: out); seq1 t1 rose
+    # 0.8 but Â < 0 pushes it down: kept, with w = min(9, 5)
+    config = LossConfig(objective="dppo", dppo_delta_low=0.1, dppo_delta_high=0.5)
+    loss, metrics, grad = run(config)
+    assert_close(loss, torch.tensor(-(L(0.5) + 2 * L(0.8) - 5 * L(0.9)) / 4, dtype=torch.float64))
+    assert_close(grad, torch.tensor([[-0.25, -0.5], [0.0, 1.25]], dtype=torch.float64))
+    assert metrics["clip_frac"].item() == pytest.approx(0.25)
+    # anchored to μ_old, not π_old: the same tokens whatever π_old is
+    assert_close(run(config, pi_old=None)[0], loss)
+
+
+def test_dppo_binary_kl_and_without_its_mask():
+    # KL(Bern(0.4) ‖ Bern(0.8)) = 0.382 > 0.15: seq0 t1 out; KL(Bern(0.5) ‖ Bern(0.3)) = 0.087: seq1 t0 in
+    loss, metrics, grad = run(LossConfig(objective="dppo", dppo_divergence="kl"))
+    assert_close(loss, torch.tensor(-(L(0.5) - 0.6 * L(0.3) - 5 * L(0.9)) / 4, dtype=torch.float64))
+    assert_close(grad, torch.tensor([[-0.25, 0.0], [0.15, 1.25]], dtype=torch.float64))
+    assert metrics["clip_frac"].item() == pytest.approx(0.25)
+    unmasked = run(LossConfig(objective="dppo", clip=False))  # plain truncated-IS policy gradient
+    assert_close(unmasked[0], run(LossConfig(clip=False))[0])
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -180,6 +203,8 @@ def test_per_token_advantages_equal_broadcast_ones():
         ({"tis_cap": 0.0}, "tis_cap"),
         ({"eps_low": 1.5}, "eps_low"),
         ({"rejection": "mask"}, "rejection"),
+        ({"dppo_divergence": "js"}, "dppo_divergence"),
+        ({"dppo_delta_low": 0.0}, "dppo_delta_low"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):
