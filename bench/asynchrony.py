@@ -47,7 +47,7 @@ def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> di
                 f"run.steps={steps}", f"run.max_staleness={staleness}", "orchestrator.eval_every=10",
                 "orchestrator.eval_size=200", f'run.id="bench-{name}"', *overrides])
             out = Path(tmp) / name
-            summary = run(config, out, progress=False)
+            summary = run(config, out, progress="none")
             evals = read_jsonl(out / "eval.jsonl")
             results[name] = {"max_staleness": staleness, "outcome": summary.get("outcome"),
                              "wall_seconds": summary.get("wall_seconds"), **time_to_target(evals, target)}

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "weightsync": ("bench.weightsync", ["1.0"]),
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
+    "mismatch": ("bench.mismatch", []),
     "trainer": ("bench.trainer", []),
     "trainer_memory": ("bench.trainer_memory", []),
     "async": ("bench.asynchrony", []),
@@ -133,6 +134,12 @@ def markdown(result: dict) -> str:
             lines.append(f"| inference | {label}: publication → first token of the version, {mode}, median / p95 s "
                          f"| {_get(e, 'publish_to_first_token', mode, 'median_s')} / "
                          f"{_get(e, 'publish_to_first_token', mode, 'p95_s')} | – |")
+    mm = b.get("mismatch", {})
+    for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
+                        ("bf16_fp8_router", "bf16 + fp8 weights and router")):
+        lines.append(f"| mismatch | {label} inference vs fp32 training, tiny MoE: k3 / routing agreement / "
+                     f"mean abs Δlogprob | {_get(mm, name, 'mismatch_kl_k3')} / {_get(mm, name, 'routing_agreement')} / "
+                     f"{_get(mm, name, 'abs_delta_logprob_mean')} | – |")
     tr = b.get("trainer", {})
     for size in ("tiny", "wider"):
         lines.append(f"| trainer | loss + correction math / step, {size} | {_get(tr, size, 'loss_math_share_of_step')} | ≤ 0.03 |")

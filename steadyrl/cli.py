@@ -56,23 +56,27 @@ def run_command(
     config: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Run recipe (TOML).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory (default runs/<id>-<time>).")] = None,
+    progress: Annotated[str, typer.Option("--progress", help="auto (rich on a terminal, else plain) | rich | "
+                                                             "plain (a log line every ~5% of the steps) | none.")] = "auto",
 ) -> None:
     """Start every service on loopback, run the recipe to the end and write the report."""
     import time as _time
 
     from shared.logs import setup_logging
-    from steadyrl.launcher import run
+    from steadyrl.launcher import PROGRESS, run
     from steadyrl.run_config import check, load_run_config
 
     setup_logging("run")
     try:
+        if progress not in PROGRESS:
+            raise ValueError(f"--progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
         recipe = load_run_config(config, set_ or [])
         check(recipe)
     except ValueError as exc:
         typer.echo(f"steadyrl run: {config}: {exc}", err=True)
         raise typer.Exit(2) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
-    summary = run(recipe, out)
+    summary = run(recipe, out, progress)
     typer.echo(json.dumps({k: summary.get(k) for k in (
         "outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")}))
     if summary.get("outcome") not in ("finished",):
@@ -140,6 +144,17 @@ def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precis
     from bench.inference import main as run
 
     typer.echo(json.dumps(run(dtype)))
+
+
+@bench_app.command("mismatch")
+def bench_mismatch() -> None:
+    """Training–inference mismatch per inference precision (fp32, bf16, fp8 weights) on the tiny
+    MoE: mismatch KL, |Δ logprob|, routing agreement vs the fp32 trainer."""
+    import json
+
+    from bench.mismatch import main as run
+
+    typer.echo(json.dumps(run()))
 
 
 @bench_app.command("trainer")

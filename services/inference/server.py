@@ -123,6 +123,10 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
 def engine_options(settings: InferenceSettings) -> dict:
     """What `make_engine` gets beyond the path and dtype."""
     options: dict = {"max_num_seqs": settings.max_num_seqs, "update_mode": settings.update_mode}
+    if settings.quantization != "none":
+        options["quantization"] = settings.quantization
+    if settings.fp8_router:
+        options["fp8_router"] = True
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads
     if settings.engine == "vllm":

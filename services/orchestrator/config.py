@@ -31,6 +31,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Model directory (its tokenizer turns prompts into token ids)."""
     out_dir: Path = Path("runs/orchestrator")
     """Where eval.jsonl is written."""
+    tensorboard: bool = True
+    """Write each eval round's accuracy as the TensorBoard scalar `eval_accuracy` (`out_dir/tensorboard/`)."""
     trainer_address: str = ""
     """host:port of the trainer's gRPC API (its version drives admission)."""
 

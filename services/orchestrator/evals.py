@@ -16,6 +16,7 @@ from services.orchestrator.data import Tasks
 from shared.keys import RunKeys
 from shared.queues import WorkQueue, now_ms
 from shared.rollout import RolloutError, decode_rollout
+from shared.tracking import ScalarLog
 
 log = logging.getLogger("steadyrl.orchestrator")
 EVAL_ID = re.compile(r"^eval-(\d+)-(\d+)$")
@@ -30,6 +31,7 @@ class EvalRounds:
         self.settings, self.redis, self.queue, self.tasks = settings, redis, queue, tasks
         self.keys = RunKeys(settings.run_id)
         self.results: dict[int, dict[str, float]] = {}
+        self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None)
         self.cursor = "0-0"
 
     async def _json(self, name: str, default: str):
@@ -97,6 +99,8 @@ class EvalRounds:
             with (self.settings.out_dir / "eval.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
             written.add(step)
+            self.scalars.add(step, {"eval_accuracy": line["accuracy"]})
+            self.scalars.flush()
             EVAL_ACCURACY.set(line["accuracy"])
             log.info("event=eval step=%d version=%d accuracy=%.4f", step, line["version"], line["accuracy"])
         await self.redis.hset(self.keys.run, "evals_written", json.dumps(sorted(written)))

@@ -246,5 +246,6 @@ class Orchestrator:
         }
 
     async def close(self) -> None:
+        self.evals.scalars.close()
         if self._channel is not None:
             await self._channel.close()

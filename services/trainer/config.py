@@ -30,7 +30,12 @@ class TrainerSettings(RedisSettings, StepShape):
     model_path: str
     """Local Hugging Face model directory to start from (the checkpoint wins when one exists)."""
     out_dir: Path = Path("runs/trainer")
-    """Checkpoints (`checkpoints/`) and the per-step `metrics.jsonl`."""
+    """Checkpoints (`checkpoints/`), the per-step `metrics.jsonl` and its TensorBoard scalars (`tensorboard/`)."""
+    tensorboard: bool = True
+    """Write every metrics.jsonl key as a TensorBoard scalar under `out_dir/tensorboard/`."""
+    stall_alert_seconds: float = Field(600.0, gt=0)
+    """Exported as `steadyrl_trainer_stall_alert_seconds`: the SteadyrlTrainerStalled alert fires
+    when no step has finished for this long (size it above the slowest expected step)."""
     run_id: str = "default"
     """Run whose rollout stream is trained on."""
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")

@@ -1,4 +1,5 @@
-"""What each step leaves behind: a line in metrics.jsonl and the trainer's Prometheus metrics."""
+"""What each step leaves behind: a line in metrics.jsonl, the same keys as TensorBoard scalars
+(`tensorboard/` beside it), and the trainer's Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.tracking import ScalarLog
+
 STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
 VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")
 TRAINED = Counter("steadyrl_trainer_rollouts_trained_total", "Rollouts trained")
@@ -15,17 +18,23 @@ LAST_STEP = Gauge("steadyrl_trainer_last_step_unix_seconds", "When the last glob
 STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
+STALL_AFTER = Gauge("steadyrl_trainer_stall_alert_seconds",
+                    "Seconds without a finished step after which SteadyrlTrainerStalled fires (trainer.stall_alert_seconds)")
 
 
 class StepLog:
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool = True, stall_alert_seconds: float = 600.0) -> None:
         self.out_dir = out_dir
+        LAST_STEP.set(time.time())  # the process start counts as progress: no stall alert before a first step
+        STALL_AFTER.set(stall_alert_seconds)
+        self.scalars = ScalarLog(out_dir / "tensorboard" if tensorboard else None)
 
     def record(self, metrics: dict[str, float], rollouts: int, recipe: str) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
                                | {"recipe": recipe}) + "\n")
+        self.scalars.add(int(metrics["step"]), metrics)
         STEPS.inc()
         TRAINED.inc(rollouts)
         STEP_SECONDS.observe(metrics["step_seconds"])
@@ -33,3 +42,6 @@ class StepLog:
         LAST_STEP.set(time.time())
         for key, value in metrics.items():
             LAST.labels(key).set(value)
+
+    def close(self) -> None:
+        self.scalars.close()

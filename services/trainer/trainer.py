@@ -48,7 +48,7 @@ class Trainer:
         self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
         self.redis_id, self.checked_redis, self.resync = "", 0.0, False
         self.paused, self.last_metrics = False, {}
-        self.steplog = StepLog(settings.out_dir)
+        self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds)
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = time.monotonic()
@@ -186,4 +186,5 @@ class Trainer:
             return await self.save()
 
     async def close(self) -> None:
+        self.steplog.close()
         await self.publisher.close()

@@ -39,6 +39,7 @@ from shared.engines.base import (
 )
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
+from shared.models.quantization import QUANTIZATIONS, fp8_targets, quantize_fp8_
 from shared.models.routing import RoutingController
 from shared.torch_threads import bind_torch_threads
 
@@ -76,21 +77,30 @@ class TorchEngine(StagedWeights):
     name = "torch"
 
     def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0,
-                 max_num_seqs: int = 256, update_mode: str = "in_flight") -> None:
+                 max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
+                 fp8_router: bool = False) -> None:
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.threads, self.max_num_seqs, self.update_mode = threads, max_num_seqs, update_mode
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
         self.model = load_causal_lm(model_path, self.dtype).eval()
         self.routing = RoutingController(self.model)
+        self.fp8 = fp8_targets(self.model, fp8_router) if quantization == "fp8" else []
+        quantize_fp8_(self.model, self.fp8)
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         eos = config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-        self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."))
+        notes = (f"fp8 e4m3 weights, per-channel scales, emulated: {len(self.fp8)} tensors rounded through fp8, "
+                 f"computed in {str(self.dtype).removeprefix('torch.')}"
+                 f"{' (router included)' if fp8_router else ' (router not)'}",) if self.fp8 else ()
+        self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
+                                         notes=notes)
         self._init_weights(version)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: list[_Seq] = []
@@ -156,6 +166,7 @@ class TorchEngine(StagedWeights):
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
             raise KeyError(f"weights of version {version} do not fit the model: "
                            f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        quantize_fp8_(self.model, [name for name in self.fp8 if name in state_dict])
 
     def _may_apply(self) -> bool:
         return self.update_mode == "in_flight" or not self._live

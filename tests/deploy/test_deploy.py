@@ -66,6 +66,7 @@ def test_compose_env_matches_the_settings_and_secrets_stay_out():
         assert service["env_file"] == ".env" and "STEADYRL_HEALTH_PORT" in service["environment"]
     assert checked == 4
     assert "ports" not in doc["services"]["inference"]  # `--scale inference=N` needs no fixed host port
+    assert doc["services"]["orchestrator"]["environment"]["STEADYRL_ORCHESTRATOR_AUTOSTART"] == "true"  # no manual start
     assert "--appendonly yes" in " ".join(doc["services"]["redis"]["command"])
     assert "--requirepass" in " ".join(doc["services"]["redis"]["command"])
     example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
@@ -113,6 +114,9 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
             assert "grpc" in container["livenessProbe"]  # native gRPC health probes
             assert container["resources"]["requests"]
         assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    orchestrator = next(d for d in docs if d["metadata"]["name"] == "orchestrator" and d["kind"] != "Service")
+    assert {"name": "STEADYRL_ORCHESTRATOR_AUTOSTART", "value": "true"} in \
+        orchestrator["spec"]["template"]["spec"]["containers"][0]["env"]  # the run starts by itself
     inference = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "inference")
     container = inference["spec"]["template"]["spec"]["containers"][0]
     engine = {e["name"]: e.get("value") for e in container["env"]}["STEADYRL_INFERENCE_ENGINE"]
@@ -139,6 +143,22 @@ def test_promtool_accepts_the_config_and_the_rules(tmp_path):
                  ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")]):
         done = subprocess.run([promtool(), *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+
+def test_every_alert_fires_on_a_failure_and_stays_quiet_on_a_healthy_run():
+    done = subprocess.run([promtool(), "test", "rules", "alerts_test.yml"], capture_output=True, text=True,
+                          cwd=DEPLOY / "prometheus")
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    tests = yaml.safe_load((DEPLOY / "prometheus" / "alerts_test.yml").read_text())["tests"]
+    cases = [c for t in tests for c in t["alert_rule_test"]]
+    fired = {c["alertname"] for c in cases if c["exp_alerts"]}
+    quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    assert fired == alerts and quiet == alerts  # each alert: a series it fires on and a healthy one
+    assert {"SteadyrlServiceDown", "SteadyrlNoLiveReplica", "SteadyrlTrainerStalled", "SteadyrlRolloutsStarved",
+            "SteadyrlDeadLetters", "SteadyrlWeightSyncFailures", "SteadyrlCollapseEarlyWarning"} <= alerts
 
 
 def exported_metric_names() -> set[str]:

@@ -3,6 +3,7 @@ restart in the middle of a run."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,17 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 2, 4] and all(0 <= e["accuracy"] <= 1 for e in evals)
     assert evals[0]["policy_version_max"] == 0  # the cold start is scored before any version lands
+    from shared.tracking import read_scalars
+
+    scalars = read_scalars(out / "trainer" / "tensorboard")  # TensorBoard: every numeric key, every step
+    numeric = {k for x in lines for k, v in x.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    assert numeric <= set(scalars) and len(numeric) >= len(TRAINER_KEYS)
+    assert [step for step, _ in scalars["reward_mean"]] == [1, 2, 3, 4]
+    assert [v for _, v in scalars["reward_mean"]] == pytest.approx([x["reward_mean"] for x in lines], rel=1e-6)
+    assert [step for step, _ in read_scalars(out / "orchestrator" / "tensorboard")["eval_accuracy"]] == [0, 2, 4]
+    # no terminal: plain progress lines as the run goes, not one frame at the end
+    shown = [int(step) for step in re.findall(r"^progress step=(\d+)/4 ", done.stderr, re.MULTILINE)]
+    assert len(set(shown)) >= 2 and shown == sorted(shown) and shown[-1] == 4, done.stderr[-2000:]
     assert len(summary["plots"]) >= 8 and (out / "config.resolved.toml").exists()
     time.sleep(0.5)
     assert not [pid for pid in json.loads((out / "pids.json").read_text()).values() if alive(pid)]  # no orphan

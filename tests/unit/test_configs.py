@@ -70,3 +70,41 @@ def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
     assert env["STEADYRL_TRAINER_LOSS__EPS_HIGH"] == "0.3"
     settings = build_settings("trainer", env)
     assert settings.loss.eps_high == 0.3 and settings.loss.normalization == "sequence" and settings.lr == 1e-3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["inference.fp8_router=true"], 'fp8_router needs quantization = "fp8"'),
+    (["inference.quantization=int8"], "quantization"),
+])
+def test_fp8_settings_that_cannot_work_are_refused(overrides, message):
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
+    with pytest.raises(ValueError, match=message):
+        validate("inference", service_env(config, "inference", REQUIRED["inference"]))
+    fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["inference.quantization=fp8", "inference.fp8_router=true"])
+    from steadyrl.run_config import build_settings
+
+    settings = build_settings("inference", service_env(fine, "inference", REQUIRED["inference"]))
+    assert settings.quantization == "fp8" and settings.fp8_router
+
+
+def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():
+    base = ROOT / "configs" / "tiny-arith.toml"
+    for n in (1, 2, 4):
+        config = load_run_config(base, ["run.mini_batch_prompts=8", f"trainer.mini_batches={n}"])
+        assert config.run.batch_prompts == 8 * n  # B = N × mini-batch, replacing the recipe's 32
+        trainer = service_env(config, "trainer", REQUIRED["trainer"])
+        assert trainer["STEADYRL_TRAINER_BATCH_PROMPTS"] == str(8 * n)
+        assert "mini_batch_prompts = 8" in config.as_toml() and f"batch_prompts = {8 * n}" in config.as_toml()
+    assert load_run_config(base, ["trainer.mini_batches=4"]).run.batch_prompts == 32  # fixed global batch: N splits it
+    with pytest.raises(ValueError, match="mini_batches must be an integer"):
+        load_run_config(base, ["run.mini_batch_prompts=8", "trainer.mini_batches=0"])
+
+
+def test_fp8_on_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypatch):
+    from steadyrl.run_config import check
+
+    monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
+    config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", ["inference.quantization=fp8"])
+    with pytest.raises(ValueError, match="needs a GPU"):
+        check(config, gpus_available=0)
+    assert check(load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine == "vllm"

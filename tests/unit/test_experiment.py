@@ -97,3 +97,13 @@ def test_curves():
     assert moving_mean([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     s, v = mean_curve([[{"step": 1, "k": 1.0}, {"step": 2, "k": math.nan}], [{"step": 1, "k": 3.0}]], "k")
     assert (s, v) == ([1], [2.0])
+
+
+def test_plain_progress_is_one_greppable_line_per_update():
+    from steadyrl.launcher import plain_line, progress_rows
+
+    rows = progress_rows({"trainer_version": 12, "replica_versions": {"r": 12}},
+                         [{"step": 12, "reward_mean": 0.5, "mismatch_kl_k3": 3e-3, "staleness_max": 1, "tokens_per_s": 900}],
+                         [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.55}], 48, 6.0)
+    assert plain_line(rows) == ("progress step=12/48 trainer_version=12 reward=0.500 mismatch_KL_k3=3.00e-03 "
+                                "staleness_max=1 tokens/s=900 eval_accuracy=v0:0.400,v10:0.550 ETA=18s")

@@ -1,0 +1,91 @@
+"""The training–inference mismatch each inference precision makes on the tiny MoE, side by side
+in one run. Prints one JSON object.
+
+For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights (attention, MLP and experts), and
+the same with the router in fp8 too — the torch engine samples the same prompts (T = 1, seeded),
+and the fp32 training engine scores the very tokens it sampled, as the trainer's π_old recompute
+does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3, means over tokens),
+|Δ logprob| of the answer tokens (mean, p99, max), and routing agreement (share of (position,
+layer) top-k expert sets the two engines chose alike). fp8 here is the emulation of
+`shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, computed in
+bf16), not fp8 kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+SETTINGS = {  # name → (dtype, quantization, fp8_router)
+    "fp32": ("float32", "none", False),
+    "bf16": ("bfloat16", "none", False),
+    "fp32_fp8": ("float32", "fp8", False),  # fp8 weights alone, computed in fp32
+    "bf16_fp8": ("bfloat16", "fp8", False),
+    "bf16_fp8_router": ("bfloat16", "fp8", True),
+}
+PROMPTS, SAMPLES, MAX_NEW_TOKENS = 128, 4, 8
+
+
+def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, prompts: list[list[int]]) -> dict:
+    import torch
+
+    from shared.batch import collate
+    from shared.core import routing_agreement
+    from shared.core.diagnostics import mismatch_kl_terms
+    from shared.engines import Sampling, make_engine
+    from shared.forward import sequence_logprobs
+    from shared.models import load_causal_lm
+    from shared.models.routing import RoutingController
+    from shared.rollout import Rollout
+
+    engine = make_engine("torch", model_dir, dtype, quantization=quantization, fp8_router=fp8_router)
+    try:
+        samples = engine.generate([p for p in prompts for _ in range(SAMPLES)],
+                                  Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7), return_trace=True)
+    finally:
+        engine.close()
+    import numpy as np
+
+    rollouts = [Rollout(rollout_id=f"r{i}", group_id="g", task_id="t", run_id="m", sample_index=i, group_size=1,
+                        prompt_token_ids=np.array(prompts[i // SAMPLES], dtype=np.int32),
+                        completion_token_ids=np.array(s.token_ids, dtype=np.int32),
+                        inference_logprobs=np.array(s.logprobs, dtype=np.float32),
+                        policy_versions=np.zeros(len(s.token_ids), dtype=np.uint64), reward=0.0,
+                        routing_trace=s.routing_trace, num_experts=s.num_experts) for i, s in enumerate(samples)]
+    batch = collate(rollouts)
+    trainer = load_causal_lm(model_dir, "float32")
+    routing = RoutingController(trainer)
+    with torch.no_grad():
+        forward = sequence_logprobs(trainer, batch, routing, capture=True)
+    routing.close()
+    mask = batch.loss_mask
+    k1, k3 = mismatch_kl_terms(batch.inference_logprobs.double(), forward.logprobs.double())
+    delta = (forward.logprobs.double() - batch.inference_logprobs.double()).abs()[mask]
+    agreement = routing_agreement(forward.routing, batch.trace, batch.trace_mask)
+    return {"tokens": int(mask.sum()), "mismatch_kl_k1": float(k1[mask].mean()), "mismatch_kl_k3": float(k3[mask].mean()),
+            "abs_delta_logprob_mean": float(delta.mean()), "abs_delta_logprob_p99": float(delta.quantile(0.99)),
+            "abs_delta_logprob_max": float(delta.max()), "routing_agreement": float(agreement)}
+
+
+def main() -> dict:
+    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts, init_tiny_model
+
+    started = time.perf_counter()
+    model_dir = str(init_tiny_model())
+    examples = TinySpec().task(0).split("eval", PROMPTS)
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
+    result: dict = {"benchmark": "mismatch", "model": "tiny-qwen3-moe", "trainer_dtype": "float32",
+                    "prompts": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
+                    "fp8": "emulated: e4m3 weights with per-output-channel scales, computed in bf16"}
+    for name, (dtype, quantization, router) in SETTINGS.items():
+        result[name] = {k: round(v, 8) if isinstance(v, float) else v
+                        for k, v in measure(model_dir, dtype, quantization, router, prompts).items()}
+    base = result["bf16"]["mismatch_kl_k3"]
+    result["k3_over_bf16"] = {name: round(result[name]["mismatch_kl_k3"] / base, 2) for name in SETTINGS}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(*sys.argv[1:])))

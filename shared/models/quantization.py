@@ -1,0 +1,48 @@
+"""FP8 inference as an emulation: the weights of the linear layers are quantised to float8 e4m3
+with one scale per output channel (amax / 448) when a version is loaded, and the model computes
+on the dequantised values. On a CPU this reproduces FP8's rounding of the weights — the part of
+an FP8 engine that moves its logprobs and routing away from the trainer's — but not FP8 kernels
+(activations stay in the engine's dtype). Pure functions; the torch engine applies them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.models.routing import ROUTER_RULES
+
+QUANTIZATIONS = ("none", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def fp8_roundtrip(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [..., out, in] through e4m3 with a per-output-channel scale, back in its dtype."""
+    w = weight.float()
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return ((w / scale).to(FP8).float() * scale).to(weight.dtype)
+
+
+def fp8_targets(model: nn.Module, router: bool = False) -> list[str]:
+    """Names of the parameters an FP8 engine stores in FP8: the weights of attention and MLP
+    linears and the experts' stacked matrices; the router's only with `router`. Embeddings,
+    norms and the output head stay in the engine's dtype, as in vLLM's fp8 scheme."""
+    names: list[str] = []
+    for prefix, module in model.named_modules():
+        is_router = type(module).__name__ in ROUTER_RULES
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if full.startswith("lm_head") or param.dim() < 2 or isinstance(module, nn.Embedding):
+                continue
+            if is_router and not router:
+                continue
+            names.append(full)
+    return names
+
+
+@torch.no_grad()
+def quantize_fp8_(model: nn.Module, names: list[str]) -> None:
+    """Round the named parameters through FP8 in place."""
+    params = dict(model.named_parameters())
+    for name in names:
+        params[name].copy_(fp8_roundtrip(params[name]))

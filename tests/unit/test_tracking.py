@@ -1,0 +1,19 @@
+"""TensorBoard scalars: what is written is read back; labels and non-finite values are skipped."""
+
+import math
+
+from shared.tracking import ScalarLog, read_scalars
+
+
+def test_scalars_round_trip_and_skip_what_is_no_scalar(tmp_path):
+    log = ScalarLog(tmp_path / "tb")
+    log.add(1, {"reward_mean": 0.25, "tokens": 100, "recipe": "minirl+tis", "loss": math.nan, "flag": True})
+    log.add(2, {"reward_mean": 0.5, "tokens": 120})
+    log.close()
+    scalars = read_scalars(tmp_path / "tb")
+    assert scalars == {"reward_mean": [(1, 0.25), (2, 0.5)], "tokens": [(1, 100.0), (2, 120.0)]}
+    event_file = next((tmp_path / "tb").glob("events.out.tfevents.*"))
+    event_file.write_bytes(event_file.read_bytes()[:-7])  # a record cut short by a crash
+    assert read_scalars(tmp_path / "tb") == {"reward_mean": [(1, 0.25), (2, 0.5)], "tokens": [(1, 100.0)]}
+    ScalarLog(None).add(1, {"x": 1.0})  # off: writes nothing, needs nothing
+    assert not (tmp_path / "off").exists()
