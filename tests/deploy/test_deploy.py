@@ -94,12 +94,14 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     version = kubernetes_validate.latest_version()
     docs = render(overlay)
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule", "Service",
-                     "StatefulSet"]
+    assert kinds == sorted(["Deployment", "ScaledObject", "PodMonitor", "PrometheusRule", "Service",
+                            "StatefulSet", *(["PersistentVolumeClaim"] if overlay == "gpu" else [])])
     for doc in docs:
-        if doc["kind"] in ("PodMonitor", "PrometheusRule"):  # prometheus-operator CRDs: checked below
+        if doc["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject"):  # CRDs: checked below
             continue
         kubernetes_validate.validate(doc, version, strict=True)
+    for kind in ("PodMonitor", "PrometheusRule"):  # what kube-prometheus-stack selects by default
+        assert next(d for d in docs if d["kind"] == kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     for doc in docs:
@@ -118,12 +120,47 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     assert {"name": "STEADYRL_ORCHESTRATOR_AUTOSTART", "value": "true"} in \
         orchestrator["spec"]["template"]["spec"]["containers"][0]["env"]  # the run starts by itself
     inference = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "inference")
+    scaler = next(d for d in docs if d["kind"] == "ScaledObject")  # autoscaling on work, owning the count
+    assert scaler["apiVersion"] == "keda.sh/v1alpha1" and scaler["spec"]["scaleTargetRef"] == {"name": "inference"}
+    trigger = scaler["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus" and "steadyrl_orchestrator_queue_depth" in trigger["metadata"]["query"]
+    assert int(trigger["metadata"]["threshold"]) >= 1 and "replicas" not in inference["spec"]
     container = inference["spec"]["template"]["spec"]["containers"][0]
     engine = {e["name"]: e.get("value") for e in container["env"]}["STEADYRL_INFERENCE_ENGINE"]
     if overlay == "gpu":
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1 and engine == "vllm"
+        check_gpu_overlay(docs)
+        assert engine == "vllm"
     else:
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {}) and engine == "torch"
+
+
+def check_gpu_overlay(docs: list[dict]) -> None:
+    """What a real GPU run needs of the pods: the shape of configs/gpu-qwen3-moe-math.toml."""
+    import tomllib
+
+    recipe = tomllib.loads((ROOT / "configs" / "gpu-qwen3-moe-math.toml").read_text())
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    for name, gpus in (("inference", recipe["inference"]["gpus_per_replica"]), ("trainer", recipe["trainer"]["gpus"])):
+        pod = pods[name]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus, name
+        probe = container["startupProbe"]  # a large model's load is not killed by the liveness probe
+        assert "grpc" in probe and probe["failureThreshold"] * probe["periodSeconds"] >= 900, name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and {"name": "dshm", "mountPath": "/dev/shm"} in \
+            container["volumeMounts"], name
+        assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "steadyrl-models",
+                                                                                 "readOnly": True}}, name
+        assert pod["runtimeClassName"] == "nvidia" and "initContainers" not in pod, name
+        if name == "inference":
+            assert env["STEADYRL_INFERENCE_GPUS_PER_REPLICA"] == str(gpus) and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+        else:
+            assert container["args"][:3] == ["torch.distributed.run", "--nproc_per_node", str(gpus)]
+            assert env["STEADYRL_TRAINER_GPUS"] == str(gpus) and env["STEADYRL_TRAINER_PARALLEL"] == "fsdp"
+    assert "initContainers" not in pods["orchestrator"]
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
 
 
 # --- prometheus and grafana ----------------------------------------------------------------------

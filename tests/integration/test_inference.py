@@ -471,3 +471,40 @@ def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_mo
     assert isinstance(error, BaseException) and "fell over" in str(error)
     assert requeued == (1, 0) and depths.rollouts == 0 and depths.pending == 1  # back in the queue, not lost
     assert b"handed back" in reason
+
+
+def test_a_replica_scaled_down_mid_task_hands_its_leases_back_at_once(tmp_path, tiny_model_dir, redis_server, run_id):
+    """What a scale-down does (SIGTERM, as Kubernetes and KEDA send it): the replica stops, hands
+    back the tasks it was generating without waiting for their leases to expire, and exits 0."""
+    prompt = prompts_of(1)[0]
+    env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir), "STEADYRL_INFERENCE_DTYPE": "float32",
+           "STEADYRL_INFERENCE_REDIS_URL": redis_server.url, "STEADYRL_INFERENCE_RUN_ID": run_id,
+           "STEADYRL_INFERENCE_PORT": "0", "STEADYRL_INFERENCE_METRICS_PORT": "0",
+           "STEADYRL_INFERENCE_LEASE_SECONDS": "600", "STEADYRL_INFERENCE_REPLICA_ID": "scaled-down",
+           "STEADYRL_INFERENCE_TORCH_THREADS": "1"}
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = WorkQueue(redis, run_id)
+        task = arith_task("long", prompt, "0", 512)
+        task.sampling.max_new_tokens, task.sampling.ignore_eos = 48, True  # a long generation to stop in
+        await queue.submit(task)
+        replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
+        try:
+            await wait_for(lambda: _owned_by(redis, queue, "long", b"scaled-down"), 90)
+            replica.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(replica.wait, 30)
+        finally:
+            if replica.poll() is None:
+                replica.kill()
+        reason = await redis.hget(queue._k("errors")[0], "long")
+        swept = await queue.requeue_expired(max_attempts=3)  # the orchestrator's next sweep
+        depths = await queue.depths()
+        await redis.aclose()
+        return code, swept, depths, reason
+
+    code, swept, depths, reason = asyncio.run(asyncio.wait_for(main(), 180))
+    assert code == 0
+    assert swept == (1, 0)  # its lease ended with the replica, not 600 s later
+    assert depths.pending == 1 and depths.leased == 0 and depths.rollouts == 0
+    assert b"handed back: the replica stopped" in reason
