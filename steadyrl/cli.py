@@ -53,27 +53,34 @@ def init_model(
 
 @app.command("run")
 def run_command(
-    config: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Run recipe (TOML).")],
+    configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False,
+                                                  help="Run recipe(s) (TOML), merged left to right.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory (default runs/<id>-<time>).")] = None,
     progress: Annotated[str, typer.Option("--progress", help="auto (rich on a terminal, else plain) | rich | "
                                                              "plain (a log line every ~5% of the steps) | none.")] = "auto",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, every service's settings "
+                                                            "and the placement as JSON, start nothing.")] = False,
 ) -> None:
     """Start every service on loopback, run the recipe to the end and write the report."""
     import time as _time
 
     from shared.logs import setup_logging
     from steadyrl.launcher import PROGRESS, run
-    from steadyrl.run_config import check, load_run_config
+    from steadyrl.run_config import check, load_run_config, resolved
 
     setup_logging("run")
+    named = " + ".join(str(c) for c in configs)
     try:
         if progress not in PROGRESS:
             raise ValueError(f"--progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
-        recipe = load_run_config(config, set_ or [])
+        recipe = load_run_config(configs, set_ or [])
         check(recipe)
+        if dry_run:
+            typer.echo(json.dumps(resolved(recipe), indent=2))
+            return
     except ValueError as exc:
-        typer.echo(f"steadyrl run: {config}: {exc}", err=True)
+        typer.echo(f"steadyrl run: {named}: {exc}", err=True)
         raise typer.Exit(2) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
     summary = run(recipe, out, progress)
@@ -81,6 +88,34 @@ def run_command(
         "outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")}))
     if summary.get("outcome") not in ("finished",):
         raise typer.Exit(1)
+
+
+@app.command("export")
+def export_command(
+    checkpoint: Annotated[Path, typer.Argument(exists=True, file_okay=False,
+                                               help="A run directory, its trainer/checkpoints, or one step-* directory.")],
+    out: Annotated[Path, typer.Option("--out", help="The Hugging Face directory to write.")],
+    model: Annotated[Path | None, typer.Option("--model", help="The base model directory (its config and tokenizer); "
+                                                               "default: the one the run trained.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")] = "bfloat16",
+) -> None:
+    """A trainer checkpoint as a Hugging Face directory: AutoModelForCausalLM.from_pretrained loads it."""
+    from steadyrl.report import export_checkpoint, find_checkpoint
+
+    try:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        step, trained = find_checkpoint(checkpoint)
+        base = str(model) if model else trained
+        if not base:
+            raise ValueError("--model is needed: the checkpoint does not say which model it trained")
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"{out} exists and is not empty")
+        export_checkpoint(base, step, out, dtype)
+    except ValueError as exc:
+        typer.echo(f"steadyrl export: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({"checkpoint": str(step), "model": base, "out": str(out), "dtype": dtype}))
 
 
 @app.command("eval")

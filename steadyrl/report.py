@@ -51,19 +51,48 @@ def plot_run(out: Path, metrics: list[dict], evals: list[dict]) -> list[str]:
 
 def save_final_model(model_path: str, checkpoints: Path, target: Path) -> str | None:
     """The last checkpoint's weights as a Hugging Face directory (config, tokenizer, safetensors)."""
-    from safetensors.torch import load_file
-
     from services.trainer.checkpoint import latest_checkpoint
-    from shared.models import load_causal_lm
 
     found = latest_checkpoint(checkpoints)
-    if found is None:
-        return None
+    return None if found is None else str(export_checkpoint(model_path, found, target))
+
+
+def find_checkpoint(source: Path) -> tuple[Path, str | None]:
+    """(checkpoint step directory, the base model it trained, if the run says) of a step directory,
+    a checkpoints directory (its LATEST) or a `steadyrl run` directory."""
+    import json
+
+    from services.trainer.checkpoint import latest_checkpoint
+
+    model = None
+    if (source / "summary.json").exists():
+        model = json.loads((source / "summary.json").read_text()).get("model")
+    if (source / "trainer" / "checkpoints").is_dir():
+        source = source / "trainer" / "checkpoints"
+    step = source if (source / "state.json").exists() else latest_checkpoint(source)
+    if step is None or not (step / "model.safetensors").exists():
+        raise ValueError(f"no trainer checkpoint in {source} (a step-* directory, a checkpoints directory with "
+                         "LATEST, or a run directory)")
+    return step, model
+
+
+def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: str = "float32") -> Path:
+    """A trainer checkpoint (full state, whatever the parallelism that wrote it) as a Hugging Face
+    directory in `dtype`: the base model's config and tokenizer, the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    from shared.models import load_causal_lm
+    from shared.models.loading import resolve_dtype
+
     model = load_causal_lm(model_path, "float32")
-    model.load_state_dict(load_file(str(found / "model.safetensors")))
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    missing, unexpected = model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
+    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+        raise ValueError(f"checkpoint {checkpoint} does not fit the model {model_path}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    model.to(resolve_dtype(dtype)).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja"):
         source = Path(model_path) / name
         if source.exists() and not (target / name).exists():
             shutil.copy(source, target / name)
-    return str(target)
+    return target

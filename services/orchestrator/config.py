@@ -71,6 +71,11 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
     max_new_tokens: int = Field(16, ge=1)
     """Completion budget."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """`auto`: prompts go through the tokenizer's chat template when it has one (the user's message,
+    then the assistant's turn opened); `none`: raw text. The exact tokens travel in each rollout."""
+    system_prompt: str = ""
+    """With a chat template: a system message before every prompt (empty: none)."""
     eval_every: int = Field(10, ge=0)
     """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
     max_attempts: int = Field(3, ge=1)

@@ -52,7 +52,8 @@ class Tasks:
         s = self.settings
         return common_pb2.PromptTask(
             task_id=task_id, run_id=s.run_id, group_id=task_id, task_name=self.reward,
-            prompt_token_ids=encode_prompt(self.tokenizer, example.prompt), answer=example.answer,
+            prompt_token_ids=encode_prompt(self.tokenizer, example.prompt, s.chat_template == "auto", s.system_prompt),
+            answer=example.answer,
             group_size=group_size, is_eval=is_eval, min_policy_version=min_version,
             sampling=common_pb2.SamplingParams(temperature=temperature, top_p=s.top_p if temperature else 1.0,
                                                max_new_tokens=s.max_new_tokens),

@@ -70,8 +70,17 @@ def checkpoint_state_dict(model_path: str | os.PathLike, state_dict: dict[str, t
     return dict(revert_weight_conversion(skeleton, dict(state_dict)))
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt, starting with the BOS token when the tokenizer has one."""
+def encode_prompt(tokenizer, text: str, chat: bool = False, system_prompt: str = "") -> list[int]:
+    """Token ids of a prompt: with `chat` and a tokenizer that has a chat template, the template's
+    rendering of (system prompt,) the user's message and the assistant's turn opening; else the
+    raw text, starting with the BOS token when the tokenizer has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+            [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns a dict by default)
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
     ids = list(tokenizer(text, add_special_tokens=True).input_ids)
     bos = tokenizer.bos_token_id
     if bos is not None and (not ids or ids[0] != bos):

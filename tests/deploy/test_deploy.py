@@ -94,12 +94,16 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     version = kubernetes_validate.latest_version()
     docs = render(overlay)
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == sorted(["Deployment", "ScaledObject", "PodMonitor", "PrometheusRule", "Service",
+    assert kinds == sorted(["ConfigMap", "Deployment", "ScaledObject", "PodMonitor", "PrometheusRule", "Service",
                             "StatefulSet", *(["PersistentVolumeClaim"] if overlay == "gpu" else [])])
     for doc in docs:
         if doc["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject"):  # CRDs: checked below
             continue
         kubernetes_validate.validate(doc, version, strict=True)
+    dashboard = next(d for d in docs if d["kind"] == "ConfigMap")  # Grafana's sidecar loads it
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["steadyrl.json"]) == json.loads(
+        (DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text())
     for kind in ("PodMonitor", "PrometheusRule"):  # what kube-prometheus-stack selects by default
         assert next(d for d in docs if d["kind"] == kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -219,6 +223,9 @@ def test_dashboard_and_alerts_name_only_exported_metrics():
     exported = exported_metric_names()
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {"${datasource}"}  # any Prometheus, no fixed uid
+    assert dashboard["templating"]["list"][0] == {"name": "datasource", "label": "Prometheus", "type": "datasource",
+                                                  "query": "prometheus", "current": {}, "hide": 0, "refresh": 1}
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
     named = {m for e in exprs for m in re.findall(r"steadyrl_[a-z0-9_]+", e)}

@@ -135,3 +135,35 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
     tasks = sorted({rid.split(":")[0] for rid in trained}, key=lambda t: int(t.split("-")[1]))
     assert len(trained) == len(set(trained)) == 6 * 4 * 8  # every rollout trained once
     assert tasks == [f"train-{i}" for i in range(24)] and submitted == 24 and dead == 0  # none lost, none extra
+    export_round_trip(out, tmp_path)
+
+
+def export_round_trip(run_dir, tmp_path):
+    """`steadyrl export` of the run's last checkpoint: transformers loads it, and its greedy outputs
+    equal the trainer's own model (the base model with the checkpoint's weights) on 20 prompts."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.checkpoint import latest_checkpoint
+    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for dtype in ("float32", "bfloat16"):
+        done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(run_dir), "--out",
+                               str(tmp_path / dtype), "--dtype", dtype], capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "float32").eval()
+    assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16",
+                                                                  dtype="auto").parameters()} == {torch.bfloat16}
+    trainer = AutoModelForCausalLM.from_pretrained(summary["model"]).eval()
+    trainer.load_state_dict(load_file(str(latest_checkpoint(run_dir / "trainer" / "checkpoints") / "model.safetensors")))
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(9).split("eval", 20)])
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = trainer.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            got = exported.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+    assert not torch.equal(exported.lm_head.weight, AutoModelForCausalLM.from_pretrained(summary["model"]).lm_head.weight)

@@ -108,3 +108,43 @@ def test_fp8_on_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypatch
     with pytest.raises(ValueError, match="needs a GPU"):
         check(config, gpus_available=0)
     assert check(load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine == "vllm"
+
+
+def test_recipes_merge_left_to_right(tmp_path):
+    from steadyrl.run_config import merge_tables
+
+    assert merge_tables({"a": {"x": 1, "y": {"z": 2}}, "b": 1}, {"a": {"y": {"w": 3}}, "b": 2}) == \
+        {"a": {"x": 1, "y": {"z": 2, "w": 3}}, "b": 2}
+    gpu = tmp_path / "more.toml"
+    gpu.write_text('[run]\nsteps = 7\n\n[trainer]\nlr = 5e-4\n\n[trainer.loss]\neps_high = 0.3\n')
+    config = load_run_config([ROOT / "configs" / "tiny-arith.toml", gpu], ["trainer.loss.eps_low=0.1"])
+    assert config.steps == 7 and config.run.batch_prompts == 32  # the later file's keys win, the rest stays
+    assert config.section("trainer")["lr"] == 5e-4 and config.section("trainer")["checkpoint_every"] == 10
+    assert config.section("trainer")["loss"] == {"eps_high": 0.3, "eps_low": 0.1}
+    with pytest.raises(ValueError, match="does not exist"):
+        load_run_config([ROOT / "configs" / "tiny-arith.toml", tmp_path / "missing.toml"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_run_config([bad])
+
+
+def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    extra = tmp_path / "extra.toml"
+    extra.write_text("[inference]\nmax_inflight_tasks = 4\n")
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
+                           str(extra), "--set", "trainer.lr=3e-4", "--dry-run", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = json.loads(done.stdout)
+    settings = shown["settings"]
+    assert settings["trainer"]["lr"] == 3e-4 and settings["inference"]["max_inflight_tasks"] == 4
+    assert settings["trainer"]["batch_prompts"] == settings["orchestrator"]["batch_prompts"] == 32
+    assert settings["trainer"]["redis_url"] == "**********" and settings["orchestrator"]["token"] is None
+    assert shown["placement"] == {"trainer_gpus": [], "trainer_ranks": 1, "replica_gpus": [[]]}
+    assert "max_inflight_tasks = 4" in shown["recipe"]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing started

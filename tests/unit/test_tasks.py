@@ -128,3 +128,34 @@ def test_mul_trace_answers_are_worked_traces_with_a_heavy_tail():
     assert task.split("train", 50) == train[:50]  # deterministic
     with pytest.raises(ValueError, match="max_answer_tokens"):
         MulTraceTask(max_answer_tokens=4)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def test_prompts_go_through_the_tokenizers_chat_template_when_it_has_one(tmp_path, tiny_model_dir):
+    import shutil
+
+    from services.orchestrator.config import OrchestratorSettings
+    from services.orchestrator.data import Tasks
+    from shared.models import load_tokenizer
+
+    raw = Tasks(OrchestratorSettings(model_path=str(tiny_model_dir), eval_size=5, train_size=5))
+    example = raw.train[0]
+    plain = list(raw.make("t", example, 2, 1.0, False, 0).prompt_token_ids)
+    assert plain == [raw.tokenizer.bos_token_id, *raw.tokenizer.encode(example.prompt, add_special_tokens=False)]
+
+    tokenizer = load_tokenizer(tiny_model_dir)  # the same tokenizer with a chat template
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
+    chat = Tasks(OrchestratorSettings(model_path=str(tmp_path), eval_size=5, train_size=5, system_prompt="be exact"))
+    ids = list(chat.make("t", example, 2, 1.0, False, 0).prompt_token_ids)
+    messages = [{"role": "system", "content": "be exact"}, {"role": "user", "content": example.prompt}]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert ids == list(want) and ids != plain
+    assert tokenizer.decode(ids) == f"s:be exact u:{example.prompt} a:"  # what the template renders
+    off = Tasks(OrchestratorSettings(model_path=str(tmp_path), eval_size=5, train_size=5, chat_template="none"))
+    assert list(off.make("t", example, 2, 1.0, False, 0).prompt_token_ids) == plain
