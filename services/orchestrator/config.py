@@ -76,6 +76,11 @@ class OrchestratorSettings(RedisSettings, StepShape):
     then the assistant's turn opened); `none`: raw text. The exact tokens travel in each rollout."""
     system_prompt: str = ""
     """With a chat template: a system message before every prompt (empty: none)."""
+    eval_samples: int = Field(0, ge=0)
+    """Sampled evals beside the greedy ones: k samples per eval prompt at `eval_temperature`, scored
+    as pass@k and mean@k in eval.jsonl (0 = greedy only)."""
+    eval_temperature: float = Field(1.0, gt=0)
+    """Temperature of the sampled evals."""
     eval_every: int = Field(10, ge=0)
     """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
     max_attempts: int = Field(3, ge=1)

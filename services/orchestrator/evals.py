@@ -13,13 +13,14 @@ from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
+from shared.core.evals import sampled_scores
 from shared.keys import RunKeys
 from shared.queues import WorkQueue, now_ms
 from shared.rollout import RolloutError, decode_rollout
 from shared.tracking import ScalarLog
 
 log = logging.getLogger("steadyrl.orchestrator")
-EVAL_ID = re.compile(r"^eval-(\d+)-(\d+)$")
+EVAL_ID = re.compile(r"^eval(k?)-(\d+)-(\d+)$")  # greedy: eval-STEP-J; sampled (k per prompt): evalk-STEP-J
 EVAL_SUBMITTED = Counter("steadyrl_orchestrator_eval_tasks_submitted_total", "Eval prompt tasks queued")
 EVAL_REFUSED = Counter("steadyrl_orchestrator_eval_rollouts_refused_total", "Eval rollouts that fit no eval round",
                        ["reason"])
@@ -54,6 +55,10 @@ class EvalRounds:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
             tasks = [self.tasks.make(f"eval-{step}-{j}", example, 1, 0.0, True, version)
                      for j, example in enumerate(self.tasks.eval)]
+            if self.settings.eval_samples:
+                tasks += [self.tasks.make(f"evalk-{step}-{j}", example, self.settings.eval_samples,
+                                          self.settings.eval_temperature, True, version)
+                          for j, example in enumerate(self.tasks.eval)]
             submitted.append(step)
             requested[str(step)] = version
             await self.queue.submit_many(tasks, (self.keys.run, {"evals_submitted": json.dumps(submitted),
@@ -77,29 +82,41 @@ class EvalRounds:
                 self._refuse(entry_id, exc.reason)
                 continue
             match = EVAL_ID.match(rollout.task_id)
-            if match is None or int(match.group(2)) >= len(self.tasks.eval):
+            if match is None or int(match.group(3)) >= len(self.tasks.eval) or (
+                    match.group(1) and not self.settings.eval_samples):
                 self._refuse(entry_id, "unknown_eval_task")
                 continue
-            step = int(match.group(1))
+            step, prompt = int(match.group(2)), int(match.group(3))
             if step in written:
                 continue
-            bucket = self.results.setdefault(step, {"n": 0, "correct": 0.0, "vmin": 1 << 62, "vmax": 0})
-            bucket["n"] += 1
-            bucket["correct"] += rollout.reward
+            bucket = self.results.setdefault(step, {"n": 0, "correct": 0.0, "vmin": 1 << 62, "vmax": 0,
+                                                    "sampled": {}})
+            if match.group(1):  # one of the k samples of prompt `prompt`
+                n, c = bucket["sampled"].get(prompt, (0, 0))
+                bucket["sampled"][prompt] = (n + 1, c + (rollout.reward == 1.0))
+            else:
+                bucket["n"] += 1
+                bucket["correct"] += rollout.reward
             if len(rollout.policy_versions):
                 bucket["vmin"] = min(bucket["vmin"], rollout.min_version)
                 bucket["vmax"] = max(bucket["vmax"], int(rollout.policy_versions.max()))
+        k = self.settings.eval_samples
         for step, bucket in sorted(self.results.items()):
-            if step in written or bucket["n"] < len(self.tasks.eval):
+            if step in written or bucket["n"] < len(self.tasks.eval) or (
+                    k and sum(n for n, _ in bucket["sampled"].values()) < k * len(self.tasks.eval)):
                 continue
             line = {"step": step, "version": int(requested.get(str(step), step)),
                     "accuracy": bucket["correct"] / bucket["n"], "prompts": bucket["n"],
                     "policy_version_min": bucket["vmin"], "policy_version_max": bucket["vmax"], "unix_ms": now_ms()}
+            if k:
+                line.update(k=k, **sampled_scores(list(bucket["sampled"].values()), k))
             self.settings.out_dir.mkdir(parents=True, exist_ok=True)
             with (self.settings.out_dir / "eval.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
             written.add(step)
-            self.scalars.add(step, {"eval_accuracy": line["accuracy"]})
+            self.scalars.add(step, {"eval_accuracy": line["accuracy"],
+                                    **({"eval_pass_at_k": line["pass_at_k"], "eval_mean_at_k": line["mean_at_k"]}
+                                       if k else {})})
             self.scalars.flush()
             EVAL_ACCURACY.set(line["accuracy"])
             log.info("event=eval step=%d version=%d accuracy=%.4f", step, line["version"], line["accuracy"])

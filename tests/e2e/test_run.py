@@ -64,6 +64,7 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(out / "final-model")  # loadable by transformers
     assert sum(p.numel() for p in model.parameters()) == 230_848
+    export_round_trip(out, tmp_path)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
@@ -135,7 +136,6 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
     tasks = sorted({rid.split(":")[0] for rid in trained}, key=lambda t: int(t.split("-")[1]))
     assert len(trained) == len(set(trained)) == 6 * 4 * 8  # every rollout trained once
     assert tasks == [f"train-{i}" for i in range(24)] and submitted == 24 and dead == 0  # none lost, none extra
-    export_round_trip(out, tmp_path)
 
 
 def export_round_trip(run_dir, tmp_path):

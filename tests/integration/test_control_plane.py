@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
@@ -120,3 +121,46 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
     assert sum(t.startswith("train-") for t in pending) == 4  # admitted once the round is in
     first = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()][0]
     assert first["step"] == 0 and first["accuracy"] == 0.4 and first["policy_version_max"] == 0
+
+
+def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_model_dir, tmp_path):
+    import numpy as np
+
+    from shared.rollout import Rollout, encode_rollout
+
+    def eval_rollout(task: str, index: int, group: int, reward: float) -> bytes:
+        return encode_rollout(Rollout(
+            rollout_id=f"{task}:{index}", group_id=task, task_id=task, run_id=run_id, sample_index=index,
+            group_size=group, prompt_token_ids=np.array([1, 5], dtype=np.int32),
+            completion_token_ids=np.array([7, 2], dtype=np.int32), inference_logprobs=np.array([-0.5, -0.1], np.float32),
+            policy_versions=np.array([0, 0], dtype=np.uint64), reward=reward, is_eval=True))
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
+                                        eval_size=3, eval_samples=4, eval_temperature=0.8)
+        orchestrator = Orchestrator(settings, redis)
+        await redis.hset(orchestrator.keys.run, "state", "running")
+        await orchestrator.tick()
+        queued = {}
+        for task_id in await redis.lrange(orchestrator.keys.pending, 0, -1):
+            task = common_pb2.PromptTask.FromString(await redis.hget(orchestrator.keys.tasks, task_id))
+            queued[task_id.decode()] = (task.group_size, round(task.sampling.temperature, 3))
+        correct = {0: [1, 0, 0, 0], 1: [1, 1, 1, 1], 2: [0, 0, 0, 0]}  # samples right per eval prompt
+        for j in range(3):
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(f"eval-0-{j}", 0, 1, float(j == 1))})
+            for i, reward in enumerate(correct[j]):
+                await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(f"evalk-0-{j}", i, 4, float(reward))})
+        await orchestrator.tick()
+        await orchestrator.close()
+        await redis.aclose()
+        return queued
+
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    queued = asyncio.run(asyncio.wait_for(main(), 60))
+    assert queued == {**{f"eval-0-{j}": (1, 0.0) for j in range(3)}, **{f"evalk-0-{j}": (4, 0.8) for j in range(3)}}
+    line = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[0])
+    assert line["accuracy"] == pytest.approx(1 / 3) and line["k"] == 4
+    assert line["pass_at_k"] == pytest.approx(2 / 3) and line["mean_at_k"] == pytest.approx(5 / 12)

@@ -80,3 +80,15 @@ def test_routing_agreement_compares_sets():
     assert routing_agreement(a, b, torch.tensor([True, False])).item() == pytest.approx(1 / 2)
     with pytest.raises(ValueError, match="shapes differ"):
         routing_agreement(a, b[:1])
+
+
+def test_pass_at_k_by_hand():
+    from shared.core.evals import pass_at_k, sampled_scores
+
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 − C(3,2)/C(4,2) = 1 − 3/6
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 − C(2,2)/C(4,2)
+    assert pass_at_k(4, 0, 3) == 0.0 and pass_at_k(4, 2, 3) == 1.0  # fewer wrong samples than k: certain
+    assert pass_at_k(5, 3, 1) == pytest.approx(0.6)  # k = 1: the share correct
+    assert sampled_scores([(4, 1), (4, 4), (4, 0)], 4) == pytest.approx({"pass_at_k": 2 / 3, "mean_at_k": 5 / 12})
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(2, 1, 3)
