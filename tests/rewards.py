@@ -16,3 +16,8 @@ def explode(completion: str, answer: str) -> float:
 def length(completion: str, answer: str) -> float:
     """The completion's length in characters (a plug-in that works)."""
     return float(len(completion))
+
+
+def one_arg(completion: str) -> float:
+    """A plug-in with the wrong signature."""
+    return 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
@@ -71,6 +71,11 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
     max_new_tokens: int = Field(16, ge=1)
     """Completion budget."""
+    reward: str = ""
+    """The reward of every task: a built-in name (exact_match, math_verify, ...) or a plug-in
+    `module:function(completion, answer) -> float` importable by the replicas. Checked before the
+    run starts: loaded, its signature, one dry call in a reward process with a time limit. Empty:
+    the task's own (exact_match for arith and mul_trace, math_verify for math)."""
     chat_template: Literal["auto", "none"] = "auto"
     """`auto`: prompts go through the tokenizer's chat template when it has one (the user's message,
     then the assistant's turn opened); `none`: raw text. The exact tokens travel in each rollout."""
@@ -90,6 +95,15 @@ class OrchestratorSettings(RedisSettings, StepShape):
     autostart: bool = False
     """Start the run as soon as the orchestrator is up (else it waits in `created` for
     POST /v1/run/start)."""
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_serves(cls, value: str) -> str:
+        if value:
+            from shared.tasks.reward_runner import check_reward
+
+            check_reward(value, "0", "0")
+        return value
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""

@@ -45,6 +45,7 @@ class Tasks:
     def __init__(self, settings: OrchestratorSettings) -> None:
         self.settings = settings
         self.train, self.eval, self.reward = dataset(settings)
+        self.reward = settings.reward or self.reward
         self.tokenizer = load_tokenizer(settings.model_path)
 
     def make(self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool,

@@ -121,3 +121,29 @@ class RewardRunner:
     def close(self) -> None:
         with self._lock:
             self._restart()
+
+
+def check_reward(name: str, completion: str, answer: str, timeout: float = 10.0) -> float:
+    """Load a reward (registered name or `module:function`), check it takes (completion, answer),
+    and call it once in a reward process with a time limit: its value, or ValueError saying why it
+    cannot serve a run (not importable, wrong signature, raises, hangs, not a finite number)."""
+    import inspect
+
+    try:
+        fn = resolve_reward(name)
+    except KeyError as exc:
+        raise ValueError(str(exc).strip("'\"")) from None
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError as exc:
+        raise ValueError(f"reward {name!r} must take (completion, answer): {exc}") from None
+    except ValueError:  # a builtin without a signature: the dry call below decides
+        pass
+    runner = RewardRunner(timeout)
+    try:
+        (result,) = runner.score(name, [completion], answer)
+    finally:
+        runner.close()
+    if result.reason:
+        raise ValueError(f"reward {name!r} failed its dry call on one example: {result.reason}")
+    return result.value

@@ -148,3 +148,27 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
     assert shown["placement"] == {"trainer_gpus": [], "trainer_ranks": 1, "replica_gpus": [[]]}
     assert "max_inflight_tasks = 4" in shown["recipe"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing started
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("tests.rewards:nope", "cannot be imported"),
+    ("tests.rewards:explode", "failed its dry call on one example: error:RuntimeError"),
+    ("os.path:join", "failed its dry call on one example: error:ValueError"),  # returns no number
+    ("no_such_reward", "no reward named"),
+])
+def test_a_reward_that_cannot_serve_is_refused_before_the_run_starts(reward, message):
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"orchestrator.reward={reward}"])
+    with pytest.raises(ValueError, match=message):
+        validate("orchestrator", service_env(config, "orchestrator", REQUIRED["orchestrator"]))
+
+
+def test_a_reward_with_the_wrong_signature_or_a_hang_is_refused():
+    from shared.tasks.reward_runner import check_reward
+
+    with pytest.raises(ValueError, match=r"must take \(completion, answer\)"):
+        check_reward("tests.rewards:one_arg", "0", "0")
+    with pytest.raises(ValueError, match="dry call on one example: timeout"):
+        check_reward("tests.rewards:hang", "0", "0", timeout=1.0)
+    assert check_reward("tests.rewards:length", "abc", "0") == 3.0
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.reward=tests.rewards:length"])
+    validate("orchestrator", service_env(config, "orchestrator", REQUIRED["orchestrator"]))
