@@ -292,6 +292,7 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
                 for service in SERVICES}
     placement_of(config, settings, gpus_available)
+    settings["orchestrator"].check_dataset()
     inference = settings["inference"]
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable

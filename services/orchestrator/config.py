@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
@@ -52,9 +52,13 @@ class OrchestratorSettings(RedisSettings, StepShape):
     trace_alpha: float = Field(1.3, gt=0)
     """mul_trace: power-law exponent of the answer length (smaller = heavier tail)."""
     math_path: Path | None = None
-    """Math: JSONL or Parquet with problem/answer columns (training problems)."""
+    """Math: the training problems — JSONL, JSON, CSV, Parquet or a `save_to_disk` dataset directory."""
     math_eval_path: Path | None = None
     """Math: the evaluation problems; unset = the last eval_size rows of math_path, held out of training."""
+    prompt_column: str = ""
+    """Math: the prompt column (empty: the first of prompt, problem, question the rows have)."""
+    answer_column: str = ""
+    """Math: the answer column (empty: the first of answer, solution, ground_truth)."""
     allow_eval_overlap: bool = False
     """Allow eval problems that are also training problems (refused by default: evals would measure
     memorisation)."""
@@ -104,6 +108,22 @@ class OrchestratorSettings(RedisSettings, StepShape):
 
             check_reward(value, "0", "0")
         return value
+
+    @model_validator(mode="after")
+    def _dataset_named(self) -> OrchestratorSettings:
+        if self.task == "math" and self.math_path is None:
+            raise ValueError("task 'math' needs math_path")
+        return self
+
+    def check_dataset(self) -> None:
+        """ValueError naming a missing dataset file or column (`steadyrl run` calls it before any
+        process starts; the files may live only where the orchestrator runs)."""
+        if self.task == "math":
+            from shared.tasks.math_task import check_columns
+
+            for path in (self.math_path, self.math_eval_path):
+                if path is not None:
+                    check_columns(path, self.prompt_column, self.answer_column)
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""

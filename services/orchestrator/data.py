@@ -23,7 +23,8 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
         return trace.split("train", settings.train_size), trace.split("eval", settings.eval_size), "exact_match"
     if settings.math_path is None:
         raise ValueError("task 'math' needs math_path")
-    task = MathTask(str(settings.math_path), str(settings.math_eval_path) if settings.math_eval_path else None)
+    task = MathTask(str(settings.math_path), str(settings.math_eval_path) if settings.math_eval_path else None,
+                    prompt_column=settings.prompt_column, answer_column=settings.answer_column)
     if settings.math_eval_path is None:  # hold the last eval_size rows out of training
         rows = task.split("train")
         if len(rows) <= settings.eval_size:

@@ -1,5 +1,6 @@
-"""A math task for real models: prompts from a local JSONL or Parquet file, answers checked with
-math-verify (the `math` extra)."""
+"""A math task for real models: prompts from a local dataset — JSONL, JSON (a list of rows), CSV,
+Parquet, or a directory written by `datasets.Dataset.save_to_disk` — with the prompt and answer
+columns named by settings (or found among the usual names), answers checked with math-verify."""
 
 from __future__ import annotations
 
@@ -17,18 +18,59 @@ def _pick(row: dict, keys: tuple[str, ...], path: Path, index: int) -> str:
     for key in keys:
         if key in row and row[key] is not None:
             return str(row[key])
-    raise ValueError(f"{path} row {index}: none of the fields {keys}")
+    raise ValueError(f"{path} row {index}: none of the columns {keys}")
 
 
 def read_rows(path: Path) -> list[dict]:
+    """Every row of a local dataset file or saved dataset directory, as dicts."""
+    if not path.exists():
+        raise ValueError(f"dataset {path} does not exist")
+    if path.is_dir():
+        return _saved_dataset(path)
     if path.suffix == ".jsonl":
         with path.open() as f:
             return [json.loads(line) for line in f if line.strip()]
+    if path.suffix == ".json":
+        rows = json.loads(path.read_text())
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{path}: a .json dataset is a list of objects (one per row)")
+        return rows
+    if path.suffix == ".csv":
+        import csv
+
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f))
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # optional, only for Parquet
 
         return pq.read_table(path).to_pylist()
-    raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+    raise ValueError(f"{path}: expected a .jsonl, .json, .csv or .parquet file, or a saved dataset directory")
+
+
+def _saved_dataset(path: Path) -> list[dict]:
+    """A `datasets.Dataset.save_to_disk` directory: Arrow IPC streams listed in state.json."""
+    state = path / "state.json"
+    if not state.is_file():
+        raise ValueError(f"{path} is a directory but no saved dataset (no state.json)")
+    import pyarrow as pa  # optional, as for Parquet
+
+    rows: list[dict] = []
+    for entry in json.loads(state.read_text()).get("_data_files", []):
+        with pa.memory_map(str(path / entry["filename"])) as source:
+            rows.extend(pa.ipc.open_stream(source).read_all().to_pylist())
+    return rows
+
+
+def check_columns(path: Path, prompt_column: str = "", answer_column: str = "") -> None:
+    """ValueError naming what is missing (the file, or a column in its first row)."""
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"dataset {path} has no rows")
+    for wanted, fallback, what in ((prompt_column, PROMPT_KEYS, "prompt"), (answer_column, ANSWER_KEYS, "answer")):
+        keys = (wanted,) if wanted else fallback
+        if not any(k in rows[0] for k in keys):
+            raise ValueError(f"dataset {path} has no {what} column {' or '.join(map(repr, keys))}; its columns: "
+                             f"{sorted(rows[0])}")
 
 
 @dataclass(frozen=True)
@@ -40,14 +82,18 @@ class MathTask:
     template: str = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
     name: str = "math"
     reward_name: str = "math_verify"
+    prompt_column: str = ""  # empty: the first of PROMPT_KEYS the rows have
+    answer_column: str = ""  # empty: the first of ANSWER_KEYS
 
     def split(self, name: str, size: int | None = None) -> list[Example]:
         path = Path(self.train_path if name == "train" else (self.eval_path or self.train_path))
         rows = read_rows(path)
+        prompts = (self.prompt_column,) if self.prompt_column else PROMPT_KEYS
+        answers = (self.answer_column,) if self.answer_column else ANSWER_KEYS
         examples = [
             Example(
-                prompt=self.template.format(problem=_pick(row, PROMPT_KEYS, path, i)),
-                answer=_pick(row, ANSWER_KEYS, path, i),
+                prompt=self.template.format(problem=_pick(row, prompts, path, i)),
+                answer=_pick(row, answers, path, i),
             )
             for i, row in enumerate(rows)
         ]

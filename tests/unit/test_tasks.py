@@ -1,6 +1,7 @@
 """Tasks and rewards: deterministic disjoint splits, rewards that never raise."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,20 +74,65 @@ def test_math_task_reads_jsonl_and_verifies(tmp_path):
     assert reward("\\boxed{5}", "4") == 0.0
     assert reward("\x00\\boxed{{{", "4") == 0.0
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}))
-    with pytest.raises(ValueError, match="none of the fields"):
+    with pytest.raises(ValueError, match="none of the columns"):
         MathTask(train_path=str(tmp_path / "bad.jsonl")).split("train")
 
 
-def test_math_task_reads_parquet(tmp_path):
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet", "saved"])
+def test_every_dataset_format_reads_the_same_rows_with_named_columns(tmp_path, kind):
+    import csv
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = tmp_path / "eval.parquet"
-    pq.write_table(pa.table({"problem": ["1+1?", "3*3?"], "answer": ["2", "9"]}), path)
-    task = MathTask(train_path=str(tmp_path / "none.jsonl"), eval_path=str(path), template="{problem}")
-    assert [(e.prompt, e.answer) for e in task.split("eval")] == [("1+1?", "2"), ("3*3?", "9")]
-    with __import__("pytest").raises(ValueError, match="expected a .jsonl or .parquet"):
-        MathTask(train_path=str(tmp_path / "x.csv")).split("train")
+    from shared.tasks.math_task import check_columns
+
+    rows = [{"q": "1+1?", "a": "2", "extra": "x"}, {"q": "3*3?", "a": "9", "extra": "y"}]
+    path = tmp_path / (f"data.{kind}" if kind != "saved" else "saved")
+    if kind == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif kind == "json":
+        path.write_text(json.dumps(rows))
+    elif kind == "csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["q", "a", "extra"])
+            writer.writeheader()
+            writer.writerows(rows)
+    elif kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:  # the layout datasets.Dataset.save_to_disk writes: Arrow IPC streams listed in state.json
+        path.mkdir()
+        table = pa.Table.from_pylist(rows)
+        with pa.OSFile(str(path / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    task = MathTask(train_path=str(path), template="{problem}", prompt_column="q", answer_column="a")
+    assert [(e.prompt, e.answer) for e in task.split("train")] == [("1+1?", "2"), ("3*3?", "9")]
+    check_columns(path, "q", "a")
+    with pytest.raises(ValueError, match=r"no answer column 'answer_text'; its columns: \['a', 'extra', 'q'\]"):
+        check_columns(path, "q", "answer_text")
+    with pytest.raises(ValueError, match="no prompt column 'prompt' or 'problem' or 'question'"):
+        check_columns(path)
+
+
+def test_a_missing_dataset_or_column_stops_the_run_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    for extra, message in ((["orchestrator.math_path=" + str(tmp_path / "missing.jsonl")], "does not exist"),
+                           (["orchestrator.math_path=" + str(data), "orchestrator.answer_column=gold"],
+                            "no answer column 'gold'")):
+        done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(root / "configs" / "tiny-arith.toml"),
+                               "--set", "orchestrator.task=math", *[a for x in extra for a in ("--set", x)],
+                               "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=root)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-1500:]
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="expected a .jsonl, .json, .csv or .parquet"):
+        (tmp_path / "x.txt").write_text("")
+        MathTask(train_path=str(tmp_path / "x.txt")).split("train")
 
 
 def test_math_evals_never_measure_memorisation(tmp_path):
