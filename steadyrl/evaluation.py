@@ -37,10 +37,13 @@ def evaluate(model_dir: str, task: str = "arith", size: int = 300, samples: int 
                 total += reward(tokenizer.decode(sample.token_ids, skip_special_tokens=True), example.answer)
         return total / (len(prompts) * repeat)
 
-    return {
-        "model": model_dir, "task": task, "prompts": len(prompts),
-        "greedy_accuracy": round(accuracy(Sampling(temperature=0, max_new_tokens=max_new_tokens), 1), 4),
-        "sampled_accuracy": round(accuracy(Sampling(temperature=1.0, max_new_tokens=max_new_tokens, seed=1),
-                                           samples), 4),
-        "samples_per_prompt": samples,
-    }
+    try:
+        return {
+            "model": model_dir, "task": task, "prompts": len(prompts),
+            "greedy_accuracy": round(accuracy(Sampling(temperature=0, max_new_tokens=max_new_tokens), 1), 4),
+            "sampled_accuracy": round(accuracy(Sampling(temperature=1.0, max_new_tokens=max_new_tokens, seed=1),
+                                               samples), 4),
+            "samples_per_prompt": samples,
+        }
+    finally:
+        engine.close()

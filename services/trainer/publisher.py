@@ -51,6 +51,23 @@ class VersionPublisher:
                 log.warning("event=weightsync_latest_unknown error=%s", type(exc).__name__)
         return newest
 
+    async def held_by_weightsync(self) -> bool:
+        """Whether weight-sync still holds the newest version pushed. A weight-sync service that
+        restarted (its memory lost) may not: then `published` falls back to what it holds, so the
+        trainer pushes its current weights again, and replicas waiting for that version get it.
+        True when weight-sync cannot be asked (the next check asks again)."""
+        from shared.weightsync_client import latest_version
+
+        try:
+            latest = await asyncio.wait_for(latest_version(self.settings.weightsync_address), 5.0)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            return True
+        if latest >= self.published:
+            return True
+        log.warning("event=weightsync_lost_versions latest=%d published=%d: publishing again", latest, self.published)
+        self.published = latest
+        return False
+
     async def resume(self, version: int) -> int:
         """The version a (re)started trainer continues from: its checkpoint's `version`, or the
         next number past the newest published one when that is newer (the steps behind it were

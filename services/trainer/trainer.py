@@ -51,7 +51,7 @@ class Trainer:
         self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds)
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
-        self.last_step = self.next_publish = time.monotonic()
+        self.last_step = self.next_publish = self.next_held_check = time.monotonic()
 
     @property
     def done(self) -> bool:
@@ -114,6 +114,9 @@ class Trainer:
             self.resync = False
         if self.unacked and self.state.step % self.settings.checkpoint_every == 0:
             await self.acknowledge()
+        if self.publisher.enabled and time.monotonic() >= self.next_held_check:
+            self.next_held_check = time.monotonic() + 3.0
+            await self.publisher.held_by_weightsync()
         if self.publisher.published < self.state.version and time.monotonic() >= self.next_publish:
             async with self.model_lock:
                 await self.publish()

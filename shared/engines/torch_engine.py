@@ -18,11 +18,13 @@ recomputation after an update replaces the trace of the positions it recomputed)
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +75,12 @@ class _Seq:
     finish: str = ""
 
 
+def _close_at_exit(engine: weakref.ref) -> None:
+    alive = engine()
+    if alive is not None:
+        alive.close()
+
+
 class TorchEngine(StagedWeights):
     name = "torch"
 
@@ -114,6 +122,9 @@ class TorchEngine(StagedWeights):
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
+        # an engine nobody closed stops before the interpreter does: a daemon thread cut off inside
+        # torch at exit aborts the process ("terminate called without an active exception")
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- the public side ---------------------------------------------------------------------------
 

@@ -333,14 +333,19 @@ def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_d
     assert status.capabilities.dtype == "float32" and status.model == str(tiny_model_dir)
 
 
+def replica_env(model_dir, redis_url: str, run_id: str, replica: str, lease_seconds: float) -> dict[str, str]:
+    """The environment of a replica process (`python -m services.inference`) on the tiny model."""
+    return {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": str(model_dir), "STEADYRL_INFERENCE_DTYPE": "float32",
+            "STEADYRL_INFERENCE_REDIS_URL": redis_url, "STEADYRL_INFERENCE_RUN_ID": run_id,
+            "STEADYRL_INFERENCE_PORT": "0", "STEADYRL_INFERENCE_METRICS_PORT": "0",
+            "STEADYRL_INFERENCE_LEASE_SECONDS": str(lease_seconds), "STEADYRL_INFERENCE_REPLICA_ID": replica,
+            "STEADYRL_INFERENCE_TORCH_THREADS": "1"}
+
+
 def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, redis_server, run_id):
     group = 512
     prompt = prompts_of(1)[0]
-    env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir), "STEADYRL_INFERENCE_DTYPE": "float32",
-           "STEADYRL_INFERENCE_REDIS_URL": redis_server.url, "STEADYRL_INFERENCE_RUN_ID": run_id,
-           "STEADYRL_INFERENCE_PORT": "0", "STEADYRL_INFERENCE_METRICS_PORT": "0",
-           "STEADYRL_INFERENCE_LEASE_SECONDS": "1.5", "STEADYRL_INFERENCE_REPLICA_ID": "doomed",
-           "STEADYRL_INFERENCE_TORCH_THREADS": "1"}
+    env = replica_env(tiny_model_dir, redis_server.url, run_id, "doomed", 1.5)
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -477,11 +482,7 @@ def test_a_replica_scaled_down_mid_task_hands_its_leases_back_at_once(tmp_path, 
     """What a scale-down does (SIGTERM, as Kubernetes and KEDA send it): the replica stops, hands
     back the tasks it was generating without waiting for their leases to expire, and exits 0."""
     prompt = prompts_of(1)[0]
-    env = {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir), "STEADYRL_INFERENCE_DTYPE": "float32",
-           "STEADYRL_INFERENCE_REDIS_URL": redis_server.url, "STEADYRL_INFERENCE_RUN_ID": run_id,
-           "STEADYRL_INFERENCE_PORT": "0", "STEADYRL_INFERENCE_METRICS_PORT": "0",
-           "STEADYRL_INFERENCE_LEASE_SECONDS": "600", "STEADYRL_INFERENCE_REPLICA_ID": "scaled-down",
-           "STEADYRL_INFERENCE_TORCH_THREADS": "1"}
+    env = replica_env(tiny_model_dir, redis_server.url, run_id, "scaled-down", 600)
 
     async def main():
         redis = Redis.from_url(redis_server.url)

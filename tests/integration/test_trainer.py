@@ -413,3 +413,49 @@ def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(tmp_pat
     assert len(ledger) == 4 * GROUP  # and was checkpointed and acknowledged (checkpoint_every=1)
     latest = json.loads((tmp_path / "trainer" / "checkpoints" / "step-00000002" / "state.json").read_text())
     assert len(latest["consumed"]) == 4 * GROUP
+
+
+def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, tiny_model_dir, redis_server, run_id):
+    """Weight-sync restarted right after the trainer's last push (its memory, and that version,
+    gone): replicas would wait for a version nobody pushes again. The trainer notices that
+    weight-sync no longer holds it and pushes its current weights again."""
+    from services.trainer.publisher import VersionPublisher
+    from services.weightsync.config import WeightSyncSettings
+    from services.weightsync.server import serve as serve_weightsync
+    from shared.redis_server import free_port
+    from shared.weightsync_client import latest_version
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    weights = {k: v.clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+
+    async def weightsync(name: str):
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0,
+                                                                       spill_dir=tmp_path / name), ready, stop))
+        await asyncio.wait_for(ready.wait(), 30)
+        return stop, task
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        publisher = VersionPublisher(settings_for(tmp_path, tiny_model_dir, redis_server, run_id,
+                                                  weightsync_address=address), redis)
+        stop, task = await weightsync("first")
+        assert await publisher.publish(weights, 1) and await publisher.publish(weights, 2)
+        held_before = await publisher.held_by_weightsync()
+        stop.set()
+        await task
+        stop, task = await weightsync("second")  # the same address, nothing held
+        held_after = await publisher.held_by_weightsync()
+        fallback = publisher.published
+        republished = await publisher.publish(weights, 2)
+        latest = await latest_version(address)
+        await publisher.close()
+        stop.set()
+        await task
+        await redis.aclose()
+        return held_before, held_after, fallback, republished, latest
+
+    held_before, held_after, fallback, republished, latest = asyncio.run(asyncio.wait_for(main(), 120))
+    assert held_before is True and held_after is False and fallback == 0
+    assert republished and latest == 2
