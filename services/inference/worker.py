@@ -137,7 +137,7 @@ class RolloutWorker:
                     continue  # the queue may hold more: lease again at once
                 await self._wait(stop, poll=bool(self._room()))
         finally:
-            await self._shutdown(publisher, ready, renewal)
+            await _finish_despite_cancellation(self._shutdown(publisher, ready, renewal))
 
     def _room(self) -> int:
         if self.batching == "barrier":
@@ -324,3 +324,19 @@ class RolloutWorker:
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def _finish_despite_cancellation(work) -> None:
+    """Run `work` (bounded by its own timeouts) to its end even if this task is cancelled meanwhile
+    — the service's stop cancels the loop while it hands its leases back — then re-raise the
+    cancellation, never swallowing it."""
+    done = asyncio.ensure_future(work)
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+    done.result()
+    if cancelled:
+        raise asyncio.CancelledError

@@ -53,3 +53,38 @@ def test_a_loop_that_returns_early_dies_unless_it_finishes_the_work():
         await run_loops({"heartbeat": quits()}, stop)  # returned because asked to stop
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_replica_hands_back_its_leases_even_when_its_stop_cancels_it_meanwhile():
+    """The service's stop cancels the rollout loop while it is handing its leases back: the hand-
+    back still finishes, and the cancellation is raised after it, not swallowed."""
+    import asyncio
+
+    from services.inference.worker import _finish_despite_cancellation
+
+    handed_back: list[str] = []
+
+    async def shutdown():
+        for task_id in ("a", "b", "c"):
+            await asyncio.sleep(0.05)  # a Redis call each
+            handed_back.append(task_id)
+
+    async def loop():
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await _finish_despite_cancellation(shutdown())
+
+    async def main():
+        task = asyncio.create_task(loop())
+        await asyncio.sleep(0.01)
+        task.cancel()  # the stop
+        await asyncio.sleep(0.06)
+        task.cancel()  # run_loops cancelling again, mid hand-back
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "finished"
+
+    assert asyncio.run(main()) == "cancelled" and handed_back == ["a", "b", "c"]
