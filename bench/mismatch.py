@@ -34,10 +34,12 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, pro
     from shared.core import routing_agreement
     from shared.core.diagnostics import mismatch_kl_terms
     from shared.engines import Sampling, make_engine
+    from shared.engines.rollouts import rollouts_from_samples
     from shared.forward import sequence_logprobs
     from shared.models import load_causal_lm
     from shared.models.routing import RoutingController
-    from shared.rollout import Rollout
+    from shared.rollout import RolloutTimings
+    from shared.rpc.steadyrl.v1 import common_pb2
 
     engine = make_engine("torch", model_dir, dtype, quantization=quantization, fp8_router=fp8_router)
     try:
@@ -45,14 +47,9 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, pro
                                   Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7), return_trace=True)
     finally:
         engine.close()
-    import numpy as np
-
-    rollouts = [Rollout(rollout_id=f"r{i}", group_id="g", task_id="t", run_id="m", sample_index=i, group_size=1,
-                        prompt_token_ids=np.array(prompts[i // SAMPLES], dtype=np.int32),
-                        completion_token_ids=np.array(s.token_ids, dtype=np.int32),
-                        inference_logprobs=np.array(s.logprobs, dtype=np.float32),
-                        policy_versions=np.zeros(len(s.token_ids), dtype=np.uint64), reward=0.0,
-                        routing_trace=s.routing_trace, num_experts=s.num_experts) for i, s in enumerate(samples)]
+    rollouts = [r for g, prompt in enumerate(prompts) for r in rollouts_from_samples(
+        common_pb2.PromptTask(task_id=f"t{g}", run_id="mismatch", prompt_token_ids=prompt),
+        samples[g * SAMPLES : (g + 1) * SAMPLES], [0.0] * SAMPLES, "bench", "torch", RolloutTimings())]
     batch = collate(rollouts)
     trainer = load_causal_lm(model_dir, "float32")
     routing = RoutingController(trainer)

@@ -125,7 +125,7 @@ def engine_options(settings: InferenceSettings) -> dict:
     options: dict = {"max_num_seqs": settings.max_num_seqs, "update_mode": settings.update_mode}
     if settings.quantization != "none":
         options["quantization"] = settings.quantization
-    if settings.fp8_router:
+    if settings.engine == "torch" and settings.fp8_router:  # vLLM's own fp8 quantises its router anyway
         options["fp8_router"] = True
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads

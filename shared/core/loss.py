@@ -166,9 +166,15 @@ def minirl_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
 
     M_t = 0 where Â > 0 and r_t > 1+ε_high or Â < 0 and r_t < 1−ε_low (r_t = π_θ/π_old), else 1;
     N = the update's normaliser (module docstring). Returns the loss and its per-token parts."""
-    weight, truncated = is_weight(t.log_ratio, t.mask, config)  # sg[w_t]
     clip_keep = corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high) if config.clip \
         else torch.ones_like(t.mask)  # M_t
+    return eq7_loss(t, config, clip_keep, token_normalizer, sequence_normalizer)
+
+
+def eq7_loss(t: TokenTerms, config: LossConfig, clip_keep: torch.Tensor, token_normalizer=None,
+             sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+    """Eq. 7's body with the token mask M_t given (`clip_keep`): −Σ_t M_t · sg[w_t] · Â · log π_θ / N."""
+    weight, truncated = is_weight(t.log_ratio, t.mask, config)  # sg[w_t]
     keep = rejection_mask(t.log_discrepancy, t.mask, config)
     per_token = torch.where(t.mask & keep, clip_keep * weight * t.advantages * t.trainer, torch.zeros_like(t.trainer))
     loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
@@ -202,13 +208,9 @@ def dppo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
     and it has moved down past δ_low; the divergence is the probability difference ("tv") or
     the Bernoulli KL ("kl"), anchored to the sampling engine's μ_old, not π_old. `clip = False`
     removes the mask (plain IS policy gradient)."""
-    weight, truncated = is_weight(t.log_ratio, t.mask, config)
     clip_keep = dppo_mask(t.trainer.detach(), t.inference, t.advantages, config) if config.clip \
         else torch.ones_like(t.mask)
-    keep = rejection_mask(t.log_discrepancy, t.mask, config)
-    per_token = torch.where(t.mask & keep, clip_keep * weight * t.advantages * t.trainer, torch.zeros_like(t.trainer))
-    loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
-    return loss, Parts(weight, truncated, clip_keep, keep)
+    return eq7_loss(t, config, clip_keep, token_normalizer, sequence_normalizer)
 
 
 def dppo_mask(logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages: torch.Tensor,

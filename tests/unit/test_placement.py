@@ -56,3 +56,11 @@ def test_on_the_cpu_nothing_changes(tmp_path):
     assert plan_placement(0, 0, 3, 0, 0).replicas == ((), (), ())
     assert engine_options(InferenceSettings(model_path="m", engine="torch")) == {"max_num_seqs": 256,
                                                                                 "update_mode": "in_flight"}
+
+
+def test_fp8_options_reach_each_engine_as_it_takes_them():
+    torch_options = engine_options(InferenceSettings(model_path="m", engine="torch", quantization="fp8",
+                                                     fp8_router=True))
+    assert torch_options["quantization"] == "fp8" and torch_options["fp8_router"] is True
+    vllm_options = engine_options(InferenceSettings(model_path="m", engine="vllm", quantization="fp8", fp8_router=True))
+    assert vllm_options["quantization"] == "fp8" and "fp8_router" not in vllm_options  # vLLM's fp8 has no such switch
