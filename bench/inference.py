@@ -42,7 +42,7 @@ def workload():
     from shared.models.tiny import char_tokenizer, encode_prompts
     from shared.tasks.trace import MulTraceTask
 
-    examples = MulTraceTask(max_answer_tokens=MAX_ANSWER, seed=1).split("train", TASKS)
+    examples = MulTraceTask(max_answer_tokens=MAX_ANSWER, alpha=1.3, seed=1).split("train", TASKS)
     return examples, encode_prompts(char_tokenizer(), [e.prompt for e in examples])
 
 

@@ -228,10 +228,15 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 def resolve_model(config: RunConfig) -> str:
     path = str(config.model.get("path", "tiny"))
-    if path == "tiny":
-        from shared.models.tiny import init_tiny_model
+    if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
+        from shared.models.tiny import KitTask, init_tiny_model
 
-        return str(init_tiny_model())
+        orchestrator = config.section("orchestrator")
+        if orchestrator.get("task") != "mul_trace":
+            return str(init_tiny_model())
+        kit = KitTask("mul_trace", **{k: orchestrator[k] for k in ("trace_max_answer_tokens", "trace_alpha")
+                                       if k in orchestrator})
+        return str(init_tiny_model(task=kit, seed=int(orchestrator.get("task_seed", 0))))
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -10,10 +11,13 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
 from shared.settings import StepShape
+from shared.tasks.trace import MulTraceTask
+
+EVAL_SET_NAME = re.compile(r"[a-z0-9_]+")
 
 
 class OrchestratorSettings(RedisSettings, StepShape):
-    model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", env_nested_delimiter="__", extra="forbid")
 
     host: str = "127.0.0.1"
     """Address the HTTP control plane and the gRPC server bind to."""
@@ -47,9 +51,9 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Arith: zero-pad operands."""
     arith_reverse: bool = True
     """Arith: answers least-significant digit first."""
-    trace_max_answer_tokens: int = Field(256, ge=8)
+    trace_max_answer_tokens: int = Field(MulTraceTask.max_answer_tokens, ge=8)
     """mul_trace: the longest answer, in characters (= tokens with the tiny model's tokenizer)."""
-    trace_alpha: float = Field(1.3, gt=0)
+    trace_alpha: float = Field(MulTraceTask.alpha, gt=0)
     """mul_trace: power-law exponent of the answer length (smaller = heavier tail)."""
     math_path: Path | None = None
     """Math: the training problems — JSONL, JSON, CSV, Parquet or a `save_to_disk` dataset directory."""
@@ -65,7 +69,13 @@ class OrchestratorSettings(RedisSettings, StepShape):
     train_size: int = Field(3000, ge=1)
     """Training prompts (cycled over epochs)."""
     eval_size: int = Field(300, ge=1)
-    """Evaluation prompts."""
+    """Evaluation prompts (of the task's own eval set, and at most this many of each of `eval_sets`)."""
+    eval_sets: dict[str, Path] = {}
+    """More eval sets beside the task's own (named `main`): name → a local dataset in any format
+    math_path takes, read with prompt_column / answer_column, prompts as written (the math task's
+    instruction added in a math run). Every eval round scores each with the run's reward; eval.jsonl
+    gives each set's accuracy under `sets`, TensorBoard as `eval_accuracy/NAME`, Prometheus as
+    steadyrl_orchestrator_eval_accuracy{set="NAME"}. Names: lower-case letters, digits and _."""
 
     steps: int = Field(0, ge=0)
     """Global steps of the run (0 = until stopped)."""
@@ -109,6 +119,15 @@ class OrchestratorSettings(RedisSettings, StepShape):
             check_reward(value, "0", "0")
         return value
 
+    @field_validator("eval_sets")
+    @classmethod
+    def _eval_set_names(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for name in value:
+            if not EVAL_SET_NAME.fullmatch(name) or name == "main":
+                raise ValueError(f"eval set name {name!r}: lower-case letters, digits and _, and not 'main' "
+                                 "(the task's own eval set)")
+        return value
+
     @model_validator(mode="after")
     def _dataset_named(self) -> OrchestratorSettings:
         if self.task == "math" and self.math_path is None:
@@ -118,12 +137,12 @@ class OrchestratorSettings(RedisSettings, StepShape):
     def check_dataset(self) -> None:
         """ValueError naming a missing dataset file or column (`steadyrl run` calls it before any
         process starts; the files may live only where the orchestrator runs)."""
-        if self.task == "math":
-            from shared.tasks.math_task import check_columns
+        from shared.tasks.math_task import check_columns
 
-            for path in (self.math_path, self.math_eval_path):
-                if path is not None:
-                    check_columns(path, self.prompt_column, self.answer_column)
+        paths = [self.math_path, self.math_eval_path] if self.task == "math" else []
+        for path in [*paths, *self.eval_sets.values()]:
+            if path is not None:
+                check_columns(path, self.prompt_column, self.answer_column)
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""

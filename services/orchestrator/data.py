@@ -40,12 +40,31 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
     return train, evals, "math_verify"
 
 
+def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str, list[Example]]:
+    """The named eval sets (`eval_sets`), at most eval_size problems each, none a training problem
+    unless allowed."""
+    template = {} if settings.task == "math" else {"template": "{problem}"}
+    out: dict[str, list[Example]] = {}
+    seen = {e.prompt for e in train}
+    for name, path in settings.eval_sets.items():
+        rows = MathTask(str(path), prompt_column=settings.prompt_column, answer_column=settings.answer_column,
+                        **template).split("train", settings.eval_size)
+        overlap = [e.prompt for e in rows if e.prompt in seen]
+        if overlap and not settings.allow_eval_overlap:
+            raise ValueError(f"eval set {name!r}: {len(overlap)} problems are also training problems (e.g. "
+                             f"{overlap[0][:80]!r}); remove them or set allow_eval_overlap = true")
+        out[name] = rows
+    return out
+
+
 class Tasks:
-    """The examples of a run and the PromptTasks made of them (prompts tokenized here)."""
+    """The examples of a run and the PromptTasks made of them (prompts tokenized here). `evals`:
+    every eval set by name, the task's own first (`main`)."""
 
     def __init__(self, settings: OrchestratorSettings) -> None:
         self.settings = settings
         self.train, self.eval, self.reward = dataset(settings)
+        self.evals = {"main": self.eval, **eval_sets(settings, self.train)}
         self.reward = settings.reward or self.reward
         self.tokenizer = load_tokenizer(settings.model_path)
 

@@ -1,5 +1,6 @@
-"""Greedy evaluation rounds: scheduled at step 0, every `eval_every` steps and at the end, on the
-held-out eval set; a complete round is appended to eval.jsonl once (the run hash remembers which
+"""Evaluation rounds: scheduled at step 0, every `eval_every` steps and at the end, on every eval
+set (the task's held-out `main` set and the named `eval_sets`), greedy and, with `eval_samples`,
+sampled; a round complete on every set is appended to eval.jsonl once (the run hash remembers which
 rounds were submitted and written, so a restarted orchestrator neither repeats nor loses one)."""
 
 from __future__ import annotations
@@ -20,18 +21,28 @@ from shared.rollout import RolloutError, decode_rollout
 from shared.tracking import ScalarLog
 
 log = logging.getLogger("steadyrl.orchestrator")
-EVAL_ID = re.compile(r"^eval(k?)-(\d+)-(\d+)$")  # greedy: eval-STEP-J; sampled (k per prompt): evalk-STEP-J
+# greedy: eval-STEP-J; sampled (k per prompt): evalk-STEP-J; a named set's: eval.NAME-STEP-J, evalk.NAME-STEP-J
+EVAL_ID = re.compile(r"^eval(k?)(?:\.([a-z0-9_]+))?-(\d+)-(\d+)$")
 EVAL_SUBMITTED = Counter("steadyrl_orchestrator_eval_tasks_submitted_total", "Eval prompt tasks queued")
 EVAL_REFUSED = Counter("steadyrl_orchestrator_eval_rollouts_refused_total", "Eval rollouts that fit no eval round",
                        ["reason"])
-EVAL_ACCURACY = Gauge("steadyrl_orchestrator_eval_accuracy", "Greedy accuracy of the last eval round")
+EVAL_ACCURACY = Gauge("steadyrl_orchestrator_eval_accuracy", "Greedy accuracy of the last eval round, per eval set",
+                      ["set"])
+
+
+def eval_task_id(sampled: bool, name: str, step: int, index: int) -> str:
+    return f"eval{'k' if sampled else ''}{'' if name == 'main' else '.' + name}-{step}-{index}"
+
+
+def _bucket() -> dict:
+    return {"n": 0, "correct": 0.0, "vmin": 1 << 62, "vmax": 0, "sampled": {}}
 
 
 class EvalRounds:
     def __init__(self, settings: OrchestratorSettings, redis: Redis, queue: WorkQueue, tasks: Tasks) -> None:
         self.settings, self.redis, self.queue, self.tasks = settings, redis, queue, tasks
         self.keys = RunKeys(settings.run_id)
-        self.results: dict[int, dict[str, float]] = {}
+        self.results: dict[int, dict[str, dict]] = {}  # step → eval set → what came back
         self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None)
         self.cursor = "0-0"
 
@@ -53,12 +64,12 @@ class EvalRounds:
         requested = await self._json("eval_versions", "{}")
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
-            tasks = [self.tasks.make(f"eval-{step}-{j}", example, 1, 0.0, True, version)
-                     for j, example in enumerate(self.tasks.eval)]
-            if self.settings.eval_samples:
-                tasks += [self.tasks.make(f"evalk-{step}-{j}", example, self.settings.eval_samples,
-                                          self.settings.eval_temperature, True, version)
-                          for j, example in enumerate(self.tasks.eval)]
+            k, temperature = self.settings.eval_samples, self.settings.eval_temperature
+            tasks = [self.tasks.make(eval_task_id(False, name, step, j), example, 1, 0.0, True, version)
+                     for name, examples in self.tasks.evals.items() for j, example in enumerate(examples)]
+            if k:
+                tasks += [self.tasks.make(eval_task_id(True, name, step, j), example, k, temperature, True, version)
+                          for name, examples in self.tasks.evals.items() for j, example in enumerate(examples)]
             submitted.append(step)
             requested[str(step)] = version
             await self.queue.submit_many(tasks, (self.keys.run, {"evals_submitted": json.dumps(submitted),
@@ -82,15 +93,15 @@ class EvalRounds:
                 self._refuse(entry_id, exc.reason)
                 continue
             match = EVAL_ID.match(rollout.task_id)
-            if match is None or int(match.group(3)) >= len(self.tasks.eval) or (
+            name = match and (match.group(2) or "main")
+            if match is None or name not in self.tasks.evals or int(match.group(4)) >= len(self.tasks.evals[name]) or (
                     match.group(1) and not self.settings.eval_samples):
                 self._refuse(entry_id, "unknown_eval_task")
                 continue
-            step, prompt = int(match.group(2)), int(match.group(3))
+            step, prompt = int(match.group(3)), int(match.group(4))
             if step in written:
                 continue
-            bucket = self.results.setdefault(step, {"n": 0, "correct": 0.0, "vmin": 1 << 62, "vmax": 0,
-                                                    "sampled": {}})
+            bucket = self.results.setdefault(step, {}).setdefault(name, _bucket())
             if match.group(1):  # one of the k samples of prompt `prompt`
                 n, c = bucket["sampled"].get(prompt, (0, 0))
                 bucket["sampled"][prompt] = (n + 1, c + (rollout.reward == 1.0))
@@ -100,27 +111,43 @@ class EvalRounds:
             if len(rollout.policy_versions):
                 bucket["vmin"] = min(bucket["vmin"], rollout.min_version)
                 bucket["vmax"] = max(bucket["vmax"], int(rollout.policy_versions.max()))
-        k = self.settings.eval_samples
-        for step, bucket in sorted(self.results.items()):
-            if step in written or bucket["n"] < len(self.tasks.eval) or (
-                    k and sum(n for n, _ in bucket["sampled"].values()) < k * len(self.tasks.eval)):
+        for step, buckets in sorted(self.results.items()):
+            if step in written or not all(self._complete(buckets.get(name), len(examples))
+                                          for name, examples in self.tasks.evals.items()):
                 continue
-            line = {"step": step, "version": int(requested.get(str(step), step)),
-                    "accuracy": bucket["correct"] / bucket["n"], "prompts": bucket["n"],
-                    "policy_version_min": bucket["vmin"], "policy_version_max": bucket["vmax"], "unix_ms": now_ms()}
-            if k:
-                line.update(k=k, **sampled_scores(list(bucket["sampled"].values()), k))
+            sets = {name: self._scores(buckets[name]) for name in self.tasks.evals}
+            line = {"step": step, "version": int(requested.get(str(step), step)), **sets["main"],
+                    "policy_version_min": min(b["vmin"] for b in buckets.values()),
+                    "policy_version_max": max(b["vmax"] for b in buckets.values()), "unix_ms": now_ms()}
+            if len(sets) > 1:
+                line["sets"] = sets
             self.settings.out_dir.mkdir(parents=True, exist_ok=True)
             with (self.settings.out_dir / "eval.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
             written.add(step)
-            self.scalars.add(step, {"eval_accuracy": line["accuracy"],
-                                    **({"eval_pass_at_k": line["pass_at_k"], "eval_mean_at_k": line["mean_at_k"]}
-                                       if k else {})})
+            scalars = {}
+            for name, scores in sets.items():
+                suffix = "" if name == "main" else "/" + name
+                scalars.update({f"eval_{key}{suffix}": scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k")
+                                if key in scores})
+                EVAL_ACCURACY.labels(name).set(scores["accuracy"])
+            self.scalars.add(step, scalars)
             self.scalars.flush()
-            EVAL_ACCURACY.set(line["accuracy"])
-            log.info("event=eval step=%d version=%d accuracy=%.4f", step, line["version"], line["accuracy"])
+            log.info("event=eval step=%d version=%d accuracy=%.4f%s", step, line["version"], line["accuracy"],
+                     "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
         await self.redis.hset(self.keys.run, "evals_written", json.dumps(sorted(written)))
+
+    def _complete(self, bucket: dict | None, prompts: int) -> bool:
+        k = self.settings.eval_samples
+        return bucket is not None and bucket["n"] >= prompts and (
+            not k or sum(n for n, _ in bucket["sampled"].values()) >= k * prompts)
+
+    def _scores(self, bucket: dict) -> dict:
+        out = {"accuracy": bucket["correct"] / bucket["n"], "prompts": bucket["n"]}
+        if self.settings.eval_samples:
+            k = self.settings.eval_samples
+            out.update(k=k, **sampled_scores(list(bucket["sampled"].values()), k))
+        return out
 
     def _refuse(self, entry_id: bytes, reason: str) -> None:
         EVAL_REFUSED.labels(reason).inc()
@@ -135,4 +162,5 @@ class EvalRounds:
         return set(self.steps(trainer_step)) <= set(await self._json("evals_written", "[]"))
 
     def accuracies(self) -> dict[str, float]:
-        return {str(v): b["correct"] / b["n"] for v, b in self.results.items() if b["n"]}
+        return {str(v): b["main"]["correct"] / b["main"]["n"] for v, b in self.results.items()
+                if b.get("main", {}).get("n")}

@@ -4,6 +4,10 @@
 supervised cold start that stops once greedy eval accuracy reaches `target_accuracy`, leaving
 room for RL), saves an HF directory that transformers and vLLM load (head_dim 32: vLLM's CPU
 attention rejects 16), and caches it by content so tests and the demo reuse it.
+
+Two tasks: `arith` (the demo's 2-digit addition) and `mul_trace` (multiplication as a trace of
+partial sums, answers of a few to `max_answer_tokens` tokens; its model gets the positions to
+hold the longest answer).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from pathlib import Path
 import torch
 
 from shared.tasks import ArithTask, Example, get_reward
+from shared.tasks.trace import MulTraceTask
 
 log = logging.getLogger(__name__)
 
 KIT_VERSION = "1"
+KIT_TASKS = ("arith", "mul_trace")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789+-*=() ,.:?abcdefghijklmnopqrstuvwxyz")
 
@@ -145,13 +151,19 @@ def sft_batch(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.T
     return ids, lab
 
 
-def cold_start(model, tokenizer, task: ArithTask, spec: TinySpec, seed: int) -> dict:
+def cold_start(model, tokenizer, task: ArithTask | MulTraceTask, spec: TinySpec, seed: int) -> dict:
     """Supervised cold start until greedy eval accuracy ≥ target (or max steps)."""
-    train = task.split("train", min(20000, task.max_split_size("train")))
+    sizes = getattr(task, "max_split_size", None)
+    train = task.split("train", min(20000, sizes("train")) if sizes else 20000)
     evaluation = task.split("eval", spec.sft_eval_size)
+    longest = max(len(tokenizer.encode(e.answer, add_special_tokens=False)) for e in evaluation) + 1
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    accuracy, step = greedy_accuracy(model, tokenizer, evaluation), 0
+
+    def greedy() -> float:
+        return greedy_accuracy(model, tokenizer, evaluation, max_new_tokens=max(8, longest))
+
+    accuracy, step = greedy(), 0
     while accuracy < spec.target_accuracy and step < spec.sft_max_steps:
         model.train()
         for _ in range(spec.sft_eval_every):
@@ -162,18 +174,50 @@ def cold_start(model, tokenizer, task: ArithTask, spec: TinySpec, seed: int) -> 
             loss.backward()
             optimizer.step()
             step += 1
-        accuracy = greedy_accuracy(model, tokenizer, evaluation)
+        accuracy = greedy()
         log.info("cold_start step=%d loss=%.4f greedy_acc=%.3f", step, loss.item(), accuracy)
     return {"sft_steps": step, "greedy_accuracy": accuracy}
 
 
-def cache_key(spec: TinySpec, task: str, seed: int) -> str:
+@dataclass(frozen=True)
+class KitTask:
+    """The task a tiny model is cold-started on; `mul_trace` fields apply to that task only."""
+
+    name: str = "arith"
+    trace_max_answer_tokens: int = MulTraceTask.max_answer_tokens
+    trace_alpha: float = MulTraceTask.alpha
+
+    def __post_init__(self) -> None:
+        if self.name not in KIT_TASKS:
+            raise ValueError(f"the tiny-model kit knows the tasks {', '.join(KIT_TASKS)}, not {self.name!r}")
+
+    def spec(self) -> TinySpec:
+        """The default model for this task: positions for prompt + the longest answer + eos."""
+        if self.name == "arith":
+            return TinySpec()
+        return TinySpec(max_positions=-(-(self.trace_max_answer_tokens + 16) // 32) * 32)
+
+    def task(self, spec: TinySpec, seed: int) -> ArithTask | MulTraceTask:
+        if self.name == "arith":
+            return spec.task(seed)
+        return MulTraceTask(self.trace_max_answer_tokens, self.trace_alpha, seed=seed)
+
+    def key(self) -> str | dict:
+        return self.name if self.name == "arith" else asdict(self)
+
+    @staticmethod
+    def of(report: dict) -> KitTask:
+        task = report.get("task", "arith")
+        return KitTask(**task) if isinstance(task, dict) else KitTask(task)
+
+
+def cache_key(spec: TinySpec, task: KitTask, seed: int) -> str:
     import transformers
 
     payload = {
         "kit": KIT_VERSION,
         "spec": asdict(spec),
-        "task": task,
+        "task": task.key(),
         "seed": seed,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -192,15 +236,14 @@ def default_cache_dir() -> Path:
 
 def init_tiny_model(
     out: str | Path | None = None,
-    task: str = "arith",
+    task: str | KitTask = "arith",
     seed: int = 0,
     spec: TinySpec | None = None,
     cache_dir: Path | None = None,
 ) -> Path:
     """Build (or reuse from the cache) the cold-started tiny model; copy it to `out` if given."""
-    if task != "arith":
-        raise ValueError(f"the tiny-model kit knows the 'arith' task, not {task!r}")
-    spec = spec or TinySpec()
+    task = task if isinstance(task, KitTask) else KitTask(task)
+    spec = spec or task.spec()
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, task, seed)
     if not (cached / "steadyrl_tiny.json").is_file():
         _build_into(cached, spec, task, seed)
@@ -212,20 +255,20 @@ def init_tiny_model(
     return out
 
 
-def _build_into(target: Path, spec: TinySpec, task: str, seed: int) -> None:
+def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
     started = time.perf_counter()
     torch.use_deterministic_algorithms(True)
     try:
         tokenizer = char_tokenizer()
         model = build_model(spec, seed)
-        report = cold_start(model, tokenizer, spec.task(seed), spec, seed)
+        report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed)
     finally:
         torch.use_deterministic_algorithms(False)
     staging = target.with_name(target.name + f".tmp{time.time_ns()}")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     report.update(
-        task=task,
+        task=task.key(),
         seed=seed,
         digits=spec.digits,
         parameters=sum(p.numel() for p in model.parameters()),
@@ -249,7 +292,7 @@ def precision_routing_agreement(model_dir: str | Path, size: int = 256, low: str
 
     info = json.loads((Path(model_dir) / "steadyrl_tiny.json").read_text())
     spec = TinySpec(**info["spec"])
-    task = spec.task(info["seed"])
+    task = KitTask.of(info).task(spec, info["seed"])
     tokenizer = load_tokenizer(model_dir)
     ids, labels = sft_batch(tokenizer, task.split("eval", size))
     mask = ids != tokenizer.pad_token_id

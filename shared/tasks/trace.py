@@ -17,8 +17,8 @@ from shared.tasks.registry import Example
 
 @dataclass(frozen=True)
 class MulTraceTask:
-    max_answer_tokens: int = 256
-    alpha: float = 1.3
+    max_answer_tokens: int = 96
+    alpha: float = 1.1
     """Power-law exponent of the first operand: smaller is a heavier tail."""
     max_b: int = 99
     seed: int = 0

@@ -29,10 +29,13 @@ def alive(pid: int) -> bool:
 
 def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
+    hard = tmp_path / "hard.csv"  # a named eval set beside the task's own: 3-digit sums the model never saw
+    hard.write_text("prompt,answer\n" + "".join(f"{a}+{b}=,{str(a + b)[::-1]}\n" for a, b in [(123, 456), (900, 99)]))
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
          "--set", "run.steps=4", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=2",
-         "--set", "orchestrator.eval_size=40", "--set", "run.replicas=2", "--set", "trainer.checkpoint_every=2"],
+         "--set", "orchestrator.eval_size=40", "--set", "run.replicas=2", "--set", "trainer.checkpoint_every=2",
+         "--set", f'orchestrator.eval_sets={{hard = "{hard}"}}'],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -46,6 +49,8 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 2, 4] and all(0 <= e["accuracy"] <= 1 for e in evals)
     assert evals[0]["policy_version_max"] == 0  # the cold start is scored before any version lands
+    assert all(e["sets"]["main"]["prompts"] == 40 and e["sets"]["hard"]["prompts"] == 2 for e in evals)
+    assert all(e["sets"]["main"]["accuracy"] == e["accuracy"] for e in evals)
     from shared.tracking import read_scalars
 
     scalars = read_scalars(out / "trainer" / "tensorboard")  # TensorBoard: every numeric key, every step
@@ -53,7 +58,9 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     assert numeric <= set(scalars) and len(numeric) >= len(TRAINER_KEYS)
     assert [step for step, _ in scalars["reward_mean"]] == [1, 2, 3, 4]
     assert [v for _, v in scalars["reward_mean"]] == pytest.approx([x["reward_mean"] for x in lines], rel=1e-6)
-    assert [step for step, _ in read_scalars(out / "orchestrator" / "tensorboard")["eval_accuracy"]] == [0, 2, 4]
+    eval_scalars = read_scalars(out / "orchestrator" / "tensorboard")
+    assert [step for step, _ in eval_scalars["eval_accuracy"]] == [0, 2, 4]
+    assert [value for _, value in eval_scalars["eval_accuracy/hard"]] == [e["sets"]["hard"]["accuracy"] for e in evals]
     # no terminal: plain progress lines as the run goes, not one frame at the end
     shown = [int(step) for step in re.findall(r"^progress step=(\d+)/4 ", done.stderr, re.MULTILINE)]
     assert len(set(shown)) >= 2 and shown == sorted(shown) and shown[-1] == 4, done.stderr[-2000:]

@@ -123,18 +123,19 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
     assert first["step"] == 0 and first["accuracy"] == 0.4 and first["policy_version_max"] == 0
 
 
-def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_model_dir, tmp_path):
+def eval_rollout(run_id: str, task: str, index: int, group: int, reward: float) -> bytes:
     import numpy as np
 
     from shared.rollout import Rollout, encode_rollout
 
-    def eval_rollout(task: str, index: int, group: int, reward: float) -> bytes:
-        return encode_rollout(Rollout(
-            rollout_id=f"{task}:{index}", group_id=task, task_id=task, run_id=run_id, sample_index=index,
-            group_size=group, prompt_token_ids=np.array([1, 5], dtype=np.int32),
-            completion_token_ids=np.array([7, 2], dtype=np.int32), inference_logprobs=np.array([-0.5, -0.1], np.float32),
-            policy_versions=np.array([0, 0], dtype=np.uint64), reward=reward, is_eval=True))
+    return encode_rollout(Rollout(
+        rollout_id=f"{task}:{index}", group_id=task, task_id=task, run_id=run_id, sample_index=index,
+        group_size=group, prompt_token_ids=np.array([1, 5], dtype=np.int32),
+        completion_token_ids=np.array([7, 2], dtype=np.int32), inference_logprobs=np.array([-0.5, -0.1], np.float32),
+        policy_versions=np.array([0, 0], dtype=np.uint64), reward=reward, is_eval=True))
 
+
+def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
         settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
@@ -149,9 +150,10 @@ def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_mode
             queued[task_id.decode()] = (task.group_size, round(task.sampling.temperature, 3))
         correct = {0: [1, 0, 0, 0], 1: [1, 1, 1, 1], 2: [0, 0, 0, 0]}  # samples right per eval prompt
         for j in range(3):
-            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(f"eval-0-{j}", 0, 1, float(j == 1))})
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, float(j == 1))})
             for i, reward in enumerate(correct[j]):
-                await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(f"evalk-0-{j}", i, 4, float(reward))})
+                await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"evalk-0-{j}", i, 4,
+                                                                             float(reward))})
         await orchestrator.tick()
         await orchestrator.close()
         await redis.aclose()
@@ -164,3 +166,76 @@ def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_mode
     line = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[0])
     assert line["accuracy"] == pytest.approx(1 / 3) and line["k"] == 4
     assert line["pass_at_k"] == pytest.approx(2 / 3) and line["mean_at_k"] == pytest.approx(5 / 12)
+
+
+def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, tmp_path):
+    """Two eval sets: the task's own (`main`, 3 prompts) and `hard` from a JSONL file (2 prompts).
+    A round is written once both sets are in, each set's accuracy apart (eval.jsonl, TensorBoard,
+    the Prometheus gauge per set)."""
+    from prometheus_client import REGISTRY
+
+    from shared.models import load_tokenizer
+    from shared.models.loading import encode_prompt
+    from shared.tracking import read_scalars
+
+    hard = tmp_path / "hard.jsonl"
+    hard.write_text('{"q": "98+99=", "a": "791"}\n{"q": "77+88=", "a": "561"}\n{"q": "11+11=", "a": "22"}\n')
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path / "orch", batch_prompts=2, group_size=2, steps=3,
+                                        eval_every=2, eval_size=2, eval_sets={"hard": hard}, prompt_column="q",
+                                        answer_column="a")
+        orchestrator = Orchestrator(settings, redis)
+        await redis.hset(orchestrator.keys.run, "state", "running")
+        await orchestrator.tick()
+        queued = {}
+        for task_id in await redis.lrange(orchestrator.keys.pending, 0, -1):
+            task = common_pb2.PromptTask.FromString(await redis.hget(orchestrator.keys.tasks, task_id))
+            queued[task_id.decode()] = (list(task.prompt_token_ids), task.answer)
+        for j in range(2):
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, 1.0)})
+        await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, "eval.hard-0-0", 0, 1, 1.0)})
+        await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, "eval.hard-0-7", 0, 1, 1.0)})  # no such
+        await orchestrator.tick()
+        before = (settings.out_dir / "eval.jsonl").exists()
+        await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, "eval.hard-0-1", 0, 1, 0.0)})
+        await orchestrator.tick()
+        await orchestrator.close()
+        await redis.aclose()
+        return queued, before
+
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    refused = REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
+                                        {"reason": "unknown_eval_task"}) or 0.0
+    queued, written_before_hard = asyncio.run(asyncio.wait_for(main(), 60))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    assert queued["eval.hard-0-0"] == (encode_prompt(tokenizer, "98+99="), "791")  # the prompt as written
+    assert queued["eval.hard-0-1"][1] == "561" and "eval.hard-0-2" not in queued  # eval_size caps each set
+    assert sum(t.startswith("eval-0-") for t in queued) == 2
+    assert not written_before_hard  # main complete, hard half in: no line yet
+    line = json.loads((tmp_path / "orch" / "eval.jsonl").read_text().splitlines()[0])
+    assert line["accuracy"] == 1.0 and line["prompts"] == 2
+    assert line["sets"] == {"main": {"accuracy": 1.0, "prompts": 2}, "hard": {"accuracy": 0.5, "prompts": 2}}
+    scalars = read_scalars(tmp_path / "orch" / "tensorboard")
+    assert scalars["eval_accuracy"] == [(0, 1.0)] and scalars["eval_accuracy/hard"] == [(0, 0.5)]
+    assert REGISTRY.get_sample_value("steadyrl_orchestrator_eval_accuracy", {"set": "hard"}) == 0.5
+    assert REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
+                                     {"reason": "unknown_eval_task"}) == refused + 1
+
+
+def test_eval_sets_are_checked_before_start(tmp_path, tiny_model_dir):
+    hard = tmp_path / "hard.jsonl"
+    hard.write_text('{"problem": "1+1=", "answer": "2"}\n')
+    base = {"model_path": str(tiny_model_dir), "out_dir": tmp_path}
+    with pytest.raises(ValueError, match="eval set name 'Hard!'"):
+        OrchestratorSettings(**base, eval_sets={"Hard!": hard})
+    with pytest.raises(ValueError, match="not 'main'"):
+        OrchestratorSettings(**base, eval_sets={"main": hard})
+    with pytest.raises(ValueError, match="does not exist"):
+        OrchestratorSettings(**base, eval_sets={"gone": tmp_path / "gone.jsonl"}).check_dataset()
+    with pytest.raises(ValueError, match="no answer column 'solution'"):
+        OrchestratorSettings(**base, eval_sets={"hard": hard}, answer_column="solution").check_dataset()
+    OrchestratorSettings(**base, eval_sets={"hard": hard}).check_dataset()  # columns found: fine

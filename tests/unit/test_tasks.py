@@ -164,7 +164,7 @@ def test_math_evals_never_measure_memorisation(tmp_path):
 def test_mul_trace_answers_are_worked_traces_with_a_heavy_tail():
     from shared.tasks.trace import MulTraceTask
 
-    task = MulTraceTask(max_answer_tokens=256, seed=0)
+    task = MulTraceTask(max_answer_tokens=256, alpha=1.3, seed=0)
     assert task.example(3, 14).answer == "14,28,42" and task.example(3, 14).prompt == "3*14="
     train, evals = task.split("train", 3000), task.split("eval", 300)
     lengths = sorted(len(e.answer) for e in train)
