@@ -50,3 +50,23 @@ set = ["trainer.mini_batches=2", "trainer.routing_replay=r2"]
     # a second call finds every run finished and only rewrites the report
     again = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert again.returncode == 0 and again.stderr.count("finished before, kept") == 4
+
+
+def test_grid_v2_runs_fp8_inference_on_mul_trace_with_the_papers_geometry(tmp_path):
+    """One configuration of configs/paper-grid-v2.toml, cut to 2 steps: the tiny model cold-started
+    on mul_trace, fp8-weight inference, DPPO at N = 4 with the global batch 4 × the mini-batch."""
+    out = tmp_path / "v2"
+    command = [sys.executable, "-m", "steadyrl.cli", "experiment", str(ROOT / "configs" / "paper-grid-v2.toml"),
+               "--seeds", "1", "--out", str(out), "--only", "n4-dppo", "--set", "run.steps=2",
+               "--set", "run.mini_batch_prompts=2", "--set", "orchestrator.eval_size=20"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = out / "n4-dppo" / "seed-0"
+    resolved = (run / "config.resolved.toml").read_text()
+    assert "batch_prompts = 8\n" in resolved and 'quantization = "fp8"' in resolved  # B = N × 2 prompts
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["valid_tokens"] > 8 * 8 for m in metrics)  # 64 answers, several tokens each
+    model = json.loads((Path(json.loads((run / "summary.json").read_text())["model"]) / "steadyrl_tiny.json")
+                       .read_text())
+    assert model["task"]["name"] == "mul_trace" and model["greedy_accuracy"] >= 0.3

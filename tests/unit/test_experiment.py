@@ -24,12 +24,13 @@ def steps(n, **fixed):
              "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
 
 
-def test_the_paper_grid_loads_and_every_run_recipe_validates():
+@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12)])
+def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     from steadyrl.run_config import SERVICES, service_env, validate
 
-    grid = load_grid(ROOT / "configs" / "paper-grid.toml")
+    grid = load_grid(ROOT / "configs" / name)
     names = [c.name for c in grid.configs]
-    assert len(names) == 11 and len(set(names)) == 11
+    assert len(names) == configs and len(set(names)) == configs
     for config in grid.configs:
         recipe = run_config_for(grid, config, seed=2)
         assert recipe.section("trainer")["seed"] == 2 and recipe.section("orchestrator")["task_seed"] == 2
@@ -37,6 +38,9 @@ def test_the_paper_grid_loads_and_every_run_recipe_validates():
         for service in SERVICES:  # a typo in a configuration names the field
             validate(service, service_env(recipe, service, {} if service == "weightsync" else {"model_path": "m"}))
         assert recipe.section("inference")["dtype"] == "bfloat16"  # vs the trainer's fp32
+        if name == "paper-grid-v2.toml":  # the paper's geometry: the mini-batch fixed, B = N × it
+            assert recipe.run.batch_prompts == 8 * recipe.section("trainer")["mini_batches"]
+            assert recipe.section("inference")["quantization"] == "fp8"
 
 
 def test_grid_errors_name_the_problem(tmp_path):
