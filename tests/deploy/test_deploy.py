@@ -1,6 +1,7 @@
 """Deploy files, validated offline for real: the compose specification, the services' settings,
-kustomize renders checked against the Kubernetes schemas, promtool, a live Prometheus scraping a
-running service, and a dashboard that only names metrics the services export."""
+kustomize renders checked against the Kubernetes schemas, the custom resources against their CRDs'
+schemas (deploy/schemas), promtool, a live Prometheus scraping a running service, and a dashboard
+that only names metrics the services export."""
 
 import json
 import os
@@ -136,6 +137,35 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
         assert engine == "vllm"
     else:
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {}) and engine == "torch"
+
+
+def validate_crds(docs: list[dict]) -> list[dict]:
+    """Each custom resource checked against its CRD's OpenAPI schema (deploy/schemas/validate.mjs)."""
+    installed = subprocess.run([str(ROOT / "scripts" / "crd-schemas")], capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    done = subprocess.run(["node", "validate.mjs"], input=json.dumps(docs), capture_output=True, text=True,
+                          cwd=installed.stdout.strip(), check=True)
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_custom_resources_validate_against_their_crd_schemas(overlay):
+    crds = [d for d in render(overlay) if d["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject")]
+    results = validate_crds(crds)
+    assert sorted(r["kind"] for r in results) == ["PodMonitor", "PrometheusRule", "ScaledObject"]
+    assert all(r["errors"] == [] for r in results), results
+    broken = json.loads(json.dumps(crds))  # the schemas do bite: one mistake in each
+    for doc in broken:
+        if doc["kind"] == "ScaledObject":
+            doc["spec"]["minReplicaCount"] = "two"
+        elif doc["kind"] == "PodMonitor":
+            doc["spec"]["podMetricsEndpoints"][0]["interval"] = "every 15 s"
+        else:
+            del doc["spec"]["groups"][0]["rules"][0]["expr"]
+    errors = {r["kind"]: r["errors"] for r in validate_crds(broken)}
+    assert errors["ScaledObject"] == ["data/spec/minReplicaCount must be integer"]
+    assert errors["PodMonitor"][0].startswith("data/spec/podMetricsEndpoints/0/interval must match pattern")
+    assert errors["PrometheusRule"] == ["data/spec/groups/0/rules/0 must have required property expr"]
 
 
 def check_gpu_overlay(docs: list[dict]) -> None:
