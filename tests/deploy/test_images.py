@@ -1,6 +1,6 @@
 """The images, read as an engine would build them (no Docker engine here): hadolint clean, the
-dependencies in a layer before the source, and every path compose mounts a volume on created in
-the image and owned by the user the services run as."""
+dependencies installed from a lock that satisfies pyproject.toml in a layer before the source, and
+every path compose mounts a volume on created in the image and owned by the user the services run as."""
 
 import re
 import shutil
@@ -43,13 +43,50 @@ def instructions(name: str) -> list[list[tuple[str, str]]]:
     return stages
 
 
+LOCKS = {"Dockerfile": "requirements-cpu.lock", "Dockerfile.gpu": "requirements-gpu.lock"}
+
+
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_dependencies_install_before_the_source_is_copied(name):
+def test_dependencies_install_from_the_lock_before_the_source_is_copied(name):
     build = instructions(name)[0]
     at = {args.split()[0]: i for i, (op, args) in enumerate(build) if op == "COPY"}
-    deps = next(i for i, (op, args) in enumerate(build) if op == "RUN" and "-r requirements.txt" in args)
-    assert at["pyproject.toml"] < deps < min(at[d] for d in ("shared", "services", "steadyrl"))
+    deps = next(i for i, (op, args) in enumerate(build) if op == "RUN" and "-r requirements.lock" in args)
+    assert at[f"deploy/docker/{LOCKS[name]}"] < deps < min(at[d] for d in ("pyproject.toml", "shared", "steadyrl"))
     assert any(op == "RUN" and "--no-deps ." in args for op, args in build[deps:])
+
+
+def pinned(lock: str) -> dict[str, str]:
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (DOCKER / lock).read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"{lock}: {line!r} is not pinned"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+@pytest.mark.parametrize("name,extras", [("Dockerfile", []), ("Dockerfile.gpu", ["vllm"])])
+def test_the_lock_satisfies_pyproject(name, extras):
+    """Every requirement of pyproject.toml (and the image's extras) is pinned in its lock at a version
+    it allows; a stale lock fails here (regenerate it with scripts/lock)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = pinned(LOCKS[name])
+    for text in project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]:
+        requirement = Requirement(text)
+        version = pins.get(canonicalize_name(requirement.name))
+        assert version, f"{requirement.name} is not in {LOCKS[name]}: run scripts/lock"
+        assert requirement.specifier.contains(Version(version), prereleases=True), (text, version)
+    if name == "Dockerfile":  # the CPU build of torch, and none of the CUDA wheels PyPI's torch pulls
+        assert pins["torch"].endswith("+cpu")
+        assert not [p for p in pins if p.startswith(("nvidia-", "cuda-")) or p == "triton"]
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -73,6 +110,8 @@ def test_compose_volume_paths_exist_in_the_image_and_belong_to_the_runtime_user(
 
 def test_the_gpu_image_uses_its_base_images_python_and_has_a_compiler_for_triton():
     text = (DOCKER / "Dockerfile.gpu").read_text()
-    assert "ubuntu24.04" in text and "python3.11" not in text  # 24.04 ships Python 3.12
+    bases = [args.split()[0] for stage in instructions("Dockerfile.gpu") for op, args in stage if op == "FROM"]
+    assert bases == ["ubuntu:24.04", "ubuntu:24.04"] and "python3.11" not in text  # 24.04 ships Python 3.12
+    assert "--python-version 3.12" in (ROOT / "scripts" / "lock").read_text()  # the lock is for that Python
     runtime = " ".join(args for op, args in instructions("Dockerfile.gpu")[-1] if op == "RUN")
     assert all(package in runtime.split() for package in ("gcc", "libc6-dev", "python3-dev"))
