@@ -1,9 +1,11 @@
 """Settings fields several models share, declared once: the shape of a global step, which the
-trainer, the orchestrator and a recipe's [run] must agree on."""
+trainer, the orchestrator and a recipe's [run] must agree on, and the experiment tracking both log to."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StepShape(BaseModel):
@@ -14,3 +16,36 @@ class StepShape(BaseModel):
     max_staleness: int = Field(1, ge=0)
     """Versions a rollout may lag the trainer when trained: admission keeps at most
     (max_staleness + 1) × B prompts outstanding, and the trainer drops older groups (0 = synchronous)."""
+
+
+class TrackingSettings(BaseModel):
+    """Experiment tracking beyond the TensorBoard files every run writes ([run.tracking], copied
+    into the trainer, which logs every metrics.jsonl key per step, and the orchestrator, which logs
+    the evals). Each backend is off until named, never required, and never stops training: it logs
+    from a thread of its own, and a backend that fails is logged and dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wandb_project: str = ""
+    """Weights & Biases project (empty: off). Needs `pip install 'steadyrl[wandb]'` and, online,
+    WANDB_API_KEY in the environment. The trainer and the orchestrator log to two W&B runs of one
+    group (the run id), `RUN/trainer` and `RUN/orchestrator`, resumed by a restarted service."""
+    wandb_entity: str = ""
+    """W&B entity (team or user; empty: the API key's default)."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """`offline`: W&B writes under the service's out_dir (`wandb/`), for `wandb sync` later."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server, e.g. http://mlflow:5000 (empty: off). Needs
+    `pip install 'steadyrl[mlflow]'`. One MLflow run per service, `RUN/trainer` and
+    `RUN/orchestrator`, tagged steadyrl.run_id."""
+    mlflow_experiment: str = "steadyrl"
+    """MLflow experiment the runs go to (created when missing)."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> TrackingSettings:
+        import importlib.util
+
+        for setting, module, extra in (("wandb_project", "wandb", "wandb"), ("mlflow_tracking_uri", "mlflow", "mlflow")):
+            if getattr(self, setting) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"tracking.{setting} needs {module}: pip install 'steadyrl[{extra}]'")
+        return self

@@ -2,7 +2,7 @@
 
 ```toml
 [run]            # RunSection: id, replicas, steps, batch_prompts (or mini_batch_prompts), group_size,
-                 #   max_staleness, restarts
+                 #   max_staleness, restarts, tracking (W&B / MLflow: [run.tracking])
 [model]          # path ("tiny" = the cold-started tiny MoE, built and cached on first use)
 [trainer]        # any STEADYRL_TRAINER_* field (services/trainer/config.py)
 [inference]      # any STEADYRL_INFERENCE_* field
@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from shared.settings import StepShape
+from shared.settings import StepShape, TrackingSettings
 
 SERVICES = ("trainer", "inference", "orchestrator", "weightsync")
 SETTINGS = {
@@ -58,6 +58,8 @@ class RunSection(StepShape):
     """The paper's batch geometry: when > 0 the mini-batch stays this many prompts and the global
     batch grows with the mini-batches, batch_prompts := trainer.mini_batches × this (replacing
     any batch_prompts given). 0: batch_prompts is fixed and N splits it."""
+    tracking: TrackingSettings = TrackingSettings()
+    """[run.tracking]: W&B and MLflow (off unless named), for the trainer and the orchestrator."""
 
     @field_validator("id")
     @classmethod
@@ -70,9 +72,9 @@ class RunSection(StepShape):
 # [run] field → the field it becomes in each service's settings
 SHARED = {
     "trainer": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
-                "max_staleness": "max_staleness", "steps": "max_steps"},
+                "max_staleness": "max_staleness", "steps": "max_steps", "tracking": "tracking"},
     "orchestrator": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
-                     "max_staleness": "max_staleness", "steps": "steps"},
+                     "max_staleness": "max_staleness", "steps": "steps", "tracking": "tracking"},
     "inference": {"id": "run_id"},
     "weightsync": {},
 }
@@ -213,7 +215,7 @@ def mini_batches(trainer: Mapping[str, Any]) -> int:
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One service's settings: its section, the shared [run] values, then `extra`."""
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
-    values.update({target: getattr(config.run, name) for name, target in SHARED[service].items()})
+    values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
     values.update(extra or {})
     return values
 

@@ -56,3 +56,58 @@ def wait_until(launch, done, timeout: float = 300) -> dict:
             return status
         assert time.monotonic() < deadline, status
         time.sleep(0.2)
+
+
+def wandb_records(directory: Path) -> list:
+    """The records of every W&B offline run under `directory` (their `.wandb` files: W&B's 7-byte
+    header, then LevelDB log blocks of protobuf `Record`s), in file order."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    out = []
+    for path in sorted(Path(directory).rglob("run-*.wandb")):
+        data, at, parts = path.read_bytes(), 7, b""
+        assert data[:4] == b":W&B", path
+        while at + 7 <= len(data):
+            if 32768 - at % 32768 < 7:  # a block's tail too short for a chunk header is padding
+                at += 32768 - at % 32768
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[at : at + 7])
+            chunk, at = data[at + 7 : at + 7 + length], at + 7 + length
+            if kind == 0:
+                continue
+            parts = chunk if kind in (1, 2) else parts + chunk  # FULL / FIRST start a record
+            if kind in (1, 4):  # FULL / LAST end one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(parts)
+                out.append(record)
+    return out
+
+
+def wandb_history(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """key → [(step, value)] logged to the W&B offline runs under `directory`."""
+    import json
+
+    history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for record in wandb_records(directory):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for key, value in items.items():
+                if not key.startswith("_"):
+                    history[key].append((items["_step"], value))
+    return dict(history)
+
+
+def mlflow_history(uri: str, run_name: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, str]]:
+    """(metric → [(step, value)], params) of the MLflow run named `run_name`."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"attributes.run_name = '{run_name}'")
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    run = runs[0]
+    metrics = {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                                       key=lambda m: m.step)] for key in run.data.metrics}
+    return metrics, run.data.params

@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
-from shared.settings import StepShape
+from shared.settings import StepShape, TrackingSettings
 from shared.tasks.trace import MulTraceTask
 
 EVAL_SET_NAME = re.compile(r"[a-z0-9_]+")
@@ -37,6 +37,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Where eval.jsonl is written."""
     tensorboard: bool = True
     """Write each eval round's accuracy as the TensorBoard scalar `eval_accuracy` (`out_dir/tensorboard/`)."""
+    tracking: TrackingSettings = TrackingSettings()
+    """W&B / MLflow, the scalars TensorBoard gets (a recipe sets [run.tracking])."""
     trainer_address: str = ""
     """host:port of the trainer's gRPC API (its version drives admission)."""
 
@@ -74,7 +76,7 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """More eval sets beside the task's own (named `main`): name → a local dataset in any format
     math_path takes, read with prompt_column / answer_column, prompts as written (the math task's
     instruction added in a math run). Every eval round scores each with the run's reward; eval.jsonl
-    gives each set's accuracy under `sets`, TensorBoard as `eval_accuracy/NAME`, Prometheus as
+    gives each set's accuracy under `sets`, TensorBoard, W&B and MLflow as `eval_set/NAME/accuracy`, Prometheus as
     steadyrl_orchestrator_eval_accuracy{set="NAME"}. Names: lower-case letters, digits and _."""
 
     steps: int = Field(0, ge=0)

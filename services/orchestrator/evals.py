@@ -43,7 +43,8 @@ class EvalRounds:
         self.settings, self.redis, self.queue, self.tasks = settings, redis, queue, tasks
         self.keys = RunKeys(settings.run_id)
         self.results: dict[int, dict[str, dict]] = {}  # step → eval set → what came back
-        self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None)
+        self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None, settings.tracking,
+                                 settings.run_id, "orchestrator", settings.out_dir, settings.model_dump(mode="json"))
         self.cursor = "0-0"
 
     async def _json(self, name: str, default: str):
@@ -126,9 +127,9 @@ class EvalRounds:
                 f.write(json.dumps(line) + "\n")
             written.add(step)
             scalars = {}
-            for name, scores in sets.items():
-                suffix = "" if name == "main" else "/" + name
-                scalars.update({f"eval_{key}{suffix}": scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k")
+            for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
+                prefix = "eval_" if name == "main" else f"eval_set/{name}/"
+                scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k")
                                 if key in scores})
                 EVAL_ACCURACY.labels(name).set(scores["accuracy"])
             self.scalars.add(step, scalars)

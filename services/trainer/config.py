@@ -14,7 +14,7 @@ from pydantic_settings import SettingsConfigDict
 from shared.core.loss import LossConfig
 from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.settings import StepShape
+from shared.settings import StepShape, TrackingSettings
 from shared.training import StepConfig
 
 
@@ -33,6 +33,8 @@ class TrainerSettings(RedisSettings, StepShape):
     """Checkpoints (`checkpoints/`), the per-step `metrics.jsonl` and its TensorBoard scalars (`tensorboard/`)."""
     tensorboard: bool = True
     """Write every metrics.jsonl key as a TensorBoard scalar under `out_dir/tensorboard/`."""
+    tracking: TrackingSettings = TrackingSettings()
+    """W&B / MLflow, every metrics.jsonl key per step (a recipe sets [run.tracking])."""
     stall_alert_seconds: float = Field(600.0, gt=0)
     """Exported as `steadyrl_trainer_stall_alert_seconds`: the SteadyrlTrainerStalled alert fires
     when no step has finished for this long (size it above the slowest expected step)."""

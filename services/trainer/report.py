@@ -1,5 +1,6 @@
 """What each step leaves behind: a line in metrics.jsonl, the same keys as TensorBoard scalars
-(`tensorboard/` beside it), and the trainer's Prometheus metrics."""
+(`tensorboard/` beside it) and in W&B / MLflow when tracking names them, and the trainer's
+Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.settings import TrackingSettings
 from shared.tracking import ScalarLog
 
 STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
@@ -23,11 +25,13 @@ STALL_AFTER = Gauge("steadyrl_trainer_stall_alert_seconds",
 
 
 class StepLog:
-    def __init__(self, out_dir: Path, tensorboard: bool = True, stall_alert_seconds: float = 600.0) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool = True, stall_alert_seconds: float = 600.0,
+                 tracking: TrackingSettings | None = None, run_id: str = "", config: dict | None = None) -> None:
         self.out_dir = out_dir
         LAST_STEP.set(time.time())  # the process start counts as progress: no stall alert before a first step
         STALL_AFTER.set(stall_alert_seconds)
-        self.scalars = ScalarLog(out_dir / "tensorboard" if tensorboard else None)
+        self.scalars = ScalarLog(out_dir / "tensorboard" if tensorboard else None, tracking, run_id, "trainer",
+                                 out_dir, config)
 
     def record(self, metrics: dict[str, float], rollouts: int, recipe: str) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

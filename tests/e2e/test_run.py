@@ -27,15 +27,19 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
+def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
     out = tmp_path / "run"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    mlflow = f"file://{tmp_path / 'mlruns'}"  # MLflow's store on disk (no server here), W&B offline
     hard = tmp_path / "hard.csv"  # a named eval set beside the task's own: 3-digit sums the model never saw
     hard.write_text("prompt,answer\n" + "".join(f"{a}+{b}=,{str(a + b)[::-1]}\n" for a, b in [(123, 456), (900, 99)]))
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
          "--set", "run.steps=4", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=2",
          "--set", "orchestrator.eval_size=40", "--set", "run.replicas=2", "--set", "trainer.checkpoint_every=2",
-         "--set", f'orchestrator.eval_sets={{hard = "{hard}"}}'],
+         "--set", f'orchestrator.eval_sets={{hard = "{hard}"}}',
+         "--set", f'run.tracking={{wandb_project = "e2e", wandb_mode = "offline", mlflow_tracking_uri = "{mlflow}"}}'],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -60,7 +64,18 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir):
     assert [v for _, v in scalars["reward_mean"]] == pytest.approx([x["reward_mean"] for x in lines], rel=1e-6)
     eval_scalars = read_scalars(out / "orchestrator" / "tensorboard")
     assert [step for step, _ in eval_scalars["eval_accuracy"]] == [0, 2, 4]
-    assert [value for _, value in eval_scalars["eval_accuracy/hard"]] == [e["sets"]["hard"]["accuracy"] for e in evals]
+    assert [value for _, value in eval_scalars["eval_set/hard/accuracy"]] == [e["sets"]["hard"]["accuracy"] for e in evals]
+    # W&B and MLflow got what TensorBoard got: the trainer's steps and the orchestrator's evals
+    from tests.helpers import mlflow_history, wandb_history
+
+    def same(series, expected):  # TensorBoard keeps float32
+        assert [s for s, _ in series] == [s for s, _ in expected]
+        assert [v for _, v in series] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+    same(wandb_history(out / "trainer")["reward_mean"], scalars["reward_mean"])
+    same(mlflow_history(mlflow, "tiny-arith/trainer")[0]["reward_mean"], scalars["reward_mean"])
+    for history in (wandb_history(out / "orchestrator"), mlflow_history(mlflow, "tiny-arith/orchestrator")[0]):
+        same(history["eval_accuracy"], eval_scalars["eval_accuracy"])
     # no terminal: plain progress lines as the run goes, not one frame at the end
     shown = [int(step) for step in re.findall(r"^progress step=(\d+)/4 ", done.stderr, re.MULTILINE)]
     assert len(set(shown)) >= 2 and shown == sorted(shown) and shown[-1] == 4, done.stderr[-2000:]

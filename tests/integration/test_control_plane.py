@@ -220,7 +220,7 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
     assert line["accuracy"] == 1.0 and line["prompts"] == 2
     assert line["sets"] == {"main": {"accuracy": 1.0, "prompts": 2}, "hard": {"accuracy": 0.5, "prompts": 2}}
     scalars = read_scalars(tmp_path / "orch" / "tensorboard")
-    assert scalars["eval_accuracy"] == [(0, 1.0)] and scalars["eval_accuracy/hard"] == [(0, 0.5)]
+    assert scalars["eval_accuracy"] == [(0, 1.0)] and scalars["eval_set/hard/accuracy"] == [(0, 0.5)]
     assert REGISTRY.get_sample_value("steadyrl_orchestrator_eval_accuracy", {"set": "hard"}) == 0.5
     assert REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
                                      {"reason": "unknown_eval_task"}) == refused + 1

@@ -1,0 +1,98 @@
+"""W&B (offline) and MLflow (a local store) behind `TrackingSettings`: the real libraries, what
+they were given read back from what they wrote; a backend that fails never stops the scalars."""
+
+import logging
+import math
+import time
+
+import pytest
+
+from shared.settings import TrackingSettings
+from shared.tracking import ScalarLog, read_scalars
+from tests.helpers import mlflow_history, wandb_history
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a store on disk: no server here
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return f"file://{tmp_path / 'mlruns'}"
+
+
+def test_wandb_and_mlflow_get_every_scalar_per_step(tmp_path, mlflow_store):
+    tracking = TrackingSettings(wandb_project="steadyrl-test", wandb_mode="offline", mlflow_tracking_uri=mlflow_store,
+                                mlflow_experiment="grid")
+    config = {"lr": 0.001, "loss": {"eps_low": 0.2}, "redis_url": "**********"}
+    log = ScalarLog(tmp_path / "tb", tracking, "exp-1", "trainer", tmp_path / "out", config)
+    log.add(1, {"reward_mean": 0.25, "tokens": 100, "recipe": "minirl+tis", "loss": math.nan})
+    log.add(2, {"reward_mean": 0.5, "tokens": 120, "eval_set/hard/accuracy": 0.75})
+    log.close()
+    expected = {"reward_mean": [(1, 0.25), (2, 0.5)], "tokens": [(1, 100.0), (2, 120.0)],
+                "eval_set/hard/accuracy": [(2, 0.75)]}
+    assert read_scalars(tmp_path / "tb") == expected
+    assert wandb_history(tmp_path / "out") == expected
+    from tests.helpers import wandb_records
+
+    run = next(r.run for r in wandb_records(tmp_path / "out") if r.WhichOneof("record_type") == "run")
+    assert (run.run_id, run.run_group, run.display_name, run.project) == ("exp-1-trainer", "exp-1", "exp-1/trainer",
+                                                                          "steadyrl-test")
+    metrics, params = mlflow_history(mlflow_store, "exp-1/trainer")
+    assert metrics == expected
+    assert params == {"lr": "0.001", "loss.eps_low": "0.2", "redis_url": "**********"}
+
+
+def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    tracking = TrackingSettings(mlflow_tracking_uri="http://127.0.0.1:9")  # nothing listens on the discard port
+    log = ScalarLog(tmp_path / "tb", tracking, "exp-2", "orchestrator")
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="steadyrl.tracking"):
+        for step in range(3):
+            log.add(step, {"eval_accuracy": step / 4})
+        log.close()
+    assert time.monotonic() - started < 60  # close() is bounded (CLOSE_SECONDS); generous on a loaded machine
+    assert read_scalars(tmp_path / "tb") == {"eval_accuracy": [(0, 0.0), (1, 0.25), (2, 0.5)]}
+    failures = [r.getMessage() for r in caplog.records if "event=tracking_failed" in r.getMessage()]
+    assert len(failures) == 1 and "phase=start" in failures[0]
+
+
+def test_tracking_settings_reach_both_services_and_are_checked(monkeypatch):
+    from pathlib import Path
+
+    from steadyrl.run_config import load_run_config, service_env
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_run_config(root / "configs" / "tiny-arith.toml", ['run.tracking={wandb_project = "p"}'])
+    for service in ("trainer", "orchestrator"):
+        env = service_env(config, service)
+        assert env[f"STEADYRL_{service.upper()}_TRACKING__WANDB_PROJECT"] == "p"
+    assert not any("TRACKING" in k for k in service_env(config, "inference"))
+    with pytest.raises(ValueError, match="which \\[run\\] declares"):
+        load_run_config(root / "configs" / "tiny-arith.toml", ['trainer.tracking={wandb_project = "p"}'])
+    with pytest.raises(ValueError, match="wandb_mode"):
+        TrackingSettings(wandb_mode="sometimes")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ValueError, match="tracking.mlflow_tracking_uri needs mlflow: pip install 'steadyrl\\[mlflow\\]'"):
+        TrackingSettings(mlflow_tracking_uri="http://mlflow:5000")
+
+
+def test_a_backend_failing_records_in_a_row_is_dropped(tmp_path, mlflow_store, caplog):
+    """MLflow's file store cannot hold `x/y` once `x` exists: each such record fails, a good one in
+    between resets the count, and MAX_FAILURES failures in a row drop the backend."""
+    from shared.tracking import MAX_FAILURES
+
+    log = ScalarLog(None, TrackingSettings(mlflow_tracking_uri=mlflow_store), "exp-3", "trainer")
+    records = [{"x": 1.0}, {"x/y": 1.0}, {"x": 2.0}, *[{"x/y": 1.0}] * MAX_FAILURES, {"x": 3.0}]
+    with caplog.at_level(logging.ERROR, logger="steadyrl.tracking"):
+        for step, values in enumerate(records):
+            log.add(step, values)
+        log.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m.split("failures=")[1].split()[0] for m in messages if "phase=log" in m] == ["1", "1", "2", "3"]
+    assert sum("event=tracking_dropped_backend backend=mlflow" in m for m in messages) == 1
+    assert mlflow_history(mlflow_store, "exp-3/trainer")[0] == {"x": [(0, 1.0), (2, 2.0)]}  # nothing after the drop
