@@ -135,19 +135,27 @@ def eval_rollout(run_id: str, task: str, index: int, group: int, reward: float) 
         policy_versions=np.array([0, 0], dtype=np.uint64), reward=reward, is_eval=True))
 
 
+async def running_orchestrator(redis, settings: OrchestratorSettings):
+    """An orchestrator in state running after one tick, and the tasks that tick queued (id → task)."""
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    orchestrator = Orchestrator(settings, redis)
+    await redis.hset(orchestrator.keys.run, "state", "running")
+    await orchestrator.tick()
+    tasks = {}
+    for task_id in await redis.lrange(orchestrator.keys.pending, 0, -1):
+        tasks[task_id.decode()] = common_pb2.PromptTask.FromString(await redis.hget(orchestrator.keys.tasks, task_id))
+    return orchestrator, tasks
+
+
 def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
         settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
                                         out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
                                         eval_size=3, eval_samples=4, eval_temperature=0.8)
-        orchestrator = Orchestrator(settings, redis)
-        await redis.hset(orchestrator.keys.run, "state", "running")
-        await orchestrator.tick()
-        queued = {}
-        for task_id in await redis.lrange(orchestrator.keys.pending, 0, -1):
-            task = common_pb2.PromptTask.FromString(await redis.hget(orchestrator.keys.tasks, task_id))
-            queued[task_id.decode()] = (task.group_size, round(task.sampling.temperature, 3))
+        orchestrator, tasks = await running_orchestrator(redis, settings)
+        queued = {i: (t.group_size, round(t.sampling.temperature, 3)) for i, t in tasks.items()}
         correct = {0: [1, 0, 0, 0], 1: [1, 1, 1, 1], 2: [0, 0, 0, 0]}  # samples right per eval prompt
         for j in range(3):
             await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, float(j == 1))})
@@ -158,8 +166,6 @@ def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_mode
         await orchestrator.close()
         await redis.aclose()
         return queued
-
-    from shared.rpc.steadyrl.v1 import common_pb2
 
     queued = asyncio.run(asyncio.wait_for(main(), 60))
     assert queued == {**{f"eval-0-{j}": (1, 0.0) for j in range(3)}, **{f"evalk-0-{j}": (4, 0.8) for j in range(3)}}
@@ -187,13 +193,8 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
                                         out_dir=tmp_path / "orch", batch_prompts=2, group_size=2, steps=3,
                                         eval_every=2, eval_size=2, eval_sets={"hard": hard}, prompt_column="q",
                                         answer_column="a")
-        orchestrator = Orchestrator(settings, redis)
-        await redis.hset(orchestrator.keys.run, "state", "running")
-        await orchestrator.tick()
-        queued = {}
-        for task_id in await redis.lrange(orchestrator.keys.pending, 0, -1):
-            task = common_pb2.PromptTask.FromString(await redis.hget(orchestrator.keys.tasks, task_id))
-            queued[task_id.decode()] = (list(task.prompt_token_ids), task.answer)
+        orchestrator, tasks = await running_orchestrator(redis, settings)
+        queued = {i: (list(t.prompt_token_ids), t.answer) for i, t in tasks.items()}
         for j in range(2):
             await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, 1.0)})
         await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, "eval.hard-0-0", 0, 1, 1.0)})
@@ -205,8 +206,6 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
         await orchestrator.close()
         await redis.aclose()
         return queued, before
-
-    from shared.rpc.steadyrl.v1 import common_pb2
 
     refused = REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
                                         {"reason": "unknown_eval_task"}) or 0.0
