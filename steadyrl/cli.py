@@ -133,6 +133,20 @@ def eval_command(
     typer.echo(json.dumps(evaluate(str(model_dir), task, size, samples, max_new_tokens, math_path)))
 
 
+@app.command("replay-alerts")
+def replay_alerts_command(
+    run_dirs: Annotated[list[Path], typer.Argument(exists=True, file_okay=False, help="Run directories.")],
+    rules: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Prometheus rule file.")] = Path(
+        "deploy/prometheus/alerts.yml"),
+) -> None:
+    """Which alerts on the trainer's metrics would have fired on a finished run, and at which steps
+    (its metrics.jsonl replayed one step per minute through `promtool test rules`)."""
+    from steadyrl.alert_replay import replay_run
+
+    for run_dir in run_dirs:
+        typer.echo(json.dumps(replay_run(run_dir, rules)))
+
+
 @app.command("experiment")
 def experiment_command(
     grid: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Grid of configurations (TOML).")],

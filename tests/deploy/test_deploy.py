@@ -303,3 +303,20 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
         for process in (server, service):
             process.send_signal(signal.SIGTERM)
             process.wait(20)
+
+
+def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
+    """`steadyrl replay-alerts`: a run's metrics, one step per minute, through promtool. The mismatch
+    KL doubling from step 42 while entropy falls fires the early warning once it has held 5 steps
+    (the series of the collapse case in alerts_test.yml); flat KL never does."""
+    from steadyrl.alert_replay import firing_steps, trainer_alerts
+
+    rules = DEPLOY / "prometheus" / "alerts.yml"
+    assert trainer_alerts(rules) == ["SteadyrlCollapseEarlyWarning", "SteadyrlStalenessOverBudget"]
+    kl = [0.005] * 41 + [0.01 * 2**i for i in range(9)]
+    collapsing = [{"step": i + 1, "mismatch_kl_k3": k, "entropy": 0.5 - 0.002 * i, "staleness_max": 3 * (i >= 30),
+                   "recipe": "minirl"} for i, k in enumerate(kl)]
+    fired = firing_steps(collapsing, rules)
+    assert fired == {"SteadyrlCollapseEarlyWarning": [49, 50], "SteadyrlStalenessOverBudget": list(range(41, 51))}
+    healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1} for row in collapsing]
+    assert firing_steps(healthy, rules) == {"SteadyrlCollapseEarlyWarning": [], "SteadyrlStalenessOverBudget": []}
