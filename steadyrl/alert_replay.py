@@ -1,8 +1,9 @@
 """`steadyrl replay-alerts RUN_DIR`: would the alert rules have fired on this run? The run's
-metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the trainer exports, one
-step per minute, and `promtool test rules` evaluates every alert that reads those series at every
-minute. The windows of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5
-steps. Needs promtool (Prometheus' test tool) on PATH.
+metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the trainer exports and
+its eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next),
+one step per minute, and `promtool test rules` evaluates every alert that reads those series at
+every minute. The windows of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10
+and 5 steps. Needs promtool (Prometheus' test tool) on PATH.
 """
 
 from __future__ import annotations
@@ -17,20 +18,47 @@ from pathlib import Path
 import yaml
 
 TRAINER_SERIES = "steadyrl_trainer_last_metric"
+EVAL_SERIES = "steadyrl_orchestrator_eval_accuracy"
 INSTANCE = "trainer:replay"
-FAILURE = re.compile(r"alertname: (\S+), time: (\d+)m,\s*exp:\[\],\s*got:\[\s*0:", re.MULTILINE)
+FAILURE = re.compile(r"alertname: (\S+), time: ([0-9ywdhms]+),\s*exp:\[\],\s*got:\[\s*0:", re.MULTILINE)
+UNIT_MINUTES = {"y": 525_600, "w": 10_080, "d": 1_440, "h": 60, "m": 1}
 
 
-def trainer_alerts(rules_file: Path) -> list[str]:
-    """The alerts of a rule file whose expression reads the trainer's per-step metrics."""
+def minutes(duration: str) -> int:
+    """A Prometheus duration as promtool prints it ("1d2h30m", "45m", "0s") in whole minutes."""
+    return sum(int(n) * UNIT_MINUTES[u] for n, u in re.findall(r"(\d+)(ms|[ywdhms])", duration) if u in UNIT_MINUTES)
+
+
+def replayed_alerts(rules_file: Path) -> list[str]:
+    """The alerts of a rule file whose expression reads the trainer's per-step metrics or the evals."""
     groups = yaml.safe_load(Path(rules_file).read_text())["groups"]
-    return [r["alert"] for g in groups for r in g["rules"] if "alert" in r and TRAINER_SERIES in r["expr"]]
+    return [r["alert"] for g in groups for r in g["rules"]
+            if "alert" in r and (TRAINER_SERIES in r["expr"] or EVAL_SERIES in r["expr"])]
 
 
-def replay_test(rows: list[dict], rules_file: Path, alerts: list[str]) -> dict:
-    """A promtool test file: every numeric key of `rows` as a series (step s at minute s − 1) and,
-    for each alert, a check at every minute that it is quiet — promtool reports each check it fails,
-    which is each minute the alert fires."""
+def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
+    """eval set → promtool values, one per minute: each round's accuracy from its step on ("_"
+    before the first)."""
+    out = {}
+    for name in sorted({n for e in evals for n in (e.get("sets") or {"main": None})}):
+        rounds = sorted((e["step"], (e.get("sets") or {}).get(name, {}).get("accuracy", e["accuracy"]))
+                        for e in evals if name == "main" or name in e.get("sets", {}))
+        values, current = [], None
+        for minute in range(steps):
+            for step, accuracy in rounds:
+                if max(step - 1, 0) == minute:
+                    current = accuracy
+            values.append("_" if current is None else repr(float(current)))
+        out[name] = " ".join(values)
+    return out
+
+
+def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: dict[str, float] | None = None,
+                evals: list[dict] = ()) -> dict:
+    """A promtool test file: every numeric key of `rows` as a series (step s at minute s − 1), each
+    of `gauges` (metric → value, e.g. the run's max_staleness) held for the whole run, and, for each
+    alert, a check at every minute that it is quiet — promtool reports each check it fails, which is
+    each minute the alert fires."""
     rows = sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])  # a resumed step counts once
     keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, int | float) and not isinstance(v, bool)})
     series = []
@@ -38,26 +66,33 @@ def replay_test(rows: list[dict], rules_file: Path, alerts: list[str]) -> dict:
         values = " ".join("_" if not isinstance(r.get(key), int | float) else repr(float(r[key])) for r in rows)
         series.append({"series": f'{TRAINER_SERIES}{{name="{key}", instance="{INSTANCE}", job="steadyrl-trainer"}}',
                        "values": values})
+    for name, values in eval_values(list(evals), len(rows)).items():
+        series.append({"series": f'{EVAL_SERIES}{{set="{name}", instance="orchestrator:replay", job="steadyrl"}}',
+                       "values": values})
+    for metric, value in (gauges or {}).items():
+        series.append({"series": f'{metric}{{instance="{INSTANCE}", job="steadyrl-trainer"}}',
+                       "values": f"{float(value)!r}x{max(len(rows) - 1, 0)}"})
     checks = [{"eval_time": f"{m}m", "alertname": a, "exp_alerts": []} for a in alerts for m in range(len(rows))]
     return {"rule_files": [str(Path(rules_file).resolve())], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}
 
 
-def firing_steps(rows: list[dict], rules_file: Path) -> dict[str, list[int]]:
+def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | None = None,
+                 evals: list[dict] = ()) -> dict[str, list[int]]:
     """alert → the steps (minute + 1) at which it fires on this run's series."""
     promtool = shutil.which("promtool")
     if promtool is None:
         raise RuntimeError("promtool is needed (Prometheus' test tool; Debian: apt-get install prometheus)")
-    alerts = trainer_alerts(rules_file)
+    alerts = replayed_alerts(rules_file)
     with tempfile.TemporaryDirectory() as tmp:
         test = Path(tmp) / "replay_test.yml"
-        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts), sort_keys=False))
+        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals), sort_keys=False))
         done = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=600)
     if done.returncode not in (0, 1) or "FAILED" not in done.stdout + done.stderr and done.returncode:
         raise RuntimeError(f"promtool failed: {(done.stdout + done.stderr)[-2000:]}")
     fired: dict[str, list[int]] = {a: [] for a in alerts}
-    for name, minute in FAILURE.findall(done.stdout + done.stderr):
-        fired[name].append(int(minute) + 1)
+    for name, when in FAILURE.findall(done.stdout + done.stderr):
+        fired[name].append(minutes(when) + 1)
     return {a: sorted(set(steps)) for a, steps in fired.items()}
 
 
@@ -66,4 +101,14 @@ def replay_run(run_dir: Path, rules_file: Path) -> dict:
     if not path.is_file():
         path = Path(run_dir) / "trainer" / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {"run": str(run_dir), "steps": len({r["step"] for r in rows}), "firing_steps": firing_steps(rows, rules_file)}
+    eval_path = next((p for p in (Path(run_dir) / "eval.jsonl", Path(run_dir) / "orchestrator" / "eval.jsonl")
+                      if p.is_file()), None)
+    evals = [json.loads(line) for line in eval_path.read_text().splitlines() if line.strip()] if eval_path else []
+    gauges = {}
+    recipe = Path(run_dir) / "config.resolved.toml"
+    if recipe.is_file():  # the settings the trainer exports as gauges
+        import tomllib
+
+        gauges["steadyrl_trainer_max_staleness"] = tomllib.loads(recipe.read_text())["run"]["max_staleness"]
+    return {"run": str(run_dir), "steps": len({r["step"] for r in rows}),
+            "firing_steps": firing_steps(rows, rules_file, gauges, evals)}

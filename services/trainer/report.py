@@ -20,16 +20,20 @@ LAST_STEP = Gauge("steadyrl_trainer_last_step_unix_seconds", "When the last glob
 STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
+MAX_STALENESS = Gauge("steadyrl_trainer_max_staleness",
+                      "The run's max_staleness: SteadyrlStalenessOverBudget fires when staleness_max exceeds it")
 STALL_AFTER = Gauge("steadyrl_trainer_stall_alert_seconds",
                     "Seconds without a finished step after which SteadyrlTrainerStalled fires (trainer.stall_alert_seconds)")
 
 
 class StepLog:
     def __init__(self, out_dir: Path, tensorboard: bool = True, stall_alert_seconds: float = 600.0,
-                 tracking: TrackingSettings | None = None, run_id: str = "", config: dict | None = None) -> None:
+                 tracking: TrackingSettings | None = None, run_id: str = "", config: dict | None = None,
+                 max_staleness: int = 1) -> None:
         self.out_dir = out_dir
         LAST_STEP.set(time.time())  # the process start counts as progress: no stall alert before a first step
         STALL_AFTER.set(stall_alert_seconds)
+        MAX_STALENESS.set(max_staleness)
         self.scalars = ScalarLog(out_dir / "tensorboard" if tensorboard else None, tracking, run_id, "trainer",
                                  out_dir, config)
 

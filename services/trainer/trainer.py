@@ -49,7 +49,7 @@ class Trainer:
         self.redis_id, self.checked_redis, self.resync = "", 0.0, False
         self.paused, self.last_metrics = False, {}
         self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds, settings.tracking,
-                               settings.run_id, settings.model_dump(mode="json"))
+                               settings.run_id, settings.model_dump(mode="json"), settings.max_staleness)
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()

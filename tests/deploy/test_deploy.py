@@ -308,15 +308,27 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
 def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     """`steadyrl replay-alerts`: a run's metrics, one step per minute, through promtool. The mismatch
     KL doubling from step 42 while entropy falls fires the early warning once it has held 5 steps
-    (the series of the collapse case in alerts_test.yml); flat KL never does."""
-    from steadyrl.alert_replay import firing_steps, trainer_alerts
+    (the series of the collapse case in alerts_test.yml); staleness 3 over a budget of 1 fires after
+    10 steps; a reward falling from 0.4 to 0.1 at step 61 fires the reward collapse at step 91 (past
+    an hour: promtool then prints "1h30m"); the eval round of step 75, 25 points under the best, fires
+    the eval drop from there; flat series never do."""
+    from steadyrl.alert_replay import firing_steps, minutes, replayed_alerts
 
     rules = DEPLOY / "prometheus" / "alerts.yml"
-    assert trainer_alerts(rules) == ["SteadyrlCollapseEarlyWarning", "SteadyrlStalenessOverBudget"]
-    kl = [0.005] * 41 + [0.01 * 2**i for i in range(9)]
-    collapsing = [{"step": i + 1, "mismatch_kl_k3": k, "entropy": 0.5 - 0.002 * i, "staleness_max": 3 * (i >= 30),
-                   "recipe": "minirl"} for i, k in enumerate(kl)]
-    fired = firing_steps(collapsing, rules)
-    assert fired == {"SteadyrlCollapseEarlyWarning": [49, 50], "SteadyrlStalenessOverBudget": list(range(41, 51))}
-    healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1} for row in collapsing]
-    assert firing_steps(healthy, rules) == {"SteadyrlCollapseEarlyWarning": [], "SteadyrlStalenessOverBudget": []}
+    assert replayed_alerts(rules) == ["SteadyrlCollapseEarlyWarning", "SteadyrlRewardCollapse", "SteadyrlEvalDrop",
+                                      "SteadyrlStalenessOverBudget"]
+    assert (minutes("45m"), minutes("1h30m"), minutes("1d2h"), minutes("0s")) == (45, 90, 1560, 0)
+    kl = [0.005] * 41 + [0.01 * 2**i for i in range(9)] + [2.56] * 50
+    collapsing = [{"step": i + 1, "mismatch_kl_k3": k, "entropy": 0.5 - 0.002 * min(i, 49),
+                   "staleness_max": 3 * (30 <= i < 50), "reward_mean": 0.4 if i < 60 else 0.1, "recipe": "minirl"}
+                  for i, k in enumerate(kl)]
+    budget = {"steadyrl_trainer_max_staleness": 1}
+    evals = [{"step": 0, "accuracy": 0.4}, {"step": 50, "accuracy": 0.45, "sets": {"main": {"accuracy": 0.45}}},
+             {"step": 75, "accuracy": 0.2}]
+    fired = firing_steps(collapsing, rules, budget, evals)
+    # the early warning ends once entropy has stopped falling (its 10 min delta, flat from step 50)
+    assert fired == {"SteadyrlCollapseEarlyWarning": list(range(49, 55)), "SteadyrlRewardCollapse": list(range(91, 101)),
+                     "SteadyrlEvalDrop": list(range(75, 101)), "SteadyrlStalenessOverBudget": list(range(41, 51))}
+    healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1, "reward_mean": 0.4} for row in collapsing]
+    steady = [{"step": e["step"], "accuracy": 0.4} for e in evals]
+    assert firing_steps(healthy, rules, budget, steady) == {a: [] for a in fired}
