@@ -332,3 +332,12 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1, "reward_mean": 0.4} for row in collapsing]
     steady = [{"step": e["step"], "accuracy": 0.4} for e in evals]
     assert firing_steps(healthy, rules, budget, steady) == {a: [] for a in fired}
+
+
+def test_replay_alerts_says_when_promtool_cannot_run_the_rules(tmp_path):
+    from steadyrl.alert_replay import firing_steps
+
+    rules = tmp_path / "rules.yml"
+    rules.write_text('groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: steadyrl_trainer_last_metric{name="x"} >\n')
+    with pytest.raises(RuntimeError, match="promtool failed"):
+        firing_steps([{"step": 1, "x": 1.0}], rules)
