@@ -102,41 +102,48 @@ class EvalRounds:
             step, prompt = int(match.group(3)), int(match.group(4))
             if step in written:
                 continue
-            bucket = self.results.setdefault(step, {}).setdefault(name, _bucket())
-            if match.group(1):  # one of the k samples of prompt `prompt`
-                n, c = bucket["sampled"].get(prompt, (0, 0))
-                bucket["sampled"][prompt] = (n + 1, c + (rollout.reward == 1.0))
-            else:
-                bucket["n"] += 1
-                bucket["correct"] += rollout.reward
-            if len(rollout.policy_versions):
-                bucket["vmin"] = min(bucket["vmin"], rollout.min_version)
-                bucket["vmax"] = max(bucket["vmax"], int(rollout.policy_versions.max()))
+            self._add(self.results.setdefault(step, {}).setdefault(name, _bucket()), rollout,
+                      prompt if match.group(1) else None)
         for step, buckets in sorted(self.results.items()):
-            if step in written or not all(self._complete(buckets.get(name), len(examples))
-                                          for name, examples in self.tasks.evals.items()):
-                continue
-            sets = {name: self._scores(buckets[name]) for name in self.tasks.evals}
-            line = {"step": step, "version": int(requested.get(str(step), step)), **sets["main"],
-                    "policy_version_min": min(b["vmin"] for b in buckets.values()),
-                    "policy_version_max": max(b["vmax"] for b in buckets.values()), "unix_ms": now_ms()}
-            if len(sets) > 1:
-                line["sets"] = sets
-            self.settings.out_dir.mkdir(parents=True, exist_ok=True)
-            with (self.settings.out_dir / "eval.jsonl").open("a") as f:
-                f.write(json.dumps(line) + "\n")
-            written.add(step)
-            scalars = {}
-            for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
-                prefix = "eval_" if name == "main" else f"eval_set/{name}/"
-                scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k")
-                                if key in scores})
-                EVAL_ACCURACY.labels(name).set(scores["accuracy"])
-            self.scalars.add(step, scalars)
-            self.scalars.flush()
-            log.info("event=eval step=%d version=%d accuracy=%.4f%s", step, line["version"], line["accuracy"],
-                     "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
+            if step not in written and all(self._complete(buckets.get(name), len(examples))
+                                           for name, examples in self.tasks.evals.items()):
+                self._write(step, buckets, int(requested.get(str(step), step)))
+                written.add(step)
         await self.redis.hset(self.keys.run, "evals_written", json.dumps(sorted(written)))
+
+    @staticmethod
+    def _add(bucket: dict, rollout, sampled_prompt: int | None) -> None:
+        """One eval rollout into its set's bucket: a greedy answer, or one of the k samples of a prompt."""
+        if sampled_prompt is not None:
+            n, c = bucket["sampled"].get(sampled_prompt, (0, 0))
+            bucket["sampled"][sampled_prompt] = (n + 1, c + (rollout.reward == 1.0))
+        else:
+            bucket["n"] += 1
+            bucket["correct"] += rollout.reward
+        if len(rollout.policy_versions):
+            bucket["vmin"] = min(bucket["vmin"], rollout.min_version)
+            bucket["vmax"] = max(bucket["vmax"], int(rollout.policy_versions.max()))
+
+    def _write(self, step: int, buckets: dict[str, dict], version: int) -> None:
+        """A round complete on every set: its eval.jsonl line, scalars, gauges and log line."""
+        sets = {name: self._scores(buckets[name]) for name in self.tasks.evals}
+        line = {"step": step, "version": version, **sets["main"],
+                "policy_version_min": min(b["vmin"] for b in buckets.values()),
+                "policy_version_max": max(b["vmax"] for b in buckets.values()), "unix_ms": now_ms()}
+        if len(sets) > 1:
+            line["sets"] = sets
+        self.settings.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.settings.out_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        scalars = {}
+        for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
+            prefix = "eval_" if name == "main" else f"eval_set/{name}/"
+            scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k") if key in scores})
+            EVAL_ACCURACY.labels(name).set(scores["accuracy"])
+        self.scalars.add(step, scalars)
+        self.scalars.flush()
+        log.info("event=eval step=%d version=%d accuracy=%.4f%s", step, version, line["accuracy"],
+                 "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
 
     def _complete(self, bucket: dict | None, prompts: int) -> bool:
         k = self.settings.eval_samples
