@@ -60,13 +60,13 @@ def wait_until(launch, done, timeout: float = 300) -> dict:
 
 def wandb_records(directory: Path) -> list:
     """The records of every W&B offline run under `directory` (their `.wandb` files: W&B's 7-byte
-    header, then LevelDB log blocks of protobuf `Record`s), in file order."""
+    header, then LevelDB log blocks of protobuf `Record`s), in the order the runs were written."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
     out = []
-    for path in sorted(Path(directory).rglob("run-*.wandb")):
+    for path in sorted(Path(directory).rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime_ns):  # run order
         data, at, parts = path.read_bytes(), 7, b""
         assert data[:4] == b":W&B", path
         while at + 7 <= len(data):

@@ -96,3 +96,19 @@ def test_a_backend_failing_records_in_a_row_is_dropped(tmp_path, mlflow_store, c
     assert [m.split("failures=")[1].split()[0] for m in messages if "phase=log" in m] == ["1", "1", "2", "3"]
     assert sum("event=tracking_dropped_backend backend=mlflow" in m for m in messages) == 1
     assert mlflow_history(mlflow_store, "exp-3/trainer")[0] == {"x": [(0, 1.0), (2, 2.0)]}  # nothing after the drop
+
+
+def test_a_restarted_service_continues_its_runs(tmp_path, mlflow_store):
+    """A restarted trainer logs into the same MLflow run (found by its tags) and the same W&B run id."""
+    from tests.helpers import wandb_records
+
+    tracking = TrackingSettings(wandb_project="steadyrl-test", wandb_mode="offline", mlflow_tracking_uri=mlflow_store)
+    for steps in ([1, 2], [3, 4]):  # the first process, then the restarted one
+        log = ScalarLog(None, tracking, "exp-4", "trainer", tmp_path / "out", {"lr": 0.001})
+        for step in steps:
+            log.add(step, {"reward_mean": step / 10})
+        log.close()
+    assert mlflow_history(mlflow_store, "exp-4/trainer")[0] == {"reward_mean": [(s, s / 10) for s in (1, 2, 3, 4)]}
+    runs = [r.run for r in wandb_records(tmp_path / "out") if r.WhichOneof("record_type") == "run"]
+    assert len(runs) == 2 and {r.run_id for r in runs} == {"exp-4-trainer"}  # `wandb sync` joins them
+    assert wandb_history(tmp_path / "out") == {"reward_mean": [(s, s / 10) for s in (1, 2, 3, 4)]}
