@@ -98,30 +98,28 @@ class ExternalBackends:
             log.warning("event=tracking_dropped records=%d", self.dropped)
 
     def _run(self, makers: list) -> None:
-        backends = []
-        for make in makers:
-            try:
-                backends.append(make())
-            except Exception as exc:  # noqa: BLE001 - tracking never stops training: logged, dropped
-                log.error("event=tracking_failed phase=start reason=%s", f"{type(exc).__name__}: {exc}"[:300])
-        failures = {id(b): 0 for b in backends}
+        backends = [b for b in (_guarded("start", make) for make in makers) if b is not None]
+        failures = dict.fromkeys(backends, 0)
         while (item := self._queue.get()) is not None:
             for backend in list(backends):
-                try:
-                    backend.log(*item)
-                    failures[id(backend)] = 0
-                except Exception as exc:  # noqa: BLE001
-                    failures[id(backend)] += 1
-                    log.error("event=tracking_failed backend=%s phase=log step=%d failures=%d reason=%s", backend.name,
-                              item[0], failures[id(backend)], f"{type(exc).__name__}: {exc}"[:300])
-                    if failures[id(backend)] >= MAX_FAILURES:
-                        log.error("event=tracking_dropped_backend backend=%s", backend.name)
-                        backends.remove(backend)
+                ok = _guarded("log", lambda b=backend: b.log(*item) or True, backend.name,
+                              f"step={item[0]} failures={failures[backend] + 1}")  # the count if this one fails
+                failures[backend] = 0 if ok else failures[backend] + 1
+                if failures[backend] >= MAX_FAILURES:
+                    log.error("event=tracking_dropped_backend backend=%s", backend.name)
+                    backends.remove(backend)
         for backend in backends:
-            try:
-                backend.close()
-            except Exception as exc:  # noqa: BLE001
-                log.error("event=tracking_failed backend=%s phase=close reason=%s", backend.name, exc)
+            _guarded("close", backend.close, backend.name)
+
+
+def _guarded(phase: str, call, backend: str = "", where: str = ""):
+    """`call()`, or None with the error logged: tracking never stops training."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001
+        log.error("event=tracking_failed backend=%s phase=%s %s reason=%s", backend or "-", phase, where,
+                  f"{type(exc).__name__}: {exc}"[:300])
+        return None
 
 
 def flat(values: dict, prefix: str = "") -> dict[str, object]:

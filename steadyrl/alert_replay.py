@@ -41,13 +41,11 @@ def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
     before the first)."""
     out = {}
     for name in sorted({n for e in evals for n in (e.get("sets") or {"main": None})}):
-        rounds = sorted((e["step"], (e.get("sets") or {}).get(name, {}).get("accuracy", e["accuracy"]))
-                        for e in evals if name == "main" or name in e.get("sets", {}))
+        at_minute = {max(e["step"] - 1, 0): (e.get("sets") or {}).get(name, {}).get("accuracy", e["accuracy"])
+                     for e in sorted(evals, key=lambda e: e["step"]) if name == "main" or name in e.get("sets", {})}
         values, current = [], None
         for minute in range(steps):
-            for step, accuracy in rounds:
-                if max(step - 1, 0) == minute:
-                    current = accuracy
+            current = at_minute.get(minute, current)
             values.append("_" if current is None else repr(float(current)))
         out[name] = " ".join(values)
     return out

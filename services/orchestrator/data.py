@@ -32,12 +32,17 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
                              f"{settings.eval_size} for evaluation (or give math_eval_path)")
         return rows[: -settings.eval_size][: settings.train_size], rows[-settings.eval_size:], "math_verify"
     train, evals = task.split("train", settings.train_size), task.split("eval", settings.eval_size)
-    overlap = {e.prompt for e in train} & {e.prompt for e in evals}
-    if overlap and not settings.allow_eval_overlap:
-        raise ValueError(f"{len(overlap)} eval problems are also training problems (e.g. "
-                         f"{next(iter(overlap))[:80]!r}); evals would measure memorisation. Remove them or set "
-                         "allow_eval_overlap = true")
+    refuse_overlap(settings, train, evals, "eval problems")
     return train, evals, "math_verify"
+
+
+def refuse_overlap(settings: OrchestratorSettings, train: list[Example], evals: list[Example], what: str) -> None:
+    """ValueError when eval problems are also training problems (evals would measure memorisation),
+    unless allow_eval_overlap."""
+    overlap = sorted({e.prompt for e in train} & {e.prompt for e in evals})
+    if overlap and not settings.allow_eval_overlap:
+        raise ValueError(f"{len(overlap)} {what} are also training problems (e.g. {overlap[0][:80]!r}); evals would "
+                         "measure memorisation. Remove them or set allow_eval_overlap = true")
 
 
 def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str, list[Example]]:
@@ -45,15 +50,10 @@ def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str,
     unless allowed."""
     template = {} if settings.task == "math" else {"template": "{problem}"}
     out: dict[str, list[Example]] = {}
-    seen = {e.prompt for e in train}
     for name, path in settings.eval_sets.items():
-        rows = MathTask(str(path), prompt_column=settings.prompt_column, answer_column=settings.answer_column,
-                        **template).split("train", settings.eval_size)
-        overlap = [e.prompt for e in rows if e.prompt in seen]
-        if overlap and not settings.allow_eval_overlap:
-            raise ValueError(f"eval set {name!r}: {len(overlap)} problems are also training problems (e.g. "
-                             f"{overlap[0][:80]!r}); remove them or set allow_eval_overlap = true")
-        out[name] = rows
+        out[name] = MathTask(str(path), prompt_column=settings.prompt_column, answer_column=settings.answer_column,
+                             **template).split("train", settings.eval_size)
+        refuse_overlap(settings, train, out[name], f"problems of eval set {name!r}")
     return out
 
 
