@@ -227,7 +227,7 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def resolve_model(config: RunConfig) -> str:
-    path = str(config.model.get("path", "tiny"))
+    path = config.model.path
     if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
         from shared.models.tiny import KitTask, init_tiny_model
 

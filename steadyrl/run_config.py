@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.settings import StepShape, TrackingSettings
 
@@ -69,6 +69,16 @@ class RunSection(StepShape):
         return check_run_id(value)
 
 
+class ModelSection(BaseModel):
+    """[model]: the policy every service loads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field("tiny", min_length=1)
+    """A Hugging Face model directory, or "tiny" (the cold-started tiny MoE, built for the run's
+    task and cached on first use)."""
+
+
 # [run] field → the field it becomes in each service's settings
 SHARED = {
     "trainer": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
@@ -83,7 +93,7 @@ SHARED = {
 @dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
-    model: dict[str, Any] = field(default_factory=dict)
+    model: ModelSection = field(default_factory=ModelSection)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -102,7 +112,7 @@ class RunConfig:
         return self.sections.setdefault(name, {})
 
     def as_toml(self) -> str:
-        parts = [_table("run", self.run.model_dump()), _table("model", self.model)]
+        parts = [_table("run", self.run.model_dump()), _table("model", self.model.model_dump())]
         parts += [_table(name, self.sections[name]) for name in SERVICES if self.sections.get(name)]
         return "\n".join(parts)
 
@@ -191,9 +201,9 @@ def load_run_config(path: str | Path | Sequence[str | Path], overrides: Sequence
     if run.get("mini_batch_prompts"):
         run["batch_prompts"] = mini_batches(sections["trainer"]) * run["mini_batch_prompts"]
     try:
-        config = RunConfig(RunSection(**run), model, sections)
+        config = RunConfig(RunSection(**run), ModelSection(**model), sections)
     except ValidationError as exc:
-        raise ValueError(f"[run] {exc}") from None
+        raise ValueError(f"[{exc.title.removesuffix('Section').lower()}] {exc}") from None
     for service, shared in SHARED.items():
         clash = sorted(set(config.section(service)) & set(shared.values()))
         if clash:
@@ -314,7 +324,7 @@ def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, 
     and the GPU placement."""
     from steadyrl.placement import placement_of
 
-    model = {"model_path": str(config.model.get("path", "tiny"))}
+    model = {"model_path": config.model.path}
     probes = {service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES}
     settings = {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
     placement = placement_of(config, settings, gpus_available)

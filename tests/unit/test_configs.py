@@ -33,6 +33,11 @@ def test_a_typo_names_the_field(tmp_path):
     assert overridden.section("trainer")["lr"] == 3e-4 and overridden.steps == 7
     env = service_env(overridden, "orchestrator", REQUIRED["orchestrator"])
     assert env["STEADYRL_ORCHESTRATOR_STEPS"] == "7" and env["STEADYRL_ORCHESTRATOR_RUN_ID"] == "tiny-arith"
+    with pytest.raises(ValueError, match=r"\[model\][\s\S]*pth[\s\S]*Extra inputs"):  # not silently the tiny model
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.pth="/models/qwen"'])
+    with pytest.raises(ValueError, match=r"\[model\][\s\S]*path[\s\S]*at least 1 character"):
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.path=""'])
+    assert load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.path="/m"']).model.path == "/m"
 
 
 def test_a_bad_value_fails_before_any_process_starts(tmp_path):
