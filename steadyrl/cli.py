@@ -121,16 +121,30 @@ def export_command(
 @app.command("eval")
 def eval_command(
     model_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="HF model directory.")],
-    task: Annotated[str, typer.Option(help="arith (tiny-model format) or math.")] = "arith",
-    size: Annotated[int, typer.Option(help="Eval prompts.")] = 300,
-    samples: Annotated[int, typer.Option(help="Samples per prompt for sampled accuracy.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option(help="Completion budget.")] = 8,
-    math_path: Annotated[Path | None, typer.Option(help="math: JSONL/Parquet file.")] = None,
+    config: Annotated[list[Path] | None, typer.Option(
+        "--config", exists=True, dir_okay=False,
+        help="Run recipe(s): its eval sets, prompts and reward (repeatable, merged left to right).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
+    task: Annotated[str | None, typer.Option(help="Shortcut for --set orchestrator.task=...")] = None,
+    size: Annotated[int | None, typer.Option(help="Shortcut for --set orchestrator.eval_size=...")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        help="Shortcut for --set orchestrator.max_new_tokens=...")] = None,
+    math_path: Annotated[Path | None, typer.Option(help="Shortcut for --set orchestrator.math_path=...")] = None,
+    samples: Annotated[int, typer.Option(min=0, help="Samples per prompt for pass@k / mean@k (0: greedy only).")] = 4,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
 ) -> None:
-    """Greedy and sampled accuracy of a model on a task's eval split."""
+    """Greedy accuracy (and pass@k, mean@k) of a model on a recipe's eval sets, as its run scores them."""
     from steadyrl.evaluation import evaluate
 
-    typer.echo(json.dumps(evaluate(str(model_dir), task, size, samples, max_new_tokens, math_path)))
+    shortcuts = {"task": task, "eval_size": size, "max_new_tokens": max_new_tokens,
+                 "math_path": str(math_path) if math_path else None}
+    overrides = [*(set_ or []), *(f"orchestrator.{k}={json.dumps(v)}" for k, v in shortcuts.items() if v is not None)]
+    try:
+        report = evaluate(str(model_dir), config or [], overrides, samples, dtype)
+    except (ValueError, KeyError) as exc:
+        typer.echo(f"steadyrl eval: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(report))
 
 
 @app.command("replay-alerts")

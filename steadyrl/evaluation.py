@@ -1,49 +1,70 @@
-"""Accuracy of a model on a task's eval split: greedy and sampled, with the torch engine."""
+"""Accuracy of a model on a recipe's eval sets, offline, with the torch engine.
+
+The sets are the ones the run's orchestrator evaluates — the task's own (`main`) and every named
+set of `orchestrator.eval_sets` — built by the same code (`services.orchestrator.data.Tasks`),
+prompted the same way (chat template, system prompt) and scored by the same reward in a reward
+process with the replicas' time limit. The fields are eval.jsonl's: greedy `accuracy` (mean
+reward), and with k samples per prompt `pass_at_k` / `mean_at_k`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+BATCH = 64
 
-def evaluate(model_dir: str, task: str = "arith", size: int = 300, samples: int = 4, max_new_tokens: int = 8,
-             math_path: Path | None = None, dtype: str = "float32") -> dict:
+
+def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = ()):
+    """The orchestrator's settings of a recipe (none: the defaults, the tiny model's arith task),
+    with the model to evaluate; ValueError naming a bad field, a missing file or column."""
+    from steadyrl.run_config import build_settings, load_run_config, service_env
+
+    config = load_run_config(list(recipes), overrides, allow_empty=True)
+    settings = build_settings("orchestrator", service_env(config, "orchestrator", {"model_path": model_dir}))
+    settings.check_dataset()
+    return settings
+
+
+def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = (), samples: int = 4,
+             dtype: str = "float32", reward_timeout: float = 10.0) -> dict:
+    from services.orchestrator.data import Tasks
+    from shared.core.evals import sampled_scores
     from shared.engines import Sampling, make_engine
-    from shared.models import load_tokenizer
-    from shared.models.loading import encode_prompt
-    from shared.models.tiny import TinySpec
-    from shared.tasks import MathTask, get_reward
+    from shared.tasks import RewardRunner
 
-    if task == "arith":
-        examples = TinySpec().task().split("eval", size)
-        reward = get_reward("exact_match")
-    elif task == "math":
-        if math_path is None:
-            raise ValueError("task math needs --math-path")
-        examples = MathTask(math_path).split("eval", size)
-        reward = get_reward("math_verify")
-    else:
-        raise ValueError(f"unknown task {task!r}; arith or math")
+    settings = eval_settings(model_dir, recipes, overrides)
+    tasks = Tasks(settings)
+    rewards = RewardRunner(reward_timeout)
+    rewards.check(tasks.reward)
     engine = make_engine("torch", model_dir, dtype)
-    tokenizer = load_tokenizer(model_dir)
-    prompts = [encode_prompt(tokenizer, e.prompt) for e in examples]
 
-    def accuracy(sampling: Sampling, repeat: int) -> float:
-        total = 0.0
-        for start in range(0, len(prompts), 64):
-            chunk = prompts[start : start + 64]
-            outs = engine.generate([p for p in chunk for _ in range(repeat)], sampling)
-            for i, sample in enumerate(outs):
-                example = examples[start + i // repeat]
-                total += reward(tokenizer.decode(sample.token_ids, skip_special_tokens=True), example.answer)
-        return total / (len(prompts) * repeat)
+    def rewards_of(examples, sampling: Sampling, repeat: int) -> list[list[float]]:
+        """Per example, the rewards of its `repeat` completions."""
+        out: list[list[float]] = []
+        for start in range(0, len(examples), BATCH):
+            chunk = examples[start: start + BATCH]
+            samples_ = engine.generate([tasks.prompt_ids(e) for e in chunk for _ in range(repeat)], sampling)
+            for i, example in enumerate(chunk):
+                texts = [tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                         for s in samples_[i * repeat: (i + 1) * repeat]]
+                out.append([s.value for s in rewards.score(tasks.reward, texts, example.answer)])
+        return out
+
+    def scores(examples) -> dict:
+        greedy = rewards_of(examples, Sampling(temperature=0, max_new_tokens=settings.max_new_tokens), 1)
+        out = {"accuracy": round(sum(r[0] for r in greedy) / len(greedy), 4), "prompts": len(examples)}
+        if samples:
+            sampled = rewards_of(examples, Sampling(temperature=settings.eval_temperature, top_p=settings.top_p,
+                                                    max_new_tokens=settings.max_new_tokens, seed=1), samples)
+            counts = [(samples, sum(r == 1.0 for r in rs)) for rs in sampled]
+            out.update(k=samples, **{k: round(v, 4) for k, v in sampled_scores(counts, samples).items()})
+        return out
 
     try:
-        return {
-            "model": model_dir, "task": task, "prompts": len(prompts),
-            "greedy_accuracy": round(accuracy(Sampling(temperature=0, max_new_tokens=max_new_tokens), 1), 4),
-            "sampled_accuracy": round(accuracy(Sampling(temperature=1.0, max_new_tokens=max_new_tokens, seed=1),
-                                               samples), 4),
-            "samples_per_prompt": samples,
-        }
+        sets = {name: scores(examples) for name, examples in tasks.evals.items()}
     finally:
         engine.close()
+        rewards.close()
+    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, **sets.pop("main")}
+    return {**report, "sets": sets} if sets else report

@@ -167,11 +167,12 @@ def merge_tables(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-def load_run_config(path: str | Path | Sequence[str | Path], overrides: Sequence[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path | Sequence[str | Path], overrides: Sequence[str] = (),
+                    allow_empty: bool = False) -> RunConfig:
     """A recipe from one TOML file, or several merged left to right (a later file's keys win, tables
-    merge key by key), then `--set` overrides."""
+    merge key by key), then `--set` overrides (on the defaults alone with `allow_empty`)."""
     paths = [path] if isinstance(path, str | Path) else list(path)
-    if not paths:
+    if not paths and not allow_empty:
         raise ValueError("no recipe file given")
     data: dict[str, Any] = {}
     for one in paths:

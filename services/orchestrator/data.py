@@ -68,12 +68,17 @@ class Tasks:
         self.reward = settings.reward or self.reward
         self.tokenizer = load_tokenizer(settings.model_path)
 
+    def prompt_ids(self, example: Example) -> list[int]:
+        """The prompt's tokens: through the chat template (and system prompt) when the run asks."""
+        return encode_prompt(self.tokenizer, example.prompt, self.settings.chat_template == "auto",
+                             self.settings.system_prompt)
+
     def make(self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool,
              min_version: int) -> common_pb2.PromptTask:
         s = self.settings
         return common_pb2.PromptTask(
             task_id=task_id, run_id=s.run_id, group_id=task_id, task_name=self.reward,
-            prompt_token_ids=encode_prompt(self.tokenizer, example.prompt, s.chat_template == "auto", s.system_prompt),
+            prompt_token_ids=self.prompt_ids(example),
             answer=example.answer,
             group_size=group_size, is_eval=is_eval, min_policy_version=min_version,
             sampling=common_pb2.SamplingParams(temperature=temperature, top_p=s.top_p if temperature else 1.0,

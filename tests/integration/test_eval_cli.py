@@ -1,19 +1,74 @@
-"""`steadyrl eval` on the tiny model: greedy accuracy equals transformers' own greedy decoding."""
+"""`steadyrl eval` on the tiny model: the run's eval sets, prompts and reward, offline. Greedy
+accuracy equals transformers' own greedy decoding, set by set."""
 
+import csv
 import json
 import subprocess
 import sys
 
+import torch
+
 from shared.models import load_causal_lm
-from shared.models.tiny import TinySpec, char_tokenizer, greedy_accuracy
+from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts, greedy_accuracy
 
 
-def test_eval_command_greedy_matches_hf_generate(tiny_model_dir):
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "eval", str(tiny_model_dir), "--size", "60",
-                           "--samples", "2"], capture_output=True, text=True, timeout=300)
+def eval_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "steadyrl.cli", "eval", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def report_of(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    expected = greedy_accuracy(load_causal_lm(tiny_model_dir, "float32"), char_tokenizer(),
-                               TinySpec().task().split("eval", 60))
-    assert report["prompts"] == 60 and report["greedy_accuracy"] == round(expected, 4)
-    assert 0.0 <= report["sampled_accuracy"] <= 1.0 and report["samples_per_prompt"] == 2
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_eval_scores_the_recipes_eval_sets_as_its_run_does(tiny_model_dir, tmp_path):
+    model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
+    examples = TinySpec().task().split("eval", 64)
+    with (tmp_path / "hard.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["question", "solution"])
+        writer.writerows([e.prompt, e.answer] for e in examples[40:64])
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'[orchestrator]\neval_size = 40\nmax_new_tokens = 8\nprompt_column = "question"\n'
+                      f'answer_column = "solution"\neval_sets = {{hard = "{tmp_path / "hard.csv"}"}}\n')
+
+    report = report_of(eval_cli(str(tiny_model_dir), "--config", str(recipe), "--samples", "2"))
+    assert report["task"] == "arith" and report["reward"] == "exact_match"
+    assert report["prompts"] == 40 and report["accuracy"] == round(greedy_accuracy(model, tokenizer, examples[:40]), 4)
+    hard = report["sets"]["hard"]
+    assert hard["prompts"] == 24 and hard["accuracy"] == round(greedy_accuracy(model, tokenizer, examples[40:64]), 4)
+    for scores in (report, hard):
+        assert scores["k"] == 2 and 0.0 <= scores["mean_at_k"] <= scores["pass_at_k"] <= 1.0
+
+    # a shortcut flag is an override of the same recipe; --samples 0 is greedy only
+    smaller = report_of(eval_cli(str(tiny_model_dir), "--config", str(recipe), "--size", "10", "--samples", "0"))
+    assert smaller["prompts"] == 10 and smaller["sets"]["hard"]["prompts"] == 10 and "k" not in smaller
+    assert smaller["accuracy"] == round(greedy_accuracy(model, tokenizer, examples[:10]), 4)
+
+
+def test_eval_uses_the_recipes_reward_plug_in(tiny_model_dir):
+    """`tests.rewards:length` scores a completion by its length: the greedy 'accuracy' is the mean
+    length of transformers' greedy completions, computed in a reward process."""
+    model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
+    examples = TinySpec().task().split("eval", 12)
+    report = report_of(eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:length", "--size", "12",
+                                "--max-new-tokens", "6", "--samples", "0"))
+    ids = encode_prompts(tokenizer, [e.prompt for e in examples])
+    lengths = []
+    with torch.no_grad():
+        for row in ids:
+            out = model.generate(input_ids=torch.tensor([row]), max_new_tokens=6, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+            lengths.append(len(tokenizer.decode(out[0, len(row):].tolist(), skip_special_tokens=True)))
+    assert report["reward"] == "tests.rewards:length" and report["prompts"] == 12
+    assert report["accuracy"] == round(sum(lengths) / 12, 4) and report["accuracy"] > 0
+
+
+def test_bad_eval_settings_are_refused_with_the_reason(tiny_model_dir, tmp_path):
+    done = eval_cli(str(tiny_model_dir), "--task", "nope")
+    assert done.returncode == 2 and "task" in done.stderr and "'mul_trace'" in done.stderr
+    done = eval_cli(str(tiny_model_dir), "--set", f'orchestrator.eval_sets={{x = "{tmp_path / "none.csv"}"}}')
+    assert done.returncode == 2 and "none.csv" in done.stderr
+    done = eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:nothing_here")
+    assert done.returncode == 2 and "nothing_here" in done.stderr
