@@ -1,14 +1,14 @@
 """The training–inference mismatch each inference precision makes on the tiny MoE, side by side
 in one run. Prints one JSON object.
 
-For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights (attention, MLP and experts), and
-the same with the router in fp8 too — the torch engine samples the same prompts (T = 1, seeded),
+For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights (attention, MLP and experts),
+the same with the router in fp8 too, and W8A8 (fp8 weights and their inputs) — the torch engine samples the same prompts (T = 1, seeded),
 and the fp32 training engine scores the very tokens it sampled, as the trainer's π_old recompute
 does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3, means over tokens),
 |Δ logprob| of the answer tokens (mean, p99, max), and routing agreement (share of (position,
 layer) top-k expert sets the two engines chose alike). fp8 here is the emulation of
-`shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, computed in
-bf16), not fp8 kernels.
+`shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, W8A8 also
+the matmuls' inputs with per-token scales, computed in bf16), not fp8 kernels.
 """
 
 from __future__ import annotations
@@ -17,17 +17,19 @@ import json
 import sys
 import time
 
-SETTINGS = {  # name → (dtype, quantization, fp8_router)
-    "fp32": ("float32", "none", False),
-    "bf16": ("bfloat16", "none", False),
-    "fp32_fp8": ("float32", "fp8", False),  # fp8 weights alone, computed in fp32
-    "bf16_fp8": ("bfloat16", "fp8", False),
-    "bf16_fp8_router": ("bfloat16", "fp8", True),
+SETTINGS = {  # name → (dtype, quantization, fp8_router, fp8_activations)
+    "fp32": ("float32", "none", False, False),
+    "bf16": ("bfloat16", "none", False, False),
+    "fp32_fp8": ("float32", "fp8", False, False),  # fp8 weights alone, computed in fp32
+    "bf16_fp8": ("bfloat16", "fp8", False, False),
+    "bf16_fp8_router": ("bfloat16", "fp8", True, False),
+    "bf16_fp8_w8a8": ("bfloat16", "fp8", False, True),  # fp8 weights and their inputs: an FP8 engine's matmuls
 }
 PROMPTS, SAMPLES, MAX_NEW_TOKENS = 128, 4, 8
 
 
-def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, prompts: list[list[int]]) -> dict:
+def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8_activations: bool,
+            prompts: list[list[int]]) -> dict:
     import torch
 
     from shared.batch import collate
@@ -41,7 +43,8 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, pro
     from shared.rollout import RolloutTimings
     from shared.rpc.steadyrl.v1 import common_pb2
 
-    engine = make_engine("torch", model_dir, dtype, quantization=quantization, fp8_router=fp8_router)
+    engine = make_engine("torch", model_dir, dtype, quantization=quantization, fp8_router=fp8_router,
+                         fp8_activations=fp8_activations)
     try:
         samples = engine.generate([p for p in prompts for _ in range(SAMPLES)],
                                   Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7), return_trace=True)
@@ -74,10 +77,10 @@ def main() -> dict:
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
     result: dict = {"benchmark": "mismatch", "model": "tiny-qwen3-moe", "trainer_dtype": "float32",
                     "prompts": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
-                    "fp8": "emulated: e4m3 weights with per-output-channel scales, computed in bf16"}
-    for name, (dtype, quantization, router) in SETTINGS.items():
-        result[name] = {k: round(v, 8) if isinstance(v, float) else v
-                        for k, v in measure(model_dir, dtype, quantization, router, prompts).items()}
+                    "fp8": "emulated: e4m3 weights with per-output-channel scales (w8a8: and their inputs, per-token "
+                           "scales), computed in bf16"}
+    for name, setting in SETTINGS.items():
+        result[name] = {k: round(v, 8) if isinstance(v, float) else v for k, v in measure(model_dir, *setting, prompts).items()}
     base = result["bf16"]["mismatch_kl_k3"]
     result["k3_over_bf16"] = {name: round(result[name]["mismatch_kl_k3"] / base, 2) for name in SETTINGS}
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -136,7 +136,8 @@ def markdown(result: dict) -> str:
                          f"{_get(e, 'publish_to_first_token', mode, 'p95_s')} | – |")
     mm = b.get("mismatch", {})
     for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
-                        ("bf16_fp8_router", "bf16 + fp8 weights and router")):
+                        ("bf16_fp8_router", "bf16 + fp8 weights and router"),
+                        ("bf16_fp8_w8a8", "bf16 + fp8 weights and their inputs (W8A8)")):
         lines.append(f"| mismatch | {label} inference vs fp32 training, tiny MoE: k3 / routing agreement / "
                      f"mean abs Δlogprob | {_get(mm, name, 'mismatch_kl_k3')} / {_get(mm, name, 'routing_agreement')} / "
                      f"{_get(mm, name, 'abs_delta_logprob_mean')} | – |")

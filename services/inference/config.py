@@ -44,6 +44,11 @@ class InferenceSettings(RedisSettings):
     fp8_router: bool = False
     """With `quantization = "fp8"`, the MoE router's weights too (the torch engine's emulation;
     vLLM 0.32's own fp8 quantises the router whatever this says)."""
+    fp8_activations: bool = False
+    """With `quantization = "fp8"` on the torch engine, the inputs of those matmuls too: rounded
+    through e4m3 with a dynamic scale per token (W8A8, as an FP8 engine computes; the tiny MoE's
+    mismatch KL is about 8× that of fp8 weights alone, docs/REPRODUCTION.md). vLLM's own fp8 always
+    quantises activations."""
     vllm_max_model_len: int = Field(1024, ge=16)
     """vLLM: longest prompt + completion."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -100,4 +105,6 @@ class InferenceSettings(RedisSettings):
     def _quantization_fits(self) -> InferenceSettings:
         if self.fp8_router and self.quantization != "fp8":
             raise ValueError('fp8_router needs quantization = "fp8"')
+        if self.fp8_activations and self.quantization != "fp8":
+            raise ValueError('fp8_activations needs quantization = "fp8"')
         return self

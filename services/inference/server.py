@@ -127,6 +127,8 @@ def engine_options(settings: InferenceSettings) -> dict:
         options["quantization"] = settings.quantization
     if settings.engine == "torch" and settings.fp8_router:  # vLLM's own fp8 quantises its router anyway
         options["fp8_router"] = True
+    if settings.engine == "torch" and settings.fp8_activations:  # vLLM's own fp8 is W8A8 anyway
+        options["fp8_activations"] = True
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads
     if settings.engine == "vllm":

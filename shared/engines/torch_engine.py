@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -41,7 +42,7 @@ from shared.engines.base import (
 )
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
-from shared.models.quantization import QUANTIZATIONS, fp8_targets, quantize_fp8_
+from shared.models.quantization import QUANTIZATIONS, FP8Activations, fp8_targets, quantize_fp8_
 from shared.models.routing import RoutingController
 from shared.torch_threads import bind_torch_threads
 
@@ -86,11 +87,13 @@ class TorchEngine(StagedWeights):
 
     def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0,
                  max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 fp8_router: bool = False) -> None:
+                 fp8_router: bool = False, fp8_activations: bool = False) -> None:
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if fp8_activations and quantization != "fp8":
+            raise ValueError('fp8_activations needs quantization = "fp8"')
         self.threads, self.max_num_seqs, self.update_mode = threads, max_num_seqs, update_mode
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
@@ -98,13 +101,16 @@ class TorchEngine(StagedWeights):
         self.routing = RoutingController(self.model)
         self.fp8 = fp8_targets(self.model, fp8_router) if quantization == "fp8" else []
         quantize_fp8_(self.model, self.fp8)
+        params = dict(self.model.named_parameters())  # loads copy into these tensors: their storage stays
+        self.w8a8 = FP8Activations([params[n] for n in self.fp8]) if fp8_activations else contextlib.nullcontext()
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         eos = config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-        notes = (f"fp8 e4m3 weights, per-channel scales, emulated: {len(self.fp8)} tensors rounded through fp8, "
+        notes = (f"fp8 e4m3 weights, per-channel scales{', and their inputs, per-token scales' if fp8_activations else ''}"
+                 f", emulated: {len(self.fp8)} tensors rounded through fp8, "
                  f"computed in {str(self.dtype).removeprefix('torch.')}"
                  f"{' (router included)' if fp8_router else ' (router not)'}",) if self.fp8 else ()
         self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
@@ -240,8 +246,9 @@ class TorchEngine(StagedWeights):
         capture = self.routing.capture() if tracing else None
         recording = capture.__enter__() if capture is not None else None
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+            with self.w8a8:
+                out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                                 past_key_values=cache, use_cache=True)
         finally:
             if capture is not None:
                 capture.__exit__(None, None, None)

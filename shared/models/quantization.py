@@ -1,8 +1,10 @@
 """FP8 inference as an emulation: the weights of the linear layers are quantised to float8 e4m3
 with one scale per output channel (amax / 448) when a version is loaded, and the model computes
 on the dequantised values. On a CPU this reproduces FP8's rounding of the weights — the part of
-an FP8 engine that moves its logprobs and routing away from the trainer's — but not FP8 kernels
-(activations stay in the engine's dtype). Pure functions; the torch engine applies them."""
+an FP8 engine that moves its logprobs and routing away from the trainer's — but not FP8 kernels.
+With `FP8Activations` the inputs of those matmuls are rounded too (W8A8, dynamic per-token
+scales), as an FP8 engine's are; without it activations stay in the engine's dtype. The torch
+engine applies them."""
 
 from __future__ import annotations
 
@@ -46,3 +48,23 @@ def quantize_fp8_(model: nn.Module, names: list[str]) -> None:
     params = dict(model.named_parameters())
     for name in names:
         params[name].copy_(fp8_roundtrip(params[name]))
+
+
+class FP8Activations(torch.overrides.TorchFunctionMode):
+    """W8A8: while active (modes are per thread: enter it on the thread that runs the forward),
+    every `linear` whose weight is one of `weights` — an FP8 parameter, or a slice of one (an
+    expert of a stacked tensor) — gets its input rounded through e4m3 with a dynamic scale per
+    token (amax of the row / 448), as an FP8 engine quantises activations before its FP8 matmul.
+    Other linears (the output head, a router kept in full precision) are left alone."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {w.untyped_storage().data_ptr() for w in weights}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is not None and weight.untyped_storage().data_ptr() in self.storages:
+                args = (fp8_roundtrip(args[0]), *args[1:])
+        return func(*args, **kwargs)

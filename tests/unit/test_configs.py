@@ -79,17 +79,23 @@ def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     (["inference.fp8_router=true"], 'fp8_router needs quantization = "fp8"'),
+    (["inference.fp8_activations=true"], 'fp8_activations needs quantization = "fp8"'),
     (["inference.quantization=int8"], "quantization"),
 ])
 def test_fp8_settings_that_cannot_work_are_refused(overrides, message):
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
     with pytest.raises(ValueError, match=message):
         validate("inference", service_env(config, "inference", REQUIRED["inference"]))
-    fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["inference.quantization=fp8", "inference.fp8_router=true"])
+    fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["inference.quantization=fp8", "inference.fp8_router=true",
+                                                                  "inference.fp8_activations=true"])
+    from services.inference.server import engine_options
     from steadyrl.run_config import build_settings
 
     settings = build_settings("inference", service_env(fine, "inference", REQUIRED["inference"]))
-    assert settings.quantization == "fp8" and settings.fp8_router
+    assert settings.quantization == "fp8" and settings.fp8_router and settings.fp8_activations
+    options = engine_options(settings)
+    assert {k: options[k] for k in ("quantization", "fp8_router", "fp8_activations")} == {
+        "quantization": "fp8", "fp8_router": True, "fp8_activations": True}
 
 
 def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():

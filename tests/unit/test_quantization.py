@@ -59,3 +59,61 @@ def test_the_torch_engine_serves_every_version_through_fp8(tiny_model_dir, route
         engine.close()
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_engine("torch", str(tiny_model_dir), "float32", quantization="int4")
+
+
+def test_w8a8_rounds_the_inputs_of_fp8_weights_only_by_hand():
+    from torch import nn
+
+    from shared.models.quantization import FP8Activations
+
+    torch.manual_seed(0)
+    fp8, full = nn.Linear(6, 4, bias=True), nn.Linear(6, 4, bias=False)
+    experts = torch.randn(3, 4, 6)  # stacked [E, out, in]; an expert's matmul uses a slice
+    x = torch.randn(5, 6) * torch.tensor([[1.0], [10.0], [0.1], [3.0], [0.0]])  # rows of very different scale
+    # by hand: each row (token) gets its own scale amax / 448, then e4m3
+    rows = []
+    for row in x:
+        scale = row.abs().max().clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+        rows.append((row / scale).to(torch.float8_e4m3fn).float() * scale)
+    xq = torch.stack(rows)
+    assert not torch.equal(xq, x) and torch.equal(xq[4], x[4])  # rounded; an all-zero token stays zero
+    mode = FP8Activations([fp8.weight, experts])
+    with mode:
+        assert torch.equal(fp8(x), nn.functional.linear(xq, fp8.weight, fp8.bias))
+        assert torch.equal(nn.functional.linear(x, experts[1]), nn.functional.linear(xq, experts[1]))
+        assert torch.equal(full(x), x @ full.weight.T)  # not an fp8 weight: its input untouched
+    assert torch.equal(fp8(x), nn.functional.linear(x, fp8.weight, fp8.bias))  # inactive outside the mode
+    with mode:  # re-entered, as the engine does every forward
+        assert torch.equal(fp8(x), nn.functional.linear(xq, fp8.weight, fp8.bias))
+
+
+def test_the_torch_engine_computes_w8a8_on_its_own_thread(tiny_model_dir):
+    """The engine's logprobs with fp8_activations equal the fp8-weight model run under the mode by
+    hand, and differ from fp8 weights alone: the mode is active where the engine's forward runs."""
+    from shared.engines import Sampling, make_engine
+    from shared.models import load_causal_lm
+    from shared.models.quantization import FP8Activations
+
+    prompt, greedy = [1, 5, 6, 7], Sampling(temperature=0, max_new_tokens=4)
+    logprobs = {}
+    for w8a8 in (False, True):
+        engine = make_engine("torch", str(tiny_model_dir), "float32", quantization="fp8", fp8_activations=w8a8)
+        try:
+            sample = engine.generate([prompt], greedy)[0]
+            logprobs[w8a8] = (sample.token_ids, torch.tensor(sample.logprobs))
+            assert ("and their inputs" in engine.capabilities.notes[0]) == w8a8
+        finally:
+            engine.close()
+    reference = load_causal_lm(tiny_model_dir, "float32")
+    names = fp8_targets(reference)
+    quantize_fp8_(reference, names)
+    params = dict(reference.named_parameters())
+    tokens, served = logprobs[True]
+    ids = torch.tensor([prompt + list(tokens)])
+    with torch.no_grad(), FP8Activations([params[n] for n in names]):
+        logits = reference(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+    assert torch.allclose(served, expected, atol=1e-5)
+    assert (served - logprobs[False][1]).abs().max() > 1e-4 or tokens != logprobs[False][0]
+    with pytest.raises(ValueError, match="fp8_activations needs"):
+        make_engine("torch", str(tiny_model_dir), "float32", fp8_activations=True)
