@@ -44,10 +44,10 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
         out: list[list[float]] = []
         for start in range(0, len(examples), BATCH):
             chunk = examples[start: start + BATCH]
-            samples_ = engine.generate([tasks.prompt_ids(e) for e in chunk for _ in range(repeat)], sampling)
+            outs = engine.generate([tasks.prompt_ids(e) for e in chunk for _ in range(repeat)], sampling)
             for i, example in enumerate(chunk):
                 texts = [tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                         for s in samples_[i * repeat: (i + 1) * repeat]]
+                         for s in outs[i * repeat: (i + 1) * repeat]]
                 out.append([s.value for s in rewards.score(tasks.reward, texts, example.answer)])
         return out
 

@@ -46,9 +46,9 @@ class InferenceSettings(RedisSettings):
     vLLM 0.32's own fp8 quantises the router whatever this says)."""
     fp8_activations: bool = False
     """With `quantization = "fp8"` on the torch engine, the inputs of those matmuls too: rounded
-    through e4m3 with a dynamic scale per token (W8A8, as an FP8 engine computes; the tiny MoE's
-    mismatch KL is about 8× that of fp8 weights alone, docs/REPRODUCTION.md). vLLM's own fp8 always
-    quantises activations."""
+    through e4m3 with a dynamic scale per token (W8A8, as an FP8 engine computes; on the tiny MoE
+    its mismatch KL is 1.7× that of fp8 weights alone, `steadyrl bench mismatch`). vLLM's own fp8
+    always quantises activations."""
     vllm_max_model_len: int = Field(1024, ge=16)
     """vLLM: longest prompt + completion."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
