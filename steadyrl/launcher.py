@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.redis_server import RedisServer, free_port
+from shared.redis_server import RedisServer
 from steadyrl.placement import placement_of
+from steadyrl.ports import PortReservations
 from steadyrl.run_config import RunConfig, check, service_env, validate
 
 
@@ -43,6 +44,7 @@ class Service:
     log: Path | None = None
     restarts: int = 0
     restart_at: float | None = None  # when a restart is due (monotonic), while one is pending
+    ports: tuple[int, ...] = ()  # every port it listens on, held by the launcher until it starts
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Launch:
     redis: RedisServer | None = None
     http_port: int = 0
     gpus_available: int | None = None  # None: this machine's (steadyrl.placement.gpu_inventory)
+    ports: PortReservations = field(default_factory=PortReservations)
 
     # --- setup ----------------------------------------------------------------------------------
 
@@ -64,39 +67,39 @@ class Launch:
         c, out = self.config, self.out
         settings = check(c, self.gpus_available)
         placement = placement_of(c, settings, self.gpus_available)
-        ws, trainer, orch_grpc = free_port(), free_port(), free_port()
-        self.http_port = free_port()
+        ws, trainer, master, orch_grpc = (self.ports.take() for _ in range(4))
+        self.http_port = self.ports.take()
         common = {"host": "127.0.0.1", "metrics_port": 0}
         shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].shm_dir)}
         self.services.append(Service("weightsync", ["-m", "services.weightsync"], service_env(c, "weightsync", {
-            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), **shm}), ws, placement.visible(())))
-        self.services.append(Service("trainer", placement.trainer_argv(free_port()), service_env(c, "trainer", {
+            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), **shm}), ws, placement.visible(()), ports=(ws,)))
+        self.services.append(Service("trainer", placement.trainer_argv(master), service_env(c, "trainer", {
             **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
             "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}",
             **({} if "publish_dtype" in c.section("trainer") else {"publish_dtype": settings["inference"].dtype}),
-        }), trainer, placement.visible(placement.trainer)))
+        }), trainer, placement.visible(placement.trainer), ports=(trainer, master)))
         for index in range(c.replicas):
-            port = free_port()
+            port = self.ports.take()
             self.services.append(Service(f"inference-{index}", ["-m", "services.inference"], service_env(
                 c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
                                  "replica_id": f"replica-{index}", "weightsync_address": f"127.0.0.1:{ws}",
                                  "orchestrator_address": f"127.0.0.1:{orch_grpc}"}),
-                port, placement.visible(placement.replicas[index])))
+                port, placement.visible(placement.replicas[index]), ports=(port,)))
         (out / "token").write_text(self.token)
         os.chmod(out / "token", 0o600)
         self.services.append(Service("orchestrator", ["-m", "services.orchestrator"], service_env(c, "orchestrator", {
             "host": "127.0.0.1", "http_port": self.http_port, "grpc_port": orch_grpc, "model_path": self.model_path,
             "out_dir": str(out / "orchestrator"), "redis_url": redis_url, "trainer_address": f"127.0.0.1:{trainer}",
-            "token_file": str(out / "token")}), orch_grpc, placement.visible(())))
+            "token_file": str(out / "token")}), orch_grpc, placement.visible(()), ports=(orch_grpc, self.http_port)))
         for service in self.services:
             validate(service.name.split("-")[0], service.env)
 
     def add_replica(self, template: Service, replica_id: str) -> Service:
         """One more inference replica like `template`, started now (it joins the running run)."""
-        port = free_port()
+        port = self.ports.take()
         env = {**template.env, "STEADYRL_INFERENCE_PORT": str(port), "STEADYRL_INFERENCE_REPLICA_ID": replica_id}
         validate("inference", env)
-        service = Service(replica_id, list(template.argv), env, port, dict(template.devices))
+        service = Service(replica_id, list(template.argv), env, port, dict(template.devices), ports=(port,))
         self.services.append(service)
         self.start(service)
         return service
@@ -108,6 +111,7 @@ class Launch:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
         env.update(service.env, **service.devices, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
                    STEADYRL_TOKEN_FILE=str(self.out / "token"))  # one bearer token for gRPC and HTTP
+        self.ports.release(*service.ports)  # bound by this process until now: nothing else could take them
         with service.log.open("ab") as log:
             service.process = subprocess.Popen([sys.executable, *service.argv], env=env, stdout=log,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -203,6 +207,7 @@ class Launch:
             except subprocess.TimeoutExpired:
                 _signal_group(service.process, signal.SIGKILL)
                 service.process.wait()
+        self.ports.close()
         if self.redis is not None:
             self.redis.stop()
         trainer = next((s for s in self.services if s.name == "trainer"), None)
