@@ -4,11 +4,13 @@ The sets are the ones the run's orchestrator evaluates — the task's own (`main
 set of `orchestrator.eval_sets` — built by the same code (`services.orchestrator.data.Tasks`),
 prompted the same way (chat template, system prompt) and scored by the same reward in a reward
 process with the replicas' time limit. The fields are eval.jsonl's: greedy `accuracy` (mean
-reward), and with k samples per prompt `pass_at_k` / `mean_at_k`.
+reward), and with k samples per prompt `pass_at_k` / `mean_at_k`; `reward_failures` counts the
+completions the reward could not score (each scored 0) by reason (timeout, error:<type>, nonfinite).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,28 +18,30 @@ BATCH = 64
 
 
 def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = ()):
-    """The orchestrator's settings of a recipe (none: the defaults, the tiny model's arith task),
-    with the model to evaluate; ValueError naming a bad field, a missing file or column."""
+    """(orchestrator, inference) settings of a recipe (none: the defaults, the tiny model's arith
+    task), with the model to evaluate; ValueError naming a bad field, a missing file or column."""
     from steadyrl.run_config import build_settings, load_run_config, service_env
 
     config = load_run_config(list(recipes), overrides, allow_empty=True)
-    settings = build_settings("orchestrator", service_env(config, "orchestrator", {"model_path": model_dir}))
-    settings.check_dataset()
-    return settings
+    orchestrator, inference = (build_settings(service, service_env(config, service, {"model_path": model_dir}))
+                               for service in ("orchestrator", "inference"))
+    orchestrator.check_dataset()
+    return orchestrator, inference
 
 
 def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = (), samples: int = 4,
-             dtype: str = "float32", reward_timeout: float = 10.0) -> dict:
+             dtype: str = "float32") -> dict:
     from services.orchestrator.data import Tasks
     from shared.core.evals import sampled_scores
     from shared.engines import Sampling, make_engine
     from shared.tasks import RewardRunner
 
-    settings = eval_settings(model_dir, recipes, overrides)
+    settings, inference = eval_settings(model_dir, recipes, overrides)
+    rewards = RewardRunner(inference.reward_timeout_seconds)  # the replicas' time limit
     tasks = Tasks(settings)
-    rewards = RewardRunner(reward_timeout)
     rewards.check(tasks.reward)
     engine = make_engine("torch", model_dir, dtype)
+    failures: Counter[str] = Counter()  # completions the reward could not score (0 with a reason)
 
     def rewards_of(examples, sampling: Sampling, repeat: int) -> list[list[float]]:
         """Per example, the rewards of its `repeat` completions."""
@@ -48,7 +52,9 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
             for i, example in enumerate(chunk):
                 texts = [tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                          for s in outs[i * repeat: (i + 1) * repeat]]
-                out.append([s.value for s in rewards.score(tasks.reward, texts, example.answer)])
+                scored = rewards.score(tasks.reward, texts, example.answer)
+                failures.update(s.reason for s in scored if s.reason)
+                out.append([s.value for s in scored])
         return out
 
     def scores(examples) -> dict:
@@ -66,5 +72,6 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
     finally:
         engine.close()
         rewards.close()
-    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, **sets.pop("main")}
+    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, **sets.pop("main"),
+              "reward_failures": dict(failures)}
     return {**report, "sets": sets} if sets else report

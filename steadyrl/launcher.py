@@ -1,7 +1,8 @@
 """`steadyrl run`: the whole system as local processes on loopback, one run, one report.
 
 Starts redis-server (embedded, AOF on, a password made for this run), weight-sync, the trainer,
-K inference replicas and the orchestrator on free ports, waits for every gRPC health check,
+K inference replicas and the orchestrator on loopback ports (drawn below the ephemeral range and
+held until each process starts: steadyrl/ports.py), waits for every gRPC health check,
 starts the run through the control plane, shows progress, and at the end (or on Ctrl-C) stops
 every process it started — SIGTERM, then SIGKILL after a grace period — and writes the run
 directory.

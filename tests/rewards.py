@@ -21,3 +21,13 @@ def length(completion: str, answer: str) -> float:
 def one_arg(completion: str) -> float:
     """A plug-in with the wrong signature."""
     return 1.0
+
+
+def hang_after_dry_call(completion: str, answer: str) -> float:
+    """Passes the dry call a recipe's reward gets before start ("0", "0"), then never returns."""
+    return 1.0 if completion == "0" else hang(completion, answer)
+
+
+def explode_after_dry_call(completion: str, answer: str) -> float:
+    """Passes the dry call, then raises on every real completion."""
+    return 1.0 if completion == "0" else explode(completion, answer)

@@ -63,6 +63,16 @@ def test_eval_uses_the_recipes_reward_plug_in(tiny_model_dir):
             lengths.append(len(tokenizer.decode(out[0, len(row):].tolist(), skip_special_tokens=True)))
     assert report["reward"] == "tests.rewards:length" and report["prompts"] == 12
     assert report["accuracy"] == round(sum(lengths) / 12, 4) and report["accuracy"] > 0
+    assert report["reward_failures"] == {}
+
+
+def test_a_reward_that_fails_scores_zero_and_is_counted_with_the_recipes_time_limit(tiny_model_dir):
+    common = ["--size", "2", "--max-new-tokens", "4", "--samples", "0"]
+    hung = report_of(eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:hang_after_dry_call",
+                              "--set", "inference.reward_timeout_seconds=1", *common))
+    assert hung["accuracy"] == 0.0 and hung["reward_failures"] == {"timeout": 2}
+    raised = report_of(eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:explode_after_dry_call", *common))
+    assert raised["accuracy"] == 0.0 and raised["reward_failures"] == {"error:RuntimeError": 2}
 
 
 def test_bad_eval_settings_are_refused_with_the_reason(tiny_model_dir, tmp_path):
