@@ -221,13 +221,19 @@ def bench_mismatch() -> None:
 
 
 @bench_app.command("trainer")
-def bench_trainer(memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead.")) -> None:
+def bench_trainer(memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead."),
+                  gpu: bool = typer.Option(False, "--gpu", help="fp32 vs bf16-mixed steps on GPU 0 instead.")) -> None:
     """Loss-math share of a step and the routing replay overhead of a training forward; with
-    --memory, parameter + optimizer bytes and peak memory per rank, DDP vs FSDP on 2 gloo ranks."""
+    --memory, parameter + optimizer bytes and peak memory per rank, DDP vs FSDP on 2 gloo ranks;
+    with --gpu, step time, tokens/s and peak memory on one GPU, fp32 vs bf16-mixed."""
     import json
 
+    if memory and gpu:
+        raise typer.BadParameter("--memory and --gpu are two benchmarks: ask for one")
     if memory:
         from bench.trainer_memory import main as run
+    elif gpu:
+        from bench.trainer_gpu import main as run
     else:
         from bench.trainer import main as run
     typer.echo(json.dumps(run()))

@@ -50,21 +50,39 @@ def quantize_fp8_(model: nn.Module, names: list[str]) -> None:
         params[name].copy_(fp8_roundtrip(params[name]))
 
 
+def _grouped_mm_functions() -> tuple:
+    """The grouped matmuls an MoE's experts run through (transformers' default `grouped_mm`
+    experts: torch's kernel, or transformers' own loop where torch has none); `eager` experts
+    call `linear` on slices instead."""
+    import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+
+    found = [getattr(nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None),
+             getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)]
+    return tuple(f for f in found if f is not None)
+
+
 class FP8Activations(torch.overrides.TorchFunctionMode):
     """W8A8: while active (modes are per thread: enter it on the thread that runs the forward),
-    every `linear` whose weight is one of `weights` — an FP8 parameter, or a slice of one (an
-    expert of a stacked tensor) — gets its input rounded through e4m3 with a dynamic scale per
-    token (amax of the row / 448), as an FP8 engine quantises activations before its FP8 matmul.
-    Other linears (the output head, a router kept in full precision) are left alone."""
+    every matmul whose weight is one of `weights` gets its input rounded through e4m3 with a
+    dynamic scale per row (amax of the row / 448), as an FP8 engine quantises activations before
+    its FP8 matmul: a `linear` on an FP8 parameter or on a slice of one (an expert of a stacked
+    tensor, `eager` experts), and a grouped matmul on a view of one (`grouped_mm` experts, whose
+    input rows are the tokens routed to each expert). Other matmuls (the output head, a router
+    kept in full precision) are left alone. `matched` holds the weights whose inputs were rounded
+    so far (by storage), so a test can check that every FP8 weight was reached."""
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
         super().__init__()
         self.storages = {w.untyped_storage().data_ptr() for w in weights}
+        self.matched: set[int] = set()
+        self.grouped = _grouped_mm_functions()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is nn.functional.linear:
+        if args and (func is nn.functional.linear or func in self.grouped):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if weight is not None and weight.untyped_storage().data_ptr() in self.storages:
+            storage = weight.untyped_storage().data_ptr() if weight is not None else None
+            if storage in self.storages:
+                self.matched.add(storage)
                 args = (fp8_roundtrip(args[0]), *args[1:])
         return func(*args, **kwargs)

@@ -87,6 +87,32 @@ def test_w8a8_rounds_the_inputs_of_fp8_weights_only_by_hand():
         assert torch.equal(fp8(x), nn.functional.linear(xq, fp8.weight, fp8.bias))
 
 
+def test_w8a8_reaches_the_experts_whichever_matmul_they_run_on(tiny_model_dir):
+    """transformers runs an MoE's experts through a grouped matmul by default, and through a
+    `linear` per expert slice when `eager`: W8A8 rounds their inputs either way, to the same
+    logits, and every FP8 weight's input is rounded (none left at full precision)."""
+    from shared.models import load_causal_lm
+    from shared.models.quantization import FP8Activations
+
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for experts in ("grouped_mm", "eager"):
+        model = load_causal_lm(tiny_model_dir, "float32")
+        model.set_experts_implementation(experts)
+        assert model.config._experts_implementation == experts
+        names = fp8_targets(model)
+        quantize_fp8_(model, names)
+        params = dict(model.named_parameters())
+        mode = FP8Activations([params[n] for n in names])
+        with torch.no_grad():
+            weights_only = model(input_ids=ids).logits
+            with mode:
+                logits[experts] = model(input_ids=ids).logits
+        assert mode.matched == mode.storages and len(mode.storages) == len(names) == 12
+        assert (logits[experts] - weights_only).abs().max() > 1e-3
+    assert torch.allclose(logits["grouped_mm"], logits["eager"], atol=1e-5)
+
+
 def test_the_torch_engine_computes_w8a8_on_its_own_thread(tiny_model_dir):
     """The engine's logprobs with fp8_activations equal the fp8-weight model run under the mode by
     hand, and differ from fp8 weights alone: the mode is active where the engine's forward runs."""
