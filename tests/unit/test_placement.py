@@ -64,3 +64,21 @@ def test_fp8_options_reach_each_engine_as_it_takes_them():
     assert torch_options["quantization"] == "fp8" and torch_options["fp8_router"] is True
     vllm_options = engine_options(InferenceSettings(model_path="m", engine="vllm", quantization="fp8", fp8_router=True))
     assert vllm_options["quantization"] == "fp8" and "fp8_router" not in vllm_options  # vLLM's fp8 has no such switch
+
+
+def test_a_torch_replica_with_a_gpu_runs_its_engine_there(tmp_path):
+    launch = planned(tmp_path, ["inference.gpus_per_replica=1", "trainer.gpus=1"], gpus=2)
+    devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services}
+    assert devices["trainer"] == "0" and devices["inference-0"] == "1"
+    replica = next(s for s in launch.services if s.name == "inference-0")
+    assert engine_options(build_settings("inference", replica.env))["device"] == "cuda"
+    with pytest.raises(ValueError, match="the torch engine runs on one GPU, gpus_per_replica = 2"):
+        InferenceSettings(model_path="m", engine="torch", gpus_per_replica=2)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_a_torch_engine_asked_for_a_gpu_without_one_says_so(tiny_model_dir):
+    from shared.engines import make_engine
+
+    with pytest.raises(ValueError, match="asked for cuda and no CUDA device is visible"):
+        make_engine("torch", str(tiny_model_dir), "float32", device="cuda")
