@@ -1,7 +1,9 @@
 """Which GPUs each process of a run gets: the trainer `trainer.gpus` (one torchrun rank each),
 every replica its own `inference.gpus_per_replica` (vLLM's tensor_parallel_size), disjoint, as
-CUDA_VISIBLE_DEVICES. A recipe that asks for more GPUs than the machine has is refused before any
-process starts. On a machine (or a recipe) without GPUs nothing changes: every process sees none."""
+CUDA_VISIBLE_DEVICES — or, with `run.colocate`, the replicas on the trainer's GPUs (replica i on
+the i-th block of them, wrapping around), so that one machine with few GPUs holds both. A recipe
+that asks for more GPUs than the machine has is refused before any process starts. On a machine
+(or a recipe) without GPUs nothing changes: every process sees none."""
 
 from __future__ import annotations
 
@@ -29,7 +31,17 @@ class Placement:
 
 
 def plan_placement(trainer_gpus: int, trainer_ranks: int, replicas: int, gpus_per_replica: int,
-                   available: int) -> Placement:
+                   available: int, colocate: bool = False) -> Placement:
+    if colocate:
+        if not trainer_gpus or not gpus_per_replica or gpus_per_replica > trainer_gpus:
+            raise ValueError(f"run.colocate puts the replicas on the trainer's GPUs: it needs trainer.gpus >= "
+                             f"inference.gpus_per_replica >= 1 (they are {trainer_gpus} and {gpus_per_replica})")
+        if trainer_gpus > available:
+            raise ValueError(f"the recipe needs {trainer_gpus} GPUs (trainer.gpus, the replicas colocated on them) "
+                             f"and this machine has {available}")
+        return Placement(tuple(range(trainer_gpus)), tuple(
+            tuple((i * gpus_per_replica + j) % trainer_gpus for j in range(gpus_per_replica)) for i in range(replicas)),
+            trainer_gpus)
     need = trainer_gpus + replicas * gpus_per_replica
     if need > available:
         raise ValueError(f"the recipe needs {need} GPUs (trainer.gpus {trainer_gpus} + {replicas} replicas × "
@@ -55,5 +67,8 @@ def gpu_inventory() -> int:
 def placement_of(config, settings: dict, available: int | None = None) -> Placement:
     """The placement of a checked recipe (`steadyrl.run_config.check`'s settings)."""
     trainer, inference = settings["trainer"], settings["inference"]
+    if config.run.colocate and inference.engine == "vllm" and inference.vllm_gpu_memory_utilization > 0.5:
+        raise ValueError("run.colocate shares each GPU between the trainer and a vLLM replica: set "
+                         f"inference.vllm_gpu_memory_utilization <= 0.5 (it is {inference.vllm_gpu_memory_utilization})")
     return plan_placement(trainer.gpus, trainer.ranks, config.replicas, inference.gpus_per_replica,
-                          gpu_inventory() if available is None else available)
+                          gpu_inventory() if available is None else available, config.run.colocate)

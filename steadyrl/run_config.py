@@ -60,6 +60,9 @@ class RunSection(StepShape):
     any batch_prompts given). 0: batch_prompts is fixed and N splits it."""
     tracking: TrackingSettings = TrackingSettings()
     """[run.tracking]: W&B and MLflow (off unless named), for the trainer and the orchestrator."""
+    colocate: bool = False
+    """`steadyrl run`: the replicas on the trainer's GPUs instead of their own (one machine with few
+    GPUs; inference.gpus_per_replica <= trainer.gpus). Off: every process has its own GPUs."""
 
     @field_validator("id")
     @classmethod

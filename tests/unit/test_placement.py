@@ -82,3 +82,22 @@ def test_a_torch_engine_asked_for_a_gpu_without_one_says_so(tiny_model_dir):
 
     with pytest.raises(ValueError, match="asked for cuda and no CUDA device is visible"):
         make_engine("torch", str(tiny_model_dir), "float32", device="cuda")
+
+
+def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
+    one = planned(tmp_path / "one", ["run.colocate=true", "trainer.gpus=1", "inference.gpus_per_replica=1"], gpus=1)
+    assert {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in one.services} == {
+        "weightsync": "", "trainer": "0", "inference-0": "0", "orchestrator": ""}
+    assert plan_placement(4, 0, 3, 2, 4, colocate=True).replicas == ((0, 1), (2, 3), (0, 1))  # wraps around
+    assert plan_placement(2, 0, 2, 1, 2, colocate=True).trainer == (0, 1)
+    with pytest.raises(ValueError, match=r"it needs trainer.gpus >= inference.gpus_per_replica >= 1 \(they are 0 and 1\)"):
+        planned(tmp_path / "cpu", ["run.colocate=true", "inference.gpus_per_replica=1"], gpus=1)
+    with pytest.raises(ValueError, match=r"needs 2 GPUs \(trainer.gpus, the replicas colocated on them\) and this "
+                                         r"machine has 1"):
+        planned(tmp_path / "few", ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1"], gpus=1)
+    monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
+    vllm = ["run.colocate=true", "trainer.gpus=1", "inference.gpus_per_replica=1", "inference.engine=vllm"]
+    with pytest.raises(ValueError, match=r"set inference.vllm_gpu_memory_utilization <= 0.5 \(it is 0.85\)"):
+        planned(tmp_path / "vllm", vllm, gpus=1)
+    shared = planned(tmp_path / "ok", [*vllm, "inference.vllm_gpu_memory_utilization=0.4"], gpus=1)
+    assert next(s for s in shared.services if s.name == "inference-0").devices["CUDA_VISIBLE_DEVICES"] == "0"
