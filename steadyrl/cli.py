@@ -217,6 +217,8 @@ def bench_mismatch(device: str = typer.Option("cpu", help="Where the engine and 
 
     from bench.mismatch import main as run
 
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device is cpu or cuda, not {device!r}")
     typer.echo(json.dumps(run(device)))
 
 
