@@ -118,10 +118,16 @@ class Launch:
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True)
 
+    def start_redis(self) -> RedisServer:
+        """redis-server with AOF on, on a port drawn like the services' (below the ephemeral range)."""
+        port = self.ports.take()
+        self.ports.release(port)  # redis-server binds it next
+        self.redis = RedisServer(self.out / "redis", port=port, appendonly=True, password=self.redis_password).start()
+        return self.redis
+
     def start_all(self, on_healthy=None) -> None:
-        """redis-server (AOF on), then every service in order, each waited for until healthy."""
-        self.redis = RedisServer(self.out / "redis", appendonly=True, password=self.redis_password).start()
-        self.plan(self.redis.url)
+        """redis-server, then every service in order, each waited for until healthy."""
+        self.plan(self.start_redis().url)
         for service in self.services:
             self.start(service)
             self.wait_healthy(service)

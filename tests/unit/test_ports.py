@@ -56,3 +56,19 @@ def test_the_launcher_holds_each_services_ports_until_it_starts(tmp_path):
         assert not bind_fails(by_name["weightsync"].grpc_port) and bind_fails(launch.http_port)
     finally:
         launch.ports.close()
+
+
+def test_the_runs_redis_listens_on_a_drawn_port(tmp_path):
+    from steadyrl.launcher import Launch
+    from steadyrl.run_config import load_run_config
+    from tests.unit.test_placement import ROOT
+
+    launch = Launch(load_run_config(ROOT / "configs" / "tiny-arith.toml", []), tmp_path, "model", gpus_available=0)
+    redis = launch.start_redis()
+    try:
+        low, high = listen_range()
+        assert low <= redis.port <= high and redis.port not in launch.ports.held
+        assert redis._ping() and bind_fails(redis.port)
+    finally:
+        redis.stop()
+        launch.ports.close()
