@@ -132,6 +132,7 @@ def eval_command(
     math_path: Annotated[Path | None, typer.Option(help="Shortcut for --set orchestrator.math_path=...")] = None,
     samples: Annotated[int, typer.Option(min=0, help="Samples per prompt for pass@k / mean@k (0: greedy only).")] = 4,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible) | cpu | cuda.")] = "auto",
 ) -> None:
     """Greedy accuracy (and pass@k, mean@k) of a model on a recipe's eval sets, as its run scores them."""
     from steadyrl.evaluation import evaluate
@@ -140,7 +141,7 @@ def eval_command(
                  "math_path": str(math_path) if math_path else None}
     overrides = [*(set_ or []), *(f"orchestrator.{k}={json.dumps(v)}" for k, v in shortcuts.items() if v is not None)]
     try:
-        report = evaluate(str(model_dir), config or [], overrides, samples, dtype)
+        report = evaluate(str(model_dir), config or [], overrides, samples, dtype, device)
     except (ValueError, KeyError) as exc:
         typer.echo(f"steadyrl eval: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 BATCH = 64
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = ()):
@@ -30,17 +31,24 @@ def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Seque
 
 
 def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = (), samples: int = 4,
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", device: str = "cpu") -> dict:
+    """`device`: cpu, cuda, or auto (cuda when a GPU is visible)."""
     from services.orchestrator.data import Tasks
     from shared.core.evals import sampled_scores
     from shared.engines import Sampling, make_engine
     from shared.tasks import RewardRunner
 
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     settings, inference = eval_settings(model_dir, recipes, overrides)
-    rewards = RewardRunner(inference.reward_timeout_seconds)  # the replicas' time limit
     tasks = Tasks(settings)
+    engine = make_engine("torch", model_dir, dtype, device=device)  # a bad device is refused here
+    rewards = RewardRunner(inference.reward_timeout_seconds)  # the replicas' time limit
     rewards.check(tasks.reward)
-    engine = make_engine("torch", model_dir, dtype)
     failures: Counter[str] = Counter()  # completions the reward could not score (0 with a reason)
 
     def rewards_of(examples, sampling: Sampling, repeat: int) -> list[list[float]]:
@@ -72,6 +80,6 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
     finally:
         engine.close()
         rewards.close()
-    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, **sets.pop("main"),
+    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, "device": device, **sets.pop("main"),
               "reward_failures": dict(failures)}
     return {**report, "sets": sets} if sets else report

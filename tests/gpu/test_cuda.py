@@ -104,3 +104,18 @@ def test_the_torch_engine_on_cuda_serves_what_it_does_on_the_cpu(tiny_model_dir)
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def test_eval_on_cuda_scores_what_it_does_on_the_cpu(tiny_model_dir):
+    import json
+    import subprocess
+    import sys
+
+    def accuracy(device: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "eval", str(tiny_model_dir), "--size", "64",
+                               "--samples", "0", "--device", device], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cpu, cuda = accuracy("cpu"), accuracy("cuda")
+    assert (cpu["device"], cuda["device"]) == ("cpu", "cuda") and cuda["accuracy"] == cpu["accuracy"] > 0

@@ -35,6 +35,7 @@ def test_eval_scores_the_recipes_eval_sets_as_its_run_does(tiny_model_dir, tmp_p
 
     report = report_of(eval_cli(str(tiny_model_dir), "--config", str(recipe), "--samples", "2"))
     assert report["task"] == "arith" and report["reward"] == "exact_match"
+    assert report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert report["prompts"] == 40 and report["accuracy"] == round(greedy_accuracy(model, tokenizer, examples[:40]), 4)
     hard = report["sets"]["hard"]
     assert hard["prompts"] == 24 and hard["accuracy"] == round(greedy_accuracy(model, tokenizer, examples[40:64]), 4)
@@ -82,3 +83,8 @@ def test_bad_eval_settings_are_refused_with_the_reason(tiny_model_dir, tmp_path)
     assert done.returncode == 2 and "none.csv" in done.stderr
     done = eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:nothing_here")
     assert done.returncode == 2 and "nothing_here" in done.stderr
+    done = eval_cli(str(tiny_model_dir), "--device", "tpu")
+    assert done.returncode == 2 and "device must be one of ('auto', 'cpu', 'cuda'), got 'tpu'" in done.stderr
+    if not torch.cuda.is_available():
+        done = eval_cli(str(tiny_model_dir), "--device", "cuda", "--size", "2")
+        assert done.returncode == 2 and "asked for cuda and no CUDA device is visible" in done.stderr
