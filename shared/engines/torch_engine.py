@@ -316,8 +316,10 @@ class TorchEngine(StagedWeights):
             logp = processed_logprobs(logits[members], sampling)
             if sampling.temperature > 0:
                 probs = logp.exp()
-                drawn = torch.cat([torch.multinomial(probs[i], 1, generator=rows[row].generator)
-                                   for i, row in enumerate(members)])
+                drawn = torch.multinomial(probs, 1).squeeze(-1)  # unseeded rows: one draw for all of them
+                for i, row in enumerate(members):  # a seeded row draws from its own generator
+                    if rows[row].generator is not None:
+                        drawn[i] = torch.multinomial(probs[i], 1, generator=rows[row].generator)[0]
             else:
                 drawn = logp.argmax(-1)
             picked = logp.gather(-1, drawn[:, None]).squeeze(-1).tolist()  # one copy to the host each
