@@ -23,7 +23,8 @@ SETTINGS = {  # name → (precision, activation_checkpointing, micro_batch_token
 }
 
 
-def batch(device: torch.device, groups: int = 16, group: int = 4, prompt: int = 64, completion: int = 448):
+def batch(groups: int = 16, group: int = 4, prompt: int = 64, completion: int = 448):
+    """The step's rollouts, collated on the host (the step moves each micro-batch to the device)."""
     import numpy as np
 
     from shared.batch import collate
@@ -56,7 +57,7 @@ def measure(name: str, device: torch.device) -> dict:
     model = prepare(model, settings, device, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     compute = Compute(device, torch.bfloat16 if precision == "bf16-mixed" else None, micro)
-    train, group = batch(device)
+    train, group = batch()
     torch.cuda.reset_peak_memory_stats(device)
     seconds, tokens = [], 0.0
     for step in range(ROUNDS + 1):  # the first is a warm-up
