@@ -55,11 +55,12 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8
     rollouts = [r for g, prompt in enumerate(prompts) for r in rollouts_from_samples(
         common_pb2.PromptTask(task_id=f"t{g}", run_id="mismatch", prompt_token_ids=prompt),
         samples[g * SAMPLES : (g + 1) * SAMPLES], [0.0] * SAMPLES, "bench", "torch", RolloutTimings())]
-    batch = collate(rollouts).to(torch.device(device))
-    trainer = load_causal_lm(model_dir, "float32", device)
+    where = torch.device(device)
+    batch = collate(rollouts).to(where)
+    trainer = load_causal_lm(model_dir, "float32", where)
     routing = RoutingController(trainer)
     with torch.no_grad():
-        forward = sequence_logprobs(trainer, batch, routing, capture=True, compute=Compute(torch.device(device)))
+        forward = sequence_logprobs(trainer, batch, routing, capture=True, compute=Compute(where))
     routing.close()
     mask = batch.loss_mask
     k1, k3 = mismatch_kl_terms(batch.inference_logprobs.double(), forward.logprobs.double())

@@ -84,5 +84,9 @@ class FP8Activations(torch.overrides.TorchFunctionMode):
             storage = weight.untyped_storage().data_ptr() if weight is not None else None
             if storage in self.storages:
                 self.matched.add(storage)
-                args = (fp8_roundtrip(args[0]), *args[1:])
+                return self.fp8_matmul(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def fp8_matmul(self, func, args: tuple, kwargs: dict):
+        """One matmul on an FP8 weight: its input rounded through e4m3, then the matmul as asked."""
+        return func(fp8_roundtrip(args[0]), *args[1:], **kwargs)

@@ -30,27 +30,22 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class RealFP8(FP8Activations):
-    """The matmuls FP8Activations would round, computed by FP8 kernels instead."""
+    """The matmuls FP8Activations reaches, computed by FP8 kernels instead."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if args and (func is nn.functional.linear or func in self.grouped) and len(args) > 1 \
-                and args[1].untyped_storage().data_ptr() in self.storages:
-            x, weight = args[0], args[1]
-            self.matched.add(weight.untyped_storage().data_ptr())
-            if func is nn.functional.linear:
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                out = fp8_gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
-                return out if bias is None else out + bias
-            offsets = (args[2] if len(args) > 2 else kwargs["offs"]).tolist()  # weight: [E, K, N] view
-            out = x.new_zeros(x.shape[0], weight.shape[-1])
-            start = 0
-            for expert, end in enumerate(offsets):
-                if end > start:
-                    out[start:end] = fp8_gemm(x[start:end], weight[expert].t())
-                start = end
-            return out
-        return func(*args, **kwargs)
+    def fp8_matmul(self, func, args: tuple, kwargs: dict):
+        x, weight = args[0], args[1]
+        if func is nn.functional.linear:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            out = fp8_gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias
+        offsets = (args[2] if len(args) > 2 else kwargs["offs"]).tolist()  # weight: [E, K, N] view
+        out = x.new_zeros(x.shape[0], weight.shape[-1])
+        start = 0
+        for expert, end in enumerate(offsets):
+            if end > start:
+                out[start:end] = fp8_gemm(x[start:end], weight[expert].t())
+            start = end
+        return out
 
 
 def answer_logprobs(model, ids, answer, mode=None) -> torch.Tensor:
