@@ -2,13 +2,15 @@
 in one run. Prints one JSON object.
 
 For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights (attention, MLP and experts),
-the same with the router in fp8 too, and W8A8 (fp8 weights and their inputs) — the torch engine samples the same prompts (T = 1, seeded),
+the same with the router in fp8 too, W8A8 (fp8 weights and their inputs), and the same two with
+NVFP4 instead of fp8 (W4A16, W4A4) — the torch engine samples the same prompts (T = 1, seeded),
 and the fp32 training engine scores the very tokens it sampled, as the trainer's π_old recompute
 does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3, means over tokens),
 |Δ logprob| of the answer tokens (mean, p99, max), and routing agreement (share of (position,
-layer) top-k expert sets the two engines chose alike). fp8 here is the emulation of
-`shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, W8A8 also
-the matmuls' inputs with per-token scales, computed in bf16), not fp8 kernels.
+layer) top-k expert sets the two engines chose alike). fp8 and fp4 here are the emulations of
+`shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, or through
+NVFP4's e2m1 blocks of 16; W8A8 / W4A4 also the matmuls' inputs with per-token scales; computed in
+bf16), not fp8 or fp4 kernels.
 `--device cuda` (`steadyrl bench mismatch --device cuda`) runs the engine and the fp32 trainer on
 a GPU: the same settings with CUDA's kernels.
 """
@@ -19,18 +21,20 @@ import json
 import sys
 import time
 
-SETTINGS = {  # name → (dtype, quantization, fp8_router, fp8_activations)
+SETTINGS = {  # name → (dtype, quantization, quantize_router, quantize_activations)
     "fp32": ("float32", "none", False, False),
     "bf16": ("bfloat16", "none", False, False),
     "fp32_fp8": ("float32", "fp8", False, False),  # fp8 weights alone, computed in fp32
     "bf16_fp8": ("bfloat16", "fp8", False, False),
     "bf16_fp8_router": ("bfloat16", "fp8", True, False),
     "bf16_fp8_w8a8": ("bfloat16", "fp8", False, True),  # fp8 weights and their inputs: an FP8 engine's matmuls
+    "bf16_fp4": ("bfloat16", "fp4", False, False),  # NVFP4 weights (W4A16)
+    "bf16_fp4_w4a4": ("bfloat16", "fp4", False, True),  # NVFP4 weights and inputs: an FP4 engine's matmuls
 }
 PROMPTS, SAMPLES, MAX_NEW_TOKENS = 128, 4, 8
 
 
-def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8_activations: bool,
+def measure(model_dir: str, dtype: str, quantization: str, quantize_router: bool, quantize_activations: bool,
             prompts: list[list[int]], device: str = "cpu") -> dict:
     import torch
 
@@ -45,8 +49,8 @@ def measure(model_dir: str, dtype: str, quantization: str, fp8_router: bool, fp8
     from shared.rollout import RolloutTimings
     from shared.rpc.steadyrl.v1 import common_pb2
 
-    engine = make_engine("torch", model_dir, dtype, quantization=quantization, fp8_router=fp8_router,
-                         fp8_activations=fp8_activations, device=device)
+    engine = make_engine("torch", model_dir, dtype, quantization=quantization, quantize_router=quantize_router,
+                         quantize_activations=quantize_activations, device=device)
     try:
         samples = engine.generate([p for p in prompts for _ in range(SAMPLES)],
                                   Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7), return_trace=True)
@@ -81,7 +85,9 @@ def main(device: str = "cpu") -> dict:
     result: dict = {"benchmark": "mismatch", "model": "tiny-qwen3-moe", "trainer_dtype": "float32", "device": device,
                     "prompts": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
                     "fp8": "emulated: e4m3 weights with per-output-channel scales (w8a8: and their inputs, per-token "
-                           "scales), computed in bf16"}
+                           "scales), computed in bf16",
+                    "fp4": "emulated: NVFP4 weights, e2m1 in blocks of 16 with e4m3 scales under an fp32 scale per "
+                           "matrix (w4a4: and their inputs, a scale per token), computed in bf16"}
     for name, setting in SETTINGS.items():
         result[name] = {k: round(v, 8) if isinstance(v, float) else v for k, v in measure(model_dir, *setting, prompts, device).items()}
     base = result["bf16"]["mismatch_kl_k3"]

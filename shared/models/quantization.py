@@ -1,10 +1,16 @@
-"""FP8 inference as an emulation: the weights of the linear layers are quantised to float8 e4m3
-with one scale per output channel (amax / 448) when a version is loaded, and the model computes
-on the dequantised values. On a CPU this reproduces FP8's rounding of the weights — the part of
-an FP8 engine that moves its logprobs and routing away from the trainer's — but not FP8 kernels.
-With `FP8Activations` the inputs of those matmuls are rounded too (W8A8, dynamic per-token
-scales), as an FP8 engine's are; without it activations stay in the engine's dtype. The torch
-engine applies them."""
+"""Low-precision inference as an emulation: the weights of the linear layers are rounded through
+a low-precision format when a version is loaded, and the model computes on the dequantised values.
+On a CPU this reproduces the format's rounding of the weights — the part of a quantised engine
+that moves its logprobs and routing away from the trainer's — but not its kernels.
+
+- `fp8`: float8 e4m3 with one scale per output channel (amax / 448), as vLLM's online fp8.
+- `fp4`: NVFP4 — float4 e2m1 values (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) in blocks of 16 inputs,
+  each block with its own e4m3 scale, under one fp32 scale per matrix (per expert of a stacked
+  tensor): the format of Blackwell's FP4 engines and of RL with FP4 rollouts.
+
+With `QuantizedActivations` the inputs of those matmuls are rounded too (W8A8 / W4A4, dynamic
+scales per token), as a quantised engine's are; without it activations stay in the engine's
+dtype. The torch engine applies them."""
 
 from __future__ import annotations
 
@@ -13,22 +19,60 @@ from torch import nn
 
 from shared.models.routing import ROUTER_RULES
 
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "fp4")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1's magnitudes
+FP4_MAX = FP4_VALUES[-1]
+FP4_BLOCK = 16  # NVFP4: one e4m3 scale per 16 consecutive inputs
+TINY = torch.finfo(torch.float32).tiny
 
 
 def fp8_roundtrip(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [..., out, in] through e4m3 with a per-output-channel scale, back in its dtype."""
     w = weight.float()
-    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) / FP8_MAX
     return ((w / scale).to(FP8).float() * scale).to(weight.dtype)
 
 
-def fp8_targets(model: nn.Module, router: bool = False) -> list[str]:
-    """Names of the parameters an FP8 engine stores in FP8: the weights of attention and MLP
-    linears and the experts' stacked matrices; the router's only with `router`. Embeddings,
-    norms and the output head stay in the engine's dtype, as in vLLM's fp8 scheme."""
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """`x` (float32, already scaled into [-6, 6]; beyond saturates) to the nearest e2m1 value,
+    ties to the even code (the one whose mantissa bit is 0: 0, 1, 2, 4), as hardware converts."""
+    values = torch.tensor(FP4_VALUES, device=x.device)
+    midpoints = (values[1:] + values[:-1]) / 2
+    magnitude = x.abs().clamp(max=FP4_MAX)
+    down, up = torch.bucketize(magnitude, midpoints), torch.bucketize(magnitude, midpoints, right=True)
+    return values[torch.where(down % 2 == 0, down, up)] * x.sign()
+
+
+def fp4_roundtrip(x: torch.Tensor, scale_dims: tuple[int, ...] = (-2, -1)) -> torch.Tensor:
+    """`x` [..., rows, in] through NVFP4, back in its dtype: blocks of 16 along the last dim (the
+    last block zero-padded), each scaled by amax / 6 stored in e4m3 relative to a global fp32
+    scale amax / (448 × 6) over `scale_dims` — the whole matrix for a weight, each row (token)
+    for an activation."""
+    shape, w = x.shape, x.float()
+    pad = (-shape[-1]) % FP4_BLOCK
+    w = nn.functional.pad(w, (0, pad)) if pad else w
+    glob = (w.abs().amax(dim=scale_dims, keepdim=True).clamp(min=TINY) / (FP8_MAX * FP4_MAX)).unsqueeze(-1)
+    blocks = w.reshape(*w.shape[:-1], -1, FP4_BLOCK)
+    scale = ((blocks.abs().amax(dim=-1, keepdim=True) / FP4_MAX / glob).to(FP8).float() * glob).clamp(min=TINY)
+    out = (e2m1_round(blocks / scale) * scale).reshape(w.shape)[..., : shape[-1]]
+    return out.to(x.dtype)
+
+
+def activation_roundtrip(quantization: str, x: torch.Tensor) -> torch.Tensor:
+    """A matmul's input rounded as a `quantization` engine rounds it: dynamic scales per token."""
+    return fp8_roundtrip(x) if quantization == "fp8" else fp4_roundtrip(x, scale_dims=(-1,))
+
+
+def weight_roundtrip(quantization: str, weight: torch.Tensor) -> torch.Tensor:
+    return fp8_roundtrip(weight) if quantization == "fp8" else fp4_roundtrip(weight)
+
+
+def quantized_targets(model: nn.Module, router: bool = False) -> list[str]:
+    """Names of the parameters a quantised engine stores in low precision: the weights of
+    attention and MLP linears and the experts' stacked matrices; the router's only with `router`.
+    Embeddings, norms and the output head stay in the engine's dtype, as in vLLM's fp8 scheme."""
     names: list[str] = []
     for prefix, module in model.named_modules():
         is_router = type(module).__name__ in ROUTER_RULES
@@ -43,11 +87,11 @@ def fp8_targets(model: nn.Module, router: bool = False) -> list[str]:
 
 
 @torch.no_grad()
-def quantize_fp8_(model: nn.Module, names: list[str]) -> None:
-    """Round the named parameters through FP8 in place."""
+def quantize_(model: nn.Module, names: list[str], quantization: str) -> None:
+    """Round the named parameters through `quantization` (fp8 or fp4) in place."""
     params = dict(model.named_parameters())
     for name in names:
-        params[name].copy_(fp8_roundtrip(params[name]))
+        params[name].copy_(weight_roundtrip(quantization, params[name]))
 
 
 def _grouped_mm_functions() -> tuple:
@@ -61,18 +105,20 @@ def _grouped_mm_functions() -> tuple:
     return tuple(f for f in found if f is not None)
 
 
-class FP8Activations(torch.overrides.TorchFunctionMode):
-    """W8A8: while active (modes are per thread: enter it on the thread that runs the forward),
-    every matmul whose weight is one of `weights` gets its input rounded through e4m3 with a
-    dynamic scale per row (amax of the row / 448), as an FP8 engine quantises activations before
-    its FP8 matmul: a `linear` on an FP8 parameter or on a slice of one (an expert of a stacked
+class QuantizedActivations(torch.overrides.TorchFunctionMode):
+    """W8A8 / W4A4: while active (modes are per thread: enter it on the thread that runs the
+    forward), every matmul whose weight is one of `weights` gets its input rounded through
+    `quantization` with dynamic scales per row (fp8: amax of the row / 448; fp4: NVFP4 blocks
+    under a per-row scale), as a quantised engine rounds activations before its low-precision
+    matmul: a `linear` on an FP8 parameter or on a slice of one (an expert of a stacked
     tensor, `eager` experts), and a grouped matmul on a view of one (`grouped_mm` experts, whose
     input rows are the tokens routed to each expert). Other matmuls (the output head, a router
     kept in full precision) are left alone. `matched` holds the weights whose inputs were rounded
-    so far (by storage), so a test can check that every FP8 weight was reached."""
+    so far (by storage), so a test can check that every quantised weight was reached."""
 
-    def __init__(self, weights: list[torch.Tensor]) -> None:
+    def __init__(self, weights: list[torch.Tensor], quantization: str = "fp8") -> None:
         super().__init__()
+        self.quantization = quantization
         self.storages = {w.untyped_storage().data_ptr() for w in weights}
         self.matched: set[int] = set()
         self.grouped = _grouped_mm_functions()
@@ -84,9 +130,9 @@ class FP8Activations(torch.overrides.TorchFunctionMode):
             storage = weight.untyped_storage().data_ptr() if weight is not None else None
             if storage in self.storages:
                 self.matched.add(storage)
-                return self.fp8_matmul(func, args, kwargs)
+                return self.quantized_matmul(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def fp8_matmul(self, func, args: tuple, kwargs: dict):
-        """One matmul on an FP8 weight: its input rounded through e4m3, then the matmul as asked."""
-        return func(fp8_roundtrip(args[0]), *args[1:], **kwargs)
+    def quantized_matmul(self, func, args: tuple, kwargs: dict):
+        """One matmul on a quantised weight: its input rounded, then the matmul as asked."""
+        return func(activation_roundtrip(self.quantization, args[0]), *args[1:], **kwargs)

@@ -131,5 +131,8 @@ def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_mode
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM's own fp8 runs")
 def test_fp8_on_vllm_cpu_is_a_clear_error_not_a_dead_engine_core(tiny_model_dir):
-    with pytest.raises(ValueError, match="fp8 on the vllm engine needs a GPU"):
-        make_engine("vllm", str(tiny_model_dir), "bfloat16", max_model_len=64, quantization="fp8")
+    for fmt in ("fp8", "fp4"):
+        with pytest.raises(ValueError, match=f"{fmt} on the vllm engine needs a GPU"):
+            make_engine("vllm", str(tiny_model_dir), "bfloat16", max_model_len=64, quantization=fmt)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        make_engine("vllm", str(tiny_model_dir), "bfloat16", max_model_len=64, quantization="int4")

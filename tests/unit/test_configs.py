@@ -78,24 +78,26 @@ def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["inference.fp8_router=true"], 'fp8_router needs quantization = "fp8"'),
-    (["inference.fp8_activations=true"], 'fp8_activations needs quantization = "fp8"'),
+    (["inference.quantize_router=true"], 'quantize_router needs a quantization'),
+    (["inference.quantize_activations=true"], 'quantize_activations needs a quantization'),
     (["inference.quantization=int8"], "quantization"),
 ])
-def test_fp8_settings_that_cannot_work_are_refused(overrides, message):
+def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
     with pytest.raises(ValueError, match=message):
         validate("inference", service_env(config, "inference", REQUIRED["inference"]))
-    fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["inference.quantization=fp8", "inference.fp8_router=true",
-                                                                  "inference.fp8_activations=true"])
     from services.inference.server import engine_options
     from steadyrl.run_config import build_settings
 
-    settings = build_settings("inference", service_env(fine, "inference", REQUIRED["inference"]))
-    assert settings.quantization == "fp8" and settings.fp8_router and settings.fp8_activations
-    options = engine_options(settings)
-    assert {k: options[k] for k in ("quantization", "fp8_router", "fp8_activations")} == {
-        "quantization": "fp8", "fp8_router": True, "fp8_activations": True}
+    for fmt in ("fp8", "fp4"):
+        fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"inference.quantization={fmt}",
+                                                                      "inference.quantize_router=true",
+                                                                      "inference.quantize_activations=true"])
+        settings = build_settings("inference", service_env(fine, "inference", REQUIRED["inference"]))
+        assert settings.quantization == fmt and settings.quantize_router and settings.quantize_activations
+        options = engine_options(settings)
+        assert {k: options[k] for k in ("quantization", "quantize_router", "quantize_activations")} == {
+            "quantization": fmt, "quantize_router": True, "quantize_activations": True}
 
 
 def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():
@@ -111,12 +113,13 @@ def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():
         load_run_config(base, ["run.mini_batch_prompts=8", "trainer.mini_batches=0"])
 
 
-def test_fp8_on_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypatch):
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_quantized_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypatch, fmt):
     from steadyrl.run_config import check
 
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
-    config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", ["inference.quantization=fp8"])
-    with pytest.raises(ValueError, match="needs a GPU"):
+    config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [f"inference.quantization={fmt}"])
+    with pytest.raises(ValueError, match=f'quantization = "{fmt}" on the vllm engine needs a GPU'):
         check(config, gpus_available=0)
     assert check(load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine == "vllm"
 

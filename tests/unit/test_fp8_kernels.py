@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shared.models import load_causal_lm
-from shared.models.quantization import FP8, FP8_MAX, FP8Activations, fp8_targets, quantize_fp8_
+from shared.models.quantization import FP8, FP8_MAX, QuantizedActivations, quantized_targets, quantize_
 
 
 def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,10 +29,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x.dtype)[:rows]
 
 
-class RealFP8(FP8Activations):
-    """The matmuls FP8Activations reaches, computed by FP8 kernels instead."""
+class RealFP8(QuantizedActivations):
+    """The matmuls QuantizedActivations reaches, computed by FP8 kernels instead."""
 
-    def fp8_matmul(self, func, args: tuple, kwargs: dict):
+    def quantized_matmul(self, func, args: tuple, kwargs: dict):
         x, weight = args[0], args[1]
         if func is nn.functional.linear:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -67,10 +67,10 @@ def test_the_fp8_emulation_tracks_fp8_kernels(tiny_model_dir, device):
     reference = answer_logprobs(load_causal_lm(tiny_model_dir, "float32", device), ids, answer)
     plain = answer_logprobs(load_causal_lm(tiny_model_dir, "bfloat16", device), ids, answer)
     model = load_causal_lm(tiny_model_dir, "bfloat16", device)
-    names = fp8_targets(model)
-    quantize_fp8_(model, names)
+    names = quantized_targets(model)
+    quantize_(model, names, "fp8")
     params = [dict(model.named_parameters())[n] for n in names]
-    emulated, real = FP8Activations(params), RealFP8(params)
+    emulated, real = QuantizedActivations(params), RealFP8(params)
     by = {"emulated": answer_logprobs(model, ids, answer, emulated), "real": answer_logprobs(model, ids, answer, real)}
     assert emulated.matched == emulated.storages and real.matched == real.storages  # experts included
 

@@ -58,12 +58,16 @@ def test_on_the_cpu_nothing_changes(tmp_path):
                                                                                 "update_mode": "in_flight"}
 
 
-def test_fp8_options_reach_each_engine_as_it_takes_them():
-    torch_options = engine_options(InferenceSettings(model_path="m", engine="torch", quantization="fp8",
-                                                     fp8_router=True))
-    assert torch_options["quantization"] == "fp8" and torch_options["fp8_router"] is True
-    vllm_options = engine_options(InferenceSettings(model_path="m", engine="vllm", quantization="fp8", fp8_router=True))
-    assert vllm_options["quantization"] == "fp8" and "fp8_router" not in vllm_options  # vLLM's fp8 has no such switch
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_quantization_options_reach_each_engine_as_it_takes_them(fmt):
+    torch_options = engine_options(InferenceSettings(model_path="m", engine="torch", quantization=fmt,
+                                                     quantize_router=True, quantize_activations=True))
+    assert torch_options["quantization"] == fmt and torch_options["quantize_router"] is True
+    assert torch_options["quantize_activations"] is True
+    vllm_options = engine_options(InferenceSettings(model_path="m", engine="vllm", quantization=fmt, quantize_router=True,
+                                                    quantize_activations=True))
+    assert vllm_options["quantization"] == fmt  # vLLM's own schemes have no such switches
+    assert "quantize_router" not in vllm_options and "quantize_activations" not in vllm_options
 
 
 def test_a_torch_replica_with_a_gpu_runs_its_engine_there(tmp_path):
