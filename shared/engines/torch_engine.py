@@ -46,7 +46,12 @@ from shared.engines.base import (
 )
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
-from shared.models.quantization import QUANTIZATIONS, QuantizedActivations, quantize_, quantized_targets
+from shared.models.quantization import (
+    QUANTIZATIONS,
+    QuantizedActivations,
+    quantize_,
+    quantized_targets,
+)
 from shared.models.routing import RoutingController
 from shared.torch_threads import bind_torch_threads
 

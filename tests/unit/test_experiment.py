@@ -24,7 +24,7 @@ def steps(n, **fixed):
              "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
 
 
-@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12)])
+@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 5)])
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     from steadyrl.run_config import SERVICES, service_env, validate
 
@@ -41,6 +41,10 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
         if name == "paper-grid-v2.toml":  # the paper's geometry: the mini-batch fixed, B = N × it
             assert recipe.run.batch_prompts == 8 * recipe.section("trainer")["mini_batches"]
             assert recipe.section("inference")["quantization"] == "fp8"
+        if name == "paper-grid-fp4.toml":  # NVFP4 W4A4 inference, every configuration on-policy
+            assert recipe.section("inference")["quantization"] == "fp4"
+            assert recipe.section("inference")["quantize_activations"] is True
+            assert recipe.section("trainer")["mini_batches"] == 1
 
 
 def test_grid_errors_name_the_problem(tmp_path):

@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from shared.models import load_causal_lm
-from shared.models.quantization import FP8, FP8_MAX, QuantizedActivations, quantized_targets, quantize_
+from shared.models.quantization import (
+    FP8,
+    FP8_MAX,
+    QuantizedActivations,
+    quantize_,
+    quantized_targets,
+)
 
 
 def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
