@@ -108,7 +108,7 @@ class InferenceSettings(RedisSettings):
 
     @model_validator(mode="after")
     def _quantization_fits(self) -> InferenceSettings:
-        for name in ("quantize_router", "quantize_activations"):
+        for name in ("quantize_router", "quantize_activations"):  # the torch engine refuses them too
             if getattr(self, name) and self.quantization == "none":
                 raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
         if self.engine == "torch" and self.gpus_per_replica > 1:

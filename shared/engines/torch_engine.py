@@ -47,6 +47,7 @@ from shared.engines.base import (
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
 from shared.models.quantization import (
+    FORMATS,
     QUANTIZATIONS,
     QuantizedActivations,
     quantize_,
@@ -102,7 +103,7 @@ class TorchEngine(StagedWeights):
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         for name, asked in (("quantize_router", quantize_router), ("quantize_activations", quantize_activations)):
-            if asked and quantization == "none":
+            if asked and quantization == "none":  # as InferenceSettings refuses it
                 raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -124,9 +125,7 @@ class TorchEngine(StagedWeights):
         eos = config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-        fmt = {"fp8": "fp8 e4m3 weights, per-channel scales", "fp4": "fp4 e2m1 weights (NVFP4: e4m3 scales per 16 "
-               "inputs, an fp32 scale per matrix)"}.get(quantization, "")
-        notes = (f"{fmt}{', and their inputs, per-token scales' if quantize_activations else ''}"
+        notes = (f"{FORMATS.get(quantization, '')}{', and their inputs, per-token scales' if quantize_activations else ''}"
                  f", emulated: {len(self.quantized)} tensors rounded through {quantization}, "
                  f"computed in {str(self.dtype).removeprefix('torch.')}"
                  f"{' (router included)' if quantize_router else ' (router not)'}",) if self.quantized else ()

