@@ -66,13 +66,12 @@ def fp4_roundtrip(x: torch.Tensor, scale_dims: tuple[int, ...] = (-2, -1)) -> to
     return out.to(x.dtype)
 
 
-def activation_roundtrip(quantization: str, x: torch.Tensor) -> torch.Tensor:
-    """A matmul's input rounded as a `quantization` engine rounds it: dynamic scales per token."""
-    return fp8_roundtrip(x) if quantization == "fp8" else fp4_roundtrip(x, scale_dims=(-1,))
-
-
-def weight_roundtrip(quantization: str, weight: torch.Tensor) -> torch.Tensor:
-    return fp8_roundtrip(weight) if quantization == "fp8" else fp4_roundtrip(weight)
+def roundtrip(quantization: str, x: torch.Tensor, activation: bool = False) -> torch.Tensor:
+    """`x` rounded as a `quantization` engine stores a weight, or with `activation` as it rounds a
+    matmul's input (dynamic scales per token; fp8's scales are per row either way)."""
+    if quantization == "fp8":
+        return fp8_roundtrip(x)
+    return fp4_roundtrip(x, scale_dims=(-1,) if activation else (-2, -1))
 
 
 def quantized_targets(model: nn.Module, router: bool = False) -> list[str]:
@@ -97,7 +96,7 @@ def quantize_(model: nn.Module, names: list[str], quantization: str) -> None:
     """Round the named parameters through `quantization` (fp8 or fp4) in place."""
     params = dict(model.named_parameters())
     for name in names:
-        params[name].copy_(weight_roundtrip(quantization, params[name]))
+        params[name].copy_(roundtrip(quantization, params[name]))
 
 
 def _grouped_mm_functions() -> tuple:
@@ -116,7 +115,7 @@ class QuantizedActivations(torch.overrides.TorchFunctionMode):
     forward), every matmul whose weight is one of `weights` gets its input rounded through
     `quantization` with dynamic scales per row (fp8: amax of the row / 448; fp4: NVFP4 blocks
     under a per-row scale), as a quantised engine rounds activations before its low-precision
-    matmul: a `linear` on an FP8 parameter or on a slice of one (an expert of a stacked
+    matmul: a `linear` on a quantised parameter or on a slice of one (an expert of a stacked
     tensor, `eager` experts), and a grouped matmul on a view of one (`grouped_mm` experts, whose
     input rows are the tokens routed to each expert). Other matmuls (the output head, a router
     kept in full precision) are left alone. `matched` holds the weights whose inputs were rounded
@@ -141,4 +140,4 @@ class QuantizedActivations(torch.overrides.TorchFunctionMode):
 
     def quantized_matmul(self, func, args: tuple, kwargs: dict):
         """One matmul on a quantised weight: its input rounded, then the matmul as asked."""
-        return func(activation_roundtrip(self.quantization, args[0]), *args[1:], **kwargs)
+        return func(roundtrip(self.quantization, args[0], activation=True), *args[1:], **kwargs)

@@ -12,7 +12,7 @@ from shared.models.quantization import (
     fp8_roundtrip,
     quantize_,
     quantized_targets,
-    weight_roundtrip,
+    roundtrip,
 )
 
 
@@ -72,7 +72,7 @@ def test_fp4_roundtrip_by_hand():
     assert fp4_roundtrip(stacked).shape == stacked.shape
     assert fp4_roundtrip(torch.zeros(2, 16)).abs().sum() == 0  # an all-zero matrix stays finite
     grid = torch.randn(64, 64)
-    error = {fmt: float((weight_roundtrip(fmt, grid) - grid).norm() / grid.norm()) for fmt in ("fp8", "fp4")}
+    error = {fmt: float((roundtrip(fmt, grid) - grid).norm() / grid.norm()) for fmt in ("fp8", "fp4")}
     assert 0.01 < error["fp8"] < 0.04 and 0.06 < error["fp4"] < 0.14  # 3 mantissa bits against 1
 
 
@@ -87,14 +87,14 @@ def test_the_torch_engine_serves_every_version_through_its_format(tiny_model_dir
         served = dict(engine.model.named_parameters())
         gate = "model.layers.0.mlp.gate.weight"
         ref = dict(reference.named_parameters())
-        assert torch.equal(served[gate], weight_roundtrip(fmt, ref[gate]) if router else ref[gate])
+        assert torch.equal(served[gate], roundtrip(fmt, ref[gate]) if router else ref[gate])
         new = {n: p.detach() * 1.5 for n, p in reference.named_parameters()}
         engine.update_weights(1, new)
         engine.generate([[1, 5, 6]], Sampling(max_new_tokens=2))  # the version lands between steps
         served = dict(engine.model.named_parameters())
         assert len(engine.quantized) == 12 + 2 * router
         for name in engine.quantized:
-            assert torch.equal(served[name], weight_roundtrip(fmt, new[name])), name
+            assert torch.equal(served[name], roundtrip(fmt, new[name])), name
             assert not torch.equal(served[name], new[name]), name
         assert torch.equal(served["lm_head.weight"], new["lm_head.weight"])  # the head stays full precision
         assert engine.version == 1 and {"fp8": "fp8 e4m3", "fp4": "NVFP4"}[fmt] in engine.capabilities.notes[0]
