@@ -179,7 +179,7 @@ def experiment_command(
     spec = load_grid(grid)
     if report_only:
         configs = [c for c in spec.configs if not only or c.name in only]
-        result = write_report(spec, configs, seeds, out)
+        result = write_report(spec, configs, seeds, out, echo=lambda line: typer.echo(line, err=True))
     else:
         result = run_grid(spec, seeds, out, only or [], set_ or [], echo=lambda line: typer.echo(line, err=True))
     typer.echo(json.dumps(result))

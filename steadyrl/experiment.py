@@ -7,6 +7,7 @@ configurations, each a list of `--set` overrides:
 [grid]
 base = "tiny-arith.toml"                 # relative to the grid file
 set = ["run.steps=150", "trainer.recipe=manual"]
+eval_final_model = "float32"             # optional: each run's final model scored in this dtype too
 
 [collapse]                               # a run is flagged when any rule holds
 eval_drop = 0.15                         # best eval accuracy − final eval accuracy
@@ -21,6 +22,11 @@ set = ["trainer.mini_batches=1"]
 Seed s sets `trainer.seed` and `orchestrator.task_seed` (the order of the prompts); sampling on the
 replicas is not seeded, so two runs of one seed differ too. Every run writes its own directory
 (DIR/<config>/seed-<s>) and a finished run is not run again, so an interrupted grid resumes.
+
+The run's own eval scores the model its replicas serve (μ: the inference dtype and quantization).
+With `eval_final_model`, each finished run's final model is also scored as the trainer holds it
+(π, in that dtype, unquantized: `steadyrl eval`, greedy, on the run's eval set), into
+final-eval.json; the table gets a column for it. `--report-only` scores the runs that lack it.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ CURVES = [
     ("clip_frac", "clip fraction", False),
     ("routing_agreement", "routing agreement (π_old recompute vs rollout)", False),
 ]
+FINAL_EVAL_DTYPES = ("float32", "bfloat16", "float16")
+FINAL_EVAL = "final-eval.json"
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Grid:
     overrides: list[str]
     configs: list[GridConfig]
     collapse: dict[str, float] = field(default_factory=dict)
+    eval_final_model: str = ""  # dtype the final model is scored in after each run ("": not scored)
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -78,6 +87,12 @@ def load_grid(path: str | Path) -> Grid:
     if unknown:
         raise ValueError(f"unknown tables {sorted(unknown)} in {path}; expected grid, collapse, config")
     grid = data.get("grid", {})
+    unknown = set(grid) - {"base", "set", "eval_final_model"}
+    if unknown:
+        raise ValueError(f"{path}: unknown [grid] keys {sorted(unknown)}; expected base, set, eval_final_model")
+    final_dtype = str(grid.get("eval_final_model", ""))
+    if final_dtype not in ("", *FINAL_EVAL_DTYPES):
+        raise ValueError(f"{path}: eval_final_model must be one of {FINAL_EVAL_DTYPES}, got {final_dtype!r}")
     if "base" not in grid:
         raise ValueError(f"{path}: [grid] needs base = the recipe every configuration starts from")
     collapse = dict(data.get("collapse", {}))
@@ -95,7 +110,8 @@ def load_grid(path: str | Path) -> Grid:
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: configuration names repeat: {names}")
-    return Grid((path.parent / grid["base"]).resolve(), [str(s) for s in grid.get("set", [])], configs, collapse)
+    return Grid((path.parent / grid["base"]).resolve(), [str(s) for s in grid.get("set", [])], configs, collapse,
+                final_dtype)
 
 
 def run_config_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] = ()) -> RunConfig:
@@ -111,8 +127,10 @@ def _finite(values):
     return [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
 
 
-def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float]) -> dict:
-    """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason."""
+def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float],
+                  final_eval: dict | None = None) -> dict:
+    """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason;
+    with `final_eval` (final-eval.json), the final model's accuracy as the trainer holds it."""
     by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     series = [by_step[s] for s in sorted(by_step)]
     row: dict = {"steps": len(series)}
@@ -130,6 +148,8 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     row["eval_start"] = accuracies[0] if accuracies else None
     row["eval_best"] = max(accuracies) if accuracies else None
     row["eval_final"] = accuracies[-1] if accuracies else None
+    if final_eval is not None:
+        row["final_model_eval"] = float(final_eval["accuracy"])
     reasons = []
     if accuracies and "eval_drop" in collapse and row["eval_best"] - row["eval_final"] > collapse["eval_drop"]:
         reasons.append(f"eval fell {row['eval_best'] - row['eval_final']:.3f} from its best")
@@ -142,10 +162,15 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     return row
 
 
+def columns(rows: list[dict]) -> list[str]:
+    """Every key of the rows, in first-seen order (a failed run has no final model eval)."""
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
 def aggregate(rows: list[dict]) -> dict:
     """Mean and sample standard deviation over seeds of every numeric column; collapsed runs counted."""
     out: dict = {"seeds": len(rows), "collapsed": sum(1 for r in rows if r.get("collapsed"))}
-    numeric = [k for k in rows[0] if k not in ("collapsed", "collapse_reason", "config", "label", "seed", "outcome")]
+    numeric = [k for k in columns(rows) if k not in ("collapsed", "collapse_reason", "config", "label", "seed", "outcome")]
     for key in numeric:
         values = _finite(r.get(key) for r in rows)
         out[key] = statistics.fmean(values) if values else None
@@ -162,9 +187,11 @@ def _cell(mean, std, digits: int, scientific: bool = False) -> str:
     return text + " ± " + (f"{std:.{digits}e}" if scientific else f"{std:.{digits}f}")
 
 
-def markdown_table(configs: list[GridConfig], summary: dict[str, dict]) -> str:
-    head = ("| configuration | eval start | eval best | eval final | reward (last 10%) | entropy (last 10%) "
-            "| mismatch KL k3 | IS weight max | clip frac | routing agreement | collapsed |")
+def markdown_table(configs: list[GridConfig], summary: dict[str, dict], final_dtype: str = "") -> str:
+    """With `final_dtype`, a column of the final model's eval in that dtype after the run's own final eval."""
+    final_head = f"final model eval ({final_dtype}) | " if final_dtype else ""
+    head = (f"| configuration | eval start | eval best | eval final | {final_head}reward (last 10%) "
+            "| entropy (last 10%) | mismatch KL k3 | IS weight max | clip frac | routing agreement | collapsed |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for config in configs:
         s = summary.get(config.name)
@@ -173,7 +200,9 @@ def markdown_table(configs: list[GridConfig], summary: dict[str, dict]) -> str:
         lines.append("| " + " | ".join([
             config.label,
             _cell(s["eval_start"], s["eval_start_std"], 3), _cell(s["eval_best"], s["eval_best_std"], 3),
-            _cell(s["eval_final"], s["eval_final_std"], 3), _cell(s["reward_end"], s["reward_end_std"], 3),
+            _cell(s["eval_final"], s["eval_final_std"], 3),
+            *([_cell(s.get("final_model_eval"), s.get("final_model_eval_std"), 3)] if final_dtype else []),
+            _cell(s["reward_end"], s["reward_end_std"], 3),
             _cell(s["entropy_end"], s["entropy_end_std"], 3),
             _cell(s["mismatch_kl_mean"], s["mismatch_kl_mean_std"], 1, scientific=True),
             _cell(s["is_weight_max"], s["is_weight_max_std"], 2), _cell(s["clip_frac_mean"], s["clip_frac_mean_std"], 4),
@@ -272,6 +301,23 @@ def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
 
 
+def final_model_eval(run_dir: Path, dtype: str, echo=print) -> dict | None:
+    """final-eval.json of a finished run: its final model scored greedily in `dtype` on the run's own
+    eval set (written once; None when the run left no final model)."""
+    from steadyrl.evaluation import evaluate
+
+    path = run_dir / FINAL_EVAL
+    if path.exists():
+        return json.loads(path.read_text())
+    if not (run_dir / "final-model").is_dir():
+        return None
+    report = {**evaluate(str(run_dir / "final-model"), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype,
+                         device="auto"), "dtype": dtype}
+    path.write_text(json.dumps(report) + "\n")
+    echo(f"{run_dir}: final model in {dtype}: eval {report['accuracy']}")
+    return report
+
+
 def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (),
              echo=print) -> dict:
     """Run every (configuration, seed) not finished yet, then write results.csv, table.md, plots."""
@@ -298,10 +344,13 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
             summary = run(run_config_for(grid, config, seed, extra), run_dir, progress="none")
             echo(f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
                  f"eval {summary.get('eval_start')} → {summary.get('eval_end')}")
-    return write_report(grid, configs, seeds, out)
+            if grid.eval_final_model and summary.get("outcome") == "finished":
+                final_model_eval(run_dir, grid.eval_final_model, echo)
+    return write_report(grid, configs, seeds, out, echo)
 
 
-def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path) -> dict:
+def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, echo=print) -> dict:
+    """The table, CSV and plots of the runs in `out` (scoring the final models not scored yet)."""
     rows, runs, summary = [], {}, {}
     for config in configs:
         config_rows = []
@@ -312,18 +361,20 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path) -
             outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
             metrics, evals = read_run(run_dir)
             runs.setdefault(config.name, []).append((metrics, evals))
+            final = (final_model_eval(run_dir, grid.eval_final_model, echo)
+                     if grid.eval_final_model and outcome == "finished" else None)
             row = {"config": config.name, "label": config.label, "seed": seed, "outcome": outcome,
-                   **summarise_run(metrics, evals, grid.collapse)}
+                   **summarise_run(metrics, evals, grid.collapse, final)}
             rows.append(row)
             config_rows.append(row)
         if config_rows:
             summary[config.name] = aggregate(config_rows)
     if rows:
         with (out / "results.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=columns(rows))
             writer.writeheader()
             writer.writerows(rows)
-    (out / "table.md").write_text(markdown_table(configs, summary))
+    (out / "table.md").write_text(markdown_table(configs, summary, grid.eval_final_model))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plots = plot_grid(out, configs, runs) if runs else []
     return {"runs": len(rows), "configs": len(summary), "table": str(out / "table.md"),

@@ -88,3 +88,9 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["mismatch_kl_k3"] > 0.02 for m in metrics)  # bf16 alone gives ~6e-3 on this model
     assert all(m["routing_agreement"] < 1 for m in metrics)
+    # the final model scored as the trainer holds it (fp32, unquantized) on the run's eval set
+    final = json.loads((run / "final-eval.json").read_text())
+    assert final["dtype"] == "float32" and final["prompts"] == 20 and 0 <= final["accuracy"] <= 1
+    row = next(csv.DictReader((out / "results.csv").open()))
+    assert float(row["final_model_eval"]) == final["accuracy"]
+    assert "| final model eval (float32) |" in (out / "table.md").read_text().splitlines()[0]

@@ -24,7 +24,7 @@ def steps(n, **fixed):
              "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
 
 
-@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 5)])
+@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 14)])
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     from steadyrl.run_config import SERVICES, service_env, validate
 
@@ -41,10 +41,11 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
         if name == "paper-grid-v2.toml":  # the paper's geometry: the mini-batch fixed, B = N × it
             assert recipe.run.batch_prompts == 8 * recipe.section("trainer")["mini_batches"]
             assert recipe.section("inference")["quantization"] == "fp8"
-        if name == "paper-grid-fp4.toml":  # NVFP4 W4A4 inference, every configuration on-policy
+        if name == "paper-grid-fp4.toml":  # NVFP4 W4A4 inference, the paper's geometry, π scored in fp32
             assert recipe.section("inference")["quantization"] == "fp4"
             assert recipe.section("inference")["quantize_activations"] is True
-            assert recipe.section("trainer")["mini_batches"] == 1
+            assert recipe.run.batch_prompts == 16 * recipe.section("trainer")["mini_batches"]
+    assert grid.eval_final_model == ("float32" if name == "paper-grid-fp4.toml" else "")
 
 
 def test_grid_errors_name_the_problem(tmp_path):
@@ -57,6 +58,12 @@ def test_grid_errors_name_the_problem(tmp_path):
         load_grid(bad)
     bad.write_text('[grid]\nbase = "x.toml"\n[[config]]\nname = "a b"\n')
     with pytest.raises(ValueError, match="name of letters"):
+        load_grid(bad)
+    bad.write_text('[grid]\nbase = "x.toml"\nseeds = 3\n[[config]]\nname = "a"\n')
+    with pytest.raises(ValueError, match="unknown \\[grid\\] keys \\['seeds'\\]"):
+        load_grid(bad)
+    bad.write_text('[grid]\nbase = "x.toml"\neval_final_model = "fp32"\n[[config]]\nname = "a"\n')
+    with pytest.raises(ValueError, match="eval_final_model must be one of .*'fp32'"):
         load_grid(bad)
 
 
@@ -99,6 +106,22 @@ def test_markdown_table_has_a_row_per_configuration():
     lines = markdown_table(grid.configs, summary).splitlines()
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 12
     assert "0.450 ± 0.000" in lines[2] and lines[2].endswith("| 0/2 |")
+
+
+def test_the_final_model_eval_is_a_column_of_the_row_the_summary_and_the_table():
+    grid = load_grid(ROOT / "configs" / "paper-grid.toml")
+    evals = [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.3}]
+    rows = [{**summarise_run(steps(10), evals, {}, {"accuracy": a, "dtype": "float32"}), "seed": s}
+            for s, a in enumerate([0.5, 0.6])]
+    assert rows[0]["final_model_eval"] == 0.5 and rows[0]["eval_final"] == 0.3  # π beside μ
+    failed = {**summarise_run(steps(3), evals, {}), "seed": 2}  # a run that left no final model
+    assert "final_model_eval" not in failed
+    out = aggregate([failed, *rows])  # the column is found in any row, averaged over those that have it
+    assert out["final_model_eval"] == pytest.approx(0.55) and out["final_model_eval_std"] == pytest.approx(0.0707, abs=1e-4)
+    lines = markdown_table(grid.configs[:1], {grid.configs[0].name: out}, "float32").splitlines()
+    assert "| eval final | final model eval (float32) | reward" in lines[0]
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 13
+    assert "| 0.300 ± 0.000 | 0.550 ± 0.071 |" in lines[2]
 
 
 def test_curves():
