@@ -133,6 +133,8 @@ def eval_command(
     samples: Annotated[int, typer.Option(min=0, help="Samples per prompt for pass@k / mean@k (0: greedy only).")] = 4,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible) | cpu | cuda.")] = "auto",
+    served: Annotated[bool, typer.Option(
+        "--served", help="As the recipe's replicas serve it: inference dtype and quantization (not --dtype).")] = False,
 ) -> None:
     """Greedy accuracy (and pass@k, mean@k) of a model on a recipe's eval sets, as its run scores them."""
     from steadyrl.evaluation import evaluate
@@ -141,7 +143,7 @@ def eval_command(
                  "math_path": str(math_path) if math_path else None}
     overrides = [*(set_ or []), *(f"orchestrator.{k}={json.dumps(v)}" for k, v in shortcuts.items() if v is not None)]
     try:
-        report = evaluate(str(model_dir), config or [], overrides, samples, dtype, device)
+        report = evaluate(str(model_dir), config or [], overrides, samples, dtype, device, served)
     except (ValueError, KeyError) as exc:
         typer.echo(f"steadyrl eval: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -6,6 +6,11 @@ prompted the same way (chat template, system prompt) and scored by the same rewa
 process with the replicas' time limit. The fields are eval.jsonl's: greedy `accuracy` (mean
 reward), and with k samples per prompt `pass_at_k` / `mean_at_k`; `reward_failures` counts the
 completions the reward could not score (each scored 0) by reason (timeout, error:<type>, nonfinite).
+
+By default the model is scored as given, in `dtype` (a trainer's π). `served=True` scores it as the
+recipe's replicas serve it (μ): in the inference dtype, through the recipe's quantization as the
+torch engine computes it (a recipe served by vLLM with a quantization is refused: its kernels are
+not the torch engine's emulation).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Seque
 
 
 def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = (), samples: int = 4,
-             dtype: str = "float32", device: str = "cpu") -> dict:
-    """`device`: cpu, cuda, or auto (cuda when a GPU is visible)."""
+             dtype: str = "float32", device: str = "cpu", served: bool = False) -> dict:
+    """`device`: cpu, cuda, or auto (cuda when a GPU is visible); `served`: as the replicas serve it."""
     from services.orchestrator.data import Tasks
     from shared.core.evals import sampled_scores
     from shared.engines import Sampling, make_engine
@@ -45,8 +50,13 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     settings, inference = eval_settings(model_dir, recipes, overrides)
+    quantization = inference.quantization_options() if served else {}
+    if served and quantization and inference.engine != "torch":
+        raise ValueError(f"served=True emulates the torch engine's {inference.quantization}; this recipe serves it "
+                         f"with {inference.engine}, whose kernels differ")
+    dtype = inference.dtype if served else dtype
     tasks = Tasks(settings)
-    engine = make_engine("torch", model_dir, dtype, device=device)  # a bad device is refused here
+    engine = make_engine("torch", model_dir, dtype, device=device, **quantization)  # a bad device is refused here
     rewards = RewardRunner(inference.reward_timeout_seconds)  # the replicas' time limit
     rewards.check(tasks.reward)
     failures: Counter[str] = Counter()  # completions the reward could not score (0 with a reason)
@@ -80,6 +90,7 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
     finally:
         engine.close()
         rewards.close()
-    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, "device": device, **sets.pop("main"),
+    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, "device": device, "dtype": dtype,
+              **({"quantization": quantization} if quantization else {}), **sets.pop("main"),
               "reward_failures": dict(failures)}
     return {**report, "sets": sets} if sets else report

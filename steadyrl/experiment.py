@@ -311,8 +311,8 @@ def final_model_eval(run_dir: Path, dtype: str, echo=print) -> dict | None:
         return json.loads(path.read_text())
     if not (run_dir / "final-model").is_dir():
         return None
-    report = {**evaluate(str(run_dir / "final-model"), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype,
-                         device="auto"), "dtype": dtype}
+    report = evaluate(str(run_dir / "final-model"), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype,
+                      device="auto")
     path.write_text(json.dumps(report) + "\n")
     echo(f"{run_dir}: final model in {dtype}: eval {report['accuracy']}")
     return report

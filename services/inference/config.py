@@ -106,6 +106,14 @@ class InferenceSettings(RedisSettings):
     max_new_tokens_limit: int = Field(4096, ge=1)
     """Largest max_new_tokens a direct Generate request may ask for."""
 
+    def quantization_options(self) -> dict:
+        """The engine options of `quantization` (the router and activation switches are the torch
+        engine's: vLLM's own fp8 / nvfp4 quantise both anyway)."""
+        if self.quantization == "none":
+            return {}
+        switches = ("quantize_router", "quantize_activations") if self.engine == "torch" else ()
+        return {"quantization": self.quantization, **{name: True for name in switches if getattr(self, name)}}
+
     @model_validator(mode="after")
     def _quantization_fits(self) -> InferenceSettings:
         for name in ("quantize_router", "quantize_activations"):  # the torch engine refuses them too

@@ -122,13 +122,8 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
 
 def engine_options(settings: InferenceSettings) -> dict:
     """What `make_engine` gets beyond the path and dtype."""
-    options: dict = {"max_num_seqs": settings.max_num_seqs, "update_mode": settings.update_mode}
-    if settings.quantization != "none":
-        options["quantization"] = settings.quantization
-    if settings.engine == "torch" and settings.quantize_router:  # vLLM's own fp8 quantises its router anyway
-        options["quantize_router"] = True
-    if settings.engine == "torch" and settings.quantize_activations:  # vLLM's own fp8 / nvfp4 are W8A8 / W4A4 anyway
-        options["quantize_activations"] = True
+    options: dict = {"max_num_seqs": settings.max_num_seqs, "update_mode": settings.update_mode,
+                     **settings.quantization_options()}
     if settings.engine == "torch" and settings.torch_threads:
         options["threads"] = settings.torch_threads
     if settings.engine == "torch" and settings.gpus_per_replica:

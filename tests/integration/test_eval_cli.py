@@ -88,3 +88,24 @@ def test_bad_eval_settings_are_refused_with_the_reason(tiny_model_dir, tmp_path)
     if not torch.cuda.is_available():
         done = eval_cli(str(tiny_model_dir), "--device", "cuda", "--size", "2")
         assert done.returncode == 2 and "asked for cuda and no CUDA device is visible" in done.stderr
+
+
+def test_served_scores_the_model_as_the_recipes_replicas_compute_it(tiny_model_dir):
+    """--served: the inference dtype and quantization, not --dtype. The reference is transformers'
+    greedy decoding of the model with its weights rounded through NVFP4 (fp32 compute, so batched
+    and unbatched decoding agree)."""
+    from shared.models.quantization import quantize_, quantized_targets
+
+    model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
+    quantize_(model, quantized_targets(model), "fp4")
+    examples = TinySpec().task().split("eval", 40)
+    common = ["--size", "40", "--max-new-tokens", "8", "--samples", "0"]
+    served = report_of(eval_cli(str(tiny_model_dir), "--served", "--dtype", "bfloat16", *common,
+                                "--set", "inference.dtype=\"float32\"", "--set", "inference.quantization=\"fp4\""))
+    assert served["dtype"] == "float32" and served["quantization"] == {"quantization": "fp4"}
+    assert served["accuracy"] == round(greedy_accuracy(model, tokenizer, examples), 4)
+    plain = report_of(eval_cli(str(tiny_model_dir), *common, "--set", "inference.quantization=\"fp4\""))
+    assert plain["dtype"] == "float32" and "quantization" not in plain  # without --served: the model as given
+    refused = eval_cli(str(tiny_model_dir), "--served", *common, "--set", "inference.engine=\"vllm\"",
+                       "--set", "inference.quantization=\"fp8\"")
+    assert refused.returncode == 2 and "emulates the torch engine's fp8; this recipe serves it with vllm" in refused.stderr
