@@ -48,22 +48,19 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     assert grid.eval_final_model == ("float32" if name == "paper-grid-fp4.toml" else "")
 
 
-def test_grid_errors_name_the_problem(tmp_path):
+@pytest.mark.parametrize("text,error", [
+    ('[grid]\nbase = "x.toml"\n[collapse]\nreward_below = 1\n[[config]]\nname = "a"\n',
+     "unknown collapse rules \\['reward_below'\\]"),
+    ('[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[config]]\nname = "a"\n', "repeat"),
+    ('[grid]\nbase = "x.toml"\n[[config]]\nname = "a b"\n', "name of letters"),
+    ('[grid]\nbase = "x.toml"\nseeds = 3\n[[config]]\nname = "a"\n', "unknown \\[grid\\] keys \\['seeds'\\]"),
+    ('[grid]\nbase = "x.toml"\neval_final_model = "fp32"\n[[config]]\nname = "a"\n',
+     "eval_final_model must be one of .*'fp32'"),
+])
+def test_grid_errors_name_the_problem(tmp_path, text, error):
     bad = tmp_path / "g.toml"
-    bad.write_text('[grid]\nbase = "x.toml"\n[collapse]\nreward_below = 1\n[[config]]\nname = "a"\n')
-    with pytest.raises(ValueError, match="unknown collapse rules \\['reward_below'\\]"):
-        load_grid(bad)
-    bad.write_text('[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[config]]\nname = "a"\n')
-    with pytest.raises(ValueError, match="repeat"):
-        load_grid(bad)
-    bad.write_text('[grid]\nbase = "x.toml"\n[[config]]\nname = "a b"\n')
-    with pytest.raises(ValueError, match="name of letters"):
-        load_grid(bad)
-    bad.write_text('[grid]\nbase = "x.toml"\nseeds = 3\n[[config]]\nname = "a"\n')
-    with pytest.raises(ValueError, match="unknown \\[grid\\] keys \\['seeds'\\]"):
-        load_grid(bad)
-    bad.write_text('[grid]\nbase = "x.toml"\neval_final_model = "fp32"\n[[config]]\nname = "a"\n')
-    with pytest.raises(ValueError, match="eval_final_model must be one of .*'fp32'"):
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=error):
         load_grid(bad)
 
 
