@@ -103,7 +103,9 @@ def export_command(
     from steadyrl.report import export_checkpoint, find_checkpoint
 
     try:
-        if dtype not in ("float32", "bfloat16", "float16"):
+        from steadyrl.evaluation import DTYPES
+
+        if dtype not in DTYPES:
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
         step, trained = find_checkpoint(checkpoint)
         base = str(model) if model else trained

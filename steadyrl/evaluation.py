@@ -21,6 +21,7 @@ from pathlib import Path
 
 BATCH = 64
 DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")  # a model is scored or exported in one of these
 
 
 def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = ()):

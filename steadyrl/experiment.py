@@ -39,6 +39,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from steadyrl.evaluation import DTYPES
 from steadyrl.run_config import RunConfig, load_run_config
 
 # per-step diagnostics summarised per run: (metrics key, how, column)
@@ -60,7 +61,6 @@ CURVES = [
     ("clip_frac", "clip fraction", False),
     ("routing_agreement", "routing agreement (π_old recompute vs rollout)", False),
 ]
-FINAL_EVAL_DTYPES = ("float32", "bfloat16", "float16")
 FINAL_EVAL = "final-eval.json"
 
 
@@ -77,7 +77,7 @@ class Grid:
     overrides: list[str]
     configs: list[GridConfig]
     collapse: dict[str, float] = field(default_factory=dict)
-    eval_final_model: str = ""  # dtype the final model is scored in after each run ("": not scored)
+    eval_final_model: str = ""  # dtype each final model is scored in by the report ("": not scored)
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -91,8 +91,8 @@ def load_grid(path: str | Path) -> Grid:
     if unknown:
         raise ValueError(f"{path}: unknown [grid] keys {sorted(unknown)}; expected base, set, eval_final_model")
     final_dtype = str(grid.get("eval_final_model", ""))
-    if final_dtype not in ("", *FINAL_EVAL_DTYPES):
-        raise ValueError(f"{path}: eval_final_model must be one of {FINAL_EVAL_DTYPES}, got {final_dtype!r}")
+    if final_dtype not in ("", *DTYPES):
+        raise ValueError(f"{path}: eval_final_model must be one of {DTYPES}, got {final_dtype!r}")
     if "base" not in grid:
         raise ValueError(f"{path}: [grid] needs base = the recipe every configuration starts from")
     collapse = dict(data.get("collapse", {}))
@@ -344,8 +344,6 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
             summary = run(run_config_for(grid, config, seed, extra), run_dir, progress="none")
             echo(f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
                  f"eval {summary.get('eval_start')} → {summary.get('eval_end')}")
-            if grid.eval_final_model and summary.get("outcome") == "finished":
-                final_model_eval(run_dir, grid.eval_final_model, echo)
     return write_report(grid, configs, seeds, out, echo)
 
 
