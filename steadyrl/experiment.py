@@ -12,6 +12,7 @@ eval_final_model = "float32"             # optional: each run's final model scor
 [collapse]                               # a run is flagged when any rule holds
 eval_drop = 0.15                         # best eval accuracy − final eval accuracy
 entropy_below = 0.02                     # mean entropy of the last tenth of steps
+final_model_drop = 0.1                   # needs eval_final_model: the initial model's eval − the final's
 
 [[config]]
 name = "onpolicy-minirl"
@@ -26,7 +27,9 @@ replicas is not seeded, so two runs of one seed differ too. Every run writes its
 The run's own eval scores the model its replicas serve (μ: the inference dtype and quantization).
 With `eval_final_model`, each finished run's final model is also scored as the trainer holds it
 (π, in that dtype, unquantized: `steadyrl eval`, greedy, on the run's eval set), into
-final-eval.json; the table gets a column for it. `--report-only` scores the runs that lack it.
+final-eval.json, and so is the model it started from, into initial-eval.json; the table gets a column
+for the final one. `--report-only` scores the runs that lack them. Under a coarse inference
+quantization μ's eval swings between rounds, so `final_model_drop` judges a collapse on π instead.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ CURVES = [
     ("clip_frac", "clip fraction", False),
     ("routing_agreement", "routing agreement (π_old recompute vs rollout)", False),
 ]
-FINAL_EVAL = "final-eval.json"
+MODEL_EVALS = {"initial": "initial-eval.json", "final": "final-eval.json"}  # π at the start, at the end
 
 
 @dataclass
@@ -96,9 +99,12 @@ def load_grid(path: str | Path) -> Grid:
     if "base" not in grid:
         raise ValueError(f"{path}: [grid] needs base = the recipe every configuration starts from")
     collapse = dict(data.get("collapse", {}))
-    bad = set(collapse) - {"eval_drop", "entropy_below"}
+    bad = set(collapse) - {"eval_drop", "entropy_below", "final_model_drop"}
     if bad:
-        raise ValueError(f"{path}: unknown collapse rules {sorted(bad)}; expected eval_drop, entropy_below")
+        raise ValueError(f"{path}: unknown collapse rules {sorted(bad)}; "
+                         "expected eval_drop, entropy_below, final_model_drop")
+    if "final_model_drop" in collapse and not final_dtype:
+        raise ValueError(f"{path}: the collapse rule final_model_drop needs eval_final_model in [grid]")
     configs = []
     for entry in data.get("config", []):
         name = str(entry.get("name", ""))
@@ -128,9 +134,10 @@ def _finite(values):
 
 
 def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float],
-                  final_eval: dict | None = None) -> dict:
+                  model_evals: dict[str, dict] | None = None) -> dict:
     """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason;
-    with `final_eval` (final-eval.json), the final model's accuracy as the trainer holds it."""
+    with `model_evals` ({"initial"/"final": the report of MODEL_EVALS}), those models' accuracies as the
+    trainer holds them."""
     by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     series = [by_step[s] for s in sorted(by_step)]
     row: dict = {"steps": len(series)}
@@ -148,11 +155,15 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     row["eval_start"] = accuracies[0] if accuracies else None
     row["eval_best"] = max(accuracies) if accuracies else None
     row["eval_final"] = accuracies[-1] if accuracies else None
-    if final_eval is not None:
-        row["final_model_eval"] = float(final_eval["accuracy"])
+    for which, report in (model_evals or {}).items():
+        row[f"{which}_model_eval"] = float(report["accuracy"])
     reasons = []
     if accuracies and "eval_drop" in collapse and row["eval_best"] - row["eval_final"] > collapse["eval_drop"]:
         reasons.append(f"eval fell {row['eval_best'] - row['eval_final']:.3f} from its best")
+    if "final_model_drop" in collapse and {"initial_model_eval", "final_model_eval"} <= set(row):
+        drop = row["initial_model_eval"] - row["final_model_eval"]
+        if drop > collapse["final_model_drop"]:
+            reasons.append(f"final model {drop:.3f} under the initial one")
     if row["entropy_end"] is not None and "entropy_below" in collapse and row["entropy_end"] < collapse["entropy_below"]:
         reasons.append(f"entropy {row['entropy_end']:.3g} < {collapse['entropy_below']}")
     if row["nonfinite_steps"]:
@@ -301,20 +312,21 @@ def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
 
 
-def final_model_eval(run_dir: Path, dtype: str, echo=print) -> dict | None:
-    """final-eval.json of a finished run: its final model scored greedily in `dtype` on the run's own
-    eval set (written once; None when the run left no final model)."""
+def model_eval(run_dir: Path, which: str, dtype: str, echo=print) -> dict | None:
+    """MODEL_EVALS[which] of a finished run: its initial or final model scored greedily in `dtype` on the
+    run's own eval set (written once; None when the run left no final model)."""
     from steadyrl.evaluation import evaluate
 
-    path = run_dir / FINAL_EVAL
+    path = run_dir / MODEL_EVALS[which]
     if path.exists():
         return json.loads(path.read_text())
-    if not (run_dir / "final-model").is_dir():
+    model = (run_dir / "final-model" if which == "final"
+             else Path(json.loads((run_dir / "summary.json").read_text())["model"]))  # the model it started from
+    if not model.is_dir():
         return None
-    report = evaluate(str(run_dir / "final-model"), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype,
-                      device="auto")
+    report = evaluate(str(model), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype, device="auto")
     path.write_text(json.dumps(report) + "\n")
-    echo(f"{run_dir}: final model in {dtype}: eval {report['accuracy']}")
+    echo(f"{run_dir}: {which} model in {dtype}: eval {report['accuracy']}")
     return report
 
 
@@ -359,10 +371,10 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
             outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
             metrics, evals = read_run(run_dir)
             runs.setdefault(config.name, []).append((metrics, evals))
-            final = (final_model_eval(run_dir, grid.eval_final_model, echo)
-                     if grid.eval_final_model and outcome == "finished" else None)
+            scored = {which: model_eval(run_dir, which, grid.eval_final_model, echo) for which in MODEL_EVALS
+                      if grid.eval_final_model and outcome == "finished"}
             row = {"config": config.name, "label": config.label, "seed": seed, "outcome": outcome,
-                   **summarise_run(metrics, evals, grid.collapse, final)}
+                   **summarise_run(metrics, evals, grid.collapse, {k: v for k, v in scored.items() if v})}
             rows.append(row)
             config_rows.append(row)
         if config_rows:

@@ -91,6 +91,12 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     # the final model scored as the trainer holds it (fp32, unquantized) on the run's eval set
     final = json.loads((run / "final-eval.json").read_text())
     assert final["dtype"] == "float32" and final["prompts"] == 20 and 0 <= final["accuracy"] <= 1
+    # and the model it started from, the baseline of the collapse rule on π
+    initial = json.loads((run / "initial-eval.json").read_text())
+    assert initial["model"] == json.loads((run / "summary.json").read_text())["model"] != final["model"]
+    assert initial["dtype"] == "float32" and initial["prompts"] == 20
     row = next(csv.DictReader((out / "results.csv").open()))
     assert float(row["final_model_eval"]) == final["accuracy"]
+    assert float(row["initial_model_eval"]) == initial["accuracy"]
+    assert (row["collapsed"] == "True") == (initial["accuracy"] - final["accuracy"] > 0.1)
     assert "| final model eval (float32) |" in (out / "table.md").read_text().splitlines()[0]

@@ -46,6 +46,7 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
             assert recipe.section("inference")["quantize_activations"] is True
             assert recipe.run.batch_prompts == 16 * recipe.section("trainer")["mini_batches"]
     assert grid.eval_final_model == ("float32" if name == "paper-grid-fp4.toml" else "")
+    assert ("final_model_drop" in grid.collapse) == (name == "paper-grid-fp4.toml")
 
 
 @pytest.mark.parametrize("text,error", [
@@ -56,6 +57,8 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     ('[grid]\nbase = "x.toml"\nseeds = 3\n[[config]]\nname = "a"\n', "unknown \\[grid\\] keys \\['seeds'\\]"),
     ('[grid]\nbase = "x.toml"\neval_final_model = "fp32"\n[[config]]\nname = "a"\n',
      "eval_final_model must be one of .*'fp32'"),
+    ('[grid]\nbase = "x.toml"\n[collapse]\nfinal_model_drop = 0.1\n[[config]]\nname = "a"\n',
+     "final_model_drop needs eval_final_model"),
 ])
 def test_grid_errors_name_the_problem(tmp_path, text, error):
     bad = tmp_path / "g.toml"
@@ -108,7 +111,7 @@ def test_markdown_table_has_a_row_per_configuration():
 def test_the_final_model_eval_is_a_column_of_the_row_the_summary_and_the_table():
     grid = load_grid(ROOT / "configs" / "paper-grid.toml")
     evals = [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.3}]
-    rows = [{**summarise_run(steps(10), evals, {}, {"accuracy": a, "dtype": "float32"}), "seed": s}
+    rows = [{**summarise_run(steps(10), evals, {}, {"final": {"accuracy": a, "dtype": "float32"}}), "seed": s}
             for s, a in enumerate([0.5, 0.6])]
     assert rows[0]["final_model_eval"] == 0.5 and rows[0]["eval_final"] == 0.3  # π beside μ
     failed = {**summarise_run(steps(3), evals, {}), "seed": 2}  # a run that left no final model
@@ -119,6 +122,20 @@ def test_the_final_model_eval_is_a_column_of_the_row_the_summary_and_the_table()
     assert "| eval final | final model eval (float32) | reward" in lines[0]
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 13
     assert "| 0.300 ± 0.000 | 0.550 ± 0.071 |" in lines[2]
+
+
+def test_final_model_drop_judges_collapse_on_the_trainers_model():
+    """μ's eval (the quantized replica) may swing; the rule compares π at the end with π at the start."""
+    evals = [{"version": 0, "accuracy": 0.35}, {"version": 5, "accuracy": 0.55}, {"version": 10, "accuracy": 0.30}]
+    rule = {"eval_drop": 0.15, "final_model_drop": 0.1}
+    fell = summarise_run(steps(10), evals, rule, {"initial": {"accuracy": 0.445}, "final": {"accuracy": 0.18}})
+    assert fell["initial_model_eval"] == 0.445 and fell["final_model_eval"] == 0.18
+    assert fell["collapse_reason"] == "eval fell 0.250 from its best; final model 0.265 under the initial one"
+    held = summarise_run(steps(10), evals, {"final_model_drop": 0.1},
+                         {"initial": {"accuracy": 0.43}, "final": {"accuracy": 0.34}})  # 0.09: under the rule
+    assert not held["collapsed"]
+    unscored = summarise_run(steps(10), evals, {"final_model_drop": 0.1}, {"final": {"accuracy": 0.0}})
+    assert not unscored["collapsed"] and "initial_model_eval" not in unscored  # nothing to compare with
 
 
 def test_curves():
