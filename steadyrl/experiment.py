@@ -26,10 +26,11 @@ replicas is not seeded, so two runs of one seed differ too. Every run writes its
 
 The run's own eval scores the model its replicas serve (μ: the inference dtype and quantization).
 With `eval_final_model`, each finished run's final model is also scored as the trainer holds it
-(π, in that dtype, unquantized: `steadyrl eval`, greedy, on the run's eval set), into
-final-eval.json, and so is the model it started from, into initial-eval.json; the table gets a column
-for the final one. `--report-only` scores the runs that lack them. Under a coarse inference
-quantization μ's eval swings between rounds, so `final_model_drop` judges a collapse on π instead.
+(π, in that dtype, unquantized: `steadyrl eval`, greedy, on the run's eval set), and so are the model
+it started from and every checkpoint the run kept (`trainer.keep_checkpoints`): model-evals.jsonl,
+one line per policy version. The table gets a column for the final one, the plots a π curve.
+`--report-only` scores what is not scored yet. Under a coarse inference quantization μ's eval swings
+between rounds, so `final_model_drop` judges a collapse on π instead.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ CURVES = [
     ("clip_frac", "clip fraction", False),
     ("routing_agreement", "routing agreement (π_old recompute vs rollout)", False),
 ]
-MODEL_EVALS = {"initial": "initial-eval.json", "final": "final-eval.json"}  # π at the start, at the end
+MODEL_EVALS = "model-evals.jsonl"  # π by policy version: the initial model, then each kept checkpoint
 
 
 @dataclass
@@ -134,10 +135,10 @@ def _finite(values):
 
 
 def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float],
-                  model_evals: dict[str, dict] | None = None) -> dict:
+                  model_evals: list[dict] = ()) -> dict:
     """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason;
-    with `model_evals` ({"initial"/"final": the report of MODEL_EVALS}), those models' accuracies as the
-    trainer holds them."""
+    with `model_evals` (the lines of MODEL_EVALS), the accuracies of the initial model (version 0) and
+    the final one (the newest version) as the trainer holds them."""
     by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     series = [by_step[s] for s in sorted(by_step)]
     row: dict = {"steps": len(series)}
@@ -155,8 +156,11 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     row["eval_start"] = accuracies[0] if accuracies else None
     row["eval_best"] = max(accuracies) if accuracies else None
     row["eval_final"] = accuracies[-1] if accuracies else None
-    for which, report in (model_evals or {}).items():
-        row[f"{which}_model_eval"] = float(report["accuracy"])
+    by_version = {int(e["version"]): float(e["accuracy"]) for e in model_evals}
+    if 0 in by_version:
+        row["initial_model_eval"] = by_version[0]
+    if max(by_version, default=0) > 0:
+        row["final_model_eval"] = by_version[max(by_version)]
     reasons = []
     if accuracies and "eval_drop" in collapse and row["eval_best"] - row["eval_final"] > collapse["eval_drop"]:
         reasons.append(f"eval fell {row['eval_best'] - row['eval_final']:.3f} from its best")
@@ -251,8 +255,10 @@ def line_style(index: int) -> dict:
     return {"color": f"C{index % 10}", "linestyle": ["-", "--", ":", "-."][index // 10 % 4]}
 
 
-def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[list[dict], list[dict]]]]) -> list[str]:
-    """One PNG per diagnostic with a line per configuration (mean over its seeds)."""
+def plot_grid(out: Path, configs: list[GridConfig],
+              runs: dict[str, list[tuple[list[dict], list[dict], list[dict]]]], final_dtype: str = "") -> list[str]:
+    """One PNG per diagnostic with a line per configuration (mean over its seeds); `runs` holds each
+    run's (metrics, evals, model evals)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,7 +271,7 @@ def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[l
         fig, ax = plt.subplots(figsize=(8, 4.5))
         drawn = False
         for index, config in enumerate(configs):
-            steps, values = mean_curve([m for m, _ in runs.get(config.name, [])], key)
+            steps, values = mean_curve([m for m, _, _ in runs.get(config.name, [])], key)
             if not steps:
                 continue
             if key == "reward_mean":
@@ -284,23 +290,28 @@ def plot_grid(out: Path, configs: list[GridConfig], runs: dict[str, list[tuple[l
         fig.savefig(plots / f"{key}.png", dpi=100)
         plt.close(fig)
         written.append(f"plots/{key}.png")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for index, config in enumerate(configs):
-        by_version: dict[int, list[float]] = {}
-        for _, evals in runs.get(config.name, []):
-            for e in evals:
-                by_version.setdefault(int(e["version"]), []).append(float(e["accuracy"]))
-        if by_version:
-            versions = sorted(by_version)
-            ax.plot(versions, [statistics.fmean(by_version[v]) for v in versions], marker="o", markersize=3,
-                    linewidth=1.1, label=config.label, **line_style(index))
-    ax.set_xlabel("policy version")
-    ax.set_title("greedy eval accuracy (mean over seeds)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(plots / "eval_accuracy.png", dpi=100)
-    plt.close(fig)
-    written.append("plots/eval_accuracy.png")
+    accuracy_plots = [(1, "eval_accuracy", "greedy eval accuracy (mean over seeds)")]
+    if final_dtype:
+        accuracy_plots.append((2, "model_eval_accuracy",
+                               f"greedy eval accuracy of the trainer's model in {final_dtype} (mean over seeds)"))
+    for column, name, title in accuracy_plots:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for index, config in enumerate(configs):
+            by_version: dict[int, list[float]] = {}
+            for run in runs.get(config.name, []):
+                for e in run[column]:
+                    by_version.setdefault(int(e["version"]), []).append(float(e["accuracy"]))
+            if by_version:
+                versions = sorted(by_version)
+                ax.plot(versions, [statistics.fmean(by_version[v]) for v in versions], marker="o", markersize=3,
+                        linewidth=1.1, label=config.label, **line_style(index))
+        ax.set_xlabel("policy version")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plots / f"{name}.png", dpi=100)
+        plt.close(fig)
+        written.append(f"plots/{name}.png")
     return written
 
 
@@ -312,22 +323,32 @@ def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
 
 
-def model_eval(run_dir: Path, which: str, dtype: str, echo=print) -> dict | None:
-    """MODEL_EVALS[which] of a finished run: its initial or final model scored greedily in `dtype` on the
-    run's own eval set (written once; None when the run left no final model)."""
-    from steadyrl.evaluation import evaluate
+def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
+    """MODEL_EVALS of a finished run, by version: the model it started from (version 0) and each
+    checkpoint it kept, scored greedily in `dtype` on the run's own eval set (each version once)."""
+    import tempfile
 
-    path = run_dir / MODEL_EVALS[which]
-    if path.exists():
-        return json.loads(path.read_text())
-    model = (run_dir / "final-model" if which == "final"
-             else Path(json.loads((run_dir / "summary.json").read_text())["model"]))  # the model it started from
-    if not model.is_dir():
-        return None
-    report = evaluate(str(model), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype, device="auto")
-    path.write_text(json.dumps(report) + "\n")
-    echo(f"{run_dir}: {which} model in {dtype}: eval {report['accuracy']}")
-    return report
+    from steadyrl.evaluation import evaluate
+    from steadyrl.launcher import read_jsonl
+    from steadyrl.report import export_checkpoint
+
+    path = run_dir / MODEL_EVALS
+    scored = {int(e["version"]): e for e in read_jsonl(path)}
+    base = json.loads((run_dir / "summary.json").read_text())["model"]
+    sources = {0: None} | {int(json.loads((step / "state.json").read_text())["version"]): step
+                           for step in (run_dir / "trainer" / "checkpoints").glob("step-*")
+                           if (step / "state.json").exists()}
+    for version in sorted(set(sources) - set(scored)):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = (export_checkpoint(base, sources[version], Path(tmp) / "model", dtype) if version
+                     else Path(base))
+            report = evaluate(str(model), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype, device="auto")
+        scored[version] = {"version": version, "accuracy": report["accuracy"], "prompts": report["prompts"],
+                           "dtype": dtype, "model": str(sources[version] or base)}
+        with path.open("a") as f:
+            f.write(json.dumps(scored[version]) + "\n")
+        echo(f"{run_dir}: version {version} in {dtype}: eval {report['accuracy']}")
+    return [scored[v] for v in sorted(scored)]
 
 
 def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (),
@@ -370,11 +391,10 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
                 continue
             outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
             metrics, evals = read_run(run_dir)
-            runs.setdefault(config.name, []).append((metrics, evals))
-            scored = {which: model_eval(run_dir, which, grid.eval_final_model, echo) for which in MODEL_EVALS
-                      if grid.eval_final_model and outcome == "finished"}
+            pi = model_evals(run_dir, grid.eval_final_model, echo) if grid.eval_final_model and outcome == "finished" else []
+            runs.setdefault(config.name, []).append((metrics, evals, pi))
             row = {"config": config.name, "label": config.label, "seed": seed, "outcome": outcome,
-                   **summarise_run(metrics, evals, grid.collapse, {k: v for k, v in scored.items() if v})}
+                   **summarise_run(metrics, evals, grid.collapse, pi)}
             rows.append(row)
             config_rows.append(row)
         if config_rows:
@@ -386,6 +406,6 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
             writer.writerows(rows)
     (out / "table.md").write_text(markdown_table(configs, summary, grid.eval_final_model))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plots = plot_grid(out, configs, runs) if runs else []
+    plots = plot_grid(out, configs, runs, grid.eval_final_model) if runs else []
     return {"runs": len(rows), "configs": len(summary), "table": str(out / "table.md"),
             "csv": str(out / "results.csv"), "plots": plots}

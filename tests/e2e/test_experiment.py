@@ -78,7 +78,7 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     out = tmp_path / "fp4"
     command = [sys.executable, "-m", "steadyrl.cli", "experiment", str(ROOT / "configs" / "paper-grid-fp4.toml"),
                "--seeds", "1", "--out", str(out), "--only", "n1-minirl-r3", "--set", "run.steps=2",
-               "--set", "orchestrator.eval_size=20"]
+               "--set", "orchestrator.eval_size=20", "--set", "trainer.checkpoint_every=1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     run = out / "n1-minirl-r3" / "seed-0"
@@ -88,15 +88,18 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["mismatch_kl_k3"] > 0.02 for m in metrics)  # bf16 alone gives ~6e-3 on this model
     assert all(m["routing_agreement"] < 1 for m in metrics)
-    # the final model scored as the trainer holds it (fp32, unquantized) on the run's eval set
-    final = json.loads((run / "final-eval.json").read_text())
-    assert final["dtype"] == "float32" and final["prompts"] == 20 and 0 <= final["accuracy"] <= 1
-    # and the model it started from, the baseline of the collapse rule on π
-    initial = json.loads((run / "initial-eval.json").read_text())
-    assert initial["model"] == json.loads((run / "summary.json").read_text())["model"] != final["model"]
-    assert initial["dtype"] == "float32" and initial["prompts"] == 20
+    # the trainer's model (fp32, unquantized) scored on the run's eval set: the model it started from
+    # (version 0) and the checkpoints it kept (versions 1 and 2, the final model)
+    pi = [json.loads(line) for line in (run / "model-evals.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in pi] == [0, 1, 2]
+    assert pi[0]["model"] == json.loads((run / "summary.json").read_text())["model"]
+    assert all(e["dtype"] == "float32" and e["prompts"] == 20 and 0 <= e["accuracy"] <= 1 for e in pi)
     row = next(csv.DictReader((out / "results.csv").open()))
-    assert float(row["final_model_eval"]) == final["accuracy"]
-    assert float(row["initial_model_eval"]) == initial["accuracy"]
-    assert (row["collapsed"] == "True") == (initial["accuracy"] - final["accuracy"] > 0.1)
+    assert float(row["initial_model_eval"]) == pi[0]["accuracy"] and float(row["final_model_eval"]) == pi[2]["accuracy"]
+    assert (row["collapsed"] == "True") == (pi[0]["accuracy"] - pi[2]["accuracy"] > 0.1)
+    assert (out / "plots" / "model_eval_accuracy.png").stat().st_size > 10_000
+    again = subprocess.run([*command, "--report-only"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert (done.stdout + done.stderr).count("in float32: eval") == 3 and again.returncode == 0
+    assert "in float32: eval" not in again.stdout + again.stderr  # each version scored once, then read back
+    assert [json.loads(line) for line in (run / "model-evals.jsonl").read_text().splitlines()] == pi
     assert "| final model eval (float32) |" in (out / "table.md").read_text().splitlines()[0]

@@ -111,9 +111,11 @@ def test_markdown_table_has_a_row_per_configuration():
 def test_the_final_model_eval_is_a_column_of_the_row_the_summary_and_the_table():
     grid = load_grid(ROOT / "configs" / "paper-grid.toml")
     evals = [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.3}]
-    rows = [{**summarise_run(steps(10), evals, {}, {"final": {"accuracy": a, "dtype": "float32"}}), "seed": s}
+    rows = [{**summarise_run(steps(10), evals, {}, [{"version": 0, "accuracy": 0.4}, {"version": 5, "accuracy": 0.9},
+                                                   {"version": 10, "accuracy": a}]), "seed": s}
             for s, a in enumerate([0.5, 0.6])]
-    assert rows[0]["final_model_eval"] == 0.5 and rows[0]["eval_final"] == 0.3  # π beside μ
+    assert rows[0]["final_model_eval"] == 0.5 and rows[0]["eval_final"] == 0.3  # π's newest version beside μ
+    assert rows[0]["initial_model_eval"] == 0.4
     failed = {**summarise_run(steps(3), evals, {}), "seed": 2}  # a run that left no final model
     assert "final_model_eval" not in failed
     out = aggregate([failed, *rows])  # the column is found in any row, averaged over those that have it
@@ -128,14 +130,14 @@ def test_final_model_drop_judges_collapse_on_the_trainers_model():
     """μ's eval (the quantized replica) may swing; the rule compares π at the end with π at the start."""
     evals = [{"version": 0, "accuracy": 0.35}, {"version": 5, "accuracy": 0.55}, {"version": 10, "accuracy": 0.30}]
     rule = {"eval_drop": 0.15, "final_model_drop": 0.1}
-    fell = summarise_run(steps(10), evals, rule, {"initial": {"accuracy": 0.445}, "final": {"accuracy": 0.18}})
+    fell = summarise_run(steps(10), evals, rule, [{"version": 10, "accuracy": 0.18}, {"version": 0, "accuracy": 0.445}])
     assert fell["initial_model_eval"] == 0.445 and fell["final_model_eval"] == 0.18
     assert fell["collapse_reason"] == "eval fell 0.250 from its best; final model 0.265 under the initial one"
     held = summarise_run(steps(10), evals, {"final_model_drop": 0.1},
-                         {"initial": {"accuracy": 0.43}, "final": {"accuracy": 0.34}})  # 0.09: under the rule
+                         [{"version": 0, "accuracy": 0.43}, {"version": 10, "accuracy": 0.34}])  # 0.09: under it
     assert not held["collapsed"]
-    unscored = summarise_run(steps(10), evals, {"final_model_drop": 0.1}, {"final": {"accuracy": 0.0}})
-    assert not unscored["collapsed"] and "initial_model_eval" not in unscored  # nothing to compare with
+    unscored = summarise_run(steps(10), evals, {"final_model_drop": 0.1}, [{"version": 0, "accuracy": 0.43}])
+    assert not unscored["collapsed"] and "final_model_eval" not in unscored  # no checkpoint: nothing to compare
 
 
 def test_curves():
