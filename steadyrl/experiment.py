@@ -162,12 +162,13 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     if max(by_version, default=0) > 0:
         row["final_model_eval"] = by_version[max(by_version)]
     reasons = []
-    if accuracies and "eval_drop" in collapse and row["eval_best"] - row["eval_final"] > collapse["eval_drop"]:
-        reasons.append(f"eval fell {row['eval_best'] - row['eval_final']:.3f} from its best")
-    if "final_model_drop" in collapse and {"initial_model_eval", "final_model_eval"} <= set(row):
-        drop = row["initial_model_eval"] - row["final_model_eval"]
-        if drop > collapse["final_model_drop"]:
-            reasons.append(f"final model {drop:.3f} under the initial one")
+    drops = {"eval_drop": ("eval_best", "eval_final", "eval fell {:.3f} from its best"),
+             "final_model_drop": ("initial_model_eval", "final_model_eval", "final model {:.3f} under the initial one")}
+    for rule, (high, low, reason) in drops.items():
+        if rule in collapse and row.get(high) is not None and row.get(low) is not None:
+            drop = round(row[high] - row[low], 9)  # accuracies are fractions of the eval set: no float noise
+            if drop > collapse[rule]:
+                reasons.append(reason.format(drop))
     if row["entropy_end"] is not None and "entropy_below" in collapse and row["entropy_end"] < collapse["entropy_below"]:
         reasons.append(f"entropy {row['entropy_end']:.3g} < {collapse['entropy_below']}")
     if row["nonfinite_steps"]:

@@ -136,6 +136,9 @@ def test_final_model_drop_judges_collapse_on_the_trainers_model():
     held = summarise_run(steps(10), evals, {"final_model_drop": 0.1},
                          [{"version": 0, "accuracy": 0.43}, {"version": 10, "accuracy": 0.34}])  # 0.09: under it
     assert not held["collapsed"]
+    edge = summarise_run(steps(10), evals, {"final_model_drop": 0.1},
+                         [{"version": 0, "accuracy": 0.445}, {"version": 10, "accuracy": 0.345}])
+    assert 0.445 - 0.345 > 0.1 and not edge["collapsed"]  # exactly 10 points is not "more than 10"
     unscored = summarise_run(steps(10), evals, {"final_model_drop": 0.1}, [{"version": 0, "accuracy": 0.43}])
     assert not unscored["collapsed"] and "final_model_eval" not in unscored  # no checkpoint: nothing to compare
 
