@@ -106,7 +106,7 @@ def export_command(
         from steadyrl.evaluation import DTYPES
 
         if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+            raise ValueError(f"--dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {dtype!r}")
         step, trained = find_checkpoint(checkpoint)
         base = str(model) if model else trained
         if not base:

@@ -159,8 +159,8 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     by_version = {int(e["version"]): float(e["accuracy"]) for e in model_evals}
     if 0 in by_version:
         row["initial_model_eval"] = by_version[0]
-    if max(by_version, default=0) > 0:
-        row["final_model_eval"] = by_version[max(by_version)]
+    if newest := max(by_version, default=0):
+        row["final_model_eval"] = by_version[newest]
     reasons = []
     drops = {"eval_drop": ("eval_best", "eval_final", "eval fell {:.3f} from its best"),
              "final_model_drop": ("initial_model_eval", "final_model_eval", "final model {:.3f} under the initial one")}
