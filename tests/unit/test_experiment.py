@@ -24,7 +24,7 @@ def steps(n, **fixed):
              "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
 
 
-@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 14)])
+@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)])
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     from steadyrl.run_config import SERVICES, service_env, validate
 
