@@ -51,23 +51,20 @@ RUN_COLUMNS = [
     ("reward_mean", "last_tenth", "reward_end"),
     ("entropy", "last_tenth", "entropy_end"),
     ("mismatch_kl_k3", "mean", "mismatch_kl_mean"),
-    ("mismatch_reward_gap", "last_tenth", "reward_gap_end"),
     ("is_weight_max", "max", "is_weight_max"),
     ("is_weight_mean", "mean", "is_weight_mean"),
     ("clip_frac", "mean", "clip_frac_mean"),
     ("routing_agreement", "mean", "routing_agreement_mean"),
     ("grad_norm", "max", "grad_norm_max"),
 ]
-CURVES = [  # (metric, title, log scale); the per-step estimates of SMOOTHED are drawn as a 10-step moving mean
+CURVES = [
     ("reward_mean", "reward (moving mean of 10 steps)", False),
-    ("mismatch_reward_gap", "reward gap J(π_old) − J(μ_old), first order (moving mean of 10 steps)", False),
     ("entropy", "entropy", False),
     ("mismatch_kl_k3", "training–inference mismatch KL (k3)", True),
     ("is_weight_mean", "IS weight mean", False),
     ("clip_frac", "clip fraction", False),
     ("routing_agreement", "routing agreement (π_old recompute vs rollout)", False),
 ]
-SMOOTHED = ("reward_mean", "mismatch_reward_gap")
 MODEL_EVALS = "model-evals.jsonl"  # π by policy version: the initial model, then each kept checkpoint
 
 
@@ -210,7 +207,7 @@ def markdown_table(configs: list[GridConfig], summary: dict[str, dict], final_dt
     """With `final_dtype`, a column of the final model's eval in that dtype after the run's own final eval."""
     final_head = f"final model eval ({final_dtype}) | " if final_dtype else ""
     head = (f"| configuration | eval start | eval best | eval final | {final_head}reward (last 10%) "
-            "| entropy (last 10%) | mismatch KL k3 | reward gap π − μ (last 10%) | IS weight max | clip frac | routing agreement | collapsed |")
+            "| entropy (last 10%) | mismatch KL k3 | IS weight max | clip frac | routing agreement | collapsed |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for config in configs:
         s = summary.get(config.name)
@@ -224,7 +221,6 @@ def markdown_table(configs: list[GridConfig], summary: dict[str, dict], final_dt
             _cell(s["reward_end"], s["reward_end_std"], 3),
             _cell(s["entropy_end"], s["entropy_end_std"], 3),
             _cell(s["mismatch_kl_mean"], s["mismatch_kl_mean_std"], 1, scientific=True),
-            _cell(s.get("reward_gap_end"), s.get("reward_gap_end_std"), 3),
             _cell(s["is_weight_max"], s["is_weight_max_std"], 2), _cell(s["clip_frac_mean"], s["clip_frac_mean_std"], 4),
             _cell(s["routing_agreement_mean"], s["routing_agreement_mean_std"], 4),
             f"{s['collapsed']}/{s['seeds']}",
@@ -279,7 +275,7 @@ def plot_grid(out: Path, configs: list[GridConfig],
             steps, values = mean_curve([m for m, _, _ in runs.get(config.name, [])], key)
             if not steps:
                 continue
-            if key in SMOOTHED:
+            if key == "reward_mean":
                 values = moving_mean(values, 10)
             ax.plot(steps, values, linewidth=1.1, label=config.label, **line_style(index))
             drawn = True

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def steps(n, **fixed):
     return [{"step": s, "version": s, "reward_mean": s / n, "entropy": 0.5 - 0.004 * s, "mismatch_kl_k3": 1e-3,
              "is_weight_max": 1.0 + s / 100, "is_weight_mean": 1.0, "clip_frac": 0.01, "routing_agreement": 0.99,
-             "mismatch_reward_gap": -s / 1000, "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
+             "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
 
 
 @pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)])
@@ -75,7 +75,6 @@ def test_summarise_run_uses_the_last_tenth_and_flags_collapse():
     assert row["reward_end"] == pytest.approx(sum(range(91, 101)) / 10 / 100)
     assert row["entropy_end"] == pytest.approx(0.5 - 0.004 * 95.5)
     assert row["is_weight_max"] == pytest.approx(2.0)
-    assert row["reward_gap_end"] == pytest.approx(-95.5 / 1000)
     assert (row["eval_start"], row["eval_best"], row["eval_final"]) == (0.4, 0.7, 0.5)
     assert row["collapsed"] and row["collapse_reason"] == "eval fell 0.200 from its best"
     calm = summarise_run(metrics, evals, {"eval_drop": 0.25})
@@ -105,8 +104,7 @@ def test_markdown_table_has_a_row_per_configuration():
     row = summarise_run(steps(10), [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.45}], {})
     summary = {grid.configs[0].name: aggregate([{**row, "seed": 0}, {**row, "seed": 1}])}
     lines = markdown_table(grid.configs, summary).splitlines()
-    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 13
-    assert "| mismatch KL k3 | reward gap π − μ (last 10%) |" in lines[0] and "| -0.010 ± 0.000 |" in lines[2]
+    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 12
     assert "0.450 ± 0.000" in lines[2] and lines[2].endswith("| 0/2 |")
 
 
@@ -124,7 +122,7 @@ def test_the_final_model_eval_is_a_column_of_the_row_the_summary_and_the_table()
     assert out["final_model_eval"] == pytest.approx(0.55) and out["final_model_eval_std"] == pytest.approx(0.0707, abs=1e-4)
     lines = markdown_table(grid.configs[:1], {grid.configs[0].name: out}, "float32").splitlines()
     assert "| eval final | final model eval (float32) | reward" in lines[0]
-    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 14
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 13
     assert "| 0.300 ± 0.000 | 0.550 ± 0.071 |" in lines[2]
 
 
