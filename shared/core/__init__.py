@@ -18,7 +18,6 @@ from shared.core.diagnostics import (
     masked_max,
     masked_mean,
     mismatch_kl,
-    mismatch_reward_gap,
     routing_agreement,
 )
 from shared.core.loss import LossConfig, policy_loss
@@ -34,7 +33,6 @@ __all__ = [
     "masked_max",
     "masked_mean",
     "mismatch_kl",
-    "mismatch_reward_gap",
     "policy_loss",
     "routing_agreement",
     "sequence_mis_mask",

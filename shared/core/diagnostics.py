@@ -54,20 +54,6 @@ def first_order_error(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return (product - first_order).abs()
 
 
-def mismatch_reward_gap(log_discrepancy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence Â(y) · Σ_t log(π_old/μ_old)(y_t): [B, T] → [B] (Â: its mean over valid tokens).
-
-    Its mean over μ's samples is the slope of the expected reward along the log-linear path from
-    μ_old to π_old, d/dα J(μ^(1−α) π^α) at α = 0 — the first-order estimate of J(π_old) − J(μ_old)
-    (Â = R − group mean, so a per-prompt constant in the log-ratio cancels). Negative: the
-    trainer's model puts less mass than the inference engine's on the answers that scored well.
-    """
-    valid = mask.sum(dim=-1)
-    zeros = torch.zeros_like(log_discrepancy)
-    advantage = torch.where(mask, advantages, zeros).sum(dim=-1) / valid.clamp(min=1)
-    return advantage * torch.where(mask, log_discrepancy, zeros).sum(dim=-1)
-
-
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Token entropy −Σ_w p(w) log p(w) of logits [B, T, V] → [B, T] (mean over mask if given)."""
     logp = torch.log_softmax(logits.float(), dim=-1)

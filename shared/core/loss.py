@@ -23,13 +23,7 @@ from typing import Literal
 import torch
 
 from shared.core import corrections
-from shared.core.diagnostics import (
-    first_order_error,
-    masked_max,
-    masked_mean,
-    mismatch_kl_terms,
-    mismatch_reward_gap,
-)
+from shared.core.diagnostics import first_order_error, masked_max, masked_mean, mismatch_kl_terms
 from shared.core.stats import StepStats
 
 Objective = Literal["minirl", "grpo", "dppo"]
@@ -308,19 +302,17 @@ def diagnostics(t: TokenTerms, parts: Parts, loss_mask: torch.Tensor, stats: Ste
         "clip_frac": (~parts.clip_keep).to(dtype), "rejected_frac": (~parts.keep).to(dtype),
         "importance_ratio_mean": t.ratio, "mismatch_kl_k1": k1, "mismatch_kl_k3": k3, "advantage_mean": t.advantages,
     }
-    per_sequence = {"first_order_error": first_order_error(t.log_ratio, mask),
-                    "mismatch_reward_gap": mismatch_reward_gap(t.log_discrepancy, t.advantages, mask)}
+    first_order = first_order_error(t.log_ratio, mask)
     metrics = {name: masked_mean(values, mask) for name, values in per_token.items()}
-    metrics.update({name: masked_mean(values, sequences) for name, values in per_sequence.items()})
     metrics.update(is_weight_max=masked_max(parts.weight, mask),
+                   first_order_error=masked_mean(first_order, sequences),
                    valid_tokens=mask.sum().to(dtype),
                    nonfinite_tokens=(loss_mask.bool() & ~mask).sum().to(dtype))
     if stats is not None:
         for name, values in per_token.items():
             stats.add_mean(name, values, mask)
         stats.add_max("is_weight_max", parts.weight, mask)
-        for name, values in per_sequence.items():
-            stats.add_mean(name, values, sequences)
+        stats.add_mean("first_order_error", first_order, sequences)
         stats.add_total("valid_tokens", mask.sum())
         stats.add_total("nonfinite_tokens", (loss_mask.bool() & ~mask).sum())
         if buckets is not None:

@@ -16,8 +16,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_KEYS = ("step", "version", "reward_mean", "entropy", "mismatch_kl_k1", "mismatch_kl_k3", "is_weight_mean",
                 "is_weight_max", "is_truncated_frac", "clip_frac", "staleness_mean", "staleness_max", "dropped_stale",
-                "routing_agreement", "first_order_error", "mismatch_reward_gap", "grad_norm", "tokens_per_s",
-                "step_seconds")
+                "routing_agreement", "first_order_error", "grad_norm", "tokens_per_s", "step_seconds")
 
 
 def alive(pid: int) -> bool:

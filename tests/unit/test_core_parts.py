@@ -11,7 +11,6 @@ from shared.core import (
     first_order_error,
     group_advantages,
     mismatch_kl,
-    mismatch_reward_gap,
     routing_agreement,
 )
 
@@ -54,21 +53,6 @@ def test_first_order_error_exact():
     out = first_order_error(big, mask)
     assert out[0].item() == pytest.approx(0.0)
     assert math.isfinite(out[1].item())
-
-
-def test_mismatch_reward_gap_is_first_order_reward_difference():
-    # One-token answers a, b with rewards 1, 0; μ = (0.5, 0.5), π = (0.51, 0.49): J(π) − J(μ) = 0.01.
-    # Both answers weigh ½ under μ, Â = R − E_μ R = ±0.5: the gap is ¼ · log(0.51/0.49).
-    log_k = torch.tensor([[math.log(0.51 / 0.5)], [math.log(0.49 / 0.5)]])
-    gap = mismatch_reward_gap(log_k, torch.tensor([[0.5], [-0.5]]), torch.ones(2, 1, dtype=torch.bool))
-    assert gap.mean().item() == pytest.approx(0.25 * math.log(0.51 / 0.49))
-    assert gap.mean().item() == pytest.approx(0.01, rel=1e-3)
-    # per sequence: the log-ratio summed over valid tokens times Â's mean over them; a row with no
-    # valid token gives 0
-    log_k = torch.tensor([[0.2, -0.5, 9.0], [0.1, 0.1, 0.1], [3.0, 3.0, 3.0]])
-    advantages = torch.tensor([[2.0, 2.0, 7.0], [-1.0, -1.0, -1.0], [5.0, 5.0, 5.0]])
-    mask = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
-    assert_close(mismatch_reward_gap(log_k, advantages, mask), torch.tensor([2.0 * -0.3, -0.3, 0.0]))
 
 
 def test_mismatch_kl_k1_k3():
