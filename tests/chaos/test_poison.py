@@ -98,6 +98,8 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
         asyncio.run(inject(launch.redis.url))
         # finished, and the far-future task ran out of attempts too
         wait_until(launch, lambda status: status["state"] == "finished" and status["dead_letters"]["tasks"].get("attempts"))
+        # the trainer exits after publishing its last step, which "finished" may precede by seconds
+        next(s for s in launch.services if s.name == "trainer").process.wait(60)
         alive = {s.name: s.process.poll() is None for s in launch.services}
         trained, dropped, dead, submitted, _ = asyncio.run(read_ledger(launch.redis.url, RUN))
         rollouts_dead, tasks_dead, dead_groups, task_reasons = asyncio.run(dead_letters(launch.redis.url))
