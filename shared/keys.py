@@ -7,6 +7,7 @@ work-queue keys are written only through `shared.queues` scripts, whichever serv
 | ----------------------- | ------ | --------------------------- | ----------------------- |
 | `tasks`                 | HASH   | queue scripts               | replicas (lease)        |
 | `pending`               | LIST   | queue scripts               | replicas (lease)        |
+| `pending:policy`        | LIST   | queue scripts               | policy-eval replicas    |
 | `leases`                | ZSET   | queue scripts               | orchestrator (sweep)    |
 | `owners`                | HASH   | queue scripts               | queue scripts           |
 | `attempts`              | HASH   | queue scripts               | queue scripts           |
@@ -32,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _NAMES = {
-    "tasks": "tasks", "pending": "pending", "leases": "leases", "owners": "owners", "attempts": "attempts",
+    "tasks": "tasks", "pending": "pending", "pending_policy": "pending:policy", "leases": "leases", "owners": "owners", "attempts": "attempts",
     "errors": "errors", "completed": "completed", "dead": "dead", "dead_counts": "dead:counts",
     "rollouts": "rollouts", "evals": "evals", "rollouts_dead": "rollouts:dead",
     "rollouts_dead_counts": "rollouts:dead:counts", "trained": "trained", "trained_ids": "trained:ids",

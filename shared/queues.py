@@ -92,7 +92,9 @@ if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
 return 1
 """
 
-# KEYS: leases owners attempts pending tasks dead errors dead_counts; ARGV: now_ms max_attempts maxlen
+# KEYS: leases owners attempts pending tasks dead errors dead_counts pending:policy;
+# ARGV: now_ms max_attempts maxlen policy_eval_prefix (a task whose id starts with it goes back to
+# the policy-eval pool's list)
 _REQUEUE = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 local requeued, dead = 0, 0
@@ -113,6 +115,9 @@ for _, id in ipairs(ids) do
     redis.call('HDEL', KEYS[3], id)
     redis.call('HDEL', KEYS[7], id)
     dead = dead + 1
+  elseif string.sub(id, 1, #ARGV[4]) == ARGV[4] then
+    redis.call('RPUSH', KEYS[9], id)
+    requeued = requeued + 1
   else
     redis.call('RPUSH', KEYS[4], id)
     requeued = requeued + 1
@@ -138,6 +143,18 @@ return 1
 """
 
 
+# Two pools of replicas share one queue: `rollouts` (every replica by default: training rollouts
+# and μ's evals) and `policy_eval` (replicas that serve the trainer's weights unquantised: π's
+# evals). A task's pool follows from its id, so submitting and re-queueing route it alike.
+POOLS = {"rollouts": "pending", "policy_eval": "pending_policy"}
+POLICY_EVAL_PREFIX = "evalpi"
+
+
+def pool_of(task_id: str) -> str:
+    """The pool that serves a task: `policy_eval` for ids starting with POLICY_EVAL_PREFIX."""
+    return "policy_eval" if task_id.startswith(POLICY_EVAL_PREFIX) else "rollouts"
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -151,18 +168,22 @@ class Lease:
 
 @dataclass(frozen=True)
 class QueueDepths:
-    pending: int
+    pending: int  # the rollouts pool's
     leased: int
     completed: int
     dead: int
     rollouts: int
+    pending_policy: int = 0  # the policy_eval pool's
 
 
 class WorkQueue(RolloutSink):
-    """One run's work queue and rollout stream on a Redis server (redis.asyncio client)."""
+    """One run's work queue and rollout stream on a Redis server (redis.asyncio client); `pool`:
+    whose pending tasks `lease` takes (`POOLS`)."""
 
-    def __init__(self, redis: Redis, run_id: str, dead_maxlen: int = 10_000) -> None:
-        self.redis, self.run_id, self.dead_maxlen = redis, run_id, dead_maxlen
+    def __init__(self, redis: Redis, run_id: str, dead_maxlen: int = 10_000, pool: str = "rollouts") -> None:
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
+        self.redis, self.run_id, self.dead_maxlen, self.pool = redis, run_id, dead_maxlen, pool
         self.run_keys = RunKeys(run_id)
         self._submit = redis.register_script(_SUBMIT)
         self._lease = redis.register_script(_LEASE)
@@ -200,17 +221,18 @@ class WorkQueue(RolloutSink):
                     raise ValueError("a task needs a task_id")
                 if not task.enqueued_unix_ms:
                     task.enqueued_unix_ms = now_ms()
-                await self._submit(self._k("tasks", "pending"), [task.task_id, task.SerializeToString()], client=pipe)
+                await self._submit(self._k("tasks", POOLS[pool_of(task.task_id)]), [task.task_id, task.SerializeToString()],
+                                   client=pipe)
             if record is not None:
                 pipe.hset(record[0], mapping=record[1])
             results = await pipe.execute()
         return [bool(x) for x in results[: len(tasks)]]
 
     async def lease(self, replica_id: str, lease_seconds: float, count: int = 1) -> list[Lease]:
-        """Up to `count` tasks, each leased to `replica_id` for `lease_seconds`. A task whose bytes
-        are not a PromptTask goes to the dead-letter stream (code `decode`) instead."""
+        """Up to `count` tasks of this queue's pool, each leased to `replica_id` for `lease_seconds`.
+        A task whose bytes are not a PromptTask goes to the dead-letter stream (code `decode`) instead."""
         flat = await self._lease(
-            self._k("pending", "leases", "owners", "tasks", "attempts"),
+            self._k(POOLS[self.pool], "leases", "owners", "tasks", "attempts"),
             [now_ms(), int(lease_seconds * 1000), replica_id, count],
         )
         out = []
@@ -271,8 +293,9 @@ class WorkQueue(RolloutSink):
 
     async def requeue_expired(self, max_attempts: int) -> tuple[int, int]:
         """Re-queue tasks whose lease expired; past `max_attempts` they go to `dead`. (requeued, dead)"""
-        keys = self._k("leases", "owners", "attempts", "pending", "tasks", "dead", "errors", "dead_counts")
-        requeued, dead = await self._requeue(keys, [now_ms(), max_attempts, self.dead_maxlen])
+        keys = self._k("leases", "owners", "attempts", "pending", "tasks", "dead", "errors", "dead_counts",
+                       "pending_policy")
+        requeued, dead = await self._requeue(keys, [now_ms(), max_attempts, self.dead_maxlen, POLICY_EVAL_PREFIX])
         return int(requeued), int(dead)
 
     async def dead_counts(self) -> dict[str, int]:
@@ -283,5 +306,5 @@ class WorkQueue(RolloutSink):
         k = self.run_keys
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.llen(k.pending).zcard(k.leases).hlen(k.completed)
-            pipe.xlen(k.dead).xlen(k.rollouts)
+            pipe.xlen(k.dead).xlen(k.rollouts).llen(k.pending_policy)
             return QueueDepths(*(int(x) for x in await pipe.execute()))

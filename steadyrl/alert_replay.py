@@ -1,7 +1,9 @@
 """`steadyrl replay-alerts RUN_DIR`: would the alert rules have fired on this run? The run's
-metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the trainer exports and
-its eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next),
-one step per minute, and `promtool test rules` evaluates every alert that reads those series at
+metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the trainer exports, its
+eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next) and
+its policy-eval.jsonl (π's rounds, orchestrator.policy_eval)
+`steadyrl_orchestrator_policy_eval_accuracy{set=NAME}` beside the first round's
+`steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}`, one step per minute, and `promtool test rules` evaluates every alert that reads those series at
 every minute. The windows of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10
 and 5 steps. Needs promtool (Prometheus' test tool) on PATH.
 """
@@ -19,6 +21,8 @@ import yaml
 
 TRAINER_SERIES = "steadyrl_trainer_last_metric"
 EVAL_SERIES = "steadyrl_orchestrator_eval_accuracy"
+POLICY_SERIES = "steadyrl_orchestrator_policy_eval_accuracy"
+POLICY_INITIAL_SERIES = "steadyrl_orchestrator_policy_eval_initial_accuracy"
 INSTANCE = "trainer:replay"
 FAILURE = re.compile(r"alertname: (\S+), time: ([0-9ywdhms]+),\s*exp:\[\],\s*got:\[\s*0:", re.MULTILINE)
 UNIT_MINUTES = {"y": 525_600, "w": 10_080, "d": 1_440, "h": 60, "m": 1}
@@ -33,7 +37,7 @@ def replayed_alerts(rules_file: Path) -> list[str]:
     """The alerts of a rule file whose expression reads the trainer's per-step metrics or the evals."""
     groups = yaml.safe_load(Path(rules_file).read_text())["groups"]
     return [r["alert"] for g in groups for r in g["rules"]
-            if "alert" in r and (TRAINER_SERIES in r["expr"] or EVAL_SERIES in r["expr"])]
+            if "alert" in r and any(series in r["expr"] for series in (TRAINER_SERIES, EVAL_SERIES, POLICY_SERIES))]
 
 
 def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
@@ -52,8 +56,9 @@ def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
 
 
 def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: dict[str, float] | None = None,
-                evals: list[dict] = ()) -> dict:
-    """A promtool test file: every numeric key of `rows` as a series (step s at minute s − 1), each
+                evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict:
+    """A promtool test file: every numeric key of `rows` as a series (step s at minute s − 1), the
+    eval rounds (μ's `evals`, π's `policy_evals` and π's first round held from its step on), each
     of `gauges` (metric → value, e.g. the run's max_staleness) held for the whole run, and, for each
     alert, a check at every minute that it is quiet — promtool reports each check it fails, which is
     each minute the alert fires."""
@@ -64,9 +69,12 @@ def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: d
         values = " ".join("_" if not isinstance(r.get(key), int | float) else repr(float(r[key])) for r in rows)
         series.append({"series": f'{TRAINER_SERIES}{{name="{key}", instance="{INSTANCE}", job="steadyrl-trainer"}}',
                        "values": values})
-    for name, values in eval_values(list(evals), len(rows)).items():
-        series.append({"series": f'{EVAL_SERIES}{{set="{name}", instance="orchestrator:replay", job="steadyrl"}}',
-                       "values": values})
+    policy_evals = sorted(policy_evals, key=lambda e: e["step"])
+    for metric, rounds in ((EVAL_SERIES, list(evals)), (POLICY_SERIES, policy_evals),
+                           (POLICY_INITIAL_SERIES, policy_evals[:1])):
+        for name, values in eval_values(rounds, len(rows)).items():
+            series.append({"series": f'{metric}{{set="{name}", instance="orchestrator:replay", job="steadyrl"}}',
+                           "values": values})
     for metric, value in (gauges or {}).items():
         series.append({"series": f'{metric}{{instance="{INSTANCE}", job="steadyrl-trainer"}}',
                        "values": f"{float(value)!r}x{max(len(rows) - 1, 0)}"})
@@ -76,7 +84,7 @@ def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: d
 
 
 def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | None = None,
-                 evals: list[dict] = ()) -> dict[str, list[int]]:
+                 evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict[str, list[int]]:
     """alert → the steps (minute + 1) at which it fires on this run's series."""
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -84,7 +92,7 @@ def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | 
     alerts = replayed_alerts(rules_file)
     with tempfile.TemporaryDirectory() as tmp:
         test = Path(tmp) / "replay_test.yml"
-        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals), sort_keys=False))
+        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals, policy_evals), sort_keys=False))
         done = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     failures = FAILURE.findall(output)  # a failed quiet check is a minute the alert fires
@@ -101,9 +109,7 @@ def replay_run(run_dir: Path, rules_file: Path) -> dict:
     if not path.is_file():
         path = Path(run_dir) / "trainer" / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    eval_path = next((p for p in (Path(run_dir) / "eval.jsonl", Path(run_dir) / "orchestrator" / "eval.jsonl")
-                      if p.is_file()), None)
-    evals = [json.loads(line) for line in eval_path.read_text().splitlines() if line.strip()] if eval_path else []
+    evals, policy_evals = (_first_jsonl(run_dir, name) for name in ("eval.jsonl", "policy-eval.jsonl"))
     gauges = {}
     recipe = Path(run_dir) / "config.resolved.toml"
     if recipe.is_file():  # the settings the trainer exports as gauges
@@ -111,4 +117,10 @@ def replay_run(run_dir: Path, rules_file: Path) -> dict:
 
         gauges["steadyrl_trainer_max_staleness"] = tomllib.loads(recipe.read_text())["run"]["max_staleness"]
     return {"run": str(run_dir), "steps": len({r["step"] for r in rows}),
-            "firing_steps": firing_steps(rows, rules_file, gauges, evals)}
+            "firing_steps": firing_steps(rows, rules_file, gauges, evals, policy_evals)}
+
+
+def _first_jsonl(run_dir: Path, name: str) -> list[dict]:
+    """The lines of RUN_DIR/NAME, else RUN_DIR/orchestrator/NAME ([] when neither exists)."""
+    path = next((p for p in (Path(run_dir) / name, Path(run_dir) / "orchestrator" / name) if p.is_file()), None)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path else []

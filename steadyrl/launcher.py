@@ -1,8 +1,9 @@
 """`steadyrl run`: the whole system as local processes on loopback, one run, one report.
 
 Starts redis-server (embedded, AOF on, a password made for this run), weight-sync, the trainer,
-K inference replicas and the orchestrator on loopback ports (drawn below the ephemeral range and
-held until each process starts: steadyrl/ports.py), waits for every gRPC health check,
+K inference replicas (and, with orchestrator.policy_eval, one replica of the policy_eval pool) and
+the orchestrator on loopback ports (drawn below the ephemeral range and held until each process
+starts: steadyrl/ports.py), waits for every gRPC health check,
 starts the run through the control plane, shows progress, and at the end (or on Ctrl-C) stops
 every process it started — SIGTERM, then SIGKILL after a grace period — and writes the run
 directory.
@@ -79,12 +80,16 @@ class Launch:
             "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}",
             **({} if "publish_dtype" in c.section("trainer") else {"publish_dtype": settings["inference"].dtype}),
         }), trainer, placement.visible(placement.trainer), ports=(trainer, master)))
-        for index in range(c.replicas):
-            port = self.ports.take()
-            self.services.append(Service(f"inference-{index}", ["-m", "services.inference"], service_env(
+        policy = {"pool": "policy_eval", "quantization": "none", "quantize_router": False,
+                  "quantize_activations": False}  # π: the published weights, unquantised
+        for index in range(len(placement.replicas)):
+            port, is_policy = self.ports.take(), index == c.replicas
+            self.services.append(Service("inference-policy" if is_policy else f"inference-{index}",
+                                         ["-m", "services.inference"], service_env(
                 c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
-                                 "replica_id": f"replica-{index}", "weightsync_address": f"127.0.0.1:{ws}",
-                                 "orchestrator_address": f"127.0.0.1:{orch_grpc}"}),
+                                 "replica_id": "replica-policy" if is_policy else f"replica-{index}",
+                                 "weightsync_address": f"127.0.0.1:{ws}", "orchestrator_address": f"127.0.0.1:{orch_grpc}",
+                                 **(policy if is_policy else {})}),
                 port, placement.visible(placement.replicas[index]), ports=(port,)))
         (out / "token").write_text(self.token)
         os.chmod(out / "token", 0o600)
@@ -346,6 +351,9 @@ def progress_rows(status: dict, metrics: list[dict], evals: list[dict], steps: i
         ("reward", f"{last.get('reward_mean', 0):.3f}"), ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
         ("staleness max", str(last.get("staleness_max", 0))), ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
         ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
+        *([("π eval (by step)", ", ".join(f"{step}: {accuracy:.3f}" for step, accuracy in
+                                          list(status["policy_evals"].items())[-4:]) or "-")]
+          if "policy_evals" in status else []),
         ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
     ]
 
@@ -434,8 +442,10 @@ def finish(launch: Launch, summary: dict) -> None:
     evals = read_jsonl(out / "orchestrator" / "eval.jsonl")
     if metrics:
         shutil.copy(out / "trainer" / "metrics.jsonl", out / "metrics.jsonl")
-    if evals:
-        shutil.copy(out / "orchestrator" / "eval.jsonl", out / "eval.jsonl")
+    policy_evals = read_jsonl(out / "orchestrator" / "policy-eval.jsonl")
+    for name, rows in (("eval.jsonl", evals), ("policy-eval.jsonl", policy_evals)):
+        if rows:
+            shutil.copy(out / "orchestrator" / name, out / name)
     by_step: dict[int, dict] = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     summary.update(
         steps=len(by_step), versions=max((int(m["version"]) for m in metrics), default=0),
@@ -443,6 +453,9 @@ def finish(launch: Launch, summary: dict) -> None:
         eval_start=evals[0]["accuracy"] if evals else None, eval_end=evals[-1]["accuracy"] if evals else None,
         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
     )
+    if policy_evals:  # π's rounds (orchestrator.policy_eval)
+        summary.update(policy_eval_start=policy_evals[0]["accuracy"], policy_eval_end=policy_evals[-1]["accuracy"],
+                       policy_evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in policy_evals])
     try:
         from steadyrl.report import plot_run, save_final_model
 

@@ -1,5 +1,6 @@
 """Which GPUs each process of a run gets: the trainer `trainer.gpus` (one torchrun rank each),
-every replica its own `inference.gpus_per_replica` (vLLM's tensor_parallel_size), disjoint, as
+every replica its own `inference.gpus_per_replica` (vLLM's tensor_parallel_size; the policy-eval
+replica of `orchestrator.policy_eval` is one more), disjoint, as
 CUDA_VISIBLE_DEVICES — or, with `run.colocate`, the replicas on the trainer's GPUs (replica i on
 the i-th block of them, wrapping around), so that one machine with few GPUs holds both. A recipe
 that asks for more GPUs than the machine has is refused before any process starts. On a machine
@@ -70,5 +71,12 @@ def placement_of(config, settings: dict, available: int | None = None) -> Placem
     if config.run.colocate and inference.engine == "vllm" and inference.vllm_gpu_memory_utilization > 0.5:
         raise ValueError("run.colocate shares each GPU between the trainer and a vLLM replica: set "
                          f"inference.vllm_gpu_memory_utilization <= 0.5 (it is {inference.vllm_gpu_memory_utilization})")
-    return plan_placement(trainer.gpus, trainer.ranks, config.replicas, inference.gpus_per_replica,
-                          gpu_inventory() if available is None else available, config.run.colocate)
+    return plan_placement(trainer.gpus, trainer.ranks, config.replicas + policy_eval_replicas(settings),
+                          inference.gpus_per_replica, gpu_inventory() if available is None else available,
+                          config.run.colocate)
+
+
+def policy_eval_replicas(settings: dict) -> int:
+    """Replicas of the policy_eval pool a run needs: one with orchestrator.policy_eval (placed
+    after the rollout replicas, like one more of them)."""
+    return 1 if settings["orchestrator"].policy_eval else 0

@@ -65,6 +65,11 @@ class InferenceSettings(RedisSettings):
     """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
+    pool: Literal["rollouts", "policy_eval"] = "rollouts"
+    """The tasks this replica serves: `rollouts` (training rollouts and the evals of the served
+    model μ) or `policy_eval` (only the evals of π, the trainer's weights as published, never
+    quantised: `orchestrator.policy_eval`; `steadyrl run` starts one such replica). A policy_eval
+    replica needs quantization = "none"."""
     lease_seconds: float = Field(60.0, gt=0)
     """A leased task whose replica stops renewing is retried after this long."""
     tasks_per_batch: int = Field(4, ge=1)
@@ -119,6 +124,9 @@ class InferenceSettings(RedisSettings):
         for name in ("quantize_router", "quantize_activations"):  # the torch engine refuses them too
             if getattr(self, name) and self.quantization == "none":
                 raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
+        if self.pool == "policy_eval" and self.quantization != "none":
+            raise ValueError(f'a policy_eval replica scores the trainer\'s weights unquantised: quantization must be '
+                             f'"none", not "{self.quantization}"')
         if self.engine == "torch" and self.gpus_per_replica > 1:
             raise ValueError(f"the torch engine runs on one GPU, gpus_per_replica = {self.gpus_per_replica}: "
                              'use 1, or engine = "vllm" for tensor parallelism')

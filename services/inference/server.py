@@ -90,7 +90,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         lag = 0
         if self.queue is not None:
             with contextlib.suppress(Exception):
-                lag = (await self.queue.depths()).pending
+                depths = await self.queue.depths()
+                lag = depths.pending_policy if self.queue.pool == "policy_eval" else depths.pending
         caps = self.engine.capabilities
         return pb.InferenceStatus(
             replica_id=self.settings.replica_id, engine=self.engine.name, model=self.engine.model_path,
@@ -151,7 +152,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     replica = settings.replica_id
     stop = stop or asyncio.Event()
     redis = settings.redis()
-    queue = WorkQueue(redis, settings.run_id)
+    queue = WorkQueue(redis, settings.run_id, pool=settings.pool)
     rewards = RewardRunner(settings.reward_timeout_seconds)
     worker = RolloutWorker(engine, tokenizer, queue, replica, settings.lease_seconds, settings.tasks_per_batch,
                            settings.idle_poll_seconds, settings.return_routing_traces, rewards,

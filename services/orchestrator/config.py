@@ -102,6 +102,13 @@ class OrchestratorSettings(RedisSettings, StepShape):
     as pass@k and mean@k in eval.jsonl (0 = greedy only)."""
     eval_temperature: float = Field(1.0, gt=0)
     """Temperature of the sampled evals."""
+    policy_eval: bool = False
+    """Every eval round also scores π, the trainer's weights as published and never quantised,
+    greedily on every eval set, served by a replica of the `policy_eval` pool (`steadyrl run`
+    starts one: inference.pool): policy-eval.jsonl, the scalar `policy_eval_accuracy`, and in
+    Prometheus steadyrl_orchestrator_policy_eval_accuracy{set} beside the first round's
+    steadyrl_orchestrator_policy_eval_initial_accuracy{set} (alert SteadyrlPolicyUnderStart). The
+    evals above score μ, the model the replicas serve; under a quantised engine the two part."""
     eval_every: int = Field(10, ge=0)
     """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
     max_attempts: int = Field(3, ge=1)

@@ -1,7 +1,15 @@
 """Evaluation rounds: scheduled at step 0, every `eval_every` steps and at the end, on every eval
 set (the task's held-out `main` set and the named `eval_sets`), greedy and, with `eval_samples`,
 sampled; a round complete on every set is appended to eval.jsonl once (the run hash remembers which
-rounds were submitted and written, so a restarted orchestrator neither repeats nor loses one)."""
+rounds were submitted and written, so a restarted orchestrator neither repeats nor loses one).
+
+Those rounds score μ, the model the replicas serve (quantised when the run quantises). With
+`policy_eval` every round also scores π, the trainer's weights as published and unquantised,
+greedily on every set: its tasks (`evalpi-…`) go to the `policy_eval` pool of replicas
+(`shared.queues.POOLS`), and each complete π round is appended to policy-eval.jsonl. Its accuracy
+and the first round's are exported, so an alert can compare π with where it started: without the
+train-infer IS correction the trainer's model can fall while μ's evals and the training reward
+rise (docs/REPRODUCTION.md, "π and μ apart")."""
 
 from __future__ import annotations
 
@@ -16,22 +24,33 @@ from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
 from shared.core.evals import sampled_scores
 from shared.keys import RunKeys
-from shared.queues import WorkQueue, now_ms
+from shared.queues import POLICY_EVAL_PREFIX, WorkQueue, now_ms
 from shared.rollout import RolloutError, decode_rollout
 from shared.tracking import ScalarLog
 
 log = logging.getLogger("steadyrl.orchestrator")
-# greedy: eval-STEP-J; sampled (k per prompt): evalk-STEP-J; a named set's: eval.NAME-STEP-J, evalk.NAME-STEP-J
-EVAL_ID = re.compile(r"^eval(k?)(?:\.([a-z0-9_]+))?-(\d+)-(\d+)$")
+# μ greedy: eval-STEP-J; μ sampled (k per prompt): evalk-STEP-J; π greedy: evalpi-STEP-J;
+# a named set's: eval.NAME-STEP-J, evalk.NAME-STEP-J, evalpi.NAME-STEP-J
+KINDS = ("", "k", POLICY_EVAL_PREFIX.removeprefix("eval"))  # the queue routes π's tasks by their prefix
+EVAL_ID = re.compile(r"^eval(k|pi)?(?:\.([a-z0-9_]+))?-(\d+)-(\d+)$")
 EVAL_SUBMITTED = Counter("steadyrl_orchestrator_eval_tasks_submitted_total", "Eval prompt tasks queued")
 EVAL_REFUSED = Counter("steadyrl_orchestrator_eval_rollouts_refused_total", "Eval rollouts that fit no eval round",
                        ["reason"])
 EVAL_ACCURACY = Gauge("steadyrl_orchestrator_eval_accuracy", "Greedy accuracy of the last eval round, per eval set",
                       ["set"])
+POLICY_EVAL_ACCURACY = Gauge("steadyrl_orchestrator_policy_eval_accuracy",
+                             "Greedy accuracy of the trainer's weights (π, unquantised) in the last eval round, "
+                             "per eval set", ["set"])
+POLICY_EVAL_INITIAL = Gauge("steadyrl_orchestrator_policy_eval_initial_accuracy",
+                            "Greedy accuracy of π in the run's first eval round (version 0), per eval set", ["set"])
 
 
-def eval_task_id(sampled: bool, name: str, step: int, index: int) -> str:
-    return f"eval{'k' if sampled else ''}{'' if name == 'main' else '.' + name}-{step}-{index}"
+def eval_task_id(kind: str, name: str, step: int, index: int) -> str:
+    """The id of eval task `index` of set `name` in the round of `step`; kind: "" (μ greedy), "k" (μ
+    sampled) or "pi" (π greedy)."""
+    if kind not in KINDS:
+        raise ValueError(f"eval kind must be one of {KINDS}, got {kind!r}")
+    return f"eval{kind}{'' if name == 'main' else '.' + name}-{step}-{index}"
 
 
 def _bucket() -> dict:
@@ -42,7 +61,8 @@ class EvalRounds:
     def __init__(self, settings: OrchestratorSettings, redis: Redis, queue: WorkQueue, tasks: Tasks) -> None:
         self.settings, self.redis, self.queue, self.tasks = settings, redis, queue, tasks
         self.keys = RunKeys(settings.run_id)
-        self.results: dict[int, dict[str, dict]] = {}  # step → eval set → what came back
+        self.results: dict[int, dict[str, dict]] = {}  # step → eval set → what came back (μ)
+        self.policy_results: dict[int, dict[str, dict]] = {}  # the same for π
         self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None, settings.tracking,
                                  settings.run_id, "orchestrator", settings.out_dir, settings.model_dump(mode="json"))
         self.cursor = "0-0"
@@ -66,11 +86,11 @@ class EvalRounds:
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
             k, temperature = self.settings.eval_samples, self.settings.eval_temperature
-            tasks = [self.tasks.make(eval_task_id(False, name, step, j), example, 1, 0.0, True, version)
+            rounds = [("", 1, 0.0)] + ([("k", k, temperature)] if k else []) + (
+                [("pi", 1, 0.0)] if self.settings.policy_eval else [])
+            tasks = [self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version)
+                     for kind, group, t in rounds
                      for name, examples in self.tasks.evals.items() for j, example in enumerate(examples)]
-            if k:
-                tasks += [self.tasks.make(eval_task_id(True, name, step, j), example, k, temperature, True, version)
-                          for name, examples in self.tasks.evals.items() for j, example in enumerate(examples)]
             submitted.append(step)
             requested[str(step)] = version
             await self.queue.submit_many(tasks, (self.keys.run, {"evals_submitted": json.dumps(submitted),
@@ -79,12 +99,14 @@ class EvalRounds:
             log.info("event=eval_scheduled step=%d version=%d prompts=%d", step, version, len(tasks))
 
     async def collect(self) -> None:
-        """Fold eval rollouts into rounds; a complete round is appended to eval.jsonl once. An
-        entry that fits no round (a foreign id, a broken payload) is counted and skipped."""
+        """Fold eval rollouts into rounds; a complete round is appended to eval.jsonl (π's to
+        policy-eval.jsonl) once. An entry that fits no round (a foreign id, a broken payload) is
+        counted and skipped."""
         reply = await self.redis.xread({self.keys.evals: self.cursor}, count=4096)
         if not reply:
             return
         written = set(await self._json("evals_written", "[]"))
+        policy_written = set(await self._json("policy_evals_written", "[]"))
         requested = await self._json("eval_versions", "{}")
         for entry_id, fields in reply[0][1]:
             self.cursor = entry_id
@@ -95,21 +117,25 @@ class EvalRounds:
                 continue
             match = EVAL_ID.match(rollout.task_id)
             name = match and (match.group(2) or "main")
+            kind = match and (match.group(1) or "")
             if match is None or name not in self.tasks.evals or int(match.group(4)) >= len(self.tasks.evals[name]) or (
-                    match.group(1) and not self.settings.eval_samples):
+                    kind == "k" and not self.settings.eval_samples) or (kind == "pi" and not self.settings.policy_eval):
                 self._refuse(entry_id, "unknown_eval_task")
                 continue
             step, prompt = int(match.group(3)), int(match.group(4))
-            if step in written:
+            results, done = (self.policy_results, policy_written) if kind == "pi" else (self.results, written)
+            if step in done:
                 continue
-            self._add(self.results.setdefault(step, {}).setdefault(name, _bucket()), rollout,
-                      prompt if match.group(1) else None)
-        for step, buckets in sorted(self.results.items()):
-            if step not in written and all(self._complete(buckets.get(name), len(examples))
-                                           for name, examples in self.tasks.evals.items()):
-                self._write(step, buckets, int(requested.get(str(step), step)))
-                written.add(step)
-        await self.redis.hset(self.keys.run, "evals_written", json.dumps(sorted(written)))
+            self._add(results.setdefault(step, {}).setdefault(name, _bucket()), rollout,
+                      prompt if kind == "k" else None)
+        for policy, results, done in ((False, self.results, written), (True, self.policy_results, policy_written)):
+            for step, buckets in sorted(results.items()):
+                if step not in done and all(self._complete(buckets.get(name), len(examples), policy)
+                                            for name, examples in self.tasks.evals.items()):
+                    await self._write(step, buckets, int(requested.get(str(step), step)), policy)
+                    done.add(step)
+        await self.redis.hset(self.keys.run, mapping={"evals_written": json.dumps(sorted(written)),
+                                                      "policy_evals_written": json.dumps(sorted(policy_written))})
 
     @staticmethod
     def _add(bucket: dict, rollout, sampled_prompt: int | None) -> None:
@@ -124,35 +150,49 @@ class EvalRounds:
             bucket["vmin"] = min(bucket["vmin"], rollout.min_version)
             bucket["vmax"] = max(bucket["vmax"], int(rollout.policy_versions.max()))
 
-    def _write(self, step: int, buckets: dict[str, dict], version: int) -> None:
-        """A round complete on every set: its eval.jsonl line, scalars, gauges and log line."""
-        sets = {name: self._scores(buckets[name]) for name in self.tasks.evals}
+    async def _write(self, step: int, buckets: dict[str, dict], version: int, policy: bool) -> None:
+        """A round complete on every set: its line in eval.jsonl (π's: policy-eval.jsonl), scalars,
+        gauges and log line. π's first round is also kept in the run hash, its initial accuracy."""
+        sets = {name: self._scores(buckets[name], policy) for name in self.tasks.evals}
         line = {"step": step, "version": version, **sets["main"],
                 "policy_version_min": min(b["vmin"] for b in buckets.values()),
                 "policy_version_max": max(b["vmax"] for b in buckets.values()), "unix_ms": now_ms()}
         if len(sets) > 1:
             line["sets"] = sets
         self.settings.out_dir.mkdir(parents=True, exist_ok=True)
-        with (self.settings.out_dir / "eval.jsonl").open("a") as f:
+        with (self.settings.out_dir / ("policy-eval.jsonl" if policy else "eval.jsonl")).open("a") as f:
             f.write(json.dumps(line) + "\n")
         scalars = {}
         for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
-            prefix = "eval_" if name == "main" else f"eval_set/{name}/"
+            prefix = ("policy_eval" if policy else "eval") + ("_" if name == "main" else f"_set/{name}/")
             scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k") if key in scores})
-            EVAL_ACCURACY.labels(name).set(scores["accuracy"])
+            (POLICY_EVAL_ACCURACY if policy else EVAL_ACCURACY).labels(name).set(scores["accuracy"])
+        if policy and step == 0:
+            initial = {name: scores["accuracy"] for name, scores in sets.items()}
+            await self.redis.hset(self.keys.run, "policy_eval_initial", json.dumps(initial))
+            self._set_initial(initial)
         self.scalars.add(step, scalars)
         self.scalars.flush()
-        log.info("event=eval step=%d version=%d accuracy=%.4f%s", step, version, line["accuracy"],
-                 "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
+        log.info("event=%s step=%d version=%d accuracy=%.4f%s", "policy_eval" if policy else "eval", step, version,
+                 line["accuracy"], "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
 
-    def _complete(self, bucket: dict | None, prompts: int) -> bool:
-        k = self.settings.eval_samples
+    @staticmethod
+    def _set_initial(initial: dict[str, float]) -> None:
+        for name, accuracy in initial.items():
+            POLICY_EVAL_INITIAL.labels(name).set(accuracy)
+
+    async def restore(self) -> None:
+        """A restarted orchestrator exports π's initial accuracy again (from the run hash)."""
+        self._set_initial(await self._json("policy_eval_initial", "{}"))
+
+    def _complete(self, bucket: dict | None, prompts: int, policy: bool = False) -> bool:
+        k = 0 if policy else self.settings.eval_samples  # π's rounds are greedy only
         return bucket is not None and bucket["n"] >= prompts and (
             not k or sum(n for n, _ in bucket["sampled"].values()) >= k * prompts)
 
-    def _scores(self, bucket: dict) -> dict:
+    def _scores(self, bucket: dict, policy: bool = False) -> dict:
         out = {"accuracy": bucket["correct"] / bucket["n"], "prompts": bucket["n"]}
-        if self.settings.eval_samples:
+        if self.settings.eval_samples and not policy:
             k = self.settings.eval_samples
             out.update(k=k, **sampled_scores(list(bucket["sampled"].values()), k))
         return out
@@ -161,14 +201,24 @@ class EvalRounds:
         EVAL_REFUSED.labels(reason).inc()
         log.warning("event=eval_rollout_refused entry=%s reason=%s", entry_id.decode(), reason)
 
+    def _written_fields(self) -> tuple[str, ...]:
+        return ("evals_written", "policy_evals_written") if self.settings.policy_eval else ("evals_written",)
+
     async def baseline_written(self) -> bool:
-        """Whether the step-0 round (the cold start) is in, or there is none: training waits for it,
-        else versions that land while it generates would be scored as version 0."""
-        return not self.settings.eval_every or 0 in await self._json("evals_written", "[]")
+        """Whether the step-0 round (the cold start; μ's and, with policy_eval, π's) is in, or there
+        is none: training waits for it, else versions that land while it generates would be scored
+        as version 0."""
+        return not self.settings.eval_every or {0} <= await self._written()
 
     async def all_written(self, trainer_step: int) -> bool:
-        return set(self.steps(trainer_step)) <= set(await self._json("evals_written", "[]"))
+        return set(self.steps(trainer_step)) <= await self._written()
 
-    def accuracies(self) -> dict[str, float]:
-        return {str(v): b["main"]["correct"] / b["main"]["n"] for v, b in self.results.items()
-                if b.get("main", {}).get("n")}
+    async def _written(self) -> set[int]:
+        """The rounds written for every model scored (μ, and π with policy_eval)."""
+        written = [set(await self._json(name, "[]")) for name in self._written_fields()]
+        return set.intersection(*written)
+
+    def accuracies(self, policy: bool = False) -> dict[str, float]:
+        """The main set's accuracy of each round so far (μ's, or π's) by step."""
+        return {str(v): b["main"]["correct"] / b["main"]["n"]
+                for v, b in (self.policy_results if policy else self.results).items() if b.get("main", {}).get("n")}

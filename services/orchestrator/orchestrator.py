@@ -213,6 +213,7 @@ class Orchestrator:
         else:
             log.info("event=resumed run=%s state=%s progress=%s", self.settings.run_id, await self.state(),
                      await self.progress())
+        await self.evals.restore()
         if self.settings.autostart:
             with contextlib.suppress(TransitionRefused):  # already running, paused by an operator, or over
                 await self.transition("start")
@@ -243,6 +244,7 @@ class Orchestrator:
                           if k in self.trainer_metrics},
             "last_metrics": self.trainer_metrics,
             "evals": self.evals.accuracies(),
+            **({"policy_evals": self.evals.accuracies(policy=True)} if self.settings.policy_eval else {}),
         }
 
     async def close(self) -> None:

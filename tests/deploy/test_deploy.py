@@ -311,12 +311,13 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     (the series of the collapse case in alerts_test.yml); staleness 3 over a budget of 1 fires after
     10 steps; a reward falling from 0.4 to 0.1 at step 61 fires the reward collapse at step 91 (past
     an hour: promtool then prints "1h30m"); the eval round of step 75, 25 points under the best, fires
-    the eval drop from there; flat series never do."""
+    the eval drop from there; π's round of step 50, 15 points under its first (step 0), fires π under
+    its start until π's round of step 75 is back within 10 points; flat series never do."""
     from steadyrl.alert_replay import firing_steps, minutes, replayed_alerts
 
     rules = DEPLOY / "prometheus" / "alerts.yml"
     assert replayed_alerts(rules) == ["SteadyrlCollapseEarlyWarning", "SteadyrlRewardCollapse", "SteadyrlEvalDrop",
-                                      "SteadyrlStalenessOverBudget"]
+                                      "SteadyrlPolicyUnderStart", "SteadyrlStalenessOverBudget"]
     assert (minutes("45m"), minutes("1h30m"), minutes("1d2h"), minutes("0s")) == (45, 90, 1560, 0)
     kl = [0.005] * 41 + [0.01 * 2**i for i in range(9)] + [2.56] * 50
     collapsing = [{"step": i + 1, "mismatch_kl_k3": k, "entropy": 0.5 - 0.002 * min(i, 49),
@@ -325,13 +326,16 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     budget = {"steadyrl_trainer_max_staleness": 1}
     evals = [{"step": 0, "accuracy": 0.4}, {"step": 50, "accuracy": 0.45, "sets": {"main": {"accuracy": 0.45}}},
              {"step": 75, "accuracy": 0.2}]
-    fired = firing_steps(collapsing, rules, budget, evals)
+    policy = [{"step": 0, "accuracy": 0.5}, {"step": 25, "accuracy": 0.6}, {"step": 50, "accuracy": 0.35},
+              {"step": 75, "accuracy": 0.45}]
+    fired = firing_steps(collapsing, rules, budget, evals, policy)
     # the early warning ends once entropy has stopped falling (its 10 min delta, flat from step 50)
     assert fired == {"SteadyrlCollapseEarlyWarning": list(range(49, 55)), "SteadyrlRewardCollapse": list(range(91, 101)),
-                     "SteadyrlEvalDrop": list(range(75, 101)), "SteadyrlStalenessOverBudget": list(range(41, 51))}
+                     "SteadyrlEvalDrop": list(range(75, 101)), "SteadyrlPolicyUnderStart": list(range(50, 75)),
+                     "SteadyrlStalenessOverBudget": list(range(41, 51))}
     healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1, "reward_mean": 0.4} for row in collapsing]
     steady = [{"step": e["step"], "accuracy": 0.4} for e in evals]
-    assert firing_steps(healthy, rules, budget, steady) == {a: [] for a in fired}
+    assert firing_steps(healthy, rules, budget, steady, steady) == {a: [] for a in fired}
 
 
 def test_replay_alerts_says_when_promtool_cannot_run_the_rules(tmp_path):

@@ -38,14 +38,14 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
         [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
          "--set", "run.steps=4", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=2",
          "--set", "orchestrator.eval_size=40", "--set", "run.replicas=2", "--set", "trainer.checkpoint_every=2",
-         "--set", f'orchestrator.eval_sets={{hard = "{hard}"}}',
+         "--set", f'orchestrator.eval_sets={{hard = "{hard}"}}', "--set", "orchestrator.policy_eval=true",
          "--set", f'run.tracking={{wandb_project = "e2e", wandb_mode = "offline", mlflow_tracking_uri = "{mlflow}"}}'],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["steps"] == 4 and summary["versions"] == 4
     # every replica reported and ended on the last version
-    assert summary["final_status"]["replica_versions"] == {"replica-0": 4, "replica-1": 4}
+    assert summary["final_status"]["replica_versions"] == {"replica-0": 4, "replica-1": 4, "replica-policy": 4}
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     for key in TRAINER_KEYS:
@@ -55,6 +55,14 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     assert evals[0]["policy_version_max"] == 0  # the cold start is scored before any version lands
     assert all(e["sets"]["main"]["prompts"] == 40 and e["sets"]["hard"]["prompts"] == 2 for e in evals)
     assert all(e["sets"]["main"]["accuracy"] == e["accuracy"] for e in evals)
+    # π's rounds, served by the policy_eval replica: unquantised like the rollout replicas here, so at
+    # version 0 it answers what they answer (up to 2 of 40 greedy answers: the replicas batch the
+    # prompts differently, and bf16 matmuls round by batch shape)
+    policy = [json.loads(x) for x in (out / "policy-eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in policy] == [0, 2, 4] and policy[0]["policy_version_max"] == 0
+    assert [(e["sets"]["main"]["prompts"], e["sets"]["hard"]["prompts"]) for e in policy] == [(40, 2)] * 3
+    assert abs(policy[0]["accuracy"] - evals[0]["accuracy"]) <= 2 / 40, (policy[0], evals[0])
+    assert summary["policy_eval_start"] == policy[0]["accuracy"] and len(summary["policy_evals"]) == 3
     from shared.tracking import read_scalars
 
     scalars = read_scalars(out / "trainer" / "tensorboard")  # TensorBoard: every numeric key, every step

@@ -238,3 +238,73 @@ def test_eval_sets_are_checked_before_start(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="no answer column 'solution'"):
         OrchestratorSettings(**base, eval_sets={"hard": hard}, answer_column="solution").check_dataset()
     OrchestratorSettings(**base, eval_sets={"hard": hard}).check_dataset()  # columns found: fine
+
+
+def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id, tiny_model_dir, tmp_path):
+    """With policy_eval each round also queues π's greedy tasks (evalpi-…) in the policy_eval pool's
+    list, which only a policy_eval queue leases. Training waits for both step-0 rounds; π's round is
+    written to policy-eval.jsonl, its gauge and its first round's (kept in the run hash, exported again
+    by a restarted orchestrator); an orchestrator without policy_eval refuses π's rollouts."""
+    from prometheus_client import REGISTRY
+
+    from services.orchestrator.evals import POLICY_EVAL_INITIAL
+    from shared.queues import WorkQueue
+    from shared.tracking import read_scalars
+
+    def gauge(name: str) -> float | None:
+        return REGISTRY.get_sample_value(f"steadyrl_orchestrator_{name}", {"set": "main"})
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
+                                        eval_size=3, policy_eval=True)
+        orchestrator, tasks = await running_orchestrator(redis, settings)
+        policy_pending = sorted(t.decode() for t in await redis.lrange(orchestrator.keys.pending_policy, 0, -1))
+        mu = [lease.task_id for lease in await WorkQueue(redis, run_id).lease("r0", 30, 10)]
+        pi = await WorkQueue(redis, run_id, pool="policy_eval").lease("p0", 30, 10)
+        pi_task = (pi[0].task.group_size, pi[0].task.sampling.temperature, pi[0].task.min_policy_version)
+        for j in range(3):
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, float(j == 0))})
+        await orchestrator.tick()
+        admitted_before_pi = await redis.llen(orchestrator.keys.pending)
+        for j in range(3):
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"evalpi-0-{j}", 0, 1, float(j > 0))})
+        await orchestrator.tick()
+        admitted = [t.decode() for t in await redis.lrange(orchestrator.keys.pending, 0, -1)]
+        status = await orchestrator.status()
+        await orchestrator.close()
+        POLICY_EVAL_INITIAL.labels("main").set(-1)
+        restarted = Orchestrator(settings, redis)
+        await restarted.evals.restore()
+        restored = gauge("policy_eval_initial_accuracy")
+        await restarted.close()
+        refused = REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
+                                            {"reason": "unknown_eval_task"}) or 0.0
+        without = Orchestrator(settings.model_copy(update={"policy_eval": False, "out_dir": tmp_path / "without"}), redis)
+        await without.evals.collect()
+        refused = (REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
+                                             {"reason": "unknown_eval_task"}) or 0.0) - refused
+        await without.close()
+        await redis.aclose()
+        return sorted(tasks), policy_pending, sorted(mu), sorted(lease.task_id for lease in pi), pi_task, \
+            admitted_before_pi, admitted, status, restored, refused
+
+    queued, policy_pending, mu, pi, pi_task, admitted_before_pi, admitted, status, restored, refused = \
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert queued == [f"eval-0-{j}" for j in range(3)]  # the rollouts pool's list holds μ's round only
+    assert policy_pending == pi == [f"evalpi-0-{j}" for j in range(3)]
+    assert mu == queued  # a rollouts queue never leases π's tasks
+    assert pi_task == (1, 0.0, 0)  # greedy, one sample, version 0
+    assert admitted_before_pi == 0  # μ's round in, π's not: no train task yet
+    assert sum(t.startswith("train-") for t in admitted) == 4
+    mu_line = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[0])
+    pi_lines = [json.loads(line) for line in (tmp_path / "policy-eval.jsonl").read_text().splitlines()]
+    assert mu_line["accuracy"] == pytest.approx(1 / 3)
+    assert len(pi_lines) == 1 and pi_lines[0]["step"] == 0 and pi_lines[0]["accuracy"] == pytest.approx(2 / 3)
+    assert pi_lines[0]["prompts"] == 3 and "k" not in pi_lines[0]
+    assert gauge("policy_eval_accuracy") == pytest.approx(2 / 3) and gauge("eval_accuracy") == pytest.approx(1 / 3)
+    assert restored == pytest.approx(2 / 3)  # from the run hash, after the gauge was overwritten
+    assert status["policy_evals"] == {"0": pytest.approx(2 / 3)} and status["evals"] == {"0": pytest.approx(1 / 3)}
+    assert read_scalars(tmp_path / "tensorboard")["policy_eval_accuracy"] == [(0, pytest.approx(2 / 3))]
+    assert refused == 3  # π's three rollouts fit no round of a run without policy_eval

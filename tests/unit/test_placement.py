@@ -105,3 +105,30 @@ def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
         planned(tmp_path / "vllm", vllm, gpus=1)
     shared = planned(tmp_path / "ok", [*vllm, "inference.vllm_gpu_memory_utilization=0.4"], gpus=1)
     assert next(s for s in shared.services if s.name == "inference-0").devices["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_the_policy_eval_replica_is_one_more_replica_serving_unquantised(tmp_path, monkeypatch):
+    """orchestrator.policy_eval: `steadyrl run` plans one replica of the policy_eval pool after the
+    rollout replicas, on GPUs of its own, with the recipe's engine and dtype but no quantization."""
+    monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
+    recipe = [*GPU_RUN, 'inference.quantization="fp8"', "orchestrator.policy_eval=true"]
+    with pytest.raises(ValueError, match=r"needs 10 GPUs \(trainer.gpus 4 \+ 3 replicas"):
+        planned(tmp_path / "small", recipe, gpus=8)
+    launch = planned(tmp_path / "big", recipe, gpus=10)
+    devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services if s.name.startswith("inference")}
+    assert devices == {"inference-0": "4,5", "inference-1": "6,7", "inference-policy": "8,9"}
+    settings = {s.name: build_settings("inference", s.env) for s in launch.services if s.name.startswith("inference")}
+    assert [(s.pool, s.quantization, s.replica_id, s.engine, s.dtype) for s in settings.values()] == [
+        ("rollouts", "fp8", "replica-0", "vllm", "bfloat16"), ("rollouts", "fp8", "replica-1", "vllm", "bfloat16"),
+        ("policy_eval", "none", "replica-policy", "vllm", "bfloat16")]
+    cpu = planned(tmp_path / "cpu", ['inference.quantization="fp4"', "inference.quantize_activations=true",
+                                     "orchestrator.policy_eval=true"], gpus=0)
+    policy = build_settings("inference", next(s for s in cpu.services if s.name == "inference-policy").env)
+    assert (policy.quantization, policy.quantize_activations, policy.engine) == ("none", False, "torch")
+    assert [s.name for s in cpu.services] == ["weightsync", "trainer", "inference-0", "inference-policy",
+                                              "orchestrator"]
+
+
+def test_a_policy_eval_replica_refuses_a_quantization(tiny_model_dir):
+    with pytest.raises(ValueError, match='quantization must be "none", not "fp4"'):
+        InferenceSettings(model_path=str(tiny_model_dir), pool="policy_eval", quantization="fp4")
