@@ -30,7 +30,9 @@ With `eval_final_model`, each finished run's final model is also scored as the t
 it started from and every checkpoint the run kept (`trainer.keep_checkpoints`): model-evals.jsonl,
 one line per policy version. The table gets a column for the final one, the plots a π curve.
 `--report-only` scores what is not scored yet. Under a coarse inference quantization μ's eval swings
-between rounds, so `final_model_drop` judges a collapse on π instead.
+between rounds, so `final_model_drop` judges a collapse on π instead. A run with
+`orchestrator.policy_eval` also scored π live at every eval round (policy-eval.jsonl, the published
+weights unquantised): the rows get its first, lowest and last round, the plots its curve.
 """
 
 from __future__ import annotations
@@ -135,10 +137,11 @@ def _finite(values):
 
 
 def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float],
-                  model_evals: list[dict] = ()) -> dict:
+                  model_evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict:
     """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason;
     with `model_evals` (the lines of MODEL_EVALS), the accuracies of the initial model (version 0) and
-    the final one (the newest version) as the trainer holds them."""
+    the final one (the newest version) as the trainer holds them; with `policy_evals` (the run's
+    policy-eval.jsonl: π scored live, orchestrator.policy_eval), π's first, lowest and last round."""
     by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     series = [by_step[s] for s in sorted(by_step)]
     row: dict = {"steps": len(series)}
@@ -156,6 +159,9 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     row["eval_start"] = accuracies[0] if accuracies else None
     row["eval_best"] = max(accuracies) if accuracies else None
     row["eval_final"] = accuracies[-1] if accuracies else None
+    live = [float(e["accuracy"]) for e in sorted(policy_evals, key=lambda e: e["step"])]
+    if live:
+        row.update(policy_eval_start=live[0], policy_eval_min=min(live), policy_eval_final=live[-1])
     by_version = {int(e["version"]): float(e["accuracy"]) for e in model_evals}
     if 0 in by_version:
         row["initial_model_eval"] = by_version[0]
@@ -259,7 +265,7 @@ def line_style(index: int) -> dict:
 def plot_grid(out: Path, configs: list[GridConfig],
               runs: dict[str, list[tuple[list[dict], list[dict], list[dict]]]], final_dtype: str = "") -> list[str]:
     """One PNG per diagnostic with a line per configuration (mean over its seeds); `runs` holds each
-    run's (metrics, evals, model evals)."""
+    run's (metrics, evals, model evals, policy evals)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,7 +278,7 @@ def plot_grid(out: Path, configs: list[GridConfig],
         fig, ax = plt.subplots(figsize=(8, 4.5))
         drawn = False
         for index, config in enumerate(configs):
-            steps, values = mean_curve([m for m, _, _ in runs.get(config.name, [])], key)
+            steps, values = mean_curve([run[0] for run in runs.get(config.name, [])], key)
             if not steps:
                 continue
             if key == "reward_mean":
@@ -295,6 +301,9 @@ def plot_grid(out: Path, configs: list[GridConfig],
     if final_dtype:
         accuracy_plots.append((2, "model_eval_accuracy",
                                f"greedy eval accuracy of the trainer's model in {final_dtype} (mean over seeds)"))
+    if any(run[3] for config_runs in runs.values() for run in config_runs):
+        accuracy_plots.append((3, "policy_eval_accuracy",
+                               "greedy eval accuracy of the trainer's model, scored live (mean over seeds)"))
     for column, name, title in accuracy_plots:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for index, config in enumerate(configs):
@@ -318,10 +327,11 @@ def plot_grid(out: Path, configs: list[GridConfig],
 
 # --- running --------------------------------------------------------------------------------------
 
-def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
+def read_run(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """A run's metrics.jsonl, eval.jsonl and policy-eval.jsonl (each [] when absent)."""
     from steadyrl.launcher import read_jsonl
 
-    return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
+    return tuple(read_jsonl(run_dir / name) for name in ("metrics.jsonl", "eval.jsonl", "policy-eval.jsonl"))
 
 
 def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
@@ -391,11 +401,11 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
             if not (run_dir / "summary.json").exists():
                 continue
             outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
-            metrics, evals = read_run(run_dir)
+            metrics, evals, live = read_run(run_dir)
             pi = model_evals(run_dir, grid.eval_final_model, echo) if grid.eval_final_model and outcome == "finished" else []
-            runs.setdefault(config.name, []).append((metrics, evals, pi))
+            runs.setdefault(config.name, []).append((metrics, evals, pi, live))
             row = {"config": config.name, "label": config.label, "seed": seed, "outcome": outcome,
-                   **summarise_run(metrics, evals, grid.collapse, pi)}
+                   **summarise_run(metrics, evals, grid.collapse, pi, live)}
             rows.append(row)
             config_rows.append(row)
         if config_rows:

@@ -340,7 +340,7 @@ def _run(config: RunConfig, out: Path, progress: str) -> dict:
 
 
 def progress_rows(status: dict, metrics: list[dict], evals: list[dict], steps: int,
-                  elapsed: float) -> list[tuple[str, str]]:
+                  elapsed: float, policy_evals: list[dict] = ()) -> list[tuple[str, str]]:
     """What the progress shows, as (name, value) pairs. Pure."""
     last = metrics[-1] if metrics else {}
     step = int(last.get("step", 0))
@@ -351,9 +351,8 @@ def progress_rows(status: dict, metrics: list[dict], evals: list[dict], steps: i
         ("reward", f"{last.get('reward_mean', 0):.3f}"), ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
         ("staleness max", str(last.get("staleness_max", 0))), ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
         ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
-        *([("π eval (by step)", ", ".join(f"{step}: {accuracy:.3f}" for step, accuracy in
-                                          list(status["policy_evals"].items())[-4:]) or "-")]
-          if "policy_evals" in status else []),
+        *([("policy eval", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in policy_evals[-4:]))]
+          if policy_evals else []),  # π, the trainer's weights unquantised (orchestrator.policy_eval)
         ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
     ]
 
@@ -414,7 +413,8 @@ def watch(launch: Launch, console, progress: str) -> dict:
                 continue
             if live is not None:
                 metrics, evals = read_jsonl(metrics_path), read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
-                rows = progress_rows(status, metrics, evals, steps, time.monotonic() - begun)
+                rows = progress_rows(status, metrics, evals, steps, time.monotonic() - begun,
+                                     read_jsonl(launch.out / "orchestrator" / "policy-eval.jsonl"))
                 if progress == "rich":
                     live.update(render(rows, status.get("state", "?")))
                 else:

@@ -11,6 +11,7 @@ from steadyrl.experiment import (
     markdown_table,
     mean_curve,
     moving_mean,
+    plot_grid,
     run_config_for,
     summarise_run,
 )
@@ -143,6 +144,22 @@ def test_final_model_drop_judges_collapse_on_the_trainers_model():
     assert not unscored["collapsed"] and "final_model_eval" not in unscored  # no checkpoint: nothing to compare
 
 
+def test_live_policy_evals_are_columns_and_a_plot(tmp_path):
+    """policy-eval.jsonl (π scored live): its first, lowest and last round are columns of the row;
+    the grid's plots gain π's live curve (mean over seeds, by version) when any run has one."""
+    grid = load_grid(ROOT / "configs" / "paper-grid.toml")
+    live = [{"step": 25, "version": 25, "accuracy": 0.5}, {"step": 0, "version": 0, "accuracy": 0.42},
+            {"step": 50, "version": 50, "accuracy": 0.3}]
+    row = summarise_run(steps(10), [{"version": 0, "accuracy": 0.4}], {}, [], live)
+    assert (row["policy_eval_start"], row["policy_eval_min"], row["policy_eval_final"]) == (0.42, 0.3, 0.3)
+    assert "policy_eval_start" not in summarise_run(steps(10), [{"version": 0, "accuracy": 0.4}], {})
+    runs = {grid.configs[0].name: [(steps(10), [{"version": 0, "accuracy": 0.4}], [], live)]}
+    written = plot_grid(tmp_path, grid.configs[:1], runs)
+    assert "plots/policy_eval_accuracy.png" in written and (tmp_path / "plots" / "policy_eval_accuracy.png").stat().st_size
+    runs[grid.configs[0].name] = [(steps(10), [{"version": 0, "accuracy": 0.4}], [], [])]
+    assert "plots/policy_eval_accuracy.png" not in plot_grid(tmp_path / "none", grid.configs[:1], runs)
+
+
 def test_curves():
     assert moving_mean([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     s, v = mean_curve([[{"step": 1, "k": 1.0}, {"step": 2, "k": math.nan}], [{"step": 1, "k": 3.0}]], "k")
@@ -157,3 +174,5 @@ def test_plain_progress_is_one_greppable_line_per_update():
                          [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.55}], 48, 6.0)
     assert plain_line(rows) == ("progress step=12/48 trainer_version=12 reward=0.500 mismatch_KL_k3=3.00e-03 "
                                 "staleness_max=1 tokens/s=900 eval_accuracy=v0:0.400,v10:0.550 ETA=18s")
+    rows = progress_rows({}, [], [{"version": 0, "accuracy": 0.4}], 48, 0.0, [{"version": 0, "accuracy": 0.35}])
+    assert plain_line(rows).endswith(" eval_accuracy=v0:0.400 policy_eval=v0:0.350 ETA=-")
