@@ -203,7 +203,7 @@ class Orchestrator:
                 except TransitionRefused as exc:  # stopped or paused meanwhile: theirs is final
                     log.info("event=finish_refused state=%s", exc.state)
         depths = await self.queue.depths()
-        for name in ("pending", "leased", "completed", "dead", "rollouts"):
+        for name in ("pending", "leased", "completed", "dead", "rollouts", "pending_policy"):
             QUEUE_DEPTH.labels(name).set(getattr(depths, name))
 
     async def run(self, stop: asyncio.Event) -> None:
