@@ -54,7 +54,8 @@ def eval_task_id(kind: str, name: str, step: int, index: int) -> str:
 
 
 def _bucket() -> dict:
-    return {"n": 0, "correct": 0.0, "vmin": 1 << 62, "vmax": 0, "sampled": {}}
+    # dead: greedy prompts whose task was given up (the dead-letter stream), dead_sampled: sampled ones
+    return {"n": 0, "correct": 0.0, "vmin": 1 << 62, "vmax": 0, "sampled": {}, "dead": set(), "dead_sampled": set()}
 
 
 class EvalRounds:
@@ -65,7 +66,7 @@ class EvalRounds:
         self.policy_results: dict[int, dict[str, dict]] = {}  # the same for π
         self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None, settings.tracking,
                                  settings.run_id, "orchestrator", settings.out_dir, settings.model_dump(mode="json"))
-        self.cursor = "0-0"
+        self.cursor = self.dead_cursor = "0-0"
 
     async def _json(self, name: str, default: str):
         value = await self.redis.hget(self.keys.run, name)
@@ -101,28 +102,27 @@ class EvalRounds:
     async def collect(self) -> None:
         """Fold eval rollouts into rounds; a complete round is appended to eval.jsonl (π's to
         policy-eval.jsonl) once. An entry that fits no round (a foreign id, a broken payload) is
-        counted and skipped."""
+        counted and skipped. An eval task given up (the dead-letter stream) completes its round as
+        a prompt without an answer, counted under `dead`: a round never waits for it, nor the run's end."""
+        dead = await self._fold_dead()
         reply = await self.redis.xread({self.keys.evals: self.cursor}, count=4096)
-        if not reply:
+        if not reply and not dead:
             return
         written = set(await self._json("evals_written", "[]"))
         policy_written = set(await self._json("policy_evals_written", "[]"))
         requested = await self._json("eval_versions", "{}")
-        for entry_id, fields in reply[0][1]:
+        for entry_id, fields in reply[0][1] if reply else []:
             self.cursor = entry_id
             try:
                 rollout = decode_rollout(fields.get(b"r", b""))
             except RolloutError as exc:
                 self._refuse(entry_id, exc.reason)
                 continue
-            match = EVAL_ID.match(rollout.task_id)
-            name = match and (match.group(2) or "main")
-            kind = match and (match.group(1) or "")
-            if match is None or name not in self.tasks.evals or int(match.group(4)) >= len(self.tasks.evals[name]) or (
-                    kind == "k" and not self.settings.eval_samples) or (kind == "pi" and not self.settings.policy_eval):
+            place = self._place(rollout.task_id)
+            if place is None:
                 self._refuse(entry_id, "unknown_eval_task")
                 continue
-            step, prompt = int(match.group(3)), int(match.group(4))
+            kind, name, step, prompt = place
             results, done = (self.policy_results, policy_written) if kind == "pi" else (self.results, written)
             if step in done:
                 continue
@@ -136,6 +136,37 @@ class EvalRounds:
                     done.add(step)
         await self.redis.hset(self.keys.run, mapping={"evals_written": json.dumps(sorted(written)),
                                                       "policy_evals_written": json.dumps(sorted(policy_written))})
+
+    def _place(self, task_id: str) -> tuple[str, str, int, int] | None:
+        """(kind, eval set, step, prompt) of an eval task of this run, None for any other id."""
+        match = EVAL_ID.match(task_id)
+        if match is None:
+            return None
+        kind, name, step, prompt = match.group(1) or "", match.group(2) or "main", int(match.group(3)), int(match.group(4))
+        if name not in self.tasks.evals or prompt >= len(self.tasks.evals[name]) or (
+                kind == "k" and not self.settings.eval_samples) or (kind == "pi" and not self.settings.policy_eval):
+            return None
+        return kind, name, step, prompt
+
+    async def _fold_dead(self) -> int:
+        """Eval tasks given up since the last call (the dead-letter stream, read from its start by a
+        new orchestrator, as the evals stream is) into their rounds; returns how many."""
+        reply = await self.redis.xread({self.keys.dead: self.dead_cursor}, count=4096)
+        folded = 0
+        for entry_id, fields in reply[0][1] if reply else []:
+            self.dead_cursor = entry_id
+            task_id = fields.get(b"task_id", b"").decode(errors="replace")
+            place = self._place(task_id)
+            if place is None:
+                continue
+            kind, name, step, prompt = place
+            bucket = (self.policy_results if kind == "pi" else self.results).setdefault(step, {}).setdefault(
+                name, _bucket())
+            bucket["dead_sampled" if kind == "k" else "dead"].add(prompt)
+            folded += 1
+            log.warning("event=eval_task_dead task=%s reason=%s", task_id,
+                        fields.get(b"reason", b"").decode(errors="replace")[:300])
+        return folded
 
     @staticmethod
     def _add(bucket: dict, rollout, sampled_prompt: int | None) -> None:
@@ -166,7 +197,8 @@ class EvalRounds:
         for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
             prefix = ("policy_eval" if policy else "eval") + ("_" if name == "main" else f"_set/{name}/")
             scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k") if key in scores})
-            (POLICY_EVAL_ACCURACY if policy else EVAL_ACCURACY).labels(name).set(scores["accuracy"])
+            if scores["prompts"]:  # a set whose every prompt was given up has no accuracy to show
+                (POLICY_EVAL_ACCURACY if policy else EVAL_ACCURACY).labels(name).set(scores["accuracy"])
         if policy and step == 0:
             initial = {name: scores["accuracy"] for name, scores in sets.items()}
             await self.redis.hset(self.keys.run, "policy_eval_initial", json.dumps(initial))
@@ -187,12 +219,15 @@ class EvalRounds:
 
     def _complete(self, bucket: dict | None, prompts: int, policy: bool = False) -> bool:
         k = 0 if policy else self.settings.eval_samples  # π's rounds are greedy only
-        return bucket is not None and bucket["n"] >= prompts and (
-            not k or sum(n for n, _ in bucket["sampled"].values()) >= k * prompts)
+        return bucket is not None and bucket["n"] + len(bucket["dead"]) >= prompts and (
+            not k or sum(n for n, _ in bucket["sampled"].values()) + k * len(bucket["dead_sampled"]) >= k * prompts)
 
     def _scores(self, bucket: dict, policy: bool = False) -> dict:
-        out = {"accuracy": bucket["correct"] / bucket["n"], "prompts": bucket["n"]}
-        if self.settings.eval_samples and not policy:
+        """Accuracy over the prompts answered (`prompts`); prompts given up are counted under `dead`."""
+        out = {"accuracy": bucket["correct"] / bucket["n"] if bucket["n"] else 0.0, "prompts": bucket["n"]}
+        if bucket["dead"] or bucket["dead_sampled"]:
+            out["dead"] = len(bucket["dead"]) + len(bucket["dead_sampled"])
+        if self.settings.eval_samples and not policy and bucket["sampled"]:
             k = self.settings.eval_samples
             out.update(k=k, **sampled_scores(list(bucket["sampled"].values()), k))
         return out

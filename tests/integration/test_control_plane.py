@@ -308,3 +308,46 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
     assert status["policy_evals"] == {"0": pytest.approx(2 / 3)} and status["evals"] == {"0": pytest.approx(1 / 3)}
     assert read_scalars(tmp_path / "tensorboard")["policy_eval_accuracy"] == [(0, pytest.approx(2 / 3))]
     assert refused == 3  # π's three rollouts fit no round of a run without policy_eval
+
+
+def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id, tiny_model_dir, tmp_path):
+    """An eval task dead-lettered (μ's greedy and sampled, π's) never holds its round, nor the run's
+    end: the round is written with the prompts that were answered and the given-up ones under `dead`,
+    by this orchestrator and, reading the dead-letter stream from its start, by a restarted one."""
+    from shared.queues import WorkQueue
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
+                                        eval_size=3, eval_samples=2, policy_eval=True)
+        orchestrator, _ = await running_orchestrator(redis, settings)
+        queue, policy = WorkQueue(redis, run_id), WorkQueue(redis, run_id, pool="policy_eval")
+        await queue.lease("r0", 30, 10)
+        await policy.lease("p0", 30, 10)
+        for task in ("eval-0-2", "evalk-0-2"):
+            assert await queue.dead_letter("r0", task, "invalid", "a task the engine refuses")
+        assert await policy.dead_letter("p0", "evalpi-0-2", "invalid", "a task the engine refuses")
+        for j in range(2):
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, float(j == 0))})
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"evalpi-0-{j}", 0, 1, 1.0)})
+            for i in range(2):
+                await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"evalk-0-{j}", i, 2, 1.0)})
+        await orchestrator.tick()
+        baseline = await orchestrator.evals.baseline_written()
+        await orchestrator.close()
+        restarted = Orchestrator(settings.model_copy(update={"out_dir": tmp_path / "again"}), redis)
+        await redis.hset(restarted.keys.run, mapping={"evals_written": "[]", "policy_evals_written": "[]"})
+        await restarted.evals.collect()  # both streams from their start, as after a restart
+        again = await restarted.evals.baseline_written()
+        await restarted.close()
+        await redis.aclose()
+        return baseline, again
+
+    baseline, again = asyncio.run(asyncio.wait_for(main(), 60))
+    assert baseline and again
+    for out in (tmp_path, tmp_path / "again"):
+        mu = json.loads((out / "eval.jsonl").read_text().splitlines()[0])
+        pi = json.loads((out / "policy-eval.jsonl").read_text().splitlines()[0])
+        assert (mu["accuracy"], mu["prompts"], mu["dead"], mu["k"], mu["pass_at_k"]) == (0.5, 2, 2, 2, 1.0)
+        assert (pi["accuracy"], pi["prompts"], pi["dead"]) == (1.0, 2, 1)
