@@ -151,3 +151,65 @@ async def read_ledger(url: str, run_id: str):
     rollouts_dead = await ledger.rollouts_dead_counts()
     await redis.aclose()
     return trained, dropped, dead, submitted, rollouts_dead
+
+
+def leased_policy_evals(launch: Launch, run_id: str) -> list[str]:
+    """π's eval tasks leased right now."""
+    async def read():
+        redis = Redis.from_url(launch.redis.url)
+        try:
+            return [t.decode() for t in await redis.zrange(RunKeys(run_id).leases, 0, -1) if t.startswith(b"evalpi-")]
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+def eval_leases(launch: Launch, run_id: str) -> dict[str, str]:
+    """task id → the lease (`replica|attempt`) that published it, for every entry of the evals stream."""
+    async def read():
+        redis = Redis.from_url(launch.redis.url)
+        try:
+            return {f[b"task"].decode(): f[b"lease"].decode() for _, f in await redis.xrange(RunKeys(run_id).evals)}
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "sigkill"])
+def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, tiny_model_dir):
+    """orchestrator.policy_eval: the replica of the policy_eval pool frozen (8 s, past its 3 s leases)
+    or SIGKILLed and restarted while it holds π's tasks of a round: the leases expire, the tasks go
+    back to that pool's list (no rollout replica takes them), and every round of μ and of π is
+    written once, whole."""
+    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
+        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "orchestrator.eval_every=10",
+        "orchestrator.eval_size=40", "orchestrator.policy_eval=true", "inference.lease_seconds=3"])
+    with running(config, tmp_path, tiny_model_dir) as launch:
+        target, deadline = service(launch, "inference-policy").process, time.monotonic() + 120
+        while True:  # stopped first, then looked at: the tasks it holds then cannot finish under it
+            os.kill(target.pid, signal.SIGSTOP)
+            if held := leased_policy_evals(launch, config.run_id):
+                break
+            os.kill(target.pid, signal.SIGCONT)
+            assert time.monotonic() < deadline, "the policy_eval replica never leased a task"
+            time.sleep(0.01)
+        if fault == "sigstop":
+            time.sleep(8.0)
+            os.kill(target.pid, signal.SIGCONT)
+        else:
+            kill_and_restart(launch, "inference-policy")
+        wait_until(launch, lambda status: status["state"] == "finished")
+        leases = eval_leases(launch, config.run_id)
+    policy_log = (tmp_path / "logs" / "inference-policy.log").read_text()
+    for name in ("eval.jsonl", "policy-eval.jsonl"):
+        rounds = [json.loads(line) for line in (tmp_path / "orchestrator" / name).read_text().splitlines()]
+        assert [r["step"] for r in rounds] == [0, 10, 20, 30], name
+        assert all(r["prompts"] == 40 and "dead" not in r for r in rounds), rounds
+    pi = {task: lease for task, lease in leases.items() if task.startswith("evalpi-")}
+    assert len(pi) == 4 * 40 and all(lease.startswith("replica-policy|") for lease in pi.values())
+    assert not any(lease.startswith("replica-policy|") for task, lease in leases.items() if task not in pi)
+    assert all(not pi[task].endswith("|0") for task in held)  # each task it held was served on a later lease
+    if fault == "sigstop":  # what it finished after its leases expired was refused, then served again
+        assert re.search(r"event=lease_lost task=evalpi-", policy_log), policy_log[-2000:]
