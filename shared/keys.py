@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _NAMES = {
-    "tasks": "tasks", "pending": "pending", "pending_policy": "pending:policy", "leases": "leases", "owners": "owners", "attempts": "attempts",
+    "tasks": "tasks", "pending": "pending", "pending_policy": "pending:policy", "leases": "leases", "owners": "owners",
+    "attempts": "attempts",
     "errors": "errors", "completed": "completed", "dead": "dead", "dead_counts": "dead:counts",
     "rollouts": "rollouts", "evals": "evals", "rollouts_dead": "rollouts:dead",
     "rollouts_dead_counts": "rollouts:dead:counts", "trained": "trained", "trained_ids": "trained:ids",

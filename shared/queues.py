@@ -221,8 +221,8 @@ class WorkQueue(RolloutSink):
                     raise ValueError("a task needs a task_id")
                 if not task.enqueued_unix_ms:
                     task.enqueued_unix_ms = now_ms()
-                await self._submit(self._k("tasks", POOLS[pool_of(task.task_id)]), [task.task_id, task.SerializeToString()],
-                                   client=pipe)
+                pending = POOLS[pool_of(task.task_id)]
+                await self._submit(self._k("tasks", pending), [task.task_id, task.SerializeToString()], client=pipe)
             if record is not None:
                 pipe.hset(record[0], mapping=record[1])
             results = await pipe.execute()

@@ -3,9 +3,9 @@ metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the tr
 eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next) and
 its policy-eval.jsonl (π's rounds, orchestrator.policy_eval)
 `steadyrl_orchestrator_policy_eval_accuracy{set=NAME}` beside the first round's
-`steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}`, one step per minute, and `promtool test rules` evaluates every alert that reads those series at
-every minute. The windows of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10
-and 5 steps. Needs promtool (Prometheus' test tool) on PATH.
+`steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}`, one step per minute, and
+`promtool test rules` evaluates every alert that reads those series at every minute. The windows
+of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5 steps. Needs promtool (Prometheus' test tool) on PATH.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | 
     alerts = replayed_alerts(rules_file)
     with tempfile.TemporaryDirectory() as tmp:
         test = Path(tmp) / "replay_test.yml"
-        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals, policy_evals), sort_keys=False))
+        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals, policy_evals),
+                                       sort_keys=False))
         done = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     failures = FAILURE.findall(output)  # a failed quiet check is a minute the alert fires

@@ -263,7 +263,8 @@ def line_style(index: int) -> dict:
 
 
 def plot_grid(out: Path, configs: list[GridConfig],
-              runs: dict[str, list[tuple[list[dict], list[dict], list[dict]]]], final_dtype: str = "") -> list[str]:
+              runs: dict[str, list[tuple[list[dict], list[dict], list[dict], list[dict]]]],
+              final_dtype: str = "") -> list[str]:
     """One PNG per diagnostic with a line per configuration (mean over its seeds); `runs` holds each
     run's (metrics, evals, model evals, policy evals)."""
     import matplotlib

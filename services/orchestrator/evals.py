@@ -142,7 +142,8 @@ class EvalRounds:
         match = EVAL_ID.match(task_id)
         if match is None:
             return None
-        kind, name, step, prompt = match.group(1) or "", match.group(2) or "main", int(match.group(3)), int(match.group(4))
+        kind, name = match.group(1) or "", match.group(2) or "main"
+        step, prompt = int(match.group(3)), int(match.group(4))
         if name not in self.tasks.evals or prompt >= len(self.tasks.evals[name]) or (
                 kind == "k" and not self.settings.eval_samples) or (kind == "pi" and not self.settings.policy_eval):
             return None
