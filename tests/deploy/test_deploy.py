@@ -338,6 +338,20 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     assert firing_steps(healthy, rules, budget, steady, steady) == {a: [] for a in fired}
 
 
+def test_the_alerts_on_a_collapsed_grid_run():
+    """A real run of paper-grid-fp4.toml's N = 1 w/o IS at lr 4e-3 (seed 0, 300 steps; the series the
+    rules read, docs/reproduction/fp4-live-pi/collapsed-run): π 0.32 → 0.215 at version 25 → 0.01.
+    π's alert fires from its first round under the start, μ's eval drop 25 steps later, the reward
+    collapse 53 steps later; the paper's early warning (KL spike with entropy falling) never."""
+    from steadyrl.alert_replay import replay_run
+
+    fired = replay_run(ROOT / "docs" / "reproduction" / "fp4-live-pi" / "collapsed-run",
+                       DEPLOY / "prometheus" / "alerts.yml")["firing_steps"]
+    assert fired["SteadyrlPolicyUnderStart"] == list(range(25, 301))
+    assert fired["SteadyrlEvalDrop"][0] == 50 and fired["SteadyrlRewardCollapse"][0] == 78
+    assert fired["SteadyrlCollapseEarlyWarning"] == [] and fired["SteadyrlStalenessOverBudget"] == []
+
+
 def test_replay_alerts_says_when_promtool_cannot_run_the_rules(tmp_path):
     from steadyrl.alert_replay import firing_steps
 
