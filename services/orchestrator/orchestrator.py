@@ -236,7 +236,7 @@ class Orchestrator:
             "run_id": self.settings.run_id, "state": await self.state(), "trainer_version": self.trainer_version,
             "trainer_step": self.trainer_step, "replica_versions": replicas, "progress": await self.progress(),
             "queue": {"pending": depths.pending, "leased": depths.leased, "completed": depths.completed,
-                      "dead": depths.dead, "rollouts": depths.rollouts},
+                      "dead": depths.dead, "rollouts": depths.rollouts, "pending_policy": depths.pending_policy},
             "dead_letters": {"tasks": await self.queue.dead_counts(),
                              "rollouts": await self.ledger.rollouts_dead_counts()},
             "epoch": int(await self.field("epoch", "0")),

@@ -261,6 +261,7 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
                                         eval_size=3, policy_eval=True)
         orchestrator, tasks = await running_orchestrator(redis, settings)
         policy_pending = sorted(t.decode() for t in await redis.lrange(orchestrator.keys.pending_policy, 0, -1))
+        assert (await orchestrator.status())["queue"]["pending_policy"] == 3
         mu = [lease.task_id for lease in await WorkQueue(redis, run_id).lease("r0", 30, 10)]
         pi = await WorkQueue(redis, run_id, pool="policy_eval").lease("p0", 30, 10)
         pi_task = (pi[0].task.group_size, pi[0].task.sampling.temperature, pi[0].task.min_policy_version)
@@ -306,6 +307,7 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
     assert gauge("policy_eval_accuracy") == pytest.approx(2 / 3) and gauge("eval_accuracy") == pytest.approx(1 / 3)
     assert restored == pytest.approx(2 / 3)  # from the run hash, after the gauge was overwritten
     assert status["policy_evals"] == {"0": pytest.approx(2 / 3)} and status["evals"] == {"0": pytest.approx(1 / 3)}
+    assert status["queue"]["pending_policy"] == 0  # π's round taken and answered
     assert read_scalars(tmp_path / "tensorboard")["policy_eval_accuracy"] == [(0, pytest.approx(2 / 3))]
     assert refused == 3  # π's three rollouts fit no round of a run without policy_eval
 
