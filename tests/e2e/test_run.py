@@ -43,15 +43,16 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["outcome"] == "finished" and summary["steps"] == 4 and summary["versions"] == 4
+    assert summary["outcome"] == "finished" and summary["steps"] == 4 and summary["versions"] == 4, summary
     # every replica reported and ended on the last version
-    assert summary["final_status"]["replica_versions"] == {"replica-0": 4, "replica-1": 4, "replica-policy": 4}
+    assert summary["final_status"]["replica_versions"] == {"replica-0": 4, "replica-1": 4, "replica-policy": 4}, \
+        summary["final_status"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     for key in TRAINER_KEYS:
         assert all(key in x for x in lines), key
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in evals] == [0, 2, 4] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    assert [e["version"] for e in evals] == [0, 2, 4] and all(0 <= e["accuracy"] <= 1 for e in evals), evals
     assert evals[0]["policy_version_max"] == 0  # the cold start is scored before any version lands
     assert all(e["sets"]["main"]["prompts"] == 40 and e["sets"]["hard"]["prompts"] == 2 for e in evals)
     assert all(e["sets"]["main"]["accuracy"] == e["accuracy"] for e in evals)
@@ -59,8 +60,8 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     # version 0 it answers what they answer (up to 2 of 40 greedy answers: the replicas batch the
     # prompts differently, and bf16 matmuls round by batch shape)
     policy = [json.loads(x) for x in (out / "policy-eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in policy] == [0, 2, 4] and policy[0]["policy_version_max"] == 0
-    assert [(e["sets"]["main"]["prompts"], e["sets"]["hard"]["prompts"]) for e in policy] == [(40, 2)] * 3
+    assert [e["step"] for e in policy] == [0, 2, 4] and policy[0]["policy_version_max"] == 0, policy
+    assert [(e["sets"]["main"]["prompts"], e["sets"]["hard"]["prompts"]) for e in policy] == [(40, 2)] * 3, policy
     assert abs(policy[0]["accuracy"] - evals[0]["accuracy"]) <= 2 / 40, (policy[0], evals[0])
     assert summary["policy_eval_start"] == policy[0]["accuracy"] and len(summary["policy_evals"]) == 3
     from shared.tracking import read_scalars
