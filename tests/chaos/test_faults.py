@@ -190,8 +190,10 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
         target, deadline = service(launch, "inference-policy").process, time.monotonic() + 120
         while True:  # stopped first, then looked at: the tasks it holds then cannot finish under it
             os.kill(target.pid, signal.SIGSTOP)
-            if held := leased_policy_evals(launch, config.run_id):
-                break
+            if leased_policy_evals(launch, config.run_id):
+                time.sleep(0.5)  # a completion it sent just before the stop still reaches Redis
+                if held := leased_policy_evals(launch, config.run_id):
+                    break
             os.kill(target.pid, signal.SIGCONT)
             assert time.monotonic() < deadline, "the policy_eval replica never leased a task"
             time.sleep(0.01)
@@ -202,7 +204,6 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
             kill_and_restart(launch, "inference-policy")
         wait_until(launch, lambda status: status["state"] == "finished")
         leases = eval_leases(launch, config.run_id)
-    policy_log = (tmp_path / "logs" / "inference-policy.log").read_text()
     for name in ("eval.jsonl", "policy-eval.jsonl"):
         rounds = [json.loads(line) for line in (tmp_path / "orchestrator" / name).read_text().splitlines()]
         assert [r["step"] for r in rounds] == [0, 10, 20, 30], name
@@ -210,6 +211,6 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
     pi = {task: lease for task, lease in leases.items() if task.startswith("evalpi-")}
     assert len(pi) == 4 * 40 and all(lease.startswith("replica-policy|") for lease in pi.values())
     assert not any(lease.startswith("replica-policy|") for task, lease in leases.items() if task not in pi)
-    assert all(not pi[task].endswith("|0") for task in held)  # each task it held was served on a later lease
-    if fault == "sigstop":  # what it finished after its leases expired was refused, then served again
-        assert re.search(r"event=lease_lost task=evalpi-", policy_log), policy_log[-2000:]
+    # each task it held was served on a later lease: its first one expired and went back to the pool
+    # (after a freeze the replica may finish a task under the new lease, its own again: no lease lost)
+    assert all(not pi[task].endswith("|0") for task in held), {task: pi[task] for task in held}
