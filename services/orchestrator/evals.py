@@ -32,7 +32,7 @@ log = logging.getLogger("steadyrl.orchestrator")
 # μ greedy: eval-STEP-J; μ sampled (k per prompt): evalk-STEP-J; π greedy: evalpi-STEP-J;
 # a named set's: eval.NAME-STEP-J, evalk.NAME-STEP-J, evalpi.NAME-STEP-J
 KINDS = ("", "k", POLICY_EVAL_PREFIX.removeprefix("eval"))  # the queue routes π's tasks by their prefix
-EVAL_ID = re.compile(r"^eval(k|pi)?(?:\.([a-z0-9_]+))?-(\d+)-(\d+)$")
+EVAL_ID = re.compile(rf"^eval({'|'.join(k for k in KINDS if k)})?(?:\.([a-z0-9_]+))?-(\d+)-(\d+)$")
 EVAL_SUBMITTED = Counter("steadyrl_orchestrator_eval_tasks_submitted_total", "Eval prompt tasks queued")
 EVAL_REFUSED = Counter("steadyrl_orchestrator_eval_rollouts_refused_total", "Eval rollouts that fit no eval round",
                        ["reason"])
