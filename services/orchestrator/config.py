@@ -105,7 +105,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
     policy_eval: bool = False
     """Every eval round also scores π, the trainer's weights as published and never quantised,
     greedily on every eval set, served by a replica of the `policy_eval` pool (`steadyrl run`
-    starts one: inference.pool): policy-eval.jsonl, the scalar `policy_eval_accuracy`, and in
+    starts one: inference.pool; compose's `policy-eval` profile and deploy/k8s/components/policy-eval
+    add one): policy-eval.jsonl, the scalar `policy_eval_accuracy`, and in
     Prometheus steadyrl_orchestrator_policy_eval_accuracy{set} beside the first round's
     steadyrl_orchestrator_policy_eval_initial_accuracy{set} (alert SteadyrlPolicyUnderStart). The
     evals above score μ, the model the replicas serve; under a quantised engine the two part."""

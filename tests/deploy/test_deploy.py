@@ -46,8 +46,9 @@ def test_compose_follows_the_specification():
     from compose_spec import PyCompose
 
     spec = PyCompose.from_json(json.dumps(compose())).to_dict()
-    assert set(spec["services"]) == {"redis", "model-init", "weightsync", "trainer", "inference", "orchestrator",
-                                     "prometheus", "grafana"}
+    assert set(spec["services"]) == {"redis", "model-init", "weightsync", "trainer", "inference", "inference-policy",
+                                     "orchestrator", "prometheus", "grafana"}
+    assert spec["services"]["inference-policy"]["profiles"] == ["policy-eval"]  # off unless asked for
     with pytest.raises(ValueError, match="imagee"):  # the validator does reject what the spec does not allow
         PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "imagee": "y"}}}))
 
@@ -65,7 +66,7 @@ def test_compose_env_matches_the_settings_and_secrets_stay_out():
         check_settings(kind, env)
         checked += 1
         assert service["env_file"] == ".env" and "STEADYRL_HEALTH_PORT" in service["environment"]
-    assert checked == 4
+    assert checked == 5
     assert "ports" not in doc["services"]["inference"]  # `--scale inference=N` needs no fixed host port
     assert doc["services"]["orchestrator"]["environment"]["STEADYRL_ORCHESTRATOR_AUTOSTART"] == "true"  # no manual start
     assert "--appendonly yes" in " ".join(doc["services"]["redis"]["command"])
@@ -73,6 +74,21 @@ def test_compose_env_matches_the_settings_and_secrets_stay_out():
     example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
     check_settings("orchestrator", steadyrl_env(example, "orchestrator"))
+    # π's replica: the rollout replicas' settings, in the policy_eval pool, unquantised, scraped; env.example's two
+    # commented lines turn on its profile and the orchestrator's switch together
+    services = doc["services"]
+    assert services["inference-policy"]["environment"] == {
+        **services["inference"]["environment"], "STEADYRL_INFERENCE_REPLICA_ID": "replica-policy",
+        "STEADYRL_INFERENCE_POOL": "policy_eval", "STEADYRL_INFERENCE_QUANTIZATION": "none"}
+    assert services["inference-policy"]["depends_on"] == services["inference"]["depends_on"]
+    commented = dict(line[2:].split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
+                     if re.match(r"# (COMPOSE_PROFILES|STEADYRL_ORCHESTRATOR_POLICY_EVAL)=", line))
+    assert commented["COMPOSE_PROFILES"] in services["inference-policy"]["profiles"]
+    check_settings("orchestrator", steadyrl_env(commented, "orchestrator"))
+    assert steadyrl_env(commented, "orchestrator") == {"STEADYRL_ORCHESTRATOR_POLICY_EVAL": "true"}
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    replicas = next(job for job in scrape if job["job_name"] == "steadyrl-inference")
+    assert replicas["dns_sd_configs"][0]["names"] == ["inference", "inference-policy"]
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
     with pytest.raises(ValueError, match="learning_rat"):  # a typo in an env name fails
         check_settings("trainer", {"STEADYRL_TRAINER_LEARNING_RAT": "1"})
@@ -80,12 +96,21 @@ def test_compose_env_matches_the_settings_and_secrets_stay_out():
 
 # --- kubernetes ----------------------------------------------------------------------------------
 
-def render(overlay: str) -> list[dict]:
+def render(overlay: str, deploy: Path = DEPLOY) -> list[dict]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the kustomizations"
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True,
+    out = subprocess.run([kubectl, "kustomize", str(deploy / "k8s" / "overlays" / overlay)], capture_output=True,
                          text=True, check=True).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def render_with_policy_eval(overlay: str, tmp_path: Path) -> list[dict]:
+    """The overlay with components/policy-eval added, as its comment tells a user to: in a copy of deploy/."""
+    deploy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns("node_modules"))
+    with open(deploy / "k8s" / "overlays" / overlay / "kustomization.yaml", "a") as f:
+        f.write("components:\n  - ../../components/policy-eval\n")
+    return render(overlay, deploy)
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
@@ -137,6 +162,51 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
         assert engine == "vllm"
     else:
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {}) and engine == "torch"
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_deployment(overlay, tmp_path):
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    plain = render(overlay)
+    docs = render_with_policy_eval(overlay, tmp_path)
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    # what it adds: one Deployment, and the orchestrator's switch; nothing else changes
+    assert sorted(named) == sorted([*((d["kind"], d["metadata"]["name"]) for d in plain),
+                                    ("Deployment", "inference-policy")])
+    policy, inference = named["Deployment", "inference-policy"], named["Deployment", "inference"]
+    kubernetes_validate.validate(policy, version, strict=True)
+    env = {e["name"]: e.get("value", "secret") for e in policy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    check_settings("inference", steadyrl_env(env, "inference"))
+    assert env["STEADYRL_INFERENCE_POOL"] == "policy_eval" and env["STEADYRL_INFERENCE_QUANTIZATION"] == "none"
+    # the inference Deployment as the overlay made it (on GPUs: engine, GPUs, model PVC, probes), but for the
+    # pool, one fixed replica, and labels of its own: the rollout replicas' Service and KEDA scaler do not
+    # select it, the PodMonitor does
+    expected = json.loads(json.dumps(inference))
+    expected["metadata"] = {"name": "inference-policy", "labels": {**inference["metadata"].get("labels", {}),
+                                                                  "app": "inference-policy"}}
+    expected["spec"]["replicas"] = 1
+    expected["spec"]["selector"]["matchLabels"]["app"] = "inference-policy"
+    expected["spec"]["template"]["metadata"]["labels"]["app"] = "inference-policy"
+    container = expected["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [{"name": "STEADYRL_INFERENCE_POOL", "value": "policy_eval"},
+                        {"name": "STEADYRL_INFERENCE_QUANTIZATION", "value": "none"}, *container["env"]]
+    in_order = json.loads(json.dumps(policy))  # the overlay's env entries come first: compare env unordered
+    for doc in (in_order, expected):
+        doc["spec"]["template"]["spec"]["containers"][0]["env"].sort(key=lambda e: e["name"])
+    assert in_order == expected
+    assert policy["spec"]["template"]["metadata"]["labels"]["steadyrl.io/metrics"] == "true"
+    assert named["Service", "inference"]["spec"]["selector"] == {"app": "inference"}
+    assert named["ScaledObject", "inference"]["spec"]["scaleTargetRef"] == {"name": "inference"}
+    orchestrator = named["Deployment", "orchestrator"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "STEADYRL_ORCHESTRATOR_POLICY_EVAL", "value": "true"} in orchestrator
+    assert not any(e["name"] == "STEADYRL_ORCHESTRATOR_POLICY_EVAL"
+                   for d in plain if d["kind"] == "Deployment" and d["metadata"]["name"] == "orchestrator"
+                   for e in d["spec"]["template"]["spec"]["containers"][0]["env"])
+    if overlay == "gpu":
+        limits = policy["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 2 and env["STEADYRL_INFERENCE_ENGINE"] == "vllm"
 
 
 def validate_crds(docs: list[dict]) -> list[dict]:
