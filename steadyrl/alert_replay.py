@@ -3,7 +3,8 @@ metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the tr
 eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next) and
 its policy-eval.jsonl (π's rounds, orchestrator.policy_eval)
 `steadyrl_orchestrator_policy_eval_accuracy{set=NAME}` beside the first round's
-`steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}`, one step per minute, and
+`steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}` and the round before the last
+`steadyrl_orchestrator_policy_eval_previous_accuracy{set=NAME}`, one step per minute, and
 `promtool test rules` evaluates every alert that reads those series at every minute. The windows
 of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5 steps. Needs promtool (Prometheus' test tool) on PATH.
 """
@@ -23,6 +24,7 @@ TRAINER_SERIES = "steadyrl_trainer_last_metric"
 EVAL_SERIES = "steadyrl_orchestrator_eval_accuracy"
 POLICY_SERIES = "steadyrl_orchestrator_policy_eval_accuracy"
 POLICY_INITIAL_SERIES = "steadyrl_orchestrator_policy_eval_initial_accuracy"
+POLICY_PREVIOUS_SERIES = "steadyrl_orchestrator_policy_eval_previous_accuracy"
 INSTANCE = "trainer:replay"
 FAILURE = re.compile(r"alertname: (\S+), time: ([0-9ywdhms]+),\s*exp:\[\],\s*got:\[\s*0:", re.MULTILINE)
 UNIT_MINUTES = {"y": 525_600, "w": 10_080, "d": 1_440, "h": 60, "m": 1}
@@ -58,7 +60,8 @@ def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
 def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: dict[str, float] | None = None,
                 evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict:
     """A promtool test file: every numeric key of `rows` as a series (step s at minute s − 1), the
-    eval rounds (μ's `evals`, π's `policy_evals` and π's first round held from its step on), each
+    eval rounds (μ's `evals`, π's `policy_evals`, π's first round, and each π round as the previous
+    one from the next round's step on, all held from their step on), each
     of `gauges` (metric → value, e.g. the run's max_staleness) held for the whole run, and, for each
     alert, a check at every minute that it is quiet — promtool reports each check it fails, which is
     each minute the alert fires."""
@@ -70,8 +73,10 @@ def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: d
         series.append({"series": f'{TRAINER_SERIES}{{name="{key}", instance="{INSTANCE}", job="steadyrl-trainer"}}',
                        "values": values})
     policy_evals = sorted(policy_evals, key=lambda e: e["step"])
+    previous = [{**before, "step": after["step"]} for before, after in
+                zip(policy_evals, policy_evals[1:], strict=False)]
     for metric, rounds in ((EVAL_SERIES, list(evals)), (POLICY_SERIES, policy_evals),
-                           (POLICY_INITIAL_SERIES, policy_evals[:1])):
+                           (POLICY_INITIAL_SERIES, policy_evals[:1]), (POLICY_PREVIOUS_SERIES, previous)):
         for name, values in eval_values(rounds, len(rows)).items():
             series.append({"series": f'{metric}{{set="{name}", instance="orchestrator:replay", job="steadyrl"}}',
                            "values": values})

@@ -108,7 +108,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
     starts one: inference.pool; compose's `policy-eval` profile and deploy/k8s/components/policy-eval
     add one): policy-eval.jsonl, the scalar `policy_eval_accuracy`, and in
     Prometheus steadyrl_orchestrator_policy_eval_accuracy{set} beside the first round's
-    steadyrl_orchestrator_policy_eval_initial_accuracy{set} (alert SteadyrlPolicyUnderStart). The
+    steadyrl_orchestrator_policy_eval_initial_accuracy{set} and the round before the last's
+    steadyrl_orchestrator_policy_eval_previous_accuracy{set} (alert SteadyrlPolicyUnderStart). The
     evals above score μ, the model the replicas serve; under a quantised engine the two part."""
     eval_every: int = Field(10, ge=0)
     """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""

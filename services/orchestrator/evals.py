@@ -41,6 +41,9 @@ EVAL_ACCURACY = Gauge("steadyrl_orchestrator_eval_accuracy", "Greedy accuracy of
 POLICY_EVAL_ACCURACY = Gauge("steadyrl_orchestrator_policy_eval_accuracy",
                              "Greedy accuracy of the trainer's weights (π, unquantised) in the last eval round, "
                              "per eval set", ["set"])
+POLICY_EVAL_PREVIOUS = Gauge("steadyrl_orchestrator_policy_eval_previous_accuracy",
+                             "Greedy accuracy of π in the round before the last, per eval set (SteadyrlPolicyUnderStart "
+                             "needs two rounds in a row under the start)", ["set"])
 POLICY_EVAL_INITIAL = Gauge("steadyrl_orchestrator_policy_eval_initial_accuracy",
                             "Greedy accuracy of π in the run's first eval round (version 0), per eval set", ["set"])
 
@@ -198,25 +201,47 @@ class EvalRounds:
         for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
             prefix = ("policy_eval" if policy else "eval") + ("_" if name == "main" else f"_set/{name}/")
             scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k") if key in scores})
-            if scores["prompts"]:  # a set whose every prompt was given up has no accuracy to show
-                (POLICY_EVAL_ACCURACY if policy else EVAL_ACCURACY).labels(name).set(scores["accuracy"])
-        if policy and step == 0:
-            initial = {name: scores["accuracy"] for name, scores in sets.items()}
-            await self.redis.hset(self.keys.run, "policy_eval_initial", json.dumps(initial))
-            self._set_initial(initial)
+            if scores["prompts"] and not policy:  # a set whose every prompt was given up has no accuracy to show
+                EVAL_ACCURACY.labels(name).set(scores["accuracy"])
+        if policy:
+            await self._keep_policy_round(step, sets)
         self.scalars.add(step, scalars)
         self.scalars.flush()
         log.info("event=%s step=%d version=%d accuracy=%.4f%s", "policy_eval" if policy else "eval", step, version,
                  line["accuracy"], "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
+
+    async def _keep_policy_round(self, step: int, sets: dict[str, dict]) -> None:
+        """π's round in the run hash and the gauges: the first round (`policy_eval_initial`) and the
+        two latest by step of each set (`policy_eval_recent`: the last and the one before, which the
+        alert compares with the first so that one round's dip does not fire it)."""
+        accuracies = {name: scores["accuracy"] for name, scores in sets.items() if scores["prompts"]}
+        if step == 0:
+            await self.redis.hset(self.keys.run, "policy_eval_initial", json.dumps(accuracies))
+            self._set_initial(accuracies)
+        recent = await self._json("policy_eval_recent", "{}")
+        for name, accuracy in accuracies.items():
+            rounds = {int(k): v for k, v in recent.get(name, {}).items()} | {step: accuracy}
+            recent[name] = dict(sorted(rounds.items())[-2:])
+        await self.redis.hset(self.keys.run, "policy_eval_recent", json.dumps(recent))
+        self._set_recent(recent)
 
     @staticmethod
     def _set_initial(initial: dict[str, float]) -> None:
         for name, accuracy in initial.items():
             POLICY_EVAL_INITIAL.labels(name).set(accuracy)
 
+    @staticmethod
+    def _set_recent(recent: dict[str, dict]) -> None:
+        """Per set, its two latest rounds with an answered prompt (step → accuracy)."""
+        for name, rounds in recent.items():
+            latest = [rounds[step] for step in sorted(rounds, key=int)][::-1]
+            for gauge, accuracy in zip((POLICY_EVAL_ACCURACY, POLICY_EVAL_PREVIOUS), latest, strict=False):
+                gauge.labels(name).set(accuracy)
+
     async def restore(self) -> None:
-        """A restarted orchestrator exports π's initial accuracy again (from the run hash)."""
+        """A restarted orchestrator exports π's first and two latest rounds again (from the run hash)."""
         self._set_initial(await self._json("policy_eval_initial", "{}"))
+        self._set_recent(await self._json("policy_eval_recent", "{}"))
 
     def _complete(self, bucket: dict | None, prompts: int, policy: bool = False) -> bool:
         k = 0 if policy else self.settings.eval_samples  # π's rounds are greedy only

@@ -381,8 +381,9 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     (the series of the collapse case in alerts_test.yml); staleness 3 over a budget of 1 fires after
     10 steps; a reward falling from 0.4 to 0.1 at step 61 fires the reward collapse at step 91 (past
     an hour: promtool then prints "1h30m"); the eval round of step 75, 25 points under the best, fires
-    the eval drop from there; π's round of step 50, 15 points under its first (step 0), fires π under
-    its start until π's round of step 75 is back within 10 points; flat series never do."""
+    the eval drop from there; π's round of step 25, 15 points under its first (step 0), is a dip (the
+    next is back above), and π under its start fires from its round of step 80, the second in a row
+    more than 10 points under; flat series never do."""
     from steadyrl.alert_replay import firing_steps, minutes, replayed_alerts
 
     rules = DEPLOY / "prometheus" / "alerts.yml"
@@ -396,12 +397,12 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     budget = {"steadyrl_trainer_max_staleness": 1}
     evals = [{"step": 0, "accuracy": 0.4}, {"step": 50, "accuracy": 0.45, "sets": {"main": {"accuracy": 0.45}}},
              {"step": 75, "accuracy": 0.2}]
-    policy = [{"step": 0, "accuracy": 0.5}, {"step": 25, "accuracy": 0.6}, {"step": 50, "accuracy": 0.35},
-              {"step": 75, "accuracy": 0.45}]
+    policy = [{"step": 0, "accuracy": 0.5}, {"step": 25, "accuracy": 0.35}, {"step": 40, "accuracy": 0.55},
+              {"step": 60, "accuracy": 0.38}, {"step": 80, "accuracy": 0.35}]
     fired = firing_steps(collapsing, rules, budget, evals, policy)
     # the early warning ends once entropy has stopped falling (its 10 min delta, flat from step 50)
     assert fired == {"SteadyrlCollapseEarlyWarning": list(range(49, 55)), "SteadyrlRewardCollapse": list(range(91, 101)),
-                     "SteadyrlEvalDrop": list(range(75, 101)), "SteadyrlPolicyUnderStart": list(range(50, 75)),
+                     "SteadyrlEvalDrop": list(range(75, 101)), "SteadyrlPolicyUnderStart": list(range(80, 101)),
                      "SteadyrlStalenessOverBudget": list(range(41, 51))}
     healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1, "reward_mean": 0.4} for row in collapsing]
     steady = [{"step": e["step"], "accuracy": 0.4} for e in evals]
@@ -411,13 +412,13 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
 def test_the_alerts_on_a_collapsed_grid_run():
     """A real run of paper-grid-fp4.toml's N = 1 w/o IS at lr 4e-3 (seed 0, 300 steps; the series the
     rules read, docs/reproduction/fp4-live-pi/collapsed-run): π 0.32 → 0.215 at version 25 → 0.01.
-    π's alert fires from its first round under the start, μ's eval drop 25 steps later, the reward
-    collapse 53 steps later; the paper's early warning (KL spike with entropy falling) never."""
+    π's alert fires from its second round in a row under the start (version 50), with μ's eval drop,
+    the reward collapse 28 steps later; the paper's early warning (KL spike with entropy falling) never."""
     from steadyrl.alert_replay import replay_run
 
     fired = replay_run(ROOT / "docs" / "reproduction" / "fp4-live-pi" / "collapsed-run",
                        DEPLOY / "prometheus" / "alerts.yml")["firing_steps"]
-    assert fired["SteadyrlPolicyUnderStart"] == list(range(25, 301))
+    assert fired["SteadyrlPolicyUnderStart"] == list(range(50, 301))
     assert fired["SteadyrlEvalDrop"][0] == 50 and fired["SteadyrlRewardCollapse"][0] == 78
     assert fired["SteadyrlCollapseEarlyWarning"] == [] and fired["SteadyrlStalenessOverBudget"] == []
 

@@ -312,6 +312,47 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
     assert refused == 3  # π's three rollouts fit no round of a run without policy_eval
 
 
+def test_pi_s_gauges_hold_its_first_round_and_its_two_latest_by_step(redis_server, run_id, tiny_model_dir, tmp_path):
+    """SteadyrlPolicyUnderStart compares π's first round with its last and the one before: the gauges
+    follow the two latest rounds by step (a round written late does not become the last), a set with
+    no answered prompt keeps its previous values, and a restarted orchestrator exports all three again."""
+    from prometheus_client import REGISTRY
+
+    def gauges(name: str) -> tuple:
+        return tuple(REGISTRY.get_sample_value(f"steadyrl_orchestrator_policy_eval_{kind}accuracy", {"set": name})
+                     for kind in ("initial_", "", "previous_"))
+
+    def round_of(main: float, hard: float | None) -> dict:
+        return {"main": {"accuracy": main, "prompts": 4},
+                "hard": {"accuracy": hard or 0.0, "prompts": 4 if hard is not None else 0}}
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, eval_every=2, policy_eval=True)
+        orchestrator = Orchestrator(settings, redis)
+        seen = []
+        for step, main_accuracy, hard in ((0, 0.5, 0.25), (4, 0.3, 0.125), (2, 0.45, 0.2), (6, 0.35, None)):
+            await orchestrator.evals._keep_policy_round(step, round_of(main_accuracy, hard))
+            seen.append((gauges("main"), gauges("hard")))
+        await orchestrator.close()
+        for gauge in ("initial_", "", "previous_"):
+            REGISTRY._names_to_collectors[f"steadyrl_orchestrator_policy_eval_{gauge}accuracy"].labels("main").set(-1)
+        restarted = Orchestrator(settings, redis)
+        await restarted.evals.restore()
+        restored = gauges("main")
+        await restarted.close()
+        await redis.aclose()
+        return seen, restored
+
+    seen, restored = asyncio.run(asyncio.wait_for(main(), 60))
+    assert seen[0] == ((0.5, 0.5, None), (0.25, 0.25, None))  # one round: no previous yet
+    assert seen[1] == ((0.5, 0.3, 0.5), (0.25, 0.125, 0.25))
+    assert seen[2] == ((0.5, 0.3, 0.45), (0.25, 0.125, 0.2))  # step 2 written after 4: the one before the last
+    assert seen[3] == ((0.5, 0.35, 0.3), (0.25, 0.125, 0.2))  # hard had no answer at step 6: kept as it was
+    assert restored == (0.5, 0.35, 0.3)
+
+
 def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id, tiny_model_dir, tmp_path):
     """An eval task dead-lettered (μ's greedy and sampled, π's) never holds its round, nor the run's
     end: the round is written with the prompts that were answered and the given-up ones under `dead`,
