@@ -13,6 +13,7 @@ eval_final_model = "float32"             # optional: each run's final model scor
 eval_drop = 0.15                         # best eval accuracy − final eval accuracy
 entropy_below = 0.02                     # mean entropy of the last tenth of steps
 final_model_drop = 0.1                   # needs eval_final_model: the initial model's eval − the final's
+policy_eval_drop = 0.1                   # needs orchestrator.policy_eval: π's first live round − its last
 
 [[config]]
 name = "onpolicy-minirl"
@@ -32,7 +33,9 @@ one line per policy version. The table gets a column for the final one, the plot
 `--report-only` scores what is not scored yet. Under a coarse inference quantization μ's eval swings
 between rounds, so `final_model_drop` judges a collapse on π instead. A run with
 `orchestrator.policy_eval` also scored π live at every eval round (policy-eval.jsonl, the published
-weights unquantised): the rows get its first, lowest and last round, the plots its curve.
+weights unquantised): the rows get its first, lowest and last round, the plots its curve, and
+`policy_eval_drop` judges a collapse on π without scoring anything after the run (on 22 NVFP4 runs it
+flagged the same runs as `final_model_drop`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from pathlib import Path
 
 from steadyrl.evaluation import DTYPES
 from steadyrl.run_config import RunConfig, load_run_config
+
+COLLAPSE_RULES = ("eval_drop", "entropy_below", "final_model_drop", "policy_eval_drop")
 
 # per-step diagnostics summarised per run: (metrics key, how, column)
 RUN_COLUMNS = [
@@ -102,10 +107,9 @@ def load_grid(path: str | Path) -> Grid:
     if "base" not in grid:
         raise ValueError(f"{path}: [grid] needs base = the recipe every configuration starts from")
     collapse = dict(data.get("collapse", {}))
-    bad = set(collapse) - {"eval_drop", "entropy_below", "final_model_drop"}
+    bad = set(collapse) - set(COLLAPSE_RULES)
     if bad:
-        raise ValueError(f"{path}: unknown collapse rules {sorted(bad)}; "
-                         "expected eval_drop, entropy_below, final_model_drop")
+        raise ValueError(f"{path}: unknown collapse rules {sorted(bad)}; expected {', '.join(COLLAPSE_RULES)}")
     if "final_model_drop" in collapse and not final_dtype:
         raise ValueError(f"{path}: the collapse rule final_model_drop needs eval_final_model in [grid]")
     configs = []
@@ -169,7 +173,8 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
         row["final_model_eval"] = by_version[newest]
     reasons = []
     drops = {"eval_drop": ("eval_best", "eval_final", "eval fell {:.3f} from its best"),
-             "final_model_drop": ("initial_model_eval", "final_model_eval", "final model {:.3f} under the initial one")}
+             "final_model_drop": ("initial_model_eval", "final_model_eval", "final model {:.3f} under the initial one"),
+             "policy_eval_drop": ("policy_eval_start", "policy_eval_final", "π live {:.3f} under its start")}
     for rule, (high, low, reason) in drops.items():
         if rule in collapse and row.get(high) is not None and row.get(low) is not None:
             drop = round(row[high] - row[low], 9)  # accuracies are fractions of the eval set: no float noise
@@ -363,6 +368,15 @@ def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
     return [scored[v] for v in sorted(scored)]
 
 
+def check_recipes(grid: Grid, configs: list[GridConfig], extra: list[str] = ()) -> None:
+    """Every configuration's recipe valid, and what the collapse rules read produced, before the first run starts."""
+    for config in configs:
+        recipe = run_config_for(grid, config, 0, extra)
+        if "policy_eval_drop" in grid.collapse and not recipe.section("orchestrator").get("policy_eval"):
+            raise ValueError(f"configuration {config.name}: the collapse rule policy_eval_drop needs "
+                             "orchestrator.policy_eval = true (π scored live)")
+
+
 def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (),
              echo=print) -> dict:
     """Run every (configuration, seed) not finished yet, then write results.csv, table.md, plots."""
@@ -373,8 +387,7 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
     if missing:
         raise ValueError(f"unknown configurations {sorted(missing)}; the grid has {[c.name for c in grid.configs]}")
     out.mkdir(parents=True, exist_ok=True)
-    for config in configs:  # validate every recipe before the first run starts
-        run_config_for(grid, config, 0, extra)
+    check_recipes(grid, configs, extra)
     for seed in range(seeds):  # seed-major: a grid cut short still compares every configuration
         for config in configs:
             run_dir = out / config.name / f"seed-{seed}"

@@ -7,6 +7,7 @@ import pytest
 
 from steadyrl.experiment import (
     aggregate,
+    check_recipes,
     load_grid,
     markdown_table,
     mean_curve,
@@ -47,7 +48,8 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
             assert recipe.section("inference")["quantize_activations"] is True
             assert recipe.run.batch_prompts == 16 * recipe.section("trainer")["mini_batches"]
     assert grid.eval_final_model == ("float32" if name == "paper-grid-fp4.toml" else "")
-    assert ("final_model_drop" in grid.collapse) == (name == "paper-grid-fp4.toml")
+    assert ("final_model_drop" in grid.collapse) == ("policy_eval_drop" in grid.collapse) == (name == "paper-grid-fp4.toml")
+    check_recipes(grid, grid.configs)  # what its collapse rules read, every configuration produces
 
 
 @pytest.mark.parametrize("text,error", [
@@ -142,6 +144,27 @@ def test_final_model_drop_judges_collapse_on_the_trainers_model():
     assert 0.445 - 0.345 > 0.1 and not edge["collapsed"]  # exactly 10 points is not "more than 10"
     unscored = summarise_run(steps(10), evals, {"final_model_drop": 0.1}, [{"version": 0, "accuracy": 0.43}])
     assert not unscored["collapsed"] and "final_model_eval" not in unscored  # no checkpoint: nothing to compare
+
+
+def test_policy_eval_drop_judges_collapse_on_pi_scored_live():
+    """π's last live round against its first, as the run wrote them: nothing scored after the run.
+    A grid whose runs do not score π live is refused before the first run starts."""
+    evals = [{"version": 0, "accuracy": 0.3}]
+    live = [{"step": 0, "version": 0, "accuracy": 0.32}, {"step": 25, "version": 25, "accuracy": 0.05},
+            {"step": 50, "version": 50, "accuracy": 0.015}]
+    rule = {"policy_eval_drop": 0.1}
+    fell = summarise_run(steps(10), evals, rule, [], live)
+    assert fell["collapsed"] and fell["collapse_reason"] == "π live 0.305 under its start"
+    dipped = [*live[:2], {"step": 50, "version": 50, "accuracy": 0.3}]  # under for a round, back by the end
+    assert not summarise_run(steps(10), evals, rule, [], dipped)["collapsed"]
+    edge = [{"step": 0, "version": 0, "accuracy": 0.34}, {"step": 50, "version": 50, "accuracy": 0.24}]
+    assert 0.34 - 0.24 > 0.1 and not summarise_run(steps(10), evals, rule, [], edge)["collapsed"]  # exactly 10 points
+    assert not summarise_run(steps(10), evals, rule, [], [])["collapsed"]  # no live rounds: nothing to compare
+    grid = load_grid(ROOT / "configs" / "paper-grid.toml")
+    grid.collapse = rule
+    with pytest.raises(ValueError, match="policy_eval_drop needs orchestrator.policy_eval"):
+        check_recipes(grid, grid.configs)
+    check_recipes(grid, grid.configs, ["orchestrator.policy_eval=true"])
 
 
 def test_live_policy_evals_are_columns_and_a_plot(tmp_path):
