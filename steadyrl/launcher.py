@@ -64,6 +64,11 @@ class Launch:
 
     # --- setup ----------------------------------------------------------------------------------
 
+    def inference_replicas(self) -> int:
+        """The replicas this run started, π's (orchestrator.policy_eval) too: the final status waits
+        for each to report the last version."""
+        return sum(s.name.startswith("inference") for s in self.services)
+
     def plan(self, redis_url: str) -> None:
         """Every service's command, environment, port and devices (nothing starts here)."""
         c, out = self.config, self.out
@@ -401,6 +406,7 @@ def watch(launch: Launch, console, progress: str) -> dict:
 
     status: dict = {}
     caught_up_wait = 0.0
+    replicas = launch.inference_replicas()
     display = (Live(render(progress_rows({}, [], [], steps, 0.0), "?"), console=console, refresh_per_second=2)
                if progress == "rich" else _PlainProgress(console, steps) if progress == "plain" else None)
     with display or contextlib.nullcontext() as live:
@@ -420,7 +426,7 @@ def watch(launch: Launch, console, progress: str) -> dict:
                 else:
                     live.update(rows, int(metrics[-1].get("step", 0)) if metrics else 0, len(evals),
                                 status.get("state") in ("finished", "stopped"))
-            if status.get("state") == "finished" and not caught_up(status, launch.config.replicas):
+            if status.get("state") == "finished" and not caught_up(status, replicas):
                 caught_up_wait = caught_up_wait or time.monotonic()
                 if time.monotonic() - caught_up_wait < 15:  # let every replica report the last version
                     time.sleep(0.5)

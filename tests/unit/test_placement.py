@@ -6,7 +6,7 @@ import pytest
 
 from services.inference.config import InferenceSettings
 from services.inference.server import engine_options
-from steadyrl.launcher import Launch
+from steadyrl.launcher import Launch, caught_up
 from steadyrl.placement import plan_placement
 from steadyrl.run_config import build_settings, load_run_config
 
@@ -127,6 +127,11 @@ def test_the_policy_eval_replica_is_one_more_replica_serving_unquantised(tmp_pat
     assert (policy.quantization, policy.quantize_activations, policy.engine) == ("none", False, "torch")
     assert [s.name for s in cpu.services] == ["weightsync", "trainer", "inference-0", "inference-policy",
                                               "orchestrator"]
+    # the run's end waits for π's replica to report the last version too, not only the rollout replicas
+    assert cpu.inference_replicas() == 2
+    rollouts_only = {"trainer_version": 4, "replica_versions": {"replica-0": 4}}
+    assert caught_up(rollouts_only, 1) and not caught_up(rollouts_only, cpu.inference_replicas())
+    assert caught_up({"trainer_version": 4, "replica_versions": {"replica-0": 4, "replica-policy": 4}}, 2)
 
 
 def test_a_policy_eval_replica_refuses_a_quantization(tiny_model_dir):
