@@ -156,17 +156,23 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
             redis = Redis.from_url(launch.redis.url)
             prefix = f"steadyrl:{config.run_id}:"
             trained = [x.decode() for x in await redis.lrange(prefix + "trained", 0, -1)]
+            dropped = [x.decode() for x in await redis.lrange(prefix + "trained:dropped", 0, -1)]
             submitted = int(await redis.hget(prefix + "run", "submitted"))
             dead = await redis.xlen(prefix + "dead")
             await redis.aclose()
-            return trained, submitted, dead
+            return trained, dropped, submitted, dead
 
-        trained, submitted, dead = asyncio.run(ledger())
+        trained, dropped, submitted, dead = asyncio.run(ledger())
     finally:
         launch.stop_all()
-    tasks = sorted({rid.split(":")[0] for rid in trained}, key=lambda t: int(t.split("-")[1]))
+    trained_tasks, dropped_tasks = ({rid.split(":")[0] for rid in ids} for ids in (trained, dropped))
     assert len(trained) == len(set(trained)) == 6 * 4 * 8  # every rollout trained once
-    assert tasks == [f"train-{i}" for i in range(24)] and submitted == 24 and dead == 0  # none lost, none extra
+    # a task is trained or dropped as stale (whole, once; the orchestrator queues another in its place), and
+    # the task numbers run without a gap: none lost, none extra
+    assert len(dropped) == len(set(dropped)) == 8 * len(dropped_tasks) and not trained_tasks & dropped_tasks
+    assert sorted(trained_tasks | dropped_tasks, key=lambda t: int(t.split("-")[1])) == \
+        [f"train-{i}" for i in range(submitted)], (sorted(trained_tasks), sorted(dropped_tasks), submitted)
+    assert submitted == 24 + len(dropped_tasks) and dead == 0
 
 
 def export_round_trip(run_dir, tmp_path):
