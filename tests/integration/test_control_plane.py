@@ -318,6 +318,12 @@ def test_pi_s_gauges_hold_its_first_round_and_its_two_latest_by_step(redis_serve
     no answered prompt keeps its previous values, and a restarted orchestrator exports all three again."""
     from prometheus_client import REGISTRY
 
+    from services.orchestrator.evals import (
+        POLICY_EVAL_ACCURACY,
+        POLICY_EVAL_INITIAL,
+        POLICY_EVAL_PREVIOUS,
+    )
+
     def gauges(name: str) -> tuple:
         return tuple(REGISTRY.get_sample_value(f"steadyrl_orchestrator_policy_eval_{kind}accuracy", {"set": name})
                      for kind in ("initial_", "", "previous_"))
@@ -336,8 +342,8 @@ def test_pi_s_gauges_hold_its_first_round_and_its_two_latest_by_step(redis_serve
             await orchestrator.evals._keep_policy_round(step, round_of(main_accuracy, hard))
             seen.append((gauges("main"), gauges("hard")))
         await orchestrator.close()
-        for gauge in ("initial_", "", "previous_"):
-            REGISTRY._names_to_collectors[f"steadyrl_orchestrator_policy_eval_{gauge}accuracy"].labels("main").set(-1)
+        for gauge in (POLICY_EVAL_INITIAL, POLICY_EVAL_ACCURACY, POLICY_EVAL_PREVIOUS):
+            gauge.labels("main").set(-1)
         restarted = Orchestrator(settings, redis)
         await restarted.evals.restore()
         restored = gauges("main")
