@@ -149,6 +149,15 @@ return 1
 POOLS = {"rollouts": "pending", "policy_eval": "pending_policy"}
 POLICY_EVAL_PREFIX = "evalpi"
 
+# KEYS: leases; ARGV: prefix. How many leased task ids start with it (the policy_eval pool's).
+_LEASED_WITH_PREFIX = """
+local n = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if string.sub(id, 1, #ARGV[1]) == ARGV[1] then n = n + 1 end
+end
+return n
+"""
+
 
 def pool_of(task_id: str) -> str:
     """The pool that serves a task: `policy_eval` for ids starting with POLICY_EVAL_PREFIX."""
@@ -169,11 +178,12 @@ class Lease:
 @dataclass(frozen=True)
 class QueueDepths:
     pending: int  # the rollouts pool's
-    leased: int
+    leased: int  # the rollouts pool's
     completed: int
     dead: int
     rollouts: int
     pending_policy: int = 0  # the policy_eval pool's
+    leased_policy: int = 0  # the policy_eval pool's
 
 
 class WorkQueue(RolloutSink):
@@ -192,6 +202,7 @@ class WorkQueue(RolloutSink):
         self._fail = redis.register_script(_FAIL)
         self._requeue = redis.register_script(_REQUEUE)
         self._dead_letter = redis.register_script(_DEAD_LETTER)
+        self._leased_with_prefix = redis.register_script(_LEASED_WITH_PREFIX)
 
     @property
     def keys(self) -> dict[str, str]:
@@ -303,8 +314,13 @@ class WorkQueue(RolloutSink):
         return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.run_keys.dead_counts)).items()}
 
     async def depths(self) -> QueueDepths:
+        """Every queue's length; pending and leased tasks per pool (`leased` is the rollouts
+        pool's alone, so a scaler on it does not count π's eval tasks)."""
         k = self.run_keys
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.llen(k.pending).zcard(k.leases).hlen(k.completed)
             pipe.xlen(k.dead).xlen(k.rollouts).llen(k.pending_policy)
-            return QueueDepths(*(int(x) for x in await pipe.execute()))
+            await self._leased_with_prefix([k.leases], [POLICY_EVAL_PREFIX], client=pipe)
+            pending, leased, completed, dead, rollouts, pending_policy, leased_policy = \
+                (int(x) for x in await pipe.execute())
+        return QueueDepths(pending, leased - leased_policy, completed, dead, rollouts, pending_policy, leased_policy)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -203,8 +204,8 @@ class Orchestrator:
                 except TransitionRefused as exc:  # stopped or paused meanwhile: theirs is final
                     log.info("event=finish_refused state=%s", exc.state)
         depths = await self.queue.depths()
-        for name in ("pending", "leased", "completed", "dead", "rollouts", "pending_policy"):
-            QUEUE_DEPTH.labels(name).set(getattr(depths, name))
+        for name, depth in dataclasses.asdict(depths).items():
+            QUEUE_DEPTH.labels(name).set(depth)
 
     async def run(self, stop: asyncio.Event) -> None:
         created = await self.redis.hsetnx(self.keys.run, "created_unix_ms", now_ms())
@@ -235,8 +236,7 @@ class Orchestrator:
         return {
             "run_id": self.settings.run_id, "state": await self.state(), "trainer_version": self.trainer_version,
             "trainer_step": self.trainer_step, "replica_versions": replicas, "progress": await self.progress(),
-            "queue": {"pending": depths.pending, "leased": depths.leased, "completed": depths.completed,
-                      "dead": depths.dead, "rollouts": depths.rollouts, "pending_policy": depths.pending_policy},
+            "queue": dataclasses.asdict(depths),
             "dead_letters": {"tasks": await self.queue.dead_counts(),
                              "rollouts": await self.ledger.rollouts_dead_counts()},
             "epoch": int(await self.field("epoch", "0")),

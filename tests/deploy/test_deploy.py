@@ -3,6 +3,7 @@ kustomize renders checked against the Kubernetes schemas, the custom resources a
 schemas (deploy/schemas), promtool, a live Prometheus scraping a running service, and a dashboard
 that only names metrics the services export."""
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.queues import QueueDepths
 from shared.redis_server import free_port
 from steadyrl.run_config import validate
 
@@ -300,6 +302,27 @@ def test_every_alert_fires_on_a_failure_and_stays_quiet_on_a_healthy_run():
     assert fired == alerts and quiet == alerts  # each alert: a series it fires on and a healthy one
     assert {"SteadyrlServiceDown", "SteadyrlNoLiveReplica", "SteadyrlTrainerStalled", "SteadyrlRolloutsStarved",
             "SteadyrlDeadLetters", "SteadyrlWeightSyncFailures", "SteadyrlCollapseEarlyWarning"} <= alerts
+
+
+def test_the_inference_scaler_counts_the_rollout_pool_s_work_alone(tmp_path):
+    """KEDA's query, evaluated by promtool on one value per state the orchestrator exports: it
+    sums the rollouts pool's pending and leased tasks (3 + 5), not π's (`pending_policy`,
+    `leased_policy`), completed ones or the rollout stream."""
+    scaler = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "base" / "inference" / "inference.yaml").read_text())
+                  if d["kind"] == "ScaledObject")
+    states = {"pending": 3, "leased": 5, "pending_policy": 7, "leased_policy": 11, "completed": 100, "dead": 13,
+              "rollouts": 17}
+    assert {f.name for f in dataclasses.fields(QueueDepths)} == set(states)  # the orchestrator exports each field
+    series = [{"series": f'steadyrl_orchestrator_queue_depth{{state="{k}", job="steadyrl"}}', "values": f"{v}x5"}
+              for k, v in states.items()]
+    case = {"rule_files": [], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series,
+                       "promql_expr_test": [{"expr": scaler["spec"]["triggers"][0]["metadata"]["query"],
+                                             "eval_time": "2m", "exp_samples": [{"labels": "{}", "value": 8}]}]}]}
+    (tmp_path / "scaler_test.yml").write_text(yaml.safe_dump(case))
+    done = subprocess.run([promtool(), "test", "rules", "scaler_test.yml"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
 
 
 def exported_metric_names() -> set[str]:

@@ -88,7 +88,8 @@ def test_renewed_leases_survive_and_failures_go_to_dead_letters(redis_server, ru
 
 def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_id):
     """π's eval tasks (ids starting `evalpi`) are queued in the policy_eval pool's list, leased only
-    by a policy_eval queue, and an expired lease puts them back there, not in the rollouts pool."""
+    by a policy_eval queue, counted in that pool's depths, and an expired lease puts them back
+    there, not in the rollouts pool."""
     async def body(queue, redis):
         policy = WorkQueue(redis, run_id, pool="policy_eval")
         await queue.submit_many([task("train-0"), task("evalpi-0-0", 1), task("eval-0-0", 1)])
@@ -96,11 +97,15 @@ def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_i
         assert (depths.pending, depths.pending_policy) == (2, 1)
         [leased] = await policy.lease("p", 0.05, count=5)
         assert leased.task_id == "evalpi-0-0"
+        depths = await queue.depths()  # a scaler on the rollouts pool's pending + leased does not see π's task
+        assert (depths.pending, depths.leased, depths.pending_policy, depths.leased_policy) == (2, 0, 0, 1)
         await asyncio.sleep(0.1)
         assert await queue.requeue_expired(max_attempts=3) == (1, 0)
         assert [t.decode() for t in await redis.lrange(queue.keys["pending_policy"], 0, -1)] == ["evalpi-0-0"]
         assert sorted(lease.task_id for lease in await queue.lease("r", 30, count=5)) == ["eval-0-0", "train-0"]
         [again] = await policy.lease("p", 30)
+        depths = await queue.depths()
+        assert (depths.pending, depths.leased, depths.pending_policy, depths.leased_policy) == (0, 2, 0, 1)
         assert (again.task_id, again.attempt) == ("evalpi-0-0", 1)
         assert await policy.complete_many("p", [("evalpi-0-0", [b"pi"])], {"evalpi-0-0"}) == [True]
         assert [e[1][b"r"] for e in await redis.xrange(queue.keys["evals"])] == [b"pi"]
