@@ -149,13 +149,15 @@ return 1
 POOLS = {"rollouts": "pending", "policy_eval": "pending_policy"}
 POLICY_EVAL_PREFIX = "evalpi"
 
-# KEYS: leases; ARGV: prefix. How many leased task ids start with it (the policy_eval pool's).
-_LEASED_WITH_PREFIX = """
+# KEYS: leases; ARGV: prefix. {leased task ids without the prefix, with it}: each pool's leases,
+# counted in one step so the two always add up to the leases.
+_LEASED_BY_POOL = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 local n = 0
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+for _, id in ipairs(ids) do
   if string.sub(id, 1, #ARGV[1]) == ARGV[1] then n = n + 1 end
 end
-return n
+return {#ids - n, n}
 """
 
 
@@ -202,7 +204,7 @@ class WorkQueue(RolloutSink):
         self._fail = redis.register_script(_FAIL)
         self._requeue = redis.register_script(_REQUEUE)
         self._dead_letter = redis.register_script(_DEAD_LETTER)
-        self._leased_with_prefix = redis.register_script(_LEASED_WITH_PREFIX)
+        self._leased_by_pool = redis.register_script(_LEASED_BY_POOL)
 
     @property
     def keys(self) -> dict[str, str]:
@@ -318,9 +320,8 @@ class WorkQueue(RolloutSink):
         pool's alone, so a scaler on it does not count π's eval tasks)."""
         k = self.run_keys
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.llen(k.pending).zcard(k.leases).hlen(k.completed)
-            pipe.xlen(k.dead).xlen(k.rollouts).llen(k.pending_policy)
-            await self._leased_with_prefix([k.leases], [POLICY_EVAL_PREFIX], client=pipe)
-            pending, leased, completed, dead, rollouts, pending_policy, leased_policy = \
-                (int(x) for x in await pipe.execute())
-        return QueueDepths(pending, leased - leased_policy, completed, dead, rollouts, pending_policy, leased_policy)
+            pipe.llen(k.pending).hlen(k.completed).xlen(k.dead).xlen(k.rollouts).llen(k.pending_policy)
+            await self._leased_by_pool([k.leases], [POLICY_EVAL_PREFIX], client=pipe)
+            pending, completed, dead, rollouts, pending_policy, (leased, leased_policy) = await pipe.execute()
+        return QueueDepths(int(pending), int(leased), int(completed), int(dead), int(rollouts), int(pending_policy),
+                           int(leased_policy))
