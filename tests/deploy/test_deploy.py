@@ -90,7 +90,8 @@ def test_compose_env_matches_the_settings_and_secrets_stay_out():
     assert steadyrl_env(commented, "orchestrator") == {"STEADYRL_ORCHESTRATOR_POLICY_EVAL": "true"}
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
     replicas = next(job for job in scrape if job["job_name"] == "steadyrl-inference")
-    assert replicas["dns_sd_configs"][0]["names"] == ["inference", "inference-policy"]
+    assert replicas["dns_sd_configs"][0]["names"] == ["inference"]  # π's replica answers to it too (an alias):
+    assert services["inference-policy"]["networks"] == {"default": {"aliases": ["inference"]}}  # no failed lookup
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
     with pytest.raises(ValueError, match="learning_rat"):  # a typo in an env name fails
         check_settings("trainer", {"STEADYRL_TRAINER_LEARNING_RAT": "1"})
