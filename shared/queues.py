@@ -315,6 +315,11 @@ class WorkQueue(RolloutSink):
         """Dead-lettered tasks by reason code, since the run began."""
         return {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.run_keys.dead_counts)).items()}
 
+    async def pending_count(self) -> int:
+        """Tasks waiting for this queue's pool (one LLEN: a replica's lag, without `depths`' scan
+        of the leases)."""
+        return int(await self.redis.llen(getattr(self.run_keys, POOLS[self.pool])))
+
     async def depths(self) -> QueueDepths:
         """Every queue's length; pending and leased tasks per pool (`leased` is the rollouts
         pool's alone, so a scaler on it does not count π's eval tasks)."""

@@ -90,8 +90,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         lag = 0
         if self.queue is not None:
             with contextlib.suppress(Exception):
-                depths = await self.queue.depths()
-                lag = depths.pending_policy if self.queue.pool == "policy_eval" else depths.pending
+                lag = await self.queue.pending_count()
         caps = self.engine.capabilities
         return pb.InferenceStatus(
             replica_id=self.settings.replica_id, engine=self.engine.name, model=self.engine.model_path,

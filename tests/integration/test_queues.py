@@ -99,6 +99,7 @@ def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_i
         assert leased.task_id == "evalpi-0-0"
         depths = await queue.depths()  # a scaler on the rollouts pool's pending + leased does not see π's task
         assert (depths.pending, depths.leased, depths.pending_policy, depths.leased_policy) == (2, 0, 0, 1)
+        assert (await queue.pending_count(), await policy.pending_count()) == (2, 0)  # each replica's lag
         await asyncio.sleep(0.1)
         assert await queue.requeue_expired(max_attempts=3) == (1, 0)
         assert [t.decode() for t in await redis.lrange(queue.keys["pending_policy"], 0, -1)] == ["evalpi-0-0"]
