@@ -3,10 +3,10 @@
 Starts redis-server (embedded, AOF on, a password made for this run), weight-sync, the trainer,
 K inference replicas (and, with orchestrator.policy_eval, one replica of the policy_eval pool) and
 the orchestrator on loopback ports (drawn below the ephemeral range and held until each process
-starts: steadyrl/ports.py), waits for every gRPC health check,
-starts the run through the control plane, shows progress, and at the end (or on Ctrl-C) stops
-every process it started — SIGTERM, then SIGKILL after a grace period — and writes the run
-directory.
+starts: steadyrl/ports.py), all at once (those sharing a GPU one after another), waits for every
+gRPC health check, starts the run through the control plane, shows progress, and at the end (or
+on Ctrl-C) stops every process it started — SIGTERM, then SIGKILL after a grace period — and
+writes the run directory.
 
 While the run is on it supervises, as Kubernetes would: a service (or redis-server) that exits
 is restarted on the same port after a backoff (run.restart_backoff_seconds, doubled each time),
@@ -136,13 +136,28 @@ class Launch:
         return self.redis
 
     def start_all(self, on_healthy=None) -> None:
-        """redis-server, then every service in order, each waited for until healthy."""
+        """redis-server, then every service at once (a service's start is mostly its imports and
+        model load, which overlap), each waited for until healthy in plan order. Each service
+        retries its peers until they answer, so none needs another up first; only a service that
+        shares a GPU with one started before it waits for that one to be healthy (vLLM sizes its
+        KV cache from the GPU memory it finds free: two profiling at once would each count the
+        other's)."""
         self.plan(self.start_redis().url)
-        for service in self.services:
-            self.start(service)
+        pending: list[Service] = []
+
+        def healthy(service: Service) -> None:
             self.wait_healthy(service)
+            pending.remove(service)
             if on_healthy is not None:
                 on_healthy(service)
+
+        for service, first in zip(self.services, start_after(self.services), strict=True):
+            for earlier in [s for s in pending if s.name in first]:
+                healthy(earlier)
+            self.start(service)
+            pending.append(service)
+        for service in list(pending):
+            healthy(service)
 
     def wait_healthy(self, service: Service, timeout: float = 600.0) -> None:
         import grpc
@@ -241,6 +256,17 @@ class Launch:
 
     def write_pids(self) -> None:
         (self.out / "pids.json").write_text(json.dumps(self.pids()))
+
+
+def service_gpus(service: Service) -> frozenset[str]:
+    return frozenset(filter(None, service.devices.get("CUDA_VISIBLE_DEVICES", "").split(",")))
+
+
+def start_after(services: list[Service]) -> list[frozenset[str]]:
+    """For each service (in start order), the earlier services that must be healthy before it
+    starts: those sharing a GPU with it (run.colocate). Empty on a machine without GPUs."""
+    return [frozenset(s.name for s in services[:i] if service_gpus(s) & service_gpus(service))
+            for i, service in enumerate(services)]
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from services.inference.config import InferenceSettings
 from services.inference.server import engine_options
-from steadyrl.launcher import Launch, caught_up
+from steadyrl.launcher import Launch, caught_up, start_after
 from steadyrl.placement import plan_placement
 from steadyrl.run_config import build_settings, load_run_config
 
@@ -105,6 +105,15 @@ def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
         planned(tmp_path / "vllm", vllm, gpus=1)
     shared = planned(tmp_path / "ok", [*vllm, "inference.vllm_gpu_memory_utilization=0.4"], gpus=1)
     assert next(s for s in shared.services if s.name == "inference-0").devices["CUDA_VISIBLE_DEVICES"] == "0"
+    # the services start at once, but one on a GPU already in use waits for the earlier ones there
+    assert start_after(shared.services) == [set(), set(), {"trainer"}, set()]
+    two = planned(tmp_path / "two", ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1",
+                                     "run.replicas=3"], gpus=2)
+    assert dict(zip([s.name for s in two.services], start_after(two.services), strict=True)) == {
+        "weightsync": set(), "trainer": set(), "inference-0": {"trainer"}, "inference-1": {"trainer"},
+        "inference-2": {"trainer", "inference-0"}, "orchestrator": set()}
+    apart = planned(tmp_path / "apart", ["trainer.gpus=1", "inference.gpus_per_replica=1", "run.replicas=2"], gpus=3)
+    assert start_after(apart.services) == [set()] * 5
 
 
 def test_the_policy_eval_replica_is_one_more_replica_serving_unquantised(tmp_path, monkeypatch):
