@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.redis_server import RedisServer
-from steadyrl.placement import placement_of
+from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
 from steadyrl.run_config import RunConfig, check, service_env, validate
 
@@ -258,14 +258,10 @@ class Launch:
         (self.out / "pids.json").write_text(json.dumps(self.pids()))
 
 
-def service_gpus(service: Service) -> frozenset[str]:
-    return frozenset(filter(None, service.devices.get("CUDA_VISIBLE_DEVICES", "").split(",")))
-
-
 def start_after(services: list[Service]) -> list[frozenset[str]]:
     """For each service (in start order), the earlier services that must be healthy before it
     starts: those sharing a GPU with it (run.colocate). Empty on a machine without GPUs."""
-    return [frozenset(s.name for s in services[:i] if service_gpus(s) & service_gpus(service))
+    return [frozenset(s.name for s in services[:i] if visible_gpus(s.devices) & visible_gpus(service.devices))
             for i, service in enumerate(services)]
 
 

@@ -31,6 +31,11 @@ class Placement:
                 str(master_port), "-m", "services.trainer"]
 
 
+def visible_gpus(devices: dict[str, str]) -> frozenset[str]:
+    """The GPUs an environment made by `Placement.visible` gives its process (none: empty)."""
+    return frozenset(filter(None, devices.get("CUDA_VISIBLE_DEVICES", "").split(",")))
+
+
 def plan_placement(trainer_gpus: int, trainer_ranks: int, replicas: int, gpus_per_replica: int,
                    available: int, colocate: bool = False) -> Placement:
     if colocate:
