@@ -37,17 +37,25 @@ def time_to_target(evals: list[dict], target: float, window: int = 3) -> dict:
 
 
 def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> dict:
-    from steadyrl.launcher import read_jsonl, run
-    from steadyrl.run_config import load_run_config
+    """Each variant is a whole `steadyrl run`, started as a user starts it (the console script
+    beside this interpreter), one after another."""
+    import json
+    import subprocess
+    import sys
 
+    from shared.jsonl import read_jsonl
+
+    steadyrl = Path(sys.executable).with_name("steadyrl")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, staleness in VARIANTS.items():
-            config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-                f"run.steps={steps}", f"run.max_staleness={staleness}", "orchestrator.eval_every=10",
-                "orchestrator.eval_size=200", f'run.id="bench-{name}"', *overrides])
             out = Path(tmp) / name
-            summary = run(config, out, progress="none")
+            settings = [f"run.steps={steps}", f"run.max_staleness={staleness}", "orchestrator.eval_every=10",
+                        "orchestrator.eval_size=200", f'run.id="bench-{name}"', *overrides]
+            subprocess.run([str(steadyrl), "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+                            "--progress", "none", *(a for s in settings for a in ("--set", s))],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
             evals = read_jsonl(out / "eval.jsonl")
             results[name] = {"max_staleness": staleness, "outcome": summary.get("outcome"),
                              "wall_seconds": summary.get("wall_seconds"), **time_to_target(evals, target)}

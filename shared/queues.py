@@ -22,126 +22,10 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 
+from shared import queue_scripts as scripts
 from shared.interfaces import RolloutSink
 from shared.keys import RunKeys
 from shared.rpc.steadyrl.v1 import common_pb2
-
-_SUBMIT = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[1])
-  return 1
-end
-return 0
-"""
-
-# KEYS: pending leases owners tasks attempts; ARGV: now_ms lease_ms replica count
-_LEASE = """
-local out = {}
-for i = 1, tonumber(ARGV[4]) do
-  local id = redis.call('RPOP', KEYS[1])
-  if not id then break end
-  local task = redis.call('HGET', KEYS[4], id)
-  if task then
-    redis.call('ZADD', KEYS[2], tonumber(ARGV[1]) + tonumber(ARGV[2]), id)
-    redis.call('HSET', KEYS[3], id, ARGV[3])
-    table.insert(out, id)
-    table.insert(out, task)
-    table.insert(out, redis.call('HGET', KEYS[5], id) or '0')
-  end
-end
-return out
-"""
-
-# KEYS: leases owners; ARGV: now_ms lease_ms replica id...
-_EXTEND = """
-local kept = 0
-for i = 4, #ARGV do
-  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[3] then
-    redis.call('ZADD', KEYS[1], 'XX', tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[i])
-    kept = kept + 1
-  end
-end
-return kept
-"""
-
-# KEYS: leases owners tasks attempts completed stream errors; ARGV: id replica r1 ... rN.
-# Each entry carries the lease stamp (`replica|attempt` of the lease being completed) and n, the
-# number of rollouts published together.
-_COMPLETE = """
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end
-local stamp = ARGV[2] .. '|' .. (redis.call('HGET', KEYS[4], ARGV[1]) or '0')
-local n = tostring(#ARGV - 2)
-for i = 3, #ARGV do
-  redis.call('XADD', KEYS[6], '*', 'task', ARGV[1], 'lease', stamp, 'n', n, 'r', ARGV[i])
-end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HDEL', KEYS[7], ARGV[1])
-redis.call('HSET', KEYS[5], ARGV[1], stamp)
-return #ARGV - 2
-"""
-
-# KEYS: leases owners errors; ARGV: id replica reason. Ends the lease now; the next sweep counts
-# the attempt (and names the reason if the task runs out of attempts).
-_FAIL = """
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('ZADD', KEYS[1], 0, ARGV[1])
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
-return 1
-"""
-
-# KEYS: leases owners attempts pending tasks dead errors dead_counts pending:policy;
-# ARGV: now_ms max_attempts maxlen policy_eval_prefix (a task whose id starts with it goes back to
-# the policy-eval pool's list)
-_REQUEUE = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-local requeued, dead = 0, 0
-for _, id in ipairs(ids) do
-  redis.call('ZREM', KEYS[1], id)
-  local owner = redis.call('HGET', KEYS[2], id) or ''
-  redis.call('HDEL', KEYS[2], id)
-  local attempts = redis.call('HINCRBY', KEYS[3], id, 1)
-  if attempts > tonumber(ARGV[2]) then
-    local task = redis.call('HGET', KEYS[5], id) or ''
-    local last = redis.call('HGET', KEYS[7], id)
-    local message = 'lease expired or failed ' .. attempts .. ' times (last replica ' .. owner .. ')'
-    if last then message = message .. '; last error: ' .. last end
-    redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[3], '*', 'task_id', id, 'code', 'attempts',
-      'reason', 'attempts: ' .. message, 'task', task)
-    redis.call('HINCRBY', KEYS[8], 'attempts', 1)
-    redis.call('HDEL', KEYS[5], id)
-    redis.call('HDEL', KEYS[3], id)
-    redis.call('HDEL', KEYS[7], id)
-    dead = dead + 1
-  elseif string.sub(id, 1, #ARGV[4]) == ARGV[4] then
-    redis.call('RPUSH', KEYS[9], id)
-    requeued = requeued + 1
-  else
-    redis.call('RPUSH', KEYS[4], id)
-    requeued = requeued + 1
-  end
-end
-return {requeued, dead}
-"""
-
-# KEYS: tasks leases owners attempts errors dead dead_counts; ARGV: id replica code message maxlen.
-# Only the replica holding the lease may give the task up.
-_DEAD_LETTER = """
-if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
-local task = redis.call('HGET', KEYS[1], ARGV[1]) or ''
-redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'task_id', ARGV[1], 'code', ARGV[3],
-  'reason', ARGV[3] .. ': ' .. ARGV[4], 'task', task, 'replica', ARGV[2])
-redis.call('HINCRBY', KEYS[7], ARGV[3], 1)
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HDEL', KEYS[5], ARGV[1])
-return 1
-"""
-
 
 # Two pools of replicas share one queue: `rollouts` (every replica by default: training rollouts
 # and μ's evals) and `policy_eval` (replicas that serve the trainer's weights unquantised: π's
@@ -149,16 +33,13 @@ return 1
 POOLS = {"rollouts": "pending", "policy_eval": "pending_policy"}
 POLICY_EVAL_PREFIX = "evalpi"
 
-# KEYS: leases; ARGV: prefix. {leased task ids without the prefix, with it}: each pool's leases,
-# counted in one step so the two always add up to the leases.
-_LEASED_BY_POOL = """
-local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-local n = 0
-for _, id in ipairs(ids) do
-  if string.sub(id, 1, #ARGV[1]) == ARGV[1] then n = n + 1 end
-end
-return {#ids - n, n}
-"""
+# dead-letter codes that are not a task given up: `duplicate` names a second copy of a completed task's id
+NOT_GIVEN_UP = frozenset({"duplicate"})
+
+
+def given_up(fields: dict[bytes, bytes]) -> bool:
+    """Whether an entry of the `dead` stream is a task given up (not a duplicate id of a completed one)."""
+    return fields.get(b"code", b"").decode(errors="replace") not in NOT_GIVEN_UP
 
 
 def pool_of(task_id: str) -> str:
@@ -197,14 +78,15 @@ class WorkQueue(RolloutSink):
             raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
         self.redis, self.run_id, self.dead_maxlen, self.pool = redis, run_id, dead_maxlen, pool
         self.run_keys = RunKeys(run_id)
-        self._submit = redis.register_script(_SUBMIT)
-        self._lease = redis.register_script(_LEASE)
-        self._extend = redis.register_script(_EXTEND)
-        self._complete = redis.register_script(_COMPLETE)
-        self._fail = redis.register_script(_FAIL)
-        self._requeue = redis.register_script(_REQUEUE)
-        self._dead_letter = redis.register_script(_DEAD_LETTER)
-        self._leased_by_pool = redis.register_script(_LEASED_BY_POOL)
+        self._submit = redis.register_script(scripts.SUBMIT)
+        self._lease = redis.register_script(scripts.LEASE)
+        self._extend = redis.register_script(scripts.EXTEND)
+        self._complete = redis.register_script(scripts.COMPLETE)
+        self._fail = redis.register_script(scripts.FAIL)
+        self._requeue = redis.register_script(scripts.REQUEUE)
+        self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
+        self._leased_by_pool = redis.register_script(scripts.LEASED_BY_POOL)
+        self._reclaim = redis.register_script(scripts.RECLAIM)
 
     @property
     def keys(self) -> dict[str, str]:
@@ -243,11 +125,24 @@ class WorkQueue(RolloutSink):
 
     async def lease(self, replica_id: str, lease_seconds: float, count: int = 1) -> list[Lease]:
         """Up to `count` tasks of this queue's pool, each leased to `replica_id` for `lease_seconds`.
-        A task whose bytes are not a PromptTask goes to the dead-letter stream (code `decode`) instead."""
+        A task whose bytes are not a PromptTask goes to the dead-letter stream (code `decode`)
+        instead, a pending id without a task record too (`no_record`, or `duplicate`)."""
         flat = await self._lease(
-            self._k(POOLS[self.pool], "leases", "owners", "tasks", "attempts"),
-            [now_ms(), int(lease_seconds * 1000), replica_id, count],
+            self._k(POOLS[self.pool], "leases", "owners", "tasks", "attempts", "completed", "dead", "dead_counts"),
+            [now_ms(), int(lease_seconds * 1000), replica_id, count, self.dead_maxlen],
         )
+        return await self._leases(replica_id, flat)
+
+    async def reclaim(self, replica_id: str, known: set[str], lease_seconds: float) -> list[Lease]:
+        """The tasks Redis says `replica_id` holds that it does not know of (`known`: the leases it
+        renews): leased by a call whose reply was lost (it timed out, then Redis ran it). Each gets
+        a fresh deadline, so the replica serves it instead of leaving it to expire."""
+        flat = await self._reclaim(self._k("owners", "tasks", "attempts", "leases"),
+                                   [replica_id, now_ms(), int(lease_seconds * 1000), *sorted(known)])
+        return await self._leases(replica_id, flat)
+
+    async def _leases(self, replica_id: str, flat: list[bytes]) -> list[Lease]:
+        """(id, task bytes, attempt) triples as leases; undecodable tasks are dead-lettered (`decode`)."""
         out = []
         for i in range(0, len(flat), 3):
             task_id = flat[i].decode(errors="replace")

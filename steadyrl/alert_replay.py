@@ -11,7 +11,6 @@ of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5 steps
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -19,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
+
+from shared.jsonl import read_jsonl
 
 TRAINER_SERIES = "steadyrl_trainer_last_metric"
 EVAL_SERIES = "steadyrl_orchestrator_eval_accuracy"
@@ -111,10 +112,7 @@ def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | 
 
 
 def replay_run(run_dir: Path, rules_file: Path) -> dict:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        path = Path(run_dir) / "trainer" / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = _first_jsonl(run_dir, "metrics.jsonl", "trainer")
     evals, policy_evals = (_first_jsonl(run_dir, name) for name in ("eval.jsonl", "policy-eval.jsonl"))
     gauges = {}
     recipe = Path(run_dir) / "config.resolved.toml"
@@ -126,7 +124,7 @@ def replay_run(run_dir: Path, rules_file: Path) -> dict:
             "firing_steps": firing_steps(rows, rules_file, gauges, evals, policy_evals)}
 
 
-def _first_jsonl(run_dir: Path, name: str) -> list[dict]:
-    """The lines of RUN_DIR/NAME, else RUN_DIR/orchestrator/NAME ([] when neither exists)."""
-    path = next((p for p in (Path(run_dir) / name, Path(run_dir) / "orchestrator" / name) if p.is_file()), None)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path else []
+def _first_jsonl(run_dir: Path, name: str, service: str = "orchestrator") -> list[dict]:
+    """The lines of RUN_DIR/NAME, else RUN_DIR/SERVICE/NAME ([] when neither exists)."""
+    path = next((p for p in (Path(run_dir) / name, Path(run_dir) / service / name) if p.is_file()), None)
+    return read_jsonl(path)

@@ -62,12 +62,17 @@ def run_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, every service's settings "
                                                             "and the placement as JSON, start nothing.")] = False,
 ) -> None:
-    """Start every service on loopback, run the recipe to the end and write the report."""
+    """Start every service on loopback, run the recipe to the end and write the report.
+
+    Exit codes: 0 finished, 1 failed, 2 recipe refused (nothing started), 3 stopped on request
+    (POST /v1/run/stop), 130 interrupted (Ctrl-C, SIGTERM)."""
     import time as _time
 
     from shared.logs import setup_logging
-    from steadyrl.launcher import PROGRESS, run
+    from steadyrl.launcher import run
+    from steadyrl.progress import PROGRESS
     from steadyrl.run_config import check, load_run_config, resolved
+    from steadyrl.summary import exit_code
 
     setup_logging("run")
     named = " + ".join(str(c) for c in configs)
@@ -86,8 +91,8 @@ def run_command(
     summary = run(recipe, out, progress)
     typer.echo(json.dumps({k: summary.get(k) for k in (
         "outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")}))
-    if summary.get("outcome") not in ("finished",):
-        raise typer.Exit(1)
+    if code := exit_code(summary.get("outcome")):
+        raise typer.Exit(code)
 
 
 @app.command("export")

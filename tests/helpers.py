@@ -31,7 +31,7 @@ async def publish(redis, run_id: str, rollouts: list[Rollout], replica: str = "r
 def running(config, out: Path, model_dir, past_version: int = 2):
     """The whole system of `config` on loopback (processes started by their pids), its run
     started and the trainer past `past_version`; every process stopped on the way out."""
-    from steadyrl.launcher import Launch
+    from steadyrl.processes import Launch
 
     launch = Launch(config, out, str(model_dir))
     try:

@@ -8,7 +8,9 @@ The loop keeps up to `max_inflight_tasks` tasks with the engine, leasing more as
 all of them, lease again). Leases are renewed while tasks generate; a task whose generation
 fails is handed back (it is retried, the attempt counts). Publishing and ending the lease are one
 atomic step in Redis (`WorkQueue.complete_many`), refused when the lease was lost, so a slow
-replica never duplicates work. A task that can never be served (undecodable, invalid, too long
+replica never duplicates work; a publish Redis does not answer (frozen, restarting) is tried again
+at once when it answers, its rollouts kept and its leases renewed meanwhile, and one Redis refuses
+hands its tasks back at once. A task that can never be served (undecodable, invalid, too long
 for the engine, an unknown reward, another run's) goes to the dead-letter stream with its reason;
 a task waiting for a policy version waits at most `version_wait_seconds`, then goes back with
 the reason.
@@ -103,7 +105,9 @@ class RolloutWorker:
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
         self._ready: list[tuple[Lease, list[bytes]]] = []
+        self._unsure: set[str] = set()  # tasks whose publish may have landed without its reply reaching us
         self._delay = 0.1  # backoff while Redis is unreachable
+        self._reclaim = False  # a lease call failed: it may have leased tasks all the same
 
     @property
     def busy(self) -> bool:
@@ -162,10 +166,18 @@ class RolloutWorker:
         """Up to `count` leases ([] when the queue is empty); None after a Redis error, once
         backed off."""
         try:
-            leases = await self.queue.lease(self.replica_id, self.lease_seconds, count)
+            leases = []
+            if self._reclaim:  # a lease call's reply was lost: Redis may have leased us tasks we do not know of
+                leases = await self.queue.reclaim(self.replica_id, self.held, self.lease_seconds)
+                self._reclaim = False
+                if leases:
+                    log.warning("event=leases_reclaimed tasks=%s", ",".join(lease.task_id for lease in leases))
+            if count > len(leases):
+                leases += await self.queue.lease(self.replica_id, self.lease_seconds, count - len(leases))
             self._delay = 0.1
             return leases
         except redis.exceptions.RedisError as exc:
+            self._reclaim = True
             QUEUE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=queue_unreachable error=%s retry_in=%.1fs", type(exc).__name__, self._delay)
             await _sleep_or_stop(stop, self._delay)
@@ -258,32 +270,60 @@ class RolloutWorker:
         return False
 
     async def _publish_loop(self, ready: asyncio.Event) -> None:
+        """Publish what is ready; while Redis does not answer, try again every second at most, the
+        rollouts kept and their leases renewed (no task waits for its lease to expire)."""
+        delay = 0.1
         while True:
             await ready.wait()
             ready.clear()
-            await self._publish()
+            if await self._publish():
+                delay = 0.1
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            ready.set()
 
-    async def _publish(self) -> None:
-        """Publish every finished task's rollouts in one Redis round trip."""
+    async def _publish(self) -> bool:
+        """Publish every finished task's rollouts in one Redis round trip. False when Redis did not
+        answer: the batch stays ready for the next try. A task whose earlier try may have landed
+        (the reply was lost) is recognised by its lease stamp in `completed`, never published twice."""
         batch, self._ready = self._ready, []
         if not batch:
-            return
+            return True
         try:
             evals = {lease.task_id for lease, _ in batch if lease.task.is_eval}
             accepted = await self.queue.complete_many(
                 self.replica_id, [(lease.task_id, payloads) for lease, payloads in batch], evals)
-        except redis.exceptions.RedisError as exc:  # the leases expire and the tasks are retried
+            unsure = [lease for (lease, _), ok in zip(batch, accepted, strict=True)
+                      if not ok and lease.task_id in self._unsure]
+            stamps = await self.queue.lease_stamps([lease.task_id for lease in unsure])
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:  # applied or not: unknown
             QUEUE_ERRORS.labels(self.replica_id).inc()
-            log.warning("event=publish_failed tasks=%d error=%s", len(batch), type(exc).__name__)
-            accepted = [None] * len(batch)
+            log.warning("event=publish_failed tasks=%d error=%s retry=true", len(batch), type(exc).__name__)
+            self._ready = batch + self._ready
+            self._unsure |= {lease.task_id for lease, _ in batch}
+            return False
+        except redis.exceptions.RedisError as exc:  # refused (a script error, out of memory): not applied
+            QUEUE_ERRORS.labels(self.replica_id).inc()
+            log.warning("event=publish_refused tasks=%d error=%s detail=%s", len(batch), type(exc).__name__, exc)
+            for lease, _ in batch:
+                await self._hand_back(lease.task_id, f"publish refused: {type(exc).__name__}")
+            return True
+        landed = {lease.task_id for lease in unsure if stamps.get(lease.task_id) == f"{self.replica_id}|{lease.attempt}"}
+        retried = {lease.task_id for lease, _ in batch} & self._unsure
         for (lease, payloads), ok in zip(batch, accepted, strict=True):
             self.held.discard(lease.task_id)
-            if ok:
+            self._unsure.discard(lease.task_id)
+            if ok or lease.task_id in landed:
                 PUBLISHED.labels(self.replica_id).inc(len(payloads))
                 self.published += len(payloads)
-            elif ok is not None:
+                if lease.task_id in retried:
+                    log.info("event=publish_retried task=%s landed=%s", lease.task_id,
+                             "earlier" if lease.task_id in landed else "now")
+            else:
                 LEASES_LOST.labels(self.replica_id).inc()
                 log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
+        return True
 
     async def _shutdown(self, publisher: asyncio.Task, ready: asyncio.Event, renewal: LeaseRenewal) -> None:
         """Stopping: tasks still generating go back to the queue, finished ones are published."""

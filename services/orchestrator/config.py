@@ -25,6 +25,12 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """FastAPI control plane (OpenAPI docs at /docs, Prometheus at /metrics)."""
     grpc_port: int = Field(50054, ge=0, le=65535)
     """gRPC Orchestrator service (Heartbeat, Status)."""
+    control_timeout_seconds: float = Field(2.0, gt=0, le=60)
+    """Bound on the Redis work behind one control-plane request: past it, GET /v1/run answers the
+    last status read (marked `stale`), a transition is refused with 503 and Retry-After (and is
+    never applied later), gRPC answers UNAVAILABLE."""
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    """Largest HTTP request body accepted; a larger one is refused with 413 before it is read whole."""
     token: SecretStr | None = None
     """Bearer token required on every route but /health and /metrics (never logged)."""
     token_file: Path | None = None

@@ -24,7 +24,7 @@ from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
 from shared.core.evals import sampled_scores
 from shared.keys import RunKeys
-from shared.queues import POLICY_EVAL_PREFIX, WorkQueue, now_ms
+from shared.queues import POLICY_EVAL_PREFIX, WorkQueue, given_up, now_ms
 from shared.rollout import RolloutError, decode_rollout
 from shared.tracking import ScalarLog
 
@@ -161,7 +161,7 @@ class EvalRounds:
             self.dead_cursor = entry_id
             task_id = fields.get(b"task_id", b"").decode(errors="replace")
             place = self._place(task_id)
-            if place is None:
+            if place is None or not given_up(fields):
                 continue
             kind, name, step, prompt = place
             bucket = (self.policy_results if kind == "pi" else self.results).setdefault(step, {}).setdefault(

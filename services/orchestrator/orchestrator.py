@@ -28,11 +28,12 @@ from prometheus_client import Counter, Gauge
 from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.control import REPLY_MARGIN_SECONDS, Bounded, RedisUnavailable
 from services.orchestrator.data import Tasks
 from services.orchestrator.evals import EvalRounds
 from shared.keys import RunKeys
 from shared.ledger import Ledger
-from shared.queues import WorkQueue, now_ms
+from shared.queues import WorkQueue, given_up, now_ms
 from shared.rpc.steadyrl.v1 import common_pb2
 
 log = logging.getLogger("steadyrl.orchestrator")
@@ -50,11 +51,17 @@ TRANSITIONS = {"start": (("created", "paused"), "running"), "pause": (("running"
                "resume": (("paused",), "running"), "stop": (("created", "running", "paused"), "stopped"),
                "finish": (("running",), "finished")}
 TRAIN_ID = re.compile(r"^train-(\d+)$")
+STATUS_EVERY_MS = 2000  # the loop reads the status at least this often (the control plane's fallback)
 
-# KEYS: run hash; ARGV: target, now_ms, allowed states... Returns {1, target} or {0, current}.
+# KEYS: run hash; ARGV: target, now_ms, deadline_ms (Redis's clock), allowed states... Returns
+# {1, target}, {0, current}, or {-1, 'deadline'} when it runs past its deadline (and does nothing).
 _TRANSITION = """
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[3]) then
+  return {-1, 'deadline'}
+end
 local current = redis.call('HGET', KEYS[1], 'state') or 'created'
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   if current == ARGV[i] then
     redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[1] .. '_unix_ms', ARGV[2])
     return {1, ARGV[1]}
@@ -82,6 +89,7 @@ class Orchestrator:
         self.trainer_metrics: dict[str, float] = {}
         self._transition = redis.register_script(_TRANSITION)
         self._channel = self._trainer = None  # grpc.aio: made in the event loop, on first use
+        self.bounded = Bounded(settings.control_timeout_seconds)  # the control plane's bound and last status
 
     # --- run state ------------------------------------------------------------------------------
 
@@ -93,10 +101,15 @@ class Orchestrator:
         return await self.field("state", "created")
 
     async def transition(self, action: str) -> str:
-        """Apply `action` atomically; raises TransitionRefused (naming the state) when not allowed."""
+        """Apply `action` atomically; raises TransitionRefused (naming the state) when not allowed,
+        RedisUnavailable when Redis does not answer in time (then it was not applied, and never
+        will be: services/orchestrator/control.py)."""
         allowed, target = TRANSITIONS[action]
-        done, state = await self._transition([self.keys.run], [target, now_ms(), *allowed])
+        script = self._transition([self.keys.run], [target, now_ms(), self.bounded.deadline_ms(), *allowed])
+        done, state = await self.bounded.call(action, script, margin=REPLY_MARGIN_SECONDS)
         state = state.decode() if isinstance(state, bytes) else state
+        if done == -1:
+            raise RedisUnavailable(action, "Redis ran it past its deadline", self.bounded.retry_after)
         if not done:
             raise TransitionRefused(action, state)
         log.info("event=run_state run=%s state=%s", self.settings.run_id, state)
@@ -147,6 +160,8 @@ class Orchestrator:
         requeued, dead = await self.queue.requeue_expired(self.settings.max_attempts)
         REQUEUED.inc(requeued)
         DEAD.inc(dead)
+        if requeued or dead:
+            log.info("event=leases_expired requeued=%d dead=%d", requeued, dead)
 
     async def count_dead(self) -> None:
         """Fold new entries of the task dead-letter stream into the count of dead train tasks (the
@@ -159,7 +174,7 @@ class Orchestrator:
         submitted = int(await self.field("submitted", "0"))
         train = sum(1 for _, f in entries
                     if (i := self._train_index(f.get(b"task_id", b"").decode(errors="replace"))) is not None
-                    and i < submitted)
+                    and i < submitted and given_up(f))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hincrby(self.keys.run, "dead_train", train).hset(self.keys.run, "dead_cursor", entries[-1][0])
             await pipe.execute()
@@ -206,6 +221,9 @@ class Orchestrator:
         depths = await self.queue.depths()
         for name, depth in dataclasses.asdict(depths).items():
             QUEUE_DEPTH.labels(name).set(depth)
+        if now_ms() - self.bounded.last_status_ms >= STATUS_EVERY_MS:  # what GET /v1/run shows if Redis freezes
+            await self.bounded.measure_clock(self.redis)
+            self.bounded.keep(await self.status())
 
     async def run(self, stop: asyncio.Event) -> None:
         created = await self.redis.hsetnx(self.keys.run, "created_unix_ms", now_ms())

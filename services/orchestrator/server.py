@@ -14,8 +14,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.control import RedisUnavailable
 from services.orchestrator.orchestrator import Orchestrator, TransitionRefused
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.rpc.http import BodyLimit
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
 from shared.rpc.steadyrl.v1 import orchestrator_pb2 as pb
 from shared.service_main import grpc_service, run_loops
@@ -27,7 +29,7 @@ BEARER = HTTPBearer(auto_error=False)
 ACTIONS = ("start", "pause", "resume", "stop")
 
 
-def create_app(orchestrator: Orchestrator, token: str | None) -> FastAPI:
+def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes: int = 1 << 20) -> FastAPI:
     app = FastAPI(title="steadyrl orchestrator", version="1", docs_url=None, redoc_url=None, openapi_url=None,
                   description="Control plane of one steadyrl run. Every route but /health and /metrics needs "
                               "`Authorization: Bearer <token>` when a token is configured (the OpenAPI "
@@ -41,9 +43,21 @@ def create_app(orchestrator: Orchestrator, token: str | None) -> FastAPI:
             raise HTTPException(status_code=401, detail="missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(status_code=400, content={"detail": str(exc)})
+
+    @app.exception_handler(RedisUnavailable)
+    async def unavailable(request: Request, exc: RedisUnavailable) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": str(exc), "retry_after_seconds": exc.retry_after},
+                            headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:  # a bug: still JSON, and logged
+        log.error("event=request_failed path=%s error=%r", request.url.path, exc)
+        return JSONResponse(status_code=500, content={"detail": f"internal error: {type(exc).__name__}"})
 
     @app.get("/health")
     async def health() -> dict:
@@ -67,8 +81,9 @@ def create_app(orchestrator: Orchestrator, token: str | None) -> FastAPI:
 
     @app.get("/v1/run", dependencies=[Depends(authorised)])
     async def status() -> dict:
-        """State, versions of the trainer and of every replica, queue depths, progress, evals."""
-        return await orchestrator.status()
+        """State, versions of the trainer and of every replica, queue depths, progress, evals. When
+        Redis does not answer in time: the last status read, with `stale` saying when and why."""
+        return await orchestrator.bounded.status(orchestrator.status())
 
     @app.get("/v1/run/config", dependencies=[Depends(authorised)])
     async def config() -> dict:
@@ -98,17 +113,28 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         if not request.replica_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id is required")
-        await self.orchestrator.redis.hset(self.orchestrator.keys.replicas, request.replica_id, request.policy_version)
+        o = self.orchestrator
+        await self._bounded(context, "heartbeat", o.redis.hset(o.keys.replicas, request.replica_id,
+                                                                request.policy_version))
         return common_pb2.Empty()
 
     async def Status(self, request, context):
-        status = await self.orchestrator.status()
+        status = await self._bounded(context, "status", self.orchestrator.status())
         return pb.RunStatus(
             run_id=status["run_id"], state=status["state"], trainer_version=status["trainer_version"],
             replica_versions=status["replica_versions"], queue_pending=status["queue"]["pending"],
             queue_leased=status["queue"]["leased"], rollouts_pending=status["queue"]["rollouts"],
             tasks_dead_lettered=status["queue"]["dead"], epoch=status["epoch"],
         )
+
+    async def _bounded(self, context, what: str, work):
+        """`work` within the control plane's bound; UNAVAILABLE when Redis does not answer."""
+        import grpc
+
+        try:
+            return await self.orchestrator.bounded.call(what, work)
+        except RedisUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = None,
@@ -120,7 +146,7 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
     stop = stop or asyncio.Event()
     redis = settings.redis()
     orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
-    app = create_app(orchestrator, settings.bearer_token())
+    app = create_app(orchestrator, settings.bearer_token(), settings.max_request_bytes)
     http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
                                          lifespan="off", **uvicorn_options(tls_from_env())))
     serving = asyncio.create_task(http.serve())

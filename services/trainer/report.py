@@ -5,6 +5,7 @@ Prometheus metrics."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,9 +38,32 @@ class StepLog:
         self.scalars = ScalarLog(out_dir / "tensorboard" if tensorboard else None, tracking, run_id, "trainer",
                                  out_dir, config)
 
+    @property
+    def path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    def resume(self, step: int) -> None:
+        """metrics.jsonl as of the checkpoint the trainer resumes from: one line per step up to
+        `step`. Lines of steps past it (trained, then lost with the crash: they are trained again)
+        and a line cut short by the crash are dropped; a step's last line is the one kept."""
+        if not self.path.exists():
+            return
+        kept: dict[int, str] = {}
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept[record["step"]] = line
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept[s] + "\n" for s in sorted(kept)))
+        os.replace(tmp, self.path)
+
     def record(self, metrics: dict[str, float], rollouts: int, recipe: str) -> None:
+        """The step's line (written and closed before this returns), its scalars and gauges."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        with (self.out_dir / "metrics.jsonl").open("a") as f:
+        with self.path.open("a") as f:
             f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
                                | {"recipe": recipe}) + "\n")
         self.scalars.add(int(metrics["step"]), metrics)

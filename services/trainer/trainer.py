@@ -50,6 +50,7 @@ class Trainer:
         self.paused, self.last_metrics = False, {}
         self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds, settings.tracking,
                                settings.run_id, settings.model_dump(mode="json"), settings.max_staleness)
+        self.steplog.resume(self.state.step)
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()
@@ -149,17 +150,21 @@ class Trainer:
             self.state.version += 1
             self.state.consumed.update(r.rollout_id for r in rollouts)
             self.unacked.extend((m.entry, m.rollout.rollout_id) for group in groups for m in group)
+            seconds = time.perf_counter() - started
+            metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
+                           tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
+                           dropped_stale=self.state.counters.get("dropped_stale", 0))
+            # the step's line before the checkpoint that acknowledges its rollouts: a step that
+            # survives has its line (one the crash takes back is cut on resume: StepLog.resume)
+            self.steplog.record(metrics, len(rollouts), self.runner.recipe)
+            self.last_metrics = metrics
             if self.state.step % self.settings.checkpoint_every == 0 or self.done:
                 await self.save()
             await self.publish()
-        seconds = time.perf_counter() - started
-        metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
-                       tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
-                       dropped_stale=self.state.counters.get("dropped_stale", 0))
-        self.steplog.record(metrics, len(rollouts), self.runner.recipe)
-        self.last_metrics, self.last_step = metrics, time.monotonic()
-        log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e seconds=%.2f", metrics["step"],
-                 metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"], metrics["step_seconds"])
+        self.last_step = time.monotonic()
+        log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e step_seconds=%.2f seconds=%.2f",
+                 metrics["step"], metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"],
+                 metrics["step_seconds"], time.perf_counter() - started)
         return metrics
 
     async def save(self) -> Path:

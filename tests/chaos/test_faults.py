@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from shared.keys import RunKeys
 from shared.ledger import Ledger
-from steadyrl.launcher import Launch
+from steadyrl.processes import Launch
 from steadyrl.run_config import load_run_config
 from tests.helpers import running, wait_until
 

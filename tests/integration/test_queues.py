@@ -86,6 +86,48 @@ def test_renewed_leases_survive_and_failures_go_to_dead_letters(redis_server, ru
     run(redis_server, run_id, body)
 
 
+def test_a_pending_id_without_its_task_is_dead_lettered_with_the_reason(redis_server, run_id):
+    """An id in `pending` whose record is gone is never dropped silently: `no_record`, or
+    `duplicate` when that task was completed already (which is not counted as a task given up)."""
+    from shared.queues import given_up
+
+    async def body(queue, redis):
+        await queue.submit(task("done"))
+        [lease] = await queue.lease("r1", 30)
+        assert await queue.complete("r1", "done", [b"r"])
+        await redis.lpush(queue.keys["pending"], "done", "ghost", "real")  # leased in this order
+        await redis.hset(queue.keys["tasks"], "real", task("real").SerializeToString())
+        leases = await queue.lease("r2", 30, count=5)
+        assert [lease.task_id for lease in leases] == ["real"]
+        entries = [fields for _, fields in await redis.xrange(queue.keys["dead"])]
+        assert [(f[b"task_id"], f[b"code"]) for f in entries] == [(b"done", b"duplicate"), (b"ghost", b"no_record")]
+        assert entries[0][b"reason"] == b"duplicate: pending again after the lease r1|0 completed it"
+        assert entries[1][b"reason"] == b"no_record: a pending task id without a task record"
+        assert [given_up(f) for f in entries] == [False, True]
+        assert await queue.dead_counts() == {"no_record": 1, "duplicate": 1}
+        assert (await queue.depths()).pending == 0
+
+    run(redis_server, run_id, body)
+
+
+def test_a_lease_whose_reply_was_lost_is_reclaimed_not_left_to_expire(redis_server, run_id):
+    async def body(queue, redis):
+        for name in ("held", "lost", "other"):
+            await queue.submit(task(name))
+        [held] = await queue.lease("r1", 30)
+        await queue.lease("r1", 30)  # Redis ran it, the reply never came back: r1 does not know it holds "lost"
+        await queue.lease("r2", 30)
+        deadline_before = await redis.zscore(queue.keys["leases"], "lost")
+        await asyncio.sleep(0.01)
+        reclaimed = await queue.reclaim("r1", {"held"}, 60)
+        assert [(lease.task_id, lease.attempt, lease.task.answer) for lease in reclaimed] == [("lost", 0, "11")]
+        assert await redis.zscore(queue.keys["leases"], "lost") > deadline_before + 29_000  # a fresh deadline
+        assert await queue.reclaim("r1", {"held", "lost"}, 60) == []
+        assert held.task_id == "held" and await queue.complete("r1", "lost", [b"x"])
+
+    run(redis_server, run_id, body)
+
+
 def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_id):
     """π's eval tasks (ids starting `evalpi`) are queued in the policy_eval pool's list, leased only
     by a policy_eval queue, counted in that pool's depths, and an expired lease puts them back

@@ -190,7 +190,7 @@ def test_curves():
 
 
 def test_plain_progress_is_one_greppable_line_per_update():
-    from steadyrl.launcher import plain_line, progress_rows
+    from steadyrl.progress import plain_line, progress_rows
 
     rows = progress_rows({"trainer_version": 12, "replica_versions": {"r": 12}},
                          [{"step": 12, "reward_mean": 0.5, "mismatch_kl_k3": 3e-3, "staleness_max": 1, "tokens_per_s": 900}],

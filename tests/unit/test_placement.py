@@ -6,8 +6,9 @@ import pytest
 
 from services.inference.config import InferenceSettings
 from services.inference.server import engine_options
-from steadyrl.launcher import Launch, caught_up, start_after
 from steadyrl.placement import plan_placement
+from steadyrl.processes import Launch, start_after
+from steadyrl.progress import caught_up
 from steadyrl.run_config import build_settings, load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -59,7 +59,7 @@ def test_the_launcher_holds_each_services_ports_until_it_starts(tmp_path):
 
 
 def test_the_runs_redis_listens_on_a_drawn_port(tmp_path):
-    from steadyrl.launcher import Launch
+    from steadyrl.processes import Launch
     from steadyrl.run_config import load_run_config
     from tests.unit.test_placement import ROOT
 

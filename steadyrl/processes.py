@@ -1,0 +1,231 @@
+"""The processes of one `steadyrl run` on loopback: what each is (`Service`: command, settings,
+port, GPUs), starting them, waiting for their health, the control plane's client, and stopping
+them.
+
+redis-server runs embedded (AOF on, a password made for this run); weight-sync, the trainer, K
+inference replicas (and, with orchestrator.policy_eval, one replica of the policy_eval pool) and
+the orchestrator listen on loopback ports drawn below the ephemeral range and held until each
+process starts (steadyrl/ports.py). They start all at once (those sharing a GPU one after
+another) and are stopped with SIGTERM, then SIGKILL after a grace period. Restarts are the
+supervisor's (steadyrl/supervisor.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.redis_server import RedisServer
+from steadyrl.placement import placement_of, visible_gpus
+from steadyrl.ports import PortReservations
+from steadyrl.run_config import RunConfig, check, service_env, validate
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]  # after `python`: ["-m", "services.trainer"], or torchrun's
+    env: dict[str, str]  # STEADYRL_<SERVICE>_* (validated against the service's settings)
+    grpc_port: int
+    devices: dict[str, str] = field(default_factory=dict)  # CUDA_VISIBLE_DEVICES
+    process: subprocess.Popen | None = None
+    log: Path | None = None
+    ports: tuple[int, ...] = ()  # every port it listens on, held by the launcher until it starts
+
+
+@dataclass
+class Launch:
+    config: RunConfig
+    out: Path
+    model_path: str
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    redis_password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    services: list[Service] = field(default_factory=list)
+    redis: RedisServer | None = None
+    http_port: int = 0
+    gpus_available: int | None = None  # None: this machine's (steadyrl.placement.gpu_inventory)
+    ports: PortReservations = field(default_factory=PortReservations)
+
+    # --- setup ----------------------------------------------------------------------------------
+
+    def inference_replicas(self) -> int:
+        """The replicas this run started, π's (orchestrator.policy_eval) too: the final status waits
+        for each to report the last version."""
+        return sum(s.name.startswith("inference") for s in self.services)
+
+    def plan(self, redis_url: str) -> None:
+        """Every service's command, environment, port and devices (nothing starts here)."""
+        c, out = self.config, self.out
+        settings = check(c, self.gpus_available)
+        placement = placement_of(c, settings, self.gpus_available)
+        ws, trainer, master, orch_grpc = (self.ports.take() for _ in range(4))
+        self.http_port = self.ports.take()
+        common = {"host": "127.0.0.1", "metrics_port": 0}
+        shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].shm_dir)}
+        self.services.append(Service("weightsync", ["-m", "services.weightsync"], service_env(c, "weightsync", {
+            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), **shm}), ws, placement.visible(()), ports=(ws,)))
+        self.services.append(Service("trainer", placement.trainer_argv(master), service_env(c, "trainer", {
+            **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
+            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}",
+            **({} if "publish_dtype" in c.section("trainer") else {"publish_dtype": settings["inference"].dtype}),
+        }), trainer, placement.visible(placement.trainer), ports=(trainer, master)))
+        policy = {"pool": "policy_eval", "quantization": "none", "quantize_router": False,
+                  "quantize_activations": False}  # π: the published weights, unquantised
+        for index in range(len(placement.replicas)):
+            port, is_policy = self.ports.take(), index == c.replicas
+            self.services.append(Service("inference-policy" if is_policy else f"inference-{index}",
+                                         ["-m", "services.inference"], service_env(
+                c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
+                                 "replica_id": "replica-policy" if is_policy else f"replica-{index}",
+                                 "weightsync_address": f"127.0.0.1:{ws}", "orchestrator_address": f"127.0.0.1:{orch_grpc}",
+                                 **(policy if is_policy else {})}),
+                port, placement.visible(placement.replicas[index]), ports=(port,)))
+        (out / "token").write_text(self.token)
+        os.chmod(out / "token", 0o600)
+        self.services.append(Service("orchestrator", ["-m", "services.orchestrator"], service_env(c, "orchestrator", {
+            "host": "127.0.0.1", "http_port": self.http_port, "grpc_port": orch_grpc, "model_path": self.model_path,
+            "out_dir": str(out / "orchestrator"), "redis_url": redis_url, "trainer_address": f"127.0.0.1:{trainer}",
+            "token_file": str(out / "token")}), orch_grpc, placement.visible(()), ports=(orch_grpc, self.http_port)))
+        for service in self.services:
+            validate(service.name.split("-")[0], service.env)
+
+    def add_replica(self, template: Service, replica_id: str) -> Service:
+        """One more inference replica like `template`, started now (it joins the running run)."""
+        port = self.ports.take()
+        env = {**template.env, "STEADYRL_INFERENCE_PORT": str(port), "STEADYRL_INFERENCE_REPLICA_ID": replica_id}
+        validate("inference", env)
+        service = Service(replica_id, list(template.argv), env, port, dict(template.devices), ports=(port,))
+        self.services.append(service)
+        self.start(service)
+        return service
+
+    def start(self, service: Service) -> None:
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        service.log = logs / f"{service.name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
+        env.update(service.env, **service.devices, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
+                   STEADYRL_TOKEN_FILE=str(self.out / "token"))  # one bearer token for gRPC and HTTP
+        self.ports.release(*service.ports)  # bound by this process until now: nothing else could take them
+        with service.log.open("ab") as log:
+            service.process = subprocess.Popen([sys.executable, *service.argv], env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               start_new_session=True)
+
+    def start_redis(self) -> RedisServer:
+        """redis-server with AOF on, on a port drawn like the services' (below the ephemeral range)."""
+        port = self.ports.take()
+        self.ports.release(port)  # redis-server binds it next
+        self.redis = RedisServer(self.out / "redis", port=port, appendonly=True, password=self.redis_password).start()
+        return self.redis
+
+    def start_all(self, on_healthy=None) -> None:
+        """redis-server, then every service at once (a service's start is mostly its imports and
+        model load, which overlap), each waited for until healthy in plan order. Each service
+        retries its peers until they answer, so none needs another up first; only a service that
+        shares a GPU with one started before it waits for that one to be healthy (vLLM sizes its
+        KV cache from the GPU memory it finds free: two profiling at once would each count the
+        other's)."""
+        self.plan(self.start_redis().url)
+        pending: list[Service] = []
+
+        def healthy(service: Service) -> None:
+            self.wait_healthy(service)
+            pending.remove(service)
+            if on_healthy is not None:
+                on_healthy(service)
+
+        for service, first in zip(self.services, start_after(self.services), strict=True):
+            for earlier in [s for s in pending if s.name in first]:
+                healthy(earlier)
+            self.start(service)
+            pending.append(service)
+        for service in list(pending):
+            healthy(service)
+
+    def wait_healthy(self, service: Service, timeout: float = 600.0) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from shared.rpc.tls import sync_channel
+
+        deadline = time.monotonic() + timeout
+        # short reconnect backoff: a channel that met the port closed must not sleep seconds past the bind
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
+        with sync_channel(f"127.0.0.1:{service.grpc_port}", options=options) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if service.process.poll() is not None:
+                    raise RuntimeError(f"{service.name} exited with {service.process.returncode}; see {service.log}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{service.name} not healthy after {timeout:.0f}s; see {service.log}")
+
+    def api(self, method: str, path: str) -> dict:
+        import httpx
+
+        from shared.rpc.tls import httpx_options, tls_from_env
+
+        tls = tls_from_env()
+        reply = httpx.request(method, f"{'https' if tls else 'http'}://127.0.0.1:{self.http_port}{path}",
+                              headers={"Authorization": f"Bearer {self.token}"}, timeout=10, **httpx_options(tls))
+        reply.raise_for_status()
+        return reply.json()
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def stop_all(self, grace: float = 15.0) -> None:
+        running = [s for s in reversed(self.services) if s.process is not None and s.process.poll() is None]
+        for service in running:
+            _signal_group(service.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for service in running:
+            try:
+                service.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(service.process, signal.SIGKILL)
+                service.process.wait()
+        self.ports.close()
+        if self.redis is not None:
+            self.redis.stop()
+        trainer = next((s for s in self.services if s.name == "trainer"), None)
+        if trainer is not None:  # the shared-memory version files of this run (RAM, not disk)
+            shm = Path(trainer.env.get("STEADYRL_TRAINER_SHM_DIR", "/dev/shm/steadyrl")) / self.config.run_id
+            shutil.rmtree(shm, ignore_errors=True)
+
+    def pids(self) -> dict[str, int]:
+        """Process ids by service name (redis-server included), as they are now."""
+        out = {s.name: s.process.pid for s in self.services if s.process is not None}
+        if self.redis is not None and self.redis.process is not None:
+            out["redis-server"] = self.redis.process.pid
+        return out
+
+    def write_pids(self) -> None:
+        (self.out / "pids.json").write_text(json.dumps(self.pids()))
+
+
+def start_after(services: list[Service]) -> list[frozenset[str]]:
+    """For each service (in start order), the earlier services that must be healthy before it
+    starts: those sharing a GPU with it (run.colocate). Empty on a machine without GPUs."""
+    return [frozenset(s.name for s in services[:i] if visible_gpus(s.devices) & visible_gpus(service.devices))
+            for i, service in enumerate(services)]
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)  # the service and anything it spawned (vLLM workers)

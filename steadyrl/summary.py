@@ -1,0 +1,51 @@
+"""What a finished `steadyrl run` leaves: the run's records side by side, summary.json, plots and
+the final model; and the exit code of each outcome."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from shared.jsonl import read_jsonl
+from steadyrl.processes import Launch
+
+# `steadyrl run`'s exit code per outcome (2: the recipe was refused before anything started)
+EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 3, "interrupted": 130}
+
+
+def exit_code(outcome: str | None) -> int:
+    """0 finished, 3 stopped on request (POST /v1/run/stop), 130 interrupted (Ctrl-C, SIGTERM),
+    1 for a failure or anything else."""
+    return EXIT_CODES.get(outcome or "", EXIT_CODES["failed"])
+
+
+def finish(launch: Launch, summary: dict) -> None:
+    """Copy the run's records next to each other, write summary.json, plots and the final model."""
+    out = launch.out
+    metrics = read_jsonl(out / "trainer" / "metrics.jsonl")
+    evals = read_jsonl(out / "orchestrator" / "eval.jsonl")
+    if metrics:
+        shutil.copy(out / "trainer" / "metrics.jsonl", out / "metrics.jsonl")
+    policy_evals = read_jsonl(out / "orchestrator" / "policy-eval.jsonl")
+    for name, rows in (("eval.jsonl", evals), ("policy-eval.jsonl", policy_evals)):
+        if rows:
+            shutil.copy(out / "orchestrator" / name, out / name)
+    by_step: dict[int, dict] = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
+    summary.update(
+        steps=len(by_step), versions=max((int(m["version"]) for m in metrics), default=0),
+        tokens=int(sum(m.get("tokens", 0) for m in by_step.values())),
+        eval_start=evals[0]["accuracy"] if evals else None, eval_end=evals[-1]["accuracy"] if evals else None,
+        evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
+    )
+    if policy_evals:  # π's rounds (orchestrator.policy_eval)
+        summary.update(policy_eval_start=policy_evals[0]["accuracy"], policy_eval_end=policy_evals[-1]["accuracy"],
+                       policy_evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in policy_evals])
+    try:
+        from steadyrl.report import plot_run, save_final_model
+
+        summary["plots"] = plot_run(out, list(by_step.values()), evals)
+        summary["final_model"] = save_final_model(launch.model_path, out / "trainer" / "checkpoints",
+                                                  out / "final-model")
+    except Exception as exc:  # noqa: BLE001 - a report problem must not hide the run's result
+        summary["report_error"] = f"{type(exc).__name__}: {exc}"
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
