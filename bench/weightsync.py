@@ -1,11 +1,20 @@
-"""Weight-sync benchmark: gRPC full pull vs a raw TCP socket copy of the same bytes on loopback,
-and the size of a delta after one real optimizer step of the tiny model (bf16).
+"""Weight benchmark: one bf16 version moved by every weight transport and by the machine's limits,
+all in one run, all on one clock (bench/clock.py: processes made ready first, timed from one
+release to the version resident and verified at the receiver; bench/roles.py: each side).
 
-The gRPC figure is the whole pull as a replica does it: receive, assemble, verify every SHA-256,
-over one stream and striped over four parallel streams.
+Sides, on the same bytes (`gib`, bf16, 64 MiB tensors):
+- memcpy: the version copied into resident memory in one process — the machine's limit;
+- raw_socket_1 / raw_socket_2: loopback TCP from a sender process to 1 receiver, and to 2 at
+  once (2 senders) — the baseline every transport is divided by (raw_socket_1);
+- grpc_push: the trainer's push to the weight-sync service (chunked, digested, stored);
+- grpc_pull_1 / grpc_pull_4: a replica's verified pull over 1 and 4 streams, loaded;
+- shm: the trainer writes the version to /dev/shm (digesting it), then a replica maps it,
+  verifies every digest and loads it — both sides in one figure (each half reported beside);
+- collective_1 / collective_2: a gloo broadcast from the trainer to 1 and 2 replicas, verified, loaded.
 
-Both transfers run in the same run, server side in a separate process each, so the figure is a
-ratio measured side by side. Prints one JSON object.
+Each side runs `rounds` times, the sides alternated within a round; the median is reported. Also
+the seconds a 61 GB version (Qwen3-30B-A3B in bf16) would take at each measured rate, and the
+size of a delta after one real AdamW step of the tiny model. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -13,107 +22,106 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
+import statistics
 import subprocess
 import sys
-import time
+import tempfile
+from pathlib import Path
 
 import torch
 
-TENSOR_MIB = 64
+from bench.clock import ROOT, expect, spawn, timed
+from bench.roles import synthetic_state
+
+MODEL_30B_A3B_BF16_BYTES = 61e9  # Qwen3-30B-A3B in bf16: what one version of it weighs
+BASELINE = "raw_socket_1"
 
 
-def synthetic_state(total_bytes: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    per = TENSOR_MIB * 1024 * 1024 // torch.tensor([], dtype=dtype).element_size()
-    count = max(1, total_bytes // (TENSOR_MIB * 1024 * 1024))
-    gen = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(per, generator=gen).to(dtype) for i in range(count)}
+def free_port() -> int:
+    from shared.redis_server import free_port
+
+    return free_port()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def raw_sockets(nbytes: int, receivers: int) -> dict:
+    recvs = []
+    for _ in range(receivers):
+        port = free_port()
+        recv = spawn("raw_recv", port, nbytes)
+        expect(recv, "listening")
+        recvs.append((recv, port))
+    senders = [spawn("raw_send", port, nbytes) for _, port in recvs]
+    return timed([[*senders, *(recv for recv, _ in recvs)]])
 
 
-RAW_SENDER = """
-import socket, sys
-size, port = int(sys.argv[1]), int(sys.argv[2])
-payload = bytes(range(256)) * (4 * 1024 * 1024 // 256)
-with socket.create_connection(("127.0.0.1", port)) as s:
-    sent = 0
-    while sent < size:
-        n = min(len(payload), size - sent)
-        s.sendall(memoryview(payload)[:n])
-        sent += n
-"""
+def collective(nbytes: int, receivers: int, manifest_path: Path) -> dict:
+    port = free_port()
+    world = receivers + 1
+    return timed([[spawn("collective", rank, world, port, manifest_path, nbytes) for rank in range(world)]])
 
 
-def raw_socket_seconds(size: int) -> float:
-    """Receive `size` bytes from another process over loopback TCP into one buffer."""
-    port = _free_port()
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", port))
-        listener.listen(1)
-        sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(size), str(port)])
-        conn, _ = listener.accept()
-        started = time.perf_counter()
-        got = 0
-        with conn:
-            while got < size:
-                n = conn.recv_into(view[got:], min(size - got, 1 << 22))
-                if n == 0:
-                    raise RuntimeError("raw sender closed early")
-                got += n
-        seconds = time.perf_counter() - started
-        sender.wait()
-    return seconds
+def shm(nbytes: int) -> dict:
+    directory = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        return timed([[spawn("shm_write", tmp, nbytes)], [spawn("shm_load", tmp, nbytes)]])
 
 
-async def _grpc_pull_seconds(state: dict[str, torch.Tensor], streams: tuple[int, ...]) -> dict[str, float]:
-    from shared.weightsync_client import GrpcWeightPublisher, open_channels, pull_version
+class WeightSync:
+    """The weight-sync service in its own process, holding version 1 of the synthetic state."""
 
-    port = _free_port()
-    env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
-           "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": "1", "STEADYRL_LOG_LEVEL": "WARNING"}
-    server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
-    try:
-        address = f"127.0.0.1:{port}"
-        publisher = GrpcWeightPublisher(address)
-        started = time.perf_counter()
-        await publisher.push(state, 1, timeout=600)
-        push_seconds = time.perf_counter() - started
+    def __init__(self, nbytes: int, versions: int) -> None:
+        self.port = free_port()
+        env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(self.port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
+               "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": str(versions),
+               "STEADYRL_WEIGHTSYNC_MEMORY_VERSIONS": str(versions), "STEADYRL_LOG_LEVEL": "WARNING"}
+        self.process = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env, cwd=ROOT)
+        self.address = f"127.0.0.1:{self.port}"
+        asyncio.run(self._push_first(nbytes))
+
+    async def _push_first(self, nbytes: int) -> None:
+        from shared.weightsync_client import GrpcWeightPublisher
+
+        publisher = GrpcWeightPublisher(self.address)
+        await publisher.push(synthetic_state(nbytes), 1, timeout=600)
         await publisher.close()
-        out = {"push_seconds": push_seconds}
-        channel = open_channels(address, 1)[0]
-        started = time.perf_counter()
-        await _receive_only(channel)
-        out["transport_seconds"] = time.perf_counter() - started
-        await channel.close()
-        for count in streams:
-            channels = open_channels(address, count)
-            started = time.perf_counter()
-            _, payloads, wire = await pull_version(channels, 1)
-            out[f"pull_seconds_{count}"] = time.perf_counter() - started
-            assert wire == sum(t.numel() * t.element_size() for t in state.values())
-            del payloads
-            for channel in channels:
-                await channel.close()
-        return out
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
 
 
-async def _receive_only(channel) -> int:
-    """Receive a full pull's frames and nothing else: the gRPC transport's own ceiling."""
-    from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weightsync_client import PULL_METHOD
+def measure(nbytes: int, rounds: int = 3) -> dict[str, dict]:
+    """Every side's median seconds over `rounds` (and each shm half's)."""
+    from shared.weights import describe
 
-    call = channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString)
-    return sum([len(raw) async for raw in call(pb.PullRequest(version=1))])
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest_path = Path(tmp) / "manifest.pb"
+        manifest_path.write_bytes(describe(synthetic_state(nbytes), 1, 0).SerializeToString())
+        service = WeightSync(nbytes, rounds + 2)
+        pushed = iter(range(2, rounds + 2))
+        try:
+            sides = {
+                "memcpy": lambda: timed([[spawn("memcpy", nbytes)]]),
+                "raw_socket_1": lambda: raw_sockets(nbytes, 1),
+                "raw_socket_2": lambda: raw_sockets(nbytes, 2),
+                "grpc_push": lambda: timed([[spawn("grpc_push", service.address, nbytes, next(pushed))]]),
+                "grpc_pull_1": lambda: timed([[spawn("grpc_pull", service.address, nbytes, 1)]]),
+                "grpc_pull_4": lambda: timed([[spawn("grpc_pull", service.address, nbytes, 4)]]),
+                "shm": lambda: shm(nbytes),
+                "collective_1": lambda: collective(nbytes, 1, manifest_path),
+                "collective_2": lambda: collective(nbytes, 2, manifest_path),
+            }
+            runs: dict[str, list[dict]] = {name: [] for name in sides}
+            for round_ in range(rounds):
+                names = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+                for name in names:
+                    runs[name].append(sides[name]())
+        finally:
+            service.close()
+    out = {name: {"seconds": statistics.median(r["seconds"] for r in results)} for name, results in runs.items()}
+    for half, index in (("trainer_write_digest", 0), ("replica_map_verify_load", 1)):
+        out["shm"][half + "_seconds"] = statistics.median(r["stage_seconds"][index] for r in runs["shm"])
+    return out
 
 
 def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> dict[str, float]:
@@ -124,8 +132,7 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
     from shared.weights import digest, encode_delta, tensor_to_bytes
 
     path = init_tiny_model()
-    spec = TinySpec()
-    task = spec.task()
+    task = TinySpec().task()
     ids, labels = sft_batch(tokenizer_factory(), task.split("train", 64))
     out = {}
     for lr in lrs:
@@ -145,71 +152,26 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
     return out
 
 
-STREAMS = (1, 4)
-MODEL_30B_A3B_BF16_BYTES = 61e9  # Qwen3-30B-A3B in bf16: what one version of it weighs
+def report(nbytes: int, seconds: dict[str, dict]) -> dict:
+    """Rates, each side against the one raw-socket baseline and memcpy, and modelled 61 GB times."""
+    raw, copy = seconds[BASELINE]["seconds"], seconds["memcpy"]["seconds"]
+    sides = {}
+    for name, measured in seconds.items():
+        s = measured["seconds"]
+        sides[name] = {"seconds": round(s, 4), "gib_per_s": round(nbytes / s / 1024**3, 3),
+                       "to_raw_socket": round(raw / s, 3), "to_memcpy": round(copy / s, 3),
+                       "modelled_seconds_61gb": round(MODEL_30B_A3B_BF16_BYTES / (nbytes / s), 1),
+                       **{k: round(v, 4) for k, v in measured.items() if k != "seconds"}}
+    return sides
 
 
-def transports(size: int) -> dict:
-    """shm and collective on the same bf16 payload, each against raw sockets measured beside it,
-    and what one 61 GB version would take at each measured rate."""
-    from bench.weight_transports import collective_seconds, raw_sockets_seconds, shm_seconds
-
-    state = synthetic_state(size, torch.bfloat16)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    out: dict = {"payload_bytes": nbytes}
-    raw = {n: raw_sockets_seconds(nbytes, n) for n in (1, 2)}
-    shm = shm_seconds(state)
-    out["raw_socket_1_gib_per_s"] = round(nbytes / raw[1] / 1024**3, 3)
-    out["raw_sockets_2_gib_per_s_each"] = round(nbytes / raw[2] / 1024**3, 3)
-    out["shm_write_gib_per_s"] = round(nbytes / shm["write_seconds"] / 1024**3, 3)
-    out["shm_map_load_gib_per_s"] = round(nbytes / shm["map_load_seconds"] / 1024**3, 3)
-    out["shm_map_load_to_raw_ratio"] = round(raw[1] / shm["map_load_seconds"], 3)  # target >= 1.0
-    out["shm_map_verify_load_gib_per_s"] = round(nbytes / shm["map_verify_load_seconds"] / 1024**3, 3)
-    out["shm_map_verify_load_to_raw_ratio"] = round(raw[1] / shm["map_verify_load_seconds"], 3)
-    verified_seconds = {}
-    for receivers in (1, 2):
-        plain = collective_seconds(state, receivers, verify=False)
-        verified = verified_seconds[receivers] = collective_seconds(state, receivers, verify=True)
-        out[f"collective_{receivers}_gib_per_s"] = round(nbytes / plain / 1024**3, 3)
-        out[f"collective_{receivers}_verified_gib_per_s"] = round(nbytes / verified / 1024**3, 3)
-        out[f"collective_{receivers}_to_raw_1_ratio"] = round(raw[1] / plain, 3)  # target >= 0.9
-        out[f"collective_{receivers}_to_raw_{receivers}_ratio"] = round(raw[receivers] / plain, 3)
-    rates = {"raw_socket": raw[1], "shm_map_load": shm["map_load_seconds"],
-             "shm_map_verify_load": shm["map_verify_load_seconds"],
-             "collective_1_verified": verified_seconds[1], "collective_2_verified": verified_seconds[2]}
-    out["modelled_seconds_61gb_version"] = {k: round(MODEL_30B_A3B_BF16_BYTES / (nbytes / v), 1)
-                                           for k, v in rates.items()}
-    return out
-
-
-def main(gib: float = 1.0) -> dict:
-    size = int(gib * 1024**3)
-    result: dict = {"benchmark": "weightsync", "payload_gib": gib}
-    for dtype in (torch.float32, torch.bfloat16):
-        state = synthetic_state(size, dtype)
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        raw = raw_socket_seconds(nbytes)
-        grpc_times = asyncio.run(_grpc_pull_seconds(state, STREAMS))
-        del state
-        name = str(dtype).removeprefix("torch.")
-        entry = {
-            "raw_socket_gib_per_s": round(nbytes / raw / 1024**3, 3),
-            "grpc_push_gib_per_s": round(nbytes / grpc_times["push_seconds"] / 1024**3, 3),
-            "grpc_transport_only_to_raw_ratio": round(raw / grpc_times["transport_seconds"], 3),
-        }
-        for count in STREAMS:
-            seconds = grpc_times[f"pull_seconds_{count}"]
-            entry[f"grpc_pull_{count}_streams_gib_per_s"] = round(nbytes / seconds / 1024**3, 3)
-            entry[f"grpc_pull_{count}_streams_to_raw_ratio"] = round(raw / seconds, 3)
-        result[name] = entry
-    result["transports_bfloat16"] = transports(size)
-    pulled = result.get("bfloat16", {}).get("grpc_pull_1_streams_gib_per_s")
-    if pulled:
-        result["transports_bfloat16"]["modelled_seconds_61gb_version"]["grpc_pull"] = round(
-            MODEL_30B_A3B_BF16_BYTES / (pulled * 1024**3), 1)
-    result["tiny_bf16_delta_share_after_one_adamw_step"] = delta_share_after_one_step()
-    result["target_grpc_pull_to_raw_ratio"] = 0.7
-    return result
+def main(gib: float = 1.0, rounds: int = 3) -> dict:
+    nbytes = int(gib * 1024**3) // (64 << 20) * (64 << 20)
+    sides = report(nbytes, measure(nbytes, rounds))
+    return {"benchmark": "weightsync", "payload_bytes": nbytes, "dtype": "bfloat16", "rounds": rounds,
+            "baseline": BASELINE, "sides": sides,
+            "tiny_bf16_delta_share_after_one_adamw_step": delta_share_after_one_step(),
+            "targets": {"grpc_pull_1": 0.7, "collective_1": 0.9, "collective_2": 0.9, "shm": 1.0}}
 
 
 if __name__ == "__main__":

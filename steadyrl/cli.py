@@ -199,13 +199,16 @@ app.add_typer(bench_app, name="bench")
 
 
 @bench_app.command("weightsync")
-def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic state dict.")) -> None:
-    """gRPC full pull vs raw TCP on loopback; delta size after one optimizer step."""
+def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic bf16 version."),
+                     rounds: int = typer.Option(3, min=1, help="Rounds (median), the sides alternated.")) -> None:
+    """One version moved by every weight transport (gRPC push and pull, shm with the trainer's write,
+    gloo broadcast to 1 and 2) against one raw loopback socket and memcpy, all on one clock; delta
+    size after one optimizer step."""
     import json
 
     from bench.weightsync import main as run
 
-    typer.echo(json.dumps(run(gib)))
+    typer.echo(json.dumps(run(gib, rounds)))
 
 
 @bench_app.command("inference")

@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from bench.asynchrony import time_to_target
 from bench.suite import markdown
 from bench.transport import make_rollouts, measure
@@ -26,6 +28,25 @@ def test_transport_rollouts_are_valid():
         assert back.routing_trace.shape == (11, 3, 4)
 
 
+def test_weight_bench_times_every_side_on_one_clock():
+    """Every transport and both limits on 64 MiB, one round: each side's rate against the one
+    raw-socket baseline and memcpy, and the shm figure holding both its halves."""
+    from bench.weightsync import BASELINE, measure, report
+
+    nbytes = 64 << 20
+    measured = measure(nbytes, rounds=1)
+    sides = report(nbytes, measured)
+    assert set(sides) == {"memcpy", "raw_socket_1", "raw_socket_2", "grpc_push", "grpc_pull_1", "grpc_pull_4", "shm",
+                          "collective_1", "collective_2"}
+    assert sides[BASELINE]["to_raw_socket"] == 1.0 and sides["memcpy"]["to_memcpy"] == 1.0
+    for name, side in sides.items():
+        assert side["seconds"] > 0, name
+        assert side["to_raw_socket"] == round(measured[BASELINE]["seconds"] / measured[name]["seconds"], 3), name
+    shm = sides["shm"]  # the trainer's write + digest, then the replica's map + verify + load, on one clock
+    halves = measured["shm"]["trainer_write_digest_seconds"] + measured["shm"]["replica_map_verify_load_seconds"]
+    assert halves == pytest.approx(measured["shm"]["seconds"], rel=1e-9) and shm["seconds"] > 0
+
+
 def test_time_to_target():
     evals = [{"version": 0, "accuracy": 0.4, "unix_ms": 1000}, {"version": 10, "accuracy": 0.58, "unix_ms": 6000},
              {"version": 20, "accuracy": 0.48, "unix_ms": 11500}, {"version": 30, "accuracy": 0.55, "unix_ms": 17000},
@@ -41,7 +62,8 @@ def test_markdown_summary_names_the_machine_and_every_figure():
         "machine": {"cores": 2, "cpu": "Test CPU", "memory_gib": 24.0, "gpu": False, "python": "3.11", "torch": "2"},
         "date": "2026-01-01",
         "benchmarks": {
-            "weightsync": {"float32": {"grpc_pull_1_streams_to_raw_ratio": 0.15}},
+            "weightsync": {"sides": {"grpc_pull_1": {"to_raw_socket": 0.15, "to_memcpy": 0.03, "gib_per_s": 0.5}},
+                           "targets": {"grpc_pull_1": 0.7}},
             "transport": {"shapes": [{"shape": "tiny", "bytes_per_rollout": 198, "steadyrl_rollouts_per_s": 5000,
                                       "ratio_steadyrl_to_raw": 0.55}]},
             "inference": {"error": "exit 1"},
@@ -51,6 +73,7 @@ def test_markdown_summary_names_the_machine_and_every_figure():
     }
     text = markdown(result)
     assert "2 cores of Test CPU, 24.0 GiB, no GPU" in text
-    assert "| weightsync | verified gRPC pull / raw TCP socket, float32 (– vs – GiB/s) | 0.15 | ≥ 0.7 |" in text
+    assert ("| weightsync | verified gRPC pull, 1 stream, loaded / raw TCP socket to 1, bf16 (0.5 GiB/s vs raw socket "
+            "– GiB/s, memcpy – GiB/s; / memcpy 0.03) | 0.15 | ≥ 0.7 |") in text
     assert "| 0.55 |" in text and "(60 s vs 40 s) | 1.5 | > 1 |" in text
     assert text.rstrip().endswith("Failed: inference (see the JSON).")

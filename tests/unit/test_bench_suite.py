@@ -7,7 +7,8 @@ from bench.suite import machine, main, markdown
 
 def test_an_update_keeps_earlier_figures_dated_and_refuses_another_machine():
     earlier = {"machine": machine(), "date": "2026-01-02",
-               "benchmarks": {"weightsync": {"transports_bfloat16": {"collective_1_to_raw_1_ratio": 0.97}},
+               "benchmarks": {"weightsync": {"sides": {"collective_1": {"to_raw_socket": 0.97}},
+                                             "targets": {"collective_1": 0.9}},
                               "inference": {"service_to_bare_ratio": 0.8, "date": "2026-01-01"}}}
     merged = main(["no-such-benchmark"], earlier)  # runs nothing: only the merge
     assert list(merged["benchmarks"]) == ["weightsync", "inference"]
@@ -15,6 +16,7 @@ def test_an_update_keeps_earlier_figures_dated_and_refuses_another_machine():
     assert merged["benchmarks"]["inference"]["date"] == "2026-01-01"
     text = markdown(merged)
     assert "weightsync 2026-01-02, inference 2026-01-01" in text
-    assert "| gloo broadcast to 1 / raw TCP socket to 1, bf16" in text and "| 0.97 | ≥ 0.9 |" in text
+    assert "| gloo broadcast to 1 replica, verified, loaded / raw TCP socket to 1, bf16" in text
+    assert "| 0.97 | ≥ 0.9 |" in text
     with pytest.raises(ValueError, match="another machine"):
         main([], {**earlier, "machine": {"cpu": "elsewhere"}})

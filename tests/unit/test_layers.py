@@ -1,7 +1,9 @@
 """The layers import downwards only: the library (`shared`) imports neither the services, the
 benchmarks nor the application layer (`steadyrl`); the services import neither the benchmarks
-nor the application layer; `shared/core` is pure (torch and the standard library only). Checked
-on the source: every import statement and every string naming a module (`importlib`, `-m`)."""
+nor the application layer; the benchmarks do not import the application layer (which runs them);
+`shared/core` is pure (torch and the standard library only); and within the benchmarks no two
+modules import each other, however indirectly. Checked on the source: every import statement and
+every string naming a module (`importlib`, `-m`)."""
 
 import ast
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = {"shared": ("services", "bench", "steadyrl"), "services": ("bench", "steadyrl")}
+FORBIDDEN = {"shared": ("services", "bench", "steadyrl"), "services": ("bench", "steadyrl"), "bench": ("steadyrl",)}
 CORE_ALLOWED = {"torch", "shared", "__future__"} | set(sys.stdlib_module_names)
 
 
@@ -31,8 +33,8 @@ def modules_named(path: Path) -> set[str]:
     return named
 
 
-def sources(package: str) -> list[Path]:
-    return [p for p in sorted((ROOT / package).rglob("*.py")) if "rpc/steadyrl" not in p.as_posix()]
+def sources(package: str, root: Path = ROOT) -> list[Path]:
+    return [p for p in sorted((root / package).rglob("*.py")) if "rpc/steadyrl" not in p.as_posix()]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -49,8 +51,40 @@ def test_the_core_is_pure():
     assert not bad, sorted(bad)
 
 
+def cycles(package: str, root: Path = ROOT) -> list[list[str]]:
+    """The import cycles among the modules of `package` (each found once, from its smallest member)."""
+    modules = {".".join(p.relative_to(root).with_suffix("").parts): p for p in sources(package, root)}
+    edges = {m: sorted({n for n in modules_named(p) if n in modules and n != m}) for m, p in modules.items()}
+    found = []
+
+    def visit(path: list[str]) -> None:
+        for nxt in edges[path[-1]]:
+            if nxt == path[0]:
+                found.append(path)
+            elif nxt not in path and nxt > path[0]:
+                visit([*path, nxt])
+
+    for start in sorted(modules):
+        visit([start])
+    return found
+
+
+@pytest.mark.parametrize("package", ["bench", "steadyrl"])
+def test_no_module_imports_itself_through_others(package):
+    assert not cycles(package), cycles(package)
+
+
 def test_the_check_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import importlib\nfrom services.trainer import config\nimportlib.import_module('bench.suite')\n"
                    "cmd = [python, '-m', 'steadyrl.cli']\nlog = getLogger('steadyrl.trainer')\n")
     assert modules_named(bad) == {"importlib", "services.trainer", "bench.suite", "steadyrl.cli"}
+
+
+def test_the_cycle_check_sees_a_circle_through_a_spawned_module(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import x\n")
+    (tmp_path / "pkg" / "b.py").write_text("cmd = [python, '-m', 'pkg.c']\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    (tmp_path / "pkg" / "d.py").write_text("import pkg.a\n")
+    assert cycles("pkg", tmp_path) == [["pkg.a", "pkg.b", "pkg.c"]]
