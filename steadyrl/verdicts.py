@@ -1,0 +1,177 @@
+"""The verdict on each of the paper's six findings, from the committed per-run results
+(docs/reproduction/**/results.csv), by one rule (docs/REPRODUCTION.md prints what this writes).
+
+A finding is a list of claims, each comparing recipes (configurations of a grid):
+- `collapses_more` (A collapses more often than B): Fisher's exact test on the runs flagged
+  collapsed, one-sided p < 0.05;
+- `higher` (A ends higher than B): Welch's t on the final score at least 2;
+- `never_collapses` (A is stable): none of A's runs collapsed;
+- `no_gain` (A brings no gain over B): the gain is excluded, mean difference + 2 standard
+  errors < 0.05 (5 accuracy points).
+A finding is reproduced in a setting when all its claims hold there. The score is π's final
+accuracy in float32 (the trainer's own model) where the grid scored it, else μ's (the served
+model's) final eval. `python -m steadyrl.verdicts` prints the tables.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "docs" / "reproduction"
+MARGIN = 0.05  # a gain under 5 accuracy points is no gain
+PAPER_VARIANTS = ("n1-minirl-lennorm", "n1-minirl-no-is", "n1-minirl-r3")  # the paper's other on-policy recipes
+
+
+@dataclass(frozen=True)
+class Claim:
+    kind: str  # collapses_more | higher | never_collapses | no_gain
+    a: tuple[str, ...]  # configurations pooled as A (fnmatch patterns: n[48] is N = 4 or 8)
+    b: tuple[str, ...] = ()  # ... and as B
+
+
+@dataclass(frozen=True)
+class Finding:
+    key: str
+    text: str
+    claims: tuple[Claim, ...]
+
+
+FINDINGS = (
+    Finding("a", "on-policy MiniRL is the most stable and best", (
+        Claim("collapses_more", PAPER_VARIANTS, ("n1-minirl",)), Claim("higher", ("n1-minirl",), PAPER_VARIANTS))),
+    Finding("b", "without the training–inference IS weight it collapses", (
+        Claim("collapses_more", ("n1-minirl-no-is",), ("n1-minirl",)),)),
+    Finding("c", "length normalisation is stable but worse", (
+        Claim("higher", ("n1-minirl",), ("n1-minirl-lennorm",)), Claim("never_collapses", ("n1-minirl-lennorm",)))),
+    Finding("d", "R3 brings no gain on-policy", (Claim("no_gain", ("n1-minirl-r3",), ("n1-minirl",)),)),
+    Finding("e", "off-policy without clipping collapses", (
+        Claim("collapses_more", ("n[248]-minirl-noclip",), ("n[248]-minirl-r2", "n[248]-minirl-r3")),)),
+    Finding("f", "N = 2: R2 beats R3; N ≥ 4: R3 is best", (
+        Claim("higher", ("n2-minirl-r2",), ("n2-minirl-r3",)), Claim("higher", ("n[48]-minirl-r3",), ("n[48]-minirl-r2",)))),
+)
+
+# (name, result files under docs/reproduction): the settings in the order they were run
+SETTINGS = (
+    ("bf16 inference, 150 steps, lr 2e-3 (grid v1)", ("results.csv",)),
+    ("FP8 weights, mul_trace, 300 steps (grid v2)", ("v2/results.csv",)),
+    ("FP8 W8A8, mul_trace, 300 steps (grid v2)", ("v2-w8a8/results.csv",)),
+    ("NVFP4 W4A4, 150 steps, lr 1e-3", ("fp4-grid/results.csv",)),
+    ("NVFP4 W4A4, 1,250 steps on policy, 600 off, lr 1e-3", (
+        "fp4-long/results.csv", "fp4-long-n2/results.csv", "fp4-long-n4/results.csv")),
+    ("NVFP4 W4A4, N = 8, 625 steps, lr 1e-3", ("fp4-long-n8/results.csv",)),
+    ("NVFP4 W4A4, 300 steps, lr 2e-3, π live", (
+        "fp4-live-pi/lr2e-3-results.csv", "fp4-offpolicy-lr2e-3/n2-results.csv",
+        "fp4-offpolicy-lr2e-3/n4-results.csv")),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    config: str
+    collapsed: bool
+    score: float
+    score_of: str  # "π" (the trainer's model, float32) or "μ" (the served model)
+
+
+def read_runs(files: tuple[str, ...], root: Path = ROOT) -> list[Run]:
+    runs = []
+    for name in files:
+        with (root / name).open() as f:
+            for row in csv.DictReader(f):
+                pi = row.get("final_model_eval") or ""
+                runs.append(Run(row["config"], row["collapsed"] == "True", float(pi or row["eval_final"]),
+                                "π" if pi else "μ"))
+    return runs
+
+
+def fisher_greater(a_hits: int, a_n: int, b_hits: int, b_n: int) -> float:
+    """One-sided Fisher exact p that A's rate is above B's: P(A has ≥ a_hits | the margins)."""
+    hits, total = a_hits + b_hits, a_n + b_n
+    tail = sum(math.comb(hits, k) * math.comb(total - hits, a_n - k) for k in range(a_hits, min(a_n, hits) + 1))
+    return tail / math.comb(total, a_n)
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(mean A − mean B, its standard error, Welch's t)."""
+    def var(x: list[float]) -> float:
+        mean = sum(x) / len(x)
+        return sum((v - mean) ** 2 for v in x) / (len(x) - 1)
+
+    diff = sum(a) / len(a) - sum(b) / len(b)
+    se = math.sqrt(var(a) / len(a) + var(b) / len(b))
+    return diff, se, diff / se if se else math.copysign(math.inf, diff) if diff else 0.0
+
+
+def matching(runs: list[Run], patterns: tuple[str, ...]) -> list[Run]:
+    return [r for r in runs if any(fnmatch.fnmatchcase(r.config, p) for p in patterns)]
+
+
+def judge(claim: Claim, runs: list[Run]) -> tuple[bool, str] | None:
+    """(holds, the statistic as written) for one claim; None when the setting lacks its recipes."""
+    a, b = matching(runs, claim.a), matching(runs, claim.b)
+    if not all(matching(runs, (p,)) for p in (*claim.a, *claim.b)):
+        return None
+    if claim.kind == "never_collapses":
+        hits = sum(r.collapsed for r in a)
+        return hits == 0, f"{hits}/{len(a)} collapsed"
+    if claim.kind == "collapses_more":
+        ha, hb = sum(r.collapsed for r in a), sum(r.collapsed for r in b)
+        p = fisher_greater(ha, len(a), hb, len(b))
+        return p < 0.05, f"collapsed {ha}/{len(a)} vs {hb}/{len(b)}, Fisher p = {p:.3g}"
+    diff, se, t = welch([r.score for r in a], [r.score for r in b])
+    of = a[0].score_of
+    if claim.kind == "higher":
+        return t >= 2, f"{of} {diff + sum(r.score for r in b) / len(b):.3f} vs {sum(r.score for r in b) / len(b):.3f}, t = {t:.2f}"
+    return diff + 2 * se < MARGIN, f"{of} gain {diff:+.3f}, + 2 SE = {diff + 2 * se:+.3f}"
+
+
+def verdict(finding: Finding, runs: list[Run]) -> tuple[bool | None, list[str]]:
+    """(reproduced; None when the setting cannot test it, the statistics of its claims)."""
+    judged = [judge(claim, runs) for claim in finding.claims]
+    if any(j is None for j in judged):
+        return None, []
+    return all(ok for ok, _ in judged), [text for _, text in judged]
+
+
+def compared(finding: Finding, runs: list[Run]) -> list[Run]:
+    """The runs of the recipes a finding compares."""
+    return matching(runs, tuple(p for claim in finding.claims for p in (*claim.a, *claim.b)))
+
+
+def primary(finding: Finding) -> tuple[str, tuple[str, ...]]:
+    """The setting a finding is judged in: the one with the most runs of its recipes, the latest on a tie."""
+    def size(setting) -> int:
+        runs = read_runs(setting[1])
+        if verdict(finding, runs)[0] is None:
+            return -1
+        return len(compared(finding, runs))
+
+    return max(reversed(SETTINGS), key=size)
+
+
+def tables() -> str:
+    """The six-row verdict table and the same rule over every setting, as markdown."""
+    lines = ["| finding | setting | runs | statistic | verdict |", "|---|---|---|---|---|"]
+    reproduced = []
+    for finding in FINDINGS:
+        name, files = primary(finding)
+        runs = read_runs(files)
+        ok, stats = verdict(finding, runs)
+        lines.append(f"| ({finding.key}) {finding.text} | {name} | {len(compared(finding, runs))} | "
+                     f"{'; '.join(stats)} | {'reproduced' if ok else 'not reproduced'} |")
+        reproduced += [finding.key] * bool(ok)
+    lines += ["", f"**{len(reproduced)} of 6 reproduced**: {', '.join(f'({k})' for k in reproduced) or 'none'}.", "",
+              "| setting | " + " | ".join(f"({f.key})" for f in FINDINGS) + " |", "|---" * (len(FINDINGS) + 1) + "|"]
+    for name, files in SETTINGS:
+        runs = read_runs(files)
+        cells = [{True: "yes", False: "no", None: "–"}[verdict(f, runs)[0]] for f in FINDINGS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(tables(), end="")

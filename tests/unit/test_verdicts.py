@@ -1,0 +1,47 @@
+"""The verdict rule (steadyrl/verdicts.py): its statistics by hand, each kind of claim, and
+docs/REPRODUCTION.md printing exactly what it computes from the committed results."""
+
+from pathlib import Path
+
+import pytest
+
+from steadyrl.verdicts import Claim, Run, fisher_greater, judge, tables, welch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fisher_and_welch_by_hand():
+    # 4 of 6 vs 2 of 12: tables with A holding 4, 5 or 6 of the 6 hits, over C(18, 6) = 18,564
+    # (C(6,4)C(12,2) + C(6,5)C(12,1) + C(6,6)C(12,0)) / 18564 = (990 + 72 + 1) / 18564
+    assert fisher_greater(4, 6, 2, 12) == pytest.approx(1063 / 18564)
+    assert fisher_greater(1, 1, 0, 1) == pytest.approx(0.5)
+    assert fisher_greater(0, 3, 3, 3) == 1.0
+    diff, se, t = welch([0.5, 0.7], [0.2, 0.4, 0.3])
+    # variances 0.02 and 0.01: se = sqrt(0.02/2 + 0.01/3)
+    assert diff == pytest.approx(0.3) and se == pytest.approx((0.01 + 0.01 / 3) ** 0.5)
+    assert t == pytest.approx(0.3 / (0.01 + 0.01 / 3) ** 0.5)
+
+
+def runs(config: str, scores: list[float], collapsed: int) -> list[Run]:
+    return [Run(config, i < collapsed, s, "π") for i, s in enumerate(scores)]
+
+
+def test_each_kind_of_claim():
+    data = runs("x", [0.5, 0.52, 0.54, 0.5], 0) + runs("y", [0.3, 0.32, 0.34, 0.3], 3) + runs("z", [0.5, 0.56], 0)
+    assert judge(Claim("higher", ("x",), ("y",)), data)[0] is True  # t = 0.2 / 0.0141 = 14
+    assert judge(Claim("higher", ("y",), ("x",)), data)[0] is False
+    ok, text = judge(Claim("collapses_more", ("y",), ("x",)), data)  # 3/4 vs 0/4: p = 4/70
+    assert not ok and text == "collapsed 3/4 vs 0/4, Fisher p = 0.0714"
+    assert judge(Claim("never_collapses", ("x",)), data) == (True, "0/4 collapsed")
+    assert judge(Claim("never_collapses", ("y",)), data) == (False, "3/4 collapsed")
+    # z vs x: gain +0.015, SE = sqrt(0.0018/2 + 0.000367/4) = 0.0315: 0.015 + 0.063 ≥ 0.05 — not excluded
+    assert judge(Claim("no_gain", ("z",), ("x",)), data)[0] is False
+    assert judge(Claim("no_gain", ("y",), ("x",)), data)[0] is True  # far below: a gain excluded
+    assert judge(Claim("higher", ("x",), ("absent",)), data) is None
+
+
+def test_the_reproduction_page_prints_the_rules_verdicts():
+    page = (ROOT / "docs" / "REPRODUCTION.md").read_text()
+    generated = tables()
+    assert generated in page
+    assert "**2 of 6 reproduced**: (d), (e)." in generated  # what the committed results give today
