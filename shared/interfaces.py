@@ -1,14 +1,13 @@
 """The transports between the services, as interfaces: what a service needs of each, not how it
-travels. Every implementation today is Redis or gRPC; a later one (a collective, shared memory)
-implements the same methods and plugs in.
+travels.
 
-| interface          | who uses it             | implementation                                   |
-| ------------------ | ----------------------- | ------------------------------------------------ |
-| `RolloutSink`      | replicas publish        | `shared.queues.WorkQueue` (Redis, Lua)            |
-| `RolloutSource`    | the trainer reads       | `services.trainer.stream.RedisRolloutSource`      |
-| `WeightPublisher`  | the trainer pushes      | `shared.weightsync_client.GrpcWeightPublisher`    |
-| `WeightSubscriber` | replicas receive        | `shared.weightsync_client.GrpcWeightSubscriber`   |
-| `Engine`           | replicas generate       | `shared.engines` torch / vllm (a Protocol there)  |
+| interface          | who uses it             | implementations                                                 |
+| ------------------ | ----------------------- | --------------------------------------------------------------- |
+| `RolloutSink`      | replicas publish        | `shared.queues.WorkQueue` (Redis, Lua)                          |
+| `RolloutSource`    | the trainer reads       | `services.trainer.stream.RedisRolloutSource`                    |
+| `WeightPublisher`  | the trainer pushes      | `shared.weightsync_client.GrpcWeightPublisher`, `shared.weight_publishers.ShmWeightPublisher`, `shared.weight_publishers.CollectiveWeightPublisher` |
+| `WeightSubscriber` | replicas receive        | `shared.weight_subscriber.GrpcWeightSubscriber` (every transport) |
+| `Engine`           | replicas generate       | `shared.engines` torch / vllm (a Protocol there)                |
 """
 
 from __future__ import annotations

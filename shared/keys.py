@@ -1,46 +1,81 @@
-"""Every Redis key of a run, in one place: who writes it, who reads it.
+"""Every Redis key of a run, and every field of its hashes, declared once: who writes it, who reads it.
 
 All keys live under `steadyrl:{run_id}:`. The writer named for a key is its only writer (the
 work-queue keys are written only through `shared.queues` scripts, whichever service calls them).
-
-| key                     | type   | writer                      | readers                 |
-| ----------------------- | ------ | --------------------------- | ----------------------- |
-| `tasks`                 | HASH   | queue scripts               | replicas (lease)        |
-| `pending`               | LIST   | queue scripts               | replicas (lease)        |
-| `pending:policy`        | LIST   | queue scripts               | policy-eval replicas    |
-| `leases`                | ZSET   | queue scripts               | orchestrator (sweep)    |
-| `owners`                | HASH   | queue scripts               | queue scripts           |
-| `attempts`              | HASH   | queue scripts               | queue scripts           |
-| `errors`                | HASH   | queue scripts (`fail`)      | queue scripts (requeue) |
-| `completed`             | HASH   | queue scripts (`complete`)  | trainer (lease check)   |
-| `dead`                  | STREAM | queue scripts               | orchestrator, operators |
-| `dead:counts`           | HASH   | queue scripts               | orchestrator, operators |
-| `rollouts`              | STREAM | queue scripts (`complete`)  | trainer (consumer group)|
-| `evals`                 | STREAM | queue scripts (`complete`)  | orchestrator            |
-| `rollouts:dead`         | STREAM | trainer                     | operators               |
-| `rollouts:dead:counts`  | HASH   | trainer                     | orchestrator, operators |
-| `trained`               | LIST   | trainer                     | orchestrator (ledger)   |
-| `trained:ids`           | SET    | trainer                     | trainer                 |
-| `trained:dropped`       | LIST   | trainer                     | orchestrator (ledger)   |
-| `trained:dead`          | SET    | trainer                     | orchestrator (ledger)   |
-| `trainer`               | HASH   | trainer                     | trainer (restart)       |
-| `run`                   | HASH   | orchestrator                | orchestrator, `/v1/run` |
-| `replicas`              | HASH   | orchestrator (heartbeats)   | orchestrator, `/v1/run` |
+`markdown_table()` renders the declaration; docs/ARCHITECTURE.md prints it (a test keeps them
+equal). Hash fields are named by `RunField` and `TrainerField`, whose values are the field names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-_NAMES = {
-    "tasks": "tasks", "pending": "pending", "pending_policy": "pending:policy", "leases": "leases", "owners": "owners",
-    "attempts": "attempts",
-    "errors": "errors", "completed": "completed", "dead": "dead", "dead_counts": "dead:counts",
-    "rollouts": "rollouts", "evals": "evals", "rollouts_dead": "rollouts:dead",
-    "rollouts_dead_counts": "rollouts:dead:counts", "trained": "trained", "trained_ids": "trained:ids",
-    "dropped": "trained:dropped", "trained_dead": "trained:dead", "trainer": "trainer", "run": "run",
-    "replicas": "replicas",
+
+@dataclass(frozen=True)
+class Key:
+    suffix: str  # after `steadyrl:{run_id}:`
+    type: str
+    holds: str
+    writer: str
+    readers: str
+
+
+KEYS = {
+    "tasks": Key("tasks", "HASH", "task id → PromptTask", "queue scripts (submit, lease, complete, dead-letter)",
+                 "replicas (lease)"),
+    "pending": Key("pending", "LIST", "task ids", "queue scripts", "replicas (lease)"),
+    "pending_policy": Key("pending:policy", "LIST", "task ids of π's evals (`evalpi-…`)",
+                          "queue scripts (submit, requeue route by id)", "replicas with `pool = \"policy_eval\"` (lease)"),
+    "leases": Key("leases", "ZSET", "task id → deadline ms", "queue scripts", "orchestrator (sweep)"),
+    "owners": Key("owners", "HASH", "task id → replica", "queue scripts", "queue scripts (lease checks, reclaim)"),
+    "attempts": Key("attempts", "HASH", "task id → count", "queue scripts", "queue scripts"),
+    "errors": Key("errors", "HASH", "task id → last failure", "queue scripts (`fail`)", "queue scripts (requeue)"),
+    "completed": Key("completed", "HASH", "task id → lease stamp", "queue scripts (`complete`)",
+                     "trainer (lease check), replicas (a publish whose reply was lost), orchestrator (depth)"),
+    "dead": Key("dead", "STREAM", "task id, code, reason, task", "queue scripts (newest 10,000)",
+                "orchestrator (accounting), operators"),
+    "dead_counts": Key("dead:counts", "HASH", "code → count", "queue scripts", "orchestrator (`/v1/run`), operators"),
+    "rollouts": Key("rollouts", "STREAM", "task, lease, n, r", "queue scripts (`complete`)",
+                    "trainer (consumer group `trainer`)"),
+    "evals": Key("evals", "STREAM", "task, lease, n, r", "queue scripts (`complete`)", "orchestrator (eval rounds)"),
+    "rollouts_dead": Key("rollouts:dead", "STREAM", "entry, reason, message, r", "trainer (newest 10,000)",
+                         "operators"),
+    "rollouts_dead_counts": Key("rollouts:dead:counts", "HASH", "reason → count", "trainer",
+                                "orchestrator (`/v1/run`), operators"),
+    "trained": Key("trained", "LIST", "rollout ids (the ledger)", "trainer", "orchestrator (progress), tests"),
+    "trained_ids": Key("trained:ids", "SET", "rollout ids (guards the ledger)", "trainer", "trainer"),
+    "dropped": Key("trained:dropped", "LIST", "rollout ids dropped as stale", "trainer", "orchestrator (progress)"),
+    "trained_dead": Key("trained:dead", "SET", "group ids dead-lettered whole", "trainer",
+                        "orchestrator (progress), trainer (restart)"),
+    "trainer": Key("trainer", "HASH", "`TrainerField`s", "trainer", "trainer (restart)"),
+    "run": Key("run", "HASH", "`RunField`s", "orchestrator", "orchestrator, `/v1/run`"),
+    "replicas": Key("replicas", "HASH", "replica → version", "orchestrator (heartbeats)", "orchestrator, `/v1/run`"),
 }
+
+
+class RunField(StrEnum):
+    """The fields of the `run` hash (written by the orchestrator)."""
+
+    STATE = "state"  # created | running | paused | stopped | finished
+    CREATED_UNIX_MS = "created_unix_ms"  # and `<state>_unix_ms` when each state was entered
+    CONFIG = "config"  # the orchestrator's settings as JSON (secrets left out)
+    SUBMITTED = "submitted"  # train tasks submitted: the next task number
+    EPOCH = "epoch"  # passes over the training set
+    DEAD_TRAIN = "dead_train"  # train tasks dead-lettered, folded from `dead`
+    DEAD_CURSOR = "dead_cursor"  # the last `dead` entry folded
+    EVALS_SUBMITTED = "evals_submitted"  # JSON: the steps whose eval round is queued
+    EVAL_VERSIONS = "eval_versions"  # JSON: step → the version it asks for
+    EVALS_WRITTEN = "evals_written"  # JSON: μ's rounds written to eval.jsonl
+    POLICY_EVALS_WRITTEN = "policy_evals_written"  # JSON: π's rounds written to policy-eval.jsonl
+    POLICY_EVAL_INITIAL = "policy_eval_initial"  # JSON: π's first round per eval set
+    POLICY_EVAL_RECENT = "policy_eval_recent"  # JSON: π's two latest rounds per eval set
+
+
+class TrainerField(StrEnum):
+    """The fields of the `trainer` hash (written by the trainer)."""
+
+    PUBLISHED_VERSION = "published_version"  # recorded before each push: a restart numbers past it
 
 
 def check_run_id(run_id: str) -> str:
@@ -64,10 +99,20 @@ class RunKeys:
 
     def __getattr__(self, name: str) -> str:
         try:
-            return self.prefix + _NAMES[name]
+            return self.prefix + KEYS[name].suffix
         except KeyError:
-            raise AttributeError(f"no key {name!r} in a run; keys: {sorted(_NAMES)}") from None
+            raise AttributeError(f"no key {name!r} in a run; keys: {sorted(KEYS)}") from None
 
     def all(self) -> dict[str, str]:
         """Every key by its attribute name (for tests and operators)."""
-        return {name: self.prefix + suffix for name, suffix in _NAMES.items()}
+        return {name: self.prefix + key.suffix for name, key in KEYS.items()}
+
+
+def markdown_table() -> str:
+    """The keys and hash fields of a run as docs/ARCHITECTURE.md prints them."""
+    lines = ["| key | type | holds | writer | readers |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{k.suffix}` | {k.type} | {k.holds} | {k.writer} | {k.readers} |" for k in KEYS.values()]
+    for enum in (RunField, TrainerField):
+        lines.append("")
+        lines.append(f"{enum.__doc__.strip().rstrip('.')}: " + ", ".join(f"`{f.value}`" for f in enum) + ".")
+    return "\n".join(lines) + "\n"

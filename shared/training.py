@@ -44,7 +44,8 @@ class StepConfig:
 
 
 def resolve_recipe(mini_batches: int, staleness_max: int, has_traces: bool) -> tuple[str, bool, str]:
-    """The paper's recipe (DESIGN.md §3) → (replay, clip, why)."""
+    """The paper's recipe (§4 of arXiv 2512.01374: on-policy MiniRL; N = 2 clipping + R2;
+    N ≥ 4 or async staleness ≥ 2 clipping + R3) → (replay, clip, why)."""
     if mini_batches >= 4 or staleness_max >= 2:
         if has_traces:
             return "r3", True, f"strongly off-policy (N={mini_batches}, staleness {staleness_max}): clip + R3"

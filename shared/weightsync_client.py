@@ -1,9 +1,9 @@
 """Client helpers of the weight-sync service.
 
-`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version. `GrpcWeightSubscriber`
-(replica side) watches for versions, pulls each one (as a delta against the version it holds),
-verifies every tensor's checksum and hands a complete state dict to a callback; when a stream
-drops it reconnects with backoff and resumes from the version it holds.
+`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version; `pull_version`
+(replica side, called by `shared.weight_subscriber.GrpcWeightSubscriber`) pulls one, as a delta
+against the version it holds where it can, over one or several streams, and verifies every
+tensor's checksum.
 """
 
 from __future__ import annotations

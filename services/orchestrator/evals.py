@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
 from shared.core.evals import sampled_scores
-from shared.keys import RunKeys
+from shared.keys import RunField, RunKeys
 from shared.queues import POLICY_EVAL_PREFIX, WorkQueue, given_up, now_ms
 from shared.rollout import RolloutError, decode_rollout
 from shared.tracking import ScalarLog
@@ -85,8 +85,8 @@ class EvalRounds:
         return steps
 
     async def schedule(self, trainer_step: int, trainer_version: int) -> None:
-        submitted = await self._json("evals_submitted", "[]")
-        requested = await self._json("eval_versions", "{}")
+        submitted = await self._json(RunField.EVALS_SUBMITTED, "[]")
+        requested = await self._json(RunField.EVAL_VERSIONS, "{}")
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
             k, temperature = self.settings.eval_samples, self.settings.eval_temperature
@@ -97,8 +97,8 @@ class EvalRounds:
                      for name, examples in self.tasks.evals.items() for j, example in enumerate(examples)]
             submitted.append(step)
             requested[str(step)] = version
-            await self.queue.submit_many(tasks, (self.keys.run, {"evals_submitted": json.dumps(submitted),
-                                                                 "eval_versions": json.dumps(requested)}))
+            await self.queue.submit_many(tasks, (self.keys.run, {RunField.EVALS_SUBMITTED: json.dumps(submitted),
+                                                                 RunField.EVAL_VERSIONS: json.dumps(requested)}))
             EVAL_SUBMITTED.inc(len(tasks))
             log.info("event=eval_scheduled step=%d version=%d prompts=%d", step, version, len(tasks))
 
@@ -111,9 +111,9 @@ class EvalRounds:
         reply = await self.redis.xread({self.keys.evals: self.cursor}, count=4096)
         if not reply and not dead:
             return
-        written = set(await self._json("evals_written", "[]"))
-        policy_written = set(await self._json("policy_evals_written", "[]"))
-        requested = await self._json("eval_versions", "{}")
+        written = set(await self._json(RunField.EVALS_WRITTEN, "[]"))
+        policy_written = set(await self._json(RunField.POLICY_EVALS_WRITTEN, "[]"))
+        requested = await self._json(RunField.EVAL_VERSIONS, "{}")
         for entry_id, fields in reply[0][1] if reply else []:
             self.cursor = entry_id
             try:
@@ -137,8 +137,8 @@ class EvalRounds:
                                             for name, examples in self.tasks.evals.items()):
                     await self._write(step, buckets, int(requested.get(str(step), step)), policy)
                     done.add(step)
-        await self.redis.hset(self.keys.run, mapping={"evals_written": json.dumps(sorted(written)),
-                                                      "policy_evals_written": json.dumps(sorted(policy_written))})
+        await self.redis.hset(self.keys.run, mapping={RunField.EVALS_WRITTEN: json.dumps(sorted(written)),
+                                                      RunField.POLICY_EVALS_WRITTEN: json.dumps(sorted(policy_written))})
 
     def _place(self, task_id: str) -> tuple[str, str, int, int] | None:
         """(kind, eval set, step, prompt) of an eval task of this run, None for any other id."""
@@ -216,13 +216,13 @@ class EvalRounds:
         alert compares with the first so that one round's dip does not fire it)."""
         accuracies = {name: scores["accuracy"] for name, scores in sets.items() if scores["prompts"]}
         if step == 0:
-            await self.redis.hset(self.keys.run, "policy_eval_initial", json.dumps(accuracies))
+            await self.redis.hset(self.keys.run, RunField.POLICY_EVAL_INITIAL, json.dumps(accuracies))
             self._set_initial(accuracies)
-        recent = await self._json("policy_eval_recent", "{}")
+        recent = await self._json(RunField.POLICY_EVAL_RECENT, "{}")
         for name, accuracy in accuracies.items():
             rounds = {int(k): v for k, v in recent.get(name, {}).items()} | {step: accuracy}
             recent[name] = dict(sorted(rounds.items())[-2:])
-        await self.redis.hset(self.keys.run, "policy_eval_recent", json.dumps(recent))
+        await self.redis.hset(self.keys.run, RunField.POLICY_EVAL_RECENT, json.dumps(recent))
         self._set_recent(recent)
 
     @staticmethod
@@ -240,8 +240,8 @@ class EvalRounds:
 
     async def restore(self) -> None:
         """A restarted orchestrator exports π's first and two latest rounds again (from the run hash)."""
-        self._set_initial(await self._json("policy_eval_initial", "{}"))
-        self._set_recent(await self._json("policy_eval_recent", "{}"))
+        self._set_initial(await self._json(RunField.POLICY_EVAL_INITIAL, "{}"))
+        self._set_recent(await self._json(RunField.POLICY_EVAL_RECENT, "{}"))
 
     def _complete(self, bucket: dict | None, prompts: int, policy: bool = False) -> bool:
         k = 0 if policy else self.settings.eval_samples  # π's rounds are greedy only
@@ -263,7 +263,7 @@ class EvalRounds:
         log.warning("event=eval_rollout_refused entry=%s reason=%s", entry_id.decode(), reason)
 
     def _written_fields(self) -> tuple[str, ...]:
-        return ("evals_written", "policy_evals_written") if self.settings.policy_eval else ("evals_written",)
+        return (RunField.EVALS_WRITTEN, RunField.POLICY_EVALS_WRITTEN) if self.settings.policy_eval else (RunField.EVALS_WRITTEN,)
 
     async def baseline_written(self) -> bool:
         """Whether the step-0 round (the cold start; μ's and, with policy_eval, π's) is in, or there

@@ -31,7 +31,7 @@ from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.control import REPLY_MARGIN_SECONDS, Bounded, RedisUnavailable
 from services.orchestrator.data import Tasks
 from services.orchestrator.evals import EvalRounds
-from shared.keys import RunKeys
+from shared.keys import RunField, RunKeys
 from shared.ledger import Ledger
 from shared.queues import WorkQueue, given_up, now_ms
 from shared.rpc.steadyrl.v1 import common_pb2
@@ -60,15 +60,15 @@ local now = redis.call('TIME')
 if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[3]) then
   return {-1, 'deadline'}
 end
-local current = redis.call('HGET', KEYS[1], 'state') or 'created'
+local current = redis.call('HGET', KEYS[1], '$STATE') or 'created'
 for i = 4, #ARGV do
   if current == ARGV[i] then
-    redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[1] .. '_unix_ms', ARGV[2])
+    redis.call('HSET', KEYS[1], '$STATE', ARGV[1], ARGV[1] .. '_unix_ms', ARGV[2])
     return {1, ARGV[1]}
   end
 end
 return {0, current}
-"""
+""".replace("$STATE", RunField.STATE)
 
 
 class TransitionRefused(ValueError):
@@ -98,7 +98,7 @@ class Orchestrator:
         return value.decode() if value is not None else default
 
     async def state(self) -> str:
-        return await self.field("state", "created")
+        return await self.field(RunField.STATE, "created")
 
     async def transition(self, action: str) -> str:
         """Apply `action` atomically; raises TransitionRefused (naming the state) when not allowed,
@@ -120,7 +120,7 @@ class Orchestrator:
         next checkpoint), dropped as stale and dead (given up by the queue or by the trainer)."""
         g = self.settings.group_size
         ledger = await self.ledger.counts()
-        submitted, dead = await self.redis.hmget(self.keys.run, ["submitted", "dead_train"])
+        submitted, dead = await self.redis.hmget(self.keys.run, [RunField.SUBMITTED, RunField.DEAD_TRAIN])
         trained = max(ledger.trained // g, self.trainer_step * self.settings.batch_prompts)
         dead_groups = sum(1 for gid in ledger.dead_groups if self._train_index(gid) is not None)
         return {"submitted": int(submitted or 0), "trained": trained, "dropped": ledger.dropped // g,
@@ -166,17 +166,17 @@ class Orchestrator:
     async def count_dead(self) -> None:
         """Fold new entries of the task dead-letter stream into the count of dead train tasks (the
         cursor moves in the same transaction as the count)."""
-        cursor = await self.field("dead_cursor", "0-0")
+        cursor = await self.field(RunField.DEAD_CURSOR, "0-0")
         reply = await self.redis.xread({self.keys.dead: cursor}, count=4096)
         if not reply:
             return
         entries = reply[0][1]
-        submitted = int(await self.field("submitted", "0"))
+        submitted = int(await self.field(RunField.SUBMITTED, "0"))
         train = sum(1 for _, f in entries
                     if (i := self._train_index(f.get(b"task_id", b"").decode(errors="replace"))) is not None
                     and i < submitted and given_up(f))
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(self.keys.run, "dead_train", train).hset(self.keys.run, "dead_cursor", entries[-1][0])
+            pipe.hincrby(self.keys.run, RunField.DEAD_TRAIN, train).hset(self.keys.run, RunField.DEAD_CURSOR, entries[-1][0])
             await pipe.execute()
 
     async def admit(self) -> int:
@@ -194,7 +194,7 @@ class Orchestrator:
         tasks = [self.tasks.make(f"train-{i}", train[i % len(train)], s.group_size, s.temperature, False,
                                  self.trainer_version) for i in range(p["submitted"], p["submitted"] + budget)]
         submitted = p["submitted"] + len(tasks)
-        await self.queue.submit_many(tasks, (self.keys.run, {"submitted": submitted, "epoch": submitted // len(train)}))
+        await self.queue.submit_many(tasks, (self.keys.run, {RunField.SUBMITTED: submitted, RunField.EPOCH: submitted // len(train)}))
         SUBMITTED.inc(len(tasks))
         return len(tasks)
 
@@ -226,9 +226,9 @@ class Orchestrator:
             self.bounded.keep(await self.status())
 
     async def run(self, stop: asyncio.Event) -> None:
-        created = await self.redis.hsetnx(self.keys.run, "created_unix_ms", now_ms())
+        created = await self.redis.hsetnx(self.keys.run, RunField.CREATED_UNIX_MS, now_ms())
         if created:
-            await self.redis.hset(self.keys.run, "config", self.config_json())
+            await self.redis.hset(self.keys.run, RunField.CONFIG, self.config_json())
         else:
             log.info("event=resumed run=%s state=%s progress=%s", self.settings.run_id, await self.state(),
                      await self.progress())
@@ -257,7 +257,7 @@ class Orchestrator:
             "queue": dataclasses.asdict(depths),
             "dead_letters": {"tasks": await self.queue.dead_counts(),
                              "rollouts": await self.ledger.rollouts_dead_counts()},
-            "epoch": int(await self.field("epoch", "0")),
+            "epoch": int(await self.field(RunField.EPOCH, "0")),
             "staleness": {k: self.trainer_metrics[k] for k in ("staleness_mean", "staleness_max", "dropped_stale")
                           if k in self.trainer_metrics},
             "last_metrics": self.trainer_metrics,

@@ -97,7 +97,7 @@ class TrainerSettings(RedisSettings, StepShape):
     """`steadyrl run`: torchrun ranks on the CPU when gpus = 0 (0 = one process)."""
 
     recipe: Literal["auto", "manual"] = "auto"
-    """auto: replay and clipping from N and the observed staleness (DESIGN.md §3); manual: as set
+    """auto: replay and clipping from N and the observed staleness (`shared.training.resolve_recipe`); manual: as set
     (routing_replay, loss.clip)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Manual recipe: routing replay mode."""

@@ -20,7 +20,7 @@ from prometheus_client import Counter
 from redis.asyncio import Redis
 
 from services.trainer.config import TrainerSettings
-from shared.keys import RunKeys
+from shared.keys import RunKeys, TrainerField
 
 log = logging.getLogger("steadyrl.trainer")
 PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])
@@ -39,7 +39,7 @@ class VersionPublisher:
     async def newest_published(self) -> int:
         """The newest version any replica may hold: the larger of the number recorded before each
         push and the weight-sync service's latest (0 when neither is known)."""
-        recorded = await self.redis.hget(self.keys.trainer, "published_version")
+        recorded = await self.redis.hget(self.keys.trainer, TrainerField.PUBLISHED_VERSION)
         newest = int(recorded or 0)
         if self.enabled:
             from shared.weightsync_client import latest_version
@@ -85,7 +85,7 @@ class VersionPublisher:
         if not self.enabled:
             self.published = version
             return True
-        await self.redis.hset(self.keys.trainer, "published_version", version)  # before any byte leaves
+        await self.redis.hset(self.keys.trainer, TrainerField.PUBLISHED_VERSION, version)  # before any byte leaves
         if self.client is None:
             from shared.weight_publishers import make_publisher
 

@@ -1,6 +1,6 @@
 """The policy-gradient objectives: MiniRL (paper Eq. 7), GRPO (Appendix A) and DPPO (arXiv
-2602.04879, its binary TV / KL trust region), with the training–inference corrections of
-DESIGN.md §3.
+2602.04879, its binary TV / KL trust region), with the training–inference corrections
+(`shared.core.corrections`: token and sequence TIS, MIS, geometric and IcePop masks).
 
 Shapes: logprobs float [B, T]; advantages [B] (one per sequence) or [B, T]; loss_mask bool [B, T].
 Names say which engine produced a value: `trainer_logprobs` = log π_θ (with gradient),

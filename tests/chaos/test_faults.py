@@ -83,14 +83,42 @@ def freeze(process, seconds: float) -> None:
         os.kill(process.pid, signal.SIGCONT)
 
 
+def leases_held(launch: Launch, replica_id: str) -> list[str]:
+    """The tasks Redis says `replica_id` holds right now."""
+    async def read():
+        redis = Redis.from_url(launch.redis.url)
+        try:
+            owners = await redis.hgetall(RunKeys(launch.config.run_id).owners)
+            return [t.decode() for t, owner in owners.items() if owner.decode() == replica_id]
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+def stop_while_holding(launch: Launch, name: str, replica_id: str) -> None:
+    """SIGSTOP the replica at a moment it holds leases (stopped first, then looked at: the tasks
+    it holds then cannot finish under it)."""
+    target, deadline = service(launch, name).process, time.monotonic() + 120
+    while True:
+        os.kill(target.pid, signal.SIGSTOP)
+        if leases_held(launch, replica_id):
+            time.sleep(0.5)  # a completion it sent just before the stop still reaches Redis
+            if leases_held(launch, replica_id):
+                return
+        os.kill(target.pid, signal.SIGCONT)
+        assert time.monotonic() < deadline, f"{name} never held a lease"
+        time.sleep(0.01)
+
+
 def stall_replica(launch: Launch) -> None:
-    target = service(launch, "inference-0")
-    os.kill(target.process.pid, signal.SIGSTOP)  # a frozen process: its leases run out
+    stop_while_holding(launch, "inference-0", "replica-0")  # a frozen process: its leases run out
     time.sleep(8.0)
-    os.kill(target.process.pid, signal.SIGCONT)
+    os.kill(service(launch, "inference-0").process.pid, signal.SIGCONT)
 
 
 def kill_replica(launch: Launch) -> None:
+    stop_while_holding(launch, "inference-0", "replica-0")
     target = service(launch, "inference-0")
     os.kill(target.process.pid, signal.SIGKILL)  # not restarted: the other replica takes over
     target.process.wait(10)
@@ -108,6 +136,25 @@ FAULTS = {
     "inference_sigstop": stall_replica,
     "redis_sigstop": lambda launch: freeze(launch.redis.process, 20.0),
     "weightsync_sigstop": lambda launch: freeze(service(launch, "weightsync").process, 15.0),
+}
+
+
+# what each fault must be seen to exercise (log file → pattern), beside the end state every fault shares
+MECHANISMS = {
+    "inference_sigkill": {"orchestrator": r"event=leases_expired requeued=[1-9]"},  # its leases ran out
+    "inference_sigstop": {"orchestrator": r"event=leases_expired requeued=[1-9]",  # ...and its late result
+                          "inference-0": r"event=lease_lost task=\S+ attempt=\d+"},  # was refused
+    "trainer_sigkill": {"trainer": r"event=resumed checkpoint=step-\d+ step=\d+"},  # back from its checkpoint
+    # the replicas' watch streams broke, they watched the new service and received versions from it again
+    "weightsync_restart": {f"inference-{i}": r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied"
+                           for i in (0, 1)},
+    "redis_restart": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
+    "redis_sigkill": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
+    "redis_host_crash": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
+    "orchestrator_sigkill": {"orchestrator": r"event=resumed run=\S+ state=running"},
+    "redis_sigstop": {"trainer": r"event=redis_unreachable error=TimeoutError", "orchestrator": r"event=tick_failed"},
+    # the push waited through the 15 s freeze (bounded by publish_timeout_seconds) instead of failing the step
+    "weightsync_sigstop": {"trainer": r"(?m)event=step .* seconds=(?:1[0-9]|[2-9][0-9])\.\d+$"},
 }
 
 
@@ -135,8 +182,8 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
     assert all(count == G for count in by_task.values())  # whole groups only
     accounted = set(by_task) | {rid.split(":")[0] for rid in dropped} | dead
     assert accounted == {f"train-{i}" for i in range(submitted)}  # every task accounted for
-    if fault == "redis_host_crash":  # the trainer noticed and put back what it knew it had written
-        assert re.search(r"event=redis_restarted claimed=\d+ ledger_restored=\d+", (tmp_path / "logs" / "trainer.log").read_text())
+    for name, pattern in MECHANISMS[fault].items():  # the mechanism the fault exercises, seen at work
+        assert re.search(pattern, (tmp_path / "logs" / f"{name}.log").read_text()), (name, pattern)
     for log in (tmp_path / "logs").glob("inference-*.log"):
         versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", log.read_text())]
         assert versions == sorted(versions) and len(set(versions)) == len(versions), log.name

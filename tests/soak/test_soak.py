@@ -1,6 +1,8 @@
 """Soak: the whole system (2 replicas) held at full queue depth for STEADYRL_SOAK_MINUTES (default 10),
 sampling every service's memory; then stopped. Reports memory growth per service and the work
-ledger as JSON (run with -s), and holds the targets: no rollout trained twice, no task lost.
+ledger as JSON (run with -s), and holds the targets: no rollout trained twice, no task lost, no
+service growing past 64 MiB after its first minute (the trainer and Redis: plus 1 KiB per rollout
+trained, their dedupe set and ledger).
 
     pytest -m soak -s tests/soak            # not in the default run
 """
@@ -109,3 +111,8 @@ def test_soak(tmp_path, tiny_model_dir):
     # the stream holds only work in flight (trained entries are deleted): at most the admission bound
     assert work["tasks_on_stream"] + work["tasks_queued_or_leased"] <= (1 + 1) * 32
     assert status["trainer_version"] > 0
+    # memory: the trainer (its set of trained ids) and Redis (the ledger list) grow by design, linearly in
+    # the rollouts trained; nothing else may grow past what allocators and caches settle to
+    for name, used in memory.items():
+        bound = 64 + (work["rollouts_trained"] / 1024 if name in ("trainer", "redis") else 0)  # 1 KiB a rollout
+        assert used["growth_mib"] <= bound, (name, used, bound)

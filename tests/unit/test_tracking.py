@@ -15,5 +15,12 @@ def test_scalars_round_trip_and_skip_what_is_no_scalar(tmp_path):
     event_file = next((tmp_path / "tb").glob("events.out.tfevents.*"))
     event_file.write_bytes(event_file.read_bytes()[:-7])  # a record cut short by a crash
     assert read_scalars(tmp_path / "tb") == {"reward_mean": [(1, 0.25), (2, 0.5)], "tokens": [(1, 100.0)]}
-    ScalarLog(None).add(1, {"x": 1.0})  # off: writes nothing, needs nothing
-    assert not (tmp_path / "off").exists()
+
+def test_scalars_off_write_nothing(tmp_path, monkeypatch):
+    off = tmp_path / "off"
+    off.mkdir()
+    monkeypatch.chdir(off)
+    log = ScalarLog(None)
+    log.add(1, {"x": 1.0})
+    log.close()
+    assert list(off.iterdir()) == [] and list(tmp_path.iterdir()) == [off]  # no event file anywhere it could go
