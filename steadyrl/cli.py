@@ -41,7 +41,8 @@ def init_model(
     import json
     from pathlib import Path
 
-    from shared.models.tiny import init_tiny_model, precision_routing_agreement
+    from shared.models.tiny import init_tiny_model
+    from shared.models.tiny_precision import precision_routing_agreement
 
     path = init_tiny_model(out, task=task, seed=seed)
     report = json.loads((Path(path) / "steadyrl_tiny.json").read_text())
@@ -71,7 +72,8 @@ def run_command(
     from shared.logs import setup_logging
     from steadyrl.launcher import run
     from steadyrl.progress import PROGRESS
-    from steadyrl.run_config import check, load_run_config, resolved
+    from steadyrl.run_config import load_run_config
+    from steadyrl.service_settings import check, resolved
     from steadyrl.summary import exit_code
 
     setup_logging("run")
@@ -182,7 +184,8 @@ def experiment_command(
 ) -> None:
     """Run a grid of configurations × seeds (each a full run), then write table.md, results.csv and plots."""
     from shared.logs import setup_logging
-    from steadyrl.experiment import load_grid, run_grid, write_report
+    from steadyrl.experiment import run_grid, write_report
+    from steadyrl.grid import load_grid
 
     setup_logging("experiment")
     spec = load_grid(grid)
@@ -194,105 +197,9 @@ def experiment_command(
     typer.echo(json.dumps(result))
 
 
-bench_app = typer.Typer(help="Benchmarks: each prints one JSON object of side-by-side ratios.")
+from steadyrl.bench_cli import bench_app  # noqa: E402 - the subcommands beside the app they join
+
 app.add_typer(bench_app, name="bench")
-
-
-@bench_app.command("weightsync")
-def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic bf16 version."),
-                     rounds: int = typer.Option(3, min=1, help="Rounds (median), the sides alternated.")) -> None:
-    """One version moved by every weight transport (gRPC push and pull, shm with the trainer's write,
-    gloo broadcast to 1 and 2) against one raw loopback socket and memcpy, all on one clock; delta
-    size after one optimizer step."""
-    import json
-
-    from bench.weightsync import main as run
-
-    typer.echo(json.dumps(run(gib, rounds)))
-
-
-@bench_app.command("inference")
-def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precision of both engines.")) -> None:
-    """Long-tail workload on both engines: continuous vs batch-barrier replica, replica vs bare engine,
-    publication → first token of a version in flight vs drain-first."""
-    import json
-
-    from bench.inference import main as run
-
-    typer.echo(json.dumps(run(dtype)))
-
-
-@bench_app.command("mismatch")
-def bench_mismatch(device: str = typer.Option("cpu", help="Where the engine and the fp32 trainer run: cpu or cuda.")) -> None:
-    """Training–inference mismatch per inference precision (fp32, bf16, fp8, NVFP4) on the tiny
-    MoE: mismatch KL, |Δ logprob|, routing agreement vs the fp32 trainer."""
-    import json
-
-    from bench.mismatch import main as run
-
-    if device not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"--device is cpu or cuda, not {device!r}")
-    typer.echo(json.dumps(run(device)))
-
-
-@bench_app.command("trainer")
-def bench_trainer(memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead."),
-                  gpu: bool = typer.Option(False, "--gpu", help="fp32 vs bf16-mixed steps on GPU 0 instead.")) -> None:
-    """Loss-math share of a step and the routing replay overhead of a training forward; with
-    --memory, parameter + optimizer bytes and peak memory per rank, DDP vs FSDP on 2 gloo ranks;
-    with --gpu, step time, tokens/s and peak memory on one GPU, fp32 vs bf16-mixed."""
-    import json
-
-    if memory and gpu:
-        raise typer.BadParameter("--memory and --gpu are two benchmarks: ask for one")
-    if memory:
-        from bench.trainer_memory import main as run
-    elif gpu:
-        from bench.trainer_gpu import main as run
-    else:
-        from bench.trainer import main as run
-    typer.echo(json.dumps(run()))
-
-
-@bench_app.command("transport")
-def bench_transport(rounds: int = typer.Option(3, help="Alternating rounds (median).")) -> None:
-    """Rollouts through Redis (encode, XADD, XREADGROUP, decode + validate) vs raw XADD of the same bytes."""
-    from bench.transport import main as run
-
-    typer.echo(json.dumps(run(rounds)))
-
-
-@bench_app.command("async")
-def bench_async(
-    target: float = typer.Option(0.5, help="Greedy eval accuracy to reach."),
-    steps: int = typer.Option(200, help="Steps of each run."),
-) -> None:
-    """Wall time to a target eval accuracy: synchronous vs max_staleness 1 and 2, same compute."""
-    from bench.asynchrony import main as run
-
-    typer.echo(json.dumps(run(target, steps)))
-
-
-@bench_app.command("all")
-def bench_all(
-    only: Annotated[list[str] | None, typer.Option("--only", help="Run only this benchmark (repeatable).")] = None,
-    markdown: Annotated[Path | None, typer.Option(help="Also write the markdown summary here.")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
-    update: Annotated[bool, typer.Option(help="With --only and --json: keep the other benchmarks' figures "
-                                               "from that file (same machine), each dated.")] = False,
-) -> None:
-    """Every benchmark, each in its own process: one JSON object with the machine it ran on."""
-    from bench.suite import main as run
-    from bench.suite import markdown as render
-
-    previous = json.loads(json_out.read_text()) if update and json_out and json_out.exists() else None
-    result = run(only or [], previous)
-    text = json.dumps(result)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if markdown:
-        markdown.write_text(render(result))
-    typer.echo(text)
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # a model is scored or exported in 
 def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = ()):
     """(orchestrator, inference) settings of a recipe (none: the defaults, the tiny model's arith
     task), with the model to evaluate; ValueError naming a bad field, a missing file or column."""
-    from steadyrl.run_config import build_settings, load_run_config, service_env
+    from steadyrl.run_config import load_run_config
+    from steadyrl.service_settings import build_settings, service_env
 
     config = load_run_config(list(recipes), overrides, allow_empty=True)
     orchestrator, inference = (build_settings(service, service_env(config, service, {"model_path": model_dir}))

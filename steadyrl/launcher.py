@@ -17,7 +17,8 @@ from pathlib import Path
 
 from steadyrl.processes import Launch
 from steadyrl.progress import PROGRESS, watch
-from steadyrl.run_config import RunConfig, check
+from steadyrl.run_config import RunConfig
+from steadyrl.service_settings import check
 from steadyrl.summary import finish
 from steadyrl.supervisor import Supervisor
 

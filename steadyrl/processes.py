@@ -27,7 +27,8 @@ from pathlib import Path
 from shared.redis_server import RedisServer
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
-from steadyrl.run_config import RunConfig, check, service_env, validate
+from steadyrl.run_config import RunConfig
+from steadyrl.service_settings import check, service_env, validate
 
 
 @dataclass

@@ -23,11 +23,23 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections import deque
 
 import redis.exceptions
-from prometheus_client import Counter, Gauge
 
+from services.inference.metrics import (
+    BAD_TASKS,
+    ENGINE_ERRORS,
+    INFLIGHT,
+    RETRIED,
+    REWARD_FAILURES,
+    RUNNING,
+    TASK_ERRORS,
+    TOKENS,
+    TOKENS_PER_SECOND,
+    VERSION_WAITS,
+    TokenRate,
+)
+from services.inference.publishing import QUEUE_ERRORS, Publisher
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
 from shared.engines import Engine, Sample
 from shared.engines.rollouts import encode_samples
@@ -42,48 +54,8 @@ BATCHING = ("continuous", "barrier")
 # the event loop stays free for Redis and gRPC
 SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
 
-TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
-TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s over the last 10 s",
-                          ["replica"])
-INFLIGHT = Gauge("steadyrl_inference_inflight_tasks", "Leased tasks with the engine or being scored", ["replica"])
-RUNNING = Gauge("steadyrl_inference_running_sequences", "Sequences the engine is generating", ["replica"])
-PUBLISHED = Counter("steadyrl_inference_rollouts_published_total", "Rollouts published to the stream", ["replica"])
-LEASES_LOST = Counter("steadyrl_inference_leases_lost_total", "Tasks finished after their lease was taken away",
-                      ["replica"])
-RETRIED = Counter("steadyrl_inference_tasks_retried_total", "Leased tasks that were on a retry", ["replica"])
-ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Tasks the engine failed on", ["replica"])
-TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded",
-                      ["replica"])
-BAD_TASKS = Counter("steadyrl_inference_tasks_dead_lettered_total", "Tasks given up as unservable", ["reason"])
-VERSION_WAITS = Counter("steadyrl_inference_version_wait_expired_total",
-                        "Tasks handed back after waiting too long for their policy version", ["replica"])
-REWARD_FAILURES = Counter("steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed",
-                          ["reward", "reason"])
-QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
-
-
 class EngineDead(RuntimeError):
     """The engine can serve nothing any more: the replica must stop (its supervisor restarts it)."""
-
-
-class TokenRate:
-    """Completion tokens per second over a sliding window."""
-
-    def __init__(self, window: float = 10.0) -> None:
-        self.window, self.events = window, deque()
-
-    def add(self, tokens: int) -> None:
-        self.events.append((time.monotonic(), tokens))
-
-    @property
-    def per_second(self) -> float:
-        now = time.monotonic()
-        while self.events and now - self.events[0][0] > self.window:
-            self.events.popleft()
-        if not self.events:
-            return 0.0
-        span = max(now - self.events[0][0], 1.0)
-        return sum(t for _, t in self.events) / span
 
 
 class RolloutWorker:
@@ -100,14 +72,16 @@ class RolloutWorker:
         self.return_traces = return_traces and engine.capabilities.routing_trace
         self.rewards = rewards or RewardRunner()
         self.version_wait_seconds = version_wait_seconds
-        self.published = 0
         self.rate = TokenRate()
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
-        self._ready: list[tuple[Lease, list[bytes]]] = []
-        self._unsure: set[str] = set()  # tasks whose publish may have landed without its reply reaching us
+        self.publisher = Publisher(queue, replica_id, self.held, self._hand_back)
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
+
+    @property
+    def published(self) -> int:
+        return self.publisher.published
 
     @property
     def busy(self) -> bool:
@@ -121,8 +95,7 @@ class RolloutWorker:
         """Keep the engine full: lease while there is room, serve every task on its own, publish
         whatever is done in one Redis call at a time."""
         renewal = LeaseRenewal(self.queue, self.replica_id, self.lease_seconds, self.held)
-        ready = asyncio.Event()
-        publisher = asyncio.create_task(self._publish_loop(ready))
+        publisher = asyncio.create_task(self.publisher.loop())
         try:
             while not stop.is_set():
                 self._check_engine()
@@ -132,7 +105,7 @@ class RolloutWorker:
                     continue
                 for lease in leases:
                     self.held.add(lease.task_id)
-                    self.inflight[lease.task_id] = asyncio.create_task(self._serve(lease, ready))
+                    self.inflight[lease.task_id] = asyncio.create_task(self._serve(lease))
                 RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
                 INFLIGHT.labels(self.replica_id).set(len(self.inflight))
                 RUNNING.labels(self.replica_id).set(getattr(self.engine, "running", 0))
@@ -141,7 +114,7 @@ class RolloutWorker:
                     continue  # the queue may hold more: lease again at once
                 await self._wait(stop, poll=bool(self._room()))
         finally:
-            await _finish_despite_cancellation(self._shutdown(publisher, ready, renewal))
+            await _finish_despite_cancellation(self._shutdown(publisher, renewal))
 
     def _room(self) -> int:
         if self.batching == "barrier":
@@ -184,7 +157,7 @@ class RolloutWorker:
             self._delay = min(self._delay * 2, 5.0)
             return None
 
-    async def _serve(self, lease: Lease, ready: asyncio.Event) -> None:
+    async def _serve(self, lease: Lease) -> None:
         """One task: check, wait for its version (bounded), generate its G samples, score and
         encode them, and queue them for publishing; on any failure the lease goes back."""
         try:
@@ -205,8 +178,7 @@ class RolloutWorker:
             if payloads is None:
                 await self._hand_back(lease.task_id, "the task's rollouts could not be scored or encoded")
                 return
-            self._ready.append((lease, payloads))
-            ready.set()
+            self.publisher.add(lease, payloads)
         finally:
             self.inflight.pop(lease.task_id, None)
 
@@ -269,63 +241,7 @@ class RolloutWorker:
             await self.queue.fail(self.replica_id, checked.lease.task_id, reason)
         return False
 
-    async def _publish_loop(self, ready: asyncio.Event) -> None:
-        """Publish what is ready; while Redis does not answer, try again every second at most, the
-        rollouts kept and their leases renewed (no task waits for its lease to expire)."""
-        delay = 0.1
-        while True:
-            await ready.wait()
-            ready.clear()
-            if await self._publish():
-                delay = 0.1
-                continue
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            ready.set()
-
-    async def _publish(self) -> bool:
-        """Publish every finished task's rollouts in one Redis round trip. False when Redis did not
-        answer: the batch stays ready for the next try. A task whose earlier try may have landed
-        (the reply was lost) is recognised by its lease stamp in `completed`, never published twice."""
-        batch, self._ready = self._ready, []
-        if not batch:
-            return True
-        try:
-            evals = {lease.task_id for lease, _ in batch if lease.task.is_eval}
-            accepted = await self.queue.complete_many(
-                self.replica_id, [(lease.task_id, payloads) for lease, payloads in batch], evals)
-            unsure = [lease for (lease, _), ok in zip(batch, accepted, strict=True)
-                      if not ok and lease.task_id in self._unsure]
-            stamps = await self.queue.lease_stamps([lease.task_id for lease in unsure])
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:  # applied or not: unknown
-            QUEUE_ERRORS.labels(self.replica_id).inc()
-            log.warning("event=publish_failed tasks=%d error=%s retry=true", len(batch), type(exc).__name__)
-            self._ready = batch + self._ready
-            self._unsure |= {lease.task_id for lease, _ in batch}
-            return False
-        except redis.exceptions.RedisError as exc:  # refused (a script error, out of memory): not applied
-            QUEUE_ERRORS.labels(self.replica_id).inc()
-            log.warning("event=publish_refused tasks=%d error=%s detail=%s", len(batch), type(exc).__name__, exc)
-            for lease, _ in batch:
-                await self._hand_back(lease.task_id, f"publish refused: {type(exc).__name__}")
-            return True
-        landed = {lease.task_id for lease in unsure if stamps.get(lease.task_id) == f"{self.replica_id}|{lease.attempt}"}
-        retried = {lease.task_id for lease, _ in batch} & self._unsure
-        for (lease, payloads), ok in zip(batch, accepted, strict=True):
-            self.held.discard(lease.task_id)
-            self._unsure.discard(lease.task_id)
-            if ok or lease.task_id in landed:
-                PUBLISHED.labels(self.replica_id).inc(len(payloads))
-                self.published += len(payloads)
-                if lease.task_id in retried:
-                    log.info("event=publish_retried task=%s landed=%s", lease.task_id,
-                             "earlier" if lease.task_id in landed else "now")
-            else:
-                LEASES_LOST.labels(self.replica_id).inc()
-                log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)
-        return True
-
-    async def _shutdown(self, publisher: asyncio.Task, ready: asyncio.Event, renewal: LeaseRenewal) -> None:
+    async def _shutdown(self, publisher: asyncio.Task, renewal: LeaseRenewal) -> None:
         """Stopping: tasks still generating go back to the queue, finished ones are published."""
         serving = list(self.inflight.values())
         for task in serving:
@@ -334,7 +250,7 @@ class RolloutWorker:
         publisher.cancel()
         await asyncio.gather(publisher, return_exceptions=True)
         with contextlib.suppress(asyncio.TimeoutError, redis.exceptions.RedisError):
-            await asyncio.wait_for(self._publish(), 10)
+            await asyncio.wait_for(self.publisher.publish(), 10)
         left = sorted(self.held)
         await renewal.stop()  # never renews again, whatever Redis did to it
         for task_id in left:

@@ -106,7 +106,7 @@ class TrainerSettings(RedisSettings, StepShape):
     bypass: bool = False
     """π_old := μ_old (no recompute forward)."""
     loss: LossConfig = LossConfig()
-    """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/loss.py). Its
+    """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/terms.py `LossConfig`). Its
     `clip` is the manual recipe's; the auto recipe decides clipping itself."""
 
     checkpoint_every: int = Field(1, ge=1)

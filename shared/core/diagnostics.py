@@ -3,7 +3,13 @@ routing agreement. All reductions are over valid tokens only (`mask`, bool [B, T
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from shared.core.stats import StepStats
+    from shared.core.terms import Parts, TokenTerms
 
 # exp() of a larger sequence log-ratio overflows float64; the first-order error saturates here.
 MAX_SEQUENCE_LOG_RATIO = 50.0
@@ -77,3 +83,37 @@ def routing_agreement(
         return same.double().mean()
     per_token = mask.unsqueeze(-1).expand_as(same)
     return masked_mean(same.double(), per_token)
+
+
+def loss_diagnostics(t: TokenTerms, parts: Parts, loss_mask: torch.Tensor, stats: StepStats | None = None,
+                buckets: tuple[torch.Tensor, list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """A loss call's scalar diagnostics (means over its valid tokens), and the same as token sums
+    into `stats` (whole-step statistics), per staleness bucket with `buckets`."""
+    mask, dtype = t.mask, parts.weight.dtype
+    k1, k3 = mismatch_kl_terms(t.inference, t.trainer.detach() if t.bypass else t.old)
+    sequences = mask.any(dim=-1)
+    per_token = {
+        "is_weight_mean": parts.weight, "is_truncated_frac": parts.truncated.to(dtype),
+        "clip_frac": (~parts.clip_keep).to(dtype), "rejected_frac": (~parts.keep).to(dtype),
+        "importance_ratio_mean": t.ratio, "mismatch_kl_k1": k1, "mismatch_kl_k3": k3, "advantage_mean": t.advantages,
+    }
+    first_order = first_order_error(t.log_ratio, mask)
+    metrics = {name: masked_mean(values, mask) for name, values in per_token.items()}
+    metrics.update(is_weight_max=masked_max(parts.weight, mask),
+                   first_order_error=masked_mean(first_order, sequences),
+                   valid_tokens=mask.sum().to(dtype),
+                   nonfinite_tokens=(loss_mask.bool() & ~mask).sum().to(dtype))
+    if stats is not None:
+        for name, values in per_token.items():
+            stats.add_mean(name, values, mask)
+        stats.add_max("is_weight_max", parts.weight, mask)
+        stats.add_mean("first_order_error", first_order, sequences)
+        stats.add_total("valid_tokens", mask.sum())
+        stats.add_total("nonfinite_tokens", (loss_mask.bool() & ~mask).sum())
+        if buckets is not None:
+            bucket_of, values = buckets
+            for b in values:
+                where = mask & (bucket_of == b)
+                stats.add_mean(f"mismatch_kl_k3_s{b}", k3, where)
+                stats.add_mean(f"is_weight_mean_s{b}", parts.weight, where)
+    return metrics

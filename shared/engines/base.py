@@ -121,6 +121,19 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def check_request(prompt: list[int], sampling: Sampling, return_trace: bool, max_model_len: int,
+                  no_trace: str | None) -> None:
+    """ValueError when an engine cannot serve this request: an empty prompt, a routing trace asked
+    of an engine that has none (`no_trace`: why, None when it has them), or a prompt with its
+    max_new_tokens beyond the engine's context."""
+    if not prompt:
+        raise ValueError("every prompt needs at least one token")
+    if return_trace and no_trace is not None:
+        raise ValueError(no_trace)
+    if len(prompt) + sampling.max_new_tokens > max_model_len:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {max_model_len}")
+
+
 def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Log-probabilities [B, V] of the distribution actually sampled from: logits / T, then top-k
     and top-p truncation (renormalised over what is kept), in float32. T = 0 (greedy) scores

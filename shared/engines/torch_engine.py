@@ -25,14 +25,11 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from shared.engines.base import (
@@ -41,49 +38,26 @@ from shared.engines.base import (
     Sample,
     Sampling,
     StagedWeights,
+    check_request,
     generate_all,
-    processed_logprobs,
+)
+from shared.engines.sequences import (
+    Seq,
+    SeqFuture,
+    append_rows,
+    forward,
+    keep_rows,
+    result_of,
+    sample_next,
 )
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
-from shared.models.quantization import (
-    FORMATS,
-    QUANTIZATIONS,
-    QuantizedActivations,
-    quantize_,
-    quantized_targets,
-)
+from shared.models.quantization import QUANTIZATIONS, emulate, quantize_
 from shared.models.routing import RoutingController
 from shared.torch_threads import bind_torch_threads
 
 log = logging.getLogger("steadyrl.engines.torch")
 UPDATE_MODES = ("in_flight", "between_requests")
-
-
-class _Future(concurrent.futures.Future):
-    """A sequence's future; cancelling it while it runs aborts the sequence at the next step."""
-
-    aborted = False
-
-    def cancel(self) -> bool:
-        self.aborted = True
-        return super().cancel()
-
-
-@dataclass(eq=False)
-class _Seq:
-    prompt: list[int]
-    sampling: Sampling
-    seed: int
-    trace: bool
-    on_token: OnToken | None
-    future: _Future
-    generator: torch.Generator | None = None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    positions: list[np.ndarray] = field(default_factory=list)  # routing of each fed position [L, K]
-    finish: str = ""
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
@@ -114,26 +88,19 @@ class TorchEngine(StagedWeights):
         self.model = load_causal_lm(model_path, self.dtype, self.device).eval()
         self.routing = RoutingController(self.model)
         self.quantization = quantization
-        self.quantized = quantized_targets(self.model, quantize_router) if quantization != "none" else []
-        quantize_(self.model, self.quantized, quantization)
-        params = dict(self.model.named_parameters())  # loads copy into these tensors: their storage stays
-        self.activations = (QuantizedActivations([params[n] for n in self.quantized], quantization)
-                            if quantize_activations else contextlib.nullcontext())
+        self.quantized, self.activations, notes = emulate(self.model, quantization, quantize_router,
+                                                          quantize_activations, self.dtype)
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         eos = config.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-        notes = (f"{FORMATS.get(quantization, '')}{', and their inputs, per-token scales' if quantize_activations else ''}"
-                 f", emulated: {len(self.quantized)} tensors rounded through {quantization}, "
-                 f"computed in {str(self.dtype).removeprefix('torch.')}"
-                 f"{' (router included)' if quantize_router else ' (router not)'}",) if self.quantized else ()
         self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
                                          notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes)
         self._init_weights(version)
-        self._waiting: collections.deque[_Seq] = collections.deque()
-        self._live: list[_Seq] = []
+        self._waiting: collections.deque[Seq] = collections.deque()
+        self._live: list[Seq] = []
         self._cache = None  # the running batch's KV cache, rows in `_live` order
         self._mask = self._empty_mask()
         self._built_on = version  # the weights the cache was computed with
@@ -156,9 +123,10 @@ class TorchEngine(StagedWeights):
               on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
         """Queue one sequence; its Sample arrives on the future. Seeded sampling uses `seed +
         index`, so a group's samples differ and none depends on what else runs."""
-        self._check(prompt, sampling, return_trace)
-        seq = _Seq(list(prompt), sampling, sampling.seed + index if sampling.seed else 0, return_trace, on_token,
-                   _Future())
+        check_request(prompt, sampling, return_trace, self.max_model_len,
+                      None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return")
+        seq = Seq(list(prompt), sampling, sampling.seed + index if sampling.seed else 0, return_trace, on_token,
+                   SeqFuture())
         with self._wake:
             if self._closed or self.error is not None:
                 raise RuntimeError(f"the torch engine is stopped{f': {self.error}' if self.error else ''}")
@@ -182,14 +150,6 @@ class TorchEngine(StagedWeights):
             self._wake.notify()
         self._thread.join(30)
         self.routing.close()
-
-    def _check(self, prompt: list[int], sampling: Sampling, return_trace: bool) -> None:
-        if not prompt:
-            raise ValueError("every prompt needs at least one token")
-        if return_trace and not self.capabilities.routing_trace:
-            raise ValueError("this model has no MoE router: no routing trace to return")
-        if len(prompt) + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {self.max_model_len}")
 
     # --- weights -----------------------------------------------------------------------------------
 
@@ -229,7 +189,7 @@ class TorchEngine(StagedWeights):
         return self._pending is not None and self._may_apply()
 
     @torch.no_grad()
-    def _step(self, admitted: list[_Seq]) -> None:
+    def _step(self, admitted: list[Seq]) -> None:
         with self._lock:
             if self._may_apply():
                 self._apply_pending()
@@ -255,28 +215,11 @@ class TorchEngine(StagedWeights):
         self.steps += 1
         self._drain()
 
-    def _forward(self, input_ids, attention, positions, cache, rows: list[_Seq], fed: list[int]):
-        """One forward; returns the logits of each row's last position. With traces, `fed[i]`
-        positions of row i (its last ones) get the routing this forward used."""
-        tracing = any(s.trace for s in rows)
-        capture = self.routing.capture() if tracing else None
-        recording = capture.__enter__() if capture is not None else None
-        try:
-            with self.activations:
-                out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                                 past_key_values=cache, use_cache=True)
-        finally:
-            if capture is not None:
-                capture.__exit__(None, None, None)
-        if recording is not None and recording.calls:
-            routed = torch.stack(recording.calls[-1], dim=1)  # [B * W, L, K]
-            routed = routed.reshape(len(rows), input_ids.shape[1], *routed.shape[1:]).cpu().numpy()
-            for row, (seq, count) in enumerate(zip(rows, fed, strict=True)):
-                if seq.trace:
-                    seq.positions.extend(routed[row, input_ids.shape[1] - count :])
-        return out.logits[:, -1, :], out.past_key_values
+    def _forward(self, input_ids, attention, positions, cache, rows: list[Seq], fed: list[int]):
+        """One forward; returns the logits of each row's last position and the cache."""
+        return forward(self.model, self.routing, self.activations, input_ids, attention, positions, cache, rows, fed)
 
-    def _prefill(self, rows: list[_Seq], sequences: list[list[int]]):
+    def _prefill(self, rows: list[Seq], sequences: list[list[int]]):
         """Left-padded forward of whole sequences from scratch: (last logits, cache, mask)."""
         width = max(map(len, sequences))
         pads = torch.tensor([width - len(s) for s in sequences], device=self.device)
@@ -287,7 +230,7 @@ class TorchEngine(StagedWeights):
         logits, cache = self._forward(input_ids, mask, positions, None, rows, [len(s) for s in sequences])
         return logits, cache, mask
 
-    def _admit(self, admitted: list[_Seq]) -> None:
+    def _admit(self, admitted: list[Seq]) -> None:
         for seq in admitted:
             if seq.seed:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
@@ -314,48 +257,17 @@ class TorchEngine(StagedWeights):
         logits, self._cache = self._forward(input_ids, self._mask, positions, self._cache, rows, [1] * len(rows))
         self._sample(rows, logits)
 
-    def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> None:
-        version = self._version
-        if rows and version not in self.first_token_at:
-            self.first_token_at[version] = time.time()
-        groups: dict[Sampling, list[int]] = collections.defaultdict(list)
-        for row, seq in enumerate(rows):
-            groups[seq.sampling].append(row)
-        for sampling, members in groups.items():  # the distribution once per sampling setting
-            logp = processed_logprobs(logits[members], sampling)
-            if sampling.temperature > 0:
-                probs = logp.exp()
-                drawn = torch.multinomial(probs, 1).squeeze(-1)  # unseeded rows: one draw for all of them
-                for i, row in enumerate(members):  # a seeded row draws from its own generator
-                    if rows[row].generator is not None:
-                        drawn[i] = torch.multinomial(probs[i], 1, generator=rows[row].generator)[0]
-            else:
-                drawn = logp.argmax(-1)
-            picked = logp.gather(-1, drawn[:, None]).squeeze(-1).tolist()  # one copy to the host each
-            chosen = drawn.tolist()
-            for row, token, logprob in zip(members, chosen, picked, strict=True):
-                seq = rows[row]
-                seq.tokens.append(token)
-                seq.logprobs.append(logprob)
-                seq.versions.append(version)
-                if seq.on_token is not None:
-                    seq.on_token(token, logprob, version)
-                if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-                    seq.finish = "stop"
-                elif len(seq.tokens) >= sampling.max_new_tokens:
-                    seq.finish = "length"
+    def _sample(self, rows: list[Seq], logits: torch.Tensor) -> None:
+        if rows and self._version not in self.first_token_at:
+            self.first_token_at[self._version] = time.time()
+        sample_next(rows, logits, self._version, self.eos_token_ids)
 
-    def _merge(self, rows: list[_Seq], cache, mask: torch.Tensor) -> None:
-        """Append `rows` (their cache and mask) to the running batch, left-padding whichever is
-        narrower so every row's last position lines up."""
+    def _merge(self, rows: list[Seq], cache, mask: torch.Tensor) -> None:
+        """Append `rows` (their cache and mask) to the running batch."""
         if not self._live:
             self._live, self._cache, self._mask, self._built_on = list(rows), cache, mask, self._version
             return
-        width = max(self._mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0)
-        self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)], dim=0)
+        self._mask = append_rows(self._cache, self._mask, cache, mask)
         self._live = self._live + list(rows)
 
     def _retire(self) -> None:
@@ -371,24 +283,13 @@ class TorchEngine(StagedWeights):
         if not keep:
             self._cache, self._mask = None, self._empty_mask()
             return
-        index = torch.tensor(keep, device=self.device)
-        mask = self._mask[index]
-        first = int(mask.any(0).nonzero()[0])
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[index, :, first:]
-            layer.values = layer.values[index, :, first:]
-        self._mask = mask[:, first:]
+        self._mask = keep_rows(self._cache, self._mask, keep)
 
     def _empty_mask(self) -> torch.Tensor:
         return torch.zeros(0, 0, dtype=torch.long, device=self.device)
 
-    def _result(self, seq: _Seq) -> Sample:
-        sample = Sample(seq.tokens, seq.logprobs, seq.versions, seq.finish)
-        if seq.trace:  # P + C − 1 positions: every token fed, the last one never is
-            trace = np.stack(seq.positions[: len(seq.prompt) + len(seq.tokens) - 1])
-            sample.routing_trace = trace.astype(np.uint16 if self.routing.num_experts > 256 else np.uint8)
-            sample.num_experts = self.routing.num_experts
-        return sample
+    def _result(self, seq: Seq) -> Sample:
+        return result_of(seq, self.routing.num_experts)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._wake:
@@ -397,16 +298,3 @@ class TorchEngine(StagedWeights):
             if not seq.future.done() and (seq.future.running() or seq.future.set_running_or_notify_cancel()):
                 seq.future.set_exception(exc)
         self._live = []
-
-
-def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - states.shape[-2]
-    if missing == 0:
-        return states
-    pad = states.new_zeros(*states.shape[:-2], missing, states.shape[-1])
-    return torch.cat([pad, states], dim=-2)
-
-
-def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - mask.shape[1]
-    return mask if missing == 0 else torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)

@@ -34,7 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.engines.base import Capabilities, OnToken, Sample, Sampling, StagedWeights, generate_all
+from shared.engines.base import (
+    Capabilities,
+    OnToken,
+    Sample,
+    Sampling,
+    StagedWeights,
+    check_request,
+    generate_all,
+)
 
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
 UPDATE_MODES = ("in_flight", "between_requests")
@@ -122,12 +130,8 @@ class VllmEngine(StagedWeights):
     def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
               on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
         """Submit one sequence; its Sample arrives on the future (cancel it to abort the request)."""
-        if not prompt:
-            raise ValueError("every prompt needs at least one token")
-        if return_trace and not self.capabilities.routing_trace:
-            raise ValueError(f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}")
-        if len(prompt) + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {self.max_model_len}")
+        check_request(prompt, sampling, return_trace, self.max_model_len, None if self.capabilities.routing_trace
+                      else f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}")
         return asyncio.run_coroutine_threadsafe(self._generate(list(prompt), sampling, return_trace, on_token, index),
                                                 self._loop)
 

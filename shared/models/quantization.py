@@ -14,6 +14,8 @@ dtype. The torch engine applies them."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -141,3 +143,19 @@ class QuantizedActivations(torch.overrides.TorchFunctionMode):
     def quantized_matmul(self, func, args: tuple, kwargs: dict):
         """One matmul on a quantised weight: its input rounded, then the matmul as asked."""
         return func(roundtrip(self.quantization, args[0], activation=True), *args[1:], **kwargs)
+
+
+def emulate(model: torch.nn.Module, quantization: str, quantize_router: bool, quantize_activations: bool,
+            dtype: torch.dtype) -> tuple[list[str], contextlib.AbstractContextManager, tuple[str, ...]]:
+    """An engine's model quantised as `quantization` emulates it (in place): (the tensors rounded,
+    the context that quantises their inputs too with `quantize_activations`, the capability notes)."""
+    quantized = quantized_targets(model, quantize_router) if quantization != "none" else []
+    quantize_(model, quantized, quantization)
+    params = dict(model.named_parameters())  # loads copy into these tensors: their storage stays
+    activations = (QuantizedActivations([params[n] for n in quantized], quantization)
+                   if quantize_activations else contextlib.nullcontext())
+    notes = (f"{FORMATS.get(quantization, '')}{', and their inputs, per-token scales' if quantize_activations else ''}"
+             f", emulated: {len(quantized)} tensors rounded through {quantization}, "
+             f"computed in {str(dtype).removeprefix('torch.')}"
+             f"{' (router included)' if quantize_router else ' (router not)'}",) if quantized else ()
+    return quantized, activations, notes

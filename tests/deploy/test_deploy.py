@@ -19,7 +19,7 @@ import yaml
 
 from shared.queues import QueueDepths
 from shared.redis_server import free_port
-from steadyrl.run_config import validate
+from steadyrl.service_settings import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

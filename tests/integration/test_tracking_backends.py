@@ -61,7 +61,8 @@ def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_pat
 def test_tracking_settings_reach_both_services_and_are_checked(monkeypatch):
     from pathlib import Path
 
-    from steadyrl.run_config import load_run_config, service_env
+    from steadyrl.run_config import load_run_config
+    from steadyrl.service_settings import service_env
 
     root = Path(__file__).resolve().parents[2]
     config = load_run_config(root / "configs" / "tiny-arith.toml", ['run.tracking={wandb_project = "p"}'])

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.run_config import SERVICES, load_run_config, service_env, validate
+from steadyrl.run_config import SERVICES, load_run_config
+from steadyrl.service_settings import service_env, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = {p for p in (ROOT / "configs").glob("*.toml") if "grid" in tomllib.loads(p.read_text())}  # experiment grids
@@ -66,7 +67,7 @@ def test_services_cannot_disagree_on_what_run_declares():
 
 
 def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
-    from steadyrl.run_config import build_settings
+    from steadyrl.service_settings import build_settings
 
     monkeypatch.setenv("STEADYRL_TRAINER_LR", "0.5")  # this process's environment is not the service's
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3",
@@ -87,7 +88,7 @@ def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         validate("inference", service_env(config, "inference", REQUIRED["inference"]))
     from services.inference.server import engine_options
-    from steadyrl.run_config import build_settings
+    from steadyrl.service_settings import build_settings
 
     for fmt in ("fp8", "fp4"):
         fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"inference.quantization={fmt}",
@@ -115,7 +116,7 @@ def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_quantized_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypatch, fmt):
-    from steadyrl.run_config import check
+    from steadyrl.service_settings import check
 
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
     config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [f"inference.quantization={fmt}"])

@@ -5,17 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.experiment import (
-    aggregate,
-    check_recipes,
-    load_grid,
-    markdown_table,
-    mean_curve,
-    moving_mean,
-    plot_grid,
-    run_config_for,
-    summarise_run,
-)
+from steadyrl.experiment import check_recipes
+from steadyrl.grid import aggregate, load_grid, markdown_table, run_config_for, summarise_run
+from steadyrl.grid_plots import mean_curve, moving_mean, plot_grid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +20,8 @@ def steps(n, **fixed):
 
 @pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)])
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
-    from steadyrl.run_config import SERVICES, service_env, validate
+    from steadyrl.run_config import SERVICES
+    from steadyrl.service_settings import service_env, validate
 
     grid = load_grid(ROOT / "configs" / name)
     names = [c.name for c in grid.configs]

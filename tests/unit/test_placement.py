@@ -9,7 +9,8 @@ from services.inference.server import engine_options
 from steadyrl.placement import plan_placement
 from steadyrl.processes import Launch, start_after
 from steadyrl.progress import caught_up
-from steadyrl.run_config import build_settings, load_run_config
+from steadyrl.run_config import load_run_config
+from steadyrl.service_settings import build_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_RUN = ["run.replicas=2", "inference.gpus_per_replica=2", "trainer.gpus=4", "inference.engine=vllm"]

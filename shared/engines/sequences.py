@@ -1,0 +1,138 @@
+"""The torch engine's running sequences: each one's state, the sampling of its next token, and
+the batch's KV cache — rows appended left-padded to a common width, finished rows dropped with
+the columns no row uses any more."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.engines.base import OnToken, Sample, Sampling, processed_logprobs
+
+
+class SeqFuture(concurrent.futures.Future):
+    """A sequence's future; cancelling it while it runs aborts the sequence at the next step."""
+
+    aborted = False
+
+    def cancel(self) -> bool:
+        self.aborted = True
+        return super().cancel()
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt: list[int]
+    sampling: Sampling
+    seed: int
+    trace: bool
+    on_token: OnToken | None
+    future: SeqFuture
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    positions: list[np.ndarray] = field(default_factory=list)  # routing of each fed position [L, K]
+    finish: str = ""
+
+
+def sample_next(rows: list[Seq], logits: torch.Tensor, version: int, eos_token_ids: tuple[int, ...]) -> None:
+    """One token for every row from its last logits ([rows, vocab]), recorded with its logprob and
+    `version`; a row that stops (EOS, a stop token, max_new_tokens) gets its `finish`."""
+    groups: dict[Sampling, list[int]] = collections.defaultdict(list)
+    for row, seq in enumerate(rows):
+        groups[seq.sampling].append(row)
+    for sampling, members in groups.items():  # the distribution once per sampling setting
+        logp = processed_logprobs(logits[members], sampling)
+        if sampling.temperature > 0:
+            probs = logp.exp()
+            drawn = torch.multinomial(probs, 1).squeeze(-1)  # unseeded rows: one draw for all of them
+            for i, row in enumerate(members):  # a seeded row draws from its own generator
+                if rows[row].generator is not None:
+                    drawn[i] = torch.multinomial(probs[i], 1, generator=rows[row].generator)[0]
+        else:
+            drawn = logp.argmax(-1)
+        picked = logp.gather(-1, drawn[:, None]).squeeze(-1).tolist()  # one copy to the host each
+        chosen = drawn.tolist()
+        for row, token, logprob in zip(members, chosen, picked, strict=True):
+            seq = rows[row]
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            if seq.on_token is not None:
+                seq.on_token(token, logprob, version)
+            if (token in eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+                seq.finish = "stop"
+            elif len(seq.tokens) >= sampling.max_new_tokens:
+                seq.finish = "length"
+
+
+def forward(model, routing, activations, input_ids, attention, positions, cache, rows: list[Seq], fed: list[int]):
+    """One forward of the batch; returns the logits of each row's last position and the cache.
+    With traces, `fed[i]` positions of row i (its last ones) get the routing this forward used."""
+    tracing = any(s.trace for s in rows)
+    capture = routing.capture() if tracing else None
+    recording = capture.__enter__() if capture is not None else None
+    try:
+        with activations:
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+    finally:
+        if capture is not None:
+            capture.__exit__(None, None, None)
+    if recording is not None and recording.calls:
+        routed = torch.stack(recording.calls[-1], dim=1)  # [B * W, L, K]
+        routed = routed.reshape(len(rows), input_ids.shape[1], *routed.shape[1:]).cpu().numpy()
+        for row, (seq, count) in enumerate(zip(rows, fed, strict=True)):
+            if seq.trace:
+                seq.positions.extend(routed[row, input_ids.shape[1] - count :])
+    return out.logits[:, -1, :], out.past_key_values
+
+
+def result_of(seq: Seq, num_experts: int) -> Sample:
+    """A finished sequence as a Sample; its trace covers P + C − 1 positions: every token fed, the
+    last one never is."""
+    sample = Sample(seq.tokens, seq.logprobs, seq.versions, seq.finish)
+    if seq.trace:
+        trace = np.stack(seq.positions[: len(seq.prompt) + len(seq.tokens) - 1])
+        sample.routing_trace = trace.astype(np.uint16 if num_experts > 256 else np.uint8)
+        sample.num_experts = num_experts
+    return sample
+
+
+def append_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append `other`'s rows to `cache` (in place), left-padding the narrower so every row's last
+    position lines up; returns the batch's mask."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for mine, theirs in zip(cache.layers, other.layers, strict=True):
+        mine.keys = torch.cat([left_pad(mine.keys, width), left_pad(theirs.keys, width)], dim=0)
+        mine.values = torch.cat([left_pad(mine.values, width), left_pad(theirs.values, width)], dim=0)
+    return torch.cat([left_pad_mask(mask, width), left_pad_mask(other_mask, width)], dim=0)
+
+
+def keep_rows(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """Only the rows `keep` of `cache` (in place), without the columns none of them uses; returns their mask."""
+    index = torch.tensor(keep, device=mask.device)
+    mask = mask[index]
+    first = int(mask.any(0).nonzero()[0])
+    for layer in cache.layers:
+        layer.keys = layer.keys[index, :, first:]
+        layer.values = layer.values[index, :, first:]
+    return mask[:, first:]
+
+
+def left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - states.shape[-2]
+    if missing == 0:
+        return states
+    pad = states.new_zeros(*states.shape[:-2], missing, states.shape[-1])
+    return torch.cat([pad, states], dim=-2)
+
+
+def left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return mask if missing == 0 else torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)

