@@ -56,7 +56,7 @@ class StepLog:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
                 kept[record["step"]] = line
-        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp = self.path.with_suffix(f".jsonl.{os.getpid()}.tmp")
         tmp.write_text("".join(kept[s] + "\n" for s in sorted(kept)))
         os.replace(tmp, self.path)
 

@@ -50,7 +50,8 @@ class Trainer:
         self.paused, self.last_metrics = False, {}
         self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds, settings.tracking,
                                settings.run_id, settings.model_dump(mode="json"), settings.max_staleness)
-        self.steplog.resume(self.state.step)
+        if self.runner.rank == 0:  # the rank that writes the lines (the others follow its commands)
+            self.steplog.resume(self.state.step)
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()

@@ -96,7 +96,8 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     assert all(e["dtype"] == "float32" and e["prompts"] == 20 and 0 <= e["accuracy"] <= 1 for e in pi)
     row = next(csv.DictReader((out / "results.csv").open()))
     assert float(row["initial_model_eval"]) == pi[0]["accuracy"] and float(row["final_model_eval"]) == pi[2]["accuracy"]
-    assert (row["collapsed"] == "True") == (pi[0]["accuracy"] - pi[2]["accuracy"] > 0.1)
+    # the final_model_drop rule (other rules, μ's eval drop, may flag the run too)
+    assert ("final model" in row["collapse_reason"]) == (round(pi[0]["accuracy"] - pi[2]["accuracy"], 9) > 0.1)
     assert (out / "plots" / "model_eval_accuracy.png").stat().st_size > 10_000
     again = subprocess.run([*command, "--report-only"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert (done.stdout + done.stderr).count("in float32: eval") == 3 and again.returncode == 0

@@ -155,8 +155,10 @@ def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tin
             await publish(redis, run_id, rollouts[part * 32 : (part + 1) * 32])
             trainer = await asyncio.create_subprocess_exec(*torchrun(), env=env, stderr=subprocess.PIPE,
                                                            start_new_session=True)
+            seen = []
             while marker not in (line := (await trainer.stderr.readline()).decode()):
-                assert line, "the trainer exited before the marker"
+                seen.append(line)
+                assert line, "the trainer exited before the marker:\n" + "".join(seen[-40:])
             os.killpg(trainer.pid, signal.SIGKILL)  # torchrun and both ranks
             await trainer.wait()
         await publish(redis, run_id, rollouts[64:])
@@ -171,6 +173,8 @@ def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tin
     assert len(ledger) == len(set(ledger)) == len(rollouts)  # no duplicate, no gap
     state = json.loads((tmp_path / "trainer" / "checkpoints" / "step-00000006" / "state.json").read_text())
     assert state["version"] == 6 and len(state["consumed"]) == len(rollouts)
+    lines = [json.loads(line)["step"] for line in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4, 5, 6]  # one line per step trained: the killed ones' extra lines cut by rank 0
     weights = load_file(str(tmp_path / "trainer" / "checkpoints" / "step-00000006" / "model.safetensors"))
     assert set(weights) == set(load_causal_lm(tiny_model_dir, "float32").state_dict())  # whole, not a shard
 
