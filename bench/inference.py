@@ -136,7 +136,7 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
     from services.weightsync.server import serve as serve_weightsync
     from shared.models import load_causal_lm
     from shared.redis_server import free_port
-    from shared.weightsync_client import GrpcWeightPublisher
+    from shared.weightsync.grpc import GrpcWeightPublisher
 
     engine.update_mode = mode
     port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()

@@ -111,7 +111,7 @@ def raw_send(port: str, nbytes: str) -> None:
 
 def grpc_push(address: str, nbytes: str, version: str) -> None:
     """Pushes `version` untimed, then `version` + 1."""
-    from shared.weightsync_client import GrpcWeightPublisher
+    from shared.weightsync.grpc import GrpcWeightPublisher
 
     state = synthetic_state(int(nbytes))
 
@@ -127,7 +127,7 @@ def grpc_push(address: str, nbytes: str, version: str) -> None:
 
 
 def grpc_pull(address: str, nbytes: str, streams: str) -> None:
-    from shared.weightsync_client import open_channels, pull_version, to_state_dict
+    from shared.weightsync.grpc import open_channels, pull_version, to_state_dict
 
     params = resident(int(nbytes))
 
@@ -150,7 +150,7 @@ def grpc_pull(address: str, nbytes: str, streams: str) -> None:
 
 def shm_write(directory: str, nbytes: str) -> None:
     """Writes version 0 untimed (`warmed`: the reader warms up on it), then version 1."""
-    from shared.weight_transport import write_shm
+    from shared.weightsync.shm import write_shm
 
     state = synthetic_state(int(nbytes))
     for version in (0, 1):
@@ -165,7 +165,7 @@ def shm_write(directory: str, nbytes: str) -> None:
 
 def shm_load(directory: str, nbytes: str) -> None:
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weight_transport import read_shm
+    from shared.weightsync.shm import read_shm
 
     params = resident(int(nbytes))
     for version in (0, 1):
@@ -184,7 +184,7 @@ def collective(rank: str, world: str, port: str, manifest_path: str, nbytes: str
     import torch.distributed as dist
 
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weight_transport import Staging, receive_version, send_version
+    from shared.weightsync.collective import Staging, receive_version, send_version
 
     rank, world = int(rank), int(world)
     manifest = pb.WeightManifest.FromString(Path(manifest_path).read_bytes())

@@ -62,7 +62,7 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     from shared.distributed import exit_rank
     from shared.models.routing import RoutingController
     from shared.training import StepConfig, train_step
-    from shared.weights import CastView, describe
+    from shared.weightsync.manifest import CastView, describe
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -79,7 +79,7 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     if rank == 0 and parallel == "ddp":
         import time
 
-        from shared.weight_transport import write_shm
+        from shared.weightsync.shm import write_shm
 
         state = model.state_dict()
         result["published_bytes"] = {dtype: sum(t.nbytes for t in describe(CastView(state, getattr(torch, dtype)),

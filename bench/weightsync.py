@@ -82,7 +82,7 @@ class WeightSync:
         asyncio.run(self._push_first(nbytes))
 
     async def _push_first(self, nbytes: int) -> None:
-        from shared.weightsync_client import GrpcWeightPublisher
+        from shared.weightsync.grpc import GrpcWeightPublisher
 
         publisher = GrpcWeightPublisher(self.address)
         await publisher.push(synthetic_state(nbytes), 1, timeout=600)
@@ -95,7 +95,7 @@ class WeightSync:
 
 def measure(nbytes: int, rounds: int = 3) -> dict[str, dict]:
     """Every side's median seconds over `rounds` (and each shm half's)."""
-    from shared.weights import describe
+    from shared.weightsync.manifest import describe
 
     with tempfile.TemporaryDirectory() as tmp:
         manifest_path = Path(tmp) / "manifest.pb"
@@ -132,7 +132,8 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
     from shared.models import load_causal_lm
     from shared.models.tiny import TinySpec, init_tiny_model, sft_batch
     from shared.models.tiny import char_tokenizer as tokenizer_factory
-    from shared.weights import digest, encode_delta, tensor_to_bytes
+    from shared.weightsync.frames import encode_delta
+    from shared.weightsync.manifest import digest, tensor_to_bytes
 
     path = init_tiny_model()
     task = TinySpec().task()

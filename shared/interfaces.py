@@ -5,8 +5,8 @@ travels.
 | ------------------ | ----------------------- | --------------------------------------------------------------- |
 | `RolloutSink`      | replicas publish        | `shared.queues.WorkQueue` (Redis, Lua)                          |
 | `RolloutSource`    | the trainer reads       | `services.trainer.stream.RedisRolloutSource`                    |
-| `WeightPublisher`  | the trainer pushes      | `shared.weightsync_client.GrpcWeightPublisher`, `shared.weight_publishers.ShmWeightPublisher`, `shared.weight_publishers.CollectiveWeightPublisher` |
-| `WeightSubscriber` | replicas receive        | `shared.weight_subscriber.GrpcWeightSubscriber` (every transport) |
+| `WeightPublisher`  | the trainer pushes      | `shared.weightsync.grpc.GrpcWeightPublisher`, `shared.weightsync.shm.ShmWeightPublisher`, `shared.weightsync.collective.CollectiveWeightPublisher` |
+| `WeightSubscriber` | replicas receive        | `shared.weightsync.subscriber.GrpcWeightSubscriber` (every transport) |
 | `Engine`           | replicas generate       | `shared.engines` torch / vllm (a Protocol there)                |
 """
 

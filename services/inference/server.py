@@ -143,7 +143,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
                 stop: asyncio.Event | None = None) -> None:
     """Run the replica until `stop` is set (or forever)."""
     from shared.models import load_tokenizer
-    from shared.weight_subscriber import GrpcWeightSubscriber
+    from shared.weightsync.subscriber import GrpcWeightSubscriber
 
     owned = engine is None  # an engine handed in outlives this replica
     engine = engine or await asyncio.to_thread(load_engine, settings)

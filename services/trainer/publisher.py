@@ -29,7 +29,7 @@ PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version p
 class VersionPublisher:
     def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
         self.settings, self.redis, self.keys = settings, redis, RunKeys(settings.run_id)
-        self.client = None  # a shared.weight_publishers publisher of the configured transport, made in the event loop
+        self.client = None  # a shared.weightsync publisher of the configured transport, made in the event loop
         self.published = 0  # the newest version pushed by this process (or found published)
 
     @property
@@ -42,7 +42,7 @@ class VersionPublisher:
         recorded = await self.redis.hget(self.keys.trainer, TrainerField.PUBLISHED_VERSION)
         newest = int(recorded or 0)
         if self.enabled:
-            from shared.weightsync_client import latest_version
+            from shared.weightsync.grpc import latest_version
 
             try:
                 newest = max(newest, await asyncio.wait_for(latest_version(self.settings.weightsync_address),
@@ -56,7 +56,7 @@ class VersionPublisher:
         restarted (its memory lost) may not: then `published` falls back to what it holds, so the
         trainer pushes its current weights again, and replicas waiting for that version get it.
         True when weight-sync cannot be asked (the next check asks again)."""
-        from shared.weightsync_client import latest_version
+        from shared.weightsync.grpc import latest_version
 
         try:
             latest = await asyncio.wait_for(latest_version(self.settings.weightsync_address), 5.0)
@@ -87,7 +87,7 @@ class VersionPublisher:
             return True
         await self.redis.hset(self.keys.trainer, TrainerField.PUBLISHED_VERSION, version)  # before any byte leaves
         if self.client is None:
-            from shared.weight_publishers import make_publisher
+            from shared.weightsync import make_publisher
 
             s = self.settings
             key = s.hmac_key_file.read_bytes().strip() if s.hmac_key_file else None

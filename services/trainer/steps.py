@@ -36,7 +36,7 @@ from shared.models.routing import RoutingController
 from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
 from shared.torch_threads import bind_torch_threads
 from shared.training import StepConfig, resolve_recipe, train_step
-from shared.weights import CastView
+from shared.weightsync.manifest import CastView
 
 log = logging.getLogger("steadyrl.trainer")
 SAVE, GATHER = -2, -3  # broadcast tags of the checkpoint and gather commands (a step's tag is its version, >= 0)

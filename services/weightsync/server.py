@@ -20,11 +20,9 @@ from services.weightsync.transfers import Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.service_main import grpc_service, run_loops
-from shared.weights import (
-    Assembler,
+from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
+from shared.weightsync.manifest import (
     WeightError,
-    encode_chunk_frame,
-    encode_delta,
     validate_manifest,
     verify_payloads,
     verify_signature,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weights import bytes_to_tensor, tensor_to_bytes
+from shared.weightsync.manifest import bytes_to_tensor, tensor_to_bytes
 
 
 @dataclass
@@ -67,7 +67,7 @@ class VersionStore:
         if stored.payloads is not None:
             return stored.payloads
         if stored.shm_path is not None:
-            from shared.weight_transport import read_shm
+            from shared.weightsync.shm import read_shm
 
             tensors = read_shm(stored.shm_path, stored.manifest)
             return [tensor_to_bytes(tensors[spec.name]) for spec in stored.manifest.tensors]

@@ -101,7 +101,7 @@ class Transfers:
 
             import torch.distributed as dist
 
-            from shared.weight_transport import Groups, Staging
+            from shared.weightsync.collective import Groups, Staging
 
             host = self.settings.advertise_host or (self.settings.host if self.settings.host != "0.0.0.0"
                                                      else "127.0.0.1")
@@ -116,8 +116,8 @@ class Transfers:
     async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
         """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
         the epoch (the trainer then pushes the version over gRPC)."""
-        from shared.weight_transport import receive_version
-        from shared.weights import tensor_to_bytes
+        from shared.weightsync.collective import receive_version
+        from shared.weightsync.manifest import tensor_to_bytes
 
         started = time.perf_counter()
         try:

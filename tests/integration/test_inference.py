@@ -27,7 +27,7 @@ from shared.redis_server import free_port
 from shared.rollout import decode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
-from shared.weightsync_client import GrpcWeightPublisher
+from shared.weightsync.grpc import GrpcWeightPublisher
 
 
 def prompts_of(count: int, seed: int = 0) -> list[list[int]]:

@@ -19,7 +19,7 @@ from shared.models.routing import RoutingController
 from shared.redis_server import free_port
 from shared.rollout import decode_rollout, encode_rollout
 from shared.training import StepConfig, train_step
-from shared.weights import CastView
+from shared.weightsync.manifest import CastView
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 
@@ -112,7 +112,7 @@ def test_fsdp_on_two_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_di
 
 
 def test_published_weights_are_cast_one_tensor_at_a_time(tiny_model_dir):
-    from shared.weights import describe
+    from shared.weightsync.manifest import describe
 
     model = load_causal_lm(tiny_model_dir, "float32")
     view = CastView(model.state_dict(), torch.bfloat16)

@@ -24,7 +24,7 @@ from shared.redis_server import free_port
 from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.tls import tls_from_env
-from shared.weightsync_client import GrpcWeightPublisher, pull_version
+from shared.weightsync.grpc import GrpcWeightPublisher, pull_version
 
 TOKEN = "tls-test-token"
 

@@ -423,7 +423,7 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
     from services.weightsync.config import WeightSyncSettings
     from services.weightsync.server import serve as serve_weightsync
     from shared.redis_server import free_port
-    from shared.weightsync_client import latest_version
+    from shared.weightsync.grpc import latest_version
 
     port = free_port()
     address = f"127.0.0.1:{port}"

@@ -9,8 +9,8 @@ import torch
 
 from shared.models import load_causal_lm
 from shared.rpc.steadyrl.v1 import common_pb2
-from shared.weight_publishers import make_publisher
-from shared.weights import CastView
+from shared.weightsync import make_publisher
+from shared.weightsync.manifest import CastView
 from tests.integration.test_inference import Replica, _version_is, wait_for
 
 KEY = b"transport-test-key"
@@ -57,7 +57,7 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, t
             corrupt = dict(good[1])
             corrupt["lm_head.weight"] = corrupt["lm_head.weight"].clone()
             if kind == "grpc":  # bytes that differ from what the signed manifest says
-                from shared.weights import describe
+                from shared.weightsync.manifest import describe
 
                 manifest = describe(good[1], 2, 1, KEY)
                 refused["corrupt"] = await push_mismatched(signed, manifest, corrupt)
@@ -97,7 +97,7 @@ def received_by(kind: str) -> float:
 async def announce_tampered_file(publisher, tensors, directory, version: int) -> str:
     """A version file digested as written, then changed before a replica maps it."""
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weight_transport import write_shm
+    from shared.weightsync.shm import write_shm
 
     path = directory / f"v{version}.safetensors"
     manifest = write_shm(path, tensors, version, version - 1, KEY)
@@ -111,7 +111,8 @@ async def announce_tampered_file(publisher, tensors, directory, version: int) ->
 
 async def push_mismatched(publisher, manifest, tensors) -> grpc.StatusCode:
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weights import iter_chunks, tensor_to_bytes
+    from shared.weightsync.frames import iter_chunks
+    from shared.weightsync.manifest import tensor_to_bytes
 
     tensors["lm_head.weight"].view(-1)[0] += 1
 
@@ -129,8 +130,8 @@ async def push_mismatched(publisher, manifest, tensors) -> grpc.StatusCode:
 async def broadcast_mismatched(publisher, good, corrupt, version: int) -> str:
     """Announce the good version's manifest, broadcast corrupted bytes."""
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weight_transport import send_version
-    from shared.weights import describe
+    from shared.weightsync.collective import send_version
+    from shared.weightsync.manifest import describe
 
     corrupt["lm_head.weight"].view(-1)[0] += 1
     manifest = describe(good, version, version - 1, KEY)

@@ -12,9 +12,10 @@ from services.weightsync.server import WeightSyncServicer, add_servicer
 from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weight_subscriber import GrpcWeightSubscriber
-from shared.weights import build_manifest, iter_chunks
-from shared.weightsync_client import GrpcWeightPublisher, open_channels, pull_version, to_state_dict
+from shared.weightsync.frames import iter_chunks
+from shared.weightsync.grpc import GrpcWeightPublisher, open_channels, pull_version, to_state_dict
+from shared.weightsync.manifest import build_manifest
+from shared.weightsync.subscriber import GrpcWeightSubscriber
 
 KEY = b"test-signing-key"
 
@@ -327,7 +328,8 @@ def test_striped_pull_equals_single_stream_and_generated_clients_decode_frames(t
 KILLED_PUBLISHER = """
 import asyncio, sys, grpc, torch
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb, weightsync_pb2_grpc
-from shared.weights import build_manifest, iter_chunks
+from shared.weightsync.manifest import build_manifest
+from shared.weightsync.frames import iter_chunks
 
 async def main():
     tensors = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(8)}

@@ -14,7 +14,7 @@ KEY = b"vllm-transport-key"
 
 async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: list[list[int]]) -> dict:
     from shared.engines import Sampling, make_engine
-    from shared.weight_publishers import make_publisher
+    from shared.weightsync import make_publisher
     from tests.integration.test_inference import Replica, _version_is, wait_for
     from tests.integration.test_weight_transports import received_by, subscribed, versions
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from shared.engines.base import StagedWeights
 from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weight_subscriber import GrpcWeightSubscriber
-from shared.weight_transport import Staging, receive_version, send_version
-from shared.weights import WeightError, describe
+from shared.weightsync.collective import Staging, receive_version, send_version
+from shared.weightsync.manifest import WeightError, describe
+from shared.weightsync.subscriber import GrpcWeightSubscriber
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

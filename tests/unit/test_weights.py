@@ -7,14 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weights import (
+from shared.weightsync.frames import (
     Assembler,
-    WeightError,
     decode_delta,
     encode_chunk_frame,
     encode_delta,
     parse_pull_frame,
 )
+from shared.weightsync.manifest import WeightError
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**63), st.binary(max_size=300))

@@ -1,7 +1,7 @@
-"""Client helpers of the weight-sync service.
+"""The `grpc` transport: the trainer pushes a version to the weight-sync service, a replica pulls it.
 
 `GrpcWeightPublisher` (trainer side) pushes a state dict as a new version; `pull_version`
-(replica side, called by `shared.weight_subscriber.GrpcWeightSubscriber`) pulls one, as a delta
+(replica side, called by `shared.weightsync.subscriber.GrpcWeightSubscriber`) pulls one, as a delta
 against the version it holds where it can, over one or several streams, and verifies every
 tensor's checksum.
 """
@@ -20,15 +20,12 @@ from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weights import (
-    Assembler,
+from shared.weightsync.frames import Assembler, decode_delta, iter_chunks, parse_pull_frame
+from shared.weightsync.manifest import (
     WeightError,
     bytes_to_tensor,
-    decode_delta,
     describe,
     digest,
-    iter_chunks,
-    parse_pull_frame,
     tensor_to_bytes,
 )
 

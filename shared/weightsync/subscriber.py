@@ -16,9 +16,10 @@ from shared.interfaces import WeightSubscriber
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
-from shared.weight_transport import Staging
-from shared.weights import WeightError, tensor_to_bytes
-from shared.weightsync_client import _short, open_channels, pull_version, to_state_dict
+from shared.weightsync.collective import Groups, Staging, receive_version
+from shared.weightsync.grpc import _short, open_channels, pull_version, to_state_dict
+from shared.weightsync.manifest import WeightError, tensor_to_bytes
+from shared.weightsync.shm import read_shm
 
 log = logging.getLogger("steadyrl.weightsync.client")
 RECEIVED = Counter("steadyrl_inference_weight_versions_received_total", "Weight versions a replica received and "
@@ -40,8 +41,6 @@ class GrpcWeightSubscriber(WeightSubscriber):
                  streams: int = 1, transports: Sequence[str] = ("grpc",), host: str | None = None,
                  in_use: Callable[[int], bool] | None = None) -> None:
         import socket
-
-        from shared.weight_transport import Groups
 
         self.address, self.on_version, self.subscriber_id = address, on_version, subscriber_id
         self.max_message_bytes, self.backoff, self.streams = max_message_bytes, backoff, streams
@@ -100,8 +99,6 @@ class GrpcWeightSubscriber(WeightSubscriber):
 
     async def _receive(self, channels, stub, announcement: pb.VersionAnnouncement) -> bool:
         """Receive one announced version; True when this subscriber should subscribe again."""
-        from shared.weight_transport import read_shm, receive_version
-
         version, transport = announcement.version.version, announcement.transport
         if version <= max(self.version, self.refused):
             return False

@@ -1,0 +1,190 @@
+"""The `collective` transport: the trainer's publishing rank broadcasts the version, in buckets, to
+the members of a group — the weight-sync service (which keeps every version for gRPC pulls) and
+the replicas that joined. Groups are torch.distributed process groups (gloo on CPU, nccl on GPU)
+formed per *membership epoch* through a TCP store the service hosts; forming and broadcasting are
+bounded by a timeout, so a member that dies costs the trainer one timeout at most. A collective
+that fails falls back to a gRPC push of the same version."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+from collections.abc import Mapping
+
+import grpc
+import torch
+
+from shared.interfaces import WeightPublisher
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.grpc import GrpcWeightPublisher
+from shared.weightsync.manifest import WeightError, describe, digest
+
+log = logging.getLogger("steadyrl.weightsync.client")
+
+
+def buckets(manifest: pb.WeightManifest, bucket_bytes: int) -> list[list[int]]:
+    """Tensor indices of each broadcast bucket: manifest order, at most `bucket_bytes` per bucket
+    (a larger tensor is a bucket of its own). Every member computes the same plan."""
+    plan: list[list[int]] = [[]]
+    used = 0
+    for index, spec in enumerate(manifest.tensors):
+        if plan[-1] and used + spec.nbytes > bucket_bytes:
+            plan.append([])
+            used = 0
+        plan[-1].append(index)
+        used += spec.nbytes
+    return [b for b in plan if b]
+
+
+class Groups:
+    """One member's process groups, one per membership epoch, formed through the service's TCP
+    store within the transport's timeout. Only the newest epoch is kept."""
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.group = None
+        self._stores: dict[str, object] = {}
+
+    def get(self, transport: pb.Transport, rank: int):
+        if self.epoch == transport.epoch and self.group is not None:
+            return self.group
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=transport.timeout_seconds or 60)
+        if transport.store_address not in self._stores:
+            host, port = transport.store_address.rsplit(":", 1)
+            self._stores[transport.store_address] = dist.TCPStore(host, int(port), None, False, timeout=timeout)
+        store = dist.PrefixStore(f"steadyrl/weights/{transport.epoch}/", self._stores[transport.store_address])
+        self.group, self.epoch = None, None
+        if transport.backend == "nccl":
+            group = dist.ProcessGroupNCCL(store, rank, transport.world_size, dist.ProcessGroupNCCL.Options())
+        else:
+            group = dist.ProcessGroupGloo(store, rank, transport.world_size, timeout)
+        self.group, self.epoch = group, transport.epoch
+        return group
+
+    def drop(self) -> None:
+        self.group, self.epoch = None, None
+
+
+def _device(transport: pb.Transport) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if transport.backend == "nccl" else torch.device("cpu")
+
+
+class Staging:
+    """Resident bucket buffers reused version after version: a broadcast into fresh memory runs
+    ~4× slower here (every page faulted in while the bytes arrive: 1.4 vs 7.6 GiB/s)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def buckets(self, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+        if [b.numel() for b in self.buffers] != sizes or any(b.device != device for b in self.buffers):
+            self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+            for buffer in self.buffers:
+                buffer.fill_(0)  # fault the pages in now, not while bytes arrive
+        return self.buffers
+
+
+def _plan(manifest: pb.WeightManifest, transport: pb.Transport) -> tuple[list[list[int]], list[int]]:
+    plan = buckets(manifest, transport.bucket_bytes)
+    return plan, [sum(manifest.tensors[i].nbytes for i in b) for b in plan]
+
+
+def _options(transport: pb.Transport):
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank, options.timeout = 0, datetime.timedelta(seconds=transport.timeout_seconds or 60)
+    return options
+
+
+def send_version(group, transport: pb.Transport, manifest: pb.WeightManifest,
+                 tensors: Mapping[str, torch.Tensor], staging: Staging | None = None) -> int:
+    """Rank 0: broadcast the version bucket by bucket through a ring of two buckets (the next is
+    filled while the last one travels); returns the bytes sent."""
+    plan, sizes = _plan(manifest, transport)
+    ring = (staging or Staging()).buckets([max(sizes, default=0)] * min(2, len(sizes)), _device(transport))
+    names = [spec.name for spec in manifest.tensors]
+    pending = None
+    for index, indices in enumerate(plan):
+        bucket = ring[index % 2][: sizes[index]]  # two buckets' worth, not a second copy of the model
+        at = 0
+        for i in indices:
+            tensor = tensors[names[i]].detach().contiguous().reshape(-1)
+            bucket[at : at + manifest.tensors[i].nbytes].copy_(tensor.view(torch.uint8))
+            at += manifest.tensors[i].nbytes
+        if pending is not None:
+            pending.wait()
+        pending = group.broadcast([bucket], _options(transport))
+    if pending is not None:
+        pending.wait()
+    return sum(sizes)
+
+
+def receive_version(group, transport: pb.Transport, manifest: pb.WeightManifest, verify: bool = True,
+                    staging: Staging | None = None) -> dict[str, torch.Tensor]:
+    """A member: receive the version's buckets (into `staging`, reused across versions, when
+    given) and check every tensor against the manifest while the next bucket arrives
+    (WeightError on a mismatch); the tensors are views of the buckets."""
+    plan, sizes = _plan(manifest, transport)
+    bucket_list = (staging or Staging()).buckets(sizes, _device(transport))
+    works = [group.broadcast([b], _options(transport)) for b in bucket_list[:1]]
+    out: dict[str, torch.Tensor] = {}
+    bad: list[str] = []
+    for index, (bucket, indices) in enumerate(zip(bucket_list, plan, strict=True)):
+        works[index].wait()
+        if index + 1 < len(bucket_list):
+            works.append(group.broadcast([bucket_list[index + 1]], _options(transport)))
+        host = bucket.cpu() if bucket.device.type != "cpu" else bucket
+        at = 0
+        for i in indices:
+            spec = manifest.tensors[i]
+            if verify and not bad and digest(memoryview(host[at : at + spec.nbytes].numpy())) != spec.checksum:
+                bad.append(spec.name)  # keep receiving: the group stays in step for the next version
+            out[spec.name] = bucket[at : at + spec.nbytes].view(getattr(torch, spec.dtype)).reshape(list(spec.shape))
+            at += spec.nbytes
+    if bad:
+        raise WeightError(f"tensor {bad[0]}: checksum mismatch")
+    return out
+
+
+class CollectiveWeightPublisher(WeightPublisher):
+    """Announce, then broadcast from rank 0 to the epoch's group (gloo for CPU tensors, nccl for
+    CUDA ones), every wait bounded by the service's collective timeout."""
+
+    def __init__(self, grpc_publisher: GrpcWeightPublisher) -> None:
+        self.grpc = grpc_publisher
+        self.groups = Groups()
+        self.staging = Staging()  # the buckets are filled from the tensors each version: one set serves all
+
+    async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
+                   timeout: float | None = 600.0):
+        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.key)
+        first = tensors[next(iter(tensors))]
+        backend = "nccl" if first.device.type == "cuda" else "gloo"
+        reply = await self.grpc.stub.Announce(pb.AnnounceRequest(
+            manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend=backend)),
+            wait_for_ready=True, timeout=timeout)
+        transport = reply.transport
+        try:
+            def broadcast() -> int:
+                return send_version(self.groups.get(transport, 0), transport, manifest, tensors, self.staging)
+
+            await asyncio.to_thread(broadcast)
+        except Exception as exc:  # noqa: BLE001 - a member died or stalled: the epoch ends, gRPC carries it
+            self.groups.drop()
+            log.warning("event=collective_failed version=%d epoch=%d error=%s fallback=grpc", version,
+                        transport.epoch, exc)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.grpc.stub.Report(pb.TransferReport(version=version, epoch=transport.epoch, ok=False,
+                                                              error=str(exc)[:500]), timeout=10)
+            return await self.grpc.push(tensors, version, parent_version, timeout)
+        if backend == "nccl":  # the service (a CPU process) is no member: it keeps the version from a push
+            return await self.grpc.push(tensors, version, parent_version, timeout)
+        return reply
+
+    async def close(self) -> None:
+        await self.grpc.close()

@@ -1,0 +1,160 @@
+"""A weight version's manifest: per-tensor name, dtype, shape, byte size and BLAKE3 digest, and the
+HMAC signature over all of it; and the tensors' raw bytes it describes.
+
+A tensor travels as its raw little-endian bytes (bf16 included). BLAKE3 is a cryptographic hash —
+collision-resistant, which the signed manifest relies on — and 4× faster than SHA-256 here on one
+thread (7.3 vs 1.8 GiB/s), more on several.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Iterator, Mapping
+
+import blake3
+import numpy as np
+import torch
+
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+
+CHECKSUM_ALGO = "blake3"
+
+
+class WeightError(ValueError):
+    """A manifest, chunk stream or signature that must not become a version."""
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor (CPU, contiguous), any dtype, without a copy where possible."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise WeightError(f"unknown dtype {dtype!r}")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(torch_dtype).reshape(shape)
+
+
+def digest(data: bytes | bytearray | memoryview) -> bytes:
+    """BLAKE3-256 of `data` (several threads for large inputs)."""
+    threads = blake3.blake3.AUTO if len(data) >= 1 << 22 else 1
+    return blake3.blake3(data, max_threads=threads).digest()
+
+
+class CastView(Mapping):
+    """A model's tensors in the published dtype, cast one at a time on access: a push streams the
+    version without a second copy of the model in memory."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.tensors, self.dtype = tensors, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.tensors[name].detach()
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def meta(self, name: str) -> tuple[str, list[int]]:
+        """(dtype name, shape) of a tensor without casting it."""
+        tensor = self.tensors[name]
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return str(dtype).removeprefix("torch."), list(tensor.shape)
+
+
+def describe(
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
+) -> pb.WeightManifest:
+    """Manifest of `tensors` (name order kept), signed when `key` is given. Reads one tensor at a
+    time and keeps none of their bytes: a mapping that materialises each tensor on access (a cast,
+    a gather) is streamed, never copied whole."""
+    manifest = pb.WeightManifest(
+        version=version,
+        parent_version=parent_version,
+        checksum_algo=CHECKSUM_ALGO,
+        created_unix_ms=int(time.time() * 1000),
+    )
+    for name in tensors:
+        tensor = tensors[name]
+        data = tensor_to_bytes(tensor)
+        manifest.tensors.add(
+            name=name,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=list(tensor.shape),
+            nbytes=len(data),
+            checksum=digest(data),
+        )
+    if key:
+        manifest.signature = sign(manifest, key)
+    return manifest
+
+
+def build_manifest(
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
+) -> tuple[pb.WeightManifest, list[memoryview]]:
+    """`describe(tensors, ...)` and the raw bytes of every tensor (all held at once)."""
+    return describe(tensors, version, parent_version, key), [tensor_to_bytes(tensors[name]) for name in tensors]
+
+
+def _canonical(manifest: pb.WeightManifest) -> bytes:
+    unsigned = pb.WeightManifest()
+    unsigned.CopyFrom(manifest)
+    unsigned.signature = b""
+    return unsigned.SerializeToString(deterministic=True)
+
+
+def sign(manifest: pb.WeightManifest, key: bytes) -> bytes:
+    """HMAC-SHA256 over the manifest without its signature (deterministic serialisation)."""
+    return hmac.new(key, _canonical(manifest), hashlib.sha256).digest()
+
+
+def verify_signature(manifest: pb.WeightManifest, key: bytes | None) -> None:
+    """Raise WeightError unless the manifest carries a valid signature (no-op without a key)."""
+    if not key:
+        return
+    if not manifest.signature:
+        raise WeightError("manifest is unsigned and a signing key is configured")
+    if not hmac.compare_digest(manifest.signature, sign(manifest, key)):
+        raise WeightError("manifest signature does not verify")
+
+
+def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None:
+    if manifest.version == 0:
+        raise WeightError("version must be >= 1")
+    if not manifest.tensors:
+        raise WeightError("manifest lists no tensors")
+    if manifest.checksum_algo != CHECKSUM_ALGO:
+        raise WeightError(f"checksum_algo {manifest.checksum_algo!r}, expected {CHECKSUM_ALGO!r}")
+    names = set()
+    total = 0
+    for spec in manifest.tensors:
+        if not spec.name or spec.name in names:
+            raise WeightError(f"tensor name {spec.name!r} is empty or repeated")
+        names.add(spec.name)
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise WeightError(f"tensor {spec.name}: unknown dtype {spec.dtype!r}")
+        if any(d < 0 for d in spec.shape):
+            raise WeightError(f"tensor {spec.name}: negative dimension in {list(spec.shape)}")
+        expected = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
+        if spec.nbytes != expected:
+            raise WeightError(f"tensor {spec.name}: nbytes {spec.nbytes} != {expected} for its shape and dtype")
+        if len(spec.checksum) != 32:
+            raise WeightError(f"tensor {spec.name}: checksum must be 32 bytes")
+        total += spec.nbytes
+    if total > max_total_bytes:
+        raise WeightError(f"version holds {total} bytes > limit {max_total_bytes}")
+
+
+def verify_payloads(manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:
+    for spec, data in zip(manifest.tensors, payloads, strict=True):
+        if digest(data) != spec.checksum:
+            raise WeightError(f"tensor {spec.name}: checksum mismatch")
