@@ -126,24 +126,17 @@ def grpc_push(address: str, nbytes: str, version: str) -> None:
     asyncio.run(main())
 
 
-def grpc_pull(address: str, nbytes: str, streams: str) -> None:
-    from shared.weightsync.grpc import open_channels, pull_version, to_state_dict
+def grpc_pull(address: str, nbytes: str) -> None:
+    from shared.weightsync.grpc import pull_all, to_state_dict
 
     params = resident(int(nbytes))
-
-    async def main() -> None:
-        channels = open_channels(address, int(streams))
-        for timed in (False, True):
-            if timed:
-                ready()
-            manifest, payloads, _ = await pull_version(channels, 1)  # every tensor's digest checked
-            load(params, to_state_dict(manifest, payloads))
-            del manifest, payloads
-        end()
-        for channel in channels:
-            await channel.close()
-
-    asyncio.run(main())
+    for timed in (False, True):
+        if timed:
+            ready()
+        manifest, payloads, _ = pull_all(address, 1)  # every tensor's digest checked
+        load(params, to_state_dict(manifest, payloads))
+        del manifest, payloads
+    end()
 
 
 # --- shared memory: the trainer writes (and digests), then a replica maps, verifies, loads ------
@@ -184,7 +177,7 @@ def collective(rank: str, world: str, port: str, manifest_path: str, nbytes: str
     import torch.distributed as dist
 
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-    from shared.weightsync.collective import Staging, receive_version, send_version
+    from shared.weightsync.collective import Staging, receive_buckets, send_version
 
     rank, world = int(rank), int(world)
     manifest = pb.WeightManifest.FromString(Path(manifest_path).read_bytes())
@@ -203,7 +196,8 @@ def collective(rank: str, world: str, port: str, manifest_path: str, nbytes: str
         if rank == 0:
             send_version(group, transport, manifest, state, staging)
         else:
-            load(state, receive_version(group, transport, manifest, verify=True, staging=staging))
+            for bucket in receive_buckets(group, transport, manifest, staging):  # each bucket checked
+                load(state, dict(bucket))
     end()
 
 

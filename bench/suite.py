@@ -19,7 +19,6 @@ WEIGHT_SIDES = {
     "raw_socket_2": "raw TCP sockets to 2 receivers at once",
     "grpc_push": "gRPC push trainer → weight-sync (chunked, digested, stored)",
     "grpc_pull_1": "verified gRPC pull, 1 stream, loaded",
-    "grpc_pull_4": "verified gRPC pull, 4 streams, loaded",
     "shm": "shm: trainer writes + digests, replica maps + verifies + loads",
     "collective_1": "gloo broadcast to 1 replica, verified, loaded",
     "collective_2": "gloo broadcast to 2 replicas, verified, loaded",

@@ -7,7 +7,7 @@ Sides, on the same bytes (`gib`, bf16, 64 MiB tensors):
 - raw_socket_1 / raw_socket_2: loopback TCP from a sender process to 1 receiver, and to 2 at
   once (2 senders) — the baseline every transport is divided by (raw_socket_1);
 - grpc_push: the trainer's push to the weight-sync service (chunked, digested, stored);
-- grpc_pull_1 / grpc_pull_4: a replica's verified pull over 1 and 4 streams, loaded;
+- grpc_pull_1: a replica's verified pull (one stream, tensor by tensor), loaded;
 - shm: the trainer writes the version to /dev/shm (digesting it), then a replica maps it,
   verifies every digest and loads it — both sides in one figure (each half reported beside);
 - collective_1 / collective_2: a gloo broadcast from the trainer to 1 and 2 replicas, verified, loaded.
@@ -108,8 +108,7 @@ def measure(nbytes: int, rounds: int = 3) -> dict[str, dict]:
                 "raw_socket_1": lambda: raw_sockets(nbytes, 1),
                 "raw_socket_2": lambda: raw_sockets(nbytes, 2),
                 "grpc_push": lambda: timed([[spawn("grpc_push", service.address, nbytes, next(pushed))]]),
-                "grpc_pull_1": lambda: timed([[spawn("grpc_pull", service.address, nbytes, 1)]]),
-                "grpc_pull_4": lambda: timed([[spawn("grpc_pull", service.address, nbytes, 4)]]),
+                "grpc_pull_1": lambda: timed([[spawn("grpc_pull", service.address, nbytes)]]),
                 "shm": lambda: shm(nbytes),
                 "collective_1": lambda: collective(nbytes, 1, manifest_path),
                 "collective_2": lambda: collective(nbytes, 2, manifest_path),

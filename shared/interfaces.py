@@ -83,12 +83,13 @@ class WeightPublisher(ABC):
 
 
 class WeightSubscriber(ABC):
-    """A replica's side: every new version, verified, handed to a callback; resumes after a drop."""
+    """A replica's side: every new version, as a delivery its engine applies (every tensor checked
+    against the signed manifest first); resumes after a drop."""
 
     @property
     @abstractmethod
     def version(self) -> int:
-        """The version held (0 before the first)."""
+        """The version the engine serves (0 before the first)."""
 
     @abstractmethod
     async def run(self, stop: asyncio.Event | None = None) -> None: ...

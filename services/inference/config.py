@@ -104,8 +104,6 @@ class InferenceSettings(RedisSettings):
     weight_transports: list[Literal["grpc", "shm", "collective"]] = ["shm", "collective", "grpc"]
     """How this replica can receive versions: the weight-sync service says which one each version
     takes (shm only on its host); gRPC is always possible."""
-    weight_streams: int = Field(1, ge=1, le=16)
-    """Parallel streams per weight pull."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
     """Largest gRPC message accepted or sent."""
     max_new_tokens_limit: int = Field(4096, ge=1)

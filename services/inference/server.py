@@ -22,7 +22,7 @@ from shared.tasks import RewardRunner
 log = logging.getLogger("steadyrl.inference")
 
 POLICY_VERSION = Gauge("steadyrl_inference_policy_version", "Policy version the engine serves", ["replica"])
-SWAP_SECONDS = Histogram("steadyrl_inference_swap_seconds", "From a pulled version to the engine serving it",
+SWAP_SECONDS = Histogram("steadyrl_inference_swap_seconds", "Generation paused while a version was applied",
                          ["replica"], buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60))
 
 
@@ -160,18 +160,17 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     POLICY_VERSION.labels(replica).set(engine.version)
     loops = {"rollouts": worker.run(stop)}
     if settings.weightsync_address:
-        async def on_version(version: int, state_dict) -> None:
-            seconds = await asyncio.to_thread(engine.update_weights, version, state_dict)
+        async def apply(delivery) -> float:
+            seconds = await asyncio.to_thread(engine.apply, delivery)
             POLICY_VERSION.labels(replica).set(engine.version)
-            if engine.version >= version:
-                SWAP_SECONDS.labels(replica).observe(seconds)
-                log.info("event=weights_applied version=%d swap_seconds=%.4f", version, seconds)
-            else:  # a step is running: it applies the version when it ends
-                log.info("event=weights_staged version=%d serving=%d", version, engine.version)
+            SWAP_SECONDS.labels(replica).observe(seconds)
+            log.info("event=weights_applied version=%d transport=%s paused_seconds=%.4f", delivery.version,
+                     delivery.transport, seconds)
+            return seconds
 
-        subscriber = GrpcWeightSubscriber(settings.weightsync_address, on_version, replica,
-                                          settings.max_message_bytes, streams=settings.weight_streams,
-                                          transports=settings.weight_transports, in_use=engine.holds)
+        subscriber = GrpcWeightSubscriber(settings.weightsync_address, apply, replica, settings.max_message_bytes,
+                                          transports=settings.weight_transports, base=engine.weight_bytes,
+                                          version=engine.version)
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)

@@ -116,15 +116,17 @@ class Transfers:
     async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
         """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
         the epoch (the trainer then pushes the version over gRPC)."""
-        from shared.weightsync.collective import receive_version
+        from shared.weightsync.collective import receive_buckets
         from shared.weightsync.manifest import tensor_to_bytes
 
         started = time.perf_counter()
         try:
-            def work():
+            def work():  # each bucket copied out of the ring into the version this service keeps
                 group = self._groups.get(transport, 1)
-                tensors = receive_version(group, transport, manifest, staging=self._staging)
-                return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in manifest.tensors]
+                kept = {name: bytearray(tensor_to_bytes(tensor))
+                        for bucket in receive_buckets(group, transport, manifest, self._staging)
+                        for name, tensor in bucket}
+                return [kept[spec.name] for spec in manifest.tensors]
 
             payloads = await asyncio.to_thread(work)
         except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes

@@ -5,14 +5,15 @@ and weight updates that land between decode steps."""
 from __future__ import annotations
 
 import concurrent.futures
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from shared.weightsync.delivery import Delivery
 
 
 @dataclass(frozen=True)
@@ -109,16 +110,31 @@ class Engine(Protocol):
         """Start every prompt (prompt i with index i) and wait for all; `on_token` follows the first."""
         ...
 
-    def holds(self, version: int) -> bool:
-        """Whether the tensors staged as `version` are still read (pending, or being loaded)."""
+    def apply(self, delivery: Delivery) -> float:
+        """Apply a version with generation paused between two steps (`update_mode`
+        "between_requests": once the running sequences finished), bucket by bucket into the
+        weights in place; returns the seconds generation was paused. WeightError: refused, the
+        previous version still served; PartialVersion: some buckets landed, so the engine serves
+        nothing until a whole version is applied. Callable from any thread."""
         ...
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
-        """Stage `version`; it lands between engine steps (the update mode says how running
-        sequences meet it). Returns the seconds from staging to serving of the last applied one."""
+        """`apply` of a state dict handed in process (tests, tools)."""
+        ...
+
+    def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
+        """The raw bytes of a tensor as the version being served published it in `dtype` — the
+        base a delta is decoded against — or None when the engine holds them otherwise (cast,
+        quantized, packed, on a GPU): it then pulls versions whole."""
         ...
 
     def close(self) -> None: ...
+
+
+def eos_ids(config) -> tuple[int, ...]:
+    """The end-of-sequence token ids of a transformers config (none, one or several)."""
+    eos = config.eos_token_id
+    return tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
 
 
 def check_request(prompt: list[int], sampling: Sampling, return_trace: bool, max_model_len: int,
@@ -159,62 +175,3 @@ def generate_all(engine: Engine, prompts: list[list[int]], sampling: Sampling, r
         raise ValueError("no prompts")
     futures = [engine.start(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
     return [f.result() for f in futures]
-
-
-class StagedWeights:
-    """Weight updates that land between engine steps: `update_weights` stages a version and
-    applies it at once when the engine lets it (`_may_apply`) and no step holds `_lock`; else the
-    engine applies it from its own thread when the step ends (`_drain`). Subclasses implement
-    `_load(version, state_dict)` and hold `_lock` over each step."""
-
-    def _init_weights(self, version: int) -> None:
-        self._lock = threading.Lock()
-        self._version = version
-        self._pending: tuple[int, dict[str, torch.Tensor], float] | None = None
-        self._applying = 0
-        self.last_swap_seconds = 0.0
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def holds(self, version: int) -> bool:
-        """Whether the tensors staged as `version` are still needed (pending, or being loaded):
-        until they are not, whoever lent them must not write over them."""
-        pending = self._pending
-        return self._applying == version or (pending is not None and pending[0] == version)
-
-    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
-        """Stage `version`; returns the seconds from staging to serving of the last applied one."""
-        self._pending = (version, state_dict, time.perf_counter())
-        self._drain()
-        return self.last_swap_seconds
-
-    def _may_apply(self) -> bool:
-        return True
-
-    def _drain(self) -> None:
-        # whoever gets the lock applies; a stager that finds it taken relies on the holder's drain,
-        # which re-checks after releasing, so no staged version is missed
-        while self._pending is not None and self._may_apply() and self._lock.acquire(blocking=False):
-            try:
-                self._apply_pending()
-            finally:
-                self._lock.release()
-
-    def _apply_pending(self) -> None:
-        """Call with `_lock` held."""
-        pending, self._pending = self._pending, None
-        if pending is None or pending[0] <= self._version:
-            return
-        version, state_dict, staged = pending
-        self._applying = version
-        try:
-            self._load(version, state_dict)
-        finally:
-            self._applying = 0
-        self._version = version
-        self.last_swap_seconds = time.perf_counter() - staged
-
-    def _load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError

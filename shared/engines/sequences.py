@@ -93,6 +93,19 @@ def forward(model, routing, activations, input_ids, attention, positions, cache,
     return out.logits[:, -1, :], out.past_key_values
 
 
+def prefill(model, routing, activations, pad_token_id: int, rows: list[Seq], sequences: list[list[int]],
+            device: torch.device):
+    """Left-padded forward of whole sequences from scratch: (last logits, cache, mask)."""
+    width = max(map(len, sequences))
+    pads = torch.tensor([width - len(s) for s in sequences], device=device)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], device=device)
+    mask = (torch.arange(width, device=device)[None, :] >= pads[:, None]).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits, cache = forward(model, routing, activations, input_ids, mask, positions, None, rows,
+                            [len(s) for s in sequences])
+    return logits, cache, mask
+
+
 def result_of(seq: Seq, num_experts: int) -> Sample:
     """A finished sequence as a Sample; its trace covers P + C − 1 positions: every token fed, the
     last one never is."""

@@ -6,13 +6,17 @@ the engine core in a process of its own.
   thread (the replica's loop, a bare benchmark) share one engine.
 - Logprobs: SamplingParams(logprobs=0) with `logprobs_mode="processed_logprobs"`: each value is
   under the distribution actually sampled from.
-- Weights: a version is converted to the checkpoint layout, written to a safetensors file and
-  loaded in every worker by the `WeightLoader` extension. `update_mode="in_flight"`:
-  `pause_generation(mode="keep")` (running requests freeze; their KV is dropped and recomputed
-  on resume, so tokens after the update are those of the new weights over the whole prefix) →
-  load → prefix-cache reset → the version label → `resume_generation()`; each token's version
-  comes from `CompletionOutput.weight_versions`. `"between_requests"`: `pause_generation(mode=
-  "wait")` lets the running requests finish first (new ones queue): one version per rollout.
+- Weights: through vLLM's weight-transfer API with steadyrl's `steadyrl` backend
+  (`shared.weightsync.vllm`): the worker reads each bucket itself — a shared-memory file it maps,
+  a broadcast it joins, a pull — checks it and loads it (vLLM's layerwise reload); nothing goes
+  through a file on disk or a staged copy. `update_mode="in_flight"`: `pause_generation(mode=
+  "keep")` (running requests freeze; their KV is dropped and recomputed on resume, so tokens after
+  the update are those of the new weights over the whole prefix) → `start_weight_update` →
+  `update_weights` → `finish_weight_update(version)` → prefix-cache reset → `resume_generation()`;
+  each token's version comes from `CompletionOutput.weight_versions`. `"between_requests"`:
+  `pause_generation(mode="wait")` lets the running requests finish first (new ones queue): one
+  version per rollout. A version whose bytes fail after some buckets were loaded leaves the engine
+  paused (serving nothing) until a whole version is applied.
 - Routing traces: vLLM returns routed experts only with its V2 model runner (GPU,
   `enable_return_routed_experts`). On CPU the capability is off and says why; none is faked.
 - Built only under `if __name__ == "__main__":` (vLLM spawns processes).
@@ -39,10 +43,12 @@ from shared.engines.base import (
     OnToken,
     Sample,
     Sampling,
-    StagedWeights,
     check_request,
+    eos_ids,
     generate_all,
 )
+from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
+from shared.weightsync.manifest import WeightError
 
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
 UPDATE_MODES = ("in_flight", "between_requests")
@@ -53,7 +59,7 @@ VLLM_QUANTIZATION = {  # this project's name → vLLM 0.32's online quantization
 }
 
 
-class VllmEngine(StagedWeights):
+class VllmEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
@@ -77,7 +83,7 @@ class VllmEngine(StagedWeights):
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
         options = dict(
             model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WeightLoader", seed=0,
+            max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WorkerExtension", seed=0,
             max_num_seqs=max_num_seqs, disable_log_stats=True,
         )
         if not on_gpu:
@@ -95,14 +101,15 @@ class VllmEngine(StagedWeights):
                 options["enable_return_routed_experts"] = True
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = max_model_len
-        eos = config.eos_token_id
-        self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+        self.eos_token_ids = eos_ids(config)
         self.num_experts = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
         notes = () if traces or not is_moe else (NO_TRACE_ON_CPU if not on_gpu else
                                                  "set VLLM_USE_V2_MODEL_RUNNER=1 for routing traces",)
         self.capabilities = Capabilities(routing_trace=traces, dtype=str(dtype), notes=notes)
-        self._init_weights(version)
-        self._spool = Path(tempfile.mkdtemp(prefix="steadyrl-vllm-weights-"))
+        self._version = version
+        self._paused = False  # a version failed after some buckets: paused until a whole one lands
+        self._spool = Path(tempfile.mkdtemp(prefix="steadyrl-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir()
+                                            else None))  # in-process state dicts cross to the worker here
         self._ids = itertools.count()
         self._running = 0
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
@@ -113,9 +120,15 @@ class VllmEngine(StagedWeights):
 
     async def _open(self, options: dict, version: int):
         from vllm import AsyncEngineArgs
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**options))
+        from shared.weightsync.vllm import BACKEND
+
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**options, weight_transfer_config=WeightTransferConfig(
+            backend=BACKEND)))
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest({}))
         await llm.update_weight_version(str(version))
         return llm
 
@@ -188,34 +201,47 @@ class VllmEngine(StagedWeights):
             sample.num_experts = self.num_experts
         return sample
 
-    # --- weights -----------------------------------------------------------------------------------
+    # --- weights ---------------------------------------------------------------------------------
 
-    def _load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
+    @property
+    def version(self) -> int:
+        return self._version
 
-        from shared.models.loading import checkpoint_state_dict
+    def apply(self, delivery: Delivery) -> float:
+        if isinstance(delivery, StateDictDelivery):  # in process: to the worker through shared memory
+            path = self._spool / f"v{delivery.version}.safetensors"
+            try:
+                return self.apply(delivery.to_shm(path))
+            finally:
+                path.unlink(missing_ok=True)
+        return self._call(self._update(delivery.worker_update(), delivery.version))
 
-        tensors = {k: v.detach().contiguous() for k, v in checkpoint_state_dict(self.model_path, state_dict).items()}
-        path = self._spool / f"v{version}.safetensors"
-        save_file(tensors, str(path))
-        try:
-            loaded = self._call(self._swap(str(path), version))
-        finally:
-            path.unlink(missing_ok=True)
-        if any(count != len(tensors) for count in loaded):
-            raise RuntimeError(f"vLLM workers loaded {loaded} of {len(tensors)} tensors")
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
+        return self.apply(StateDictDelivery(version, state_dict))
 
-    async def _swap(self, path: str, version: int) -> list[int]:
-        mode = "keep" if self.update_mode == "in_flight" else "wait"
-        await self.llm.pause_generation(mode=mode, clear_cache=True)
-        try:
-            loaded = await self.llm.collective_rpc("load_weights_from_file", args=(path,))
-            await self.llm.reset_prefix_cache()
-            await self.llm.update_weight_version(str(version))
-            self._version = version  # tokens from the resume on are this version's
-        finally:
-            await self.llm.resume_generation()
-        return loaded
+    def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
+        return None  # the workers hold processed (packed, fused) weights: versions come whole
+
+    async def _update(self, info: dict, version: int) -> float:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if not self._paused:
+            await self.llm.pause_generation(mode="keep" if self.update_mode == "in_flight" else "wait",
+                                            clear_cache=True)
+            self._paused = True
+        started = time.perf_counter()
+        await self.llm.start_weight_update()
+        await self.llm.update_weights(WeightTransferUpdateRequest(info))
+        await self.llm.finish_weight_update(str(version))
+        statuses = await self.llm.collective_rpc("steadyrl_update_status")
+        failed = next((s for s in statuses if s.get("error")), None)
+        if failed is not None:  # stays paused: the caller applies a whole version next
+            raise (PartialVersion if any(s.get("partial") for s in statuses) else WeightError)(failed["error"])
+        await self.llm.reset_prefix_cache()
+        self._version = version  # tokens from the resume on are this version's
+        await self.llm.resume_generation()
+        self._paused = False
+        return time.perf_counter() - started
 
     def close(self) -> None:
         import shutil

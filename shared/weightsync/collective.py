@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import grpc
 import torch
 
 from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.manifest import WeightError, describe, digest
 
@@ -74,8 +75,9 @@ def _device(transport: pb.Transport) -> torch.device:
 
 
 class Staging:
-    """Resident bucket buffers reused version after version: a broadcast into fresh memory runs
-    ~4× slower here (every page faulted in while the bytes arrive: 1.4 vs 7.6 GiB/s)."""
+    """Resident bucket buffers reused version after version (a ring of two on either end): a
+    broadcast into fresh memory runs ~4× slower here (every page faulted in while the bytes
+    arrive: 1.4 vs 7.6 GiB/s)."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
@@ -124,31 +126,63 @@ def send_version(group, transport: pb.Transport, manifest: pb.WeightManifest,
     return sum(sizes)
 
 
-def receive_version(group, transport: pb.Transport, manifest: pb.WeightManifest, verify: bool = True,
-                    staging: Staging | None = None) -> dict[str, torch.Tensor]:
-    """A member: receive the version's buckets (into `staging`, reused across versions, when
-    given) and check every tensor against the manifest while the next bucket arrives
-    (WeightError on a mismatch); the tensors are views of the buckets."""
+def receive_buckets(group, transport: pb.Transport, manifest: pb.WeightManifest,
+                    ring: Staging | None = None) -> Iterator[Bucket]:
+    """A member: the version's buckets as they arrive, through a ring of two resident buffers
+    (the next bucket arrives while the one yielded is applied, so apply each before asking for
+    the next). Each is checked against the manifest before it is yielded. A bad bucket stops the
+    yielding but not the receiving — the group stays in step for the next version — and then
+    raises: WeightError if it was the first, PartialVersion after some were yielded."""
     plan, sizes = _plan(manifest, transport)
-    bucket_list = (staging or Staging()).buckets(sizes, _device(transport))
-    works = [group.broadcast([b], _options(transport)) for b in bucket_list[:1]]
-    out: dict[str, torch.Tensor] = {}
-    bad: list[str] = []
-    for index, (bucket, indices) in enumerate(zip(bucket_list, plan, strict=True)):
-        works[index].wait()
-        if index + 1 < len(bucket_list):
-            works.append(group.broadcast([bucket_list[index + 1]], _options(transport)))
-        host = bucket.cpu() if bucket.device.type != "cpu" else bucket
-        at = 0
-        for i in indices:
-            spec = manifest.tensors[i]
-            if verify and not bad and digest(memoryview(host[at : at + spec.nbytes].numpy())) != spec.checksum:
-                bad.append(spec.name)  # keep receiving: the group stays in step for the next version
-            out[spec.name] = bucket[at : at + spec.nbytes].view(getattr(torch, spec.dtype)).reshape(list(spec.shape))
-            at += spec.nbytes
+    slots = (ring or Staging()).buckets([max(sizes, default=0)] * min(2, len(sizes)), _device(transport))
+    works = {0: group.broadcast([slots[0][: sizes[0]]], _options(transport))} if sizes else {}
+    bad, yielded = "", 0
+    for index, indices in enumerate(plan):
+        works.pop(index).wait()
+        if index + 1 < len(plan):  # its slot held bucket index - 1, applied already
+            works[index + 1] = group.broadcast([slots[(index + 1) % 2][: sizes[index + 1]]], _options(transport))
+        if not bad:
+            bucket, bad = _checked(slots[index % 2][: sizes[index]], [manifest.tensors[i] for i in indices])
+            if not bad:
+                yield bucket
+                yielded += 1
     if bad:
-        raise WeightError(f"tensor {bad[0]}: checksum mismatch")
-    return out
+        raise (PartialVersion if yielded else WeightError)(bad)
+
+
+def _checked(data: torch.Tensor, specs: list) -> tuple[Bucket, str]:
+    """A received bucket's tensors (views of `data`) and "" — or what failed its digest."""
+    host = data.cpu() if data.device.type != "cpu" else data
+    bucket, at = [], 0
+    for spec in specs:
+        if digest(memoryview(host[at : at + spec.nbytes].numpy())) != spec.checksum:
+            return [], f"tensor {spec.name}: checksum mismatch"
+        bucket.append((spec.name, as_tensor(data[at : at + spec.nbytes], spec)))
+        at += spec.nbytes
+    return bucket, ""
+
+
+class CollectiveDelivery(Delivery):
+    """A version broadcast to this member: received (in process: `buckets`; in a vLLM worker, which
+    joins the group itself: `worker_update`) bucket by bucket, each checked as it arrives."""
+
+    transport = "collective"
+
+    def __init__(self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups | None = None,
+                 ring: Staging | None = None) -> None:
+        super().__init__(manifest)
+        self.spec, self.groups, self.ring = transport, groups or Groups(), ring
+
+    def buckets(self) -> Iterator[Bucket]:
+        try:
+            yield from receive_buckets(self.groups.get(self.spec, self.spec.rank), self.spec, self.manifest, self.ring)
+        except Exception:
+            self.groups.drop()  # a failed epoch is not joined again
+            raise
+
+    def worker_update(self) -> dict:
+        return {"transport": "collective", "spec": self.spec.SerializeToString(),
+                "manifest": self.manifest.SerializeToString()}
 
 
 class CollectiveWeightPublisher(WeightPublisher):

@@ -1,16 +1,14 @@
 """The `grpc` transport: the trainer pushes a version to the weight-sync service, a replica pulls it.
 
-`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version; `pull_version`
-(replica side, called by `shared.weightsync.subscriber.GrpcWeightSubscriber`) pulls one, as a delta
-against the version it holds where it can, over one or several streams, and verifies every
-tensor's checksum.
+`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version; a `GrpcDelivery`
+(replica side) pulls one tensor by tensor, as a delta against the version it holds where it can,
+checking every tensor's digest.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 import grpc
 import torch
@@ -20,7 +18,8 @@ from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.frames import Assembler, decode_delta, iter_chunks, parse_pull_frame
+from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor, batched
+from shared.weightsync.frames import decode_delta, iter_chunks, parse_pull_frame
 from shared.weightsync.manifest import (
     WeightError,
     bytes_to_tensor,
@@ -62,90 +61,104 @@ class GrpcWeightPublisher(WeightPublisher):
 PULL_METHOD = "/steadyrl.v1.WeightSync/Pull"
 
 
-async def pull_version(
-    channels: grpc.aio.Channel | Sequence[grpc.aio.Channel],
-    version: int,
-    base: tuple[int, pb.WeightManifest, list[bytearray]] | None = None,
-) -> tuple[pb.WeightManifest, list[bytearray], int]:
-    """Pull `version` (0 = latest), as a delta against `base` (version, manifest, raw bytes).
+class GrpcDelivery(Delivery):
+    """A version pulled from the weight-sync service over one stream, a tensor at a time (memory:
+    the tensor being received): each checked against the manifest as it completes, a delta decoded
+    against the receiver's own bytes of `base_version` (`base(name)`, None: a full pull).
 
-    With several channels the pull is striped: one stream per channel, in parallel (each channel
-    is its own TCP connection, so gRPC's transport threads work side by side). Tensors sent in
-    full are digested in worker threads as soon as their last chunk lands.
-    Returns the manifest, the verified raw bytes of every tensor, and the wire bytes received.
-    """
-    channels = [channels] if isinstance(channels, grpc.aio.Channel) else list(channels)
-    if version == 0:
-        latest = await weightsync_pb2_grpc.WeightSyncStub(channels[0]).Latest(common_pb2.Empty())
-        version = latest.version.version
-    loop = asyncio.get_running_loop()
-    state: dict = {"header": None, "assembler": None, "digests": {}, "wire": 0}
+    `open()` starts the pull and reads its header (the manifest, when it was not announced); a
+    failure after the first tensor raises PartialVersion. Sync (gRPC's sync API), so it runs where
+    the bytes are applied: an engine's thread, or a vLLM worker."""
 
-    async def stripe(index: int) -> None:
-        request = pb.PullRequest(version=version, base_version=base[0] if base else 0,
-                                 stripe=index, stripes=len(channels))
-        call = channels[index].unary_stream(
-            PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None
-        )(request)
-        header = None
-        async for raw in call:
-            frame = parse_pull_frame(raw)
-            if header is None:
-                if not isinstance(frame, pb.PullHeader):
-                    raise WeightError("pull stream did not start with a header")
-                header = frame
-                if state["header"] is None:
-                    state["header"] = header
-                    state["assembler"] = Assembler(list(header.encoded_nbytes))
-                elif header != state["header"]:
-                    raise WeightError("striped pull streams disagree on the header")
-                continue
-            if isinstance(frame, pb.PullHeader):
-                raise WeightError("a pull stream carries one header")
-            tensor, offset, data = frame
-            assembler = state["assembler"]
-            state["wire"] += assembler.add(tensor, offset, data)
-            if assembler.complete(tensor) and header.encodings[tensor] == pb.FULL:
-                state["digests"][tensor] = loop.run_in_executor(None, digest, assembler.buffers[tensor])
-        if header is None:
-            raise WeightError("empty pull stream")
+    transport = "grpc"
 
-    await asyncio.gather(*(stripe(i) for i in range(len(channels))))
-    header, assembler = state["header"], state["assembler"]
-    manifest = header.manifest
-    encoded = assembler.finish()
-    base_bytes: dict[str, bytearray] = {}
-    if header.base_version:
-        if base is None or base[0] != header.base_version:
-            raise WeightError(f"server sent a delta against {header.base_version}, which is not held")
-        base_bytes = {s.name: data for s, data in zip(base[1].tensors, base[2], strict=True)}
-    payloads = [
-        decode_delta(enc, data, base_bytes.get(spec.name), spec.nbytes)
-        for spec, enc, data in zip(manifest.tensors, header.encodings, encoded, strict=True)
-    ]
-    pending = {i: f for i, f in state["digests"].items()}
-    for i, payload in enumerate(payloads):
-        if i not in pending:
-            pending[i] = loop.run_in_executor(None, digest, payload)
-    sums = await asyncio.gather(*(pending[i] for i in range(len(payloads))))
-    for spec, got in zip(manifest.tensors, sums, strict=True):
-        if got != spec.checksum:
-            raise WeightError(f"tensor {spec.name}: checksum mismatch")
-    return manifest, payloads, state["wire"]
+    def __init__(self, address: str, version: int, manifest: pb.WeightManifest | None = None, base_version: int = 0,
+                 base=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 600.0) -> None:
+        super().__init__(manifest or pb.WeightManifest(version=version))
+        self.address, self.base_version, self.base = address, base_version if base is not None else 0, base
+        self.max_message_bytes, self.timeout = max_message_bytes, timeout
+        self.wire_bytes = 0
+        self._channel = self._frames = self._header = None
+
+    def open(self) -> pb.WeightManifest:
+        if self._header is not None:
+            return self.manifest
+        from shared.rpc.auth import token_from_env
+        from shared.rpc.tls import sync_channel, tls_from_env
+
+        self._channel = sync_channel(self.address, options=channel_options(self.max_message_bytes), tls=tls_from_env())
+        token = token_from_env()
+        call = self._channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
+                                          response_deserializer=None)
+        self._frames = iter(call(pb.PullRequest(version=self.version, base_version=self.base_version),
+                                 metadata=[("authorization", f"Bearer {token}")] if token else None,
+                                 timeout=self.timeout))
+        try:
+            header = parse_pull_frame(next(self._frames))
+        except (StopIteration, grpc.RpcError) as exc:
+            self.close()
+            raise WeightError(f"pull of version {self.version}: {_short(exc)}") from exc
+        if not isinstance(header, pb.PullHeader):
+            raise WeightError("pull stream did not start with a header")
+        if self.manifest.tensors and header.manifest != self.manifest:
+            raise WeightError(f"version {self.version}: the pulled manifest is not the announced one")
+        self.manifest, self._header = header.manifest, header
+        return self.manifest
+
+    def tensors(self):
+        """(spec, raw bytes) of each tensor in manifest order, checked; PartialVersion after the first."""
+        header = self._header or (self.open() and self._header)
+        specs = list(self.manifest.tensors)
+        done = 0
+        try:
+            for index, spec in enumerate(specs):
+                encoded = bytearray(header.encoded_nbytes[index])
+                received = 0
+                while received < len(encoded):
+                    frame = parse_pull_frame(next(self._frames))
+                    if isinstance(frame, pb.PullHeader) or frame[0] != index or frame[1] != received:
+                        raise WeightError(f"tensor {spec.name}: a chunk out of order")
+                    encoded[received : received + len(frame[2])] = frame[2]
+                    received += len(frame[2])
+                self.wire_bytes += received
+                base = self.base(spec.name) if header.encodings[index] != pb.FULL else None
+                data = decode_delta(header.encodings[index], encoded, base, spec.nbytes)
+                if digest(data) != spec.checksum:
+                    raise WeightError(f"tensor {spec.name}: checksum mismatch")
+                yield spec, data
+                done += 1
+        except (StopIteration, grpc.RpcError, WeightError) as exc:
+            reason = exc if isinstance(exc, WeightError) else WeightError(f"pull cut short: {_short(exc)}")
+            raise (PartialVersion if done else WeightError)(str(reason)) from exc
+        finally:
+            self.close()
+
+    def buckets(self) -> Iterator[Bucket]:
+        yield from batched((spec.name, as_tensor(data, spec)) for spec, data in self.tensors())
+
+    def worker_update(self) -> dict:
+        return {"transport": "grpc", "address": self.address, "version": self.version,
+                "manifest": self.manifest.SerializeToString()}
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
 
-def open_channels(address: str, count: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[grpc.aio.Channel]:
-    """`count` channels to `address`, each on its own connection (no shared subchannel pool)."""
-    options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-    return [auth_channel(address, options=options) for _ in range(count)]
+def pull_all(address: str, version: int, base_version: int = 0, base=None) -> tuple[pb.WeightManifest, list[bytearray], int]:
+    """A whole version pulled at once: (manifest, every tensor's checked bytes, wire bytes)."""
+    delivery = GrpcDelivery(address, version, base_version=base_version, base=base)
+    payloads = [data for _, data in delivery.tensors()]
+    return delivery.manifest, payloads, delivery.wire_bytes
 
 
 def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dict[str, torch.Tensor]:
     return {s.name: bytes_to_tensor(d, s.dtype, list(s.shape)) for s, d in zip(manifest.tensors, payloads, strict=True)}
 
 
-def _short(exc: Exception) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return exc.code().name
     return type(exc).__name__
 

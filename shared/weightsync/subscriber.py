@@ -1,89 +1,105 @@
-"""A replica's side of the weights (`shared.interfaces.WeightSubscriber`): whatever transport
-each version takes, it arrives verified against the signed manifest or not at all."""
+"""A replica's side of the weights (`shared.interfaces.WeightSubscriber`): watch the weight-sync
+service, turn each announced version into the `Delivery` of the transport it takes (a table,
+`deliveries`), and hand it to the engine to apply — whatever carried it, every tensor is checked
+against the signed manifest before it is used, or the version is not served.
+
+- A version refused before anything changed (a bad shm file, a bad first bucket, a pull cut short
+  at once) keeps the replica on its version; a shm or collective one is then pulled over gRPC
+  (after a failed collective the trainer pushes it there), and after a failed collective the
+  subscriber subscribes again, to join the next epoch.
+- A version that failed after some of its buckets landed (`PartialVersion`) leaves the engine
+  serving nothing; the subscriber restores a whole version at once: the one it served before,
+  pulled from the service (which keeps the last few), else the new one once the service holds it.
+  If none can be applied, the loop dies: the replica restarts from its model and catches up.
+- gRPC pulls come as deltas against the version served when the engine holds its exact bytes
+  (`Engine.weight_bytes`); else whole.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
-import torch
 from prometheus_client import Counter
 
 from shared.interfaces import WeightSubscriber
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
-from shared.weightsync.collective import Groups, Staging, receive_version
-from shared.weightsync.grpc import _short, open_channels, pull_version, to_state_dict
-from shared.weightsync.manifest import WeightError, tensor_to_bytes
-from shared.weightsync.shm import read_shm
+from shared.weightsync.collective import CollectiveDelivery, Groups, Staging
+from shared.weightsync.delivery import Delivery, PartialVersion
+from shared.weightsync.grpc import GrpcDelivery, _short
+from shared.weightsync.manifest import WeightError
+from shared.weightsync.shm import ShmDelivery
 
 log = logging.getLogger("steadyrl.weightsync.client")
 RECEIVED = Counter("steadyrl_inference_weight_versions_received_total", "Weight versions a replica received and "
                    "verified, by how they came", ["transport"])
 REFUSED = Counter("steadyrl_inference_weight_versions_refused_total", "Weight versions refused (bad bytes, a failed "
                   "transfer)", ["transport"])
-OnVersion = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
+RESTORED = Counter("steadyrl_inference_weight_restores_total", "Whole versions applied after one failed half-way")
+Apply = Callable[[Delivery], Awaitable[float]]
+Base = Callable[[str, str], memoryview | None]  # (name, dtype) → the served version's bytes, or None
 
 
 class GrpcWeightSubscriber(WeightSubscriber):
-    """Watch → receive → verify → `on_version(version, state_dict)`, resuming after dropped
-    streams. The service says how each version comes: a gRPC pull (as a delta against the
-    version held), a shared-memory file to map, or a collective broadcast to join; a version
-    that fails to arrive on shm or a collective is pulled over gRPC instead, and after a failed
-    collective the subscriber subscribes again, to join the next epoch."""
+    """Watch → deliver → `apply(delivery)` (the engine's, off the event loop), resuming after
+    dropped streams."""
 
-    def __init__(self, address: str, on_version: OnVersion, subscriber_id: str = "",
+    def __init__(self, address: str, apply: Apply, subscriber_id: str = "",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0),
-                 streams: int = 1, transports: Sequence[str] = ("grpc",), host: str | None = None,
-                 in_use: Callable[[int], bool] | None = None) -> None:
-        import socket
-
-        self.address, self.on_version, self.subscriber_id = address, on_version, subscriber_id
-        self.max_message_bytes, self.backoff, self.streams = max_message_bytes, backoff, streams
+                 transports: Sequence[str] = ("grpc",), host: str | None = None, base: Base | None = None,
+                 version: int = 0) -> None:
+        self.address, self.apply, self.subscriber_id = address, apply, subscriber_id
+        self.max_message_bytes, self.backoff, self.base = max_message_bytes, backoff, base
         self.transports = [pb.WeightTransportKind.Value(t.upper()) for t in transports]
         self.host = host or socket.gethostname()
-        self.held: tuple[int, pb.WeightManifest, list[bytearray]] | None = None
+        self._version = version  # the version the engine serves
+        self.manifest: pb.WeightManifest | None = None  # its manifest, once one came
         self.applied: list[int] = []
         self.received: dict[str, int] = {}  # versions received, by transport
         self.refused = 0  # the newest version refused as corrupt (never asked for again)
         self.wire_bytes = 0
         self.reconnects = 0
-        self.groups = Groups()
-        # collective versions land in one of two resident buffer sets, reused only when neither
-        # this subscriber (`held`, its delta base) nor the consumer (`in_use`) still reads them;
-        # without `in_use` every version gets fresh buffers (the consumer may keep what it got)
-        self.in_use = in_use
-        self.staging: list[tuple[int, Staging]] = []
-
-    def _staging_for(self, version: int) -> Staging:
-        if self.in_use is None:
-            return Staging()
-        free = [(v, s) for v, s in self.staging if v != self.version and not self.in_use(v)]
-        if not free and len(self.staging) >= 2:
-            return Staging()  # both sets still in use: this version gets its own buffers
-        staging = free[0][1] if free else Staging()
-        self.staging = [(v, s) for v, s in self.staging if s is not staging] + [(version, staging)]
-        return staging
+        self.groups, self.ring = Groups(), Staging()  # an in-process collective member's group and ring
 
     @property
     def version(self) -> int:
-        return self.held[0] if self.held else 0
+        return self._version
+
+    def deliveries(self, announcement: pb.VersionAnnouncement) -> Delivery:
+        """The delivery of an announced version, by the transport it takes."""
+        table = {pb.SHM: lambda a: ShmDelivery(a.manifest, a.transport.shm_path),
+                 pb.COLLECTIVE: lambda a: CollectiveDelivery(a.manifest, a.transport, self.groups, self.ring),
+                 pb.GRPC: lambda a: self.pull(a.version.version, a.manifest if a.manifest.tensors else None)}
+        return table[announcement.transport.kind](announcement)
+
+    def pull(self, version: int, manifest: pb.WeightManifest | None = None, delta: bool = True) -> GrpcDelivery:
+        """A gRPC pull of `version`: a delta against the served version when the engine holds its
+        exact bytes, else whole."""
+        base = None
+        if delta and self.base is not None and self.manifest is not None:
+            dtypes = {spec.name: spec.dtype for spec in self.manifest.tensors}
+            if all(self.base(name, dtype) is not None for name, dtype in dtypes.items()):
+                base = lambda name: self.base(name, dtypes[name])  # noqa: E731
+        return GrpcDelivery(self.address, version, manifest, self.version if base else 0, base, self.max_message_bytes)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         delay = self.backoff[0]
         while stop is None or not stop.is_set():
-            channels = open_channels(self.address, self.streams, self.max_message_bytes)
+            channel = auth_channel(self.address, options=[("grpc.max_receive_message_length", self.max_message_bytes)])
             watch = None
             try:
-                stub = weightsync_pb2_grpc.WeightSyncStub(channels[0])
+                stub = weightsync_pb2_grpc.WeightSyncStub(channel)
                 watch = stub.Watch(pb.WatchRequest(after_version=self.version, subscriber_id=self.subscriber_id,
                                                    transports=self.transports, host=self.host))
                 async for announcement in watch:
-                    rejoin = await self._receive(channels, stub, announcement)
+                    rejoin = await self._receive(stub, announcement)
                     delay = self.backoff[0]
                     if rejoin:
                         break  # subscribe again: the next collective epoch includes us
@@ -95,85 +111,85 @@ class GrpcWeightSubscriber(WeightSubscriber):
             finally:
                 if watch is not None:
                     watch.cancel()
-                await asyncio.gather(*(c.close() for c in channels))
+                await channel.close()
 
-    async def _receive(self, channels, stub, announcement: pb.VersionAnnouncement) -> bool:
-        """Receive one announced version; True when this subscriber should subscribe again."""
-        version, transport = announcement.version.version, announcement.transport
+    async def _receive(self, stub, announcement: pb.VersionAnnouncement) -> bool:
+        """Apply one announced version; True when this subscriber should subscribe again."""
+        version, kind = announcement.version.version, announcement.transport.kind
         if version <= max(self.version, self.refused):
             return False
-        if transport.kind == pb.SHM:
-            try:
-                tensors = await asyncio.to_thread(read_shm, transport.shm_path, announcement.manifest)
-                return await self._use(announcement.manifest, tensors, "shm")
-            except (OSError, WeightError) as exc:
-                REFUSED.labels("shm").inc()
-                log.warning("event=weights_refused version=%d transport=shm error=%s", version, exc)
-        elif transport.kind == pb.COLLECTIVE:
-            try:
-                staging = self._staging_for(version)
-
-                def join():
-                    group = self.groups.get(transport, transport.rank)
-                    return receive_version(group, transport, announcement.manifest, staging=staging)
-
-                tensors = await asyncio.to_thread(join)
-                await stub.Report(pb.TransferReport(version=version, epoch=transport.epoch, ok=True,
-                                                    subscriber_id=self.subscriber_id), timeout=10)
-                return await self._use(announcement.manifest, tensors, "collective")
-            except Exception as exc:  # noqa: BLE001 - a dead peer, a timeout, corrupted bytes: pull it instead
-                self.groups.drop()
-                REFUSED.labels("collective").inc()
-                log.warning("event=weights_refused version=%d transport=collective epoch=%d error=%s", version,
-                            transport.epoch, exc)
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await stub.Report(pb.TransferReport(version=version, epoch=transport.epoch, ok=False,
-                                                        subscriber_id=self.subscriber_id, error=str(exc)[:500]),
-                                      timeout=10)
-                await self._pull_when_held(channels, version, transport.timeout_seconds * 2 or 120)
-                return True
+        delivery = self.deliveries(announcement)
         try:
-            await self._apply(channels, version)
-        except (WeightError, grpc.aio.AioRpcError) as exc:
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.DATA_LOSS:
-                raise
-            REFUSED.labels("grpc").inc()
-            self.refused = version
-            log.warning("event=weights_refused version=%d transport=grpc error=%s", version, _short(exc))
+            await self._use(delivery)
+        except PartialVersion as exc:
+            REFUSED.labels(delivery.transport).inc()
+            log.warning("event=weights_refused version=%d transport=%s partial=true error=%s", version,
+                        delivery.transport, exc)
+            await self._report(stub, announcement, str(exc))
+            patience = announcement.transport.timeout_seconds * 2 or 120
+            await self._restore(version, patience)
+            if self.version < version:  # then the failed version itself, by gRPC, once the service holds it
+                with contextlib.suppress(WeightError):
+                    await self._pull_when_held(version, patience)
+            return kind == pb.COLLECTIVE
+        except (WeightError, OSError, grpc.RpcError) as exc:
+            REFUSED.labels(delivery.transport).inc()
+            log.warning("event=weights_refused version=%d transport=%s error=%s", version, delivery.transport,
+                        _short(exc) if isinstance(exc, grpc.RpcError) else exc)
+            if kind == pb.GRPC:
+                self.refused = version
+                return False
+            await self._report(stub, announcement, str(exc))
+            await self._pull_when_held(version, announcement.transport.timeout_seconds * 2 or 120)
+            return kind == pb.COLLECTIVE
+        await self._report(stub, announcement, "")
         return False
 
-    async def _use(self, manifest: pb.WeightManifest, tensors: dict[str, torch.Tensor], how: str) -> bool:
-        payloads = [tensor_to_bytes(tensors[spec.name]) for spec in manifest.tensors]
-        await self._deliver(manifest, tensors, payloads)
-        self.received[how] = self.received.get(how, 0) + 1
-        RECEIVED.labels(how).inc()
-        return False
+    async def _use(self, delivery: Delivery) -> None:
+        await self.apply(delivery)
+        self._version, self.manifest = delivery.version, delivery.manifest
+        self.applied.append(delivery.version)
+        self.wire_bytes += getattr(delivery, "wire_bytes", 0)
+        self.received[delivery.transport] = self.received.get(delivery.transport, 0) + 1
+        RECEIVED.labels(delivery.transport).inc()
 
-    async def _pull_when_held(self, channels, version: int, patience: float) -> None:
+    async def _report(self, stub, announcement: pb.VersionAnnouncement, error: str) -> None:
+        """How a collective went, for the service (a failure ends the epoch)."""
+        if announcement.transport.kind != pb.COLLECTIVE:
+            return
+        if error:
+            self.groups.drop()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Report(pb.TransferReport(version=announcement.version.version, epoch=announcement.transport.epoch,
+                                                ok=not error, subscriber_id=self.subscriber_id, error=error[:500]),
+                              timeout=10)
+
+    async def _pull_when_held(self, version: int, patience: float) -> bool:
         """Pull `version` once the service holds it (after a failed collective the trainer pushes it)."""
         deadline = asyncio.get_running_loop().time() + patience
         while asyncio.get_running_loop().time() < deadline:
             try:
-                await self._apply(channels, version)
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                await self._use(self.pull(version))
+                return True
+            except PartialVersion:
+                raise
+            except WeightError as exc:
+                if "NOT_FOUND" not in str(exc):
                     raise
                 await asyncio.sleep(0.5)
         log.warning("event=weights_skipped version=%d reason=never_held", version)
+        return False
 
-    async def _apply(self, channels: list[grpc.aio.Channel], announced: int) -> None:
-        if announced <= self.version:
-            return
-        manifest, payloads, wire = await pull_version(channels, announced, self.held)
-        self.wire_bytes += wire
-        await self._deliver(manifest, to_state_dict(manifest, payloads), payloads)
-        self.received["grpc"] = self.received.get("grpc", 0) + 1
-        RECEIVED.labels("grpc").inc()
-
-    async def _deliver(self, manifest: pb.WeightManifest, state_dict: dict[str, torch.Tensor], payloads) -> None:
-        result = self.on_version(manifest.version, state_dict)
-        if asyncio.iscoroutine(result):
-            await result
-        self.held = (manifest.version, manifest, payloads)
-        self.applied.append(manifest.version)
+    async def _restore(self, failed: int, patience: float) -> None:
+        """A whole version into an engine that holds neither: the one served before the failure
+        (pulled whole: the engine's bytes are mixed), else `failed` once the service holds it."""
+        served, self.manifest = self.version, None  # no delta against bytes the engine no longer holds
+        for version in ([served] if served else []) + [failed]:
+            try:
+                if await self._pull_when_held(version, patience if version == failed else 1.0):
+                    RESTORED.inc()
+                    log.warning("event=weights_restored version=%d after=%d", version, failed)
+                    return
+            except WeightError as exc:  # PartialVersion included
+                log.warning("event=weights_restore_failed version=%d error=%s", version, exc)
+        raise WeightError(f"no whole version could be applied after version {failed} failed half-way")

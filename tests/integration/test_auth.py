@@ -16,7 +16,7 @@ from shared.redis_server import free_port
 from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.grpc import GrpcWeightPublisher, pull_version
+from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
 
 TOKEN = "a-long-random-token"
 
@@ -58,8 +58,7 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
         publisher = GrpcWeightPublisher(address)  # the token comes from the environment, as in a service
         await publisher.push({"w": torch.ones(4)}, 1)
         await publisher.close()
-        async with channel(address) as ch:
-            manifest, payloads, _ = await pull_version(ch, 1)
+        manifest, payloads, _ = await asyncio.to_thread(pull_all, address, 1)  # the sync pull, token from env
         return codes, manifest, payloads
 
     monkeypatch.setenv("STEADYRL_TOKEN", TOKEN)

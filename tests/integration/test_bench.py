@@ -36,7 +36,7 @@ def test_weight_bench_times_every_side_on_one_clock():
     nbytes = 64 << 20
     measured = measure(nbytes, rounds=1)
     sides = report(nbytes, measured)
-    assert set(sides) == {"memcpy", "raw_socket_1", "raw_socket_2", "grpc_push", "grpc_pull_1", "grpc_pull_4", "shm",
+    assert set(sides) == {"memcpy", "raw_socket_1", "raw_socket_2", "grpc_push", "grpc_pull_1", "shm",
                           "collective_1", "collective_2"}
     assert sides[BASELINE]["to_raw_socket"] == 1.0 and sides["memcpy"]["to_memcpy"] == 1.0
     for name, side in sides.items():

@@ -145,40 +145,55 @@ def test_an_update_lands_in_flight_and_every_token_is_its_version(tiny_model_dir
 
 
 def test_between_requests_drains_the_running_sequences_first(tiny_model_dir):
+    import threading
+
     engine = make_engine("torch", str(tiny_model_dir), "float32", update_mode="between_requests")
     v1 = _v1(engine)
     sampling = Sampling(temperature=1.0, max_new_tokens=16, seed=5, ignore_eos=True)
     staged = []
 
-    def stage(token, logprob, version):
+    def stage(token, logprob, version):  # weight-sync hands the version over from its own thread
         if not staged:
-            staged.append(engine.update_weights(1, v1))
+            staged.append(threading.Thread(target=engine.update_weights, args=(1, v1)))
+            staged[0].start()
 
     first = engine.start(prompts_of(1)[0], sampling, on_token=stage)
     sample = first.result(60)
-    later = engine.generate(prompts_of(2), sampling)
+    later = engine.generate(prompts_of(2), sampling)  # queued while the version waits: they start on it
+    staged[0].join(60)
     assert sample.versions == [0] * 16  # the running sequence finished on v0
     assert all(s.versions == [1] * 16 for s in later) and engine.version == 1
     engine.close()
 
 
-def test_a_version_staged_during_a_step_is_applied_when_it_ends(tiny_model_dir):
-    """A replica that waits for version v before its next task must not wait forever because v
-    arrived while the engine's last step held it."""
+def test_an_update_waits_for_the_running_step_and_lands_between_two(tiny_model_dir):
+    """Weight-sync hands a version over while a step runs: it waits for that step (generation is
+    never fed half-copied weights), lands before the next, in place, and is refused from the
+    engine's own thread (which would wait on itself)."""
     import threading
 
     engine = make_engine("torch", str(tiny_model_dir), "float32")
     new_weights = {k: v * 1.5 if k == "lm_head.weight" else v for k, v in engine.model.state_dict().items()}
+    storage = engine.model.lm_head.weight.data_ptr()
     with engine._lock:  # a step runs; weight-sync delivers version 1 from its own thread
         stager = threading.Thread(target=engine.update_weights, args=(1, new_weights))
         stager.start()
-        stager.join()
-        assert engine.version == 0  # staged, not applied under a running step
-    for _ in range(200):  # the engine thread applies it once the step is over, with no request
-        if engine.version == 1:
-            break
-        threading.Event().wait(0.01)
+        stager.join(0.5)
+        assert stager.is_alive() and engine.version == 0  # it waits for the step
+    stager.join(30)
     assert engine.version == 1 and torch.equal(engine.model.lm_head.weight, new_weights["lm_head.weight"])
+    assert engine.model.lm_head.weight.data_ptr() == storage  # copied into the model's own tensor
+    errors = []
+
+    def from_the_engine(token, logprob, version):
+        if not errors:
+            try:
+                engine.update_weights(2, new_weights)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    engine.start(prompts_of(1)[0], Sampling(max_new_tokens=2), on_token=from_the_engine).result(60)
+    assert errors and "own thread" in errors[0] and engine.version == 1
     engine.close()
 
 

@@ -21,10 +21,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from shared.redis_server import free_port
-from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.tls import tls_from_env
-from shared.weightsync.grpc import GrpcWeightPublisher, pull_version
+from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
 
 TOKEN = "tls-test-token"
 
@@ -140,8 +139,7 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
                 publisher = GrpcWeightPublisher(address)
                 await publisher.push({"w": torch.arange(6, dtype=torch.float32)}, 1)
                 await publisher.close()
-                async with channel(address) as ch:
-                    return await pull_version(ch, 1)
+                return await asyncio.to_thread(pull_all, address, 1)  # the sync pull: TLS and token from env
 
             manifest, payloads, _ = asyncio.run(asyncio.wait_for(round_trip(), 30))
             assert manifest.version == 1 and bytes(payloads[0]) == torch.arange(6, dtype=torch.float32).numpy().tobytes()

@@ -13,8 +13,8 @@ from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.frames import iter_chunks
-from shared.weightsync.grpc import GrpcWeightPublisher, open_channels, pull_version, to_state_dict
-from shared.weightsync.manifest import build_manifest
+from shared.weightsync.grpc import GrpcWeightPublisher, pull_all, to_state_dict
+from shared.weightsync.manifest import WeightError, build_manifest
 from shared.weightsync.subscriber import GrpcWeightSubscriber
 
 KEY = b"test-signing-key"
@@ -74,7 +74,13 @@ def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
         server = Server(tmp_path)
         await server.start()
         received = {}
-        subscriber = GrpcWeightSubscriber(server.address, lambda v, sd: received.__setitem__(v, sd))
+
+        async def apply(delivery):  # what an engine does: take each checked bucket
+            received[delivery.version] = await asyncio.to_thread(
+                lambda: {name: tensor.clone() for bucket in delivery.buckets() for name, tensor in bucket})
+            return 0.0
+
+        subscriber = GrpcWeightSubscriber(server.address, apply)
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
         publisher = GrpcWeightPublisher(server.address, chunk_bytes=1000)
@@ -111,11 +117,12 @@ def test_delta_pull_equals_full_pull_and_is_smaller(tmp_path):
         nxt["layer.0.bf16"] = (nxt["layer.0.bf16"].float() * 1.05).to(torch.bfloat16)
         await publisher.push(base, 1)
         await publisher.push(nxt, 2, 1)
+        m1, p1, _ = await asyncio.to_thread(pull_all, server.address, 1)
+        held = {spec.name: data for spec, data in zip(m1.tensors, p1, strict=True)}
+        full_manifest, full, full_wire = await asyncio.to_thread(pull_all, server.address, 2)
+        delta_manifest, delta, delta_wire = await asyncio.to_thread(pull_all, server.address, 2, 1, held.get)
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
-            m1, p1, _ = await pull_version(ch, 1)
-            full_manifest, full, full_wire = await pull_version(ch, 2)
-            delta_manifest, delta, delta_wire = await pull_version(ch, 2, (1, m1, p1))
             header = None
             async for item in stub.Pull(pb.PullRequest(version=2, base_version=1)):
                 header = item.header
@@ -199,7 +206,11 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
-        subscriber = GrpcWeightSubscriber(server.address, lambda v, sd: None, backoff=(0.05, 0.2))
+        async def apply(delivery):
+            await asyncio.to_thread(lambda: [b for b in delivery.buckets()])
+            return 0.0
+
+        subscriber = GrpcWeightSubscriber(server.address, apply, backoff=(0.05, 0.2))
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
         publisher = GrpcWeightPublisher(server.address)
@@ -255,11 +266,10 @@ def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
             listed = (await stub.List(common_pb2.Empty())).versions
             assert [(v.version.version, v.on_disk) for v in listed] == [(3, True), (4, True), (5, False)]
-            manifest, payloads, _ = await pull_version(ch, 3)
-            assert_equal_states(to_state_dict(manifest, payloads), state(3))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await pull_version(ch, 1)
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        manifest, payloads, _ = await asyncio.to_thread(pull_all, server.address, 3)
+        assert_equal_states(to_state_dict(manifest, payloads), state(3))
+        with pytest.raises(WeightError, match="NOT_FOUND"):
+            await asyncio.to_thread(pull_all, server.address, 1)
         assert sorted(p.name for p in (tmp_path / "spill").iterdir()) == ["v3", "v4"]
         await publisher.close()
         await server.stop()
@@ -295,19 +305,17 @@ def test_bad_manifests_get_invalid_argument(tmp_path):
     run(main())
 
 
-def test_striped_pull_equals_single_stream_and_generated_clients_decode_frames(tmp_path):
+def test_generated_clients_decode_the_hand_built_frames_and_stripes_partition_them(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
         publisher = GrpcWeightPublisher(server.address)
         await publisher.push(state(7), 1)
-        channels = open_channels(server.address, 3)
-        striped_manifest, striped, striped_wire = await pull_version(channels, 1)
-        single_manifest, single, single_wire = await pull_version(channels[0], 1)
-        assert striped == single and striped_manifest == single_manifest
-        assert striped_wire == single_wire == sum(t.nbytes for t in single_manifest.tensors)
+        single_manifest, single, single_wire = await asyncio.to_thread(pull_all, server.address, 1)
+        assert single_wire == sum(t.nbytes for t in single_manifest.tensors)
         # the stock generated stub parses the hand-built chunk frames; stripe 1 of 3 gets a third
-        stub = weightsync_pb2_grpc.WeightSyncStub(channels[0])
+        channel = grpc.aio.insecure_channel(server.address)
+        stub = weightsync_pb2_grpc.WeightSyncStub(channel)
         items = [m async for m in stub.Pull(pb.PullRequest(version=1, stripe=1, stripes=3))]
         chunks = [m.chunk for m in items[1:]]
         sequence = [(c.tensor_index, c.offset) for c in chunks]
@@ -318,7 +326,7 @@ def test_striped_pull_equals_single_stream_and_generated_clients_decode_frames(t
         with pytest.raises(grpc.aio.AioRpcError) as err:
             _ = [m async for m in stub.Pull(pb.PullRequest(version=1, stripe=3, stripes=3))]
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        await asyncio.gather(*(c.close() for c in channels))
+        await channel.close()
         await publisher.close()
         await server.stop()
 

@@ -1,0 +1,81 @@
+"""The torch engine's model and weights: loaded (with the quantization it emulates), and written
+in place by each version — each bucket of a delivery copied into the model's own tensors (cast to
+the engine's dtype, moved to its device, re-rounded where the engine emulates a quantization),
+with no staged copy of the version."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.models import load_causal_lm
+from shared.models.quantization import QUANTIZATIONS, emulate, quantize_
+from shared.weightsync.delivery import Delivery, PartialVersion
+from shared.weightsync.manifest import WeightError, tensor_to_bytes
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device, quantization: str, quantize_router: bool,
+               quantize_activations: bool):
+    """(model in eval mode, the tensors quantized, the activation-quantizing context, notes)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    for name, asked in (("quantize_router", quantize_router), ("quantize_activations", quantize_activations)):
+        if asked and quantization == "none":  # as InferenceSettings refuses it
+            raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
+    model = load_causal_lm(model_path, dtype, device).eval()
+    quantized, activations, notes = emulate(model, quantization, quantize_router, quantize_activations, dtype)
+    return model, quantized, activations, notes
+
+
+class InPlaceWeights:
+    def __init__(self, model: torch.nn.Module, quantized: list[str], quantization: str) -> None:
+        self.model, self.quantized, self.quantization = model, set(quantized), quantization
+        self.targets = dict(model.state_dict())
+        seen: dict[int, str] = {}
+        for name, tensor in self.targets.items():  # tied tensors share storage: one of them suffices
+            seen.setdefault(tensor.untyped_storage().data_ptr(), name)
+        self.storages = seen
+
+    @torch.no_grad()
+    def copy_in(self, delivery: Delivery) -> None:
+        """Every tensor of the version into the model. WeightError before the first copy (nothing
+        changed); PartialVersion after it (the model holds neither version)."""
+        self._check(delivery)
+        copied: set[int] = set()
+        try:
+            for bucket in delivery.buckets():
+                for name, tensor in bucket:
+                    target = self.targets.get(name)
+                    if target is None or target.shape != tensor.shape:
+                        raise WeightError(f"tensor {name}: not in the model, or shaped {tuple(tensor.shape)} "
+                                          f"where the model has {None if target is None else tuple(target.shape)}")
+                    target.copy_(tensor)
+                    copied.add(target.untyped_storage().data_ptr())
+                rounded = [name for name, _ in bucket if name in self.quantized]
+                if rounded:
+                    quantize_(self.model, rounded, self.quantization)
+        except PartialVersion:
+            raise
+        except WeightError as exc:
+            if copied:
+                raise PartialVersion(str(exc)) from exc
+            raise
+        missing = [name for ptr, name in self.storages.items() if ptr not in copied]
+        if missing:
+            raise PartialVersion(f"version {delivery.version} left out {missing[:3]}")
+
+    def _check(self, delivery: Delivery) -> None:
+        """What the manifest announces, against the model, before anything is copied."""
+        for spec in delivery.manifest.tensors:
+            target = self.targets.get(spec.name)
+            if target is None or list(target.shape) != list(spec.shape):
+                raise WeightError(f"version {delivery.version}: tensor {spec.name} {list(spec.shape)} does not fit "
+                                  "the model")
+
+    def bytes_of(self, name: str, dtype: str) -> memoryview | None:
+        """A tensor's bytes as published in `dtype`, when the engine holds exactly those (on the
+        CPU, in that dtype, not re-rounded); else None."""
+        target = self.targets.get(name)
+        if target is None or name in self.quantized or str(target.dtype).removeprefix("torch.") != dtype \
+                or target.device.type != "cpu":
+            return None
+        return tensor_to_bytes(target)

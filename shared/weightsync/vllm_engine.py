@@ -1,0 +1,137 @@
+"""The worker-side `steadyrl` weight-transfer engine (imported only inside a vLLM worker; see
+`shared.weightsync.vllm` for what it does and how it is registered)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.collective import Groups, Staging, receive_buckets
+from shared.weightsync.delivery import batched
+from shared.weightsync.grpc import GrpcDelivery
+from shared.weightsync.manifest import WeightError
+from shared.weightsync.shm import map_version, shm_views
+from shared.weightsync.vllm import Status, checkpoint_layout
+
+log = logging.getLogger("steadyrl.weightsync.vllm")
+
+
+@dataclass
+class SteadyrlInit(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class SteadyrlUpdate(WeightTransferUpdateInfo):
+    transport: str = ""
+    manifest: bytes = b""
+    path: str = ""  # shm
+    spec: bytes = b""  # collective: the pb.Transport of the epoch (store, epoch, rank, world, buckets)
+    address: str = ""  # grpc
+    version: int = 0  # grpc
+
+
+class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
+    init_info_cls = SteadyrlInit
+    update_info_cls = SteadyrlUpdate
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.groups, self.ring = Groups(), Staging()
+        self.status = Status()
+        self._skeleton = None
+
+    def skeleton(self) -> torch.nn.Module:
+        """The model's module structure on the meta device: what the layout conversion reads."""
+        if self._skeleton is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
+            with torch.device("meta"):
+                self._skeleton = AutoModelForCausalLM.from_config(config)
+        return self._skeleton
+
+    def init_transfer_engine(self, init_info: SteadyrlInit) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.status = Status()
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        """One version, its buckets loaded as they are read and checked (no accelerator to sync on
+        the CPU: the base class's torch.accelerator.synchronize() raises there)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, info: SteadyrlUpdate) -> None:
+        manifest = pb.WeightManifest.FromString(info.manifest)
+        self.status.version = manifest.version
+        try:
+            for bucket in self._buckets(info, manifest):
+                self.model.load_weights(checkpoint_layout(self.skeleton(), bucket))
+                self.status.loaded += len(bucket)
+        except WeightError as exc:  # the version is refused; finish_weight_update still completes the reload
+            self.status.error, self.status.partial = str(exc), self.status.loaded > 0
+            log.warning("event=weights_refused version=%d transport=%s loaded=%d error=%s", manifest.version,
+                        info.transport, self.status.loaded, exc)
+
+    def _buckets(self, info: SteadyrlUpdate, manifest: pb.WeightManifest):
+        if info.transport == "shm":
+            mapped, header, start = map_version(info.path)
+            return batched(shm_views(mapped, header, start, manifest))
+        if info.transport == "collective":
+            spec = pb.Transport.FromString(info.spec)
+
+            def received():
+                try:
+                    yield from receive_buckets(self.groups.get(spec, spec.rank), spec, manifest, self.ring)
+                except Exception:
+                    self.groups.drop()
+                    raise
+
+            return received()
+        if info.transport == "grpc":
+            return GrpcDelivery(info.address, info.version or manifest.version,
+                                manifest if manifest.tensors else None).buckets()
+        raise WeightError(f"unknown transport {info.transport!r}")
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model)
+
+    def shutdown(self) -> None:
+        self.groups.drop()
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """vLLM-CPU packs the routed experts' weights into its grouped-GEMM layout once, when the MoE
+    kernel is built; a reload writes checkpoint-layout values into that storage and does not pack
+    them (vLLM 0.32), so the kernel would read unpacked weights as packed: pack them again. A no-op
+    on GPU builds."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
