@@ -13,19 +13,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# bench.weightsync's sides beside its baseline (raw_socket_1), as the summary names them
-WEIGHT_SIDES = {
-    "memcpy": "memcpy into resident memory (the machine's limit)",
-    "raw_socket_2": "raw TCP sockets to 2 receivers at once",
-    "grpc_push": "gRPC push trainer → weight-sync (chunked, digested, stored)",
-    "grpc_pull_1": "verified gRPC pull, 1 stream, loaded",
-    "shm": "shm: trainer writes + digests, replica maps + verifies + loads",
-    "collective_1": "gloo broadcast to 1 replica, verified, loaded",
-    "collective_2": "gloo broadcast to 2 replicas, verified, loaded",
-}
 # name → (module, arguments); the module prints one JSON object as its last line
 BENCHMARKS = {
-    "weightsync": ("bench.weightsync", ["1.0"]),
+    "weightsync": ("bench.weightsync", ["11", "3"]),
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
     "mismatch": ("bench.mismatch", []),
@@ -33,6 +23,30 @@ BENCHMARKS = {
     "trainer_memory": ("bench.trainer_memory", []),
     "async": ("bench.asynchrony", []),
 }
+
+
+def weight_rows(ws: dict) -> list[str]:
+    """bench.weightsync's refit sides, each against memcpy of the same bytes, and the target ratios."""
+    mem, gib = _get(ws, "machine", "memcpy", "gib_per_s"), round(_get(ws, "model", "bytes", default=0) / 1024**3, 2)
+    rows = [f"| weightsync | raw loopback TCP socket / memcpy ({_get(ws, 'machine', 'raw_socket_1', 'gib_per_s')} "
+            f"vs {mem} GiB/s, {gib} GiB) | {_get(ws, 'machine', 'raw_socket_1', 'to_memcpy')} | – |"]
+    for engine, by_count in _get(ws, "refit", default={}).items():
+        for count, sides in by_count.items():
+            for transport, side in sides.items():
+                rows.append(f"| weightsync | refit, {engine} engine, {count} replica(s), {transport}: memcpy / last "
+                            f"optimizer step → first token of the version on every replica ({side['seconds']} s, "
+                            f"trainer's publish {side['trainer_publish_seconds']} s, paused {side['paused_seconds']} s, "
+                            f"wire {side['wire_bytes_share']} of the bytes, peak private growth "
+                            f"{side['anon_peak_growth_bytes'] / 2**20:.0f} MiB) | {side['to_memcpy']} "
+                            f"| {'≥ ' + str(_get(ws, 'targets', 'shm_to_memcpy')) if transport == 'shm' else '–'} |")
+    for name, label in (("two_over_one", "rate with 2 replicas / with 1 (seconds 1 / seconds 2)"),
+                        ("vllm_over_torch", "vLLM engine's refit seconds / the torch engine's")):
+        for key, by_transport in _get(ws, "ratios", name, default={}).items():
+            target = _get(ws, "targets", name)
+            bound = "≥" if name == "two_over_one" else "≤"
+            rows.append(f"| weightsync | {label}, {key} | "
+                        + ", ".join(f"{t} {v}" for t, v in by_transport.items()) + f" | {bound} {target} |")
+    return rows
 
 
 def machine() -> dict:
@@ -101,19 +115,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     ws = b.get("weightsync", {})
-    sides = _get(ws, "sides", default={})
-    base = f"raw socket {_get(sides, 'raw_socket_1', 'gib_per_s')} GiB/s, memcpy {_get(sides, 'memcpy', 'gib_per_s')} GiB/s"
-    for name, label in WEIGHT_SIDES.items():
-        target = _get(ws, "targets", name)
-        lines.append(f"| weightsync | {label} / raw TCP socket to 1, bf16 ({_get(sides, name, 'gib_per_s')} GiB/s vs "
-                     f"{base}; / memcpy {_get(sides, name, 'to_memcpy')}) | {_get(sides, name, 'to_raw_socket')} "
-                     f"| {'≥ ' + str(target) if target != '–' else '–'} |")
-    lines.append(f"| weightsync | shm halves, seconds: trainer write + digest / replica map + verify + load "
-                 f"| {_get(sides, 'shm', 'trainer_write_digest_seconds')} / "
-                 f"{_get(sides, 'shm', 'replica_map_verify_load_seconds')} | – |")
-    if isinstance(sides, dict) and sides:
-        lines.append("| weightsync | modelled seconds per 61 GB version (30B-A3B bf16) at the measured rates: "
-                     + ", ".join(f"{k} {v.get('modelled_seconds_61gb')}" for k, v in sides.items()) + " | – | – |")
+    lines += weight_rows(ws)
     delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})
     if isinstance(delta, dict):
         for lr, share in delta.items():

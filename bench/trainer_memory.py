@@ -22,13 +22,14 @@ WIDE = dict(hidden_size=1024, num_experts=64, num_experts_per_tok=8, num_hidden_
             intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=256)
 
 
-def wide_model():
+def wide_model(**overrides):
+    """The wide random-init Qwen3-MoE in fp32 (`overrides`: config fields, e.g. more layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shared.models.tiny import init_tiny_model
 
     config = AutoConfig.from_pretrained(init_tiny_model())
-    for key, value in WIDE.items():
+    for key, value in {**WIDE, **overrides}.items():
         setattr(config, key, value)
     config.max_position_embeddings = 128
     torch.manual_seed(0)

@@ -1,26 +1,25 @@
-"""Weight benchmark: one bf16 version moved by every weight transport and by the machine's limits,
-all in one run, all on one clock (bench/clock.py: processes made ready first, timed from one
-release to the version resident and verified at the receiver; bench/roles.py: each side).
+"""Weight benchmark, end to end: a refit from the trainer's last optimizer step to every replica
+serving the new version (the first token of it), per transport, with 1 and 2 replicas, on both
+engines, beside a memcpy of the same bytes and a raw loopback socket — all in one run, on one
+clock (bench/clock.py; the processes: bench/refit_roles.py).
 
-Sides, on the same bytes (`gib`, bf16, 64 MiB tensors):
-- memcpy: the version copied into resident memory in one process — the machine's limit;
-- raw_socket_1 / raw_socket_2: loopback TCP from a sender process to 1 receiver, and to 2 at
-  once (2 senders) — the baseline every transport is divided by (raw_socket_1);
-- grpc_push: the trainer's push to the weight-sync service (chunked, digested, stored);
-- grpc_pull_1: a replica's verified pull (one stream, tensor by tensor), loaded;
-- shm: the trainer writes the version to /dev/shm (digesting it), then a replica maps it,
-  verifies every digest and loads it — both sides in one figure (each half reported beside);
-- collective_1 / collective_2: a gloo broadcast from the trainer to 1 and 2 replicas, verified, loaded.
+The model: the wide random-init Qwen3-MoE of bench/trainer_memory.py with `layers` layers (11:
+1.09 GiB in bf16), written once. Each group (engine × replica count) is a real weight-sync
+service, one trainer holding fp32 master weights and publishing bf16 with its own publisher, and
+replicas built as `services/inference` builds them (engine + subscriber). A round: the trainer
+steps (untimed), every process says ready, the clock starts, the trainer publishes by the
+round's transport, and the clock stops when the last replica has the first token of the new
+version. Each transport gets WARMUP untimed versions first (group formation, first use of buffers,
+the trainer's ring of shm files filled: steady state); then `rounds` timed rounds per transport, the transports alternated, the median reported. Each
+replica also reports its pause, the wire bytes it pulled (deltas), and the peak growth of its
+process tree's private memory (and of its mapped shared memory) during the update.
 
-Every process moves one version untimed before the timed one (long-running services' steady
-state). Each side runs `rounds` times, the sides alternated within a round; the median is reported. Also
-the seconds a 61 GB version (Qwen3-30B-A3B in bf16) would take at each measured rate, and the
-size of a delta after one real AdamW step of the tiny model. Prints one JSON object.
+Prints one JSON object: seconds and seconds per GiB per side, every side against memcpy, and the
+ratios the targets name (2 replicas / 1, vLLM / torch, shm / memcpy, peak growth / bucket).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics
@@ -31,11 +30,13 @@ from pathlib import Path
 
 import torch
 
-from bench.clock import ROOT, expect, spawn, timed
-from bench.roles import synthetic_state
+from bench.clock import ROOT, cycle, expect, send, spawn, stop, timed
+from bench.refit_roles import SHM_KEEP
 
 MODEL_30B_A3B_BF16_BYTES = 61e9  # Qwen3-30B-A3B in bf16: what one version of it weighs
-BASELINE = "raw_socket_1"
+TRANSPORTS = ("shm", "collective", "grpc")
+WARMUP = SHM_KEEP + 1  # untimed rounds: a transport's first use, and the shm files' reuse ring filled
+TARGETS = {"shm_to_memcpy": 0.25, "two_over_one": 0.8, "vllm_over_torch": 1.2, "anon_growth_over_bucket": 2.0}
 
 
 def free_port() -> int:
@@ -44,85 +45,104 @@ def free_port() -> int:
     return free_port()
 
 
-def raw_sockets(nbytes: int, receivers: int) -> dict:
-    recvs = []
-    for _ in range(receivers):
-        port = free_port()
-        recv = spawn("raw_recv", port, nbytes)
-        expect(recv, "listening")
-        recvs.append((recv, port))
-    senders = [spawn("raw_send", port, nbytes) for _, port in recvs]
-    return timed([[*senders, *(recv for recv, _ in recvs)]])
+def bench_model(directory: Path, layers: int) -> tuple[Path, int]:
+    """The wide Qwen3-MoE with `layers` layers saved in bf16; (its directory, its bytes)."""
+    from bench.trainer_memory import wide_model
 
-
-def collective(nbytes: int, receivers: int, manifest_path: Path) -> dict:
-    port = free_port()
-    world = receivers + 1
-    return timed([[spawn("collective", rank, world, port, manifest_path, nbytes) for rank in range(world)]])
-
-
-def shm(nbytes: int) -> dict:
-    directory = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        writer = spawn("shm_write", tmp, nbytes)
-        expect(writer, "warmed")  # its untimed version 0 is on disk: the reader warms up on it
-        return timed([[writer], [spawn("shm_load", tmp, nbytes)]])
+    model = wide_model(num_hidden_layers=layers).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    del model
+    return directory, nbytes
 
 
 class WeightSync:
-    """The weight-sync service in its own process, holding version 1 of the synthetic state."""
+    """The weight-sync service in its own process."""
 
-    def __init__(self, nbytes: int, versions: int) -> None:
+    def __init__(self, shm_dir: Path, spill_dir: Path) -> None:
         self.port = free_port()
         env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(self.port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
-               "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": str(versions),
-               "STEADYRL_WEIGHTSYNC_MEMORY_VERSIONS": str(versions), "STEADYRL_LOG_LEVEL": "WARNING"}
+               "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": "2", "STEADYRL_WEIGHTSYNC_MEMORY_VERSIONS": "2",
+               "STEADYRL_WEIGHTSYNC_SHM_DIR": str(shm_dir), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(spill_dir),
+               "STEADYRL_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env, cwd=ROOT)
         self.address = f"127.0.0.1:{self.port}"
-        asyncio.run(self._push_first(nbytes))
-
-    async def _push_first(self, nbytes: int) -> None:
-        from shared.weightsync.grpc import GrpcWeightPublisher
-
-        publisher = GrpcWeightPublisher(self.address)
-        await publisher.push(synthetic_state(nbytes), 1, timeout=600)
-        await publisher.close()
 
     def close(self) -> None:
         self.process.terminate()
         self.process.wait(30)
 
 
-def measure(nbytes: int, rounds: int = 3) -> dict[str, dict]:
-    """Every side's median seconds over `rounds` (and each shm half's)."""
-    from shared.weightsync.manifest import describe
+def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: Path) -> dict[str, list[dict]]:
+    """Every transport's timed rounds for one engine × replica count: {transport: [cycle result]}."""
+    shm_dir = tmp / f"shm-{engine}-{replicas}"
+    service = WeightSync(shm_dir, tmp / f"spill-{engine}-{replicas}")
+    processes = []
+    try:
+        trainer = spawn("trainer", model_dir, service.address, shm_dir / "run")
+        members = [spawn("replica", engine, model_dir, service.address, f"{engine}-{i}") for i in range(replicas)]
+        processes = [trainer, *members]
+        for process in processes:
+            expect(process, "started")
+        version = 0
+        out: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
+        order = [list(TRANSPORTS) if r % 2 == 0 else list(reversed(TRANSPORTS)) for r in range(WARMUP + rounds)]
+        for round_, transports in enumerate(order):
+            for transport in transports:
+                version += 1
+                send([trainer], f"step {transport} {version}")
+                send(members, f"await {version}")
+                result = cycle(processes)
+                if round_ >= WARMUP:
+                    out[transport].append(result)
+        return out
+    finally:
+        stop(processes)
+        service.close()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        manifest_path = Path(tmp) / "manifest.pb"
-        manifest_path.write_bytes(describe(synthetic_state(nbytes), 1, 0).SerializeToString())
-        service = WeightSync(nbytes, 2 * rounds + 2)
-        pushed = iter(range(2, 2 * rounds + 2, 2))
-        try:
-            sides = {
-                "memcpy": lambda: timed([[spawn("memcpy", nbytes)]]),
-                "raw_socket_1": lambda: raw_sockets(nbytes, 1),
-                "raw_socket_2": lambda: raw_sockets(nbytes, 2),
-                "grpc_push": lambda: timed([[spawn("grpc_push", service.address, nbytes, next(pushed))]]),
-                "grpc_pull_1": lambda: timed([[spawn("grpc_pull", service.address, nbytes)]]),
-                "shm": lambda: shm(nbytes),
-                "collective_1": lambda: collective(nbytes, 1, manifest_path),
-                "collective_2": lambda: collective(nbytes, 2, manifest_path),
-            }
-            runs: dict[str, list[dict]] = {name: [] for name in sides}
-            for round_ in range(rounds):
-                names = list(sides) if round_ % 2 == 0 else list(reversed(sides))
-                for name in names:
-                    runs[name].append(sides[name]())
-        finally:
-            service.close()
-    out = {name: {"seconds": statistics.median(r["seconds"] for r in results)} for name, results in runs.items()}
-    for half, index in (("trainer_write_digest", 0), ("replica_map_verify_load", 1)):
-        out["shm"][half + "_seconds"] = statistics.median(r["stage_seconds"][index] for r in runs["shm"])
+
+def limits(nbytes: int, rounds: int) -> dict[str, float]:
+    """The machine's limits on the same bytes: memcpy and one raw loopback socket, median seconds."""
+    def raw_socket() -> dict:
+        port = free_port()
+        receiver = spawn("raw_recv", port, nbytes)
+        expect(receiver, "listening")
+        return timed([[spawn("raw_send", port, nbytes), receiver]])
+
+    sides = {"memcpy": lambda: timed([[spawn("memcpy", nbytes)]]), "raw_socket_1": raw_socket}
+    return {name: statistics.median(side()["seconds"] for _ in range(rounds)) for name, side in sides.items()}
+
+
+def summarise(results: list[dict], nbytes: int, memcpy: float) -> dict:
+    """One side's rounds: median seconds, per GiB, against memcpy, and the replicas' reports."""
+    seconds = statistics.median(r["seconds"] for r in results)
+    replicas = [rep for r in results for rep in r["reports"][1:]]
+    return {"seconds": round(seconds, 4), "seconds_per_gib": round(seconds / (nbytes / 1024**3), 4),
+            "to_memcpy": round(memcpy / seconds, 3),
+            "trainer_publish_seconds": round(statistics.median(r["reports"][0]["at"] - r["started"] for r in results), 4),
+            "modelled_seconds_61gb": round(MODEL_30B_A3B_BF16_BYTES / (nbytes / seconds), 1),
+            "paused_seconds": round(statistics.median(rep["paused_seconds"] for rep in replicas), 4),
+            "wire_bytes_share": round(statistics.median(rep["wire_bytes"] for rep in replicas) / nbytes, 4),
+            "anon_peak_growth_bytes": max(rep["anon_peak_growth"] for rep in replicas),
+            "shmem_peak_growth_bytes": max(rep["shmem_peak_growth"] for rep in replicas),
+            "transports": sorted({rep["transport"] for rep in replicas})}
+
+
+def ratios(refit: dict, bucket: int) -> dict:
+    """The figures the targets name, each side divided by its counterpart measured in this run."""
+    out: dict = {"two_over_one": {}, "vllm_over_torch": {}, "shm_to_memcpy": {}, "anon_growth_over_bucket": {}}
+    for engine, by_count in refit.items():
+        out["shm_to_memcpy"][engine] = by_count.get("1", {}).get("shm", {}).get("to_memcpy")
+        if "1" in by_count and "2" in by_count:  # rates: 2 replicas served at seconds_1 / seconds_2 of 1's
+            out["two_over_one"][engine] = {t: round(by_count["1"][t]["seconds"] / by_count["2"][t]["seconds"], 3)
+                                           for t in TRANSPORTS}
+        out["anon_growth_over_bucket"][engine] = {
+            f"{count}:{t}": round(side["anon_peak_growth_bytes"] / bucket, 3)
+            for count, sides in by_count.items() for t, side in sides.items()}
+    if "torch" in refit and "vllm" in refit:
+        for count in set(refit["torch"]) & set(refit["vllm"]):
+            out["vllm_over_torch"][count] = {t: round(refit["vllm"][count][t]["seconds"]
+                                                      / refit["torch"][count][t]["seconds"], 3) for t in TRANSPORTS}
     return out
 
 
@@ -155,27 +175,28 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
     return out
 
 
-def report(nbytes: int, seconds: dict[str, dict]) -> dict:
-    """Rates, each side against the one raw-socket baseline and memcpy, and modelled 61 GB times."""
-    raw, copy = seconds[BASELINE]["seconds"], seconds["memcpy"]["seconds"]
-    sides = {}
-    for name, measured in seconds.items():
-        s = measured["seconds"]
-        sides[name] = {"seconds": round(s, 4), "gib_per_s": round(nbytes / s / 1024**3, 3),
-                       "to_raw_socket": round(raw / s, 3), "to_memcpy": round(copy / s, 3),
-                       "modelled_seconds_61gb": round(MODEL_30B_A3B_BF16_BYTES / (nbytes / s), 1),
-                       **{k: round(v, 4) for k, v in measured.items() if k != "seconds"}}
-    return sides
+def main(layers: int = 11, rounds: int = 3, engines: tuple[str, ...] = ("torch", "vllm"),
+         replicas: tuple[int, ...] = (1, 2)) -> dict:
+    from shared.weightsync.delivery import BUCKET_BYTES
 
-
-def main(gib: float = 1.0, rounds: int = 3) -> dict:
-    nbytes = int(gib * 1024**3) // (64 << 20) * (64 << 20)
-    sides = report(nbytes, measure(nbytes, rounds))
-    return {"benchmark": "weightsync", "payload_bytes": nbytes, "dtype": "bfloat16", "rounds": rounds,
-            "baseline": BASELINE, "sides": sides,
-            "tiny_bf16_delta_share_after_one_adamw_step": delta_share_after_one_step(),
-            "targets": {"grpc_pull_1": 0.7, "collective_1": 0.9, "collective_2": 0.9, "shm": 1.0}}
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
+            tempfile.TemporaryDirectory() as disk_tmp:
+        model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
+        machine = limits(nbytes, rounds)
+        raw: dict = {}
+        for engine in engines:
+            for count in replicas:
+                raw.setdefault(engine, {})[str(count)] = refit_group(engine, count, model_dir, rounds, Path(shm_tmp))
+    refit = {engine: {count: {t: summarise(results, nbytes, machine["memcpy"]) for t, results in sides.items()}
+                      for count, sides in by_count.items()} for engine, by_count in raw.items()}
+    return {"benchmark": "weightsync", "model": {"layers": layers, "bytes": nbytes, "dtype": "bfloat16"},
+            "bucket_bytes": BUCKET_BYTES, "rounds": rounds, "lr": 1e-6,
+            "machine": {name: {"seconds": round(s, 4), "gib_per_s": round(nbytes / s / 1024**3, 3),
+                               "to_memcpy": round(machine["memcpy"] / s, 3)} for name, s in machine.items()},
+            "refit": refit, "ratios": ratios(refit, BUCKET_BYTES), "targets": TARGETS,
+            "tiny_bf16_delta_share_after_one_adamw_step": delta_share_after_one_step()}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)))
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 11,
+                          int(sys.argv[2]) if len(sys.argv) > 2 else 3)))

@@ -12,16 +12,19 @@ bench_app = typer.Typer(help="Benchmarks: each prints one JSON object of side-by
 
 
 @bench_app.command("weightsync")
-def bench_weightsync(gib: float = typer.Option(1.0, help="Size of the synthetic bf16 version."),
-                     rounds: int = typer.Option(3, min=1, help="Rounds (median), the sides alternated.")) -> None:
-    """One version moved by every weight transport (gRPC push and pull, shm with the trainer's write,
-    gloo broadcast to 1 and 2) against one raw loopback socket and memcpy, all on one clock; delta
-    size after one optimizer step."""
+def bench_weightsync(layers: int = typer.Option(11, min=1, help="Layers of the bench model (11: 1.09 GiB in bf16)."),
+                     rounds: int = typer.Option(3, min=1, help="Timed rounds per side (median), transports alternated."),
+                     engines: str = typer.Option("torch,vllm", help="Replica engines, comma-separated."),
+                     replicas: str = typer.Option("1,2", help="Replica counts, comma-separated.")) -> None:
+    """End-to-end refit, from the trainer's last optimizer step to every replica serving the new
+    version (its first token), per transport, with 1 and 2 replicas, on both engines, against
+    memcpy of the same bytes and a raw loopback socket, all on one clock; replica pause, wire
+    bytes and peak memory growth; delta size after one optimizer step."""
     import json
 
     from bench.weightsync import main as run
 
-    typer.echo(json.dumps(run(gib, rounds)))
+    typer.echo(json.dumps(run(layers, rounds, tuple(engines.split(",")), tuple(int(n) for n in replicas.split(",")))))
 
 
 @bench_app.command("inference")

@@ -3,6 +3,8 @@ activation checkpointing; and the state moved in and out of it (checkpoints, pub
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -65,13 +67,54 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
-def gather_published(model: torch.nn.Module, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor] | None:
-    """Sharded model: every tensor gathered in turn (all ranks call this together), cast to the
-    published dtype and kept on rank 0's host — the version's bytes, nothing more (None elsewhere)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        if rank == 0:
-            full = full.detach()
-            out[name] = (full.to(dtype) if full.is_floating_point() else full).cpu()
-    return out if rank == 0 else None
+def gather_published(model: torch.nn.Module, dtype: torch.dtype, rank: int) -> None:
+    """One pass of a sharded model's published tensors, gathered in turn (every rank calls this
+    with rank 0's `GatheredView`, which uses each tensor as it comes; the others drop theirs)."""
+    for tensor in model.state_dict().values():
+        if hasattr(tensor, "full_tensor"):
+            tensor.full_tensor()
+
+
+class GatheredView(Mapping):
+    """Rank 0's view of a sharded model as the version it publishes: each tensor gathered from the
+    shards when the transport reads it, cast to the published dtype, and dropped once used — no
+    second copy of the model on any rank. Every rank gathers together: each pass over the tensors
+    (a transport reads them once or twice: digests, then bytes) starts with `start_pass`, which
+    tells the other ranks to gather one pass with it. Read in order, each tensor once per pass;
+    `finish` completes a pass a failed transport left half-way, so no rank waits on a gather."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, start_pass: Callable[[], None]) -> None:
+        self.tensors, self.dtype, self.start_pass = model.state_dict(), dtype, start_pass
+        self.names = list(self.tensors)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.next = 0  # the tensor the current pass reads next (0: no pass under way)
+        self.passes = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.index[name] != self.next:
+            raise RuntimeError(f"a gathered view is read in order: {name} asked for, {self.names[self.next]} is next")
+        if self.next == 0:
+            self.start_pass()
+            self.passes += 1
+        tensor = self.tensors[name]
+        full = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+        self.next = (self.next + 1) % len(self.names)
+        return (full.to(self.dtype) if full.is_floating_point() else full).cpu()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def meta(self, name: str) -> tuple[str, list[int]]:
+        """(published dtype, global shape) without gathering."""
+        tensor = self.tensors[name]
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return str(dtype).removeprefix("torch."), list(tensor.shape)
+
+    def finish(self) -> None:
+        while self.next:
+            self[self.names[self.next]]

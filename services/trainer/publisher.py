@@ -101,6 +101,10 @@ class VersionPublisher:
                 log.warning("event=publish_failed version=%d code=%s", version, exc.code().name)
                 return False
             log.info("event=version_already_published version=%d", version)
+        finally:
+            finish = getattr(weights, "finish", None)  # a sharded model's gather left half-way: the ranks complete it
+            if finish is not None:
+                await asyncio.to_thread(finish)
         self.published = version
         return True
 

@@ -21,6 +21,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.parallel import (
+    GatheredView,
     full_state,
     gather_published,
     load_state,
@@ -76,7 +77,6 @@ class StepRunner:
         self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
         self.sharded = sharded
         self.publish_dtype = resolve_dtype(s.publish_dtype)
-        self.gathered: dict[str, torch.Tensor] | None = None  # sharded: the last version's weights on rank 0
         config = self.model.config
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         context = int(getattr(config, "max_position_embeddings", 0) or 0) or RolloutLimits.max_total_tokens
@@ -117,15 +117,12 @@ class StepRunner:
         return save_checkpoint(self.checkpoints, model_state, optimizer_state, state, self.settings.keep_checkpoints)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
-        """What the current version publishes, in the published dtype, one tensor at a time. A
-        sharded model publishes what its last step gathered; with none (a restart), the ranks
-        gather it now."""
+        """What the current version publishes, in the published dtype, one tensor at a time: a cast
+        view of the model, or of a sharded one gathered tensor by tensor as the transport reads it
+        (the other ranks gather with it). Call with no step running."""
         if not self.sharded:
             return CastView(self.model.state_dict(), self.publish_dtype)
-        if self.gathered is None:
-            broadcast_payloads([], GATHER)
-            self.gathered = gather_published(self.model, self.publish_dtype, self.rank)
-        return self.gathered
+        return GatheredView(self.model, self.publish_dtype, lambda: broadcast_payloads([], GATHER))
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         """One global step on whole groups (ordered by group, then sample index)."""
@@ -145,8 +142,6 @@ class StepRunner:
             self.recipe = recipe
         metrics = train_step(self.parallel, self.optimizer, self.routing, batch, self.settings.group_size, config,
                              version, self.rank, self.world, self.compute)
-        if self.sharded and self.settings.weightsync_address:  # the version's bytes, gathered by every rank
-            self.gathered = gather_published(self.model, self.publish_dtype, self.rank)
         return metrics
 
     def follow(self) -> int:

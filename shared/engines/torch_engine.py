@@ -62,6 +62,7 @@ UPDATE_MODES = ("in_flight", "between_requests")
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
+    """Close before the interpreter stops: a daemon thread cut off inside torch aborts the process."""
     alive = engine()
     if alive is not None:
         alive.close()
@@ -109,7 +110,6 @@ class TorchEngine:
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
-        # closed before the interpreter stops: a daemon thread cut off inside torch aborts the process
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- the public side ---------------------------------------------------------------------------
@@ -134,6 +134,7 @@ class TorchEngine:
     def apply(self, delivery: Delivery) -> float:
         if threading.current_thread() is self._thread:
             raise RuntimeError("apply from the engine's own thread (an on_token callback) would wait on itself")
+        delivery.prepare()  # generation goes on meanwhile
         with self._wake:
             self._updates += 1
             self._wake.notify()
@@ -165,7 +166,6 @@ class TorchEngine:
 
     def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
         return self.weights.bytes_of(name, dtype)
-
     @property
     def version(self) -> int:
         return self._version

@@ -197,8 +197,8 @@ class CollectiveWeightPublisher(WeightPublisher):
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
                    timeout: float | None = 600.0):
         manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.key)
-        first = tensors[next(iter(tensors))]
-        backend = "nccl" if first.device.type == "cuda" else "gloo"
+        device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
+        backend = "nccl" if device.type == "cuda" else "gloo"
         reply = await self.grpc.stub.Announce(pb.AnnounceRequest(
             manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend=backend)),
             wait_for_ready=True, timeout=timeout)
@@ -215,6 +215,9 @@ class CollectiveWeightPublisher(WeightPublisher):
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.grpc.stub.Report(pb.TransferReport(version=version, epoch=transport.epoch, ok=False,
                                                               error=str(exc)[:500]), timeout=10)
+            finish = getattr(tensors, "finish", None)  # a gathered view's pass the broadcast left half-way
+            if finish is not None:
+                await asyncio.to_thread(finish)
             return await self.grpc.push(tensors, version, parent_version, timeout)
         if backend == "nccl":  # the service (a CPU process) is no member: it keeps the version from a push
             return await self.grpc.push(tensors, version, parent_version, timeout)

@@ -46,6 +46,9 @@ class Delivery:
     def version(self) -> int:
         return self.manifest.version
 
+    def prepare(self) -> None:
+        """What can be done before the engine pauses (checking bytes already here); optional."""
+
     def buckets(self) -> Iterator[Bucket]:
         raise NotImplementedError
 

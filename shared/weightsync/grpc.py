@@ -18,7 +18,7 @@ from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor, batched
+from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor
 from shared.weightsync.frames import decode_delta, iter_chunks, parse_pull_frame
 from shared.weightsync.manifest import (
     WeightError,
@@ -134,7 +134,9 @@ class GrpcDelivery(Delivery):
             self.close()
 
     def buckets(self) -> Iterator[Bucket]:
-        yield from batched((spec.name, as_tensor(data, spec)) for spec, data in self.tensors())
+        """One tensor per bucket: the memory a pull holds is the tensor it is on."""
+        for spec, data in self.tensors():
+            yield [(spec.name, as_tensor(data, spec))]
 
     def worker_update(self) -> dict:
         return {"transport": "grpc", "address": self.address, "version": self.version,

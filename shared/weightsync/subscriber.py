@@ -146,7 +146,10 @@ class GrpcWeightSubscriber(WeightSubscriber):
         return False
 
     async def _use(self, delivery: Delivery) -> None:
-        await self.apply(delivery)
+        try:
+            await self.apply(delivery)
+        finally:
+            delivery.close()
         self._version, self.manifest = delivery.version, delivery.manifest
         self.applied.append(delivery.version)
         self.wire_bytes += getattr(delivery, "wire_bytes", 0)

@@ -114,7 +114,14 @@ def stop_while_holding(launch: Launch, name: str, replica_id: str) -> None:
 def stall_replica(launch: Launch) -> None:
     stop_while_holding(launch, "inference-0", "replica-0")  # a frozen process: its leases run out
     time.sleep(8.0)
-    os.kill(service(launch, "inference-0").process.pid, signal.SIGCONT)
+    target = service(launch, "inference-0")
+    os.kill(target.process.pid, signal.SIGCONT)
+    # thawed, it first catches up on the versions announced meanwhile, then publishes what it held:
+    # wait for that refusal here, as the run may finish on the other replica before it comes
+    deadline = time.monotonic() + 60
+    while not re.search(MECHANISMS["inference_sigstop"]["inference-0"], target.log.read_text()):
+        assert time.monotonic() < deadline, "the thawed replica never published its lost leases"
+        time.sleep(0.2)
 
 
 def kill_replica(launch: Launch) -> None:

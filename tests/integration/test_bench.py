@@ -2,8 +2,6 @@
 
 import asyncio
 
-import pytest
-
 from bench.asynchrony import time_to_target
 from bench.suite import markdown
 from bench.transport import make_rollouts, measure
@@ -28,23 +26,32 @@ def test_transport_rollouts_are_valid():
         assert back.routing_trace.shape == (11, 3, 4)
 
 
-def test_weight_bench_times_every_side_on_one_clock():
-    """Every transport and both limits on 64 MiB, one round: each side's rate against the one
-    raw-socket baseline and memcpy, and the shm figure holding both its halves."""
-    from bench.weightsync import BASELINE, measure, report
+def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
+    """A 1-layer model (108 MB in bf16), one timed round: every transport into 1 and 2 torch-engine
+    replicas, each side against memcpy of the same bytes, the ratios the targets name computed from
+    the sides themselves."""
+    from bench.weightsync import TRANSPORTS, main
 
-    nbytes = 64 << 20
-    measured = measure(nbytes, rounds=1)
-    sides = report(nbytes, measured)
-    assert set(sides) == {"memcpy", "raw_socket_1", "raw_socket_2", "grpc_push", "grpc_pull_1", "shm",
-                          "collective_1", "collective_2"}
-    assert sides[BASELINE]["to_raw_socket"] == 1.0 and sides["memcpy"]["to_memcpy"] == 1.0
-    for name, side in sides.items():
-        assert side["seconds"] > 0, name
-        assert side["to_raw_socket"] == round(measured[BASELINE]["seconds"] / measured[name]["seconds"], 3), name
-    shm = sides["shm"]  # the trainer's write + digest, then the replica's map + verify + load, on one clock
-    halves = measured["shm"]["trainer_write_digest_seconds"] + measured["shm"]["replica_map_verify_load_seconds"]
-    assert halves == pytest.approx(measured["shm"]["seconds"], rel=1e-9) and shm["seconds"] > 0
+    result = main(layers=1, rounds=1, engines=("torch",), replicas=(1, 2))
+    nbytes, memcpy = result["model"]["bytes"], result["machine"]["memcpy"]["seconds"]
+    assert 100e6 < nbytes < 120e6 and memcpy > 0 and result["machine"]["raw_socket_1"]["seconds"] > 0
+    refit = result["refit"]["torch"]
+    assert set(refit) == {"1", "2"} and all(set(sides) == set(TRANSPORTS) for sides in refit.values())
+    for count, sides in refit.items():
+        for transport, side in sides.items():
+            assert side["transports"] == [transport], (count, transport)  # every replica took it that way
+            assert 0 < side["trainer_publish_seconds"] <= side["seconds"]
+            assert side["to_memcpy"] == round(memcpy / side["seconds"], 3)
+            assert 0 <= side["paused_seconds"] < side["seconds"]
+            # the step changes most bf16 elements' low bytes: a delta pull carries part of the bytes
+            assert side["wire_bytes_share"] == 0 if transport != "grpc" else 0 < side["wire_bytes_share"] < 1
+    assert result["ratios"]["two_over_one"]["torch"] == {
+        t: round(refit["1"][t]["seconds"] / refit["2"][t]["seconds"], 3) for t in TRANSPORTS}
+    assert result["ratios"]["shm_to_memcpy"]["torch"] == refit["1"]["shm"]["to_memcpy"]
+    rows = [line for line in markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False,
+                                                   "python": "3", "torch": "2"}, "date": "d",
+                                       "benchmarks": {"weightsync": result}}).splitlines() if "refit, torch" in line]
+    assert len(rows) == 2 * len(TRANSPORTS)
 
 
 def test_time_to_target():
@@ -62,8 +69,13 @@ def test_markdown_summary_names_the_machine_and_every_figure():
         "machine": {"cores": 2, "cpu": "Test CPU", "memory_gib": 24.0, "gpu": False, "python": "3.11", "torch": "2"},
         "date": "2026-01-01",
         "benchmarks": {
-            "weightsync": {"sides": {"grpc_pull_1": {"to_raw_socket": 0.15, "to_memcpy": 0.03, "gib_per_s": 0.5}},
-                           "targets": {"grpc_pull_1": 0.7}},
+            "weightsync": {"model": {"bytes": 2**30}, "machine": {"memcpy": {"gib_per_s": 20.0},
+                                                                 "raw_socket_1": {"gib_per_s": 3.0, "to_memcpy": 0.15}},
+                           "refit": {"torch": {"1": {"shm": {"seconds": 0.5, "trainer_publish_seconds": 0.3,
+                                                             "paused_seconds": 0.1, "wire_bytes_share": 0.0,
+                                                             "anon_peak_growth_bytes": 2**20, "to_memcpy": 0.1}}}},
+                           "ratios": {"two_over_one": {"torch": {"shm": 0.9}}},
+                           "targets": {"shm_to_memcpy": 0.25, "two_over_one": 0.8}},
             "transport": {"shapes": [{"shape": "tiny", "bytes_per_rollout": 198, "steadyrl_rollouts_per_s": 5000,
                                       "ratio_steadyrl_to_raw": 0.55}]},
             "inference": {"error": "exit 1"},
@@ -73,7 +85,10 @@ def test_markdown_summary_names_the_machine_and_every_figure():
     }
     text = markdown(result)
     assert "2 cores of Test CPU, 24.0 GiB, no GPU" in text
-    assert ("| weightsync | verified gRPC pull, 1 stream, loaded / raw TCP socket to 1, bf16 (0.5 GiB/s vs raw socket "
-            "– GiB/s, memcpy – GiB/s; / memcpy 0.03) | 0.15 | ≥ 0.7 |") in text
+    assert "| weightsync | raw loopback TCP socket / memcpy (3.0 vs 20.0 GiB/s, 1.0 GiB) | 0.15 | – |" in text
+    assert ("| weightsync | refit, torch engine, 1 replica(s), shm: memcpy / last optimizer step → first token of the "
+            "version on every replica (0.5 s, trainer's publish 0.3 s, paused 0.1 s, wire 0.0 of the bytes, peak "
+            "private growth 1 MiB) | 0.1 | ≥ 0.25 |") in text
+    assert "| weightsync | rate with 2 replicas / with 1 (seconds 1 / seconds 2), torch | shm 0.9 | ≥ 0.8 |" in text
     assert "| 0.55 |" in text and "(60 s vs 40 s) | 1.5 | > 1 |" in text
     assert text.rstrip().endswith("Failed: inference (see the JSON).")

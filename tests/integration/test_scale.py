@@ -200,3 +200,61 @@ def test_activation_checkpointing_keeps_the_replayed_routing_in_the_recompute(ti
     worst = worst_difference(results[False], results[True])
     print(f"activation checkpointing vs none (R3 then R2, 2 mini-batches each): max |Δparam| {worst:.2e}")
     assert worst <= 1e-6
+
+
+def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: str, out: str) -> None:
+    """Rank 0 publishes a sharded model through a GatheredView — digests, a shm file, and a pass
+    a transport abandoned half-way — while rank 1 follows its gather commands as the trainer does."""
+    from pathlib import Path
+
+    from services.trainer.parallel import GatheredView, gather_published
+    from shared.distributed import broadcast_payloads
+    from shared.weightsync.manifest import describe
+    from shared.weightsync.shm import read_shm, write_shm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = load_causal_lm(model_dir, "float32")
+    prepare(model, TrainerSettings(model_path=model_dir, parallel="fsdp", precision="fp32"), torch.device("cpu"),
+            world)
+    if rank == 0:
+        view = GatheredView(model, torch.bfloat16, lambda: broadcast_payloads([], -3))
+        digests = describe(view, 1, 0)
+        manifest = write_shm(Path(shm_dir) / "v1.safetensors", view, 1, 0)
+        for name, _ in zip(view, range(3), strict=False):  # a transport that failed after 3 tensors
+            view[name]
+        half_way = view.next
+        view.finish()
+        broadcast_payloads(None)  # the followers stop
+        model_state, _ = full_state(model, torch.optim.AdamW(model.parameters()))
+        expected = describe(CastView(model_state, torch.bfloat16), 1, 0)
+        written = read_shm(Path(shm_dir) / "v1.safetensors", manifest)  # every digest checked
+        with open(out, "w") as f:
+            json.dump({"passes": view.passes, "half_way": half_way, "after": view.next,
+                       "same_digests": [t.checksum for t in digests.tensors] == [t.checksum for t in expected.tensors]
+                       == [t.checksum for t in manifest.tensors],
+                       "names": list(written) == [t.name for t in expected.tensors],
+                       "dtypes": sorted({t.dtype for t in manifest.tensors})}, f)
+    else:
+        gathers = 0
+        while True:  # StepRunner.follow's GATHER branch
+            payloads, tag = broadcast_payloads(None)
+            if payloads is None:
+                break
+            gather_published(model, torch.bfloat16, rank)
+            gathers += 1
+        assert gathers == 3, gathers
+        full_state(model, torch.optim.AdamW(model.parameters()))
+    exit_rank()
+
+
+def test_a_sharded_model_publishes_tensor_by_tensor_with_every_rank_gathering(tmp_path, tiny_model_dir):
+    """FSDP on 2 gloo ranks: rank 0's published version (digests, then a shm file) is gathered one
+    tensor at a time as the transport reads it, no full copy kept, and is the bf16 cast of the
+    model's full state exactly; a pass cut short is completed, so no rank waits on a gather."""
+    out = tmp_path / "gathered.json"
+    mp.start_processes(gathered_worker, args=(2, free_port(), str(tiny_model_dir), str(tmp_path), str(out)),
+                       nprocs=2, join=True, start_method="spawn")
+    result = json.loads(out.read_text())
+    assert result["passes"] == 3 and result["half_way"] == 3 and result["after"] == 0
+    assert result["same_digests"] and result["names"] and result["dtypes"] == ["bfloat16"]

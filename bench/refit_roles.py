@@ -1,0 +1,165 @@
+"""The long-running processes of the end-to-end refit benchmark (bench/weightsync.py), timed
+round by round (bench/clock.py `cycle`):
+
+- `trainer`: the model's fp32 master weights; each round it takes an optimizer step (untimed:
+  AdamW's first step, lr·sign(g), so a realistic share of the bf16 bytes changes), says ready,
+  and on `go` publishes the version in bf16 with the transport the round names — the trainer's
+  own publishing code (`make_publisher`, a cast view of its state dict).
+- `replica`: an engine (torch or vllm) with the replica's own weight subscriber, as
+  `services/inference` wires it; after each version is applied it serves a request, and its `end`
+  is the moment the first token of that version came out. It samples its process tree's memory
+  (itself and, for vLLM, the engine core) while the version comes in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.protocol import end, ready
+
+LR = 1e-6  # an RL learning rate: the share of bf16 elements it changes is what a delta carries
+PROMPT = [5, 6, 7, 8]
+SHM_KEEP = 2  # the trainer's shm files kept
+
+
+def trainer(model_dir: str, address: str, shm_dir: str) -> None:
+    from shared.models import load_causal_lm
+    from shared.weightsync import TRANSPORTS, make_publisher
+    from shared.weightsync.manifest import CastView
+
+    params = load_causal_lm(model_dir, "float32").state_dict()
+    generator = torch.Generator().manual_seed(0)
+    signs = {n: torch.randint(0, 2, t.shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
+             for n, t in params.items()}
+
+    async def main() -> None:
+        publishers = {kind: make_publisher(kind, address, shm_dir=Path(shm_dir), shm_keep=SHM_KEEP) for kind in TRANSPORTS}
+        print('{"event": "started"}', flush=True)
+        while line := await asyncio.to_thread(sys.stdin.readline):  # "step KIND VERSION", then publish on go
+            _, kind, version = line.split()
+            with torch.no_grad():
+                for name, tensor in params.items():  # alternate directions: the weights stay where they are
+                    tensor.add_(signs[name], alpha=LR if int(version) % 2 else -LR)
+            await asyncio.to_thread(ready)
+            await publishers[kind].push(CastView(params, torch.bfloat16), int(version), int(version) - 1, timeout=600)
+            end(kind=kind)
+        for publisher in publishers.values():
+            await publisher.close()
+
+    asyncio.run(main())
+
+
+class TreeMemory:
+    """Peak resident memory of a process and its descendants, sampled every 5 ms from /proc:
+    private (anonymous) pages and shared-memory pages (the shm transport's file, mapped) apart."""
+
+    FIELDS = ("RssAnon", "RssShmem")
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.base = self.peak = dict.fromkeys(self.FIELDS, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def tree(root: int) -> list[int]:
+        pids, children = [root], {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        for pid in pids:
+            pids.extend(children.get(pid, []))
+        return pids
+
+    def sample(self) -> dict[str, int]:
+        total = dict.fromkeys(self.FIELDS, 0)
+        for pid in self.pids:
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                key, _, value = line.partition(":")
+                if key in total:
+                    total[key] += int(value.split()[0]) * 1024
+        return total
+
+    def start(self, root: int) -> None:
+        self.pids = self.tree(root)
+        self.base = self.peak = self.sample()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            now = self.sample()
+            self.peak = {k: max(self.peak[k], now[k]) for k in self.FIELDS}
+
+    def stop(self) -> dict[str, int]:
+        """Bytes above the start: {"anon_peak_growth", "shmem_peak_growth", "anon_at_start"}."""
+        self._stop.set()
+        self._thread.join(5)
+        return {"anon_peak_growth": self.peak["RssAnon"] - self.base["RssAnon"],
+                "shmem_peak_growth": self.peak["RssShmem"] - self.base["RssShmem"],
+                "anon_at_start": self.base["RssAnon"]}
+
+
+def replica(engine_name: str, model_dir: str, address: str, name: str) -> None:
+    import os
+
+    from shared.engines import Sampling, make_engine
+    from shared.weightsync.subscriber import GrpcWeightSubscriber
+
+    options = {"max_model_len": 64, "kv_cache_gib": 1.0} if engine_name == "vllm" else {"threads": 1}
+    engine = make_engine(engine_name, model_dir, "bfloat16", **options)
+    served: asyncio.Queue = asyncio.Queue()
+
+    async def apply(delivery) -> float:  # as services/inference does, then the first token of it
+        paused = await asyncio.to_thread(engine.apply, delivery)
+        await asyncio.to_thread(engine.generate, [PROMPT], Sampling(temperature=0, max_new_tokens=1))
+        served.put_nowait((delivery.version, time.monotonic(), paused, delivery.transport))
+        return paused
+
+    async def main() -> None:
+        subscriber = GrpcWeightSubscriber(address, apply, name, transports=("shm", "collective", "grpc"),
+                                          base=engine.weight_bytes, version=engine.version)
+        task = asyncio.create_task(subscriber.run())
+        memory = TreeMemory()
+        lines = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def read() -> None:
+            for line in sys.stdin:
+                loop.call_soon_threadsafe(lines.put_nowait, line)
+            loop.call_soon_threadsafe(lines.put_nowait, "")  # closed: the benchmark is over
+
+        threading.Thread(target=read, daemon=True).start()
+        print('{"event": "started"}', flush=True)
+        while (line := await lines.get()):  # "await VERSION": ready, then on go wait for its first token
+            want = int(line.split()[1])
+            print('{"event": "ready"}', flush=True)
+            await lines.get()
+            memory.start(os.getpid())
+            wire = subscriber.wire_bytes
+            while True:
+                version, at, paused, transport = await served.get()
+                if version >= want:
+                    break
+            end(at=at, version=version, transport=transport, paused_seconds=paused,
+                wire_bytes=subscriber.wire_bytes - wire, **memory.stop())
+        task.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
