@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: P
     finally:
         stop(processes)
         service.close()
+        shutil.rmtree(shm_dir, ignore_errors=True)  # the trainer's files: the next group's memory
 
 
 def limits(nbytes: int, rounds: int) -> dict[str, float]:

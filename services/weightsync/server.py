@@ -7,6 +7,7 @@ is told how it receives each version (`members.py`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -49,10 +50,20 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         self.members = Membership()
         self.transfers = Transfers(settings, self.store, self.members, self._stored)
 
-    async def _fail(self, context, op: str, reason: str, code: grpc.StatusCode, message: str):
+    async def _fail(self, context, op: str, reason: str, code: grpc.StatusCode, message: str, rest=None):
         FAILURES.labels(op, reason).inc()
         log.warning("event=%s_failed reason=%s detail=%s", op, reason, message)
+        if rest is not None:  # a refused push is read to its end (bounded), so that its sender gets this
+            await self._drain(rest)  # status and not a write broken by the early answer
         await context.abort(code, message)
+
+    async def _drain(self, request_iterator) -> None:
+        left = self.settings.max_version_bytes + self.settings.max_message_bytes
+        with contextlib.suppress(Exception):
+            async for item in request_iterator:
+                left -= item.ByteSize()
+                if left < 0:
+                    return
 
     async def Push(self, request_iterator, context):
         started = time.perf_counter()
@@ -67,12 +78,13 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                     try:
                         verify_signature(manifest, self.key)
                     except WeightError as exc:
-                        await self._fail(context, "push", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc))
+                        await self._fail(context, "push", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc),
+                                         request_iterator)
                     latest = self.store.latest
                     if latest is not None and manifest.version <= latest.manifest.version:
                         await self._fail(
                             context, "push", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
-                            f"version {manifest.version} is not newer than {latest.manifest.version}",
+                            f"version {manifest.version} is not newer than {latest.manifest.version}", request_iterator,
                         )
                     assembler = Assembler([t.nbytes for t in manifest.tensors])
                 elif item.HasField("chunk"):
@@ -85,7 +97,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             payloads = assembler.finish()
             verify_payloads(manifest, payloads)
         except WeightError as exc:
-            await self._fail(context, "push", "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._fail(context, "push", "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc), request_iterator)
         except asyncio.CancelledError:
             FAILURES.labels("push", "cancelled").inc()
             log.warning("event=push_failed reason=cancelled version=%s bytes=%d", manifest and manifest.version, received)

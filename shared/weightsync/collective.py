@@ -20,7 +20,7 @@ from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor
 from shared.weightsync.grpc import GrpcWeightPublisher
-from shared.weightsync.manifest import WeightError, describe, digest
+from shared.weightsync.manifest import PIECE_BYTES, WeightError, describe, digest, pieces
 
 log = logging.getLogger("steadyrl.weightsync.client")
 
@@ -110,11 +110,17 @@ def send_version(group, transport: pb.Transport, manifest: pb.WeightManifest,
     plan, sizes = _plan(manifest, transport)
     ring = (staging or Staging()).buckets([max(sizes, default=0)] * min(2, len(sizes)), _device(transport))
     names = [spec.name for spec in manifest.tensors]
+    scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
     pending = None
     for index, indices in enumerate(plan):
         bucket = ring[index % 2][: sizes[index]]  # two buckets' worth, not a second copy of the model
         at = 0
         for i in indices:
+            if bucket.device.type == "cpu":  # cast a piece at a time into the bucket (`pieces`)
+                for piece in pieces(tensors, names[i], scratch):
+                    bucket[at : at + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
+                    at += len(piece)
+                continue
             tensor = tensors[names[i]].detach().contiguous().reshape(-1)
             bucket[at : at + manifest.tensors[i].nbytes].copy_(tensor.view(torch.uint8))
             at += manifest.tensors[i].nbytes

@@ -46,6 +46,9 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
     return blake3.blake3(data, max_threads=threads).digest()
 
 
+PIECE_BYTES = 4 << 20  # what `pieces` casts at a time: a few MiB, cache-sized
+
+
 class CastView(Mapping):
     """A model's tensors in the published dtype, cast one at a time on access: a push streams the
     version without a second copy of the model in memory."""
@@ -70,6 +73,23 @@ class CastView(Mapping):
         return str(dtype).removeprefix("torch."), list(tensor.shape)
 
 
+def pieces(tensors: Mapping[str, torch.Tensor], name: str, scratch: torch.Tensor) -> Iterator[memoryview]:
+    """The published bytes of `tensors[name]` in order, at most `len(scratch)` at a time. From a
+    `CastView`, each piece is cast into `scratch` (a uint8 buffer reused for every piece): no fresh
+    memory per tensor — casting a large tensor whole faults in every page of a new buffer — and
+    each piece is still in cache as it is written and hashed. A piece is valid until the next."""
+    source = tensors.tensors[name].detach() if isinstance(tensors, CastView) else None
+    if source is None or not source.is_floating_point() or source.device.type != "cpu" or not source.is_contiguous():
+        data = tensor_to_bytes(tensors[name])
+        yield from (data[at : at + len(scratch)] for at in range(0, len(data), len(scratch)))
+        return
+    flat, out = source.reshape(-1), scratch.view(tensors.dtype)
+    for start in range(0, flat.numel(), out.numel()):
+        count = min(out.numel(), flat.numel() - start)
+        out[:count].copy_(flat[start : start + count])
+        yield memoryview(scratch[: count * out.element_size()].numpy())
+
+
 def describe(
     tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
 ) -> pb.WeightManifest:
@@ -82,16 +102,20 @@ def describe(
         checksum_algo=CHECKSUM_ALGO,
         created_unix_ms=int(time.time() * 1000),
     )
+    scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
     for name in tensors:
-        tensor = tensors[name]
-        data = tensor_to_bytes(tensor)
-        manifest.tensors.add(
-            name=name,
-            dtype=str(tensor.dtype).removeprefix("torch."),
-            shape=list(tensor.shape),
-            nbytes=len(data),
-            checksum=digest(data),
-        )
+        if isinstance(tensors, CastView):  # cast a piece at a time, never the whole tensor
+            (dtype, shape), hasher, nbytes = tensors.meta(name), blake3.blake3(max_threads=blake3.blake3.AUTO), 0
+            for piece in pieces(tensors, name, scratch):
+                hasher.update(piece)
+                nbytes += len(piece)
+            checksum = hasher.digest()
+        else:
+            tensor = tensors[name]
+            data = tensor_to_bytes(tensor)
+            dtype, shape, nbytes, checksum = str(tensor.dtype).removeprefix("torch."), list(tensor.shape), len(data), \
+                digest(data)
+        manifest.tensors.add(name=name, dtype=dtype, shape=shape, nbytes=nbytes, checksum=checksum)
     if key:
         manifest.signature = sign(manifest, key)
     return manifest

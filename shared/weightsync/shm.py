@@ -31,7 +31,13 @@ from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.delivery import Bucket, Delivery, as_tensor, batched
 from shared.weightsync.grpc import GrpcWeightPublisher
-from shared.weightsync.manifest import CHECKSUM_ALGO, WeightError, digest, sign, tensor_to_bytes
+from shared.weightsync.manifest import (
+    CHECKSUM_ALGO,
+    WeightError,
+    digest,
+    pieces,
+    sign,
+)
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -87,16 +93,16 @@ def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, par
     try:
         os.ftruncate(fd, size)
         os.pwrite(fd, head, 0)
+        scratch = torch.empty(CHUNK, dtype=torch.uint8)
         for name in tensors:
-            data = tensor_to_bytes(tensors[name])
-            begin = start + header[name]["data_offsets"][0]
+            at = start + header[name]["data_offsets"][0]
             hasher = blake3.blake3()
-            for at in range(0, len(data), CHUNK):
-                chunk = data[at : at + CHUNK]
-                _pwrite_all(fd, chunk, begin + at)
-                hasher.update(chunk)
+            for piece in pieces(tensors, name, scratch):
+                _pwrite_all(fd, piece, at)
+                hasher.update(piece)
+                at += len(piece)
             manifest.tensors.add(name=name, dtype=tensor_meta(tensors, name)[0], shape=header[name]["shape"],
-                                 nbytes=len(data), checksum=hasher.digest())
+                                 nbytes=at - start - header[name]["data_offsets"][0], checksum=hasher.digest())
     finally:
         os.close(fd)
     os.replace(tmp, path)

