@@ -46,6 +46,10 @@ def weight_rows(ws: dict) -> list[str]:
             bound = "≥" if name == "two_over_one" else "≤"
             rows.append(f"| weightsync | {label}, {key} | "
                         + ", ".join(f"{t} {v}" for t, v in by_transport.items()) + f" | {bound} {target} |")
+    for engine, sides in _get(ws, "ratios", "anon_growth_over_bucket", default={}).items():
+        rows.append(f"| weightsync | a replica's peak private memory growth during an update / one bucket, {engine} "
+                    f"(worst of every side) | {max(sides.values(), default='–')} "
+                    f"| ≤ {_get(ws, 'targets', 'anon_growth_over_bucket')} |")
     return rows
 
 
