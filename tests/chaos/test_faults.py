@@ -83,6 +83,18 @@ def freeze(process, seconds: float) -> None:
         os.kill(process.pid, signal.SIGCONT)
 
 
+def freeze_mid_step(launch: Launch, seconds: float) -> None:
+    """Freeze the weight-sync service while the trainer is inside a step (started, not ended): the
+    step's push then meets the frozen service."""
+    trainer, deadline = service(launch, "trainer"), time.monotonic() + 60
+    while True:
+        text = trainer.log.read_text()
+        if text.count("event=step_started ") > text.count("event=step step="):
+            return freeze(service(launch, "weightsync").process, seconds)
+        assert time.monotonic() < deadline, "the trainer never stepped"
+        time.sleep(0.001)
+
+
 def leases_held(launch: Launch, replica_id: str) -> list[str]:
     """The tasks Redis says `replica_id` holds right now."""
     async def read():
@@ -142,7 +154,7 @@ FAULTS = {
     "orchestrator_sigkill": lambda launch: kill_and_restart(launch, "orchestrator"),
     "inference_sigstop": stall_replica,
     "redis_sigstop": lambda launch: freeze(launch.redis.process, 20.0),
-    "weightsync_sigstop": lambda launch: freeze(service(launch, "weightsync").process, 15.0),
+    "weightsync_sigstop": lambda launch: freeze_mid_step(launch, 15.0),
 }
 
 

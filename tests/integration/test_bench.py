@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from bench.asynchrony import time_to_target
 from bench.suite import markdown
 from bench.transport import make_rollouts, measure
@@ -41,7 +43,7 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
         for transport, side in sides.items():
             assert side["transports"] == [transport], (count, transport)  # every replica took it that way
             assert 0 < side["trainer_publish_seconds"] <= side["seconds"]
-            assert side["to_memcpy"] == round(memcpy / side["seconds"], 3)
+            assert side["to_memcpy"] == pytest.approx(memcpy / side["seconds"], rel=0.05, abs=2e-3)  # rounded sides
             assert 0 <= side["paused_seconds"] < side["seconds"]
             # the step changes most bf16 elements' low bytes: a delta pull carries part of the bytes
             assert side["wire_bytes_share"] == 0 if transport != "grpc" else 0 < side["wire_bytes_share"] < 1
