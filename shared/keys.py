@@ -44,7 +44,7 @@ KEYS = {
     "rollouts_dead_counts": Key("rollouts:dead:counts", "HASH", "reason → count", "trainer",
                                 "orchestrator (`/v1/run`), operators"),
     "trained": Key("trained", "LIST", "rollout ids (the ledger)", "trainer", "orchestrator (progress), tests"),
-    "trained_ids": Key("trained:ids", "SET", "rollout ids (guards the ledger)", "trainer", "trainer"),
+    "trained_ids": Key("trained:ids", "SET", "rollout ids in the ledger, trained or dropped (guards it)", "trainer", "trainer"),
     "dropped": Key("trained:dropped", "LIST", "rollout ids dropped as stale", "trainer", "orchestrator (progress)"),
     "trained_dead": Key("trained:dead", "SET", "group ids dead-lettered whole", "trainer",
                         "orchestrator (progress), trainer (restart)"),

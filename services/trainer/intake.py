@@ -24,6 +24,7 @@ RESTORED = Counter("steadyrl_trainer_ledger_restored_total",
 class Intake:
     def __init__(self, source: RolloutSource, buffer: GroupBuffer, state: TrainerState) -> None:
         self.source, self.buffer, self.state = source, buffer, state
+        self.dropped: set[str] = set()  # ids this process dropped as stale (restored into a ledger that lost them)
 
     def count(self, name: str, amount: int = 1) -> None:
         self.state.counters[name] = self.state.counters.get(name, 0) + amount
@@ -72,18 +73,22 @@ class Intake:
         """Whole groups whose oldest token is more than max_staleness versions behind are dropped."""
         for members in self.buffer.drop_stale(self.state.version - max_staleness):
             await self.source.dropped([(m.entry, m.rollout.rollout_id) for m in members])
+            self.dropped.update(m.rollout.rollout_id for m in members)
             DROPPED.inc(len(members))
             self.count("dropped_stale", len(members))
 
     async def reconcile(self, unacknowledged: set[str]) -> None:
         """Redis restarted. With appendfsync everysec a host crash loses up to the last second of
         acknowledged writes, here acknowledgements and ledger entries of trained rollouts: claim
-        what is pending again, then write back every checkpointed id the ledger lacks."""
+        what is pending again, then write back every checkpointed id and every id dropped as stale
+        that the ledger lacks (else the orchestrator counts those tasks outstanding forever)."""
         claimed = await self.claim_all()
-        acked = sorted(self.state.consumed - unacknowledged)
+        acked, dropped = sorted(self.state.consumed - unacknowledged), sorted(self.dropped)
         restored = 0
         for start in range(0, len(acked), 4096):
             restored += await self.source.trained([("", rid) for rid in acked[start : start + 4096]])
+        for start in range(0, len(dropped), 4096):
+            restored += await self.source.dropped([("", rid) for rid in dropped[start : start + 4096]])
         RESTORED.inc(restored)
         self.count("ledger_restored", restored)
         log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, restored)

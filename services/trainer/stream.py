@@ -20,18 +20,17 @@ GROUP = "trainer"
 
 # Settle stream entries: XACK + XDEL each, and record its rollout id in a ledger list, atomically.
 # KEYS: stream, ledger list ('' for none), the set of ids the ledger holds. ARGV: group, mode, then
-# (entry id | '', rollout id) pairs. mode 'trained': an id is appended once ever (the set guards
-# it; '' entries restore ids Redis lost). mode 'pending': an id is appended only if its entry was
-# still pending (the first settlement). mode 'none': acknowledge only.
+# (entry id | '', rollout id) pairs. mode 'trained' or 'dropped': an id is appended once ever (the
+# set guards it; '' entries restore ids Redis lost). mode 'none': acknowledge only.
 _SETTLE = """
 local group, mode, added = ARGV[1], ARGV[2], 0
 for i = 3, #ARGV, 2 do
-  local entry, rid, pending = ARGV[i], ARGV[i + 1], 0
+  local entry, rid = ARGV[i], ARGV[i + 1]
   if entry ~= '' then
-    pending = redis.call('XACK', KEYS[1], group, entry)
+    redis.call('XACK', KEYS[1], group, entry)
     redis.call('XDEL', KEYS[1], entry)
   end
-  local record = (mode == 'trained' and redis.call('SADD', KEYS[3], rid) == 1) or (mode == 'pending' and pending == 1)
+  local record = mode ~= 'none' and redis.call('SADD', KEYS[3], rid) == 1
   if record then
     redis.call('RPUSH', KEYS[2], rid)
     added = added + 1
@@ -108,8 +107,9 @@ class RedisRolloutSource(RolloutSource):
     async def duplicates(self, items: list[tuple[bytes, str]]) -> None:
         await self.settle(items, "", "none")
 
-    async def dropped(self, items: list[tuple[bytes, str]]) -> None:
-        await self.settle(items, self.keys.dropped, "pending")
+    async def dropped(self, items: list[tuple[bytes | str, str]]) -> int:
+        """Acknowledge entries dropped as stale into the ledger (each id once, ever)."""
+        return await self.settle(items, self.keys.dropped, "dropped")
 
     async def dead_letter(self, entry: bytes, reason: str, message: str, payload: bytes, group: str = "") -> None:
         payload = payload[: self.dead_payload_bytes]
