@@ -3,7 +3,7 @@ activation checkpointing; and the state moved in and out of it (checkpoints, pub
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from services.trainer.config import TrainerSettings
+from shared.weightsync.manifest import CastView
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -67,7 +68,7 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
-def gather_published(model: torch.nn.Module, dtype: torch.dtype, rank: int) -> None:
+def gather_published(model: torch.nn.Module) -> None:
     """One pass of a sharded model's published tensors, gathered in turn (every rank calls this
     with rank 0's `GatheredView`, which uses each tensor as it comes; the others drop theirs)."""
     for tensor in model.state_dict().values():
@@ -75,7 +76,7 @@ def gather_published(model: torch.nn.Module, dtype: torch.dtype, rank: int) -> N
             tensor.full_tensor()
 
 
-class GatheredView(Mapping):
+class GatheredView(CastView):
     """Rank 0's view of a sharded model as the version it publishes: each tensor gathered from the
     shards when the transport reads it, cast to the published dtype, and dropped once used — no
     second copy of the model on any rank. Every rank gathers together: each pass over the tensors
@@ -86,7 +87,8 @@ class GatheredView(Mapping):
     device = torch.device("cpu")
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, start_pass: Callable[[], None]) -> None:
-        self.tensors, self.dtype, self.start_pass = model.state_dict(), dtype, start_pass
+        super().__init__(model.state_dict(), dtype)
+        self.start_pass = start_pass
         self.names = list(self.tensors)
         self.index = {name: i for i, name in enumerate(self.names)}
         self.next = 0  # the tensor the current pass reads next (0: no pass under way)
@@ -103,17 +105,8 @@ class GatheredView(Mapping):
         self.next = (self.next + 1) % len(self.names)
         return (full.to(self.dtype) if full.is_floating_point() else full).cpu()
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def meta(self, name: str) -> tuple[str, list[int]]:
-        """(published dtype, global shape) without gathering."""
-        tensor = self.tensors[name]
-        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
-        return str(dtype).removeprefix("torch."), list(tensor.shape)
+    def piece_source(self, name: str) -> None:
+        return None  # a shard: the tensor is gathered whole, in its turn
 
     def finish(self) -> None:
         while self.next:

@@ -155,7 +155,7 @@ class StepRunner:
                 self._save(None)
                 continue
             if tag == GATHER:
-                gather_published(self.model, self.publish_dtype, self.rank)
+                gather_published(self.model)
                 continue
             self._step([decode_rollout(p) for p in payloads], tag)
             steps += 1

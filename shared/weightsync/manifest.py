@@ -66,6 +66,13 @@ class CastView(Mapping):
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def piece_source(self, name: str) -> torch.Tensor | None:
+        """The tensor `pieces` may cast a piece at a time (a contiguous floating tensor in host
+        memory), else None: the piece is then read whole through `self[name]`."""
+        tensor = self.tensors[name].detach()
+        ok = tensor.is_floating_point() and tensor.device.type == "cpu" and tensor.is_contiguous()
+        return tensor if ok else None
+
     def meta(self, name: str) -> tuple[str, list[int]]:
         """(dtype name, shape) of a tensor without casting it."""
         tensor = self.tensors[name]
@@ -78,8 +85,8 @@ def pieces(tensors: Mapping[str, torch.Tensor], name: str, scratch: torch.Tensor
     `CastView`, each piece is cast into `scratch` (a uint8 buffer reused for every piece): no fresh
     memory per tensor — casting a large tensor whole faults in every page of a new buffer — and
     each piece is still in cache as it is written and hashed. A piece is valid until the next."""
-    source = tensors.tensors[name].detach() if isinstance(tensors, CastView) else None
-    if source is None or not source.is_floating_point() or source.device.type != "cpu" or not source.is_contiguous():
+    source = tensors.piece_source(name) if isinstance(tensors, CastView) else None
+    if source is None:
         data = tensor_to_bytes(tensors[name])
         yield from (data[at : at + len(scratch)] for at in range(0, len(data), len(scratch)))
         return

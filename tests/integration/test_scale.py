@@ -241,7 +241,7 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
             payloads, tag = broadcast_payloads(None)
             if payloads is None:
                 break
-            gather_published(model, torch.bfloat16, rank)
+            gather_published(model)
             gathers += 1
         assert gathers == 3, gathers
         full_state(model, torch.optim.AdamW(model.parameters()))
