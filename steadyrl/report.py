@@ -70,22 +70,22 @@ def find_checkpoint(source: Path) -> tuple[Path, str | None]:
     if (source / "trainer" / "checkpoints").is_dir():
         source = source / "trainer" / "checkpoints"
     step = source if (source / "state.json").exists() else latest_checkpoint(source)
-    if step is None or not (step / "model.safetensors").exists():
+    if step is None or not ((step / "model.safetensors").exists() or (step / "shards").is_dir()):
         raise ValueError(f"no trainer checkpoint in {source} (a step-* directory, a checkpoints directory with "
                          "LATEST, or a run directory)")
     return step, model
 
 
 def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: str = "float32") -> Path:
-    """A trainer checkpoint (full state, whatever the parallelism that wrote it) as a Hugging Face
-    directory in `dtype`: the base model's config and tokenizer, the checkpoint's weights."""
-    from safetensors.torch import load_file
-
+    """A trainer checkpoint (whatever the parallelism and world size that wrote it: its shards are
+    consolidated by DCP) as a Hugging Face directory in `dtype`: the base model's config and
+    tokenizer, the checkpoint's weights."""
+    from services.trainer.checkpoint import load_model_weights
     from shared.models import load_causal_lm
     from shared.models.loading import resolve_dtype
 
     model = load_causal_lm(model_path, "float32")
-    missing, unexpected = model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
+    missing, unexpected = model.load_state_dict(load_model_weights(checkpoint), strict=False)
     if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
         raise ValueError(f"checkpoint {checkpoint} does not fit the model {model_path}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")

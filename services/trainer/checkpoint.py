@@ -1,16 +1,23 @@
-"""Checkpoints without pickle: tensors in safetensors, everything else in JSON.
+"""Checkpoints without pickle: sharded tensors in safetensors (torch.distributed.checkpoint), the
+rest in JSON.
 
-`checkpoints/step-00000012/` holds model.safetensors (the full model state, parameter names as in
-`state_dict()`), optimizer.safetensors (AdamW moments, keyed `<parameter name>::<state key>`),
-rng.safetensors (torch's CPU RNG state) and state.json (step, version, the optimizer's param
-groups and scalar state, the trained rollout ids). The same full-state format serves one process,
-DDP and FSDP: under FSDP the ranks gather it to rank 0, which writes it, and a restore broadcasts
-it back into every rank's shards (torch.distributed.checkpoint.state_dict). Chosen over per-rank
-DCP shards so that one checkpoint is readable by any parallelism and by `steadyrl export`; the
-cost is rank 0's host memory during a save (the fp32 parameters and two AdamW moments).
+`checkpoints/step-00000012/` holds `shards/` (every rank writes its own shard of the model and of
+the AdamW moments, through DCP's `HuggingFaceStorageWriter`: safetensors files whose headers carry
+each shard's offsets), rng.safetensors (rank 0's CPU RNG state) and state.json (step, version, the
+optimizer's param groups, the trained rollout ids). Tensors are keyed `model.<name>` (names as in
+`state_dict()`) and `optim.<name>::<state key>`. No rank ever holds more than its own shard; DCP
+reshards on load, so a checkpoint resumes on any world size and any parallelism (one process,
+DDP, FSDP, HSDP). With `trainer.async_checkpoint` the shards are staged to host memory and written
+by a background thread while training goes on (`dcp.async_save`).
 
-A checkpoint is written into a temporary directory and renamed into place, then `LATEST` is
-replaced atomically: a crash leaves either the old or the new checkpoint, never half of one.
+A checkpoint is written into `.tmp-step-…/` and renamed into place once every rank's shards are
+written (rank 0's save completes only after every rank's writes: DCP gathers their results), then
+`LATEST` is replaced atomically: a crash leaves either the old or the new checkpoint, never half
+of one, and only a checkpoint `LATEST` names acknowledges its rollouts. The checkpoint directory
+must be one filesystem for every node (a shared volume).
+
+Checkpoints of the earlier full-state format (model.safetensors and optimizer.safetensors gathered
+onto rank 0) are still read: `load_checkpoint` returns them whole, rank 0 broadcasts them.
 """
 
 from __future__ import annotations
@@ -18,13 +25,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 SEP = "::"
+MODEL, OPTIM, SHARDS = "model.", "optim.", "shards"
 
 
 @dataclass
@@ -35,31 +53,46 @@ class TrainerState:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-def _split_optimizer(optimizer_state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors, scalars = {}, {}
-    for name, entry in optimizer_state.get("state", {}).items():
+def is_sharded_checkpoint(path: Path) -> bool:
+    return (path / SHARDS).is_dir()
+
+
+def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
+    """This rank's part of the model and optimizer state as one flat dict of tensors (DTensors
+    when sharded), and the optimizer's param groups (parameter names, not ids: any world size)."""
+    options = StateDictOptions()
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)  # initialises AdamW's state
+    flat = {MODEL + name: tensor for name, tensor in model_state.items()}
+    for name, entry in optimizer_state["state"].items():
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                tensors[f"{name}{SEP}{key}"] = value.detach().contiguous().cpu()
-            else:
-                scalars[f"{name}{SEP}{key}"] = float(value)
-    return tensors, {"param_groups": optimizer_state.get("param_groups", []), "scalars": scalars}
+            flat[f"{OPTIM}{name}{SEP}{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    return flat, optimizer_state["param_groups"]
 
 
-def save_checkpoint(root: Path, model_state: dict[str, torch.Tensor], optimizer_state: dict, state: TrainerState,
-                    keep: int = 2) -> Path:
-    """Write one checkpoint from full (gathered) state dicts; returns its directory."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:08d}"
-    tmp = root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _split_optimizer(optimizer_state)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+def staging_dir(root: Path, step: int) -> Path:
+    return root / f".tmp-step-{step:08d}"
+
+
+def start_save(directory: Path, flat: dict[str, torch.Tensor], group=None, asynchronous: bool = True) -> Future | None:
+    """Every rank: write its shards under `directory/shards/` (all ranks call this, with the same
+    directory). Asynchronous: returns once the tensors are staged in host memory; the future
+    completes when every rank's shards are written. Blocking: returns None when they are."""
+    (directory / SHARDS).mkdir(parents=True, exist_ok=True)
+    writer = HuggingFaceStorageWriter(str(directory / SHARDS), save_distributed=True)
+    if asynchronous:
+        return dcp.async_save(flat, storage_writer=writer, process_group=group)
+    dcp.save(flat, storage_writer=writer, process_group=group)
+    return None
+
+
+def finish_save(root: Path, state: TrainerState, param_groups: list, keep: int = 2) -> Path:
+    """Rank 0, once every shard is written: state.json and the RNG beside the shards, the
+    directory renamed into place, `LATEST` pointed at it, old checkpoints pruned."""
+    tmp, final = staging_dir(root, state.step), root / f"step-{state.step:08d}"
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    meta = {"step": state.step, "version": state.version, "consumed": sorted(state.consumed),
-            "counters": state.counters, "optimizer": opt_meta}
+    meta = {"format": "dcp", "step": state.step, "version": state.version, "consumed": sorted(state.consumed),
+            "counters": state.counters, "optimizer": {"param_groups": param_groups}}
     (tmp / "state.json").write_text(json.dumps(meta))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -68,6 +101,9 @@ def save_checkpoint(root: Path, model_state: dict[str, torch.Tensor], optimizer_
     os.replace(pointer, root / "LATEST")
     for old in sorted(p for p in root.glob("step-*") if p != final)[:-(keep - 1) or None]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step-*"):
+        if stale != tmp and int(stale.name.rsplit("-", 1)[1]) < state.step:
+            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -79,8 +115,34 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
+def read_state(path: Path) -> TrainerState:
+    meta = json.loads((path / "state.json").read_text())
+    return TrainerState(meta["step"], meta["version"], set(meta["consumed"]), meta.get("counters", {}))
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group=None) -> TrainerState:
+    """Every rank: its part of a sharded checkpoint into the model and optimizer, resharded to
+    this world size and layout; restores the RNG."""
+    template, _ = flat_state(model, optimizer)
+    dcp.load(template, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)), process_group=group)
+    meta = json.loads((path / "state.json").read_text())
+    model_state = {k[len(MODEL):]: v for k, v in template.items() if k.startswith(MODEL)}
+    optimizer_state: dict[str, dict] = {}
+    for key, value in template.items():
+        if key.startswith(OPTIM):
+            name, item = key[len(OPTIM):].rsplit(SEP, 1)
+            optimizer_state.setdefault(name, {})[item] = value
+    set_model_state_dict(model, model_state, options=StateDictOptions())
+    set_optimizer_state_dict(model, optimizer, {"state": optimizer_state,
+                                                "param_groups": meta["optimizer"]["param_groups"]},
+                             options=StateDictOptions())
+    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["cpu"])
+    return read_state(path)
+
+
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, TrainerState]:
-    """(full model state, full optimizer state, trainer state) of a checkpoint; restores the RNG."""
+    """(full model state, full optimizer state, trainer state) of a full-state checkpoint (the
+    earlier format); restores the RNG."""
     meta = json.loads((path / "state.json").read_text())
     state: dict[str, dict] = {}
     for key, value in load_file(str(path / "optimizer.safetensors")).items():
@@ -90,11 +152,19 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, TrainerS
         name, item = key.rsplit(SEP, 1)
         state.setdefault(name, {})[item] = torch.tensor(value)
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["cpu"])
-    trainer = TrainerState(meta["step"], meta["version"], set(meta["consumed"]), meta.get("counters", {}))
     return load_file(str(path / "model.safetensors")), {"state": state, "param_groups": meta["optimizer"]["param_groups"]}, \
-        trainer
+        read_state(path)
 
 
 def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Only the model's tensors of a checkpoint (for an export)."""
-    return load_file(str(path / "model.safetensors"))
+    """The full model tensors of a checkpoint of either format, in one process (an export, a
+    test): a sharded one is assembled from every rank's shards by DCP into tensors of the saved
+    shapes and dtypes, read from the safetensors headers."""
+    if not is_sharded_checkpoint(path):
+        return load_file(str(path / "model.safetensors"))
+    reader = HuggingFaceStorageReader(str(path / SHARDS))
+    stored = reader.read_metadata().state_dict_metadata
+    weights = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in stored.items() if key.startswith(MODEL)}
+    dcp.load(weights, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)), no_dist=True)
+    return {key[len(MODEL):]: tensor for key, tensor in weights.items()}

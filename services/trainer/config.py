@@ -81,9 +81,14 @@ class TrainerSettings(RedisSettings, StepShape):
     precision: Literal["auto", "fp32", "bf16-mixed"] = "auto"
     """fp32, or bf16 compute over fp32 parameters, gradients and optimizer state (the loss math
     stays fp32); auto = bf16-mixed on CUDA, fp32 on the CPU."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """Data parallelism over the torchrun ranks: a full model per rank (ddp), or parameters,
-    gradients and optimizer state sharded over the ranks (fsdp: FSDP2 per decoder layer, then the root)."""
+    gradients and optimizer state sharded over the ranks (fsdp: FSDP2 per decoder layer, then the
+    root), or sharded within groups of `shard_ranks` and replicated across them (hsdp: FSDP2 on a
+    2-D device mesh, replicate × shard — the shards' all-gathers stay inside a node)."""
+    shard_ranks: int = Field(0, ge=0)
+    """hsdp: ranks per shard group (0 = the ranks of one node, torchrun's LOCAL_WORLD_SIZE); the
+    world size must be a multiple of it."""
     micro_batch_tokens: int = Field(0, ge=0)
     """Split each rank's mini-batch into micro-batches of at most this many tokens, gradients
     accumulated (the update is the unsplit one); 0 = no split."""
@@ -113,6 +118,10 @@ class TrainerSettings(RedisSettings, StepShape):
     """Steps between checkpoints; rollouts are acknowledged only once a checkpoint holds them."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk."""
+    async_checkpoint: bool = True
+    """Write a checkpoint's shards in the background (`dcp.async_save`: staged into host memory,
+    then written while the next steps train); its rollouts are acknowledged once it is in place.
+    False: the step waits for the write."""
     read_block_ms: int = Field(200, ge=1)
     """XREADGROUP block time while waiting for rollouts."""
     max_rollout_bytes: int = Field(64 * 1024 * 1024, ge=1024)

@@ -39,16 +39,41 @@ def prepare(model: torch.nn.Module, settings: TrainerSettings, device: torch.dev
     model.to(device).train()
     if world <= 1:
         return model
-    if settings.parallel == "fsdp":
+    if settings.parallel in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if wants_bf16(settings, device) else MixedPrecisionPolicy()
+        mesh = device_mesh(settings, device, world)
         for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def shard_layout(parallel: str, world: int, shard_ranks: int, local_world: int) -> tuple[int, int]:
+    """(replicas, ranks per shard group) of a sharded model; pure. fsdp: one group of every rank."""
+    if parallel != "hsdp":
+        return 1, world
+    shard = shard_ranks or local_world
+    if shard < 1 or world % shard:
+        raise ValueError(f"trainer.parallel = 'hsdp': the world ({world} ranks) is not a whole number of shard "
+                         f"groups of {shard} ranks (trainer.shard_ranks, 0 = the ranks of one node)")
+    return world // shard, shard
+
+
+def device_mesh(settings: TrainerSettings, device: torch.device, world: int):
+    """The ranks' device mesh: 1-D (fsdp), or replicate × shard (hsdp)."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas, shard = shard_layout(settings.parallel, world, settings.shard_ranks,
+                                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if settings.parallel != "hsdp":
+        return init_device_mesh(device.type, (world,))
+    return init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

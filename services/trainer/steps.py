@@ -2,27 +2,35 @@
 one global step, checkpoints, the weights a version publishes. No Redis, no gRPC.
 
 Data parallel: rank 0 broadcasts each command to the other ranks, which follow (`follow`): a
-global batch to train (protobuf bytes), a checkpoint to gather, or stop.
+global batch to train (protobuf bytes), a checkpoint to write (each rank its own shards), the
+published weights to gather, or stop.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from services.trainer.checkpoint import (
     TrainerState,
+    finish_save,
+    flat_state,
+    is_sharded_checkpoint,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
+    load_sharded,
+    staging_dir,
+    start_save,
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.parallel import (
     GatheredView,
-    full_state,
     gather_published,
     load_state,
     prepare,
@@ -41,6 +49,27 @@ from shared.weightsync.manifest import CastView
 
 log = logging.getLogger("steadyrl.trainer")
 SAVE, GATHER = -2, -3  # broadcast tags of the checkpoint and gather commands (a step's tag is its version, >= 0)
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose shards are being written (`future`: None once written or when blocking).
+    `finish` waits for every rank's shards, then (rank 0) puts the checkpoint in place."""
+
+    root: Path
+    state: TrainerState | None  # a copy as of the save (rank 0; None on the other ranks)
+    param_groups: list
+    keep: int
+    future: Future | None
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def finish(self) -> Path | None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+        return None if self.state is None else finish_save(self.root, self.state, self.param_groups, self.keep)
 
 
 def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: bool,
@@ -73,7 +102,7 @@ class StepRunner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.adam_betas,
                                            weight_decay=s.weight_decay)
         bf16 = wants_bf16(s, self.device)
-        sharded = s.parallel == "fsdp" and self.world > 1
+        sharded = s.parallel in ("fsdp", "hsdp") and self.world > 1
         self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
         self.sharded = sharded
         self.publish_dtype = resolve_dtype(s.publish_dtype)
@@ -87,9 +116,12 @@ class StepRunner:
         )
         self.recipe = ""
         self.checkpoints = s.out_dir / "checkpoints"
+        # async saves collect over a group of their own (a CPU one, as DCP asks), off the step's
+        self.checkpoint_group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.saving: PendingSave | None = None  # the ranks > 0's save under way
         log.info("event=trainer_layout rank=%d world=%d device=%s precision=%s parallel=%s micro_batch_tokens=%d "
                  "activation_checkpointing=%s", self.rank, self.world, self.device, "bf16-mixed" if bf16 else "fp32",
-                 "fsdp" if sharded else ("ddp" if self.world > 1 else "single"), s.micro_batch_tokens,
+                 s.parallel if self.world > 1 else "single", s.micro_batch_tokens,
                  s.activation_checkpointing)
 
     def restore(self) -> TrainerState:
@@ -97,24 +129,29 @@ class StepRunner:
         found = latest_checkpoint(self.checkpoints)
         if found is None:
             return TrainerState()
-        reader = self.rank == 0 or not self.sharded  # sharded: rank 0 reads, the others receive
-        model_state, optimizer_state, state = load_checkpoint(found) if reader else ({}, {}, TrainerState())
-        load_state(self.model, self.optimizer, model_state, optimizer_state)
+        if is_sharded_checkpoint(found):  # every rank reads its part, resharded to this world
+            state = load_sharded(found, self.model, self.optimizer)
+        else:  # the earlier full-state format; sharded: rank 0 reads, the others receive
+            reader = self.rank == 0 or not self.sharded
+            model_state, optimizer_state, state = load_checkpoint(found) if reader else ({}, {}, TrainerState())
+            load_state(self.model, self.optimizer, model_state, optimizer_state)
         log.info("event=resumed checkpoint=%s step=%d version=%d consumed=%d", found.name, state.step, state.version,
                  len(state.consumed))
         return state
 
-    def save(self, state: TrainerState) -> Path | None:
-        """A checkpoint of `state` (rank 0; the other ranks join the gather)."""
+    def save(self, state: TrainerState) -> PendingSave:
+        """Rank 0: start a checkpoint of `state` (every rank writes its own shards; the caller
+        finishes the previous one first). Returns once the shards are staged (async) or written."""
         if self.world > 1:
-            broadcast_payloads([], SAVE)
-        return self._save(state)
+            broadcast_payloads([str(state.step).encode()], SAVE)
+        return self._save(state.step, TrainerState(state.step, state.version, set(state.consumed),
+                                                   dict(state.counters)))
 
-    def _save(self, state: TrainerState | None) -> Path | None:
-        model_state, optimizer_state = full_state(self.model, self.optimizer)
-        if self.rank != 0 or state is None:
-            return None
-        return save_checkpoint(self.checkpoints, model_state, optimizer_state, state, self.settings.keep_checkpoints)
+    def _save(self, step: int, state: TrainerState | None) -> PendingSave:
+        flat, param_groups = flat_state(self.model, self.optimizer)
+        future = start_save(staging_dir(self.checkpoints, step), flat, self.checkpoint_group,
+                            self.settings.async_checkpoint)
+        return PendingSave(self.checkpoints, state, param_groups, self.settings.keep_checkpoints, future)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """What the current version publishes, in the published dtype, one tensor at a time: a cast
@@ -152,7 +189,9 @@ class StepRunner:
             if payloads is None:
                 return steps
             if tag == SAVE:
-                self._save(None)
+                if self.saving is not None:  # rank 0 finished it before asking for the next
+                    self.saving.finish()
+                self.saving = self._save(int(payloads[0]), None)
                 continue
             if tag == GATHER:
                 gather_published(self.model)

@@ -1,7 +1,8 @@
 """The trainer's loop: rollout stream → complete groups → one global step → checkpoint → publish.
 
 Durability: a rollout is acknowledged (XACK, and appended to the `trained` ledger in the same
-script) only once a checkpoint that includes its update and its id is on disk; a crash leaves it
+script) only once a checkpoint that includes its update and its id is on disk and named by
+`LATEST` (an async checkpoint is finished by a later turn of the loop); a crash leaves it
 pending, and the restarted trainer claims it back and trains it again into the surviving model
 (or, if the checkpoint lists its id, only acknowledges it). No rollout is trained twice into the
 model that survives, none is skipped.
@@ -30,7 +31,7 @@ from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
 from services.trainer.publisher import VersionPublisher
 from services.trainer.report import StepLog
-from services.trainer.steps import StepRunner
+from services.trainer.steps import PendingSave, StepRunner
 from services.trainer.stream import RedisRolloutSource
 
 log = logging.getLogger("steadyrl.trainer")
@@ -46,6 +47,8 @@ class Trainer:
         self.intake = Intake(self.source, self.buffer, self.state)
         self.publisher = VersionPublisher(settings, redis)
         self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
+        self.saving: tuple[PendingSave, list[tuple[bytes, str]]] | None = None  # a save under way, what it holds
+        self.checkpointed: list[tuple[bytes, str]] = []  # in the LATEST checkpoint, not yet acknowledged
         self.redis_id, self.checked_redis, self.resync = "", 0.0, False
         self.paused, self.last_metrics = False, {}
         self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds, settings.tracking,
@@ -82,6 +85,9 @@ class Trainer:
                 delay = min(delay * 2, 5.0)
         while self.publisher.published < self.state.version and not stop.is_set():  # the last version
             await self.publish()
+        if self.saving is not None:  # a stop lets the checkpoint under way land (it is on disk soon)
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self.settle_save(wait=True)
 
     async def start(self, stop: asyncio.Event) -> None:
         """Continue the version numbering past anything already published (before any entry is
@@ -110,12 +116,15 @@ class Trainer:
             self.checked_redis = time.monotonic()
             identity = await self.source.identity()
             if identity != self.redis_id:  # Redis restarted: it may have lost acknowledged writes
-                await self.intake.reconcile({rid for _, rid in self.unacked})
+                await self.intake.reconcile({rid for _, rid in self.unacknowledged()})
                 self.redis_id, self.resync = identity, False
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
             self.resync = False
-        if self.unacked and self.state.step % self.settings.checkpoint_every == 0:
+        if self.saving is not None and self.saving[0].done():
+            async with self.model_lock:
+                await self.settle_save(wait=False)
+        if self.checkpointed:  # an acknowledgement cut off (Redis restarting or frozen)
             await self.acknowledge()
         if self.publisher.enabled and time.monotonic() >= self.next_held_check:
             self.next_held_check = time.monotonic() + 3.0
@@ -129,15 +138,18 @@ class Trainer:
             self.last_step = time.monotonic()
 
     async def step(self, group_ids: list[str]) -> dict[str, float]:
-        """One step, carried to its end even when the loop is cancelled meanwhile (a clean stop):
-        the training thread cannot be interrupted, and a model updated without its bookkeeping
-        would be checkpointed as the step before, its rollouts trained again after a restart."""
+        """One step, carried to its end (its checkpoint too) even when the loop is cancelled
+        meanwhile (a clean stop): the training thread cannot be interrupted, and a model updated
+        without its bookkeeping would be checkpointed as the step before, its rollouts trained
+        again after a restart."""
         step = asyncio.ensure_future(self._train(group_ids))
         try:
             return await asyncio.shield(step)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await step
+                if self.saving is not None:  # its checkpoint lands and acknowledges it
+                    await self.settle_save(wait=True)
             raise
 
     async def _train(self, group_ids: list[str]) -> dict[str, float]:
@@ -160,7 +172,7 @@ class Trainer:
             self.steplog.record(metrics, len(rollouts), self.runner.recipe)
             self.last_metrics = metrics
             if self.state.step % self.settings.checkpoint_every == 0 or self.done:
-                await self.save()
+                await self.save(wait=self.done)
             await self.publish()
         self.last_step = time.monotonic()
         log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e step_seconds=%.2f seconds=%.2f",
@@ -168,15 +180,41 @@ class Trainer:
                  metrics["step_seconds"], time.perf_counter() - started)
         return metrics
 
-    async def save(self) -> Path:
-        """Checkpoint, then acknowledge what it holds. Call with the model lock held."""
-        path = await asyncio.to_thread(self.runner.save, self.state)
+    async def save(self, wait: bool = False) -> Path | None:
+        """Start a checkpoint of the current state (the one under way first lands); once it is in
+        place, what it holds is acknowledged — now when it blocks or `wait`, else by a later turn
+        of the loop. Call with the model lock held."""
+        if self.saving is not None:
+            await self.settle_save(wait=True)
+        pending = await asyncio.to_thread(self.runner.save, self.state)
+        self.saving, self.unacked = (pending, self.unacked), []
+        if wait or pending.done():
+            return await self.settle_save(wait=True)
+        return None
+
+    async def settle_save(self, wait: bool) -> Path | None:
+        """The save under way put in place and its rollouts acknowledged (None when not done and
+        not `wait`). A failed save puts its rollouts back with the unsaved ones, for the next."""
+        pending, entries = self.saving
+        if not wait and not pending.done():
+            return None
+        try:
+            path = await asyncio.to_thread(pending.finish)
+        except Exception:
+            self.saving, self.unacked = None, entries + self.unacked
+            raise
+        self.saving = None
+        self.checkpointed.extend(entries)
+        log.info("event=checkpoint_saved checkpoint=%s step=%d", path.name if path else "", pending.state.step)
         await self.acknowledge()
         return path
 
     async def acknowledge(self) -> None:
-        await self.source.trained(self.unacked)
-        self.unacked = []
+        await self.source.trained(self.checkpointed)
+        self.checkpointed = []
+
+    def unacknowledged(self) -> list[tuple[bytes, str]]:
+        return self.checkpointed + (self.saving[1] if self.saving else []) + self.unacked
 
     async def publish(self) -> None:
         """Publish the current weights as the current version (call with the model lock held);
@@ -193,7 +231,7 @@ class Trainer:
 
     async def checkpoint_now(self) -> Path:
         async with self.model_lock:  # never half a step
-            return await self.save()
+            return await self.save(wait=True)
 
     async def close(self) -> None:
         self.steplog.close()

@@ -179,10 +179,9 @@ def export_round_trip(run_dir, tmp_path):
     """`steadyrl export` of the run's last checkpoint: transformers loads it, and its greedy outputs
     equal the trainer's own model (the base model with the checkpoint's weights) on 20 prompts."""
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.checkpoint import latest_checkpoint
+    from services.trainer.checkpoint import latest_checkpoint, load_model_weights
     from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -195,7 +194,7 @@ def export_round_trip(run_dir, tmp_path):
     assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16",
                                                                   dtype="auto").parameters()} == {torch.bfloat16}
     trainer = AutoModelForCausalLM.from_pretrained(summary["model"]).eval()
-    trainer.load_state_dict(load_file(str(latest_checkpoint(run_dir / "trainer" / "checkpoints") / "model.safetensors")))
+    trainer.load_state_dict(load_model_weights(latest_checkpoint(run_dir / "trainer" / "checkpoints")))
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(9).split("eval", 20)])
     for prompt in prompts:
         ids = torch.tensor([prompt])

@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from services.trainer.checkpoint import load_model_weights
 from shared.batch import collate
 from shared.distributed import exit_rank
 from shared.models import load_causal_lm
@@ -90,7 +91,7 @@ def test_the_trainer_service_under_torchrun_matches_one_process(tmp_path, tiny_m
                "STEADYRL_TRAINER_BATCH_PROMPTS": "2", "STEADYRL_TRAINER_MINI_BATCHES": "2",
                "OMP_NUM_THREADS": "1"}
         assert subprocess.run(launcher, env=env, timeout=300).returncode == 0
-        outs[name] = load_file(str(tmp_path / name / "checkpoints" / "step-00000001" / "model.safetensors"))
+        outs[name] = load_model_weights(tmp_path / name / "checkpoints" / "step-00000001")
     start = load_causal_lm(tiny_model_dir, "float32").state_dict()
     worst = max(float((outs["torchrun"][k] - v).abs().max()) for k, v in outs["single"].items())
     moved = max(float((outs["single"][k] - v).abs().max()) for k, v in start.items())

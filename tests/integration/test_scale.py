@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.parallel import full_state, prepare
 from shared.batch import collate, token_budget_chunks
@@ -72,18 +73,22 @@ def test_bf16_mixed_is_close_to_fp32_and_the_loss_math_stays_fp32(tiny_model_dir
 
 
 def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], out: str, replay: str,
-                parallel: str, device: str = "cpu") -> None:
+                parallel: str, device: str = "cpu", mini_batches: int = 2) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = load_causal_lm(model_dir, "float32")
     routing = RoutingController(model)
-    settings = TrainerSettings(model_path=model_dir, parallel=parallel, precision="fp32")
+    settings = TrainerSettings(model_path=model_dir, parallel=parallel, precision="fp32", shard_ranks=2)
     wrapped = prepare(model, settings, torch.device(device), world)
+    if parallel == "hsdp":  # 2 replicas × 2 shards: each rank holds half of every parameter
+        layout = {tuple(p.device_mesh.shape) for p in model.parameters()}
+        assert layout == {(world // 2, 2)}, layout
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = train_step(wrapped, optimizer, routing, collate([decode_rollout(d) for d in data]), GROUP,
-                         StepConfig(mini_batches=2, replay=replay), 0, rank, world, Compute(torch.device(device)))
+                         StepConfig(mini_batches=mini_batches, replay=replay), 0, rank, world,
+                         Compute(torch.device(device)))
     model_state, optimizer_state = full_state(model, optimizer)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in model_state.items()}, out)
@@ -92,18 +97,22 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[byt
     exit_rank()
 
 
-@pytest.mark.parametrize("replay", ["r2", "r3"])
-def test_fsdp_on_two_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay):
-    rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: 2 mini-batches × 2 ranks
+@pytest.mark.parametrize(("replay", "parallel", "world", "mini_batches"),
+                         [("r2", "fsdp", 2, 2), ("r3", "fsdp", 2, 2), ("r3", "hsdp", 4, 1)])
+def test_fsdp_on_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay, parallel, world, mini_batches):
+    """FSDP over 2 ranks, and HSDP over 4 as 2 replicas × 2 shards, equal to one process."""
+    rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: mini-batches × ranks
     out = str(tmp_path / "fsdp.safetensors")
-    mp.start_processes(fsdp_worker, args=(2, free_port(), str(tiny_model_dir), [encode_rollout(r) for r in rollouts],
-                                          out, replay, "fsdp"), nprocs=2, join=True, start_method="spawn")
-    single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=2, replay=replay))
+    mp.start_processes(fsdp_worker, args=(world, free_port(), str(tiny_model_dir),
+                                          [encode_rollout(r) for r in rollouts], out, replay, parallel, "cpu",
+                                          mini_batches), nprocs=world, join=True, start_method="spawn")
+    single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=mini_batches, replay=replay))
     sharded = load_file(out)
     start = load_causal_lm(tiny_model_dir, "float32").state_dict()
     worst = worst_difference(single.state_dict(), sharded)
     moved = worst_difference(start, sharded)
-    print(f"FSDP(2 gloo ranks, {replay}) vs 1 process: max |Δparam| {worst:.2e}; the step moved up to {moved:.2e}")
+    print(f"{parallel}({world} gloo ranks, {replay}) vs 1 process: max |Δparam| {worst:.2e}; "
+          f"the step moved up to {moved:.2e}")
     assert worst <= 1e-5 and moved > 1e-4
     saved = json.loads((tmp_path / "fsdp.safetensors.json").read_text())
     assert set(saved["moments"]) == set(start)  # AdamW state for every parameter, by name
@@ -175,7 +184,7 @@ def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tin
     assert state["version"] == 6 and len(state["consumed"]) == len(rollouts)
     lines = [json.loads(line)["step"] for line in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
     assert lines == [1, 2, 3, 4, 5, 6]  # one line per step trained: the killed ones' extra lines cut by rank 0
-    weights = load_file(str(tmp_path / "trainer" / "checkpoints" / "step-00000006" / "model.safetensors"))
+    weights = load_model_weights(tmp_path / "trainer" / "checkpoints" / "step-00000006")
     assert set(weights) == set(load_causal_lm(tiny_model_dir, "float32").state_dict())  # whole, not a shard
 
 

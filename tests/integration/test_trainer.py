@@ -14,6 +14,7 @@ import torch
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
+from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.server import serve as serve_trainer
 from shared.batch import collate
@@ -95,9 +96,8 @@ def test_one_step_through_redis_equals_the_math_by_hand(tmp_path, tiny_model_dir
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    from safetensors.torch import load_file
 
-    trained = load_file(str(tmp_path / "trainer" / "checkpoints" / "step-00000001" / "model.safetensors"))
+    trained = load_model_weights(tmp_path / "trainer" / "checkpoints" / "step-00000001")
     start = load_causal_lm(tiny_model_dir, "float32").state_dict()
     worst = max(float((trained[k] - v).abs().max()) for k, v in model.state_dict().items())
     moved = max(float((trained[k] - v).abs().max()) for k, v in start.items())
@@ -316,7 +316,7 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     assert status.step == 1 and status.version.version == 1 and status.rollouts_trained == 8
     assert status.recipe == "minirl+tis+clip" and "reward_mean" in status.last_metrics
     assert checkpoint.step == 1 and checkpoint.version == 1
-    assert (tmp_path / "trainer" / "checkpoints" / "step-00000001" / "model.safetensors").exists()
+    assert (tmp_path / "trainer" / "checkpoints" / "step-00000001" / "shards").is_dir()
 
 
 async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):
