@@ -24,15 +24,19 @@ def rank_device(setting: str = "auto") -> torch.device:
     return torch.device("cuda", local)
 
 
-def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
+def init_from_env(device: torch.device | None = None, timeout_seconds: float = 600.0) -> tuple[int, int]:
     """Join the process group torchrun describes (WORLD_SIZE > 1) with the backend of this rank's
-    device (nccl for CUDA, gloo for CPU); returns (rank, world)."""
+    device (nccl for CUDA, gloo for CPU), every collective bounded by `timeout_seconds` (gloo
+    raises past it; nccl's watchdog aborts the process); returns (rank, world)."""
+    from datetime import timedelta
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
         cuda = device is not None and device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                timeout=timedelta(seconds=timeout_seconds))
     return dist.get_rank(), dist.get_world_size()
 
 

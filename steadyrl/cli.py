@@ -82,10 +82,14 @@ def run_command(
         if progress not in PROGRESS:
             raise ValueError(f"--progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
         recipe = load_run_config(configs, set_ or [])
-        check(recipe)
+        settings = check(recipe)
         if dry_run:
             typer.echo(json.dumps(resolved(recipe), indent=2))
             return
+        if settings["trainer"].nodes > 1:
+            raise ValueError(f"trainer.nodes = {settings['trainer'].nodes}: `steadyrl run` starts one machine; a "
+                             "multi-node trainer runs `steadyrl trainer-node` on every node under a job launcher "
+                             "(deploy/slurm/trainer.sbatch, the JobSet in deploy/k8s/components/multinode-trainer)")
     except ValueError as exc:
         typer.echo(f"steadyrl run: {named}: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -95,6 +99,48 @@ def run_command(
         "outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")}))
     if code := exit_code(summary.get("outcome")):
         raise typer.Exit(code)
+
+
+@app.command("trainer-node")
+def trainer_node_command(
+    configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and the trainer's variables "
+                                                            "(secrets masked) as JSON, start nothing.")] = False,
+) -> None:
+    """One node of the trainer, as a job launcher starts it on every node (srun, a JobSet pod):
+    torchrun with the recipe's trainer settings (trainer.nodes, trainer.rdzv_endpoint). Variables
+    STEADYRL_TRAINER_* already in the environment (addresses, secrets) win over the recipe.
+    Exit code 2: settings refused (nothing started)."""
+    import os
+    import sys
+
+    from steadyrl.launcher import resolve_model
+    from steadyrl.placement import node_argv
+    from steadyrl.run_config import load_run_config
+    from steadyrl.service_settings import build_settings, service_env
+
+    try:
+        recipe = load_run_config(configs, set_ or [])
+        env = service_env(recipe, "trainer", {"model_path": recipe.model.path})
+        env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
+        settings = build_settings("trainer", env)
+    except ValueError as exc:
+        typer.echo(f"steadyrl trainer-node: {exc}", err=True)
+        raise typer.Exit(2) from None
+    argv = node_argv(settings.gpus or settings.ranks, settings.nodes, settings.rdzv_endpoint or "127.0.0.1:29400",
+                     settings.run_id, settings.max_restarts)
+    if dry_run:
+        shown = {k: ("***" if any(w in k for w in ("PASSWORD", "TOKEN", "KEY")) else v) for k, v in env.items()}
+        typer.echo(json.dumps({"argv": [sys.executable, *argv], "env": shown}, indent=2))
+        return
+    if env.get("STEADYRL_TRAINER_MODEL_PATH") == "tiny":
+        env["STEADYRL_TRAINER_MODEL_PATH"] = resolve_model(recipe)
+    # each rendezvous round publishes its own master address: with the agents' shared store, a
+    # node that replaces a lost one waits forever for the round's address (the surviving first
+    # node only publishes it in the first round)
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
+    os.execvpe(sys.executable, [sys.executable, *argv], {**os.environ, **env})
 
 
 @app.command("export")

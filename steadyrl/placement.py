@@ -31,6 +31,15 @@ class Placement:
                 str(master_port), "-m", "services.trainer"]
 
 
+def node_argv(ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int) -> list[str]:
+    """`python` arguments of one node of a multi-node trainer (every node runs the same): torchrun
+    meeting the others at a c10d rendezvous, restarting its ranks up to `max_restarts` times (a
+    failed rank, a lost node: the survivors re-rendezvous and resume from the checkpoint). Pure."""
+    return ["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(max(ranks_per_node, 1)),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
+            "--max-restarts", str(max_restarts), "-m", "services.trainer"]
+
+
 def visible_gpus(devices: dict[str, str]) -> frozenset[str]:
     """The GPUs an environment made by `Placement.visible` gives its process (none: empty)."""
     return frozenset(filter(None, devices.get("CUDA_VISIBLE_DEVICES", "").split(",")))

@@ -97,9 +97,20 @@ class TrainerSettings(RedisSettings, StepShape):
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the published weights: the replicas' (`steadyrl run` sets it from inference.dtype)."""
     gpus: int = Field(0, ge=0)
-    """`steadyrl run`: GPUs for the trainer, one torchrun rank each (0 = the CPU)."""
+    """GPUs per trainer node, one torchrun rank each (0 = the CPU)."""
     ranks: int = Field(0, ge=0)
-    """`steadyrl run`: torchrun ranks on the CPU when gpus = 0 (0 = one process)."""
+    """torchrun ranks per node on the CPU when gpus = 0 (0 = one process)."""
+    nodes: int = Field(1, ge=1)
+    """Trainer nodes (torchrun --nnodes): above 1 the job launcher starts one torchrun per node
+    (deploy/slurm, the JobSet of deploy/k8s), meeting at `rdzv_endpoint`; `steadyrl run` is one node."""
+    rdzv_endpoint: str = ""
+    """host:port of torchrun's c10d rendezvous (the first node's address); needed when nodes > 1."""
+    max_restarts: int = Field(3, ge=0)
+    """torchrun --max-restarts: how often a node's launcher restarts its ranks after one fails (a
+    node lost, a collective timed out) before the job itself fails."""
+    collective_timeout_seconds: float = Field(600.0, gt=0)
+    """Bound on one collective (the process group's timeout; nccl's watchdog aborts the rank past
+    it): a hung peer makes the rank exit, and torchrun restarts the ranks from the checkpoint."""
 
     recipe: Literal["auto", "manual"] = "auto"
     """auto: replay and clipping from N and the observed staleness (`shared.training.resolve_recipe`); manual: as set
@@ -137,6 +148,12 @@ class TrainerSettings(RedisSettings, StepShape):
             raise ValueError("mini_batches cannot exceed batch_prompts (mini-batches hold whole groups)")
         if self.gpus and self.ranks and self.ranks != self.gpus:
             raise ValueError(f"ranks ({self.ranks}) must equal gpus ({self.gpus}) on GPUs: one rank per GPU")
+        if self.nodes > 1 and not _endpoint(self.rdzv_endpoint):
+            raise ValueError(f"trainer.nodes = {self.nodes} needs trainer.rdzv_endpoint = 'host:port' (the first "
+                             f"node's c10d rendezvous), got {self.rdzv_endpoint!r}")
+        if self.parallel == "hsdp" and self.shard_ranks and (self.gpus or self.ranks or 1) * self.nodes % self.shard_ranks:
+            raise ValueError(f"trainer.parallel = 'hsdp': {(self.gpus or self.ranks or 1) * self.nodes} ranks are not a "
+                             f"whole number of shard groups of trainer.shard_ranks = {self.shard_ranks}")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self
@@ -144,3 +161,8 @@ class TrainerSettings(RedisSettings, StepShape):
     def step_config(self, replay: str, clip: bool) -> StepConfig:
         return StepConfig(loss=replace(self.loss, clip=clip), advantage=self.advantage,
                           mini_batches=self.mini_batches, replay=replay, bypass=self.bypass, grad_clip=self.grad_clip)
+
+
+def _endpoint(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

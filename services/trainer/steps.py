@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -95,7 +96,7 @@ class StepRunner:
         torch.manual_seed(s.seed)
         bind_torch_threads(s.torch_threads)
         self.device = rank_device(s.device)
-        self.rank, self.world = init_from_env(self.device)
+        self.rank, self.world = init_from_env(self.device, s.collective_timeout_seconds)
         self.model = load_causal_lm(s.model_path, "float32")
         self.routing = RoutingController(self.model)
         self.parallel = prepare(self.model, s, self.device, self.world)
@@ -117,7 +118,8 @@ class StepRunner:
         self.recipe = ""
         self.checkpoints = s.out_dir / "checkpoints"
         # async saves collect over a group of their own (a CPU one, as DCP asks), off the step's
-        self.checkpoint_group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=s.collective_timeout_seconds)) if self.world > 1 else None
         self.saving: PendingSave | None = None  # the ranks > 0's save under way
         log.info("event=trainer_layout rank=%d world=%d device=%s precision=%s parallel=%s micro_batch_tokens=%d "
                  "activation_checkpointing=%s", self.rank, self.world, self.device, "bf16-mixed" if bf16 else "fp32",

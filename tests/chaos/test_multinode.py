@@ -1,0 +1,85 @@
+"""A two-node trainer on loopback: two torchrun launchers (`steadyrl trainer-node`, as srun or a
+JobSet pod runs it on every node) meeting at a c10d rendezvous, one rank each over gloo, FSDP
+across the nodes. One node's launcher is SIGKILLed mid-run (it and its rank die at once); the job
+restarts it, as Slurm's requeue or a JobSet's restart would; the surviving launcher restarts its
+rank (torchrun --max-restarts) and the two meet again: the run resumes from the checkpoint and
+ends with every rollout trained once."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from shared.ledger import Ledger
+from shared.redis_server import free_port
+from tests.helpers import publish
+from tests.integration.test_trainer import TRAINER_ENV, recorded_rollouts
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_torchrun_nodes_survive_a_node_kill_and_train_every_rollout_once(tmp_path, tiny_model_dir,
+                                                                              redis_server, run_id):
+    rollouts = recorded_rollouts(tiny_model_dir, 24, seed=89)  # 6 steps of 4 prompts
+    out = tmp_path / "trainer"
+    env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+           "STEADYRL_TRAINER_OUT_DIR": str(out), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "6", "STEADYRL_LOG_LEVEL": "INFO",
+           "STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = [sys.executable, "-m", "steadyrl.cli", "trainer-node", str(ROOT / "configs" / "tiny-arith.toml"),
+            "--set", "trainer.nodes=2", "--set", f"trainer.rdzv_endpoint={endpoint}", "--set", "trainer.parallel=fsdp",
+            "--set", "trainer.checkpoint_every=2"]
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    def start(name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen(node, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        await publish(redis, run_id, rollouts[:12 * 4])  # 3 steps first: the kill falls inside the run
+        nodes = {"a": start("a")}
+        time.sleep(1.0)  # node a hosts the rendezvous store (its endpoint), as the first node does
+        nodes["b"] = start("b")
+        deadline = time.monotonic() + 240
+        while steps() < 3:  # step 2 checkpointed, step 3 not: the kill costs step 3, trained again
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.values()), \
+                (tmp_path / "a.log").read_text()[-3000:]
+            await asyncio.sleep(0.1)
+        killed_at = steps()
+        os.killpg(nodes["b"].pid, signal.SIGKILL)  # node b's launcher and its rank
+        nodes["b"].wait()
+        await asyncio.sleep(2.0)
+        nodes["b"] = start("b")  # the job restarts the lost node
+        await publish(redis, run_id, rollouts[12 * 4:])
+        codes = {name: await asyncio.to_thread(p.wait, 300) for name, p in nodes.items()}
+        ledger = await Ledger(redis, run_id).trained()
+        await redis.aclose()
+        return killed_at, codes, ledger
+
+    try:
+        killed_at, codes, ledger = asyncio.run(asyncio.wait_for(main(), 480))
+    finally:
+        logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("a", "b")}
+    assert codes == {"a": 0, "b": 0}, logs["a"][-3000:] + logs["b"][-3000:]
+    both = logs["a"] + logs["b"]
+    assert both.count("event=trainer_layout rank=0 world=2") >= 2  # started, and started again after the kill
+    assert "event=resumed checkpoint=step-00000002" in both and "parallel=fsdp" in both and killed_at == 3
+    assert len(ledger) == len(set(ledger)) == len(rollouts)  # every rollout trained once
+    state = json.loads((out / "checkpoints" / "step-00000006" / "state.json").read_text())
+    assert state["step"] == 6 and len(state["consumed"]) == len(rollouts)
+    lines = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert lines == [1, 2, 3, 4, 5, 6], lines  # one line per step, the lost ones cut and trained again
+    print(f"node b killed after step {killed_at}; restarts: {both.count('event=trainer_layout rank=0') - 1}")
