@@ -103,8 +103,12 @@ def run_command(
 
 @app.command("trainer-node")
 def trainer_node_command(
-    configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML).")],
+    configs: Annotated[list[Path] | None, typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML); "
+                                                         "none: the trainer's settings from the environment alone.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's fixed rank (a JobSet "
+                                                  "pod's completion index): a static rendezvous at trainer."
+                                                  "rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and the trainer's variables "
                                                             "(secrets masked) as JSON, start nothing.")] = False,
 ) -> None:
@@ -121,20 +125,23 @@ def trainer_node_command(
     from steadyrl.service_settings import build_settings, service_env
 
     try:
-        recipe = load_run_config(configs, set_ or [])
-        env = service_env(recipe, "trainer", {"model_path": recipe.model.path})
+        recipe = load_run_config(configs, set_ or []) if configs else None
+        env = service_env(recipe, "trainer", {"model_path": recipe.model.path}) if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
         settings = build_settings("trainer", env)
     except ValueError as exc:
         typer.echo(f"steadyrl trainer-node: {exc}", err=True)
         raise typer.Exit(2) from None
     argv = node_argv(settings.gpus or settings.ranks, settings.nodes, settings.rdzv_endpoint or "127.0.0.1:29400",
-                     settings.run_id, settings.max_restarts)
+                     settings.run_id, settings.max_restarts, node_rank)
     if dry_run:
-        shown = {k: ("***" if any(w in k for w in ("PASSWORD", "TOKEN", "KEY")) else v) for k, v in env.items()}
+        from pydantic import SecretStr
+
+        secret = {f"STEADYRL_TRAINER_{name.upper()}" for name, value in settings if isinstance(value, SecretStr)}
+        shown = {k: ("***" if k in secret or any(w in k for w in ("PASSWORD", "TOKEN")) else v) for k, v in env.items()}
         typer.echo(json.dumps({"argv": [sys.executable, *argv], "env": shown}, indent=2))
         return
-    if env.get("STEADYRL_TRAINER_MODEL_PATH") == "tiny":
+    if recipe and env.get("STEADYRL_TRAINER_MODEL_PATH") == "tiny":
         env["STEADYRL_TRAINER_MODEL_PATH"] = resolve_model(recipe)
     # each rendezvous round publishes its own master address: with the agents' shared store, a
     # node that replaces a lost one waits forever for the round's address (the surviving first

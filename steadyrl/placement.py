@@ -31,12 +31,20 @@ class Placement:
                 str(master_port), "-m", "services.trainer"]
 
 
-def node_argv(ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int) -> list[str]:
-    """`python` arguments of one node of a multi-node trainer (every node runs the same): torchrun
-    meeting the others at a c10d rendezvous, restarting its ranks up to `max_restarts` times (a
-    failed rank, a lost node: the survivors re-rendezvous and resume from the checkpoint). Pure."""
-    return ["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(max(ranks_per_node, 1)),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
+def node_argv(ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,
+              node_rank: int | None = None) -> list[str]:
+    """`python` arguments of one node of a multi-node trainer. Without `node_rank` (every node runs
+    the same, srun): torchrun meeting the others at a c10d rendezvous, restarting its ranks up to
+    `max_restarts` times (a failed rank, a lost node: the survivors re-rendezvous and resume from
+    the checkpoint). With it (a JobSet pod's completion index): a static rendezvous at the first
+    node's address, which then holds global rank 0 (the one serving gRPC), and a lost node
+    restarts the whole job (the JobSet's failure policy). Pure."""
+    head = ["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(max(ranks_per_node, 1))]
+    if node_rank is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        return [*head, "--node-rank", str(node_rank), "--master-addr", host, "--master-port", port,
+                "-m", "services.trainer"]
+    return [*head, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
             "--max-restarts", str(max_restarts), "-m", "services.trainer"]
 
 

@@ -1,0 +1,113 @@
+"""The multi-node trainer's launch files, checked offline: the Slurm script run with stand-ins
+for srun and scontrol (what it would start, resolved by `steadyrl trainer-node --dry-run`), and the
+JobSet component rendered into the gpu overlay, its pod template validated as a Kubernetes Job and
+its command resolved the same way."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.deploy.test_deploy import DEPLOY, ROOT, check_settings, render, steadyrl_env
+
+SRUN = """#!/bin/bash
+# srun stand-in: record the flags, run the command once as --dry-run
+flags=()
+while [[ "$1" == --* ]]; do flags+=("$1"); shift; done
+printf '%s\\n' "${flags[@]}" > "$RECORD.flags"
+"$@" --dry-run > "$RECORD.json"
+"""
+SCONTROL = """#!/bin/bash
+[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-a\\ngpu-b\\n'
+"""
+
+
+def dry_run(env: dict[str, str], *args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "trainer-node", *args, "--dry-run"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(tmp_path):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    script = DEPLOY / "slurm" / "trainer.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RECORD": str(tmp_path / "srun"),
+           "PYTHON": sys.executable, "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_JOB_NUM_NODES": "2",
+           "RECIPE": "configs/gpu-qwen3-moe-math.toml", "STEADYRL_TRAINER_REDIS_URL": "redis://:secret-pw@redis:6379/0",
+           "STEADYRL_TRAINER_OUT_DIR": "/shared/run/trainer"}
+    done = subprocess.run(["bash", str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "srun.flags").read_text().split() == ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    plan = json.loads((tmp_path / "srun.json").read_text())
+    argv = plan["argv"][1:]
+    assert argv == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "gpu-a:29400", "--rdzv-id", "qwen3-moe-math", "--max-restarts", "3",
+                    "-m", "services.trainer"]
+    trainer = plan["env"]
+    assert trainer["STEADYRL_TRAINER_NODES"] == "2" and trainer["STEADYRL_TRAINER_GPUS"] == "8"
+    assert trainer["STEADYRL_TRAINER_OUT_DIR"] == "/shared/run/trainer"  # the environment wins over the recipe
+    assert trainer["STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS"] == "600"
+    assert "secret-pw" not in (tmp_path / "srun.json").read_text()  # the Redis password is masked
+    # without its inputs the script stops before srun, naming what is missing
+    missing = subprocess.run(["bash", str(script)], env={k: v for k, v in env.items() if k != "RECIPE"},
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "RECIPE" in missing.stderr
+
+
+def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous():
+    env = {**os.environ, "STEADYRL_TRAINER_MODEL_PATH": "/models/m", "STEADYRL_TRAINER_NODES": "2"}
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "trainer-node", "--dry-run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "rdzv_endpoint" in done.stderr
+
+
+def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the_service(tmp_path):
+    import kubernetes_validate
+
+    deploy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns("node_modules"))
+    with open(deploy / "k8s" / "overlays" / "gpu" / "kustomization.yaml", "a") as f:
+        f.write("components:\n  - ../../components/multinode-trainer\n")
+    docs = render("gpu", deploy)
+    assert not [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "trainer"]
+    jobset = next(d for d in docs if d["kind"] == "JobSet")
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    spec = jobset["spec"]
+    assert set(spec) <= {"replicatedJobs", "network", "failurePolicy", "successPolicy", "startupPolicy", "suspend",
+                         "coordinator", "managedBy", "ttlSecondsAfterFinished"}  # the CRD's spec fields
+    assert spec["failurePolicy"]["maxRestarts"] >= 1 and spec["network"]["enableDNSHostnames"] is True
+    [nodes] = spec["replicatedJobs"]
+    job = nodes["template"]
+    version = kubernetes_validate.latest_version()
+    kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "trainer-node"},
+                                  "spec": job["spec"]}, version, strict=True)
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == job["spec"]["completions"]
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value", "secret") for e in container["env"]}
+    check_settings("trainer", steadyrl_env(env, "trainer"))
+    assert env["STEADYRL_TRAINER_NODES"] == str(job["spec"]["parallelism"])
+    # pod 0's DNS name under the JobSet's headless Service: <jobset>-<job>-<job index>-<pod index>.<subdomain>
+    host = f"{jobset['metadata']['name']}-{nodes['name']}-0-0.{spec['network']['subdomain']}"
+    assert env["STEADYRL_TRAINER_RDZV_ENDPOINT"] == f"{host}:29500"
+    assert container["args"] == ["steadyrl.cli", "trainer-node", "--node-rank", "$(JOB_COMPLETION_INDEX)"]
+    resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer")}, "--node-rank", "0")
+    assert resolved["argv"][1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
+                                    "--node-rank", "0", "--master-addr", host, "--master-port", "29500",
+                                    "-m", "services.trainer"]
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "trainer")
+    assert service["spec"]["selector"] == {"app": "trainer", "batch.kubernetes.io/job-completion-index": "0"}
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert claims["trainer-data"]["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes its shards
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "trainer-data"}} in pod["volumes"]
+    assert env["STEADYRL_TRAINER_PARALLEL"] == "hsdp" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert yaml.safe_dump(jobset)  # renders back
+    assert Path(deploy / "slurm" / "trainer.sbatch").exists()
