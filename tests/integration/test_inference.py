@@ -24,7 +24,7 @@ from shared.models.routing import RoutingController
 from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.queues import WorkQueue
 from shared.redis_server import free_port
-from shared.rollout import decode_rollout
+from shared.rollout import decode_rollout, decode_trace
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 from shared.weightsync.grpc import GrpcWeightPublisher
@@ -336,6 +336,8 @@ def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_d
     assert 1 <= len(tokens) <= 6 and all(not e.done and e.inference_logprob <= 0 for e in tokens)
     trace = rollout_pb2.RoutingTrace.FromString(final.routing_trace)
     assert (trace.num_positions, trace.num_layers, trace.top_k) == (len(prompt) + len(tokens) - 1, 2, 2)
+    ids, experts = decode_trace(trace)
+    assert ids.shape == (trace.num_positions, 2, 2) and ids.dtype == np.uint8 and int(ids.max()) < experts
     # greedy: the streamed tokens are the engine's argmax continuation of the same prompt
     engine = make_engine("torch", str(tiny_model_dir), "float32")
     [greedy] = engine.generate([prompt], Sampling(temperature=0, max_new_tokens=6))

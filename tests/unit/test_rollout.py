@@ -183,10 +183,65 @@ def test_trace_bytes_that_do_not_fit_the_shape():
         decode_rollout(msg.SerializeToString())
 
 
+def correlated_trace(positions: int, layers: int = 48, top_k: int = 8, experts: int = 128, keep: float = 0.5,
+                     seed: int = 0) -> np.ndarray:
+    """A 30B-A3B-shaped trace: distinct top-k sets; each (layer, slot) keeps the previous token's
+    expert with probability `keep` (0: uniformly random sets)."""
+    rng = np.random.default_rng(seed)
+    trace = np.argsort(rng.random((positions, layers, experts)), axis=-1)[..., :top_k]
+    for t in range(1, positions):
+        same = rng.random(layers) < keep
+        trace[t][same] = trace[t - 1][same]
+    return trace  # int64, as an engine may hand it over
+
+
+@pytest.mark.parametrize(("keep", "most_bytes_per_token"), [(0.0, 337), (0.5, 200)])
+def test_traces_travel_one_byte_per_id_and_compressed(keep, most_bytes_per_token):
+    """An int64 trace of 128 experts goes as uint8 (384 B per token for 48 layers × top-8), then
+    zstd: uniformly random sets reach the 7-bit bound (336 B), repeated routing less."""
+    from shared.rpc.steadyrl.v1 import rollout_pb2
+
+    trace = correlated_trace(1000, keep=keep)
+    rollout = make_rollout(1, 1000, trace=False)
+    rollout.routing_trace, rollout.num_experts = trace, 128
+    msg = rollout_pb2.Rollout()
+    msg.ParseFromString(encode_rollout(rollout))
+    assert msg.routing_trace.dtype == rollout_pb2.RoutingTrace.UINT8 and msg.routing_trace.zstd
+    per_token = len(msg.routing_trace.expert_ids) / 1000
+    assert per_token <= most_bytes_per_token, per_token
+    back = decode_rollout(msg.SerializeToString())
+    assert back.routing_trace.dtype == np.uint8
+    np.testing.assert_array_equal(back.routing_trace, trace)
+
+
+def test_a_compressed_trace_that_lies_about_its_size_is_refused_unexpanded():
+    import zstandard
+
+    from shared.rpc.steadyrl.v1 import rollout_pb2
+
+    rollout = make_rollout(1, 200, trace=False)
+    rollout.routing_trace, rollout.num_experts = correlated_trace(200, 2, 2, 8, keep=0.9), 8
+    msg = rollout_pb2.Rollout()
+    msg.ParseFromString(encode_rollout(rollout))
+    assert msg.routing_trace.zstd
+    msg.routing_trace.expert_ids = zstandard.ZstdCompressor().compress(bytes(10_000_000))  # a bomb: 10 MB of zeros
+    with pytest.raises(RolloutError, match=r"trace_shape: routing trace holds 801 bytes"):  # read stops 1 byte past
+        decode_rollout(msg.SerializeToString())
+    msg.routing_trace.expert_ids = b"not a zstd frame at all"
+    with pytest.raises(RolloutError, match="trace_decompress"):
+        decode_rollout(msg.SerializeToString())
+    msg.routing_trace.num_positions = 1 << 30  # a shape past the bound is refused before inflating
+    with pytest.raises(RolloutError, match="trace_shape"):
+        decode_rollout(msg.SerializeToString())
+
+
 def test_fuzz_random_and_corrupted_bytes_raise_only_rollout_error():
-    """10,000 inputs: random bytes, and valid encodings bit-flipped, truncated, spliced."""
+    """10,000 inputs: random bytes, and valid encodings bit-flipped, truncated, spliced (one of
+    them with a zstd-compressed trace)."""
     rng = np.random.default_rng(1234)
-    seeds = [encode_rollout(make_rollout(p, c, trace=t)) for p, c, t in [(3, 4, True), (5, 9, True), (2, 2, False)]]
+    seeds = [encode_rollout(make_rollout(p, c, trace=t)) for p, c, t in [(3, 4, True), (5, 9, True), (2, 2, False),
+                                                                           (30, 40, True)]]
+    assert b"\x28\xb5\x2f\xfd" in seeds[-1]  # the zstd frame's magic number
     outcomes = {"accepted": 0, "rejected": 0}
     for i in range(10_000):
         kind = i % 4

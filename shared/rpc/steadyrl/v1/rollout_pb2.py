@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19steadyrl/v1/rollout.proto\x12\x0bsteadyrl.v1\"\xd8\x01\n\x0cRoutingTrace\x12.\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1f.steadyrl.v1.RoutingTrace.Dtype\x12\x15\n\rnum_positions\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x12\n\nexpert_ids\x18\x06 \x01(\x0c\"5\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05UINT8\x10\x01\x12\n\n\x06UINT16\x10\x02\"w\n\x0eRolloutTimings\x12\x16\n\x0eleased_unix_ms\x18\x01 \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\x02 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x03 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x04 \x01(\x01\"\xa3\x03\n\x07Rollout\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x08 \x03(\x05\x12\x1a\n\x12inference_logprobs\x18\t \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\n \x03(\x04\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x30\n\rrouting_trace\x18\x0c \x01(\x0b\x32\x19.steadyrl.v1.RoutingTrace\x12,\n\x07timings\x18\r \x01(\x0b\x32\x1b.steadyrl.v1.RolloutTimings\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12\x12\n\nreplica_id\x18\x0f \x01(\t\x12\x0e\n\x06\x65ngine\x18\x10 \x01(\t\x12\x0f\n\x07is_eval\x18\x11 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19steadyrl/v1/rollout.proto\x12\x0bsteadyrl.v1\"\xe6\x01\n\x0cRoutingTrace\x12.\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1f.steadyrl.v1.RoutingTrace.Dtype\x12\x15\n\rnum_positions\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x12\n\nexpert_ids\x18\x06 \x01(\x0c\x12\x0c\n\x04zstd\x18\x07 \x01(\x08\"5\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05UINT8\x10\x01\x12\n\n\x06UINT16\x10\x02\"w\n\x0eRolloutTimings\x12\x16\n\x0eleased_unix_ms\x18\x01 \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\x02 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x03 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x04 \x01(\x01\"\xa3\x03\n\x07Rollout\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x08 \x03(\x05\x12\x1a\n\x12inference_logprobs\x18\t \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\n \x03(\x04\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x30\n\rrouting_trace\x18\x0c \x01(\x0b\x32\x19.steadyrl.v1.RoutingTrace\x12,\n\x07timings\x18\r \x01(\x0b\x32\x1b.steadyrl.v1.RolloutTimings\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12\x12\n\nreplica_id\x18\x0f \x01(\t\x12\x0e\n\x06\x65ngine\x18\x10 \x01(\t\x12\x0f\n\x07is_eval\x18\x11 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'steadyrl.v1.rollout_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUTINGTRACE']._serialized_start=43
-  _globals['_ROUTINGTRACE']._serialized_end=259
-  _globals['_ROUTINGTRACE_DTYPE']._serialized_start=206
-  _globals['_ROUTINGTRACE_DTYPE']._serialized_end=259
-  _globals['_ROLLOUTTIMINGS']._serialized_start=261
-  _globals['_ROLLOUTTIMINGS']._serialized_end=380
-  _globals['_ROLLOUT']._serialized_start=383
-  _globals['_ROLLOUT']._serialized_end=802
+  _globals['_ROUTINGTRACE']._serialized_end=273
+  _globals['_ROUTINGTRACE_DTYPE']._serialized_start=220
+  _globals['_ROUTINGTRACE_DTYPE']._serialized_end=273
+  _globals['_ROLLOUTTIMINGS']._serialized_start=275
+  _globals['_ROLLOUTTIMINGS']._serialized_end=394
+  _globals['_ROLLOUT']._serialized_start=397
+  _globals['_ROLLOUT']._serialized_end=816
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RoutingTrace(_message.Message):
-    __slots__ = ("dtype", "num_positions", "num_layers", "top_k", "num_experts", "expert_ids")
+    __slots__ = ("dtype", "num_positions", "num_layers", "top_k", "num_experts", "expert_ids", "zstd")
     class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DTYPE_UNSPECIFIED: _ClassVar[RoutingTrace.Dtype]
@@ -24,13 +24,15 @@ class RoutingTrace(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_FIELD_NUMBER: _ClassVar[int]
     dtype: RoutingTrace.Dtype
     num_positions: int
     num_layers: int
     top_k: int
     num_experts: int
     expert_ids: bytes
-    def __init__(self, dtype: _Optional[_Union[RoutingTrace.Dtype, str]] = ..., num_positions: _Optional[int] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., num_experts: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...
+    zstd: bool
+    def __init__(self, dtype: _Optional[_Union[RoutingTrace.Dtype, str]] = ..., num_positions: _Optional[int] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., num_experts: _Optional[int] = ..., expert_ids: _Optional[bytes] = ..., zstd: _Optional[bool] = ...) -> None: ...
 
 class RolloutTimings(_message.Message):
     __slots__ = ("leased_unix_ms", "started_unix_ms", "finished_unix_ms", "generation_seconds")
