@@ -86,6 +86,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                             context, "push", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
                             f"version {manifest.version} is not newer than {latest.manifest.version}", request_iterator,
                         )
+                    await asyncio.to_thread(self.store.make_room)  # spill before the new bytes arrive
                     assembler = Assembler([t.nbytes for t in manifest.tensors])
                 elif item.HasField("chunk"):
                     chunk = item.chunk

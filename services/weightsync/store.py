@@ -51,6 +51,16 @@ class VersionStore:
         self.versions[manifest.version] = StoredVersion(manifest, payloads)
         self._trim()
 
+    def make_room(self) -> None:
+        """Before a version arrives: spill the oldest in-memory versions so that, with it, no more
+        than `in_memory` versions are ever held in memory (the one arriving counts)."""
+        held = sorted((v for v, stored in self.versions.items() if stored.payloads is not None), reverse=True)
+        for version in held[max(self.in_memory - 1, 0):]:
+            self._spill(self.versions[version])
+
+    def memory_bytes(self) -> int:
+        return sum(s.total_bytes for s in self.versions.values() if s.payloads is not None)
+
     def _trim(self) -> None:
         ordered = sorted(self.versions, reverse=True)
         for version in ordered[self.retain :]:

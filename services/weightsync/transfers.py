@@ -122,6 +122,7 @@ class Transfers:
         started = time.perf_counter()
         try:
             def work():  # each bucket copied out of the ring into the version this service keeps
+                self.store.make_room()  # spill before the new bytes arrive
                 group = self._groups.get(transport, 1)
                 kept = {name: bytearray(tensor_to_bytes(tensor))
                         for bucket in receive_buckets(group, transport, manifest, self._staging)

@@ -277,6 +277,36 @@ def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
     run(main())
 
 
+def test_a_push_spills_before_its_bytes_arrive_so_memory_never_holds_more_than_memory_versions(tmp_path):
+    """memory_versions = 2 counts the version arriving: before each push's bytes, the store holds
+    one version in memory, never two beside the new one."""
+    async def main():
+        server = Server(tmp_path, retain_versions=4, memory_versions=2)
+        store = server.servicer.store
+        held, make_room = [], store.make_room
+
+        def recorded():
+            make_room()
+            held.append(sum(s.payloads is not None for s in store.versions.values()))
+
+        store.make_room = recorded
+        await server.start()
+        publisher = GrpcWeightPublisher(server.address)
+        for version in range(1, 6):
+            await publisher.push(state(version), version, version - 1)
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            listed = (await weightsync_pb2_grpc.WeightSyncStub(ch).List(common_pb2.Empty())).versions
+        manifest, payloads, _ = await asyncio.to_thread(pull_all, server.address, 3)  # a spilled one still pulls
+        await publisher.close()
+        await server.stop()
+        return held, [(v.version.version, v.on_disk) for v in listed], to_state_dict(manifest, payloads)
+
+    held, listed, third = run(main())
+    assert held == [0, 1, 1, 1, 1]  # in memory as each push's bytes start arriving (+1 arriving = 2 at most)
+    assert listed == [(2, True), (3, True), (4, False), (5, False)]
+    assert_equal_states(third, state(3))
+
+
 def test_bad_manifests_get_invalid_argument(tmp_path):
     async def main():
         server = Server(tmp_path)
