@@ -101,6 +101,34 @@ def run_command(
         raise typer.Exit(code)
 
 
+@app.command("plan")
+def plan_command(
+    configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
+    model_config: Annotated[Path | None, typer.Option("--model-config", exists=True, help="The model's config.json "
+                            "or directory, when the recipe's model directory is not on this machine.")] = None,
+    disk_gbps: Annotated[float, typer.Option("--disk-gbps", min=0.001, help="Aggregate checkpoint write rate, "
+                                                                             "GB/s.")] = 2.0,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of the table.")] = False,
+) -> None:
+    """Size a recipe from its model's config: trainer memory per rank, checkpoint bytes and write
+    time, weight version and weight-sync memory, Redis for a full queue, GPUs per service.
+    Arithmetic, not a measurement. Exit code 2: recipe refused."""
+    from steadyrl.plan import plan_recipe, render
+    from steadyrl.run_config import load_run_config
+    from steadyrl.service_settings import settings_of
+
+    named = " + ".join(str(c) for c in configs)
+    try:
+        recipe = load_run_config(configs, set_ or [])
+        settings = settings_of(recipe)  # sized for the recipe, not for this machine
+        result = plan_recipe(recipe, settings, str(model_config) if model_config else None, disk_gbps * 1e9)
+    except ValueError as exc:
+        typer.echo(f"steadyrl plan: {named}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(result, indent=2) if as_json else render(result, recipe.run_id))
+
+
 @app.command("trainer-node")
 def trainer_node_command(
     configs: Annotated[list[Path] | None, typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML); "

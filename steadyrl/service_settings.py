@@ -111,21 +111,34 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     return settings
 
 
+def settings_of(config: RunConfig) -> dict[str, Any]:
+    """Every service's settings as its process would read them (the model path as given), checked
+    field by field but not against this machine (datasets, engines, GPUs: `check`)."""
+    model = {"model_path": config.model.path}
+    probes = {service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES}
+    return {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
+
+
 def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
     """What `steadyrl run --dry-run` prints: the merged recipe, each service's settings as its
     process would read them (secrets masked; the model path as given: `tiny` is built at start)
     and the GPU placement."""
     from steadyrl.placement import placement_of
 
-    model = {"model_path": config.model.path}
-    probes = {service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES}
-    settings = {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
+    settings = settings_of(config)
     placement = placement_of(config, settings, gpus_available)
+    import os
+
+    from steadyrl.plan import plan_recipe
+
+    sizing = plan_recipe(config, settings) if os.path.isdir(config.model.path) else \
+        {"skipped": f"the model {config.model.path} is not a directory here: `steadyrl plan --model-config` sizes it"}
     return {"note": "ports, run directories and service addresses are assigned by `steadyrl run` when it starts",
             "recipe": config.as_toml(),
             "settings": {service: s.model_dump(mode="json") for service, s in settings.items()},
             "placement": {"trainer_gpus": list(placement.trainer), "trainer_ranks": placement.trainer_ranks,
-                          "replica_gpus": [list(r) for r in placement.replicas]}}
+                          "replica_gpus": [list(r) for r in placement.replicas]},
+            "plan": sizing}
 
 
 def validate(service: str, env: Mapping[str, str]) -> None:

@@ -1,0 +1,97 @@
+"""`steadyrl plan`: parameters counted exactly from the models' configs, the sizes derived from
+them and the recipe, the README's tables equal to the command's output, the deploy files sized
+to hold what the plan says."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steadyrl.plan import model_config, model_size, plan, render
+from steadyrl.run_config import load_run_config
+from steadyrl.service_settings import settings_of
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = {"gpu-qwen3-moe-math": "Qwen3-30B-A3B", "gpu-qwen3-math": "Qwen3-8B"}
+
+
+def sized(recipe: str, *overrides: str) -> dict:
+    config = load_run_config(ROOT / "configs" / f"{recipe}.toml", list(overrides))
+    size = model_size(model_config(ROOT / "configs" / "models" / f"{RECIPES[recipe]}.json"))
+    return plan(size, settings_of(config), config.replicas, 2e9)
+
+
+def test_the_moe_recipe_is_sized_from_the_model_s_parameters():
+    p = sized("gpu-qwen3-moe-math")
+    n = p["model"]["parameters"]
+    assert n == 30_532_122_624  # Qwen3-30B-A3B: "30.5B in total"
+    assert 3.3e9 < p["model"]["active_parameters_per_token"] < 3.4e9  # "3.3B activated"
+    assert p["trainer"]["params_grads_adamw_bytes_per_rank"] == 16 * n / 8  # FSDP over 8 GPUs
+    assert p["checkpoint"]["bytes"] == 12 * n and p["checkpoint"]["write_seconds"] == pytest.approx(12 * n / 2e9)
+    assert p["weights"]["version_bytes"] == 2 * n and p["weights"]["weightsync_memory_bytes"] == 4 * n
+    assert p["redis"]["trace_bytes_per_token"] == 48 * 8  # 384 B per token
+    assert p["redis"]["rollouts_outstanding"] == 2 * 64 * 16  # (max_staleness + 1) × B × G
+    assert p["gpus"] == {"trainer": 8, "inference": 4, "total": 12}
+
+
+def test_nodes_and_hsdp_change_what_each_rank_and_node_holds():
+    fsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400")
+    hsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400",
+                 "trainer.parallel=hsdp")
+    one = sized("gpu-qwen3-moe-math")
+    n = one["model"]["parameters"]
+    assert fsdp["trainer"]["params_grads_adamw_bytes_per_rank"] == 16 * n / 16
+    assert hsdp["trainer"]["params_grads_adamw_bytes_per_rank"] == one["trainer"]["params_grads_adamw_bytes_per_rank"]
+    assert hsdp["trainer"]["shard_group"] == 8 and hsdp["trainer"]["ranks"] == 16
+    assert fsdp["checkpoint"]["async_host_bytes_per_node"] == one["checkpoint"]["async_host_bytes_per_node"] / 2
+    assert hsdp["checkpoint"]["bytes_written_per_rank"] == one["checkpoint"]["bytes_written_per_rank"] / 2
+
+
+def test_a_dense_model_has_no_trace():
+    p = sized("gpu-qwen3-math")
+    assert p["model"]["parameters"] == 8_190_735_360 and p["redis"]["trace_bytes_per_token"] == 0
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_the_readme_shows_the_command_s_own_tables(recipe):
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "plan", f"configs/{recipe}.toml", "--model-config",
+                           f"configs/models/{RECIPES[recipe]}.json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == render(sized(recipe), load_run_config(ROOT / "configs" / f"{recipe}.toml").run_id)
+    assert done.stdout.strip() in (ROOT / "README.md").read_text()
+
+
+def test_a_missing_model_config_is_refused_with_a_pointer():
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "plan", "configs/gpu-qwen3-math.toml"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--model-config" in done.stderr
+
+
+def gib(quantity: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(Gi|Ti)", quantity).groups()
+    return int(number) * 1024 ** (3 if unit == "Gi" else 4)
+
+
+def test_the_gpu_overlay_holds_what_the_plan_says():
+    from tests.deploy.test_deploy import render as render_overlay
+
+    p = sized("gpu-qwen3-moe-math")
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in render_overlay("gpu")
+            if d["kind"] in ("Deployment", "StatefulSet")}
+    assert gib(pods["weightsync"]["resources"]["limits"]["memory"]) >= p["weights"]["weightsync_memory_bytes"]
+    assert gib(pods["trainer"]["resources"]["limits"]["memory"]) >= p["checkpoint"]["async_host_bytes_per_node"]
+
+
+def test_dry_run_includes_the_plan_when_the_model_is_on_the_machine(tiny_model_dir):
+    import json
+
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", "configs/tiny-arith.toml", "--set",
+                           f"model.path={tiny_model_dir}", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = json.loads(done.stdout)["plan"]
+    assert shown["model"]["parameters"] == model_size(model_config(tiny_model_dir)).parameters > 100_000
+    assert shown["redis"]["trace_bytes_per_token"] == shown["model"]["num_layers"] * shown["model"]["top_k"]
