@@ -53,15 +53,21 @@ def bench_mismatch(device: str = typer.Option("cpu", help="Where the engine and 
 
 @bench_app.command("trainer")
 def bench_trainer(memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead."),
-                  gpu: bool = typer.Option(False, "--gpu", help="fp32 vs bf16-mixed steps on GPU 0 instead.")) -> None:
+                  gpu: bool = typer.Option(False, "--gpu", help="fp32 vs bf16-mixed steps on GPU 0 instead."),
+                  checkpoint: bool = typer.Option(False, "--checkpoint", help="Sharded (DCP, blocking and async) "
+                                                  "vs full-gather checkpoints, and R3 trace bytes, instead.")) -> None:
     """Loss-math share of a step and the routing replay overhead of a training forward; with
     --memory, parameter + optimizer bytes and peak memory per rank, DDP vs FSDP on 2 gloo ranks;
-    with --gpu, step time, tokens/s and peak memory on one GPU, fp32 vs bf16-mixed."""
+    with --gpu, step time, tokens/s and peak memory on one GPU, fp32 vs bf16-mixed; with
+    --checkpoint, rank 0's memory and the step time during a save, DCP vs full gather, and the
+    bytes per token of a 30B-A3B-shaped routing trace."""
     import json
 
-    if memory and gpu:
-        raise typer.BadParameter("--memory and --gpu are two benchmarks: ask for one")
-    if memory:
+    if memory + gpu + checkpoint > 1:
+        raise typer.BadParameter("--memory, --gpu and --checkpoint are three benchmarks: ask for one")
+    if checkpoint:
+        from bench.trainer_checkpoint import main as run
+    elif memory:
         from bench.trainer_memory import main as run
     elif gpu:
         from bench.trainer_gpu import main as run

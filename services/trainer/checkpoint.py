@@ -74,12 +74,29 @@ def staging_dir(root: Path, step: int) -> Path:
     return root / f".tmp-step-{step:08d}"
 
 
-def start_save(directory: Path, flat: dict[str, torch.Tensor], group=None, asynchronous: bool = True) -> Future | None:
+def file_index(flat: dict[str, torch.Tensor], file_bytes: int) -> dict[str, int]:
+    """Tensor name → file number (from 1), in order, each file at most `file_bytes` of this rank's
+    part unless one tensor is larger. Pure. The writer serialises a file in memory before writing
+    it (two copies of it), so the file size bounds what a save adds to a rank's memory."""
+    index, number, filled = {}, 1, 0
+    for name, tensor in flat.items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        size = local.numel() * local.element_size()
+        if filled and filled + size > file_bytes:
+            number, filled = number + 1, 0
+        index[name], filled = number, filled + size
+    return index
+
+
+def start_save(directory: Path, flat: dict[str, torch.Tensor], group=None, asynchronous: bool = True,
+               file_bytes: int = 256 * 1024**2) -> Future | None:
     """Every rank: write its shards under `directory/shards/` (all ranks call this, with the same
-    directory). Asynchronous: returns once the tensors are staged in host memory; the future
-    completes when every rank's shards are written. Blocking: returns None when they are."""
+    directory), in files of about `file_bytes`. Asynchronous: returns once the tensors are staged
+    in host memory; the future completes when every rank's shards are written. Blocking: returns
+    None when they are."""
     (directory / SHARDS).mkdir(parents=True, exist_ok=True)
-    writer = HuggingFaceStorageWriter(str(directory / SHARDS), save_distributed=True)
+    writer = HuggingFaceStorageWriter(str(directory / SHARDS), fqn_to_index_mapping=file_index(flat, file_bytes),
+                                      save_distributed=True)
     if asynchronous:
         return dcp.async_save(flat, storage_writer=writer, process_group=group)
     dcp.save(flat, storage_writer=writer, process_group=group)

@@ -129,6 +129,9 @@ class TrainerSettings(RedisSettings, StepShape):
     """Steps between checkpoints; rollouts are acknowledged only once a checkpoint holds them."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk."""
+    checkpoint_file_bytes: int = Field(256 * 1024**2, ge=1024**2)
+    """Each rank's checkpoint shard is written as files of about this size: safetensors serialises
+    a file in memory before writing it, so it bounds what a save adds to a rank's memory."""
     async_checkpoint: bool = True
     """Write a checkpoint's shards in the background (`dcp.async_save`: staged into host memory,
     then written while the next steps train); its rollouts are acknowledged once it is in place.
@@ -151,9 +154,10 @@ class TrainerSettings(RedisSettings, StepShape):
         if self.nodes > 1 and not _endpoint(self.rdzv_endpoint):
             raise ValueError(f"trainer.nodes = {self.nodes} needs trainer.rdzv_endpoint = 'host:port' (the first "
                              f"node's c10d rendezvous), got {self.rdzv_endpoint!r}")
-        if self.parallel == "hsdp" and self.shard_ranks and (self.gpus or self.ranks or 1) * self.nodes % self.shard_ranks:
-            raise ValueError(f"trainer.parallel = 'hsdp': {(self.gpus or self.ranks or 1) * self.nodes} ranks are not a "
-                             f"whole number of shard groups of trainer.shard_ranks = {self.shard_ranks}")
+        per_node = self.gpus or self.ranks  # 0: the world is torchrun's, known at start (parallel.shard_layout)
+        if self.parallel == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
+            raise ValueError(f"trainer.parallel = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
+                             f"shard groups of trainer.shard_ranks = {self.shard_ranks}")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self

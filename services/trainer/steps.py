@@ -152,7 +152,7 @@ class StepRunner:
     def _save(self, step: int, state: TrainerState | None) -> PendingSave:
         flat, param_groups = flat_state(self.model, self.optimizer)
         future = start_save(staging_dir(self.checkpoints, step), flat, self.checkpoint_group,
-                            self.settings.async_checkpoint)
+                            self.settings.async_checkpoint, self.settings.checkpoint_file_bytes)
         return PendingSave(self.checkpoints, state, param_groups, self.settings.keep_checkpoints, future)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
