@@ -1,6 +1,7 @@
-"""`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, trainer, async),
-one JSON object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md.
-Each benchmark runs in its own process, so none inherits another's threads or memory."""
+"""`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, mismatch, trainer,
+trainer memory and checkpoints, async), one JSON object with the machine it ran on, and optionally
+the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
+inherits another's threads or memory."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ BENCHMARKS = {
     "mismatch": ("bench.mismatch", []),
     "trainer": ("bench.trainer", []),
     "trainer_memory": ("bench.trainer_memory", []),
+    "trainer_checkpoint": ("bench.trainer_checkpoint", []),
     "async": ("bench.asynchrony", []),
 }
 
@@ -164,6 +166,23 @@ def markdown(result: dict) -> str:
                  f"| {_get(mem, 'published_bf16_over_fp32')} | 0.5 |")
     lines.append(f"| trainer memory | publishing a version to shm, bf16 / fp32, seconds (measured: cast + write + digest) "
                  f"| {_get(mem, 'published_bf16_over_fp32_write_seconds')} | – |")
+    ck = b.get("trainer_checkpoint", {})
+    saves = _get(ck, "save_seconds", default={})
+    lines.append(f"| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo "
+                 f"ranks (FSDP), {_get(ck, 'parameters')}-parameter MoE "
+                 f"| {_get(ck, 'rank0_rss_growth_dcp_over_full_gather')} | ≤ 0.6 |")
+    lines.append(f"| trainer checkpoint | rank 0's memory growth, DCP async (3 saves, each staging its shard) / full "
+                 f"gather | {_get(ck, 'rank0_rss_growth_dcp_async_over_full_gather')} | ≤ 0.6 |")
+    lines.append(f"| trainer checkpoint | step while an async save is written / a step without one "
+                 f"| {_get(ck, 'step_during_async_save_over_plain')} | ≤ 1.2 |")
+    lines.append(f"| trainer checkpoint | save seconds: full gather {saves.get('full_gather', '–')}, DCP blocking "
+                 f"{saves.get('dcp_blocking', '–')}, DCP async staging {saves.get('dcp_async_staging', '–')} "
+                 f"(written after {saves.get('dcp_async_until_written', '–')}); DCP blocking / a plain write + fsync "
+                 f"of one shard's bytes | {_get(ck, 'dcp_blocking_over_limit_write')} | – |")
+    for name in ("random", "repeated_half"):
+        lines.append(f"| trainer checkpoint | R3 trace bytes per token, 30B-A3B shape, {name} routing: one byte per "
+                     f"id + zstd / uint8 ({_get(ck, 'trace', name, 'bytes_per_token')} of "
+                     f"{_get(ck, 'trace', 'uint8_bytes_per_token')} B) | {_get(ck, 'trace', name, 'over_uint8')} | – |")
     asy = b.get("async", {})
     for name in ("async_1", "async_2"):
         lines.append(f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy (mean of 3 evals), sync / {name} "

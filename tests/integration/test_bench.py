@@ -94,3 +94,34 @@ def test_markdown_summary_names_the_machine_and_every_figure():
     assert "| weightsync | rate with 2 replicas / with 1 (seconds 1 / seconds 2), torch | shm 0.9 | ≥ 0.8 |" in text
     assert "| 0.55 |" in text and "(60 s vs 40 s) | 1.5 | > 1 |" in text
     assert text.rstrip().endswith("Failed: inference (see the JSON).")
+
+
+def test_checkpoint_bench_parts_measure_what_they_say(tmp_path):
+    """The cheap parts of `bench trainer --checkpoint` (the whole runs for minutes): the trace
+    bytes of a 30B-A3B-shaped trace, the resident-memory sampler, the machine's write limit."""
+    import time
+
+    import numpy as np
+
+    from bench.trainer_checkpoint import PeakRss, machine_limits, trace_bytes
+
+    trace = trace_bytes()
+    assert trace["uint8_bytes_per_token"] == 384 and trace["uint16_bytes_per_token"] == 768
+    assert 0.86 < trace["random"]["over_uint8"] <= 0.876  # uniformly random top-8 of 128: the 7-bit bound
+    assert trace["repeated_half"]["over_uint8"] < 0.6
+    with PeakRss() as peak:
+        block = np.ones(64 * 2**20, dtype=np.uint8)  # 64 MiB touched, held for 25 samples
+        time.sleep(0.05)
+        del block
+    assert peak.growth >= 60 * 2**20
+    limits = machine_limits(8 * 2**20, str(tmp_path))
+    assert limits["bytes"] == 8 * 2**20 and limits["memcpy_seconds"] > 0 and limits["write_fsync_seconds"] > 0
+    assert not list(tmp_path.iterdir())
+    text = markdown({"machine": {"cores": 2, "cpu": "c", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
+                     "date": "2026-01-01", "benchmarks": {"trainer_checkpoint": {
+                         "parameters": 5, "rank0_rss_growth_dcp_over_full_gather": 0.09,
+                         "step_during_async_save_over_plain": 1.5, "save_seconds": {"full_gather": 14.0},
+                         "trace": trace}}})
+    assert "| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo ranks " \
+           "(FSDP), 5-parameter MoE | 0.09 | ≤ 0.6 |" in text
+    assert "| trainer checkpoint | step while an async save is written / a step without one | 1.5 | ≤ 1.2 |" in text
