@@ -114,6 +114,7 @@ def plan_command(
     """Size a recipe from its model's config: trainer memory per rank, checkpoint bytes and write
     time, weight version and weight-sync memory, Redis for a full queue, GPUs per service.
     Arithmetic, not a measurement. Exit code 2: recipe refused."""
+    from steadyrl.launcher import resolve_model
     from steadyrl.plan import plan_recipe, render
     from steadyrl.run_config import load_run_config
     from steadyrl.service_settings import settings_of
@@ -122,7 +123,8 @@ def plan_command(
     try:
         recipe = load_run_config(configs, set_ or [])
         settings = settings_of(recipe)  # sized for the recipe, not for this machine
-        result = plan_recipe(recipe, settings, str(model_config) if model_config else None, disk_gbps * 1e9)
+        source = str(model_config) if model_config else resolve_model(recipe)  # "tiny": built when needed
+        result = plan_recipe(recipe, settings, source, disk_gbps * 1e9)
     except ValueError as exc:
         typer.echo(f"steadyrl plan: {named}: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -167,15 +167,11 @@ def render(result: dict[str, Any], name: str) -> str:
 
 def plan_recipe(config, settings: dict[str, Any], model_config_path: str | None = None,
                 disk_bytes_per_s: float = 2e9) -> dict[str, Any]:
-    """The plan of a checked recipe: the model's config from `model_config_path`, else from the
-    recipe's model directory (or the tiny model, built when needed)."""
+    """The plan of a recipe: the model's config from `model_config_path`, else from the recipe's
+    model directory."""
     from steadyrl.placement import policy_eval_replicas
 
     source = model_config_path or config.model.path
-    if source == "tiny":
-        from steadyrl.launcher import resolve_model
-
-        source = resolve_model(config)
     if not os.path.exists(source):
         raise ValueError(f"no model config at {source}: give --model-config CONFIG.json (configs/models/ has the "
                          "GPU recipes' models)")

@@ -2,8 +2,10 @@
 JobSet pod runs it on every node) meeting at a c10d rendezvous, one rank each over gloo, FSDP
 across the nodes. One node's launcher is SIGKILLed mid-run (it and its rank die at once); the job
 restarts it, as Slurm's requeue or a JobSet's restart would; the surviving launcher restarts its
-rank (torchrun --max-restarts) and the two meet again: the run resumes from the checkpoint and
-ends with every rollout trained once."""
+rank (torchrun --max-restarts) and the two meet again: the run resumes from the checkpoint. Then
+node b's rank is frozen (SIGSTOP) mid-run: node a's rank waits in a collective until
+trainer.collective_timeout_seconds, exits, and both launchers restart their ranks (b's frozen one
+killed by its launcher) — the run ends with every rollout trained once."""
 
 import asyncio
 import json
@@ -26,14 +28,13 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_torchrun_nodes_survive_a_node_kill_and_train_every_rollout_once(tmp_path, tiny_model_dir,
-                                                                              redis_server, run_id):
-    rollouts = recorded_rollouts(tiny_model_dir, 24, seed=89)  # 6 steps of 4 prompts
+def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny_model_dir, redis_server, run_id):
+    rollouts = recorded_rollouts(tiny_model_dir, 36, seed=89)  # 9 steps of 4 prompts
     out = tmp_path / "trainer"
     env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
            "STEADYRL_TRAINER_OUT_DIR": str(out), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
-           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "6", "STEADYRL_LOG_LEVEL": "INFO",
-           "STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
+           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "9", "STEADYRL_LOG_LEVEL": "INFO",
+           "STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS": "15", "OMP_NUM_THREADS": "1"}
     endpoint = f"127.0.0.1:{free_port()}"
     node = [sys.executable, "-m", "steadyrl.cli", "trainer-node", str(ROOT / "configs" / "tiny-arith.toml"),
             "--set", "trainer.nodes=2", "--set", f"trainer.rdzv_endpoint={endpoint}", "--set", "trainer.parallel=fsdp",
@@ -63,7 +64,13 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_train_every_rollout_once(tmp
         nodes["b"].wait()
         await asyncio.sleep(2.0)
         nodes["b"] = start("b")  # the job restarts the lost node
-        await publish(redis, run_id, rollouts[12 * 4:])
+        await publish(redis, run_id, rollouts[12 * 4 : 24 * 4])
+        while steps() < 6:  # step 6 checkpointed (checkpoint_every 2)
+            assert time.monotonic() < deadline + 120 and all(p.poll() is None for p in nodes.values())
+            await asyncio.sleep(0.1)
+        [rank_b] = children(nodes["b"].pid)
+        os.kill(rank_b, signal.SIGSTOP)  # node b's rank frozen, its launcher alive
+        await publish(redis, run_id, rollouts[24 * 4:])
         codes = {name: await asyncio.to_thread(p.wait, 300) for name, p in nodes.items()}
         ledger = await Ledger(redis, run_id).trained()
         await redis.aclose()
@@ -78,8 +85,19 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_train_every_rollout_once(tmp
     assert both.count("event=trainer_layout rank=0 world=2") >= 2  # started, and started again after the kill
     assert "event=resumed checkpoint=step-00000002" in both and "parallel=fsdp" in both and killed_at == 3
     assert len(ledger) == len(set(ledger)) == len(rollouts)  # every rollout trained once
-    state = json.loads((out / "checkpoints" / "step-00000006" / "state.json").read_text())
-    assert state["step"] == 6 and len(state["consumed"]) == len(rollouts)
+    state = json.loads((out / "checkpoints" / "step-00000009" / "state.json").read_text())
+    assert state["step"] == 9 and len(state["consumed"]) == len(rollouts)
     lines = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert lines == [1, 2, 3, 4, 5, 6], lines  # one line per step, the lost ones cut and trained again
-    print(f"node b killed after step {killed_at}; restarts: {both.count('event=trainer_layout rank=0') - 1}")
+    assert lines == list(range(1, 10)), lines  # one line per step, the lost ones cut and trained again
+    # the freeze: a rank timed out in a collective, the ranks were started a third time, from step 6
+    assert both.count("event=trainer_layout rank=0 world=2") >= 3
+    assert "event=resumed checkpoint=step-00000006" in both
+    print(f"node b killed after step {killed_at}; rank starts: {both.count('event=trainer_layout rank=0')}")
+
+
+def children(pid: int) -> list[int]:
+    """A launcher's ranks: its child processes running the trainer."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in found if b"services.trainer" in Path(f"/proc/{c}/cmdline").read_bytes()]
