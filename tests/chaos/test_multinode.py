@@ -10,6 +10,7 @@ killed by its launcher) — the run ends with every rollout trained once."""
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,9 +90,11 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
     assert state["step"] == 9 and len(state["consumed"]) == len(rollouts)
     lines = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert lines == list(range(1, 10)), lines  # one line per step, the lost ones cut and trained again
-    # the freeze: a rank timed out in a collective, the ranks were started a third time, from step 6
+    # the freeze: node a's rank timed out in a collective (15 s), the ranks started a third time and
+    # resumed from step 4 or 6 (step 6's async save needs the frozen rank to complete)
     assert both.count("event=trainer_layout rank=0 world=2") >= 3
-    assert "event=resumed checkpoint=step-00000006" in both
+    assert re.search(r"Timed out waiting 15000ms for (send|recv) operation", logs["a"] + logs["b"])
+    assert re.search(r"event=resumed checkpoint=step-0000000[46]", both)
     print(f"node b killed after step {killed_at}; rank starts: {both.count('event=trainer_layout rank=0')}")
 
 
