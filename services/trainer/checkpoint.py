@@ -70,8 +70,10 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return flat, optimizer_state["param_groups"]
 
 
-def staging_dir(root: Path, step: int) -> Path:
-    return root / f".tmp-step-{step:08d}"
+def staging_dir(root: Path, step: int, attempt: str) -> Path:
+    """Where one attempt at a checkpoint is written: its own directory, so that the shards of an
+    attempt a crash cut short (perhaps by another world size) never mix into a later one."""
+    return root / f".tmp-step-{step:08d}-{attempt}"
 
 
 def file_index(flat: dict[str, torch.Tensor], file_bytes: int) -> dict[str, int]:
@@ -103,10 +105,11 @@ def start_save(directory: Path, flat: dict[str, torch.Tensor], group=None, async
     return None
 
 
-def finish_save(root: Path, state: TrainerState, param_groups: list, keep: int = 2) -> Path:
-    """Rank 0, once every shard is written: state.json and the RNG beside the shards, the
-    directory renamed into place, `LATEST` pointed at it, old checkpoints pruned."""
-    tmp, final = staging_dir(root, state.step), root / f"step-{state.step:08d}"
+def finish_save(tmp: Path, state: TrainerState, param_groups: list, keep: int = 2) -> Path:
+    """Rank 0, once every shard is written into `tmp`: state.json and the RNG beside the shards,
+    the directory renamed into place, `LATEST` pointed at it, old checkpoints and the directories
+    of attempts cut short pruned."""
+    root, final = tmp.parent, tmp.parent / f"step-{state.step:08d}"
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     meta = {"format": "dcp", "step": state.step, "version": state.version, "consumed": sorted(state.consumed),
             "counters": state.counters, "optimizer": {"param_groups": param_groups}}
@@ -118,9 +121,8 @@ def finish_save(root: Path, state: TrainerState, param_groups: list, keep: int =
     os.replace(pointer, root / "LATEST")
     for old in sorted(p for p in root.glob("step-*") if p != final)[:-(keep - 1) or None]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step-*"):
-        if stale != tmp and int(stale.name.rsplit("-", 1)[1]) < state.step:
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".tmp-step-*"):  # one save at a time: any other attempt is dead
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

@@ -9,6 +9,7 @@ published weights to gather, or stop.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class PendingSave:
     """A checkpoint whose shards are being written (`future`: None once written or when blocking).
     `finish` waits for every rank's shards, then (rank 0) puts the checkpoint in place."""
 
-    root: Path
+    directory: Path  # this attempt's staging directory
     state: TrainerState | None  # a copy as of the save (rank 0; None on the other ranks)
     param_groups: list
     keep: int
@@ -70,7 +71,7 @@ class PendingSave:
         if self.future is not None:
             self.future.result()
             self.future = None
-        return None if self.state is None else finish_save(self.root, self.state, self.param_groups, self.keep)
+        return None if self.state is None else finish_save(self.directory, self.state, self.param_groups, self.keep)
 
 
 def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: bool,
@@ -144,16 +145,18 @@ class StepRunner:
     def save(self, state: TrainerState) -> PendingSave:
         """Rank 0: start a checkpoint of `state` (every rank writes its own shards; the caller
         finishes the previous one first). Returns once the shards are staged (async) or written."""
+        attempt = uuid.uuid4().hex[:12]
         if self.world > 1:
-            broadcast_payloads([str(state.step).encode()], SAVE)
-        return self._save(state.step, TrainerState(state.step, state.version, set(state.consumed),
-                                                   dict(state.counters)))
+            broadcast_payloads([f"{state.step}:{attempt}".encode()], SAVE)
+        return self._save(state.step, attempt, TrainerState(state.step, state.version, set(state.consumed),
+                                                            dict(state.counters)))
 
-    def _save(self, step: int, state: TrainerState | None) -> PendingSave:
+    def _save(self, step: int, attempt: str, state: TrainerState | None) -> PendingSave:
         flat, param_groups = flat_state(self.model, self.optimizer)
-        future = start_save(staging_dir(self.checkpoints, step), flat, self.checkpoint_group,
-                            self.settings.async_checkpoint, self.settings.checkpoint_file_bytes)
-        return PendingSave(self.checkpoints, state, param_groups, self.settings.keep_checkpoints, future)
+        directory = staging_dir(self.checkpoints, step, attempt)
+        future = start_save(directory, flat, self.checkpoint_group, self.settings.async_checkpoint,
+                            self.settings.checkpoint_file_bytes)
+        return PendingSave(directory, state, param_groups, self.settings.keep_checkpoints, future)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """What the current version publishes, in the published dtype, one tensor at a time: a cast
@@ -193,7 +196,8 @@ class StepRunner:
             if tag == SAVE:
                 if self.saving is not None:  # rank 0 finished it before asking for the next
                     self.saving.finish()
-                self.saving = self._save(int(payloads[0]), None)
+                step, attempt = payloads[0].decode().split(":")
+                self.saving = self._save(int(step), attempt, None)
                 continue
             if tag == GATHER:
                 gather_published(self.model)

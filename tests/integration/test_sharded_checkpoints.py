@@ -52,7 +52,8 @@ def worker(rank: int, world: int, port: int, model_dir: str, root: str, data: li
     expected = flat_full(runner.model, runner.optimizer)
     if rank == 0:
         save_file(expected, f"{root}/saved-step-{state.step}.safetensors")
-    pending = runner._save(state.step, state if rank == 0 else None)
+    (runner.checkpoints / f".tmp-step-{state.step:08d}-cut").mkdir(parents=True, exist_ok=True)  # a crashed attempt
+    pending = runner._save(state.step, f"{phase}-attempt", state if rank == 0 else None)
     runner._step(rollouts, state.version)  # the next step trains while the shards are written
     pending.finish()
     exit_rank()
@@ -76,6 +77,7 @@ def test_a_sharded_async_checkpoint_resumes_on_another_world_size_and_exports(tm
     assert first.name == "step-00000001" and sorted(p.name for p in (first / "shards").iterdir()) == [
         "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
     assert json.loads((first / "state.json").read_text())["format"] == "dcp"
+    assert not list(checkpoints.glob(".tmp-step-*"))  # the attempt cut short was cleared
     run(4, tiny_model_dir, tmp_path, rollouts, "2to4", "hsdp")  # resumed by 4 ranks (2 × 2), step 2 saved
     run(2, tiny_model_dir, tmp_path, rollouts, "4to2", "fsdp")  # resumed by 2 ranks
 
