@@ -9,7 +9,7 @@ no side inherits another's heap:
 - DCP, async: the shards staged into host memory, then written by a background thread while
   the next steps train.
 
-Per side: rank 0's resident-memory growth during the save (sampled every 2 ms from /proc, peak
+Per side: rank 0's private-memory growth during the save (sampled every 5 ms from /proc, peak
 minus before), the save's wall time on rank 0, and the step time (median of 3) without a save and
 while an async save is being written. Beside them the machine's limits for the same bytes: a
 memcpy and a plain file write + fsync into the same directory. Then the R3 trace bytes per token
@@ -22,48 +22,31 @@ against the uint8 bytes before compression and the uint16 an int64 engine trace 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from bench.trainer_memory import WIDE, rollouts, wide_model
+from bench.refit_roles import TreeMemory
+from bench.trainer_memory import WIDE, local_bytes, rollouts, wide_model
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """The largest resident size seen while the block runs (sampled every 2 ms), minus before."""
-
-    def __enter__(self) -> PeakRss:
-        self.before = self.peak = rss()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc) -> None:
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, rss())
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.before
+@contextlib.contextmanager
+def peak_growth():
+    """This process's peak private (anonymous) memory above its start while the block runs
+    (`bench.refit_roles.TreeMemory`, sampled every 5 ms); yields a dict filled on exit."""
+    memory, result = TreeMemory(), {}
+    memory.start(os.getpid())
+    try:
+        yield result
+    finally:
+        result.update(memory.stop())
 
 
 def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> None:
@@ -99,7 +82,7 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
     directory = Path(root) / side
     dist.barrier()
     if side == "full_gather":
-        with PeakRss() as peak:
+        with peak_growth() as peak:
             started = time.perf_counter()
             model_state, optimizer_state = full_state(model, optimizer)
             if rank == 0:
@@ -111,14 +94,14 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
             dist.barrier()
             result["save_seconds"] = time.perf_counter() - started
     elif side == "dcp_blocking":
-        with PeakRss() as peak:
+        with peak_growth() as peak:
             started = time.perf_counter()
             flat, _ = flat_state(model, optimizer)
             start_save(directory, flat, group, asynchronous=False)
             result["save_seconds"] = time.perf_counter() - started
     else:  # dcp_async: the steps go on while the shards are written
         during, saves, staged = [], [], []
-        with PeakRss() as peak:
+        with peak_growth() as peak:
             for i in range(3):
                 started = time.perf_counter()
                 flat, _ = flat_state(model, optimizer)
@@ -130,9 +113,8 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
                 saves.append(time.perf_counter() - started)
         result.update(step_seconds_during_save=statistics.median(during), stage_seconds=statistics.median(staged),
                       save_seconds=statistics.median(saves))
-    result.update(rss_growth_bytes=peak.growth, rss_peak_bytes=peak.peak,
-                  shard_bytes=sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
-                                  for t in flat_state(model, optimizer)[0].values()))
+    result.update(rss_growth_bytes=peak["anon_peak_growth"], rss_at_start_bytes=peak["anon_at_start"],
+                  shard_bytes=sum(local_bytes(t) for t in flat_state(model, optimizer)[0].values()))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     exit_rank()

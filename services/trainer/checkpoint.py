@@ -185,5 +185,5 @@ def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
     stored = reader.read_metadata().state_dict_metadata
     weights = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in stored.items() if key.startswith(MODEL)}
-    dcp.load(weights, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)), no_dist=True)
+    dcp.load(weights, storage_reader=reader, no_dist=True)
     return {key[len(MODEL):]: tensor for key, tensor in weights.items()}
