@@ -9,10 +9,11 @@ published weights to gather, or stop.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,23 +56,31 @@ SAVE, GATHER = -2, -3  # broadcast tags of the checkpoint and gather commands (a
 
 @dataclass
 class PendingSave:
-    """A checkpoint whose shards are being written (`future`: None once written or when blocking).
-    `finish` waits for every rank's shards, then (rank 0) puts the checkpoint in place."""
+    """A checkpoint whose shards are being written (`future`: None when blocking). `finish` waits
+    for every rank's shards, then (rank 0) puts the checkpoint in place — once: a caller cancelled
+    while it ran (a Checkpoint request past its deadline) and a later caller get the same result."""
 
     directory: Path  # this attempt's staging directory
     state: TrainerState | None  # a copy as of the save (rank 0; None on the other ranks)
     param_groups: list
     keep: int
     future: Future | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    placed: Path | None = None
+    finished: bool = False
 
     def done(self) -> bool:
-        return self.future is None or self.future.done()
+        return self.finished or self.future is None or self.future.done()
 
     def finish(self) -> Path | None:
-        if self.future is not None:
-            self.future.result()
-            self.future = None
-        return None if self.state is None else finish_save(self.directory, self.state, self.param_groups, self.keep)
+        with self.lock:
+            if not self.finished:
+                if self.future is not None:
+                    self.future.result()
+                if self.state is not None:
+                    self.placed = finish_save(self.directory, self.state, self.param_groups, self.keep)
+                self.finished = True
+            return self.placed
 
 
 def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: bool,

@@ -194,7 +194,10 @@ class Trainer:
 
     async def settle_save(self, wait: bool) -> Path | None:
         """The save under way put in place and its rollouts acknowledged (None when not done and
-        not `wait`). A failed save puts its rollouts back with the unsaved ones, for the next."""
+        not `wait`, or when another caller settled it first). A failed save puts its rollouts back
+        with the unsaved ones, for the next."""
+        if self.saving is None:  # settled while this caller waited for the model lock
+            return None
         pending, entries = self.saving
         if not wait and not pending.done():
             return None
