@@ -27,6 +27,15 @@ class Ledger:
             trained, dropped, dead = await pipe.execute()
         return LedgerCounts(int(trained), int(dropped), frozenset(g.decode() for g in dead))
 
+    async def settled_groups(self, group_ids: list[str]) -> set[str]:
+        """The groups among `group_ids` the ledger holds: trained or dropped (their first rollout,
+        `group:0`, recorded: a group's ids are recorded together) or dead-lettered whole."""
+        if not group_ids:
+            return set()
+        recorded = await self.redis.smismember(self.keys.trained_ids, [f"{g}:0" for g in group_ids])
+        dead = await self.redis.smismember(self.keys.trained_dead, group_ids)
+        return {g for g, r, d in zip(group_ids, recorded, dead, strict=True) if r or d}
+
     async def trained(self) -> list[str]:
         return [x.decode() for x in await self.redis.lrange(self.keys.trained, 0, -1)]
 

@@ -179,6 +179,23 @@ class WorkQueue(RolloutSink):
                 await self._complete(keys, [task_id, replica_id, *rollouts], client=pipe)
             return [int(x) >= 0 for x in await pipe.execute()]
 
+    async def unknown(self, task_ids: list[str]) -> list[str]:
+        """The ids among `task_ids` with neither a task record (queued or leased) nor a completed
+        stamp: no replica can ever serve them. A task never passes through such a state; only
+        Redis losing writes (a host crash) leaves one there."""
+        if not task_ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                pipe.hexists(self.run_keys.tasks, task_id).hexists(self.run_keys.completed, task_id)
+            found = await pipe.execute()
+        return [t for i, t in enumerate(task_ids) if not found[2 * i] and not found[2 * i + 1]]
+
+    async def dead_task_ids(self) -> set[str]:
+        """The task ids the `dead` stream holds (its newest `dead_maxlen` entries)."""
+        entries = await self.redis.xrevrange(self.run_keys.dead, count=self.dead_maxlen)
+        return {f.get(b"task_id", b"").decode(errors="replace") for _, f in entries}
+
     async def completed_count(self) -> int:
         return int(await self.redis.hlen(self.run_keys.completed))
 

@@ -41,6 +41,8 @@ log = logging.getLogger("steadyrl.orchestrator")
 SUBMITTED = Counter("steadyrl_orchestrator_tasks_submitted_total", "Train prompt tasks queued")
 REQUEUED = Counter("steadyrl_orchestrator_tasks_requeued_total", "Tasks re-queued after a lease expired")
 DEAD = Counter("steadyrl_orchestrator_tasks_dead_total", "Tasks given up after max_attempts")
+LOST = Counter("steadyrl_orchestrator_tasks_lost_total",
+               "Train tasks Redis lost whole (a host crash), found by the sweep after a restart and queued again")
 OUTSTANDING = Gauge("steadyrl_orchestrator_outstanding_prompts", "Train prompts submitted and not yet done")
 TRAINER_VERSION = Gauge("steadyrl_orchestrator_trainer_version", "Trainer version seen by admission")
 TRAINER_STEP = Gauge("steadyrl_orchestrator_trainer_step", "Trainer global steps seen")
@@ -52,6 +54,7 @@ TRANSITIONS = {"start": (("created", "paused"), "running"), "pause": (("running"
                "finish": (("running",), "finished")}
 TRAIN_ID = re.compile(r"^train-(\d+)$")
 STATUS_EVERY_MS = 2000  # the loop reads the status at least this often (the control plane's fallback)
+LOST_CHECK_SECONDS, LOST_CHECK_EVERY = 60.0, 5.0  # after Redis restarts: look for lost tasks this long, this often
 
 # KEYS: run hash; ARGV: target, now_ms, deadline_ms (Redis's clock), allowed states... Returns
 # {1, target}, {0, current}, or {-1, 'deadline'} when it runs past its deadline (and does nothing).
@@ -90,6 +93,8 @@ class Orchestrator:
         self._transition = redis.register_script(_TRANSITION)
         self._channel = self._trainer = None  # grpc.aio: made in the event loop, on first use
         self.bounded = Bounded(settings.control_timeout_seconds)  # the control plane's bound and last status
+        self.redis_id = ""  # the redis-server's run id: a new one means it restarted, and may have lost writes
+        self.lost_check_until = self.next_lost_check = 0.0
 
     # --- run state ------------------------------------------------------------------------------
 
@@ -163,6 +168,43 @@ class Orchestrator:
         if requeued or dead:
             log.info("event=leases_expired requeued=%d dead=%d", requeued, dead)
 
+    async def watch_redis(self) -> None:
+        """After Redis restarts, look for lost train tasks every LOST_CHECK_EVERY s for LOST_CHECK_SECONDS."""
+        identity = str((await self.redis.info("server"))["run_id"])
+        if identity != self.redis_id:  # a restart, or this process's start (it may follow a crash too)
+            if self.redis_id:
+                log.warning("event=redis_restarted")
+            self.redis_id, self.lost_check_until = identity, time.monotonic() + LOST_CHECK_SECONDS
+        if time.monotonic() < self.lost_check_until and time.monotonic() >= self.next_lost_check:
+            self.next_lost_check = time.monotonic() + LOST_CHECK_EVERY
+            await self.requeue_lost()
+
+    async def requeue_lost(self) -> int:
+        """Queue again the recent train tasks Redis holds in no state at all — neither queued,
+        leased, completed, trained, dropped nor dead. With appendfsync everysec a host crash takes
+        the last second of writes, and a task can come back that way (its completion lost while
+        the replicas and the trainer moved on): counted outstanding forever, it would hold the
+        admission budget at 0. Looks at the last 4 × (max_staleness + 1) × B tasks submitted."""
+        s = self.settings
+        submitted = int(await self.field(RunField.SUBMITTED, "0"))
+        window = 4 * (s.max_staleness + 1) * s.batch_prompts
+        ids = await self.queue.unknown([f"train-{i}" for i in range(max(0, submitted - window), submitted)])
+        if ids:
+            settled = await self.ledger.settled_groups(ids)
+            ids = [t for t in ids if t not in settled]
+        if ids:
+            dead = await self.queue.dead_task_ids()
+            ids = [t for t in ids if t not in dead]
+        if not ids:
+            return 0
+        train = self.tasks.train
+        tasks = [self.tasks.make(t, train[self._train_index(t) % len(train)], s.group_size, s.temperature, False,
+                                 self.trainer_version) for t in ids]
+        queued = sum(await self.queue.submit_many(tasks))
+        LOST.inc(queued)
+        log.warning("event=lost_tasks_requeued count=%d tasks=%s", queued, ",".join(ids[:20]))
+        return queued
+
     async def count_dead(self) -> None:
         """Fold new entries of the task dead-letter stream into the count of dead train tasks (the
         cursor moves in the same transaction as the count)."""
@@ -206,6 +248,7 @@ class Orchestrator:
     async def tick(self) -> None:
         state = await self.state()
         await self.refresh_trainer()
+        await self.watch_redis()
         await self.sweep()
         await self.count_dead()
         await self.evals.collect()

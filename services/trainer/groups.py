@@ -33,7 +33,8 @@ class Verdict:
 
     kind: "held" (kept in its group), "again" (this very entry is already held: a re-claim),
     "trained" (its rollout id is in a checkpoint: acknowledge it into the ledger), "duplicate"
-    (another entry carries this rollout: acknowledge only), "dead" (dead-letter it with `code`).
+    (another entry carries this rollout, or it was dropped as stale already: acknowledge only),
+    "dead" (dead-letter it with `code`).
     `released`: held members of a group this entry poisoned (dead-letter them too)."""
 
     kind: str
@@ -55,10 +56,12 @@ class GroupBuffer:
         return sum(len(g) for g in self.groups.values())
 
     def accept(self, entry: bytes, fields: dict[bytes, bytes] | None, stamps: dict[str, str | None],
-               version: int, trained: set[str]) -> Verdict:
+               version: int, trained: set[str], dropped: set[str] | frozenset[str] = frozenset()) -> Verdict:
         """The verdict on one stream entry. `stamps`: task id → the lease that completed it;
         `version`: the newest policy version (later ones are from the future); `trained`: rollout
-        ids already in a checkpoint."""
+        ids already in a checkpoint; `dropped`: rollout ids dropped as stale (final like a trained
+        one: a copy that comes back — Redis lost the drop and the task ran again — is never
+        trained, or the ledger, which records an id once, would call it dropped)."""
         fields = fields or {}
         data = fields.get(b"r")
         if data is None:
@@ -80,6 +83,8 @@ class GroupBuffer:
                            rollout)
         if rollout.rollout_id in trained:  # whatever this copy holds, the rollout is trained already
             return Verdict("trained", rollout=rollout)
+        if rollout.rollout_id in dropped:
+            return Verdict("duplicate", rollout=rollout)
         held = self.groups.get(rollout.group_id, {}).get(rollout.sample_index)
         if held is not None and held.rollout.rollout_id == rollout.rollout_id:
             return Verdict("again" if held.entry == entry else "duplicate", rollout=rollout)

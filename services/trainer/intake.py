@@ -33,7 +33,8 @@ class Intake:
         """Give every entry its verdict and settle what is not held."""
         stamps = await self.source.stamps(entries)
         for entry, fields in entries:
-            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed)
+            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed,
+                                         self.dropped)
             if verdict.kind == "dead":
                 await self.dead_letter(entry, (fields or {}).get(b"r", b""), verdict)
             elif verdict.kind in ("trained", "duplicate"):

@@ -400,3 +400,41 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
         pi = json.loads((out / "policy-eval.jsonl").read_text().splitlines()[0])
         assert (mu["accuracy"], mu["prompts"], mu["dead"], mu["k"], mu["pass_at_k"]) == (0.5, 2, 2, 2, 1.0)
         assert (pi["accuracy"], pi["prompts"], pi["dead"]) == (1.0, 2, 1)
+
+
+def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server, run_id, tiny_model_dir, tmp_path):
+    """A host crash can bring Redis back holding a submitted task in no state at all: the sweep after
+    a restart queues exactly those again (not queued, leased, completed, trained, dropped or dead ones)."""
+    from shared.queues import WorkQueue
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=4, group_size=2, steps=10, eval_size=5)
+        orchestrator = Orchestrator(settings, redis)
+        await redis.hset(orchestrator.keys.run, "state", "running")
+        assert await orchestrator.admit() == 8  # train-0 .. train-7
+        keys, queue = orchestrator.keys, WorkQueue(redis, run_id)
+        [leased, completed, dead, lost_a, trained, dropped] = await queue.lease("replica-0", 60, count=6)
+        assert await queue.complete("replica-0", completed.task_id, [b"r0", b"r1"])
+        assert await queue.dead_letter("replica-0", dead.task_id, "invalid", "test")
+        for lease in (lost_a, trained, dropped):  # then Redis loses them whole...
+            await redis.hdel(keys.tasks, lease.task_id)
+            await redis.zrem(keys.leases, lease.task_id)
+            await redis.hdel(keys.owners, lease.task_id)
+        await redis.sadd(keys.trained_ids, f"{trained.task_id}:0", f"{trained.task_id}:1")  # ...but the
+        await redis.sadd(keys.trained_ids, f"{dropped.task_id}:0", f"{dropped.task_id}:1")  # ledger holds two
+        lost_b = (await redis.rpop(keys.pending)).decode()  # a queued one lost too
+        await redis.hdel(keys.tasks, lost_b)
+        before = await redis.llen(keys.pending)
+        assert await orchestrator.requeue_lost() == 2
+        pending = [x.decode() for x in await redis.lrange(keys.pending, 0, -1)]
+        assert len(pending) == before + 2 and {lost_a.task_id, lost_b} <= set(pending)
+        assert leased.task_id not in pending and completed.task_id not in pending
+        assert await orchestrator.requeue_lost() == 0  # queued now: found
+        [again] = [x for x in await queue.lease("replica-1", 60, count=8) if x.task_id == lost_a.task_id]
+        assert list(again.task.prompt_token_ids) == list(lost_a.task.prompt_token_ids)  # the same prompt
+        await orchestrator.close()
+        await redis.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

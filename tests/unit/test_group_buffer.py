@@ -55,6 +55,8 @@ def test_redelivery_duplicates_and_trained_ids():
     assert accept(buf, "e0", first).kind == "again"  # the same entry claimed again
     assert accept(buf, "e9", first).kind == "duplicate"  # the same rollout in another entry
     assert accept(buf, "e1", entry(rollout("t2", 1)), trained={"t2:1"}).kind == "trained"
+    # dropped as stale already (the drop was lost with Redis, the task ran again): never trained
+    assert buf.accept(b"e2", entry(rollout("t2", 2)), stamps("t2"), 5, set(), {"t2:2"}).kind == "duplicate"
     assert buf.held == 1
 
 
