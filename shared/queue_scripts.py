@@ -128,15 +128,21 @@ redis.call('HDEL', KEYS[5], ARGV[1])
 return 1
 """
 
-# KEYS: leases; ARGV: prefix. {leased task ids without the prefix, with it}: each pool's leases,
-# counted in one step so the two always add up to the leases.
-LEASED_BY_POOL = """
+# KEYS: leases pending; ARGV: policy_eval prefix, eval prefix. {leased tasks of the rollouts pool,
+# leased of π's pool, of the rollouts pool's: μ's eval tasks leased, μ's eval tasks pending},
+# counted in one step so the pools always add up to the leases.
+DEPTHS_BY_KIND = """
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-local n = 0
+local policy, eval = 0, 0
 for _, id in ipairs(ids) do
-  if string.sub(id, 1, #ARGV[1]) == ARGV[1] then n = n + 1 end
+  if string.sub(id, 1, #ARGV[1]) == ARGV[1] then policy = policy + 1
+  elseif string.sub(id, 1, #ARGV[2]) == ARGV[2] then eval = eval + 1 end
 end
-return {#ids - n, n}
+local pending_eval = 0
+for _, id in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+  if string.sub(id, 1, #ARGV[2]) == ARGV[2] then pending_eval = pending_eval + 1 end
+end
+return {#ids - policy, policy, eval, pending_eval}
 """
 
 # KEYS: owners tasks attempts leases; ARGV: replica now_ms lease_ms known ids... Every task the

@@ -32,6 +32,7 @@ from shared.rpc.steadyrl.v1 import common_pb2
 # evals). A task's pool follows from its id, so submitting and re-queueing route it alike.
 POOLS = {"rollouts": "pending", "policy_eval": "pending_policy"}
 POLICY_EVAL_PREFIX = "evalpi"
+EVAL_PREFIX = "eval"  # every eval task's id (μ's in the rollouts pool, π's in its own): not training work
 
 # dead-letter codes that are not a task given up: `duplicate` names a second copy of a completed task's id
 NOT_GIVEN_UP = frozenset({"duplicate"})
@@ -67,6 +68,8 @@ class QueueDepths:
     rollouts: int
     pending_policy: int = 0  # the policy_eval pool's
     leased_policy: int = 0  # the policy_eval pool's
+    pending_eval: int = 0  # of the rollouts pool's pending: μ's eval tasks (the rest is training work)
+    leased_eval: int = 0  # of the rollouts pool's leased: μ's eval tasks
 
 
 class WorkQueue(RolloutSink):
@@ -85,7 +88,7 @@ class WorkQueue(RolloutSink):
         self._fail = redis.register_script(scripts.FAIL)
         self._requeue = redis.register_script(scripts.REQUEUE)
         self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
-        self._leased_by_pool = redis.register_script(scripts.LEASED_BY_POOL)
+        self._depths_by_kind = redis.register_script(scripts.DEPTHS_BY_KIND)
         self._reclaim = redis.register_script(scripts.RECLAIM)
 
     @property
@@ -238,7 +241,8 @@ class WorkQueue(RolloutSink):
         k = self.run_keys
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.llen(k.pending).hlen(k.completed).xlen(k.dead).xlen(k.rollouts).llen(k.pending_policy)
-            await self._leased_by_pool([k.leases], [POLICY_EVAL_PREFIX], client=pipe)
-            pending, completed, dead, rollouts, pending_policy, (leased, leased_policy) = await pipe.execute()
-        return QueueDepths(int(pending), int(leased), int(completed), int(dead), int(rollouts), int(pending_policy),
-                           int(leased_policy))
+            await self._depths_by_kind([k.leases, k.pending], [POLICY_EVAL_PREFIX, EVAL_PREFIX], client=pipe)
+            pending, completed, dead, rollouts, pending_policy, by_kind = await pipe.execute()
+        leased, leased_policy, leased_eval, pending_eval = (int(x) for x in by_kind)
+        return QueueDepths(int(pending), leased, int(completed), int(dead), int(rollouts), int(pending_policy),
+                           leased_policy, pending_eval, leased_eval)

@@ -8,6 +8,8 @@ may have been applied and the caller decides what a repeat means.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings
 from redis.asyncio import Redis
@@ -20,17 +22,27 @@ class RedisSettings(BaseSettings):
     """The Redis connection fields of a service's settings (declared once, inherited)."""
 
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
-    """Redis of the run (may carry a password; never logged)."""
+    """Redis of the run (may carry a password, URL-escaped; never logged)."""
+    redis_password_file: Path | None = None
+    """A file holding Redis's password (a mounted Secret): used as is, no escaping, when the URL
+    carries none."""
     redis_timeout_seconds: float = Field(5.0, gt=0, le=300)
     """Bound on each Redis call (socket read and connect); a longer one fails and is recovered."""
 
     def redis(self) -> Redis:
-        return connect(self.redis_url.get_secret_value(), self.redis_timeout_seconds)
+        password = None
+        if self.redis_password_file is not None:
+            password = self.redis_password_file.read_text().strip() or None
+        return connect(self.redis_url.get_secret_value(), self.redis_timeout_seconds, password)
 
 
-def connect(url: str, timeout: float = 5.0) -> Redis:
-    """An asyncio client whose calls fail after `timeout` seconds of silence from the server."""
+def connect(url: str, timeout: float = 5.0, password: str | None = None) -> Redis:
+    """An asyncio client whose calls fail after `timeout` seconds of silence from the server;
+    `password` is used where the URL carries none."""
+    from urllib.parse import urlsplit
+
+    extra = {"password": password} if password and not urlsplit(url).password else {}
     return Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=10,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(RedisConnectionError,)),
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(RedisConnectionError,)), **extra,
     )

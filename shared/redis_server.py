@@ -47,7 +47,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        from urllib.parse import quote
+
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisServer:

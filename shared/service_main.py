@@ -42,11 +42,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def run_service(name: str, settings_cls: type, server_module: str) -> None:
-    """Build `settings_cls()` from STEADYRL_* variables and run `server_module.serve` until a signal."""
+def run_service(name: str, settings_cls: type, server_module: str, settings: object | None = None) -> None:
+    """Run `server_module.serve` with `settings` (resolved by the caller: `steadyrl serve` reads a
+    recipe), else `settings_cls()` from the STEADYRL_<SERVICE>_* variables, until a signal. A
+    STEADYRL_RECIPE this entry point cannot read is refused (exit code 2), never ignored."""
     die_with_parent()
-    settings = settings_cls()
     setup_logging(name)
+    if settings is None:
+        if os.environ.get("STEADYRL_RECIPE", "").strip():
+            log.error("event=settings_refused service=%s reason=STEADYRL_RECIPE is read by `python -m steadyrl.cli "
+                      "serve %s`, not by `python -m services.%s`", name, name, name)
+            sys.exit(2)
+        settings = settings_cls()
 
     async def run() -> None:
         serve = importlib.import_module(server_module).serve
@@ -79,7 +86,7 @@ class Serving:
 @contextlib.asynccontextmanager
 async def grpc_service(name: str, register: Sequence, service_names: Sequence[str], host: str, port: int,
                        max_message_bytes: int, metrics_port: int | None, ready: asyncio.Event | None = None,
-                       **fields: object) -> AsyncIterator[Serving]:
+                       run: str = "", **fields: object) -> AsyncIterator[Serving]:
     """The skeleton every service shares: its gRPC API (with health, reflection, the token and
     TLS: `shared.rpc.start_server`) and /metrics; `ready` is set once both listen. On the way
     out health turns NOT_SERVING first, then the server stops."""
@@ -88,8 +95,8 @@ async def grpc_service(name: str, register: Sequence, service_names: Sequence[st
 
     server, bound, health = await start_server(register, service_names, f"{host}:{port}", max_message_bytes)
     try:
-        metrics = start_metrics_server(metrics_port, host) if metrics_port is not None else 0
-        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        metrics = start_metrics_server(metrics_port, host, run) if metrics_port is not None else 0
+        extra = " ".join(f"{k}={v}" for k, v in (({"run": run} if run else {}) | fields).items())
         logging.getLogger(f"steadyrl.{name}").info("event=started service=%s port=%d metrics_port=%d %s", name, bound,
                                                    metrics, extra)
         if ready is not None:

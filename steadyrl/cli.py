@@ -62,6 +62,10 @@ def run_command(
                                                              "plain (a log line every ~5% of the steps) | none.")] = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, every service's settings "
                                                             "and the placement as JSON, start nothing.")] = False,
+    gpus: Annotated[int | None, typer.Option("--gpus", min=0, help="With --dry-run: resolve for a machine or "
+                                             "deployment of this many GPUs instead of this one (its datasets and "
+                                             "engines not checked): what compose or the manifests give each "
+                                             "service.")] = None,
 ) -> None:
     """Start every service on loopback, run the recipe to the end and write the report.
 
@@ -82,6 +86,11 @@ def run_command(
         if progress not in PROGRESS:
             raise ValueError(f"--progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
         recipe = load_run_config(configs, set_ or [])
+        if dry_run and gpus is not None:
+            typer.echo(json.dumps(resolved(recipe, gpus), indent=2))
+            return
+        if gpus is not None:
+            raise ValueError("--gpus goes with --dry-run: a run uses this machine's GPUs")
         settings = check(recipe)
         if dry_run:
             typer.echo(json.dumps(resolved(recipe), indent=2))
@@ -134,7 +143,7 @@ def plan_command(
 @app.command("trainer-node")
 def trainer_node_command(
     configs: Annotated[list[Path] | None, typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML); "
-                                                         "none: the trainer's settings from the environment alone.")] = None,
+                                                         "none: STEADYRL_RECIPE's, else the trainer's settings from the environment alone.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
     node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's fixed rank (a JobSet "
                                                   "pod's completion index): a static rendezvous at trainer."
@@ -155,6 +164,8 @@ def trainer_node_command(
     from steadyrl.service_settings import build_settings, service_env
 
     try:
+        if not configs and os.environ.get("STEADYRL_RECIPE", "").strip():  # a deployment's recipe
+            configs = [Path(p.strip()) for p in os.environ["STEADYRL_RECIPE"].split(",") if p.strip()]
         recipe = load_run_config(configs, set_ or []) if configs else None
         env = service_env(recipe, "trainer", {"model_path": recipe.model.path}) if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
@@ -177,7 +188,35 @@ def trainer_node_command(
     # node that replaces a lost one waits forever for the round's address (the surviving first
     # node only publishes it in the first round)
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
-    os.execvpe(sys.executable, [sys.executable, *argv], {**os.environ, **env})
+    ranks = {k: v for k, v in os.environ.items() if k != "STEADYRL_RECIPE"}  # resolved into `env` already
+    os.execvpe(sys.executable, [sys.executable, *argv], {**ranks, **env})
+
+
+@app.command("serve")
+def serve_command(
+    service: Annotated[str, typer.Argument(help="weightsync | trainer | inference | orchestrator")],
+) -> None:
+    """Run one service as a deployment starts it (compose, the Kubernetes manifests): its settings
+    from the recipe STEADYRL_RECIPE names (a file, or several merged left to right, comma-separated:
+    the service's section and [run], resolved as `steadyrl run` resolves them), under its own
+    STEADYRL_<SERVICE>_* variables; without STEADYRL_RECIPE, from those variables alone.
+    Exit code 2: settings refused (nothing started)."""
+    import os
+
+    from shared.service_main import run_service
+    from steadyrl.run_config import SERVICES
+    from steadyrl.service_settings import deployed_settings, settings_class
+
+    if service not in SERVICES:
+        typer.echo(f"steadyrl serve: the service is one of {', '.join(SERVICES)}, not {service!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        settings = deployed_settings(service, os.environ)
+    except ValueError as exc:
+        typer.echo(f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "),
+                   err=True)
+        raise typer.Exit(2) from None
+    run_service(service, settings_class(service), f"services.{service}.server", settings=settings)
 
 
 @app.command("export")

@@ -28,6 +28,7 @@ class ModelSize:
     num_experts: int
     top_k: int
     max_position_embeddings: int
+    dtype_bytes: float = 2  # of the checkpoint on disk (its config's torch_dtype)
 
 
 def model_config(path: str | Path):
@@ -53,8 +54,10 @@ def model_size(config) -> ModelSize:
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
     routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     active = total - routed + (routed * top_k // experts if experts else 0)
+    dtype = str(getattr(config, "dtype", None) or "bfloat16")
     return ModelSize(total, active, int(config.num_hidden_layers), experts, top_k,
-                     int(getattr(config, "max_position_embeddings", 0) or 0))
+                     int(getattr(config, "max_position_embeddings", 0) or 0),
+                     DTYPE_BYTES.get(dtype.removeprefix("torch."), 2))
 
 
 def trace_bytes_per_token(size: ModelSize) -> int:
@@ -78,12 +81,15 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
     trace = trace_bytes_per_token(size)
     # a rollout on the wire: ids (4 B) per token; per completion token a logprob (4) and version (8)
     rollout = tokens * 4 + orchestrator.max_new_tokens * 12 + trace * tokens
+    from services.trainer.stream import DEAD_PAYLOAD_BYTES
+
+    dead_letters = trainer.dead_letter_maxlen * min(rollout, DEAD_PAYLOAD_BYTES)
     outstanding = (trainer.max_staleness + 1) * trainer.batch_prompts * trainer.group_size
     replica_gpus = max(inference.gpus_per_replica, 1)
     weights_per_replica = p * DTYPE_BYTES.get(inference.quantization if inference.quantization != "none"
                                               else inference.dtype, 2)
     return {
-        "model": {"parameters": p, "active_parameters_per_token": size.active_parameters,
+        "model": {"parameters": p, "disk_bytes": p * size.dtype_bytes, "active_parameters_per_token": size.active_parameters,
                   "num_layers": size.num_layers, "num_experts": size.num_experts, "top_k": size.top_k},
         "trainer": {
             "nodes": trainer.nodes, "ranks": world, "parallel": trainer.parallel if world > 1 else "single",
@@ -94,6 +100,7 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
         },
         "checkpoint": {
             "bytes": checkpoint, "bytes_written_per_rank": checkpoint / world,  # DCP writes a replicated shard once
+            "volume_bytes": (trainer.keep_checkpoints + 1) * checkpoint,  # those kept and the one being written
             "write_seconds": checkpoint / disk_bytes_per_s, "disk_bytes_per_s": disk_bytes_per_s,
             "async_host_bytes_per_node": checkpoint / shard * per_node,  # every rank stages its own shard
             "full_gather_bytes_on_rank0": checkpoint,
@@ -110,11 +117,11 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
         },
         "redis": {
             "rollouts_outstanding": outstanding, "tokens_per_rollout": tokens, "trace_bytes_per_token": trace,
-            "rollout_bytes": rollout, "queue_bytes": outstanding * rollout,
-            "dead_letter_bytes": trainer.dead_letter_maxlen * rollout,
+            "rollout_bytes": rollout, "queue_bytes": outstanding * rollout, "dead_letter_bytes": dead_letters,
+            "bytes": outstanding * rollout + dead_letters,
             "note": "(max_staleness + 1) × B × G rollouts of the longest length, routing traces uncompressed "
-                    "(zstd takes random routing to 7/8 of it); dead-lettered rollouts kept with their payload up "
-                    "to trainer.dead_letter_maxlen",
+                    "(zstd takes random routing to 7/8 of it); dead-lettered rollouts kept with up to 1 MiB of their "
+                    "payload, trainer.dead_letter_maxlen of them; `bytes`, the two together, is what maxmemory must hold",
         },
         "inference": {
             "replicas": replicas, "gpus_per_replica": inference.gpus_per_replica,
@@ -159,7 +166,10 @@ def render(result: dict[str, Any], name: str) -> str:
         ("Redis, full queue", f"{gb(r['queue_bytes'])}: {r['rollouts_outstanding']:,} rollouts × "
                               f"{gb(r['rollout_bytes'])} ({r['tokens_per_rollout']:,} tokens, "
                               f"trace {r['trace_bytes_per_token']} B/token uncompressed)"),
-        ("Redis, dead letters", f"{gb(r['dead_letter_bytes'])} at most (trainer.dead_letter_maxlen rollouts)"),
+        ("Redis, dead letters", f"{gb(r['dead_letter_bytes'])} at most (trainer.dead_letter_maxlen rollouts, 1 MiB "
+                                "of each)"),
+        ("volumes", f"model {gb(m['disk_bytes'])}; checkpoints {gb(c['volume_bytes'])} (keep_checkpoints + the one "
+                    f"being written); Redis maxmemory {gb(r['bytes'])}"),
     ]
     lines = [f"| {name} | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     return "\n".join(lines)

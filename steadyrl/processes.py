@@ -76,9 +76,7 @@ class Launch:
             **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), **shm}), ws, placement.visible(()), ports=(ws,)))
         self.services.append(Service("trainer", placement.trainer_argv(master), service_env(c, "trainer", {
             **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
-            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}",
-            **({} if "publish_dtype" in c.section("trainer") else {"publish_dtype": settings["inference"].dtype}),
-        }), trainer, placement.visible(placement.trainer), ports=(trainer, master)))
+            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}"}), trainer, placement.visible(placement.trainer), ports=(trainer, master)))
         policy = {"pool": "policy_eval", "quantization": "none", "quantize_router": False,
                   "quantize_activations": False}  # π: the published weights, unquantised
         for index in range(len(placement.replicas)):

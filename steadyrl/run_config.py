@@ -89,7 +89,7 @@ SHARED = {
     "orchestrator": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
                      "max_staleness": "max_staleness", "steps": "steps", "tracking": "tracking"},
     "inference": {"id": "run_id"},
-    "weightsync": {},
+    "weightsync": {"id": "run_id"},
 }
 
 

@@ -13,11 +13,27 @@ from pydantic import ValidationError
 
 from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig
 
+# What a deployment places rather than a recipe decides: where a service listens, whom it dials,
+# where its files and secrets are, how weights cross its network, the pool of π's replica, and
+# who the process is (the trainer's consumer name, from its host and pid), and whether the run
+# starts by itself (`steadyrl run` starts it through the control plane).
+# `steadyrl run`, compose and the manifests set these; everything else comes from the recipe.
+DEPLOYMENT_FIELDS = frozenset({
+    "host", "port", "metrics_port", "http_port", "grpc_port", "redis_url", "redis_password_file", "model_path",
+    "out_dir", "spill_dir", "shm_dir", "store_port", "advertise_host", "weightsync_address", "trainer_address",
+    "orchestrator_address", "replica_id", "token_file", "hmac_key_file", "weight_transport", "weight_transports",
+    "pool", "quantization", "quantize_router", "quantize_activations", "consumer",
+    "autostart"})
+
 
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One service's settings: its section, the shared [run] values, then `extra`."""
+    """One service's settings: its section, the shared [run] values, what follows from other
+    sections (the trainer publishes in the replicas' dtype unless told otherwise), then `extra`."""
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
     values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
+    if service == "trainer" and "publish_dtype" not in values:
+        values["publish_dtype"] = config.section("inference").get("dtype", settings_class("inference").model_fields[
+            "dtype"].default)
     values.update(extra or {})
     return values
 
@@ -139,6 +155,27 @@ def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, 
             "placement": {"trainer_gpus": list(placement.trainer), "trainer_ranks": placement.trainer_ranks,
                           "replica_gpus": [list(r) for r in placement.replicas]},
             "plan": sizing}
+
+
+RECIPE_ENV = "STEADYRL_RECIPE"
+
+
+def deployed_settings(service: str, environ: Mapping[str, str]):
+    """A deployed service's settings. With STEADYRL_RECIPE (a recipe file, or several merged left to
+    right, comma-separated): the recipe's section and [run] resolved as `steadyrl run` resolves
+    them, with the model path as given, then the process's own STEADYRL_<SERVICE>_* variables over
+    single keys (ports, addresses, secrets: what the deployment places). Without it, those variables
+    alone. Raises ValueError naming the recipe or the field."""
+    from steadyrl.run_config import load_run_config
+
+    prefix = f"STEADYRL_{service.upper()}_"
+    own = {k: v for k, v in environ.items() if k.startswith(prefix)}
+    recipe = environ.get(RECIPE_ENV, "").strip()
+    if not recipe:
+        return build_settings(service, own)
+    config = load_run_config([p.strip() for p in recipe.split(",") if p.strip()])
+    model = {"model_path": config.model.path} if "model_path" in PROBES[service] else {}
+    return build_settings(service, {**service_env(config, service, model), **own})
 
 
 def validate(service: str, env: Mapping[str, str]) -> None:

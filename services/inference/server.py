@@ -12,6 +12,7 @@ from prometheus_client import Gauge, Histogram
 from services.inference.config import InferenceSettings
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling, make_engine
+from shared.metrics import loading
 from shared.queues import WorkQueue
 from shared.rollout import trace_message
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
@@ -21,7 +22,8 @@ from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference")
 
-POLICY_VERSION = Gauge("steadyrl_inference_policy_version", "Policy version the engine serves", ["replica"])
+POLICY_VERSION = Gauge("steadyrl_inference_policy_version", "Policy version the engine serves (set once it serves)",
+                       ["replica", "pool"])
 SWAP_SECONDS = Histogram("steadyrl_inference_swap_seconds", "Generation paused while a version was applied",
                          ["replica"], buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60))
 
@@ -146,7 +148,8 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     from shared.weightsync.subscriber import GrpcWeightSubscriber
 
     owned = engine is None  # an engine handed in outlives this replica
-    engine = engine or await asyncio.to_thread(load_engine, settings)
+    with loading("inference", settings.metrics_port, settings.host, settings.run_id, settings.pool):
+        engine = engine or await asyncio.to_thread(load_engine, settings)
     tokenizer = load_tokenizer(settings.model_path)
     replica = settings.replica_id
     stop = stop or asyncio.Event()
@@ -157,12 +160,12 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
                            settings.idle_poll_seconds, settings.return_routing_traces, rewards,
                            settings.version_wait_seconds, settings.max_inflight_tasks, settings.batching)
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
-    POLICY_VERSION.labels(replica).set(engine.version)
+    POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
     loops = {"rollouts": worker.run(stop)}
     if settings.weightsync_address:
         async def apply(delivery) -> float:
             seconds = await asyncio.to_thread(engine.apply, delivery)
-            POLICY_VERSION.labels(replica).set(engine.version)
+            POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
             SWAP_SECONDS.labels(replica).observe(seconds)
             log.info("event=weights_applied version=%d transport=%s paused_seconds=%.4f", delivery.version,
                      delivery.transport, seconds)
@@ -177,7 +180,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
     try:
         async with grpc_service("inference", [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
                                 ["steadyrl.v1.Inference"], settings.host, settings.port, settings.max_message_bytes,
-                                settings.metrics_port, ready, replica=replica, engine=engine.name,
+                                settings.metrics_port, ready, run=settings.run_id, replica=replica, engine=engine.name,
                                 device=getattr(engine, "device", "cpu"), traces=worker.return_traces) as serving:
             await run_loops(loops, stop, serving.health)
     finally:

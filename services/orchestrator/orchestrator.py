@@ -47,6 +47,9 @@ OUTSTANDING = Gauge("steadyrl_orchestrator_outstanding_prompts", "Train prompts 
 TRAINER_VERSION = Gauge("steadyrl_orchestrator_trainer_version", "Trainer version seen by admission")
 TRAINER_STEP = Gauge("steadyrl_orchestrator_trainer_step", "Trainer global steps seen")
 QUEUE_DEPTH = Gauge("steadyrl_orchestrator_queue_depth", "Work queue", ["state"])
+REDIS_MEMORY = Gauge("steadyrl_orchestrator_redis_memory_bytes", "Redis's memory (INFO): used, and its maxmemory (0: none)",
+                     ["kind"])
+REDIS_EVICTED = Gauge("steadyrl_orchestrator_redis_evicted_keys", "Keys Redis evicted since it started (INFO evicted_keys)")
 
 STATES = ("created", "running", "paused", "stopped", "finished")
 TRANSITIONS = {"start": (("created", "paused"), "running"), "pause": (("running",), "paused"),
@@ -95,6 +98,7 @@ class Orchestrator:
         self.bounded = Bounded(settings.control_timeout_seconds)  # the control plane's bound and last status
         self.redis_id = ""  # the redis-server's run id: a new one means it restarted, and may have lost writes
         self.lost_check_until = self.next_lost_check = 0.0
+        self.redis_checked_ms = 0
 
     # --- run state ------------------------------------------------------------------------------
 
@@ -169,12 +173,19 @@ class Orchestrator:
             log.info("event=leases_expired requeued=%d dead=%d", requeued, dead)
 
     async def watch_redis(self) -> None:
-        """After Redis restarts, look for lost train tasks every LOST_CHECK_EVERY s for LOST_CHECK_SECONDS."""
-        identity = str((await self.redis.info("server"))["run_id"])
-        if identity != self.redis_id:  # a restart, or this process's start (it may follow a crash too)
-            if self.redis_id:
-                log.warning("event=redis_restarted")
-            self.redis_id, self.lost_check_until = identity, time.monotonic() + LOST_CHECK_SECONDS
+        """Redis's memory and evictions for the alerts; after it restarts, look for lost train tasks
+        every LOST_CHECK_EVERY s for LOST_CHECK_SECONDS. Reads INFO every STATUS_EVERY_MS."""
+        if now_ms() - self.redis_checked_ms >= STATUS_EVERY_MS:
+            self.redis_checked_ms = now_ms()
+            info = await self.redis.info()
+            REDIS_MEMORY.labels("used").set(info.get("used_memory", 0))
+            REDIS_MEMORY.labels("max").set(info.get("maxmemory", 0))
+            REDIS_EVICTED.set(info.get("evicted_keys", 0))
+            identity = str(info["run_id"])
+            if identity != self.redis_id:  # a restart, or this process's start (it may follow a crash too)
+                if self.redis_id:
+                    log.warning("event=redis_restarted")
+                self.redis_id, self.lost_check_until = identity, time.monotonic() + LOST_CHECK_SECONDS
         if time.monotonic() < self.lost_check_until and time.monotonic() >= self.next_lost_check:
             self.next_lost_check = time.monotonic() + LOST_CHECK_EVERY
             await self.requeue_lost()

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.control import RedisUnavailable
 from services.orchestrator.orchestrator import Orchestrator, TransitionRefused
+from shared.metrics import registry_of
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.rpc.http import BodyLimit
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
@@ -65,7 +66,7 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry_of(orchestrator.settings.run_id)), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
     async def openapi() -> JSONResponse:

@@ -7,6 +7,7 @@ import logging
 
 from services.trainer.config import TrainerSettings
 from services.trainer.trainer import Trainer
+from shared.metrics import loading
 from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
 from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
 from shared.service_main import grpc_service, run_loops
@@ -49,7 +50,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     redis = settings.redis()
-    trainer = await asyncio.to_thread(Trainer, settings, redis)
+    with loading("trainer", settings.metrics_port, settings.host, settings.run_id):
+        trainer = await asyncio.to_thread(Trainer, settings, redis)
     if trainer.runner.rank > 0:  # data parallel: only rank 0 reads Redis, serves gRPC and publishes
         steps = await asyncio.to_thread(trainer.runner.follow)
         log.info("event=follower_done rank=%d steps=%d", trainer.runner.rank, steps)
@@ -58,7 +60,7 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
     try:
         async with grpc_service("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
                                 ["steadyrl.v1.Trainer"], settings.host, settings.port, settings.max_message_bytes,
-                                settings.metrics_port, ready, step=trainer.state.step,
+                                settings.metrics_port, ready, run=settings.run_id, step=trainer.state.step,
                                 version=trainer.state.version) as serving:
             await run_loops({"trainer": trainer.run(stop)}, stop, serving.health, finishing=frozenset({"trainer"}))
     finally:

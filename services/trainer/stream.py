@@ -17,6 +17,7 @@ from shared.keys import RunKeys
 
 log = logging.getLogger("steadyrl.trainer")
 GROUP = "trainer"
+DEAD_PAYLOAD_BYTES = 1 << 20  # a dead-lettered rollout keeps at most this much of its payload
 
 # Settle stream entries: XACK + XDEL each, and record its rollout id in a ledger list, atomically.
 # KEYS: stream, ledger list ('' for none), the set of ids the ledger holds. ARGV: group, mode, then
@@ -58,7 +59,7 @@ class RedisRolloutSource(RolloutSource):
     """The run's rollout stream read through the trainer's consumer group."""
 
     def __init__(self, redis: Redis, run_id: str, consumer: str, dead_maxlen: int = 10_000,
-                 dead_payload_bytes: int = 1 << 20) -> None:
+                 dead_payload_bytes: int = DEAD_PAYLOAD_BYTES) -> None:
         self.redis, self.consumer = redis, consumer
         self.keys = RunKeys(run_id)
         self.dead_maxlen, self.dead_payload_bytes = dead_maxlen, dead_payload_bytes

@@ -13,6 +13,8 @@ from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 class WeightSyncSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_WEIGHTSYNC_", extra="forbid")
 
+    run_id: str = ""
+    """The run it serves ([run] id): the `run` label on its metrics (empty: none)."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to."""
     port: int = Field(50051, ge=0, le=65535)

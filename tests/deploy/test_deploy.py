@@ -23,8 +23,12 @@ from steadyrl.service_settings import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-SERVICE_OF = {"services.weightsync": "weightsync", "services.trainer": "trainer", "services.inference": "inference",
-              "services.orchestrator": "orchestrator"}
+def service_of(args: list[str]) -> str | None:
+    """The service a container's command runs: `steadyrl.cli serve NAME`, or the trainer's
+    `steadyrl.cli trainer-node` (torchrun over the recipe's GPUs); None for anything else."""
+    if args[:2] == ["steadyrl.cli", "serve"]:
+        return args[2]
+    return "trainer" if args[:2] == ["steadyrl.cli", "trainer-node"] else None
 
 
 def steadyrl_env(env: dict[str, str], service: str) -> dict[str, str]:
@@ -38,7 +42,37 @@ def check_settings(service: str, env: dict[str, str]) -> None:
              if service != "weightsync" else env)
 
 
+def dry_run_settings(recipe: str, gpus: int) -> dict[str, dict]:
+    """Each service's settings as `steadyrl run --dry-run --gpus N RECIPE` prints them."""
+    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / recipe), "--dry-run",
+                           "--gpus", str(gpus)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)["settings"]
+
+
+def recipe_driven(service: str, env: dict[str, str], recipes: Path, printed: dict[str, dict]) -> dict:
+    """The settings `service` resolves from a deployment's environment (STEADYRL_RECIPE at
+    /etc/steadyrl/NAME read from `recipes`), checked equal to what `--dry-run` printed but for the
+    fields a deployment places (steadyrl/service_settings.py DEPLOYMENT_FIELDS); returns them."""
+    from steadyrl.service_settings import DEPLOYMENT_FIELDS, deployed_settings
+
+    name = env["STEADYRL_RECIPE"].removeprefix("/etc/steadyrl/")
+    assert env["STEADYRL_RECIPE"] == f"/etc/steadyrl/{name}", env["STEADYRL_RECIPE"]
+    settings = deployed_settings(service, {**env, "STEADYRL_RECIPE": str(recipes / name)}).model_dump(mode="json")
+    expected = printed[service]
+    differ = sorted(k for k in expected if k not in DEPLOYMENT_FIELDS and settings[k] != expected[k])
+    assert not differ, (service, {k: (settings[k], expected[k]) for k in differ})
+    placed = {k[len(f"STEADYRL_{service.upper()}_"):].lower() for k in env if k.startswith(f"STEADYRL_{service.upper()}_")}
+    assert placed <= DEPLOYMENT_FIELDS, (service, sorted(placed - DEPLOYMENT_FIELDS))  # nothing the recipe decides
+    return settings
+
+
 # --- docker compose ------------------------------------------------------------------------------
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} and ${VAR} with nothing set (the defaults)."""
+    return re.sub(r"\$\{[A-Z0-9_]+(?::-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
 
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())  # resolves the x-steadyrl merge keys
@@ -49,33 +83,46 @@ def test_compose_follows_the_specification():
 
     spec = PyCompose.from_json(json.dumps(compose())).to_dict()
     assert set(spec["services"]) == {"redis", "model-init", "weightsync", "trainer", "inference", "inference-policy",
-                                     "orchestrator", "prometheus", "grafana"}
+                                     "orchestrator", "prometheus", "alertmanager", "grafana"}
     assert spec["services"]["inference-policy"]["profiles"] == ["policy-eval"]  # off unless asked for
     with pytest.raises(ValueError, match="imagee"):  # the validator does reject what the spec does not allow
         PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "imagee": "y"}}}))
 
 
-def test_compose_env_matches_the_settings_and_secrets_stay_out():
+def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_files():
     doc = compose()
+    printed = dry_run_settings("tiny-arith.toml", 0)
     checked = 0
     for name, service in doc["services"].items():
-        module = (service.get("command") or [""])[0]
-        if module not in SERVICE_OF:
+        kind = service_of(service.get("command") or [])
+        if kind is None:
             continue
-        kind = SERVICE_OF[module]
-        env = steadyrl_env(service.get("environment", {}), kind)
-        assert env, name
-        check_settings(kind, env)
+        env = {k: interpolate(str(v)) for k, v in service["environment"].items()}
+        settings = recipe_driven(kind, env, ROOT / "configs", printed)
+        assert "./configs:/etc/steadyrl:ro" in service["volumes"], name
+        check_settings(kind, steadyrl_env(env, kind))  # a misspelt placement variable fails
         checked += 1
-        assert service["env_file"] == ".env" and "STEADYRL_HEALTH_PORT" in service["environment"]
+        assert "env_file" not in service and "STEADYRL_HEALTH_PORT" in env  # nothing from .env but what is named
+        assert env["STEADYRL_TOKEN_FILE"] == "/run/secrets/token" and "token" in service["secrets"]
+        assert not any("PASSWORD" in v or "TOKEN}" in v for v in env.values())  # secrets only as files
+        if kind != "weightsync":
+            assert env[f"STEADYRL_{kind.upper()}_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
+            assert settings["redis_url"] == "**********" and "redis_password" in service["secrets"]
+        if kind in ("trainer", "weightsync"):  # weights are signed in every deploy
+            assert env[f"STEADYRL_{kind.upper()}_HMAC_KEY_FILE"] == "/run/secrets/weights_signing_key"
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
     assert checked == 5
+    assert set(doc["secrets"]) == {"token", "redis_password", "weights_signing_key", "grafana_admin_password"}
+    assert doc["services"]["grafana"]["secrets"] == ["grafana_admin_password"]  # Grafana gets its own secret alone
+    assert "env_file" not in doc["services"]["grafana"]
     assert "ports" not in doc["services"]["inference"]  # `--scale inference=N` needs no fixed host port
     assert doc["services"]["orchestrator"]["environment"]["STEADYRL_ORCHESTRATOR_AUTOSTART"] == "true"  # no manual start
-    assert "--appendonly yes" in " ".join(doc["services"]["redis"]["command"])
-    assert "--requirepass" in " ".join(doc["services"]["redis"]["command"])
+    redis = " ".join(doc["services"]["redis"]["command"])
+    assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis and "--maxmemory 1gb" in redis
+    assert "--requirepass" not in redis and "/run/secrets/redis_password" in redis  # never on a command line
     example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
-    check_settings("orchestrator", steadyrl_env(example, "orchestrator"))
+    assert {s["environment"] for s in doc["secrets"].values()} <= set(example)  # env.example names each secret
     # π's replica: the rollout replicas' settings, in the policy_eval pool, unquantised, scraped; env.example's two
     # commented lines turn on its profile and the orchestrator's switch together
     services = doc["services"]
@@ -84,14 +131,20 @@ def test_compose_env_matches_the_settings_and_secrets_stay_out():
         "STEADYRL_INFERENCE_POOL": "policy_eval", "STEADYRL_INFERENCE_QUANTIZATION": "none"}
     assert services["inference-policy"]["depends_on"] == services["inference"]["depends_on"]
     commented = dict(line[2:].split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
-                     if re.match(r"# (COMPOSE_PROFILES|STEADYRL_ORCHESTRATOR_POLICY_EVAL)=", line))
+                     if re.match(r"# COMPOSE_PROFILES=", line))
     assert commented["COMPOSE_PROFILES"] in services["inference-policy"]["profiles"]
-    check_settings("orchestrator", steadyrl_env(commented, "orchestrator"))
-    assert steadyrl_env(commented, "orchestrator") == {"STEADYRL_ORCHESTRATOR_POLICY_EVAL": "true"}
-    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
-    replicas = next(job for job in scrape if job["job_name"] == "steadyrl-inference")
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    replicas = next(job for job in scrape["scrape_configs"] if job["job_name"] == "steadyrl-inference")
     assert replicas["dns_sd_configs"][0]["names"] == ["inference"]  # π's replica answers to it too (an alias):
     assert services["inference-policy"]["networks"] == {"default": {"aliases": ["inference"]}}  # no failed lookup
+    assert scrape["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    from steadyrl.run_config import load_run_config
+
+    assert doc["x-recipe"] == "/etc/steadyrl/tiny-arith.toml"  # `up` carries the recipe's run id, as the samples do
+    run_id = load_run_config(ROOT / "configs" / "tiny-arith.toml").run_id
+    assert all(job["honor_labels"] and job["relabel_configs"] == [{"target_label": "run", "replacement": run_id}]
+               for job in scrape["scrape_configs"])
+    assert "./deploy/alertmanager:/etc/alertmanager:ro" in services["alertmanager"]["volumes"]
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
     with pytest.raises(ValueError, match="learning_rat"):  # a typo in an env name fails
         check_settings("trainer", {"STEADYRL_TRAINER_LEARNING_RAT": "1"})
@@ -109,11 +162,55 @@ def render(overlay: str, deploy: Path = DEPLOY) -> list[dict]:
 
 def render_with_policy_eval(overlay: str, tmp_path: Path) -> list[dict]:
     """The overlay with components/policy-eval added, as its comment tells a user to: in a copy of deploy/."""
-    deploy = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns("node_modules"))
+    deploy = copy_deploy(tmp_path)
     with open(deploy / "k8s" / "overlays" / overlay / "kustomization.yaml", "a") as f:
         f.write("components:\n  - ../../components/policy-eval\n")
     return render(overlay, deploy)
+
+
+def copy_deploy(tmp_path: Path) -> Path:
+    """deploy/ and configs/ (the recipes ConfigMap's files) copied side by side, to edit and render."""
+    shutil.copytree(DEPLOY, tmp_path / "deploy", ignore=shutil.ignore_patterns("node_modules"))
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    return tmp_path / "deploy"
+
+
+def container_env(container: dict, docs: list[dict]) -> dict[str, str]:
+    """A container's environment as the kubelet gives it: ConfigMap keys looked up in the rendered
+    ConfigMaps, a pod field as a stand-in name, a Secret key as "secret"."""
+    maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    env = {}
+    for e in container.get("env", []):
+        source = e.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            env[e["name"]] = maps[source["configMapKeyRef"]["name"]][source["configMapKeyRef"]["key"]]
+        elif "fieldRef" in source:
+            env[e["name"]] = "pod-0"
+        else:
+            env[e["name"]] = e.get("value", "secret")
+    return env
+
+
+def recipes_of(docs: list[dict], tmp_path: Path) -> Path:
+    """The files of the rendered ConfigMap steadyrl-recipes, written out (what a pod mounts at
+    /etc/steadyrl): the run recipes of configs/, each equal to its file."""
+    recipes = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "steadyrl-recipes")["data"]
+    runnable = {p.name for p in (ROOT / "configs").glob("*.toml") if "[grid]" not in p.read_text()}
+    assert set(recipes) == runnable  # every run recipe, no experiment grid
+    folder = tmp_path / "etc-steadyrl"
+    folder.mkdir(exist_ok=True)
+    for name, text in recipes.items():
+        assert text == (ROOT / "configs" / name).read_text(), name
+        (folder / name).write_text(text)
+    return folder
+
+
+RECIPES = {"cpu": ("tiny-arith.toml", "tiny-arith", 0), "gpu": ("gpu-qwen3-moe-math.toml", "qwen3-moe-math", 12)}
+
+
+def workloads(docs: list[dict]) -> dict[str, dict]:
+    """Deployments and StatefulSets by name."""
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
@@ -123,48 +220,98 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     version = kubernetes_validate.latest_version()
     docs = render(overlay)
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == sorted(["ConfigMap", "Deployment", "ScaledObject", "PodMonitor", "PrometheusRule", "Service",
-                            "StatefulSet", *(["PersistentVolumeClaim"] if overlay == "gpu" else [])])
+    assert kinds == sorted(["ConfigMap", "Deployment", "ScaledObject", "PodMonitor", "PrometheusRule",
+                            "AlertmanagerConfig", "Service", "StatefulSet", "NetworkPolicy", "PodDisruptionBudget",
+                            *(["PersistentVolumeClaim", "Job"] if overlay == "gpu" else [])])
     for doc in docs:
-        if doc["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject"):  # CRDs: checked below
+        if doc["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject", "AlertmanagerConfig"):  # CRDs: below
             continue
         kubernetes_validate.validate(doc, version, strict=True)
-    dashboard = next(d for d in docs if d["kind"] == "ConfigMap")  # Grafana's sidecar loads it
-    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert {d["metadata"].get("namespace") for d in docs} == {"steadyrl"}
+    dashboard = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "steadyrl-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"  # Grafana's sidecar loads it
     assert json.loads(dashboard["data"]["steadyrl.json"]) == json.loads(
         (DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text())
-    for kind in ("PodMonitor", "PrometheusRule"):  # what kube-prometheus-stack selects by default
+    for kind in ("PodMonitor", "PrometheusRule", "AlertmanagerConfig"):  # what kube-prometheus-stack selects by default
         assert next(d for d in docs if d["kind"] == kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    for doc in docs:
-        if doc["kind"] not in ("Deployment", "StatefulSet"):
+    routes = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
+    inhibits = next(d for d in docs if d["kind"] == "AlertmanagerConfig")["spec"]["inhibitRules"]
+    as_text = [([f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in r["sourceMatch"]],
+                [f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in r["targetMatch"]]) for r in inhibits]
+    assert as_text == [(r["source_matchers"], r["target_matchers"]) for r in routes["inhibit_rules"]]
+    for doc in docs:  # hardened: every pod and container
+        if doc["kind"] not in ("Deployment", "StatefulSet", "Job"):
             continue
-        container = doc["spec"]["template"]["spec"]["containers"][0]
-        module = container.get("args", [""])[0]
-        if module in SERVICE_OF:
-            kind = SERVICE_OF[module]
-            env = {e["name"]: e.get("value", "secret") for e in container["env"]}
-            check_settings(kind, steadyrl_env(env, kind))
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, doc["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                    "capabilities": {"drop": ["ALL"]}}, container["name"]
+            assert "resources" in container and container["resources"]["limits"]["memory"]
+            env = {e["name"]: e for e in container.get("env", [])}
+            assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in env.values())  # secrets: files only
+            assert "$(" not in json.dumps(env)  # no secret spliced into a URL
+        if service_of(pod["containers"][0].get("args", [])):
+            container = pod["containers"][0]
+            secrets = next(v for v in pod["volumes"] if v["name"] == "secrets")["secret"]
+            mounted = {i["key"] for i in secrets["items"]}
+            assert secrets["secretName"] == "steadyrl-secrets" and "token" in mounted
+            name = doc["metadata"]["name"].removesuffix("-policy")
+            assert ("redis-password" in mounted) == (name != "weightsync")  # each pod its own keys alone
+            assert ("weights-signing-key" in mounted) == (name in ("trainer", "weightsync"))
             assert "grpc" in container["livenessProbe"]  # native gRPC health probes
             assert container["resources"]["requests"]
-        assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    orchestrator = next(d for d in docs if d["metadata"]["name"] == "orchestrator" and d["kind"] != "Service")
-    assert {"name": "STEADYRL_ORCHESTRATOR_AUTOSTART", "value": "true"} in \
-        orchestrator["spec"]["template"]["spec"]["containers"][0]["env"]  # the run starts by itself
-    inference = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "inference")
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    budgets = {name: d["spec"] for (kind, name), d in named.items() if kind == "PodDisruptionBudget"}
+    assert budgets["inference"] == {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "inference"}}}
+    assert all(budgets[n]["maxUnavailable"] == 0 for n in ("trainer", "redis", "weightsync", "orchestrator"))
+    policies = {name: d["spec"] for (kind, name), d in named.items() if kind == "NetworkPolicy"}
+    assert policies["default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    redis_from = policies["redis"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+    assert sorted(redis_from) == ["inference", "inference-policy", "orchestrator", "trainer"]  # not weight-sync
+    orchestrator = workloads(docs)["orchestrator"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "STEADYRL_ORCHESTRATOR_AUTOSTART", "value": "true"} in orchestrator["env"]  # starts by itself
+    inference = workloads(docs)["inference"]
     scaler = next(d for d in docs if d["kind"] == "ScaledObject")  # autoscaling on work, owning the count
     assert scaler["apiVersion"] == "keda.sh/v1alpha1" and scaler["spec"]["scaleTargetRef"] == {"name": "inference"}
     trigger = scaler["spec"]["triggers"][0]
-    assert trigger["type"] == "prometheus" and "steadyrl_orchestrator_queue_depth" in trigger["metadata"]["query"]
-    assert int(trigger["metadata"]["threshold"]) >= 1 and "replicas" not in inference["spec"]
-    container = inference["spec"]["template"]["spec"]["containers"][0]
-    engine = {e["name"]: e.get("value") for e in container["env"]}["STEADYRL_INFERENCE_ENGINE"]
+    _, run_id, _ = RECIPES[overlay]
+    assert trigger["type"] == "prometheus" and int(trigger["metadata"]["threshold"]) >= 1
+    assert trigger["metadata"]["query"].count(f'namespace="steadyrl", run="{run_id}"') == 2  # this run's work alone
+    assert "replicas" not in inference["spec"]
     if overlay == "gpu":
         check_gpu_overlay(docs)
-        assert engine == "vllm"
     else:
-        assert "nvidia.com/gpu" not in container["resources"].get("limits", {}) and engine == "torch"
+        assert "nvidia.com/gpu" not in inference["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_every_service_of_an_overlay_resolves_its_recipe_as_steadyrl_run_does(overlay, tmp_path):
+    """The settings each pod's service builds — the recipe the ConfigMap names, from the recipes
+    ConfigMap, under the pod's own variables — equal `steadyrl run --dry-run` of that recipe but
+    for what a deployment places; every pod carries the run's label."""
+    recipe, run_id, gpus = RECIPES[overlay]
+    docs = render(overlay)
+    folder = recipes_of(docs, tmp_path)
+    printed = dry_run_settings(recipe, gpus)
+    resolved = {}
+    for name, doc in workloads(docs).items():
+        container = doc["spec"]["template"]["spec"]["containers"][0]
+        kind = service_of(container.get("args", []))
+        assert doc["spec"]["template"]["metadata"]["labels"]["steadyrl.io/run"] == run_id, name
+        if kind is None:
+            continue
+        env = container_env(container, docs)
+        resolved[name] = recipe_driven(kind, env, folder, printed)
+        assert {"name": "recipes", "mountPath": "/etc/steadyrl", "readOnly": True} in container["volumeMounts"]
+    assert set(resolved) == {"weightsync", "trainer", "inference", "orchestrator"}
+    if overlay == "gpu":  # the model at the recipe's path: no pod overrides it
+        assert {s["model_path"] for n, s in resolved.items() if n != "weightsync"} == {"/models/Qwen3-30B-A3B"}
+        assert resolved["trainer"]["gpus"] == 8 and resolved["inference"]["engine"] == "vllm"
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
@@ -187,8 +334,8 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     # pool, one fixed replica, and labels of its own: the rollout replicas' Service and KEDA scaler do not
     # select it, the PodMonitor does
     expected = json.loads(json.dumps(inference))
-    expected["metadata"] = {"name": "inference-policy", "labels": {**inference["metadata"].get("labels", {}),
-                                                                  "app": "inference-policy"}}
+    expected["metadata"] = {"name": "inference-policy", "namespace": "steadyrl",
+                            "labels": {**inference["metadata"].get("labels", {}), "app": "inference-policy"}}
     expected["spec"]["replicas"] = 1
     expected["spec"]["selector"]["matchLabels"]["app"] = "inference-policy"
     expected["spec"]["template"]["metadata"]["labels"]["app"] = "inference-policy"
@@ -207,9 +354,15 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     assert not any(e["name"] == "STEADYRL_ORCHESTRATOR_POLICY_EVAL"
                    for d in plain if d["kind"] == "Deployment" and d["metadata"]["name"] == "orchestrator"
                    for e in d["spec"]["template"]["spec"]["containers"][0]["env"])
+    from steadyrl.service_settings import deployed_settings
+
+    resolved = container_env(policy["spec"]["template"]["spec"]["containers"][0], docs)
+    name = resolved["STEADYRL_RECIPE"].removeprefix("/etc/steadyrl/")
+    settings = deployed_settings("inference", {**resolved, "STEADYRL_RECIPE": str(ROOT / "configs" / name)})
+    assert (settings.pool, settings.quantization, settings.run_id) == ("policy_eval", "none", RECIPES[overlay][1])
     if overlay == "gpu":
         limits = policy["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert limits["nvidia.com/gpu"] == 2 and env["STEADYRL_INFERENCE_ENGINE"] == "vllm"
+        assert limits["nvidia.com/gpu"] == 2 and settings.engine == "vllm" and settings.gpus_per_replica == 2
 
 
 def validate_crds(docs: list[dict]) -> list[dict]:
@@ -223,9 +376,10 @@ def validate_crds(docs: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_custom_resources_validate_against_their_crd_schemas(overlay):
-    crds = [d for d in render(overlay) if d["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject")]
+    crds = [d for d in render(overlay) if d["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject",
+                                                        "AlertmanagerConfig")]
     results = validate_crds(crds)
-    assert sorted(r["kind"] for r in results) == ["PodMonitor", "PrometheusRule", "ScaledObject"]
+    assert sorted(r["kind"] for r in results) == ["AlertmanagerConfig", "PodMonitor", "PrometheusRule", "ScaledObject"]
     assert all(r["errors"] == [] for r in results), results
     broken = json.loads(json.dumps(crds))  # the schemas do bite: one mistake in each
     for doc in broken:
@@ -233,25 +387,24 @@ def test_custom_resources_validate_against_their_crd_schemas(overlay):
             doc["spec"]["minReplicaCount"] = "two"
         elif doc["kind"] == "PodMonitor":
             doc["spec"]["podMetricsEndpoints"][0]["interval"] = "every 15 s"
+        elif doc["kind"] == "AlertmanagerConfig":
+            doc["spec"]["inhibitRules"][0]["sourceMatch"][0]["matchType"] = "~~"
         else:
             del doc["spec"]["groups"][0]["rules"][0]["expr"]
     errors = {r["kind"]: r["errors"] for r in validate_crds(broken)}
     assert errors["ScaledObject"] == ["data/spec/minReplicaCount must be integer"]
     assert errors["PodMonitor"][0].startswith("data/spec/podMetricsEndpoints/0/interval must match pattern")
     assert errors["PrometheusRule"] == ["data/spec/groups/0/rules/0 must have required property expr"]
+    assert errors["AlertmanagerConfig"][0].startswith("data/spec/inhibitRules/0/sourceMatch/0/matchType must be equal to one of")
 
 
 def check_gpu_overlay(docs: list[dict]) -> None:
-    """What a real GPU run needs of the pods: the shape of configs/gpu-qwen3-moe-math.toml."""
-    import tomllib
-
-    recipe = tomllib.loads((ROOT / "configs" / "gpu-qwen3-moe-math.toml").read_text())
-    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
-    for name, gpus in (("inference", recipe["inference"]["gpus_per_replica"]), ("trainer", recipe["trainer"]["gpus"])):
+    """What a real GPU run needs of the pods: GPUs and the trainer's launcher from the recipe, long
+    startup probes, /dev/shm, the model volume read-only, filled by a Job on a ReadWriteMany claim."""
+    pods = {name: d["spec"]["template"]["spec"] for name, d in workloads(docs).items()}
+    for name in ("inference", "trainer"):
         pod = pods[name]
         container = pod["containers"][0]
-        env = {e["name"]: e.get("value") for e in container["env"]}
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus, name
         probe = container["startupProbe"]  # a large model's load is not killed by the liveness probe
         assert "grpc" in probe and probe["failureThreshold"] * probe["periodSeconds"] >= 900, name
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -260,14 +413,21 @@ def check_gpu_overlay(docs: list[dict]) -> None:
         assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "steadyrl-models",
                                                                                  "readOnly": True}}, name
         assert pod["runtimeClassName"] == "nvidia" and "initContainers" not in pod, name
-        if name == "inference":
-            assert env["STEADYRL_INFERENCE_GPUS_PER_REPLICA"] == str(gpus) and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-        else:
-            assert container["args"][:3] == ["torch.distributed.run", "--nproc_per_node", str(gpus)]
-            assert env["STEADYRL_TRAINER_GPUS"] == str(gpus) and env["STEADYRL_TRAINER_PARALLEL"] == "fsdp"
+    env = {e["name"]: e.get("value") for e in pods["inference"]["containers"][0]["env"]}
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert pods["trainer"]["containers"][0]["args"] == ["steadyrl.cli", "trainer-node"]  # torchrun × trainer.gpus
     assert "initContainers" not in pods["orchestrator"]
-    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
-    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert {"name": "data", "mountPath": "/data", "readOnly": True} in pods["orchestrator"]["containers"][0]["volumeMounts"]
+    claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert claims["steadyrl-models"]["accessModes"] == ["ReadWriteMany"]  # a Job can fill it
+    assert claims["steadyrl-data"]["accessModes"] == ["ReadWriteMany"]
+    fill = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "model-fill")["spec"]["template"]
+    container = fill["spec"]["containers"][0]
+    assert container["args"][:3] == ["huggingface_hub.cli.hf", "download", "Qwen/Qwen3-30B-A3B"]
+    assert container["args"][-2:] == ["--local-dir", "/models/Qwen3-30B-A3B"]  # the recipe's model.path
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "steadyrl-models"}} in fill["spec"]["volumes"]
+    egress = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "model-fill-egress")
+    assert egress["spec"]["podSelector"] == {"matchLabels": {"app": fill["metadata"]["labels"]["app"]}}  # it alone leaves
 
 
 # --- prometheus and grafana ----------------------------------------------------------------------
@@ -305,21 +465,77 @@ def test_every_alert_fires_on_a_failure_and_stays_quiet_on_a_healthy_run():
             "SteadyrlDeadLetters", "SteadyrlWeightSyncFailures", "SteadyrlCollapseEarlyWarning"} <= alerts
 
 
-def test_the_inference_scaler_counts_the_rollout_pool_s_work_alone(tmp_path):
-    """KEDA's query, evaluated by promtool on one value per state the orchestrator exports: it
-    sums the rollouts pool's pending and leased tasks (3 + 5), not π's (`pending_policy`,
-    `leased_policy`), completed ones or the rollout stream."""
-    scaler = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "base" / "inference" / "inference.yaml").read_text())
-                  if d["kind"] == "ScaledObject")
-    states = {"pending": 3, "leased": 5, "pending_policy": 7, "leased_policy": 11, "completed": 100, "dead": 13,
-              "rollouts": 17}
-    assert {f.name for f in dataclasses.fields(QueueDepths)} == set(states)  # the orchestrator exports each field
-    series = [{"series": f'steadyrl_orchestrator_queue_depth{{state="{k}", job="steadyrl"}}', "values": f"{v}x5"}
-              for k, v in states.items()]
+def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path: Path) -> list[str]:
+    """The queue-depth series a real orchestrator exports (its /metrics, run label included) after
+    real work on a real Redis: 6 train tasks queued, 2 of them leased, π's eval tasks queued
+    and one leased, one task completed."""
+    import asyncio
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from redis.asyncio import Redis
+
+    from services.orchestrator.config import OrchestratorSettings
+    from services.orchestrator.orchestrator import Orchestrator
+    from services.orchestrator.server import create_app
+    from shared.queues import WorkQueue
+
+    async def main() -> str:
+        redis = Redis.from_url(redis_url)
+        settings = OrchestratorSettings(model_path=str(model_dir), redis_url=redis_url, run_id=run_id,
+                                        out_dir=tmp_path, batch_prompts=4, group_size=2, steps=10, eval_size=5)
+        orchestrator = Orchestrator(settings, redis)
+        await redis.hset(orchestrator.keys.run, "state", "running")
+        assert await orchestrator.admit() == 8
+        tasks = [orchestrator.tasks.make(f"evalpi-{i}", orchestrator.tasks.train[i], 1, 0.0, True, 0) for i in range(3)]
+        await orchestrator.queue.submit_many(tasks)
+        rollouts, policy = WorkQueue(redis, run_id), WorkQueue(redis, run_id, pool="policy_eval")
+        leased = await rollouts.lease("r0", 60, count=3)
+        assert await rollouts.complete("r0", leased[0].task_id, [b"x", b"y"])
+        await policy.lease("r1", 60, count=1)
+        await orchestrator.tick()
+        transport = httpx.ASGITransport(app=create_app(orchestrator, "token"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            text = (await http.get("/metrics")).text
+        await orchestrator.close()
+        await redis.aclose()
+        return text
+
+    text = asyncio.run(asyncio.wait_for(main(), 60))
+    series = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "steadyrl_orchestrator_queue_depth":
+                labels = ", ".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                series.append((labels, sample.value))
+    return series
+
+
+def test_the_inference_scaler_counts_this_run_s_rollout_work_alone(redis_server, run_id, tiny_model_dir, tmp_path):
+    """KEDA's query (the gpu overlay's), by promtool, on the series a real orchestrator exported
+    after real queue work (its own `run` label, the namespace Prometheus adds) beside the same
+    series of another run and of another namespace: it sums this run's train tasks queued and
+    leased (5 + 2 = 7), not μ's eval round (5 tasks queued with them in the rollouts pool), π's
+    (pending_policy, leased_policy), completed ones, the stream, nor any other run's work."""
+    scaler = next(d for d in render("gpu") if d["kind"] == "ScaledObject")
+    query = scaler["spec"]["triggers"][0]["metadata"]["query"]
+    run = RECIPES["gpu"][1]
+    exported = exported_queue_series(redis_server.url, run, tiny_model_dir, tmp_path)
+    depth = {re.search(r'state="(\w+)"', labels).group(1): value for labels, value in exported}
+    assert {f.name for f in dataclasses.fields(QueueDepths)} == set(depth)  # the orchestrator exports each field
+    assert (depth["pending"], depth["leased"], depth["pending_policy"], depth["leased_policy"]) == (10, 2, 2, 1)
+    assert (depth["pending_eval"], depth["leased_eval"]) == (5, 0)  # μ's baseline eval round, queued by the tick
+    assert all(f'run="{run}"' in labels for labels, _ in exported)
+    series = []
+    for labels, value in exported:
+        for namespace, other in (("steadyrl", ""), ("steadyrl", "other-run"), ("elsewhere", "")):
+            text = labels.replace(f'run="{run}"', f'run="{other}"') if other else labels
+            series.append({"series": f'steadyrl_orchestrator_queue_depth{{{text}, namespace="{namespace}", '
+                                     f'job="steadyrl-orchestrator"}}', "values": f"{value:g}x5"})
     case = {"rule_files": [], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series,
-                       "promql_expr_test": [{"expr": scaler["spec"]["triggers"][0]["metadata"]["query"],
-                                             "eval_time": "2m", "exp_samples": [{"labels": "{}", "value": 8}]}]}]}
+                       "promql_expr_test": [{"expr": query, "eval_time": "2m",
+                                             "exp_samples": [{"labels": "{}", "value": 7}]}]}]}
     (tmp_path / "scaler_test.yml").write_text(yaml.safe_dump(case))
     done = subprocess.run([promtool(), "test", "rules", "scaler_test.yml"], capture_output=True, text=True,
                           cwd=tmp_path)
@@ -350,13 +566,18 @@ def test_dashboard_and_alerts_name_only_exported_metrics():
     assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {"${datasource}"}  # any Prometheus, no fixed uid
     assert dashboard["templating"]["list"][0] == {"name": "datasource", "label": "Prometheus", "type": "datasource",
                                                   "query": "prometheus", "current": {}, "hide": 0, "refresh": 1}
+    run = dashboard["templating"]["list"][1]  # a run variable: two runs in one Prometheus stay apart
+    assert run["name"] == "run" and run["query"]["query"] == "label_values(steadyrl_orchestrator_queue_depth, run)"
+    selectors = [m for e in exprs for m in re.findall(r"(?:steadyrl_|vllm:)[a-z0-9_]+(\{[^}]*\})?", e)]
+    assert selectors and all('run=~"$run"' in m for m in selectors)  # every series of the panels scoped to it
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
     named = {m for e in exprs for m in re.findall(r"steadyrl_[a-z0-9_]+", e)}
     assert named and not (named - exported), sorted(named - exported)
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("reward", "entropy", "mismatch kl", "is weights", "clip", "staleness", "routing agreement",
-                  "first-order", "tokens/s", "queue", "weight-sync", "version"):
+                  "first-order", "tokens/s", "queue", "weight-sync", "version", "weight publishes and failures",
+                  "in-flight tasks", "running sequences", "leases lost", "loading", "kv-cache usage"):
         assert topic in titles, topic
     used = " ".join(exprs)
     for name in ("mismatch_kl_k3", "entropy", "staleness_max"):  # the collapse and budget alerts
@@ -368,7 +589,7 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
     assert prometheus, "prometheus is missing: scripts/install installs Debian's package as root"
     grpc_port, metrics_port, web_port = free_port(), free_port(), free_port()
     env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(grpc_port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics_port),
-           "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill")}
+           "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"), "STEADYRL_WEIGHTSYNC_RUN_ID": "scraped-run"}
     service = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s"},
@@ -392,6 +613,7 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
             if result:
                 break
         assert result and result[0]["metric"]["job"] == "steadyrl-weightsync"
+        assert result[0]["metric"]["run"] == "scraped-run"  # the service labels its samples with its run
         assert float(result[0]["value"][1]) == 0.0  # nothing pushed yet
     finally:
         for process in (server, service):

@@ -50,20 +50,27 @@ LOCKS = {"Dockerfile": "requirements-cpu.lock", "Dockerfile.gpu": "requirements-
 def test_dependencies_install_from_the_lock_before_the_source_is_copied(name):
     build = instructions(name)[0]
     at = {args.split()[0]: i for i, (op, args) in enumerate(build) if op == "COPY"}
-    deps = next(i for i, (op, args) in enumerate(build) if op == "RUN" and "-r requirements.lock" in args)
+    deps = next(i for i, (op, args) in enumerate(build) if op == "RUN" and "requirements.lock" in args)
+    assert "pip install --require-hashes --no-deps -r" in build[deps][1]  # every package by its hash
     assert at[f"deploy/docker/{LOCKS[name]}"] < deps < min(at[d] for d in ("pyproject.toml", "shared", "steadyrl"))
     assert any(op == "RUN" and "--no-deps ." in args for op, args in build[deps:])
 
 
 def pinned(lock: str) -> dict[str, str]:
+    """name → version of every entry; each entry hashed but the CPU lock's torch (scripts/lock)."""
     from packaging.utils import canonicalize_name
 
-    pins = {}
+    pins, hashes, name = {}, {}, ""
     for line in (DOCKER / lock).read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
+        if line.startswith(" "):
+            hashes[name] += line.strip().startswith("--hash=sha256:")
+        elif line and not line.startswith("#"):
+            name, _, version = line.removesuffix(" \\").partition("==")
+            name = canonicalize_name(name)
             assert version, f"{lock}: {line!r} is not pinned"
-            pins[canonicalize_name(name)] = version
+            pins[name], hashes[name] = version, 0
+    unhashed = sorted(n for n, count in hashes.items() if not count)
+    assert unhashed == (["torch"] if lock == LOCKS["Dockerfile"] else []), unhashed
     return pins
 
 
@@ -101,11 +108,26 @@ def test_compose_volume_paths_exist_in_the_image_and_belong_to_the_runtime_user(
     mounts = {spec.split(":")[1] for service in compose["services"].values()
               if service.get("image", "").startswith("steadyrl")
               for spec in service.get("volumes", []) if not spec.startswith(".")}
-    mounts |= {spec.split(":")[1] for spec in compose.get("x-steadyrl", {}).get("volumes", [])}
+    mounts |= {spec.split(":")[1] for spec in compose.get("x-steadyrl", {}).get("volumes", []) if not spec.startswith(".")}
     assert mounts >= {"/models", "/home/steadyrl/runs"}
     for path in mounts:
         assert any(path == c or path.startswith(c + "/") for c in created), f"{path} is not created in {name}"
         assert any(path == o or path.startswith(o + "/") for o in owned), f"{path} is not owned by 10001 in {name}"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_image_carries_the_recipes_where_the_services_look(name):
+    runtime = instructions(name)[-1]
+    assert ("COPY", "configs /etc/steadyrl") in runtime  # STEADYRL_RECIPE=/etc/steadyrl/<recipe>
+
+
+def test_the_build_context_leaves_out_secrets_environments_and_what_no_image_copies():
+    ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    for pattern in (".env", ".venv", ".git", "runs", "tests", "**/__pycache__"):
+        assert pattern in ignored, pattern
+    copied = {args.split()[0] for name in DOCKERFILES for stage in instructions(name) for op, args in stage
+              if op == "COPY" and not args.startswith("--from")}
+    assert copied and not copied & set(ignored)  # nothing an image copies is left out
 
 
 def test_the_gpu_image_uses_its_base_images_python_and_has_a_compiler_for_triton():
@@ -114,4 +136,4 @@ def test_the_gpu_image_uses_its_base_images_python_and_has_a_compiler_for_triton
     assert bases == ["ubuntu:24.04", "ubuntu:24.04"] and "python3.11" not in text  # 24.04 ships Python 3.12
     assert "--python-version 3.12" in (ROOT / "scripts" / "lock").read_text()  # the lock is for that Python
     runtime = " ".join(args for op, args in instructions("Dockerfile.gpu")[-1] if op == "RUN")
-    assert all(package in runtime.split() for package in ("gcc", "libc6-dev", "python3-dev"))
+    assert all(package in runtime.split() for package in ("gcc", "g++", "libc6-dev", "python3-dev"))

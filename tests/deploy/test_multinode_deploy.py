@@ -5,14 +5,21 @@ its command resolved the same way."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from tests.deploy.test_deploy import DEPLOY, ROOT, check_settings, render, steadyrl_env
+from tests.deploy.test_deploy import (
+    DEPLOY,
+    ROOT,
+    check_settings,
+    container_env,
+    copy_deploy,
+    render,
+    steadyrl_env,
+)
 
 SRUN = """#!/bin/bash
 # srun stand-in: record the flags, run the command once as --dry-run
@@ -69,20 +76,46 @@ def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous():
     assert done.returncode == 2 and "rdzv_endpoint" in done.stderr
 
 
+def jobset_errors(jobset: dict) -> list[str]:
+    """The JobSet against its CRD's schema (deploy/schemas/jobset.x-k8s.io_v1alpha2.json, upstream's
+    with the Job spec pruned), strict like kubernetes-validate: a field the schema does not name is
+    an error."""
+    import jsonschema
+
+    def strict(node):
+        if isinstance(node, dict):
+            if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            for value in node.values():
+                strict(value)
+        elif isinstance(node, list):
+            for value in node:
+                strict(value)
+        return node
+
+    schema = strict(json.loads((DEPLOY / "schemas" / "jobset.x-k8s.io_v1alpha2.json").read_text()))
+    validator = jsonschema.Draft7Validator(schema)
+    return sorted(f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(jobset))
+
+
 def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the_service(tmp_path):
     import kubernetes_validate
 
-    deploy = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns("node_modules"))
+    deploy = copy_deploy(tmp_path)
     with open(deploy / "k8s" / "overlays" / "gpu" / "kustomization.yaml", "a") as f:
         f.write("components:\n  - ../../components/multinode-trainer\n")
     docs = render("gpu", deploy)
     assert not [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "trainer"]
     jobset = next(d for d in docs if d["kind"] == "JobSet")
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert jobset_errors(jobset) == []  # the CRD's schema; the Job template below, Kubernetes' own
+    broken = json.loads(json.dumps(jobset))
+    broken["spec"]["failurePolicy"]["maxRestarts"] = "three"
+    broken["spec"]["replicatedJob"] = broken["spec"].pop("replicatedJobs")
+    assert jobset_errors(broken) == [
+        "spec/failurePolicy/maxRestarts: 'three' is not of type 'integer'",
+        "spec: Additional properties are not allowed ('replicatedJob' was unexpected)"]
     spec = jobset["spec"]
-    assert set(spec) <= {"replicatedJobs", "network", "failurePolicy", "successPolicy", "startupPolicy", "suspend",
-                         "coordinator", "managedBy", "ttlSecondsAfterFinished"}  # the CRD's spec fields
     assert spec["failurePolicy"]["maxRestarts"] >= 1 and spec["network"]["enableDNSHostnames"] is True
     [nodes] = spec["replicatedJobs"]
     job = nodes["template"]
@@ -92,14 +125,16 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == job["spec"]["completions"]
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    env = {e["name"]: e.get("value", "secret") for e in container["env"]}
+    env = container_env(container, docs)
     check_settings("trainer", steadyrl_env(env, "trainer"))
-    assert env["STEADYRL_TRAINER_NODES"] == str(job["spec"]["parallelism"])
+    assert env["STEADYRL_RECIPE"] == "/etc/steadyrl/gpu-qwen3-moe-math.toml"  # the gpu overlay's recipe...
+    assert env["STEADYRL_TRAINER_NODES"] == str(job["spec"]["parallelism"])  # ...spread over the nodes
     # pod 0's DNS name under the JobSet's headless Service: <jobset>-<job>-<job index>-<pod index>.<subdomain>
     host = f"{jobset['metadata']['name']}-{nodes['name']}-0-0.{spec['network']['subdomain']}"
     assert env["STEADYRL_TRAINER_RDZV_ENDPOINT"] == f"{host}:29500"
     assert container["args"] == ["steadyrl.cli", "trainer-node", "--node-rank", "$(JOB_COMPLETION_INDEX)"]
-    resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer")}, "--node-rank", "0")
+    recipe = {"STEADYRL_RECIPE": str(ROOT / "configs" / "gpu-qwen3-moe-math.toml")}
+    resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer"), **recipe}, "--node-rank", "0")
     assert resolved["argv"][1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
                                     "--node-rank", "0", "--master-addr", host, "--master-port", "29500",
                                     "-m", "services.trainer"]
@@ -109,5 +144,10 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     assert claims["trainer-data"]["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes its shards
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "trainer-data"}} in pod["volumes"]
     assert env["STEADYRL_TRAINER_PARALLEL"] == "hsdp" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    trainer = resolved["env"]  # B, G, N, precision... come from the recipe, not the JobSet
+    assert (trainer["STEADYRL_TRAINER_BATCH_PROMPTS"], trainer["STEADYRL_TRAINER_MINI_BATCHES"],
+            trainer["STEADYRL_TRAINER_PRECISION"], trainer["STEADYRL_TRAINER_RUN_ID"]) == (
+        "64", "4", "bf16-mixed", "qwen3-moe-math")
+    assert not {"STEADYRL_TRAINER_BATCH_PROMPTS", "STEADYRL_TRAINER_GPUS", "STEADYRL_TRAINER_PRECISION"} & set(env)
     assert yaml.safe_dump(jobset)  # renders back
     assert Path(deploy / "slurm" / "trainer.sbatch").exists()

@@ -136,7 +136,7 @@ def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_i
         policy = WorkQueue(redis, run_id, pool="policy_eval")
         await queue.submit_many([task("train-0"), task("evalpi-0-0", 1), task("eval-0-0", 1)])
         depths = await queue.depths()
-        assert (depths.pending, depths.pending_policy) == (2, 1)
+        assert (depths.pending, depths.pending_policy, depths.pending_eval) == (2, 1, 1)  # μ's eval-0-0 counted apart
         [leased] = await policy.lease("p", 0.05, count=5)
         assert leased.task_id == "evalpi-0-0"
         depths = await queue.depths()  # a scaler on the rollouts pool's pending + leased does not see π's task
@@ -149,6 +149,7 @@ def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_i
         [again] = await policy.lease("p", 30)
         depths = await queue.depths()
         assert (depths.pending, depths.leased, depths.pending_policy, depths.leased_policy) == (0, 2, 0, 1)
+        assert (depths.pending_eval, depths.leased_eval) == (0, 1)  # training work: leased - leased_eval = 1
         assert (again.task_id, again.attempt) == ("evalpi-0-0", 1)
         assert await policy.complete_many("p", [("evalpi-0-0", [b"pi"])], {"evalpi-0-0"}) == [True]
         assert [e[1][b"r"] for e in await redis.xrange(queue.keys["evals"])] == [b"pi"]
@@ -172,3 +173,33 @@ def test_redis_server_in_a_relative_directory(tmp_path, monkeypatch):
     with RedisServer(Path("runs") / "r" / "redis") as server:  # `steadyrl run --out runs/...` is relative
         assert redis.Redis.from_url(server.url).ping()
         assert server.directory == tmp_path / "runs" / "r" / "redis" and (server.directory / "redis.log").exists()
+
+
+def test_a_redis_password_with_url_characters_works_escaped_in_the_url_or_from_a_file(tmp_path):
+    """A password holding @ / : # ? % either URL-escaped in redis_url or, as deployments mount it, in
+    redis_password_file beside a URL without one (nothing to escape); a wrong one is refused."""
+    import redis.exceptions
+
+    from services.orchestrator.config import OrchestratorSettings
+    from shared.redis_server import RedisServer
+
+    password = "p@ss/w:rd#?%&"
+    server = RedisServer(tmp_path / "redis", password=password).start()
+    try:
+        (tmp_path / "password").write_text(password + "\n")
+        (tmp_path / "wrong").write_text("nope")
+        bare = f"redis://127.0.0.1:{server.port}/0"
+
+        async def ping(**fields) -> bool:
+            client = OrchestratorSettings(model_path="m", **fields).redis()
+            try:
+                return await client.ping()
+            finally:
+                await client.aclose()
+
+        assert "%40" in server.url and asyncio.run(ping(redis_url=server.url))
+        assert asyncio.run(ping(redis_url=bare, redis_password_file=tmp_path / "password"))
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            asyncio.run(ping(redis_url=bare, redis_password_file=tmp_path / "wrong"))
+    finally:
+        server.stop()

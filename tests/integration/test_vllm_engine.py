@@ -59,6 +59,10 @@ def test_vllm_logprobs_match_the_torch_recompute(tiny_model_dir, probe):
     assert all(s["versions"] == [0] * len(s["token_ids"]) for s in out["v0"])
     assert len({tuple(s["token_ids"]) for s in out["v0"]}) > 1  # per-sample seeds: samples differ
     assert not out["capabilities"]["routing_trace"] and "V2 model runner" in out["trace_error"]
+    # vLLM's own engine metrics land in the process's registry, which the replica's /metrics serves
+    metrics = out["vllm_metrics"]
+    assert {"vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running"} <= set(metrics)
+    assert metrics["vllm:prompt_tokens_total"] >= sum(map(len, prompts)) and metrics["vllm:generation_tokens_total"] > 0
 
 
 def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):

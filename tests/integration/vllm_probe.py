@@ -63,6 +63,12 @@ def main() -> None:
         out["trace_error"] = ""
     except ValueError as exc:
         out["trace_error"] = str(exc)
+    from prometheus_client import REGISTRY
+
+    out["vllm_metrics"] = {s.name: s.value for m in REGISTRY.collect() for s in m.samples
+                           if s.name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
+                                         "vllm:num_requests_running", "vllm:prompt_tokens_total",
+                                         "vllm:generation_tokens_total")}
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)
 

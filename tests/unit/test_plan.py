@@ -34,6 +34,11 @@ def test_the_moe_recipe_is_sized_from_the_model_s_parameters():
     assert p["redis"]["trace_bytes_per_token"] == 48 * 8  # 384 B per token
     assert p["redis"]["rollouts_outstanding"] == 2 * 64 * 16  # (max_staleness + 1) × B × G
     assert p["gpus"] == {"trainer": 8, "inference": 4, "total": 12}
+    assert p["model"]["disk_bytes"] == 2 * n  # bf16 safetensors
+    assert p["checkpoint"]["volume_bytes"] == 3 * 12 * n  # keep_checkpoints 2 + the one being written
+    rollout = p["redis"]["rollout_bytes"]
+    assert rollout > 2**20 and p["redis"]["dead_letter_bytes"] == 10_000 * 2**20  # 1 MiB of each dead letter
+    assert p["redis"]["bytes"] == 2048 * rollout + 10_000 * 2**20
 
 
 def test_nodes_and_hsdp_change_what_each_rank_and_node_holds():
@@ -70,19 +75,72 @@ def test_a_missing_model_config_is_refused_with_a_pointer():
     assert done.returncode == 2 and "--model-config" in done.stderr
 
 
-def gib(quantity: str) -> float:
-    number, unit = re.fullmatch(r"(\d+)(Gi|Ti)", quantity).groups()
-    return int(number) * 1024 ** (3 if unit == "Gi" else 4)
+def quantity(text: str) -> float:
+    """A Kubernetes quantity (Gi, Ti) or a Redis memory size (gb, mb) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Gi|Ti|gb|mb)", str(text)).groups()
+    return int(number) * {"Gi": 1024**3, "Ti": 1024**4, "gb": 1024**3, "mb": 1024**2}[unit]
 
 
-def test_the_gpu_overlay_holds_what_the_plan_says():
+def undersized(docs: list[dict], p: dict, recipe) -> list[str]:
+    """Every rendered resource of the gpu overlay that is below what the plan says it must hold."""
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    pods = {name: d["spec"]["template"]["spec"] for (kind, name), d in named.items()
+            if kind in ("Deployment", "StatefulSet")}
+    first = {name: pod["containers"][0] for name, pod in pods.items()}
+    claims = {name: quantity(d["spec"]["resources"]["requests"]["storage"]) for (kind, name), d in named.items()
+              if kind == "PersistentVolumeClaim"}
+    template = {name: quantity(named["StatefulSet", name]["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]
+                               ["requests"]["storage"]) for name in ("trainer", "redis")}
+    spill = next(v for v in pods["weightsync"]["volumes"] if v["name"] == "spill")["emptyDir"]["sizeLimit"]
+    redis = first["redis"]
+    maxmemory = quantity(next(e["value"] for e in redis["env"] if e["name"] == "REDIS_MAXMEMORY"))
+    trainer_gpus, replica_gpus = recipe["trainer"].gpus, recipe["inference"].gpus_per_replica
+    scaler = named["ScaledObject", "inference"]["spec"]
+    startup = first["inference"]["startupProbe"]
+    checks = {
+        "model volume < the model on disk": claims["steadyrl-models"] >= p["model"]["disk_bytes"],
+        "checkpoint volume < keep_checkpoints + 1 checkpoints": template["trainer"] >= p["checkpoint"]["volume_bytes"],
+        "trainer memory < its async checkpoint staging": quantity(first["trainer"]["resources"]["limits"]["memory"])
+        >= p["checkpoint"]["async_host_bytes_per_node"],
+        "trainer grace period < its final save": pods["trainer"]["terminationGracePeriodSeconds"]
+        >= p["checkpoint"]["write_seconds"],
+        "weight-sync memory < memory_versions versions": quantity(first["weightsync"]["resources"]["limits"]["memory"])
+        >= p["weights"]["weightsync_memory_bytes"],
+        "weight-sync spill < the versions spilled": quantity(spill) >= p["weights"]["weightsync_disk_bytes"],
+        "Redis maxmemory < queue + dead letters": maxmemory >= p["redis"]["bytes"],
+        "Redis limit < maxmemory + the AOF rewrite's fork": quantity(redis["resources"]["limits"]["memory"])
+        >= 1.5 * maxmemory,
+        "Redis volume < an AOF twice maxmemory": template["redis"] >= 2 * maxmemory,
+        "trainer GPUs != trainer.gpus": first["trainer"]["resources"]["limits"]["nvidia.com/gpu"] == trainer_gpus,
+        "replica GPUs != gpus_per_replica": first["inference"]["resources"]["limits"]["nvidia.com/gpu"] == replica_gpus,
+        "KEDA maxReplicaCount != the inference GPU budget / a replica's": scaler["maxReplicaCount"]
+        == p["gpus"]["inference"] // replica_gpus,
+        "KEDA scale-down stabilization <= a replica's load time": scaler["advanced"]["horizontalPodAutoscalerConfig"]
+        ["behavior"]["scaleDown"]["stabilizationWindowSeconds"] > startup["failureThreshold"] * startup["periodSeconds"],
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
+def test_the_gpu_overlay_holds_what_the_plan_says(tmp_path):
+    """Every size the gpu overlay renders is at least what `steadyrl plan` says of its recipe (model
+    and checkpoint volumes, memory, Redis maxmemory, the trainer's grace period, GPUs, the scaler);
+    a copy with the model volume cut to 10Gi and Redis's maxmemory to 4gb is caught."""
+    import shutil
+
+    from tests.deploy.test_deploy import DEPLOY
     from tests.deploy.test_deploy import render as render_overlay
 
     p = sized("gpu-qwen3-moe-math")
-    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in render_overlay("gpu")
-            if d["kind"] in ("Deployment", "StatefulSet")}
-    assert gib(pods["weightsync"]["resources"]["limits"]["memory"]) >= p["weights"]["weightsync_memory_bytes"]
-    assert gib(pods["trainer"]["resources"]["limits"]["memory"]) >= p["checkpoint"]["async_host_bytes_per_node"]
+    recipe = settings_of(load_run_config(ROOT / "configs" / "gpu-qwen3-moe-math.toml"))
+    assert undersized(render_overlay("gpu"), p, recipe) == []
+    shutil.copytree(DEPLOY, tmp_path / "deploy", ignore=shutil.ignore_patterns("node_modules"))
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    claims = tmp_path / "deploy" / "k8s" / "overlays" / "gpu" / "models-pvc.yaml"
+    claims.write_text(claims.read_text().replace("storage: 100Gi", "storage: 10Gi"))
+    overlay = tmp_path / "deploy" / "k8s" / "overlays" / "gpu" / "kustomization.yaml"
+    overlay.write_text(overlay.read_text().replace("value: 24gb", "value: 4gb"))
+    assert undersized(render_overlay("gpu", tmp_path / "deploy"), p, recipe) == [
+        "model volume < the model on disk", "Redis maxmemory < queue + dead letters"]
 
 
 def test_dry_run_includes_the_plan_when_the_model_is_on_the_machine(tiny_model_dir):
