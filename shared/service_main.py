@@ -69,6 +69,9 @@ def run_service(name: str, settings_cls: type, server_module: str, settings: obj
     except LoopDied as exc:
         log.error("event=service_exit service=%s reason=%s", name, exc)
         code = 1
+    # the service is done and exiting: a stop asked for now (SIGTERM, a supervisor that saw it
+    # finish) must not turn a clean exit into a kill mid-teardown
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "LOCAL_RANK" in os.environ:  # a torchrun rank: leave the group, skip C++ teardown (exit_rank)
         from shared.distributed import exit_rank
 
