@@ -91,7 +91,7 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
         input_ids[row, : len(tokens)] = torch.from_numpy(tokens)
         attention[row, : len(tokens)] = 1
         span = slice(prompt - 1, prompt + completion - 1)
-        loss_mask[row, span] = True
+        loss_mask[row, span] = torch.from_numpy(r.model_tokens)  # a multi-turn trajectory: the model's tokens
         inference[row, span] = torch.from_numpy(np.asarray(r.inference_logprobs, dtype=np.float32))
         versions[row, span] = torch.from_numpy(np.asarray(r.policy_versions, dtype=np.int64))
         if with_trace:

@@ -46,7 +46,10 @@ class RolloutTimings:
 class Rollout:
     """One response y to prompt x. Arrays: token ids int32 [P] / [C], inference_logprobs float32 [C],
     policy_versions uint64 [C] (the version that sampled each token), routing_trace uint8/uint16
-    [P + C − 1, layers, top_k] or None."""
+    [P + C − 1, layers, top_k] or None, loss_mask bool [C] or None. A multi-turn trajectory's
+    completion interleaves the model's turns with the environment's observations: `loss_mask`
+    marks the model's tokens (the only ones trained, Eq. 7 summing over them alone); the
+    environment's carry logprob 0 and the version of the model turn before them."""
 
     rollout_id: str
     group_id: str
@@ -66,6 +69,14 @@ class Rollout:
     engine: str = ""
     is_eval: bool = False
     timings: RolloutTimings = field(default_factory=RolloutTimings)
+    loss_mask: np.ndarray | None = None
+
+    @property
+    def model_tokens(self) -> np.ndarray:
+        """bool [C]: which completion tokens the model sampled (all of them without a loss mask)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.completion_token_ids), dtype=bool)
+        return np.asarray(self.loss_mask, dtype=bool)
 
     @property
     def num_positions(self) -> int:
@@ -74,7 +85,9 @@ class Rollout:
 
     @property
     def min_version(self) -> int:
-        return int(self.policy_versions.min()) if len(self.policy_versions) else 0
+        """The oldest version that sampled a model token."""
+        versions = np.asarray(self.policy_versions)[self.model_tokens] if len(self.policy_versions) else []
+        return int(np.min(versions)) if len(versions) else 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
         engine=rollout.engine,
         is_eval=rollout.is_eval,
         timings=rollout_pb2.RolloutTimings(**vars(rollout.timings)),
+        loss_mask=np.asarray(rollout.loss_mask, dtype=bool).tolist() if rollout.loss_mask is not None else [],
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
@@ -178,6 +192,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
             finished_unix_ms=msg.timings.finished_unix_ms,
             generation_seconds=msg.timings.generation_seconds,
         ),
+        loss_mask=np.array(msg.loss_mask, dtype=bool) if len(msg.loss_mask) else None,
     )
 
 
@@ -222,7 +237,7 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError(
             "oversize", f"{prompt_len + completion_len} tokens > limit {limits.max_total_tokens}"
         )
-    for name in ("inference_logprobs", "policy_versions"):
+    for name in ("inference_logprobs", "policy_versions", *(("loss_mask",) if rollout.loss_mask is not None else ())):
         if len(getattr(rollout, name)) != completion_len:
             raise RolloutError(
                 "length", f"{name} has {len(getattr(rollout, name))} entries for {completion_len} completion tokens"
@@ -238,6 +253,9 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("logprob_range", f"inference logprob {float(logprobs.max()):.4g} > 0")
     if not np.isfinite(rollout.reward):
         raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}")
+    model = rollout.model_tokens
+    if not model.any():
+        raise RolloutError("empty", "the loss mask marks no model token")
     versions = rollout.policy_versions
     if np.any(np.diff(versions.astype(np.int64)) < 0):
         raise RolloutError("version_order", "per-token policy versions decrease along the completion")
