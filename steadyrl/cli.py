@@ -140,85 +140,6 @@ def plan_command(
     typer.echo(json.dumps(result, indent=2) if as_json else render(result, recipe.run_id))
 
 
-@app.command("trainer-node")
-def trainer_node_command(
-    configs: Annotated[list[Path] | None, typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML); "
-                                                         "none: STEADYRL_RECIPE's, else the trainer's settings from the environment alone.")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
-    node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's fixed rank (a JobSet "
-                                                  "pod's completion index): a static rendezvous at trainer."
-                                                  "rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and the trainer's variables "
-                                                            "(secrets masked) as JSON, start nothing.")] = False,
-) -> None:
-    """One node of the trainer, as a job launcher starts it on every node (srun, a JobSet pod):
-    torchrun with the recipe's trainer settings (trainer.nodes, trainer.rdzv_endpoint). Variables
-    STEADYRL_TRAINER_* already in the environment (addresses, secrets) win over the recipe.
-    Exit code 2: settings refused (nothing started)."""
-    import os
-    import sys
-
-    from steadyrl.launcher import resolve_model
-    from steadyrl.placement import node_argv
-    from steadyrl.run_config import load_run_config
-    from steadyrl.service_settings import build_settings, service_env
-
-    try:
-        if not configs and os.environ.get("STEADYRL_RECIPE", "").strip():  # a deployment's recipe
-            configs = [Path(p.strip()) for p in os.environ["STEADYRL_RECIPE"].split(",") if p.strip()]
-        recipe = load_run_config(configs, set_ or []) if configs else None
-        env = service_env(recipe, "trainer", {"model_path": recipe.model.path}) if recipe else {}
-        env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
-        settings = build_settings("trainer", env)
-    except ValueError as exc:
-        typer.echo(f"steadyrl trainer-node: {exc}", err=True)
-        raise typer.Exit(2) from None
-    argv = node_argv(settings.gpus or settings.ranks, settings.nodes, settings.rdzv_endpoint or "127.0.0.1:29400",
-                     settings.run_id, settings.max_restarts, node_rank)
-    if dry_run:
-        from pydantic import SecretStr
-
-        secret = {f"STEADYRL_TRAINER_{name.upper()}" for name, value in settings if isinstance(value, SecretStr)}
-        shown = {k: ("***" if k in secret or any(w in k for w in ("PASSWORD", "TOKEN")) else v) for k, v in env.items()}
-        typer.echo(json.dumps({"argv": [sys.executable, *argv], "env": shown}, indent=2))
-        return
-    if recipe and env.get("STEADYRL_TRAINER_MODEL_PATH") == "tiny":
-        env["STEADYRL_TRAINER_MODEL_PATH"] = resolve_model(recipe)
-    # each rendezvous round publishes its own master address: with the agents' shared store, a
-    # node that replaces a lost one waits forever for the round's address (the surviving first
-    # node only publishes it in the first round)
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
-    ranks = {k: v for k, v in os.environ.items() if k != "STEADYRL_RECIPE"}  # resolved into `env` already
-    os.execvpe(sys.executable, [sys.executable, *argv], {**ranks, **env})
-
-
-@app.command("serve")
-def serve_command(
-    service: Annotated[str, typer.Argument(help="weightsync | trainer | inference | orchestrator")],
-) -> None:
-    """Run one service as a deployment starts it (compose, the Kubernetes manifests): its settings
-    from the recipe STEADYRL_RECIPE names (a file, or several merged left to right, comma-separated:
-    the service's section and [run], resolved as `steadyrl run` resolves them), under its own
-    STEADYRL_<SERVICE>_* variables; without STEADYRL_RECIPE, from those variables alone.
-    Exit code 2: settings refused (nothing started)."""
-    import os
-
-    from shared.service_main import run_service
-    from steadyrl.run_config import SERVICES
-    from steadyrl.service_settings import deployed_settings, settings_class
-
-    if service not in SERVICES:
-        typer.echo(f"steadyrl serve: the service is one of {', '.join(SERVICES)}, not {service!r}", err=True)
-        raise typer.Exit(2)
-    try:
-        settings = deployed_settings(service, os.environ)
-    except ValueError as exc:
-        typer.echo(f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "),
-                   err=True)
-        raise typer.Exit(2) from None
-    run_service(service, settings_class(service), f"services.{service}.server", settings=settings)
-
-
 @app.command("export")
 def export_command(
     checkpoint: Annotated[Path, typer.Argument(exists=True, file_okay=False,
@@ -320,8 +241,11 @@ def experiment_command(
 
 
 from steadyrl.bench_cli import bench_app  # noqa: E402 - the subcommands beside the app they join
+from steadyrl.deploy_cli import serve_command, trainer_node_command  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
+app.command("trainer-node")(trainer_node_command)
+app.command("serve")(serve_command)
 
 
 def main() -> None:

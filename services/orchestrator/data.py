@@ -3,12 +3,16 @@ made from them."""
 
 from __future__ import annotations
 
+import re
+
 from services.orchestrator.config import OrchestratorSettings
 from shared.models import load_tokenizer
 from shared.models.loading import encode_prompt
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import ArithTask, Example, MathTask
 from shared.tasks.trace import MulTraceTask
+
+TRAIN_ID = re.compile(r"^train-(\d+)$")  # a train task's id: train-<its number in the run>
 
 
 def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example], str]:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import re
 import time
 
 from prometheus_client import Counter, Gauge
@@ -29,8 +28,9 @@ from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.control import REPLY_MARGIN_SECONDS, Bounded, RedisUnavailable
-from services.orchestrator.data import Tasks
+from services.orchestrator.data import TRAIN_ID, Tasks
 from services.orchestrator.evals import EvalRounds
+from services.orchestrator.recovery import RedisWatch
 from shared.keys import RunField, RunKeys
 from shared.ledger import Ledger
 from shared.queues import WorkQueue, given_up, now_ms
@@ -41,23 +41,16 @@ log = logging.getLogger("steadyrl.orchestrator")
 SUBMITTED = Counter("steadyrl_orchestrator_tasks_submitted_total", "Train prompt tasks queued")
 REQUEUED = Counter("steadyrl_orchestrator_tasks_requeued_total", "Tasks re-queued after a lease expired")
 DEAD = Counter("steadyrl_orchestrator_tasks_dead_total", "Tasks given up after max_attempts")
-LOST = Counter("steadyrl_orchestrator_tasks_lost_total",
-               "Train tasks Redis lost whole (a host crash), found by the sweep after a restart and queued again")
 OUTSTANDING = Gauge("steadyrl_orchestrator_outstanding_prompts", "Train prompts submitted and not yet done")
 TRAINER_VERSION = Gauge("steadyrl_orchestrator_trainer_version", "Trainer version seen by admission")
 TRAINER_STEP = Gauge("steadyrl_orchestrator_trainer_step", "Trainer global steps seen")
 QUEUE_DEPTH = Gauge("steadyrl_orchestrator_queue_depth", "Work queue", ["state"])
-REDIS_MEMORY = Gauge("steadyrl_orchestrator_redis_memory_bytes", "Redis's memory (INFO): used, and its maxmemory (0: none)",
-                     ["kind"])
-REDIS_EVICTED = Gauge("steadyrl_orchestrator_redis_evicted_keys", "Keys Redis evicted since it started (INFO evicted_keys)")
 
 STATES = ("created", "running", "paused", "stopped", "finished")
 TRANSITIONS = {"start": (("created", "paused"), "running"), "pause": (("running",), "paused"),
                "resume": (("paused",), "running"), "stop": (("created", "running", "paused"), "stopped"),
                "finish": (("running",), "finished")}
-TRAIN_ID = re.compile(r"^train-(\d+)$")
 STATUS_EVERY_MS = 2000  # the loop reads the status at least this often (the control plane's fallback)
-LOST_CHECK_SECONDS, LOST_CHECK_EVERY = 60.0, 5.0  # after Redis restarts: look for lost tasks this long, this often
 
 # KEYS: run hash; ARGV: target, now_ms, deadline_ms (Redis's clock), allowed states... Returns
 # {1, target}, {0, current}, or {-1, 'deadline'} when it runs past its deadline (and does nothing).
@@ -96,9 +89,7 @@ class Orchestrator:
         self._transition = redis.register_script(_TRANSITION)
         self._channel = self._trainer = None  # grpc.aio: made in the event loop, on first use
         self.bounded = Bounded(settings.control_timeout_seconds)  # the control plane's bound and last status
-        self.redis_id = ""  # the redis-server's run id: a new one means it restarted, and may have lost writes
-        self.lost_check_until = self.next_lost_check = 0.0
-        self.redis_checked_ms = 0
+        self.recovery = RedisWatch(settings, redis, self.queue, self.ledger, self.tasks, lambda: self.trainer_version)
 
     # --- run state ------------------------------------------------------------------------------
 
@@ -172,50 +163,6 @@ class Orchestrator:
         if requeued or dead:
             log.info("event=leases_expired requeued=%d dead=%d", requeued, dead)
 
-    async def watch_redis(self) -> None:
-        """Redis's memory and evictions for the alerts; after it restarts, look for lost train tasks
-        every LOST_CHECK_EVERY s for LOST_CHECK_SECONDS. Reads INFO every STATUS_EVERY_MS."""
-        if now_ms() - self.redis_checked_ms >= STATUS_EVERY_MS:
-            self.redis_checked_ms = now_ms()
-            info = await self.redis.info()
-            REDIS_MEMORY.labels("used").set(info.get("used_memory", 0))
-            REDIS_MEMORY.labels("max").set(info.get("maxmemory", 0))
-            REDIS_EVICTED.set(info.get("evicted_keys", 0))
-            identity = str(info["run_id"])
-            if identity != self.redis_id:  # a restart, or this process's start (it may follow a crash too)
-                if self.redis_id:
-                    log.warning("event=redis_restarted")
-                self.redis_id, self.lost_check_until = identity, time.monotonic() + LOST_CHECK_SECONDS
-        if time.monotonic() < self.lost_check_until and time.monotonic() >= self.next_lost_check:
-            self.next_lost_check = time.monotonic() + LOST_CHECK_EVERY
-            await self.requeue_lost()
-
-    async def requeue_lost(self) -> int:
-        """Queue again the recent train tasks Redis holds in no state at all — neither queued,
-        leased, completed, trained, dropped nor dead. With appendfsync everysec a host crash takes
-        the last second of writes, and a task can come back that way (its completion lost while
-        the replicas and the trainer moved on): counted outstanding forever, it would hold the
-        admission budget at 0. Looks at the last 4 × (max_staleness + 1) × B tasks submitted."""
-        s = self.settings
-        submitted = int(await self.field(RunField.SUBMITTED, "0"))
-        window = 4 * (s.max_staleness + 1) * s.batch_prompts
-        ids = await self.queue.unknown([f"train-{i}" for i in range(max(0, submitted - window), submitted)])
-        if ids:
-            settled = await self.ledger.settled_groups(ids)
-            ids = [t for t in ids if t not in settled]
-        if ids:
-            dead = await self.queue.dead_task_ids()
-            ids = [t for t in ids if t not in dead]
-        if not ids:
-            return 0
-        train = self.tasks.train
-        tasks = [self.tasks.make(t, train[self._train_index(t) % len(train)], s.group_size, s.temperature, False,
-                                 self.trainer_version) for t in ids]
-        queued = sum(await self.queue.submit_many(tasks))
-        LOST.inc(queued)
-        log.warning("event=lost_tasks_requeued count=%d tasks=%s", queued, ",".join(ids[:20]))
-        return queued
-
     async def count_dead(self) -> None:
         """Fold new entries of the task dead-letter stream into the count of dead train tasks (the
         cursor moves in the same transaction as the count)."""
@@ -259,7 +206,7 @@ class Orchestrator:
     async def tick(self) -> None:
         state = await self.state()
         await self.refresh_trainer()
-        await self.watch_redis()
+        await self.recovery.tick()
         await self.sweep()
         await self.count_dead()
         await self.evals.collect()

@@ -473,19 +473,14 @@ def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path
 
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
-    from redis.asyncio import Redis
 
-    from services.orchestrator.config import OrchestratorSettings
-    from services.orchestrator.orchestrator import Orchestrator
     from services.orchestrator.server import create_app
     from shared.queues import WorkQueue
+    from tests.integration.test_control_plane import orchestrator_on
 
     async def main() -> str:
-        redis = Redis.from_url(redis_url)
-        settings = OrchestratorSettings(model_path=str(model_dir), redis_url=redis_url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=4, group_size=2, steps=10, eval_size=5)
-        orchestrator = Orchestrator(settings, redis)
-        await redis.hset(orchestrator.keys.run, "state", "running")
+        redis, orchestrator = await orchestrator_on(redis_url, run_id, model_dir, tmp_path, "running",
+                                                    batch_prompts=4, group_size=2, steps=10)
         assert await orchestrator.admit() == 8
         tasks = [orchestrator.tasks.make(f"evalpi-{i}", orchestrator.tasks.train[i], 1, 0.0, True, 0) for i in range(3)]
         await orchestrator.queue.submit_many(tasks)

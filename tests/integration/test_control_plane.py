@@ -14,6 +14,16 @@ from services.orchestrator.server import create_app
 TOKEN = "s3cret-token"
 
 
+async def orchestrator_on(redis_url: str, run_id: str, model_dir, out_dir, state: str, **fields):
+    """(a client, an Orchestrator) of `run_id` on a real Redis, the run put in `state`."""
+    redis = Redis.from_url(redis_url)
+    settings = OrchestratorSettings(model_path=str(model_dir), redis_url=redis_url, run_id=run_id, out_dir=out_dir,
+                                    eval_size=5, **fields)
+    orchestrator = Orchestrator(settings, redis)
+    await redis.hset(orchestrator.keys.run, "state", state)
+    return redis, orchestrator
+
+
 def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -408,11 +418,8 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
     from shared.queues import WorkQueue
 
     async def main():
-        redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=4, group_size=2, steps=10, eval_size=5)
-        orchestrator = Orchestrator(settings, redis)
-        await redis.hset(orchestrator.keys.run, "state", "running")
+        redis, orchestrator = await orchestrator_on(redis_server.url, run_id, tiny_model_dir, tmp_path, "running",
+                                                    batch_prompts=4, group_size=2, steps=10)
         assert await orchestrator.admit() == 8  # train-0 .. train-7
         keys, queue = orchestrator.keys, WorkQueue(redis, run_id)
         [leased, completed, dead, lost_a, trained, dropped] = await queue.lease("replica-0", 60, count=6)
@@ -427,11 +434,11 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
         lost_b = (await redis.rpop(keys.pending)).decode()  # a queued one lost too
         await redis.hdel(keys.tasks, lost_b)
         before = await redis.llen(keys.pending)
-        assert await orchestrator.requeue_lost() == 2
+        assert await orchestrator.recovery.requeue_lost() == 2
         pending = [x.decode() for x in await redis.lrange(keys.pending, 0, -1)]
         assert len(pending) == before + 2 and {lost_a.task_id, lost_b} <= set(pending)
         assert leased.task_id not in pending and completed.task_id not in pending
-        assert await orchestrator.requeue_lost() == 0  # queued now: found
+        assert await orchestrator.recovery.requeue_lost() == 0  # queued now: found
         [again] = [x for x in await queue.lease("replica-1", 60, count=8) if x.task_id == lost_a.task_id]
         assert list(again.task.prompt_token_ids) == list(lost_a.task.prompt_token_ids)  # the same prompt
         await orchestrator.close()
