@@ -70,6 +70,8 @@ class Rollout:
     is_eval: bool = False
     timings: RolloutTimings = field(default_factory=RolloutTimings)
     loss_mask: np.ndarray | None = None
+    turns: int = 0  # model turns of a multi-turn trajectory
+    env_metrics: dict[str, float] = field(default_factory=dict)  # the environment's counts, summed over its steps
 
     @property
     def model_tokens(self) -> np.ndarray:
@@ -123,6 +125,8 @@ def encode_rollout(rollout: Rollout) -> bytes:
         is_eval=rollout.is_eval,
         timings=rollout_pb2.RolloutTimings(**vars(rollout.timings)),
         loss_mask=np.asarray(rollout.loss_mask, dtype=bool).tolist() if rollout.loss_mask is not None else [],
+        turns=rollout.turns,
+        env_metrics=rollout.env_metrics,
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
@@ -193,6 +197,8 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
             generation_seconds=msg.timings.generation_seconds,
         ),
         loss_mask=np.array(msg.loss_mask, dtype=bool) if len(msg.loss_mask) else None,
+        turns=msg.turns,
+        env_metrics=dict(msg.env_metrics),
     )
 
 
@@ -251,8 +257,8 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("nonfinite_logprobs", f"{bad} of {completion_len} inference logprobs are NaN/inf")
     if logprobs.max() > MAX_LOGPROB:
         raise RolloutError("logprob_range", f"inference logprob {float(logprobs.max()):.4g} > 0")
-    if not np.isfinite(rollout.reward):
-        raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}")
+    if not np.isfinite(rollout.reward) or not all(map(np.isfinite, rollout.env_metrics.values())):
+        raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}, env_metrics {rollout.env_metrics}")
     model = rollout.model_tokens
     if not model.any():
         raise RolloutError("empty", "the loss mask marks no model token")

@@ -149,3 +149,24 @@ async def run_loops(loops: dict[str, Coroutine], stop: asyncio.Event, health=Non
             log.error("event=loop_stuck loop=%s", tasks[task])
     if died is not None:
         raise LoopDied(died)
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def finish_despite_cancellation(work) -> None:
+    """Run `work` (bounded by its own timeouts) to its end even if this task is cancelled meanwhile
+    — the service's stop cancels the loop while it hands its leases back — then re-raise the
+    cancellation, never swallowing it."""
+    done = asyncio.ensure_future(work)
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+    done.result()
+    if cancelled:
+        raise asyncio.CancelledError

@@ -29,6 +29,8 @@ def resolve_model(config: RunConfig) -> str:
         from shared.models.tiny import KitTask, init_tiny_model
 
         orchestrator = config.section("orchestrator")
+        if orchestrator.get("task") == "calc":  # the multi-turn kit model (its tokenizer has a chat template)
+            return str(init_tiny_model(task="calc", seed=int(orchestrator.get("task_seed", 0))))
         if orchestrator.get("task") != "mul_trace":
             return str(init_tiny_model())
         kit = KitTask("mul_trace", **{k: orchestrator[k] for k in ("trace_max_answer_tokens", "trace_alpha")

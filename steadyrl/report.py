@@ -9,6 +9,10 @@ PLOTS = [
     ("reward_mean", "reward"), ("entropy", "entropy"), ("mismatch_kl_k3", "mismatch KL (k3)"),
     ("is_weight_mean", "IS weight mean"), ("is_weight_max", "IS weight max"), ("clip_frac", "clip fraction"),
     ("staleness_mean", "staleness mean"), ("routing_agreement", "routing agreement"),
+    # multi-turn runs
+    ("turns_mean", "model turns per trajectory"), ("turn_tokens_mean", "model tokens per turn"),
+    ("env_tool_calls", "tool calls per trajectory"), ("env_tool_success", "tool-call success rate"),
+    ("env_tool_errors", "tool errors per trajectory"),
 ]
 
 

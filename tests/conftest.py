@@ -40,3 +40,12 @@ def redis_server(tmp_path_factory):
 def run_id():
     """A fresh run id: each test works in its own key space of the shared server."""
     return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(scope="session")
+def calc_model_dir():
+    """The tiny-model kit's multi-turn model (2-digit multiplication with the calc tool; its
+    tokenizer has a chat template), built once per cache."""
+    from shared.models.tiny import init_tiny_model
+
+    return init_tiny_model(task="calc")

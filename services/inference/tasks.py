@@ -11,6 +11,7 @@ import redis.exceptions
 from prometheus_client import Counter
 
 from shared.engines import Engine, Sampling
+from shared.envs import environment_factory
 from shared.queues import Lease, WorkQueue
 from shared.tasks import RewardRunner
 
@@ -55,13 +56,14 @@ def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: Re
     prompt = prompt_ids(task, tokenizer)
     if not prompt or min(prompt) < 0 or max(prompt) >= engine.vocab_size:
         raise BadTask("prompt", f"prompt token ids outside the vocabulary [0, {engine.vocab_size})")
-    if len(prompt) + sampling.max_new_tokens > engine.max_model_len:
-        raise BadTask("context", f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > the "
-                                 f"engine's {engine.max_model_len} positions")
+    completion = max(sampling.max_new_tokens, task.budget.max_tokens) if task.environment else sampling.max_new_tokens
+    if len(prompt) + completion > engine.max_model_len:
+        raise BadTask("context", f"prompt ({len(prompt)}) + {'the trajectory budget' if task.environment else 'max_new_tokens'}"
+                                 f" ({completion}) > the engine's {engine.max_model_len} positions")
     try:
-        rewards.check(task.task_name)
+        environment_factory(task.environment) if task.environment else rewards.check(task.task_name)
     except KeyError as exc:
-        raise BadTask("reward", str(exc)) from None
+        raise BadTask("environment" if task.environment else "reward", str(exc)) from None
     return Checked(lease, prompt, sampling)
 
 

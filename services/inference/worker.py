@@ -13,7 +13,8 @@ at once when it answers, its rollouts kept and its leases renewed meanwhile, and
 hands its tasks back at once. A task that can never be served (undecodable, invalid, too long
 for the engine, an unknown reward, another run's) goes to the dead-letter stream with its reason;
 a task waiting for a policy version waits at most `version_wait_seconds`, then goes back with
-the reason.
+the reason. A multi-turn task (one with an environment) plays its G trajectories instead
+(`services.inference.trajectories`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ from services.inference.metrics import (
 )
 from services.inference.publishing import QUEUE_ERRORS, Publisher
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
+from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
 from shared.engines.rollouts import encode_samples
+from shared.envs.trajectory import TrajectoryError
 from shared.models import decode_completions
 from shared.queues import Lease, WorkQueue, now_ms
 from shared.rollout import RolloutTimings
+from shared.service_main import finish_despite_cancellation, sleep_or_stop
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")
@@ -88,7 +92,7 @@ class RolloutWorker:
         return bool(self.inflight)
 
     @property
-    def tokens_per_second(self) -> float:
+    def tokens_per_second(self) -> float:  # completion tokens/s over the last 10 s
         return self.rate.per_second
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -114,7 +118,7 @@ class RolloutWorker:
                     continue  # the queue may hold more: lease again at once
                 await self._wait(stop, poll=bool(self._room()))
         finally:
-            await _finish_despite_cancellation(self._shutdown(publisher, renewal))
+            await finish_despite_cancellation(self._shutdown(publisher, renewal))
 
     def _room(self) -> int:
         if self.batching == "barrier":
@@ -122,8 +126,7 @@ class RolloutWorker:
         return self.max_inflight_tasks - len(self.inflight)
 
     def _check_engine(self) -> None:
-        error = getattr(self.engine, "error", None)
-        if error is not None:
+        if (error := getattr(self.engine, "error", None)) is not None:
             raise EngineDead(f"the {self.engine.name} engine died: {error}")
 
     async def _wait(self, stop: asyncio.Event, poll: bool) -> None:
@@ -153,7 +156,7 @@ class RolloutWorker:
             self._reclaim = True
             QUEUE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=queue_unreachable error=%s retry_in=%.1fs", type(exc).__name__, self._delay)
-            await _sleep_or_stop(stop, self._delay)
+            await sleep_or_stop(stop, self._delay)
             self._delay = min(self._delay * 2, 5.0)
             return None
 
@@ -168,17 +171,9 @@ class RolloutWorker:
                 return
             if not await self._version_ready(checked):
                 return
-            leased_ms = now_ms()
-            samples, timings = await self._generate(checked, leased_ms)
-            if samples is None:
-                await self._hand_back(lease.task_id, "generation failed")
-                return
-            payloads = await asyncio.get_running_loop().run_in_executor(SCORING, self._encode_task, lease, samples,
-                                                                        timings)
-            if payloads is None:
-                await self._hand_back(lease.task_id, "the task's rollouts could not be scored or encoded")
-                return
-            self.publisher.add(lease, payloads)
+            payloads = await (self._play if lease.task.environment else self._sample)(checked, now_ms())
+            if payloads is not None:  # else given up or handed back already
+                self.publisher.add(lease, payloads)
         finally:
             self.inflight.pop(lease.task_id, None)
 
@@ -204,6 +199,33 @@ class RolloutWorker:
         TOKENS.labels(self.replica_id).inc(tokens)
         self.rate.add(tokens)
         return samples, RolloutTimings(leased_ms, started_ms, now_ms(), time.perf_counter() - started)
+
+    async def _sample(self, checked: Checked, leased_ms: int) -> list[bytes] | None:
+        """A single-turn task's G rollouts, scored; None once handed back."""
+        samples, timings = await self._generate(checked, leased_ms)
+        if samples is None:
+            await self._hand_back(checked.lease.task_id, "generation failed")
+            return None
+        payloads = await asyncio.get_running_loop().run_in_executor(SCORING, self._encode_task, checked.lease,
+                                                                    samples, timings)
+        if payloads is None:
+            await self._hand_back(checked.lease.task_id, "the task's rollouts could not be scored or encoded")
+        return payloads
+
+    async def _play(self, checked: Checked, leased_ms: int) -> list[bytes] | None:
+        """A multi-turn task's G rollouts; None once given up (an environment failed) or handed
+        back (the engine failed)."""
+        lease = checked.lease
+        try:
+            return await play_group(self.engine, self.tokenizer, checked, self.return_traces, self.replica_id,
+                                    self.queue.run_id, leased_ms, self.rate)
+        except TrajectoryError as exc:
+            await self._give_up(lease, exc.code, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any engine failure hands the task back
+            ENGINE_ERRORS.labels(self.replica_id).inc()
+            log.warning("event=generation_failed task=%s error=%s", lease.task_id, exc)
+            await self._hand_back(lease.task_id, "generation failed")
+        return None
 
     async def _give_up(self, lease: Lease, code: str, message: str) -> None:
         BAD_TASKS.labels(code).inc()
@@ -236,9 +258,7 @@ class RolloutWorker:
         reason = (f"version_wait: needs policy version {need}, served {self.engine.version} after "
                   f"{self.version_wait_seconds:.0f}s")
         log.warning("event=version_wait_expired task=%s %s", checked.lease.task_id, reason)
-        self.held.discard(checked.lease.task_id)
-        with contextlib.suppress(redis.exceptions.RedisError):
-            await self.queue.fail(self.replica_id, checked.lease.task_id, reason)
+        await self._hand_back(checked.lease.task_id, reason)
         return False
 
     async def _shutdown(self, publisher: asyncio.Task, renewal: LeaseRenewal) -> None:
@@ -275,24 +295,3 @@ class RolloutWorker:
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
             return None
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
-async def _finish_despite_cancellation(work) -> None:
-    """Run `work` (bounded by its own timeouts) to its end even if this task is cancelled meanwhile
-    — the service's stop cancels the loop while it hands its leases back — then re-raise the
-    cancellation, never swallowing it."""
-    done = asyncio.ensure_future(work)
-    cancelled = False
-    while not done.done():
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            cancelled = True
-    done.result()
-    if cancelled:
-        raise asyncio.CancelledError

@@ -48,9 +48,21 @@ class OrchestratorSettings(RedisSettings, StepShape):
     trainer_address: str = ""
     """host:port of the trainer's gRPC API (its version drives admission)."""
 
-    task: Literal["arith", "math", "mul_trace"] = "arith"
-    """Dataset: synthetic addition, a local math file, or multiplication as a worked trace of
-    partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`)."""
+    task: Literal["arith", "math", "mul_trace", "calc"] = "arith"
+    """Dataset: synthetic addition, a local math file, multiplication as a worked trace of
+    partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`), or 2-digit
+    multiplication with a calculator tool (multi-turn: environment `calc`)."""
+    environment: str = ""
+    """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`) or a
+    plug-in `module:factory` importable by the replicas (`shared.envs`); its reward replaces
+    `reward`. Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
+    max_turns: int = Field(4, ge=1)
+    """Multi-turn: model turns per trajectory at most."""
+    max_trajectory_tokens: int = Field(0, ge=0)
+    """Multi-turn: completion tokens per trajectory at most, the model's and the environment's
+    (0: max_new_tokens × max_turns). `max_new_tokens` bounds each model turn."""
+    env_seconds: float = Field(10.0, gt=0)
+    """Multi-turn: one environment call (reset or step) at most; past it the task is dead-lettered."""
     task_seed: int = 0
     """Seed of the arith task's split."""
     arith_digits: int = Field(2, ge=1)
@@ -145,11 +157,30 @@ class OrchestratorSettings(RedisSettings, StepShape):
                                  "(the task's own eval set)")
         return value
 
+    @field_validator("environment")
+    @classmethod
+    def _environment_known(cls, value: str) -> str:
+        if value:
+            from shared.envs import environment_factory
+
+            try:
+                environment_factory(value)
+            except KeyError as exc:
+                raise ValueError(str(exc.args[0])) from None
+        return value
+
     @model_validator(mode="after")
     def _dataset_named(self) -> OrchestratorSettings:
         if self.task == "math" and self.math_path is None:
             raise ValueError("task 'math' needs math_path")
+        if self.task == "calc" and self.environment not in ("", "calc"):
+            raise ValueError(f"task 'calc' is played by the environment 'calc', not {self.environment!r}")
         return self
+
+    @property
+    def task_environment(self) -> str:
+        """The environment that plays this run's tasks ('' for single-turn ones)."""
+        return self.environment or ("calc" if self.task == "calc" else "")
 
     def check_dataset(self) -> None:
         """ValueError naming a missing dataset file or column (`steadyrl run` calls it before any

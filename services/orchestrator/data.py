@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from services.orchestrator.config import OrchestratorSettings
+from shared.envs.calc import MulTask
 from shared.models import load_tokenizer
 from shared.models.loading import encode_prompt
 from shared.rpc.steadyrl.v1 import common_pb2
@@ -22,6 +23,10 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
                          fixed_width=settings.arith_fixed_width, reverse=settings.arith_reverse)
         train = task.split("train", min(settings.train_size, task.max_split_size("train")))
         return train, task.split("eval", min(settings.eval_size, task.max_split_size("eval"))), "exact_match"
+    if settings.task == "calc":
+        calc = MulTask(seed=settings.task_seed)
+        return (calc.split("train", min(settings.train_size, calc.max_split_size("train"))),
+                calc.split("eval", min(settings.eval_size, calc.max_split_size("eval"))), "exact_match")
     if settings.task == "mul_trace":
         trace = MulTraceTask(settings.trace_max_answer_tokens, settings.trace_alpha, seed=settings.task_seed)
         return trace.split("train", settings.train_size), trace.split("eval", settings.eval_size), "exact_match"
@@ -79,10 +84,15 @@ class Tasks:
 
     def make(self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool,
              min_version: int) -> common_pb2.PromptTask:
+        """A PromptTask; a multi-turn one carries its prompt as text, for the environment to open the
+        conversation with (the replica renders it), and its environment and budget."""
         s = self.settings
+        environment = s.task_environment
+        turns = {"environment": environment, "prompt_text": example.prompt, "budget": common_pb2.TrajectoryBudget(
+            max_turns=s.max_turns, max_tokens=s.max_trajectory_tokens or s.max_new_tokens * s.max_turns,
+            env_seconds=s.env_seconds)} if environment else {"prompt_token_ids": self.prompt_ids(example)}
         return common_pb2.PromptTask(
-            task_id=task_id, run_id=s.run_id, group_id=task_id, task_name=self.reward,
-            prompt_token_ids=self.prompt_ids(example),
+            task_id=task_id, run_id=s.run_id, group_id=task_id, task_name=self.reward, **turns,
             answer=example.answer,
             group_size=group_size, is_eval=is_eval, min_policy_version=min_version,
             sampling=common_pb2.SamplingParams(temperature=temperature, top_p=s.top_p if temperature else 1.0,

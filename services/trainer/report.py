@@ -27,6 +27,24 @@ STALL_AFTER = Gauge("steadyrl_trainer_stall_alert_seconds",
                     "Seconds without a finished step after which SteadyrlTrainerStalled fires (trainer.stall_alert_seconds)")
 
 
+def trajectory_metrics(rollouts) -> dict[str, float]:
+    """A step's multi-turn diagnostics over its trajectories (none when it has none): model turns
+    (`turns_mean`), model tokens per turn, the share of completion tokens the environment wrote,
+    the share that ended done (not cut by a budget), and each environment count's mean per
+    trajectory (`env_<name>`, 0 where a trajectory has none)."""
+    multi = [r for r in rollouts if r.turns]
+    if not multi:
+        return {}
+    model = sum(int(r.model_tokens.sum()) for r in multi)
+    out = {"turns_mean": sum(r.turns for r in multi) / len(multi),
+           "turn_tokens_mean": model / sum(r.turns for r in multi),
+           "env_tokens_fraction": 1 - model / sum(len(r.completion_token_ids) for r in multi),
+           "trajectories_done": sum(r.finish_reason == "done" for r in multi) / len(multi)}
+    for key in sorted({k for r in multi for k in r.env_metrics}):
+        out[f"env_{key}"] = sum(r.env_metrics.get(key, 0.0) for r in multi) / len(multi)
+    return out
+
+
 class StepLog:
     def __init__(self, out_dir: Path, tensorboard: bool = True, stall_alert_seconds: float = 600.0,
                  tracking: TrackingSettings | None = None, run_id: str = "", config: dict | None = None,

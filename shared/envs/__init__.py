@@ -1,0 +1,46 @@
+"""Environments of multi-turn rollouts, by name: a registered one (`calc`) or a plug-in given as
+`package.module:factory` (a class or function returning an `Environment`, imported where the
+replica runs). A replica makes one environment per trajectory."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+
+from shared.envs.base import Environment
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _calc() -> Environment:
+    from shared.envs.calc import Calculator
+
+    return Calculator()
+
+
+ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"calc": _calc}
+
+
+def environment_factory(name: str) -> Callable[[], Environment]:
+    """What makes the environment `name`; KeyError naming why when there is none."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if not _DOTTED.match(name):
+        raise KeyError(f"no environment named {name!r}; registered: {sorted(ENVIRONMENTS)}, or give module:factory")
+    module, attr = name.split(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"environment {name!r} cannot be imported: {exc}") from None
+    if not callable(factory):
+        raise KeyError(f"environment {name!r} is not callable")
+    return factory
+
+
+def make_environment(name: str) -> Environment:
+    """A fresh environment `name` (KeyError when unknown, TypeError when the factory makes something else)."""
+    env = environment_factory(name)()
+    if not isinstance(env, Environment):
+        raise TypeError(f"environment {name!r} made a {type(env).__name__}, not a shared.envs.base.Environment")
+    return env

@@ -36,6 +36,9 @@ class Step:
     observation: list[Message]  # what the environment answers (empty when done)
     reward: float
     done: bool
+    info: dict[str, float] = field(default_factory=dict)
+    """Counts of this step (e.g. tool_calls: 1), summed over the trajectory into the rollout's
+    env_metrics and averaged per training step in metrics.jsonl."""
 
 
 class Environment(ABC):

@@ -10,13 +10,23 @@ refused, `template_mismatch`), else as plain `role: content` lines. An
 environment that raises, answers with something that is not a list of messages, hangs past
 `env_seconds`, or a trajectory past its turn or token budget, ends with a `TrajectoryError`
 naming why, for its caller to dead-letter the task with. A hung environment call is abandoned at
-once, its thread left to finish whenever it returns (4 such threads: one that never returns holds
+once, its thread left to finish whenever it returns (8 such threads: one that never returns holds
 one of them for good).
+
+`play` is the loop as a coroutine (a replica plays its G trajectories and its other tasks' at once,
+every turn a sequence of the engine's continuous batch: a weight update lands between turns or
+inside one, and each model token keeps the version that sampled it); `run_trajectory` runs it to
+its end from synchronous code. With routing traces, each position keeps the routing of the first
+forward that computed it — a model token's, the decode step that sampled it (R3 replays what
+inference did), an observation's, the next turn's prefill. The engine computes the whole
+conversation again each turn (its own prefix cache reuses it where it has one: vLLM's).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +34,7 @@ import numpy as np
 from shared.engines.base import Engine, Sampling
 from shared.envs.base import Environment, Message, Step
 
-_ENV_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="steadyrl-env")
+_ENV_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="steadyrl-env")
 
 
 class TrajectoryError(Exception):
@@ -53,6 +63,9 @@ class Trajectory:
     reward: float = 0.0
     turns: int = 0
     finish_reason: str = ""  # done | max_turns | max_tokens
+    routing_trace: np.ndarray | None = None  # [P + C − 1, layers, top_k] when the engine gives traces
+    num_experts: int = 0
+    env_metrics: dict[str, float] = field(default_factory=dict)  # Step.info summed over the steps
 
     def add(self, tokens: list[int], model: bool, logprobs: list[float] | None = None,
             versions: list[int] | None = None) -> None:
@@ -61,6 +74,14 @@ class Trajectory:
         self.loss_mask += [model] * len(tokens)
         self.logprobs += logprobs if model else [0.0] * len(tokens)
         self.versions += versions if model else [last] * len(tokens)  # the environment's: the turn before's
+
+    def add_trace(self, trace: np.ndarray | None, num_experts: int) -> None:
+        """The routing of a turn's call: positions an earlier call computed keep that call's."""
+        if trace is not None:
+            if self.routing_trace is not None:
+                trace = trace.copy()
+                trace[: len(self.routing_trace)] = self.routing_trace
+            self.routing_trace, self.num_experts = trace, num_experts
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"completion_token_ids": np.asarray(self.token_ids, dtype=np.int32),
@@ -96,13 +117,13 @@ def render(tokenizer, conversation: list[Message], new: list[Message], sampled: 
     return tail
 
 
-def _call(function, *args, seconds: float, what: str):
-    future = _ENV_THREADS.submit(function, *args)
+async def _call(function, *args, seconds: float, what: str):
+    future = asyncio.wrap_future(_ENV_THREADS.submit(function, *args))
     try:
-        return future.result(timeout=seconds)
-    except concurrent.futures.TimeoutError:
+        return await asyncio.wait_for(future, seconds)
+    except TimeoutError:
         raise TrajectoryError("env_timeout", f"{what} took over {seconds:g} s") from None
-    except TrajectoryError:
+    except (TrajectoryError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the environment raises ends the trajectory, named
         raise TrajectoryError("env_error", f"{what} raised {type(exc).__name__}: {exc}") from None
@@ -114,11 +135,25 @@ def _messages(value, what: str) -> list[Message]:
     return value
 
 
-def run_trajectory(engine: Engine, tokenizer, env: Environment, task: dict, sampling: Sampling,
-                   budget: Budget = Budget()) -> Trajectory:
+def _step(value) -> Step:
+    if not isinstance(value, Step):
+        raise TrajectoryError("malformed_observation", f"step returned {type(value).__name__}, not a Step")
+    info = value.info
+    if not isinstance(info, dict) or not all(isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
+                                             for k, v in info.items()):
+        raise TrajectoryError("malformed_observation", f"step info {info!r} is not names → finite numbers")
+    if not isinstance(value.reward, int | float) or not math.isfinite(value.reward):
+        raise TrajectoryError("malformed_observation", f"step reward {value.reward!r} is not a finite number")
+    _messages(value.observation, "step")
+    return value
+
+
+async def play(engine: Engine, tokenizer, env: Environment, task: dict, sampling: Sampling,
+               budget: Budget = Budget(), return_trace: bool = False, index: int = 0) -> Trajectory:
     """Play one episode of `env` on `task` with `engine`; the model's turns are sampled with `sampling`
-    (its max_new_tokens per turn, capped by what is left of the budget)."""
-    conversation = _messages(_call(env.reset, task, seconds=budget.env_seconds, what="reset"), "reset")
+    (its max_new_tokens per turn, capped by what is left of the budget; seeded sampling uses
+    seed + index + 4096 × turn). Cancelling it cancels the turn the engine is generating."""
+    conversation = _messages(await _call(env.reset, task, seconds=budget.env_seconds, what="reset"), "reset")
     prompt = render(tokenizer, [], conversation)
     trajectory = Trajectory(prompt)
     while True:
@@ -127,22 +162,30 @@ def run_trajectory(engine: Engine, tokenizer, env: Environment, task: dict, samp
             trajectory.finish_reason = "max_turns" if trajectory.turns >= budget.max_turns else "max_tokens"
             return trajectory
         turn_sampling = Sampling(**{**vars(sampling), "max_new_tokens": min(sampling.max_new_tokens, left)})
-        [sample] = engine.generate([prompt + trajectory.token_ids], turn_sampling)
+        future = engine.start(prompt + trajectory.token_ids, turn_sampling, return_trace,
+                              index=index + 4096 * trajectory.turns)
+        sample = await asyncio.wrap_future(future)  # cancelled: cancels the engine's sequence too
         trajectory.add(list(sample.token_ids), True, list(sample.logprobs), list(sample.versions))
+        trajectory.add_trace(sample.routing_trace, sample.num_experts)
         trajectory.turns += 1
         text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        step = _call(env.step, text, seconds=budget.env_seconds, what="step")
-        if not isinstance(step, Step):
-            raise TrajectoryError("malformed_observation", f"step returned {type(step).__name__}, not a Step")
-        observation = _messages(step.observation, "step")
+        step = _step(await _call(env.step, text, seconds=budget.env_seconds, what="step"))
         trajectory.reward = float(step.reward)
+        for key, value in step.info.items():
+            trajectory.env_metrics[key] = trajectory.env_metrics.get(key, 0.0) + float(value)
         if step.done:
             trajectory.finish_reason = "done"
             return trajectory
         conversation.append(Message("assistant", text))
-        tokens = render(tokenizer, conversation, observation, list(sample.token_ids))
-        conversation += observation
+        tokens = render(tokenizer, conversation, step.observation, list(sample.token_ids))
+        conversation += step.observation
         if len(trajectory.token_ids) + len(tokens) > budget.max_tokens:
             raise TrajectoryError("over_budget", f"the observation's {len(tokens)} tokens overflow the "
                                                  f"{budget.max_tokens}-token budget")
         trajectory.add(tokens, False)
+
+
+def run_trajectory(engine: Engine, tokenizer, env: Environment, task: dict, sampling: Sampling,
+                   budget: Budget = Budget(), return_trace: bool = False) -> Trajectory:
+    """`play` to its end, from code that runs no event loop."""
+    return asyncio.run(play(engine, tokenizer, env, task, sampling, budget, return_trace))

@@ -5,9 +5,10 @@ supervised cold start that stops once greedy eval accuracy reaches `target_accur
 room for RL), saves an HF directory that transformers and vLLM load (head_dim 32: vLLM's CPU
 attention rejects 16), and caches it by content so tests and the demo reuse it.
 
-Two tasks: `arith` (the demo's 2-digit addition) and `mul_trace` (multiplication as a trace of
+Three tasks: `arith` (the demo's 2-digit addition), `mul_trace` (multiplication as a trace of
 partial sums, answers of a few to `max_answer_tokens` tokens; its model gets the positions to
-hold the longest answer).
+hold the longest answer) and `calc` (multi-turn: 2-digit multiplication with a calculator tool,
+its tokenizer given a chat template; `shared.models.tiny_tools`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shared.tasks.trace import MulTraceTask
 log = logging.getLogger(__name__)
 
 KIT_VERSION = "1"
-KIT_TASKS = ("arith", "mul_trace")
+KIT_TASKS = ("arith", "mul_trace", "calc")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789+-*=() ,.:?abcdefghijklmnopqrstuvwxyz")
 
@@ -195,15 +196,21 @@ class KitTask:
         """The default model for this task: positions for prompt + the longest answer + eos."""
         if self.name == "arith":
             return TinySpec()
+        if self.name == "calc":  # stops on sampled accuracy (shared.models.tiny_tools)
+            return TinySpec(sft_eval_every=20, sft_eval_size=100, sft_lr=3e-3, target_accuracy=0.15)
         return TinySpec(max_positions=-(-(self.trace_max_answer_tokens + 16) // 32) * 32)
 
     def task(self, spec: TinySpec, seed: int) -> ArithTask | MulTraceTask:
         if self.name == "arith":
             return spec.task(seed)
+        if self.name == "calc":
+            from shared.envs.calc import MulTask
+
+            return MulTask(seed=seed)
         return MulTraceTask(self.trace_max_answer_tokens, self.trace_alpha, seed=seed)
 
     def key(self) -> str | dict:
-        return self.name if self.name == "arith" else asdict(self)
+        return self.name if self.name in ("arith", "calc") else asdict(self)
 
     @staticmethod
     def of(report: dict) -> KitTask:
@@ -261,7 +268,13 @@ def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
     try:
         tokenizer = char_tokenizer()
         model = build_model(spec, seed)
-        report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed)
+        if task.name == "calc":
+            from shared.models.tiny_tools import TOOL_TEMPLATE, tool_cold_start
+
+            tokenizer.chat_template = TOOL_TEMPLATE
+            report = tool_cold_start(model, tokenizer, spec, seed)
+        else:
+            report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed)
     finally:
         torch.use_deterministic_algorithms(False)
     staging = target.with_name(target.name + f".tmp{time.time_ns()}")

@@ -118,8 +118,13 @@ def test_a_bad_environment_ends_the_trajectory_with_its_reason(engine, env, code
 def test_the_calculator_answers_calls_and_scores_answers():
     env = Calculator()
     assert env.reset({"prompt": "12*34=", "answer": "408"}) == [Message("user", "12*34=")]
-    assert env.step("let me calc(12*34)") == Step([Message("tool", "= 408")], 0.0, False)
-    assert env.step("calc(2**99)").observation[0].content.startswith("error: not an integer expression")
-    assert env.step("calc(" + "9*" * 30 + "9)").observation[0].content == "error: result too large"
-    assert env.step(" 408 ") == Step([], 1.0, True) and env.step("407") == Step([], 0.0, True)
+    assert env.step("calc(2**99)") == Step([Message("tool", "error: bad expression")], 0.0, False,
+                                           {"tool_calls": 1.0, "tool_errors": 1.0})  # short, whatever was written
+    with pytest.raises(ValueError, match="not an integer expression"):
+        evaluate("2**99")
+    assert env.step(" 407 ") == Step([], 0.0, True, {"tool_success": 0.0})  # no call computed the answer
+    assert env.step("let me calc(12*34)") == Step([Message("tool", "= 408")], 0.0, False, {"tool_calls": 1.0})
+    assert env.step("calc(" + "9*" * 30 + "9)").observation[0].content == "error: too large"
+    assert env.step(" 408 ") == Step([], 1.0, True, {"tool_success": 1.0})
+    assert env.step("407") == Step([], 0.0, True, {"tool_success": 1.0})
     assert evaluate("-(3+4)*2") == -14 and env.tools[0].openai()["function"]["name"] == "calc"

@@ -60,7 +60,7 @@ def test_a_replica_hands_back_its_leases_even_when_its_stop_cancels_it_meanwhile
     back still finishes, and the cancellation is raised after it, not swallowed."""
     import asyncio
 
-    from services.inference.worker import _finish_despite_cancellation
+    from shared.service_main import finish_despite_cancellation
 
     handed_back: list[str] = []
 
@@ -73,7 +73,7 @@ def test_a_replica_hands_back_its_leases_even_when_its_stop_cancels_it_meanwhile
         try:
             await asyncio.sleep(10)
         finally:
-            await _finish_despite_cancellation(shutdown())
+            await finish_despite_cancellation(shutdown())
 
     async def main():
         task = asyncio.create_task(loop())

@@ -36,7 +36,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PromptTask(_message.Message):
-    __slots__ = ("task_id", "run_id", "group_id", "task_name", "prompt_token_ids", "prompt_text", "answer", "group_size", "sampling", "attempt", "is_eval", "min_policy_version", "enqueued_unix_ms")
+    __slots__ = ("task_id", "run_id", "group_id", "task_name", "prompt_token_ids", "prompt_text", "answer", "group_size", "sampling", "attempt", "is_eval", "min_policy_version", "enqueued_unix_ms", "environment", "budget")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class PromptTask(_message.Message):
     IS_EVAL_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENQUEUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     group_id: str
@@ -63,7 +65,19 @@ class PromptTask(_message.Message):
     is_eval: bool
     min_policy_version: int
     enqueued_unix_ms: int
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_name: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., answer: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt: _Optional[int] = ..., is_eval: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ...) -> None: ...
+    environment: str
+    budget: TrajectoryBudget
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_name: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., answer: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt: _Optional[int] = ..., is_eval: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., environment: _Optional[str] = ..., budget: _Optional[_Union[TrajectoryBudget, _Mapping]] = ...) -> None: ...
+
+class TrajectoryBudget(_message.Message):
+    __slots__ = ("max_turns", "max_tokens", "env_seconds")
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_turns: int
+    max_tokens: int
+    env_seconds: float
+    def __init__(self, max_turns: _Optional[int] = ..., max_tokens: _Optional[int] = ..., env_seconds: _Optional[float] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
