@@ -1,5 +1,5 @@
-"""`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, mismatch, trainer,
-trainer memory and checkpoints, async), one JSON object with the machine it ran on, and optionally
+"""`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
+mismatch, trainer, trainer memory and checkpoints, async), one JSON object with the machine it ran on, and optionally
 the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
 inherits another's threads or memory."""
 
@@ -19,6 +19,7 @@ BENCHMARKS = {
     "weightsync": ("bench.weightsync", ["11", "3"]),
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
+    "multiturn": ("bench.multiturn", []),
     "mismatch": ("bench.mismatch", []),
     "trainer": ("bench.trainer", []),
     "trainer_memory": ("bench.trainer_memory", []),
@@ -142,6 +143,12 @@ def markdown(result: dict) -> str:
             lines.append(f"| inference | {label}: publication → first token of the version, {mode}, median / p95 s "
                          f"| {_get(e, 'publish_to_first_token', mode, 'median_s')} / "
                          f"{_get(e, 'publish_to_first_token', mode, 'p95_s')} | – |")
+    for mt in _get(b, "multiturn", "torch", default={}).values():
+        lines.append(f"| multiturn | torch, {mt['turns']} turns × {mt['turn_tokens']} tokens: multi-turn / single-turn "
+                     f"rollouts of the same length, completion tokens/s ({mt['multi_turn_tokens_per_s']} vs "
+                     f"{mt['single_turn_tokens_per_s']}; each round {mt['multi_over_single_each_round']}; the bare "
+                     f"engine {mt['bare_engine_tokens_per_s']}) | {mt['multi_over_single']} "
+                     f"| ≥ {_get(b, 'multiturn', 'targets', 'multi_over_single')} |")
     mm = b.get("mismatch", {})
     for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
                         ("bf16_fp8_router", "bf16 + fp8 weights and router"),

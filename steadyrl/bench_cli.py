@@ -84,6 +84,14 @@ def bench_transport(rounds: int = typer.Option(3, help="Alternating rounds (medi
     typer.echo(json.dumps(run(rounds)))
 
 
+@bench_app.command("multiturn")
+def bench_multiturn() -> None:
+    """Multi-turn rollouts vs single-turn rollouts of the same total tokens, through the replica."""
+    from bench.multiturn import main as run
+
+    typer.echo(json.dumps(run()))
+
+
 @bench_app.command("async")
 def bench_async(
     target: float = typer.Option(0.5, help="Greedy eval accuracy to reach."),

@@ -28,12 +28,15 @@ DEPLOYMENT_FIELDS = frozenset({
 
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One service's settings: its section, the shared [run] values, what follows from other
-    sections (the trainer publishes in the replicas' dtype unless told otherwise), then `extra`."""
+    sections (the trainer publishes in the replicas' dtype unless told otherwise; the replicas serve
+    agent programs when the run's environment is one), then `extra`."""
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
     values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
     if service == "trainer" and "publish_dtype" not in values:
         values["publish_dtype"] = config.section("inference").get("dtype", settings_class("inference").model_fields[
             "dtype"].default)
+    if service == "inference" and "agent_endpoint" not in values:  # agent programs need the replicas' endpoint
+        values["agent_endpoint"] = str(config.section("orchestrator").get("environment", "")).startswith("agent:")
     values.update(extra or {})
     return values
 

@@ -108,6 +108,10 @@ class InferenceSettings(RedisSettings):
     """Largest gRPC message accepted or sent."""
     max_new_tokens_limit: int = Field(4096, ge=1)
     """Largest max_new_tokens a direct Generate request may ask for."""
+    agent_endpoint: bool = False
+    """Serve the OpenAI-compatible chat endpoint the agent programs of `agent:COMMAND` tasks call
+    (`services.inference.agents`), on a loopback port the OS picks; `steadyrl run` turns it on when
+    the run's environment is an agent."""
 
     def quantization_options(self) -> dict:
         """The engine options of `quantization` (the router and activation switches are the torch

@@ -9,6 +9,7 @@ import logging
 import grpc
 from prometheus_client import Gauge, Histogram
 
+from services.inference import trajectories
 from services.inference.config import InferenceSettings
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling, make_engine
@@ -141,6 +142,28 @@ def load_engine(settings: InferenceSettings) -> Engine:
     return make_engine(settings.engine, settings.model_path, settings.dtype, **engine_options(settings))
 
 
+async def serve_agents(engine: Engine, tokenizer):
+    """The agent endpoint (`services.inference.agents`) on a free loopback port: (its uvicorn
+    server, the task serving it)."""
+    import uvicorn
+
+    from services.inference.agents import Endpoint
+
+    endpoint = Endpoint(engine, tokenizer, "")
+    server = uvicorn.Server(uvicorn.Config(endpoint.app(), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            raise RuntimeError(f"the agent endpoint did not start: {serving.exception()!r}")
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    endpoint.base_url = f"http://127.0.0.1:{port}"
+    trajectories.ENDPOINT[:] = [endpoint]
+    log.info("event=agent_endpoint url=%s", endpoint.base_url)
+    return server, serving
+
+
 async def serve(settings: InferenceSettings, engine: Engine | None = None, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the replica until `stop` is set (or forever)."""
@@ -177,6 +200,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
+    endpoint = await serve_agents(engine, tokenizer) if settings.agent_endpoint else None
     try:
         async with grpc_service("inference", [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
                                 ["steadyrl.v1.Inference"], settings.host, settings.port, settings.max_message_bytes,
@@ -184,6 +208,11 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
                                 device=getattr(engine, "device", "cpu"), traces=worker.return_traces) as serving:
             await run_loops(loops, stop, serving.health)
     finally:
+        if endpoint is not None:
+            trajectories.ENDPOINT.clear()
+            endpoint[0].should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(endpoint[1], 5)
         await redis.aclose()
         rewards.close()
         if owned:

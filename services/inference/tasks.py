@@ -16,6 +16,7 @@ from shared.queues import Lease, WorkQueue
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")
+AGENT = "agent:"  # services.inference.agents.PREFIX: an agent program plays the task, scored by task_name
 MAX_GROUP_SIZE = 4096
 RENEW_ERRORS = Counter("steadyrl_inference_lease_renew_errors_total", "Lease renewals Redis refused or timed out",
                        ["replica"])
@@ -60,10 +61,13 @@ def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: Re
     if len(prompt) + completion > engine.max_model_len:
         raise BadTask("context", f"prompt ({len(prompt)}) + {'the trajectory budget' if task.environment else 'max_new_tokens'}"
                                  f" ({completion}) > the engine's {engine.max_model_len} positions")
+    agent = task.environment.startswith(AGENT)
+    if agent and not task.environment[len(AGENT):].strip():
+        raise BadTask("environment", "an agent environment names its command: agent:COMMAND")
     try:
-        environment_factory(task.environment) if task.environment else rewards.check(task.task_name)
+        environment_factory(task.environment) if task.environment and not agent else rewards.check(task.task_name)
     except KeyError as exc:
-        raise BadTask("environment" if task.environment else "reward", str(exc)) from None
+        raise BadTask("environment" if task.environment and not agent else "reward", str(exc)) from None
     return Checked(lease, prompt, sampling)
 
 

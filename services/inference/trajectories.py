@@ -14,6 +14,7 @@ import time
 import numpy as np
 from prometheus_client import Counter, Histogram
 
+from services.inference import agents
 from services.inference.metrics import TOKENS, TokenRate
 from shared.engines import Engine
 from shared.envs import make_environment
@@ -38,6 +39,15 @@ def budget_of(task) -> Budget:
                   env_seconds=b.env_seconds or DEFAULT_ENV_SECONDS)
 
 
+ENDPOINT: list[agents.Endpoint] = []  # the replica's agent endpoint, when it serves one
+
+
+def agents_endpoint() -> agents.Endpoint:
+    if not ENDPOINT:
+        raise TrajectoryError("env_error", "agent tasks need the replica's OpenAI endpoint (inference.openai_port)")
+    return ENDPOINT[0]
+
+
 def _environment(name: str):
     try:
         return make_environment(name)
@@ -57,8 +67,12 @@ async def play_group(engine: Engine, tokenizer, checked, return_traces: bool, re
     plays: list[asyncio.Future] = []
     try:
         for i in range(task.group_size):
-            plays.append(asyncio.ensure_future(play(engine, tokenizer, _environment(task.environment), record,
-                                                    checked.sampling, budget, return_traces, index=i)))
+            if task.environment.startswith(agents.PREFIX):  # an agent program drives the engine itself
+                playing = agents_endpoint().play(task, text, checked.sampling, budget, return_traces, i)
+            else:
+                playing = play(engine, tokenizer, _environment(task.environment), record, checked.sampling, budget,
+                               return_traces, index=i)
+            plays.append(asyncio.ensure_future(playing))
         trajectories = await asyncio.gather(*plays)
     except BaseException as exc:
         for p in plays:

@@ -53,9 +53,11 @@ class OrchestratorSettings(RedisSettings, StepShape):
     partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`), or 2-digit
     multiplication with a calculator tool (multi-turn: environment `calc`)."""
     environment: str = ""
-    """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`) or a
-    plug-in `module:factory` importable by the replicas (`shared.envs`); its reward replaces
-    `reward`. Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
+    """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`), a
+    plug-in `module:factory` importable by the replicas (`shared.envs`; its reward replaces
+    `reward`), or `agent:COMMAND`, an agent program run per trajectory against the replica's
+    OpenAI-compatible endpoint (inference.openai_port), its last line of output scored by `reward`.
+    Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
     max_turns: int = Field(4, ge=1)
     """Multi-turn: model turns per trajectory at most."""
     max_trajectory_tokens: int = Field(0, ge=0)
@@ -160,7 +162,10 @@ class OrchestratorSettings(RedisSettings, StepShape):
     @field_validator("environment")
     @classmethod
     def _environment_known(cls, value: str) -> str:
-        if value:
+        if value.startswith("agent:"):
+            if not value[len("agent:"):].strip():
+                raise ValueError("an agent environment names its command: agent:COMMAND")
+        elif value:
             from shared.envs import environment_factory
 
             try:

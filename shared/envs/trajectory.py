@@ -90,25 +90,28 @@ class Trajectory:
                 "loss_mask": np.asarray(self.loss_mask, dtype=bool)}
 
 
-def _template(tokenizer, messages: list[Message], generation_prompt: bool) -> list[int]:
+def _template(tokenizer, messages: list[Message], generation_prompt: bool, tools: list | None = None) -> list[int]:
     rendered = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                             add_generation_prompt=generation_prompt, tokenize=True)
+                                             add_generation_prompt=generation_prompt, tokenize=True,
+                                             **({"tools": tools} if tools else {}))
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
-def render(tokenizer, conversation: list[Message], new: list[Message], sampled: list[int] = ()) -> list[int]:
+def render(tokenizer, conversation: list[Message], new: list[Message], sampled: list[int] = (),
+           tools: list | None = None) -> list[int]:
     """The tokens that follow the tokens so far: the first call (`conversation` empty) the prompt;
     after a model turn (the last message of `conversation`, sampled as `sampled`), what the
     template closes that turn with (unless the model sampled it: an end-of-turn token), the
-    messages `new`, and the generation prompt of the model's next turn."""
+    messages `new`, and the generation prompt of the model's next turn. `tools`: declared to the
+    template (OpenAI function schemas), as an agent's request declares them."""
     if not getattr(tokenizer, "chat_template", None):
         text = "".join(f"{m.role}: {m.content}\n" for m in new) + "assistant: "
         return list(tokenizer.encode(("\n" if conversation else "") + text, add_special_tokens=False))
     if not conversation:
-        return _template(tokenizer, new, True)
-    head = _template(tokenizer, conversation[:-1], True)  # up to the model turn's start
+        return _template(tokenizer, new, True, tools)
+    head = _template(tokenizer, conversation[:-1], True, tools)  # up to the model turn's start
     turn = list(tokenizer.encode(conversation[-1].content, add_special_tokens=False))
-    after = _template(tokenizer, [*conversation, *new], True)
+    after = _template(tokenizer, [*conversation, *new], True, tools)
     if after[: len(head)] != head or after[len(head) : len(head) + len(turn)] != turn:
         raise TrajectoryError("template_mismatch", "the chat template renders the turns so far differently")
     tail = after[len(head) + len(turn):]

@@ -285,3 +285,24 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
     # each task it held was served on a later lease: its first one expired and went back to the pool
     # (after a freeze the replica may finish a task under the new lease, its own again: no lease lost)
     assert all(not pi[task].endswith("|0") for task in held), {task: pi[task] for task in held}
+
+
+def test_a_multi_turn_run_survives_a_replica_killed_mid_trajectory(tmp_path, calc_model_dir):
+    """configs/tiny-tools.toml, a replica SIGKILLed while it holds multi-turn tasks (their trajectories
+    between turns or inside one): the leases run out, the tasks go back and are played again from
+    their start by the other replica; every step trains whole groups of whole trajectories, none
+    twice, and every task is accounted for."""
+    steps, b, g = 12, 4, 8
+    config = load_run_config(ROOT / "configs" / "tiny-tools.toml", [
+        f"run.steps={steps}", f"run.batch_prompts={b}", f"run.group_size={g}", "run.replicas=2",
+        "orchestrator.eval_every=0", "trainer.checkpoint_every=1", "inference.lease_seconds=3",
+        "inference.tasks_per_batch=2"])
+    with running(config, tmp_path, calc_model_dir) as launch:
+        kill_replica(launch)
+        wait_until(launch, lambda status: status["state"] == "finished")
+        ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
+    assert_ledger(tmp_path, ledger, steps, b, g)
+    assert re.search(MECHANISMS["inference_sigkill"]["orchestrator"], (tmp_path / "logs" / "orchestrator.log").read_text())
+    lines = [json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, steps + 1))
+    assert all(x["turns_mean"] >= 1 and 0 < x["env_tokens_fraction"] < 1 for x in lines)  # trajectories, trained
