@@ -29,6 +29,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 from shared.engines import Engine, Sampling
 from shared.envs.base import Message
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, render
@@ -58,10 +61,7 @@ class Endpoint:
         self.engine, self.tokenizer, self.base_url = engine, tokenizer, base_url
         self.sessions: dict[str, Session] = {}
 
-    def app(self):
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
+    def app(self) -> FastAPI:
         app = FastAPI(title="steadyrl replica: OpenAI-compatible chat for agent programs")
 
         @app.post("/rollouts/{session_id}/v1/chat/completions")
@@ -93,11 +93,11 @@ class Endpoint:
             session.trajectory = Trajectory(render(self.tokenizer, [], messages, tools=tools))
             session.conversation = list(messages)
         else:
-            seen = len(session.conversation)
-            if [m.role for m in messages[: seen + 1]] != [m.role for m in session.conversation] + ["assistant"] or \
-                    messages[:seen] != session.conversation[:seen]:
+            seen = len(session.conversation)  # its last message: the model's turn, as sampled
+            if len(messages) <= seen or messages[: seen - 1] != session.conversation[:-1] or \
+                    messages[seen - 1].role != "assistant":
                 raise TrajectoryError("template_mismatch", "the call does not continue the conversation so far")
-            new = messages[seen + 1:]
+            new = messages[seen:]
             tokens = render(self.tokenizer, session.conversation, new, session.sampled, tools=tools)
             if len(session.trajectory.token_ids) + len(tokens) > session.budget.max_tokens:
                 raise TrajectoryError("over_budget", f"the call's {len(tokens)} new tokens overflow the "

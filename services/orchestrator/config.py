@@ -178,8 +178,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
     def _dataset_named(self) -> OrchestratorSettings:
         if self.task == "math" and self.math_path is None:
             raise ValueError("task 'math' needs math_path")
-        if self.task == "calc" and self.environment not in ("", "calc"):
-            raise ValueError(f"task 'calc' is played by the environment 'calc', not {self.environment!r}")
+        if self.task == "calc" and self.environment not in ("", "calc") and not self.environment.startswith("agent:"):
+            raise ValueError(f"task 'calc' is played by the environment 'calc' or an agent, not {self.environment!r}")
         return self
 
     @property

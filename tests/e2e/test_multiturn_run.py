@@ -40,3 +40,22 @@ def test_tiny_tools_learns_to_call_the_calculator(tmp_path, calc_model_dir):
     assert all(0 < x["env_tokens_fraction"] < 1 and x["turns_mean"] >= 1 for x in lines)
     for name in ("turns_mean", "env_tool_success", "env_tool_calls"):
         assert f"plots/{name}.png" in summary["plots"] and (out / "plots" / f"{name}.png").stat().st_size > 0
+
+
+def test_an_agent_program_drives_a_training_run(tmp_path, calc_model_dir):
+    """The same recipe played by an unmodified agent program (tests/agent_calc.py) through the
+    replicas' OpenAI-compatible endpoint: its rollouts are trained."""
+    out = tmp_path / "run"
+    agent = f"agent:{sys.executable} -m tests.agent_calc"
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-tools.toml"), "--out", str(out),
+         "--set", "run.steps=3", "--set", "run.batch_prompts=4", "--set", "run.group_size=4",
+         "--set", "orchestrator.eval_every=0", "--set", f'orchestrator.environment="{agent}"'],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["steps"] == 3, summary
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert all(x["env_model_calls"] == x["turns_mean"] >= 1 and x["tokens"] > 0 for x in lines), lines
+    assert "event=agent_endpoint url=http://127.0.0.1:" in (out / "logs" / "inference-0.log").read_text()
