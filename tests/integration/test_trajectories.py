@@ -105,8 +105,19 @@ class Malformed(Scripted):
         return Step("not messages", 0.0, False)
 
 
+class BadInfo(Scripted):
+    def step(self, model_turn):
+        return Step([Message("tool", "=1")], 0.0, False, {"calls": float("nan")})
+
+
+class BadReward(Scripted):
+    def step(self, model_turn):
+        return Step([], "one", True)
+
+
 @pytest.mark.parametrize("env,code", [(Raises(3), "env_error"), (Hangs(3), "env_timeout"),
-                                      (Malformed(3), "malformed_observation")])
+                                      (Malformed(3), "malformed_observation"), (BadInfo(3), "malformed_observation"),
+                                      (BadReward(3), "malformed_observation")])
 def test_a_bad_environment_ends_the_trajectory_with_its_reason(engine, env, code):
     started = time.monotonic()
     with pytest.raises(TrajectoryError) as caught:
@@ -128,3 +139,21 @@ def test_the_calculator_answers_calls_and_scores_answers():
     assert env.step(" 408 ") == Step([], 1.0, True, {"tool_success": 1.0})
     assert env.step("407") == Step([], 0.0, True, {"tool_success": 1.0})
     assert evaluate("-(3+4)*2") == -14 and env.tools[0].openai()["function"]["name"] == "calc"
+
+
+def test_routing_traces_compose_turn_by_turn_and_info_sums(engine, tiny_model_dir):
+    """Each position keeps the routing of the forward that first computed it: with one version
+    throughout, equal to a fresh forward of the whole trajectory; the environment's counts sum."""
+    from shared.models import load_causal_lm
+    from tests.envs import Echo
+    from tests.integration.test_inference import fresh_forward
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    t = run_trajectory(engine, tokenizer, Echo(), {"prompt": "12*3="}, SAMPLING, return_trace=True)
+    assert (t.turns, t.env_metrics, t.reward) == (3, {"tool_calls": 2.0, "answered": 1.0}, 1.0)
+    logp, trace = fresh_forward(load_causal_lm(tiny_model_dir, "float32"), t.prompt_token_ids, t.token_ids)
+    np.testing.assert_array_equal(t.routing_trace, trace)
+    assert t.routing_trace.shape[0] == len(t.prompt_token_ids) + len(t.token_ids) - 1
+    mask = np.array(t.loss_mask)
+    assert np.abs(logp.numpy()[mask] - np.array(t.logprobs)[mask]).max() <= 1e-5

@@ -140,3 +140,26 @@ def test_fp8_on_vllm_cpu_is_a_clear_error_not_a_dead_engine_core(tiny_model_dir)
             make_engine("vllm", str(tiny_model_dir), "bfloat16", max_model_len=64, quantization=fmt)
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_engine("vllm", str(tiny_model_dir), "bfloat16", max_model_len=64, quantization="int4")
+
+
+def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_dir):
+    """Four 3-turn trajectories on vllm-cpu: the model's tokens' logprobs equal the torch recompute
+    of the whole conversation, the environment's carry none, and each later turn's prompt (the
+    conversation so far) and every trajectory after the first (the same prompt) is served from
+    vLLM's prefix cache in part (whole 32-token blocks)."""
+    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_multiturn_probe", str(calc_model_dir)],
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    reference = load_causal_lm(calc_model_dir, "float32")
+    worst = 0.0
+    for t in out["trajectories"]:
+        assert t["turns"] == 3 and t["reward"] == 1.0 and t["mask"][0] and t["mask"][-1] and not all(t["mask"])
+        mask = torch.tensor(t["mask"])
+        delta = (recompute(reference, t["prompt"], t["tokens"]) - torch.tensor(t["logprobs"]))[mask].abs()
+        worst = max(worst, float(delta.max()))
+        assert not torch.tensor(t["logprobs"])[~mask].any()
+    assert worst < 1e-4, worst
+    cache = out["prefix_cache"]
+    assert cache["vllm:prefix_cache_hits_total"] > 0 and cache["vllm:prefix_cache_queries_total"] > 0, cache
