@@ -148,8 +148,11 @@ def export_command(
     model: Annotated[Path | None, typer.Option("--model", help="The base model directory (its config and tokenizer); "
                                                                "default: the one the run trained.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")] = "bfloat16",
+    merge: Annotated[bool, typer.Option("--merge/--adapter", help="A LoRA run's checkpoint: the base with the adapter "
+                                                                  "merged in, or the adapter alone in PEFT's format.")] = True,
 ) -> None:
-    """A trainer checkpoint as a Hugging Face directory: AutoModelForCausalLM.from_pretrained loads it."""
+    """A trainer checkpoint as a Hugging Face directory: AutoModelForCausalLM.from_pretrained loads it
+    (a LoRA run's: merged, or with --adapter the adapter in PEFT's format)."""
     from steadyrl.report import export_checkpoint, find_checkpoint
 
     try:
@@ -163,7 +166,7 @@ def export_command(
             raise ValueError("--model is needed: the checkpoint does not say which model it trained")
         if out.exists() and any(out.iterdir()):
             raise ValueError(f"{out} exists and is not empty")
-        export_checkpoint(base, step, out, dtype)
+        export_checkpoint(base, step, out, dtype, merge)
     except ValueError as exc:
         typer.echo(f"steadyrl export: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -80,19 +80,28 @@ def find_checkpoint(source: Path) -> tuple[Path, str | None]:
     return step, model
 
 
-def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: str = "float32") -> Path:
+def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: str = "float32",
+                      merge: bool = True) -> Path:
     """A trainer checkpoint (whatever the parallelism and world size that wrote it: its shards are
     consolidated by DCP) as a Hugging Face directory in `dtype`: the base model's config and
-    tokenizer, the checkpoint's weights."""
+    tokenizer, the checkpoint's weights. A LoRA checkpoint (its adapter_config.json) is merged into
+    the base, or with `merge` False written as the adapter alone in PEFT's format
+    (adapter_config.json + adapter_model.safetensors: `PeftModel.from_pretrained(base, target)`)."""
     from services.trainer.checkpoint import load_model_weights
     from shared.models import load_causal_lm
     from shared.models.loading import resolve_dtype
 
     model = load_causal_lm(model_path, "float32")
-    missing, unexpected = model.load_state_dict(load_model_weights(checkpoint), strict=False)
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-        raise ValueError(f"checkpoint {checkpoint} does not fit the model {model_path}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+    weights = load_model_weights(checkpoint)
+    if (checkpoint / "adapter_config.json").exists():
+        model = _adapter(model, checkpoint, weights, target, merge)
+        if model is None:
+            return target
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+            raise ValueError(f"checkpoint {checkpoint} does not fit the model {model_path}: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
     model.to(resolve_dtype(dtype)).save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                  "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja"):
@@ -100,3 +109,25 @@ def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: st
         if source.exists() and not (target / name).exists():
             shutil.copy(source, target / name)
     return target
+
+
+def _adapter(model, checkpoint: Path, weights: dict, target: Path, merge: bool):
+    """The base with the checkpoint's adapter merged in (`merge`), else None once the adapter is
+    written to `target` in PEFT's format."""
+    from peft import LoraConfig, get_peft_model
+
+    from shared.models.lora import merged_state
+
+    adapted = get_peft_model(model, LoraConfig.from_pretrained(str(checkpoint)))
+    missing, unexpected = adapted.load_state_dict(weights, strict=False)
+    if unexpected or any(".lora_" in m for m in missing):
+        raise ValueError(f"the adapter of {checkpoint} does not fit the model: missing "
+                         f"{[m for m in missing if '.lora_' in m][:3]}, unexpected {unexpected[:3]}")
+    if not merge:
+        adapted.save_pretrained(str(target))
+        return None
+    state = merged_state(adapted)
+    base = adapted.base_model.model
+    merged = type(base)(base.config)
+    merged.load_state_dict(state)
+    return merged

@@ -57,10 +57,16 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return (path / SHARDS).is_dir()
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """A model with frozen parameters (a LoRA adapter over its base) is checkpointed without them."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
     """This rank's part of the model and optimizer state as one flat dict of tensors (DTensors
     when sharded), and the optimizer's param groups (parameter names, not ids: any world size)."""
-    options = StateDictOptions()
+    options = _options(model)
     model_state = get_model_state_dict(model, options=options)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)  # initialises AdamW's state
     flat = {MODEL + name: tensor for name, tensor in model_state.items()}
@@ -151,10 +157,10 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         if key.startswith(OPTIM):
             name, item = key[len(OPTIM):].rsplit(SEP, 1)
             optimizer_state.setdefault(name, {})[item] = value
-    set_model_state_dict(model, model_state, options=StateDictOptions())
+    set_model_state_dict(model, model_state, options=_options(model))
     set_optimizer_state_dict(model, optimizer, {"state": optimizer_state,
                                                 "param_groups": meta["optimizer"]["param_groups"]},
-                             options=StateDictOptions())
+                             options=_options(model))
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["cpu"])
     return read_state(path)
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.core.loss import LossConfig
@@ -16,6 +16,31 @@ from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.settings import StepShape, TrackingSettings
 from shared.training import StepConfig
+
+
+class LoraSettings(BaseModel):
+    """LoRA RL ([trainer.lora]): the trainer trains an adapter of this rank over the frozen base
+    (the router frozen too: never a target); rank 0 trains every weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank (0: off, full fine-tuning)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the update is alpha / rank × B A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (0 with target_experts: peft requires it)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """Linear layers adapted, by name suffix (peft's target_modules)."""
+    target_experts: bool = False
+    """Adapt the MoE experts too, where the architecture keeps them as stacked parameters
+    (Qwen3-MoE in transformers 5: mlp.experts.gate_up_proj and down_proj)."""
+
+    @model_validator(mode="after")
+    def _experts_without_dropout(self) -> LoraSettings:
+        if self.target_experts and self.dropout:
+            raise ValueError("trainer.lora.dropout must be 0 with target_experts (peft adapts stacked experts without it)")
+        return self
 
 
 class TrainerSettings(RedisSettings, StepShape):
@@ -94,6 +119,10 @@ class TrainerSettings(RedisSettings, StepShape):
     accumulated (the update is the unsplit one); 0 = no split."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them."""
+    lora: LoraSettings = LoraSettings()
+    """LoRA RL ([trainer.lora], `shared/models/lora.py`): rank > 0 trains an adapter over the frozen
+    base; the optimizer and the checkpoints hold the adapter alone, each version publishes the base
+    with the adapter merged in. Tested with one process and DDP; not with FSDP / HSDP (refused)."""
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the published weights: the replicas' (`steadyrl run` sets it from inference.dtype)."""
     gpus: int = Field(0, ge=0)
@@ -158,6 +187,8 @@ class TrainerSettings(RedisSettings, StepShape):
         if self.parallel == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
             raise ValueError(f"trainer.parallel = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
                              f"shard groups of trainer.shard_ranks = {self.shard_ranks}")
+        if self.lora.rank and self.parallel != "ddp" and (self.gpus or self.ranks or self.nodes) > 1:
+            raise ValueError(f"trainer.lora with trainer.parallel = '{self.parallel}' is not supported yet: use ddp")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self

@@ -44,6 +44,7 @@ from shared.distributed import broadcast_payloads, init_from_env, rank_device
 from shared.forward import Compute
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
+from shared.models.lora import ADAPTER, apply_lora, merged_state
 from shared.models.routing import RoutingController
 from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
 from shared.torch_threads import bind_torch_threads
@@ -108,12 +109,17 @@ class StepRunner:
         self.device = rank_device(s.device)
         self.rank, self.world = init_from_env(self.device, s.collective_timeout_seconds)
         self.model = load_causal_lm(s.model_path, "float32")
+        if s.lora.rank:  # the adapter trains, the base (router included) stays frozen
+            self.model = apply_lora(self.model, s.lora.rank, s.lora.alpha, s.lora.dropout, s.lora.target_modules,
+                                    s.lora.target_experts)
         self.routing = RoutingController(self.model)
         self.parallel = prepare(self.model, s, self.device, self.world)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.adam_betas,
-                                           weight_decay=s.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=s.lr,
+                                           betas=s.adam_betas, weight_decay=s.weight_decay)
         bf16 = wants_bf16(s, self.device)
         sharded = s.parallel in ("fsdp", "hsdp") and self.world > 1
+        if sharded and s.lora.rank:
+            raise ValueError("trainer.lora with a sharded model (fsdp / hsdp) is not supported yet: use ddp")
         self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
         self.sharded = sharded
         self.publish_dtype = resolve_dtype(s.publish_dtype)
@@ -165,12 +171,16 @@ class StepRunner:
         directory = staging_dir(self.checkpoints, step, attempt)
         future = start_save(directory, flat, self.checkpoint_group, self.settings.async_checkpoint,
                             self.settings.checkpoint_file_bytes)
+        if self.settings.lora.rank and self.rank == 0:  # the adapter's shape, as peft writes it
+            self.model.peft_config[ADAPTER].save_pretrained(str(directory))
         return PendingSave(directory, state, param_groups, self.settings.keep_checkpoints, future)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """What the current version publishes, in the published dtype, one tensor at a time: a cast
         view of the model, or of a sharded one gathered tensor by tensor as the transport reads it
         (the other ranks gather with it). Call with no step running."""
+        if self.settings.lora.rank:  # the base with the adapter merged in, under the base's names
+            return CastView(merged_state(self.model), self.publish_dtype)
         if not self.sharded:
             return CastView(self.model.state_dict(), self.publish_dtype)
         return GatheredView(self.model, self.publish_dtype, lambda: broadcast_payloads([], GATHER))

@@ -1,0 +1,56 @@
+"""`steadyrl run configs/tiny-arith.toml --set trainer.lora.rank=8`: the trainer trains an adapter over
+the frozen base; its checkpoints hold the adapter and its optimizer state alone (with peft's
+adapter_config.json), the replicas receive the merged weights as versions, the run's final model is
+the merged one, and `steadyrl export --adapter` writes the adapter in PEFT's format, which peft
+loads onto the base to compute what the merged model computes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
+         "--set", "run.steps=12", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=0",
+         "--set", "trainer.lora.rank=8", "--set", "trainer.checkpoint_every=4"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["versions"] == 12
+    assert set(summary["final_status"]["replica_versions"].values()) == {12}
+    checkpoint = out / "trainer" / "checkpoints" / "step-00000012"
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert config["r"] == 8 and sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    keys = [k for shard in (checkpoint / "shards").glob("*.safetensors") for k in safe_open(str(shard), "pt").keys()]  # noqa: SIM118
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight
+    assert all(".lora_" in k.split("::")[0] for k in keys if k.startswith("optim."))  # AdamW holds the adapter alone
+    assert "event=resumed" not in (out / "logs" / "trainer.log").read_text()
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "final-model")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    moved = [n for (n, a), (_, b) in zip(merged.state_dict().items(), base.state_dict().items(), strict=True)
+             if not torch.equal(a, b)]
+    assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+                         for n in moved), moved  # the adapted projections changed, nothing else
+    adapter = tmp_path / "adapter"
+    exported = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(out), "--out", str(adapter),
+                               "--adapter"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(adapter)).eval()
+    ids = torch.tensor([[1, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, merged.eval()(ids).logits, rtol=1e-4, atol=1e-4)
