@@ -1,5 +1,5 @@
 """`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
-mismatch, trainer, trainer memory and checkpoints, async), one JSON object with the machine it ran on, and optionally
+LoRA, mismatch, trainer, trainer memory and checkpoints, async), one JSON object with the machine it ran on, and optionally
 the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
 inherits another's threads or memory."""
 
@@ -20,6 +20,7 @@ BENCHMARKS = {
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
     "multiturn": ("bench.multiturn", []),
+    "lora": ("bench.lora", []),
     "mismatch": ("bench.mismatch", []),
     "trainer": ("bench.trainer", []),
     "trainer_memory": ("bench.trainer_memory", []),
@@ -149,6 +150,18 @@ def markdown(result: dict) -> str:
                      f"{mt['single_turn_tokens_per_s']}; each round {mt['multi_over_single_each_round']}; the bare "
                      f"engine {mt['bare_engine_tokens_per_s']}) | {mt['multi_over_single']} "
                      f"| ≥ {_get(b, 'multiturn', 'targets', 'multi_over_single')} |")
+    lora = b.get("lora", {})
+    for shape, v in _get(lora, "versions", default={}).items():
+        for targets in ("attention", "attention_experts"):
+            lines.append(f"| lora | {shape} ({v['parameters']:,} parameters), rank {lora['rank']}, {targets}: adapter "
+                         f"bytes / full version bytes (what an adapter-only version would move; versions publish the "
+                         f"merged model today: 1.0) | {v[targets]['adapter_over_full']} "
+                         f"| ≤ {_get(lora, 'targets', 'adapter_over_full')} |")
+    lines.append(f"| lora | trainer step seconds, LoRA (rank {_get(lora, 'rank')}, attention + experts) / full, wider "
+                 f"tiny MoE ({_get(lora, 'trainer', 'step_seconds', 'lora')} vs "
+                 f"{_get(lora, 'trainer', 'step_seconds', 'full')} s) | {_get(lora, 'trainer', 'lora_over_full_step_seconds')} | – |")
+    lines.append(f"| lora | parameter + gradient + AdamW bytes, LoRA / full (an identity of the shapes) "
+                 f"| {_get(lora, 'trainer', 'lora_over_full_held_bytes_identity')} | – |")
     mm = b.get("mismatch", {})
     for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
                         ("bf16_fp8_router", "bf16 + fp8 weights and router"),

@@ -92,6 +92,14 @@ def bench_multiturn() -> None:
     typer.echo(json.dumps(run()))
 
 
+@bench_app.command("lora")
+def bench_lora() -> None:
+    """LoRA vs full: bytes per version, trainer step time and held bytes."""
+    from bench.lora import main as run
+
+    typer.echo(json.dumps(run()))
+
+
 @bench_app.command("async")
 def bench_async(
     target: float = typer.Option(0.5, help="Greedy eval accuracy to reach."),
