@@ -48,6 +48,37 @@ def latest_is(out: Path, step: int) -> bool:
         return False
 
 
+def freeze_redis_while_the_replica_holds_a_lease(out: Path, redis_pid: int) -> None:
+    """SIGSTOP Redis at a moment the replica holds a lease: the replica is stopped first and Redis
+    looked at (a completion it sent just before its stop lands meanwhile), then Redis is frozen
+    before the replica is let go, so its publish meets the freeze."""
+    import redis
+
+    from shared.keys import RunKeys
+
+    pids = json.loads((out / "pids.json").read_text())
+    environ = Path(f"/proc/{pids['trainer']}/environ").read_bytes().split(b"\0")  # the run's Redis, as services see it
+    url = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"STEADYRL_TRAINER_REDIS_URL="))
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    owners, replica = RunKeys("tiny-arith").owners, pids["inference-0"]
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            os.kill(replica, signal.SIGSTOP)
+            try:
+                if b"replica-0" in client.hvals(owners):
+                    time.sleep(0.2)
+                    if b"replica-0" in client.hvals(owners):
+                        os.kill(redis_pid, signal.SIGSTOP)
+                        return
+            finally:
+                os.kill(replica, signal.SIGCONT)
+            assert time.monotonic() < deadline, "the replica never held a lease"
+            time.sleep(0.005)
+    finally:
+        client.close()
+
+
 def control_plane(out: Path) -> tuple[str, str, str]:
     """(HTTP base URL, gRPC address, token) of the run's orchestrator, from its log."""
     line = re.search(r"event=started service=orchestrator port=(\d+) .*http_port=(\d+)",
@@ -74,12 +105,12 @@ def test_redis_frozen_20s_as_a_checkpoint_lands(tmp_path):
     the trainer's step-10 line was written before its checkpoint acknowledged anything; a replica's
     publish that Redis did not answer is tried again when it thaws, its leases kept (none expires)."""
     out = tmp_path / "run"
-    # the replica is the bottleneck (one task at a time, a backlog queued): it holds a lease whenever Redis freezes
+    # the replica is the bottleneck (one task at a time, a backlog queued); Redis freezes while it holds a lease
     run = start(out, "inference.max_inflight_tasks=1", "inference.tasks_per_batch=1", "run.max_staleness=2")
     try:
         wait_for(run, lambda: latest_is(out, 10))
         redis_pid = json.loads((out / "pids.json").read_text())["redis-server"]
-        os.kill(redis_pid, signal.SIGSTOP)
+        freeze_redis_while_the_replica_holds_a_lease(out, redis_pid)
         try:
             url, address, token = control_plane(out)
             headers = {"Authorization": f"Bearer {token}"}
