@@ -4,13 +4,10 @@ replica runs). A replica makes one environment per trajectory."""
 
 from __future__ import annotations
 
-import importlib
-import re
 from collections.abc import Callable
 
 from shared.envs.base import Environment
-
-_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+from shared.tasks.registry import DOTTED, import_plugin
 
 
 def _calc() -> Environment:
@@ -26,16 +23,9 @@ def environment_factory(name: str) -> Callable[[], Environment]:
     """What makes the environment `name`; KeyError naming why when there is none."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
-    if not _DOTTED.match(name):
+    if not DOTTED.match(name):
         raise KeyError(f"no environment named {name!r}; registered: {sorted(ENVIRONMENTS)}, or give module:factory")
-    module, attr = name.split(":")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise KeyError(f"environment {name!r} cannot be imported: {exc}") from None
-    if not callable(factory):
-        raise KeyError(f"environment {name!r} is not callable")
-    return factory
+    return import_plugin(name, "environment")
 
 
 def make_environment(name: str) -> Environment:

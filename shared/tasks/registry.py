@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 RewardFn = Callable[[str, str], float]
 _REWARDS: dict[str, RewardFn] = {}
 _INLINE: set[str] = set()
-_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -76,15 +76,20 @@ def resolve_reward(name: str) -> RewardFn:
     """The raw reward callable for a registered name or a `module:function` path."""
     if name in _REWARDS:
         return _REWARDS[name].raw  # type: ignore[attr-defined]
-    if not _DOTTED.match(name):
+    if not DOTTED.match(name):
         raise KeyError(f"no reward named {name!r}; registered: {sorted(_REWARDS)}, or give module:function")
+    return import_plugin(name, "reward")
+
+
+def import_plugin(name: str, kind: str) -> Callable:
+    """The callable a `module:attribute` path names; KeyError naming why it cannot be had."""
     module, attr = name.split(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise KeyError(f"reward {name!r} cannot be imported: {exc}") from None
+        raise KeyError(f"{kind} {name!r} cannot be imported: {exc}") from None
     if not callable(fn):
-        raise KeyError(f"reward {name!r} is not callable")
+        raise KeyError(f"{kind} {name!r} is not callable")
     return fn
 
 
