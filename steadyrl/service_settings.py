@@ -36,7 +36,8 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
         values["publish_dtype"] = config.section("inference").get("dtype", settings_class("inference").model_fields[
             "dtype"].default)
     if service == "inference" and "agent_endpoint" not in values:  # agent programs need the replicas' endpoint
-        values["agent_endpoint"] = str(config.section("orchestrator").get("environment", "")).startswith("agent:")
+        values["agent_endpoint"] = str(config.section("orchestrator").get("environment", "")).startswith(
+            ("agent:", "verifiers:"))
     values.update(extra or {})
     return values
 

@@ -2,15 +2,18 @@
 
 A task whose environment is `agent:COMMAND` is played by running COMMAND (an unmodified program
 that speaks the OpenAI chat API) once per trajectory, with `OPENAI_BASE_URL` pointing at this
-replica's `/rollouts/SESSION/v1` and the task's prompt in `STEADYRL_PROMPT`. Every
-`POST …/chat/completions` it makes (messages, `tools`, temperature, top_p, max_tokens, logprobs)
-is rendered by the tokenizer's chat template and sampled by the engine like any turn: the call's
-new messages are the environment's tokens (masked out), its completion the model's (behaviour
-logprobs and versions kept, routing traces composed), and each call must continue the
-conversation so far (else `template_mismatch`). The program's last line on stdout is its answer,
-scored by the task's reward against the task's answer. The whole program is bounded by the task's
-`env_seconds` (then killed: `env_timeout`); an exit status other than 0 is `env_error`; a call past
-the turn or token budget is answered 400 and ends the trajectory (`over_budget`).
+replica's `/rollouts/SESSION/v1` and the task's prompt in `STEADYRL_PROMPT`; one whose environment
+is `verifiers:ENV_ID` by that environment's own rollout loop, a client per trajectory pointing at
+such a session (`shared.envs.verifiers_adapter`), scored by its rubric. Every
+`POST …/chat/completions` (messages, `tools`, temperature, top_p, max_tokens or
+max_completion_tokens, logprobs) is rendered by the tokenizer's chat template and sampled by the
+engine like any turn: the call's new messages are the environment's tokens (masked out), its
+completion the model's (behaviour logprobs and versions kept, routing traces composed), and each
+call must continue the conversation so far (else `template_mismatch`). An agent program's last
+line on stdout is its answer, scored by the task's reward against the task's answer. The whole
+program (or group of rollouts) is bounded by the task's `env_seconds` (then killed:
+`env_timeout`); an exit status other than 0, or an environment that raises, is `env_error`; a call
+past the turn or token budget is answered 400 and ends the trajectory (`over_budget`).
 
 Tool calls in the Hermes format the Qwen templates use (`<tool_call>{"name": …, "arguments": …}
 </tool_call>`) come back as the message's `tool_calls`; the conversation keeps the text as sampled.
@@ -94,8 +97,7 @@ class Endpoint:
             session.conversation = list(messages)
         else:
             seen = len(session.conversation)  # its last message: the model's turn, as sampled
-            if len(messages) <= seen or messages[: seen - 1] != session.conversation[:-1] or \
-                    messages[seen - 1].role != "assistant":
+            if len(messages) <= seen or [_key(m) for m in messages[:seen]] != [_key(m) for m in session.conversation]:
                 raise TrajectoryError("template_mismatch", "the call does not continue the conversation so far")
             new = messages[seen:]
             tokens = render(self.tokenizer, session.conversation, new, session.sampled, tools=tools)
@@ -108,7 +110,8 @@ class Endpoint:
         left = session.budget.max_tokens - len(t.token_ids)
         if t.turns >= session.budget.max_turns or left <= 0:
             raise TrajectoryError("over_budget", f"a call past the budget ({t.turns} turns, {len(t.token_ids)} tokens)")
-        sampling = Sampling(**{**vars(session.sampling), "max_new_tokens": min(int(body.get("max_tokens") or
+        sampling = Sampling(**{**vars(session.sampling), "max_new_tokens": min(int(body.get("max_completion_tokens") or
+                                                                                    body.get("max_tokens") or
                                                                                     session.sampling.max_new_tokens), left),
                                "temperature": float(body.get("temperature", session.sampling.temperature)),
                                "top_p": float(body.get("top_p", session.sampling.top_p))})
@@ -123,44 +126,89 @@ class Endpoint:
         session.conversation.append(Message("assistant", text))
         return _completion(session, text, sample, self.tokenizer, bool(body.get("logprobs")))
 
+    @contextlib.contextmanager
+    def session(self, task, sampling: Sampling, budget: Budget, return_trace: bool, index: int):
+        """A rollout session: (it, its OpenAI base URL) while open."""
+        session_id = f"{task.task_id}.{index}.{uuid.uuid4().hex[:8]}"
+        session = self.sessions[session_id] = Session(task.task_id, sampling, budget, return_trace, index)
+        try:
+            yield session, f"{self.base_url}/rollouts/{session_id}/v1"
+        finally:
+            self.sessions.pop(session_id, None)
+
     async def play(self, task, prompt: str, sampling: Sampling, budget: Budget, return_trace: bool,
                    index: int) -> Trajectory:
         """Run the task's agent program once; its trajectory, its answer scored by the task's reward."""
         command = shlex.split(task.environment[len(PREFIX):])
-        session_id = f"{task.task_id}.{index}.{uuid.uuid4().hex[:8]}"
-        session = self.sessions[session_id] = Session(task.task_id, sampling, budget, return_trace, index)
-        env = {**os.environ, "OPENAI_BASE_URL": f"{self.base_url}/rollouts/{session_id}/v1",
-               "OPENAI_API_KEY": "steadyrl", "STEADYRL_PROMPT": prompt}
-        try:
-            process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
-                                                           stderr=asyncio.subprocess.PIPE, env=env,
-                                                           start_new_session=True)
-        except OSError as exc:
-            self.sessions.pop(session_id, None)
-            raise TrajectoryError("env_error", f"the agent {command[0]!r} could not start: {exc}") from None
-        try:
-            out, err = await asyncio.wait_for(process.communicate(), budget.env_seconds)
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise TrajectoryError("env_timeout", f"the agent ran over {budget.env_seconds:g} s") from None
-        finally:
-            self.sessions.pop(session_id, None)
+        with self.session(task, sampling, budget, return_trace, index) as (session, url):
+            env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "steadyrl", "STEADYRL_PROMPT": prompt}
+            try:
+                process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
+                                                               stderr=asyncio.subprocess.PIPE, env=env,
+                                                               start_new_session=True)
+            except OSError as exc:
+                raise TrajectoryError("env_error", f"the agent {command[0]!r} could not start: {exc}") from None
+            try:
+                out, err = await asyncio.wait_for(process.communicate(), budget.env_seconds)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise TrajectoryError("env_timeout", f"the agent ran over {budget.env_seconds:g} s") from None
         if session.error is not None:
             raise session.error
         if process.returncode != 0:
             raise TrajectoryError("env_error", f"the agent exited {process.returncode}: "
                                                f"{err.decode(errors='replace')[-300:]}")
-        if session.trajectory is None:
-            raise TrajectoryError("env_error", "the agent made no model call")
         lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
-        trajectory = session.trajectory
+        trajectory = _recorded(session, "the agent")
         trajectory.reward = await asyncio.to_thread(_score, task.task_name, lines[-1] if lines else "", task.answer)
         trajectory.finish_reason, trajectory.env_metrics = "done", {"model_calls": float(trajectory.turns)}
         return trajectory
+
+    async def play_verifiers(self, task, sampling: Sampling, budget: Budget, return_trace: bool) -> list[Trajectory]:
+        """The task's G trajectories played by its verifiers environment against G sessions, scored
+        by the environment's rubric (`shared.envs.verifiers_adapter`); bounded by env_seconds."""
+        from shared.envs import verifiers_adapter
+
+        args = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(self.session(task, sampling, budget, return_trace, i))
+                      for i in range(task.group_size)]
+            try:
+                scored = await verifiers_adapter.play_group(task.environment, verifiers_adapter.row_of(task.prompt_text),
+                                                            [url for _, url in opened], args, budget.env_seconds)
+            except TimeoutError:
+                raise TrajectoryError("env_timeout", f"the environment ran over {budget.env_seconds:g} s") from None
+            except Exception as exc:  # noqa: BLE001 - the environment's own code failed: the task ends, named
+                first = next((s.error for s, _ in opened if s.error is not None), None)
+                raise first or TrajectoryError("env_error", f"{type(exc).__name__}: {exc}"[:300]) from None
+        out = []
+        for (session, _), (reward, metrics, error) in zip(opened, scored, strict=True):
+            if session.error is not None:
+                raise session.error
+            if error:
+                raise TrajectoryError("env_error", f"the environment's rollout failed: {error}"[:300])
+            trajectory = _recorded(session, "the environment")
+            trajectory.reward, trajectory.finish_reason = reward, "done"
+            trajectory.env_metrics = {**metrics, "model_calls": float(trajectory.turns)}
+            out.append(trajectory)
+        return out
+
+
+def _key(message: Message) -> tuple[str, str]:
+    """What a call must repeat of the conversation so far: every message, an assistant one by its
+    role alone (a client sends back the content it was given — tool calls parsed out — and the
+    record keeps the turn as sampled)."""
+    return (message.role, "" if message.role == "assistant" else message.content)
+
+
+def _recorded(session: Session, who: str) -> Trajectory:
+    if session.trajectory is None:
+        raise TrajectoryError("env_error", f"{who} made no model call")
+    return session.trajectory
 
 
 def _score(reward: str, answer: str, reference: str) -> float:

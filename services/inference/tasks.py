@@ -11,7 +11,9 @@ import redis.exceptions
 from prometheus_client import Counter
 
 from shared.engines import Engine, Sampling
-from shared.envs import environment_factory
+from shared.envs import environment_factory, verifiers_adapter
+from shared.envs.trajectory import render
+from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
 from shared.queues import Lease, WorkQueue
 from shared.tasks import RewardRunner
 
@@ -33,6 +35,11 @@ def prompt_ids(task, tokenizer) -> list[int]:
         return list(task.prompt_token_ids)
     if not task.prompt_text:
         raise BadTask("prompt", f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
+    if task.environment.startswith(VERIFIERS):  # its dataset row: what counts is the opening messages
+        try:
+            return render(tokenizer, [], verifiers_adapter.prompt_messages(task.prompt_text))
+        except ValueError as exc:
+            raise BadTask("prompt", str(exc)) from None
     return list(tokenizer(task.prompt_text).input_ids)
 
 
@@ -64,6 +71,12 @@ def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: Re
     agent = task.environment.startswith(AGENT)
     if agent and not task.environment[len(AGENT):].strip():
         raise BadTask("environment", "an agent environment names its command: agent:COMMAND")
+    if task.environment.startswith(VERIFIERS):
+        try:
+            verifiers_adapter.load(task.environment)  # imported once per replica and name, then cached
+        except ValueError as exc:
+            raise BadTask("environment", str(exc)) from None
+        return Checked(lease, prompt, sampling)
     try:
         environment_factory(task.environment) if task.environment and not agent else rewards.check(task.task_name)
     except KeyError as exc:

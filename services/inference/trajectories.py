@@ -19,6 +19,7 @@ from services.inference.metrics import TOKENS, TokenRate
 from shared.engines import Engine
 from shared.envs import make_environment
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, play
+from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
 from shared.queues import now_ms
 from shared.rollout import RolloutTimings, trace_message
 from shared.rpc.steadyrl.v1 import rollout_pb2
@@ -44,7 +45,8 @@ ENDPOINT: list[agents.Endpoint] = []  # the replica's agent endpoint, when it se
 
 def agents_endpoint() -> agents.Endpoint:
     if not ENDPOINT:
-        raise TrajectoryError("env_error", "agent tasks need the replica's OpenAI endpoint (inference.openai_port)")
+        raise TrajectoryError("env_error", "agent and verifiers tasks need the replica's OpenAI endpoint "
+                                           "(inference.agent_endpoint)")
     return ENDPOINT[0]
 
 
@@ -66,14 +68,18 @@ async def play_group(engine: Engine, tokenizer, checked, return_traces: bool, re
     budget = budget_of(task)
     plays: list[asyncio.Future] = []
     try:
-        for i in range(task.group_size):
+        if task.environment.startswith(VERIFIERS):  # the environment's rollout loop drives the engine
+            plays.append(asyncio.ensure_future(agents_endpoint().play_verifiers(task, checked.sampling, budget,
+                                                                                return_traces)))
+        for i in range(0 if plays else task.group_size):
             if task.environment.startswith(agents.PREFIX):  # an agent program drives the engine itself
                 playing = agents_endpoint().play(task, text, checked.sampling, budget, return_traces, i)
             else:
                 playing = play(engine, tokenizer, _environment(task.environment), record, checked.sampling, budget,
                                return_traces, index=i)
             plays.append(asyncio.ensure_future(playing))
-        trajectories = await asyncio.gather(*plays)
+        done = await asyncio.gather(*plays)
+        trajectories = done[0] if task.environment.startswith(VERIFIERS) else done
     except BaseException as exc:
         for p in plays:
             p.cancel()

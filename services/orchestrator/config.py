@@ -48,15 +48,18 @@ class OrchestratorSettings(RedisSettings, StepShape):
     trainer_address: str = ""
     """host:port of the trainer's gRPC API (its version drives admission)."""
 
-    task: Literal["arith", "math", "mul_trace", "calc"] = "arith"
+    task: Literal["arith", "math", "mul_trace", "calc", "verifiers"] = "arith"
     """Dataset: synthetic addition, a local math file, multiplication as a worked trace of
-    partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`), or 2-digit
-    multiplication with a calculator tool (multi-turn: environment `calc`)."""
+    partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`), 2-digit
+    multiplication with a calculator tool (multi-turn: environment `calc`), or the dataset of the
+    `verifiers:` environment that plays the run."""
     environment: str = ""
     """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`), a
     plug-in `module:factory` importable by the replicas (`shared.envs`; its reward replaces
     `reward`), or `agent:COMMAND`, an agent program run per trajectory against the replica's
-    OpenAI-compatible endpoint (inference.openai_port), its last line of output scored by `reward`.
+    OpenAI-compatible endpoint (inference.agent_endpoint), its last line of output scored by `reward`,
+    or `verifiers:ENV_ID [{JSON kwargs}]`, a `verifiers` environment (extra `steadyrl[verifiers]`;
+    task `verifiers`: its dataset, its rollout loop, its rubric).
     Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
     max_turns: int = Field(4, ge=1)
     """Multi-turn: model turns per trajectory at most."""
@@ -165,6 +168,10 @@ class OrchestratorSettings(RedisSettings, StepShape):
         if value.startswith("agent:"):
             if not value[len("agent:"):].strip():
                 raise ValueError("an agent environment names its command: agent:COMMAND")
+        elif value.startswith("verifiers:"):
+            from shared.envs import verifiers_adapter
+
+            verifiers_adapter.load(value)
         elif value:
             from shared.envs import environment_factory
 
@@ -180,6 +187,9 @@ class OrchestratorSettings(RedisSettings, StepShape):
             raise ValueError("task 'math' needs math_path")
         if self.task == "calc" and self.environment not in ("", "calc") and not self.environment.startswith("agent:"):
             raise ValueError(f"task 'calc' is played by the environment 'calc' or an agent, not {self.environment!r}")
+        if (self.task == "verifiers") != self.environment.startswith("verifiers:"):
+            raise ValueError("task 'verifiers' and an environment `verifiers:ENV_ID` go together (the environment's "
+                             f"dataset is the task's): task {self.task!r}, environment {self.environment!r}")
         return self
 
     @property

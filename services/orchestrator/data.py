@@ -27,6 +27,11 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
         calc = MulTask(seed=settings.task_seed)
         return (calc.split("train", min(settings.train_size, calc.max_split_size("train"))),
                 calc.split("eval", min(settings.eval_size, calc.max_split_size("eval"))), "exact_match")
+    if settings.task == "verifiers":  # the environment's own rows; its rubric scores them on the replicas
+        from shared.envs import verifiers_adapter
+
+        return (verifiers_adapter.examples(settings.environment, "train", settings.train_size),
+                verifiers_adapter.examples(settings.environment, "eval", settings.eval_size), "exact_match")
     if settings.task == "mul_trace":
         trace = MulTraceTask(settings.trace_max_answer_tokens, settings.trace_alpha, seed=settings.task_seed)
         return trace.split("train", settings.train_size), trace.split("eval", settings.eval_size), "exact_match"

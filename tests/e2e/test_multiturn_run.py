@@ -42,15 +42,19 @@ def test_tiny_tools_learns_to_call_the_calculator(tmp_path, calc_model_dir):
         assert f"plots/{name}.png" in summary["plots"] and (out / "plots" / f"{name}.png").stat().st_size > 0
 
 
-def test_an_agent_program_drives_a_training_run(tmp_path, calc_model_dir):
-    """The same recipe played by an unmodified agent program (tests/agent_calc.py) through the
-    replicas' OpenAI-compatible endpoint: its rollouts are trained."""
+@pytest.mark.parametrize("player", ["agent", "verifiers"])
+def test_an_agent_program_or_a_verifiers_environment_drives_a_training_run(tmp_path, calc_model_dir, player):
+    """The same recipe played by an unmodified agent program (tests/agent_calc.py), or by a
+    `verifiers` environment's own rollout loop and rubric (tests/vf_calc.py, its own dataset),
+    through the replicas' OpenAI-compatible endpoint: their rollouts are trained."""
     out = tmp_path / "run"
-    agent = f"agent:{sys.executable} -m tests.agent_calc"
+    played = [f'orchestrator.environment="agent:{sys.executable} -m tests.agent_calc"'] if player == "agent" else \
+        ['orchestrator.environment="verifiers:tests.vf_calc"', 'orchestrator.task="verifiers"',
+         f'model.path="{calc_model_dir}"']  # "tiny" names the calc model for task calc alone
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-tools.toml"), "--out", str(out),
          "--set", "run.steps=3", "--set", "run.batch_prompts=4", "--set", "run.group_size=4",
-         "--set", "orchestrator.eval_every=0", "--set", f'orchestrator.environment="{agent}"'],
+         "--set", "orchestrator.eval_every=0", *[a for s in played for a in ("--set", s)]],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -58,4 +62,7 @@ def test_an_agent_program_drives_a_training_run(tmp_path, calc_model_dir):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert all(x["env_model_calls"] == x["turns_mean"] >= 1 and x["tokens"] > 0 for x in lines), lines
+    if player == "verifiers":  # the rubric's metrics ride along: its reward function's mean is the reward's
+        assert all(abs(x["env_correct"] - x["reward_mean"]) < 1e-6 and x["env_num_turns"] == x["turns_mean"]
+                   for x in lines), lines
     assert "event=agent_endpoint url=http://127.0.0.1:" in (out / "logs" / "inference-0.log").read_text()
