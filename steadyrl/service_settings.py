@@ -117,7 +117,10 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
                 for service in SERVICES}
     placement_of(config, settings, gpus_available)
     settings["orchestrator"].check_dataset()
-    inference = settings["inference"]
+    inference, lora = settings["inference"], settings["trainer"].lora
+    if inference.engine == "vllm" and lora.rank and lora.publish == "adapter":
+        raise ValueError('[trainer] lora.publish = "adapter" needs [inference] engine = "torch": the vllm engine does '
+                         'not load adapter versions yet; publish = "merged" sends it whole versions')
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable
 

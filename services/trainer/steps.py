@@ -44,9 +44,17 @@ from shared.distributed import broadcast_payloads, init_from_env, rank_device
 from shared.forward import Compute
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
-from shared.models.lora import ADAPTER, apply_lora, merged_state
+from shared.models.lora import (
+    ADAPTER,
+    adapter_config_json,
+    adapter_state,
+    apply_lora,
+    base_digest,
+    merged_state,
+)
 from shared.models.routing import RoutingController
 from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
+from shared.rpc.steadyrl.v1.weightsync_pb2 import AdapterInfo
 from shared.torch_threads import bind_torch_threads
 from shared.training import StepConfig, resolve_recipe, train_step
 from shared.weightsync.manifest import CastView
@@ -179,6 +187,10 @@ class StepRunner:
         """What the current version publishes, in the published dtype, one tensor at a time: a cast
         view of the model, or of a sharded one gathered tensor by tensor as the transport reads it
         (the other ranks gather with it). Call with no step running."""
+        if self.settings.lora.rank and self.settings.lora.publish == "adapter":  # the adapter alone
+            info = AdapterInfo(base_digest=base_digest(self.settings.model_path),
+                               config_json=adapter_config_json(self.model))
+            return CastView(adapter_state(self.model), self.publish_dtype, info)
         if self.settings.lora.rank:  # the base with the adapter merged in, under the base's names
             return CastView(merged_state(self.model), self.publish_dtype)
         if not self.sharded:

@@ -24,6 +24,7 @@ from shared.service_main import grpc_service, run_loops
 from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
 from shared.weightsync.manifest import (
     WeightError,
+    kind,
     validate_manifest,
     verify_payloads,
     verify_signature,
@@ -107,7 +108,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         self.store.add(manifest, payloads)
         self._stored(manifest, skip=frozenset())
         PUSH_SECONDS.observe(time.perf_counter() - started)
-        log.info("event=version_published version=%d bytes=%d tensors=%d", manifest.version, received, len(manifest.tensors))
+        log.info("event=version_published version=%d kind=%s bytes=%d tensors=%d", manifest.version, kind(manifest),
+                 received, len(manifest.tensors))
         return pb.PushReply(version=self.store.versions[manifest.version].info().version, bytes_received=received)
 
     def _latest_version(self) -> int:

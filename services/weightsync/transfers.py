@@ -18,6 +18,7 @@ from services.weightsync.members import COLLECTIVE, SHM, Membership
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.manifest import kind
 
 log = logging.getLogger("steadyrl.weightsync")
 EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")
@@ -61,8 +62,8 @@ class Transfers:
                     version=self.store.versions[manifest.version].info().version, manifest=manifest,
                     transport=pb.Transport(kind=SHM, shm_path=str(path))))
         self.stored(manifest, skip=frozenset(mapped))
-        log.info("event=version_published version=%d transport=shm tensors=%d mapped_by=%d", manifest.version,
-                 len(manifest.tensors), len(mapped))
+        log.info("event=version_published version=%d kind=%s transport=shm tensors=%d mapped_by=%d", manifest.version,
+                 kind(manifest), len(manifest.tensors), len(mapped))
         return pb.AnnounceReply(version=self.store.versions[manifest.version].info().version,
                                 transport=pb.Transport(kind=SHM, shm_path=str(path)))
 
@@ -144,8 +145,8 @@ class Transfers:
             self.stored(manifest, skip=members)
         RECEIVED_BYTES.inc(sum(len(p) for p in payloads))
         RECEIVE_SECONDS.observe(time.perf_counter() - started)
-        log.info("event=version_published version=%d transport=collective epoch=%d bytes=%d", manifest.version,
-                 transport.epoch, sum(len(p) for p in payloads))
+        log.info("event=version_published version=%d kind=%s transport=collective epoch=%d bytes=%d",
+                 manifest.version, kind(manifest), transport.epoch, sum(len(p) for p in payloads))
 
     def report(self, request: pb.TransferReport) -> None:
         """How a collective went for the trainer or a member: a failure ends the epoch."""

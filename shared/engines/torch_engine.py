@@ -94,7 +94,7 @@ class TorchEngine:
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
                                          notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes)
-        self.weights = InPlaceWeights(self.model, self.quantized, quantization)
+        self.weights = InPlaceWeights(self.model, self.quantized, quantization, self.model_path)
         self._version = version
         self._lock = threading.Lock()  # held over each step: an update takes it between two
         self._updates = 0  # updates waiting: no admission meanwhile (see _can_step)

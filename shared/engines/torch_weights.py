@@ -5,9 +5,12 @@ with no staged copy of the version."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from shared.models import load_causal_lm
+from shared.models.lora import base_digest, inject, same_shape
 from shared.models.quantization import QUANTIZATIONS, emulate, quantize_
 from shared.weightsync.delivery import Delivery, PartialVersion
 from shared.weightsync.manifest import WeightError, tensor_to_bytes
@@ -27,30 +30,42 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, quanti
 
 
 class InPlaceWeights:
-    def __init__(self, model: torch.nn.Module, quantized: list[str], quantization: str) -> None:
-        self.model, self.quantized, self.quantization = model, set(quantized), quantization
-        self.targets = dict(model.state_dict())
+    """The engine model's tensors, written in place by each version. An adapter version (its
+    manifest's `adapter`) is written into peft's LoRA layers, put into the model by the first one
+    (`shared.models.lora.inject`): the base stays as loaded, the model computes base + adapter
+    exactly as the trainer's did. A full version after adapters zeroes their B (the model is then
+    that version alone)."""
+
+    def __init__(self, model: torch.nn.Module, quantized: list[str], quantization: str, model_path: str = "") -> None:
+        self.model, self.quantized, self.quantization, self.model_path = model, set(quantized), quantization, model_path
+        self.targets = dict(model.state_dict())  # the base's tensors by their names (kept when LoRA layers come in)
         seen: dict[int, str] = {}
         for name, tensor in self.targets.items():  # tied tensors share storage: one of them suffices
             seen.setdefault(tensor.untyped_storage().data_ptr(), name)
         self.storages = seen
+        self.adapter_json = ""  # the adapter config whose layers are in the model, once one came
+        self.adapter: dict[str, torch.Tensor] = {}  # its tensors by PEFT's saved names
 
     @torch.no_grad()
     def copy_in(self, delivery: Delivery) -> None:
         """Every tensor of the version into the model. WeightError before the first copy (nothing
         changed); PartialVersion after it (the model holds neither version)."""
-        self._check(delivery)
+        is_adapter = delivery.manifest.HasField("adapter")
+        if is_adapter:
+            self._adapt(delivery)
+        targets = self.adapter if is_adapter else self.targets
+        self._check(delivery, targets)
         copied: set[int] = set()
         try:
             for bucket in delivery.buckets():
                 for name, tensor in bucket:
-                    target = self.targets.get(name)
+                    target = targets.get(name)
                     if target is None or target.shape != tensor.shape:
                         raise WeightError(f"tensor {name}: not in the model, or shaped {tuple(tensor.shape)} "
                                           f"where the model has {None if target is None else tuple(target.shape)}")
                     target.copy_(tensor)
                     copied.add(target.untyped_storage().data_ptr())
-                rounded = [name for name, _ in bucket if name in self.quantized]
+                rounded = [name for name, _ in bucket if name in self.quantized and not is_adapter]
                 if rounded:
                     quantize_(self.model, rounded, self.quantization)
         except PartialVersion:
@@ -59,23 +74,53 @@ class InPlaceWeights:
             if copied:
                 raise PartialVersion(str(exc)) from exc
             raise
-        missing = [name for ptr, name in self.storages.items() if ptr not in copied]
+        expected = {t.untyped_storage().data_ptr(): n for n, t in self.adapter.items()} if is_adapter else self.storages
+        missing = [name for ptr, name in expected.items() if ptr not in copied]
         if missing:
             raise PartialVersion(f"version {delivery.version} left out {missing[:3]}")
+        if not is_adapter:
+            for name, tensor in self.adapter.items():  # a full version is the model alone
+                if ".lora_B." in name:
+                    tensor.zero_()
 
-    def _check(self, delivery: Delivery) -> None:
+    def _adapt(self, delivery: Delivery) -> None:
+        """The adapter version's base and shape against this model's; its layers put in by the first."""
+        info, version = delivery.manifest.adapter, delivery.version
+        try:
+            ours = base_digest(self.model_path) if self.model_path else b""
+        except (OSError, ValueError) as exc:
+            raise WeightError(f"version {version}: this replica's base cannot be named: {exc}") from None
+        if info.base_digest != ours:
+            raise WeightError(f"version {version}: an adapter for another base model (base {info.base_digest.hex()[:12]}"
+                              f", this replica serves {ours.hex()[:12] or 'an unnamed model'})")
+        if self.adapter_json and not same_shape(self.adapter_json, info.config_json):
+            raise WeightError(f"version {version}: the adapter's rank or targets differ from those of the adapter "
+                              f"served ({_shape(info.config_json)} vs {_shape(self.adapter_json)})")
+        if not self.adapter_json:
+            try:
+                self.adapter = inject(self.model, info.config_json)
+            except ValueError as exc:
+                raise WeightError(f"version {version}: {exc}") from None
+            self.adapter_json = info.config_json
+
+    def _check(self, delivery: Delivery, targets: dict[str, torch.Tensor]) -> None:
         """What the manifest announces, against the model, before anything is copied."""
         for spec in delivery.manifest.tensors:
-            target = self.targets.get(spec.name)
+            target = targets.get(spec.name)
             if target is None or list(target.shape) != list(spec.shape):
                 raise WeightError(f"version {delivery.version}: tensor {spec.name} {list(spec.shape)} does not fit "
-                                  "the model")
+                                  f"the model{'' if target is None else f' ({list(target.shape)})'}")
 
     def bytes_of(self, name: str, dtype: str) -> memoryview | None:
         """A tensor's bytes as published in `dtype`, when the engine holds exactly those (on the
         CPU, in that dtype, not re-rounded); else None."""
-        target = self.targets.get(name)
+        target = self.targets.get(name, self.adapter.get(name))
         if target is None or name in self.quantized or str(target.dtype).removeprefix("torch.") != dtype \
                 or target.device.type != "cpu":
             return None
         return tensor_to_bytes(target)
+
+
+def _shape(config_json: str) -> str:
+    config = json.loads(config_json)
+    return f"r={config.get('r')}, targets={sorted(config.get('target_modules') or [])}"

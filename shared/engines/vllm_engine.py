@@ -210,6 +210,9 @@ class VllmEngine:
         return self._version
 
     def apply(self, delivery: Delivery) -> float:
+        if delivery.manifest.HasField("adapter"):  # refused before anything changed: the engine serves on
+            raise WeightError(f"version {delivery.version} is a LoRA adapter; the vllm engine does not load adapter "
+                              "versions yet (trainer.lora.publish = \"merged\" publishes whole versions)")
         if isinstance(delivery, StateDictDelivery):  # in process: to the worker through shared memory
             path = self._spool / f"v{delivery.version}.safetensors"
             try:

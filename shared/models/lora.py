@@ -1,7 +1,9 @@
 """LoRA on the trainer's model with `peft`: the adapter is what trains (the base is frozen, the
-router too: it is never a target), and what a version publishes is the base with the adapter
-merged in, named as the base model names its tensors, so every transport and engine takes it as
-it takes a full version.
+router too: it is never a target). A version publishes the adapter alone (`adapter_state`, named
+as PEFT saves it, its adapter_config.json and the base's `base_digest` in the manifest), which an
+engine adds to the base it serves (`inject`: peft's LoRA layers in the engine's model, written in
+place by each version); or, `trainer.lora.publish = "merged"`, the base with the adapter merged in
+under the base's names (`merged_state`), which every engine takes as a full version.
 
 Targets: the attention projections (`target_modules`) and, where the architecture keeps its
 experts as stacked parameters (transformers' Qwen3-MoE: `mlp.experts.gate_up_proj`,
@@ -10,10 +12,18 @@ dropout must then be 0, as peft requires)."""
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
+import blake3
 import torch
 from torch import nn
 
 ADAPTER = "default"
+PREFIX = "base_model.model."  # PEFT's saved names: the base model's module path after it
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+SAME = ("r", "lora_alpha", "target_modules", "target_parameters", "use_rslora", "use_dora")  # what fixes the shapes
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -63,3 +73,56 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _clean(name: str) -> str:
     return name.replace(".base_layer", "")
+
+
+@functools.lru_cache(maxsize=4)
+def base_digest(model_path: str) -> bytes:
+    """BLAKE3-256 over a model directory's weight files (names and bytes, in name order): what an
+    adapter version names as its base, so a replica serving other weights refuses it."""
+    files = sorted({f for pattern in WEIGHT_FILES for f in Path(model_path).glob(pattern)})
+    if not files:
+        raise ValueError(f"{model_path} holds no weight files ({', '.join(WEIGHT_FILES)}) to name the base by")
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for file in files:
+        hasher.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(64 << 20):
+                hasher.update(chunk)
+    return hasher.digest()
+
+
+def adapter_config_json(model: nn.Module) -> str:
+    """The adapter's adapter_config.json, as peft writes it (sets as sorted lists)."""
+    config = model.peft_config[ADAPTER].to_dict()
+    return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, sort_keys=True,
+                      default=str)
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (`base_model.model.<module>.lora_A.weight`); detached."""
+    from peft import get_peft_model_state_dict
+
+    return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+
+
+def same_shape(a: str, b: str) -> bool:
+    """Whether two adapter configs (JSON) make the same tensors: rank, alpha, targets."""
+    x, y = json.loads(a), json.loads(b)
+    norm = lambda v: sorted(v) if isinstance(v, list) else v  # noqa: E731
+    return all(norm(x.get(k)) == norm(y.get(k)) for k in SAME)
+
+
+def inject(model: nn.Module, config_json: str) -> dict[str, torch.Tensor]:
+    """peft's LoRA layers of the adapter `config_json` put into `model` itself (the module keeps its
+    class: B = 0, so it computes what it did); its adapter parameters by PEFT's saved names.
+    ValueError when the config does not fit the model."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = json.loads(config_json)
+    fields = set(LoraConfig.__dataclass_fields__)
+    try:
+        lora = LoraConfig(**{k: v for k, v in config.items() if k in fields and k not in ("peft_type", "task_type")})
+        inject_adapter_in_model(lora, model, adapter_name=ADAPTER)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"the adapter does not fit the model: {exc}") from None
+    return {PREFIX + name.replace(f".{ADAPTER}.", "."): p for name, p in model.named_parameters() if ".lora_" in name}

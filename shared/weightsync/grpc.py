@@ -144,6 +144,10 @@ class GrpcDelivery(Delivery):
         finally:
             self.close()
 
+    def prepare(self) -> None:
+        """Start the pull and read its manifest (before the engine pauses)."""
+        self.open()
+
     def buckets(self) -> Iterator[Bucket]:
         """One tensor per bucket: the memory a pull holds is the tensor it is on."""
         for spec, data in self.tensors():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 from collections.abc import Iterator, Mapping
 
@@ -53,8 +54,10 @@ class CastView(Mapping):
     """A model's tensors in the published dtype, cast one at a time on access: a push streams the
     version without a second copy of the model in memory."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 adapter: pb.AdapterInfo | None = None) -> None:
         self.tensors, self.dtype = tensors, dtype
+        self.adapter = adapter  # set: the tensors are a LoRA adapter over that base (the manifest says so)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self.tensors[name].detach()
@@ -97,18 +100,28 @@ def pieces(tensors: Mapping[str, torch.Tensor], name: str, scratch: torch.Tensor
         yield memoryview(scratch[: count * out.element_size()].numpy())
 
 
+def empty_manifest(tensors: Mapping[str, torch.Tensor], version: int, parent_version: int) -> pb.WeightManifest:
+    """A manifest of `tensors` without its tensor entries yet: the version, its parent, and what a
+    `CastView` of an adapter says of it (`adapter`)."""
+    manifest = pb.WeightManifest(version=version, parent_version=parent_version, checksum_algo=CHECKSUM_ALGO,
+                                 created_unix_ms=int(time.time() * 1000))
+    if getattr(tensors, "adapter", None) is not None:
+        manifest.adapter.CopyFrom(tensors.adapter)
+    return manifest
+
+
+def kind(manifest: pb.WeightManifest) -> str:
+    """What a version is: `adapter` (a LoRA adapter over its base) or `full` (whole weights)."""
+    return "adapter" if manifest.HasField("adapter") else "full"
+
+
 def describe(
     tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
 ) -> pb.WeightManifest:
     """Manifest of `tensors` (name order kept), signed when `key` is given. Reads one tensor at a
     time and keeps none of their bytes: a mapping that materialises each tensor on access (a cast,
     a gather) is streamed, never copied whole."""
-    manifest = pb.WeightManifest(
-        version=version,
-        parent_version=parent_version,
-        checksum_algo=CHECKSUM_ALGO,
-        created_unix_ms=int(time.time() * 1000),
-    )
+    manifest = empty_manifest(tensors, version, parent_version)
     scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
     for name in tensors:
         if isinstance(tensors, CastView):  # cast a piece at a time, never the whole tensor
@@ -183,6 +196,15 @@ def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None
         total += spec.nbytes
     if total > max_total_bytes:
         raise WeightError(f"version holds {total} bytes > limit {max_total_bytes}")
+    if manifest.HasField("adapter"):
+        if len(manifest.adapter.base_digest) != 32:
+            raise WeightError("an adapter version names its base by a 32-byte digest")
+        try:
+            config = json.loads(manifest.adapter.config_json)
+        except json.JSONDecodeError as exc:
+            raise WeightError(f"the adapter's config is not JSON: {exc.msg}") from None
+        if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
+            raise WeightError("the adapter's config names no rank (r >= 1)")
 
 
 def verify_payloads(manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:

@@ -18,7 +18,6 @@ import json
 import mmap
 import os
 import struct
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,9 +31,9 @@ from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.delivery import Bucket, Delivery, as_tensor, batched
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.manifest import (
-    CHECKSUM_ALGO,
     WeightError,
     digest,
+    empty_manifest,
     pieces,
     sign,
 )
@@ -83,8 +82,7 @@ def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, par
     file of the same size, renamed and written over (its pages stay in memory)."""
     head, header, size = _layout(tensors)
     start = len(head)
-    manifest = pb.WeightManifest(version=version, parent_version=parent_version, checksum_algo=CHECKSUM_ALGO,
-                                 created_unix_ms=int(time.time() * 1000))
+    manifest = empty_manifest(tensors, version, parent_version)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if reuse is not None and reuse.exists() and reuse.stat().st_size == size:

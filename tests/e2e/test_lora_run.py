@@ -1,6 +1,7 @@
 """`steadyrl run configs/tiny-arith.toml --set trainer.lora.rank=8`: the trainer trains an adapter over
 the frozen base; its checkpoints hold the adapter and its optimizer state alone (with peft's
-adapter_config.json), the replicas receive the merged weights as versions, the run's final model is
+adapter_config.json), the replicas receive adapter-only versions (the torch engine adds each to
+its base in place), the run's final model is
 the merged one, and `steadyrl export --adapter` writes the adapter in PEFT's format, which peft
 loads onto the base to compute what the merged model computes."""
 
@@ -36,6 +37,9 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
     assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight
     assert all(".lora_" in k.split("::")[0] for k in keys if k.startswith("optim."))  # AdamW holds the adapter alone
     assert "event=resumed" not in (out / "logs" / "trainer.log").read_text()
+    published = [line for line in (out / "logs" / "weightsync.log").read_text().splitlines()
+                 if "event=version_published" in line]
+    assert len(published) == 12 and all("kind=adapter" in line for line in published), published[:2]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

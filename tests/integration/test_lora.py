@@ -116,7 +116,7 @@ def test_a_lora_trainer_resumes_its_adapter_and_optimizer_from_its_checkpoint(tm
     from services.trainer.steps import StepRunner
 
     settings = TrainerSettings(model_path=str(tiny_model_dir), out_dir=tmp_path, batch_prompts=1, group_size=GROUP,
-                               lora={"rank": 4, "target_modules": ["q_proj"]}, async_checkpoint=False)
+                               lora={"rank": 4, "target_modules": ["q_proj"], "publish": "merged"}, async_checkpoint=False)
     runner = StepRunner(settings)
     assert sum(p.numel() for g in runner.optimizer.param_groups for p in g["params"]) == 2 * (4 * 64 + 64 * 4)  # A and B of q_proj, 2 layers
     runner.step(rollouts(), 0)

@@ -46,20 +46,30 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms")
+    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     parent_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     checksum_algo: str
     signature: bytes
     created_unix_ms: int
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+    adapter: AdapterInfo
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("base_digest", "config_json")
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    base_digest: bytes
+    config_json: str
+    def __init__(self, base_digest: _Optional[bytes] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data")
