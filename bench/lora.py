@@ -1,12 +1,16 @@
 """LoRA against full fine-tuning, side by side in one run. Prints one JSON object.
 
-- Bytes per version: what a version publishes (bf16) with `trainer.lora` today — the merged model,
-  as many bytes as a full version — and what an adapter-only version would hold (the adapter's
-  tensors), on a 30B-A3B-shaped Qwen3-MoE (built on the meta device: shapes only) and on a
-  ~210 M-parameter one, at rank 32, attention only and with the experts.
+- Bytes per version: what an adapter-only version holds (the adapter's tensors, bf16; what
+  `trainer.lora.publish = "adapter"` publishes) against a full version, on a 30B-A3B-shaped
+  Qwen3-MoE (built on the meta device: shapes only) and on a ~210 M-parameter one, at rank 32,
+  attention only and with the experts.
 - Trainer step (the bench trainer's wider tiny MoE, fp32, one process): seconds per global step,
   median of rounds alternating the two, and the parameter + gradient + AdamW bytes each holds
   (an identity of the shapes, marked as such).
+- Refit end to end (bench/weightsync.py's groups: a weight-sync service, a trainer, one torch
+  replica, each its own process, one clock): from the trainer's step to the replica's first token
+  of the new version, per transport, full bf16 versions against adapter-only ones (rank 32,
+  attention and experts) of the same wide model, memcpy of the full version's bytes beside.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 import torch
 
 RANK, ROUNDS = 32, 5
+REFIT_LAYERS = 4  # the wide bench model's layers for the refit sides (0.4 GiB in bf16)
 SHAPES = {
     "qwen3_moe_210m": {"hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
                        "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
@@ -42,8 +47,7 @@ def version_bytes(shape: dict) -> dict:
             model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, tie_word_embeddings=False))
             adapted = apply_lora(model, RANK, 2.0 * RANK, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"], experts)
         adapter = sum(p.numel() for n, p in adapted.named_parameters() if ".lora_" in n) * 2
-        out[name] = {"adapter_bytes": adapter, "adapter_over_full": round(adapter / full, 4),
-                     "published_over_full_today": 1.0}  # versions are the merged model (no adapter-only path yet)
+        out[name] = {"adapter_bytes": adapter, "adapter_over_full": round(adapter / full, 4)}
     return out
 
 
@@ -76,12 +80,36 @@ def step_sides(model_dir) -> dict:
             "held_bytes": held, "lora_over_full_held_bytes_identity": round(held["lora"] / held["full"], 3)}
 
 
+def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3) -> dict:
+    """Refit seconds, full against adapter-only versions, per transport (medians of `rounds`)."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.weightsync import bench_model, limits, refit_group, summarise
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
+            tempfile.TemporaryDirectory() as disk_tmp:
+        model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
+        memcpy = limits(nbytes, rounds)["memcpy"]
+        raw = {side: refit_group("torch", 1, model_dir, rounds, Path(shm_tmp), rank)
+               for side, rank in (("full", 0), ("lora", RANK))}
+    sides = {side: {t: summarise(results, nbytes, memcpy) for t, results in by_t.items()} for side, by_t in raw.items()}
+    return {"model": {"layers": layers, "bytes": nbytes}, "memcpy_seconds": round(memcpy, 4),
+            "seconds": {side: {t: v["seconds"] for t, v in by_t.items()} for side, by_t in sides.items()},
+            "lora_over_full_seconds": {t: round(sides["lora"][t]["seconds"] / sides["full"][t]["seconds"], 3)
+                                       for t in sides["full"]},
+            "paused_seconds": {side: {t: v["paused_seconds"] for t, v in by_t.items()} for side, by_t in sides.items()},
+            "lora_over_full_paused_seconds": {t: round(sides["lora"][t]["paused_seconds"]
+                                                       / max(sides["full"][t]["paused_seconds"], 1e-6), 3)
+                                              for t in sides["full"]}}
+
+
 def main() -> dict:
     from shared.models.tiny import init_tiny_model
 
     return {"benchmark": "lora", "rank": RANK, "rounds": ROUNDS, "targets": {"adapter_over_full": 0.05},
             "versions": {name: version_bytes(shape) for name, shape in SHAPES.items()},
-            "trainer": step_sides(init_tiny_model())}
+            "trainer": step_sides(init_tiny_model()), "refit": refit_sides()}
 
 
 if __name__ == "__main__":

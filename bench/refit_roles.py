@@ -28,12 +28,24 @@ PROMPT = [5, 6, 7, 8]
 SHM_KEEP = 2  # the trainer's shm files kept
 
 
-def trainer(model_dir: str, address: str, shm_dir: str) -> None:
+def trainer(model_dir: str, address: str, shm_dir: str, lora_rank: str = "0") -> None:
+    """`lora_rank` > 0: the trainer holds a LoRA adapter of that rank (attention and experts) over
+    the frozen base, steps it and publishes adapter-only versions (`trainer.lora.publish = "adapter"`)."""
     from shared.models import load_causal_lm
     from shared.weightsync import TRANSPORTS, make_publisher
     from shared.weightsync.manifest import CastView
 
-    params = load_causal_lm(model_dir, "float32").state_dict()
+    rank = int(lora_rank)
+    model = load_causal_lm(model_dir, "float32")
+    if rank:
+        from shared.models.lora import adapter_config_json, adapter_state, apply_lora, base_digest
+        from shared.rpc.steadyrl.v1.weightsync_pb2 import AdapterInfo
+
+        model = apply_lora(model, rank, 2.0 * rank, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"], True)
+        info = AdapterInfo(base_digest=base_digest(model_dir), config_json=adapter_config_json(model))
+    params = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n} if rank else model.state_dict()
+    version_of = (lambda: CastView(adapter_state(model), torch.bfloat16, info)) if rank else \
+        (lambda: CastView(params, torch.bfloat16))
     generator = torch.Generator().manual_seed(0)
     signs = {n: torch.randint(0, 2, t.shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
              for n, t in params.items()}
@@ -47,7 +59,7 @@ def trainer(model_dir: str, address: str, shm_dir: str) -> None:
                 for name, tensor in params.items():  # alternate directions: the weights stay where they are
                     tensor.add_(signs[name], alpha=LR if int(version) % 2 else -LR)
             await asyncio.to_thread(ready)
-            await publishers[kind].push(CastView(params, torch.bfloat16), int(version), int(version) - 1, timeout=600)
+            await publishers[kind].push(version_of(), int(version), int(version) - 1, timeout=600)
             end(kind=kind)
         for publisher in publishers.values():
             await publisher.close()

@@ -154,14 +154,19 @@ def markdown(result: dict) -> str:
     for shape, v in _get(lora, "versions", default={}).items():
         for targets in ("attention", "attention_experts"):
             lines.append(f"| lora | {shape} ({v['parameters']:,} parameters), rank {lora['rank']}, {targets}: adapter "
-                         f"bytes / full version bytes (what an adapter-only version would move; versions publish the "
-                         f"merged model today: 1.0) | {v[targets]['adapter_over_full']} "
+                         f"bytes / full version bytes (what an adapter-only version moves) | {v[targets]['adapter_over_full']} "
                          f"| ≤ {_get(lora, 'targets', 'adapter_over_full')} |")
     lines.append(f"| lora | trainer step seconds, LoRA (rank {_get(lora, 'rank')}, attention + experts) / full, wider "
                  f"tiny MoE ({_get(lora, 'trainer', 'step_seconds', 'lora')} vs "
                  f"{_get(lora, 'trainer', 'step_seconds', 'full')} s) | {_get(lora, 'trainer', 'lora_over_full_step_seconds')} | – |")
     lines.append(f"| lora | parameter + gradient + AdamW bytes, LoRA / full (an identity of the shapes) "
                  f"| {_get(lora, 'trainer', 'lora_over_full_held_bytes_identity')} | – |")
+    for transport, ratio in _get(lora, "refit", "lora_over_full_seconds", default={}).items():
+        lines.append(f"| lora | refit seconds end to end (trainer step → the replica's first token), adapter-only / "
+                     f"full version, {transport}, torch engine, wide MoE of {_get(lora, 'refit', 'model', 'bytes')} "
+                     f"bytes ({_get(lora, 'refit', 'seconds', 'lora', transport)} vs "
+                     f"{_get(lora, 'refit', 'seconds', 'full', transport)} s; memcpy "
+                     f"{_get(lora, 'refit', 'memcpy_seconds')} s) | {ratio} | – |")
     mm = b.get("mismatch", {})
     for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
                         ("bf16_fp8_router", "bf16 + fp8 weights and router"),

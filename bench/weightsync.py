@@ -74,13 +74,15 @@ class WeightSync:
         self.process.wait(30)
 
 
-def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: Path) -> dict[str, list[dict]]:
-    """Every transport's timed rounds for one engine × replica count: {transport: [cycle result]}."""
+def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: Path,
+                lora_rank: int = 0) -> dict[str, list[dict]]:
+    """Every transport's timed rounds for one engine × replica count: {transport: [cycle result]}
+    (`lora_rank` > 0: the trainer publishes adapter-only versions of that rank)."""
     shm_dir = tmp / f"shm-{engine}-{replicas}"
     service = WeightSync(shm_dir, tmp / f"spill-{engine}-{replicas}")
     processes = []
     try:
-        trainer = spawn("trainer", model_dir, service.address, shm_dir / "run")
+        trainer = spawn("trainer", model_dir, service.address, shm_dir / "run", lora_rank)
         members = [spawn("replica", engine, model_dir, service.address, f"{engine}-{i}") for i in range(replicas)]
         processes = [trainer, *members]
         for process in processes:

@@ -125,3 +125,18 @@ def test_checkpoint_bench_parts_measure_what_they_say(tmp_path):
     assert "| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo ranks " \
            "(FSDP), 5-parameter MoE | 0.09 | ≤ 0.6 |" in text
     assert "| trainer checkpoint | step while an async save is written / a step without one | 1.5 | ≤ 1.2 |" in text
+
+
+def test_lora_refit_bench_times_adapter_versions_against_full_ones_on_one_clock():
+    """bench/lora.py's refit sides on a 1-layer model, one timed round: full and adapter-only
+    versions into a torch replica by every transport, the ratios computed from the sides."""
+    from bench.lora import refit_sides
+    from bench.weightsync import TRANSPORTS
+
+    out = refit_sides(layers=1, rounds=1)
+    assert 100e6 < out["model"]["bytes"] < 120e6 and out["memcpy_seconds"] > 0
+    for side in ("full", "lora"):
+        assert set(out["seconds"][side]) == set(TRANSPORTS) and all(s > 0 for s in out["seconds"][side].values())
+    assert out["lora_over_full_seconds"] == {
+        t: round(out["seconds"]["lora"][t] / out["seconds"]["full"][t], 3) for t in TRANSPORTS}
+    assert set(out["lora_over_full_paused_seconds"]) == set(TRANSPORTS)

@@ -36,7 +36,7 @@ def test_the_lora_bench_counts_adapter_bytes_by_the_shapes():
     assert out["attention"]["adapter_bytes"] == 2 * attention  # bf16
     expert = layers * experts * r * ((h + 2 * inter) + (inter + h))
     assert out["attention_experts"]["adapter_bytes"] == 2 * (attention + expert)
-    assert out["full_bytes"] == 2 * out["parameters"] and out["attention"]["published_over_full_today"] == 1.0
+    assert out["full_bytes"] == 2 * out["parameters"]
     result = {"machine": {"cores": 2, "cpu": "c", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
               "date": "d", "benchmarks": {"lora": {"rank": 32, "targets": {"adapter_over_full": 0.05},
                                                    "versions": {"tiny": out}}}}

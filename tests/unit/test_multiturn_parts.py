@@ -76,6 +76,8 @@ def test_a_recipe_with_an_agent_turns_the_replicas_endpoint_on():
     assert service_values(agent, "inference")["agent_endpoint"] is True
     forced = load_run_config(ROOT / "configs" / "tiny-tools.toml", ["inference.agent_endpoint=true"])
     assert service_values(forced, "inference")["agent_endpoint"] is True
+    played = load_run_config(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.environment="verifiers:x"'])
+    assert service_values(played, "inference")["agent_endpoint"] is True
 
 
 def test_calc_traces_train_the_model_s_turns_alone(calc_model_dir):
