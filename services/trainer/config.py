@@ -37,8 +37,8 @@ class LoraSettings(BaseModel):
     (Qwen3-MoE in transformers 5: mlp.experts.gate_up_proj and down_proj)."""
     publish: Literal["adapter", "merged"] = "adapter"
     """What a version carries: the adapter alone (its tensors, config and the base's digest; the
-    torch engine adds it to the base it serves — the vllm engine does not load adapter versions
-    yet), or the base with the adapter merged in (a full version, any engine)."""
+    torch engine adds it to the base it serves in place, the vllm engine loads it through its LoRA
+    support), or the base with the adapter merged in (a full version, any engine)."""
 
     @model_validator(mode="after")
     def _experts_without_dropout(self) -> LoraSettings:

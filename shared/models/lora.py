@@ -126,3 +126,25 @@ def inject(model: nn.Module, config_json: str) -> dict[str, torch.Tensor]:
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"the adapter does not fit the model: {exc}") from None
     return {PREFIX + name.replace(f".{ADAPTER}.", "."): p for name, p in model.named_parameters() if ".lora_" in name}
+
+
+def adapter_refusal(base: bytes, config_json: str, model_path: str, served_json: str) -> str:
+    """Why an engine serving `model_path` (and the adapter `served_json`, '' for none yet) must
+    refuse an adapter version naming base `base` with config `config_json`; '' when it fits."""
+    try:
+        if not model_path:
+            raise ValueError("no model directory")
+        ours = base_digest(model_path)
+    except (OSError, ValueError) as exc:
+        return f"this replica's base cannot be named: {exc}"
+    if base != ours:
+        return f"an adapter for another base model (base {base.hex()[:12]}, this replica serves {ours.hex()[:12]})"
+    if served_json and not same_shape(served_json, config_json):
+        return (f"the adapter's rank or targets differ from those of the adapter served ({_shape(config_json)} vs "
+                f"{_shape(served_json)})")
+    return ""
+
+
+def _shape(config_json: str) -> str:
+    config = json.loads(config_json)
+    return f"r={config.get('r')}, targets={sorted(config.get('target_modules') or [])}"

