@@ -191,8 +191,10 @@ class TrainerSettings(RedisSettings, StepShape):
         if self.parallel == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
             raise ValueError(f"trainer.parallel = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
                              f"shard groups of trainer.shard_ranks = {self.shard_ranks}")
-        if self.lora.rank and self.parallel != "ddp" and (self.gpus or self.ranks or self.nodes) > 1:
-            raise ValueError(f"trainer.lora with trainer.parallel = '{self.parallel}' is not supported yet: use ddp")
+        if self.lora.rank and self.lora.publish == "merged" and self.parallel != "ddp" and \
+                (self.gpus or self.ranks or self.nodes) > 1:
+            raise ValueError(f"trainer.lora.publish = 'merged' with trainer.parallel = '{self.parallel}' is not "
+                             "supported (the merge needs the whole weights on one rank): publish = 'adapter'")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self

@@ -3,7 +3,7 @@ activation checkpointing; and the state moved in and out of it (checkpoints, pub
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -19,8 +19,12 @@ from shared.weightsync.manifest import CastView
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layers of a transformers causal LM (Qwen3, Qwen3-MoE, Mixtral, OLMoE...)."""
-    layers = getattr(getattr(model, "model", model), "layers", None)
+    """The decoder layers of a transformers causal LM (Qwen3, Qwen3-MoE, Mixtral, OLMoE...), inside a
+    peft wrapper too."""
+    from shared.models.lora import base_model
+
+    inner = base_model(model)
+    layers = getattr(getattr(inner, "model", inner), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(model).__name__}: no decoder layers at model.layers to shard")
     return layers
@@ -93,10 +97,11 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
-def gather_published(model: torch.nn.Module) -> None:
-    """One pass of a sharded model's published tensors, gathered in turn (every rank calls this
-    with rank 0's `GatheredView`, which uses each tensor as it comes; the others drop theirs)."""
-    for tensor in model.state_dict().values():
+def gather_published(tensors: Mapping[str, torch.Tensor]) -> None:
+    """One pass of a sharded model's published tensors (its state dict, or a LoRA adapter's),
+    gathered in turn (every rank calls this with rank 0's `GatheredView`, which uses each tensor as
+    it comes; the others drop theirs)."""
+    for tensor in tensors.values():
         if hasattr(tensor, "full_tensor"):
             tensor.full_tensor()
 
@@ -111,8 +116,9 @@ class GatheredView(CastView):
 
     device = torch.device("cpu")
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, start_pass: Callable[[], None]) -> None:
-        super().__init__(model.state_dict(), dtype)
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, start_pass: Callable[[], None],
+                 adapter=None) -> None:
+        super().__init__(tensors, dtype, adapter)
         self.start_pass = start_pass
         self.names = list(self.tensors)
         self.index = {name: i for i, name in enumerate(self.names)}

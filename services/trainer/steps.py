@@ -126,8 +126,6 @@ class StepRunner:
                                            betas=s.adam_betas, weight_decay=s.weight_decay)
         bf16 = wants_bf16(s, self.device)
         sharded = s.parallel in ("fsdp", "hsdp") and self.world > 1
-        if sharded and s.lora.rank:
-            raise ValueError("trainer.lora with a sharded model (fsdp / hsdp) is not supported yet: use ddp")
         self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
         self.sharded = sharded
         self.publish_dtype = resolve_dtype(s.publish_dtype)
@@ -187,15 +185,18 @@ class StepRunner:
         """What the current version publishes, in the published dtype, one tensor at a time: a cast
         view of the model, or of a sharded one gathered tensor by tensor as the transport reads it
         (the other ranks gather with it). Call with no step running."""
-        if self.settings.lora.rank and self.settings.lora.publish == "adapter":  # the adapter alone
-            info = AdapterInfo(base_digest=base_digest(self.settings.model_path),
-                               config_json=adapter_config_json(self.model))
-            return CastView(adapter_state(self.model), self.publish_dtype, info)
-        if self.settings.lora.rank:  # the base with the adapter merged in, under the base's names
+        lora = self.settings.lora
+        info = AdapterInfo(base_digest=base_digest(self.settings.model_path), config_json=adapter_config_json(
+            self.model)) if lora.rank and lora.publish == "adapter" else None  # the adapter alone
+        if lora.rank and info is None:  # the base with the adapter merged in, under the base's names
             return CastView(merged_state(self.model), self.publish_dtype)
         if not self.sharded:
-            return CastView(self.model.state_dict(), self.publish_dtype)
-        return GatheredView(self.model, self.publish_dtype, lambda: broadcast_payloads([], GATHER))
+            return CastView(self.published(), self.publish_dtype, info)
+        return GatheredView(self.published(), self.publish_dtype, lambda: broadcast_payloads([], GATHER), info)
+
+    def published(self) -> Mapping[str, torch.Tensor]:
+        """The tensors a version holds: the model's state dict, or its LoRA adapter's (sharded or not)."""
+        return adapter_state(self.model) if self.settings.lora.rank else self.model.state_dict()
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         """One global step on whole groups (ordered by group, then sample index)."""
@@ -231,7 +232,7 @@ class StepRunner:
                 self.saving = self._save(int(step), attempt, None)
                 continue
             if tag == GATHER:
-                gather_published(self.model)
+                gather_published(self.published())
                 continue
             self._step([decode_rollout(p) for p in payloads], tag)
             steps += 1

@@ -1,5 +1,6 @@
-"""`steadyrl run configs/tiny-arith.toml --set trainer.lora.rank=8`: the trainer trains an adapter over
-the frozen base; its checkpoints hold the adapter and its optimizer state alone (with peft's
+"""`steadyrl run configs/tiny-arith.toml --set trainer.lora.rank=8` (with the experts as targets, on two
+ranks by DDP and by FSDP, bf16-mixed, micro-batches, activation checkpointing and R3): the trainer trains an
+adapter over the frozen base; its checkpoints hold the adapter and its optimizer state alone (with peft's
 adapter_config.json), the replicas receive adapter-only versions (the torch engine adds each to
 its base in place), the run's final model is
 the merged one, and `steadyrl export --adapter` writes the adapter in PEFT's format, which peft
@@ -18,18 +19,23 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_path, tiny_model_dir, parallel):
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-         "--set", "run.steps=12", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=0",
-         "--set", "trainer.lora.rank=8", "--set", "trainer.checkpoint_every=4"],
+         "--set", "run.steps=8", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=0",
+         "--set", "trainer.lora.rank=8", "--set", "trainer.checkpoint_every=4",
+         # with the experts, on 2 DDP ranks, bf16-mixed, micro-batches, activation checkpointing and R3
+         *[a for s in ("trainer.lora.target_experts=true", "trainer.ranks=2", f'trainer.parallel="{parallel}"', 'trainer.precision="bf16-mixed"',
+                       "trainer.micro_batch_tokens=40", "trainer.activation_checkpointing=true",
+                       'trainer.recipe="manual"', 'trainer.routing_replay="r3"') for a in ("--set", s)]],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["outcome"] == "finished" and summary["versions"] == 12
-    assert set(summary["final_status"]["replica_versions"].values()) == {12}
-    checkpoint = out / "trainer" / "checkpoints" / "step-00000012"
+    assert summary["outcome"] == "finished" and summary["versions"] == 8
+    assert set(summary["final_status"]["replica_versions"].values()) == {8}
+    checkpoint = out / "trainer" / "checkpoints" / "step-00000008"
     config = json.loads((checkpoint / "adapter_config.json").read_text())
     assert config["r"] == 8 and sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     keys = [k for shard in (checkpoint / "shards").glob("*.safetensors") for k in safe_open(str(shard), "pt").keys()]  # noqa: SIM118
@@ -39,7 +45,7 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
     assert "event=resumed" not in (out / "logs" / "trainer.log").read_text()
     published = [line for line in (out / "logs" / "weightsync.log").read_text().splitlines()
                  if "event=version_published" in line]
-    assert len(published) == 12 and all("kind=adapter" in line for line in published), published[:2]
+    assert len(published) == 8 and all("kind=adapter" in line for line in published), published[:2]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -47,8 +53,14 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     moved = [n for (n, a), (_, b) in zip(merged.state_dict().items(), base.state_dict().items(), strict=True)
              if not torch.equal(a, b)]
-    assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
-                         for n in moved), moved  # the adapted projections changed, nothing else
+    assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                                     "experts.gate_up_proj", "experts.down_proj")) for n in moved), moved
+    assert any("experts" in n for n in moved)  # the adapted projections and experts changed, nothing else
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert (f"event=trainer_layout rank=1 world=2 device=cpu precision=bf16-mixed parallel={parallel} micro_batch_tokens=40 "
+            "activation_checkpointing=True") in trainer_log
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["recipe"].endswith("+r3") and m["grad_norm"] > 0 for m in metrics), metrics[-1]
     adapter = tmp_path / "adapter"
     exported = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(out), "--out", str(adapter),
                                "--adapter"], capture_output=True, text=True, timeout=300, cwd=ROOT)
