@@ -227,7 +227,7 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
     prepare(model, TrainerSettings(model_path=model_dir, parallel="fsdp", precision="fp32"), torch.device("cpu"),
             world)
     if rank == 0:
-        view = GatheredView(model, torch.bfloat16, lambda: broadcast_payloads([], -3))
+        view = GatheredView(model.state_dict(), torch.bfloat16, lambda: broadcast_payloads([], -3))
         digests = describe(view, 1, 0)
         manifest = write_shm(Path(shm_dir) / "v1.safetensors", view, 1, 0)
         for name, _ in zip(view, range(3), strict=False):  # a transport that failed after 3 tensors
@@ -250,7 +250,7 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
             payloads, tag = broadcast_payloads(None)
             if payloads is None:
                 break
-            gather_published(model)
+            gather_published(model.state_dict())
             gathers += 1
         assert gathers == 3, gathers
         full_state(model, torch.optim.AdamW(model.parameters()))
