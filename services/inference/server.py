@@ -20,6 +20,7 @@ from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 from shared.service_main import grpc_service, run_loops
 from shared.tasks import RewardRunner
+from shared.weightsync.manifest import kind
 
 log = logging.getLogger("steadyrl.inference")
 
@@ -134,7 +135,8 @@ def engine_options(settings: InferenceSettings) -> dict:
     if settings.engine == "vllm":
         options.update(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib,
                        gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
-                       tensor_parallel_size=max(settings.gpus_per_replica, 1), lora_rank=settings.lora_rank)
+                       tensor_parallel_size=max(settings.gpus_per_replica, 1), lora_rank=settings.lora_rank,
+                       lora_targets=tuple(settings.lora_targets))
     return options
 
 
@@ -190,8 +192,8 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
             seconds = await asyncio.to_thread(engine.apply, delivery)
             POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
             SWAP_SECONDS.labels(replica).observe(seconds)
-            log.info("event=weights_applied version=%d transport=%s paused_seconds=%.4f", delivery.version,
-                     delivery.transport, seconds)
+            log.info("event=weights_applied version=%d transport=%s kind=%s paused_seconds=%.4f", delivery.version,
+                     delivery.transport, kind(delivery.manifest), seconds)
             return seconds
 
         subscriber = GrpcWeightSubscriber(settings.weightsync_address, apply, replica, settings.max_message_bytes,

@@ -48,7 +48,13 @@ from shared.engines.base import (
     eos_ids,
     generate_all,
 )
-from shared.engines.vllm_lora import drop_older, load_adapter, max_lora_rank, write_adapter
+from shared.engines.vllm_lora import (
+    drop_older,
+    leaves_experts,
+    load_adapter,
+    max_lora_rank,
+    write_adapter,
+)
 from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
 
@@ -67,7 +73,8 @@ class VllmEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
                  max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 block_size: int | None = None, lora_rank: int = 0) -> None:
+                 block_size: int | None = None, lora_rank: int = 0,
+                 lora_targets: tuple[str, ...] = ()) -> None:
         from transformers import AutoConfig
 
         if update_mode not in UPDATE_MODES:
@@ -84,9 +91,10 @@ class VllmEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
-        if lora_rank and is_moe and not on_gpu:  # its engine core would die at the first forward
-            raise ValueError("LoRA adapters on a MoE model need the vllm engine on a GPU (vllm-cpu 0.32 runs a LoRA "
-                             "MoE layer through its Triton kernel); on the CPU use the torch engine")
+        if lora_rank and is_moe and not on_gpu and not leaves_experts(lora_targets):  # it would die at the first forward
+            raise ValueError("LoRA adapters on a MoE model's experts need the vllm engine on a GPU (vllm-cpu 0.32 has "
+                             "no MoE LoRA kernel); on the CPU leave the experts out of lora_targets or use the torch "
+                             "engine")
         options = dict(
             model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WorkerExtension", seed=0,
@@ -100,7 +108,8 @@ class VllmEngine:
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         self.lora_rank, self._lora, self._adapter_json = max_lora_rank(lora_rank) if lora_rank else 0, None, ""
         if lora_rank:  # adapter versions load through vLLM's LoRA support (shared/engines/vllm_lora.py)
-            options.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1)
+            options.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1,
+                           lora_target_modules=list(lora_targets) or None)  # the experts left out: their own kernel
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         if VLLM_QUANTIZATION.get(quantization):
             options["quantization"] = VLLM_QUANTIZATION[quantization]
@@ -219,6 +228,10 @@ class VllmEngine:
         return self._version
 
     def apply(self, delivery: Delivery) -> float:
+        if not delivery.manifest.tensors:  # a pull that was not announced: its header says what it carries
+            delivery.prepare()
+            if not delivery.manifest.HasField("adapter"):
+                delivery.close()  # a full version: the worker pulls it itself, checked against this manifest
         if delivery.manifest.HasField("adapter"):  # checked and written first: a refusal changes nothing
             path = write_adapter(delivery, self._spool, self.model_path, self._adapter_json, self.lora_rank)
             self._lora, seconds = self._call(load_adapter(self.llm, path, delivery.version, self._lora is not None

