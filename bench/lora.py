@@ -4,9 +4,11 @@
   `trainer.lora.publish = "adapter"` publishes) against a full version, on a 30B-A3B-shaped
   Qwen3-MoE (built on the meta device: shapes only) and on a ~210 M-parameter one, at rank 32,
   attention only and with the experts.
-- Trainer step (the bench trainer's wider tiny MoE, fp32, one process): seconds per global step,
-  median of rounds alternating the two, and the parameter + gradient + AdamW bytes each holds
-  (an identity of the shapes, marked as such).
+- Trainer step (the bench trainer's wider tiny MoE, fp32): seconds per global step, median of
+  rounds alternating the two in one process; peak memory measured with each side alone in a
+  process of its own (the kernel's resident high-water mark, VmHWM, reset once the model is
+  loaded: the step's own peak above the loaded process, and the whole process's peak); and the
+  parameter + gradient + AdamW bytes each holds (an identity of the shapes, marked as such).
 - Refit end to end (bench/weightsync.py's groups: a weight-sync service, a trainer, one torch
   replica, each its own process, one clock): from the trainer's step to the replica's first token
   of the new version, per transport, full bf16 versions against adapter-only ones (rank 32,
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,18 +56,65 @@ def version_bytes(shape: dict) -> dict:
     return out
 
 
-def step_sides(model_dir) -> dict:
-    from bench.trainer import rollouts, wider_model
-    from shared.batch import collate
+def _status_bytes(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _side(model_dir, side: str):
+    from bench.trainer import wider_model
     from shared.models.lora import apply_lora
+
+    model = wider_model(model_dir)
+    if side == "lora":
+        model = apply_lora(model, RANK, 2.0 * RANK, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"], True).train()
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+
+def step_peak(model_dir: str, side: str) -> dict:
+    """One side alone in this process: resident bytes with its model and batch loaded, and the
+    high-water mark over the warm-up and ROUNDS steps (reset to the loaded process first)."""
+    from bench.trainer import rollouts
+    from shared.batch import collate
+    from shared.training import StepConfig, train_step
+
+    torch.set_num_threads(1)
+    batch = collate(rollouts(model_dir))
+    model, optimizer = _side(model_dir, side)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
+    loaded = _status_bytes("VmRSS")
+    for _ in range(ROUNDS + 1):
+        train_step(model, optimizer, None, batch, 8, StepConfig(mini_batches=2), version=0)
+    peak = _status_bytes("VmHWM")
+    return {"loaded_bytes": loaded, "peak_bytes": peak, "step_peak_bytes": peak - loaded}
+
+
+def peak_sides(model_dir) -> dict:
+    """Each side's `step_peak` in a process of its own (peaks of one process would mix)."""
+    sides = {}
+    for side in ("full", "lora"):
+        done = subprocess.run([sys.executable, "-m", "bench.lora", "peak", side, str(model_dir)], capture_output=True,
+                              text=True, timeout=900, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the {side} side's peak run failed: {done.stderr[-2000:]}")
+        sides[side] = json.loads(done.stdout.splitlines()[-1])
+    return {"peak": sides, "lora_over_full_step_peak_bytes": round(
+                sides["lora"]["step_peak_bytes"] / sides["full"]["step_peak_bytes"], 3),
+            "lora_over_full_peak_bytes": round(sides["lora"]["peak_bytes"] / sides["full"]["peak_bytes"], 3)}
+
+
+def step_sides(model_dir) -> dict:
+    from bench.trainer import rollouts
+    from shared.batch import collate
     from shared.training import StepConfig, train_step
 
     batch = collate(rollouts(model_dir))
-    models = {"full": wider_model(model_dir)}
-    models["lora"] = apply_lora(wider_model(model_dir), RANK, 2.0 * RANK, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                True).train()
-    optimizers = {side: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-6)
-                  for side, m in models.items()}
+    models, optimizers = {}, {}
+    for side in ("full", "lora"):
+        models[side], optimizers[side] = _side(model_dir, side)
     seconds: dict[str, list[float]] = {"full": [], "lora": []}
     for _ in range(ROUNDS + 1):  # the first round warms both up, untimed
         for side, model in models.items():
@@ -77,7 +129,8 @@ def step_sides(model_dir) -> dict:
     full_s, lora_s = statistics.median(seconds["full"][1:]), statistics.median(seconds["lora"][1:])
     return {"step_seconds": {"full": round(full_s, 4), "lora": round(lora_s, 4)},
             "lora_over_full_step_seconds": round(lora_s / full_s, 3),
-            "held_bytes": held, "lora_over_full_held_bytes_identity": round(held["lora"] / held["full"], 3)}
+            "held_bytes": held, "lora_over_full_held_bytes_identity": round(held["lora"] / held["full"], 3),
+            **peak_sides(model_dir)}
 
 
 def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3) -> dict:
@@ -113,4 +166,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    if sys.argv[1:2] == ["peak"]:
+        print(json.dumps(step_peak(sys.argv[3], sys.argv[2])))
+    else:
+        print(json.dumps(main()))

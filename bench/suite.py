@@ -161,6 +161,12 @@ def markdown(result: dict) -> str:
                  f"{_get(lora, 'trainer', 'step_seconds', 'full')} s) | {_get(lora, 'trainer', 'lora_over_full_step_seconds')} | – |")
     lines.append(f"| lora | parameter + gradient + AdamW bytes, LoRA / full (an identity of the shapes) "
                  f"| {_get(lora, 'trainer', 'lora_over_full_held_bytes_identity')} | – |")
+    peak = _get(lora, "trainer", "peak", default={})
+    lines.append(f"| lora | trainer step peak memory above the loaded process (VmHWM, each side alone), LoRA / full "
+                 f"({_get(peak, 'lora', 'step_peak_bytes')} vs {_get(peak, 'full', 'step_peak_bytes')} bytes) "
+                 f"| {_get(lora, 'trainer', 'lora_over_full_step_peak_bytes')} | – |")
+    lines.append(f"| lora | trainer process peak memory (VmHWM), LoRA / full ({_get(peak, 'lora', 'peak_bytes')} vs "
+                 f"{_get(peak, 'full', 'peak_bytes')} bytes) | {_get(lora, 'trainer', 'lora_over_full_peak_bytes')} | – |")
     for transport, ratio in _get(lora, "refit", "lora_over_full_seconds", default={}).items():
         lines.append(f"| lora | refit seconds end to end (trainer step → the replica's first token), adapter-only / "
                      f"full version, {transport}, torch engine, wide MoE of {_get(lora, 'refit', 'model', 'bytes')} "

@@ -149,10 +149,12 @@ def export_command(
                                                                "default: the one the run trained.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")] = "bfloat16",
     merge: Annotated[bool, typer.Option("--merge/--adapter", help="A LoRA run's checkpoint: the base with the adapter "
-                                                                  "merged in, or the adapter alone in PEFT's format.")] = True,
+                                                                  "merged in (--merge), or the adapter alone in PEFT's "
+                                                                  "format (the default).")] = False,
 ) -> None:
-    """A trainer checkpoint as a Hugging Face directory: AutoModelForCausalLM.from_pretrained loads it
-    (a LoRA run's: merged, or with --adapter the adapter in PEFT's format)."""
+    """A trainer checkpoint as a Hugging Face directory: AutoModelForCausalLM.from_pretrained loads it;
+    a LoRA run's is its adapter in PEFT's format (PeftModel.from_pretrained(base, OUT)), or with
+    --merge the base with the adapter merged in."""
     from steadyrl.report import export_checkpoint, find_checkpoint
 
     try:

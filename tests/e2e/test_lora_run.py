@@ -3,7 +3,7 @@ ranks by DDP and by FSDP, bf16-mixed, micro-batches, activation checkpointing an
 adapter over the frozen base; its checkpoints hold the adapter and its optimizer state alone (with peft's
 adapter_config.json), the replicas receive adapter-only versions (the torch engine adds each to
 its base in place), the run's final model is
-the merged one, and `steadyrl export --adapter` writes the adapter in PEFT's format, which peft
+the merged one, and `steadyrl export` writes the adapter in PEFT's format, which peft
 loads onto the base to compute what the merged model computes."""
 
 import json
@@ -62,8 +62,8 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["recipe"].endswith("+r3") and m["grad_norm"] > 0 for m in metrics), metrics[-1]
     adapter = tmp_path / "adapter"
-    exported = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(out), "--out", str(adapter),
-                               "--adapter"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    exported = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(out), "--out", str(adapter)],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)  # a LoRA run's: the adapter
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(adapter)).eval()

@@ -140,3 +140,21 @@ def test_lora_refit_bench_times_adapter_versions_against_full_ones_on_one_clock(
     assert out["lora_over_full_seconds"] == {
         t: round(out["seconds"]["lora"][t] / out["seconds"]["full"][t], 3) for t in TRANSPORTS}
     assert set(out["lora_over_full_paused_seconds"]) == set(TRANSPORTS)
+
+
+def test_lora_peak_memory_is_measured_with_each_side_alone_in_its_own_process(tiny_model_dir):
+    """bench/lora.py's peak sides: each side's high-water mark, reset once its model is loaded, in a
+    process of its own; the full side's step holds every weight's gradient and AdamW moments
+    (3 × 4 bytes each of the wider model's fp32 weights beyond the adapter's), LoRA's the adapter's."""
+    from bench.lora import peak_sides
+    from bench.trainer import wider_model
+
+    out = peak_sides(tiny_model_dir)
+    full, lora = out["peak"]["full"], out["peak"]["lora"]
+    for side in (full, lora):
+        assert side["peak_bytes"] >= side["loaded_bytes"] > 100e6
+        assert side["step_peak_bytes"] == side["peak_bytes"] - side["loaded_bytes"]
+    weights = sum(p.numel() for p in wider_model(tiny_model_dir).parameters()) * 4
+    assert full["step_peak_bytes"] > 2 * weights  # at least the gradients and two AdamW moments' worth, less slack
+    assert full["step_peak_bytes"] - lora["step_peak_bytes"] > weights  # LoRA holds no per-weight state
+    assert out["lora_over_full_step_peak_bytes"] == round(lora["step_peak_bytes"] / full["step_peak_bytes"], 3)

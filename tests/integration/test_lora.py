@@ -136,6 +136,16 @@ def test_a_lora_trainer_resumes_its_adapter_and_optimizer_from_its_checkpoint(tm
             torch.testing.assert_close(again.optimizer.state[p]["exp_avg"], moments[name], rtol=0, atol=0)
     for name, tensor in again.weights().items():
         torch.testing.assert_close(tensor, published[name], rtol=0, atol=0)
+    from steadyrl.report import export_checkpoint
+
+    checkpoint = tmp_path / "checkpoints" / "step-00000001"
+    export_checkpoint(str(tiny_model_dir), checkpoint, tmp_path / "adapter")  # the default: the adapter alone
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["README.md", "adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    merged = load_causal_lm(str(export_checkpoint(str(tiny_model_dir), checkpoint, tmp_path / "merged", merge=True)),
+                            "float32").state_dict()
+    for name, tensor in published.items():  # --merge: the base with the adapter merged in, as published
+        torch.testing.assert_close(merged[name].to(tensor.dtype), tensor, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fields, message", [

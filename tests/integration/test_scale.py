@@ -24,10 +24,20 @@ from shared.weightsync.manifest import CastView
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 
-def step(model_dir, rollouts, config: StepConfig, compute: Compute = Compute(), lr: float = 1e-3):  # noqa: B008
+def lora_model(model_dir, lora: int):
+    """The tiny MoE, with a rank-`lora` adapter on attention and experts when `lora` (seeded by the caller)."""
+    model = load_causal_lm(model_dir, "float32")
+    if lora:
+        from shared.models.lora import apply_lora
+
+        model = apply_lora(model, lora, 2.0 * lora, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"], True)
+    return model.train()
+
+
+def step(model_dir, rollouts, config: StepConfig, compute: Compute = Compute(), lr: float = 1e-3, lora: int = 0):  # noqa: B008
     torch.manual_seed(0)
-    model = load_causal_lm(model_dir, "float32").train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model = lora_model(model_dir, lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     metrics = train_step(model, optimizer, RoutingController(model), collate(rollouts), GROUP, config, 0,
                          compute=compute)
     return model, metrics
@@ -73,19 +83,19 @@ def test_bf16_mixed_is_close_to_fp32_and_the_loss_math_stays_fp32(tiny_model_dir
 
 
 def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], out: str, replay: str,
-                parallel: str, device: str = "cpu", mini_batches: int = 2) -> None:
+                parallel: str, device: str = "cpu", mini_batches: int = 2, lora: int = 0) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = load_causal_lm(model_dir, "float32")
+    model = lora_model(model_dir, lora)
     routing = RoutingController(model)
     settings = TrainerSettings(model_path=model_dir, parallel=parallel, precision="fp32", shard_ranks=2)
     wrapped = prepare(model, settings, torch.device(device), world)
     if parallel == "hsdp":  # 2 replicas × 2 shards: each rank holds half of every parameter
         layout = {tuple(p.device_mesh.shape) for p in model.parameters()}
         assert layout == {(world // 2, 2)}, layout
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     metrics = train_step(wrapped, optimizer, routing, collate([decode_rollout(d) for d in data]), GROUP,
                          StepConfig(mini_batches=mini_batches, replay=replay), 0, rank, world,
                          Compute(torch.device(device)))
@@ -97,25 +107,34 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[byt
     exit_rank()
 
 
-@pytest.mark.parametrize(("replay", "parallel", "world", "mini_batches"),
-                         [("r2", "fsdp", 2, 2), ("r3", "fsdp", 2, 2), ("r3", "hsdp", 4, 1)])
-def test_fsdp_on_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay, parallel, world, mini_batches):
-    """FSDP over 2 ranks, and HSDP over 4 as 2 replicas × 2 shards, equal to one process."""
+@pytest.mark.parametrize(("replay", "parallel", "world", "mini_batches", "lora"),
+                         [("r2", "fsdp", 2, 2, 0), ("r3", "fsdp", 2, 2, 0), ("r3", "hsdp", 4, 1, 0),
+                          ("r2", "hsdp", 4, 2, 8)])
+def test_fsdp_on_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay, parallel, world, mini_batches,
+                                                     lora):
+    """FSDP over 2 ranks, and HSDP over 4 as 2 replicas × 2 shards, equal to one process; with LoRA
+    (rank 8 on attention and experts) the adapter trains alike and the base stays as loaded."""
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: mini-batches × ranks
     out = str(tmp_path / "fsdp.safetensors")
     mp.start_processes(fsdp_worker, args=(world, free_port(), str(tiny_model_dir),
                                           [encode_rollout(r) for r in rollouts], out, replay, parallel, "cpu",
-                                          mini_batches), nprocs=world, join=True, start_method="spawn")
-    single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=mini_batches, replay=replay))
+                                          mini_batches, lora), nprocs=world, join=True, start_method="spawn")
+    single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=mini_batches, replay=replay), lora=lora)
     sharded = load_file(out)
-    start = load_causal_lm(tiny_model_dir, "float32").state_dict()
+    torch.manual_seed(0)
+    start_model = lora_model(tiny_model_dir, lora)
+    start = start_model.state_dict()
+    trained = {n for n, p in start_model.named_parameters() if p.requires_grad}
     worst = worst_difference(single.state_dict(), sharded)
-    moved = worst_difference(start, sharded)
-    print(f"{parallel}({world} gloo ranks, {replay}) vs 1 process: max |Δparam| {worst:.2e}; "
+    moved = worst_difference({k: start[k] for k in trained}, sharded)
+    print(f"{parallel}({world} gloo ranks, {replay}, lora {lora}) vs 1 process: max |Δparam| {worst:.2e}; "
           f"the step moved up to {moved:.2e}")
     assert worst <= 1e-5 and moved > 1e-4
+    if lora:  # the adapter alone trained; the frozen base (router included) as loaded
+        assert trained == {k for k in start if ".lora_" in k}
+        assert worst_difference({k: v for k, v in start.items() if k not in trained}, sharded) == 0
     saved = json.loads((tmp_path / "fsdp.safetensors.json").read_text())
-    assert set(saved["moments"]) == set(start)  # AdamW state for every parameter, by name
+    assert set(saved["moments"]) == trained  # AdamW state for every trained parameter, by name
     for key in ("mismatch_kl_k3", "is_weight_max", "entropy", "routing_agreement"):
         assert abs(saved["metrics"][key] - metrics[key]) <= 1e-5 * max(1, abs(metrics[key])), key
 

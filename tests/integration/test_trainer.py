@@ -145,17 +145,26 @@ def test_r3_routes_every_forward_exactly_as_the_inference_trace(tiny_model_dir):
             assert torch.equal(used[where], want[where])
 
 
-def test_r2_replays_the_recompute_routing_in_every_update(tiny_model_dir):
+@pytest.mark.parametrize("lora", [False, True])
+def test_r2_replays_the_recompute_routing_in_every_update(tiny_model_dir, lora):
+    """R2, also under LoRA (attention + experts adapted, the router frozen: the adapter alone moves
+    the hidden states the router sees)."""
+    from shared.models.lora import apply_lora
+
     rollouts = recorded_rollouts(tiny_model_dir, 2, seed=5)
     for i, r in enumerate(rollouts):  # rewards that differ within each group: the update moves the model
         r.reward = float(i % 2)
     batch = collate(rollouts)
     model = load_causal_lm(tiny_model_dir, "float32").train()
+    if lora:
+        model = apply_lora(model, 8, 16.0, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"], True).train()
     routing = RoutingController(model)
     with torch.no_grad():
         expected = sequence_logprobs(model, batch, routing, capture=True).routing
     seen, handle = forward_snapshots(model, routing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)  # large: free routing would drift
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert not lora or all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trained, lr=5e-2)  # large: free routing would drift
     train_step(model, optimizer, routing, batch, GROUP, StepConfig(replay="r2", mini_batches=2), version=0)
     handle.remove()
     assert len(seen) == 2  # the recompute captures; each update replays
