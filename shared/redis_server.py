@@ -7,11 +7,14 @@ in its own directory (AOF there when asked) and is stopped with the process it b
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.service_main import parent_death_signal
 
 
 def redis_server_binary() -> str:
@@ -44,6 +47,7 @@ class RedisServer:
     appendonly: bool = False
     host: str = "127.0.0.1"
     process: subprocess.Popen | None = field(default=None, repr=False)
+    with_parent: bool = False  # SIGTERMed when the process that started it dies (Linux), even by SIGKILL
 
     @property
     def url(self) -> str:
@@ -64,7 +68,8 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        preexec_fn=parent_death_signal(signal.SIGTERM) if self.with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

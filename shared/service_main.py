@@ -28,16 +28,28 @@ class LoopDied(RuntimeError):
     """A service loop ended by itself (an error, or a return it must never make)."""
 
 
-def die_with_parent() -> None:
-    """A rank torchrun started dies when torchrun does (Linux: PR_SET_PDEATHSIG), so a killed
-    launcher never leaves ranks behind that keep consuming the run's work."""
+def parent_death_signal(sig: int):
+    """A function that makes the calling process receive `sig` when its parent dies (Linux:
+    PR_SET_PDEATHSIG; None elsewhere), resolved now so that calling it does nothing but the call:
+    fit for `subprocess.Popen(preexec_fn=...)` between fork and exec, from the thread that lives
+    as long as the parent (the signal comes when the forking thread ends)."""
     import ctypes
     import ctypes.util
 
-    if sys.platform != "linux" or "LOCAL_RANK" not in os.environ:
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    return lambda: prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
+def die_with_parent() -> None:
+    """A rank torchrun started dies when torchrun does, so a killed launcher never leaves ranks
+    behind that keep consuming the run's work (`steadyrl run` has torchrun itself, and every
+    service, stopped when it dies: `parent_death_signal`)."""
+    arm = parent_death_signal(signal.SIGKILL) if "LOCAL_RANK" in os.environ else None
+    if arm is None:
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    arm()
     if os.getppid() == 1:  # the parent died before the call
         os._exit(1)
 

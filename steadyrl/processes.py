@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.redis_server import RedisServer
+from shared.service_main import parent_death_signal
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
 from steadyrl.run_config import RunConfig
@@ -115,16 +116,17 @@ class Launch:
         env.update(service.env, **service.devices, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
                    STEADYRL_TOKEN_FILE=str(self.out / "token"))  # one bearer token for gRPC and HTTP
         self.ports.release(*service.ports)  # bound by this process until now: nothing else could take them
-        with service.log.open("ab") as log:
+        with service.log.open("ab") as log:  # a launcher killed outright (SIGKILL) takes its services with it
             service.process = subprocess.Popen([sys.executable, *service.argv], env=env, stdout=log,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               start_new_session=True)
+                                               start_new_session=True, preexec_fn=parent_death_signal(signal.SIGTERM))
 
     def start_redis(self) -> RedisServer:
         """redis-server with AOF on, on a port drawn like the services' (below the ephemeral range)."""
         port = self.ports.take()
         self.ports.release(port)  # redis-server binds it next
-        self.redis = RedisServer(self.out / "redis", port=port, appendonly=True, password=self.redis_password).start()
+        self.redis = RedisServer(self.out / "redis", port=port, appendonly=True, password=self.redis_password,
+                                 with_parent=True).start()
         return self.redis
 
     def start_all(self, on_healthy=None) -> None:

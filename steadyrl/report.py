@@ -81,12 +81,13 @@ def find_checkpoint(source: Path) -> tuple[Path, str | None]:
 
 
 def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: str = "float32",
-                      merge: bool = False) -> Path:
+                      merge: bool = True) -> Path:
     """A trainer checkpoint (whatever the parallelism and world size that wrote it: its shards are
     consolidated by DCP) as a Hugging Face directory in `dtype`: the base model's config and
-    tokenizer, the checkpoint's weights. A LoRA checkpoint (its adapter_config.json) is written as
-    the adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors:
-    `PeftModel.from_pretrained(base, target)`), or with `merge` merged into the base."""
+    tokenizer, the checkpoint's weights. A LoRA checkpoint (its adapter_config.json) is merged into
+    the base (the run's final model, evaluations), or with `merge` False written as the adapter
+    alone in PEFT's format (adapter_config.json + adapter_model.safetensors:
+    `PeftModel.from_pretrained(base, target)`; what `steadyrl export` writes unless --merge)."""
     from services.trainer.checkpoint import load_model_weights
     from shared.models import load_causal_lm
     from shared.models.loading import resolve_dtype

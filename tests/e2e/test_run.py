@@ -1,6 +1,7 @@
 """The whole system on loopback: `steadyrl run` on the tiny demo recipe, and an orchestrator
 restart in the middle of a run."""
 
+import contextlib
 import json
 import os
 import re
@@ -20,11 +21,13 @@ TRAINER_KEYS = ("step", "version", "reward_mean", "entropy", "mismatch_kl_k1", "
 
 
 def alive(pid: int) -> bool:
+    """Running (a zombie left to an init that does not reap it has stopped: not alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rpartition(")")[2].split()[0] == "Z")
 
 
 def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatch):
@@ -119,6 +122,44 @@ def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir
     time.sleep(0.5)
     assert not [pid for pid in pids if alive(pid)]
     assert json.loads((out / "summary.json").read_text())["outcome"] == "interrupted"
+
+
+LAUNCHER = """
+import json, sys, time
+from pathlib import Path
+from steadyrl.processes import Launch
+from steadyrl.run_config import load_run_config
+
+launch = Launch(load_run_config(Path(sys.argv[1]), []), Path(sys.argv[2]), sys.argv[3])
+launch.start_redis()
+launch.plan(launch.redis.url)
+for service in launch.services:
+    if service.name in ("weightsync", "orchestrator"):
+        launch.start(service)
+print(json.dumps([launch.redis.process.pid] + [s.process.pid for s in launch.services if s.process]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_launcher_takes_its_services_and_redis_with_it(tmp_path, tiny_model_dir):
+    """A launcher killed outright can stop nothing itself: the kernel sends each process it started
+    (services, redis-server) SIGTERM as it dies (PR_SET_PDEATHSIG), and each stops."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(ROOT / "configs" / "tiny-arith.toml"),
+                                 str(tmp_path), str(tiny_model_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids = json.loads(launcher.stdout.readline())
+    try:
+        assert len(pids) == 3 and all(alive(pid) for pid in pids)
+        time.sleep(3.0)  # the services are importing, or up
+        launcher.kill()
+        assert launcher.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while [pid for pid in pids if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in pids if alive(pid)], "processes outlived their killed launcher"
+    finally:
+        for pid in pids:  # whatever this test found, it leaves nothing running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tiny_model_dir):

@@ -139,7 +139,7 @@ def test_a_lora_trainer_resumes_its_adapter_and_optimizer_from_its_checkpoint(tm
     from steadyrl.report import export_checkpoint
 
     checkpoint = tmp_path / "checkpoints" / "step-00000001"
-    export_checkpoint(str(tiny_model_dir), checkpoint, tmp_path / "adapter")  # the default: the adapter alone
+    export_checkpoint(str(tiny_model_dir), checkpoint, tmp_path / "adapter", merge=False)  # the adapter alone
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["README.md", "adapter_config.json",
                                                                        "adapter_model.safetensors"]
     merged = load_causal_lm(str(export_checkpoint(str(tiny_model_dir), checkpoint, tmp_path / "merged", merge=True)),
