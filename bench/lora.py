@@ -74,9 +74,9 @@ def _side(model_dir, side: str):
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
 
 
-def step_peak(model_dir: str, side: str) -> dict:
+def step_peak(model_dir: str, side: str, rounds: int = ROUNDS) -> dict:
     """One side alone in this process: resident bytes with its model and batch loaded, and the
-    high-water mark over the warm-up and ROUNDS steps (reset to the loaded process first)."""
+    high-water mark over a warm-up and `rounds` steps (reset to the loaded process first)."""
     from bench.trainer import rollouts
     from shared.batch import collate
     from shared.training import StepConfig, train_step
@@ -86,18 +86,18 @@ def step_peak(model_dir: str, side: str) -> dict:
     model, optimizer = _side(model_dir, side)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
     loaded = _status_bytes("VmRSS")
-    for _ in range(ROUNDS + 1):
+    for _ in range(rounds + 1):
         train_step(model, optimizer, None, batch, 8, StepConfig(mini_batches=2), version=0)
     peak = _status_bytes("VmHWM")
     return {"loaded_bytes": loaded, "peak_bytes": peak, "step_peak_bytes": peak - loaded}
 
 
-def peak_sides(model_dir) -> dict:
+def peak_sides(model_dir, rounds: int = ROUNDS) -> dict:
     """Each side's `step_peak` in a process of its own (peaks of one process would mix)."""
     sides = {}
     for side in ("full", "lora"):
-        done = subprocess.run([sys.executable, "-m", "bench.lora", "peak", side, str(model_dir)], capture_output=True,
-                              text=True, timeout=900, check=False)
+        done = subprocess.run([sys.executable, "-m", "bench.lora", "peak", side, str(model_dir), str(rounds)],
+                              capture_output=True, text=True, timeout=900, check=False)
         if done.returncode:
             raise RuntimeError(f"the {side} side's peak run failed: {done.stderr[-2000:]}")
         sides[side] = json.loads(done.stdout.splitlines()[-1])
@@ -167,6 +167,6 @@ def main() -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["peak"]:
-        print(json.dumps(step_peak(sys.argv[3], sys.argv[2])))
+        print(json.dumps(step_peak(sys.argv[3], sys.argv[2], int(sys.argv[4]))))
     else:
         print(json.dumps(main()))

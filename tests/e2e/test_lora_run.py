@@ -84,18 +84,18 @@ def test_a_vllm_replica_serves_adapter_versions_through_its_lora_support(tmp_pat
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), "--out",
-         str(out), *[a for s in ("run.steps=12", "orchestrator.eval_every=0", "trainer.lora.rank=8") for a in ("--set", s)]],
+         str(out), *[a for s in ("run.steps=8", "orchestrator.eval_every=0", "trainer.lora.rank=8") for a in ("--set", s)]],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["outcome"] == "finished" and summary["versions"] == 12, summary
-    assert set(summary["final_status"]["replica_versions"].values()) == {12}
+    assert summary["outcome"] == "finished" and summary["versions"] == 8, summary
+    assert set(summary["final_status"]["replica_versions"].values()) == {8}
     published = [line for line in (out / "logs" / "weightsync.log").read_text().splitlines()
                  if "event=version_published" in line]
-    assert len(published) == 12 and all("kind=adapter" in line for line in published), published[:2]
+    assert len(published) == 8 and all("kind=adapter" in line for line in published), published[:2]
     replica = (out / "logs" / "inference-0.log").read_text()
     applied = [line for line in replica.splitlines() if "event=weights_applied" in line]
     assert applied and all("kind=adapter" in line for line in applied), applied[:2]
     assert "event=service_exited" not in done.stdout + done.stderr  # the replica never died
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 12 and all(m["grad_norm"] > 0 for m in metrics)
+    assert len(metrics) == 8 and all(m["grad_norm"] > 0 for m in metrics)

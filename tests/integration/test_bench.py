@@ -149,7 +149,7 @@ def test_lora_peak_memory_is_measured_with_each_side_alone_in_its_own_process(ti
     from bench.lora import peak_sides
     from bench.trainer import wider_model
 
-    out = peak_sides(tiny_model_dir)
+    out = peak_sides(tiny_model_dir, rounds=1)
     full, lora = out["peak"]["full"], out["peak"]["lora"]
     for side in (full, lora):
         assert side["peak_bytes"] >= side["loaded_bytes"] > 100e6
