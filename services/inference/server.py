@@ -109,7 +109,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 
 async def heartbeat(settings: InferenceSettings, engine: Engine, worker: RolloutWorker, stop: asyncio.Event) -> None:
-    """Report this replica's version to the orchestrator every second (best effort)."""
+    """Report this replica's version to the orchestrator every second, and as soon as it serves a
+    new one (best effort)."""
     from shared.rpc import channel_options
     from shared.rpc.auth import channel as auth_channel
     from shared.rpc.steadyrl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -121,7 +122,11 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
                 await stub.Heartbeat(orchestrator_pb2.ReplicaHeartbeat(
                     replica_id=settings.replica_id, service="inference", policy_version=engine.version,
                     address=f"{settings.host}:{settings.port}", tokens_per_second=worker.tokens_per_second), timeout=2)
-            await asyncio.sleep(1.0)
+            reported = engine.version
+            for _ in range(10):  # a second, or less once a new version is served
+                await asyncio.sleep(0.1)
+                if engine.version != reported:
+                    break
 
 
 def engine_options(settings: InferenceSettings) -> dict:

@@ -109,11 +109,12 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[byt
 
 @pytest.mark.parametrize(("replay", "parallel", "world", "mini_batches", "lora"),
                          [("r2", "fsdp", 2, 2, 0), ("r3", "fsdp", 2, 2, 0), ("r3", "hsdp", 4, 1, 0),
-                          ("r2", "hsdp", 4, 2, 8)])
+                          ("r3", "ddp", 2, 2, 8), ("r2", "hsdp", 4, 2, 8)])
 def test_fsdp_on_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay, parallel, world, mini_batches,
                                                      lora):
     """FSDP over 2 ranks, and HSDP over 4 as 2 replicas × 2 shards, equal to one process; with LoRA
-    (rank 8 on attention and experts) the adapter trains alike and the base stays as loaded."""
+    (rank 8 on attention and experts), by DDP and by HSDP, the adapter trains alike and the base
+    stays as loaded."""
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: mini-batches × ranks
     out = str(tmp_path / "fsdp.safetensors")
     mp.start_processes(fsdp_worker, args=(world, free_port(), str(tiny_model_dir),
