@@ -67,6 +67,8 @@ class RedisServer:
             "--logfile", str(self.directory / "redis.log"),
         ]
         if self.password:
+            if self.password.startswith("--"):  # redis-server would read it as the next option's name
+                raise ValueError("a redis password cannot start with '--' (redis-server reads it as an option)")
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         preexec_fn=parent_death_signal(signal.SIGTERM) if self.with_parent else None)

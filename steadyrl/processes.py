@@ -50,7 +50,7 @@ class Launch:
     out: Path
     model_path: str
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
-    redis_password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    redis_password: str = field(default_factory=lambda: secrets.token_hex(24))  # never "--…" (an option to redis)
     services: list[Service] = field(default_factory=list)
     redis: RedisServer | None = None
     http_port: int = 0

@@ -9,9 +9,11 @@ it, appended after the model's turn exactly as sampled; a template that rewrites
 refused, `template_mismatch`), else as plain `role: content` lines. An
 environment that raises, answers with something that is not a list of messages, hangs past
 `env_seconds`, or a trajectory past its turn or token budget, ends with a `TrajectoryError`
-naming why, for its caller to dead-letter the task with. A hung environment call is abandoned at
-once, its thread left to finish whenever it returns (8 such threads: one that never returns holds
-one of them for good).
+naming why, for its caller to dead-letter the task with. Each environment call runs on a daemon
+thread of its own: a hung call is abandoned at once, its thread left to finish whenever it
+returns, holding nothing else (no pool's worker) and never the process's exit (an interpreter
+joins a ThreadPoolExecutor's threads as it exits: one `time.sleep(3600)` in an environment held a
+test process, or a replica stopping, for the hour).
 
 `play` is the loop as a coroutine (a replica plays its G trajectories and its other tasks' at once,
 every turn a sequence of the engine's continuous batch: a weight update lands between turns or
@@ -25,16 +27,15 @@ conversation again each turn (its own prefix cache reuses it where it has one: v
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from shared.engines.base import Engine, Sampling
 from shared.envs.base import Environment, Message, Step
-
-_ENV_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="steadyrl-env")
 
 
 class TrajectoryError(Exception):
@@ -120,8 +121,33 @@ def render(tokenizer, conversation: list[Message], new: list[Message], sampled: 
     return tail
 
 
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # abandoned (timed out, cancelled): nobody waits for it any more
+        future.set_exception(error) if error is not None else future.set_result(result)
+
+
+def in_daemon_thread(function, *args) -> asyncio.Future:
+    """`function(*args)` on a daemon thread of its own, as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = function(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            error = exc
+        except BaseException as exc:  # noqa: BLE001 - SystemExit & co. from user code: an error, not an exit
+            error = RuntimeError(repr(exc))
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is stopping
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    threading.Thread(target=run, name="steadyrl-env", daemon=True).start()
+    return future
+
+
 async def _call(function, *args, seconds: float, what: str):
-    future = asyncio.wrap_future(_ENV_THREADS.submit(function, *args))
+    future = in_daemon_thread(function, *args)
     try:
         return await asyncio.wait_for(future, seconds)
     except TimeoutError:

