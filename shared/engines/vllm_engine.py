@@ -126,6 +126,7 @@ class VllmEngine:
         self._ids = itertools.count()
         self._running = 0
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
+        self.last_update: dict = {}  # what the last weight update did in the worker (`shared.weightsync.vllm.Status`)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -259,6 +260,7 @@ class VllmEngine:
         await self.llm.update_weights(WeightTransferUpdateRequest(info))
         await self.llm.finish_weight_update(str(version))
         statuses = await self.llm.collective_rpc("steadyrl_update_status")
+        self.last_update = statuses[0] if statuses else {}
         failed = next((s for s in statuses if s.get("error")), None)
         if failed is not None:  # stays paused: the caller applies a whole version next
             raise (PartialVersion if any(s.get("partial") for s in statuses) else WeightError)(failed["error"])

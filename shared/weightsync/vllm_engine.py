@@ -20,6 +20,7 @@ from shared.weightsync.grpc import GrpcDelivery
 from shared.weightsync.manifest import WeightError
 from shared.weightsync.shm import map_version, shm_views
 from shared.weightsync.vllm import Status, checkpoint_layout
+from shared.weightsync.vllm_cpu import PackedExperts, repack_cpu_experts
 
 log = logging.getLogger("steadyrl.weightsync.vllm")
 
@@ -48,6 +49,7 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         super().__init__(config, vllm_config, device, model)
         self.groups, self.ring = Groups(), Staging()
         self.status = Status()
+        self.packed: PackedExperts | None = None
         self._skeleton = None
 
     def skeleton(self) -> torch.nn.Module:
@@ -67,7 +69,9 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.status = Status()
-        initialize_layerwise_reload(self.model)
+        self.packed = PackedExperts(self.model)  # vllm-cpu's experts, packed in place (`shared.weightsync.vllm_cpu`)
+        for root in self.packed.roots:
+            initialize_layerwise_reload(root)
 
     def update_weights(self, update_info: dict) -> None:
         """One version, its buckets loaded as they are read and checked (no accelerator to sync on
@@ -81,10 +85,12 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         self.status.version = manifest.version
         try:
             for bucket in self._buckets(info, manifest):
-                self.model.load_weights(checkpoint_layout(self.skeleton(), bucket))
+                rest = self.packed.load(bucket)
+                if rest:
+                    self.model.load_weights(checkpoint_layout(self.skeleton(), rest))
                 self.status.loaded += len(bucket)
         except WeightError as exc:  # the version is refused; finish_weight_update still completes the reload
-            self.status.error, self.status.partial = str(exc), self.status.loaded > 0
+            self.status.error, self.status.partial = str(exc), self.status.loaded > 0 or self.packed.written
             log.warning("event=weights_refused version=%d transport=%s loaded=%d error=%s", manifest.version,
                         info.transport, self.status.loaded, exc)
 
@@ -112,26 +118,9 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        repack_cpu_experts(self.model)
+        repack_cpu_experts(self.model, skip=self.packed.done)
+        self.status.packed = len(self.packed.done)
 
     def shutdown(self) -> None:
         self.groups.drop()
 
-
-def repack_cpu_experts(model: torch.nn.Module) -> int:
-    """vLLM-CPU packs the routed experts' weights into its grouped-GEMM layout once, when the MoE
-    kernel is built; a reload writes checkpoint-layout values into that storage and does not pack
-    them (vLLM 0.32), so the kernel would read unpacked weights as packed: pack them again. A no-op
-    on GPU builds."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
-        return 0
-    packed = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
-            experts.process_weights_after_loading(module)
-            packed += 1
-    return packed

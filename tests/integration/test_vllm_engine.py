@@ -77,6 +77,8 @@ def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
           f"mean {delta.mean():.2e} over {delta.numel()} tokens")
     assert all(s["versions"] == [1] * len(s["token_ids"]) for s in out["v1"])
     assert [s["token_ids"] for s in out["v1_greedy"]] == expected
+    # every MoE layer's experts were packed in place from the version (not reloaded through vLLM's loader)
+    assert out["last_update"]["packed"] == v1.config.num_hidden_layers, out["last_update"]
     assert float(delta.max()) < 1e-4
 
 

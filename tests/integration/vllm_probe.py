@@ -51,6 +51,7 @@ def main() -> None:
     out["v0"] = [vars(s) for s in sampled]
     seconds = engine.update_weights(1, version_model(model_dir, 1).state_dict())
     out["swap_seconds"] = seconds
+    out["last_update"] = engine.last_update
     out["v1_greedy"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
     out["v1"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=3))]
     out["in_flight"] = across_an_update(engine, prompts[0], 2, model_dir)
