@@ -1,15 +1,25 @@
-"""The versions held: the newest in memory, older retained ones spilled to disk as safetensors;
-a version that came through shared memory is read from its file (the trainer's) when pulled."""
+"""The versions held: the newest in memory, older retained ones spilled to disk (the version-file
+layout of the shm transport, read back with every digest checked); a version that came through
+shared memory is read from its file (the trainer's) when pulled.
+
+Spilling is written ahead: as soon as a version is held, a thread writes to disk the versions the
+next arrival will spill, keeping their bytes in memory; the arrival then only lets go of them
+(`make_room`). No push or broadcast waits for a disk write (a 1.1 GiB version took 4–5 s through
+safetensors' serialise-then-write here), and memory never holds more than `in_memory` versions,
+the arriving one counted."""
 
 from __future__ import annotations
 
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.manifest import bytes_to_tensor, tensor_to_bytes
+
+SPILL_FILE = "weights.safetensors"
 
 
 @dataclass
@@ -37,6 +47,7 @@ class VersionStore:
     def __init__(self, retain: int, in_memory: int, spill_dir: Path) -> None:
         self.retain, self.in_memory, self.spill_dir = retain, min(in_memory, retain), spill_dir
         self.versions: dict[int, StoredVersion] = {}
+        self._disk = threading.Lock()  # one writer of spill files at a time (the write-ahead thread or a caller)
 
     @property
     def latest(self) -> StoredVersion | None:
@@ -50,13 +61,21 @@ class VersionStore:
     def add(self, manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:
         self.versions[manifest.version] = StoredVersion(manifest, payloads)
         self._trim()
+        ahead = self._to_spill()
+        threading.Thread(target=lambda: [self._write(stored) for stored in ahead], name="weightsync-spill",
+                         daemon=True).start()
+
+    def _to_spill(self) -> list[StoredVersion]:
+        """What the next arrival spills: the in-memory versions beyond the newest `in_memory - 1`."""
+        held = sorted((v for v, stored in self.versions.items() if stored.payloads is not None), reverse=True)
+        return [self.versions[v] for v in held[max(self.in_memory - 1, 0):]]
 
     def make_room(self) -> None:
         """Before a version arrives: spill the oldest in-memory versions so that, with it, no more
-        than `in_memory` versions are ever held in memory (the one arriving counts)."""
-        held = sorted((v for v, stored in self.versions.items() if stored.payloads is not None), reverse=True)
-        for version in held[max(self.in_memory - 1, 0):]:
-            self._spill(self.versions[version])
+        than `in_memory` versions are ever held in memory (the one arriving counts). Their files are
+        written ahead already (else written now)."""
+        for stored in self._to_spill():
+            self._spill(stored)
 
     def memory_bytes(self) -> int:
         return sum(s.total_bytes for s in self.versions.values() if s.payloads is not None)
@@ -65,38 +84,43 @@ class VersionStore:
         ordered = sorted(self.versions, reverse=True)
         for version in ordered[self.retain :]:
             dropped = self.versions.pop(version)
-            if dropped.path is not None:
-                shutil.rmtree(dropped.path, ignore_errors=True)
+            if dropped.payloads is not None and dropped.path is None:  # perhaps being written ahead: let it end
+                with self._disk:
+                    dropped.payloads = None
+            shutil.rmtree(self.spill_dir / f"v{version}", ignore_errors=True)
         for version in ordered[self.in_memory : self.retain]:
             if self.versions[version].shm_path is None:
                 self._spill(self.versions[version])
 
     def payloads(self, version: int) -> list[bytearray]:
-        """The raw bytes of every tensor (verified against the manifest when read from shm)."""
+        """The raw bytes of every tensor (verified against the manifest when read from a file)."""
         stored = self.versions[version]
         if stored.payloads is not None:
             return stored.payloads
-        if stored.shm_path is not None:
-            from shared.weightsync.shm import read_shm
+        from shared.weightsync.shm import read_shm
 
+        if stored.shm_path is not None:
             tensors = read_shm(stored.shm_path, stored.manifest)
             return [tensor_to_bytes(tensors[spec.name]) for spec in stored.manifest.tensors]
-        from safetensors.torch import load_file
-
         assert stored.path is not None
-        tensors = load_file(stored.path / "weights.safetensors")
+        tensors = read_shm(stored.path / SPILL_FILE, stored.manifest)
         return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in stored.manifest.tensors]
 
-    def _spill(self, stored: StoredVersion) -> None:
-        if stored.payloads is None:
-            return
-        from safetensors.torch import save_file
+    def _write(self, stored: StoredVersion) -> None:
+        """Its spill file, unless written already (its bytes stay in memory)."""
+        from shared.weightsync.shm import write_shm
 
-        path = self.spill_dir / f"v{stored.manifest.version}"
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            spec.name: bytes_to_tensor(data, spec.dtype, list(spec.shape))
-            for spec, data in zip(stored.manifest.tensors, stored.payloads, strict=True)
-        }
-        save_file(tensors, str(path / "weights.safetensors"))
-        stored.path, stored.payloads = path, None
+        with self._disk:
+            payloads = stored.payloads
+            if stored.path is not None or payloads is None:
+                return
+            path = self.spill_dir / f"v{stored.manifest.version}"
+            tensors = {spec.name: bytes_to_tensor(data, spec.dtype, list(spec.shape))
+                       for spec, data in zip(stored.manifest.tensors, payloads, strict=True)}
+            write_shm(path / SPILL_FILE, tensors, stored.manifest.version, stored.manifest.parent_version,
+                      digests=False)  # the manifest has them: checked when read back
+            stored.path = path
+
+    def _spill(self, stored: StoredVersion) -> None:
+        self._write(stored)
+        stored.payloads = None

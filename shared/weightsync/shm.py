@@ -75,11 +75,12 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, dict]
 
 
 def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int,
-              key: bytes | None = None, reuse: Path | None = None) -> pb.WeightManifest:
+              key: bytes | None = None, reuse: Path | None = None, digests: bool = True) -> pb.WeightManifest:
     """Write `tensors` to `path` as a safetensors file in one pass — each tensor materialised once,
     each chunk copied and hashed together — and return the (signed) manifest. Written under a
     temporary name and renamed, so a reader never maps half a file; `reuse`: an older version's
-    file of the same size, renamed and written over (its pages stay in memory)."""
+    file of the same size, renamed and written over (its pages stay in memory). `digests=False`:
+    a file whose manifest is known already (the weight-sync service's spill to disk), unhashed."""
     head, header, size = _layout(tensors)
     start = len(head)
     manifest = empty_manifest(tensors, version, parent_version)
@@ -94,13 +95,15 @@ def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, par
         scratch = torch.empty(CHUNK, dtype=torch.uint8)
         for name in tensors:
             at = start + header[name]["data_offsets"][0]
-            hasher = blake3.blake3()
+            hasher = blake3.blake3() if digests else None
             for piece in pieces(tensors, name, scratch):
                 _pwrite_all(fd, piece, at)
-                hasher.update(piece)
+                if hasher is not None:
+                    hasher.update(piece)
                 at += len(piece)
             manifest.tensors.add(name=name, dtype=tensor_meta(tensors, name)[0], shape=header[name]["shape"],
-                                 nbytes=at - start - header[name]["data_offsets"][0], checksum=hasher.digest())
+                                 nbytes=at - start - header[name]["data_offsets"][0],
+                                 checksum=hasher.digest() if hasher is not None else b"")
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -270,11 +270,46 @@ def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
         assert_equal_states(to_state_dict(manifest, payloads), state(3))
         with pytest.raises(WeightError, match="NOT_FOUND"):
             await asyncio.to_thread(pull_all, server.address, 1)
-        assert sorted(p.name for p in (tmp_path / "spill").iterdir()) == ["v3", "v4"]
+        spilled = sorted(p.name for p in (tmp_path / "spill").iterdir())
+        assert spilled[:2] == ["v3", "v4"] and set(spilled) <= {"v3", "v4", "v5"}  # v5: perhaps written ahead
         await publisher.close()
         await server.stop()
 
     run(main())
+
+
+def test_spill_files_are_written_ahead_so_an_arrival_only_lets_go_of_the_bytes(tmp_path):
+    """As a version is held, the one the next arrival will spill is written to disk at once (its
+    bytes kept in memory, still served from there); the arrival then releases it without writing,
+    and a spilled version reads back checked against its manifest."""
+    import time
+
+    from services.weightsync.store import SPILL_FILE, VersionStore
+    from shared.weightsync.shm import map_version
+
+    store = VersionStore(retain=4, in_memory=2, spill_dir=tmp_path)
+    for version in (1, 2):
+        manifest, payloads = build_manifest(state(version), version, version - 1)
+        store.add(manifest, [bytearray(p) for p in payloads])
+    first = store.versions[1]
+    deadline = time.monotonic() + 30
+    while first.path is None and time.monotonic() < deadline:  # the write-ahead thread
+        time.sleep(0.01)
+    assert first.path == tmp_path / "v1" and first.payloads is not None  # on disk and still in memory
+    assert store.versions[2].path is None  # the newest stays: the next arrival keeps it
+    written = (first.path / SPILL_FILE).stat().st_mtime_ns
+    store.make_room()
+    assert first.payloads is None and store.versions[2].payloads is not None
+    assert (first.path / SPILL_FILE).stat().st_mtime_ns == written  # released, not written again
+    assert [bytes(p) for p in store.payloads(1)] == [bytes(p) for p in build_manifest(state(1), 1, 0)[1]]
+    mapped, header, start = map_version(first.path / SPILL_FILE)
+    at = start + header["embed.weight"]["data_offsets"][0]
+    mapped.close()
+    raw = bytearray((first.path / SPILL_FILE).read_bytes())
+    raw[at] ^= 0xFF  # one flipped byte of a tensor on disk
+    (first.path / SPILL_FILE).write_bytes(bytes(raw))
+    with pytest.raises(WeightError, match="checksum"):
+        store.payloads(1)
 
 
 def test_a_push_spills_before_its_bytes_arrive_so_memory_never_holds_more_than_memory_versions(tmp_path):
