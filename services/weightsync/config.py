@@ -24,9 +24,9 @@ class WeightSyncSettings(BaseSettings):
     retain_versions: int = Field(4, ge=1)
     """Versions kept in all (the oldest is dropped beyond this)."""
     memory_versions: int = Field(2, ge=1)
-    """Versions held in memory at most, the one arriving included (older ones are spilled to disk
-    as safetensors before a push's bytes arrive): peak memory ≈ memory_versions × one version's
-    bytes (2 × 61 GB for Qwen3-30B-A3B in bf16)."""
+    """Versions held in memory at most, the one arriving included (older ones are spilled to disk:
+    written ahead as soon as a version is held, let go of when the next one arrives): peak memory ≈
+    memory_versions × one version's bytes (2 × 61 GB for Qwen3-30B-A3B in bf16)."""
     spill_dir: Path = Path("/tmp/steadyrl-weightsync")
     """Where spilled versions are written."""
     chunk_bytes: int = Field(1024 * 1024, ge=1024)
