@@ -119,10 +119,19 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def map_version(path: str | Path) -> tuple[mmap.mmap, dict, int]:
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    (size,) = struct.unpack("<Q", mapped[:8])
-    return mapped, json.loads(mapped[8 : 8 + size]), 8 + size
+    """A version file mapped (read-only), its safetensors header and where its data starts; a file
+    gone (pruned since it was announced), empty, cut short or not a version file: WeightError, so
+    the version is refused like a bad byte, never a dead loop."""
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (size,) = struct.unpack("<Q", mapped[:8])
+        header = json.loads(mapped[8 : 8 + size])
+    except (OSError, ValueError, struct.error) as exc:  # ValueError: an empty file, a bad header
+        raise WeightError(f"version file {Path(path).name}: {exc}") from exc
+    if not isinstance(header, dict) or 8 + size > len(mapped):
+        raise WeightError(f"version file {Path(path).name}: not a safetensors header")
+    return mapped, header, 8 + size
 
 
 def shm_views(mapped: mmap.mmap, header: dict, start: int, manifest: pb.WeightManifest,
@@ -179,10 +188,16 @@ class ShmDelivery(Delivery):
         return {"transport": "shm", "path": self.path, "manifest": self.manifest.SerializeToString()}
 
 
-def prune_shm(directory: Path, keep: int) -> Path | None:
-    """Keep the newest `keep` version files; of the older ones, return the newest to be written over
-    (its pages are in memory already) and delete the rest (a reader that mapped one keeps its pages)."""
+def prune_shm(directory: Path, keep: int, current: int) -> Path | None:
+    """Keep the newest `keep` version files up to `current` (the version just written); of the
+    older ones, return the newest to be written over (its pages are in memory already) and delete
+    the rest (a reader that mapped one keeps its pages). A file of a version above `current` is
+    an earlier process's (a killed run of the same run id, a trainer resumed from an older
+    checkpoint): deleted, or it would count among the newest and have `current` pruned at once."""
     files = sorted(directory.glob("v*.safetensors"), key=lambda p: int(p.stem[1:]))
+    for path in [p for p in files if int(p.stem[1:]) > current]:
+        path.unlink(missing_ok=True)
+    files = [p for p in files if int(p.stem[1:]) <= current]
     old = files[:-keep] if keep else files
     for path in old[:-1]:
         path.unlink(missing_ok=True)
@@ -205,7 +220,7 @@ class ShmWeightPublisher(WeightPublisher):
         reply = await self.grpc.stub.Announce(pb.AnnounceRequest(
             manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
             wait_for_ready=True, timeout=timeout)
-        self.spare = prune_shm(self.directory, self.keep)
+        self.spare = prune_shm(self.directory, self.keep, version)
         return reply
 
     async def close(self) -> None:

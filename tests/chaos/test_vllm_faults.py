@@ -5,6 +5,7 @@ into it (and started again). The run completes with every rollout trained once a
 accounted for, and each fault's mechanism is seen at work in the logs."""
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -29,17 +30,28 @@ STEPS, B, G = 120, 4, 8  # enough steps left for all three faults (a step takes 
 
 def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
     """Flip the last byte (the last tensor: the last bucket) of every version file the trainer
-    renames into place, until the replica says it refused one; how many were flipped."""
-    seen, flipped, deadline = set(directory.glob("v*.safetensors")), 0, time.monotonic() + timeout
+    renames into place, until the replica says it refused one; how many were flipped. A file is
+    told by its inode, not its name: the trainer renames a version over a file of that name left
+    by an earlier run of the same run id (a killed process's /dev/shm outlives it)."""
+    def files() -> set[tuple[Path, int]]:
+        out = set()
+        for path in directory.glob("v*.safetensors"):
+            with contextlib.suppress(FileNotFoundError):  # pruned between the listing and the stat
+                out.add((path, path.stat().st_ino))
+        return out
+
+    seen, flipped, deadline = files(), 0, time.monotonic() + timeout
     while not re.search(r"event=weights_refused version=\d+ transport=shm", log.read_text()):
         assert time.monotonic() < deadline, f"no corrupted version was refused ({flipped} flipped)"
-        for path in set(directory.glob("v*.safetensors")) - seen:
-            seen.add(path)
+        for path, inode in files() - seen:
+            seen.add((path, inode))
             try:
                 fd = os.open(path, os.O_RDWR)
             except FileNotFoundError:  # pruned already
                 continue
             try:
+                if os.fstat(fd).st_ino != inode:  # replaced since: the next listing sees it
+                    continue
                 end = os.fstat(fd).st_size - 1
                 os.pwrite(fd, bytes([os.pread(fd, 1, end)[0] ^ 0xFF]), end)
                 flipped += 1
@@ -74,10 +86,16 @@ def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_an
         f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "orchestrator.eval_every=0",
         "trainer.checkpoint_every=1", "inference.lease_seconds=3", "inference.tasks_per_batch=2",
         "trainer.weight_transport=shm"])
+    stale = [Path("/dev/shm/steadyrl") / config.run_id / f"v{v}.safetensors" for v in range(1, 400)]
+    stale[0].parent.mkdir(parents=True, exist_ok=True)
+    for path in stale:  # what a killed earlier run of this run id left (its own would be pruned at once)
+        path.write_bytes(b"stale")
     with running(config, tmp_path, tiny_model_dir) as launch:
         replica = service(launch, "inference-0")
         directory = Path(service(launch, "weightsync").env["STEADYRL_WEIGHTSYNC_SHM_DIR"]) / config.run_id
+        assert directory == stale[0].parent
         flipped = corrupt_versions(directory, replica.log)
+        assert not any(path.exists() and path.stat().st_size == 5 for path in stale)  # pruned, or new versions
         weightsync_restart(launch)
         before = len(replica.log.read_text())
         killed = kill_mid_update(launch, "inference-0")

@@ -73,3 +73,27 @@ def test_delta_round_trip_and_encodings():
     assert enc == pb.FULL and bytes(wire) == bytes(random)
     with pytest.raises(WeightError, match="not hold"):
         decode_delta(pb.XOR_ZSTD, b"", None, 4096)
+
+
+def test_shm_pruning_keeps_the_newest_up_to_the_version_just_written_and_drops_an_earlier_runs(tmp_path):
+    from shared.weightsync.shm import prune_shm
+
+    for version in [1, 2, 3, 4, 5, 40, 41]:  # v40, v41: left by a killed run of the same run id
+        (tmp_path / f"v{version}.safetensors").write_bytes(bytes([version]))
+    spare = prune_shm(tmp_path, keep=2, current=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3.safetensors", "v4.safetensors", "v5.safetensors"]
+    assert spare == tmp_path / "v3.safetensors"  # the newest old one, to be written over
+    assert prune_shm(tmp_path, keep=0, current=5) == tmp_path / "v5.safetensors"
+    assert [p.name for p in tmp_path.iterdir()] == ["v5.safetensors"]
+
+
+def test_a_version_file_gone_empty_cut_short_or_foreign_is_a_weight_error(tmp_path):
+    from shared.weightsync.shm import map_version
+
+    with pytest.raises(WeightError, match="v1.safetensors: .*No such file"):
+        map_version(tmp_path / "v1.safetensors")  # pruned between its announcement and the read
+    for name, data in [("empty", b""), ("short", b"\x01"), ("long", (1 << 40).to_bytes(8, "little") + b"{}"),
+                       ("text", (2).to_bytes(8, "little") + b"\xff\xfe"), ("list", (2).to_bytes(8, "little") + b"[]")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(WeightError, match=f"version file {name}: "):
+            map_version(tmp_path / name)
