@@ -62,8 +62,9 @@ class VersionStore:
         self.versions[manifest.version] = StoredVersion(manifest, payloads)
         self._trim()
         ahead = self._to_spill()
-        threading.Thread(target=lambda: [self._write(stored) for stored in ahead], name="weightsync-spill",
-                         daemon=True).start()
+        if ahead:
+            threading.Thread(target=lambda: [self._write(stored) for stored in ahead], name="weightsync-spill",
+                             daemon=True).start()
 
     def _to_spill(self) -> list[StoredVersion]:
         """What the next arrival spills: the in-memory versions beyond the newest `in_memory - 1`."""

@@ -194,10 +194,12 @@ def prune_shm(directory: Path, keep: int, current: int) -> Path | None:
     the rest (a reader that mapped one keeps its pages). A file of a version above `current` is
     an earlier process's (a killed run of the same run id, a trainer resumed from an older
     checkpoint): deleted, or it would count among the newest and have `current` pruned at once."""
-    files = sorted(directory.glob("v*.safetensors"), key=lambda p: int(p.stem[1:]))
-    for path in [p for p in files if int(p.stem[1:]) > current]:
-        path.unlink(missing_ok=True)
-    files = [p for p in files if int(p.stem[1:]) <= current]
+    files = []
+    for version, path in sorted((int(p.stem[1:]), p) for p in directory.glob("v*.safetensors")):
+        if version > current:
+            path.unlink(missing_ok=True)
+        else:
+            files.append(path)
     old = files[:-keep] if keep else files
     for path in old[:-1]:
         path.unlink(missing_ok=True)
