@@ -143,7 +143,7 @@ def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3) -> dict:
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
             tempfile.TemporaryDirectory() as disk_tmp:
         model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
-        memcpy = limits(nbytes, rounds)["memcpy"]
+        memcpy = limits(nbytes, rounds, names=("memcpy",))["memcpy"]
         raw = {side: refit_group("torch", 1, model_dir, rounds, Path(shm_tmp), rank)
                for side, rank in (("full", 0), ("lora", RANK))}
     sides = {side: {t: summarise(results, nbytes, memcpy) for t, results in by_t.items()} for side, by_t in raw.items()}

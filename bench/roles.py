@@ -1,7 +1,8 @@
 """The processes of the weight benchmark (`python -m bench.roles ROLE ARGS...`, driven by
 bench/clock.py: set up, `ready`, wait for `go`, do the part, `end`): the machine's limits here —
-memcpy into resident memory, a raw loopback socket — and the trainer and replicas of the
-end-to-end refit in bench/refit_roles.py.
+memcpy into resident memory, a raw loopback socket, one BLAKE3 pass, and the shm transport's own
+work with nothing around it — and the trainer and replicas of the end-to-end refit in
+bench/refit_roles.py.
 """
 
 from __future__ import annotations
@@ -57,6 +58,45 @@ def memcpy(nbytes: str) -> None:
     end()
 
 
+def blake3_pass(nbytes: str) -> None:
+    """One BLAKE3 pass over the bytes on one thread, as the shm writer hashes what it writes."""
+    import blake3
+
+    source = synthetic_state(int(nbytes))
+    views = [memoryview(t.view(torch.uint8).numpy()) for t in source.values()]
+    [blake3.blake3(v).digest() for v in views]
+    ready()
+    [blake3.blake3(v).digest() for v in views]
+    end()
+
+
+def shm_floor(nbytes: str, directory: str) -> None:
+    """The shm transport's own work and nothing else — no service, no announcement, no engine:
+    the trainer's fp32 weights cast, written and hashed into a version file written over an older
+    one (`write_shm`, the steady state), then that file mapped, every tensor checked against its
+    digest and copied into resident bf16 weights, all in one process on one thread."""
+    from pathlib import Path
+
+    from shared.weightsync.manifest import CastView
+    from shared.weightsync.shm import read_shm, write_shm
+
+    master = {name: tensor.float() for name, tensor in synthetic_state(int(nbytes)).items()}
+    target, folder = resident(int(nbytes)), Path(directory)
+
+    def refit(version: int) -> None:
+        path = folder / f"v{version}.safetensors"
+        manifest = write_shm(path, CastView(master, torch.bfloat16), version, version - 1,
+                             reuse=folder / f"v{version - 2}.safetensors")
+        load(target, read_shm(path, manifest))
+
+    refit(1)
+    refit(2)
+    refit(3)  # over v1's file: its pages are in memory, as in the trainer's ring
+    ready()
+    refit(4)
+    end()
+
+
 def raw_recv(port: str, nbytes: str) -> None:
     buffer = bytearray(int(nbytes))
     for i in range(0, len(buffer), 4096):
@@ -93,7 +133,7 @@ def raw_send(port: str, nbytes: str) -> None:
 def roles() -> dict:
     from bench.refit_roles import replica, trainer
 
-    return {f.__name__: f for f in (memcpy, raw_recv, raw_send, trainer, replica)}
+    return {f.__name__: f for f in (memcpy, blake3_pass, shm_floor, raw_recv, raw_send, trainer, replica)}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -34,6 +34,12 @@ def weight_rows(ws: dict) -> list[str]:
     mem, gib = _get(ws, "machine", "memcpy", "gib_per_s"), round(_get(ws, "model", "bytes", default=0) / 1024**3, 2)
     rows = [f"| weightsync | raw loopback TCP socket / memcpy ({_get(ws, 'machine', 'raw_socket_1', 'gib_per_s')} "
             f"vs {mem} GiB/s, {gib} GiB) | {_get(ws, 'machine', 'raw_socket_1', 'to_memcpy')} | – |"]
+    for name, label in (("blake3_1_thread", "one BLAKE3 pass on one thread"),
+                        ("shm_floor", "the shm transport's own work alone (cast, write and hash; map, check and "
+                                      "copy; one process, no service, no engine)")):
+        if _get(ws, "machine", name) != "–":
+            rows.append(f"| weightsync | {label} / memcpy ({_get(ws, 'machine', name, 'seconds')} s) "
+                        f"| {_get(ws, 'machine', name, 'to_memcpy')} | – |")
     for engine, by_count in _get(ws, "refit", default={}).items():
         for count, sides in by_count.items():
             for transport, side in sides.items():
@@ -50,6 +56,9 @@ def weight_rows(ws: dict) -> list[str]:
             bound = "≥" if name == "two_over_one" else "≤"
             rows.append(f"| weightsync | {label}, {key} | "
                         + ", ".join(f"{t} {v}" for t, v in by_transport.items()) + f" | {bound} {target} |")
+    for engine, share in _get(ws, "ratios", "shm_to_floor", default={}).items():
+        rows.append(f"| weightsync | the shm transport's own work alone / its refit ({engine} engine, 1 replica) "
+                    f"| {share} | – |")
     for engine, sides in _get(ws, "ratios", "anon_growth_over_bucket", default={}).items():
         rows.append(f"| weightsync | a replica's peak private memory growth during an update / one bucket, {engine} "
                     f"(worst of every side) | {max(sides.values(), default='–')} "

@@ -105,16 +105,28 @@ def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: P
         shutil.rmtree(shm_dir, ignore_errors=True)  # the trainer's files: the next group's memory
 
 
-def limits(nbytes: int, rounds: int) -> dict[str, float]:
-    """The machine's limits on the same bytes: memcpy and one raw loopback socket, median seconds."""
+def limits(nbytes: int, rounds: int, shm_dir: Path | None = None,
+           names: tuple[str, ...] = ("memcpy", "raw_socket_1", "blake3_1_thread", "shm_floor")) -> dict[str, float]:
+    """The machine's limits on the same bytes, median seconds: memcpy, one raw loopback socket, one
+    BLAKE3 pass on one thread, and (given a directory in shared memory) the shm transport's own
+    work alone — cast, write and hash, then map, check and copy (`shm_floor`): what the shm refit
+    could reach here with nothing around it."""
     def raw_socket() -> dict:
         port = free_port()
         receiver = spawn("raw_recv", port, nbytes)
         expect(receiver, "listening")
         return timed([[spawn("raw_send", port, nbytes), receiver]])
 
-    sides = {"memcpy": lambda: timed([[spawn("memcpy", nbytes)]]), "raw_socket_1": raw_socket}
-    return {name: statistics.median(side()["seconds"] for _ in range(rounds)) for name, side in sides.items()}
+    def floor() -> dict:
+        with tempfile.TemporaryDirectory(dir=shm_dir) as directory:
+            return timed([[spawn("shm_floor", nbytes, directory)]])
+
+    sides = {"memcpy": lambda: timed([[spawn("memcpy", nbytes)]]), "raw_socket_1": raw_socket,
+             "blake3_1_thread": lambda: timed([[spawn("blake3_pass", nbytes)]])}
+    if shm_dir is not None:
+        sides["shm_floor"] = floor
+    return {name: statistics.median(side()["seconds"] for _ in range(rounds)) for name, side in sides.items()
+            if name in names}
 
 
 def summarise(results: list[dict], nbytes: int, memcpy: float) -> dict:
@@ -132,11 +144,16 @@ def summarise(results: list[dict], nbytes: int, memcpy: float) -> dict:
             "transports": sorted({rep["transport"] for rep in replicas})}
 
 
-def ratios(refit: dict, bucket: int) -> dict:
-    """The figures the targets name, each side divided by its counterpart measured in this run."""
-    out: dict = {"two_over_one": {}, "vllm_over_torch": {}, "shm_to_memcpy": {}, "anon_growth_over_bucket": {}}
+def ratios(refit: dict, bucket: int, machine: dict[str, float]) -> dict:
+    """The figures the targets name, each side divided by its counterpart measured in this run; and
+    `shm_to_floor`: the shm transport's own work alone (`shm_floor`) / the shm refit, 1 replica —
+    the share of the refit that is the transport's bytes, the rest being the system around them."""
+    out: dict = {"two_over_one": {}, "vllm_over_torch": {}, "shm_to_memcpy": {}, "shm_to_floor": {},
+                 "anon_growth_over_bucket": {}}
     for engine, by_count in refit.items():
         out["shm_to_memcpy"][engine] = by_count.get("1", {}).get("shm", {}).get("to_memcpy")
+        if "shm_floor" in machine and "shm" in by_count.get("1", {}):
+            out["shm_to_floor"][engine] = round(machine["shm_floor"] / by_count["1"]["shm"]["seconds"], 3)
         if "1" in by_count and "2" in by_count:  # rates: 2 replicas served at seconds_1 / seconds_2 of 1's
             out["two_over_one"][engine] = {t: round(by_count["1"][t]["seconds"] / by_count["2"][t]["seconds"], 3)
                                            for t in TRANSPORTS}
@@ -186,7 +203,7 @@ def main(layers: int = 11, rounds: int = 3, engines: tuple[str, ...] = ("torch",
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
             tempfile.TemporaryDirectory() as disk_tmp:
         model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
-        machine = limits(nbytes, rounds)
+        machine = limits(nbytes, rounds, Path(shm_tmp))
         raw: dict = {}
         for engine in engines:
             for count in replicas:
@@ -197,7 +214,7 @@ def main(layers: int = 11, rounds: int = 3, engines: tuple[str, ...] = ("torch",
             "bucket_bytes": BUCKET_BYTES, "rounds": rounds, "lr": 1e-6,
             "machine": {name: {"seconds": round(s, 4), "gib_per_s": round(nbytes / s / 1024**3, 3),
                                "to_memcpy": round(machine["memcpy"] / s, 3)} for name, s in machine.items()},
-            "refit": refit, "ratios": ratios(refit, BUCKET_BYTES), "targets": TARGETS,
+            "refit": refit, "ratios": ratios(refit, BUCKET_BYTES, machine), "targets": TARGETS,
             "tiny_bf16_delta_share_after_one_adamw_step": delta_share_after_one_step()}
 
 

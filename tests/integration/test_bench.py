@@ -37,6 +37,10 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
     result = main(layers=1, rounds=1, engines=("torch",), replicas=(1, 2))
     nbytes, memcpy = result["model"]["bytes"], result["machine"]["memcpy"]["seconds"]
     assert 100e6 < nbytes < 120e6 and memcpy > 0 and result["machine"]["raw_socket_1"]["seconds"] > 0
+    # the shm transport's own work alone casts, writes, hashes twice and copies: more than a memcpy or
+    # one hash, less than the refit that adds a service, an announcement and an engine around it
+    blake3, floor = result["machine"]["blake3_1_thread"]["seconds"], result["machine"]["shm_floor"]["seconds"]
+    assert memcpy < floor and blake3 < floor
     refit = result["refit"]["torch"]
     assert set(refit) == {"1", "2"} and all(set(sides) == set(TRANSPORTS) for sides in refit.values())
     for count, sides in refit.items():
@@ -50,10 +54,15 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
     assert result["ratios"]["two_over_one"]["torch"] == {
         t: round(refit["1"][t]["seconds"] / refit["2"][t]["seconds"], 3) for t in TRANSPORTS}
     assert result["ratios"]["shm_to_memcpy"]["torch"] == refit["1"]["shm"]["to_memcpy"]
+    assert result["ratios"]["shm_to_floor"]["torch"] == round(floor / refit["1"]["shm"]["seconds"], 3)
     rows = [line for line in markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False,
                                                    "python": "3", "torch": "2"}, "date": "d",
                                        "benchmarks": {"weightsync": result}}).splitlines() if "refit, torch" in line]
     assert len(rows) == 2 * len(TRANSPORTS)
+    floor_rows = [line for line in markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False,
+                                                         "python": "3", "torch": "2"}, "date": "d",
+                                             "benchmarks": {"weightsync": result}}).splitlines() if "own work" in line]
+    assert len(floor_rows) == 2 and f"({round(floor, 4)} s)" in floor_rows[0]
 
 
 def test_time_to_target():
