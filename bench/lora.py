@@ -133,18 +133,19 @@ def step_sides(model_dir) -> dict:
             **peak_sides(model_dir)}
 
 
-def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3) -> dict:
-    """Refit seconds, full against adapter-only versions, per transport (medians of `rounds`)."""
+def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3, warmup: int | None = None) -> dict:
+    """Refit seconds, full against adapter-only versions, per transport (medians of `rounds`;
+    `warmup` untimed rounds first, bench/weightsync.py's WARMUP unless given)."""
     import tempfile
     from pathlib import Path
 
-    from bench.weightsync import bench_model, limits, refit_group, summarise
+    from bench.weightsync import WARMUP, bench_model, limits, refit_group, summarise
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
             tempfile.TemporaryDirectory() as disk_tmp:
         model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
         memcpy = limits(nbytes, rounds, names=("memcpy",))["memcpy"]
-        raw = {side: refit_group("torch", 1, model_dir, rounds, Path(shm_tmp), rank)
+        raw = {side: refit_group("torch", 1, model_dir, rounds, Path(shm_tmp), rank, WARMUP if warmup is None else warmup)
                for side, rank in (("full", 0), ("lora", RANK))}
     sides = {side: {t: summarise(results, nbytes, memcpy) for t, results in by_t.items()} for side, by_t in raw.items()}
     return {"model": {"layers": layers, "bytes": nbytes}, "memcpy_seconds": round(memcpy, 4),

@@ -75,9 +75,10 @@ class WeightSync:
 
 
 def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: Path,
-                lora_rank: int = 0) -> dict[str, list[dict]]:
+                lora_rank: int = 0, warmup: int = WARMUP) -> dict[str, list[dict]]:
     """Every transport's timed rounds for one engine × replica count: {transport: [cycle result]}
-    (`lora_rank` > 0: the trainer publishes adapter-only versions of that rank)."""
+    (`lora_rank` > 0: the trainer publishes adapter-only versions of that rank; `warmup`: untimed
+    rounds first, fewer than WARMUP only where no steady state is measured — the suite's runs)."""
     shm_dir = tmp / f"shm-{engine}-{replicas}"
     service = WeightSync(shm_dir, tmp / f"spill-{engine}-{replicas}")
     processes = []
@@ -89,14 +90,14 @@ def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: P
             expect(process, "started")
         version = 0
         out: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
-        order = [list(TRANSPORTS) if r % 2 == 0 else list(reversed(TRANSPORTS)) for r in range(WARMUP + rounds)]
+        order = [list(TRANSPORTS) if r % 2 == 0 else list(reversed(TRANSPORTS)) for r in range(warmup + rounds)]
         for round_, transports in enumerate(order):
             for transport in transports:
                 version += 1
                 send([trainer], f"step {transport} {version}")
                 send(members, f"await {version}")
                 result = cycle(processes)
-                if round_ >= WARMUP:
+                if round_ >= warmup:
                     out[transport].append(result)
         return out
     finally:
@@ -197,7 +198,7 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
 
 
 def main(layers: int = 11, rounds: int = 3, engines: tuple[str, ...] = ("torch", "vllm"),
-         replicas: tuple[int, ...] = (1, 2)) -> dict:
+         replicas: tuple[int, ...] = (1, 2), warmup: int = WARMUP) -> dict:
     from shared.weightsync.delivery import BUCKET_BYTES
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
@@ -207,11 +208,12 @@ def main(layers: int = 11, rounds: int = 3, engines: tuple[str, ...] = ("torch",
         raw: dict = {}
         for engine in engines:
             for count in replicas:
-                raw.setdefault(engine, {})[str(count)] = refit_group(engine, count, model_dir, rounds, Path(shm_tmp))
+                raw.setdefault(engine, {})[str(count)] = refit_group(engine, count, model_dir, rounds, Path(shm_tmp),
+                                                                     warmup=warmup)
     refit = {engine: {count: {t: summarise(results, nbytes, machine["memcpy"]) for t, results in sides.items()}
                       for count, sides in by_count.items()} for engine, by_count in raw.items()}
     return {"benchmark": "weightsync", "model": {"layers": layers, "bytes": nbytes, "dtype": "bfloat16"},
-            "bucket_bytes": BUCKET_BYTES, "rounds": rounds, "lr": 1e-6,
+            "bucket_bytes": BUCKET_BYTES, "rounds": rounds, "warmup_rounds": warmup, "lr": 1e-6,
             "machine": {name: {"seconds": round(s, 4), "gib_per_s": round(nbytes / s / 1024**3, 3),
                                "to_memcpy": round(machine["memcpy"] / s, 3)} for name, s in machine.items()},
             "refit": refit, "ratios": ratios(refit, BUCKET_BYTES, machine), "targets": TARGETS,

@@ -6,7 +6,10 @@ Spilling is written ahead: as soon as a version is held, a thread writes to disk
 next arrival will spill, keeping their bytes in memory; the arrival then only lets go of them
 (`make_room`). No push or broadcast waits for a disk write (a 1.1 GiB version took 4–5 s through
 safetensors' serialise-then-write here), and memory never holds more than `in_memory` versions,
-the arriving one counted."""
+the arriving one counted. A version the next arrival drops (past `retain`) is never written: where
+`retain` equals `in_memory` nothing reaches the disk, and an arrival lets go of the version it
+drops before its bytes come. Dropping a version never waits for a write of it under way: the
+writer deletes what it wrote."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.manifest import bytes_to_tensor, tensor_to_bytes
+from shared.weightsync.manifest import WeightError, bytes_to_tensor, tensor_to_bytes
 
 SPILL_FILE = "weights.safetensors"
 
@@ -28,6 +31,7 @@ class StoredVersion:
     payloads: list[bytearray] | None  # None once spilled (or when shm-backed)
     path: Path | None = None
     shm_path: Path | None = None  # the trainer's shared-memory file of this version
+    dropped: bool = False  # past `retain`: no longer held (a write of it under way deletes its file)
 
     @property
     def total_bytes(self) -> int:
@@ -57,24 +61,43 @@ class VersionStore:
         """A version whose bytes stay in the trainer's shared-memory file."""
         self.versions[manifest.version] = StoredVersion(manifest, None, shm_path=path)
         self._trim()
+        self._write_ahead()
 
     def add(self, manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:
         self.versions[manifest.version] = StoredVersion(manifest, payloads)
         self._trim()
+        self._write_ahead()
+
+    def _write_ahead(self) -> None:
+        """Start writing, on a thread of its own, the files of what the next arrival spills."""
         ahead = self._to_spill()
         if ahead:
             threading.Thread(target=lambda: [self._write(stored) for stored in ahead], name="weightsync-spill",
                              daemon=True).start()
 
+    def _next_drops(self) -> list[int]:
+        """The versions the next arrival drops: beyond the newest `retain - 1`."""
+        return sorted(self.versions, reverse=True)[max(self.retain - 1, 0):]
+
     def _to_spill(self) -> list[StoredVersion]:
-        """What the next arrival spills: the in-memory versions beyond the newest `in_memory - 1`."""
-        held = sorted((v for v, stored in self.versions.items() if stored.payloads is not None), reverse=True)
+        """What the next arrival spills: the in-memory versions beyond the newest `in_memory - 1`,
+        but none it drops (a file no one would read)."""
+        drops = set(self._next_drops())
+        held = sorted((v for v, stored in self.versions.items() if stored.payloads is not None and v not in drops),
+                      reverse=True)
         return [self.versions[v] for v in held[max(self.in_memory - 1, 0):]]
 
     def make_room(self) -> None:
-        """Before a version arrives: spill the oldest in-memory versions so that, with it, no more
-        than `in_memory` versions are ever held in memory (the one arriving counts). Their files are
-        written ahead already (else written now)."""
+        """Before a version arrives: let go of the versions it drops and spill the oldest in-memory
+        ones, so that, with it, no more than `in_memory` versions are ever held in memory (the one
+        arriving counts). Their files are written ahead already (else written now). A version let
+        go of stays listed until the arrival (`_trim`, on the service's loop) and is no longer
+        served."""
+        for version in self._next_drops():
+            stored = self.versions.get(version)
+            if stored is not None and stored.payloads is not None:
+                stored.dropped = stored.path is None  # on disk already: served from there until it goes
+                stored.payloads = None
         for stored in self._to_spill():
             self._spill(stored)
 
@@ -82,22 +105,20 @@ class VersionStore:
         return sum(s.total_bytes for s in self.versions.values() if s.payloads is not None)
 
     def _trim(self) -> None:
-        ordered = sorted(self.versions, reverse=True)
-        for version in ordered[self.retain :]:
+        """Drop the versions past `retain`, never waiting on the disk (called on the service's loop;
+        what is past `in_memory` is let go of by `make_room` before the next bytes arrive)."""
+        for version in sorted(self.versions, reverse=True)[self.retain :]:
             dropped = self.versions.pop(version)
-            if dropped.payloads is not None and dropped.path is None:  # perhaps being written ahead: let it end
-                with self._disk:
-                    dropped.payloads = None
+            dropped.dropped, dropped.payloads = True, None  # a write of it under way deletes its own file
             shutil.rmtree(self.spill_dir / f"v{version}", ignore_errors=True)
-        for version in ordered[self.in_memory : self.retain]:
-            if self.versions[version].shm_path is None:
-                self._spill(self.versions[version])
 
     def payloads(self, version: int) -> list[bytearray]:
         """The raw bytes of every tensor (verified against the manifest when read from a file)."""
         stored = self.versions[version]
         if stored.payloads is not None:
             return stored.payloads
+        if stored.dropped:
+            raise WeightError(f"version {version} was let go of to make room for a newer one")
         from shared.weightsync.shm import read_shm
 
         if stored.shm_path is not None:
@@ -113,13 +134,20 @@ class VersionStore:
 
         with self._disk:
             payloads = stored.payloads
-            if stored.path is not None or payloads is None:
+            if stored.path is not None or payloads is None or stored.dropped:
                 return
             path = self.spill_dir / f"v{stored.manifest.version}"
             tensors = {spec.name: bytes_to_tensor(data, spec.dtype, list(spec.shape))
                        for spec, data in zip(stored.manifest.tensors, payloads, strict=True)}
-            write_shm(path / SPILL_FILE, tensors, stored.manifest.version, stored.manifest.parent_version,
-                      digests=False)  # the manifest has them: checked when read back
+            try:
+                write_shm(path / SPILL_FILE, tensors, stored.manifest.version, stored.manifest.parent_version,
+                          digests=False)  # the manifest has them: checked when read back
+            except OSError:
+                if not stored.dropped:  # else its directory was deleted under the write: nothing to keep
+                    raise
+            if stored.dropped:  # dropped while it was written: no one reads the file
+                shutil.rmtree(path, ignore_errors=True)
+                return
             stored.path = path
 
     def _spill(self, stored: StoredVersion) -> None:

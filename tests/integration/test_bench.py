@@ -29,12 +29,12 @@ def test_transport_rollouts_are_valid():
 
 
 def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
-    """A 1-layer model (108 MB in bf16), one timed round: every transport into 1 and 2 torch-engine
-    replicas, each side against memcpy of the same bytes, the ratios the targets name computed from
+    """A 1-layer model (108 MB in bf16), one untimed and one timed round: every transport into 1 and
+    2 torch-engine replicas, each side against memcpy of the same bytes, the ratios the targets name computed from
     the sides themselves."""
     from bench.weightsync import TRANSPORTS, main
 
-    result = main(layers=1, rounds=1, engines=("torch",), replicas=(1, 2))
+    result = main(layers=1, rounds=1, engines=("torch",), replicas=(1, 2), warmup=1)
     nbytes, memcpy = result["model"]["bytes"], result["machine"]["memcpy"]["seconds"]
     assert 100e6 < nbytes < 120e6 and memcpy > 0 and result["machine"]["raw_socket_1"]["seconds"] > 0
     # the shm transport's own work alone casts, writes, hashes twice and copies: more than a memcpy or
@@ -137,12 +137,12 @@ def test_checkpoint_bench_parts_measure_what_they_say(tmp_path):
 
 
 def test_lora_refit_bench_times_adapter_versions_against_full_ones_on_one_clock():
-    """bench/lora.py's refit sides on a 1-layer model, one timed round: full and adapter-only
+    """bench/lora.py's refit sides on a 1-layer model, one untimed and one timed round: full and adapter-only
     versions into a torch replica by every transport, the ratios computed from the sides."""
     from bench.lora import refit_sides
     from bench.weightsync import TRANSPORTS
 
-    out = refit_sides(layers=1, rounds=1)
+    out = refit_sides(layers=1, rounds=1, warmup=1)
     assert 100e6 < out["model"]["bytes"] < 120e6 and out["memcpy_seconds"] > 0
     for side in ("full", "lora"):
         assert set(out["seconds"][side]) == set(TRANSPORTS) and all(s > 0 for s in out["seconds"][side].values())

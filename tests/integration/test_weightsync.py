@@ -312,6 +312,55 @@ def test_spill_files_are_written_ahead_so_an_arrival_only_lets_go_of_the_bytes(t
         store.payloads(1)
 
 
+def test_where_retain_equals_memory_versions_no_version_is_written_to_disk(tmp_path):
+    """retain_versions = memory_versions = 2: a version past the newest two is dropped, never read
+    from disk, so none is written (a 61 GB version would be minutes of disk per step); before each
+    arrival one version is held in memory, the arriving one making two."""
+    import threading
+
+    from services.weightsync.store import VersionStore
+
+    store = VersionStore(retain=2, in_memory=2, spill_dir=tmp_path / "spill")
+    held = []
+    for version in range(1, 7):
+        store.make_room()
+        held.append(sum(s.payloads is not None for s in store.versions.values()))
+        manifest, payloads = build_manifest(state(version), version, version - 1)
+        store.add(manifest, [bytearray(p) for p in payloads])
+    for thread in threading.enumerate():
+        if thread.name == "weightsync-spill":
+            thread.join(60)
+    assert held == [0, 1, 1, 1, 1, 1]
+    assert sorted(store.versions) == [5, 6] and all(s.payloads is not None for s in store.versions.values())
+    assert not (tmp_path / "spill").exists() or not any((tmp_path / "spill").rglob("*"))
+    assert [bytes(p) for p in store.payloads(5)] == [bytes(p) for p in build_manifest(state(5), 5, 4)[1]]
+
+
+def test_dropping_a_version_never_waits_for_a_write_of_it(tmp_path):
+    """An arrival that drops a version whose spill file is being written (here: the writer waits on
+    the disk, held by the test) returns at once; the writer then writes nothing for it. The shm
+    announce that drops it used to wait for that write (3-4 s per GiB of a useless file)."""
+    import threading
+
+    from services.weightsync.store import VersionStore
+
+    store = VersionStore(retain=3, in_memory=1, spill_dir=tmp_path / "spill")
+    with store._disk:  # the disk busy: v1's write ahead (started by its arrival) waits for it
+        manifest, payloads = build_manifest(state(1), 1, 0)
+        store.add(manifest, [bytearray(p) for p in payloads])
+        first = store.versions[1]
+        arrivals = threading.Thread(target=lambda: [store.add_shm(build_manifest(state(v), v, v - 1)[0],
+                                                                  tmp_path / f"v{v}.safetensors") for v in (2, 3, 4)])
+        arrivals.start()
+        arrivals.join(10)
+        assert not arrivals.is_alive()  # v4's arrival dropped v1 without waiting for the disk
+        assert sorted(store.versions) == [2, 3, 4] and first.dropped and first.payloads is None
+    for thread in threading.enumerate():
+        if thread.name == "weightsync-spill":
+            thread.join(60)
+    assert first.path is None and not (tmp_path / "spill" / "v1").exists()  # its writer wrote nothing
+
+
 def test_a_push_spills_before_its_bytes_arrive_so_memory_never_holds_more_than_memory_versions(tmp_path):
     """memory_versions = 2 counts the version arriving: before each push's bytes, the store holds
     one version in memory, never two beside the new one."""
