@@ -76,8 +76,9 @@ class VersionStore:
                              daemon=True).start()
 
     def _next_drops(self) -> list[int]:
-        """The versions the next arrival drops: beyond the newest `retain - 1`."""
-        return sorted(self.versions, reverse=True)[max(self.retain - 1, 0):]
+        """The versions the next arrival drops: beyond the newest `retain - 1`, never the newest
+        (with `retain` 1 it is spilled, not let go of: a push that then fails leaves it servable)."""
+        return sorted(self.versions, reverse=True)[max(self.retain - 1, 1):]
 
     def _to_spill(self) -> list[StoredVersion]:
         """What the next arrival spills: the in-memory versions beyond the newest `in_memory - 1`,

@@ -336,6 +336,20 @@ def test_where_retain_equals_memory_versions_no_version_is_written_to_disk(tmp_p
     assert [bytes(p) for p in store.payloads(5)] == [bytes(p) for p in build_manifest(state(5), 5, 4)[1]]
 
 
+def test_with_one_version_retained_the_newest_is_spilled_not_let_go_of_before_an_arrival(tmp_path):
+    """retain_versions = 1: before the next bytes arrive the only version leaves memory for the
+    disk, so a push that then fails leaves it servable."""
+    from services.weightsync.store import VersionStore
+
+    store = VersionStore(retain=1, in_memory=1, spill_dir=tmp_path / "spill")
+    manifest, payloads = build_manifest(state(1), 1, 0)
+    store.add(manifest, [bytearray(p) for p in payloads])
+    store.make_room()
+    only = store.versions[1]
+    assert only.payloads is None and not only.dropped and only.path == tmp_path / "spill" / "v1"
+    assert [bytes(p) for p in store.payloads(1)] == [bytes(p) for p in payloads]
+
+
 def test_dropping_a_version_never_waits_for_a_write_of_it(tmp_path):
     """An arrival that drops a version whose spill file is being written (here: the writer waits on
     the disk, held by the test) returns at once; the writer then writes nothing for it. The shm
