@@ -6,10 +6,10 @@ Spilling is written ahead: as soon as a version is held, a thread writes to disk
 next arrival will spill, keeping their bytes in memory; the arrival then only lets go of them
 (`make_room`). No push or broadcast waits for a disk write (a 1.1 GiB version took 4–5 s through
 safetensors' serialise-then-write here), and memory never holds more than `in_memory` versions,
-the arriving one counted. A version the next arrival drops (past `retain`) is never written: where
-`retain` equals `in_memory` nothing reaches the disk, and an arrival lets go of the version it
-drops before its bytes come. Dropping a version never waits for a write of it under way: the
-writer deletes what it wrote."""
+the arriving one counted. A version the next arrival drops (past `retain`) is never written:
+where `retain` equals `in_memory` (above 1) nothing reaches the disk, and an arrival lets go of
+the version it drops before its bytes come. Dropping a version never waits for a write of it
+under way: the writer deletes what it wrote."""
 
 from __future__ import annotations
 
