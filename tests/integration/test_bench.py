@@ -30,8 +30,8 @@ def test_transport_rollouts_are_valid():
 
 def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
     """A 1-layer model (108 MB in bf16), one untimed and one timed round: every transport into 1 and
-    2 torch-engine replicas, each side against memcpy of the same bytes, the ratios the targets name computed from
-    the sides themselves."""
+    2 torch-engine replicas, each side against memcpy of the same bytes, the ratios the targets name
+    computed from the sides themselves."""
     from bench.weightsync import TRANSPORTS, main
 
     result = main(layers=1, rounds=1, engines=("torch",), replicas=(1, 2), warmup=1)
@@ -55,13 +55,11 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
         t: round(refit["1"][t]["seconds"] / refit["2"][t]["seconds"], 3) for t in TRANSPORTS}
     assert result["ratios"]["shm_to_memcpy"]["torch"] == refit["1"]["shm"]["to_memcpy"]
     assert result["ratios"]["shm_to_floor"]["torch"] == round(floor / refit["1"]["shm"]["seconds"], 3)
-    rows = [line for line in markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False,
-                                                   "python": "3", "torch": "2"}, "date": "d",
-                                       "benchmarks": {"weightsync": result}}).splitlines() if "refit, torch" in line]
+    lines = markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
+                      "date": "d", "benchmarks": {"weightsync": result}}).splitlines()
+    rows = [line for line in lines if "refit, torch" in line]
     assert len(rows) == 2 * len(TRANSPORTS)
-    floor_rows = [line for line in markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False,
-                                                         "python": "3", "torch": "2"}, "date": "d",
-                                             "benchmarks": {"weightsync": result}}).splitlines() if "own work" in line]
+    floor_rows = [line for line in lines if "own work" in line]
     assert len(floor_rows) == 2 and f"({round(floor, 4)} s)" in floor_rows[0]
 
 
@@ -137,8 +135,8 @@ def test_checkpoint_bench_parts_measure_what_they_say(tmp_path):
 
 
 def test_lora_refit_bench_times_adapter_versions_against_full_ones_on_one_clock():
-    """bench/lora.py's refit sides on a 1-layer model, one untimed and one timed round: full and adapter-only
-    versions into a torch replica by every transport, the ratios computed from the sides."""
+    """bench/lora.py's refit sides on a 1-layer model, one untimed and one timed round: full and
+    adapter-only versions into a torch replica by every transport, the ratios computed from the sides."""
     from bench.lora import refit_sides
     from bench.weightsync import TRANSPORTS
 
