@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
+from shared.sampling import check_temperature
 from shared.settings import StepShape, TrackingSettings
 from shared.tasks.trace import MulTraceTask
 
@@ -104,8 +105,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
 
     steps: int = Field(0, ge=0)
     """Global steps of the run (0 = until stopped)."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature of training rollouts."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/sampling.py)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
     max_new_tokens: int = Field(16, ge=1)
@@ -124,7 +125,7 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """Sampled evals beside the greedy ones: k samples per eval prompt at `eval_temperature`, scored
     as pass@k and mean@k in eval.jsonl (0 = greedy only)."""
     eval_temperature: float = Field(1.0, gt=0)
-    """Temperature of the sampled evals."""
+    """Temperature of the sampled evals (in [0.01, 100])."""
     policy_eval: bool = False
     """Every eval round also scores π, the trainer's weights as published and never quantised,
     greedily on every eval set, served by a replica of the `policy_eval` pool (`steadyrl run`
@@ -143,6 +144,11 @@ class OrchestratorSettings(RedisSettings, StepShape):
     autostart: bool = False
     """Start the run as soon as the orchestrator is up (else it waits in `created` for
     POST /v1/run/start)."""
+
+    @field_validator("temperature", "eval_temperature")
+    @classmethod
+    def _sane_temperature(cls, value: float) -> float:
+        return check_temperature(value)
 
     @field_validator("reward")
     @classmethod

@@ -12,42 +12,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from shared.sampling import Sampling
+
 if TYPE_CHECKING:
     from shared.weightsync.delivery import Delivery
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of one request (SamplingParams on the wire)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # <= 0: off
-    max_new_tokens: int = 16
-    seed: int = 0  # 0: unseeded
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # run to max_new_tokens past the model's end-of-sequence token
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @classmethod
-    def from_proto(cls, params) -> Sampling:
-        """From a steadyrl.v1.SamplingParams; proto3 zeros mean the defaults (top_p 0 → 1)."""
-        return cls(
-            temperature=params.temperature,
-            top_p=params.top_p or 1.0,
-            top_k=params.top_k,
-            max_new_tokens=params.max_new_tokens or 16,
-            seed=params.seed,
-            stop_token_ids=tuple(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-        )
 
 
 @dataclass
@@ -138,12 +106,17 @@ def eos_ids(config) -> tuple[int, ...]:
 
 
 def check_request(prompt: list[int], sampling: Sampling, return_trace: bool, max_model_len: int,
-                  no_trace: str | None) -> None:
-    """ValueError when an engine cannot serve this request: an empty prompt, a routing trace asked
-    of an engine that has none (`no_trace`: why, None when it has them), or a prompt with its
-    max_new_tokens beyond the engine's context."""
+                  no_trace: str | None, vocab_size: int) -> None:
+    """ValueError when an engine cannot serve this request: an empty prompt, a token id outside the
+    vocabulary (the prompt's or a stop token's: either would fail the batch's forward, not only
+    this request), a routing trace asked of an engine that has none (`no_trace`: why, None when it
+    has them), or a prompt with its max_new_tokens beyond the engine's context."""
     if not prompt:
         raise ValueError("every prompt needs at least one token")
+    for what, ids in (("prompt", prompt), ("stop", sampling.stop_token_ids)):
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     if return_trace and no_trace is not None:
         raise ValueError(no_trace)
     if len(prompt) + sampling.max_new_tokens > max_model_len:

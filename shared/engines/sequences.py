@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,38 +38,71 @@ class Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     positions: list[np.ndarray] = field(default_factory=list)  # routing of each fed position [L, K]
-    finish: str = ""
+    finish: str = ""  # stop | length | abort | error
+    error: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        """This sequence ends with `exc` (its future raises it once the engine retires it)."""
+        self.finish, self.error = "error", exc
 
 
 def sample_next(rows: list[Seq], logits: torch.Tensor, version: int, eos_token_ids: tuple[int, ...]) -> None:
     """One token for every row from its last logits ([rows, vocab]), recorded with its logprob and
-    `version`; a row that stops (EOS, a stop token, max_new_tokens) gets its `finish`."""
+    `version`; a row that stops (EOS, a stop token, max_new_tokens) gets its `finish`. A row whose
+    sampling or `on_token` raises gets `finish = "error"` and the exception, the other rows go on."""
     groups: dict[Sampling, list[int]] = collections.defaultdict(list)
     for row, seq in enumerate(rows):
         groups[seq.sampling].append(row)
     for sampling, members in groups.items():  # the distribution once per sampling setting
-        logp = processed_logprobs(logits[members], sampling)
-        if sampling.temperature > 0:
-            probs = logp.exp()
-            drawn = torch.multinomial(probs, 1).squeeze(-1)  # unseeded rows: one draw for all of them
-            for i, row in enumerate(members):  # a seeded row draws from its own generator
-                if rows[row].generator is not None:
-                    drawn[i] = torch.multinomial(probs[i], 1, generator=rows[row].generator)[0]
+        try:
+            drawn = _draw(rows, members, logits, sampling)
+        except Exception:  # noqa: BLE001 - one row's failure must not fail the others: each alone
+            drawn = []
+            for row in members:
+                try:
+                    drawn.append(_draw(rows, [row], logits, sampling))
+                except Exception as exc:  # noqa: BLE001 - this row fails, named
+                    rows[row].fail(exc)
+                    drawn.append(None)
         else:
-            drawn = logp.argmax(-1)
-        picked = logp.gather(-1, drawn[:, None]).squeeze(-1).tolist()  # one copy to the host each
-        chosen = drawn.tolist()
-        for row, token, logprob in zip(members, chosen, picked, strict=True):
-            seq = rows[row]
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            seq.versions.append(version)
-            if seq.on_token is not None:
-                seq.on_token(token, logprob, version)
-            if (token in eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-                seq.finish = "stop"
-            elif len(seq.tokens) >= sampling.max_new_tokens:
-                seq.finish = "length"
+            drawn = [drawn[i : i + 1] for i in range(len(members))]
+        for row, picked in zip(members, drawn, strict=True):
+            if picked is not None:
+                _record(rows[row], *picked[0], version, eos_token_ids)
+
+
+def _draw(rows: list[Seq], members: list[int], logits: torch.Tensor, sampling: Sampling) -> list[tuple[int, float]]:
+    """(token, logprob) for each of `members`, drawn from `sampling`'s distribution."""
+    logp = processed_logprobs(logits[members], sampling)
+    if sampling.temperature > 0:
+        probs = logp.exp()
+        drawn = torch.multinomial(probs, 1).squeeze(-1)  # unseeded rows: one draw for all of them
+        for i, row in enumerate(members):  # a seeded row draws from its own generator
+            if rows[row].generator is not None:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=rows[row].generator)[0]
+    else:
+        drawn = logp.argmax(-1)
+    picked = logp.gather(-1, drawn[:, None]).squeeze(-1).tolist()  # one copy to the host each
+    if not all(math.isfinite(p) for p in picked):
+        raise ValueError("a sampled token has a non-finite logprob")
+    return list(zip(drawn.tolist(), picked, strict=True))
+
+
+def _record(seq: Seq, token: int, logprob: float, version: int, eos_token_ids: tuple[int, ...]) -> None:
+    seq.tokens.append(token)
+    seq.logprobs.append(logprob)
+    seq.versions.append(version)
+    if seq.on_token is not None:
+        try:
+            seq.on_token(token, logprob, version)
+        except Exception as exc:  # noqa: BLE001 - the caller's callback fails its own sequence only
+            seq.fail(exc)
+            return
+    sampling = seq.sampling
+    if (token in eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+        seq.finish = "stop"
+    elif len(seq.tokens) >= sampling.max_new_tokens:
+        seq.finish = "length"
 
 
 def forward(model, routing, activations, input_ids, attention, positions, cache, rows: list[Seq], fed: list[int]):

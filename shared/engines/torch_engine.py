@@ -121,7 +121,8 @@ class TorchEngine:
         """Queue one sequence; its Sample arrives on the future. Seeded sampling uses `seed +
         index`, so a group's samples differ and none depends on what else runs."""
         check_request(prompt, sampling, return_trace, self.max_model_len,
-                      None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return")
+                      None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
+                      self.vocab_size)
         seq = Seq(list(prompt), sampling, sampling.seed + index if sampling.seed else 0, return_trace, on_token,
                    SeqFuture())
         with self._wake:
@@ -215,32 +216,54 @@ class TorchEngine:
                 if seq.future.aborted:
                     seq.finish = "abort"
             self._retire()
-            try:
-                if self._live and self._built_on != self._version:
-                    self._recompute()  # in flight: the running sequences continue on the new weights
-                elif self._live:
-                    self._decode()
-                if admitted:
+            if self._live:
+                try:
+                    if self._built_on != self._version:
+                        self._recompute()  # in flight: the running sequences continue on the new weights
+                    else:
+                        self._decode()
+                except Exception as exc:  # noqa: BLE001 - a failed forward: find the sequences it was
+                    self._isolate(self._live, exc)
+            if admitted:
+                try:
                     self._admit(admitted)
-            except Exception as exc:  # noqa: BLE001 - a failed forward fails its sequences, not the engine
-                log.exception("event=step_failed sequences=%d error=%s", len(self._live) + len(admitted), exc)
-                for seq in [*self._live, *admitted]:
-                    if not seq.future.done():
-                        seq.future.set_exception(exc)
-                self._live, self._cache = [], None
-                return
+                except Exception as exc:  # noqa: BLE001 - the same for the newcomers' prefill
+                    self._isolate(admitted, exc)
             self._retire()
         self.steps += 1
         if self._updates:
             with self._wake:
                 self._wake.notify_all()  # an update waiting for the running sequences to finish
 
-    def _admit(self, admitted: list[Seq]) -> None:
+    def _isolate(self, rows: list[Seq], exc: Exception) -> None:
+        """A batch forward over `rows` failed: run each of them alone (a prefill of its prompt and
+        tokens so far, and its next token), so only the sequences that fail alone fail; the others
+        rejoin the running batch."""
+        log.warning("event=step_failed sequences=%d error=%s: each sequence alone", len(rows), exc)
+        if rows is self._live:
+            self._live, self._cache = [], None
+            self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        for seq in rows:
+            if seq.finish:
+                continue
+            try:
+                self._admit([seq], seq.prompt + seq.tokens)
+            except Exception as alone:  # noqa: BLE001 - this sequence fails, alone
+                log.warning("event=sequence_failed error=%s", alone)
+                seq.fail(alone)
+                if not seq.future.done():
+                    seq.future.set_exception(alone)
+
+    def _admit(self, admitted: list[Seq], tokens: list[int] | None = None) -> None:
+        """Prefill the newcomers (or one sequence again from `tokens`: its prompt and tokens so far)
+        and sample their next token, then merge them into the running batch."""
         for seq in admitted:
-            if seq.seed:
+            if seq.seed and seq.generator is None:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
+            if tokens is not None and seq.trace:
+                seq.positions.clear()
         logits, cache, mask = prefill(self.model, self.routing, self.activations, self.pad_token_id, admitted,
-                                    [s.prompt for s in admitted], self.device)
+                                      [tokens] if tokens is not None else [s.prompt for s in admitted], self.device)
         self._sample(admitted, logits)
         self._merge(admitted, cache, mask)
 
@@ -283,7 +306,11 @@ class TorchEngine:
             return
         keep = [i for i, s in enumerate(self._live) if not s.finish]
         for seq in done:
-            if not seq.future.done():
+            if seq.future.done():
+                continue
+            if seq.error is not None:
+                seq.future.set_exception(seq.error)
+            else:
                 seq.future.set_result(result_of(seq, self.routing.num_experts))
         self._live = [self._live[i] for i in keep]
         if not keep:

@@ -158,7 +158,8 @@ class VllmEngine:
               on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
         """Submit one sequence; its Sample arrives on the future (cancel it to abort the request)."""
         check_request(prompt, sampling, return_trace, self.max_model_len, None if self.capabilities.routing_trace
-                      else f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}")
+                      else f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}",
+                      self.vocab_size)
         return asyncio.run_coroutine_threadsafe(self._generate(list(prompt), sampling, return_trace, on_token, index),
                                                 self._loop)
 

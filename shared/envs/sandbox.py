@@ -1,50 +1,61 @@
-"""Run model-written Python in a sandbox: a separate process with no network, file writes
-confined to a scratch directory, and limits on CPU seconds, memory, processes, output and wall
-time (`shared/envs/sandbox_runner.py` does the isolating). Whatever the code does — connect out,
-write outside, fork without end, loop forever, allocate without end — the call ends with a
-`SandboxResult` naming why, the caller's process untouched. Where the kernel refuses user,
-network and PID namespaces or Landlock, the call is refused (`reason="no_isolation"`), never run
-unconfined.
+"""Run model-written Python in a sandbox: bubblewrap's view of the interpreter and a scratch
+directory only (read-only but for the scratch, which is a tmpfs of `disk_bytes`), an empty
+environment, no network, new PID and user namespaces with no capabilities
+(`shared.envs.isolation`), and limits that hold for the call as a whole where a cgroup of its own
+can be made (`shared.envs.cgroups`: memory and processes across everything it starts; where none
+can, the code runs as one process, so the per-process limits are the call's). Whatever the code
+does — read or change files outside, connect out, fork without end, loop, allocate, fill the disk
+— the call ends with a `SandboxResult` naming why, the caller's process untouched. Where bubblewrap
+is missing or the kernel gives it no namespaces, the call is refused (`reason="no_isolation"`),
+never run unconfined. docs/security.md: what is and is not held.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from shared.envs import isolation
+from shared.envs.cgroups import CallGroup
+
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
-REFUSED = 3  # the runner's exit code when it cannot isolate
+OPEN_FILES = 32
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     cpu_seconds: int = 5
-    """CPU time of the code (SIGXCPU past it)."""
+    """CPU time of each process (SIGXCPU past it); a call past its wall time that used this much
+    CPU in all ends as `cpu_limit`."""
     wall_seconds: float = 10.0
     """Wall time of the call (everything it started is killed past it)."""
     memory_bytes: int = 512 << 20
-    """Address space of each process."""
+    """Memory of the call: everything it starts, its scratch files and memfds included (with a
+    cgroup; else its one process's address space)."""
     max_processes: int = 16
-    """Processes and threads at once (counted in the sandbox's own user namespace)."""
+    """Processes and threads of the call at once (1 where no cgroup can be made)."""
     file_bytes: int = 1 << 20
     """Largest file it may write, its stdout and stderr included."""
+    disk_bytes: int = 8 << 20
+    """Size of its scratch directory (a tmpfs): all the files it writes together."""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    reason: str  # ok | error (exited non-zero) | timeout | cpu_limit | memory | output_limit | killed | no_isolation
+    # ok | error (exited non-zero) | timeout | cpu_limit | memory | output_limit | disk_limit |
+    # killed | no_isolation
+    reason: str
     exit_code: int | None
     stdout: str
     stderr: str
     seconds: float
+    scope: str = "call"  # what the memory and process limits held for: "call" (a cgroup) or "process"
 
     @property
     def ok(self) -> bool:
@@ -52,69 +63,108 @@ class SandboxResult:
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` as a Python program in the sandbox, in a fresh scratch directory (removed after)."""
+    """Run `code` as a Python program in the sandbox (its files are gone after the call)."""
     started = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix="steadyrl-sandbox-"))
+    refused = isolation.unavailable()
+    if refused is not None:
+        return SandboxResult("no_isolation", None, "", refused, time.monotonic() - started)
+    work = Path(tempfile.mkdtemp(prefix="steadyrl-sandbox-"))  # never visible inside: code.py alone is bound
+    group = CallGroup.make(limits.memory_bytes, limits.max_processes + 2)  # + bubblewrap's two processes
     try:
-        (scratch / "code.py").write_text(code)
-        config = {"scratch": str(scratch), **{k: v for k, v in asdict(limits).items() if k != "wall_seconds"}}
-        runner = subprocess.Popen([sys.executable, "-I", str(RUNNER), json.dumps(config)], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        (work / "code.py").write_text(code)
+        inside = {"cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes,
+                  "processes": (limits.max_processes if group else 1) + 1,  # + bubblewrap's init, same user
+                  "file_bytes": limits.file_bytes, "open_files": OPEN_FILES}
+        python = isolation.interpreter()
+        argv = isolation.sandbox_argv(work / "code.py", {"/.steadyrl/runner.py": RUNNER}, limits.disk_bytes,
+                                      [python, "-I", "-S", "/.steadyrl/runner.py", "inside", json.dumps(inside)])
+        outside = {"procs": group.procs if group else [], "argv": argv}
+        with open(work / ".stdout", "wb") as out, open(work / ".stderr", "wb") as err:
+            runner = subprocess.Popen([python, "-I", str(RUNNER), "outside", json.dumps(outside)],
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         try:
-            out, err = runner.communicate(timeout=limits.wall_seconds)
+            status = runner.wait(timeout=limits.wall_seconds)
         except subprocess.TimeoutExpired:
-            os.killpg(runner.pid, signal.SIGKILL)  # the code is PID 1 of its namespace: it and all it started die
-            out, _ = runner.communicate()
-            _wait_gone(_report(out, "child").get("child"))
-            return _result("timeout", None, scratch, started)
-        report = _report(out, "exit") or _report(out, "refused")
-        if runner.returncode == REFUSED or "refused" in report:
-            return SandboxResult("no_isolation", None, "", report.get("refused", err.decode(errors="replace")),
-                                 time.monotonic() - started)
-        exit_code = report.get("exit")
-        return _result(_reason(exit_code, scratch), exit_code, scratch, started)
+            cpu = _cpu_seconds(group, runner.pid)
+            tree = _tree(runner.pid)
+            os.killpg(runner.pid, signal.SIGKILL)  # bubblewrap's init dies with it, and its namespace
+            runner.wait()
+            _wait_gone(tree)
+            reason = "memory" if group and group.oom_killed() else \
+                "cpu_limit" if cpu is not None and cpu >= limits.cpu_seconds else "timeout"
+            return _result(reason, None, work, started, group)
+        exit_code = 128 - status if status > 128 else status  # bubblewrap: 128 + the signal that ended it
+        return _result(_reason(exit_code, work, group), exit_code, work, started, group)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if group is not None:
+            group.close()
+        for name in ("code.py", ".stdout", ".stderr"):
+            (work / name).unlink(missing_ok=True)
+        work.rmdir()
 
 
-def _report(out: bytes, key: str = "") -> dict:
-    """The runner's last JSON line (the one holding `key`, when given)."""
-    for line in reversed(out.decode(errors="replace").splitlines()):
+def _tree(root: int) -> list[int]:
+    """`root` and every process below it, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def _cpu_seconds(group: CallGroup | None, root: int) -> float | None:
+    """CPU the call used so far: its cgroup's count, else the sum over its live processes (each
+    with what its reaped children used)."""
+    if group is not None and (seconds := group.cpu_seconds()) is not None:
+        return seconds
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in _tree(root):
         try:
-            report = json.loads(line)
-        except json.JSONDecodeError:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
             continue
-        if not key or key in report:
-            return report
-    return {}
+        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return total / ticks
 
 
-def _wait_gone(pid: int | None, seconds: float = 5.0) -> None:
-    """Wait (bounded) for the code's PID 1 to be gone: the kernel lets it go once every process of
-    its namespace has exited."""
+def _wait_gone(pids: list[int], seconds: float = 5.0) -> None:
+    """Wait (bounded) until none of `pids` runs: the kernel ends a PID namespace's processes once
+    its init has died."""
     deadline = time.monotonic() + seconds
-    while pid and time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return
-        if state in ("Z", "X"):
+    while time.monotonic() < deadline:
+        alive = False
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            alive = alive or state not in ("Z", "X")
+        if not alive:
             return
         time.sleep(0.02)
 
 
-def _reason(exit_code: int | None, scratch: Path) -> str:
+def _reason(exit_code: int, work: Path, group: CallGroup | None) -> str:
     """Why the code ended: its exit code, or the signal that ended it (negative)."""
-    if exit_code is None:
-        return "killed"
+    if group is not None and group.oom_killed():
+        return "memory"
     if exit_code == 0:
         return "ok"
     if exit_code in (-signal.SIGXCPU, -signal.SIGKILL):  # the soft CPU limit, or the kernel's kill at the hard one
         return "cpu_limit"
-    stderr = _read(scratch / ".stderr")
+    stderr = _read(work / ".stderr")
     if exit_code == -signal.SIGXFSZ or "File too large" in stderr:  # Python ignores SIGXFSZ: writes fail instead
         return "output_limit"
-    if "MemoryError" in stderr:
+    if "No space left on device" in stderr:
+        return "disk_limit"
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory"
     return "error"
 
@@ -127,6 +177,6 @@ def _read(path: Path, limit: int = 1 << 16) -> str:
         return ""
 
 
-def _result(reason: str, exit_code: int | None, scratch: Path, started: float) -> SandboxResult:
-    return SandboxResult(reason, exit_code, _read(scratch / ".stdout"), _read(scratch / ".stderr"),
-                         time.monotonic() - started)
+def _result(reason: str, exit_code: int | None, work: Path, started: float, group: CallGroup | None) -> SandboxResult:
+    return SandboxResult(reason, exit_code, _read(work / ".stdout"), _read(work / ".stderr"),
+                         time.monotonic() - started, "call" if group is not None else "process")

@@ -1,0 +1,115 @@
+"""Programs the run does not trust run in a view of the machine made by bubblewrap (`bwrap`, the
+Debian package `bubblewrap`): a user namespace with no capabilities, new PID, IPC and UTS
+namespaces (so no other process is visible and every process the program starts dies with it),
+read-only binds, tmpfs where it may write, an empty environment but for what is given.
+
+Two views:
+- `sandbox_argv`: model-written code. The interpreter's files read-only, a size-bounded scratch
+  tmpfs, no network (a namespace whose loopback is down), nothing else.
+- `agent_argv`: agent programs. The host read-only (they are the user's programs, with their own
+  interpreter and files), their own /tmp and home, the run's secret directories hidden, and the
+  host's network, which they need to reach their endpoint.
+
+Where bwrap is missing or the kernel gives it no namespaces, `unavailable()` says why and nothing
+runs unconfined. The threat model: docs/security.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin", "/sbin")
+NO_NAMESPACES = ("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try")
+
+
+def bwrap() -> str | None:
+    return shutil.which("bwrap")
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why isolated programs cannot run here (None when they can): bubblewrap missing, or the
+    kernel refusing it the namespaces it needs (its own message)."""
+    path = bwrap()
+    if path is None:
+        return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+    try:
+        probe = subprocess.run([path, *NO_NAMESPACES, "--unshare-net", "--ro-bind", "/", "/", "--proc", "/proc",
+                                "--dev", "/dev", "--", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap could not run: {exc}"
+    if probe.returncode != 0:
+        return f"bubblewrap could not make its namespaces: {probe.stderr.strip()[-300:] or probe.returncode}"
+    return None
+
+
+def _common(network: bool, env: dict[str, str]) -> list[str]:
+    argv = [bwrap() or "bwrap", *NO_NAMESPACES, *([] if network else ["--unshare-net"]), "--die-with-parent",
+            "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    for name, value in env.items():
+        argv += ["--setenv", name, value]
+    return argv
+
+
+def _system_mounts() -> list[str]:
+    """The system's library and binary directories read-only (merged-/usr symlinks kept as links),
+    the dynamic loader's cache, and the interpreter's own prefix."""
+    argv: list[str] = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    prefix = os.path.realpath(sys.base_prefix)
+    if not any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
+        argv += ["--ro-bind", prefix, prefix]
+    if os.path.exists("/etc/ld.so.cache"):
+        argv += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    return argv
+
+
+def interpreter() -> str:
+    """The real Python binary (a virtualenv's is a link to it): with -I -S it needs only its prefix."""
+    return os.path.realpath(sys.executable)
+
+
+def sandbox_argv(code: Path, files: dict[str, Path], disk_bytes: int, command: list[str]) -> list[str]:
+    """bwrap's argv for model-written code: `code`'s directory is never visible, only `code`
+    itself as /scratch/code.py (read-only) in a scratch tmpfs of `disk_bytes`; `files` are extra
+    read-only files (inside path → host path); no network; `command` runs in /scratch."""
+    env = {"HOME": "/scratch", "TMPDIR": "/scratch", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    argv = [*_common(False, env), *_system_mounts(), "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+            "--size", str(disk_bytes), "--tmpfs", "/scratch", "--ro-bind", str(code), "/scratch/code.py"]
+    for inside, host in files.items():
+        argv += ["--ro-bind", str(host), inside]
+    return [*argv, "--remount-ro", "/", "--chdir", "/scratch", "--", *command]
+
+
+def agent_argv(command: list[str], env: dict[str, str], hidden: list[Path], tmp_bytes: int,
+               cwd: str | None = None) -> list[str]:
+    """bwrap's argv for an agent program: the host read-only, a /tmp (its HOME and TMPDIR) and a
+    /dev/shm of its own, each at most `tmp_bytes`, each of `hidden` (directories, or a file's
+    directory) replaced by an empty read-only tmpfs; `cwd` kept when it is still visible."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **env, "HOME": "/tmp", "TMPDIR": "/tmp"}
+    argv = [*_common(True, env), "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+            "--size", str(tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    masked = sorted({str(_directory(p)) for p in hidden if _directory(p) is not None})
+    for path in masked:
+        argv += ["--tmpfs", path, "--remount-ro", path]
+    cwd = cwd or os.getcwd()
+    visible = not any(cwd == m or cwd.startswith(m.rstrip("/") + "/") for m in [*masked, "/tmp"])
+    return [*argv, "--chdir", cwd if visible else "/tmp", "--", *command]
+
+
+def _directory(path: Path) -> Path | None:
+    """The directory to hide for `path` (itself, or a file's parent); None when it is not there
+    or is the root."""
+    path = Path(path).resolve()
+    directory = path if path.is_dir() else path.parent if path.exists() else None
+    return directory if directory is not None and directory != Path("/") else None
