@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -78,15 +80,19 @@ def interpreter() -> str:
     return os.path.realpath(sys.executable)
 
 
-def sandbox_argv(code: Path, files: dict[str, Path], disk_bytes: int, command: list[str]) -> list[str]:
+def sandbox_argv(code: Path, files: dict[str, Path], disk_bytes: int, command: list[str],
+                 seccomp_fd: int | None = None) -> list[str]:
     """bwrap's argv for model-written code: `code`'s directory is never visible, only `code`
     itself as /scratch/code.py (read-only) in a scratch tmpfs of `disk_bytes`; `files` are extra
-    read-only files (inside path → host path); no network; `command` runs in /scratch."""
+    read-only files (inside path → host path); no network; `command` runs in /scratch, under the
+    seccomp program read from `seccomp_fd` when one is given."""
     env = {"HOME": "/scratch", "TMPDIR": "/scratch", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     argv = [*_common(False, env), *_system_mounts(), "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
             "--size", str(disk_bytes), "--tmpfs", "/scratch", "--ro-bind", str(code), "/scratch/code.py"]
     for inside, host in files.items():
         argv += ["--ro-bind", str(host), inside]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     return [*argv, "--remount-ro", "/", "--chdir", "/scratch", "--", *command]
 
 
@@ -113,3 +119,27 @@ def _directory(path: Path) -> Path | None:
     path = Path(path).resolve()
     directory = path if path.is_dir() else path.parent if path.exists() else None
     return directory if directory is not None and directory != Path("/") else None
+
+
+# seccomp: the syscalls that make a process or thread, per architecture (audit arch, numbers)
+_SPAWNING = {"x86_64": (0xC000003E, (56, 57, 58, 435)), "aarch64": (0xC00000B7, (220, 435))}
+_X32 = 0x40000000
+
+
+def no_new_processes_filter() -> bytes | None:
+    """A seccomp program (classic BPF, as bubblewrap's `--seccomp FD` reads it) that fails every
+    clone, clone3, fork and vfork with EAGAIN: the sandbox's code stays one process, so limits
+    per process are limits per call. None on an architecture this does not know."""
+    known = _SPAWNING.get(platform.machine())
+    if known is None:
+        return None
+    arch, numbers = known
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    allow, eagain = 0x7FFF0000, 0x00050000 | 11  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EAGAIN
+    program = [(ld_w_abs, 0, 0, 4), (jeq_k, 1, 0, arch), (ret_k, 0, 0, eagain), (ld_w_abs, 0, 0, 0)]
+    count = len(numbers)
+    program.append((jge_k, count + 1, 0, _X32) if arch == 0xC000003E else (jeq_k, 0, 0, 0))
+    for i, number in enumerate(numbers):
+        program.append((jeq_k, count - i, 0, number))
+    program += [(ret_k, 0, 0, allow), (ret_k, 0, 0, eagain)]
+    return b"".join(struct.pack("=HBBI", *op) for op in program)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import tempfile
@@ -68,20 +69,29 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     refused = isolation.unavailable()
     if refused is not None:
         return SandboxResult("no_isolation", None, "", refused, time.monotonic() - started)
-    work = Path(tempfile.mkdtemp(prefix="steadyrl-sandbox-"))  # never visible inside: code.py alone is bound
     group = CallGroup.make(limits.memory_bytes, limits.max_processes + 2)  # + bubblewrap's two processes
+    seccomp = None if group is not None else _one_process()
+    if group is None and seccomp is None:
+        return SandboxResult("no_isolation", None, "", "no cgroup can be made here and no seccomp program is known "
+                             f"for {platform.machine()}: the call's limits could not hold", time.monotonic() - started)
+    work = Path(tempfile.mkdtemp(prefix="steadyrl-sandbox-"))  # never visible inside: code.py alone is bound
     try:
         (work / "code.py").write_text(code)
         inside = {"cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes,
-                  "processes": (limits.max_processes if group else 1) + 1,  # + bubblewrap's init, same user
+                  "processes": limits.max_processes + 1,  # + bubblewrap's init, the same user
                   "file_bytes": limits.file_bytes, "open_files": OPEN_FILES}
         python = isolation.interpreter()
         argv = isolation.sandbox_argv(work / "code.py", {"/.steadyrl/runner.py": RUNNER}, limits.disk_bytes,
-                                      [python, "-I", "-S", "/.steadyrl/runner.py", "inside", json.dumps(inside)])
+                                      [python, "-I", "-S", "/.steadyrl/runner.py", "inside", json.dumps(inside)],
+                                      seccomp)
         outside = {"procs": group.procs if group else [], "argv": argv}
         with open(work / ".stdout", "wb") as out, open(work / ".stderr", "wb") as err:
             runner = subprocess.Popen([python, "-I", str(RUNNER), "outside", json.dumps(outside)],
-                                      stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                      pass_fds=() if seccomp is None else (seccomp,))
+        if seccomp is not None:
+            os.close(seccomp)
+            seccomp = None
         try:
             status = runner.wait(timeout=limits.wall_seconds)
         except subprocess.TimeoutExpired:
@@ -96,11 +106,25 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         exit_code = 128 - status if status > 128 else status  # bubblewrap: 128 + the signal that ended it
         return _result(_reason(exit_code, work, group), exit_code, work, started, group)
     finally:
+        if seccomp is not None:
+            os.close(seccomp)
         if group is not None:
             group.close()
         for name in ("code.py", ".stdout", ".stderr"):
             (work / name).unlink(missing_ok=True)
         work.rmdir()
+
+
+def _one_process() -> int | None:
+    """A file descriptor holding the seccomp program that keeps the code one process (no cgroup
+    to count its processes and memory together); None on an architecture it does not know."""
+    program = isolation.no_new_processes_filter()
+    if program is None:
+        return None
+    fd = os.memfd_create("steadyrl-seccomp")
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _tree(root: int) -> list[int]:
