@@ -2,6 +2,7 @@
 rlimits, this kernel): each escape attempt ends its call with a reason or finds nothing to reach,
 the caller's files stay as they were, and the calling process stays healthy (issue 50 item 4)."""
 
+import json
 import os
 import socket
 import stat
@@ -75,15 +76,15 @@ def test_the_code_sees_no_environment_and_no_file_of_the_run(tmp_path, monkeypat
     aof.write_text("*2\r\n$4\r\nAUTH\r\n")
     monkeypatch.setenv("STEADYRL_INFERENCE_REDIS_URL", "redis://:pw@127.0.0.1:1/0")
     monkeypatch.setenv("STEADYRL_TOKEN_FILE", str(token))
-    code = ("import os, json\n"
-            "found = {p: os.path.exists(p) for p in %r}\n"
-            "home = os.listdir(%r) if os.path.isdir(%r) else []\n"
-            "print(json.dumps({'env': sorted(os.environ), 'found': found, 'root': sorted(os.listdir('/')), 'home': home}))"
-            % ([str(token), str(aof), "/etc/shadow", "/etc/passwd", str(tmp_path)], home, home))
+    paths = [str(token), str(aof), "/etc/shadow", "/etc/passwd", str(tmp_path)]
+    code = "\n".join([
+        "import os, json",
+        f"found = {{p: os.path.exists(p) for p in {paths!r}}}",
+        f"home = os.listdir({home!r}) if os.path.isdir({home!r}) else []",
+        "print(json.dumps({'env': sorted(os.environ), 'found': found, 'root': sorted(os.listdir('/')), 'home': home}))",
+    ])
     result = run_python(code, LIMITS)
     assert result.reason == "ok", result
-    import json
-
     seen = json.loads(result.stdout)
     assert seen["env"] == ["HOME", "LANG", "PATH", "PWD", "TMPDIR"]
     assert not any(seen["found"].values()), seen["found"]
