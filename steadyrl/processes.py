@@ -87,7 +87,7 @@ class Launch:
                 c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
                                  "replica_id": "replica-policy" if is_policy else f"replica-{index}",
                                  "weightsync_address": f"127.0.0.1:{ws}", "orchestrator_address": f"127.0.0.1:{orch_grpc}",
-                                 **(policy if is_policy else {})}),
+                                 "agent_hidden_paths": [str(out.resolve())], **(policy if is_policy else {})}),
                 port, placement.visible(placement.replicas[index]), ports=(port,)))
         (out / "token").write_text(self.token)
         os.chmod(out / "token", 0o600)

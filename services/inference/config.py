@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -121,6 +122,30 @@ class InferenceSettings(RedisSettings):
     """Serve the OpenAI-compatible chat endpoint the agent programs of `agent:COMMAND` tasks call
     (`services.inference.agents`), on a loopback port the OS picks; `steadyrl run` turns it on when
     the run's environment is an agent."""
+    agent_isolation: bool = True
+    """Agent programs run under bubblewrap: a PID namespace of their own (no other process seen,
+    everything they start ends with them), the host read-only, their own /tmp, the run's secret
+    directories hidden (docs/security.md). False runs them as plain child processes, with only the
+    minimal environment: for a machine whose kernel gives bubblewrap no namespaces."""
+    agent_env: list[str] = []
+    """Names of this replica's environment variables an agent program also gets (beside its
+    endpoint, its session key and its prompt); nothing else of the replica's environment."""
+    agent_hidden_paths: list[Path] = []
+    """Directories an agent program never sees (each replaced by an empty one), beside those of the
+    replica's token file and TLS files; `steadyrl run` adds the run's directory."""
+    agent_tmp_bytes: int = Field(256 << 20, ge=1 << 20)
+    """Size of an agent program's own /tmp (its HOME) and of its /dev/shm."""
+    agent_max_body_bytes: int = Field(4 << 20, ge=1024)
+    """Largest request body the agent endpoint reads (413 past it)."""
+
+    def agent_isolation_of(self):
+        """How this replica starts agent programs (an `agent_programs.AgentIsolation`)."""
+        from services.inference.agent_programs import AgentIsolation
+
+        secrets = [os.environ.get(name) for name in ("STEADYRL_TOKEN_FILE", "STEADYRL_TLS_KEY_FILE",
+                                                     "STEADYRL_TLS_CERT_FILE")]
+        hidden = [*self.agent_hidden_paths, *(Path(p) for p in secrets if p)]
+        return AgentIsolation(self.agent_isolation, tuple(hidden), self.agent_tmp_bytes, tuple(self.agent_env))
 
     def quantization_options(self) -> dict:
         """The engine options of `quantization` (the router and activation switches are the torch

@@ -149,14 +149,14 @@ def load_engine(settings: InferenceSettings) -> Engine:
     return make_engine(settings.engine, settings.model_path, settings.dtype, **engine_options(settings))
 
 
-async def serve_agents(engine: Engine, tokenizer):
+async def serve_agents(engine: Engine, tokenizer, settings: InferenceSettings):
     """The agent endpoint (`services.inference.agents`) on a free loopback port: (its uvicorn
     server, the task serving it)."""
     import uvicorn
 
     from services.inference.agents import Endpoint
 
-    endpoint = Endpoint(engine, tokenizer, "")
+    endpoint = Endpoint(engine, tokenizer, "", settings.agent_isolation_of(), settings.agent_max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(endpoint.app(), host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="off"))
     serving = asyncio.create_task(server.serve())
@@ -207,7 +207,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
-    endpoint = await serve_agents(engine, tokenizer) if settings.agent_endpoint else None
+    endpoint = await serve_agents(engine, tokenizer, settings) if settings.agent_endpoint else None
     try:
         async with grpc_service("inference", [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
                                 ["steadyrl.v1.Inference"], settings.host, settings.port, settings.max_message_bytes,

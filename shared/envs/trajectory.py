@@ -39,9 +39,11 @@ from shared.envs.base import Environment, Message, Step
 
 
 class TrajectoryError(Exception):
+    """Why a trajectory ended early: a reason code and its message."""
+
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)

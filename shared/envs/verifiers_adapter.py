@@ -87,16 +87,16 @@ def prompt_messages(prompt_text: str) -> list[Message]:
     return [Message(str(m.get("role", "user")), str(m.get("content") or "")) for m in row_of(prompt_text)["prompt"]]
 
 
-async def play_group(environment: str, row: dict[str, Any], base_urls: list[str], sampling_args: dict[str, Any],
-                     seconds: float) -> list[tuple[float, dict[str, float], str]]:
-    """The row's trajectories, one per base URL, played by the environment's rollout loop and scored
-    by its rubric together: (reward, metrics, error — '' when none) of each. TimeoutError past
-    `seconds`; an exception of the environment's own code propagates."""
+async def play_group(environment: str, row: dict[str, Any], sessions: list[tuple[str, str]],
+                     sampling_args: dict[str, Any], seconds: float) -> list[tuple[float, dict[str, float], str]]:
+    """The row's trajectories, one per session (its base URL and key), played by the environment's
+    rollout loop and scored by its rubric together: (reward, metrics, error — '' when none) of
+    each. TimeoutError past `seconds`; an exception of the environment's own code propagates."""
     from openai import AsyncOpenAI
     from verifiers.clients import OpenAIChatCompletionsClient
 
     env = load(environment)
-    clients = [AsyncOpenAI(base_url=url, api_key="steadyrl", timeout=seconds, max_retries=0) for url in base_urls]
+    clients = [AsyncOpenAI(base_url=url, api_key=key, timeout=seconds, max_retries=0) for url, key in sessions]
     try:
         async with asyncio.timeout(seconds):
             states = await asyncio.gather(*(env.rollout(dict(row), OpenAIChatCompletionsClient(client), MODEL,
