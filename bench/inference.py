@@ -91,14 +91,15 @@ class Replica:
     """The replica's serve() on `engine`, for one round (started and stopped around it)."""
 
     def __init__(self, engine, model_dir: str, dtype: str, redis_url: str, batching: str,
-                 weightsync_address: str = "") -> None:
+                 weightsync_address: str = "", verify_key: Path | None = None) -> None:
         from services.inference.config import InferenceSettings
 
         self.engine = engine
         self.settings = InferenceSettings(
             model_path=model_dir, dtype=dtype, redis_url=redis_url, run_id=RUN_ID, port=0, metrics_port=0,
             replica_id=f"bench-{batching}", batching=batching, tasks_per_batch=MAX_INFLIGHT,
-            max_inflight_tasks=MAX_INFLIGHT, return_routing_traces=True, weightsync_address=weightsync_address)
+            max_inflight_tasks=MAX_INFLIGHT, return_routing_traces=True, weightsync_address=weightsync_address,
+            verify_key_file=verify_key)
 
     async def __aenter__(self):
         from services.inference.server import serve
@@ -137,15 +138,17 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
     from shared.models import load_causal_lm
     from shared.redis_server import free_port
     from shared.weightsync.grpc import GrpcWeightPublisher
+    from shared.weightsync.signing import Signer, write_key_pair
 
     engine.update_mode = mode
     port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()
     with tempfile.TemporaryDirectory() as spill:
-        ws = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0, spill_dir=Path(spill)),
-                                                  ready, stop))
+        private, public = write_key_pair(Path(spill) / "keys")  # signed and checked, as deployed
+        ws = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0, spill_dir=Path(spill),
+                                                                     verify_key_file=public), ready, stop))
         await ready.wait()
         weights = load_causal_lm(model_dir, "float32").state_dict()
-        publisher = GrpcWeightPublisher(f"127.0.0.1:{port}")
+        publisher = GrpcWeightPublisher(f"127.0.0.1:{port}", Signer.from_file(private, RUN_ID))
         examples, prompts = workload()
         published: dict[int, float] = {}
         submitted, feeding = 0, True
@@ -162,7 +165,7 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
 
         done = await queue.completed_count()
         try:
-            async with Replica(engine, model_dir, dtype, redis_url, "continuous", f"127.0.0.1:{port}"):
+            async with Replica(engine, model_dir, dtype, redis_url, "continuous", f"127.0.0.1:{port}", public):
                 feeder = asyncio.create_task(feed())
                 base = engine.version
                 await asyncio.sleep(1.0)

@@ -28,12 +28,14 @@ PROMPT = [5, 6, 7, 8]
 SHM_KEEP = 2  # the trainer's shm files kept
 
 
-def trainer(model_dir: str, address: str, shm_dir: str, lora_rank: str = "0") -> None:
+def trainer(model_dir: str, address: str, shm_dir: str, lora_rank: str, signing_key: str) -> None:
     """`lora_rank` > 0: the trainer holds a LoRA adapter of that rank (attention and experts) over
-    the frozen base, steps it and publishes adapter-only versions (`trainer.lora.publish = "adapter"`)."""
+    the frozen base, steps it and publishes adapter-only versions (`trainer.lora.publish = "adapter"`);
+    every version signed with `signing_key`, as a run's trainer signs them."""
     from shared.models import load_causal_lm
     from shared.weightsync import TRANSPORTS, make_publisher
     from shared.weightsync.manifest import CastView
+    from shared.weightsync.signing import Signer
 
     rank = int(lora_rank)
     model = load_causal_lm(model_dir, "float32")
@@ -51,7 +53,9 @@ def trainer(model_dir: str, address: str, shm_dir: str, lora_rank: str = "0") ->
              for n, t in params.items()}
 
     async def main() -> None:
-        publishers = {kind: make_publisher(kind, address, shm_dir=Path(shm_dir), shm_keep=SHM_KEEP) for kind in TRANSPORTS}
+        signer = Signer.from_file(Path(signing_key))
+        publishers = {kind: make_publisher(kind, address, signer, shm_dir=Path(shm_dir), shm_keep=SHM_KEEP)
+                      for kind in TRANSPORTS}
         print('{"event": "started"}', flush=True)
         while line := await asyncio.to_thread(sys.stdin.readline):  # "step KIND VERSION", then publish on go
             _, kind, version = line.split()
@@ -126,10 +130,11 @@ class TreeMemory:
                 "anon_at_start": self.base["RssAnon"]}
 
 
-def replica(engine_name: str, model_dir: str, address: str, name: str) -> None:
+def replica(engine_name: str, model_dir: str, address: str, name: str, verify_key: str) -> None:
     import os
 
     from shared.engines import Sampling, make_engine
+    from shared.weightsync.signing import Verifier
     from shared.weightsync.subscriber import GrpcWeightSubscriber
 
     options = {"max_model_len": 64, "kv_cache_gib": 1.0} if engine_name == "vllm" else {"threads": 1}
@@ -144,7 +149,8 @@ def replica(engine_name: str, model_dir: str, address: str, name: str) -> None:
 
     async def main() -> None:
         subscriber = GrpcWeightSubscriber(address, apply, name, transports=("shm", "collective", "grpc"),
-                                          base=engine.weight_bytes, version=engine.version)
+                                          base=engine.weight_bytes, version=engine.version,
+                                          verifier=Verifier.from_file(Path(verify_key)))
         task = asyncio.create_task(subscriber.run())
         memory = TreeMemory()
         lines = asyncio.Queue()

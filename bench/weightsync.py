@@ -60,9 +60,10 @@ def bench_model(directory: Path, layers: int) -> tuple[Path, int]:
 class WeightSync:
     """The weight-sync service in its own process."""
 
-    def __init__(self, shm_dir: Path, spill_dir: Path) -> None:
+    def __init__(self, shm_dir: Path, spill_dir: Path, verify_key: Path) -> None:
         self.port = free_port()
         env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(self.port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
+               "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(verify_key),
                "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": "2", "STEADYRL_WEIGHTSYNC_MEMORY_VERSIONS": "2",
                "STEADYRL_WEIGHTSYNC_SHM_DIR": str(shm_dir), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(spill_dir),
                "STEADYRL_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
@@ -79,12 +80,16 @@ def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: P
     """Every transport's timed rounds for one engine × replica count: {transport: [cycle result]}
     (`lora_rank` > 0: the trainer publishes adapter-only versions of that rank; `warmup`: untimed
     rounds first, fewer than WARMUP only where no steady state is measured — the suite's runs)."""
+    from shared.weightsync.signing import write_key_pair
+
     shm_dir = tmp / f"shm-{engine}-{replicas}"
-    service = WeightSync(shm_dir, tmp / f"spill-{engine}-{replicas}")
+    private, public = write_key_pair(tmp / f"keys-{engine}-{replicas}")  # signed and checked, as deployed
+    service = WeightSync(shm_dir, tmp / f"spill-{engine}-{replicas}", public)
     processes = []
     try:
-        trainer = spawn("trainer", model_dir, service.address, shm_dir / "run", lora_rank)
-        members = [spawn("replica", engine, model_dir, service.address, f"{engine}-{i}") for i in range(replicas)]
+        trainer = spawn("trainer", model_dir, service.address, shm_dir / "run", lora_rank, private)
+        members = [spawn("replica", engine, model_dir, service.address, f"{engine}-{i}", public)
+                   for i in range(replicas)]
         processes = [trainer, *members]
         for process in processes:
             expect(process, "started")

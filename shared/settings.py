@@ -1,8 +1,10 @@
 """Settings fields several models share, declared once: the shape of a global step, which the
-trainer, the orchestrator and a recipe's [run] must agree on, and the experiment tracking both log to."""
+trainer, the orchestrator and a recipe's [run] must agree on, the experiment tracking both log to,
+and the trust in weight versions that the trainer, weight-sync and the replicas share."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -49,3 +51,32 @@ class TrackingSettings(BaseModel):
             if getattr(self, setting) and importlib.util.find_spec(module) is None:
                 raise ValueError(f"tracking.{setting} needs {module}: pip install 'steadyrl[{extra}]'")
         return self
+
+
+class UnsignedWeights(BaseModel):
+    unsigned_weights: bool = False
+    """Publish (trainer) or take (weight-sync, replicas) weight versions without the trainer's
+    signature. Then whoever holds the token can publish weights: for tests and a single trusted
+    process, never a deployment (docs/security.md)."""
+
+
+class VerifiedWeights(UnsignedWeights):
+    """The fields of a service that takes only versions the run's trainer signed."""
+
+    verify_key_file: Path | None = None
+    """The run's public key (64 hexadecimal characters, `steadyrl keys DIR` makes a pair): only
+    versions signed with its private key, the trainer's, are taken. Required unless
+    unsigned_weights."""
+
+    def verifier(self, run_id: str = ""):
+        """The `shared.weightsync.signing.Verifier` of `verify_key_file` (None: unsigned_weights)."""
+        if self.unsigned_weights:
+            return None
+        from shared.weightsync.signing import Verifier
+
+        return Verifier.from_file(self.verify_key_file, run_id)
+
+    def _needs_key(self, what: str) -> None:
+        if self.verify_key_file is None and not self.unsigned_weights:
+            raise ValueError(f"{what} takes only versions the run's trainer signed: set verify_key_file (the "
+                             "public key; `steadyrl keys DIR` makes a pair), or unsigned_weights = true")

@@ -207,6 +207,19 @@ def eval_command(
     typer.echo(json.dumps(report))
 
 
+@app.command("keys")
+def keys_command(
+    directory: Annotated[Path, typer.Argument(file_okay=False, help="Where the two key files go.")],
+) -> None:
+    """Make the weight-signing key pair of a deployment: `weights-signing-key` (private, mode 0600:
+    the trainer's alone) and `weights-verify-key` (public: weight-sync's and the replicas')."""
+    from shared.weightsync.signing import write_key_pair
+
+    private, public = write_key_pair(directory)
+    typer.echo(json.dumps({"signing_key_file": str(private), "verify_key_file": str(public),
+                           "verify_key": public.read_text().strip()}))
+
+
 @app.command("replay-alerts")
 def replay_alerts_command(
     run_dirs: Annotated[list[Path], typer.Argument(exists=True, file_okay=False, help="Run directories.")],

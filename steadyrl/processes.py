@@ -66,18 +66,23 @@ class Launch:
 
     def plan(self, redis_url: str) -> None:
         """Every service's command, environment, port and devices (nothing starts here)."""
+        from shared.weightsync.signing import write_key_pair
+
         c, out = self.config, self.out
         settings = check(c, self.gpus_available)
         placement = placement_of(c, settings, self.gpus_available)
         ws, trainer, master, orch_grpc = (self.ports.take() for _ in range(4))
         self.http_port = self.ports.take()
+        signing_key, verify_key = (str(p) for p in write_key_pair(out / "keys"))  # only the trainer signs
         common = {"host": "127.0.0.1", "metrics_port": 0}
         shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].shm_dir)}
         self.services.append(Service("weightsync", ["-m", "services.weightsync"], service_env(c, "weightsync", {
-            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), **shm}), ws, placement.visible(()), ports=(ws,)))
+            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), "verify_key_file": verify_key, **shm}),
+            ws, placement.visible(()), ports=(ws,)))
         self.services.append(Service("trainer", placement.trainer_argv(master), service_env(c, "trainer", {
             **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
-            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}"}), trainer, placement.visible(placement.trainer), ports=(trainer, master)))
+            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}", "signing_key_file": signing_key}),
+            trainer, placement.visible(placement.trainer), ports=(trainer, master)))
         policy = {"pool": "policy_eval", "quantization": "none", "quantize_router": False,
                   "quantize_activations": False}  # π: the published weights, unquantised
         for index in range(len(placement.replicas)):
@@ -87,7 +92,8 @@ class Launch:
                 c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
                                  "replica_id": "replica-policy" if is_policy else f"replica-{index}",
                                  "weightsync_address": f"127.0.0.1:{ws}", "orchestrator_address": f"127.0.0.1:{orch_grpc}",
-                                 "agent_hidden_paths": [str(out.resolve())], **(policy if is_policy else {})}),
+                                 "agent_hidden_paths": [str(out.resolve())], "verify_key_file": verify_key,
+                                 **(policy if is_policy else {})}),
                 port, placement.visible(placement.replicas[index]), ports=(port,)))
         (out / "token").write_text(self.token)
         os.chmod(out / "token", 0o600)

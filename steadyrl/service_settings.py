@@ -22,7 +22,8 @@ from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig
 DEPLOYMENT_FIELDS = frozenset({
     "host", "port", "metrics_port", "http_port", "grpc_port", "redis_url", "redis_password_file", "model_path",
     "out_dir", "spill_dir", "shm_dir", "store_port", "advertise_host", "weightsync_address", "trainer_address",
-    "orchestrator_address", "replica_id", "token_file", "hmac_key_file", "weight_transport", "weight_transports",
+    "orchestrator_address", "replica_id", "token_file", "signing_key_file", "verify_key_file", "weight_transport",
+    "weight_transports",
     "pool", "quantization", "quantize_router", "quantize_activations", "consumer",
     "autostart", "agent_hidden_paths"})
 
@@ -111,7 +112,7 @@ def build_settings(service: str, env: Mapping[str, str]):
 
 # values only `steadyrl run` knows (ports, paths, addresses) stand in as probes when a recipe is checked
 PROBES = {"trainer": {"model_path": "model"}, "inference": {"model_path": "model"},
-          "orchestrator": {"model_path": "model"}, "weightsync": {}}
+          "orchestrator": {"model_path": "model"}, "weightsync": {"verify_key_file": "weights-verify-key"}}
 
 
 def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:

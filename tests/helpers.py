@@ -111,3 +111,12 @@ def mlflow_history(uri: str, run_name: str) -> tuple[dict[str, list[tuple[int, f
     metrics = {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
                                                        key=lambda m: m.step)] for key in run.data.metrics}
     return metrics, run.data.params
+
+
+def weight_keys(directory: Path, run_id: str = ""):
+    """A fresh weight-signing key pair: (the `Signer` a test's trainer publishes with, the public
+    key file weight-sync and the replicas verify with)."""
+    from shared.weightsync.signing import Signer, write_key_pair
+
+    private, public = write_key_pair(directory / "keys")
+    return Signer.from_file(private, run_id), public

@@ -12,13 +12,14 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.settings import VerifiedWeights
 
 
 def _default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class InferenceSettings(RedisSettings):
+class InferenceSettings(RedisSettings, VerifiedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -163,6 +164,8 @@ class InferenceSettings(RedisSettings):
         if self.pool == "policy_eval" and self.quantization != "none":
             raise ValueError(f'a policy_eval replica scores the trainer\'s weights unquantised: quantization must be '
                              f'"none", not "{self.quantization}"')
+        if self.weightsync_address:
+            self._needs_key("an inference replica")
         if self.engine == "torch" and self.gpus_per_replica > 1:
             raise ValueError(f"the torch engine runs on one GPU, gpus_per_replica = {self.gpus_per_replica}: "
                              'use 1, or engine = "vllm" for tensor parallelism')

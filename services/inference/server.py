@@ -203,7 +203,7 @@ async def serve(settings: InferenceSettings, engine: Engine | None = None, ready
 
         subscriber = GrpcWeightSubscriber(settings.weightsync_address, apply, replica, settings.max_message_bytes,
                                           transports=settings.weight_transports, base=engine.weight_bytes,
-                                          version=engine.version)
+                                          version=engine.version, verifier=settings.verifier(settings.run_id))
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)

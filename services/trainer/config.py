@@ -14,7 +14,7 @@ from pydantic_settings import SettingsConfigDict
 from shared.core.loss import LossConfig
 from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.settings import StepShape, TrackingSettings
+from shared.settings import StepShape, TrackingSettings, UnsignedWeights
 from shared.training import StepConfig
 
 
@@ -47,7 +47,7 @@ class LoraSettings(BaseModel):
         return self
 
 
-class TrainerSettings(RedisSettings, StepShape):
+class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
     host: str = "127.0.0.1"
@@ -73,8 +73,10 @@ class TrainerSettings(RedisSettings, StepShape):
     """Name of this trainer in the stream's consumer group."""
     weightsync_address: str = ""
     """host:port of the weight-sync service; empty = do not publish versions."""
-    hmac_key_file: Path | None = None
-    """Key file for signing weight manifests (must match the weight-sync service's)."""
+    signing_key_file: Path | None = None
+    """The run's private Ed25519 key (64 hexadecimal characters, `steadyrl keys DIR` makes a pair):
+    every version is signed with it, and weight-sync and the replicas take no other. Required to
+    publish unless unsigned_weights; only the trainer holds it."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
     """Largest gRPC message."""
     publish_timeout_seconds: float = Field(600.0, gt=0)
@@ -195,6 +197,9 @@ class TrainerSettings(RedisSettings, StepShape):
                 (self.gpus or self.ranks or self.nodes) > 1:
             raise ValueError(f"trainer.lora.publish = 'merged' with trainer.parallel = '{self.parallel}' is not "
                              "supported (the merge needs the whole weights on one rank): publish = 'adapter'")
+        if self.weightsync_address and self.signing_key_file is None and not self.unsigned_weights:
+            raise ValueError("the trainer signs every version it publishes: set signing_key_file (`steadyrl keys "
+                             "DIR` makes a pair), or unsigned_weights = true")
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self

@@ -1,11 +1,13 @@
-"""The trainer's weight publishing: each version to the weight-sync service, never twice under
-one number.
+"""The trainer's weight publishing: each version signed with the run's key and sent to the
+weight-sync service, never twice under one number.
 
 Before a version is pushed, its number is recorded in Redis (`trainer.published_version`): a
 restarted trainer whose checkpoint is older than what was published continues numbering past it
 (`newest_published`), so no number is ever reused for other weights. A push that fails (the
-service frozen or restarting) is not fatal: the trainer retries on its next turn, and a newer
-version supersedes an unpublished one.
+service frozen or restarting) or is refused is not fatal and never counts as published: it is
+logged and counted with its gRPC code, the trainer retries on its next turn, and a newer version
+supersedes an unpublished one. (A push of a version the service holds already with the same
+weights, a retry after a lost reply, is answered as a success by the service.)
 """
 
 from __future__ import annotations
@@ -88,19 +90,19 @@ class VersionPublisher:
         await self.redis.hset(self.keys.trainer, TrainerField.PUBLISHED_VERSION, version)  # before any byte leaves
         if self.client is None:
             from shared.weightsync import make_publisher
+            from shared.weightsync.signing import Signer
 
             s = self.settings
-            key = s.hmac_key_file.read_bytes().strip() if s.hmac_key_file else None
-            self.client = make_publisher(s.weight_transport, s.weightsync_address, key, s.max_message_bytes,
+            signer = Signer.from_file(s.signing_key_file, s.run_id) if s.signing_key_file else None
+            self.client = make_publisher(s.weight_transport, s.weightsync_address, signer, s.max_message_bytes,
                                          s.shm_dir / s.run_id, s.shm_keep)
         try:
             await self.client.push(weights, version, self.published, timeout=self.settings.publish_timeout_seconds)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # FAILED_PRECONDITION: already there
-                PUBLISH_FAILURES.labels(exc.code().name).inc()
-                log.warning("event=publish_failed version=%d code=%s", version, exc.code().name)
-                return False
-            log.info("event=version_already_published version=%d", version)
+            PUBLISH_FAILURES.labels(exc.code().name).inc()
+            log.warning("event=publish_failed version=%d code=%s detail=%s", version, exc.code().name,
+                        (exc.details() or "")[:300])
+            return False
         finally:
             finish = getattr(weights, "finish", None)  # a sharded model's gather left half-way: the ranks complete it
             if finish is not None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.settings import VerifiedWeights
 
 
-class WeightSyncSettings(BaseSettings):
+class WeightSyncSettings(BaseSettings, VerifiedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_WEIGHTSYNC_", extra="forbid")
 
     run_id: str = ""
@@ -35,10 +36,6 @@ class WeightSyncSettings(BaseSettings):
     """Largest gRPC message accepted or sent."""
     max_version_bytes: int = Field(256 * 1024**3, ge=1)
     """Largest total size of one version (a bigger manifest is refused before any byte)."""
-    hmac_key: SecretStr | None = None
-    """Shared key: pushes must carry an HMAC-SHA256 manifest signature made with it."""
-    hmac_key_file: Path | None = None
-    """File holding the shared key (alternative to hmac_key)."""
     shm_dir: Path = Path("/dev/shm/steadyrl")
     """Versions announced through shared memory must be files under this directory (same host)."""
     store_port: int = Field(0, ge=0, le=65535)
@@ -54,9 +51,5 @@ class WeightSyncSettings(BaseSettings):
     def _chunks_fit_messages(self) -> WeightSyncSettings:
         if self.chunk_bytes + 4096 > self.max_message_bytes:
             raise ValueError("chunk_bytes must leave room for the message envelope within max_message_bytes")
+        self._needs_key("weight-sync")
         return self
-
-    def signing_key(self) -> bytes | None:
-        if self.hmac_key_file is not None:
-            return self.hmac_key_file.read_bytes().strip() or None
-        return self.hmac_key.get_secret_value().encode() if self.hmac_key else None

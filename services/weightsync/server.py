@@ -1,8 +1,11 @@
 """The weight-sync service: the control plane of weights. Every version is announced with its
-signed manifest; its bytes come by gRPC Push, by a shared-memory file the trainer wrote, or by a
-collective broadcast this service takes part in (rank 1), and it keeps every version for gRPC
-pulls (replicas that join late, fall behind, or live on another network). Each Watch subscriber
-is told how it receives each version (`members.py`)."""
+manifest, which only the run's trainer can sign (`shared.weightsync.signing`: a version anyone
+else makes is refused, PERMISSION_DENIED); its bytes come by gRPC Push, by a shared-memory file
+the trainer wrote, or by a collective broadcast this service takes part in (rank 1), and it keeps
+every version for gRPC pulls (replicas that join late, fall behind, or live on another network).
+A push of a version it holds already with the same weights (the trainer's retry after a lost
+reply) is answered as a success; any other version not newer than the latest is refused
+(FAILED_PRECONDITION). Each Watch subscriber is told how it receives each version (`members.py`)."""
 
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
 from shared.weightsync.manifest import (
     WeightError,
     kind,
+    same_weights,
     validate_manifest,
     verify_payloads,
-    verify_signature,
 )
 
 log = logging.getLogger("steadyrl.weightsync")
@@ -46,7 +49,7 @@ FAILURES = Counter("steadyrl_weightsync_failures_total", "Failed pushes and pull
 class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     def __init__(self, settings: WeightSyncSettings) -> None:
         self.settings = settings
-        self.key = settings.signing_key()
+        self.verifier = settings.verifier(settings.run_id)  # None: unsigned_weights
         self.store = VersionStore(settings.retain_versions, settings.memory_versions, settings.spill_dir)
         self.members = Membership()
         self.transfers = Transfers(settings, self.store, self.members, self._stored)
@@ -77,12 +80,17 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                     manifest = item.manifest
                     validate_manifest(manifest, self.settings.max_version_bytes)
                     try:
-                        verify_signature(manifest, self.key)
+                        self._verify(manifest)
                     except WeightError as exc:
                         await self._fail(context, "push", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc),
                                          request_iterator)
                     latest = self.store.latest
                     if latest is not None and manifest.version <= latest.manifest.version:
+                        held = self.store.versions.get(manifest.version)
+                        if held is not None and same_weights(held.manifest, manifest):
+                            await self._drain(request_iterator)  # the same version again: it is here
+                            log.info("event=push_repeated version=%d", manifest.version)
+                            return pb.PushReply(version=held.info().version)
                         await self._fail(
                             context, "push", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
                             f"version {manifest.version} is not newer than {latest.manifest.version}", request_iterator,
@@ -111,6 +119,10 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         log.info("event=version_published version=%d kind=%s bytes=%d tensors=%d", manifest.version, kind(manifest),
                  received, len(manifest.tensors))
         return pb.PushReply(version=self.store.versions[manifest.version].info().version, bytes_received=received)
+
+    def _verify(self, manifest: pb.WeightManifest) -> None:
+        if self.verifier is not None:
+            self.verifier.check(manifest)
 
     def _latest_version(self) -> int:
         latest = self.store.latest
@@ -154,7 +166,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         except WeightError as exc:
             await self._fail(context, "announce", "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            verify_signature(manifest, self.key)
+            self._verify(manifest)
         except WeightError as exc:
             await self._fail(context, "announce", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         await self.transfers.settled()  # the previous collective, bounded by its timeout
@@ -260,5 +272,5 @@ async def serve(settings: WeightSyncSettings, ready: asyncio.Event | None = None
     stop = stop or asyncio.Event()
     async with grpc_service("weightsync", [(add_servicer, servicer)], ["steadyrl.v1.WeightSync"], settings.host,
                             settings.port, settings.max_message_bytes, settings.metrics_port, ready,
-                            run=settings.run_id, signed=servicer.key is not None) as serving:
+                            run=settings.run_id, signed=servicer.verifier is not None) as serving:
         await run_loops({}, stop, serving.health)

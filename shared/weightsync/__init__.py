@@ -14,7 +14,7 @@ from shared.interfaces import WeightPublisher
 TRANSPORTS = ("grpc", "shm", "collective")
 
 
-def make_publisher(kind: str, address: str, key: bytes | None = None, max_message_bytes: int | None = None,
+def make_publisher(kind: str, address: str, signer=None, max_message_bytes: int | None = None,
                    shm_dir: Path | None = None, shm_keep: int = 4) -> WeightPublisher:
     """The publisher of a transport by name (`TRANSPORTS`)."""
     from shared.weightsync.collective import CollectiveWeightPublisher
@@ -26,7 +26,7 @@ def make_publisher(kind: str, address: str, key: bytes | None = None, max_messag
     if kind == "shm" and shm_dir is None:
         raise ValueError("the shm transport needs a directory in shared memory")
     options = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
-    base = GrpcWeightPublisher(address, key=key, **options)
+    base = GrpcWeightPublisher(address, signer=signer, **options)
     wrap = {"grpc": lambda: base, "shm": lambda: ShmWeightPublisher(base, shm_dir, shm_keep),
             "collective": lambda: CollectiveWeightPublisher(base)}
     return wrap[kind]()

@@ -202,7 +202,7 @@ class CollectiveWeightPublisher(WeightPublisher):
 
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
                    timeout: float | None = 600.0):
-        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.key)
+        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.signer)
         device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
         backend = "nccl" if device.type == "cuda" else "gloo"
         reply = await self.grpc.stub.Announce(pb.AnnounceRequest(

@@ -34,11 +34,11 @@ log = logging.getLogger("steadyrl.weightsync.client")
 
 
 class GrpcWeightPublisher(WeightPublisher):
-    def __init__(self, address: str, key: bytes | None = None, chunk_bytes: int = 1024 * 1024,
+    def __init__(self, address: str, signer=None, chunk_bytes: int = 1024 * 1024,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.channel = auth_channel(address, options=channel_options(max_message_bytes))
         self.stub = weightsync_pb2_grpc.WeightSyncStub(self.channel)
-        self.key, self.chunk_bytes = key, chunk_bytes
+        self.signer, self.chunk_bytes = signer, chunk_bytes  # a signing.Signer: only the trainer has one
 
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
                    timeout: float | None = 600.0) -> pb.PushReply:
@@ -46,7 +46,7 @@ class GrpcWeightPublisher(WeightPublisher):
         Streams: the manifest is made in one pass over `tensors`, then each tensor is read again
         and sent, one at a time (a lazily cast or gathered mapping never exists whole); both passes
         run off the event loop."""
-        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.key)
+        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.signer)
 
         def chunks(index: int, name: str) -> list[pb.TensorChunk]:
             return list(iter_chunks(index, tensor_to_bytes(tensors[name]), self.chunk_bytes))
@@ -84,8 +84,10 @@ class GrpcDelivery(Delivery):
     transport = "grpc"
 
     def __init__(self, address: str, version: int, manifest: pb.WeightManifest | None = None, base_version: int = 0,
-                 base=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 600.0) -> None:
+                 base=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 600.0,
+                 verifier=None) -> None:
         super().__init__(manifest or pb.WeightManifest(version=version))
+        self.verifier = verifier  # a signing.Verifier the pulled manifest must pass (None: not checked)
         self.address, self.base_version, self.base = address, base_version if base is not None else 0, base
         self.max_message_bytes, self.timeout = max_message_bytes, timeout
         self.wire_bytes = 0
@@ -109,10 +111,18 @@ class GrpcDelivery(Delivery):
         except (StopIteration, grpc.RpcError) as exc:
             self.close()
             raise WeightError(f"pull of version {self.version}: {_short(exc)}") from exc
-        if not isinstance(header, pb.PullHeader):
-            raise WeightError("pull stream did not start with a header")
-        if self.manifest.tensors and header.manifest != self.manifest:
-            raise WeightError(f"version {self.version}: the pulled manifest is not the announced one")
+        try:
+            if not isinstance(header, pb.PullHeader):
+                raise WeightError("pull stream did not start with a header")
+            if self.manifest.tensors and header.manifest != self.manifest:
+                raise WeightError(f"version {self.version}: the pulled manifest is not the announced one")
+            if self.version and header.manifest.version != self.version:
+                raise WeightError(f"asked for version {self.version}, the pull holds {header.manifest.version}")
+            if self.verifier is not None:
+                self.verifier.check(header.manifest)
+        except WeightError:
+            self.close()
+            raise
         self.manifest, self._header = header.manifest, header
         return self.manifest
 

@@ -1,5 +1,5 @@
-"""A weight version's manifest: per-tensor name, dtype, shape, byte size and BLAKE3 digest, and the
-HMAC signature over all of it; and the tensors' raw bytes it describes.
+"""A weight version's manifest: per-tensor name, dtype, shape, byte size and BLAKE3 digest, its run,
+and the trainer's signature over all of it (`signing.py`); and the tensors' raw bytes it describes.
 
 A tensor travels as its raw little-endian bytes (bf16 included). BLAKE3 is a cryptographic hash —
 collision-resistant, which the signed manifest relies on — and 4× faster than SHA-256 here on one
@@ -8,8 +8,6 @@ thread (7.3 vs 1.8 GiB/s), more on several.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -115,10 +113,8 @@ def kind(manifest: pb.WeightManifest) -> str:
     return "adapter" if manifest.HasField("adapter") else "full"
 
 
-def describe(
-    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
-) -> pb.WeightManifest:
-    """Manifest of `tensors` (name order kept), signed when `key` is given. Reads one tensor at a
+def describe(tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, signer=None) -> pb.WeightManifest:
+    """Manifest of `tensors` (name order kept), signed by `signer` (a `signing.Signer`) when given. Reads one tensor at a
     time and keeps none of their bytes: a mapping that materialises each tensor on access (a cast,
     a gather) is streamed, never copied whole."""
     manifest = empty_manifest(tensors, version, parent_version)
@@ -136,38 +132,20 @@ def describe(
             dtype, shape, nbytes, checksum = str(tensor.dtype).removeprefix("torch."), list(tensor.shape), len(data), \
                 digest(data)
         manifest.tensors.add(name=name, dtype=dtype, shape=shape, nbytes=nbytes, checksum=checksum)
-    if key:
-        manifest.signature = sign(manifest, key)
-    return manifest
+    return signer.sign(manifest) if signer is not None else manifest
 
 
 def build_manifest(
-    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, key: bytes | None = None
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, signer=None
 ) -> tuple[pb.WeightManifest, list[memoryview]]:
     """`describe(tensors, ...)` and the raw bytes of every tensor (all held at once)."""
-    return describe(tensors, version, parent_version, key), [tensor_to_bytes(tensors[name]) for name in tensors]
+    return describe(tensors, version, parent_version, signer), [tensor_to_bytes(tensors[name]) for name in tensors]
 
 
-def _canonical(manifest: pb.WeightManifest) -> bytes:
-    unsigned = pb.WeightManifest()
-    unsigned.CopyFrom(manifest)
-    unsigned.signature = b""
-    return unsigned.SerializeToString(deterministic=True)
-
-
-def sign(manifest: pb.WeightManifest, key: bytes) -> bytes:
-    """HMAC-SHA256 over the manifest without its signature (deterministic serialisation)."""
-    return hmac.new(key, _canonical(manifest), hashlib.sha256).digest()
-
-
-def verify_signature(manifest: pb.WeightManifest, key: bytes | None) -> None:
-    """Raise WeightError unless the manifest carries a valid signature (no-op without a key)."""
-    if not key:
-        return
-    if not manifest.signature:
-        raise WeightError("manifest is unsigned and a signing key is configured")
-    if not hmac.compare_digest(manifest.signature, sign(manifest, key)):
-        raise WeightError("manifest signature does not verify")
+def same_weights(a: pb.WeightManifest, b: pb.WeightManifest) -> bool:
+    """Whether two manifests describe the same version: number, run, adapter and every tensor's
+    name, dtype, shape and digest (when and from which parent it was made aside)."""
+    return (a.version, a.run_id, a.adapter, list(a.tensors)) == (b.version, b.run_id, b.adapter, list(b.tensors))
 
 
 def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None:

@@ -35,7 +35,6 @@ from shared.weightsync.manifest import (
     digest,
     empty_manifest,
     pieces,
-    sign,
 )
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
@@ -75,7 +74,7 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, dict]
 
 
 def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int,
-              key: bytes | None = None, reuse: Path | None = None, digests: bool = True) -> pb.WeightManifest:
+              signer=None, reuse: Path | None = None, digests: bool = True) -> pb.WeightManifest:
     """Write `tensors` to `path` as a safetensors file in one pass — each tensor materialised once,
     each chunk copied and hashed together — and return the (signed) manifest. Written under a
     temporary name and renamed, so a reader never maps half a file; `reuse`: an older version's
@@ -107,9 +106,7 @@ def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, par
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    if key:
-        manifest.signature = sign(manifest, key)
-    return manifest
+    return signer.sign(manifest) if signer is not None else manifest
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -217,7 +214,7 @@ class ShmWeightPublisher(WeightPublisher):
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
                    timeout: float | None = 600.0) -> pb.AnnounceReply:
         path = self.directory / f"v{version}.safetensors"
-        manifest = await asyncio.to_thread(write_shm, path, tensors, version, parent_version, self.grpc.key,
+        manifest = await asyncio.to_thread(write_shm, path, tensors, version, parent_version, self.grpc.signer,
                                            self.spare)
         reply = await self.grpc.stub.Announce(pb.AnnounceRequest(
             manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),

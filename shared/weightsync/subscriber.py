@@ -1,7 +1,8 @@
 """A replica's side of the weights (`shared.interfaces.WeightSubscriber`): watch the weight-sync
 service, turn each announced version into the `Delivery` of the transport it takes (a table,
-`deliveries`), and hand it to the engine to apply — whatever carried it, every tensor is checked
-against the signed manifest before it is used, or the version is not served.
+`deliveries`), and hand it to the engine to apply — whatever carried it, its manifest must carry
+the run's trainer's signature (`signing.Verifier`) and every tensor is checked against it before
+it is used, or the version is not served.
 
 - A version refused before anything changed (a bad shm file, a bad first bucket, a pull cut short
   at once) keeps the replica on its version; a shm or collective one is then pulled over gRPC
@@ -54,8 +55,9 @@ class GrpcWeightSubscriber(WeightSubscriber):
     def __init__(self, address: str, apply: Apply, subscriber_id: str = "",
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0),
                  transports: Sequence[str] = ("grpc",), host: str | None = None, base: Base | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, verifier=None) -> None:
         self.address, self.apply, self.subscriber_id = address, apply, subscriber_id
+        self.verifier = verifier  # a signing.Verifier (None: versions taken unsigned)
         self.max_message_bytes, self.backoff, self.base = max_message_bytes, backoff, base
         self.transports = [pb.WeightTransportKind.Value(t.upper()) for t in transports]
         self.host = host or socket.gethostname()
@@ -73,7 +75,10 @@ class GrpcWeightSubscriber(WeightSubscriber):
         return self._version
 
     def deliveries(self, announcement: pb.VersionAnnouncement) -> Delivery:
-        """The delivery of an announced version, by the transport it takes."""
+        """The delivery of an announced version, by the transport it takes (WeightError: an
+        announced manifest that is not the run's trainer's)."""
+        if announcement.manifest.tensors and self.verifier is not None:
+            self.verifier.check(announcement.manifest)
         table = {pb.SHM: lambda a: ShmDelivery(a.manifest, a.transport.shm_path),
                  pb.COLLECTIVE: lambda a: CollectiveDelivery(a.manifest, a.transport, self.groups, self.ring),
                  pb.GRPC: lambda a: self.pull(a.version.version, a.manifest if a.manifest.tensors else None)}
@@ -87,7 +92,8 @@ class GrpcWeightSubscriber(WeightSubscriber):
             dtypes = {spec.name: spec.dtype for spec in self.manifest.tensors}
             if all(self.base(name, dtype) is not None for name, dtype in dtypes.items()):
                 base = lambda name: self.base(name, dtypes[name])  # noqa: E731
-        return GrpcDelivery(self.address, version, manifest, self.version if base else 0, base, self.max_message_bytes)
+        return GrpcDelivery(self.address, version, manifest, self.version if base else 0, base, self.max_message_bytes,
+                            verifier=self.verifier)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         delay = self.backoff[0]
@@ -118,7 +124,14 @@ class GrpcWeightSubscriber(WeightSubscriber):
         version, kind = announcement.version.version, announcement.transport.kind
         if version <= max(self.version, self.refused):
             return False
-        delivery = self.deliveries(announcement)
+        try:
+            delivery = self.deliveries(announcement)
+        except WeightError as exc:  # not the trainer's: never applied, never asked for again
+            REFUSED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
+            log.warning("event=weights_refused version=%d reason=signature error=%s", version, exc)
+            self.refused = max(self.refused, version)
+            await self._report(stub, announcement, str(exc))
+            return kind == pb.COLLECTIVE
         try:
             await self._use(delivery)
         except PartialVersion as exc:

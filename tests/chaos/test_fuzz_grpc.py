@@ -22,6 +22,7 @@ from services.weightsync.config import WeightSyncSettings
 from services.weightsync.server import serve as serve_weightsync
 from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import inference_pb2, orchestrator_pb2, trainer_pb2, weightsync_pb2
+from tests.helpers import weight_keys
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE,
@@ -106,8 +107,8 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
     async def main():
         stop = asyncio.Event()
         servers = [
-            serve_weightsync(WeightSyncSettings(port=ports["weightsync"], metrics_port=0, spill_dir=tmp_path / "s"),
-                             stop=stop),
+            serve_weightsync(WeightSyncSettings(port=ports["weightsync"], metrics_port=0, spill_dir=tmp_path / "s",
+                                                verify_key_file=weight_keys(tmp_path)[1]), stop=stop),
             serve_inference(InferenceSettings(port=ports["inference"], metrics_port=0, model_path=str(tiny_model_dir),
                                               dtype="float32", redis_url=redis_server.url, run_id=run_id), stop=stop),
             serve_trainer(TrainerSettings(port=ports["trainer"], metrics_port=0, model_path=str(tiny_model_dir),

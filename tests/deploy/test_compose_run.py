@@ -18,6 +18,7 @@ import httpx
 import yaml
 
 from shared.redis_server import RedisServer, free_port
+from shared.weightsync.signing import write_key_pair
 from tests.deploy.test_deploy import interpolate, service_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,9 @@ def test_the_compose_services_train_the_recipe_they_read(tmp_path, tiny_model_di
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     password = "p@ss/w:rd#%"  # would break a URL unescaped: the services read it from its file
-    for name, value in (("token", "compose-token"), ("redis_password", password), ("weights_signing_key", "k3y")):
+    for name, value in (("token", "compose-token"), ("redis_password", password)):
         (secrets / name).write_text(value + "\n")
+    write_key_pair(secrets, "weights_signing_key", "weights_verify_key")  # what `steadyrl keys` makes
     redis = RedisServer(tmp_path / "redis", password=password).start()
     short = tmp_path / "short.toml"  # merged over the compose recipe: a short run
     short.write_text("[run]\nsteps = 3\nbatch_prompts = 4\n[orchestrator]\neval_every = 0\n")
@@ -63,7 +65,7 @@ def test_the_compose_services_train_the_recipe_they_read(tmp_path, tiny_model_di
         codes = start_and_finish(compose, processes, logs, ports, paths, base, tmp_path, redis)
     assert codes == dict.fromkeys(ORDER, 0), codes
     text = {name: (tmp_path / f"{name}.log").read_text() for name in ORDER}
-    assert "signed=True" in text["weightsync"]  # the signing key from its secret file: every version signed
+    assert "signed=True" in text["weightsync"]  # the verify key from its secret file: every version checked
     lines = [json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert "event=weights_applied version=3" in text["inference"]

@@ -108,11 +108,18 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
         if kind != "weightsync":
             assert env[f"STEADYRL_{kind.upper()}_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
             assert settings["redis_url"] == "**********" and "redis_password" in service["secrets"]
-        if kind in ("trainer", "weightsync"):  # weights are signed in every deploy
-            assert env[f"STEADYRL_{kind.upper()}_HMAC_KEY_FILE"] == "/run/secrets/weights_signing_key"
+        if kind == "trainer":  # weights are signed in every deploy, by the trainer alone
+            assert env["STEADYRL_TRAINER_SIGNING_KEY_FILE"] == "/run/secrets/weights_signing_key"
+            assert "weights_signing_key" in service["secrets"] and "weights_verify_key" not in service["secrets"]
+        else:  # and checked by weight-sync and every replica, which never hold the signing key
+            assert "weights_signing_key" not in service["secrets"]
+            if kind in ("weightsync", "inference"):
+                assert env[f"STEADYRL_{kind.upper()}_VERIFY_KEY_FILE"] == "/run/secrets/weights_verify_key"
+                assert "weights_verify_key" in service["secrets"]
         assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
     assert checked == 5
-    assert set(doc["secrets"]) == {"token", "redis_password", "weights_signing_key", "grafana_admin_password"}
+    assert set(doc["secrets"]) == {"token", "redis_password", "weights_signing_key", "weights_verify_key",
+                                   "grafana_admin_password"}
     assert doc["services"]["grafana"]["secrets"] == ["grafana_admin_password"]  # Grafana gets its own secret alone
     assert "env_file" not in doc["services"]["grafana"]
     assert "ports" not in doc["services"]["inference"]  # `--scale inference=N` needs no fixed host port
@@ -262,7 +269,8 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
             assert secrets["secretName"] == "steadyrl-secrets" and "token" in mounted
             name = doc["metadata"]["name"].removesuffix("-policy")
             assert ("redis-password" in mounted) == (name != "weightsync")  # each pod its own keys alone
-            assert ("weights-signing-key" in mounted) == (name in ("trainer", "weightsync"))
+            assert ("weights-signing-key" in mounted) == (name == "trainer")  # the trainer's alone
+            assert ("weights-verify-key" in mounted) == (name in ("weightsync", "inference"))
             assert "grpc" in container["livenessProbe"]  # native gRPC health probes
             assert container["resources"]["requests"]
     named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
@@ -580,11 +588,14 @@ def test_dashboard_and_alerts_name_only_exported_metrics():
 
 
 def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
+    from shared.weightsync.signing import write_key_pair
+
     prometheus = shutil.which("prometheus")
     assert prometheus, "prometheus is missing: scripts/install installs Debian's package as root"
     grpc_port, metrics_port, web_port = free_port(), free_port(), free_port()
     env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(grpc_port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics_port),
-           "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"), "STEADYRL_WEIGHTSYNC_RUN_ID": "scraped-run"}
+           "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"), "STEADYRL_WEIGHTSYNC_RUN_ID": "scraped-run",
+           "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(write_key_pair(tmp_path / "keys")[1])}
     service = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s"},

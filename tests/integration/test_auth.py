@@ -17,6 +17,7 @@ from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
+from tests.helpers import weight_keys
 
 TOKEN = "a-long-random-token"
 
@@ -29,8 +30,10 @@ def refused(metrics_port: int) -> float:
 
 def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
     port, metrics = free_port(), free_port()
+    signer, public = weight_keys(tmp_path)
     env = {**os.environ, "STEADYRL_TOKEN": TOKEN, "STEADYRL_WEIGHTSYNC_PORT": str(port),
-           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path)}
+           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path),
+           "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public)}
     server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     address = f"127.0.0.1:{port}"
 
@@ -55,7 +58,7 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
                     codes.append(err.value.code())
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
-        publisher = GrpcWeightPublisher(address)  # the token comes from the environment, as in a service
+        publisher = GrpcWeightPublisher(address, signer)  # the token comes from the environment, as in a service
         await publisher.push({"w": torch.ones(4)}, 1)
         await publisher.close()
         manifest, payloads, _ = await asyncio.to_thread(pull_all, address, 1)  # the sync pull, token from env

@@ -28,6 +28,7 @@ from shared.rollout import decode_rollout, decode_trace
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 from shared.weightsync.grpc import GrpcWeightPublisher
+from shared.weightsync.signing import Signer, write_key_pair
 
 
 def prompts_of(count: int, seed: int = 0) -> list[list[int]]:
@@ -216,13 +217,15 @@ class Replica:
 
     def __init__(self, tmp_path, model_dir, redis_url, run_id, ws_overrides=None, engine=None, **overrides):
         self.ws_port, self.port = free_port(), free_port()
+        private, public = write_key_pair(tmp_path / "keys")
+        self.signer = Signer.from_file(private, run_id)  # the trainer's key: versions the replica takes
         self.ws_settings = WeightSyncSettings(port=self.ws_port, metrics_port=0, spill_dir=tmp_path / "spill",
-                                              **(ws_overrides or {}))
+                                              run_id=run_id, **{"verify_key_file": public, **(ws_overrides or {})})
         self.engine = engine or make_engine("torch", str(model_dir), "float32")
         self.settings = InferenceSettings(
             port=self.port, metrics_port=0, model_path=str(model_dir), dtype="float32", redis_url=redis_url,
             run_id=run_id, replica_id="replica-a", weightsync_address=f"127.0.0.1:{self.ws_port}",
-            lease_seconds=5, **overrides)
+            lease_seconds=5, **{"verify_key_file": public, **overrides})
         self.stop = asyncio.Event()
 
     async def __aenter__(self):
@@ -268,7 +271,7 @@ def test_replica_publishes_scored_rollouts_with_the_pulled_version(tmp_path, tin
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id) as replica:
-            publisher = GrpcWeightPublisher(f"127.0.0.1:{replica.ws_port}")
+            publisher = GrpcWeightPublisher(f"127.0.0.1:{replica.ws_port}", replica.signer)
             await publisher.push(v1.state_dict(), 1)
             await wait_for(lambda: _version_is(replica.stub, 1))
             for i, (prompt, example) in enumerate(zip(prompts, examples, strict=True)):

@@ -73,7 +73,7 @@ def test_adapter_versions_reach_the_torch_engine_by_every_transport_and_bad_ones
                            weight_transports=["shm", "collective", "grpc"]) as replica:
             address = f"127.0.0.1:{replica.ws_port}"
             await wait_for(subscribed, 30)
-            publishers = {kind: make_publisher(kind, address, shm_dir=tmp_path / "shm" / "run")
+            publishers = {kind: make_publisher(kind, address, replica.signer, shm_dir=tmp_path / "shm" / "run")
                           for kind in ("grpc", "shm", "collective")}
             with torch.no_grad():
                 base = replica.engine.model(IDS).logits.clone()

@@ -24,6 +24,7 @@ from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.tls import tls_from_env
 from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
+from tests.helpers import weight_keys
 
 TOKEN = "tls-test-token"
 
@@ -97,8 +98,10 @@ def wait_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None
 @pytest.mark.parametrize("client_auth", [False, True], ids=["tls", "mtls"])
 def test_grpc_over_tls(pki, tmp_path, client_auth):
     port, metrics = free_port(), free_port()
+    signer, public = weight_keys(tmp_path)
     env = {**os.environ, **server_env(pki, client_auth), "STEADYRL_WEIGHTSYNC_PORT": str(port),
-           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path)}
+           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path),
+           "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public)}
     server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     address = f"localhost:{port}"
 
@@ -136,7 +139,7 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
                 patch.setenv(key, value)
 
             async def round_trip():
-                publisher = GrpcWeightPublisher(address)
+                publisher = GrpcWeightPublisher(address, signer)
                 await publisher.push({"w": torch.arange(6, dtype=torch.float32)}, 1)
                 await publisher.close()
                 return await asyncio.to_thread(pull_all, address, 1)  # the sync pull: TLS and token from env

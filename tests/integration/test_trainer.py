@@ -438,22 +438,25 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
     from services.weightsync.server import serve as serve_weightsync
     from shared.redis_server import free_port
     from shared.weightsync.grpc import latest_version
+    from shared.weightsync.signing import write_key_pair
 
     port = free_port()
     address = f"127.0.0.1:{port}"
     weights = {k: v.clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+    private, public = write_key_pair(tmp_path / "keys")
 
     async def weightsync(name: str):
         stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0,
-                                                                       spill_dir=tmp_path / name), ready, stop))
+        task = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0, run_id=run_id,
+                                                                       spill_dir=tmp_path / name,
+                                                                       verify_key_file=public), ready, stop))
         await asyncio.wait_for(ready.wait(), 30)
         return stop, task
 
     async def main():
         redis = Redis.from_url(redis_server.url)
         publisher = VersionPublisher(settings_for(tmp_path, tiny_model_dir, redis_server, run_id,
-                                                  weightsync_address=address), redis)
+                                                  weightsync_address=address, signing_key_file=private), redis)
         stop, task = await weightsync("first")
         assert await publisher.publish(weights, 1) and await publisher.publish(weights, 2)
         held_before = await publisher.held_by_weightsync()
@@ -473,3 +476,50 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
     held_before, held_after, fallback, republished, latest = asyncio.run(asyncio.wait_for(main(), 120))
     assert held_before is True and held_after is False and fallback == 0
     assert republished and latest == 2
+
+
+def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tiny_model_dir, redis_server, run_id):
+    """Issue 50 item 1: weight-sync holding other weights under a number is a refusal the trainer
+    reports (counted, logged) and does not take for published; a push repeated after a lost reply
+    is a success."""
+    from services.trainer.publisher import PUBLISH_FAILURES, VersionPublisher
+    from services.weightsync.config import WeightSyncSettings
+    from services.weightsync.server import serve as serve_weightsync
+    from shared.redis_server import free_port
+    from shared.weightsync.grpc import GrpcWeightPublisher
+    from shared.weightsync.signing import Signer, write_key_pair
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    weights = {k: v.clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in weights.items()}
+    private, public = write_key_pair(tmp_path / "keys")
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(serve_weightsync(WeightSyncSettings(
+            port=port, metrics_port=0, run_id=run_id, spill_dir=tmp_path / "spill", verify_key_file=public), ready,
+            stop))
+        await asyncio.wait_for(ready.wait(), 30)
+        publisher = VersionPublisher(settings_for(tmp_path, tiny_model_dir, redis_server, run_id,
+                                                  weightsync_address=address, signing_key_file=private), redis)
+        first = await publisher.publish(weights, 1)
+        repeated = await publisher.publish(weights, 1)  # as after a reply lost on the way back
+        elsewhere = GrpcWeightPublisher(address, Signer.from_file(private, run_id))  # another process, same key
+        await elsewhere.push(other, 2, 1)
+        await elsewhere.close()
+        refusals = PUBLISH_FAILURES.labels("FAILED_PRECONDITION")._value.get()
+        refused = await publisher.publish(weights, 2)
+        counted = PUBLISH_FAILURES.labels("FAILED_PRECONDITION")._value.get() - refusals
+        after_refusal = publisher.published
+        later = await publisher.publish(weights, 3)
+        await publisher.close()
+        stop.set()
+        await task
+        await redis.aclose()
+        return first, repeated, refused, counted, after_refusal, later, publisher.published
+
+    first, repeated, refused, counted, after_refusal, later, published = asyncio.run(asyncio.wait_for(main(), 120))
+    assert (first, repeated, refused, counted, after_refusal) == (True, True, False, 1, 1)
+    assert later and published == 3

@@ -14,8 +14,6 @@ from shared.weightsync import make_publisher
 from shared.weightsync.manifest import CastView
 from tests.integration.test_inference import Replica, _version_is, wait_for
 
-KEY = b"transport-test-key"
-
 
 def versions(model_dir, count: int) -> list[dict[str, torch.Tensor]]:
     """`count` distinct bf16 versions of the tiny model (what a trainer publishes)."""
@@ -37,16 +35,14 @@ def served(engine) -> dict[str, torch.Tensor]:
 def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, tiny_model_dir, redis_server, run_id,
                                                                      kind):
     good = versions(tiny_model_dir, 2)
-    key_file = tmp_path / "key"
-    key_file.write_bytes(KEY)
 
     async def main():
-        ws = {"shm_dir": tmp_path / "shm", "hmac_key_file": key_file, "collective_timeout_seconds": 5}
+        ws = {"shm_dir": tmp_path / "shm", "collective_timeout_seconds": 5}
         async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
                            weight_transports=["shm", "collective", "grpc"]) as replica:
             address = f"127.0.0.1:{replica.ws_port}"
             await wait_for(subscribed, 30)  # the replica watches: it is a member from the first version
-            signed = make_publisher(kind, address, KEY, shm_dir=tmp_path / "shm" / "run")
+            signed = make_publisher(kind, address, replica.signer, shm_dir=tmp_path / "shm" / "run")
             unsigned = make_publisher(kind, address, None, shm_dir=tmp_path / "shm" / "run")
             await signed.push(good[0], 1, 0, timeout=60)
             await wait_for(lambda: _version_is(replica.stub, 1), 60)
@@ -60,7 +56,7 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, t
             if kind == "grpc":  # bytes that differ from what the signed manifest says
                 from shared.weightsync.manifest import describe
 
-                manifest = describe(good[1], 2, 1, KEY)
+                manifest = describe(good[1], 2, 1, replica.signer)
                 refused["corrupt"] = await push_mismatched(signed, manifest, corrupt)
             elif kind == "shm":  # the file changed after it was written and digested
                 refused["corrupt"] = await announce_tampered_file(signed, good[1], tmp_path / "shm" / "run", 2)
@@ -90,15 +86,13 @@ def test_a_version_failing_half_way_is_never_served_mixed(tmp_path, tiny_model_d
     from shared.weightsync.subscriber import RESTORED
 
     good = versions(tiny_model_dir, 2)
-    key_file = tmp_path / "key"
-    key_file.write_bytes(KEY)
 
     async def main():
-        ws = {"hmac_key_file": key_file, "collective_timeout_seconds": 5, "bucket_bytes": 64 * 1024}
+        ws = {"collective_timeout_seconds": 5, "bucket_bytes": 64 * 1024}
         async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
                            weight_transports=["collective", "grpc"]) as replica:
             await wait_for(subscribed, 30)
-            publisher = make_publisher("collective", f"127.0.0.1:{replica.ws_port}", KEY)
+            publisher = make_publisher("collective", f"127.0.0.1:{replica.ws_port}", replica.signer)
             await publisher.push(good[0], 1, 0, timeout=60)
             await wait_for(lambda: _version_is(replica.stub, 1), 60)
             restores = RESTORED._value.get()
@@ -140,7 +134,7 @@ async def announce_tampered_file(publisher, tensors, directory, version: int) ->
     from shared.weightsync.shm import write_shm
 
     path = directory / f"v{version}.safetensors"
-    manifest = write_shm(path, tensors, version, version - 1, KEY)
+    manifest = write_shm(path, tensors, version, version - 1, publisher.grpc.signer)
     data = bytearray(path.read_bytes())
     data[-2] ^= 0xFF  # a byte of the last tensor
     path.write_bytes(bytes(data))
@@ -174,7 +168,7 @@ async def broadcast_mismatched(publisher, good, corrupt, version: int) -> str:
     from shared.weightsync.manifest import describe
 
     corrupt["lm_head.weight"].view(-1)[0] += 1
-    manifest = describe(good, version, version - 1, KEY)
+    manifest = describe(good, version, version - 1, publisher.grpc.signer)
     reply = await publisher.grpc.stub.Announce(pb.AnnounceRequest(
         manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend="gloo")), timeout=60)
     await asyncio.to_thread(lambda: send_version(publisher.groups.get(reply.transport, 0), reply.transport, manifest,
@@ -193,20 +187,24 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
 
     from shared.redis_server import free_port
     from shared.rpc.steadyrl.v1 import inference_pb2_grpc
+    from shared.weightsync.signing import Signer, write_key_pair
 
     ws_port, store_port, port = free_port("127.0.0.3"), free_port("127.0.0.3"), free_port("127.0.0.4")
+    private, public = write_key_pair(tmp_path / "keys")
     base = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
     services = {
         "weightsync": {"STEADYRL_WEIGHTSYNC_HOST": "127.0.0.3", "STEADYRL_WEIGHTSYNC_PORT": str(ws_port),
                        "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0", "STEADYRL_WEIGHTSYNC_STORE_PORT": str(store_port),
                        "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"),
-                       "STEADYRL_WEIGHTSYNC_COLLECTIVE_TIMEOUT_SECONDS": "20"},
+                       "STEADYRL_WEIGHTSYNC_COLLECTIVE_TIMEOUT_SECONDS": "20",
+                       "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public)},
         "inference": {"STEADYRL_INFERENCE_HOST": "127.0.0.4", "STEADYRL_INFERENCE_PORT": str(port),
                       "STEADYRL_INFERENCE_METRICS_PORT": "0", "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir),
                       "STEADYRL_INFERENCE_DTYPE": "bfloat16", "STEADYRL_INFERENCE_REDIS_URL": redis_server.url,
                       "STEADYRL_INFERENCE_RUN_ID": "hosts", "STEADYRL_INFERENCE_REPLICA_ID": "replica-hosts",
                       "STEADYRL_INFERENCE_WEIGHTSYNC_ADDRESS": f"127.0.0.3:{ws_port}",
-                      "STEADYRL_INFERENCE_WEIGHT_TRANSPORTS": '["collective", "grpc"]'}}
+                      "STEADYRL_INFERENCE_WEIGHT_TRANSPORTS": '["collective", "grpc"]',
+                      "STEADYRL_INFERENCE_VERIFY_KEY_FILE": str(public)}}
     processes, logs = {}, {name: tmp_path / f"{name}.log" for name in services}
     for name, env in services.items():
         with logs[name].open("wb") as log:
@@ -223,7 +221,7 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
     async def main() -> list[int]:
         channel = grpc.aio.insecure_channel(f"127.0.0.4:{port}")
         stub = inference_pb2_grpc.InferenceStub(channel)
-        publisher = make_publisher("collective", f"127.0.0.3:{ws_port}")
+        publisher = make_publisher("collective", f"127.0.0.3:{ws_port}", Signer.from_file(private, "hosts"))
         served = []
         try:
             await wait_for(lambda: version_served_is(stub, 0), 120)  # up, serving its initial weights

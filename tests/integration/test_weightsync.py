@@ -15,9 +15,8 @@ from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.frames import iter_chunks
 from shared.weightsync.grpc import GrpcWeightPublisher, pull_all, to_state_dict
 from shared.weightsync.manifest import WeightError, build_manifest
+from shared.weightsync.signing import Signer, write_key_pair
 from shared.weightsync.subscriber import GrpcWeightSubscriber
-
-KEY = b"test-signing-key"
 
 
 def free_port() -> int:
@@ -37,11 +36,15 @@ def state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 class Server:
-    """The servicer behind a real gRPC server; restartable on the same port with the same store."""
+    """The servicer behind a real gRPC server; restartable on the same port with the same store.
+    It takes versions signed by `signer`, the trainer's key of this test."""
 
     def __init__(self, tmp_path, **overrides):
         self.port = free_port()
-        self.settings = WeightSyncSettings(port=self.port, spill_dir=tmp_path / "spill", chunk_bytes=4096, **overrides)
+        private, public = write_key_pair(tmp_path / "keys")
+        self.signer, self.key_file = Signer.from_file(private), private
+        self.settings = WeightSyncSettings(port=self.port, spill_dir=tmp_path / "spill", chunk_bytes=4096,
+                                           verify_key_file=public, **overrides)
         self.servicer = WeightSyncServicer(self.settings)
         self.server = None
 
@@ -83,7 +86,7 @@ def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
         subscriber = GrpcWeightSubscriber(server.address, apply)
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
-        publisher = GrpcWeightPublisher(server.address, chunk_bytes=1000)
+        publisher = GrpcWeightPublisher(server.address, server.signer, chunk_bytes=1000)
         for version in (1, 2, 3):
             reply = await publisher.push(state(version), version, version - 1)
             assert reply.version.version == version
@@ -110,7 +113,7 @@ def test_delta_pull_equals_full_pull_and_is_smaller(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
-        publisher = GrpcWeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address, signer=server.signer)
         base = state(1)
         nxt = {k: v.clone() for k, v in base.items()}
         nxt["embed.weight"][0, :4] += 1.0  # a few elements change; bias and scalar do not
@@ -141,7 +144,7 @@ def test_a_push_cut_halfway_never_becomes_visible(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
-        manifest, payloads = build_manifest(state(1), 1, 0)
+        manifest, payloads = build_manifest(state(1), 1, 0, server.signer)
         chunks = [c for i, p in enumerate(payloads) for c in iter_chunks(i, p, 512)]
         half = len(chunks) // 2
         release = asyncio.Event()
@@ -180,7 +183,7 @@ def test_corrupted_chunk_is_rejected(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
-        manifest, payloads = build_manifest(state(1), 1, 0)
+        manifest, payloads = build_manifest(state(1), 1, 0, server.signer)
 
         async def corrupted():
             yield pb.PushRequest(manifest=manifest)
@@ -213,7 +216,7 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
         subscriber = GrpcWeightSubscriber(server.address, apply, backoff=(0.05, 0.2))
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
-        publisher = GrpcWeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address, signer=server.signer)
         await publisher.push(state(1), 1)
         while subscriber.version < 1:
             await asyncio.sleep(0.01)
@@ -234,32 +237,45 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
     run(main())
 
 
-def test_signed_pushes_only_when_a_key_is_set(tmp_path):
+def test_only_the_trainers_signed_versions_are_taken_and_a_repeat_is_no_refusal(tmp_path):
+    """Issue 50 item 1: the token alone publishes nothing; a repeated push of a version it holds
+    (a retry after a lost reply) is answered as a success; other weights under a held number are
+    refused."""
     async def main():
-        server = Server(tmp_path, hmac_key=KEY.decode())
+        server = Server(tmp_path)
         await server.start()
-        for key in (None, b"wrong-key"):
-            publisher = GrpcWeightPublisher(server.address, key=key)
+        stranger = Signer.from_file(write_key_pair(tmp_path / "stranger")[0])
+        other_run = Signer(server.signer.key, "another-run")
+        server.servicer.verifier.run_id = "this-run"
+        server.signer.run_id = "this-run"
+        codes = []
+        for signer in (None, stranger, other_run):
+            publisher = GrpcWeightPublisher(server.address, signer=signer)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await publisher.push(state(1), 1)
-            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            codes.append((err.value.code(), err.value.details()))
             await publisher.close()
-        publisher = GrpcWeightPublisher(server.address, key=KEY)
+        publisher = GrpcWeightPublisher(server.address, signer=server.signer)
         assert (await publisher.push(state(1), 1)).version.version == 1
+        assert (await publisher.push(state(1), 1)).version.version == 1  # the same weights again: held
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await publisher.push(state(1), 1)  # not newer
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await publisher.push(state(2), 1)  # other weights under a number it holds
         await publisher.close()
         await server.stop()
+        return codes, err.value.code()
 
-    run(main())
+    codes, repeat = run(main())
+    assert [c for c, _ in codes] == [grpc.StatusCode.PERMISSION_DENIED] * 3
+    assert ["unsigned" in codes[0][1], "not the run's trainer's" in codes[1][1], "another-run" in codes[2][1]] == \
+        [True, True, True]
+    assert repeat == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_retention_spills_to_disk_and_pulls_from_it(tmp_path):
     async def main():
         server = Server(tmp_path, retain_versions=3, memory_versions=1)
         await server.start()
-        publisher = GrpcWeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address, signer=server.signer)
         for version in range(1, 6):
             await publisher.push(state(version), version, version - 1)
         async with grpc.aio.insecure_channel(server.address) as ch:
@@ -389,7 +405,7 @@ def test_a_push_spills_before_its_bytes_arrive_so_memory_never_holds_more_than_m
 
         store.make_room = recorded
         await server.start()
-        publisher = GrpcWeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address, signer=server.signer)
         for version in range(1, 6):
             await publisher.push(state(version), version, version - 1)
         async with grpc.aio.insecure_channel(server.address) as ch:
@@ -437,7 +453,7 @@ def test_generated_clients_decode_the_hand_built_frames_and_stripes_partition_th
     async def main():
         server = Server(tmp_path)
         await server.start()
-        publisher = GrpcWeightPublisher(server.address)
+        publisher = GrpcWeightPublisher(server.address, signer=server.signer)
         await publisher.push(state(7), 1)
         single_manifest, single, single_wire = await asyncio.to_thread(pull_all, server.address, 1)
         assert single_wire == sum(t.nbytes for t in single_manifest.tensors)
@@ -466,10 +482,11 @@ import asyncio, sys, grpc, torch
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb, weightsync_pb2_grpc
 from shared.weightsync.manifest import build_manifest
 from shared.weightsync.frames import iter_chunks
+from shared.weightsync.signing import Signer
 
 async def main():
     tensors = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(8)}
-    manifest, payloads = build_manifest(tensors, 1, 0)
+    manifest, payloads = build_manifest(tensors, 1, 0, Signer.from_file(sys.argv[2]))
     chunks = [c for i, p in enumerate(payloads) for c in iter_chunks(i, p, 65536)]
 
     async def requests():
@@ -503,6 +520,7 @@ def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
         await server.start()
         before = cancelled()
         child = await asyncio.create_subprocess_exec(sys.executable, "-c", KILLED_PUBLISHER, server.address,
+                                                     str(server.key_file),
                                                      stdout=subprocess.PIPE)
         assert (await asyncio.wait_for(child.stdout.readline(), 30)).strip() == b"HALF"
         await asyncio.sleep(0.2)  # let the half reach the server
@@ -516,7 +534,7 @@ def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
             assert (await stub.List(common_pb2.Empty())).versions == []
-            publisher = GrpcWeightPublisher(server.address)  # the same version number is free again
+            publisher = GrpcWeightPublisher(server.address, signer=server.signer)  # the same version number is free again
             await publisher.push(state(1), 1)
             assert [v.version.version for v in (await stub.List(common_pb2.Empty())).versions] == [1]
             await publisher.close()

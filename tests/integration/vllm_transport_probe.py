@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 TRANSPORTS = ("grpc", "shm", "collective")
-KEY = b"vllm-transport-key"
 
 
 async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: list[list[int]]) -> dict:
@@ -19,8 +18,7 @@ async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: l
     from tests.integration.test_weight_transports import received_by, subscribed, versions
 
     engine = make_engine("vllm", model_dir, "float32", max_model_len=64)
-    (tmp / "key").write_bytes(KEY)
-    ws = {"shm_dir": tmp / "shm", "hmac_key_file": tmp / "key", "collective_timeout_seconds": 30}
+    ws = {"shm_dir": tmp / "shm", "collective_timeout_seconds": 30}
     out: dict = {}
     async with Replica(tmp, model_dir, redis_url, run_id, ws_overrides=ws, engine=engine,
                        weight_transports=["shm", "collective", "grpc"]) as replica:
@@ -28,7 +26,7 @@ async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: l
         address = f"127.0.0.1:{replica.ws_port}"
         for version, (kind, tensors) in enumerate(zip(TRANSPORTS, versions(model_dir, 3), strict=True), 1):
             before = received_by(kind)
-            publisher = make_publisher(kind, address, KEY, shm_dir=tmp / "shm" / "run")
+            publisher = make_publisher(kind, address, replica.signer, shm_dir=tmp / "shm" / "run")
             await publisher.push(tensors, version, version - 1, timeout=120)
             await wait_for(lambda v=version: _version_is(replica.stub, v), 120)
             await publisher.close()

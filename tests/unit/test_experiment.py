@@ -21,7 +21,7 @@ def steps(n, **fixed):
 @pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)])
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     from steadyrl.run_config import SERVICES
-    from steadyrl.service_settings import service_env, validate
+    from steadyrl.service_settings import PROBES, service_env, validate
 
     grid = load_grid(ROOT / "configs" / name)
     names = [c.name for c in grid.configs]
@@ -31,7 +31,7 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
         assert recipe.section("trainer")["seed"] == 2 and recipe.section("orchestrator")["task_seed"] == 2
         assert recipe.run_id == f"{config.name}-s2"
         for service in SERVICES:  # a typo in a configuration names the field
-            validate(service, service_env(recipe, service, {} if service == "weightsync" else {"model_path": "m"}))
+            validate(service, service_env(recipe, service, PROBES[service]))
         assert recipe.section("inference")["dtype"] == "bfloat16"  # vs the trainer's fp32
         if name == "paper-grid-v2.toml":  # the paper's geometry: the mini-batch fixed, B = N × it
             assert recipe.run.batch_prompts == 8 * recipe.section("trainer")["mini_batches"]

@@ -46,7 +46,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter")
+    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class WeightManifest(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     parent_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -61,7 +62,8 @@ class WeightManifest(_message.Message):
     signature: bytes
     created_unix_ms: int
     adapter: AdapterInfo
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("base_digest", "config_json")
