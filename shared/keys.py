@@ -57,7 +57,8 @@ KEYS = {
 class RunField(StrEnum):
     """The fields of the `run` hash (written by the orchestrator)."""
 
-    STATE = "state"  # created | running | paused | stopped | finished
+    STATE = "state"  # created | running | paused | stopped | finished | failed
+    FAILURE = "failure"  # JSON {rule, reason}: why the run was failed (services/orchestrator/stop_rules.py)
     CREATED_UNIX_MS = "created_unix_ms"  # and `<state>_unix_ms` when each state was entered
     CONFIG = "config"  # the orchestrator's settings as JSON (secrets left out)
     SUBMITTED = "submitted"  # train tasks submitted: the next task number

@@ -72,6 +72,7 @@ class Rollout:
     loss_mask: np.ndarray | None = None
     turns: int = 0  # model turns of a multi-turn trajectory
     env_metrics: dict[str, float] = field(default_factory=dict)  # the environment's counts, summed over its steps
+    reward_error: str = ""  # why the reward could not score it (then 0); empty when it did
 
     @property
     def model_tokens(self) -> np.ndarray:
@@ -127,6 +128,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
         loss_mask=np.asarray(rollout.loss_mask, dtype=bool).tolist() if rollout.loss_mask is not None else [],
         turns=rollout.turns,
         env_metrics=rollout.env_metrics,
+        reward_error=rollout.reward_error,
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
@@ -199,6 +201,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         loss_mask=np.array(msg.loss_mask, dtype=bool) if len(msg.loss_mask) else None,
         turns=msg.turns,
         env_metrics=dict(msg.env_metrics),
+        reward_error=msg.reward_error[:200],
     )
 
 

@@ -115,6 +115,9 @@ def _run(config: RunConfig, out: Path, progress: str) -> dict:
         status = watch(launch, supervisor, console, progress)
         summary["final_status"] = status
         summary["outcome"] = status.get("state", "unknown")
+        if "failure" in status:  # a stop rule failed it (services/orchestrator/stop_rules.py)
+            summary["error"] = f"{status['failure']['rule']}: {status['failure']['reason']}"
+            console.print(f"run failed: {summary['error']}", markup=False, style="red")
     except KeyboardInterrupt:
         summary["outcome"] = "interrupted"
         console.print("[yellow]interrupted: stopping every service[/]")

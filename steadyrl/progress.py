@@ -13,6 +13,7 @@ from steadyrl.processes import Launch
 from steadyrl.supervisor import Supervisor
 
 PROGRESS = ("auto", "rich", "plain", "none")
+ENDED = ("finished", "stopped", "failed")  # the run's final states (services/orchestrator/orchestrator.py)
 
 
 def progress_rows(status: dict, metrics: list[dict], evals: list[dict], steps: int,
@@ -96,13 +97,13 @@ def watch(launch: Launch, supervisor: Supervisor, console, progress: str) -> dic
                     live.update(render(rows, status.get("state", "?")))
                 else:
                     live.update(rows, int(metrics[-1].get("step", 0)) if metrics else 0, len(evals),
-                                status.get("state") in ("finished", "stopped"))
+                                status.get("state") in ENDED)
             if status.get("state") == "finished" and not caught_up(status, replicas):
                 caught_up_wait = caught_up_wait or time.monotonic()
                 if time.monotonic() - caught_up_wait < 15:  # let every replica report the last version
                     time.sleep(0.5)
                     continue
-            if status.get("state") in ("finished", "stopped"):
+            if status.get("state") in ENDED:
                 return status
             time.sleep(0.5)
 

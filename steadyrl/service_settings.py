@@ -21,7 +21,7 @@ from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig
 # `steadyrl run`, compose and the manifests set these; everything else comes from the recipe.
 DEPLOYMENT_FIELDS = frozenset({
     "host", "port", "metrics_port", "http_port", "grpc_port", "redis_url", "redis_password_file", "model_path",
-    "out_dir", "spill_dir", "shm_dir", "store_port", "advertise_host", "weightsync_address", "trainer_address",
+    "out_dir", "spill_dir", "shm_dir", "weightsync_address", "trainer_address",
     "orchestrator_address", "replica_id", "token_file", "signing_key_file", "verify_key_file", "weight_transport",
     "weight_transports",
     "pool", "quantization", "quantize_router", "quantize_activations", "consumer",

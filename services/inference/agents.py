@@ -225,7 +225,8 @@ class Endpoint:
             raise TrajectoryError("env_error", f"the agent exited {status}{after}: {err[-300:]}")
         lines = [line for line in out.splitlines() if line.strip()]
         trajectory = _recorded(session, "the agent")
-        trajectory.reward = await asyncio.to_thread(_score, task.task_name, lines[-1] if lines else "", task.answer)
+        trajectory.reward, trajectory.reward_error = await asyncio.to_thread(_score, task.task_name,
+                                                                             lines[-1] if lines else "", task.answer)
         trajectory.finish_reason, trajectory.env_metrics = "done", {"model_calls": float(trajectory.turns)}
         return trajectory
 
@@ -337,10 +338,11 @@ def _recorded(session: Session, who: str) -> Trajectory:
     return session.trajectory
 
 
-def _score(reward: str, answer: str, reference: str) -> float:
+def _score(reward: str, answer: str, reference: str) -> tuple[float, str]:
+    """(reward, why it could not be scored: '' when it was)."""
     from shared.tasks import resolve_reward, score
 
-    return score(resolve_reward(reward), answer, reference)[0]
+    return score(resolve_reward(reward), answer, reference)
 
 
 def _completion(session: Session, text: str, sample, tokenizer, logprobs: bool) -> dict:

@@ -110,7 +110,7 @@ def encode_trajectories(task, trajectories: list[Trajectory], replica_id: str, e
             prompt_token_ids=t.prompt_token_ids, completion_token_ids=arrays["completion_token_ids"].tolist(),
             inference_logprobs=arrays["inference_logprobs"].tolist(), policy_versions=t.versions,
             loss_mask=t.loss_mask, reward=float(t.reward), finish_reason=t.finish_reason, replica_id=replica_id,
-            engine=engine, is_eval=task.is_eval, turns=t.turns, env_metrics=t.env_metrics,
+            engine=engine, is_eval=task.is_eval, turns=t.turns, env_metrics=t.env_metrics, reward_error=t.reward_error,
             timings=rollout_pb2.RolloutTimings(**vars(timings)),
         )
         if t.routing_trace is not None:

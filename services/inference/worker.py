@@ -290,7 +290,7 @@ class RolloutWorker:
             if not task.run_id:
                 task.run_id = self.queue.run_id
             return encode_samples(task, samples, [s.value for s in scores], self.replica_id, self.engine.name,
-                                  timings)
+                                  timings, [s.reason for s in scores])
         except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is handed back
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)

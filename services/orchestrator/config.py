@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.orchestrator.stop_rules import StopRules
 from shared.redis_client import RedisSettings
 from shared.sampling import check_temperature
 from shared.settings import StepShape, TrackingSettings
@@ -105,6 +106,8 @@ class OrchestratorSettings(RedisSettings, StepShape):
 
     steps: int = Field(0, ge=0)
     """Global steps of the run (0 = until stopped)."""
+    stop: StopRules = StopRules()
+    """When a run that can only fail is failed (services/orchestrator/stop_rules.py)."""
     temperature: float = 1.0
     """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/sampling.py)."""
     top_p: float = Field(1.0, gt=0, le=1)

@@ -11,8 +11,9 @@ version at submission, so no rollout is ever more than max_staleness versions be
 trained. Progress and evaluations follow the trainer's steps (a restarted trainer may number its
 versions past the steps it lost; see services/trainer/trainer.py).
 
-Run state: created → running ⇄ paused → finished; stop from any of the first three. Every
-transition is one atomic Redis script, and `stopped` and `finished` are final.
+Run state: created → running ⇄ paused → finished; stop from any of the first three; failed (a
+stop rule: `stop_rules.py`) from running or paused. Every transition is one atomic Redis script,
+and `stopped`, `finished` and `failed` are final.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 
@@ -31,6 +33,7 @@ from services.orchestrator.control import REPLY_MARGIN_SECONDS, Bounded, RedisUn
 from services.orchestrator.data import TRAIN_ID, Tasks
 from services.orchestrator.evals import EvalRounds
 from services.orchestrator.recovery import RedisWatch
+from services.orchestrator.stop_rules import StopWatch, Verdict
 from shared.keys import RunField, RunKeys
 from shared.ledger import Ledger
 from shared.queues import WorkQueue, given_up, now_ms
@@ -46,10 +49,11 @@ TRAINER_VERSION = Gauge("steadyrl_orchestrator_trainer_version", "Trainer versio
 TRAINER_STEP = Gauge("steadyrl_orchestrator_trainer_step", "Trainer global steps seen")
 QUEUE_DEPTH = Gauge("steadyrl_orchestrator_queue_depth", "Work queue", ["state"])
 
-STATES = ("created", "running", "paused", "stopped", "finished")
+STATES = ("created", "running", "paused", "stopped", "finished", "failed")
 TRANSITIONS = {"start": (("created", "paused"), "running"), "pause": (("running",), "paused"),
                "resume": (("paused",), "running"), "stop": (("created", "running", "paused"), "stopped"),
-               "finish": (("running",), "finished")}
+               "finish": (("running",), "finished"), "fail": (("running", "paused"), "failed")}
+RUN_FAILED = Gauge("steadyrl_orchestrator_run_failed", "1 once a stop rule failed the run, by rule", ["rule"])
 STATUS_EVERY_MS = 2000  # the loop reads the status at least this often (the control plane's fallback)
 
 # KEYS: run hash; ARGV: target, now_ms, deadline_ms (Redis's clock), allowed states... Returns
@@ -90,6 +94,7 @@ class Orchestrator:
         self._channel = self._trainer = None  # grpc.aio: made in the event loop, on first use
         self.bounded = Bounded(settings.control_timeout_seconds)  # the control plane's bound and last status
         self.recovery = RedisWatch(settings, redis, self.queue, self.ledger, self.tasks, lambda: self.trainer_version)
+        self.stop_watch = StopWatch(settings.stop)
 
     # --- run state ------------------------------------------------------------------------------
 
@@ -210,6 +215,9 @@ class Orchestrator:
         await self.sweep()
         await self.count_dead()
         await self.evals.collect()
+        if state == "running" and (verdict := await self.judge()) is not None:
+            await self.fail(verdict)
+            state = "failed"
         if state == "running":
             await self.evals.schedule(self.trainer_step, self.trainer_version)
             if await self.evals.baseline_written():  # the step-0 eval runs on version 0 alone
@@ -225,6 +233,26 @@ class Orchestrator:
         if now_ms() - self.bounded.last_status_ms >= STATUS_EVERY_MS:  # what GET /v1/run shows if Redis freezes
             await self.bounded.measure_clock(self.redis)
             self.bounded.keep(await self.status())
+
+    async def judge(self) -> Verdict | None:
+        """The stop rules on this tick's counts (stop_rules.py)."""
+        p = await self.progress()
+        return self.stop_watch.observe(time.monotonic(), p["trained"], p["dead"], self.trainer_step,
+                                       self.trainer_metrics)
+
+    async def fail(self, verdict: Verdict) -> None:
+        """Fail the run with the verdict's reason (written first, in the run hash: GET /v1/run shows
+        it with the failed state)."""
+        await self.redis.hset(self.keys.run, RunField.FAILURE, json.dumps({"rule": verdict.rule,
+                                                                           "reason": verdict.reason}))
+        try:
+            await self.transition("fail")
+        except TransitionRefused as exc:  # stopped or finished meanwhile: theirs stands
+            await self.redis.hdel(self.keys.run, RunField.FAILURE)
+            log.info("event=fail_refused state=%s rule=%s", exc.state, verdict.rule)
+            return
+        RUN_FAILED.labels(verdict.rule).set(1)
+        log.error("event=run_failed run=%s rule=%s reason=%s", self.settings.run_id, verdict.rule, verdict.reason)
 
     async def run(self, stop: asyncio.Event) -> None:
         created = await self.redis.hsetnx(self.keys.run, RunField.CREATED_UNIX_MS, now_ms())
@@ -252,8 +280,10 @@ class Orchestrator:
     async def status(self) -> dict:
         depths = await self.queue.depths()
         replicas = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.replicas)).items()}
+        state = await self.state()
+        failure = await self.field(RunField.FAILURE) if state == "failed" else ""
         return {
-            "run_id": self.settings.run_id, "state": await self.state(), "trainer_version": self.trainer_version,
+            "run_id": self.settings.run_id, "state": state, "trainer_version": self.trainer_version,
             "trainer_step": self.trainer_step, "replica_versions": replicas, "progress": await self.progress(),
             "queue": dataclasses.asdict(depths),
             "dead_letters": {"tasks": await self.queue.dead_counts(),
@@ -263,6 +293,7 @@ class Orchestrator:
                           if k in self.trainer_metrics},
             "last_metrics": self.trainer_metrics,
             "evals": self.evals.accuracies(),
+            **({"failure": json.loads(failure)} if failure else {}),
             **({"policy_evals": self.evals.accuracies(policy=True)} if self.settings.policy_eval else {}),
         }
 

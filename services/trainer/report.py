@@ -27,6 +27,13 @@ STALL_AFTER = Gauge("steadyrl_trainer_stall_alert_seconds",
                     "Seconds without a finished step after which SteadyrlTrainerStalled fires (trainer.stall_alert_seconds)")
 
 
+def reward_metrics(rollouts) -> dict[str, float]:
+    """The share of a step's rollouts whose reward could not score them (`reward_failures`: a
+    reward that raises, hangs or returns no finite number scores 0; the orchestrator's stop rules
+    fail a run where this stays high)."""
+    return {"reward_failures": sum(bool(r.reward_error) for r in rollouts) / max(len(rollouts), 1)}
+
+
 def trajectory_metrics(rollouts) -> dict[str, float]:
     """A step's multi-turn diagnostics over its trajectories (none when it has none): model turns
     (`turns_mean`), model tokens per turn, the share of completion tokens the environment wrote,

@@ -30,7 +30,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
 from services.trainer.publisher import VersionPublisher
-from services.trainer.report import StepLog, trajectory_metrics
+from services.trainer.report import StepLog, reward_metrics, trajectory_metrics
 from services.trainer.steps import PendingSave, StepRunner
 from services.trainer.stream import RedisRolloutSource
 
@@ -166,7 +166,8 @@ class Trainer:
             seconds = time.perf_counter() - started
             metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
                            tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
-                           dropped_stale=self.state.counters.get("dropped_stale", 0), **trajectory_metrics(rollouts))
+                           dropped_stale=self.state.counters.get("dropped_stale", 0), **reward_metrics(rollouts),
+                           **trajectory_metrics(rollouts))
             # the step's line before the checkpoint that acknowledges its rollouts: a step that
             # survives has its line (one the crash takes back is cut on resume: StepLog.resume)
             self.steplog.record(metrics, len(rollouts), self.runner.recipe)

@@ -38,10 +38,6 @@ class WeightSyncSettings(BaseSettings, VerifiedWeights):
     """Largest total size of one version (a bigger manifest is refused before any byte)."""
     shm_dir: Path = Path("/dev/shm/steadyrl")
     """Versions announced through shared memory must be files under this directory (same host)."""
-    store_port: int = Field(0, ge=0, le=65535)
-    """Port of the rendezvous store of collective groups (0 = any free port)."""
-    advertise_host: str = ""
-    """Host members dial for the store (empty = `host`, or 127.0.0.1 when binding 0.0.0.0)."""
     collective_timeout_seconds: float = Field(60.0, gt=0)
     """Bound on forming a collective group and on one broadcast; a member slower than this leaves."""
     bucket_bytes: int = Field(256 * 1024 * 1024, ge=64 * 1024)

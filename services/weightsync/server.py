@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.members import COLLECTIVE, GRPC, SHM, Membership, Subscriber
+from services.weightsync.rendezvous import RendezvousError
 from services.weightsync.store import VersionStore
 from services.weightsync.transfers import Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
@@ -189,6 +190,31 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         """How a collective went for the trainer or a member: a failure ends the epoch."""
         self.transfers.report(request)
         return common_pb2.Empty()
+
+    async def RendezvousPut(self, request, context):
+        try:
+            self.transfers.rendezvous.put(request.epoch, request.rendezvous, request.key, request.value)
+        except RendezvousError as exc:
+            await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return common_pb2.Empty()
+
+    async def RendezvousWait(self, request, context):
+        try:
+            value = await self.transfers.rendezvous.wait_async(request.epoch, request.rendezvous, request.key,
+                                                               request.timeout_seconds)
+        except RendezvousError as exc:
+            await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except TimeoutError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        return pb.RendezvousValue(value=value)
+
+    async def RendezvousAdd(self, request, context):
+        try:
+            total = self.transfers.rendezvous.add(request.epoch, request.rendezvous, request.key,
+                                                  int(request.value or b"0"))
+        except (RendezvousError, ValueError) as exc:
+            await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return pb.RendezvousValue(value=str(total).encode())
 
     async def Pull(self, request, context):
         started = time.perf_counter()

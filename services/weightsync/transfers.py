@@ -1,6 +1,7 @@
 """The bytes that reach this service off the gRPC push path: a shared-memory file the trainer
 wrote (this service reads it to serve pulls), or a collective broadcast it takes part in as
-rank 1 of each membership epoch (`members.py`), receiving, verifying and keeping the version."""
+rank 1 of each membership epoch (`members.py`), receiving, verifying and keeping the version.
+Each epoch's group forms through this service's own rendezvous (`rendezvous.py`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.members import COLLECTIVE, SHM, Membership
+from services.weightsync.rendezvous import Rendezvous
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
@@ -33,9 +35,9 @@ class Transfers:
                  stored: Callable[[pb.WeightManifest, frozenset[str]], None]) -> None:
         self.settings, self.store, self.members, self.stored = settings, store, members, stored
         self.host = socket.gethostname()
-        self.store_address = ""  # the collective rendezvous store, hosted here once asked for
-        self._rendezvous = None
-        self._groups = None
+        self.rendezvous = Rendezvous(settings.collective_timeout_seconds)
+        self._groups = None  # rank 1's groups, made on the first collective (torch.distributed imported then)
+        self._staging = None
         self._receiving: asyncio.Task | None = None
 
     def latest(self) -> int:
@@ -71,8 +73,9 @@ class Transfers:
         epoch = self.members.epoch_for_announce()
         nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
         first = 1 if nccl else 2
+        self._start_groups()
         transport = pb.Transport(kind=COLLECTIVE, epoch=epoch.number, world_size=first + len(epoch.members), rank=0,
-                                 store_address=self._store(), bucket_bytes=self.settings.bucket_bytes,
+                                 rendezvous=self.rendezvous.open(epoch.number), bucket_bytes=self.settings.bucket_bytes,
                                  backend="nccl" if nccl else "gloo",
                                  timeout_seconds=self.settings.collective_timeout_seconds)
         EPOCH.set(epoch.number)
@@ -91,28 +94,16 @@ class Transfers:
             mine.CopyFrom(transport)
             mine.rank = 1
             self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
-        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d store=%s",
-                 manifest.version, epoch.number, len(epoch.members), transport.store_address)
+        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d", manifest.version,
+                 epoch.number, len(epoch.members))
         return pb.AnnounceReply(version=version.version, transport=transport)
 
-    def _store(self) -> str:
-        """The rendezvous store of the collective groups (started on first use)."""
-        if self._rendezvous is None:
-            import datetime
-
-            import torch.distributed as dist
-
+    def _start_groups(self) -> None:
+        if self._groups is None:
             from shared.weightsync.collective import Groups, Staging
 
-            host = self.settings.advertise_host or (self.settings.host if self.settings.host != "0.0.0.0"
-                                                     else "127.0.0.1")
-            timeout = datetime.timedelta(seconds=self.settings.collective_timeout_seconds)
-            self._rendezvous = dist.TCPStore(self.settings.host, self.settings.store_port, None, True, timeout=timeout,
-                                             wait_for_workers=False)
-            self.store_address = f"{host}:{self._rendezvous.port}"
-            self._groups = Groups()
+            self._groups = Groups(self.rendezvous)  # rank 1 reaches the rendezvous in process
             self._staging = Staging()  # what arrives is copied out before the next version: one set serves all
-        return self.store_address
 
     async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
         """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends

@@ -42,7 +42,7 @@ def rollouts_from_samples(task, samples, rewards: list[float], replica_id: str, 
 
 
 def encode_samples(task, samples, rewards: list[float], replica_id: str, engine: str,
-                   timings: RolloutTimings) -> list[bytes]:
+                   timings: RolloutTimings, reward_errors: list[str] | None = None) -> list[bytes]:
     """`[encode_rollout(r) for r in rollouts_from_samples(...)]` without the Rollout objects, in
     about half the time: what the G rollouts of a task share is serialized once, and each rollout
     is that prefix followed by its own fields (protobuf merges concatenated messages; the two
@@ -53,11 +53,12 @@ def encode_samples(task, samples, rewards: list[float], replica_id: str, engine:
         timings=rollout_pb2.RolloutTimings(**vars(timings)),
     ).SerializeToString()
     out = []
-    for index, (sample, reward) in enumerate(zip(samples, rewards, strict=True)):
+    errors = reward_errors or [""] * len(samples)
+    for index, (sample, reward, error) in enumerate(zip(samples, rewards, errors, strict=True)):
         own = rollout_pb2.Rollout(
             rollout_id=f"{task.task_id}:{index}", sample_index=index, completion_token_ids=sample.token_ids,
             inference_logprobs=sample.logprobs, policy_versions=sample.versions, reward=float(reward),
-            finish_reason=sample.finish_reason,
+            finish_reason=sample.finish_reason, reward_error=error[:200],
         )
         if sample.routing_trace is not None:
             own.routing_trace.CopyFrom(trace_message(sample.routing_trace, sample.num_experts))

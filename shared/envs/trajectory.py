@@ -69,6 +69,7 @@ class Trajectory:
     routing_trace: np.ndarray | None = None  # [P + C − 1, layers, top_k] when the engine gives traces
     num_experts: int = 0
     env_metrics: dict[str, float] = field(default_factory=dict)  # Step.info summed over the steps
+    reward_error: str = ""  # why the task's reward could not score it (then 0); empty when it did
 
     def add(self, tokens: list[int], model: bool, logprobs: list[float] | None = None,
             versions: list[int] | None = None) -> None:

@@ -1,9 +1,10 @@
 """The `collective` transport: the trainer's publishing rank broadcasts the version, in buckets, to
 the members of a group — the weight-sync service (which keeps every version for gRPC pulls) and
 the replicas that joined. Groups are torch.distributed process groups (gloo on CPU, nccl on GPU)
-formed per *membership epoch* through a TCP store the service hosts; forming and broadcasting are
-bounded by a timeout, so a member that dies costs the trainer one timeout at most. A collective
-that fails falls back to a gRPC push of the same version."""
+formed per *membership epoch* through the epoch's rendezvous at the service (`RendezvousStore`:
+its authenticated gRPC methods, a key space only the epoch's members learn); forming and
+broadcasting are bounded by a timeout, so a member that dies costs the trainer one timeout at
+most. A collective that fails falls back to a gRPC push of the same version."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from collections.abc import Iterator, Mapping
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
 from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.manifest import PIECE_BYTES, WeightError, describe, digest, pieces
@@ -39,25 +42,85 @@ def buckets(manifest: pb.WeightManifest, bucket_bytes: int) -> list[list[int]]:
     return [b for b in plan if b]
 
 
-class Groups:
-    """One member's process groups, one per membership epoch, formed through the service's TCP
-    store within the transport's timeout. Only the newest epoch is kept."""
+class RendezvousStore(dist.Store):
+    """A torch.distributed store over one collective epoch's rendezvous at the weight-sync service
+    (`services/weightsync/rendezvous.py`): the group's members exchange their addresses there, in
+    a key space only they know, behind the deployment's token — no store port anyone can reach.
+    `rendezvous` is either the service's own `Rendezvous` (rank 1, in its process) or the
+    service's address (every other member, through its gRPC methods)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rendezvous, transport: pb.Transport) -> None:
+        super().__init__()
+        self.epoch, self.name = transport.epoch, transport.rendezvous
+        self.seconds = transport.timeout_seconds or 60
+        self.local = None if isinstance(rendezvous, str) else rendezvous
+        self.channel = self.stubs = None
+        if self.local is None:
+            from shared.rpc import channel_options
+            from shared.rpc.auth import token_from_env
+            from shared.rpc.tls import sync_channel, tls_from_env
+
+            self.channel = sync_channel(rendezvous, options=channel_options(), tls=tls_from_env())
+            token = token_from_env()
+            self.metadata = [("authorization", f"Bearer {token}")] if token else None
+            self.stubs = weightsync_pb2_grpc.WeightSyncStub(self.channel)
+
+    def _key(self, key: str, value: bytes = b"", timeout: float = 0.0) -> pb.RendezvousKey:
+        return pb.RendezvousKey(epoch=self.epoch, rendezvous=self.name, key=key, value=value, timeout_seconds=timeout)
+
+    def set(self, key: str, value) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        if self.local is not None:
+            return self.local.put(self.epoch, self.name, key, value)
+        self.stubs.RendezvousPut(self._key(key, value), metadata=self.metadata, timeout=self.seconds)
+
+    def get(self, key: str) -> bytes:
+        if self.local is not None:
+            return self.local.wait(self.epoch, self.name, key, self.seconds)
+        reply = self.stubs.RendezvousWait(self._key(key, timeout=self.seconds), metadata=self.metadata,
+                                          timeout=self.seconds + 5)
+        return reply.value
+
+    def add(self, key: str, amount: int) -> int:
+        if self.local is not None:
+            return self.local.add(self.epoch, self.name, key, amount)
+        reply = self.stubs.RendezvousAdd(self._key(key, str(amount).encode()), metadata=self.metadata,
+                                         timeout=self.seconds)
+        return int(reply.value)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        for key in keys:
+            self.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        if self.local is not None:
+            return all(self.local._get(self.epoch, self.name, key) is not None for key in keys)
+        try:
+            for key in keys:
+                self.stubs.RendezvousWait(self._key(key, timeout=0.0), metadata=self.metadata, timeout=self.seconds)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.seconds = timeout.total_seconds()
+
+
+class Groups:
+    """One member's process groups, one per membership epoch, formed through the epoch's
+    rendezvous at the weight-sync service (`rendezvous`: its address, or in the service itself its
+    `Rendezvous`) within the transport's timeout. Only the newest epoch is kept."""
+
+    def __init__(self, rendezvous="") -> None:
+        self.rendezvous = rendezvous
         self.epoch: int | None = None
         self.group = None
-        self._stores: dict[str, object] = {}
 
     def get(self, transport: pb.Transport, rank: int):
         if self.epoch == transport.epoch and self.group is not None:
             return self.group
-        import torch.distributed as dist
-
         timeout = datetime.timedelta(seconds=transport.timeout_seconds or 60)
-        if transport.store_address not in self._stores:
-            host, port = transport.store_address.rsplit(":", 1)
-            self._stores[transport.store_address] = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-        store = dist.PrefixStore(f"steadyrl/weights/{transport.epoch}/", self._stores[transport.store_address])
+        store = RendezvousStore(self.rendezvous, transport)
         self.group, self.epoch = None, None
         if transport.backend == "nccl":
             group = dist.ProcessGroupNCCL(store, rank, transport.world_size, dist.ProcessGroupNCCL.Options())
@@ -174,10 +237,10 @@ class CollectiveDelivery(Delivery):
 
     transport = "collective"
 
-    def __init__(self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups | None = None,
+    def __init__(self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups,
                  ring: Staging | None = None) -> None:
         super().__init__(manifest)
-        self.spec, self.groups, self.ring = transport, groups or Groups(), ring
+        self.spec, self.groups, self.ring = transport, groups, ring
 
     def buckets(self) -> Iterator[Bucket]:
         try:
@@ -188,7 +251,7 @@ class CollectiveDelivery(Delivery):
 
     def worker_update(self) -> dict:
         return {"transport": "collective", "spec": self.spec.SerializeToString(),
-                "manifest": self.manifest.SerializeToString()}
+                "manifest": self.manifest.SerializeToString(), "address": self.groups.rendezvous}
 
 
 class CollectiveWeightPublisher(WeightPublisher):
@@ -197,7 +260,7 @@ class CollectiveWeightPublisher(WeightPublisher):
 
     def __init__(self, grpc_publisher: GrpcWeightPublisher) -> None:
         self.grpc = grpc_publisher
-        self.groups = Groups()
+        self.groups = Groups(grpc_publisher.address)
         self.staging = Staging()  # the buckets are filled from the tensors each version: one set serves all
 
     async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,

@@ -36,6 +36,7 @@ log = logging.getLogger("steadyrl.weightsync.client")
 class GrpcWeightPublisher(WeightPublisher):
     def __init__(self, address: str, signer=None, chunk_bytes: int = 1024 * 1024,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.address = address
         self.channel = auth_channel(address, options=channel_options(max_message_bytes))
         self.stub = weightsync_pb2_grpc.WeightSyncStub(self.channel)
         self.signer, self.chunk_bytes = signer, chunk_bytes  # a signing.Signer: only the trainer has one

@@ -68,7 +68,7 @@ class GrpcWeightSubscriber(WeightSubscriber):
         self.refused = 0  # the newest version refused as corrupt (never asked for again)
         self.wire_bytes = 0
         self.reconnects = 0
-        self.groups, self.ring = Groups(), Staging()  # an in-process collective member's group and ring
+        self.groups, self.ring = Groups(address), Staging()  # an in-process collective member's group and ring
 
     @property
     def version(self) -> int:

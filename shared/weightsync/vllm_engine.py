@@ -36,7 +36,7 @@ class SteadyrlUpdate(WeightTransferUpdateInfo):
     manifest: bytes = b""
     path: str = ""  # shm
     spec: bytes = b""  # collective: the pb.Transport of the epoch (store, epoch, rank, world, buckets)
-    address: str = ""  # grpc
+    address: str = ""  # grpc: where to pull; collective: the weight-sync service holding the rendezvous
     version: int = 0  # grpc
 
 
@@ -47,7 +47,7 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.groups, self.ring = Groups(), Staging()
+        self.groups, self.ring = Groups(), Staging()  # the rendezvous: the address each collective update names
         self.status = Status()
         self.packed: PackedExperts | None = None
         self._skeleton = None
@@ -100,6 +100,7 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
             return batched(shm_views(mapped, header, start, manifest))
         if info.transport == "collective":
             spec = pb.Transport.FromString(info.spec)
+            self.groups.rendezvous = info.address  # weight-sync's, which holds the epoch's rendezvous
 
             def received():
                 try:

@@ -100,26 +100,46 @@ class PushReply(_message.Message):
     def __init__(self, version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class Transport(_message.Message):
-    __slots__ = ("kind", "shm_path", "epoch", "world_size", "rank", "store_address", "bucket_bytes", "backend", "timeout_seconds")
+    __slots__ = ("kind", "shm_path", "epoch", "world_size", "rank", "bucket_bytes", "backend", "timeout_seconds", "rendezvous")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
-    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     kind: WeightTransportKind
     shm_path: str
     epoch: int
     world_size: int
     rank: int
-    store_address: str
     bucket_bytes: int
     backend: str
     timeout_seconds: float
-    def __init__(self, kind: _Optional[_Union[WeightTransportKind, str]] = ..., shm_path: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., store_address: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    rendezvous: str
+    def __init__(self, kind: _Optional[_Union[WeightTransportKind, str]] = ..., shm_path: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+
+class RendezvousKey(_message.Message):
+    __slots__ = ("epoch", "rendezvous", "key", "value", "timeout_seconds")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    rendezvous: str
+    key: str
+    value: bytes
+    timeout_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., rendezvous: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RendezvousValue(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
 
 class AnnounceRequest(_message.Message):
     __slots__ = ("manifest", "transport")

@@ -71,6 +71,21 @@ class WeightSyncStub:
                 request_serializer=steadyrl_dot_v1_dot_weightsync__pb2.TransferReport.SerializeToString,
                 response_deserializer=steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.RendezvousPut = channel.unary_unary(
+                '/steadyrl.v1.WeightSync/RendezvousPut',
+                request_serializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RendezvousWait = channel.unary_unary(
+                '/steadyrl.v1.WeightSync/RendezvousWait',
+                request_serializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousValue.FromString,
+                _registered_method=True)
+        self.RendezvousAdd = channel.unary_unary(
+                '/steadyrl.v1.WeightSync/RendezvousAdd',
+                request_serializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousValue.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServicer:
@@ -118,6 +133,26 @@ class WeightSyncServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RendezvousPut(self, request, context):
+        """The rendezvous of collective epochs, behind the deployment's token: no store port of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RendezvousWait(self, request, context):
+        """DEADLINE_EXCEEDED past its timeout
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RendezvousAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +190,21 @@ def add_WeightSyncServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.TransferReport.FromString,
                     response_serializer=steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'RendezvousPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.RendezvousPut,
+                    request_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'RendezvousWait': grpc.unary_unary_rpc_method_handler(
+                    servicer.RendezvousWait,
+                    request_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousValue.SerializeToString,
+            ),
+            'RendezvousAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.RendezvousAdd,
+                    request_deserializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_weightsync__pb2.RendezvousValue.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +396,87 @@ class WeightSync:
             '/steadyrl.v1.WeightSync/Report',
             steadyrl_dot_v1_dot_weightsync__pb2.TransferReport.SerializeToString,
             steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RendezvousPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.WeightSync/RendezvousPut',
+            steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.SerializeToString,
+            steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RendezvousWait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.WeightSync/RendezvousWait',
+            steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.SerializeToString,
+            steadyrl_dot_v1_dot_weightsync__pb2.RendezvousValue.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RendezvousAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.WeightSync/RendezvousAdd',
+            steadyrl_dot_v1_dot_weightsync__pb2.RendezvousKey.SerializeToString,
+            steadyrl_dot_v1_dot_weightsync__pb2.RendezvousValue.FromString,
             options,
             channel_credentials,
             insecure,
