@@ -26,9 +26,9 @@ for i = 1, tonumber(ARGV[4]) do
     table.insert(out, redis.call('HGET', KEYS[5], id) or '0')
   else
     local stamp = redis.call('HGET', KEYS[6], id)
-    local code, reason = 'no_record', 'no_record: a pending task id without a task record'
+    local code, reason = 'no_record', 'a pending task id without a task record'
     if stamp then
-      code, reason = 'duplicate', 'duplicate: pending again after the lease ' .. stamp .. ' completed it'
+      code, reason = 'duplicate', 'pending again after the lease ' .. stamp .. ' completed it'
     end
     redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[5], '*', 'task_id', id, 'code', code, 'reason', reason,
       'task', '', 'replica', ARGV[3])
@@ -95,7 +95,7 @@ for _, id in ipairs(ids) do
     local message = 'lease expired or failed ' .. attempts .. ' times (last replica ' .. owner .. ')'
     if last then message = message .. '; last error: ' .. last end
     redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[3], '*', 'task_id', id, 'code', 'attempts',
-      'reason', 'attempts: ' .. message, 'task', task)
+      'reason', message, 'task', task)
     redis.call('HINCRBY', KEYS[8], 'attempts', 1)
     redis.call('HDEL', KEYS[5], id)
     redis.call('HDEL', KEYS[3], id)
@@ -118,7 +118,7 @@ DEAD_LETTER = """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
 local task = redis.call('HGET', KEYS[1], ARGV[1]) or ''
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'task_id', ARGV[1], 'code', ARGV[3],
-  'reason', ARGV[3] .. ': ' .. ARGV[4], 'task', task, 'replica', ARGV[2])
+  'reason', ARGV[4], 'task', task, 'replica', ARGV[2])
 redis.call('HINCRBY', KEYS[7], ARGV[3], 1)
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])

@@ -19,6 +19,21 @@ def exit_code(outcome: str | None) -> int:
     return EXIT_CODES.get(outcome or "", EXIT_CODES["failed"])
 
 
+def tracking_status(out) -> dict[str, dict[str, str]]:
+    """What became of each service's tracking backends (`ok`, or why one was dropped), from the
+    `tracking.json` each service writes beside its records; {} without tracking."""
+    from shared.tracking import STATUS_FILE
+
+    found = {}
+    for service in ("trainer", "orchestrator"):
+        path = out / service / STATUS_FILE
+        try:
+            found[service] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def finish(launch: Launch, summary: dict) -> None:
     """Copy the run's records next to each other, write summary.json, plots and the final model."""
     out = launch.out
@@ -37,6 +52,8 @@ def finish(launch: Launch, summary: dict) -> None:
         eval_start=evals[0]["accuracy"] if evals else None, eval_end=evals[-1]["accuracy"] if evals else None,
         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
     )
+    if tracking := tracking_status(out):
+        summary["tracking"] = tracking
     if policy_evals:  # π's rounds (orchestrator.policy_eval)
         summary.update(policy_eval_start=policy_evals[0]["accuracy"], policy_eval_end=policy_evals[-1]["accuracy"],
                        policy_evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in policy_evals])

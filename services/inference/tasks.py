@@ -25,9 +25,11 @@ RENEW_ERRORS = Counter("steadyrl_inference_lease_renew_errors_total", "Lease ren
 
 
 class BadTask(ValueError):
+    """A task that can never be served here: a reason code and its message."""
+
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code, self.message = code, message
 
 
 def prompt_ids(task, tokenizer) -> list[int]:

@@ -167,7 +167,7 @@ class RolloutWorker:
             try:
                 checked = check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards)
             except BadTask as exc:
-                await self._give_up(lease, exc.code, str(exc))
+                await self._give_up(lease, exc.code, exc.message)
                 return
             if not await self._version_ready(checked):
                 return
@@ -220,7 +220,7 @@ class RolloutWorker:
             return await play_group(self.engine, self.tokenizer, checked, self.return_traces, self.replica_id,
                                     self.queue.run_id, leased_ms, self.rate)
         except TrajectoryError as exc:
-            await self._give_up(lease, exc.code, str(exc))
+            await self._give_up(lease, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - any engine failure hands the task back
             ENGINE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=generation_failed task=%s error=%s", lease.task_id, exc)
@@ -229,7 +229,7 @@ class RolloutWorker:
 
     async def _give_up(self, lease: Lease, code: str, message: str) -> None:
         BAD_TASKS.labels(code).inc()
-        log.warning("event=task_dead_lettered task=%s reason=%s", lease.task_id, message)
+        log.warning("event=task_dead_lettered task=%s code=%s reason=%s", lease.task_id, code, message)
         try:
             await self.queue.dead_letter(self.replica_id, lease.task_id, code, message)
             self.held.discard(lease.task_id)

@@ -1,4 +1,5 @@
-"""One bearer token on every gRPC method but health and reflection.
+"""One bearer token on every gRPC method but health (which probes call without one); reflection,
+which lists the services and their methods, wants the token too.
 
 Servers: `start_server(..., token=...)` adds `TokenAuthInterceptor`, which refuses a call without
 `authorization: Bearer <token>` with UNAUTHENTICATED and counts it. Clients: `channel(address)`
@@ -15,7 +16,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import Counter
 
-OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 REFUSED = Counter("steadyrl_rpc_auth_refused_total", "gRPC calls refused for a missing or wrong token", ["service"])
 MESSAGE = "missing or wrong bearer token"
 

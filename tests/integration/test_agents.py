@@ -86,3 +86,4 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(tm
     assert {t: dead[t][b"code"].decode() for t in ("fails", "hangs", "silent")} == \
         {"fails": "env_error", "hangs": "env_timeout", "silent": "env_error"}
     assert b"the agent gave up" in dead["fails"][b"reason"] and b"no model call" in dead["silent"][b"reason"]
+    assert not any(dead[t][b"reason"].startswith(dead[t][b"code"]) for t in dead)  # the code once, in its own field

@@ -1,5 +1,6 @@
 """The bearer token on gRPC: a weight-sync process with STEADYRL_TOKEN refuses every method to a
-caller without it (UNAUTHENTICATED, counted), serves one that has it, and keeps health open."""
+caller without it (UNAUTHENTICATED, counted) — reflection's listing of the services and the
+collective's rendezvous included — serves one that has it, and keeps health open."""
 
 import asyncio
 import os
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.redis_server import free_port
 from shared.rpc.auth import channel
@@ -47,12 +49,15 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
                 async def push():
                     yield pb.PushRequest(manifest=pb.WeightManifest(version=1))
 
-                calls = [stub.Latest(common_pb2.Empty()), stub.List(common_pb2.Empty()), stub.Push(push())]
+                calls = [stub.Latest(common_pb2.Empty()), stub.List(common_pb2.Empty()), stub.Push(push()),
+                         stub.RendezvousPut(pb.RendezvousKey(epoch=1, key="0", value=b"10.0.0.9:1"))]
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     codes.append(err.value.code())
-                for stream in (stub.Pull(pb.PullRequest(version=1)), stub.Watch(pb.WatchRequest())):
+                listing = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                for stream in (stub.Pull(pb.PullRequest(version=1)), stub.Watch(pb.WatchRequest()), listing):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         _ = [m async for m in stream]
                     codes.append(err.value.code())
@@ -62,14 +67,19 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
         await publisher.push({"w": torch.ones(4)}, 1)
         await publisher.close()
         manifest, payloads, _ = await asyncio.to_thread(pull_all, address, 1)  # the sync pull, token from env
-        return codes, manifest, payloads
+        async with channel(address) as ch:
+            replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            services = [s.name async for r in replies for s in r.list_services_response.service]
+        return codes, manifest, payloads, services
 
     monkeypatch.setenv("STEADYRL_TOKEN", TOKEN)
     try:
-        codes, manifest, payloads = asyncio.run(asyncio.wait_for(main(), 60))
-        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 10
+        codes, manifest, payloads, services = asyncio.run(asyncio.wait_for(main(), 60))
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 14
         assert manifest.version == 1 and bytes(payloads[0]) == torch.ones(4).numpy().tobytes()
-        assert refused(metrics) == 10
+        assert refused(metrics) == 14
+        assert "steadyrl.v1.WeightSync" in services  # the token lists them
     finally:
         server.terminate()
         server.wait(20)

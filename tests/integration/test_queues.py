@@ -101,8 +101,9 @@ def test_a_pending_id_without_its_task_is_dead_lettered_with_the_reason(redis_se
         assert [lease.task_id for lease in leases] == ["real"]
         entries = [fields for _, fields in await redis.xrange(queue.keys["dead"])]
         assert [(f[b"task_id"], f[b"code"]) for f in entries] == [(b"done", b"duplicate"), (b"ghost", b"no_record")]
-        assert entries[0][b"reason"] == b"duplicate: pending again after the lease r1|0 completed it"
-        assert entries[1][b"reason"] == b"no_record: a pending task id without a task record"
+        assert (entries[0][b"code"], entries[0][b"reason"]) == (b"duplicate", b"pending again after the lease r1|0 "
+                                                                             b"completed it")
+        assert (entries[1][b"code"], entries[1][b"reason"]) == (b"no_record", b"a pending task id without a task record")
         assert [given_up(f) for f in entries] == [False, True]
         assert await queue.dead_counts() == {"no_record": 1, "duplicate": 1}
         assert (await queue.depths()).pending == 0

@@ -1,6 +1,7 @@
 """W&B (offline) and MLflow (a local store) behind `TrackingSettings`: the real libraries, what
 they were given read back from what they wrote; a backend that fails never stops the scalars."""
 
+import json
 import logging
 import math
 import time
@@ -44,9 +45,12 @@ def test_wandb_and_mlflow_get_every_scalar_per_step(tmp_path, mlflow_store):
 
 
 def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_path, monkeypatch, caplog):
+    from shared.tracking import START_ATTEMPTS
+    from steadyrl.summary import tracking_status
+
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     tracking = TrackingSettings(mlflow_tracking_uri="http://127.0.0.1:9")  # nothing listens on the discard port
-    log = ScalarLog(tmp_path / "tb", tracking, "exp-2", "orchestrator")
+    log = ScalarLog(tmp_path / "tb", tracking, "exp-2", "orchestrator", tmp_path / "orchestrator")
     started = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="steadyrl.tracking"):
         for step in range(3):
@@ -55,7 +59,65 @@ def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_pat
     assert time.monotonic() - started < 60  # close() is bounded (CLOSE_SECONDS); generous on a loaded machine
     assert read_scalars(tmp_path / "tb") == {"eval_accuracy": [(0, 0.0), (1, 0.25), (2, 0.5)]}
     failures = [r.getMessage() for r in caplog.records if "event=tracking_failed" in r.getMessage()]
-    assert len(failures) == 1 and "phase=start" in failures[0]
+    assert len(failures) == START_ATTEMPTS and all("phase=start" in f for f in failures)
+    status = tracking_status(tmp_path)  # what the run's summary.json says of it
+    assert list(status) == ["orchestrator"] and status["orchestrator"]["mlflow"].startswith(
+        f"failed to start ({START_ATTEMPTS} tries): ")
+
+
+def test_two_services_making_the_mlflow_experiment_at_once_both_log(tmp_path, monkeypatch):
+    """Issue 50 item 10: the trainer's and the orchestrator's backends start together on a fresh
+    store; the one whose create loses the race finds the other's experiment and logs to it."""
+    from mlflow import MlflowClient
+
+    from shared.tracking import MlflowBackend
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = f"file://{tmp_path / 'mlruns'}"
+    lookup = MlflowClient.get_experiment_by_name
+
+    def raced(self, name):  # the other service makes the experiment between this one's look and its create
+        found = lookup(self, name)
+        if found is None:
+            MlflowClient(tracking_uri=store).create_experiment(name)
+        return found
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", raced)
+    tracking = TrackingSettings(mlflow_tracking_uri=store, mlflow_experiment="raced")
+    backend = MlflowBackend(tracking, "exp-race", "trainer", {})
+    backend.log(1, {"reward_mean": 0.5})
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", lookup)
+    experiment = MlflowClient(tracking_uri=store).get_experiment_by_name("raced")
+    history = MlflowClient(tracking_uri=store).get_metric_history(backend.run_id, "reward_mean")
+    assert experiment is not None and [(m.step, m.value) for m in history] == [(1, 0.5)]
+
+
+def test_a_backend_that_fails_to_start_once_is_tried_again(tmp_path):
+    from shared.tracking import ExternalBackends
+
+    class Recorder:
+        name = "recorder"
+        logged: list = []
+
+        def log(self, step, scalars):
+            self.logged.append((step, scalars))
+
+        def close(self):
+            pass
+
+    tries = []
+
+    def make():
+        tries.append(1)
+        if len(tries) == 1:
+            raise ConnectionError("the tracking server is still starting")
+        return Recorder()
+
+    backends = ExternalBackends({"recorder": make}, tmp_path / "tracking.json")
+    backends.put(3, {"x": 1.0})
+    backends.close()
+    assert len(tries) == 2 and Recorder.logged == [(3, {"x": 1.0})]
+    assert json.loads((tmp_path / "tracking.json").read_text()) == {"recorder": "ok"}
 
 
 def test_tracking_settings_reach_both_services_and_are_checked(monkeypatch):
