@@ -104,6 +104,16 @@ def test_vllm_updates_in_flight_and_each_token_carries_its_version(tiny_model_di
     assert {"1", "2", "3"} <= set(out["first_token_at"])
 
 
+def test_one_failing_request_fails_alone_on_vllm(probe):
+    """Issue 50 item 2 on the vllm engine: a request whose callback raises fails alone, one with
+    an overflowing temperature is refused before it enters, the others finish."""
+    prompts, out = probe
+    failing = out["one_failing"]
+    assert failing["lengths"] == [10, 10, -1, 10, 10, 10, 10, 10][: len(prompts)], failing
+    assert "callback broke" in failing["error"] and "temperature" in failing["refused"]
+    assert failing["engine_error"] == ""
+
+
 def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_model_dir, redis_server, run_id):
     """gRPC, shm and a gloo broadcast each deliver a version to the vllm engine: its greedy
     outputs and logprobs are then the torch recompute's of exactly that version's weights."""

@@ -41,6 +41,36 @@ def across_an_update(engine, prompt: list[int], version: int, model_dir: str, af
     return vars(sample)
 
 
+def one_failing(engine, prompts: list[list[int]]) -> dict:
+    """Eight requests at once, one of them failing (its streaming callback raises after 3 tokens)
+    and one refused at the door (a temperature that would overflow): the others finish."""
+    from shared.engines import Sampling
+
+    sampling = Sampling(temperature=1.0, max_new_tokens=10, seed=5, ignore_eos=True)
+    calls = []
+
+    def explode(token, logprob, version):
+        calls.append(token)
+        if len(calls) == 3:
+            raise RuntimeError("the caller's callback broke")
+
+    futures = [engine.start(p, sampling, on_token=explode if i == 2 else None, index=i) for i, p in enumerate(prompts)]
+    try:
+        engine.start(prompts[0], Sampling(temperature=1e-40))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    out = {"refused": refused, "lengths": [], "error": ""}
+    for future in futures:
+        try:
+            out["lengths"].append(len(future.result(300).token_ids))
+        except RuntimeError as exc:
+            out["lengths"].append(-1)
+            out["error"] = str(exc)
+    out["engine_error"] = repr(engine.error) if engine.error else ""
+    return out
+
+
 def main() -> None:
     from shared.engines import Sampling, make_engine
 
@@ -59,6 +89,7 @@ def main() -> None:
     out["between_requests"] = across_an_update(engine, prompts[1], 3, model_dir)
     out["after"] = vars(engine.generate(prompts[:1], Sampling(max_new_tokens=4))[0])
     out["first_token_at"] = engine.first_token_at
+    out["one_failing"] = one_failing(engine, prompts)
     try:
         engine.generate(prompts, Sampling(), return_trace=True)
         out["trace_error"] = ""
