@@ -54,7 +54,8 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
     assert result["ratios"]["two_over_one"]["torch"] == {
         t: round(refit["1"][t]["seconds"] / refit["2"][t]["seconds"], 3) for t in TRANSPORTS}
     assert result["ratios"]["shm_to_memcpy"]["torch"] == refit["1"]["shm"]["to_memcpy"]
-    assert result["ratios"]["shm_to_floor"]["torch"] == round(floor / refit["1"]["shm"]["seconds"], 3)
+    assert result["ratios"]["shm_to_floor"]["torch"] == pytest.approx(floor / refit["1"]["shm"]["seconds"],
+                                                                       abs=2e-3)  # from the rounded sides
     lines = markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
                       "date": "d", "benchmarks": {"weightsync": result}}).splitlines()
     rows = [line for line in lines if "refit, torch" in line]
