@@ -31,9 +31,12 @@ def time_to_target(evals: list[dict], target: float, window: int = 3) -> dict:
             hit = evals[end - 1]
             break
     span = evals[-1]["version"] - evals[0]["version"]
-    return {"seconds": round((hit["unix_ms"] - start) / 1000, 1) if hit else None,
-            "version": hit["version"] if hit else None, "best": max(e["accuracy"] for e in evals),
-            "seconds_per_version": round((evals[-1]["unix_ms"] - start) / 1000 / span, 4) if span else None}
+    return {
+        "seconds": round((hit["unix_ms"] - start) / 1000, 1) if hit else None,
+        "version": hit["version"] if hit else None,
+        "best": max(e["accuracy"] for e in evals),
+        "seconds_per_version": round((evals[-1]["unix_ms"] - start) / 1000 / span, 4) if span else None,
+    }
 
 
 def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> dict:
@@ -50,15 +53,37 @@ def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> di
     with tempfile.TemporaryDirectory() as tmp:
         for name, staleness in VARIANTS.items():
             out = Path(tmp) / name
-            settings = [f"run.steps={steps}", f"run.max_staleness={staleness}", "orchestrator.eval_every=10",
-                        "orchestrator.eval_size=200", f'run.id="bench-{name}"', *overrides]
-            subprocess.run([str(steadyrl), "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-                            "--progress", "none", *(a for s in settings for a in ("--set", s))],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            settings = [
+                f"run.steps={steps}",
+                f"run.max_staleness={staleness}",
+                "orchestrator.eval_every=10",
+                "orchestrator.eval_size=200",
+                f'run.id="bench-{name}"',
+                *overrides,
+            ]
+            subprocess.run(
+                [
+                    str(steadyrl),
+                    "run",
+                    str(ROOT / "configs" / "tiny-arith.toml"),
+                    "--out",
+                    str(out),
+                    "--progress",
+                    "none",
+                    *(a for s in settings for a in ("--set", s)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+            )
             summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
             evals = read_jsonl(out / "eval.jsonl")
-            results[name] = {"max_staleness": staleness, "outcome": summary.get("outcome"),
-                             "wall_seconds": summary.get("wall_seconds"), **time_to_target(evals, target)}
+            results[name] = {
+                "max_staleness": staleness,
+                "outcome": summary.get("outcome"),
+                "wall_seconds": summary.get("wall_seconds"),
+                **time_to_target(evals, target),
+            }
     sync, sync_speed = results["sync"]["seconds"], results["sync"]["seconds_per_version"]
     for name in ("async_1", "async_2"):
         mine, speed = results[name]["seconds"], results[name]["seconds_per_version"]

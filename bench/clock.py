@@ -32,9 +32,14 @@ TIMEOUT = 600.0
 def spawn(role: str, *args: object, env: dict | None = None) -> subprocess.Popen:
     """A process of `role` (bench/roles.py), one torch thread, waiting for `go` once ready. Its
     stdout lines are read by a thread of their own into `process.lines` (so a wait is bounded)."""
-    process = subprocess.Popen([sys.executable, "-m", "bench.roles", role, *map(str, args)], cwd=ROOT,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.roles", role, *map(str, args)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     process.lines = queue.Queue()
 
     def read() -> None:
@@ -105,8 +110,11 @@ def timed(stages: list[list[subprocess.Popen]], timeout: float = TIMEOUT) -> dic
             reports.append([expect(process, "end", timeout) for process in stage])
         stop(processes, timeout)
         ends = [max(r["at"] for r in stage) for stage in reports]
-        return {"seconds": ends[-1] - started, "stage_seconds": [b - a for a, b in zip([started, *ends], ends, strict=False)],
-                "reports": reports}
+        return {
+            "seconds": ends[-1] - started,
+            "stage_seconds": [b - a for a, b in zip([started, *ends], ends, strict=False)],
+            "reports": reports,
+        }
     finally:
         for process in processes:
             if process.poll() is None:

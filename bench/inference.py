@@ -55,8 +55,11 @@ def sampling_of(example):
 def make(name: str, model_dir: str, dtype: str):
     from shared.engines import make_engine
 
-    options = {"max_model_len": MAX_POSITIONS, "max_num_seqs": 256} if name == "vllm" else {
-        "threads": TORCH_THREADS, "max_num_seqs": 256}
+    options = (
+        {"max_model_len": MAX_POSITIONS, "max_num_seqs": 256}
+        if name == "vllm"
+        else {"threads": TORCH_THREADS, "max_num_seqs": 256}
+    )
     return make_engine(name, model_dir, dtype, **options)
 
 
@@ -68,8 +71,10 @@ async def bare_round(engine, examples, prompts) -> tuple[int, float]:
 
     async def task(i: int) -> int:
         async with gate:
-            futures = [asyncio.wrap_future(engine.start(prompts[i], sampling_of(examples[i]), traces, index=k))
-                       for k in range(GROUP)]
+            futures = [
+                asyncio.wrap_future(engine.start(prompts[i], sampling_of(examples[i]), traces, index=k))
+                for k in range(GROUP)
+            ]
             return sum(len(s.token_ids) for s in await asyncio.gather(*futures))
 
     started = time.perf_counter()
@@ -82,24 +87,49 @@ def prompt_task(task_id: str, example, prompt):
 
     s = sampling_of(example)
     return common_pb2.PromptTask(
-        task_id=task_id, run_id=RUN_ID, task_name="exact_match", prompt_token_ids=prompt, answer=example.answer,
-        group_size=GROUP, sampling=common_pb2.SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens,
-                                                             seed=s.seed, ignore_eos=True))
+        task_id=task_id,
+        run_id=RUN_ID,
+        task_name="exact_match",
+        prompt_token_ids=prompt,
+        answer=example.answer,
+        group_size=GROUP,
+        sampling=common_pb2.SamplingParams(
+            temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=s.seed, ignore_eos=True
+        ),
+    )
 
 
 class Replica:
     """The replica's serve() on `engine`, for one round (started and stopped around it)."""
 
-    def __init__(self, engine, model_dir: str, dtype: str, redis_url: str, batching: str,
-                 weightsync_address: str = "", verify_key: Path | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        model_dir: str,
+        dtype: str,
+        redis_url: str,
+        batching: str,
+        weightsync_address: str = "",
+        verify_key: Path | None = None,
+    ) -> None:
         from services.inference.config import InferenceSettings
 
         self.engine = engine
         self.settings = InferenceSettings(
-            model_path=model_dir, dtype=dtype, redis_url=redis_url, run_id=RUN_ID, port=0, metrics_port=0,
-            replica_id=f"bench-{batching}", batching=batching, tasks_per_batch=MAX_INFLIGHT,
-            max_inflight_tasks=MAX_INFLIGHT, return_routing_traces=True, weightsync_address=weightsync_address,
-            verify_key_file=verify_key)
+            model_path=model_dir,
+            dtype=dtype,
+            redis_url=redis_url,
+            run_id=RUN_ID,
+            port=0,
+            metrics_port=0,
+            replica_id=f"bench-{batching}",
+            batching=batching,
+            tasks_per_batch=MAX_INFLIGHT,
+            max_inflight_tasks=MAX_INFLIGHT,
+            return_routing_traces=True,
+            weightsync_address=weightsync_address,
+            verify_key_file=verify_key,
+        )
 
     async def __aenter__(self):
         from services.inference.server import serve
@@ -144,8 +174,13 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
     port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()
     with tempfile.TemporaryDirectory() as spill:
         private, public = write_key_pair(Path(spill) / "keys")  # signed and checked, as deployed
-        ws = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0, spill_dir=Path(spill),
-                                                                     verify_key_file=public), ready, stop))
+        ws = asyncio.create_task(
+            serve_weightsync(
+                WeightSyncSettings(port=port, metrics_port=0, spill_dir=Path(spill), verify_key_file=public),
+                ready,
+                stop,
+            )
+        )
         await ready.wait()
         weights = load_causal_lm(model_dir, "float32").state_dict()
         publisher = GrpcWeightPublisher(f"127.0.0.1:{port}", Signer.from_file(private, RUN_ID))
@@ -157,8 +192,14 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
             nonlocal submitted
             while feeding:
                 if (await queue.depths()).pending < 2 * MAX_INFLIGHT:
-                    batch = [prompt_task(f"v{mode}-{submitted + i}", examples[(submitted + i) % TASKS],
-                                         prompts[(submitted + i) % TASKS]) for i in range(MAX_INFLIGHT)]
+                    batch = [
+                        prompt_task(
+                            f"v{mode}-{submitted + i}",
+                            examples[(submitted + i) % TASKS],
+                            prompts[(submitted + i) % TASKS],
+                        )
+                        for i in range(MAX_INFLIGHT)
+                    ]
                     await queue.submit_many(batch)
                     submitted += len(batch)
                 await asyncio.sleep(0.05)
@@ -193,9 +234,11 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
 
 def quantiles(values: list[float]) -> dict:
     ordered = sorted(values)
-    return {"median_s": round(statistics.median(ordered), 3),
-            "p95_s": round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3),
-            "each_s": [round(v, 3) for v in ordered]}
+    return {
+        "median_s": round(statistics.median(ordered), 3),
+        "p95_s": round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3),
+        "each_s": [round(v, 3) for v in ordered],
+    }
 
 
 def rate(rounds: list[tuple[int, float]]) -> float:
@@ -222,22 +265,33 @@ async def engine_bench(name: str, model_dir: str, dtype: str, redis_url: str) ->
         bare, continuous, barrier = [], [], []
         for r in range(ROUNDS):
             bare.append(await bare_round(engine, examples, prompts))
-            continuous.append(await replica_round(queue, redis, Replica(engine, model_dir, dtype, redis_url,
-                                                                        "continuous"), examples, prompts, f"c{r}"))
+            continuous.append(
+                await replica_round(
+                    queue, redis, Replica(engine, model_dir, dtype, redis_url, "continuous"), examples, prompts, f"c{r}"
+                )
+            )
             bare.append(await bare_round(engine, examples, prompts))
-            barrier.append(await replica_round(queue, redis, Replica(engine, model_dir, dtype, redis_url, "barrier"),
-                                               examples, prompts, f"b{r}"))
-        ttft = {mode: quantiles(await first_tokens(engine, queue, redis, model_dir, dtype, redis_url, mode))
-                for mode in ("in_flight", "between_requests")}
+            barrier.append(
+                await replica_round(
+                    queue, redis, Replica(engine, model_dir, dtype, redis_url, "barrier"), examples, prompts, f"b{r}"
+                )
+            )
+        ttft = {
+            mode: quantiles(await first_tokens(engine, queue, redis, model_dir, dtype, redis_url, mode))
+            for mode in ("in_flight", "between_requests")
+        }
     finally:
         await redis.aclose()
         engine.close()
     tokens = continuous[0][0]
     return {
-        "tokens_per_round": tokens, "bare_tokens_per_s": rate(bare[0::2]),
-        "continuous_replica_tokens_per_s": rate(continuous), "barrier_replica_tokens_per_s": rate(barrier),
-        "continuous_over_barrier": round(statistics.median(c[0] / c[1] / (b[0] / b[1])
-                                                           for c, b in zip(continuous, barrier, strict=True)), 3),
+        "tokens_per_round": tokens,
+        "bare_tokens_per_s": rate(bare[0::2]),
+        "continuous_replica_tokens_per_s": rate(continuous),
+        "barrier_replica_tokens_per_s": rate(barrier),
+        "continuous_over_barrier": round(
+            statistics.median(c[0] / c[1] / (b[0] / b[1]) for c, b in zip(continuous, barrier, strict=True)), 3
+        ),
         "continuous_replica_over_bare": statistics.median(paired(continuous, bare[0::2])),
         "continuous_replica_over_bare_each_round": paired(continuous, bare[0::2]),
         "barrier_replica_over_bare": statistics.median(paired(barrier, bare[1::2])),
@@ -252,8 +306,12 @@ def in_subprocess(name: str, model_dir: str, dtype: str, redis_url: str) -> dict
         why = vllm_unavailable()
         if why:
             return {"skipped": why}
-    done = subprocess.run([sys.executable, "-m", "bench.inference", "--engine", name, model_dir, dtype, redis_url],
-                          capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.inference", "--engine", name, model_dir, dtype, redis_url],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-3000:]}
 
@@ -266,10 +324,20 @@ def main(dtype: str = "bfloat16") -> dict:
     examples, _ = workload()
     lengths = sorted(len(e.answer) + 1 for e in examples)
     result = {
-        "benchmark": "inference", "model": "tiny-qwen3-moe", "dtype": dtype, "workload": "mul_trace",
-        "tasks": TASKS, "group_size": GROUP, "max_inflight_tasks": MAX_INFLIGHT, "rounds": ROUNDS,
-        "answer_tokens": {"median": lengths[len(lengths) // 2], "p90": lengths[int(0.9 * len(lengths))],
-                          "max": lengths[-1], "mean": round(statistics.mean(lengths), 1)},
+        "benchmark": "inference",
+        "model": "tiny-qwen3-moe",
+        "dtype": dtype,
+        "workload": "mul_trace",
+        "tasks": TASKS,
+        "group_size": GROUP,
+        "max_inflight_tasks": MAX_INFLIGHT,
+        "rounds": ROUNDS,
+        "answer_tokens": {
+            "median": lengths[len(lengths) // 2],
+            "p90": lengths[int(0.9 * len(lengths))],
+            "max": lengths[-1],
+            "mean": round(statistics.mean(lengths), 1),
+        },
         "targets": {"continuous_over_barrier": 1.5, "continuous_replica_over_bare": 0.95},
     }
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:

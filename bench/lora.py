@@ -29,12 +29,30 @@ import torch
 RANK, ROUNDS = 32, 5
 REFIT_LAYERS = 4  # the wide bench model's layers for the refit sides (0.4 GiB in bf16)
 SHAPES = {
-    "qwen3_moe_210m": {"hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
-                       "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
-                       "intermediate_size": 2048, "vocab_size": 32000},
-    "qwen3_moe_30b_a3b": {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
-                          "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                          "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 151936},
+    "qwen3_moe_210m": {
+        "hidden_size": 768,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 512,
+        "intermediate_size": 2048,
+        "vocab_size": 32000,
+    },
+    "qwen3_moe_30b_a3b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "intermediate_size": 6144,
+        "vocab_size": 151936,
+    },
 }
 
 
@@ -96,14 +114,21 @@ def peak_sides(model_dir, rounds: int = ROUNDS) -> dict:
     """Each side's `step_peak` in a process of its own (peaks of one process would mix)."""
     sides = {}
     for side in ("full", "lora"):
-        done = subprocess.run([sys.executable, "-m", "bench.lora", "peak", side, str(model_dir), str(rounds)],
-                              capture_output=True, text=True, timeout=900, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.lora", "peak", side, str(model_dir), str(rounds)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         if done.returncode:
             raise RuntimeError(f"the {side} side's peak run failed: {done.stderr[-2000:]}")
         sides[side] = json.loads(done.stdout.splitlines()[-1])
-    return {"peak": sides, "lora_over_full_step_peak_bytes": round(
-                sides["lora"]["step_peak_bytes"] / sides["full"]["step_peak_bytes"], 3),
-            "lora_over_full_peak_bytes": round(sides["lora"]["peak_bytes"] / sides["full"]["peak_bytes"], 3)}
+    return {
+        "peak": sides,
+        "lora_over_full_step_peak_bytes": round(sides["lora"]["step_peak_bytes"] / sides["full"]["step_peak_bytes"], 3),
+        "lora_over_full_peak_bytes": round(sides["lora"]["peak_bytes"] / sides["full"]["peak_bytes"], 3),
+    }
 
 
 def step_sides(model_dir) -> dict:
@@ -127,10 +152,13 @@ def step_sides(model_dir) -> dict:
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         held[side] = params + 3 * trained  # + gradient + AdamW's two moments
     full_s, lora_s = statistics.median(seconds["full"][1:]), statistics.median(seconds["lora"][1:])
-    return {"step_seconds": {"full": round(full_s, 4), "lora": round(lora_s, 4)},
-            "lora_over_full_step_seconds": round(lora_s / full_s, 3),
-            "held_bytes": held, "lora_over_full_held_bytes_identity": round(held["lora"] / held["full"], 3),
-            **peak_sides(model_dir)}
+    return {
+        "step_seconds": {"full": round(full_s, 4), "lora": round(lora_s, 4)},
+        "lora_over_full_step_seconds": round(lora_s / full_s, 3),
+        "held_bytes": held,
+        "lora_over_full_held_bytes_identity": round(held["lora"] / held["full"], 3),
+        **peak_sides(model_dir),
+    }
 
 
 def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3, warmup: int | None = None) -> dict:
@@ -141,29 +169,44 @@ def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3, warmup: int | None 
 
     from bench.weightsync import WARMUP, bench_model, limits, refit_group, summarise
 
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
-            tempfile.TemporaryDirectory() as disk_tmp:
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp,
+        tempfile.TemporaryDirectory() as disk_tmp,
+    ):
         model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
         memcpy = limits(nbytes, rounds, names=("memcpy",))["memcpy"]
-        raw = {side: refit_group("torch", 1, model_dir, rounds, Path(shm_tmp), rank, WARMUP if warmup is None else warmup)
-               for side, rank in (("full", 0), ("lora", RANK))}
+        raw = {
+            side: refit_group("torch", 1, model_dir, rounds, Path(shm_tmp), rank, WARMUP if warmup is None else warmup)
+            for side, rank in (("full", 0), ("lora", RANK))
+        }
     sides = {side: {t: summarise(results, nbytes, memcpy) for t, results in by_t.items()} for side, by_t in raw.items()}
-    return {"model": {"layers": layers, "bytes": nbytes}, "memcpy_seconds": round(memcpy, 4),
-            "seconds": {side: {t: v["seconds"] for t, v in by_t.items()} for side, by_t in sides.items()},
-            "lora_over_full_seconds": {t: round(sides["lora"][t]["seconds"] / sides["full"][t]["seconds"], 3)
-                                       for t in sides["full"]},
-            "paused_seconds": {side: {t: v["paused_seconds"] for t, v in by_t.items()} for side, by_t in sides.items()},
-            "lora_over_full_paused_seconds": {t: round(sides["lora"][t]["paused_seconds"]
-                                                       / max(sides["full"][t]["paused_seconds"], 1e-6), 3)
-                                              for t in sides["full"]}}
+    return {
+        "model": {"layers": layers, "bytes": nbytes},
+        "memcpy_seconds": round(memcpy, 4),
+        "seconds": {side: {t: v["seconds"] for t, v in by_t.items()} for side, by_t in sides.items()},
+        "lora_over_full_seconds": {
+            t: round(sides["lora"][t]["seconds"] / sides["full"][t]["seconds"], 3) for t in sides["full"]
+        },
+        "paused_seconds": {side: {t: v["paused_seconds"] for t, v in by_t.items()} for side, by_t in sides.items()},
+        "lora_over_full_paused_seconds": {
+            t: round(sides["lora"][t]["paused_seconds"] / max(sides["full"][t]["paused_seconds"], 1e-6), 3)
+            for t in sides["full"]
+        },
+    }
 
 
 def main() -> dict:
     from shared.models.tiny import init_tiny_model
 
-    return {"benchmark": "lora", "rank": RANK, "rounds": ROUNDS, "targets": {"adapter_over_full": 0.05},
-            "versions": {name: version_bytes(shape) for name, shape in SHAPES.items()},
-            "trainer": step_sides(init_tiny_model()), "refit": refit_sides()}
+    return {
+        "benchmark": "lora",
+        "rank": RANK,
+        "rounds": ROUNDS,
+        "targets": {"adapter_over_full": 0.05},
+        "versions": {name: version_bytes(shape) for name, shape in SHAPES.items()},
+        "trainer": step_sides(init_tiny_model()),
+        "refit": refit_sides(),
+    }
 
 
 if __name__ == "__main__":

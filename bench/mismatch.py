@@ -1,19 +1,17 @@
 """The training–inference mismatch each inference precision makes on the tiny MoE, side by side
 in one run. Prints one JSON object.
 
-For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights (attention, MLP and experts),
-the same with the router in fp8 too, W8A8 (fp8 weights and their inputs), and the same two with
-NVFP4 instead of fp8 (W4A16, W4A4) — the torch engine samples the same prompts (T = 1, seeded),
-and the fp32 training engine scores the very tokens it sampled, as the trainer's π_old recompute
-does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3, means over tokens),
-|Δ logprob| of the answer tokens (mean, p99, max), and routing agreement (share of (position,
-layer) top-k expert sets the two engines chose alike). fp8 and fp4 here are the emulations of
-`shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales, or through
-NVFP4's e2m1 blocks of 16; W8A8 / W4A4 also the matmuls' inputs with per-token scales; computed in
-bf16), not fp8 or fp4 kernels.
-`--device cuda` (`steadyrl bench mismatch --device cuda`) runs the engine and the fp32 trainer on
-a GPU: the same settings with CUDA's kernels.
-"""
+For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights
+(attention, MLP and experts), the same with the router in fp8 too, W8A8 (fp8 weights and their
+inputs), and the same two with NVFP4 instead of fp8 (W4A16, W4A4) — the torch engine samples the
+same prompts (T = 1, seeded), and the fp32 training engine scores the very tokens it sampled, as the
+trainer's π_old recompute does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3,
+means over tokens), |Δ logprob| of the answer tokens (mean, p99, max), and routing agreement (share
+of (position, layer) top-k expert sets the two engines chose alike). fp8 and fp4 here are the
+emulations of `shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales,
+or through NVFP4's e2m1 blocks of 16; W8A8 / W4A4 also the matmuls' inputs with per-token scales;
+computed in bf16), not fp8 or fp4 kernels. `--device cuda` (`steadyrl bench mismatch --device cuda`)
+runs the engine and the fp32 trainer on a GPU: the same settings with CUDA's kernels."""
 
 from __future__ import annotations
 
@@ -34,8 +32,15 @@ SETTINGS = {  # name → (dtype, quantization, quantize_router, quantize_activat
 PROMPTS, SAMPLES, MAX_NEW_TOKENS = 128, 4, 8
 
 
-def measure(model_dir: str, dtype: str, quantization: str, quantize_router: bool, quantize_activations: bool,
-            prompts: list[list[int]], device: str = "cpu") -> dict:
+def measure(
+    model_dir: str,
+    dtype: str,
+    quantization: str,
+    quantize_router: bool,
+    quantize_activations: bool,
+    prompts: list[list[int]],
+    device: str = "cpu",
+) -> dict:
     import torch
 
     from shared.batch import collate
@@ -49,16 +54,35 @@ def measure(model_dir: str, dtype: str, quantization: str, quantize_router: bool
     from shared.rollout import RolloutTimings
     from shared.rpc.steadyrl.v1 import common_pb2
 
-    engine = make_engine("torch", model_dir, dtype, quantization=quantization, quantize_router=quantize_router,
-                         quantize_activations=quantize_activations, device=device)
+    engine = make_engine(
+        "torch",
+        model_dir,
+        dtype,
+        quantization=quantization,
+        quantize_router=quantize_router,
+        quantize_activations=quantize_activations,
+        device=device,
+    )
     try:
-        samples = engine.generate([p for p in prompts for _ in range(SAMPLES)],
-                                  Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7), return_trace=True)
+        samples = engine.generate(
+            [p for p in prompts for _ in range(SAMPLES)],
+            Sampling(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7),
+            return_trace=True,
+        )
     finally:
         engine.close()
-    rollouts = [r for g, prompt in enumerate(prompts) for r in rollouts_from_samples(
-        common_pb2.PromptTask(task_id=f"t{g}", run_id="mismatch", prompt_token_ids=prompt),
-        samples[g * SAMPLES : (g + 1) * SAMPLES], [0.0] * SAMPLES, "bench", "torch", RolloutTimings())]
+    rollouts = [
+        r
+        for g, prompt in enumerate(prompts)
+        for r in rollouts_from_samples(
+            common_pb2.PromptTask(task_id=f"t{g}", run_id="mismatch", prompt_token_ids=prompt),
+            samples[g * SAMPLES : (g + 1) * SAMPLES],
+            [0.0] * SAMPLES,
+            "bench",
+            "torch",
+            RolloutTimings(),
+        )
+    ]
     where = torch.device(device)
     batch = collate(rollouts).to(where)
     trainer = load_causal_lm(model_dir, "float32", where)
@@ -70,9 +94,15 @@ def measure(model_dir: str, dtype: str, quantization: str, quantize_router: bool
     k1, k3 = mismatch_kl_terms(batch.inference_logprobs.double(), forward.logprobs.double())
     delta = (forward.logprobs.double() - batch.inference_logprobs.double()).abs()[mask]
     agreement = routing_agreement(forward.routing, batch.trace, batch.trace_mask)
-    return {"tokens": int(mask.sum()), "mismatch_kl_k1": float(k1[mask].mean()), "mismatch_kl_k3": float(k3[mask].mean()),
-            "abs_delta_logprob_mean": float(delta.mean()), "abs_delta_logprob_p99": float(delta.quantile(0.99)),
-            "abs_delta_logprob_max": float(delta.max()), "routing_agreement": float(agreement)}
+    return {
+        "tokens": int(mask.sum()),
+        "mismatch_kl_k1": float(k1[mask].mean()),
+        "mismatch_kl_k3": float(k3[mask].mean()),
+        "abs_delta_logprob_mean": float(delta.mean()),
+        "abs_delta_logprob_p99": float(delta.quantile(0.99)),
+        "abs_delta_logprob_max": float(delta.max()),
+        "routing_agreement": float(agreement),
+    }
 
 
 def main(device: str = "cpu") -> dict:
@@ -82,14 +112,24 @@ def main(device: str = "cpu") -> dict:
     model_dir = str(init_tiny_model())
     examples = TinySpec().task(0).split("eval", PROMPTS)
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
-    result: dict = {"benchmark": "mismatch", "model": "tiny-qwen3-moe", "trainer_dtype": "float32", "device": device,
-                    "prompts": PROMPTS, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
-                    "fp8": "emulated: e4m3 weights with per-output-channel scales (w8a8: and their inputs, per-token "
-                           "scales), computed in bf16",
-                    "fp4": "emulated: NVFP4 weights, e2m1 in blocks of 16 with e4m3 scales under an fp32 scale per "
-                           "matrix (w4a4: and their inputs, a scale per token), computed in bf16"}
+    result: dict = {
+        "benchmark": "mismatch",
+        "model": "tiny-qwen3-moe",
+        "trainer_dtype": "float32",
+        "device": device,
+        "prompts": PROMPTS,
+        "samples_per_prompt": SAMPLES,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "fp8": "emulated: e4m3 weights with per-output-channel scales (w8a8: and their inputs, per-token "
+        "scales), computed in bf16",
+        "fp4": "emulated: NVFP4 weights, e2m1 in blocks of 16 with e4m3 scales under an fp32 scale per "
+        "matrix (w4a4: and their inputs, a scale per token), computed in bf16",
+    }
     for name, setting in SETTINGS.items():
-        result[name] = {k: round(v, 8) if isinstance(v, float) else v for k, v in measure(model_dir, *setting, prompts, device).items()}
+        result[name] = {
+            k: round(v, 8) if isinstance(v, float) else v
+            for k, v in measure(model_dir, *setting, prompts, device).items()
+        }
     base = result["bf16"]["mismatch_kl_k3"]
     result["k3_over_bf16"] = {name: round(result[name]["mismatch_kl_k3"] / base, 2) for name in SETTINGS}
     result["seconds"] = round(time.perf_counter() - started, 1)

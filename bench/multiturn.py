@@ -2,15 +2,15 @@
 object.
 
 Workload (the kit's calc model, torch engine, bf16, a real Redis and the real replica): `TASKS`
-tasks × G, in two shapes (`SHAPES`). A multi-turn task is a number of model turns of a fixed
-number of tokens each (`ignore_eos`),
-the environment (`Fixed`, below) answering each turn with a fixed observation, which the chat
-template renders into a few tokens, until the turn budget ends the trajectory; a single-turn task asks, from the same prompt, for as
-many tokens as the whole trajectory holds (model + environment), in one completion. Both sides
-produce rollouts of the same length; each round is clocked from the tasks' submission to the last
-rollout's arrival on the stream (Redis's clock). Rounds alternate single, multi; ratios are
-medians of each multi round over the single round just before it. Beside them, the machine's limit
-on this workload: the engine driven directly with the single-turn requests (no Redis, no replica).
+tasks × G, in two shapes (`SHAPES`). A multi-turn task is a number of model turns of a fixed number
+of tokens each (`ignore_eos`), the environment (`Fixed`, below) answering each turn with a fixed
+observation, which the chat template renders into a few tokens, until the turn budget ends the
+trajectory; a single-turn task asks, from the same prompt, for as many tokens as the whole
+trajectory holds (model + environment), in one completion. Both sides produce rollouts of the same
+length; each round is clocked from the tasks' submission to the last rollout's arrival on the stream
+(Redis's clock). Rounds alternate single, multi; ratios are medians of each multi round over the
+single round just before it. Beside them, the machine's limit on this workload: the engine driven
+directly with the single-turn requests (no Redis, no replica).
 
 A multi-turn trajectory makes a request per turn where a single-turn rollout makes one: each turn
 prefills the conversation so far again (the torch engine keeps no prefix cache), and waits for
@@ -49,8 +49,12 @@ def shapes(tokenizer, turns: int, turn_tokens: int) -> tuple[list[int], int]:
 
     prompt = render(tokenizer, [], [Message("user", PROMPT)])
     turn = [tokenizer.pad_token_id] * turn_tokens  # what a turn samples does not change what follows it
-    observation = render(tokenizer, [Message("user", PROMPT), Message("assistant", tokenizer.decode(turn))],
-                         [Message("tool", "=1234")], turn)
+    observation = render(
+        tokenizer,
+        [Message("user", PROMPT), Message("assistant", tokenizer.decode(turn))],
+        [Message("tool", "=1234")],
+        turn,
+    )
     return prompt, turns * (turn_tokens + len(observation))
 
 
@@ -62,15 +66,26 @@ def tasks(kind: str, tag: str, prompt: list[int], total: int, turns: int, turn_t
     for i in range(TASKS):
         common = {"task_id": f"{tag}-{i}", "run_id": RUN_ID, "answer": "0", "group_size": GROUP}
         if kind == "multi":
-            out.append(common_pb2.PromptTask(
-                **common, prompt_text=PROMPT, environment="bench.multiturn:Fixed",
-                budget=common_pb2.TrajectoryBudget(max_turns=turns, max_tokens=total, env_seconds=10),
-                sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=turn_tokens, seed=1,
-                                                   ignore_eos=True)))
+            out.append(
+                common_pb2.PromptTask(
+                    **common,
+                    prompt_text=PROMPT,
+                    environment="bench.multiturn:Fixed",
+                    budget=common_pb2.TrajectoryBudget(max_turns=turns, max_tokens=total, env_seconds=10),
+                    sampling=common_pb2.SamplingParams(
+                        temperature=1.0, max_new_tokens=turn_tokens, seed=1, ignore_eos=True
+                    ),
+                )
+            )
         else:
-            out.append(common_pb2.PromptTask(
-                **common, task_name="exact_match", prompt_token_ids=prompt,
-                sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=total, seed=1, ignore_eos=True)))
+            out.append(
+                common_pb2.PromptTask(
+                    **common,
+                    task_name="exact_match",
+                    prompt_token_ids=prompt,
+                    sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=total, seed=1, ignore_eos=True),
+                )
+            )
     return out
 
 
@@ -89,15 +104,20 @@ async def replica_round(queue, redis, replica, batch) -> tuple[int, int, float]:
     assert len(entries) == len(batch) * GROUP, len(entries)
     rollouts = [decode_rollout(f[b"r"]) for _, f in entries]
     last_ms = max(int(entry_id.split(b"-")[0]) for entry_id, _ in entries)
-    return (sum(len(r.completion_token_ids) for r in rollouts), sum(int(r.model_tokens.sum()) for r in rollouts),
-            last_ms / 1000 - started)
+    return (
+        sum(len(r.completion_token_ids) for r in rollouts),
+        sum(int(r.model_tokens.sum()) for r in rollouts),
+        last_ms / 1000 - started,
+    )
 
 
 async def bare_round(engine, prompt: list[int], total: int) -> tuple[int, float]:
     from shared.engines import Sampling
 
-    gate, sampling = asyncio.Semaphore(MAX_INFLIGHT), Sampling(temperature=1.0, max_new_tokens=total, seed=1,
-                                                               ignore_eos=True)
+    gate, sampling = (
+        asyncio.Semaphore(MAX_INFLIGHT),
+        Sampling(temperature=1.0, max_new_tokens=total, seed=1, ignore_eos=True),
+    )
 
     async def task() -> int:
         async with gate:
@@ -125,23 +145,39 @@ async def shape_bench(engine, model_dir: str, redis_url: str, turns: int, turn_t
         for r in range(ROUNDS):
             tag = f"{turns}x{turn_tokens}-{r}"
             bare.append(await bare_round(engine, prompt, total))
-            single.append(await replica_round(queue, redis, Replica(engine, model_dir, "bfloat16", redis_url,
-                                                                    "continuous"),
-                                              tasks("single", f"s{tag}", prompt, total, turns, turn_tokens)))
-            multi.append(await replica_round(queue, redis, Replica(engine, model_dir, "bfloat16", redis_url,
-                                                                   "continuous"),
-                                             tasks("multi", f"m{tag}", prompt, total, turns, turn_tokens)))
+            single.append(
+                await replica_round(
+                    queue,
+                    redis,
+                    Replica(engine, model_dir, "bfloat16", redis_url, "continuous"),
+                    tasks("single", f"s{tag}", prompt, total, turns, turn_tokens),
+                )
+            )
+            multi.append(
+                await replica_round(
+                    queue,
+                    redis,
+                    Replica(engine, model_dir, "bfloat16", redis_url, "continuous"),
+                    tasks("multi", f"m{tag}", prompt, total, turns, turn_tokens),
+                )
+            )
     finally:
         await redis.aclose()
     per_s = [(s[0] / s[2], m[0] / m[2], m[1] / m[2], b[0] / b[1]) for s, m, b in zip(single, multi, bare, strict=True)]
     # the same tokens, but where a turn's last sampled token is the one the template closes a turn
     # with (end of sequence, which `ignore_eos` lets the model sample): it is not added again
-    assert all(s[0] == TASKS * GROUP * total >= m[0] >= 0.9 * s[0] for s, m in zip(single, multi, strict=True)), \
-        (single, multi, total)
+    assert all(s[0] == TASKS * GROUP * total >= m[0] >= 0.9 * s[0] for s, m in zip(single, multi, strict=True)), (
+        single,
+        multi,
+        total,
+    )
     return {
-        "turns": turns, "turn_tokens": turn_tokens,
-        "completion_tokens_per_rollout": total, "model_tokens_per_trajectory": turns * turn_tokens,
-        "prompt_tokens": len(prompt), "tokens_per_round": {"single": single[0][0], "multi": multi[0][0]},
+        "turns": turns,
+        "turn_tokens": turn_tokens,
+        "completion_tokens_per_rollout": total,
+        "model_tokens_per_trajectory": turns * turn_tokens,
+        "prompt_tokens": len(prompt),
+        "tokens_per_round": {"single": single[0][0], "multi": multi[0][0]},
         "bare_engine_tokens_per_s": round(statistics.median(p[3] for p in per_s), 1),
         "single_turn_tokens_per_s": round(statistics.median(p[0] for p in per_s), 1),
         "multi_turn_tokens_per_s": round(statistics.median(p[1] for p in per_s), 1),
@@ -158,14 +194,24 @@ def main() -> dict:
     from shared.redis_server import RedisServer
 
     model_dir = str(init_tiny_model(task="calc"))
-    result = {"benchmark": "multiturn", "model": "tiny-qwen3-moe (calc kit)", "engine": "torch", "dtype": "bfloat16",
-              "tasks": TASKS, "group_size": GROUP, "max_inflight_tasks": MAX_INFLIGHT, "rounds": ROUNDS,
-              "targets": {"multi_over_single": 0.8}}
+    result = {
+        "benchmark": "multiturn",
+        "model": "tiny-qwen3-moe (calc kit)",
+        "engine": "torch",
+        "dtype": "bfloat16",
+        "tasks": TASKS,
+        "group_size": GROUP,
+        "max_inflight_tasks": MAX_INFLIGHT,
+        "rounds": ROUNDS,
+        "targets": {"multi_over_single": 0.8},
+    }
     engine = make_engine("torch", model_dir, "bfloat16", threads=1, max_num_seqs=256)
     try:
         with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
-            result["torch"] = {f"{turns}x{tokens}": asyncio.run(shape_bench(engine, model_dir, redis.url, turns, tokens))
-                               for turns, tokens in SHAPES}
+            result["torch"] = {
+                f"{turns}x{tokens}": asyncio.run(shape_bench(engine, model_dir, redis.url, turns, tokens))
+                for turns, tokens in SHAPES
+            }
     finally:
         engine.close()
     return result

@@ -46,16 +46,22 @@ def trainer(model_dir: str, address: str, shm_dir: str, lora_rank: str, signing_
         model = apply_lora(model, rank, 2.0 * rank, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"], True)
         info = AdapterInfo(base_digest=base_digest(model_dir), config_json=adapter_config_json(model))
     params = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n} if rank else model.state_dict()
-    version_of = (lambda: CastView(adapter_state(model), torch.bfloat16, info)) if rank else \
-        (lambda: CastView(params, torch.bfloat16))
+    version_of = (
+        (lambda: CastView(adapter_state(model), torch.bfloat16, info))
+        if rank
+        else (lambda: CastView(params, torch.bfloat16))
+    )
     generator = torch.Generator().manual_seed(0)
-    signs = {n: torch.randint(0, 2, t.shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
-             for n, t in params.items()}
+    signs = {
+        n: torch.randint(0, 2, t.shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
+        for n, t in params.items()
+    }
 
     async def main() -> None:
         signer = Signer.from_file(Path(signing_key))
-        publishers = {kind: make_publisher(kind, address, signer, shm_dir=Path(shm_dir), shm_keep=SHM_KEEP)
-                      for kind in TRANSPORTS}
+        publishers = {
+            kind: make_publisher(kind, address, signer, shm_dir=Path(shm_dir), shm_keep=SHM_KEEP) for kind in TRANSPORTS
+        }
         print('{"event": "started"}', flush=True)
         while line := await asyncio.to_thread(sys.stdin.readline):  # "step KIND VERSION", then publish on go
             _, kind, version = line.split()
@@ -125,9 +131,11 @@ class TreeMemory:
         """Bytes above the start: {"anon_peak_growth", "shmem_peak_growth", "anon_at_start"}."""
         self._stop.set()
         self._thread.join(5)
-        return {"anon_peak_growth": self.peak["RssAnon"] - self.base["RssAnon"],
-                "shmem_peak_growth": self.peak["RssShmem"] - self.base["RssShmem"],
-                "anon_at_start": self.base["RssAnon"]}
+        return {
+            "anon_peak_growth": self.peak["RssAnon"] - self.base["RssAnon"],
+            "shmem_peak_growth": self.peak["RssShmem"] - self.base["RssShmem"],
+            "anon_at_start": self.base["RssAnon"],
+        }
 
 
 def replica(engine_name: str, model_dir: str, address: str, name: str, verify_key: str) -> None:
@@ -148,9 +156,15 @@ def replica(engine_name: str, model_dir: str, address: str, name: str, verify_ke
         return paused
 
     async def main() -> None:
-        subscriber = GrpcWeightSubscriber(address, apply, name, transports=("shm", "collective", "grpc"),
-                                          base=engine.weight_bytes, version=engine.version,
-                                          verifier=Verifier.from_file(Path(verify_key)))
+        subscriber = GrpcWeightSubscriber(
+            address,
+            apply,
+            name,
+            transports=("shm", "collective", "grpc"),
+            base=engine.weight_bytes,
+            version=engine.version,
+            verifier=Verifier.from_file(Path(verify_key)),
+        )
         task = asyncio.create_task(subscriber.run())
         memory = TreeMemory()
         lines = asyncio.Queue()
@@ -163,7 +177,7 @@ def replica(engine_name: str, model_dir: str, address: str, name: str, verify_ke
 
         threading.Thread(target=read, daemon=True).start()
         print('{"event": "started"}', flush=True)
-        while (line := await lines.get()):  # "await VERSION": ready, then on go wait for its first token
+        while line := await lines.get():  # "await VERSION": ready, then on go wait for its first token
             want = int(line.split()[1])
             print('{"event": "ready"}', flush=True)
             await lines.get()
@@ -173,8 +187,14 @@ def replica(engine_name: str, model_dir: str, address: str, name: str, verify_ke
                 version, at, paused, transport = await served.get()
                 if version >= want:
                     break
-            end(at=at, version=version, transport=transport, paused_seconds=paused,
-                wire_bytes=subscriber.wire_bytes - wire, **memory.stop())
+            end(
+                at=at,
+                version=version,
+                transport=transport,
+                paused_seconds=paused,
+                wire_bytes=subscriber.wire_bytes - wire,
+                **memory.stop(),
+            )
         task.cancel()
 
     try:

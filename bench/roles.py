@@ -29,7 +29,8 @@ def synthetic_state(nbytes: int) -> dict[str, torch.Tensor]:
     for i, (name, numel) in enumerate(shapes(nbytes).items()):
         generator = torch.Generator().manual_seed(i)
         out[name] = torch.randint(-(1 << 15), 1 << 15, (numel,), dtype=torch.int16, generator=generator).view(
-            torch.bfloat16)
+            torch.bfloat16
+        )
     return out
 
 
@@ -49,6 +50,7 @@ def load(params: dict[str, torch.Tensor], tensors) -> None:
 # holds are written before either.
 
 # --- the machine's limits ------------------------------------------------------------------------
+
 
 def memcpy(nbytes: str) -> None:
     source, target = synthetic_state(int(nbytes)), resident(int(nbytes))
@@ -89,8 +91,9 @@ def shm_floor(nbytes: str, directory: str) -> None:
 
     def refit(version: int) -> None:
         path = folder / f"v{version}.safetensors"
-        manifest = write_shm(path, CastView(master, torch.bfloat16), version, version - 1,
-                             reuse=folder / f"v{version - 2}.safetensors")
+        manifest = write_shm(
+            path, CastView(master, torch.bfloat16), version, version - 1, reuse=folder / f"v{version - 2}.safetensors"
+        )
         load(target, read_shm(path, manifest))
 
     refit(1)
@@ -138,6 +141,7 @@ def roles() -> dict:
     from bench.refit_roles import replica, trainer
 
     return {f.__name__: f for f in (memcpy, blake3_pass, shm_floor, raw_recv, raw_send, trainer, replica)}
+
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

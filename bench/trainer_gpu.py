@@ -31,12 +31,22 @@ def batch(groups: int = 16, group: int = 4, prompt: int = 64, completion: int = 
     from shared.rollout import Rollout
 
     rng = np.random.default_rng(0)
-    rows = [Rollout(rollout_id=f"t{g}:{i}", group_id=f"t{g}", task_id=f"t{g}", sample_index=i, group_size=group,
-                    prompt_token_ids=rng.integers(3, 250, prompt).astype(np.int32),
-                    completion_token_ids=rng.integers(3, 250, completion).astype(np.int32),
-                    inference_logprobs=-rng.random(completion, dtype=np.float32) * 6,
-                    policy_versions=np.zeros(completion, np.uint64), reward=float(rng.random() < 0.5))
-            for g in range(groups) for i in range(group)]
+    rows = [
+        Rollout(
+            rollout_id=f"t{g}:{i}",
+            group_id=f"t{g}",
+            task_id=f"t{g}",
+            sample_index=i,
+            group_size=group,
+            prompt_token_ids=rng.integers(3, 250, prompt).astype(np.int32),
+            completion_token_ids=rng.integers(3, 250, completion).astype(np.int32),
+            inference_logprobs=-rng.random(completion, dtype=np.float32) * 6,
+            policy_versions=np.zeros(completion, np.uint64),
+            reward=float(rng.random() < 0.5),
+        )
+        for g in range(groups)
+        for i in range(group)
+    ]
     return collate(rows), group
 
 
@@ -52,8 +62,9 @@ def measure(name: str, device: torch.device) -> dict:
     model = wide_model()
     model.config.max_position_embeddings = 1024
     routing = RoutingController(model)
-    settings = TrainerSettings(model_path="-", precision=precision, activation_checkpointing=checkpointing,
-                               micro_batch_tokens=micro)
+    settings = TrainerSettings(
+        model_path="-", precision=precision, activation_checkpointing=checkpointing, micro_batch_tokens=micro
+    )
     model = prepare(model, settings, device, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     compute = Compute(device, torch.bfloat16 if precision == "bf16-mixed" else None, micro)
@@ -69,9 +80,12 @@ def measure(name: str, device: torch.device) -> dict:
             seconds.append(time.perf_counter() - started)
         tokens = metrics["tokens"]
     median = statistics.median(seconds)
-    result = {"step_seconds": round(median, 4), "tokens_per_s": round(tokens / median, 1),
-              "peak_cuda_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
-              "parameters": sum(p.numel() for p in model.parameters())}
+    result = {
+        "step_seconds": round(median, 4),
+        "tokens_per_s": round(tokens / median, 1),
+        "peak_cuda_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     del model, optimizer
     torch.cuda.empty_cache()
     return result
@@ -82,14 +96,23 @@ def main() -> dict:
         sys.stderr.write("bench.trainer_gpu needs CUDA: this machine has no GPU\n")
         sys.exit(2)
     device = torch.device("cuda", 0)
-    out: dict = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "rounds": ROUNDS,
-                 "batch": {"rollouts": 64, "tokens_per_rollout": 512}}
+    out: dict = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "rounds": ROUNDS,
+        "batch": {"rollouts": 64, "tokens_per_rollout": 512},
+    }
     for name in SETTINGS:
         out[name] = measure(name, device)
     base = out["fp32"]
-    out["ratios_to_fp32"] = {name: {"step_seconds": round(out[name]["step_seconds"] / base["step_seconds"], 3),
-                                    "peak_cuda_memory": round(out[name]["peak_cuda_gib"] / base["peak_cuda_gib"], 3)}
-                             for name in SETTINGS if name != "fp32"}
+    out["ratios_to_fp32"] = {
+        name: {
+            "step_seconds": round(out[name]["step_seconds"] / base["step_seconds"], 3),
+            "peak_cuda_memory": round(out[name]["peak_cuda_gib"] / base["peak_cuda_gib"], 3),
+        }
+        for name in SETTINGS
+        if name != "fp32"
+    }
     return out
 
 

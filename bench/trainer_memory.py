@@ -18,8 +18,18 @@ from pathlib import Path
 
 import torch
 
-WIDE = dict(hidden_size=1024, num_experts=64, num_experts_per_tok=8, num_hidden_layers=4, moe_intermediate_size=256,
-            intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=256)
+WIDE = dict(
+    hidden_size=1024,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_hidden_layers=4,
+    moe_intermediate_size=256,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=256,
+)
 
 
 def wide_model(**overrides):
@@ -42,11 +52,22 @@ def rollouts(groups: int = 2, group: int = 2):
     from shared.rollout import Rollout
 
     rng = np.random.default_rng(0)
-    return [Rollout(rollout_id=f"t{g}:{i}", group_id=f"t{g}", task_id=f"t{g}", sample_index=i, group_size=group,
-                    prompt_token_ids=rng.integers(3, 250, 16).astype(np.int32),
-                    completion_token_ids=rng.integers(3, 250, 16).astype(np.int32),
-                    inference_logprobs=-rng.random(16, dtype=np.float32), policy_versions=np.zeros(16, np.uint64),
-                    reward=float(i % 2)) for g in range(groups) for i in range(group)]
+    return [
+        Rollout(
+            rollout_id=f"t{g}:{i}",
+            group_id=f"t{g}",
+            task_id=f"t{g}",
+            sample_index=i,
+            group_size=group,
+            prompt_token_ids=rng.integers(3, 250, 16).astype(np.int32),
+            completion_token_ids=rng.integers(3, 250, 16).astype(np.int32),
+            inference_logprobs=-rng.random(16, dtype=np.float32),
+            policy_versions=np.zeros(16, np.uint64),
+            reward=float(i % 2),
+        )
+        for g in range(groups)
+        for i in range(group)
+    ]
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -75,17 +96,21 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     train_step(wrapped, optimizer, routing, collate(rollouts()), 2, StepConfig(), 0, rank, world)
     held = sum(local_bytes(p) for p in model.parameters())
     held += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values() if v.dim())
-    result = {"rank": rank, "param_and_optimizer_bytes": held, "peak_rss_mib": round(
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    result = {
+        "rank": rank,
+        "param_and_optimizer_bytes": held,
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
     if rank == 0 and parallel == "ddp":
         import time
 
         from shared.weightsync.shm import write_shm
 
         state = model.state_dict()
-        result["published_bytes"] = {dtype: sum(t.nbytes for t in describe(CastView(state, getattr(torch, dtype)),
-                                                                           1, 0).tensors)
-                                     for dtype in ("float32", "bfloat16")}
+        result["published_bytes"] = {
+            dtype: sum(t.nbytes for t in describe(CastView(state, getattr(torch, dtype)), 1, 0).tensors)
+            for dtype in ("float32", "bfloat16")
+        }
         result["published_write_seconds"] = {}
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         with tempfile.TemporaryDirectory(dir=shm) as tmp:
@@ -109,8 +134,7 @@ def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for parallel in ("ddp", "fsdp"):
             path = os.path.join(tmp, parallel)
-            mp.start_processes(worker, args=(2, free_port(), parallel, path), nprocs=2, join=True,
-                               start_method="spawn")
+            mp.start_processes(worker, args=(2, free_port(), parallel, path), nprocs=2, join=True, start_method="spawn")
             out[parallel] = [json.loads(Path(f"{path}.{r}").read_text()) for r in range(2)]
     ddp = max(r["param_and_optimizer_bytes"] for r in out["ddp"])
     fsdp = max(r["param_and_optimizer_bytes"] for r in out["fsdp"])
@@ -119,8 +143,9 @@ def main() -> dict:
     out.update(
         parameters=out["ddp"][0].pop("parameters"),
         fsdp_over_ddp_param_optimizer_bytes=round(fsdp / ddp, 3),  # target <= 0.6
-        fsdp_over_ddp_peak_rss=round(max(r["peak_rss_mib"] for r in out["fsdp"])
-                                     / max(r["peak_rss_mib"] for r in out["ddp"]), 3),
+        fsdp_over_ddp_peak_rss=round(
+            max(r["peak_rss_mib"] for r in out["fsdp"]) / max(r["peak_rss_mib"] for r in out["ddp"]), 3
+        ),
         published_bytes=published,
         published_bf16_over_fp32=round(published["bfloat16"] / published["float32"], 3),  # an identity: 0.5
         published_write_seconds=written,  # measured

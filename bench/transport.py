@@ -30,13 +30,25 @@ def make_rollouts(shape: dict, seed: int = 0):
     for i in range(shape["rollouts"]):
         base = rng.integers(0, experts, size=(p + c - 1, layers, 1))
         trace = ((base + np.arange(k)) % experts).astype(np.uint8)  # k distinct experts per position and layer
-        out.append(Rollout(
-            rollout_id=f"t{i // GROUP}:{i % GROUP}", group_id=f"t{i // GROUP}", task_id=f"t{i // GROUP}",
-            prompt_token_ids=rng.integers(0, 32000, p).astype(np.int32),
-            completion_token_ids=rng.integers(0, 32000, c).astype(np.int32),
-            inference_logprobs=-rng.random(c, dtype=np.float32), policy_versions=np.full(c, 7, np.uint64),
-            reward=1.0, sample_index=i % GROUP, group_size=GROUP, run_id="bench", routing_trace=trace,
-            num_experts=experts, replica_id="replica-0", engine="torch"))
+        out.append(
+            Rollout(
+                rollout_id=f"t{i // GROUP}:{i % GROUP}",
+                group_id=f"t{i // GROUP}",
+                task_id=f"t{i // GROUP}",
+                prompt_token_ids=rng.integers(0, 32000, p).astype(np.int32),
+                completion_token_ids=rng.integers(0, 32000, c).astype(np.int32),
+                inference_logprobs=-rng.random(c, dtype=np.float32),
+                policy_versions=np.full(c, 7, np.uint64),
+                reward=1.0,
+                sample_index=i % GROUP,
+                group_size=GROUP,
+                run_id="bench",
+                routing_trace=trace,
+                num_experts=experts,
+                replica_id="replica-0",
+                engine="torch",
+            )
+        )
     return out
 
 
@@ -67,8 +79,9 @@ async def measure(redis_url: str, name: str, shape: dict, rounds: int) -> dict:
 
     rollouts = make_rollouts(shape)
     encoded = [encode_rollout(r) for r in rollouts]
-    limits = RolloutLimits(vocab_size=32000, num_layers=shape["layers"], top_k=shape["top_k"],
-                           num_experts=shape["experts"], max_version=7)
+    limits = RolloutLimits(
+        vocab_size=32000, num_layers=shape["layers"], top_k=shape["top_k"], num_experts=shape["experts"], max_version=7
+    )
     count, total = len(rollouts), sum(len(b) for b in encoded)
 
     def steadyrl_payloads(a, b):
@@ -88,8 +101,11 @@ async def measure(redis_url: str, name: str, shape: dict, rounds: int) -> dict:
         await redis.aclose()
     raw_s, full_s = statistics.median(raw), statistics.median(full)
     return {
-        "shape": name, "rollouts": count, "bytes_per_rollout": total // count,
-        "raw_mb_per_s": round(total / raw_s / 1e6, 1), "steadyrl_mb_per_s": round(total / full_s / 1e6, 1),
+        "shape": name,
+        "rollouts": count,
+        "bytes_per_rollout": total // count,
+        "raw_mb_per_s": round(total / raw_s / 1e6, 1),
+        "steadyrl_mb_per_s": round(total / full_s / 1e6, 1),
         "steadyrl_rollouts_per_s": round(count / full_s, 1),
         "ratio_steadyrl_to_raw": round(raw_s / full_s, 3),
         "rounds": rounds,
@@ -104,8 +120,12 @@ def main(rounds: int = 3) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
         shapes = [asyncio.run(measure(server.url, name, shape, rounds)) for name, shape in SHAPES.items()]
-    return {"benchmark": "transport", "group_size": GROUP, "shapes": shapes,
-            "target": "ratio_steadyrl_to_raw: the codec's cost on top of Redis itself"}
+    return {
+        "benchmark": "transport",
+        "group_size": GROUP,
+        "shapes": shapes,
+        "target": "ratio_steadyrl_to_raw: the codec's cost on top of Redis itself",
+    }
 
 
 if __name__ == "__main__":

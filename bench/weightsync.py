@@ -3,16 +3,17 @@ serving the new version (the first token of it), per transport, with 1 and 2 rep
 engines, beside a memcpy of the same bytes and a raw loopback socket — all in one run, on one
 clock (bench/clock.py; the processes: bench/refit_roles.py).
 
-The model: the wide random-init Qwen3-MoE of bench/trainer_memory.py with `layers` layers (11:
-1.09 GiB in bf16), written once. Each group (engine × replica count) is a real weight-sync
-service, one trainer holding fp32 master weights and publishing bf16 with its own publisher, and
-replicas built as `services/inference` builds them (engine + subscriber). A round: the trainer
-steps (untimed), every process says ready, the clock starts, the trainer publishes by the
-round's transport, and the clock stops when the last replica has the first token of the new
-version. Each transport gets WARMUP untimed versions first (group formation, first use of buffers,
-the trainer's ring of shm files filled: steady state); then `rounds` timed rounds per transport, the transports alternated, the median reported. Each
-replica also reports its pause, the wire bytes it pulled (deltas), and the peak growth of its
-process tree's private memory (and of its mapped shared memory) during the update.
+The model: the wide random-init Qwen3-MoE of bench/trainer_memory.py with `layers` layers (11: 1.09
+GiB in bf16), written once. Each group (engine × replica count) is a real weight-sync service, one
+trainer holding fp32 master weights and publishing bf16 with its own publisher, and replicas built
+as `services/inference` builds them (engine + subscriber). A round: the trainer steps (untimed),
+every process says ready, the clock starts, the trainer publishes by the round's transport, and the
+clock stops when the last replica has the first token of the new version. Each transport gets WARMUP
+untimed versions first (group formation, first use of buffers, the trainer's ring of shm files
+filled: steady state); then `rounds` timed rounds per transport, the transports alternated, the
+median reported. Each replica also reports its pause, the wire bytes it pulled (deltas), and the
+peak growth of its process tree's private memory (and of its mapped shared memory) during the
+update.
 
 Prints one JSON object: seconds and seconds per GiB per side, every side against memcpy, and the
 ratios the targets name (2 replicas / 1, vLLM / torch, shm / memcpy, peak growth / bucket).
@@ -62,11 +63,18 @@ class WeightSync:
 
     def __init__(self, shm_dir: Path, spill_dir: Path, verify_key: Path) -> None:
         self.port = free_port()
-        env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(self.port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
-               "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(verify_key),
-               "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": "2", "STEADYRL_WEIGHTSYNC_MEMORY_VERSIONS": "2",
-               "STEADYRL_WEIGHTSYNC_SHM_DIR": str(shm_dir), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(spill_dir),
-               "STEADYRL_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "STEADYRL_WEIGHTSYNC_PORT": str(self.port),
+            "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
+            "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(verify_key),
+            "STEADYRL_WEIGHTSYNC_RETAIN_VERSIONS": "2",
+            "STEADYRL_WEIGHTSYNC_MEMORY_VERSIONS": "2",
+            "STEADYRL_WEIGHTSYNC_SHM_DIR": str(shm_dir),
+            "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(spill_dir),
+            "STEADYRL_LOG_LEVEL": "WARNING",
+            "OMP_NUM_THREADS": "1",
+        }
         self.process = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env, cwd=ROOT)
         self.address = f"127.0.0.1:{self.port}"
 
@@ -75,8 +83,9 @@ class WeightSync:
         self.process.wait(30)
 
 
-def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: Path,
-                lora_rank: int = 0, warmup: int = WARMUP) -> dict[str, list[dict]]:
+def refit_group(
+    engine: str, replicas: int, model_dir: Path, rounds: int, tmp: Path, lora_rank: int = 0, warmup: int = WARMUP
+) -> dict[str, list[dict]]:
     """Every transport's timed rounds for one engine × replica count: {transport: [cycle result]}
     (`lora_rank` > 0: the trainer publishes adapter-only versions of that rank; `warmup`: untimed
     rounds first, fewer than WARMUP only where no steady state is measured — the suite's runs)."""
@@ -88,8 +97,9 @@ def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: P
     processes = []
     try:
         trainer = spawn("trainer", model_dir, service.address, shm_dir / "run", lora_rank, private)
-        members = [spawn("replica", engine, model_dir, service.address, f"{engine}-{i}", public)
-                   for i in range(replicas)]
+        members = [
+            spawn("replica", engine, model_dir, service.address, f"{engine}-{i}", public) for i in range(replicas)
+        ]
         processes = [trainer, *members]
         for process in processes:
             expect(process, "started")
@@ -111,12 +121,17 @@ def refit_group(engine: str, replicas: int, model_dir: Path, rounds: int, tmp: P
         shutil.rmtree(shm_dir, ignore_errors=True)  # the trainer's files: the next group's memory
 
 
-def limits(nbytes: int, rounds: int, shm_dir: Path | None = None,
-           names: tuple[str, ...] = ("memcpy", "raw_socket_1", "blake3_1_thread", "shm_floor")) -> dict[str, float]:
+def limits(
+    nbytes: int,
+    rounds: int,
+    shm_dir: Path | None = None,
+    names: tuple[str, ...] = ("memcpy", "raw_socket_1", "blake3_1_thread", "shm_floor"),
+) -> dict[str, float]:
     """The machine's limits on the same bytes, median seconds: memcpy, one raw loopback socket, one
     BLAKE3 pass on one thread, and (given a directory in shared memory) the shm transport's own
     work alone — cast, write and hash, then map, check and copy (`shm_floor`): what the shm refit
     could reach here with nothing around it."""
+
     def raw_socket() -> dict:
         port = free_port()
         receiver = spawn("raw_recv", port, nbytes)
@@ -127,49 +142,68 @@ def limits(nbytes: int, rounds: int, shm_dir: Path | None = None,
         with tempfile.TemporaryDirectory(dir=shm_dir) as directory:
             return timed([[spawn("shm_floor", nbytes, directory)]])
 
-    sides = {"memcpy": lambda: timed([[spawn("memcpy", nbytes)]]), "raw_socket_1": raw_socket,
-             "blake3_1_thread": lambda: timed([[spawn("blake3_pass", nbytes)]])}
+    sides = {
+        "memcpy": lambda: timed([[spawn("memcpy", nbytes)]]),
+        "raw_socket_1": raw_socket,
+        "blake3_1_thread": lambda: timed([[spawn("blake3_pass", nbytes)]]),
+    }
     if shm_dir is not None:
         sides["shm_floor"] = floor
-    return {name: statistics.median(side()["seconds"] for _ in range(rounds)) for name, side in sides.items()
-            if name in names}
+    return {
+        name: statistics.median(side()["seconds"] for _ in range(rounds))
+        for name, side in sides.items()
+        if name in names
+    }
 
 
 def summarise(results: list[dict], nbytes: int, memcpy: float) -> dict:
     """One side's rounds: median seconds, per GiB, against memcpy, and the replicas' reports."""
     seconds = statistics.median(r["seconds"] for r in results)
     replicas = [rep for r in results for rep in r["reports"][1:]]
-    return {"seconds": round(seconds, 4), "seconds_per_gib": round(seconds / (nbytes / 1024**3), 4),
-            "to_memcpy": round(memcpy / seconds, 3),
-            "trainer_publish_seconds": round(statistics.median(r["reports"][0]["at"] - r["started"] for r in results), 4),
-            "modelled_seconds_61gb": round(MODEL_30B_A3B_BF16_BYTES / (nbytes / seconds), 1),
-            "paused_seconds": round(statistics.median(rep["paused_seconds"] for rep in replicas), 4),
-            "wire_bytes_share": round(statistics.median(rep["wire_bytes"] for rep in replicas) / nbytes, 4),
-            "anon_peak_growth_bytes": max(rep["anon_peak_growth"] for rep in replicas),
-            "shmem_peak_growth_bytes": max(rep["shmem_peak_growth"] for rep in replicas),
-            "transports": sorted({rep["transport"] for rep in replicas})}
+    return {
+        "seconds": round(seconds, 4),
+        "seconds_per_gib": round(seconds / (nbytes / 1024**3), 4),
+        "to_memcpy": round(memcpy / seconds, 3),
+        "trainer_publish_seconds": round(statistics.median(r["reports"][0]["at"] - r["started"] for r in results), 4),
+        "modelled_seconds_61gb": round(MODEL_30B_A3B_BF16_BYTES / (nbytes / seconds), 1),
+        "paused_seconds": round(statistics.median(rep["paused_seconds"] for rep in replicas), 4),
+        "wire_bytes_share": round(statistics.median(rep["wire_bytes"] for rep in replicas) / nbytes, 4),
+        "anon_peak_growth_bytes": max(rep["anon_peak_growth"] for rep in replicas),
+        "shmem_peak_growth_bytes": max(rep["shmem_peak_growth"] for rep in replicas),
+        "transports": sorted({rep["transport"] for rep in replicas}),
+    }
 
 
 def ratios(refit: dict, bucket: int, machine: dict[str, float]) -> dict:
     """The figures the targets name, each side divided by its counterpart measured in this run; and
     `shm_to_floor`: the shm transport's own work alone (`shm_floor`) / the shm refit, 1 replica —
     the share of the refit that is the transport's bytes, the rest being the system around them."""
-    out: dict = {"two_over_one": {}, "vllm_over_torch": {}, "shm_to_memcpy": {}, "shm_to_floor": {},
-                 "anon_growth_over_bucket": {}}
+    out: dict = {
+        "two_over_one": {},
+        "vllm_over_torch": {},
+        "shm_to_memcpy": {},
+        "shm_to_floor": {},
+        "anon_growth_over_bucket": {},
+    }
     for engine, by_count in refit.items():
         out["shm_to_memcpy"][engine] = by_count.get("1", {}).get("shm", {}).get("to_memcpy")
         if "shm_floor" in machine and "shm" in by_count.get("1", {}):
             out["shm_to_floor"][engine] = round(machine["shm_floor"] / by_count["1"]["shm"]["seconds"], 3)
         if "1" in by_count and "2" in by_count:  # rates: 2 replicas served at seconds_1 / seconds_2 of 1's
-            out["two_over_one"][engine] = {t: round(by_count["1"][t]["seconds"] / by_count["2"][t]["seconds"], 3)
-                                           for t in TRANSPORTS}
+            out["two_over_one"][engine] = {
+                t: round(by_count["1"][t]["seconds"] / by_count["2"][t]["seconds"], 3) for t in TRANSPORTS
+            }
         out["anon_growth_over_bucket"][engine] = {
             f"{count}:{t}": round(side["anon_peak_growth_bytes"] / bucket, 3)
-            for count, sides in by_count.items() for t, side in sides.items()}
+            for count, sides in by_count.items()
+            for t, side in sides.items()
+        }
     if "torch" in refit and "vllm" in refit:
         for count in set(refit["torch"]) & set(refit["vllm"]):
-            out["vllm_over_torch"][count] = {t: round(refit["vllm"][count][t]["seconds"]
-                                                      / refit["torch"][count][t]["seconds"], 3) for t in TRANSPORTS}
+            out["vllm_over_torch"][count] = {
+                t: round(refit["vllm"][count][t]["seconds"] / refit["torch"][count][t]["seconds"], 3)
+                for t in TRANSPORTS
+            }
     return out
 
 
@@ -202,29 +236,55 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
     return out
 
 
-def main(layers: int = 11, rounds: int = 3, engines: tuple[str, ...] = ("torch", "vllm"),
-         replicas: tuple[int, ...] = (1, 2), warmup: int = WARMUP) -> dict:
+def main(
+    layers: int = 11,
+    rounds: int = 3,
+    engines: tuple[str, ...] = ("torch", "vllm"),
+    replicas: tuple[int, ...] = (1, 2),
+    warmup: int = WARMUP,
+) -> dict:
     from shared.weightsync.delivery import BUCKET_BYTES
 
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp, \
-            tempfile.TemporaryDirectory() as disk_tmp:
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp,
+        tempfile.TemporaryDirectory() as disk_tmp,
+    ):
         model_dir, nbytes = bench_model(Path(disk_tmp) / "model", layers)
         machine = limits(nbytes, rounds, Path(shm_tmp))
         raw: dict = {}
         for engine in engines:
             for count in replicas:
-                raw.setdefault(engine, {})[str(count)] = refit_group(engine, count, model_dir, rounds, Path(shm_tmp),
-                                                                     warmup=warmup)
-    refit = {engine: {count: {t: summarise(results, nbytes, machine["memcpy"]) for t, results in sides.items()}
-                      for count, sides in by_count.items()} for engine, by_count in raw.items()}
-    return {"benchmark": "weightsync", "model": {"layers": layers, "bytes": nbytes, "dtype": "bfloat16"},
-            "bucket_bytes": BUCKET_BYTES, "rounds": rounds, "warmup_rounds": warmup, "lr": 1e-6,
-            "machine": {name: {"seconds": round(s, 4), "gib_per_s": round(nbytes / s / 1024**3, 3),
-                               "to_memcpy": round(machine["memcpy"] / s, 3)} for name, s in machine.items()},
-            "refit": refit, "ratios": ratios(refit, BUCKET_BYTES, machine), "targets": TARGETS,
-            "tiny_bf16_delta_share_after_one_adamw_step": delta_share_after_one_step()}
+                raw.setdefault(engine, {})[str(count)] = refit_group(
+                    engine, count, model_dir, rounds, Path(shm_tmp), warmup=warmup
+                )
+    refit = {
+        engine: {
+            count: {t: summarise(results, nbytes, machine["memcpy"]) for t, results in sides.items()}
+            for count, sides in by_count.items()
+        }
+        for engine, by_count in raw.items()
+    }
+    return {
+        "benchmark": "weightsync",
+        "model": {"layers": layers, "bytes": nbytes, "dtype": "bfloat16"},
+        "bucket_bytes": BUCKET_BYTES,
+        "rounds": rounds,
+        "warmup_rounds": warmup,
+        "lr": 1e-6,
+        "machine": {
+            name: {
+                "seconds": round(s, 4),
+                "gib_per_s": round(nbytes / s / 1024**3, 3),
+                "to_memcpy": round(machine["memcpy"] / s, 3),
+            }
+            for name, s in machine.items()
+        },
+        "refit": refit,
+        "ratios": ratios(refit, BUCKET_BYTES, machine),
+        "targets": TARGETS,
+        "tiny_bf16_delta_share_after_one_adamw_step": delta_share_after_one_step(),
+    }
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 11,
-                          int(sys.argv[2]) if len(sys.argv) > 2 else 3)))
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 11, int(sys.argv[2]) if len(sys.argv) > 2 else 3)))

@@ -27,8 +27,9 @@ class Dumper(yaml.SafeDumper):
     pass
 
 
-Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v,
-                                                            style="|" if "\n" in v else None))
+Dumper.add_representer(
+    str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None)
+)
 
 
 def matchers(texts: list[str]) -> list[dict]:
@@ -46,24 +47,49 @@ def main() -> None:
     route = am["route"]
     meta = {"name": "steadyrl", "labels": {"release": "kube-prometheus-stack"}}
     docs = [
-        {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
-         "spec": {"selector": {"matchLabels": {"steadyrl.io/metrics": "true"}},
-                  "podMetricsEndpoints": [{**endpoint, "interval": "10s", "honorLabels": True, "relabelings": RUN}
-                                          for endpoint in ({"port": "metrics"}, {"port": "http", "path": "/metrics"})]}},
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": meta,
+            "spec": {
+                "selector": {"matchLabels": {"steadyrl.io/metrics": "true"}},
+                "podMetricsEndpoints": [
+                    {**endpoint, "interval": "10s", "honorLabels": True, "relabelings": RUN}
+                    for endpoint in ({"port": "metrics"}, {"port": "http", "path": "/metrics"})
+                ],
+            },
+        },
         {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": meta, "spec": rules},
-        {"apiVersion": "monitoring.coreos.com/v1alpha1", "kind": "AlertmanagerConfig", "metadata": meta,
-         "spec": {"route": {"receiver": route["receiver"], "groupBy": route["group_by"],
-                            "groupWait": route["group_wait"], "groupInterval": route["group_interval"],
-                            "repeatInterval": route["repeat_interval"],
-                            "routes": [{"receiver": r["receiver"], "matchers": matchers(r["matchers"])}
-                                       for r in route["routes"]]},
-                  "receivers": [{"name": r["name"]} for r in am["receivers"]],
-                  "inhibitRules": [{"sourceMatch": matchers(r["source_matchers"]),
-                                    "targetMatch": matchers(r["target_matchers"]), "equal": r.get("equal", [])}
-                                   for r in am["inhibit_rules"]]}},
+        {
+            "apiVersion": "monitoring.coreos.com/v1alpha1",
+            "kind": "AlertmanagerConfig",
+            "metadata": meta,
+            "spec": {
+                "route": {
+                    "receiver": route["receiver"],
+                    "groupBy": route["group_by"],
+                    "groupWait": route["group_wait"],
+                    "groupInterval": route["group_interval"],
+                    "repeatInterval": route["repeat_interval"],
+                    "routes": [
+                        {"receiver": r["receiver"], "matchers": matchers(r["matchers"])} for r in route["routes"]
+                    ],
+                },
+                "receivers": [{"name": r["name"]} for r in am["receivers"]],
+                "inhibitRules": [
+                    {
+                        "sourceMatch": matchers(r["source_matchers"]),
+                        "targetMatch": matchers(r["target_matchers"]),
+                        "equal": r.get("equal", []),
+                    }
+                    for r in am["inhibit_rules"]
+                ],
+            },
+        },
     ]
-    text = HEAD + "---\n".join(yaml.dump(d, Dumper=Dumper, sort_keys=False, width=120, allow_unicode=True)
-                               for d in docs)
+    text = HEAD + "---\n".join(
+        yaml.dump(d, Dumper=Dumper, sort_keys=False, width=120, allow_unicode=True) for d in docs
+    )
     (ROOT / "deploy" / "k8s" / "base" / "monitoring.yaml").write_text(text)
 
 

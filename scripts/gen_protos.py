@@ -70,9 +70,7 @@ def differences(committed_root: Path = OUT_ROOT) -> list[str]:
         }
         out = sorted(str(p) for p in fresh ^ held)
         out += sorted(
-            str(p)
-            for p in fresh & held
-            if (fresh_root / p).read_bytes() != (committed_root / p).read_bytes()
+            str(p) for p in fresh & held if (fresh_root / p).read_bytes() != (committed_root / p).read_bytes()
         )
         return out
 

@@ -44,28 +44,47 @@ class TrainBatch:
 
     def select(self, rows: list[int] | torch.Tensor) -> TrainBatch:
         index = torch.as_tensor(rows, dtype=torch.long)
-        pick = (lambda t: None if t is None else t.index_select(0, index.to(t.device)))  # noqa: E731
+        pick = lambda t: None if t is None else t.index_select(0, index.to(t.device))  # noqa: E731
         return TrainBatch(
-            pick(self.input_ids), pick(self.attention_mask), pick(self.loss_mask), pick(self.inference_logprobs),
-            pick(self.versions), pick(self.rewards), pick(self.trace), pick(self.trace_mask),
+            pick(self.input_ids),
+            pick(self.attention_mask),
+            pick(self.loss_mask),
+            pick(self.inference_logprobs),
+            pick(self.versions),
+            pick(self.rewards),
+            pick(self.trace),
+            pick(self.trace_mask),
             [self.rollout_ids[i] for i in index.tolist()],
         )
 
     def trimmed(self) -> TrainBatch:
         """The same rows cut to their own longest row (less padding to compute)."""
         width = max(int(self.lengths().max()), 2)
-        cut = (lambda t, n: None if t is None else t[:, :n])  # noqa: E731
+        cut = lambda t, n: None if t is None else t[:, :n]  # noqa: E731
         return TrainBatch(
-            cut(self.input_ids, width), cut(self.attention_mask, width), cut(self.loss_mask, width - 1),
-            cut(self.inference_logprobs, width - 1), cut(self.versions, width - 1), self.rewards,
-            cut(self.trace, width), cut(self.trace_mask, width), self.rollout_ids,
+            cut(self.input_ids, width),
+            cut(self.attention_mask, width),
+            cut(self.loss_mask, width - 1),
+            cut(self.inference_logprobs, width - 1),
+            cut(self.versions, width - 1),
+            self.rewards,
+            cut(self.trace, width),
+            cut(self.trace_mask, width),
+            self.rollout_ids,
         )
 
     def to(self, device: torch.device) -> TrainBatch:
-        move = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return TrainBatch(
-            move(self.input_ids), move(self.attention_mask), move(self.loss_mask), move(self.inference_logprobs),
-            move(self.versions), move(self.rewards), move(self.trace), move(self.trace_mask), self.rollout_ids,
+            move(self.input_ids),
+            move(self.attention_mask),
+            move(self.loss_mask),
+            move(self.inference_logprobs),
+            move(self.versions),
+            move(self.rewards),
+            move(self.trace),
+            move(self.trace_mask),
+            self.rollout_ids,
         )
 
 
@@ -99,8 +118,17 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
             trace[row, :positions] = torch.from_numpy(r.routing_trace.astype(np.int64))
             trace_mask[row, :positions] = True
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-    return TrainBatch(input_ids, attention, loss_mask, inference, versions, rewards, trace, trace_mask,
-                      [r.rollout_id for r in rollouts])
+    return TrainBatch(
+        input_ids,
+        attention,
+        loss_mask,
+        inference,
+        versions,
+        rewards,
+        trace,
+        trace_mask,
+        [r.rollout_id for r in rollouts],
+    )
 
 
 def split_groups(num_groups: int, group_size: int, parts: int) -> list[list[int]]:

@@ -35,8 +35,9 @@ def init_from_env(device: torch.device | None = None, timeout_seconds: float = 6
         return 0, 1
     if not dist.is_initialized():
         cuda = device is not None and device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
-                                timeout=timedelta(seconds=timeout_seconds))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timedelta(seconds=timeout_seconds)
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -74,8 +75,11 @@ def broadcast_payloads(payloads: list[bytes] | None, tag: int = 0, src: int = 0)
         return None, tag
     if dist.get_rank() == src:
         lengths = torch.tensor([len(p) for p in items], dtype=torch.long, device=device)
-        data = torch.frombuffer(bytearray(b"".join(items)), dtype=torch.uint8).to(device) if items else \
-            torch.zeros(0, dtype=torch.uint8, device=device)
+        data = (
+            torch.frombuffer(bytearray(b"".join(items)), dtype=torch.uint8).to(device)
+            if items
+            else torch.zeros(0, dtype=torch.uint8, device=device)
+        )
     else:
         lengths = torch.zeros(count, dtype=torch.long, device=device)
     dist.broadcast(lengths, src)

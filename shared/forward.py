@@ -37,8 +37,12 @@ class Forward:
     routing: torch.Tensor | None  # [B, S, layers, top_k] experts the forward routed to (captured)
 
 
-def routing_context(routing: RoutingController | None, replay: torch.Tensor | None = None,
-                    replay_mask: torch.Tensor | None = None, capture: bool = False):
+def routing_context(
+    routing: RoutingController | None,
+    replay: torch.Tensor | None = None,
+    replay_mask: torch.Tensor | None = None,
+    capture: bool = False,
+):
     """The routing mode of the forwards (and, with activation checkpointing, of the recomputes in
     the backward) inside the block: replay `replay`, capture, or free."""
     if (replay is not None or capture) and routing is None:
@@ -50,14 +54,21 @@ def routing_context(routing: RoutingController | None, replay: torch.Tensor | No
     return contextlib.nullcontext()
 
 
-def sequence_logprobs(model, batch: TrainBatch, routing: RoutingController | None = None,
-                      replay: torch.Tensor | None = None, replay_mask: torch.Tensor | None = None,
-                      capture: bool = False, compute: Compute = Compute()) -> Forward:  # noqa: B008
+def sequence_logprobs(
+    model,
+    batch: TrainBatch,
+    routing: RoutingController | None = None,
+    replay: torch.Tensor | None = None,
+    replay_mask: torch.Tensor | None = None,
+    capture: bool = False,
+    compute: Compute = Compute(),
+) -> Forward:  # noqa: B008
     """One forward of the training engine over `batch`: next-token logprobs and entropy, in fp32
     whatever the parameters' or the autocast dtype. `replay` ([B, S, L, K] with `replay_mask`
     [B, S]) forces the routing; `capture` records it."""
-    autocast = torch.autocast(compute.device.type, dtype=compute.autocast or torch.float32,
-                              enabled=compute.autocast is not None)
+    autocast = torch.autocast(
+        compute.device.type, dtype=compute.autocast or torch.float32, enabled=compute.autocast is not None
+    )
     with routing_context(routing, replay, replay_mask, capture) as recording, autocast:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast

@@ -1,13 +1,12 @@
 """The transports between the services, as interfaces: what a service needs of each, not how it
 travels.
 
-| interface          | who uses it             | implementations                                                 |
-| ------------------ | ----------------------- | --------------------------------------------------------------- |
-| `RolloutSink`      | replicas publish        | `shared.queues.WorkQueue` (Redis, Lua)                          |
-| `RolloutSource`    | the trainer reads       | `services.trainer.stream.RedisRolloutSource`                    |
-| `WeightPublisher`  | the trainer pushes      | `shared.weightsync.grpc.GrpcWeightPublisher`, `shared.weightsync.shm.ShmWeightPublisher`, `shared.weightsync.collective.CollectiveWeightPublisher` |
-| `WeightSubscriber` | replicas receive        | `shared.weightsync.subscriber.GrpcWeightSubscriber` (every transport) |
-| `Engine`           | replicas generate       | `shared.engines` torch / vllm (a Protocol there)                |
+- `RolloutSink` (replicas publish): `shared.queues.WorkQueue` (Redis, Lua).
+- `RolloutSource` (the trainer reads): `services.trainer.stream.RedisRolloutSource`.
+- `WeightPublisher` (the trainer pushes): `shared.weightsync.grpc.GrpcWeightPublisher`,
+  `shared.weightsync.shm.ShmWeightPublisher`, `shared.weightsync.collective.CollectiveWeightPublisher`.
+- `WeightSubscriber` (replicas receive): `shared.weightsync.subscriber.GrpcWeightSubscriber`.
+- `Engine` (replicas generate): `shared.engines` torch / vllm (a Protocol there).
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ class RolloutSink(ABC):
     one step, refused when the lease was lost (so each task is published once)."""
 
     @abstractmethod
-    async def complete_many(self, replica_id: str, done: list[tuple[str, list[bytes]]],
-                            evals: set[str] = frozenset()) -> list[bool]:
+    async def complete_many(
+        self, replica_id: str, done: list[tuple[str, list[bytes]]], evals: set[str] = frozenset()
+    ) -> list[bool]:
         """Per task (task id, encoded rollouts): published, or False when the lease was lost."""
 
 
@@ -75,8 +75,9 @@ class WeightPublisher(ABC):
     """The trainer's side of the weights: each version pushed whole, verified before it is visible."""
 
     @abstractmethod
-    async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
-                   timeout: float | None = 600.0): ...
+    async def push(
+        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
+    ): ...
 
     @abstractmethod
     async def close(self) -> None: ...

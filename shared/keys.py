@@ -22,32 +22,58 @@ class Key:
 
 
 KEYS = {
-    "tasks": Key("tasks", "HASH", "task id → PromptTask", "queue scripts (submit, lease, complete, dead-letter)",
-                 "replicas (lease)"),
+    "tasks": Key(
+        "tasks",
+        "HASH",
+        "task id → PromptTask",
+        "queue scripts (submit, lease, complete, dead-letter)",
+        "replicas (lease)",
+    ),
     "pending": Key("pending", "LIST", "task ids", "queue scripts", "replicas (lease)"),
-    "pending_policy": Key("pending:policy", "LIST", "task ids of π's evals (`evalpi-…`)",
-                          "queue scripts (submit, requeue route by id)", "replicas with `pool = \"policy_eval\"` (lease)"),
+    "pending_policy": Key(
+        "pending:policy",
+        "LIST",
+        "task ids of π's evals (`evalpi-…`)",
+        "queue scripts (submit, requeue route by id)",
+        'replicas with `pool = "policy_eval"` (lease)',
+    ),
     "leases": Key("leases", "ZSET", "task id → deadline ms", "queue scripts", "orchestrator (sweep)"),
     "owners": Key("owners", "HASH", "task id → replica", "queue scripts", "queue scripts (lease checks, reclaim)"),
     "attempts": Key("attempts", "HASH", "task id → count", "queue scripts", "queue scripts"),
     "errors": Key("errors", "HASH", "task id → last failure", "queue scripts (`fail`)", "queue scripts (requeue)"),
-    "completed": Key("completed", "HASH", "task id → lease stamp", "queue scripts (`complete`)",
-                     "trainer (lease check), replicas (a publish whose reply was lost), orchestrator (depth)"),
-    "dead": Key("dead", "STREAM", "task id, code, reason, task", "queue scripts (newest 10,000)",
-                "orchestrator (accounting), operators"),
+    "completed": Key(
+        "completed",
+        "HASH",
+        "task id → lease stamp",
+        "queue scripts (`complete`)",
+        "trainer (lease check), replicas (a publish whose reply was lost), orchestrator (depth)",
+    ),
+    "dead": Key(
+        "dead",
+        "STREAM",
+        "task id, code, reason, task",
+        "queue scripts (newest 10,000)",
+        "orchestrator (accounting), operators",
+    ),
     "dead_counts": Key("dead:counts", "HASH", "code → count", "queue scripts", "orchestrator (`/v1/run`), operators"),
-    "rollouts": Key("rollouts", "STREAM", "task, lease, n, r", "queue scripts (`complete`)",
-                    "trainer (consumer group `trainer`)"),
+    "rollouts": Key(
+        "rollouts", "STREAM", "task, lease, n, r", "queue scripts (`complete`)", "trainer (consumer group `trainer`)"
+    ),
     "evals": Key("evals", "STREAM", "task, lease, n, r", "queue scripts (`complete`)", "orchestrator (eval rounds)"),
-    "rollouts_dead": Key("rollouts:dead", "STREAM", "entry, reason, message, r", "trainer (newest 10,000)",
-                         "operators"),
-    "rollouts_dead_counts": Key("rollouts:dead:counts", "HASH", "reason → count", "trainer",
-                                "orchestrator (`/v1/run`), operators"),
+    "rollouts_dead": Key(
+        "rollouts:dead", "STREAM", "entry, reason, message, r", "trainer (newest 10,000)", "operators"
+    ),
+    "rollouts_dead_counts": Key(
+        "rollouts:dead:counts", "HASH", "reason → count", "trainer", "orchestrator (`/v1/run`), operators"
+    ),
     "trained": Key("trained", "LIST", "rollout ids (the ledger)", "trainer", "orchestrator (progress), tests"),
-    "trained_ids": Key("trained:ids", "SET", "rollout ids in the ledger, trained or dropped (guards it)", "trainer", "trainer"),
+    "trained_ids": Key(
+        "trained:ids", "SET", "rollout ids in the ledger, trained or dropped (guards it)", "trainer", "trainer"
+    ),
     "dropped": Key("trained:dropped", "LIST", "rollout ids dropped as stale", "trainer", "orchestrator (progress)"),
-    "trained_dead": Key("trained:dead", "SET", "group ids dead-lettered whole", "trainer",
-                        "orchestrator (progress), trainer (restart)"),
+    "trained_dead": Key(
+        "trained:dead", "SET", "group ids dead-lettered whole", "trainer", "orchestrator (progress), trainer (restart)"
+    ),
     "trainer": Key("trainer", "HASH", "`TrainerField`s", "trainer", "trainer (restart)"),
     "run": Key("run", "HASH", "`RunField`s", "orchestrator", "orchestrator, `/v1/run`"),
     "replicas": Key("replicas", "HASH", "replica → version", "orchestrator (heartbeats)", "orchestrator, `/v1/run`"),

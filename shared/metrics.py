@@ -11,8 +11,11 @@ from collections.abc import Iterator
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, start_http_server
 from prometheus_client.metrics_core import Metric
 
-LOADING = Gauge("steadyrl_service_loading", "1 while the service loads its model and is not serving yet, else 0",
-                ["service", "pool"])
+LOADING = Gauge(
+    "steadyrl_service_loading",
+    "1 while the service loads its model and is not serving yet, else 0",
+    ["service", "pool"],
+)
 
 _server: tuple[int, str] | None = None  # (bound port, run) of this process's endpoint
 

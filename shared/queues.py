@@ -107,8 +107,9 @@ class WorkQueue(RolloutSink):
         """Queue a task; False when a task with its id is already queued or leased."""
         return (await self.submit_many([task]))[0]
 
-    async def submit_many(self, tasks: list[common_pb2.PromptTask],
-                          record: tuple[str, dict[str, int | str]] | None = None) -> list[bool]:
+    async def submit_many(
+        self, tasks: list[common_pb2.PromptTask], record: tuple[str, dict[str, int | str]] | None = None
+    ) -> list[bool]:
         """Queue tasks in one MULTI; per task: queued, or False when its id is already queued.
 
         `record` = (hash key, fields) is written in the same transaction: a producer's cursor
@@ -140,8 +141,10 @@ class WorkQueue(RolloutSink):
         """The tasks Redis says `replica_id` holds that it does not know of (`known`: the leases it
         renews): leased by a call whose reply was lost (it timed out, then Redis ran it). Each gets
         a fresh deadline, so the replica serves it instead of leaving it to expire."""
-        flat = await self._reclaim(self._k("owners", "tasks", "attempts", "leases"),
-                                   [replica_id, now_ms(), int(lease_seconds * 1000), *sorted(known)])
+        flat = await self._reclaim(
+            self._k("owners", "tasks", "attempts", "leases"),
+            [replica_id, now_ms(), int(lease_seconds * 1000), *sorted(known)],
+        )
         return await self._leases(replica_id, flat)
 
     async def _leases(self, replica_id: str, flat: list[bytes]) -> list[Lease]:
@@ -162,15 +165,19 @@ class WorkQueue(RolloutSink):
         """Push the deadlines of leases this replica still holds; returns how many it holds."""
         if not task_ids:
             return 0
-        return int(await self._extend(self._k("leases", "owners"),
-                                      [now_ms(), int(lease_seconds * 1000), replica_id, *task_ids]))
+        return int(
+            await self._extend(
+                self._k("leases", "owners"), [now_ms(), int(lease_seconds * 1000), replica_id, *task_ids]
+            )
+        )
 
     async def complete(self, replica_id: str, task_id: str, rollouts: list[bytes]) -> bool:
         """Publish a task's rollouts and end its lease, atomically; False when the lease was lost."""
         return (await self.complete_many(replica_id, [(task_id, rollouts)]))[0]
 
-    async def complete_many(self, replica_id: str, done: list[tuple[str, list[bytes]]],
-                            evals: set[str] = frozenset()) -> list[bool]:
+    async def complete_many(
+        self, replica_id: str, done: list[tuple[str, list[bytes]]], evals: set[str] = frozenset()
+    ) -> list[bool]:
         """`complete` for several tasks in one round trip (each task atomically on its own);
         the rollouts of tasks in `evals` go to the `evals` stream."""
         if not done:
@@ -221,8 +228,9 @@ class WorkQueue(RolloutSink):
 
     async def requeue_expired(self, max_attempts: int) -> tuple[int, int]:
         """Re-queue tasks whose lease expired; past `max_attempts` they go to `dead`. (requeued, dead)"""
-        keys = self._k("leases", "owners", "attempts", "pending", "tasks", "dead", "errors", "dead_counts",
-                       "pending_policy")
+        keys = self._k(
+            "leases", "owners", "attempts", "pending", "tasks", "dead", "errors", "dead_counts", "pending_policy"
+        )
         requeued, dead = await self._requeue(keys, [now_ms(), max_attempts, self.dead_maxlen, POLICY_EVAL_PREFIX])
         return int(requeued), int(dead)
 
@@ -244,5 +252,14 @@ class WorkQueue(RolloutSink):
             await self._depths_by_kind([k.leases, k.pending], [POLICY_EVAL_PREFIX, EVAL_PREFIX], client=pipe)
             pending, completed, dead, rollouts, pending_policy, by_kind = await pipe.execute()
         leased, leased_policy, leased_eval, pending_eval = (int(x) for x in by_kind)
-        return QueueDepths(int(pending), leased, int(completed), int(dead), int(rollouts), int(pending_policy),
-                           leased_policy, pending_eval, leased_eval)
+        return QueueDepths(
+            int(pending),
+            leased,
+            int(completed),
+            int(dead),
+            int(rollouts),
+            int(pending_policy),
+            leased_policy,
+            pending_eval,
+            leased_eval,
+        )

@@ -43,6 +43,10 @@ def connect(url: str, timeout: float = 5.0, password: str | None = None) -> Redi
 
     extra = {"password": password} if password and not urlsplit(url).password else {}
     return Redis.from_url(
-        url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=10,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(RedisConnectionError,)), **extra,
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=10,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(RedisConnectionError,)),
+        **extra,
     )

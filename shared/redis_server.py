@@ -61,21 +61,42 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.directory),
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-            "--protected-mode", "no", "--loglevel", "warning",
-            "--logfile", str(self.directory / "redis.log"),
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.directory / "redis.log"),
         ]
         if self.password:
             if self.password.startswith("--"):  # redis-server would read it as the next option's name
                 raise ValueError("a redis password cannot start with '--' (redis-server reads it as an option)")
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        preexec_fn=parent_death_signal(signal.SIGTERM) if self.with_parent else None)
+        self.process = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            preexec_fn=parent_death_signal(signal.SIGTERM) if self.with_parent else None,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.directory}/redis.log")
+                raise RuntimeError(
+                    f"redis-server exited with {self.process.returncode}; see {self.directory}/redis.log"
+                )
             if self._ping():
                 return self
             time.sleep(0.05)
@@ -108,4 +129,3 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

@@ -214,14 +214,16 @@ def decode_trace(trace: rollout_pb2.RoutingTrace) -> tuple[np.ndarray, int]:
     data = trace.expert_ids
     if trace.zstd:  # never inflated past what the shape says: a bomb is refused, not unpacked
         if expected > _MAX_TRACE_BYTES:
-            raise RolloutError("trace_shape", f"routing trace shape {shape} needs {expected} bytes > "
-                                              f"{_MAX_TRACE_BYTES}")
+            raise RolloutError(
+                "trace_shape", f"routing trace shape {shape} needs {expected} bytes > {_MAX_TRACE_BYTES}"
+            )
         try:  # read at most one byte past the shape's size, whatever size the frame declares
             with _unzstd().stream_reader(data) as reader:
                 data = reader.read(expected + 1)
         except zstandard.ZstdError as exc:
-            raise RolloutError("trace_decompress", f"routing trace is not a zstd frame of {expected} bytes: "
-                                                   f"{exc}") from None
+            raise RolloutError(
+                "trace_decompress", f"routing trace is not a zstd frame of {expected} bytes: {exc}"
+            ) from None
     if len(data) != expected:
         raise RolloutError("trace_shape", f"routing trace holds {len(data)} bytes, shape {shape} needs {expected}")
     ids = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
@@ -236,16 +238,12 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
     if not rollout.group_id:
         raise RolloutError("missing_id", f"rollout {rollout.rollout_id}: group_id is empty")
     if rollout.group_size < 1 or rollout.sample_index >= rollout.group_size:
-        raise RolloutError(
-            "group", f"sample_index {rollout.sample_index} outside a group of {rollout.group_size}"
-        )
+        raise RolloutError("group", f"sample_index {rollout.sample_index} outside a group of {rollout.group_size}")
     prompt_len, completion_len = len(rollout.prompt_token_ids), len(rollout.completion_token_ids)
     if prompt_len == 0 or completion_len == 0:
         raise RolloutError("empty", f"prompt has {prompt_len} tokens, completion {completion_len}")
     if prompt_len + completion_len > limits.max_total_tokens:
-        raise RolloutError(
-            "oversize", f"{prompt_len + completion_len} tokens > limit {limits.max_total_tokens}"
-        )
+        raise RolloutError("oversize", f"{prompt_len + completion_len} tokens > limit {limits.max_total_tokens}")
     for name in ("inference_logprobs", "policy_versions", *(("loss_mask",) if rollout.loss_mask is not None else ())):
         if len(getattr(rollout, name)) != completion_len:
             raise RolloutError(

@@ -21,8 +21,9 @@ MAX_NEW_TOKENS = 1 << 20
 def check_temperature(value: float) -> float:
     """`value` if it is 0 (greedy) or lies in [MIN_TEMPERATURE, MAX_TEMPERATURE], else ValueError."""
     if not _is_number(value) or not (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
-        raise ValueError(f"temperature must be 0 (greedy) or lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
-                         f"got {value!r}")
+        raise ValueError(
+            f"temperature must be 0 (greedy) or lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {value!r}"
+        )
     return float(value)
 
 

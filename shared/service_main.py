@@ -68,8 +68,13 @@ def run_service(name: str, settings_cls: type, server_module: str, settings: obj
     setup_logging(name)
     if settings is None:
         if os.environ.get("STEADYRL_RECIPE", "").strip():
-            log.error("event=settings_refused service=%s reason=STEADYRL_RECIPE is read by `python -m steadyrl.cli "
-                      "serve %s`, not by `python -m services.%s`", name, name, name)
+            log.error(
+                "event=settings_refused service=%s reason=STEADYRL_RECIPE is read by `python -m steadyrl.cli "
+                "serve %s`, not by `python -m services.%s`",
+                name,
+                name,
+                name,
+            )
             sys.exit(2)
         settings = settings_cls()
 
@@ -105,9 +110,18 @@ class Serving:
 
 
 @contextlib.asynccontextmanager
-async def grpc_service(name: str, register: Sequence, service_names: Sequence[str], host: str, port: int,
-                       max_message_bytes: int, metrics_port: int | None, ready: asyncio.Event | None = None,
-                       run: str = "", **fields: object) -> AsyncIterator[Serving]:
+async def grpc_service(
+    name: str,
+    register: Sequence,
+    service_names: Sequence[str],
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    metrics_port: int | None,
+    ready: asyncio.Event | None = None,
+    run: str = "",
+    **fields: object,
+) -> AsyncIterator[Serving]:
     """The skeleton every service shares: its gRPC API (with health, reflection, the token and
     TLS: `shared.rpc.start_server`) and /metrics; `ready` is set once both listen. On the way
     out health turns NOT_SERVING first, then the server stops."""
@@ -118,8 +132,9 @@ async def grpc_service(name: str, register: Sequence, service_names: Sequence[st
     try:
         metrics = start_metrics_server(metrics_port, host, run) if metrics_port is not None else 0
         extra = " ".join(f"{k}={v}" for k, v in (({"run": run} if run else {}) | fields).items())
-        logging.getLogger(f"steadyrl.{name}").info("event=started service=%s port=%d metrics_port=%d %s", name, bound,
-                                                   metrics, extra)
+        logging.getLogger(f"steadyrl.{name}").info(
+            "event=started service=%s port=%d metrics_port=%d %s", name, bound, metrics, extra
+        )
         if ready is not None:
             ready.set()
         yield Serving(bound, metrics, health)
@@ -134,8 +149,13 @@ async def not_serving(health) -> None:
         await health.enter_graceful_shutdown()
 
 
-async def run_loops(loops: dict[str, Coroutine], stop: asyncio.Event, health=None,
-                    finishing: frozenset[str] = frozenset(), grace: float = 30.0) -> None:
+async def run_loops(
+    loops: dict[str, Coroutine],
+    stop: asyncio.Event,
+    health=None,
+    finishing: frozenset[str] = frozenset(),
+    grace: float = 30.0,
+) -> None:
     """Run a service's loops until `stop` is set. A loop named in `finishing` may return: the
     service's work is done, and it stops cleanly. Any other end of a loop (an exception, or a
     return before `stop`) is logged with why and raises LoopDied once the others are stopped."""

@@ -47,7 +47,10 @@ class TrackingSettings(BaseModel):
     def _installed(self) -> TrackingSettings:
         import importlib.util
 
-        for setting, module, extra in (("wandb_project", "wandb", "wandb"), ("mlflow_tracking_uri", "mlflow", "mlflow")):
+        for setting, module, extra in (
+            ("wandb_project", "wandb", "wandb"),
+            ("mlflow_tracking_uri", "mlflow", "mlflow"),
+        ):
             if getattr(self, setting) and importlib.util.find_spec(module) is None:
                 raise ValueError(f"tracking.{setting} needs {module}: pip install 'steadyrl[{extra}]'")
         return self
@@ -78,5 +81,7 @@ class VerifiedWeights(UnsignedWeights):
 
     def _needs_key(self, what: str) -> None:
         if self.verify_key_file is None and not self.unsigned_weights:
-            raise ValueError(f"{what} takes only versions the run's trainer signed: set verify_key_file (the "
-                             "public key; `steadyrl keys DIR` makes a pair), or unsigned_weights = true")
+            raise ValueError(
+                f"{what} takes only versions the run's trainer signed: set verify_key_file (the "
+                "public key; `steadyrl keys DIR` makes a pair), or unsigned_weights = true"
+            )

@@ -27,16 +27,26 @@ STATUS_FILE = "tracking.json"  # what became of each backend, beside the service
 
 def scalars_of(values: dict[str, object]) -> dict[str, float]:
     """The values that are scalars: not a label (the recipe), a bool or a non-finite number."""
-    return {k: float(v) for k, v in values.items()
-            if not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in values.items()
+        if not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+    }
 
 
 class ScalarLog:
     """One process's scalars: TensorBoard under `directory` (None: off), plus the backends of
     `tracking` under the name `RUN/service`."""
 
-    def __init__(self, directory: Path | None, tracking: TrackingSettings | None = None, run_id: str = "",
-                 service: str = "", out_dir: Path | None = None, config: dict | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path | None,
+        tracking: TrackingSettings | None = None,
+        run_id: str = "",
+        service: str = "",
+        out_dir: Path | None = None,
+        config: dict | None = None,
+    ) -> None:
         self.directory, self._writer = directory, None
         makers = {}
         if tracking is not None and tracking.wandb_project:
@@ -132,13 +142,19 @@ class ExternalBackends:
         while (item := self._queue.get()) is not None:
             for backend in list(backends):
                 error = []
-                ok = _guarded("log", lambda b=backend: b.log(*item) or True, backend.name,
-                              f"step={item[0]} failures={failures[backend] + 1}", error)  # the count if this one fails
+                ok = _guarded(
+                    "log",
+                    lambda b=backend: b.log(*item) or True,
+                    backend.name,
+                    f"step={item[0]} failures={failures[backend] + 1}",
+                    error,
+                )  # the count if this one fails
                 failures[backend] = 0 if ok else failures[backend] + 1
                 if failures[backend] >= MAX_FAILURES:
                     log.error("event=tracking_dropped_backend backend=%s", backend.name)
-                    self._record(backend.name, f"dropped at step {item[0]} after {MAX_FAILURES} failed records: "
-                                               f"{error[0]}")
+                    self._record(
+                        backend.name, f"dropped at step {item[0]} after {MAX_FAILURES} failed records: {error[0]}"
+                    )
                     backends.remove(backend)
         for backend in backends:
             _guarded("close", backend.close, backend.name)
@@ -171,9 +187,18 @@ class WandbBackend:
         import wandb
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=tracking.wandb_project, entity=tracking.wandb_entity or None,
-                              mode=tracking.wandb_mode, group=run_id, job_type=service, name=f"{run_id}/{service}",
-                              id=f"{run_id}-{service}", resume="allow", dir=str(out_dir), config=config)
+        self.run = wandb.init(
+            project=tracking.wandb_project,
+            entity=tracking.wandb_entity or None,
+            mode=tracking.wandb_mode,
+            group=run_id,
+            job_type=service,
+            name=f"{run_id}/{service}",
+            id=f"{run_id}-{service}",
+            resume="allow",
+            dir=str(out_dir),
+            config=config,
+        )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
@@ -195,10 +220,14 @@ class MlflowBackend:
         self.client = MlflowClient(tracking_uri=tracking.mlflow_tracking_uri)
         experiment_id = self.experiment(tracking.mlflow_experiment)
         tags = {"steadyrl.run_id": run_id, "steadyrl.service": service}
-        found = self.client.search_runs([experiment_id], " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items()),
-                                        max_results=1)
-        self.run_id = found[0].info.run_id if found else self.client.create_run(
-            experiment_id, tags=tags, run_name=f"{run_id}/{service}").info.run_id
+        found = self.client.search_runs(
+            [experiment_id], " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items()), max_results=1
+        )
+        self.run_id = (
+            found[0].info.run_id
+            if found
+            else self.client.create_run(experiment_id, tags=tags, run_name=f"{run_id}/{service}").info.run_id
+        )
         if not found:
             from mlflow.entities import Param
 

@@ -91,8 +91,15 @@ class StepPlan:
     buckets: list[int]  # staleness buckets present in the global batch
 
 
-def plan_step(batch: TrainBatch, group_size: int, config: StepConfig, routing: RoutingController | None,
-              version: int, rank: int, world: int) -> StepPlan:
+def plan_step(
+    batch: TrainBatch,
+    group_size: int,
+    config: StepConfig,
+    routing: RoutingController | None,
+    version: int,
+    rank: int,
+    world: int,
+) -> StepPlan:
     if batch.size % group_size:
         raise ValueError(f"{batch.size} rows are not whole groups of {group_size}")
     if config.replay == "r3" and batch.trace is None:
@@ -106,8 +113,9 @@ def plan_step(batch: TrainBatch, group_size: int, config: StepConfig, routing: R
         raise ValueError(f"a mini-batch has fewer rows than the {world} ranks")
     mine = [row for rows in rows_of for row in rows]
     buckets = sorted({int(x) for x in staleness[batch.loss_mask].tolist()}) if batch.loss_mask.any() else []
-    return StepPlan(batch, advantages, staleness, rows_of, batch.select(mine),
-                    {row: i for i, row in enumerate(mine)}, buckets)
+    return StepPlan(
+        batch, advantages, staleness, rows_of, batch.select(mine), {row: i for i, row in enumerate(mine)}, buckets
+    )
 
 
 @dataclass
@@ -119,8 +127,9 @@ class OldPolicy:
 
 
 @torch.no_grad()
-def recompute_old(model, plan: StepPlan, routing: RoutingController | None, config: StepConfig,
-                  stats: StepStats, compute: Compute) -> OldPolicy:
+def recompute_old(
+    model, plan: StepPlan, routing: RoutingController | None, config: StepConfig, stats: StepStats, compute: Compute
+) -> OldPolicy:
     """log π_old once per global step, before any update, replaying R3 traces or capturing the
     routing for R2, in micro-batches; records the routing agreement with the inference traces."""
     local, is_moe = plan.local, routing is not None and routing.is_moe
@@ -133,9 +142,15 @@ def recompute_old(model, plan: StepPlan, routing: RoutingController | None, conf
         own = None
         if not config.bypass:
             r3 = config.replay == "r3"
-            forward = sequence_logprobs(model, part, routing, replay=part.trace if r3 else None,
-                                        replay_mask=part.trace_mask if r3 else None, capture=is_moe and not r3,
-                                        compute=compute)
+            forward = sequence_logprobs(
+                model,
+                part,
+                routing,
+                replay=part.trace if r3 else None,
+                replay_mask=part.trace_mask if r3 else None,
+                capture=is_moe and not r3,
+                compute=compute,
+            )
             logprobs[at, : part.width - 1] = forward.logprobs
             own = forward.routing
             if own is not None:
@@ -151,8 +166,18 @@ def recompute_old(model, plan: StepPlan, routing: RoutingController | None, conf
     return OldPolicy(logprobs, captured)
 
 
-def update(model, optimizer, routing: RoutingController | None, plan: StepPlan, old: OldPolicy, rows: list[int],
-           config: StepConfig, stats: StepStats, world: int, compute: Compute) -> None:
+def update(
+    model,
+    optimizer,
+    routing: RoutingController | None,
+    plan: StepPlan,
+    old: OldPolicy,
+    rows: list[int],
+    config: StepConfig,
+    stats: StepStats,
+    world: int,
+    compute: Compute,
+) -> None:
     """One optimizer step on `rows` (this rank's part of one mini-batch), its gradients
     accumulated over micro-batches of at most `compute.micro_batch_tokens` tokens. Every
     micro-batch divides by the mini-batch's normaliser (its valid tokens over all ranks), so the
@@ -178,25 +203,42 @@ def update(model, optimizer, routing: RoutingController | None, plan: StepPlan, 
             forward = sequence_logprobs(model, mb, compute=compute)  # replay stays on through the backward
             started = time.perf_counter()
             loss, _ = policy_loss(
-                forward.logprobs, None if old.logprobs is None else old.logprobs.index_select(0, at)[:, : w - 1],
-                mb.inference_logprobs, plan.advantages.index_select(0, torch.tensor(picked)).to(compute.device),
-                mb.loss_mask, config.loss, token_normalizer=tokens, sequence_normalizer=sequences, stats=stats,
-                buckets=(staleness, plan.buckets))
+                forward.logprobs,
+                None if old.logprobs is None else old.logprobs.index_select(0, at)[:, : w - 1],
+                mb.inference_logprobs,
+                plan.advantages.index_select(0, torch.tensor(picked)).to(compute.device),
+                mb.loss_mask,
+                config.loss,
+                token_normalizer=tokens,
+                sequence_normalizer=sequences,
+                stats=stats,
+                buckets=(staleness, plan.buckets),
+            )
             stats.add_total("loss_seconds", time.perf_counter() - started)
             (loss * world).backward()
         stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks, micro- and mini-batches
         stats.add_mean("entropy", forward.entropy_per_token, mb.loss_mask)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip if config.grad_clip > 0
-                                               else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf")
+    )
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
     optimizer.step()
     stats.add_sum("grad_norm", grad_norm / world, 1.0 / world)  # every rank holds the same global norm
     stats.add_max("grad_norm_max", grad_norm.reshape(1))
 
 
-def train_step(model, optimizer, routing: RoutingController | None, batch: TrainBatch, group_size: int,
-               config: StepConfig, version: int, rank: int = 0, world: int = 1,
-               compute: Compute = Compute()) -> dict[str, float]:  # noqa: B008
+def train_step(
+    model,
+    optimizer,
+    routing: RoutingController | None,
+    batch: TrainBatch,
+    group_size: int,
+    config: StepConfig,
+    version: int,
+    rank: int = 0,
+    world: int = 1,
+    compute: Compute = Compute(),  # noqa: B008 - a frozen dataclass, read only
+) -> dict[str, float]:  # noqa: B008
     """One global step on `batch` (rows grouped G by G): advantages, π_old, N optimizer steps.
 
     Data parallel (`world` > 1, `model` wrapped in DistributedDataParallel): every rank holds the

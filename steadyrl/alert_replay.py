@@ -6,7 +6,8 @@ its policy-eval.jsonl (π's rounds, orchestrator.policy_eval)
 `steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}` and the round before the last
 `steadyrl_orchestrator_policy_eval_previous_accuracy{set=NAME}`, one step per minute, and
 `promtool test rules` evaluates every alert that reads those series at every minute. The windows
-of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5 steps. Needs promtool (Prometheus' test tool) on PATH.
+of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5 steps. Needs promtool
+(Prometheus' test tool) on PATH.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ def minutes(duration: str) -> int:
 def replayed_alerts(rules_file: Path) -> list[str]:
     """The alerts of a rule file whose expression reads the trainer's per-step metrics or the evals."""
     groups = yaml.safe_load(Path(rules_file).read_text())["groups"]
-    return [r["alert"] for g in groups for r in g["rules"]
-            if "alert" in r and any(series in r["expr"] for series in (TRAINER_SERIES, EVAL_SERIES, POLICY_SERIES))]
+    return [
+        r["alert"]
+        for g in groups
+        for r in g["rules"]
+        if "alert" in r and any(series in r["expr"] for series in (TRAINER_SERIES, EVAL_SERIES, POLICY_SERIES))
+    ]
 
 
 def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
@@ -48,8 +53,11 @@ def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
     before the first)."""
     out = {}
     for name in sorted({n for e in evals for n in (e.get("sets") or {"main": None})}):
-        at_minute = {max(e["step"] - 1, 0): (e.get("sets") or {}).get(name, {}).get("accuracy", e["accuracy"])
-                     for e in sorted(evals, key=lambda e: e["step"]) if name == "main" or name in e.get("sets", {})}
+        at_minute = {
+            max(e["step"] - 1, 0): (e.get("sets") or {}).get(name, {}).get("accuracy", e["accuracy"])
+            for e in sorted(evals, key=lambda e: e["step"])
+            if name == "main" or name in e.get("sets", {})
+        }
         values, current = [], None
         for minute in range(steps):
             current = at_minute.get(minute, current)
@@ -58,8 +66,14 @@ def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
     return out
 
 
-def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: dict[str, float] | None = None,
-                evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict:
+def replay_test(
+    rows: list[dict],
+    rules_file: Path,
+    alerts: list[str],
+    gauges: dict[str, float] | None = None,
+    evals: list[dict] = (),
+    policy_evals: list[dict] = (),
+) -> dict:
     """A promtool test file: every numeric key of `rows` as a series (step s at minute s − 1), the
     eval rounds (μ's `evals`, π's `policy_evals`, π's first round, and each π round as the previous
     one from the next round's step on, all held from their step on), each
@@ -71,26 +85,51 @@ def replay_test(rows: list[dict], rules_file: Path, alerts: list[str], gauges: d
     series = []
     for key in keys:
         values = " ".join("_" if not isinstance(r.get(key), int | float) else repr(float(r[key])) for r in rows)
-        series.append({"series": f'{TRAINER_SERIES}{{name="{key}", instance="{INSTANCE}", job="steadyrl-trainer"}}',
-                       "values": values})
+        series.append(
+            {
+                "series": f'{TRAINER_SERIES}{{name="{key}", instance="{INSTANCE}", job="steadyrl-trainer"}}',
+                "values": values,
+            }
+        )
     policy_evals = sorted(policy_evals, key=lambda e: e["step"])
-    previous = [{**before, "step": after["step"]} for before, after in
-                zip(policy_evals, policy_evals[1:], strict=False)]
-    for metric, rounds in ((EVAL_SERIES, list(evals)), (POLICY_SERIES, policy_evals),
-                           (POLICY_INITIAL_SERIES, policy_evals[:1]), (POLICY_PREVIOUS_SERIES, previous)):
+    previous = [
+        {**before, "step": after["step"]} for before, after in zip(policy_evals, policy_evals[1:], strict=False)
+    ]
+    for metric, rounds in (
+        (EVAL_SERIES, list(evals)),
+        (POLICY_SERIES, policy_evals),
+        (POLICY_INITIAL_SERIES, policy_evals[:1]),
+        (POLICY_PREVIOUS_SERIES, previous),
+    ):
         for name, values in eval_values(rounds, len(rows)).items():
-            series.append({"series": f'{metric}{{set="{name}", instance="orchestrator:replay", job="steadyrl"}}',
-                           "values": values})
+            series.append(
+                {
+                    "series": f'{metric}{{set="{name}", instance="orchestrator:replay", job="steadyrl"}}',
+                    "values": values,
+                }
+            )
     for metric, value in (gauges or {}).items():
-        series.append({"series": f'{metric}{{instance="{INSTANCE}", job="steadyrl-trainer"}}',
-                       "values": f"{float(value)!r}x{max(len(rows) - 1, 0)}"})
+        series.append(
+            {
+                "series": f'{metric}{{instance="{INSTANCE}", job="steadyrl-trainer"}}',
+                "values": f"{float(value)!r}x{max(len(rows) - 1, 0)}",
+            }
+        )
     checks = [{"eval_time": f"{m}m", "alertname": a, "exp_alerts": []} for a in alerts for m in range(len(rows))]
-    return {"rule_files": [str(Path(rules_file).resolve())], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}
+    return {
+        "rule_files": [str(Path(rules_file).resolve())],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}],
+    }
 
 
-def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | None = None,
-                 evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict[str, list[int]]:
+def firing_steps(
+    rows: list[dict],
+    rules_file: Path,
+    gauges: dict[str, float] | None = None,
+    evals: list[dict] = (),
+    policy_evals: list[dict] = (),
+) -> dict[str, list[int]]:
     """alert → the steps (minute + 1) at which it fires on this run's series."""
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -98,8 +137,9 @@ def firing_steps(rows: list[dict], rules_file: Path, gauges: dict[str, float] | 
     alerts = replayed_alerts(rules_file)
     with tempfile.TemporaryDirectory() as tmp:
         test = Path(tmp) / "replay_test.yml"
-        test.write_text(yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals, policy_evals),
-                                       sort_keys=False))
+        test.write_text(
+            yaml.safe_dump(replay_test(rows, rules_file, alerts, gauges, evals, policy_evals), sort_keys=False)
+        )
         done = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     failures = FAILURE.findall(output)  # a failed quiet check is a minute the alert fires
@@ -120,8 +160,11 @@ def replay_run(run_dir: Path, rules_file: Path) -> dict:
         import tomllib
 
         gauges["steadyrl_trainer_max_staleness"] = tomllib.loads(recipe.read_text())["run"]["max_staleness"]
-    return {"run": str(run_dir), "steps": len({r["step"] for r in rows}),
-            "firing_steps": firing_steps(rows, rules_file, gauges, evals, policy_evals)}
+    return {
+        "run": str(run_dir),
+        "steps": len({r["step"] for r in rows}),
+        "firing_steps": firing_steps(rows, rules_file, gauges, evals, policy_evals),
+    }
 
 
 def _first_jsonl(run_dir: Path, name: str, service: str = "orchestrator") -> list[dict]:

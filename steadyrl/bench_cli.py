@@ -12,10 +12,12 @@ bench_app = typer.Typer(help="Benchmarks: each prints one JSON object of side-by
 
 
 @bench_app.command("weightsync")
-def bench_weightsync(layers: int = typer.Option(11, min=1, help="Layers of the bench model (11: 1.09 GiB in bf16)."),
-                     rounds: int = typer.Option(3, min=1, help="Timed rounds per side (median), transports alternated."),
-                     engines: str = typer.Option("torch,vllm", help="Replica engines, comma-separated."),
-                     replicas: str = typer.Option("1,2", help="Replica counts, comma-separated.")) -> None:
+def bench_weightsync(
+    layers: int = typer.Option(11, min=1, help="Layers of the bench model (11: 1.09 GiB in bf16)."),
+    rounds: int = typer.Option(3, min=1, help="Timed rounds per side (median), transports alternated."),
+    engines: str = typer.Option("torch,vllm", help="Replica engines, comma-separated."),
+    replicas: str = typer.Option("1,2", help="Replica counts, comma-separated."),
+) -> None:
     """End-to-end refit, from the trainer's last optimizer step to every replica serving the new
     version (its first token), per transport, with 1 and 2 replicas, on both engines, against
     memcpy of the same bytes and a raw loopback socket, all on one clock; replica pause, wire
@@ -39,7 +41,9 @@ def bench_inference(dtype: str = typer.Option("bfloat16", help="Inference precis
 
 
 @bench_app.command("mismatch")
-def bench_mismatch(device: str = typer.Option("cpu", help="Where the engine and the fp32 trainer run: cpu or cuda.")) -> None:
+def bench_mismatch(
+    device: str = typer.Option("cpu", help="Where the engine and the fp32 trainer run: cpu or cuda."),
+) -> None:
     """Training–inference mismatch per inference precision (fp32, bf16, fp8, NVFP4) on the tiny
     MoE: mismatch KL, |Δ logprob|, routing agreement vs the fp32 trainer."""
     import json
@@ -52,10 +56,15 @@ def bench_mismatch(device: str = typer.Option("cpu", help="Where the engine and 
 
 
 @bench_app.command("trainer")
-def bench_trainer(memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead."),
-                  gpu: bool = typer.Option(False, "--gpu", help="fp32 vs bf16-mixed steps on GPU 0 instead."),
-                  checkpoint: bool = typer.Option(False, "--checkpoint", help="Sharded (DCP, blocking and async) "
-                                                  "vs full-gather checkpoints, and R3 trace bytes, instead.")) -> None:
+def bench_trainer(
+    memory: bool = typer.Option(False, "--memory", help="DDP vs FSDP memory per rank instead."),
+    gpu: bool = typer.Option(False, "--gpu", help="fp32 vs bf16-mixed steps on GPU 0 instead."),
+    checkpoint: bool = typer.Option(
+        False,
+        "--checkpoint",
+        help="Sharded (DCP, blocking and async) vs full-gather checkpoints, and R3 trace bytes, instead.",
+    ),
+) -> None:
     """Loss-math share of a step and the routing replay overhead of a training forward; with
     --memory, parameter + optimizer bytes and peak memory per rank, DDP vs FSDP on 2 gloo ranks;
     with --gpu, step time, tokens/s and peak memory on one GPU, fp32 vs bf16-mixed; with
@@ -116,8 +125,12 @@ def bench_all(
     only: Annotated[list[str] | None, typer.Option("--only", help="Run only this benchmark (repeatable).")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Also write the markdown summary here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
-    update: Annotated[bool, typer.Option(help="With --only and --json: keep the other benchmarks' figures "
-                                               "from that file (same machine), each dated.")] = False,
+    update: Annotated[
+        bool,
+        typer.Option(
+            help="With --only and --json: keep the other benchmarks' figures from that file (same machine), each dated."
+        ),
+    ] = False,
 ) -> None:
     """Every benchmark, each in its own process: one JSON object with the machine it ran on."""
     from bench.suite import main as run

@@ -54,18 +54,36 @@ def init_model(
 
 @app.command("run")
 def run_command(
-    configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False,
-                                                  help="Run recipe(s) (TOML), merged left to right.")],
+    configs: Annotated[
+        list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML), merged left to right.")
+    ],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory (default runs/<id>-<time>).")] = None,
-    progress: Annotated[str, typer.Option("--progress", help="auto (rich on a terminal, else plain) | rich | "
-                                                             "plain (a log line every ~5% of the steps) | none.")] = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, every service's settings "
-                                                            "and the placement as JSON, start nothing.")] = False,
-    gpus: Annotated[int | None, typer.Option("--gpus", min=0, help="With --dry-run: resolve for a machine or "
-                                             "deployment of this many GPUs instead of this one (its datasets and "
-                                             "engines not checked): what compose or the manifests give each "
-                                             "service.")] = None,
+    progress: Annotated[
+        str,
+        typer.Option(
+            "--progress",
+            help="auto (rich on a terminal, else plain) | rich | plain (a log line every ~5% of the steps) | none.",
+        ),
+    ] = "auto",
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the resolved recipe, every service's settings and the placement as JSON, start nothing.",
+        ),
+    ] = False,
+    gpus: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus",
+            min=0,
+            help="With --dry-run: resolve for a machine or "
+            "deployment of this many GPUs instead of this one (its datasets and "
+            "engines not checked): what compose or the manifests give each "
+            "service.",
+        ),
+    ] = None,
 ) -> None:
     """Start every service on loopback, run the recipe to the end and write the report.
 
@@ -96,16 +114,24 @@ def run_command(
             typer.echo(json.dumps(resolved(recipe), indent=2))
             return
         if settings["trainer"].nodes > 1:
-            raise ValueError(f"trainer.nodes = {settings['trainer'].nodes}: `steadyrl run` starts one machine; a "
-                             "multi-node trainer runs `steadyrl trainer-node` on every node under a job launcher "
-                             "(deploy/slurm/trainer.sbatch, the JobSet in deploy/k8s/components/multinode-trainer)")
+            raise ValueError(
+                f"trainer.nodes = {settings['trainer'].nodes}: `steadyrl run` starts one machine; a "
+                "multi-node trainer runs `steadyrl trainer-node` on every node under a job launcher "
+                "(deploy/slurm/trainer.sbatch, the JobSet in deploy/k8s/components/multinode-trainer)"
+            )
     except ValueError as exc:
         typer.echo(f"steadyrl run: {named}: {exc}", err=True)
         raise typer.Exit(2) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
     summary = run(recipe, out, progress)
-    typer.echo(json.dumps({k: summary.get(k) for k in (
-        "outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")}))
+    typer.echo(
+        json.dumps(
+            {
+                k: summary.get(k)
+                for k in ("outcome", "steps", "versions", "eval_start", "eval_end", "wall_seconds", "out")
+            }
+        )
+    )
     if code := exit_code(summary.get("outcome")):
         raise typer.Exit(code)
 
@@ -114,10 +140,17 @@ def run_command(
 def plan_command(
     configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
-    model_config: Annotated[Path | None, typer.Option("--model-config", exists=True, help="The model's config.json "
-                            "or directory, when the recipe's model directory is not on this machine.")] = None,
-    disk_gbps: Annotated[float, typer.Option("--disk-gbps", min=0.001, help="Aggregate checkpoint write rate, "
-                                                                             "GB/s.")] = 2.0,
+    model_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-config",
+            exists=True,
+            help="The model's config.json or directory, when the recipe's model directory is not on this machine.",
+        ),
+    ] = None,
+    disk_gbps: Annotated[
+        float, typer.Option("--disk-gbps", min=0.001, help="Aggregate checkpoint write rate, GB/s.")
+    ] = 2.0,
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of the table.")] = False,
 ) -> None:
     """Size a recipe from its model's config: trainer memory per rank, checkpoint bytes and write
@@ -142,15 +175,29 @@ def plan_command(
 
 @app.command("export")
 def export_command(
-    checkpoint: Annotated[Path, typer.Argument(exists=True, file_okay=False,
-                                               help="A run directory, its trainer/checkpoints, or one step-* directory.")],
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            exists=True, file_okay=False, help="A run directory, its trainer/checkpoints, or one step-* directory."
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", help="The Hugging Face directory to write.")],
-    model: Annotated[Path | None, typer.Option("--model", help="The base model directory (its config and tokenizer); "
-                                                               "default: the one the run trained.")] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model", help="The base model directory (its config and tokenizer); default: the one the run trained."
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")] = "bfloat16",
-    merge: Annotated[bool, typer.Option("--merge/--adapter", help="A LoRA run's checkpoint: the base with the adapter "
-                                                                  "merged in (--merge), or the adapter alone in PEFT's "
-                                                                  "format (the default).")] = False,
+    merge: Annotated[
+        bool,
+        typer.Option(
+            "--merge/--adapter",
+            help="A LoRA run's checkpoint: the base with the adapter "
+            "merged in (--merge), or the adapter alone in PEFT's "
+            "format (the default).",
+        ),
+    ] = False,
 ) -> None:
     """A trainer checkpoint as a Hugging Face directory: AutoModelForCausalLM.from_pretrained loads it;
     a LoRA run's is its adapter in PEFT's format (PeftModel.from_pretrained(base, OUT)), or with
@@ -178,26 +225,41 @@ def export_command(
 @app.command("eval")
 def eval_command(
     model_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="HF model directory.")],
-    config: Annotated[list[Path] | None, typer.Option(
-        "--config", exists=True, dir_okay=False,
-        help="Run recipe(s): its eval sets, prompts and reward (repeatable, merged left to right).")] = None,
+    config: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--config",
+            exists=True,
+            dir_okay=False,
+            help="Run recipe(s): its eval sets, prompts and reward (repeatable, merged left to right).",
+        ),
+    ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
     task: Annotated[str | None, typer.Option(help="Shortcut for --set orchestrator.task=...")] = None,
     size: Annotated[int | None, typer.Option(help="Shortcut for --set orchestrator.eval_size=...")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(
-        help="Shortcut for --set orchestrator.max_new_tokens=...")] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Shortcut for --set orchestrator.max_new_tokens=...")
+    ] = None,
     math_path: Annotated[Path | None, typer.Option(help="Shortcut for --set orchestrator.math_path=...")] = None,
     samples: Annotated[int, typer.Option(min=0, help="Samples per prompt for pass@k / mean@k (0: greedy only).")] = 4,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible) | cpu | cuda.")] = "auto",
-    served: Annotated[bool, typer.Option(
-        "--served", help="As the recipe's replicas serve it: inference dtype and quantization (not --dtype).")] = False,
+    served: Annotated[
+        bool,
+        typer.Option(
+            "--served", help="As the recipe's replicas serve it: inference dtype and quantization (not --dtype)."
+        ),
+    ] = False,
 ) -> None:
     """Greedy accuracy (and pass@k, mean@k) of a model on a recipe's eval sets, as its run scores them."""
     from steadyrl.evaluation import evaluate
 
-    shortcuts = {"task": task, "eval_size": size, "max_new_tokens": max_new_tokens,
-                 "math_path": str(math_path) if math_path else None}
+    shortcuts = {
+        "task": task,
+        "eval_size": size,
+        "max_new_tokens": max_new_tokens,
+        "math_path": str(math_path) if math_path else None,
+    }
     overrides = [*(set_ or []), *(f"orchestrator.{k}={json.dumps(v)}" for k, v in shortcuts.items() if v is not None)]
     try:
         report = evaluate(str(model_dir), config or [], overrides, samples, dtype, device, served)
@@ -216,15 +278,19 @@ def keys_command(
     from shared.weightsync.signing import write_key_pair
 
     private, public = write_key_pair(directory)
-    typer.echo(json.dumps({"signing_key_file": str(private), "verify_key_file": str(public),
-                           "verify_key": public.read_text().strip()}))
+    typer.echo(
+        json.dumps(
+            {"signing_key_file": str(private), "verify_key_file": str(public), "verify_key": public.read_text().strip()}
+        )
+    )
 
 
 @app.command("replay-alerts")
 def replay_alerts_command(
     run_dirs: Annotated[list[Path], typer.Argument(exists=True, file_okay=False, help="Run directories.")],
     rules: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Prometheus rule file.")] = Path(
-        "deploy/prometheus/alerts.yml"),
+        "deploy/prometheus/alerts.yml"
+    ),
 ) -> None:
     """Which alerts on the trainer's metrics would have fired on a finished run, and at which steps
     (its metrics.jsonl replayed one step per minute through `promtool test rules`)."""
@@ -238,7 +304,9 @@ def replay_alerts_command(
 def experiment_command(
     grid: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Grid of configurations (TOML).")],
     seeds: Annotated[int, typer.Option(min=1, help="Seeds per configuration (0..K-1).")] = 3,
-    out: Annotated[Path, typer.Option(help="Directory of the runs, the table and the plots.")] = Path("runs/experiment"),
+    out: Annotated[Path, typer.Option(help="Directory of the runs, the table and the plots.")] = Path(
+        "runs/experiment"
+    ),
     only: Annotated[list[str] | None, typer.Option("--only", help="Run only this configuration (repeatable).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override for every run (repeatable).")] = None,
     report_only: Annotated[bool, typer.Option(help="Write the table and plots from the runs already there.")] = False,

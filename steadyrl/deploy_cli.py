@@ -12,14 +12,32 @@ import typer
 
 
 def trainer_node_command(
-    configs: Annotated[list[Path] | None, typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML); "
-                                                         "none: STEADYRL_RECIPE's, else the trainer's settings from the environment alone.")] = None,
+    configs: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            exists=True,
+            dir_okay=False,
+            help="Run recipe(s) (TOML); "
+            "none: STEADYRL_RECIPE's, else the trainer's settings from the environment alone.",
+        ),
+    ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
-    node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's fixed rank (a JobSet "
-                                                  "pod's completion index): a static rendezvous at trainer."
-                                                  "rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and the trainer's variables "
-                                                            "(secrets masked) as JSON, start nothing.")] = False,
+    node_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--node-rank",
+            min=0,
+            help="This node's fixed rank (a JobSet "
+            "pod's completion index): a static rendezvous at trainer."
+            "rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Print the command and the trainer's variables (secrets masked) as JSON, start nothing."
+        ),
+    ] = False,
 ) -> None:
     """One node of the trainer, as a job launcher starts it on every node (srun, a JobSet pod):
     torchrun with the recipe's trainer settings (trainer.nodes, trainer.rdzv_endpoint). Variables
@@ -43,8 +61,14 @@ def trainer_node_command(
     except ValueError as exc:
         typer.echo(f"steadyrl trainer-node: {exc}", err=True)
         raise typer.Exit(2) from None
-    argv = node_argv(settings.gpus or settings.ranks, settings.nodes, settings.rdzv_endpoint or "127.0.0.1:29400",
-                     settings.run_id, settings.max_restarts, node_rank)
+    argv = node_argv(
+        settings.gpus or settings.ranks,
+        settings.nodes,
+        settings.rdzv_endpoint or "127.0.0.1:29400",
+        settings.run_id,
+        settings.max_restarts,
+        node_rank,
+    )
     if dry_run:
         from pydantic import SecretStr
 
@@ -82,7 +106,8 @@ def serve_command(
     try:
         settings = deployed_settings(service, os.environ)
     except ValueError as exc:
-        typer.echo(f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "),
-                   err=True)
+        typer.echo(
+            f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "), err=True
+        )
         raise typer.Exit(2) from None
     run_service(service, settings_class(service), f"services.{service}.server", settings=settings)

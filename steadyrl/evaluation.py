@@ -31,14 +31,23 @@ def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Seque
     from steadyrl.service_settings import build_settings, service_env
 
     config = load_run_config(list(recipes), overrides, allow_empty=True)
-    orchestrator, inference = (build_settings(service, service_env(config, service, {"model_path": model_dir}))
-                               for service in ("orchestrator", "inference"))
+    orchestrator, inference = (
+        build_settings(service, service_env(config, service, {"model_path": model_dir}))
+        for service in ("orchestrator", "inference")
+    )
     orchestrator.check_dataset()
     return orchestrator, inference
 
 
-def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = (), samples: int = 4,
-             dtype: str = "float32", device: str = "cpu", served: bool = False) -> dict:
+def evaluate(
+    model_dir: str,
+    recipes: Sequence[Path] = (),
+    overrides: Sequence[str] = (),
+    samples: int = 4,
+    dtype: str = "float32",
+    device: str = "cpu",
+    served: bool = False,
+) -> dict:
     """`device`: cpu, cuda, or auto (cuda when a GPU is visible); `served`: as the replicas serve it."""
     from services.orchestrator.data import Tasks
     from shared.core.evals import sampled_scores
@@ -54,8 +63,10 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
     settings, inference = eval_settings(model_dir, recipes, overrides)
     quantization = inference.quantization_options() if served else {}
     if served and quantization and inference.engine != "torch":
-        raise ValueError(f"served=True emulates the torch engine's {inference.quantization}; this recipe serves it "
-                         f"with {inference.engine}, whose kernels differ")
+        raise ValueError(
+            f"served=True emulates the torch engine's {inference.quantization}; this recipe serves it "
+            f"with {inference.engine}, whose kernels differ"
+        )
     dtype = inference.dtype if served else dtype
     tasks = Tasks(settings)
     engine = make_engine("torch", model_dir, dtype, device=device, **quantization)  # a bad device is refused here
@@ -67,11 +78,13 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
         """Per example, the rewards of its `repeat` completions."""
         out: list[list[float]] = []
         for start in range(0, len(examples), BATCH):
-            chunk = examples[start: start + BATCH]
+            chunk = examples[start : start + BATCH]
             outs = engine.generate([tasks.prompt_ids(e) for e in chunk for _ in range(repeat)], sampling)
             for i, example in enumerate(chunk):
-                texts = [tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                         for s in outs[i * repeat: (i + 1) * repeat]]
+                texts = [
+                    tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                    for s in outs[i * repeat : (i + 1) * repeat]
+                ]
                 scored = rewards.score(tasks.reward, texts, example.answer)
                 failures.update(s.reason for s in scored if s.reason)
                 out.append([s.value for s in scored])
@@ -81,8 +94,16 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
         greedy = rewards_of(examples, Sampling(temperature=0, max_new_tokens=settings.max_new_tokens), 1)
         out = {"accuracy": round(sum(r[0] for r in greedy) / len(greedy), 4), "prompts": len(examples)}
         if samples:
-            sampled = rewards_of(examples, Sampling(temperature=settings.eval_temperature, top_p=settings.top_p,
-                                                    max_new_tokens=settings.max_new_tokens, seed=1), samples)
+            sampled = rewards_of(
+                examples,
+                Sampling(
+                    temperature=settings.eval_temperature,
+                    top_p=settings.top_p,
+                    max_new_tokens=settings.max_new_tokens,
+                    seed=1,
+                ),
+                samples,
+            )
             counts = [(samples, sum(r == 1.0 for r in rs)) for rs in sampled]
             out.update(k=samples, **{k: round(v, 4) for k, v in sampled_scores(counts, samples).items()})
         return out
@@ -92,7 +113,14 @@ def evaluate(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[s
     finally:
         engine.close()
         rewards.close()
-    report = {"model": model_dir, "task": settings.task, "reward": tasks.reward, "device": device, "dtype": dtype,
-              **({"quantization": quantization} if quantization else {}), **sets.pop("main"),
-              "reward_failures": dict(failures)}
+    report = {
+        "model": model_dir,
+        "task": settings.task,
+        "reward": tasks.reward,
+        "device": device,
+        "dtype": dtype,
+        **({"quantization": quantization} if quantization else {}),
+        **sets.pop("main"),
+        "reward_failures": dict(failures),
+    }
     return {**report, "sets": sets} if sets else report

@@ -24,6 +24,7 @@ from steadyrl.grid_plots import plot_grid
 
 # --- running --------------------------------------------------------------------------------------
 
+
 def read_run(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """A run's metrics.jsonl, eval.jsonl and policy-eval.jsonl (each [] when absent)."""
     from shared.jsonl import read_jsonl
@@ -43,16 +44,22 @@ def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
     path = run_dir / MODEL_EVALS
     scored = {int(e["version"]): e for e in read_jsonl(path)}
     base = json.loads((run_dir / "summary.json").read_text())["model"]
-    sources = {0: None} | {int(json.loads((step / "state.json").read_text())["version"]): step
-                           for step in (run_dir / "trainer" / "checkpoints").glob("step-*")
-                           if (step / "state.json").exists()}
+    sources = {0: None} | {
+        int(json.loads((step / "state.json").read_text())["version"]): step
+        for step in (run_dir / "trainer" / "checkpoints").glob("step-*")
+        if (step / "state.json").exists()
+    }
     for version in sorted(set(sources) - set(scored)):
         with tempfile.TemporaryDirectory() as tmp:
-            model = (export_checkpoint(base, sources[version], Path(tmp) / "model", dtype) if version
-                     else Path(base))
+            model = export_checkpoint(base, sources[version], Path(tmp) / "model", dtype) if version else Path(base)
             report = evaluate(str(model), [run_dir / "config.resolved.toml"], samples=0, dtype=dtype, device="auto")
-        scored[version] = {"version": version, "accuracy": report["accuracy"], "prompts": report["prompts"],
-                           "dtype": dtype, "model": str(sources[version] or base)}
+        scored[version] = {
+            "version": version,
+            "accuracy": report["accuracy"],
+            "prompts": report["prompts"],
+            "dtype": dtype,
+            "model": str(sources[version] or base),
+        }
         with path.open("a") as f:
             f.write(json.dumps(scored[version]) + "\n")
         echo(f"{run_dir}: version {version} in {dtype}: eval {report['accuracy']}")
@@ -64,12 +71,13 @@ def check_recipes(grid: Grid, configs: list[GridConfig], extra: list[str] = ()) 
     for config in configs:
         recipe = run_config_for(grid, config, 0, extra)
         if "policy_eval_drop" in grid.collapse and not recipe.section("orchestrator").get("policy_eval"):
-            raise ValueError(f"configuration {config.name}: the collapse rule policy_eval_drop needs "
-                             "orchestrator.policy_eval = true (π scored live)")
+            raise ValueError(
+                f"configuration {config.name}: the collapse rule policy_eval_drop needs "
+                "orchestrator.policy_eval = true (π scored live)"
+            )
 
 
-def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (),
-             echo=print) -> dict:
+def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: list[str] = (), echo=print) -> dict:
     """Run every (configuration, seed) not finished yet, then write results.csv, table.md, plots."""
     from steadyrl.launcher import run
 
@@ -91,8 +99,10 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
 
                 shutil.rmtree(run_dir)  # a run cut short starts again from nothing
             summary = run(run_config_for(grid, config, seed, extra), run_dir, progress="none")
-            echo(f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
-                 f"eval {summary.get('eval_start')} → {summary.get('eval_end')}")
+            echo(
+                f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
+                f"eval {summary.get('eval_start')} → {summary.get('eval_end')}"
+            )
     return write_report(grid, configs, seeds, out, echo)
 
 
@@ -107,10 +117,19 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
                 continue
             outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
             metrics, evals, live = read_run(run_dir)
-            pi = model_evals(run_dir, grid.eval_final_model, echo) if grid.eval_final_model and outcome == "finished" else []
+            pi = (
+                model_evals(run_dir, grid.eval_final_model, echo)
+                if grid.eval_final_model and outcome == "finished"
+                else []
+            )
             runs.setdefault(config.name, []).append((metrics, evals, pi, live))
-            row = {"config": config.name, "label": config.label, "seed": seed, "outcome": outcome,
-                   **summarise_run(metrics, evals, grid.collapse, pi, live)}
+            row = {
+                "config": config.name,
+                "label": config.label,
+                "seed": seed,
+                "outcome": outcome,
+                **summarise_run(metrics, evals, grid.collapse, pi, live),
+            }
             rows.append(row)
             config_rows.append(row)
         if config_rows:
@@ -123,5 +142,10 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
     (out / "table.md").write_text(markdown_table(configs, summary, grid.eval_final_model))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plots = plot_grid(out, configs, runs, grid.eval_final_model) if runs else []
-    return {"runs": len(rows), "configs": len(summary), "table": str(out / "table.md"),
-            "csv": str(out / "results.csv"), "plots": plots}
+    return {
+        "runs": len(rows),
+        "configs": len(summary),
+        "table": str(out / "table.md"),
+        "csv": str(out / "results.csv"),
+        "plots": plots,
+    }

@@ -122,25 +122,38 @@ def load_grid(path: str | Path) -> Grid:
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: configuration names repeat: {names}")
-    return Grid((path.parent / grid["base"]).resolve(), [str(s) for s in grid.get("set", [])], configs, collapse,
-                final_dtype)
+    return Grid(
+        (path.parent / grid["base"]).resolve(), [str(s) for s in grid.get("set", [])], configs, collapse, final_dtype
+    )
 
 
 def run_config_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] = ()) -> RunConfig:
     """The recipe of one run: base, then the grid's overrides, the configuration's, the seed, `extra`."""
-    overrides = [*grid.overrides, *config.overrides, f"trainer.seed={seed}", f"orchestrator.task_seed={seed}",
-                 f'run.id="{config.name}-s{seed}"', *extra]
+    overrides = [
+        *grid.overrides,
+        *config.overrides,
+        f"trainer.seed={seed}",
+        f"orchestrator.task_seed={seed}",
+        f'run.id="{config.name}-s{seed}"',
+        *extra,
+    ]
     return load_run_config(grid.base, overrides)
 
 
 # --- summarising (pure) ---------------------------------------------------------------------------
 
+
 def _finite(values):
     return [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
 
 
-def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, float],
-                  model_evals: list[dict] = (), policy_evals: list[dict] = ()) -> dict:
+def summarise_run(
+    metrics: list[dict],
+    evals: list[dict],
+    collapse: dict[str, float],
+    model_evals: list[dict] = (),
+    policy_evals: list[dict] = (),
+) -> dict:
     """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason;
     with `model_evals` (the lines of MODEL_EVALS), the accuracies of the initial model (version 0) and
     the final one (the newest version) as the trainer holds them; with `policy_evals` (the run's
@@ -148,7 +161,7 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     series = [by_step[s] for s in sorted(by_step)]
     row: dict = {"steps": len(series)}
-    tail = series[-max(1, len(series) // 10):] if series else []
+    tail = series[-max(1, len(series) // 10) :] if series else []
     for key, how, column in RUN_COLUMNS:
         values = _finite(m.get(key) for m in (tail if how == "last_tenth" else series))
         if not values:
@@ -171,15 +184,21 @@ def summarise_run(metrics: list[dict], evals: list[dict], collapse: dict[str, fl
     if newest := max(by_version, default=0):
         row["final_model_eval"] = by_version[newest]
     reasons = []
-    drops = {"eval_drop": ("eval_best", "eval_final", "eval fell {:.3f} from its best"),
-             "final_model_drop": ("initial_model_eval", "final_model_eval", "final model {:.3f} under the initial one"),
-             "policy_eval_drop": ("policy_eval_start", "policy_eval_final", "π live {:.3f} under its start")}
+    drops = {
+        "eval_drop": ("eval_best", "eval_final", "eval fell {:.3f} from its best"),
+        "final_model_drop": ("initial_model_eval", "final_model_eval", "final model {:.3f} under the initial one"),
+        "policy_eval_drop": ("policy_eval_start", "policy_eval_final", "π live {:.3f} under its start"),
+    }
     for rule, (high, low, reason) in drops.items():
         if rule in collapse and row.get(high) is not None and row.get(low) is not None:
             drop = round(row[high] - row[low], 9)  # accuracies are fractions of the eval set: no float noise
             if drop > collapse[rule]:
                 reasons.append(reason.format(drop))
-    if row["entropy_end"] is not None and "entropy_below" in collapse and row["entropy_end"] < collapse["entropy_below"]:
+    if (
+        row["entropy_end"] is not None
+        and "entropy_below" in collapse
+        and row["entropy_end"] < collapse["entropy_below"]
+    ):
         reasons.append(f"entropy {row['entropy_end']:.3g} < {collapse['entropy_below']}")
     if row["nonfinite_steps"]:
         reasons.append(f"{row['nonfinite_steps']} steps with a non-finite loss")
@@ -196,7 +215,9 @@ def columns(rows: list[dict]) -> list[str]:
 def aggregate(rows: list[dict]) -> dict:
     """Mean and sample standard deviation over seeds of every numeric column; collapsed runs counted."""
     out: dict = {"seeds": len(rows), "collapsed": sum(1 for r in rows if r.get("collapsed"))}
-    numeric = [k for k in columns(rows) if k not in ("collapsed", "collapse_reason", "config", "label", "seed", "outcome")]
+    numeric = [
+        k for k in columns(rows) if k not in ("collapsed", "collapse_reason", "config", "label", "seed", "outcome")
+    ]
     for key in numeric:
         values = _finite(r.get(key) for r in rows)
         out[key] = statistics.fmean(values) if values else None
@@ -216,23 +237,33 @@ def _cell(mean, std, digits: int, scientific: bool = False) -> str:
 def markdown_table(configs: list[GridConfig], summary: dict[str, dict], final_dtype: str = "") -> str:
     """With `final_dtype`, a column of the final model's eval in that dtype after the run's own final eval."""
     final_head = f"final model eval ({final_dtype}) | " if final_dtype else ""
-    head = (f"| configuration | eval start | eval best | eval final | {final_head}reward (last 10%) "
-            "| entropy (last 10%) | mismatch KL k3 | IS weight max | clip frac | routing agreement | collapsed |")
+    head = (
+        f"| configuration | eval start | eval best | eval final | {final_head}reward (last 10%) "
+        "| entropy (last 10%) | mismatch KL k3 | IS weight max | clip frac | routing agreement | collapsed |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for config in configs:
         s = summary.get(config.name)
         if not s:
             continue
-        lines.append("| " + " | ".join([
-            config.label,
-            _cell(s["eval_start"], s["eval_start_std"], 3), _cell(s["eval_best"], s["eval_best_std"], 3),
-            _cell(s["eval_final"], s["eval_final_std"], 3),
-            *([_cell(s.get("final_model_eval"), s.get("final_model_eval_std"), 3)] if final_dtype else []),
-            _cell(s["reward_end"], s["reward_end_std"], 3),
-            _cell(s["entropy_end"], s["entropy_end_std"], 3),
-            _cell(s["mismatch_kl_mean"], s["mismatch_kl_mean_std"], 1, scientific=True),
-            _cell(s["is_weight_max"], s["is_weight_max_std"], 2), _cell(s["clip_frac_mean"], s["clip_frac_mean_std"], 4),
-            _cell(s["routing_agreement_mean"], s["routing_agreement_mean_std"], 4),
-            f"{s['collapsed']}/{s['seeds']}",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    config.label,
+                    _cell(s["eval_start"], s["eval_start_std"], 3),
+                    _cell(s["eval_best"], s["eval_best_std"], 3),
+                    _cell(s["eval_final"], s["eval_final_std"], 3),
+                    *([_cell(s.get("final_model_eval"), s.get("final_model_eval_std"), 3)] if final_dtype else []),
+                    _cell(s["reward_end"], s["reward_end_std"], 3),
+                    _cell(s["entropy_end"], s["entropy_end_std"], 3),
+                    _cell(s["mismatch_kl_mean"], s["mismatch_kl_mean_std"], 1, scientific=True),
+                    _cell(s["is_weight_max"], s["is_weight_max_std"], 2),
+                    _cell(s["clip_frac_mean"], s["clip_frac_mean_std"], 4),
+                    _cell(s["routing_agreement_mean"], s["routing_agreement_mean_std"], 4),
+                    f"{s['collapsed']}/{s['seeds']}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"

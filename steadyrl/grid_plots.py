@@ -37,9 +37,12 @@ def line_style(index: int) -> dict:
     return {"color": f"C{index % 10}", "linestyle": ["-", "--", ":", "-."][index // 10 % 4]}
 
 
-def plot_grid(out: Path, configs: list[GridConfig],
-              runs: dict[str, list[tuple[list[dict], list[dict], list[dict], list[dict]]]],
-              final_dtype: str = "") -> list[str]:
+def plot_grid(
+    out: Path,
+    configs: list[GridConfig],
+    runs: dict[str, list[tuple[list[dict], list[dict], list[dict], list[dict]]]],
+    final_dtype: str = "",
+) -> list[str]:
     """One PNG per diagnostic with a line per configuration (mean over its seeds); `runs` holds each
     run's (metrics, evals, model evals, policy evals)."""
     import matplotlib
@@ -75,11 +78,17 @@ def plot_grid(out: Path, configs: list[GridConfig],
         written.append(f"plots/{key}.png")
     accuracy_plots = [(1, "eval_accuracy", "greedy eval accuracy (mean over seeds)")]
     if final_dtype:
-        accuracy_plots.append((2, "model_eval_accuracy",
-                               f"greedy eval accuracy of the trainer's model in {final_dtype} (mean over seeds)"))
+        accuracy_plots.append(
+            (
+                2,
+                "model_eval_accuracy",
+                f"greedy eval accuracy of the trainer's model in {final_dtype} (mean over seeds)",
+            )
+        )
     if any(run[3] for config_runs in runs.values() for run in config_runs):
-        accuracy_plots.append((3, "policy_eval_accuracy",
-                               "greedy eval accuracy of the trainer's model, scored live (mean over seeds)"))
+        accuracy_plots.append(
+            (3, "policy_eval_accuracy", "greedy eval accuracy of the trainer's model, scored live (mean over seeds)")
+        )
     for column, name, title in accuracy_plots:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for index, config in enumerate(configs):
@@ -89,8 +98,15 @@ def plot_grid(out: Path, configs: list[GridConfig],
                     by_version.setdefault(int(e["version"]), []).append(float(e["accuracy"]))
             if by_version:
                 versions = sorted(by_version)
-                ax.plot(versions, [statistics.fmean(by_version[v]) for v in versions], marker="o", markersize=3,
-                        linewidth=1.1, label=config.label, **line_style(index))
+                ax.plot(
+                    versions,
+                    [statistics.fmean(by_version[v]) for v in versions],
+                    marker="o",
+                    markersize=3,
+                    linewidth=1.1,
+                    label=config.label,
+                    **line_style(index),
+                )
         ax.set_xlabel("policy version")
         ax.set_title(title)
         ax.legend(fontsize=7)

@@ -33,8 +33,9 @@ def resolve_model(config: RunConfig) -> str:
             return str(init_tiny_model(task="calc", seed=int(orchestrator.get("task_seed", 0))))
         if orchestrator.get("task") != "mul_trace":
             return str(init_tiny_model())
-        kit = KitTask("mul_trace", **{k: orchestrator[k] for k in ("trace_max_answer_tokens", "trace_alpha")
-                                       if k in orchestrator})
+        kit = KitTask(
+            "mul_trace", **{k: orchestrator[k] for k in ("trace_max_answer_tokens", "trace_alpha") if k in orchestrator}
+        )
         return str(init_tiny_model(task=kit, seed=int(orchestrator.get("task_seed", 0))))
     return path
 

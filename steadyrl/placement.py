@@ -27,12 +27,21 @@ class Placement:
         """`python` arguments of the trainer: torchrun with one rank per GPU (or per CPU rank)."""
         if self.trainer_ranks <= 1:
             return ["-m", "services.trainer"]
-        return ["-m", "torch.distributed.run", "--nproc_per_node", str(self.trainer_ranks), "--master_port",
-                str(master_port), "-m", "services.trainer"]
+        return [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(self.trainer_ranks),
+            "--master_port",
+            str(master_port),
+            "-m",
+            "services.trainer",
+        ]
 
 
-def node_argv(ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,
-              node_rank: int | None = None) -> list[str]:
+def node_argv(
+    ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int, node_rank: int | None = None
+) -> list[str]:
     """`python` arguments of one node of a multi-node trainer. Without `node_rank` (every node runs
     the same, srun): torchrun meeting the others at a c10d rendezvous, restarting its ranks up to
     `max_restarts` times (a failed rank, a lost node: the survivors re-rendezvous and resume from
@@ -42,10 +51,30 @@ def node_argv(ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str,
     head = ["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(max(ranks_per_node, 1))]
     if node_rank is not None:
         host, _, port = rdzv_endpoint.rpartition(":")
-        return [*head, "--node-rank", str(node_rank), "--master-addr", host, "--master-port", port,
-                "-m", "services.trainer"]
-    return [*head, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id,
-            "--max-restarts", str(max_restarts), "-m", "services.trainer"]
+        return [
+            *head,
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            host,
+            "--master-port",
+            port,
+            "-m",
+            "services.trainer",
+        ]
+    return [
+        *head,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "services.trainer",
+    ]
 
 
 def visible_gpus(devices: dict[str, str]) -> frozenset[str]:
@@ -53,26 +82,39 @@ def visible_gpus(devices: dict[str, str]) -> frozenset[str]:
     return frozenset(filter(None, devices.get("CUDA_VISIBLE_DEVICES", "").split(",")))
 
 
-def plan_placement(trainer_gpus: int, trainer_ranks: int, replicas: int, gpus_per_replica: int,
-                   available: int, colocate: bool = False) -> Placement:
+def plan_placement(
+    trainer_gpus: int, trainer_ranks: int, replicas: int, gpus_per_replica: int, available: int, colocate: bool = False
+) -> Placement:
     if colocate:
         if not trainer_gpus or not gpus_per_replica or gpus_per_replica > trainer_gpus:
-            raise ValueError(f"run.colocate puts the replicas on the trainer's GPUs: it needs trainer.gpus >= "
-                             f"inference.gpus_per_replica >= 1 (they are {trainer_gpus} and {gpus_per_replica})")
+            raise ValueError(
+                f"run.colocate puts the replicas on the trainer's GPUs: it needs trainer.gpus >= "
+                f"inference.gpus_per_replica >= 1 (they are {trainer_gpus} and {gpus_per_replica})"
+            )
         if trainer_gpus > available:
-            raise ValueError(f"the recipe needs {trainer_gpus} GPUs (trainer.gpus, the replicas colocated on them) "
-                             f"and this machine has {available}")
-        return Placement(tuple(range(trainer_gpus)), tuple(
-            tuple((i * gpus_per_replica + j) % trainer_gpus for j in range(gpus_per_replica)) for i in range(replicas)),
-            trainer_gpus)
+            raise ValueError(
+                f"the recipe needs {trainer_gpus} GPUs (trainer.gpus, the replicas colocated on them) "
+                f"and this machine has {available}"
+            )
+        return Placement(
+            tuple(range(trainer_gpus)),
+            tuple(
+                tuple((i * gpus_per_replica + j) % trainer_gpus for j in range(gpus_per_replica))
+                for i in range(replicas)
+            ),
+            trainer_gpus,
+        )
     need = trainer_gpus + replicas * gpus_per_replica
     if need > available:
-        raise ValueError(f"the recipe needs {need} GPUs (trainer.gpus {trainer_gpus} + {replicas} replicas × "
-                         f"inference.gpus_per_replica {gpus_per_replica}) and this machine has {available}")
+        raise ValueError(
+            f"the recipe needs {need} GPUs (trainer.gpus {trainer_gpus} + {replicas} replicas × "
+            f"inference.gpus_per_replica {gpus_per_replica}) and this machine has {available}"
+        )
     trainer = tuple(range(trainer_gpus))
     first = trainer_gpus
-    placed = tuple(tuple(range(first + i * gpus_per_replica, first + (i + 1) * gpus_per_replica))
-                   for i in range(replicas))
+    placed = tuple(
+        tuple(range(first + i * gpus_per_replica, first + (i + 1) * gpus_per_replica)) for i in range(replicas)
+    )
     return Placement(trainer, placed, trainer_gpus or max(trainer_ranks, 1))
 
 
@@ -91,11 +133,18 @@ def placement_of(config, settings: dict, available: int | None = None) -> Placem
     """The placement of a checked recipe (`steadyrl.service_settings.check`'s settings)."""
     trainer, inference = settings["trainer"], settings["inference"]
     if config.run.colocate and inference.engine == "vllm" and inference.vllm_gpu_memory_utilization > 0.5:
-        raise ValueError("run.colocate shares each GPU between the trainer and a vLLM replica: set "
-                         f"inference.vllm_gpu_memory_utilization <= 0.5 (it is {inference.vllm_gpu_memory_utilization})")
-    return plan_placement(trainer.gpus, trainer.ranks, config.replicas + policy_eval_replicas(settings),
-                          inference.gpus_per_replica, gpu_inventory() if available is None else available,
-                          config.run.colocate)
+        raise ValueError(
+            "run.colocate shares each GPU between the trainer and a vLLM replica: set "
+            f"inference.vllm_gpu_memory_utilization <= 0.5 (it is {inference.vllm_gpu_memory_utilization})"
+        )
+    return plan_placement(
+        trainer.gpus,
+        trainer.ranks,
+        config.replicas + policy_eval_replicas(settings),
+        inference.gpus_per_replica,
+        gpu_inventory() if available is None else available,
+        config.run.colocate,
+    )
 
 
 def policy_eval_replicas(settings: dict) -> int:

@@ -55,9 +55,15 @@ def model_size(config) -> ModelSize:
     routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     active = total - routed + (routed * top_k // experts if experts else 0)
     dtype = str(getattr(config, "dtype", None) or "bfloat16")
-    return ModelSize(total, active, int(config.num_hidden_layers), experts, top_k,
-                     int(getattr(config, "max_position_embeddings", 0) or 0),
-                     DTYPE_BYTES.get(dtype.removeprefix("torch."), 2))
+    return ModelSize(
+        total,
+        active,
+        int(config.num_hidden_layers),
+        experts,
+        top_k,
+        int(getattr(config, "max_position_embeddings", 0) or 0),
+        DTYPE_BYTES.get(dtype.removeprefix("torch."), 2),
+    )
 
 
 def trace_bytes_per_token(size: ModelSize) -> int:
@@ -67,8 +73,9 @@ def trace_bytes_per_token(size: ModelSize) -> int:
 
 def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_per_s: float) -> dict[str, Any]:
     """The sizing of one recipe (its services' settings) for one model. Pure."""
-    trainer, inference, weightsync, orchestrator = (settings[k] for k in ("trainer", "inference", "weightsync",
-                                                                          "orchestrator"))
+    trainer, inference, weightsync, orchestrator = (
+        settings[k] for k in ("trainer", "inference", "weightsync", "orchestrator")
+    )
     per_node = max(trainer.gpus or trainer.ranks, 1)
     world = per_node * trainer.nodes
     shard = {"ddp": 1, "fsdp": world, "hsdp": trainer.shard_ranks or per_node}[trainer.parallel] if world > 1 else 1
@@ -76,8 +83,11 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
     state_per_rank = 16 * p / shard  # fp32 params + grads + 2 AdamW moments
     checkpoint = 12 * p  # fp32 params + 2 moments (gradients are not saved)
     version = p * DTYPE_BYTES[trainer.publish_dtype]
-    tokens = inference.vllm_max_model_len if inference.engine == "vllm" else \
-        orchestrator.max_new_tokens + min(size.max_position_embeddings or 512, 512)
+    tokens = (
+        inference.vllm_max_model_len
+        if inference.engine == "vllm"
+        else orchestrator.max_new_tokens + min(size.max_position_embeddings or 512, 512)
+    )
     trace = trace_bytes_per_token(size)
     # a rollout on the wire: ids (4 B) per token; per completion token a logprob (4) and version (8)
     rollout = tokens * 4 + orchestrator.max_new_tokens * 12 + trace * tokens
@@ -86,50 +96,71 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
     dead_letters = trainer.dead_letter_maxlen * min(rollout, DEAD_PAYLOAD_BYTES)
     outstanding = (trainer.max_staleness + 1) * trainer.batch_prompts * trainer.group_size
     replica_gpus = max(inference.gpus_per_replica, 1)
-    weights_per_replica = p * DTYPE_BYTES.get(inference.quantization if inference.quantization != "none"
-                                              else inference.dtype, 2)
+    weights_per_replica = p * DTYPE_BYTES.get(
+        inference.quantization if inference.quantization != "none" else inference.dtype, 2
+    )
     return {
-        "model": {"parameters": p, "disk_bytes": p * size.dtype_bytes, "active_parameters_per_token": size.active_parameters,
-                  "num_layers": size.num_layers, "num_experts": size.num_experts, "top_k": size.top_k},
+        "model": {
+            "parameters": p,
+            "disk_bytes": p * size.dtype_bytes,
+            "active_parameters_per_token": size.active_parameters,
+            "num_layers": size.num_layers,
+            "num_experts": size.num_experts,
+            "top_k": size.top_k,
+        },
         "trainer": {
-            "nodes": trainer.nodes, "ranks": world, "parallel": trainer.parallel if world > 1 else "single",
-            "shard_group": shard, "gpus": trainer.gpus * trainer.nodes,
+            "nodes": trainer.nodes,
+            "ranks": world,
+            "parallel": trainer.parallel if world > 1 else "single",
+            "shard_group": shard,
+            "gpus": trainer.gpus * trainer.nodes,
             "params_grads_adamw_bytes_per_rank": state_per_rank,
             "note": "fp32 parameters, gradients and both AdamW moments (16 B/parameter) over the shard group; "
-                    "activations not counted",
+            "activations not counted",
         },
         "checkpoint": {
-            "bytes": checkpoint, "bytes_written_per_rank": checkpoint / world,  # DCP writes a replicated shard once
+            "bytes": checkpoint,
+            "bytes_written_per_rank": checkpoint / world,  # DCP writes a replicated shard once
             "volume_bytes": (trainer.keep_checkpoints + 1) * checkpoint,  # those kept and the one being written
-            "write_seconds": checkpoint / disk_bytes_per_s, "disk_bytes_per_s": disk_bytes_per_s,
+            "write_seconds": checkpoint / disk_bytes_per_s,
+            "disk_bytes_per_s": disk_bytes_per_s,
             "async_host_bytes_per_node": checkpoint / shard * per_node,  # every rank stages its own shard
             "full_gather_bytes_on_rank0": checkpoint,
             "note": "fp32 parameters + 2 AdamW moments (12 B/parameter), each rank writing its part (DCP writes "
-                    "a shard replicated over HSDP's replicas once); the write time is at the stated aggregate disk "
-                    "rate; an async save stages each rank's whole shard in host memory first",
+            "a shard replicated over HSDP's replicas once); the write time is at the stated aggregate disk "
+            "rate; an async save stages each rank's whole shard in host memory first",
         },
         "weights": {
-            "version_bytes": version, "publish_dtype": trainer.publish_dtype,
+            "version_bytes": version,
+            "publish_dtype": trainer.publish_dtype,
             "weightsync_memory_bytes": weightsync.memory_versions * version,
             "weightsync_disk_bytes": max(weightsync.retain_versions - weightsync.memory_versions, 0) * version,
             "note": "weight sync holds memory_versions versions in memory at most, the one arriving included; "
-                    "older retained ones on disk",
+            "older retained ones on disk",
         },
         "redis": {
-            "rollouts_outstanding": outstanding, "tokens_per_rollout": tokens, "trace_bytes_per_token": trace,
-            "rollout_bytes": rollout, "queue_bytes": outstanding * rollout, "dead_letter_bytes": dead_letters,
+            "rollouts_outstanding": outstanding,
+            "tokens_per_rollout": tokens,
+            "trace_bytes_per_token": trace,
+            "rollout_bytes": rollout,
+            "queue_bytes": outstanding * rollout,
+            "dead_letter_bytes": dead_letters,
             "bytes": outstanding * rollout + dead_letters,
             "note": "(max_staleness + 1) × B × G rollouts of the longest length, routing traces uncompressed "
-                    "(zstd takes random routing to 7/8 of it); dead-lettered rollouts kept with up to 1 MiB of their "
-                    "payload, trainer.dead_letter_maxlen of them; `bytes`, the two together, is what maxmemory must hold",
+            "(zstd takes random routing to 7/8 of it); dead-lettered rollouts kept with up to 1 MiB of their "
+            "payload, trainer.dead_letter_maxlen of them; `bytes`, the two together, is what maxmemory must hold",
         },
         "inference": {
-            "replicas": replicas, "gpus_per_replica": inference.gpus_per_replica,
+            "replicas": replicas,
+            "gpus_per_replica": inference.gpus_per_replica,
             "weight_bytes_per_gpu": weights_per_replica / replica_gpus,
             "note": "weights only; the KV cache takes what vllm_gpu_memory_utilization leaves",
         },
-        "gpus": {"trainer": trainer.gpus * trainer.nodes, "inference": replicas * inference.gpus_per_replica,
-                 "total": trainer.gpus * trainer.nodes + replicas * inference.gpus_per_replica},
+        "gpus": {
+            "trainer": trainer.gpus * trainer.nodes,
+            "inference": replicas * inference.gpus_per_replica,
+            "total": trainer.gpus * trainer.nodes + replicas * inference.gpus_per_replica,
+        },
     }
 
 
@@ -146,45 +177,72 @@ def count(value: float) -> str:
 
 def render(result: dict[str, Any], name: str) -> str:
     """The plan as a Markdown table (what the README shows)."""
-    m, t, c, w, r, i, g = (result[k] for k in ("model", "trainer", "checkpoint", "weights", "redis", "inference",
-                                               "gpus"))
+    m, t, c, w, r, i, g = (
+        result[k] for k in ("model", "trainer", "checkpoint", "weights", "redis", "inference", "gpus")
+    )
     rows = [
-        ("model", f"{count(m['parameters'])} parameters, {count(m['active_parameters_per_token'])} active "
-                  f"per token" + (f", {m['num_experts']} experts top-{m['top_k']} × {m['num_layers']} layers"
-                                  if m["num_experts"] else f", {m['num_layers']} layers")),
-        ("GPUs", f"trainer {g['trainer']} ({t['nodes']} node(s), {t['parallel']}, shard group {t['shard_group']}), "
-                 f"inference {g['inference']} ({i['replicas']} × {i['gpus_per_replica']}), total {g['total']}"),
-        ("trainer state per rank", f"{gb(t['params_grads_adamw_bytes_per_rank'])} (fp32 params + grads + AdamW; "
-                                   "activations extra)"),
-        ("checkpoint", f"{gb(c['bytes'])} in all, {gb(c['bytes_written_per_rank'])} written per rank; "
-                       f"{c['write_seconds']:,.0f} s at {c['disk_bytes_per_s'] / 1e9:g} GB/s; async staging "
-                       f"{gb(c['async_host_bytes_per_node'])} host memory per node (a full gather: "
-                       f"{gb(c['full_gather_bytes_on_rank0'])} on rank 0)"),
+        (
+            "model",
+            f"{count(m['parameters'])} parameters, {count(m['active_parameters_per_token'])} active "
+            f"per token"
+            + (
+                f", {m['num_experts']} experts top-{m['top_k']} × {m['num_layers']} layers"
+                if m["num_experts"]
+                else f", {m['num_layers']} layers"
+            ),
+        ),
+        (
+            "GPUs",
+            f"trainer {g['trainer']} ({t['nodes']} node(s), {t['parallel']}, shard group {t['shard_group']}), "
+            f"inference {g['inference']} ({i['replicas']} × {i['gpus_per_replica']}), total {g['total']}",
+        ),
+        (
+            "trainer state per rank",
+            f"{gb(t['params_grads_adamw_bytes_per_rank'])} (fp32 params + grads + AdamW; activations extra)",
+        ),
+        (
+            "checkpoint",
+            f"{gb(c['bytes'])} in all, {gb(c['bytes_written_per_rank'])} written per rank; "
+            f"{c['write_seconds']:,.0f} s at {c['disk_bytes_per_s'] / 1e9:g} GB/s; async staging "
+            f"{gb(c['async_host_bytes_per_node'])} host memory per node (a full gather: "
+            f"{gb(c['full_gather_bytes_on_rank0'])} on rank 0)",
+        ),
         ("weight version", f"{gb(w['version_bytes'])} ({w['publish_dtype']})"),
         ("weight sync", f"{gb(w['weightsync_memory_bytes'])} memory at most, {gb(w['weightsync_disk_bytes'])} spilled"),
         ("inference weights per GPU", gb(i["weight_bytes_per_gpu"])),
-        ("Redis, full queue", f"{gb(r['queue_bytes'])}: {r['rollouts_outstanding']:,} rollouts × "
-                              f"{gb(r['rollout_bytes'])} ({r['tokens_per_rollout']:,} tokens, "
-                              f"trace {r['trace_bytes_per_token']} B/token uncompressed)"),
-        ("Redis, dead letters", f"{gb(r['dead_letter_bytes'])} at most (trainer.dead_letter_maxlen rollouts, 1 MiB "
-                                "of each)"),
-        ("volumes", f"model {gb(m['disk_bytes'])}; checkpoints {gb(c['volume_bytes'])} (keep_checkpoints + the one "
-                    f"being written); Redis maxmemory {gb(r['bytes'])}"),
+        (
+            "Redis, full queue",
+            f"{gb(r['queue_bytes'])}: {r['rollouts_outstanding']:,} rollouts × "
+            f"{gb(r['rollout_bytes'])} ({r['tokens_per_rollout']:,} tokens, "
+            f"trace {r['trace_bytes_per_token']} B/token uncompressed)",
+        ),
+        (
+            "Redis, dead letters",
+            f"{gb(r['dead_letter_bytes'])} at most (trainer.dead_letter_maxlen rollouts, 1 MiB of each)",
+        ),
+        (
+            "volumes",
+            f"model {gb(m['disk_bytes'])}; checkpoints {gb(c['volume_bytes'])} (keep_checkpoints + the one "
+            f"being written); Redis maxmemory {gb(r['bytes'])}",
+        ),
     ]
     lines = [f"| {name} | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     return "\n".join(lines)
 
 
-def plan_recipe(config, settings: dict[str, Any], model_config_path: str | None = None,
-                disk_bytes_per_s: float = 2e9) -> dict[str, Any]:
+def plan_recipe(
+    config, settings: dict[str, Any], model_config_path: str | None = None, disk_bytes_per_s: float = 2e9
+) -> dict[str, Any]:
     """The plan of a recipe: the model's config from `model_config_path`, else from the recipe's
     model directory."""
     from steadyrl.placement import policy_eval_replicas
 
     source = model_config_path or config.model.path
     if not os.path.exists(source):
-        raise ValueError(f"no model config at {source}: give --model-config CONFIG.json (configs/models/ has the "
-                         "GPU recipes' models)")
+        raise ValueError(
+            f"no model config at {source}: give --model-config CONFIG.json (configs/models/ has the "
+            "GPU recipes' models)"
+        )
     size = model_size(model_config(source))
     result = plan(size, settings, config.replicas + policy_eval_replicas(settings), disk_bytes_per_s)
     result["model"]["config"] = str(source)

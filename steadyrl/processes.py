@@ -76,31 +76,106 @@ class Launch:
         signing_key, verify_key = (str(p) for p in write_key_pair(out / "keys"))  # only the trainer signs
         common = {"host": "127.0.0.1", "metrics_port": 0}
         shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].shm_dir)}
-        self.services.append(Service("weightsync", ["-m", "services.weightsync"], service_env(c, "weightsync", {
-            **common, "port": ws, "spill_dir": str(out / "weightsync-spill"), "verify_key_file": verify_key, **shm}),
-            ws, placement.visible(()), ports=(ws,)))
-        self.services.append(Service("trainer", placement.trainer_argv(master), service_env(c, "trainer", {
-            **common, "port": trainer, "model_path": self.model_path, "out_dir": str(out / "trainer"),
-            "redis_url": redis_url, "weightsync_address": f"127.0.0.1:{ws}", "signing_key_file": signing_key}),
-            trainer, placement.visible(placement.trainer), ports=(trainer, master)))
-        policy = {"pool": "policy_eval", "quantization": "none", "quantize_router": False,
-                  "quantize_activations": False}  # π: the published weights, unquantised
+        self.services.append(
+            Service(
+                "weightsync",
+                ["-m", "services.weightsync"],
+                service_env(
+                    c,
+                    "weightsync",
+                    {
+                        **common,
+                        "port": ws,
+                        "spill_dir": str(out / "weightsync-spill"),
+                        "verify_key_file": verify_key,
+                        **shm,
+                    },
+                ),
+                ws,
+                placement.visible(()),
+                ports=(ws,),
+            )
+        )
+        self.services.append(
+            Service(
+                "trainer",
+                placement.trainer_argv(master),
+                service_env(
+                    c,
+                    "trainer",
+                    {
+                        **common,
+                        "port": trainer,
+                        "model_path": self.model_path,
+                        "out_dir": str(out / "trainer"),
+                        "redis_url": redis_url,
+                        "weightsync_address": f"127.0.0.1:{ws}",
+                        "signing_key_file": signing_key,
+                    },
+                ),
+                trainer,
+                placement.visible(placement.trainer),
+                ports=(trainer, master),
+            )
+        )
+        policy = {
+            "pool": "policy_eval",
+            "quantization": "none",
+            "quantize_router": False,
+            "quantize_activations": False,
+        }  # π: the published weights, unquantised
         for index in range(len(placement.replicas)):
             port, is_policy = self.ports.take(), index == c.replicas
-            self.services.append(Service("inference-policy" if is_policy else f"inference-{index}",
-                                         ["-m", "services.inference"], service_env(
-                c, "inference", {**common, "port": port, "model_path": self.model_path, "redis_url": redis_url,
-                                 "replica_id": "replica-policy" if is_policy else f"replica-{index}",
-                                 "weightsync_address": f"127.0.0.1:{ws}", "orchestrator_address": f"127.0.0.1:{orch_grpc}",
-                                 "agent_hidden_paths": [str(out.resolve())], "verify_key_file": verify_key,
-                                 **(policy if is_policy else {})}),
-                port, placement.visible(placement.replicas[index]), ports=(port,)))
+            self.services.append(
+                Service(
+                    "inference-policy" if is_policy else f"inference-{index}",
+                    ["-m", "services.inference"],
+                    service_env(
+                        c,
+                        "inference",
+                        {
+                            **common,
+                            "port": port,
+                            "model_path": self.model_path,
+                            "redis_url": redis_url,
+                            "replica_id": "replica-policy" if is_policy else f"replica-{index}",
+                            "weightsync_address": f"127.0.0.1:{ws}",
+                            "orchestrator_address": f"127.0.0.1:{orch_grpc}",
+                            "agent_hidden_paths": [str(out.resolve())],
+                            "verify_key_file": verify_key,
+                            **(policy if is_policy else {}),
+                        },
+                    ),
+                    port,
+                    placement.visible(placement.replicas[index]),
+                    ports=(port,),
+                )
+            )
         (out / "token").write_text(self.token)
         os.chmod(out / "token", 0o600)
-        self.services.append(Service("orchestrator", ["-m", "services.orchestrator"], service_env(c, "orchestrator", {
-            "host": "127.0.0.1", "http_port": self.http_port, "grpc_port": orch_grpc, "model_path": self.model_path,
-            "out_dir": str(out / "orchestrator"), "redis_url": redis_url, "trainer_address": f"127.0.0.1:{trainer}",
-            "token_file": str(out / "token")}), orch_grpc, placement.visible(()), ports=(orch_grpc, self.http_port)))
+        self.services.append(
+            Service(
+                "orchestrator",
+                ["-m", "services.orchestrator"],
+                service_env(
+                    c,
+                    "orchestrator",
+                    {
+                        "host": "127.0.0.1",
+                        "http_port": self.http_port,
+                        "grpc_port": orch_grpc,
+                        "model_path": self.model_path,
+                        "out_dir": str(out / "orchestrator"),
+                        "redis_url": redis_url,
+                        "trainer_address": f"127.0.0.1:{trainer}",
+                        "token_file": str(out / "token"),
+                    },
+                ),
+                orch_grpc,
+                placement.visible(()),
+                ports=(orch_grpc, self.http_port),
+            )
+        )
         for service in self.services:
             validate(service.name.split("-")[0], service.env)
 
@@ -119,20 +194,31 @@ class Launch:
         logs.mkdir(parents=True, exist_ok=True)
         service.log = logs / f"{service.name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
-        env.update(service.env, **service.devices, STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
-                   STEADYRL_TOKEN_FILE=str(self.out / "token"))  # one bearer token for gRPC and HTTP
+        env.update(
+            service.env,
+            **service.devices,
+            STEADYRL_LOG_LEVEL=os.environ.get("STEADYRL_LOG_LEVEL", "INFO"),
+            STEADYRL_TOKEN_FILE=str(self.out / "token"),
+        )  # one bearer token for gRPC and HTTP
         self.ports.release(*service.ports)  # bound by this process until now: nothing else could take them
         with service.log.open("ab") as log:  # a launcher killed outright (SIGKILL) takes its services with it
-            service.process = subprocess.Popen([sys.executable, *service.argv], env=env, stdout=log,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               start_new_session=True, preexec_fn=parent_death_signal(signal.SIGTERM))
+            service.process = subprocess.Popen(
+                [sys.executable, *service.argv],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=parent_death_signal(signal.SIGTERM),
+            )
 
     def start_redis(self) -> RedisServer:
         """redis-server with AOF on, on a port drawn like the services' (below the ephemeral range)."""
         port = self.ports.take()
         self.ports.release(port)  # redis-server binds it next
-        self.redis = RedisServer(self.out / "redis", port=port, appendonly=True, password=self.redis_password,
-                                 with_parent=True).start()
+        self.redis = RedisServer(
+            self.out / "redis", port=port, appendonly=True, password=self.redis_password, with_parent=True
+        ).start()
         return self.redis
 
     def start_all(self, on_healthy=None) -> None:
@@ -167,8 +253,11 @@ class Launch:
 
         deadline = time.monotonic() + timeout
         # short reconnect backoff: a channel that met the port closed must not sleep seconds past the bind
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500)]
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
         with sync_channel(f"127.0.0.1:{service.grpc_port}", options=options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
@@ -189,8 +278,13 @@ class Launch:
         from shared.rpc.tls import httpx_options, tls_from_env
 
         tls = tls_from_env()
-        reply = httpx.request(method, f"{'https' if tls else 'http'}://127.0.0.1:{self.http_port}{path}",
-                              headers={"Authorization": f"Bearer {self.token}"}, timeout=10, **httpx_options(tls))
+        reply = httpx.request(
+            method,
+            f"{'https' if tls else 'http'}://127.0.0.1:{self.http_port}{path}",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+            **httpx_options(tls),
+        )
         reply.raise_for_status()
         return reply.json()
 
@@ -229,8 +323,10 @@ class Launch:
 def start_after(services: list[Service]) -> list[frozenset[str]]:
     """For each service (in start order), the earlier services that must be healthy before it
     starts: those sharing a GPU with it (run.colocate). Empty on a machine without GPUs."""
-    return [frozenset(s.name for s in services[:i] if visible_gpus(s.devices) & visible_gpus(service.devices))
-            for i, service in enumerate(services)]
+    return [
+        frozenset(s.name for s in services[:i] if visible_gpus(s.devices) & visible_gpus(service.devices))
+        for i, service in enumerate(services)
+    ]
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

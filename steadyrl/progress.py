@@ -16,28 +16,38 @@ PROGRESS = ("auto", "rich", "plain", "none")
 ENDED = ("finished", "stopped", "failed")  # the run's final states (services/orchestrator/orchestrator.py)
 
 
-def progress_rows(status: dict, metrics: list[dict], evals: list[dict], steps: int,
-                  elapsed: float, policy_evals: list[dict] = ()) -> list[tuple[str, str]]:
+def progress_rows(
+    status: dict, metrics: list[dict], evals: list[dict], steps: int, elapsed: float, policy_evals: list[dict] = ()
+) -> list[tuple[str, str]]:
     """What the progress shows, as (name, value) pairs. Pure."""
     last = metrics[-1] if metrics else {}
     step = int(last.get("step", 0))
     eta = elapsed / step * (steps - step) if step and steps else None
     return [
-        ("step", f"{step}/{steps or '∞'}"), ("trainer version", str(status.get("trainer_version", 0))),
+        ("step", f"{step}/{steps or '∞'}"),
+        ("trainer version", str(status.get("trainer_version", 0))),
         ("replica versions", str(status.get("replica_versions", {}))),
-        ("reward", f"{last.get('reward_mean', 0):.3f}"), ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
-        ("staleness max", str(last.get("staleness_max", 0))), ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
+        ("reward", f"{last.get('reward_mean', 0):.3f}"),
+        ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
+        ("staleness max", str(last.get("staleness_max", 0))),
+        ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
         ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
-        *([("policy eval", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in policy_evals[-4:]))]
-          if policy_evals else []),  # π, the trainer's weights unquantised (orchestrator.policy_eval)
+        *(
+            [("policy eval", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in policy_evals[-4:]))]
+            if policy_evals
+            else []
+        ),  # π, the trainer's weights unquantised (orchestrator.policy_eval)
         ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
     ]
 
 
 def plain_line(rows: list[tuple[str, str]]) -> str:
     """One log line of the progress rows: `step=12/400 trainer_version=12 ...`."""
-    return "progress " + " ".join(f"{name.replace(' ', '_').replace('(', '').replace(')', '')}={value.replace(' ', '')}"
-                                  for name, value in rows if name != "replica versions")
+    return "progress " + " ".join(
+        f"{name.replace(' ', '_').replace('(', '').replace(')', '')}={value.replace(' ', '')}"
+        for name, value in rows
+        if name != "replica versions"
+    )
 
 
 class _PlainProgress:
@@ -79,8 +89,13 @@ def watch(launch: Launch, supervisor: Supervisor, console, progress: str) -> dic
     status: dict = {}
     caught_up_wait = 0.0
     replicas = launch.inference_replicas()
-    display = (Live(render(progress_rows({}, [], [], steps, 0.0), "?"), console=console, refresh_per_second=2)
-               if progress == "rich" else _PlainProgress(console, steps) if progress == "plain" else None)
+    display = (
+        Live(render(progress_rows({}, [], [], steps, 0.0), "?"), console=console, refresh_per_second=2)
+        if progress == "rich"
+        else _PlainProgress(console, steps)
+        if progress == "plain"
+        else None
+    )
     with display or contextlib.nullcontext() as live:
         while True:
             supervisor.check()
@@ -91,13 +106,23 @@ def watch(launch: Launch, supervisor: Supervisor, console, progress: str) -> dic
                 continue
             if live is not None:
                 metrics, evals = read_jsonl(metrics_path), read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
-                rows = progress_rows(status, metrics, evals, steps, time.monotonic() - begun,
-                                     read_jsonl(launch.out / "orchestrator" / "policy-eval.jsonl"))
+                rows = progress_rows(
+                    status,
+                    metrics,
+                    evals,
+                    steps,
+                    time.monotonic() - begun,
+                    read_jsonl(launch.out / "orchestrator" / "policy-eval.jsonl"),
+                )
                 if progress == "rich":
                     live.update(render(rows, status.get("state", "?")))
                 else:
-                    live.update(rows, int(metrics[-1].get("step", 0)) if metrics else 0, len(evals),
-                                status.get("state") in ENDED)
+                    live.update(
+                        rows,
+                        int(metrics[-1].get("step", 0)) if metrics else 0,
+                        len(evals),
+                        status.get("state") in ENDED,
+                    )
             if status.get("state") == "finished" and not caught_up(status, replicas):
                 caught_up_wait = caught_up_wait or time.monotonic()
                 if time.monotonic() - caught_up_wait < 15:  # let every replica report the last version

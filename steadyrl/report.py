@@ -6,12 +6,19 @@ import shutil
 from pathlib import Path
 
 PLOTS = [
-    ("reward_mean", "reward"), ("entropy", "entropy"), ("mismatch_kl_k3", "mismatch KL (k3)"),
-    ("is_weight_mean", "IS weight mean"), ("is_weight_max", "IS weight max"), ("clip_frac", "clip fraction"),
-    ("staleness_mean", "staleness mean"), ("routing_agreement", "routing agreement"),
+    ("reward_mean", "reward"),
+    ("entropy", "entropy"),
+    ("mismatch_kl_k3", "mismatch KL (k3)"),
+    ("is_weight_mean", "IS weight mean"),
+    ("is_weight_max", "IS weight max"),
+    ("clip_frac", "clip fraction"),
+    ("staleness_mean", "staleness mean"),
+    ("routing_agreement", "routing agreement"),
     # multi-turn runs
-    ("turns_mean", "model turns per trajectory"), ("turn_tokens_mean", "model tokens per turn"),
-    ("env_tool_calls", "tool calls per trajectory"), ("env_tool_success", "tool-call success rate"),
+    ("turns_mean", "model turns per trajectory"),
+    ("turn_tokens_mean", "model tokens per turn"),
+    ("env_tool_calls", "tool calls per trajectory"),
+    ("env_tool_success", "tool-call success rate"),
     ("env_tool_errors", "tool errors per trajectory"),
 ]
 
@@ -75,13 +82,16 @@ def find_checkpoint(source: Path) -> tuple[Path, str | None]:
         source = source / "trainer" / "checkpoints"
     step = source if (source / "state.json").exists() else latest_checkpoint(source)
     if step is None or not ((step / "model.safetensors").exists() or (step / "shards").is_dir()):
-        raise ValueError(f"no trainer checkpoint in {source} (a step-* directory, a checkpoints directory with "
-                         "LATEST, or a run directory)")
+        raise ValueError(
+            f"no trainer checkpoint in {source} (a step-* directory, a checkpoints directory with "
+            "LATEST, or a run directory)"
+        )
     return step, model
 
 
-def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: str = "float32",
-                      merge: bool = True) -> Path:
+def export_checkpoint(
+    model_path: str, checkpoint: Path, target: Path, dtype: str = "float32", merge: bool = True
+) -> Path:
     """A trainer checkpoint (whatever the parallelism and world size that wrote it: its shards are
     consolidated by DCP) as a Hugging Face directory in `dtype`: the base model's config and
     tokenizer, the checkpoint's weights. A LoRA checkpoint (its adapter_config.json) is merged into
@@ -101,11 +111,21 @@ def export_checkpoint(model_path: str, checkpoint: Path, target: Path, dtype: st
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-            raise ValueError(f"checkpoint {checkpoint} does not fit the model {model_path}: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"checkpoint {checkpoint} does not fit the model {model_path}: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
     model.to(resolve_dtype(dtype)).save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                 "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "chat_template.jinja",
+    ):
         source = Path(model_path) / name
         if source.exists() and not (target / name).exists():
             shutil.copy(source, target / name)
@@ -122,8 +142,10 @@ def _adapter(model, checkpoint: Path, weights: dict, target: Path, merge: bool):
     adapted = get_peft_model(model, LoraConfig.from_pretrained(str(checkpoint)))
     missing, unexpected = adapted.load_state_dict(weights, strict=False)
     if unexpected or any(".lora_" in m for m in missing):
-        raise ValueError(f"the adapter of {checkpoint} does not fit the model: missing "
-                         f"{[m for m in missing if '.lora_' in m][:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"the adapter of {checkpoint} does not fit the model: missing "
+            f"{[m for m in missing if '.lora_' in m][:3]}, unexpected {unexpected[:3]}"
+        )
     if not merge:
         adapted.save_pretrained(str(target))
         return None

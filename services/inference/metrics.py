@@ -8,19 +8,21 @@ from collections import deque
 from prometheus_client import Counter, Gauge
 
 TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
-TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s over the last 10 s",
-                          ["replica"])
+TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s over the last 10 s", ["replica"])
 INFLIGHT = Gauge("steadyrl_inference_inflight_tasks", "Leased tasks with the engine or being scored", ["replica"])
 RUNNING = Gauge("steadyrl_inference_running_sequences", "Sequences the engine is generating", ["replica"])
 RETRIED = Counter("steadyrl_inference_tasks_retried_total", "Leased tasks that were on a retry", ["replica"])
 ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Tasks the engine failed on", ["replica"])
-TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded",
-                      ["replica"])
+TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded", ["replica"])
 BAD_TASKS = Counter("steadyrl_inference_tasks_dead_lettered_total", "Tasks given up as unservable", ["reason"])
-VERSION_WAITS = Counter("steadyrl_inference_version_wait_expired_total",
-                        "Tasks handed back after waiting too long for their policy version", ["replica"])
-REWARD_FAILURES = Counter("steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed",
-                          ["reward", "reason"])
+VERSION_WAITS = Counter(
+    "steadyrl_inference_version_wait_expired_total",
+    "Tasks handed back after waiting too long for their policy version",
+    ["replica"],
+)
+REWARD_FAILURES = Counter(
+    "steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed", ["reward", "reason"]
+)
 
 
 class TokenRate:

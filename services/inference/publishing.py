@@ -21,14 +21,16 @@ from shared.queues import Lease, WorkQueue
 
 log = logging.getLogger("steadyrl.inference.worker")
 PUBLISHED = Counter("steadyrl_inference_rollouts_published_total", "Rollouts published to the stream", ["replica"])
-LEASES_LOST = Counter("steadyrl_inference_leases_lost_total", "Tasks finished after their lease was taken away",
-                      ["replica"])
+LEASES_LOST = Counter(
+    "steadyrl_inference_leases_lost_total", "Tasks finished after their lease was taken away", ["replica"]
+)
 QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
 
 
 class Publisher:
-    def __init__(self, queue: WorkQueue, replica_id: str, held: set[str],
-                 hand_back: Callable[[str, str], Awaitable[None]]) -> None:
+    def __init__(
+        self, queue: WorkQueue, replica_id: str, held: set[str], hand_back: Callable[[str, str], Awaitable[None]]
+    ) -> None:
         self.queue, self.replica_id, self.held, self.hand_back = queue, replica_id, held, hand_back
         self.published = 0
         self.ready = asyncio.Event()
@@ -63,9 +65,13 @@ class Publisher:
         try:
             evals = {lease.task_id for lease, _ in batch if lease.task.is_eval}
             accepted = await self.queue.complete_many(
-                self.replica_id, [(lease.task_id, payloads) for lease, payloads in batch], evals)
-            unsure = [lease for (lease, _), ok in zip(batch, accepted, strict=True)
-                      if not ok and lease.task_id in self._unsure]
+                self.replica_id, [(lease.task_id, payloads) for lease, payloads in batch], evals
+            )
+            unsure = [
+                lease
+                for (lease, _), ok in zip(batch, accepted, strict=True)
+                if not ok and lease.task_id in self._unsure
+            ]
             stamps = await self.queue.lease_stamps([lease.task_id for lease in unsure])
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:  # applied or not: unknown
             QUEUE_ERRORS.labels(self.replica_id).inc()
@@ -79,7 +85,9 @@ class Publisher:
             for lease, _ in batch:
                 await self.hand_back(lease.task_id, f"publish refused: {type(exc).__name__}")
             return True
-        landed = {lease.task_id for lease in unsure if stamps.get(lease.task_id) == f"{self.replica_id}|{lease.attempt}"}
+        landed = {
+            lease.task_id for lease in unsure if stamps.get(lease.task_id) == f"{self.replica_id}|{lease.attempt}"
+        }
         retried = {lease.task_id for lease, _ in batch} & self._unsure
         for (lease, payloads), ok in zip(batch, accepted, strict=True):
             self.held.discard(lease.task_id)
@@ -88,8 +96,11 @@ class Publisher:
                 PUBLISHED.labels(self.replica_id).inc(len(payloads))
                 self.published += len(payloads)
                 if lease.task_id in retried:
-                    log.info("event=publish_retried task=%s landed=%s", lease.task_id,
-                             "earlier" if lease.task_id in landed else "now")
+                    log.info(
+                        "event=publish_retried task=%s landed=%s",
+                        lease.task_id,
+                        "earlier" if lease.task_id in landed else "now",
+                    )
             else:
                 LEASES_LOST.labels(self.replica_id).inc()
                 log.warning("event=lease_lost task=%s attempt=%d", lease.task_id, lease.attempt)

@@ -20,8 +20,9 @@ from shared.tasks import RewardRunner
 log = logging.getLogger("steadyrl.inference.worker")
 AGENT = "agent:"  # services.inference.agents.PREFIX: an agent program plays the task, scored by task_name
 MAX_GROUP_SIZE = 4096
-RENEW_ERRORS = Counter("steadyrl_inference_lease_renew_errors_total", "Lease renewals Redis refused or timed out",
-                       ["replica"])
+RENEW_ERRORS = Counter(
+    "steadyrl_inference_lease_renew_errors_total", "Lease renewals Redis refused or timed out", ["replica"]
+)
 
 
 class BadTask(ValueError):
@@ -68,10 +69,13 @@ def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: Re
         raise BadTask("prompt", f"prompt token ids outside the vocabulary [0, {engine.vocab_size})")
     completion = max(sampling.max_new_tokens, task.budget.max_tokens) if task.environment else sampling.max_new_tokens
     if len(prompt) + completion > engine.max_model_len:
-        raise BadTask("context", f"prompt ({len(prompt)}) + {'the trajectory budget' if task.environment else 'max_new_tokens'}"
-                                 f" ({completion}) > the engine's {engine.max_model_len} positions")
+        raise BadTask(
+            "context",
+            f"prompt ({len(prompt)}) + {'the trajectory budget' if task.environment else 'max_new_tokens'}"
+            f" ({completion}) > the engine's {engine.max_model_len} positions",
+        )
     agent = task.environment.startswith(AGENT)
-    if agent and not task.environment[len(AGENT):].strip():
+    if agent and not task.environment[len(AGENT) :].strip():
         raise BadTask("environment", "an agent environment names its command: agent:COMMAND")
     if task.environment.startswith(VERIFIERS):
         try:

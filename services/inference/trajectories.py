@@ -24,20 +24,33 @@ from shared.queues import now_ms
 from shared.rollout import RolloutTimings, trace_message
 from shared.rpc.steadyrl.v1 import rollout_pb2
 
-TRAJECTORIES = Counter("steadyrl_inference_trajectories_total", "Multi-turn trajectories played, by how they ended "
-                       "(done, max_turns, max_tokens)", ["replica", "finish"])
-TRAJECTORY_FAILURES = Counter("steadyrl_inference_trajectory_failures_total", "Multi-turn tasks dead-lettered because "
-                              "a trajectory failed, by reason", ["replica", "reason"])
-TURNS = Histogram("steadyrl_inference_trajectory_turns", "Model turns per trajectory", ["replica"],
-                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+TRAJECTORIES = Counter(
+    "steadyrl_inference_trajectories_total",
+    "Multi-turn trajectories played, by how they ended (done, max_turns, max_tokens)",
+    ["replica", "finish"],
+)
+TRAJECTORY_FAILURES = Counter(
+    "steadyrl_inference_trajectory_failures_total",
+    "Multi-turn tasks dead-lettered because a trajectory failed, by reason",
+    ["replica", "reason"],
+)
+TURNS = Histogram(
+    "steadyrl_inference_trajectory_turns",
+    "Model turns per trajectory",
+    ["replica"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
 DEFAULT_TURNS, DEFAULT_ENV_SECONDS = 4, 10.0
 
 
 def budget_of(task) -> Budget:
     """The task's trajectory budget, the replica's defaults for what it leaves at 0."""
     b = task.budget
-    return Budget(max_turns=b.max_turns or DEFAULT_TURNS, max_tokens=b.max_tokens or task.sampling.max_new_tokens or 16,
-                  env_seconds=b.env_seconds or DEFAULT_ENV_SECONDS)
+    return Budget(
+        max_turns=b.max_turns or DEFAULT_TURNS,
+        max_tokens=b.max_tokens or task.sampling.max_new_tokens or 16,
+        env_seconds=b.env_seconds or DEFAULT_ENV_SECONDS,
+    )
 
 
 ENDPOINT: list[agents.Endpoint] = []  # the replica's agent endpoint, when it serves one
@@ -45,8 +58,9 @@ ENDPOINT: list[agents.Endpoint] = []  # the replica's agent endpoint, when it se
 
 def agents_endpoint() -> agents.Endpoint:
     if not ENDPOINT:
-        raise TrajectoryError("env_error", "agent and verifiers tasks need the replica's OpenAI endpoint "
-                                           "(inference.agent_endpoint)")
+        raise TrajectoryError(
+            "env_error", "agent and verifiers tasks need the replica's OpenAI endpoint (inference.agent_endpoint)"
+        )
     return ENDPOINT[0]
 
 
@@ -54,12 +68,21 @@ def _environment(name: str):
     try:
         return make_environment(name)
     except Exception as exc:  # noqa: BLE001 - a plug-in that fails to build ends the task, named
-        raise TrajectoryError("env_error", f"environment {name!r} could not be made: {type(exc).__name__}: {exc}") \
-            from None
+        raise TrajectoryError(
+            "env_error", f"environment {name!r} could not be made: {type(exc).__name__}: {exc}"
+        ) from None
 
 
-async def play_group(engine: Engine, tokenizer, checked, return_traces: bool, replica_id: str, run_id: str,
-                     leased_ms: int, rate: TokenRate) -> list[bytes]:
+async def play_group(
+    engine: Engine,
+    tokenizer,
+    checked,
+    return_traces: bool,
+    replica_id: str,
+    run_id: str,
+    leased_ms: int,
+    rate: TokenRate,
+) -> list[bytes]:
     """The task's G rollouts, their model tokens counted (TrajectoryError: the first trajectory
     that failed, the others cancelled)."""
     task, started_ms, started = checked.lease.task, now_ms(), time.perf_counter()
@@ -69,14 +92,23 @@ async def play_group(engine: Engine, tokenizer, checked, return_traces: bool, re
     plays: list[asyncio.Future] = []
     try:
         if task.environment.startswith(VERIFIERS):  # the environment's rollout loop drives the engine
-            plays.append(asyncio.ensure_future(agents_endpoint().play_verifiers(task, checked.sampling, budget,
-                                                                                return_traces)))
+            plays.append(
+                asyncio.ensure_future(agents_endpoint().play_verifiers(task, checked.sampling, budget, return_traces))
+            )
         for i in range(0 if plays else task.group_size):
             if task.environment.startswith(agents.PREFIX):  # an agent program drives the engine itself
                 playing = agents_endpoint().play(task, text, checked.sampling, budget, return_traces, i)
             else:
-                playing = play(engine, tokenizer, _environment(task.environment), record, checked.sampling, budget,
-                               return_traces, index=i)
+                playing = play(
+                    engine,
+                    tokenizer,
+                    _environment(task.environment),
+                    record,
+                    checked.sampling,
+                    budget,
+                    return_traces,
+                    index=i,
+                )
             plays.append(asyncio.ensure_future(playing))
         done = await asyncio.gather(*plays)
         trajectories = done[0] if task.environment.startswith(VERIFIERS) else done
@@ -98,19 +130,33 @@ async def play_group(engine: Engine, tokenizer, checked, return_traces: bool, re
     return encode_trajectories(task, trajectories, replica_id, engine.name, timings)
 
 
-def encode_trajectories(task, trajectories: list[Trajectory], replica_id: str, engine: str,
-                        timings: RolloutTimings) -> list[bytes]:
+def encode_trajectories(
+    task, trajectories: list[Trajectory], replica_id: str, engine: str, timings: RolloutTimings
+) -> list[bytes]:
     """The G rollouts of a multi-turn task (ids `task_id:index`, like single-turn ones)."""
     out = []
     for index, t in enumerate(trajectories):
         arrays = t.arrays()
         msg = rollout_pb2.Rollout(
-            rollout_id=f"{task.task_id}:{index}", run_id=task.run_id, task_id=task.task_id,
-            group_id=task.group_id or task.task_id, sample_index=index, group_size=len(trajectories),
-            prompt_token_ids=t.prompt_token_ids, completion_token_ids=arrays["completion_token_ids"].tolist(),
-            inference_logprobs=arrays["inference_logprobs"].tolist(), policy_versions=t.versions,
-            loss_mask=t.loss_mask, reward=float(t.reward), finish_reason=t.finish_reason, replica_id=replica_id,
-            engine=engine, is_eval=task.is_eval, turns=t.turns, env_metrics=t.env_metrics, reward_error=t.reward_error,
+            rollout_id=f"{task.task_id}:{index}",
+            run_id=task.run_id,
+            task_id=task.task_id,
+            group_id=task.group_id or task.task_id,
+            sample_index=index,
+            group_size=len(trajectories),
+            prompt_token_ids=t.prompt_token_ids,
+            completion_token_ids=arrays["completion_token_ids"].tolist(),
+            inference_logprobs=arrays["inference_logprobs"].tolist(),
+            policy_versions=t.versions,
+            loss_mask=t.loss_mask,
+            reward=float(t.reward),
+            finish_reason=t.finish_reason,
+            replica_id=replica_id,
+            engine=engine,
+            is_eval=task.is_eval,
+            turns=t.turns,
+            env_metrics=t.env_metrics,
+            reward_error=t.reward_error,
             timings=rollout_pb2.RolloutTimings(**vars(timings)),
         )
         if t.routing_trace is not None:

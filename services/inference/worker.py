@@ -58,15 +58,27 @@ BATCHING = ("continuous", "barrier")
 # the event loop stays free for Redis and gRPC
 SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
 
+
 class EngineDead(RuntimeError):
     """The engine can serve nothing any more: the replica must stop (its supervisor restarts it)."""
 
 
 class RolloutWorker:
-    def __init__(self, engine: Engine, tokenizer, queue: WorkQueue, replica_id: str, lease_seconds: float,
-                 tasks_per_batch: int, idle_poll_seconds: float, return_traces: bool,
-                 rewards: RewardRunner | None = None, version_wait_seconds: float = 120.0,
-                 max_inflight_tasks: int = 16, batching: str = "continuous") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        queue: WorkQueue,
+        replica_id: str,
+        lease_seconds: float,
+        tasks_per_batch: int,
+        idle_poll_seconds: float,
+        return_traces: bool,
+        rewards: RewardRunner | None = None,
+        version_wait_seconds: float = 120.0,
+        max_inflight_tasks: int = 16,
+        batching: str = "continuous",
+    ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         self.engine, self.tokenizer, self.queue = engine, tokenizer, queue
@@ -133,8 +145,11 @@ class RolloutWorker:
         """Until a task finishes (there is room again) or, with room, the next poll of the queue."""
         stopping = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait({stopping, *self.inflight.values()}, return_when=asyncio.FIRST_COMPLETED,
-                               timeout=self.idle_poll_seconds if poll or not self.inflight else None)
+            await asyncio.wait(
+                {stopping, *self.inflight.values()},
+                return_when=asyncio.FIRST_COMPLETED,
+                timeout=self.idle_poll_seconds if poll or not self.inflight else None,
+            )
         finally:
             stopping.cancel()
 
@@ -182,8 +197,10 @@ class RolloutWorker:
         started_ms, started = now_ms(), time.perf_counter()
         futures = []
         try:
-            futures = [asyncio.wrap_future(self.engine.start(checked.prompt, checked.sampling, self.return_traces,
-                                                             index=i)) for i in range(task.group_size)]
+            futures = [
+                asyncio.wrap_future(self.engine.start(checked.prompt, checked.sampling, self.return_traces, index=i))
+                for i in range(task.group_size)
+            ]
             samples = await asyncio.gather(*futures)
         except asyncio.CancelledError:
             for f in futures:
@@ -206,8 +223,9 @@ class RolloutWorker:
         if samples is None:
             await self._hand_back(checked.lease.task_id, "generation failed")
             return None
-        payloads = await asyncio.get_running_loop().run_in_executor(SCORING, self._encode_task, checked.lease,
-                                                                    samples, timings)
+        payloads = await asyncio.get_running_loop().run_in_executor(
+            SCORING, self._encode_task, checked.lease, samples, timings
+        )
         if payloads is None:
             await self._hand_back(checked.lease.task_id, "the task's rollouts could not be scored or encoded")
         return payloads
@@ -217,8 +235,16 @@ class RolloutWorker:
         back (the engine failed)."""
         lease = checked.lease
         try:
-            return await play_group(self.engine, self.tokenizer, checked, self.return_traces, self.replica_id,
-                                    self.queue.run_id, leased_ms, self.rate)
+            return await play_group(
+                self.engine,
+                self.tokenizer,
+                checked,
+                self.return_traces,
+                self.replica_id,
+                self.queue.run_id,
+                leased_ms,
+                self.rate,
+            )
         except TrajectoryError as exc:
             await self._give_up(lease, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - any engine failure hands the task back
@@ -255,8 +281,10 @@ class RolloutWorker:
         if self.engine.version >= need:
             return True
         VERSION_WAITS.labels(self.replica_id).inc()
-        reason = (f"version_wait: needs policy version {need}, served {self.engine.version} after "
-                  f"{self.version_wait_seconds:.0f}s")
+        reason = (
+            f"version_wait: needs policy version {need}, served {self.engine.version} after "
+            f"{self.version_wait_seconds:.0f}s"
+        )
         log.warning("event=version_wait_expired task=%s %s", checked.lease.task_id, reason)
         await self._hand_back(checked.lease.task_id, reason)
         return False
@@ -285,12 +313,20 @@ class RolloutWorker:
             for s in scores:
                 if s.reason:
                     REWARD_FAILURES.labels(task.task_name, s.reason.split(":")[0]).inc()
-                    log.warning("event=reward_failed task=%s reward=%s reason=%s", lease.task_id, task.task_name,
-                                s.reason)
+                    log.warning(
+                        "event=reward_failed task=%s reward=%s reason=%s", lease.task_id, task.task_name, s.reason
+                    )
             if not task.run_id:
                 task.run_id = self.queue.run_id
-            return encode_samples(task, samples, [s.value for s in scores], self.replica_id, self.engine.name,
-                                  timings, [s.reason for s in scores])
+            return encode_samples(
+                task,
+                samples,
+                [s.value for s in scores],
+                self.replica_id,
+                self.engine.name,
+                timings,
+                [s.reason for s in scores],
+            )
         except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is handed back
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)

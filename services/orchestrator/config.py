@@ -167,15 +167,17 @@ class OrchestratorSettings(RedisSettings, StepShape):
     def _eval_set_names(cls, value: dict[str, Path]) -> dict[str, Path]:
         for name in value:
             if not EVAL_SET_NAME.fullmatch(name) or name == "main":
-                raise ValueError(f"eval set name {name!r}: lower-case letters, digits and _, and not 'main' "
-                                 "(the task's own eval set)")
+                raise ValueError(
+                    f"eval set name {name!r}: lower-case letters, digits and _, and not 'main' "
+                    "(the task's own eval set)"
+                )
         return value
 
     @field_validator("environment")
     @classmethod
     def _environment_known(cls, value: str) -> str:
         if value.startswith("agent:"):
-            if not value[len("agent:"):].strip():
+            if not value[len("agent:") :].strip():
                 raise ValueError("an agent environment names its command: agent:COMMAND")
         elif value.startswith("verifiers:"):
             from shared.envs import verifiers_adapter
@@ -197,8 +199,10 @@ class OrchestratorSettings(RedisSettings, StepShape):
         if self.task == "calc" and self.environment not in ("", "calc") and not self.environment.startswith("agent:"):
             raise ValueError(f"task 'calc' is played by the environment 'calc' or an agent, not {self.environment!r}")
         if (self.task == "verifiers") != self.environment.startswith("verifiers:"):
-            raise ValueError("task 'verifiers' and an environment `verifiers:ENV_ID` go together (the environment's "
-                             f"dataset is the task's): task {self.task!r}, environment {self.environment!r}")
+            raise ValueError(
+                "task 'verifiers' and an environment `verifiers:ENV_ID` go together (the environment's "
+                f"dataset is the task's): task {self.task!r}, environment {self.environment!r}"
+            )
         return self
 
     @property

@@ -69,8 +69,14 @@ class Bounded:
         except RedisUnavailable as exc:
             if self.last_status is None:
                 raise
-            return {**self.last_status, "stale": {"read_unix_ms": self.last_status_ms, "reason": exc.reason,
-                                                  "age_seconds": round((now_ms() - self.last_status_ms) / 1000, 1)}}
+            return {
+                **self.last_status,
+                "stale": {
+                    "read_unix_ms": self.last_status_ms,
+                    "reason": exc.reason,
+                    "age_seconds": round((now_ms() - self.last_status_ms) / 1000, 1),
+                },
+            }
 
     def keep(self, status: dict) -> dict:
         self.last_status, self.last_status_ms = status, now_ms()

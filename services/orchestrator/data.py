@@ -19,32 +19,48 @@ TRAIN_ID = re.compile(r"^train-(\d+)$")  # a train task's id: train-<its number 
 def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example], str]:
     """(train, eval, reward) of the run; train and eval never share a problem unless allowed."""
     if settings.task == "arith":
-        task = ArithTask(digits=settings.arith_digits, seed=settings.task_seed,
-                         fixed_width=settings.arith_fixed_width, reverse=settings.arith_reverse)
+        task = ArithTask(
+            digits=settings.arith_digits,
+            seed=settings.task_seed,
+            fixed_width=settings.arith_fixed_width,
+            reverse=settings.arith_reverse,
+        )
         train = task.split("train", min(settings.train_size, task.max_split_size("train")))
         return train, task.split("eval", min(settings.eval_size, task.max_split_size("eval"))), "exact_match"
     if settings.task == "calc":
         calc = MulTask(seed=settings.task_seed)
-        return (calc.split("train", min(settings.train_size, calc.max_split_size("train"))),
-                calc.split("eval", min(settings.eval_size, calc.max_split_size("eval"))), "exact_match")
+        return (
+            calc.split("train", min(settings.train_size, calc.max_split_size("train"))),
+            calc.split("eval", min(settings.eval_size, calc.max_split_size("eval"))),
+            "exact_match",
+        )
     if settings.task == "verifiers":  # the environment's own rows; its rubric scores them on the replicas
         from shared.envs import verifiers_adapter
 
-        return (verifiers_adapter.examples(settings.environment, "train", settings.train_size),
-                verifiers_adapter.examples(settings.environment, "eval", settings.eval_size), "exact_match")
+        return (
+            verifiers_adapter.examples(settings.environment, "train", settings.train_size),
+            verifiers_adapter.examples(settings.environment, "eval", settings.eval_size),
+            "exact_match",
+        )
     if settings.task == "mul_trace":
         trace = MulTraceTask(settings.trace_max_answer_tokens, settings.trace_alpha, seed=settings.task_seed)
         return trace.split("train", settings.train_size), trace.split("eval", settings.eval_size), "exact_match"
     if settings.math_path is None:
         raise ValueError("task 'math' needs math_path")
-    task = MathTask(str(settings.math_path), str(settings.math_eval_path) if settings.math_eval_path else None,
-                    prompt_column=settings.prompt_column, answer_column=settings.answer_column)
+    task = MathTask(
+        str(settings.math_path),
+        str(settings.math_eval_path) if settings.math_eval_path else None,
+        prompt_column=settings.prompt_column,
+        answer_column=settings.answer_column,
+    )
     if settings.math_eval_path is None:  # hold the last eval_size rows out of training
         rows = task.split("train")
         if len(rows) <= settings.eval_size:
-            raise ValueError(f"{settings.math_path} has {len(rows)} rows: too few to hold out eval_size="
-                             f"{settings.eval_size} for evaluation (or give math_eval_path)")
-        return rows[: -settings.eval_size][: settings.train_size], rows[-settings.eval_size:], "math_verify"
+            raise ValueError(
+                f"{settings.math_path} has {len(rows)} rows: too few to hold out eval_size="
+                f"{settings.eval_size} for evaluation (or give math_eval_path)"
+            )
+        return rows[: -settings.eval_size][: settings.train_size], rows[-settings.eval_size :], "math_verify"
     train, evals = task.split("train", settings.train_size), task.split("eval", settings.eval_size)
     refuse_overlap(settings, train, evals, "eval problems")
     return train, evals, "math_verify"
@@ -55,8 +71,10 @@ def refuse_overlap(settings: OrchestratorSettings, train: list[Example], evals: 
     unless allow_eval_overlap."""
     overlap = sorted({e.prompt for e in train} & {e.prompt for e in evals})
     if overlap and not settings.allow_eval_overlap:
-        raise ValueError(f"{len(overlap)} {what} are also training problems (e.g. {overlap[0][:80]!r}); evals would "
-                         "measure memorisation. Remove them or set allow_eval_overlap = true")
+        raise ValueError(
+            f"{len(overlap)} {what} are also training problems (e.g. {overlap[0][:80]!r}); evals would "
+            "measure memorisation. Remove them or set allow_eval_overlap = true"
+        )
 
 
 def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str, list[Example]]:
@@ -65,8 +83,9 @@ def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str,
     template = {} if settings.task == "math" else {"template": "{problem}"}
     out: dict[str, list[Example]] = {}
     for name, path in settings.eval_sets.items():
-        out[name] = MathTask(str(path), prompt_column=settings.prompt_column, answer_column=settings.answer_column,
-                             **template).split("train", settings.eval_size)
+        out[name] = MathTask(
+            str(path), prompt_column=settings.prompt_column, answer_column=settings.answer_column, **template
+        ).split("train", settings.eval_size)
         refuse_overlap(settings, train, out[name], f"problems of eval set {name!r}")
     return out
 
@@ -84,22 +103,41 @@ class Tasks:
 
     def prompt_ids(self, example: Example) -> list[int]:
         """The prompt's tokens: through the chat template (and system prompt) when the run asks."""
-        return encode_prompt(self.tokenizer, example.prompt, self.settings.chat_template == "auto",
-                             self.settings.system_prompt)
+        return encode_prompt(
+            self.tokenizer, example.prompt, self.settings.chat_template == "auto", self.settings.system_prompt
+        )
 
-    def make(self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool,
-             min_version: int) -> common_pb2.PromptTask:
+    def make(
+        self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool, min_version: int
+    ) -> common_pb2.PromptTask:
         """A PromptTask; a multi-turn one carries its prompt as text, for the environment to open the
         conversation with (the replica renders it), and its environment and budget."""
         s = self.settings
         environment = s.task_environment
-        turns = {"environment": environment, "prompt_text": example.prompt, "budget": common_pb2.TrajectoryBudget(
-            max_turns=s.max_turns, max_tokens=s.max_trajectory_tokens or s.max_new_tokens * s.max_turns,
-            env_seconds=s.env_seconds)} if environment else {"prompt_token_ids": self.prompt_ids(example)}
+        turns = (
+            {
+                "environment": environment,
+                "prompt_text": example.prompt,
+                "budget": common_pb2.TrajectoryBudget(
+                    max_turns=s.max_turns,
+                    max_tokens=s.max_trajectory_tokens or s.max_new_tokens * s.max_turns,
+                    env_seconds=s.env_seconds,
+                ),
+            }
+            if environment
+            else {"prompt_token_ids": self.prompt_ids(example)}
+        )
         return common_pb2.PromptTask(
-            task_id=task_id, run_id=s.run_id, group_id=task_id, task_name=self.reward, **turns,
+            task_id=task_id,
+            run_id=s.run_id,
+            group_id=task_id,
+            task_name=self.reward,
+            **turns,
             answer=example.answer,
-            group_size=group_size, is_eval=is_eval, min_policy_version=min_version,
-            sampling=common_pb2.SamplingParams(temperature=temperature, top_p=s.top_p if temperature else 1.0,
-                                               max_new_tokens=s.max_new_tokens),
+            group_size=group_size,
+            is_eval=is_eval,
+            min_policy_version=min_version,
+            sampling=common_pb2.SamplingParams(
+                temperature=temperature, top_p=s.top_p if temperature else 1.0, max_new_tokens=s.max_new_tokens
+            ),
         )

@@ -34,18 +34,28 @@ log = logging.getLogger("steadyrl.orchestrator")
 KINDS = ("", "k", POLICY_EVAL_PREFIX.removeprefix("eval"))  # the queue routes π's tasks by their prefix
 EVAL_ID = re.compile(rf"^eval({'|'.join(k for k in KINDS if k)})?(?:\.([a-z0-9_]+))?-(\d+)-(\d+)$")
 EVAL_SUBMITTED = Counter("steadyrl_orchestrator_eval_tasks_submitted_total", "Eval prompt tasks queued")
-EVAL_REFUSED = Counter("steadyrl_orchestrator_eval_rollouts_refused_total", "Eval rollouts that fit no eval round",
-                       ["reason"])
-EVAL_ACCURACY = Gauge("steadyrl_orchestrator_eval_accuracy", "Greedy accuracy of the last eval round, per eval set",
-                      ["set"])
-POLICY_EVAL_ACCURACY = Gauge("steadyrl_orchestrator_policy_eval_accuracy",
-                             "Greedy accuracy of the trainer's weights (π, unquantised) in the last eval round, "
-                             "per eval set", ["set"])
-POLICY_EVAL_PREVIOUS = Gauge("steadyrl_orchestrator_policy_eval_previous_accuracy",
-                             "Greedy accuracy of π in the round before the last, per eval set (SteadyrlPolicyUnderStart "
-                             "needs two rounds in a row under the start)", ["set"])
-POLICY_EVAL_INITIAL = Gauge("steadyrl_orchestrator_policy_eval_initial_accuracy",
-                            "Greedy accuracy of π in the run's first eval round (version 0), per eval set", ["set"])
+EVAL_REFUSED = Counter(
+    "steadyrl_orchestrator_eval_rollouts_refused_total", "Eval rollouts that fit no eval round", ["reason"]
+)
+EVAL_ACCURACY = Gauge(
+    "steadyrl_orchestrator_eval_accuracy", "Greedy accuracy of the last eval round, per eval set", ["set"]
+)
+POLICY_EVAL_ACCURACY = Gauge(
+    "steadyrl_orchestrator_policy_eval_accuracy",
+    "Greedy accuracy of the trainer's weights (π, unquantised) in the last eval round, per eval set",
+    ["set"],
+)
+POLICY_EVAL_PREVIOUS = Gauge(
+    "steadyrl_orchestrator_policy_eval_previous_accuracy",
+    "Greedy accuracy of π in the round before the last, per eval set (SteadyrlPolicyUnderStart "
+    "needs two rounds in a row under the start)",
+    ["set"],
+)
+POLICY_EVAL_INITIAL = Gauge(
+    "steadyrl_orchestrator_policy_eval_initial_accuracy",
+    "Greedy accuracy of π in the run's first eval round (version 0), per eval set",
+    ["set"],
+)
 
 
 def eval_task_id(kind: str, name: str, step: int, index: int) -> str:
@@ -67,8 +77,14 @@ class EvalRounds:
         self.keys = RunKeys(settings.run_id)
         self.results: dict[int, dict[str, dict]] = {}  # step → eval set → what came back (μ)
         self.policy_results: dict[int, dict[str, dict]] = {}  # the same for π
-        self.scalars = ScalarLog(settings.out_dir / "tensorboard" if settings.tensorboard else None, settings.tracking,
-                                 settings.run_id, "orchestrator", settings.out_dir, settings.model_dump(mode="json"))
+        self.scalars = ScalarLog(
+            settings.out_dir / "tensorboard" if settings.tensorboard else None,
+            settings.tracking,
+            settings.run_id,
+            "orchestrator",
+            settings.out_dir,
+            settings.model_dump(mode="json"),
+        )
         self.cursor = self.dead_cursor = "0-0"
 
     async def _json(self, name: str, default: str):
@@ -90,15 +106,26 @@ class EvalRounds:
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
             k, temperature = self.settings.eval_samples, self.settings.eval_temperature
-            rounds = [("", 1, 0.0)] + ([("k", k, temperature)] if k else []) + (
-                [("pi", 1, 0.0)] if self.settings.policy_eval else [])
-            tasks = [self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version)
-                     for kind, group, t in rounds
-                     for name, examples in self.tasks.evals.items() for j, example in enumerate(examples)]
+            rounds = (
+                [("", 1, 0.0)]
+                + ([("k", k, temperature)] if k else [])
+                + ([("pi", 1, 0.0)] if self.settings.policy_eval else [])
+            )
+            tasks = [
+                self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version)
+                for kind, group, t in rounds
+                for name, examples in self.tasks.evals.items()
+                for j, example in enumerate(examples)
+            ]
             submitted.append(step)
             requested[str(step)] = version
-            await self.queue.submit_many(tasks, (self.keys.run, {RunField.EVALS_SUBMITTED: json.dumps(submitted),
-                                                                 RunField.EVAL_VERSIONS: json.dumps(requested)}))
+            await self.queue.submit_many(
+                tasks,
+                (
+                    self.keys.run,
+                    {RunField.EVALS_SUBMITTED: json.dumps(submitted), RunField.EVAL_VERSIONS: json.dumps(requested)},
+                ),
+            )
             EVAL_SUBMITTED.inc(len(tasks))
             log.info("event=eval_scheduled step=%d version=%d prompts=%d", step, version, len(tasks))
 
@@ -129,16 +156,24 @@ class EvalRounds:
             results, done = (self.policy_results, policy_written) if kind == "pi" else (self.results, written)
             if step in done:
                 continue
-            self._add(results.setdefault(step, {}).setdefault(name, _bucket()), rollout,
-                      prompt if kind == "k" else None)
+            self._add(
+                results.setdefault(step, {}).setdefault(name, _bucket()), rollout, prompt if kind == "k" else None
+            )
         for policy, results, done in ((False, self.results, written), (True, self.policy_results, policy_written)):
             for step, buckets in sorted(results.items()):
-                if step not in done and all(self._complete(buckets.get(name), len(examples), policy)
-                                            for name, examples in self.tasks.evals.items()):
+                if step not in done and all(
+                    self._complete(buckets.get(name), len(examples), policy)
+                    for name, examples in self.tasks.evals.items()
+                ):
                     await self._write(step, buckets, int(requested.get(str(step), step)), policy)
                     done.add(step)
-        await self.redis.hset(self.keys.run, mapping={RunField.EVALS_WRITTEN: json.dumps(sorted(written)),
-                                                      RunField.POLICY_EVALS_WRITTEN: json.dumps(sorted(policy_written))})
+        await self.redis.hset(
+            self.keys.run,
+            mapping={
+                RunField.EVALS_WRITTEN: json.dumps(sorted(written)),
+                RunField.POLICY_EVALS_WRITTEN: json.dumps(sorted(policy_written)),
+            },
+        )
 
     def _place(self, task_id: str) -> tuple[str, str, int, int] | None:
         """(kind, eval set, step, prompt) of an eval task of this run, None for any other id."""
@@ -147,8 +182,12 @@ class EvalRounds:
             return None
         kind, name = match.group(1) or "", match.group(2) or "main"
         step, prompt = int(match.group(3)), int(match.group(4))
-        if name not in self.tasks.evals or prompt >= len(self.tasks.evals[name]) or (
-                kind == "k" and not self.settings.eval_samples) or (kind == "pi" and not self.settings.policy_eval):
+        if (
+            name not in self.tasks.evals
+            or prompt >= len(self.tasks.evals[name])
+            or (kind == "k" and not self.settings.eval_samples)
+            or (kind == "pi" and not self.settings.policy_eval)
+        ):
             return None
         return kind, name, step, prompt
 
@@ -164,12 +203,16 @@ class EvalRounds:
             if place is None or not given_up(fields):
                 continue
             kind, name, step, prompt = place
-            bucket = (self.policy_results if kind == "pi" else self.results).setdefault(step, {}).setdefault(
-                name, _bucket())
+            bucket = (
+                (self.policy_results if kind == "pi" else self.results).setdefault(step, {}).setdefault(name, _bucket())
+            )
             bucket["dead_sampled" if kind == "k" else "dead"].add(prompt)
             folded += 1
-            log.warning("event=eval_task_dead task=%s reason=%s", task_id,
-                        fields.get(b"reason", b"").decode(errors="replace")[:300])
+            log.warning(
+                "event=eval_task_dead task=%s reason=%s",
+                task_id,
+                fields.get(b"reason", b"").decode(errors="replace")[:300],
+            )
         return folded
 
     @staticmethod
@@ -189,9 +232,14 @@ class EvalRounds:
         """A round complete on every set: its line in eval.jsonl (π's: policy-eval.jsonl), scalars,
         gauges and log line. π's first round is also kept in the run hash, its initial accuracy."""
         sets = {name: self._scores(buckets[name], policy) for name in self.tasks.evals}
-        line = {"step": step, "version": version, **sets["main"],
-                "policy_version_min": min(b["vmin"] for b in buckets.values()),
-                "policy_version_max": max(b["vmax"] for b in buckets.values()), "unix_ms": now_ms()}
+        line = {
+            "step": step,
+            "version": version,
+            **sets["main"],
+            "policy_version_min": min(b["vmin"] for b in buckets.values()),
+            "policy_version_max": max(b["vmax"] for b in buckets.values()),
+            "unix_ms": now_ms(),
+        }
         if len(sets) > 1:
             line["sets"] = sets
         self.settings.out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,15 +248,23 @@ class EvalRounds:
         scalars = {}
         for name, scores in sets.items():  # no key is another's prefix dir (MLflow's file store)
             prefix = ("policy_eval" if policy else "eval") + ("_" if name == "main" else f"_set/{name}/")
-            scalars.update({prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k") if key in scores})
+            scalars.update(
+                {prefix + key: scores[key] for key in ("accuracy", "pass_at_k", "mean_at_k") if key in scores}
+            )
             if scores["prompts"] and not policy:  # a set whose every prompt was given up has no accuracy to show
                 EVAL_ACCURACY.labels(name).set(scores["accuracy"])
         if policy:
             await self._keep_policy_round(step, sets)
         self.scalars.add(step, scalars)
         self.scalars.flush()
-        log.info("event=%s step=%d version=%d accuracy=%.4f%s", "policy_eval" if policy else "eval", step, version,
-                 line["accuracy"], "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"))
+        log.info(
+            "event=%s step=%d version=%d accuracy=%.4f%s",
+            "policy_eval" if policy else "eval",
+            step,
+            version,
+            line["accuracy"],
+            "".join(f" {n}={v['accuracy']:.4f}" for n, v in sets.items() if n != "main"),
+        )
 
     async def _keep_policy_round(self, step: int, sets: dict[str, dict]) -> None:
         """π's round in the run hash and the gauges: the first round (`policy_eval_initial`) and the
@@ -245,8 +301,13 @@ class EvalRounds:
 
     def _complete(self, bucket: dict | None, prompts: int, policy: bool = False) -> bool:
         k = 0 if policy else self.settings.eval_samples  # π's rounds are greedy only
-        return bucket is not None and bucket["n"] + len(bucket["dead"]) >= prompts and (
-            not k or sum(n for n, _ in bucket["sampled"].values()) + k * len(bucket["dead_sampled"]) >= k * prompts)
+        return (
+            bucket is not None
+            and bucket["n"] + len(bucket["dead"]) >= prompts
+            and (
+                not k or sum(n for n, _ in bucket["sampled"].values()) + k * len(bucket["dead_sampled"]) >= k * prompts
+            )
+        )
 
     def _scores(self, bucket: dict, policy: bool = False) -> dict:
         """Accuracy over the prompts answered (`prompts`); prompts given up are counted under `dead`."""
@@ -263,7 +324,11 @@ class EvalRounds:
         log.warning("event=eval_rollout_refused entry=%s reason=%s", entry_id.decode(), reason)
 
     def _written_fields(self) -> tuple[str, ...]:
-        return (RunField.EVALS_WRITTEN, RunField.POLICY_EVALS_WRITTEN) if self.settings.policy_eval else (RunField.EVALS_WRITTEN,)
+        return (
+            (RunField.EVALS_WRITTEN, RunField.POLICY_EVALS_WRITTEN)
+            if self.settings.policy_eval
+            else (RunField.EVALS_WRITTEN,)
+        )
 
     async def baseline_written(self) -> bool:
         """Whether the step-0 round (the cold start; μ's and, with policy_eval, π's) is in, or there
@@ -281,5 +346,8 @@ class EvalRounds:
 
     def accuracies(self, policy: bool = False) -> dict[str, float]:
         """The main set's accuracy of each round so far (μ's, or π's) by step."""
-        return {str(v): b["main"]["correct"] / b["main"]["n"]
-                for v, b in (self.policy_results if policy else self.results).items() if b.get("main", {}).get("n")}
+        return {
+            str(v): b["main"]["correct"] / b["main"]["n"]
+            for v, b in (self.policy_results if policy else self.results).items()
+            if b.get("main", {}).get("n")
+        }

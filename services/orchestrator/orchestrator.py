@@ -50,9 +50,14 @@ TRAINER_STEP = Gauge("steadyrl_orchestrator_trainer_step", "Trainer global steps
 QUEUE_DEPTH = Gauge("steadyrl_orchestrator_queue_depth", "Work queue", ["state"])
 
 STATES = ("created", "running", "paused", "stopped", "finished", "failed")
-TRANSITIONS = {"start": (("created", "paused"), "running"), "pause": (("running",), "paused"),
-               "resume": (("paused",), "running"), "stop": (("created", "running", "paused"), "stopped"),
-               "finish": (("running",), "finished"), "fail": (("running", "paused"), "failed")}
+TRANSITIONS = {
+    "start": (("created", "paused"), "running"),
+    "pause": (("running",), "paused"),
+    "resume": (("paused",), "running"),
+    "stop": (("created", "running", "paused"), "stopped"),
+    "finish": (("running",), "finished"),
+    "fail": (("running", "paused"), "failed"),
+}
 RUN_FAILED = Gauge("steadyrl_orchestrator_run_failed", "1 once a stop rule failed the run, by rule", ["rule"])
 STATUS_EVERY_MS = 2000  # the loop reads the status at least this often (the control plane's fallback)
 
@@ -128,8 +133,12 @@ class Orchestrator:
         submitted, dead = await self.redis.hmget(self.keys.run, [RunField.SUBMITTED, RunField.DEAD_TRAIN])
         trained = max(ledger.trained // g, self.trainer_step * self.settings.batch_prompts)
         dead_groups = sum(1 for gid in ledger.dead_groups if self._train_index(gid) is not None)
-        return {"submitted": int(submitted or 0), "trained": trained, "dropped": ledger.dropped // g,
-                "dead": int(dead or 0) + dead_groups}
+        return {
+            "submitted": int(submitted or 0),
+            "trained": trained,
+            "dropped": ledger.dropped // g,
+            "dead": int(dead or 0) + dead_groups,
+        }
 
     def _train_index(self, task_id: str) -> int | None:
         match = TRAIN_ID.match(task_id)
@@ -177,11 +186,17 @@ class Orchestrator:
             return
         entries = reply[0][1]
         submitted = int(await self.field(RunField.SUBMITTED, "0"))
-        train = sum(1 for _, f in entries
-                    if (i := self._train_index(f.get(b"task_id", b"").decode(errors="replace"))) is not None
-                    and i < submitted and given_up(f))
+        train = sum(
+            1
+            for _, f in entries
+            if (i := self._train_index(f.get(b"task_id", b"").decode(errors="replace"))) is not None
+            and i < submitted
+            and given_up(f)
+        )
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(self.keys.run, RunField.DEAD_TRAIN, train).hset(self.keys.run, RunField.DEAD_CURSOR, entries[-1][0])
+            pipe.hincrby(self.keys.run, RunField.DEAD_TRAIN, train).hset(
+                self.keys.run, RunField.DEAD_CURSOR, entries[-1][0]
+            )
             await pipe.execute()
 
     async def admit(self) -> int:
@@ -196,10 +211,16 @@ class Orchestrator:
         if budget <= 0:
             return 0
         train = self.tasks.train
-        tasks = [self.tasks.make(f"train-{i}", train[i % len(train)], s.group_size, s.temperature, False,
-                                 self.trainer_version) for i in range(p["submitted"], p["submitted"] + budget)]
+        tasks = [
+            self.tasks.make(
+                f"train-{i}", train[i % len(train)], s.group_size, s.temperature, False, self.trainer_version
+            )
+            for i in range(p["submitted"], p["submitted"] + budget)
+        ]
         submitted = p["submitted"] + len(tasks)
-        await self.queue.submit_many(tasks, (self.keys.run, {RunField.SUBMITTED: submitted, RunField.EPOCH: submitted // len(train)}))
+        await self.queue.submit_many(
+            tasks, (self.keys.run, {RunField.SUBMITTED: submitted, RunField.EPOCH: submitted // len(train)})
+        )
         SUBMITTED.inc(len(tasks))
         return len(tasks)
 
@@ -237,14 +258,16 @@ class Orchestrator:
     async def judge(self) -> Verdict | None:
         """The stop rules on this tick's counts (stop_rules.py)."""
         p = await self.progress()
-        return self.stop_watch.observe(time.monotonic(), p["trained"], p["dead"], self.trainer_step,
-                                       self.trainer_metrics)
+        return self.stop_watch.observe(
+            time.monotonic(), p["trained"], p["dead"], self.trainer_step, self.trainer_metrics
+        )
 
     async def fail(self, verdict: Verdict) -> None:
         """Fail the run with the verdict's reason (written first, in the run hash: GET /v1/run shows
         it with the failed state)."""
-        await self.redis.hset(self.keys.run, RunField.FAILURE, json.dumps({"rule": verdict.rule,
-                                                                           "reason": verdict.reason}))
+        await self.redis.hset(
+            self.keys.run, RunField.FAILURE, json.dumps({"rule": verdict.rule, "reason": verdict.reason})
+        )
         try:
             await self.transition("fail")
         except TransitionRefused as exc:  # stopped or finished meanwhile: theirs stands
@@ -259,8 +282,12 @@ class Orchestrator:
         if created:
             await self.redis.hset(self.keys.run, RunField.CONFIG, self.config_json())
         else:
-            log.info("event=resumed run=%s state=%s progress=%s", self.settings.run_id, await self.state(),
-                     await self.progress())
+            log.info(
+                "event=resumed run=%s state=%s progress=%s",
+                self.settings.run_id,
+                await self.state(),
+                await self.progress(),
+            )
         await self.evals.restore()
         if self.settings.autostart:
             with contextlib.suppress(TransitionRefused):  # already running, paused by an operator, or over
@@ -283,14 +310,23 @@ class Orchestrator:
         state = await self.state()
         failure = await self.field(RunField.FAILURE) if state == "failed" else ""
         return {
-            "run_id": self.settings.run_id, "state": state, "trainer_version": self.trainer_version,
-            "trainer_step": self.trainer_step, "replica_versions": replicas, "progress": await self.progress(),
+            "run_id": self.settings.run_id,
+            "state": state,
+            "trainer_version": self.trainer_version,
+            "trainer_step": self.trainer_step,
+            "replica_versions": replicas,
+            "progress": await self.progress(),
             "queue": dataclasses.asdict(depths),
-            "dead_letters": {"tasks": await self.queue.dead_counts(),
-                             "rollouts": await self.ledger.rollouts_dead_counts()},
+            "dead_letters": {
+                "tasks": await self.queue.dead_counts(),
+                "rollouts": await self.ledger.rollouts_dead_counts(),
+            },
             "epoch": int(await self.field(RunField.EPOCH, "0")),
-            "staleness": {k: self.trainer_metrics[k] for k in ("staleness_mean", "staleness_max", "dropped_stale")
-                          if k in self.trainer_metrics},
+            "staleness": {
+                k: self.trainer_metrics[k]
+                for k in ("staleness_mean", "staleness_max", "dropped_stale")
+                if k in self.trainer_metrics
+            },
             "last_metrics": self.trainer_metrics,
             "evals": self.evals.accuracies(),
             **({"failure": json.loads(failure)} if failure else {}),

@@ -24,18 +24,30 @@ from shared.queues import WorkQueue, now_ms
 
 log = logging.getLogger("steadyrl.orchestrator")
 
-LOST = Counter("steadyrl_orchestrator_tasks_lost_total",
-               "Train tasks Redis lost whole (a host crash), found by the sweep after a restart and queued again")
-REDIS_MEMORY = Gauge("steadyrl_orchestrator_redis_memory_bytes", "Redis's memory (INFO): used, and its maxmemory (0: none)",
-                     ["kind"])
-REDIS_EVICTED = Gauge("steadyrl_orchestrator_redis_evicted_keys", "Keys Redis evicted since it started (INFO evicted_keys)")
+LOST = Counter(
+    "steadyrl_orchestrator_tasks_lost_total",
+    "Train tasks Redis lost whole (a host crash), found by the sweep after a restart and queued again",
+)
+REDIS_MEMORY = Gauge(
+    "steadyrl_orchestrator_redis_memory_bytes", "Redis's memory (INFO): used, and its maxmemory (0: none)", ["kind"]
+)
+REDIS_EVICTED = Gauge(
+    "steadyrl_orchestrator_redis_evicted_keys", "Keys Redis evicted since it started (INFO evicted_keys)"
+)
 INFO_EVERY_MS = 2000  # Redis's INFO read at most this often
 LOST_CHECK_SECONDS, LOST_CHECK_EVERY = 60.0, 5.0  # after Redis restarts: look for lost tasks this long, this often
 
 
 class RedisWatch:
-    def __init__(self, settings: OrchestratorSettings, redis: Redis, queue: WorkQueue, ledger: Ledger, tasks: Tasks,
-                 version: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        settings: OrchestratorSettings,
+        redis: Redis,
+        queue: WorkQueue,
+        ledger: Ledger,
+        tasks: Tasks,
+        version: Callable[[], int],
+    ) -> None:
         self.settings, self.redis, self.queue, self.ledger, self.tasks = settings, redis, queue, ledger, tasks
         self.version = version  # the trainer's published version: what a re-queued task asks for at least
         self.keys = RunKeys(settings.run_id)
@@ -77,8 +89,17 @@ class RedisWatch:
         if not ids:
             return 0
         train = self.tasks.train
-        tasks = [self.tasks.make(t, train[int(TRAIN_ID.match(t).group(1)) % len(train)], s.group_size, s.temperature,
-                                 False, self.version()) for t in ids]
+        tasks = [
+            self.tasks.make(
+                t,
+                train[int(TRAIN_ID.match(t).group(1)) % len(train)],
+                s.group_size,
+                s.temperature,
+                False,
+                self.version(),
+            )
+            for t in ids
+        ]
         queued = sum(await self.queue.submit_many(tasks))
         LOST.inc(queued)
         log.warning("event=lost_tasks_requeued count=%d tasks=%s", queued, ",".join(ids[:20]))

@@ -31,18 +31,25 @@ ACTIONS = ("start", "pause", "resume", "stop")
 
 
 def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes: int = 1 << 20) -> FastAPI:
-    app = FastAPI(title="steadyrl orchestrator", version="1", docs_url=None, redoc_url=None, openapi_url=None,
-                  description="Control plane of one steadyrl run. Every route but /health and /metrics needs "
-                              "`Authorization: Bearer <token>` when a token is configured (the OpenAPI "
-                              "document and its pages too).")
+    app = FastAPI(
+        title="steadyrl orchestrator",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        description="Control plane of one steadyrl run. Every route but /health and /metrics needs "
+        "`Authorization: Bearer <token>` when a token is configured (the OpenAPI "
+        "document and its pages too).",
+    )
 
     def authorised(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
         if token is None:
             return
         if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
             REFUSED.inc()
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                status_code=401, detail="missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
 
     app.add_middleware(BodyLimit, limit=max_request_bytes)
 
@@ -52,8 +59,11 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
 
     @app.exception_handler(RedisUnavailable)
     async def unavailable(request: Request, exc: RedisUnavailable) -> JSONResponse:
-        return JSONResponse(status_code=503, content={"detail": str(exc), "retry_after_seconds": exc.retry_after},
-                            headers={"Retry-After": str(exc.retry_after)})
+        return JSONResponse(
+            status_code=503,
+            content={"detail": str(exc), "retry_after_seconds": exc.retry_after},
+            headers={"Retry-After": str(exc.retry_after)},
+        )
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:  # a bug: still JSON, and logged
@@ -115,17 +125,23 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if not request.replica_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id is required")
         o = self.orchestrator
-        await self._bounded(context, "heartbeat", o.redis.hset(o.keys.replicas, request.replica_id,
-                                                                request.policy_version))
+        await self._bounded(
+            context, "heartbeat", o.redis.hset(o.keys.replicas, request.replica_id, request.policy_version)
+        )
         return common_pb2.Empty()
 
     async def Status(self, request, context):
         status = await self._bounded(context, "status", self.orchestrator.status())
         return pb.RunStatus(
-            run_id=status["run_id"], state=status["state"], trainer_version=status["trainer_version"],
-            replica_versions=status["replica_versions"], queue_pending=status["queue"]["pending"],
-            queue_leased=status["queue"]["leased"], rollouts_pending=status["queue"]["rollouts"],
-            tasks_dead_lettered=status["queue"]["dead"], epoch=status["epoch"],
+            run_id=status["run_id"],
+            state=status["state"],
+            trainer_version=status["trainer_version"],
+            replica_versions=status["replica_versions"],
+            queue_pending=status["queue"]["pending"],
+            queue_leased=status["queue"]["leased"],
+            rollouts_pending=status["queue"]["rollouts"],
+            tasks_dead_lettered=status["queue"]["dead"],
+            epoch=status["epoch"],
         )
 
     async def _bounded(self, context, what: str, work):
@@ -138,8 +154,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
-async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
+async def serve(
+    settings: OrchestratorSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
     import uvicorn
 
     from shared.rpc.tls import tls_from_env, uvicorn_options
@@ -148,8 +165,16 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
     redis = settings.redis()
     orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
     app = create_app(orchestrator, settings.bearer_token(), settings.max_request_bytes)
-    http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
-                                         lifespan="off", **uvicorn_options(tls_from_env())))
+    http = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.http_port,
+            log_level="warning",
+            lifespan="off",
+            **uvicorn_options(tls_from_env()),
+        )
+    )
     serving = asyncio.create_task(http.serve())
     try:
         while not http.started:
@@ -157,13 +182,21 @@ async def serve(settings: OrchestratorSettings, ready: asyncio.Event | None = No
                 raise RuntimeError(f"the HTTP control plane did not start: {serving.exception()!r}")
             await asyncio.sleep(0.02)
         async with grpc_service(
-                "orchestrator", [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
-                                  OrchestratorServicer(orchestrator))], ["steadyrl.v1.Orchestrator"], settings.host,
-                settings.grpc_port, DEFAULT_MAX_MESSAGE_BYTES, None, ready, run=settings.run_id,
-                http_port=http.servers[0].sockets[0].getsockname()[1],
-                auth=settings.bearer_token() is not None) as grpc_serving:
-            await run_loops({"orchestrator": orchestrator.run(stop), "http": _until(serving, stop)}, stop,
-                            grpc_serving.health)
+            "orchestrator",
+            [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, OrchestratorServicer(orchestrator))],
+            ["steadyrl.v1.Orchestrator"],
+            settings.host,
+            settings.grpc_port,
+            DEFAULT_MAX_MESSAGE_BYTES,
+            None,
+            ready,
+            run=settings.run_id,
+            http_port=http.servers[0].sockets[0].getsockname()[1],
+            auth=settings.bearer_token() is not None,
+        ) as grpc_serving:
+            await run_loops(
+                {"orchestrator": orchestrator.run(stop), "http": _until(serving, stop)}, stop, grpc_serving.health
+            )
     finally:
         http.should_exit = True
         await asyncio.wait({serving}, timeout=10)

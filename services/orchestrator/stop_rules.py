@@ -71,8 +71,11 @@ class StopWatch:
         since, rules = self.progress_at, self.rules
         if not rules.stalled_seconds or now.seconds - since.seconds < rules.stalled_seconds or now.dead <= since.dead:
             return None
-        return Verdict("stalled", f"no step trained for {now.seconds - since.seconds:.0f} s (since step {now.step}) "
-                                  f"while {now.dead - since.dead} train tasks were dead-lettered")
+        return Verdict(
+            "stalled",
+            f"no step trained for {now.seconds - since.seconds:.0f} s (since step {now.step}) "
+            f"while {now.dead - since.dead} train tasks were dead-lettered",
+        )
 
     def _dead_share(self, now: Sample) -> Verdict | None:
         window = self.rules.window_tasks
@@ -85,8 +88,11 @@ class StopWatch:
         share = (now.dead - first.dead) / ended
         if share < self.rules.dead_share:
             return None
-        return Verdict("dead_share", f"{now.dead - first.dead} of the last {ended} train tasks were dead-lettered "
-                                     f"({share:.0%} >= {self.rules.dead_share:.0%}); see the dead letters' reasons")
+        return Verdict(
+            "dead_share",
+            f"{now.dead - first.dead} of the last {ended} train tasks were dead-lettered "
+            f"({share:.0%} >= {self.rules.dead_share:.0%}); see the dead letters' reasons",
+        )
 
     def _reward_failures(self) -> Verdict | None:
         if len(self.rewards) < self.rules.window_steps:
@@ -94,6 +100,9 @@ class StopWatch:
         share = sum(self.rewards.values()) / len(self.rewards)
         if share < self.rules.reward_failure_share:
             return None
-        return Verdict("reward_failures", f"the reward failed on {share:.0%} of the rollouts of the last "
-                                          f"{len(self.rewards)} steps (>= {self.rules.reward_failure_share:.0%}); "
-                                          "see the replicas' reward_failed events")
+        return Verdict(
+            "reward_failures",
+            f"the reward failed on {share:.0%} of the rollouts of the last "
+            f"{len(self.rewards)} steps (>= {self.rules.reward_failure_share:.0%}); "
+            "see the replicas' reward_failed events",
+        )

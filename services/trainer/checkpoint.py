@@ -96,15 +96,21 @@ def file_index(flat: dict[str, torch.Tensor], file_bytes: int) -> dict[str, int]
     return index
 
 
-def start_save(directory: Path, flat: dict[str, torch.Tensor], group=None, asynchronous: bool = True,
-               file_bytes: int = 256 * 1024**2) -> Future | None:
+def start_save(
+    directory: Path,
+    flat: dict[str, torch.Tensor],
+    group=None,
+    asynchronous: bool = True,
+    file_bytes: int = 256 * 1024**2,
+) -> Future | None:
     """Every rank: write its shards under `directory/shards/` (all ranks call this, with the same
     directory), in files of about `file_bytes`. Asynchronous: returns once the tensors are staged
     in host memory; the future completes when every rank's shards are written. Blocking: returns
     None when they are."""
     (directory / SHARDS).mkdir(parents=True, exist_ok=True)
-    writer = HuggingFaceStorageWriter(str(directory / SHARDS), fqn_to_index_mapping=file_index(flat, file_bytes),
-                                      save_distributed=True)
+    writer = HuggingFaceStorageWriter(
+        str(directory / SHARDS), fqn_to_index_mapping=file_index(flat, file_bytes), save_distributed=True
+    )
     if asynchronous:
         return dcp.async_save(flat, storage_writer=writer, process_group=group)
     dcp.save(flat, storage_writer=writer, process_group=group)
@@ -117,15 +123,21 @@ def finish_save(tmp: Path, state: TrainerState, param_groups: list, keep: int = 
     of attempts cut short pruned."""
     root, final = tmp.parent, tmp.parent / f"step-{state.step:08d}"
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    meta = {"format": "dcp", "step": state.step, "version": state.version, "consumed": sorted(state.consumed),
-            "counters": state.counters, "optimizer": {"param_groups": param_groups}}
+    meta = {
+        "format": "dcp",
+        "step": state.step,
+        "version": state.version,
+        "consumed": sorted(state.consumed),
+        "counters": state.counters,
+        "optimizer": {"param_groups": param_groups},
+    }
     (tmp / "state.json").write_text(json.dumps(meta))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     pointer = root / ".LATEST.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, root / "LATEST")
-    for old in sorted(p for p in root.glob("step-*") if p != final)[:-(keep - 1) or None]:
+    for old in sorted(p for p in root.glob("step-*") if p != final)[: -(keep - 1) or None]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):  # one save at a time: any other attempt is dead
         shutil.rmtree(stale, ignore_errors=True)
@@ -151,16 +163,19 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     template, _ = flat_state(model, optimizer)
     dcp.load(template, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)), process_group=group)
     meta = json.loads((path / "state.json").read_text())
-    model_state = {k[len(MODEL):]: v for k, v in template.items() if k.startswith(MODEL)}
+    model_state = {k[len(MODEL) :]: v for k, v in template.items() if k.startswith(MODEL)}
     optimizer_state: dict[str, dict] = {}
     for key, value in template.items():
         if key.startswith(OPTIM):
-            name, item = key[len(OPTIM):].rsplit(SEP, 1)
+            name, item = key[len(OPTIM) :].rsplit(SEP, 1)
             optimizer_state.setdefault(name, {})[item] = value
     set_model_state_dict(model, model_state, options=_options(model))
-    set_optimizer_state_dict(model, optimizer, {"state": optimizer_state,
-                                                "param_groups": meta["optimizer"]["param_groups"]},
-                             options=_options(model))
+    set_optimizer_state_dict(
+        model,
+        optimizer,
+        {"state": optimizer_state, "param_groups": meta["optimizer"]["param_groups"]},
+        options=_options(model),
+    )
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["cpu"])
     return read_state(path)
 
@@ -177,8 +192,11 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, TrainerS
         name, item = key.rsplit(SEP, 1)
         state.setdefault(name, {})[item] = torch.tensor(value)
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["cpu"])
-    return load_file(str(path / "model.safetensors")), {"state": state, "param_groups": meta["optimizer"]["param_groups"]}, \
-        read_state(path)
+    return (
+        load_file(str(path / "model.safetensors")),
+        {"state": state, "param_groups": meta["optimizer"]["param_groups"]},
+        read_state(path),
+    )
 
 
 def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -189,7 +207,10 @@ def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path / "model.safetensors"))
     reader = HuggingFaceStorageReader(str(path / SHARDS))
     stored = reader.read_metadata().state_dict_metadata
-    weights = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in stored.items() if key.startswith(MODEL)}
+    weights = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith(MODEL)
+    }
     dcp.load(weights, storage_reader=reader, no_dist=True)
-    return {key[len(MODEL):]: tensor for key, tensor in weights.items()}
+    return {key[len(MODEL) :]: tensor for key, tensor in weights.items()}

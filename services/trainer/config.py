@@ -43,7 +43,9 @@ class LoraSettings(BaseModel):
     @model_validator(mode="after")
     def _experts_without_dropout(self) -> LoraSettings:
         if self.target_experts and self.dropout:
-            raise ValueError("trainer.lora.dropout must be 0 with target_experts (peft adapts stacked experts without it)")
+            raise ValueError(
+                "trainer.lora.dropout must be 0 with target_experts (peft adapts stacked experts without it)"
+            )
         return self
 
 
@@ -187,26 +189,44 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
         if self.gpus and self.ranks and self.ranks != self.gpus:
             raise ValueError(f"ranks ({self.ranks}) must equal gpus ({self.gpus}) on GPUs: one rank per GPU")
         if self.nodes > 1 and not _endpoint(self.rdzv_endpoint):
-            raise ValueError(f"trainer.nodes = {self.nodes} needs trainer.rdzv_endpoint = 'host:port' (the first "
-                             f"node's c10d rendezvous), got {self.rdzv_endpoint!r}")
+            raise ValueError(
+                f"trainer.nodes = {self.nodes} needs trainer.rdzv_endpoint = 'host:port' (the first "
+                f"node's c10d rendezvous), got {self.rdzv_endpoint!r}"
+            )
         per_node = self.gpus or self.ranks  # 0: the world is torchrun's, known at start (parallel.shard_layout)
         if self.parallel == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
-            raise ValueError(f"trainer.parallel = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
-                             f"shard groups of trainer.shard_ranks = {self.shard_ranks}")
-        if self.lora.rank and self.lora.publish == "merged" and self.parallel != "ddp" and \
-                (self.gpus or self.ranks or self.nodes) > 1:
-            raise ValueError(f"trainer.lora.publish = 'merged' with trainer.parallel = '{self.parallel}' is not "
-                             "supported (the merge needs the whole weights on one rank): publish = 'adapter'")
+            raise ValueError(
+                f"trainer.parallel = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
+                f"shard groups of trainer.shard_ranks = {self.shard_ranks}"
+            )
+        if (
+            self.lora.rank
+            and self.lora.publish == "merged"
+            and self.parallel != "ddp"
+            and (self.gpus or self.ranks or self.nodes) > 1
+        ):
+            raise ValueError(
+                f"trainer.lora.publish = 'merged' with trainer.parallel = '{self.parallel}' is not "
+                "supported (the merge needs the whole weights on one rank): publish = 'adapter'"
+            )
         if self.weightsync_address and self.signing_key_file is None and not self.unsigned_weights:
-            raise ValueError("the trainer signs every version it publishes: set signing_key_file (`steadyrl keys "
-                             "DIR` makes a pair), or unsigned_weights = true")
+            raise ValueError(
+                "the trainer signs every version it publishes: set signing_key_file (`steadyrl keys "
+                "DIR` makes a pair), or unsigned_weights = true"
+            )
         if self.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
         return self
 
     def step_config(self, replay: str, clip: bool) -> StepConfig:
-        return StepConfig(loss=replace(self.loss, clip=clip), advantage=self.advantage,
-                          mini_batches=self.mini_batches, replay=replay, bypass=self.bypass, grad_clip=self.grad_clip)
+        return StepConfig(
+            loss=replace(self.loss, clip=clip),
+            advantage=self.advantage,
+            mini_batches=self.mini_batches,
+            replay=replay,
+            bypass=self.bypass,
+            grad_clip=self.grad_clip,
+        )
 
 
 def _endpoint(text: str) -> bool:

@@ -55,8 +55,15 @@ class GroupBuffer:
     def held(self) -> int:
         return sum(len(g) for g in self.groups.values())
 
-    def accept(self, entry: bytes, fields: dict[bytes, bytes] | None, stamps: dict[str, str | None],
-               version: int, trained: set[str], dropped: set[str] | frozenset[str] = frozenset()) -> Verdict:
+    def accept(
+        self,
+        entry: bytes,
+        fields: dict[bytes, bytes] | None,
+        stamps: dict[str, str | None],
+        version: int,
+        trained: set[str],
+        dropped: set[str] | frozenset[str] = frozenset(),
+    ) -> Verdict:
         """The verdict on one stream entry. `stamps`: task id → the lease that completed it;
         `version`: the newest policy version (later ones are from the future); `trained`: rollout
         ids already in a checkpoint; `dropped`: rollout ids dropped as stale (final like a trained
@@ -76,11 +83,17 @@ class GroupBuffer:
             return Verdict("dead", "eval_rollout", "evaluation rollouts are never trained", rollout)
         task, lease = _text(fields.get(b"task")), _text(fields.get(b"lease"))
         if not lease or stamps.get(task) != lease:
-            return Verdict("dead", "no_lease", f"entry for task {task!r} was not published by the lease that "
-                                               f"completed it ({lease!r} vs {stamps.get(task)!r})", rollout)
+            return Verdict(
+                "dead",
+                "no_lease",
+                f"entry for task {task!r} was not published by the lease that "
+                f"completed it ({lease!r} vs {stamps.get(task)!r})",
+                rollout,
+            )
         if rollout.task_id != task:
-            return Verdict("dead", "task_mismatch", f"rollout of task {rollout.task_id!r} under the lease of {task!r}",
-                           rollout)
+            return Verdict(
+                "dead", "task_mismatch", f"rollout of task {rollout.task_id!r} under the lease of {task!r}", rollout
+            )
         if rollout.rollout_id in trained:  # whatever this copy holds, the rollout is trained already
             return Verdict("trained", rollout=rollout)
         if rollout.rollout_id in dropped:
@@ -131,8 +144,11 @@ class GroupBuffer:
 
     def drop_stale(self, oldest_allowed: int) -> list[list[Held]]:
         """Remove and return the groups holding a token older than `oldest_allowed`."""
-        stale = [gid for gid, members in self.groups.items()
-                 if min(m.rollout.min_version for m in members.values()) < oldest_allowed]
+        stale = [
+            gid
+            for gid, members in self.groups.items()
+            if min(m.rollout.min_version for m in members.values()) < oldest_allowed
+        ]
         return [list(self.groups.pop(gid).values()) for gid in stale]
 
 

@@ -17,8 +17,10 @@ log = logging.getLogger("steadyrl.trainer")
 DROPPED = Counter("steadyrl_trainer_rollouts_dropped_stale_total", "Rollouts dropped for staleness")
 DEAD = Counter("steadyrl_trainer_rollouts_dead_lettered_total", "Rollouts sent to the dead-letter stream", ["reason"])
 DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
-RESTORED = Counter("steadyrl_trainer_ledger_restored_total",
-                   "Ledger entries written again after Redis came back without them (a lost AOF window)")
+RESTORED = Counter(
+    "steadyrl_trainer_ledger_restored_total",
+    "Ledger entries written again after Redis came back without them (a lost AOF window)",
+)
 
 
 class Intake:
@@ -33,8 +35,7 @@ class Intake:
         """Give every entry its verdict and settle what is not held."""
         stamps = await self.source.stamps(entries)
         for entry, fields in entries:
-            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed,
-                                         self.dropped)
+            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed, self.dropped)
             if verdict.kind == "dead":
                 await self.dead_letter(entry, (fields or {}).get(b"r", b""), verdict)
             elif verdict.kind in ("trained", "duplicate"):
@@ -61,8 +62,9 @@ class Intake:
         self._dead(entry, verdict.code, verdict.message)
         for held in verdict.released:  # the rest of a poisoned group
             message = f"group {verdict.group} poisoned by {verdict.code}: {verdict.message}"
-            await self.source.dead_letter(held.entry, "group_poisoned", message, encode_rollout(held.rollout),
-                                          verdict.group)
+            await self.source.dead_letter(
+                held.entry, "group_poisoned", message, encode_rollout(held.rollout), verdict.group
+            )
             self._dead(held.entry, "group_poisoned", message)
 
     def _dead(self, entry: bytes, code: str, message: str) -> None:

@@ -46,14 +46,19 @@ def prepare(model: torch.nn.Module, settings: TrainerSettings, device: torch.dev
     if settings.parallel in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if wants_bf16(settings, device) else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if wants_bf16(settings, device)
+            else MixedPrecisionPolicy()
+        )
         mesh = device_mesh(settings, device, world)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
 
 
 def shard_layout(parallel: str, world: int, shard_ranks: int, local_world: int) -> tuple[int, int]:
@@ -62,8 +67,10 @@ def shard_layout(parallel: str, world: int, shard_ranks: int, local_world: int) 
         return 1, world
     shard = shard_ranks or local_world
     if shard < 1 or world % shard:
-        raise ValueError(f"trainer.parallel = 'hsdp': the world ({world} ranks) is not a whole number of shard "
-                         f"groups of {shard} ranks (trainer.shard_ranks, 0 = the ranks of one node)")
+        raise ValueError(
+            f"trainer.parallel = 'hsdp': the world ({world} ranks) is not a whole number of shard "
+            f"groups of {shard} ranks (trainer.shard_ranks, 0 = the ranks of one node)"
+        )
     return world // shard, shard
 
 
@@ -73,8 +80,9 @@ def device_mesh(settings: TrainerSettings, device: torch.device, world: int):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    replicas, shard = shard_layout(settings.parallel, world, settings.shard_ranks,
-                                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    replicas, shard = shard_layout(
+        settings.parallel, world, settings.shard_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    )
     if settings.parallel != "hsdp":
         return init_device_mesh(device.type, (world,))
     return init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
@@ -90,7 +98,9 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+def load_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+) -> None:
     """Load a full state: sharded models receive it from rank 0 (the others pass empty dicts)."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_sharded(model))
     set_model_state_dict(model, model_state, options=options)
@@ -116,8 +126,9 @@ class GatheredView(CastView):
 
     device = torch.device("cpu")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, start_pass: Callable[[], None],
-                 adapter=None) -> None:
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, start_pass: Callable[[], None], adapter=None
+    ) -> None:
         super().__init__(tensors, dtype, adapter)
         self.start_pass = start_pass
         self.names = list(self.tensors)

@@ -47,8 +47,12 @@ class VersionPublisher:
             from shared.weightsync.grpc import latest_version
 
             try:
-                newest = max(newest, await asyncio.wait_for(latest_version(self.settings.weightsync_address),
-                                                            self.settings.publish_timeout_seconds))
+                newest = max(
+                    newest,
+                    await asyncio.wait_for(
+                        latest_version(self.settings.weightsync_address), self.settings.publish_timeout_seconds
+                    ),
+                )
             except (TimeoutError, grpc.aio.AioRpcError) as exc:
                 log.warning("event=weightsync_latest_unknown error=%s", type(exc).__name__)
         return newest
@@ -76,8 +80,12 @@ class VersionPublisher:
         lost with a crash; their numbers are never reused)."""
         published = await self.newest_published()
         if published > version:
-            log.warning("event=version_continues checkpoint_version=%d published=%d version=%d", version, published,
-                        published + 1)
+            log.warning(
+                "event=version_continues checkpoint_version=%d published=%d version=%d",
+                version,
+                published,
+                published + 1,
+            )
             version = published + 1
         self.published = min(published, version) if self.enabled else version
         return version
@@ -94,14 +102,19 @@ class VersionPublisher:
 
             s = self.settings
             signer = Signer.from_file(s.signing_key_file, s.run_id) if s.signing_key_file else None
-            self.client = make_publisher(s.weight_transport, s.weightsync_address, signer, s.max_message_bytes,
-                                         s.shm_dir / s.run_id, s.shm_keep)
+            self.client = make_publisher(
+                s.weight_transport, s.weightsync_address, signer, s.max_message_bytes, s.shm_dir / s.run_id, s.shm_keep
+            )
         try:
             await self.client.push(weights, version, self.published, timeout=self.settings.publish_timeout_seconds)
         except grpc.aio.AioRpcError as exc:
             PUBLISH_FAILURES.labels(exc.code().name).inc()
-            log.warning("event=publish_failed version=%d code=%s detail=%s", version, exc.code().name,
-                        (exc.details() or "")[:300])
+            log.warning(
+                "event=publish_failed version=%d code=%s detail=%s",
+                version,
+                exc.code().name,
+                (exc.details() or "")[:300],
+            )
             return False
         finally:
             finish = getattr(weights, "finish", None)  # a sharded model's gather left half-way: the ranks complete it

@@ -18,13 +18,20 @@ STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
 VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")
 TRAINED = Counter("steadyrl_trainer_rollouts_trained_total", "Rollouts trained")
 LAST_STEP = Gauge("steadyrl_trainer_last_step_unix_seconds", "When the last global step finished")
-STEP_SECONDS = Histogram("steadyrl_trainer_step_seconds", "Seconds per global step",
-                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+STEP_SECONDS = Histogram(
+    "steadyrl_trainer_step_seconds",
+    "Seconds per global step",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
 LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
-MAX_STALENESS = Gauge("steadyrl_trainer_max_staleness",
-                      "The run's max_staleness: SteadyrlStalenessOverBudget fires when staleness_max exceeds it")
-STALL_AFTER = Gauge("steadyrl_trainer_stall_alert_seconds",
-                    "Seconds without a finished step after which SteadyrlTrainerStalled fires (trainer.stall_alert_seconds)")
+MAX_STALENESS = Gauge(
+    "steadyrl_trainer_max_staleness",
+    "The run's max_staleness: SteadyrlStalenessOverBudget fires when staleness_max exceeds it",
+)
+STALL_AFTER = Gauge(
+    "steadyrl_trainer_stall_alert_seconds",
+    "Seconds without a finished step after which SteadyrlTrainerStalled fires (trainer.stall_alert_seconds)",
+)
 
 
 def reward_metrics(rollouts) -> dict[str, float]:
@@ -43,25 +50,35 @@ def trajectory_metrics(rollouts) -> dict[str, float]:
     if not multi:
         return {}
     model = sum(int(r.model_tokens.sum()) for r in multi)
-    out = {"turns_mean": sum(r.turns for r in multi) / len(multi),
-           "turn_tokens_mean": model / sum(r.turns for r in multi),
-           "env_tokens_fraction": 1 - model / sum(len(r.completion_token_ids) for r in multi),
-           "trajectories_done": sum(r.finish_reason == "done" for r in multi) / len(multi)}
+    out = {
+        "turns_mean": sum(r.turns for r in multi) / len(multi),
+        "turn_tokens_mean": model / sum(r.turns for r in multi),
+        "env_tokens_fraction": 1 - model / sum(len(r.completion_token_ids) for r in multi),
+        "trajectories_done": sum(r.finish_reason == "done" for r in multi) / len(multi),
+    }
     for key in sorted({k for r in multi for k in r.env_metrics}):
         out[f"env_{key}"] = sum(r.env_metrics.get(key, 0.0) for r in multi) / len(multi)
     return out
 
 
 class StepLog:
-    def __init__(self, out_dir: Path, tensorboard: bool = True, stall_alert_seconds: float = 600.0,
-                 tracking: TrackingSettings | None = None, run_id: str = "", config: dict | None = None,
-                 max_staleness: int = 1) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        tensorboard: bool = True,
+        stall_alert_seconds: float = 600.0,
+        tracking: TrackingSettings | None = None,
+        run_id: str = "",
+        config: dict | None = None,
+        max_staleness: int = 1,
+    ) -> None:
         self.out_dir = out_dir
         LAST_STEP.set(time.time())  # the process start counts as progress: no stall alert before a first step
         STALL_AFTER.set(stall_alert_seconds)
         MAX_STALENESS.set(max_staleness)
-        self.scalars = ScalarLog(out_dir / "tensorboard" if tensorboard else None, tracking, run_id, "trainer",
-                                 out_dir, config)
+        self.scalars = ScalarLog(
+            out_dir / "tensorboard" if tensorboard else None, tracking, run_id, "trainer", out_dir, config
+        )
 
     @property
     def path(self) -> Path:
@@ -89,8 +106,12 @@ class StepLog:
         """The step's line (written and closed before this returns), its scalars and gauges."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            f.write(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
-                               | {"recipe": recipe}) + "\n")
+            f.write(
+                json.dumps(
+                    {k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()} | {"recipe": recipe}
+                )
+                + "\n"
+            )
         self.scalars.add(int(metrics["step"]), metrics)
         STEPS.inc()
         TRAINED.inc(rollouts)

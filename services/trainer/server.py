@@ -24,7 +24,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         step, version, trained = t.reported
         return pb.TrainerStatus(
             version=common_pb2.PolicyVersion(version=version, parent_version=max(version - 1, 0)),
-            step=step, paused=t.paused, recipe=t.runner.recipe,
+            step=step,
+            paused=t.paused,
+            recipe=t.runner.recipe,
             rollouts_trained=trained,
             rollouts_dropped_stale=t.state.counters.get("dropped_stale", 0),
             rollouts_dead_lettered=t.state.counters.get("dead_lettered", 0),
@@ -47,7 +49,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self._status()
 
 
-async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    settings: TrainerSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
     stop = stop or asyncio.Event()
     redis = settings.redis()
     with loading("trainer", settings.metrics_port, settings.host, settings.run_id):
@@ -58,10 +62,19 @@ async def serve(settings: TrainerSettings, ready: asyncio.Event | None = None, s
         await redis.aclose()
         return
     try:
-        async with grpc_service("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
-                                ["steadyrl.v1.Trainer"], settings.host, settings.port, settings.max_message_bytes,
-                                settings.metrics_port, ready, run=settings.run_id, step=trainer.state.step,
-                                version=trainer.state.version) as serving:
+        async with grpc_service(
+            "trainer",
+            [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer))],
+            ["steadyrl.v1.Trainer"],
+            settings.host,
+            settings.port,
+            settings.max_message_bytes,
+            settings.metrics_port,
+            ready,
+            run=settings.run_id,
+            step=trainer.state.step,
+            version=trainer.state.version,
+        ) as serving:
             await run_loops({"trainer": trainer.run(stop)}, stop, serving.health, finishing=frozenset({"trainer"}))
     finally:
         if trainer.unacked:  # a clean stop keeps every trained step: checkpoint, then acknowledge

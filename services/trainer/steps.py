@@ -92,8 +92,9 @@ class PendingSave:
             return self.placed
 
 
-def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: bool,
-                  is_moe: bool) -> tuple[StepConfig, str, str]:
+def choose_recipe(
+    settings: TrainerSettings, staleness_max: int, has_traces: bool, is_moe: bool
+) -> tuple[StepConfig, str, str]:
     """The step's settings from the recipe: (config, name, why). Pure."""
     s = settings
     if s.recipe == "auto":
@@ -104,8 +105,9 @@ def choose_recipe(settings: TrainerSettings, staleness_max: int, has_traces: boo
         replay, clip, why = s.routing_replay, s.loss.clip, "manual"
     if s.bypass and replay == "r2":
         replay, why = "off", why + " (bypass: no recompute to replay, R2 off)"
-    name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + \
-        (f"+{replay}" if replay != "off" else "")
+    name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
+        f"+{replay}" if replay != "off" else ""
+    )
     return s.step_config(replay, clip), name, why
 
 
@@ -118,12 +120,17 @@ class StepRunner:
         self.rank, self.world = init_from_env(self.device, s.collective_timeout_seconds)
         self.model = load_causal_lm(s.model_path, "float32")
         if s.lora.rank:  # the adapter trains, the base (router included) stays frozen
-            self.model = apply_lora(self.model, s.lora.rank, s.lora.alpha, s.lora.dropout, s.lora.target_modules,
-                                    s.lora.target_experts)
+            self.model = apply_lora(
+                self.model, s.lora.rank, s.lora.alpha, s.lora.dropout, s.lora.target_modules, s.lora.target_experts
+            )
         self.routing = RoutingController(self.model)
         self.parallel = prepare(self.model, s, self.device, self.world)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=s.lr,
-                                           betas=s.adam_betas, weight_decay=s.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=s.lr,
+            betas=s.adam_betas,
+            weight_decay=s.weight_decay,
+        )
         bf16 = wants_bf16(s, self.device)
         sharded = s.parallel in ("fsdp", "hsdp") and self.world > 1
         self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
@@ -133,20 +140,33 @@ class StepRunner:
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         context = int(getattr(config, "max_position_embeddings", 0) or 0) or RolloutLimits.max_total_tokens
         self.limits = RolloutLimits(
-            max_encoded_bytes=s.max_rollout_bytes, max_total_tokens=context, vocab_size=int(config.vocab_size),
-            num_layers=self.routing.num_layers or None, top_k=self.routing.top_k or None,
+            max_encoded_bytes=s.max_rollout_bytes,
+            max_total_tokens=context,
+            vocab_size=int(config.vocab_size),
+            num_layers=self.routing.num_layers or None,
+            top_k=self.routing.top_k or None,
             num_experts=self.routing.num_experts or None,
         )
         self.recipe = ""
         self.checkpoints = s.out_dir / "checkpoints"
         # async saves collect over a group of their own (a CPU one, as DCP asks), off the step's
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(
-            seconds=s.collective_timeout_seconds)) if self.world > 1 else None
+        self.checkpoint_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=s.collective_timeout_seconds))
+            if self.world > 1
+            else None
+        )
         self.saving: PendingSave | None = None  # the ranks > 0's save under way
-        log.info("event=trainer_layout rank=%d world=%d device=%s precision=%s parallel=%s micro_batch_tokens=%d "
-                 "activation_checkpointing=%s", self.rank, self.world, self.device, "bf16-mixed" if bf16 else "fp32",
-                 s.parallel if self.world > 1 else "single", s.micro_batch_tokens,
-                 s.activation_checkpointing)
+        log.info(
+            "event=trainer_layout rank=%d world=%d device=%s precision=%s parallel=%s micro_batch_tokens=%d "
+            "activation_checkpointing=%s",
+            self.rank,
+            self.world,
+            self.device,
+            "bf16-mixed" if bf16 else "fp32",
+            s.parallel if self.world > 1 else "single",
+            s.micro_batch_tokens,
+            s.activation_checkpointing,
+        )
 
     def restore(self) -> TrainerState:
         """The newest checkpoint into the model and optimizer (every rank calls this)."""
@@ -159,8 +179,13 @@ class StepRunner:
             reader = self.rank == 0 or not self.sharded
             model_state, optimizer_state, state = load_checkpoint(found) if reader else ({}, {}, TrainerState())
             load_state(self.model, self.optimizer, model_state, optimizer_state)
-        log.info("event=resumed checkpoint=%s step=%d version=%d consumed=%d", found.name, state.step, state.version,
-                 len(state.consumed))
+        log.info(
+            "event=resumed checkpoint=%s step=%d version=%d consumed=%d",
+            found.name,
+            state.step,
+            state.version,
+            len(state.consumed),
+        )
         return state
 
     def save(self, state: TrainerState) -> PendingSave:
@@ -169,14 +194,16 @@ class StepRunner:
         attempt = uuid.uuid4().hex[:12]
         if self.world > 1:
             broadcast_payloads([f"{state.step}:{attempt}".encode()], SAVE)
-        return self._save(state.step, attempt, TrainerState(state.step, state.version, set(state.consumed),
-                                                            dict(state.counters)))
+        return self._save(
+            state.step, attempt, TrainerState(state.step, state.version, set(state.consumed), dict(state.counters))
+        )
 
     def _save(self, step: int, attempt: str, state: TrainerState | None) -> PendingSave:
         flat, param_groups = flat_state(self.model, self.optimizer)
         directory = staging_dir(self.checkpoints, step, attempt)
-        future = start_save(directory, flat, self.checkpoint_group, self.settings.async_checkpoint,
-                            self.settings.checkpoint_file_bytes)
+        future = start_save(
+            directory, flat, self.checkpoint_group, self.settings.async_checkpoint, self.settings.checkpoint_file_bytes
+        )
         if self.settings.lora.rank and self.rank == 0:  # the adapter's shape, as peft writes it
             self.model.peft_config[ADAPTER].save_pretrained(str(directory))
         return PendingSave(directory, state, param_groups, self.settings.keep_checkpoints, future)
@@ -186,8 +213,11 @@ class StepRunner:
         view of the model, or of a sharded one gathered tensor by tensor as the transport reads it
         (the other ranks gather with it). Call with no step running."""
         lora = self.settings.lora
-        info = AdapterInfo(base_digest=base_digest(self.settings.model_path), config_json=adapter_config_json(
-            self.model)) if lora.rank and lora.publish == "adapter" else None  # the adapter alone
+        info = (
+            AdapterInfo(base_digest=base_digest(self.settings.model_path), config_json=adapter_config_json(self.model))
+            if lora.rank and lora.publish == "adapter"
+            else None
+        )  # the adapter alone
         if lora.rank and info is None:  # the base with the adapter merged in, under the base's names
             return CastView(merged_state(self.model), self.publish_dtype)
         if not self.sharded:
@@ -207,15 +237,25 @@ class StepRunner:
     def _step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         bind_torch_threads(self.settings.torch_threads)  # steps run on executor threads
         batch = collate(rollouts, self.pad_token_id)
-        staleness_max = int((version - batch.versions[batch.loss_mask]).clamp(min=0).max()) \
-            if batch.loss_mask.any() else 0
-        config, recipe, why = choose_recipe(self.settings, staleness_max, batch.trace is not None,
-                                            self.routing.is_moe)
+        staleness_max = (
+            int((version - batch.versions[batch.loss_mask]).clamp(min=0).max()) if batch.loss_mask.any() else 0
+        )
+        config, recipe, why = choose_recipe(self.settings, staleness_max, batch.trace is not None, self.routing.is_moe)
         if recipe != self.recipe:
             log.info("event=recipe recipe=%s why=%s", recipe, why)
             self.recipe = recipe
-        metrics = train_step(self.parallel, self.optimizer, self.routing, batch, self.settings.group_size, config,
-                             version, self.rank, self.world, self.compute)
+        metrics = train_step(
+            self.parallel,
+            self.optimizer,
+            self.routing,
+            batch,
+            self.settings.group_size,
+            config,
+            version,
+            self.rank,
+            self.world,
+            self.compute,
+        )
         return metrics
 
     def follow(self) -> int:

@@ -58,8 +58,14 @@ return 1
 class RedisRolloutSource(RolloutSource):
     """The run's rollout stream read through the trainer's consumer group."""
 
-    def __init__(self, redis: Redis, run_id: str, consumer: str, dead_maxlen: int = 10_000,
-                 dead_payload_bytes: int = DEAD_PAYLOAD_BYTES) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        run_id: str,
+        consumer: str,
+        dead_maxlen: int = 10_000,
+        dead_payload_bytes: int = DEAD_PAYLOAD_BYTES,
+    ) -> None:
         self.redis, self.consumer = redis, consumer
         self.keys = RunKeys(run_id)
         self.dead_maxlen, self.dead_payload_bytes = dead_maxlen, dead_payload_bytes
@@ -75,8 +81,9 @@ class RedisRolloutSource(RolloutSource):
                 raise
 
     async def read(self, block_ms: int, count: int = 512) -> list:
-        reply = await self.redis.xreadgroup(GROUP, self.consumer, {self.keys.rollouts: ">"}, count=count,
-                                            block=block_ms)
+        reply = await self.redis.xreadgroup(
+            GROUP, self.consumer, {self.keys.rollouts: ">"}, count=count, block=block_ms
+        )
         return reply[0][1] if reply else []
 
     async def claim(self, start: bytes | str = "0-0", count: int = 512) -> tuple[bytes | str, list]:
@@ -116,7 +123,8 @@ class RedisRolloutSource(RolloutSource):
         payload = payload[: self.dead_payload_bytes]
         await self._dead_letter(
             keys=[self.keys.rollouts, self.keys.rollouts_dead, self.keys.rollouts_dead_counts, self.keys.trained_dead],
-            args=[GROUP, entry, reason, message[:1000], payload, self.dead_maxlen, group])
+            args=[GROUP, entry, reason, message[:1000], payload, self.dead_maxlen, group],
+        )
 
     async def dead_groups(self) -> set[str]:
         return {x.decode() for x in await self.redis.smembers(self.keys.trained_dead)}

@@ -51,8 +51,15 @@ class Trainer:
         self.checkpointed: list[tuple[bytes, str]] = []  # in the LATEST checkpoint, not yet acknowledged
         self.redis_id, self.checked_redis, self.resync = "", 0.0, False
         self.paused, self.last_metrics = False, {}
-        self.steplog = StepLog(settings.out_dir, settings.tensorboard, settings.stall_alert_seconds, settings.tracking,
-                               settings.run_id, settings.model_dump(mode="json"), settings.max_staleness)
+        self.steplog = StepLog(
+            settings.out_dir,
+            settings.tensorboard,
+            settings.stall_alert_seconds,
+            settings.tracking,
+            settings.run_id,
+            settings.model_dump(mode="json"),
+            settings.max_staleness,
+        )
         if self.runner.rank == 0:  # the rank that writes the lines (the others follow its commands)
             self.steplog.resume(self.state.step)
         self.reported = self.progress()
@@ -107,8 +114,13 @@ class Trainer:
         else:
             return
         self.reported = self.progress()
-        log.info("event=trainer_ready step=%d version=%d claimed=%d recipe=%s", self.state.step, self.state.version,
-                 claimed, self.settings.recipe)
+        log.info(
+            "event=trainer_ready step=%d version=%d claimed=%d recipe=%s",
+            self.state.step,
+            self.state.version,
+            claimed,
+            self.settings.recipe,
+        )
 
     async def keep_in_sync(self) -> None:
         """Redis restarts and lost replies, a cut-off acknowledgement, an unpublished version."""
@@ -133,8 +145,9 @@ class Trainer:
             async with self.model_lock:
                 await self.publish()
         if time.monotonic() - self.last_step > 30:
-            log.info("event=waiting_for_rollouts held=%d complete_groups=%d", self.buffer.held,
-                     len(self.buffer.complete()))
+            log.info(
+                "event=waiting_for_rollouts held=%d complete_groups=%d", self.buffer.held, len(self.buffer.complete())
+            )
             self.last_step = time.monotonic()
 
     async def step(self, group_ids: list[str]) -> dict[str, float]:
@@ -164,10 +177,15 @@ class Trainer:
             self.state.consumed.update(r.rollout_id for r in rollouts)
             self.unacked.extend((m.entry, m.rollout.rollout_id) for group in groups for m in group)
             seconds = time.perf_counter() - started
-            metrics.update(step=self.state.step, version=self.state.version, step_seconds=seconds,
-                           tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
-                           dropped_stale=self.state.counters.get("dropped_stale", 0), **reward_metrics(rollouts),
-                           **trajectory_metrics(rollouts))
+            metrics.update(
+                step=self.state.step,
+                version=self.state.version,
+                step_seconds=seconds,
+                tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
+                dropped_stale=self.state.counters.get("dropped_stale", 0),
+                **reward_metrics(rollouts),
+                **trajectory_metrics(rollouts),
+            )
             # the step's line before the checkpoint that acknowledges its rollouts: a step that
             # survives has its line (one the crash takes back is cut on resume: StepLog.resume)
             self.steplog.record(metrics, len(rollouts), self.runner.recipe)
@@ -176,9 +194,15 @@ class Trainer:
                 await self.save(wait=self.done)
             await self.publish()
         self.last_step = time.monotonic()
-        log.info("event=step step=%d version=%d reward=%.3f kl_k3=%.2e step_seconds=%.2f seconds=%.2f",
-                 metrics["step"], metrics["version"], metrics["reward_mean"], metrics["mismatch_kl_k3"],
-                 metrics["step_seconds"], time.perf_counter() - started)
+        log.info(
+            "event=step step=%d version=%d reward=%.3f kl_k3=%.2e step_seconds=%.2f seconds=%.2f",
+            metrics["step"],
+            metrics["version"],
+            metrics["reward_mean"],
+            metrics["mismatch_kl_k3"],
+            metrics["step_seconds"],
+            time.perf_counter() - started,
+        )
         return metrics
 
     async def save(self, wait: bool = False) -> Path | None:

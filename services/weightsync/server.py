@@ -83,8 +83,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                     try:
                         self._verify(manifest)
                     except WeightError as exc:
-                        await self._fail(context, "push", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc),
-                                         request_iterator)
+                        await self._fail(
+                            context, "push", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc), request_iterator
+                        )
                     latest = self.store.latest
                     if latest is not None and manifest.version <= latest.manifest.version:
                         held = self.store.versions.get(manifest.version)
@@ -93,8 +94,12 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                             log.info("event=push_repeated version=%d", manifest.version)
                             return pb.PushReply(version=held.info().version)
                         await self._fail(
-                            context, "push", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
-                            f"version {manifest.version} is not newer than {latest.manifest.version}", request_iterator,
+                            context,
+                            "push",
+                            "stale_version",
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"version {manifest.version} is not newer than {latest.manifest.version}",
+                            request_iterator,
                         )
                     await asyncio.to_thread(self.store.make_room)  # spill before the new bytes arrive
                     assembler = Assembler([t.nbytes for t in manifest.tensors])
@@ -111,14 +116,21 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             await self._fail(context, "push", "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc), request_iterator)
         except asyncio.CancelledError:
             FAILURES.labels("push", "cancelled").inc()
-            log.warning("event=push_failed reason=cancelled version=%s bytes=%d", manifest and manifest.version, received)
+            log.warning(
+                "event=push_failed reason=cancelled version=%s bytes=%d", manifest and manifest.version, received
+            )
             raise
         BYTES_PUSHED.inc(received)
         self.store.add(manifest, payloads)
         self._stored(manifest, skip=frozenset())
         PUSH_SECONDS.observe(time.perf_counter() - started)
-        log.info("event=version_published version=%d kind=%s bytes=%d tensors=%d", manifest.version, kind(manifest),
-                 received, len(manifest.tensors))
+        log.info(
+            "event=version_published version=%d kind=%s bytes=%d tensors=%d",
+            manifest.version,
+            kind(manifest),
+            received,
+            len(manifest.tensors),
+        )
         return pb.PushReply(version=self.store.versions[manifest.version].info().version, bytes_received=received)
 
     def _verify(self, manifest: pb.WeightManifest) -> None:
@@ -136,18 +148,25 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         info = self.store.versions[manifest.version].info()
         for subscriber in self.members.subscribers.values():
             if subscriber.id not in skip:
-                subscriber.queue.put_nowait(pb.VersionAnnouncement(
-                    version=info.version, total_bytes=info.total_bytes, transport=pb.Transport(kind=GRPC)))
+                subscriber.queue.put_nowait(
+                    pb.VersionAnnouncement(
+                        version=info.version, total_bytes=info.total_bytes, transport=pb.Transport(kind=GRPC)
+                    )
+                )
 
     async def Watch(self, request, context):
-        subscriber = self.members.add(Subscriber(request.subscriber_id or f"anonymous-{id(context)}",
-                                                 {GRPC, *request.transports}, request.host))
+        subscriber = self.members.add(
+            Subscriber(request.subscriber_id or f"anonymous-{id(context)}", {GRPC, *request.transports}, request.host)
+        )
         SUBSCRIBERS.set(len(self.members.subscribers))
         latest = self.store.latest
         if latest is not None and latest.manifest.version > request.after_version:
             info = latest.info()
-            subscriber.queue.put_nowait(pb.VersionAnnouncement(version=info.version, total_bytes=info.total_bytes,
-                                                               transport=pb.Transport(kind=GRPC)))
+            subscriber.queue.put_nowait(
+                pb.VersionAnnouncement(
+                    version=info.version, total_bytes=info.total_bytes, transport=pb.Transport(kind=GRPC)
+                )
+            )
         seen = request.after_version
         try:
             while True:
@@ -172,19 +191,34 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             await self._fail(context, "announce", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         await self.transfers.settled()  # the previous collective, bounded by its timeout
         if manifest.version <= self._latest_version():
-            await self._fail(context, "announce", "stale_version", grpc.StatusCode.FAILED_PRECONDITION,
-                             f"version {manifest.version} is not newer than {self._latest_version()}")
+            await self._fail(
+                context,
+                "announce",
+                "stale_version",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version {manifest.version} is not newer than {self._latest_version()}",
+            )
         ANNOUNCED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
         if kind == SHM:
             path = self.transfers.shm_path(request.transport.shm_path)
             if path is None:
-                await self._fail(context, "announce", "shm_path", grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"{request.transport.shm_path} is not a file under {self.settings.shm_dir} on this host")
+                await self._fail(
+                    context,
+                    "announce",
+                    "shm_path",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{request.transport.shm_path} is not a file under {self.settings.shm_dir} on this host",
+                )
             return self.transfers.announce_shm(manifest, path)
         if kind == COLLECTIVE:
             return self.transfers.announce_collective(manifest, request.transport)
-        await self._fail(context, "announce", "transport", grpc.StatusCode.INVALID_ARGUMENT,
-                         "announce carries SHM or COLLECTIVE versions; gRPC versions are pushed")
+        await self._fail(
+            context,
+            "announce",
+            "transport",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "announce carries SHM or COLLECTIVE versions; gRPC versions are pushed",
+        )
 
     async def Report(self, request, context):
         """How a collective went for the trainer or a member: a failure ends the epoch."""
@@ -200,8 +234,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
 
     async def RendezvousWait(self, request, context):
         try:
-            value = await self.transfers.rendezvous.wait_async(request.epoch, request.rendezvous, request.key,
-                                                               request.timeout_seconds)
+            value = await self.transfers.rendezvous.wait_async(
+                request.epoch, request.rendezvous, request.key, request.timeout_seconds
+            )
         except RendezvousError as exc:
             await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except TimeoutError as exc:
@@ -210,8 +245,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
 
     async def RendezvousAdd(self, request, context):
         try:
-            total = self.transfers.rendezvous.add(request.epoch, request.rendezvous, request.key,
-                                                  int(request.value or b"0"))
+            total = self.transfers.rendezvous.add(
+                request.epoch, request.rendezvous, request.key, int(request.value or b"0")
+            )
         except (RendezvousError, ValueError) as exc:
             await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return pb.RendezvousValue(value=str(total).encode())
@@ -229,11 +265,15 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             base = self.store.payloads(base_version) if base_version else None
         except (OSError, WeightError) as exc:  # a shared-memory file gone or changed since it was announced
             await self._fail(context, "pull", "data_loss", grpc.StatusCode.DATA_LOSS, f"version {version}: {exc}")
-        base_specs = {s.name: (i, s) for i, s in enumerate(self.store.versions[base_version].manifest.tensors)} if base else {}
+        base_specs = (
+            {s.name: (i, s) for i, s in enumerate(self.store.versions[base_version].manifest.tensors)} if base else {}
+        )
         encoded = []
         for spec, data in zip(target.manifest.tensors, payloads, strict=True):
             index, base_spec = base_specs.get(spec.name, (None, None))
-            same_layout = base_spec is not None and base_spec.dtype == spec.dtype and list(base_spec.shape) == list(spec.shape)
+            same_layout = (
+                base_spec is not None and base_spec.dtype == spec.dtype and list(base_spec.shape) == list(spec.shape)
+            )
             base_data = base[index] if same_layout else None
             encoded.append(encode_delta(data, base_data, same_layout and base_spec.checksum == spec.checksum))
         header = pb.PullHeader(
@@ -245,8 +285,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         yield pb.PullResponse(header=header)
         stripes, stripe = max(request.stripes, 1), request.stripe
         if stripe >= stripes:
-            await self._fail(context, "pull", "bad_stripe", grpc.StatusCode.INVALID_ARGUMENT,
-                             f"stripe {stripe} of {stripes}")
+            await self._fail(
+                context, "pull", "bad_stripe", grpc.StatusCode.INVALID_ARGUMENT, f"stripe {stripe} of {stripes}"
+            )
         sent, sequence, step = 0, 0, self.settings.chunk_bytes
         for index, (_, wire) in enumerate(encoded):
             view = memoryview(wire)
@@ -292,11 +333,22 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
     weightsync_pb2_grpc.add_WeightSyncServicer_to_server(servicer, _PreEncodedPull(server))
 
 
-async def serve(settings: WeightSyncSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    settings: WeightSyncSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
     """Run until `stop` is set (or forever)."""
     servicer = WeightSyncServicer(settings)
     stop = stop or asyncio.Event()
-    async with grpc_service("weightsync", [(add_servicer, servicer)], ["steadyrl.v1.WeightSync"], settings.host,
-                            settings.port, settings.max_message_bytes, settings.metrics_port, ready,
-                            run=settings.run_id, signed=servicer.verifier is not None) as serving:
+    async with grpc_service(
+        "weightsync",
+        [(add_servicer, servicer)],
+        ["steadyrl.v1.WeightSync"],
+        settings.host,
+        settings.port,
+        settings.max_message_bytes,
+        settings.metrics_port,
+        ready,
+        run=settings.run_id,
+        signed=servicer.verifier is not None,
+    ) as serving:
         await run_loops({}, stop, serving.health)

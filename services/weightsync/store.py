@@ -40,7 +40,9 @@ class StoredVersion:
     def info(self) -> pb.VersionInfo:
         m = self.manifest
         return pb.VersionInfo(
-            version=common_pb2.PolicyVersion(version=m.version, parent_version=m.parent_version, created_unix_ms=m.created_unix_ms),
+            version=common_pb2.PolicyVersion(
+                version=m.version, parent_version=m.parent_version, created_unix_ms=m.created_unix_ms
+            ),
             total_bytes=self.total_bytes,
             num_tensors=len(m.tensors),
             on_disk=self.payloads is None,
@@ -72,21 +74,23 @@ class VersionStore:
         """Start writing, on a thread of its own, the files of what the next arrival spills."""
         ahead = self._to_spill()
         if ahead:
-            threading.Thread(target=lambda: [self._write(stored) for stored in ahead], name="weightsync-spill",
-                             daemon=True).start()
+            threading.Thread(
+                target=lambda: [self._write(stored) for stored in ahead], name="weightsync-spill", daemon=True
+            ).start()
 
     def _next_drops(self) -> list[int]:
         """The versions the next arrival drops: beyond the newest `retain - 1`, never the newest
         (with `retain` 1 it is spilled, not let go of: a push that then fails leaves it servable)."""
-        return sorted(self.versions, reverse=True)[max(self.retain - 1, 1):]
+        return sorted(self.versions, reverse=True)[max(self.retain - 1, 1) :]
 
     def _to_spill(self) -> list[StoredVersion]:
         """What the next arrival spills: the in-memory versions beyond the newest `in_memory - 1`,
         but none it drops (a file no one would read)."""
         drops = set(self._next_drops())
-        held = sorted((v for v, stored in self.versions.items() if stored.payloads is not None and v not in drops),
-                      reverse=True)
-        return [self.versions[v] for v in held[max(self.in_memory - 1, 0):]]
+        held = sorted(
+            (v for v, stored in self.versions.items() if stored.payloads is not None and v not in drops), reverse=True
+        )
+        return [self.versions[v] for v in held[max(self.in_memory - 1, 0) :]]
 
     def make_room(self) -> None:
         """Before a version arrives: let go of the versions it drops and spill the oldest in-memory
@@ -138,11 +142,14 @@ class VersionStore:
             if stored.path is not None or payloads is None or stored.dropped:
                 return
             path = self.spill_dir / f"v{stored.manifest.version}"
-            tensors = {spec.name: bytes_to_tensor(data, spec.dtype, list(spec.shape))
-                       for spec, data in zip(stored.manifest.tensors, payloads, strict=True)}
+            tensors = {
+                spec.name: bytes_to_tensor(data, spec.dtype, list(spec.shape))
+                for spec, data in zip(stored.manifest.tensors, payloads, strict=True)
+            }
             try:
-                write_shm(path / SPILL_FILE, tensors, stored.manifest.version, stored.manifest.parent_version,
-                          digests=False)  # the manifest has them: checked when read back
+                write_shm(
+                    path / SPILL_FILE, tensors, stored.manifest.version, stored.manifest.parent_version, digests=False
+                )  # the manifest has them: checked when read back
             except OSError:
                 if not stored.dropped:  # else its directory was deleted under the write: nothing to keep
                     raise

@@ -31,8 +31,13 @@ FAILED = Counter("steadyrl_weightsync_collective_failures_total", "Collective tr
 
 
 class Transfers:
-    def __init__(self, settings: WeightSyncSettings, store: VersionStore, members: Membership,
-                 stored: Callable[[pb.WeightManifest, frozenset[str]], None]) -> None:
+    def __init__(
+        self,
+        settings: WeightSyncSettings,
+        store: VersionStore,
+        members: Membership,
+        stored: Callable[[pb.WeightManifest, frozenset[str]], None],
+    ) -> None:
         self.settings, self.store, self.members, self.stored = settings, store, members, stored
         self.host = socket.gethostname()
         self.rendezvous = Rendezvous(settings.collective_timeout_seconds)
@@ -60,29 +65,51 @@ class Transfers:
         mapped = {s.id for s in self.members.subscribers.values() if SHM in s.transports and s.host == self.host}
         for subscriber in self.members.subscribers.values():
             if subscriber.id in mapped:
-                subscriber.queue.put_nowait(pb.VersionAnnouncement(
-                    version=self.store.versions[manifest.version].info().version, manifest=manifest,
-                    transport=pb.Transport(kind=SHM, shm_path=str(path))))
+                subscriber.queue.put_nowait(
+                    pb.VersionAnnouncement(
+                        version=self.store.versions[manifest.version].info().version,
+                        manifest=manifest,
+                        transport=pb.Transport(kind=SHM, shm_path=str(path)),
+                    )
+                )
         self.stored(manifest, skip=frozenset(mapped))
-        log.info("event=version_published version=%d kind=%s transport=shm tensors=%d mapped_by=%d", manifest.version,
-                 kind(manifest), len(manifest.tensors), len(mapped))
-        return pb.AnnounceReply(version=self.store.versions[manifest.version].info().version,
-                                transport=pb.Transport(kind=SHM, shm_path=str(path)))
+        log.info(
+            "event=version_published version=%d kind=%s transport=shm tensors=%d mapped_by=%d",
+            manifest.version,
+            kind(manifest),
+            len(manifest.tensors),
+            len(mapped),
+        )
+        return pb.AnnounceReply(
+            version=self.store.versions[manifest.version].info().version,
+            transport=pb.Transport(kind=SHM, shm_path=str(path)),
+        )
 
     def announce_collective(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
         epoch = self.members.epoch_for_announce()
         nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
         first = 1 if nccl else 2
         self._start_groups()
-        transport = pb.Transport(kind=COLLECTIVE, epoch=epoch.number, world_size=first + len(epoch.members), rank=0,
-                                 rendezvous=self.rendezvous.open(epoch.number), bucket_bytes=self.settings.bucket_bytes,
-                                 backend="nccl" if nccl else "gloo",
-                                 timeout_seconds=self.settings.collective_timeout_seconds)
+        transport = pb.Transport(
+            kind=COLLECTIVE,
+            epoch=epoch.number,
+            world_size=first + len(epoch.members),
+            rank=0,
+            rendezvous=self.rendezvous.open(epoch.number),
+            bucket_bytes=self.settings.bucket_bytes,
+            backend="nccl" if nccl else "gloo",
+            timeout_seconds=self.settings.collective_timeout_seconds,
+        )
         EPOCH.set(epoch.number)
         MEMBERS.set(len(epoch.members))
-        version = pb.VersionAnnouncement(version=common_pb2.PolicyVersion(
-            version=manifest.version, parent_version=manifest.parent_version,
-            created_unix_ms=manifest.created_unix_ms), manifest=manifest)
+        version = pb.VersionAnnouncement(
+            version=common_pb2.PolicyVersion(
+                version=manifest.version,
+                parent_version=manifest.parent_version,
+                created_unix_ms=manifest.created_unix_ms,
+            ),
+            manifest=manifest,
+        )
         for rank, member in enumerate(epoch.members, start=first):
             announcement = pb.VersionAnnouncement()
             announcement.CopyFrom(version)
@@ -94,8 +121,12 @@ class Transfers:
             mine.CopyFrom(transport)
             mine.rank = 1
             self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
-        log.info("event=version_announced version=%d transport=collective epoch=%d members=%d", manifest.version,
-                 epoch.number, len(epoch.members))
+        log.info(
+            "event=version_announced version=%d transport=collective epoch=%d members=%d",
+            manifest.version,
+            epoch.number,
+            len(epoch.members),
+        )
         return pb.AnnounceReply(version=version.version, transport=transport)
 
     def _start_groups(self) -> None:
@@ -113,12 +144,15 @@ class Transfers:
 
         started = time.perf_counter()
         try:
+
             def work():  # each bucket copied out of the ring into the version this service keeps
                 self.store.make_room()  # spill before the new bytes arrive
                 group = self._groups.get(transport, 1)
-                kept = {name: bytearray(tensor_to_bytes(tensor))
-                        for bucket in receive_buckets(group, transport, manifest, self._staging)
-                        for name, tensor in bucket}
+                kept = {
+                    name: bytearray(tensor_to_bytes(tensor))
+                    for bucket in receive_buckets(group, transport, manifest, self._staging)
+                    for name, tensor in bucket
+                }
                 return [kept[spec.name] for spec in manifest.tensors]
 
             payloads = await asyncio.to_thread(work)
@@ -126,8 +160,13 @@ class Transfers:
             FAILED.labels(type(exc).__name__).inc()
             self._groups.drop()
             gone = self.members.fail(transport.epoch, manifest.version)
-            log.warning("event=collective_failed version=%d epoch=%d error=%s left=%s", manifest.version,
-                        transport.epoch, exc, gone)
+            log.warning(
+                "event=collective_failed version=%d epoch=%d error=%s left=%s",
+                manifest.version,
+                transport.epoch,
+                exc,
+                gone,
+            )
             return
         finally:
             self._receiving = None
@@ -136,8 +175,13 @@ class Transfers:
             self.stored(manifest, skip=members)
         RECEIVED_BYTES.inc(sum(len(p) for p in payloads))
         RECEIVE_SECONDS.observe(time.perf_counter() - started)
-        log.info("event=version_published version=%d kind=%s transport=collective epoch=%d bytes=%d",
-                 manifest.version, kind(manifest), transport.epoch, sum(len(p) for p in payloads))
+        log.info(
+            "event=version_published version=%d kind=%s transport=collective epoch=%d bytes=%d",
+            manifest.version,
+            kind(manifest),
+            transport.epoch,
+            sum(len(p) for p in payloads),
+        )
 
     def report(self, request: pb.TransferReport) -> None:
         """How a collective went for the trainer or a member: a failure ends the epoch."""
@@ -146,6 +190,11 @@ class Transfers:
         else:
             FAILED.labels("reported").inc()
             gone = self.members.fail(request.epoch, request.version)
-            log.warning("event=collective_reported_failed version=%d epoch=%d by=%s error=%s left=%s",
-                        request.version, request.epoch, request.subscriber_id or "trainer", request.error[:200], gone)
-
+            log.warning(
+                "event=collective_reported_failed version=%d epoch=%d by=%s error=%s left=%s",
+                request.version,
+                request.epoch,
+                request.subscriber_id or "trainer",
+                request.error[:200],
+                gone,
+            )

@@ -9,9 +9,7 @@ import torch
 AdvantageMode = Literal["mean", "std", "loo"]
 
 
-def group_advantages(
-    rewards: torch.Tensor, mode: AdvantageMode = "mean", eps: float = 1e-6
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, mode: AdvantageMode = "mean", eps: float = 1e-6) -> torch.Tensor:
     """Advantages of rewards [num_groups, G] within each group (row).
 
     - "mean": Â = R − mean_G(R), the paper's MiniRL baseline (no std division).

@@ -46,9 +46,7 @@ def sequence_mis_mask(
     return keep.unsqueeze(-1).expand_as(log_ratio)
 
 
-def geometric_mask(
-    log_ratio: torch.Tensor, mask: torch.Tensor, low: float | None, high: float | None
-) -> torch.Tensor:
+def geometric_mask(log_ratio: torch.Tensor, mask: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
     """Geometric-mean masking: keep a sequence iff low ≤ (Π_t ρ_t)^(1/|y|) ≤ high. Returns [B, T].
 
     A sequence without valid tokens has geometric mean 1 (kept; it contributes nothing anyway).
@@ -63,9 +61,7 @@ def icepop_mask(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tenso
     return _bounds_mask(log_ratio, low, high)
 
 
-def clip_mask(
-    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
-) -> torch.Tensor:
+def clip_mask(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
     """MiniRL's token mask M_t (paper Eq. 7): 0 where Â>0 and r>1+ε_high or Â<0 and r<1−ε_low."""
     clipped_high = (advantages > 0) & (ratio > 1.0 + eps_high)
     clipped_low = (advantages < 0) & (ratio < 1.0 - eps_low)

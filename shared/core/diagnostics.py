@@ -85,24 +85,36 @@ def routing_agreement(
     return masked_mean(same.double(), per_token)
 
 
-def loss_diagnostics(t: TokenTerms, parts: Parts, loss_mask: torch.Tensor, stats: StepStats | None = None,
-                buckets: tuple[torch.Tensor, list[int]] | None = None) -> dict[str, torch.Tensor]:
+def loss_diagnostics(
+    t: TokenTerms,
+    parts: Parts,
+    loss_mask: torch.Tensor,
+    stats: StepStats | None = None,
+    buckets: tuple[torch.Tensor, list[int]] | None = None,
+) -> dict[str, torch.Tensor]:
     """A loss call's scalar diagnostics (means over its valid tokens), and the same as token sums
     into `stats` (whole-step statistics), per staleness bucket with `buckets`."""
     mask, dtype = t.mask, parts.weight.dtype
     k1, k3 = mismatch_kl_terms(t.inference, t.trainer.detach() if t.bypass else t.old)
     sequences = mask.any(dim=-1)
     per_token = {
-        "is_weight_mean": parts.weight, "is_truncated_frac": parts.truncated.to(dtype),
-        "clip_frac": (~parts.clip_keep).to(dtype), "rejected_frac": (~parts.keep).to(dtype),
-        "importance_ratio_mean": t.ratio, "mismatch_kl_k1": k1, "mismatch_kl_k3": k3, "advantage_mean": t.advantages,
+        "is_weight_mean": parts.weight,
+        "is_truncated_frac": parts.truncated.to(dtype),
+        "clip_frac": (~parts.clip_keep).to(dtype),
+        "rejected_frac": (~parts.keep).to(dtype),
+        "importance_ratio_mean": t.ratio,
+        "mismatch_kl_k1": k1,
+        "mismatch_kl_k3": k3,
+        "advantage_mean": t.advantages,
     }
     first_order = first_order_error(t.log_ratio, mask)
     metrics = {name: masked_mean(values, mask) for name, values in per_token.items()}
-    metrics.update(is_weight_max=masked_max(parts.weight, mask),
-                   first_order_error=masked_mean(first_order, sequences),
-                   valid_tokens=mask.sum().to(dtype),
-                   nonfinite_tokens=(loss_mask.bool() & ~mask).sum().to(dtype))
+    metrics.update(
+        is_weight_max=masked_max(parts.weight, mask),
+        first_order_error=masked_mean(first_order, sequences),
+        valid_tokens=mask.sum().to(dtype),
+        nonfinite_tokens=(loss_mask.bool() & ~mask).sum().to(dtype),
+    )
     if stats is not None:
         for name, values in per_token.items():
             stats.add_mean(name, values, mask)

@@ -24,19 +24,24 @@ from shared.core.terms import (
 __all__ = ["LossConfig", "OBJECTIVES", "policy_loss"]
 
 
-def minirl_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
-                sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+def minirl_loss(
+    t: TokenTerms, config: LossConfig, token_normalizer=None, sequence_normalizer=None
+) -> tuple[torch.Tensor, Parts]:
     """MiniRL, paper Eq. 7:  −Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â · log π_θ(y_t)  / N.
 
     M_t = 0 where Â > 0 and r_t > 1+ε_high or Â < 0 and r_t < 1−ε_low (r_t = π_θ/π_old), else 1;
     N = the update's normaliser (module docstring). Returns the loss and its per-token parts."""
-    clip_keep = corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high) if config.clip \
-        else torch.ones_like(t.mask)  # M_t
+    clip_keep = (
+        corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high)
+        if config.clip
+        else torch.ones_like(t.mask)
+    )  # M_t
     return eq7_loss(t, config, clip_keep, token_normalizer, sequence_normalizer)
 
 
-def eq7_loss(t: TokenTerms, config: LossConfig, clip_keep: torch.Tensor, token_normalizer=None,
-             sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+def eq7_loss(
+    t: TokenTerms, config: LossConfig, clip_keep: torch.Tensor, token_normalizer=None, sequence_normalizer=None
+) -> tuple[torch.Tensor, Parts]:
     """Eq. 7's body with the token mask M_t given (`clip_keep`): −Σ_t M_t · sg[w_t] · Â · log π_θ / N."""
     weight, truncated = is_weight(t.log_ratio, t.mask, config)  # sg[w_t]
     keep = rejection_mask(t.log_discrepancy, t.mask, config)
@@ -45,8 +50,9 @@ def eq7_loss(t: TokenTerms, config: LossConfig, clip_keep: torch.Tensor, token_n
     return loss, Parts(weight, truncated, clip_keep, keep)
 
 
-def grpo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
-              sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+def grpo_loss(
+    t: TokenTerms, config: LossConfig, token_normalizer=None, sequence_normalizer=None
+) -> tuple[torch.Tensor, Parts]:
     """GRPO (Appendix A) with the decoupled IS weight:
     −Σ_t sg[min(π_old/μ_old, C)] · min(r_t·Â, clip(r_t, 1−ε_low, 1+ε_high)·Â) / N, r_t = π_θ/π_old
     with gradient (equal to Eq. 7's weight on-policy)."""
@@ -57,28 +63,34 @@ def grpo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
         bounded = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
         surrogate = torch.minimum(surrogate, bounded * t.advantages)
     # where PPO-min takes its constant clipped branch is exactly where Eq. 7's M_t is 0
-    clip_keep = corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high) if config.clip \
+    clip_keep = (
+        corrections.clip_mask(t.ratio, t.advantages, config.eps_low, config.eps_high)
+        if config.clip
         else torch.ones_like(t.mask)
+    )
     keep = rejection_mask(t.log_discrepancy, t.mask, config)
     per_token = torch.where(t.mask & keep, weight * surrogate, torch.zeros_like(t.trainer))
     loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
     return loss, Parts(weight, truncated, clip_keep, keep)
 
 
-def dppo_loss(t: TokenTerms, config: LossConfig, token_normalizer=None,
-              sequence_normalizer=None) -> tuple[torch.Tensor, Parts]:
+def dppo_loss(
+    t: TokenTerms, config: LossConfig, token_normalizer=None, sequence_normalizer=None
+) -> tuple[torch.Tensor, Parts]:
     """DPPO (binary trust region):  −Σ_t M_t · sg[min(π_θ/μ_old, C)] · Â · log π_θ(y_t) / N, with
     M_t = 0 where Â > 0 and π_θ has moved up past δ_high from μ_old on the sampled token, or Â < 0
     and it has moved down past δ_low; the divergence is the probability difference ("tv") or
     the Bernoulli KL ("kl"), anchored to the sampling engine's μ_old, not π_old. `clip = False`
     removes the mask (plain IS policy gradient)."""
-    clip_keep = dppo_mask(t.trainer.detach(), t.inference, t.advantages, config) if config.clip \
-        else torch.ones_like(t.mask)
+    clip_keep = (
+        dppo_mask(t.trainer.detach(), t.inference, t.advantages, config) if config.clip else torch.ones_like(t.mask)
+    )
     return eq7_loss(t, config, clip_keep, token_normalizer, sequence_normalizer)
 
 
-def dppo_mask(logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages: torch.Tensor,
-              config: LossConfig) -> torch.Tensor:
+def dppo_mask(
+    logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages: torch.Tensor, config: LossConfig
+) -> torch.Tensor:
     """DPPO's keep mask (bool [B, T]): False where the sampled token's probability left the trust
     region around the anchor in the direction the advantage pushes it."""
     p, q = torch.exp(logprobs), torch.exp(anchor_logprobs)
@@ -87,10 +99,14 @@ def dppo_mask(logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages:
         divergence = (p - q).abs()
     else:  # KL(Bernoulli(q) ‖ Bernoulli(p)), finite at the edges
         tiny = torch.finfo(p.dtype).tiny
-        divergence = q * (anchor_logprobs - logprobs) + (1 - q) * (torch.log((1 - q).clamp(min=tiny))
-                                                                 - torch.log((1 - p).clamp(min=tiny)))
-    outside = torch.where(advantages > 0, up & (divergence > config.dppo_delta_high),
-                          (advantages < 0) & down & (divergence > config.dppo_delta_low))
+        divergence = q * (anchor_logprobs - logprobs) + (1 - q) * (
+            torch.log((1 - q).clamp(min=tiny)) - torch.log((1 - p).clamp(min=tiny))
+        )
+    outside = torch.where(
+        advantages > 0,
+        up & (divergence > config.dppo_delta_high),
+        (advantages < 0) & down & (divergence > config.dppo_delta_low),
+    )
     return ~outside
 
 

@@ -28,8 +28,11 @@ class StepStats:
 
     def add_sum(self, name: str, value: float | torch.Tensor, count: float = 1.0) -> None:
         """Contribute a pre-summed value to the mean `name`, and how many things it sums."""
-        self._add(name, torch.as_tensor(value, dtype=torch.float64).detach().reshape(()),
-                  torch.tensor(float(count), dtype=torch.float64))
+        self._add(
+            name,
+            torch.as_tensor(value, dtype=torch.float64).detach().reshape(()),
+            torch.tensor(float(count), dtype=torch.float64),
+        )
 
     def add_total(self, name: str, value: float | torch.Tensor) -> None:
         """Contribute to the plain total `name` (reported as the sum, not a mean)."""

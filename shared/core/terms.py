@@ -79,8 +79,9 @@ class LossConfig:
         if self.dppo_divergence not in ("tv", "kl"):
             raise ValueError(f"dppo_divergence must be 'tv' or 'kl', got {self.dppo_divergence!r}")
         if not (self.dppo_delta_low > 0 and self.dppo_delta_high > 0):
-            raise ValueError(f"dppo_delta_low and dppo_delta_high must be > 0, got {self.dppo_delta_low}, "
-                             f"{self.dppo_delta_high}")
+            raise ValueError(
+                f"dppo_delta_low and dppo_delta_high must be > 0, got {self.dppo_delta_low}, {self.dppo_delta_high}"
+            )
         if self.normalization not in ("tokens", "sequence"):
             raise ValueError(f"normalization must be 'tokens' or 'sequence', got {self.normalization!r}")
         if self.is_level not in ("token", "sequence"):
@@ -132,8 +133,13 @@ class TokenTerms:
         return self.log_ratio if self.bypass else self.old - self.inference
 
 
-def token_terms(trainer_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, inference_logprobs: torch.Tensor,
-                advantages: torch.Tensor, loss_mask: torch.Tensor) -> TokenTerms:
+def token_terms(
+    trainer_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> TokenTerms:
     check_shapes(trainer_logprobs, old_logprobs, inference_logprobs, advantages, loss_mask)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(trainer_logprobs)
@@ -144,8 +150,14 @@ def token_terms(trainer_logprobs: torch.Tensor, old_logprobs: torch.Tensor | Non
     zeros = torch.zeros_like(trainer_logprobs)
     inference = torch.where(mask, inference_logprobs.to(zeros.dtype), zeros.detach())
     old = inference if old_logprobs is None else torch.where(mask, old_logprobs.to(zeros.dtype), zeros.detach())
-    return TokenTerms(mask, torch.where(mask, trainer_logprobs, zeros), old, inference,
-                      torch.where(mask, advantages.to(zeros.dtype), zeros.detach()), old_logprobs is None)
+    return TokenTerms(
+        mask,
+        torch.where(mask, trainer_logprobs, zeros),
+        old,
+        inference,
+        torch.where(mask, advantages.to(zeros.dtype), zeros.detach()),
+        old_logprobs is None,
+    )
 
 
 @dataclass
@@ -180,8 +192,9 @@ def rejection_mask(log_discrepancy: torch.Tensor, mask: torch.Tensor, config: Lo
     return torch.ones_like(mask)
 
 
-def normalise(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig, token_normalizer=None,
-              sequence_normalizer=None) -> torch.Tensor:
+def normalise(
+    per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig, token_normalizer=None, sequence_normalizer=None
+) -> torch.Tensor:
     """Σ per_token / N ("tokens"), or the mean over sequences of per-sequence means ("sequence")."""
     if config.normalization == "tokens":
         denominator = mask.sum() if token_normalizer is None else token_normalizer

@@ -33,4 +33,13 @@ def make_engine(name: str, model_path: str, dtype: str = "float32", **options) -
     raise ValueError(f"unknown engine {name!r}; choose one of {ENGINES}")
 
 
-__all__ = ["ENGINES", "vllm_unavailable", "Capabilities", "Engine", "Sample", "Sampling", "make_engine", "processed_logprobs"]
+__all__ = [
+    "ENGINES",
+    "vllm_unavailable",
+    "Capabilities",
+    "Engine",
+    "Sample",
+    "Sampling",
+    "make_engine",
+    "processed_logprobs",
+]

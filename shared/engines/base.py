@@ -67,14 +67,21 @@ class Engine(Protocol):
         """Why the engine can serve nothing any more, else None."""
         ...
 
-    def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
-              on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
+    def start(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        return_trace: bool = False,
+        on_token: OnToken | None = None,
+        index: int = 0,
+    ) -> concurrent.futures.Future:
         """Submit one sequence (seeded sampling uses seed + index); its Sample arrives on the
         future. Callable from any thread."""
         ...
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
-                 on_token: OnToken | None = None) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False, on_token: OnToken | None = None
+    ) -> list[Sample]:
         """Start every prompt (prompt i with index i) and wait for all; `on_token` follows the first."""
         ...
 
@@ -105,8 +112,9 @@ def eos_ids(config) -> tuple[int, ...]:
     return tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
 
 
-def check_request(prompt: list[int], sampling: Sampling, return_trace: bool, max_model_len: int,
-                  no_trace: str | None, vocab_size: int) -> None:
+def check_request(
+    prompt: list[int], sampling: Sampling, return_trace: bool, max_model_len: int, no_trace: str | None, vocab_size: int
+) -> None:
     """ValueError when an engine cannot serve this request: an empty prompt, a token id outside the
     vocabulary (the prompt's or a stop token's: either would fail the batch's forward, not only
     this request), a routing trace asked of an engine that has none (`no_trace`: why, None when it
@@ -141,8 +149,13 @@ def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
     return torch.log_softmax(scaled, dim=-1)
 
 
-def generate_all(engine: Engine, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False,
-                 on_token: OnToken | None = None) -> list[Sample]:
+def generate_all(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    return_trace: bool = False,
+    on_token: OnToken | None = None,
+) -> list[Sample]:
     """`Engine.generate` from `Engine.start`: prompt i with index i, `on_token` on the first."""
     if not prompts:
         raise ValueError("no prompts")

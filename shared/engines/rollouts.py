@@ -8,8 +8,9 @@ from shared.rollout import Rollout, RolloutTimings, trace_message
 from shared.rpc.steadyrl.v1 import rollout_pb2
 
 
-def rollouts_from_samples(task, samples, rewards: list[float], replica_id: str, engine: str,
-                          timings: RolloutTimings) -> list[Rollout]:
+def rollouts_from_samples(
+    task, samples, rewards: list[float], replica_id: str, engine: str, timings: RolloutTimings
+) -> list[Rollout]:
     """The G rollouts of one PromptTask from the engine's samples (shared.engines.Sample).
 
     Rollout ids are `task_id:sample_index`: a retried task publishes the same ids, so a consumer
@@ -41,24 +42,42 @@ def rollouts_from_samples(task, samples, rewards: list[float], replica_id: str, 
     ]
 
 
-def encode_samples(task, samples, rewards: list[float], replica_id: str, engine: str,
-                   timings: RolloutTimings, reward_errors: list[str] | None = None) -> list[bytes]:
+def encode_samples(
+    task,
+    samples,
+    rewards: list[float],
+    replica_id: str,
+    engine: str,
+    timings: RolloutTimings,
+    reward_errors: list[str] | None = None,
+) -> list[bytes]:
     """`[encode_rollout(r) for r in rollouts_from_samples(...)]` without the Rollout objects, in
     about half the time: what the G rollouts of a task share is serialized once, and each rollout
     is that prefix followed by its own fields (protobuf merges concatenated messages; the two
     parts set disjoint fields, so the decoded rollout is the same)."""
     shared = rollout_pb2.Rollout(
-        run_id=task.run_id, task_id=task.task_id, group_id=task.group_id or task.task_id, group_size=len(samples),
-        prompt_token_ids=task.prompt_token_ids, replica_id=replica_id, engine=engine, is_eval=task.is_eval,
+        run_id=task.run_id,
+        task_id=task.task_id,
+        group_id=task.group_id or task.task_id,
+        group_size=len(samples),
+        prompt_token_ids=task.prompt_token_ids,
+        replica_id=replica_id,
+        engine=engine,
+        is_eval=task.is_eval,
         timings=rollout_pb2.RolloutTimings(**vars(timings)),
     ).SerializeToString()
     out = []
     errors = reward_errors or [""] * len(samples)
     for index, (sample, reward, error) in enumerate(zip(samples, rewards, errors, strict=True)):
         own = rollout_pb2.Rollout(
-            rollout_id=f"{task.task_id}:{index}", sample_index=index, completion_token_ids=sample.token_ids,
-            inference_logprobs=sample.logprobs, policy_versions=sample.versions, reward=float(reward),
-            finish_reason=sample.finish_reason, reward_error=error[:200],
+            rollout_id=f"{task.task_id}:{index}",
+            sample_index=index,
+            completion_token_ids=sample.token_ids,
+            inference_logprobs=sample.logprobs,
+            policy_versions=sample.versions,
+            reward=float(reward),
+            finish_reason=sample.finish_reason,
+            reward_error=error[:200],
         )
         if sample.routing_trace is not None:
             own.routing_trace.CopyFrom(trace_message(sample.routing_trace, sample.num_experts))

@@ -113,8 +113,13 @@ def forward(model, routing, activations, input_ids, attention, positions, cache,
     recording = capture.__enter__() if capture is not None else None
     try:
         with activations:
-            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
     finally:
         if capture is not None:
             capture.__exit__(None, None, None)
@@ -127,16 +132,18 @@ def forward(model, routing, activations, input_ids, attention, positions, cache,
     return out.logits[:, -1, :], out.past_key_values
 
 
-def prefill(model, routing, activations, pad_token_id: int, rows: list[Seq], sequences: list[list[int]],
-            device: torch.device):
+def prefill(
+    model, routing, activations, pad_token_id: int, rows: list[Seq], sequences: list[list[int]], device: torch.device
+):
     """Left-padded forward of whole sequences from scratch: (last logits, cache, mask)."""
     width = max(map(len, sequences))
     pads = torch.tensor([width - len(s) for s in sequences], device=device)
     input_ids = torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], device=device)
     mask = (torch.arange(width, device=device)[None, :] >= pads[:, None]).long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits, cache = forward(model, routing, activations, input_ids, mask, positions, None, rows,
-                            [len(s) for s in sequences])
+    logits, cache = forward(
+        model, routing, activations, input_ids, mask, positions, None, rows, [len(s) for s in sequences]
+    )
     return logits, cache, mask
 
 

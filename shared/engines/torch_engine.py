@@ -71,9 +71,19 @@ def _close_at_exit(engine: weakref.ref) -> None:
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, model_path: str, dtype: str = "float32", version: int = 0, threads: int = 0,
-                 max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 quantize_router: bool = False, quantize_activations: bool = False, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        version: int = 0,
+        threads: int = 0,
+        max_num_seqs: int = 256,
+        update_mode: str = "in_flight",
+        quantization: str = "none",
+        quantize_router: bool = False,
+        quantize_activations: bool = False,
+        device: str = "cpu",
+    ) -> None:
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
         self.device = torch.device(device)
@@ -82,9 +92,9 @@ class TorchEngine:
         self.threads, self.max_num_seqs, self.update_mode = threads, max_num_seqs, update_mode
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
-        self.model, self.quantized, self.activations, notes = load_model(model_path, self.dtype, self.device,
-                                                                         quantization, quantize_router,
-                                                                         quantize_activations)
+        self.model, self.quantized, self.activations, notes = load_model(
+            model_path, self.dtype, self.device, quantization, quantize_router, quantize_activations
+        )
         self.routing = RoutingController(self.model)
         self.quantization = quantization
         config = self.model.config
@@ -92,8 +102,11 @@ class TorchEngine:
         self.max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         self.eos_token_ids = eos_ids(config)
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-        self.capabilities = Capabilities(routing_trace=self.routing.is_moe, dtype=str(self.dtype).removeprefix("torch."),
-                                         notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes)
+        self.capabilities = Capabilities(
+            routing_trace=self.routing.is_moe,
+            dtype=str(self.dtype).removeprefix("torch."),
+            notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes,
+        )
         self.weights = InPlaceWeights(self.model, self.quantized, quantization, self.model_path)
         self._version = version
         self._lock = threading.Lock()  # held over each step: an update takes it between two
@@ -116,15 +129,27 @@ class TorchEngine:
 
     generate = generate_all
 
-    def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
-              on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
+    def start(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        return_trace: bool = False,
+        on_token: OnToken | None = None,
+        index: int = 0,
+    ) -> concurrent.futures.Future:
         """Queue one sequence; its Sample arrives on the future. Seeded sampling uses `seed +
         index`, so a group's samples differ and none depends on what else runs."""
-        check_request(prompt, sampling, return_trace, self.max_model_len,
-                      None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
-                      self.vocab_size)
-        seq = Seq(list(prompt), sampling, sampling.seed + index if sampling.seed else 0, return_trace, on_token,
-                   SeqFuture())
+        check_request(
+            prompt,
+            sampling,
+            return_trace,
+            self.max_model_len,
+            None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
+            self.vocab_size,
+        )
+        seq = Seq(
+            list(prompt), sampling, sampling.seed + index if sampling.seed else 0, return_trace, on_token, SeqFuture()
+        )
         with self._wake:
             if self._closed or self.error is not None:
                 raise RuntimeError(f"the torch engine is stopped{f': {self.error}' if self.error else ''}")
@@ -167,6 +192,7 @@ class TorchEngine:
 
     def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
         return self.weights.bytes_of(name, dtype)
+
     @property
     def version(self) -> int:
         return self._version
@@ -262,8 +288,15 @@ class TorchEngine:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
             if tokens is not None and seq.trace:
                 seq.positions.clear()
-        logits, cache, mask = prefill(self.model, self.routing, self.activations, self.pad_token_id, admitted,
-                                      [tokens] if tokens is not None else [s.prompt for s in admitted], self.device)
+        logits, cache, mask = prefill(
+            self.model,
+            self.routing,
+            self.activations,
+            self.pad_token_id,
+            admitted,
+            [tokens] if tokens is not None else [s.prompt for s in admitted],
+            self.device,
+        )
         self._sample(admitted, logits)
         self._merge(admitted, cache, mask)
 
@@ -273,8 +306,15 @@ class TorchEngine:
         for seq in rows:
             if seq.trace:
                 seq.positions.clear()
-        logits, self._cache, self._mask = prefill(self.model, self.routing, self.activations, self.pad_token_id,
-                                                      rows, [s.prompt + s.tokens for s in rows], self.device)
+        logits, self._cache, self._mask = prefill(
+            self.model,
+            self.routing,
+            self.activations,
+            self.pad_token_id,
+            rows,
+            [s.prompt + s.tokens for s in rows],
+            self.device,
+        )
         self._built_on = self._version
         self._sample(rows, logits)
 
@@ -283,8 +323,17 @@ class TorchEngine:
         input_ids = torch.tensor([[s.tokens[-1]] for s in rows], device=self.device)
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
         positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in rows], device=self.device)
-        logits, self._cache = forward(self.model, self.routing, self.activations, input_ids, self._mask, positions,
-                                      self._cache, rows, [1] * len(rows))
+        logits, self._cache = forward(
+            self.model,
+            self.routing,
+            self.activations,
+            input_ids,
+            self._mask,
+            positions,
+            self._cache,
+            rows,
+            [1] * len(rows),
+        )
         self._sample(rows, logits)
 
     def _sample(self, rows: list[Seq], logits: torch.Tensor) -> None:

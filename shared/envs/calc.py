@@ -26,6 +26,7 @@ LARGEST = 10**18  # results past it are refused (a model cannot make the tool co
 
 def evaluate(expression: str) -> int:
     """The value of an integer expression of + - * and parentheses; ValueError for anything else."""
+
     def value(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
@@ -46,8 +47,13 @@ def evaluate(expression: str) -> int:
 
 
 class Calculator(Environment):
-    tools = (Tool("calc", "Evaluate an integer expression of + - * and parentheses.",
-                  {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}),)
+    tools = (
+        Tool(
+            "calc",
+            "Evaluate an integer expression of + - * and parentheses.",
+            {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        ),
+    )
 
     def __init__(self) -> None:
         self.answer, self.results = "", set()
@@ -59,8 +65,9 @@ class Calculator(Environment):
     def step(self, model_turn: str) -> Step:
         call = CALL.search(model_turn)
         if call is None:
-            return Step([], float(model_turn.strip() == self.answer), True,
-                        {"tool_success": float(self.answer in self.results)})
+            return Step(
+                [], float(model_turn.strip() == self.answer), True, {"tool_success": float(self.answer in self.results)}
+            )
         try:
             value = str(evaluate(call.group(1)))
         except ValueError as exc:
@@ -89,7 +96,9 @@ class MulTask:
         if name not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {name!r}")
         if size > self.max_split_size(name):
-            raise ValueError(f"{size} {name} problems asked; [{self.low}, {self.high}]² allows {self.max_split_size(name)}")
+            raise ValueError(
+                f"{size} {name} problems asked; [{self.low}, {self.high}]² allows {self.max_split_size(name)}"
+            )
         rng = random.Random(f"{self.name}-{self.low}-{self.high}-{self.seed}-{name}")
         out: dict[tuple[int, int], Example] = {}
         while len(out) < size:

@@ -97,8 +97,9 @@ class CallGroup:
         return group
 
     @classmethod
-    def _make_v1(cls, mounts: dict[str, Path], own: dict[str, str], name: str, memory_bytes: int,
-                 max_processes: int) -> CallGroup | None:
+    def _make_v1(
+        cls, mounts: dict[str, Path], own: dict[str, str], name: str, memory_bytes: int, max_processes: int
+    ) -> CallGroup | None:
         wanted = ["memory", "pids"] + (["cpuacct"] if "cpuacct" in mounts and "cpuacct" in own else [])
         group = cls({}, 1)
         try:

@@ -41,8 +41,25 @@ def unavailable() -> str | None:
     if path is None:
         return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
     try:
-        probe = subprocess.run([path, *NO_NAMESPACES, "--unshare-net", "--ro-bind", "/", "/", "--proc", "/proc",
-                                "--dev", "/dev", "--", "true"], capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            [
+                path,
+                *NO_NAMESPACES,
+                "--unshare-net",
+                "--ro-bind",
+                "/",
+                "/",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "--",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap could not run: {exc}"
     if probe.returncode != 0:
@@ -51,8 +68,16 @@ def unavailable() -> str | None:
 
 
 def _common(network: bool, env: dict[str, str]) -> list[str]:
-    argv = [bwrap() or "bwrap", *NO_NAMESPACES, *([] if network else ["--unshare-net"]), "--die-with-parent",
-            "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    argv = [
+        bwrap() or "bwrap",
+        *NO_NAMESPACES,
+        *([] if network else ["--unshare-net"]),
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--clearenv",
+    ]
     for name, value in env.items():
         argv += ["--setenv", name, value]
     return argv
@@ -80,15 +105,31 @@ def interpreter() -> str:
     return os.path.realpath(sys.executable)
 
 
-def sandbox_argv(code: Path, files: dict[str, Path], disk_bytes: int, command: list[str],
-                 seccomp_fd: int | None = None) -> list[str]:
+def sandbox_argv(
+    code: Path, files: dict[str, Path], disk_bytes: int, command: list[str], seccomp_fd: int | None = None
+) -> list[str]:
     """bwrap's argv for model-written code: `code`'s directory is never visible, only `code`
     itself as /scratch/code.py (read-only) in a scratch tmpfs of `disk_bytes`; `files` are extra
     read-only files (inside path → host path); no network; `command` runs in /scratch, under the
     seccomp program read from `seccomp_fd` when one is given."""
     env = {"HOME": "/scratch", "TMPDIR": "/scratch", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    argv = [*_common(False, env), *_system_mounts(), "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-            "--size", str(disk_bytes), "--tmpfs", "/scratch", "--ro-bind", str(code), "/scratch/code.py"]
+    argv = [
+        *_common(False, env),
+        *_system_mounts(),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str(disk_bytes),
+        "--tmpfs",
+        "/scratch",
+        "--ro-bind",
+        str(code),
+        "/scratch/code.py",
+    ]
     for inside, host in files.items():
         argv += ["--ro-bind", str(host), inside]
     if seccomp_fd is not None:
@@ -96,15 +137,33 @@ def sandbox_argv(code: Path, files: dict[str, Path], disk_bytes: int, command: l
     return [*argv, "--remount-ro", "/", "--chdir", "/scratch", "--", *command]
 
 
-def agent_argv(command: list[str], env: dict[str, str], hidden: list[Path], tmp_bytes: int,
-               cwd: str | None = None) -> list[str]:
+def agent_argv(
+    command: list[str], env: dict[str, str], hidden: list[Path], tmp_bytes: int, cwd: str | None = None
+) -> list[str]:
     """bwrap's argv for an agent program: the host read-only, a /tmp (its HOME and TMPDIR) and a
     /dev/shm of its own, each at most `tmp_bytes`, each of `hidden` (directories, or a file's
     directory) replaced by an empty read-only tmpfs; `cwd` kept when it is still visible."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **env, "HOME": "/tmp", "TMPDIR": "/tmp"}
-    argv = [*_common(True, env), "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    argv = [
+        *_common(True, env),
+        "--ro-bind",
+        "/",
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(tmp_bytes),
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str(tmp_bytes),
+        "--tmpfs",
+        "/tmp",
+    ]
     masked = sorted({str(_directory(p)) for p in hidden if _directory(p) is not None})
     for path in masked:
         argv += ["--tmpfs", path, "--remount-ro", path]

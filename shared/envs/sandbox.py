@@ -72,23 +72,42 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     group = CallGroup.make(limits.memory_bytes, limits.max_processes + 2)  # + bubblewrap's two processes
     seccomp = None if group is not None else _one_process()
     if group is None and seccomp is None:
-        return SandboxResult("no_isolation", None, "", "no cgroup can be made here and no seccomp program is known "
-                             f"for {platform.machine()}: the call's limits could not hold", time.monotonic() - started)
+        return SandboxResult(
+            "no_isolation",
+            None,
+            "",
+            "no cgroup can be made here and no seccomp program is known "
+            f"for {platform.machine()}: the call's limits could not hold",
+            time.monotonic() - started,
+        )
     work = Path(tempfile.mkdtemp(prefix="steadyrl-sandbox-"))  # never visible inside: code.py alone is bound
     try:
         (work / "code.py").write_text(code)
-        inside = {"cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes,
-                  "processes": limits.max_processes + 1,  # + bubblewrap's init, the same user
-                  "file_bytes": limits.file_bytes, "open_files": OPEN_FILES}
+        inside = {
+            "cpu_seconds": limits.cpu_seconds,
+            "memory_bytes": limits.memory_bytes,
+            "processes": limits.max_processes + 1,  # + bubblewrap's init, the same user
+            "file_bytes": limits.file_bytes,
+            "open_files": OPEN_FILES,
+        }
         python = isolation.interpreter()
-        argv = isolation.sandbox_argv(work / "code.py", {"/.steadyrl/runner.py": RUNNER}, limits.disk_bytes,
-                                      [python, "-I", "-S", "/.steadyrl/runner.py", "inside", json.dumps(inside)],
-                                      seccomp)
+        argv = isolation.sandbox_argv(
+            work / "code.py",
+            {"/.steadyrl/runner.py": RUNNER},
+            limits.disk_bytes,
+            [python, "-I", "-S", "/.steadyrl/runner.py", "inside", json.dumps(inside)],
+            seccomp,
+        )
         outside = {"procs": group.procs if group else [], "argv": argv}
         with open(work / ".stdout", "wb") as out, open(work / ".stderr", "wb") as err:
-            runner = subprocess.Popen([python, "-I", str(RUNNER), "outside", json.dumps(outside)],
-                                      stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                                      pass_fds=() if seccomp is None else (seccomp,))
+            runner = subprocess.Popen(
+                [python, "-I", str(RUNNER), "outside", json.dumps(outside)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                pass_fds=() if seccomp is None else (seccomp,),
+            )
         if seccomp is not None:
             os.close(seccomp)
             seccomp = None
@@ -100,8 +119,13 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
             os.killpg(runner.pid, signal.SIGKILL)  # bubblewrap's init dies with it, and its namespace
             runner.wait()
             _wait_gone(tree)
-            reason = "memory" if group and group.oom_killed() else \
-                "cpu_limit" if cpu is not None and cpu >= limits.cpu_seconds else "timeout"
+            reason = (
+                "memory"
+                if group and group.oom_killed()
+                else "cpu_limit"
+                if cpu is not None and cpu >= limits.cpu_seconds
+                else "timeout"
+            )
             return _result(reason, None, work, started, group)
         exit_code = 128 - status if status > 128 else status  # bubblewrap: 128 + the signal that ended it
         return _result(_reason(exit_code, work, group), exit_code, work, started, group)
@@ -202,5 +226,11 @@ def _read(path: Path, limit: int = 1 << 16) -> str:
 
 
 def _result(reason: str, exit_code: int | None, work: Path, started: float, group: CallGroup | None) -> SandboxResult:
-    return SandboxResult(reason, exit_code, _read(work / ".stdout"), _read(work / ".stderr"),
-                         time.monotonic() - started, "call" if group is not None else "process")
+    return SandboxResult(
+        reason,
+        exit_code,
+        _read(work / ".stdout"),
+        _read(work / ".stderr"),
+        time.monotonic() - started,
+        "call" if group is not None else "process",
+    )

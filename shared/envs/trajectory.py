@@ -71,8 +71,9 @@ class Trajectory:
     env_metrics: dict[str, float] = field(default_factory=dict)  # Step.info summed over the steps
     reward_error: str = ""  # why the task's reward could not score it (then 0); empty when it did
 
-    def add(self, tokens: list[int], model: bool, logprobs: list[float] | None = None,
-            versions: list[int] | None = None) -> None:
+    def add(
+        self, tokens: list[int], model: bool, logprobs: list[float] | None = None, versions: list[int] | None = None
+    ) -> None:
         last = self.versions[-1] if self.versions else 0
         self.token_ids += tokens
         self.loss_mask += [model] * len(tokens)
@@ -88,21 +89,27 @@ class Trajectory:
             self.routing_trace, self.num_experts = trace, num_experts
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"completion_token_ids": np.asarray(self.token_ids, dtype=np.int32),
-                "inference_logprobs": np.asarray(self.logprobs, dtype=np.float32),
-                "policy_versions": np.asarray(self.versions, dtype=np.uint64),
-                "loss_mask": np.asarray(self.loss_mask, dtype=bool)}
+        return {
+            "completion_token_ids": np.asarray(self.token_ids, dtype=np.int32),
+            "inference_logprobs": np.asarray(self.logprobs, dtype=np.float32),
+            "policy_versions": np.asarray(self.versions, dtype=np.uint64),
+            "loss_mask": np.asarray(self.loss_mask, dtype=bool),
+        }
 
 
 def _template(tokenizer, messages: list[Message], generation_prompt: bool, tools: list | None = None) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                             add_generation_prompt=generation_prompt, tokenize=True,
-                                             **({"tools": tools} if tools else {}))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        **({"tools": tools} if tools else {}),
+    )
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
-def render(tokenizer, conversation: list[Message], new: list[Message], sampled: list[int] = (),
-           tools: list | None = None) -> list[int]:
+def render(
+    tokenizer, conversation: list[Message], new: list[Message], sampled: list[int] = (), tools: list | None = None
+) -> list[int]:
     """The tokens that follow the tokens so far: the first call (`conversation` empty) the prompt;
     after a model turn (the last message of `conversation`, sampled as `sampled`), what the
     template closes that turn with (unless the model sampled it: an end-of-turn token), the
@@ -118,7 +125,7 @@ def render(tokenizer, conversation: list[Message], new: list[Message], sampled: 
     after = _template(tokenizer, [*conversation, *new], True, tools)
     if after[: len(head)] != head or after[len(head) : len(head) + len(turn)] != turn:
         raise TrajectoryError("template_mismatch", "the chat template renders the turns so far differently")
-    tail = after[len(head) + len(turn):]
+    tail = after[len(head) + len(turn) :]
     if sampled and tail and sampled[-1] == tail[0] and sampled[-1] not in turn:  # the model closed its turn itself
         tail = tail[1:]
     return tail
@@ -171,8 +178,9 @@ def _step(value) -> Step:
     if not isinstance(value, Step):
         raise TrajectoryError("malformed_observation", f"step returned {type(value).__name__}, not a Step")
     info = value.info
-    if not isinstance(info, dict) or not all(isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
-                                             for k, v in info.items()):
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v) for k, v in info.items()
+    ):
         raise TrajectoryError("malformed_observation", f"step info {info!r} is not names → finite numbers")
     if not isinstance(value.reward, int | float) or not math.isfinite(value.reward):
         raise TrajectoryError("malformed_observation", f"step reward {value.reward!r} is not a finite number")
@@ -180,8 +188,16 @@ def _step(value) -> Step:
     return value
 
 
-async def play(engine: Engine, tokenizer, env: Environment, task: dict, sampling: Sampling,
-               budget: Budget = Budget(), return_trace: bool = False, index: int = 0) -> Trajectory:
+async def play(
+    engine: Engine,
+    tokenizer,
+    env: Environment,
+    task: dict,
+    sampling: Sampling,
+    budget: Budget = Budget(),
+    return_trace: bool = False,
+    index: int = 0,
+) -> Trajectory:
     """Play one episode of `env` on `task` with `engine`; the model's turns are sampled with `sampling`
     (its max_new_tokens per turn, capped by what is left of the budget; seeded sampling uses
     seed + index + 4096 × turn). Cancelling it cancels the turn the engine is generating."""
@@ -194,8 +210,9 @@ async def play(engine: Engine, tokenizer, env: Environment, task: dict, sampling
             trajectory.finish_reason = "max_turns" if trajectory.turns >= budget.max_turns else "max_tokens"
             return trajectory
         turn_sampling = Sampling(**{**vars(sampling), "max_new_tokens": min(sampling.max_new_tokens, left)})
-        future = engine.start(prompt + trajectory.token_ids, turn_sampling, return_trace,
-                              index=index + 4096 * trajectory.turns)
+        future = engine.start(
+            prompt + trajectory.token_ids, turn_sampling, return_trace, index=index + 4096 * trajectory.turns
+        )
         sample = await asyncio.wrap_future(future)  # cancelled: cancels the engine's sequence too
         trajectory.add(list(sample.token_ids), True, list(sample.logprobs), list(sample.versions))
         trajectory.add_trace(sample.routing_trace, sample.num_experts)
@@ -212,12 +229,20 @@ async def play(engine: Engine, tokenizer, env: Environment, task: dict, sampling
         tokens = render(tokenizer, conversation, step.observation, list(sample.token_ids))
         conversation += step.observation
         if len(trajectory.token_ids) + len(tokens) > budget.max_tokens:
-            raise TrajectoryError("over_budget", f"the observation's {len(tokens)} tokens overflow the "
-                                                 f"{budget.max_tokens}-token budget")
+            raise TrajectoryError(
+                "over_budget", f"the observation's {len(tokens)} tokens overflow the {budget.max_tokens}-token budget"
+            )
         trajectory.add(tokens, False)
 
 
-def run_trajectory(engine: Engine, tokenizer, env: Environment, task: dict, sampling: Sampling,
-                   budget: Budget = Budget(), return_trace: bool = False) -> Trajectory:
+def run_trajectory(
+    engine: Engine,
+    tokenizer,
+    env: Environment,
+    task: dict,
+    sampling: Sampling,
+    budget: Budget = Budget(),
+    return_trace: bool = False,
+) -> Trajectory:
     """`play` to its end, from code that runs no event loop."""
     return asyncio.run(play(engine, tokenizer, env, task, sampling, budget, return_trace))

@@ -27,7 +27,7 @@ MODEL = "steadyrl"  # the model name the environment's client sends (the replica
 
 def parse(environment: str) -> tuple[str, dict[str, Any]]:
     """(ENV_ID, its load_environment arguments) of `verifiers:ENV_ID [{JSON}]`; ValueError naming what is wrong."""
-    env_id, _, args = environment[len(PREFIX):].strip().partition(" ")
+    env_id, _, args = environment[len(PREFIX) :].strip().partition(" ")
     if not environment.startswith(PREFIX) or not env_id:
         raise ValueError(f"a verifiers environment is named verifiers:ENV_ID [{{JSON}}], not {environment!r}")
     try:
@@ -47,13 +47,13 @@ def load(environment: str):
     try:
         import verifiers as vf
     except ImportError as exc:
-        raise ValueError(f"{environment!r} needs the verifiers package: pip install 'steadyrl[verifiers]' ({exc})") \
-            from None
+        raise ValueError(
+            f"{environment!r} needs the verifiers package: pip install 'steadyrl[verifiers]' ({exc})"
+        ) from None
     try:
         env = vf.load_environment(env_id, **kwargs)
     except Exception as exc:  # noqa: BLE001 - whatever the plug-in raises, named
-        raise ValueError(f"verifiers environment {env_id!r} could not be loaded: {type(exc).__name__}: {exc}") \
-            from None
+        raise ValueError(f"verifiers environment {env_id!r} could not be loaded: {type(exc).__name__}: {exc}") from None
     if not isinstance(env, vf.Environment):
         raise ValueError(f"verifiers environment {env_id!r}: load_environment returned a {type(env).__name__}")
     return env
@@ -87,8 +87,13 @@ def prompt_messages(prompt_text: str) -> list[Message]:
     return [Message(str(m.get("role", "user")), str(m.get("content") or "")) for m in row_of(prompt_text)["prompt"]]
 
 
-async def play_group(environment: str, row: dict[str, Any], sessions: list[tuple[str, str]],
-                     sampling_args: dict[str, Any], seconds: float) -> list[tuple[float, dict[str, float], str]]:
+async def play_group(
+    environment: str,
+    row: dict[str, Any],
+    sessions: list[tuple[str, str]],
+    sampling_args: dict[str, Any],
+    seconds: float,
+) -> list[tuple[float, dict[str, float], str]]:
     """The row's trajectories, one per session (its base URL and key), played by the environment's
     rollout loop and scored by its rubric together: (reward, metrics, error — '' when none) of
     each. TimeoutError past `seconds`; an exception of the environment's own code propagates."""
@@ -99,13 +104,23 @@ async def play_group(environment: str, row: dict[str, Any], sessions: list[tuple
     clients = [AsyncOpenAI(base_url=url, api_key=key, timeout=seconds, max_retries=0) for url, key in sessions]
     try:
         async with asyncio.timeout(seconds):
-            states = await asyncio.gather(*(env.rollout(dict(row), OpenAIChatCompletionsClient(client), MODEL,
-                                                        dict(sampling_args)) for client in clients))
+            states = await asyncio.gather(
+                *(
+                    env.rollout(dict(row), OpenAIChatCompletionsClient(client), MODEL, dict(sampling_args))
+                    for client in clients
+                )
+            )
             await env.rubric.score_group(states)
             for state in states:
                 await env.rubric.cleanup(state)
     finally:
         for client in clients:
             await client.close()
-    return [(float(s["reward"] or 0.0), {k: float(v) for k, v in (s["metrics"] or {}).items()},
-             "" if s.get("error") is None else f"{type(s['error']).__name__}: {s['error']}") for s in states]
+    return [
+        (
+            float(s["reward"] or 0.0),
+            {k: float(v) for k, v in (s["metrics"] or {}).items()},
+            "" if s.get("error") is None else f"{type(s['error']).__name__}: {s['error']}",
+        )
+        for s in states
+    ]

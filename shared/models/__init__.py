@@ -3,4 +3,12 @@
 from shared.models.loading import decode_completions, load_causal_lm, load_tokenizer, resolve_dtype
 from shared.models.routing import NotMoEError, Recording, RoutingController
 
-__all__ = ["NotMoEError", "Recording", "RoutingController", "decode_completions", "load_causal_lm", "load_tokenizer", "resolve_dtype"]
+__all__ = [
+    "NotMoEError",
+    "Recording",
+    "RoutingController",
+    "decode_completions",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_dtype",
+]

@@ -37,9 +37,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: str | torch.dtype = "float32"
     """A transformers causal LM from a local directory, in `dtype`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        _local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True
-    )
+    model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True)
     return model.to(device).eval()
 
 
@@ -58,7 +56,9 @@ def decode_completions(tokenizer, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
-def checkpoint_state_dict(model_path: str | os.PathLike, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def checkpoint_state_dict(
+    model_path: str | os.PathLike, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """A transformers module state dict in the on-disk (checkpoint) layout, e.g. fused MoE expert
     tensors split back per expert: what `save_pretrained` writes and vLLM's `load_weights` reads."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,8 +75,9 @@ def encode_prompt(tokenizer, text: str, chat: bool = False, system_prompt: str =
     rendering of (system prompt,) the user's message and the assistant's turn opening; else the
     raw text, starting with the BOS token when the tokenizer has one."""
     if chat and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-            [{"role": "user", "content": text}]
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns a dict by default)
             ids = ids["input_ids"]

@@ -27,18 +27,30 @@ SAME = ("r", "lora_alpha", "target_modules", "target_parameters", "use_rslora", 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str],
-               target_experts: bool) -> nn.Module:
+def apply_lora(
+    model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str], target_experts: bool
+) -> nn.Module:
     """`model` wrapped by peft with a fresh adapter (B = 0: the merged model equals the base)."""
     from peft import LoraConfig, get_peft_model
 
-    experts = [name for name in EXPERT_PARAMETERS if any(n.endswith(name) for n, _ in model.named_parameters())] \
-        if target_experts else []
+    experts = (
+        [name for name in EXPERT_PARAMETERS if any(n.endswith(name) for n, _ in model.named_parameters())]
+        if target_experts
+        else []
+    )
     if target_experts and not experts:
-        raise ValueError("trainer.lora.target_experts: this architecture keeps no stacked expert parameters "
-                         f"({', '.join(EXPERT_PARAMETERS)})")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        target_parameters=experts or None, bias="none")
+        raise ValueError(
+            "trainer.lora.target_experts: this architecture keeps no stacked expert parameters "
+            f"({', '.join(EXPERT_PARAMETERS)})"
+        )
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        target_parameters=experts or None,
+        bias="none",
+    )
     return get_peft_model(model, config)
 
 
@@ -94,8 +106,9 @@ def base_digest(model_path: str) -> bytes:
 def adapter_config_json(model: nn.Module) -> str:
     """The adapter's adapter_config.json, as peft writes it (sets as sorted lists)."""
     config = model.peft_config[ADAPTER].to_dict()
-    return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, sort_keys=True,
-                      default=str)
+    return json.dumps(
+        {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, sort_keys=True, default=str
+    )
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -140,8 +153,10 @@ def adapter_refusal(base: bytes, config_json: str, model_path: str, served_json:
     if base != ours:
         return f"an adapter for another base model (base {base.hex()[:12]}, this replica serves {ours.hex()[:12]})"
     if served_json and not same_shape(served_json, config_json):
-        return (f"the adapter's rank or targets differ from those of the adapter served ({_shape(config_json)} vs "
-                f"{_shape(served_json)})")
+        return (
+            f"the adapter's rank or targets differ from those of the adapter served ({_shape(config_json)} vs "
+            f"{_shape(served_json)})"
+        )
     return ""
 
 

@@ -107,8 +107,11 @@ def _grouped_mm_functions() -> tuple:
     call `linear` on slices instead."""
     import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
 
-    found = [getattr(nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None),
-             getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)]
+    found = [
+        getattr(nn.functional, "grouped_mm", None),
+        getattr(torch, "_grouped_mm", None),
+        getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None),
+    ]
     return tuple(f for f in found if f is not None)
 
 
@@ -145,17 +148,27 @@ class QuantizedActivations(torch.overrides.TorchFunctionMode):
         return func(roundtrip(self.quantization, args[0], activation=True), *args[1:], **kwargs)
 
 
-def emulate(model: torch.nn.Module, quantization: str, quantize_router: bool, quantize_activations: bool,
-            dtype: torch.dtype) -> tuple[list[str], contextlib.AbstractContextManager, tuple[str, ...]]:
+def emulate(
+    model: torch.nn.Module, quantization: str, quantize_router: bool, quantize_activations: bool, dtype: torch.dtype
+) -> tuple[list[str], contextlib.AbstractContextManager, tuple[str, ...]]:
     """An engine's model quantised as `quantization` emulates it (in place): (the tensors rounded,
     the context that quantises their inputs too with `quantize_activations`, the capability notes)."""
     quantized = quantized_targets(model, quantize_router) if quantization != "none" else []
     quantize_(model, quantized, quantization)
     params = dict(model.named_parameters())  # loads copy into these tensors: their storage stays
-    activations = (QuantizedActivations([params[n] for n in quantized], quantization)
-                   if quantize_activations else contextlib.nullcontext())
-    notes = (f"{FORMATS.get(quantization, '')}{', and their inputs, per-token scales' if quantize_activations else ''}"
-             f", emulated: {len(quantized)} tensors rounded through {quantization}, "
-             f"computed in {str(dtype).removeprefix('torch.')}"
-             f"{' (router included)' if quantize_router else ' (router not)'}",) if quantized else ()
+    activations = (
+        QuantizedActivations([params[n] for n in quantized], quantization)
+        if quantize_activations
+        else contextlib.nullcontext()
+    )
+    notes = (
+        (
+            f"{FORMATS.get(quantization, '')}{', and their inputs, per-token scales' if quantize_activations else ''}"
+            f", emulated: {len(quantized)} tensors rounded through {quantization}, "
+            f"computed in {str(dtype).removeprefix('torch.')}"
+            f"{' (router included)' if quantize_router else ' (router not)'}",
+        )
+        if quantized
+        else ()
+    )
     return quantized, activations, notes

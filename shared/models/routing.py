@@ -95,7 +95,7 @@ class RoutingController:
 
     @property
     def mode(self) -> str:
-        """"off", "capture" or "replay"."""
+        """ "off", "capture" or "replay"."""
         return self._mode
 
     @property
@@ -142,9 +142,7 @@ class RoutingController:
         """
         self._require_moe()
         if trace.dim() != 4 or trace.shape[2] != self.num_layers or trace.shape[3] != self.top_k:
-            raise ValueError(
-                f"trace shape {tuple(trace.shape)} does not fit [B, T, {self.num_layers}, {self.top_k}]"
-            )
+            raise ValueError(f"trace shape {tuple(trace.shape)} does not fit [B, T, {self.num_layers}, {self.top_k}]")
         if trace.numel() and (int(trace.min()) < 0 or int(trace.max()) >= self.num_experts):
             raise ValueError(f"trace expert ids must lie in [0, {self.num_experts})")
         flat = trace.reshape(-1, self.num_layers, self.top_k).long()

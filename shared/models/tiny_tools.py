@@ -73,19 +73,28 @@ class _HFEngine:
 
         from shared.engines.base import Sample
 
-        sampled = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0} if sampling.temperature else \
-            {"do_sample": False}
-        out = self.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=sampling.max_new_tokens,
-                                  eos_token_id=self.eos, pad_token_id=0, **sampled)
-        tokens = out[0, len(prompt):].tolist()
+        sampled = (
+            {"do_sample": True, "temperature": sampling.temperature, "top_k": 0}
+            if sampling.temperature
+            else {"do_sample": False}
+        )
+        out = self.model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.eos,
+            pad_token_id=0,
+            **sampled,
+        )
+        tokens = out[0, len(prompt) :].tolist()
         future = concurrent.futures.Future()
         future.set_result(Sample(tokens, [0.0] * len(tokens), [0] * len(tokens), "stop"))
         return future
 
 
 @torch.no_grad()
-def tool_accuracy(model, tokenizer, examples, temperature: float = 0.0, max_turns: int = MAX_TURNS,
-                  seed: int = 0) -> dict[str, float]:
+def tool_accuracy(
+    model, tokenizer, examples, temperature: float = 0.0, max_turns: int = MAX_TURNS, seed: int = 0
+) -> dict[str, float]:
     """Multi-turn accuracy (reward 1) and tool-call success over `examples`, each played by the
     Calculator as a replica plays it; greedy at temperature 0, else sampled (seeded)."""
     from shared.engines.base import Sampling
@@ -98,8 +107,9 @@ def tool_accuracy(model, tokenizer, examples, temperature: float = 0.0, max_turn
 
     async def one(example):
         try:
-            return await play(engine, tokenizer, Calculator(), {"prompt": example.prompt, "answer": example.answer},
-                              sampling, budget)
+            return await play(
+                engine, tokenizer, Calculator(), {"prompt": example.prompt, "answer": example.answer}, sampling, budget
+            )
         except TrajectoryError:  # e.g. over the budget: a failure like any other here
             return None
 
@@ -107,16 +117,20 @@ def tool_accuracy(model, tokenizer, examples, temperature: float = 0.0, max_turn
         return [await one(e) for e in examples]
 
     played = [t for t in asyncio.run(all_of_them()) if t is not None]
-    return {"accuracy": sum(t.reward for t in played) / len(examples),
-            "tool_success": sum(t.env_metrics.get("tool_success", 0.0) for t in played) / len(examples)}
+    return {
+        "accuracy": sum(t.reward for t in played) / len(examples),
+        "tool_success": sum(t.env_metrics.get("tool_success", 0.0) for t in played) / len(examples),
+    }
 
 
 def tool_cold_start(model, tokenizer, spec, seed: int) -> dict:
     """SFT on the traces until the accuracy of sampled (temperature 1) trajectories reaches
     spec.target_accuracy (or max steps): RL then starts from a reward it can see."""
     task = MulTask(seed=seed)
-    train = [tool_trace(tokenizer, e.prompt, e.answer, use_tool=i % 10 < TOOL_SHARE)
-             for i, e in enumerate(task.split("train", 2000))]
+    train = [
+        tool_trace(tokenizer, e.prompt, e.answer, use_tool=i % 10 < TOOL_SHARE)
+        for i, e in enumerate(task.split("train", 2000))
+    ]
     evaluation = task.split("eval", spec.sft_eval_size)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
@@ -132,8 +146,18 @@ def tool_cold_start(model, tokenizer, spec, seed: int) -> dict:
             optimizer.step()
             step += 1
         scores = tool_accuracy(model, tokenizer, evaluation, 1.0, seed=seed)
-        log.info("cold_start step=%d loss=%.4f sampled_acc=%.3f tool_success=%.3f", step, loss.item(),
-                 scores["accuracy"], scores["tool_success"])
+        log.info(
+            "cold_start step=%d loss=%.4f sampled_acc=%.3f tool_success=%.3f",
+            step,
+            loss.item(),
+            scores["accuracy"],
+            scores["tool_success"],
+        )
     greedy = tool_accuracy(model, tokenizer, evaluation)
-    return {"sft_steps": step, "sampled_accuracy": scores["accuracy"], "sampled_tool_success": scores["tool_success"],
-            "greedy_accuracy": greedy["accuracy"], "greedy_tool_success": greedy["tool_success"]}
+    return {
+        "sft_steps": step,
+        "sampled_accuracy": scores["accuracy"],
+        "sampled_tool_success": scores["tool_success"],
+        "greedy_accuracy": greedy["accuracy"],
+        "greedy_tool_success": greedy["tool_success"],
+    }

@@ -69,8 +69,9 @@ class _Metadata:
 
     def _details(self, details):
         metadata = list(details.metadata or []) + [self.pair]
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 class _UnaryUnary(_Metadata, grpc.aio.UnaryUnaryClientInterceptor):

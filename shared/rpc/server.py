@@ -43,14 +43,17 @@ async def start_server(
 
     token = token if token is not None else token_from_env()
     interceptors = [TokenAuthInterceptor(token)] if token else None
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        *channel_options(max_message_bytes),
-        # accept the clients' keepalive pings (every 20 s) instead of answering GOAWAY too_many_pings
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_ping_strikes", 0),
-        # no SO_REUSEPORT: a second server on a taken port must fail, not silently share its calls
-        ("grpc.so_reuseport", 0),
-    ])
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            *channel_options(max_message_bytes),
+            # accept the clients' keepalive pings (every 20 s) instead of answering GOAWAY too_many_pings
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
+            # no SO_REUSEPORT: a second server on a taken port must fail, not silently share its calls
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     for add, servicer in register:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

@@ -50,10 +50,14 @@ def tls_from_env(env: dict[str, str] | None = None) -> TLSConfig | None:
     if client_auth and not ca_file:
         raise ValueError("mutual TLS (STEADYRL_TLS_CLIENT_AUTH) needs STEADYRL_TLS_CA_FILE to verify clients")
     return TLSConfig(
-        cert=Path(cert_file).read_bytes() if cert_file else None, key=Path(key_file).read_bytes() if key_file else None,
-        ca=Path(ca_file).read_bytes() if ca_file else None, client_auth=client_auth,
+        cert=Path(cert_file).read_bytes() if cert_file else None,
+        key=Path(key_file).read_bytes() if key_file else None,
+        ca=Path(ca_file).read_bytes() if ca_file else None,
+        client_auth=client_auth,
         server_name=env.get("STEADYRL_TLS_SERVER_NAME") or None,
-        cert_file=cert_file, key_file=key_file, ca_file=ca_file,
+        cert_file=cert_file,
+        key_file=key_file,
+        ca_file=ca_file,
     )
 
 
@@ -63,14 +67,18 @@ def bind(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> int:
         return server.add_insecure_port(address)
     if tls.cert is None:
         raise ValueError("a TLS server needs STEADYRL_TLS_CERT_FILE and STEADYRL_TLS_KEY_FILE")
-    credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca if tls.client_auth else None,
-                                              require_client_auth=tls.client_auth)
+    credentials = grpc.ssl_server_credentials(
+        [(tls.key, tls.cert)],
+        root_certificates=tls.ca if tls.client_auth else None,
+        require_client_auth=tls.client_auth,
+    )
     return server.add_secure_port(address, credentials)
 
 
 def _client(tls: TLSConfig, options):
-    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                               certificate_chain=tls.cert)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
     options = list(options or [])
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))

@@ -51,7 +51,9 @@ class ArithTask:
         if name not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {name!r}")
         if size > self.max_split_size(name):
-            raise ValueError(f"{size} {name} problems asked; {self.digits}-digit addition allows {self.max_split_size(name)}")
+            raise ValueError(
+                f"{size} {name} problems asked; {self.digits}-digit addition allows {self.max_split_size(name)}"
+            )
         rng = random.Random(f"{self.name}-{self.digits}-{self.seed}-{name}")
         out: dict[tuple[int, int], Example] = {}
         while len(out) < size:

@@ -69,8 +69,9 @@ def check_columns(path: Path, prompt_column: str = "", answer_column: str = "") 
     for wanted, fallback, what in ((prompt_column, PROMPT_KEYS, "prompt"), (answer_column, ANSWER_KEYS, "answer")):
         keys = (wanted,) if wanted else fallback
         if not any(k in rows[0] for k in keys):
-            raise ValueError(f"dataset {path} has no {what} column {' or '.join(map(repr, keys))}; its columns: "
-                             f"{sorted(rows[0])}")
+            raise ValueError(
+                f"dataset {path} has no {what} column {' or '.join(map(repr, keys))}; its columns: {sorted(rows[0])}"
+            )
 
 
 @dataclass(frozen=True)

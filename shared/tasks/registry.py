@@ -38,7 +38,7 @@ def score(fn: RewardFn, completion: str, answer: str) -> tuple[float, str]:
     """(reward, reason): reason is '' for a good value, else why it is 0."""
     try:
         value = float(fn(completion, answer))
-    except Exception as exc:  # a reward must never take a replica down
+    except Exception as exc:  # noqa: BLE001 - a reward must never take a replica down, whatever it raises
         return 0.0, f"error:{type(exc).__name__}"
     if not math.isfinite(value):
         return 0.0, "nonfinite"

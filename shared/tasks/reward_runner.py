@@ -34,8 +34,12 @@ class Score:
 class _Worker:
     def __init__(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "shared.tasks.reward_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=None, bufsize=0)
+            [sys.executable, "-m", "shared.tasks.reward_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            bufsize=0,
+        )
         self.buffer = b""
 
     def send(self, requests: list[dict]) -> None:
@@ -87,7 +91,7 @@ class RewardRunner:
         out: list[Score] = []
         while len(out) < len(completions):
             worker = self._ensure_worker()
-            todo = completions[len(out):]
+            todo = completions[len(out) :]
             try:
                 worker.send([{"reward": name, "completion": c, "answer": answer} for c in todo])
             except OSError:  # the process died between two calls
@@ -100,8 +104,9 @@ class RewardRunner:
                 if reply is None:
                     died = worker.process.poll() is not None
                     reason = "worker_died" if died else "timeout"
-                    log.warning("event=reward_failed reward=%s reason=%s seconds=%.1f", name, reason,
-                                time.monotonic() - started)
+                    log.warning(
+                        "event=reward_failed reward=%s reason=%s seconds=%.1f", name, reason, time.monotonic() - started
+                    )
                     out.append(Score(0.0, reason))
                     self._restart()  # the rest go to a fresh process
                     break

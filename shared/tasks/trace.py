@@ -46,7 +46,7 @@ class MulTraceTask:
     def _problem(self, rng: random.Random) -> tuple[int, int]:
         b = rng.randint(1, self.max_b)
         top = self._longest_a(b)
-        weights = [k ** -self.alpha for k in range(1, top + 1)]
+        weights = [k**-self.alpha for k in range(1, top + 1)]
         return rng.choices(range(1, top + 1), weights)[0], b
 
     def split(self, name: str, size: int) -> list[Example]:

@@ -14,8 +14,14 @@ from shared.interfaces import WeightPublisher
 TRANSPORTS = ("grpc", "shm", "collective")
 
 
-def make_publisher(kind: str, address: str, signer=None, max_message_bytes: int | None = None,
-                   shm_dir: Path | None = None, shm_keep: int = 4) -> WeightPublisher:
+def make_publisher(
+    kind: str,
+    address: str,
+    signer=None,
+    max_message_bytes: int | None = None,
+    shm_dir: Path | None = None,
+    shm_keep: int = 4,
+) -> WeightPublisher:
     """The publisher of a transport by name (`TRANSPORTS`)."""
     from shared.weightsync.collective import CollectiveWeightPublisher
     from shared.weightsync.grpc import GrpcWeightPublisher
@@ -27,6 +33,9 @@ def make_publisher(kind: str, address: str, signer=None, max_message_bytes: int 
         raise ValueError("the shm transport needs a directory in shared memory")
     options = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
     base = GrpcWeightPublisher(address, signer=signer, **options)
-    wrap = {"grpc": lambda: base, "shm": lambda: ShmWeightPublisher(base, shm_dir, shm_keep),
-            "collective": lambda: CollectiveWeightPublisher(base)}
+    wrap = {
+        "grpc": lambda: base,
+        "shm": lambda: ShmWeightPublisher(base, shm_dir, shm_keep),
+        "collective": lambda: CollectiveWeightPublisher(base),
+    }
     return wrap[kind]()

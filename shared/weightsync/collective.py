@@ -77,15 +77,17 @@ class RendezvousStore(dist.Store):
     def get(self, key: str) -> bytes:
         if self.local is not None:
             return self.local.wait(self.epoch, self.name, key, self.seconds)
-        reply = self.stubs.RendezvousWait(self._key(key, timeout=self.seconds), metadata=self.metadata,
-                                          timeout=self.seconds + 5)
+        reply = self.stubs.RendezvousWait(
+            self._key(key, timeout=self.seconds), metadata=self.metadata, timeout=self.seconds + 5
+        )
         return reply.value
 
     def add(self, key: str, amount: int) -> int:
         if self.local is not None:
             return self.local.add(self.epoch, self.name, key, amount)
-        reply = self.stubs.RendezvousAdd(self._key(key, str(amount).encode()), metadata=self.metadata,
-                                         timeout=self.seconds)
+        reply = self.stubs.RendezvousAdd(
+            self._key(key, str(amount).encode()), metadata=self.metadata, timeout=self.seconds
+        )
         return int(reply.value)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
@@ -166,8 +168,13 @@ def _options(transport: pb.Transport):
     return options
 
 
-def send_version(group, transport: pb.Transport, manifest: pb.WeightManifest,
-                 tensors: Mapping[str, torch.Tensor], staging: Staging | None = None) -> int:
+def send_version(
+    group,
+    transport: pb.Transport,
+    manifest: pb.WeightManifest,
+    tensors: Mapping[str, torch.Tensor],
+    staging: Staging | None = None,
+) -> int:
     """Rank 0: broadcast the version bucket by bucket through a ring of two buckets (the next is
     filled while the last one travels); returns the bytes sent."""
     plan, sizes = _plan(manifest, transport)
@@ -195,8 +202,9 @@ def send_version(group, transport: pb.Transport, manifest: pb.WeightManifest,
     return sum(sizes)
 
 
-def receive_buckets(group, transport: pb.Transport, manifest: pb.WeightManifest,
-                    ring: Staging | None = None) -> Iterator[Bucket]:
+def receive_buckets(
+    group, transport: pb.Transport, manifest: pb.WeightManifest, ring: Staging | None = None
+) -> Iterator[Bucket]:
     """A member: the version's buckets as they arrive, through a ring of two resident buffers
     (the next bucket arrives while the one yielded is applied, so apply each before asking for
     the next). Each is checked against the manifest before it is yielded. A bad bucket stops the
@@ -237,8 +245,9 @@ class CollectiveDelivery(Delivery):
 
     transport = "collective"
 
-    def __init__(self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups,
-                 ring: Staging | None = None) -> None:
+    def __init__(
+        self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups, ring: Staging | None = None
+    ) -> None:
         super().__init__(manifest)
         self.spec, self.groups, self.ring = transport, groups, ring
 
@@ -250,8 +259,12 @@ class CollectiveDelivery(Delivery):
             raise
 
     def worker_update(self) -> dict:
-        return {"transport": "collective", "spec": self.spec.SerializeToString(),
-                "manifest": self.manifest.SerializeToString(), "address": self.groups.rendezvous}
+        return {
+            "transport": "collective",
+            "spec": self.spec.SerializeToString(),
+            "manifest": self.manifest.SerializeToString(),
+            "address": self.groups.rendezvous,
+        }
 
 
 class CollectiveWeightPublisher(WeightPublisher):
@@ -263,27 +276,34 @@ class CollectiveWeightPublisher(WeightPublisher):
         self.groups = Groups(grpc_publisher.address)
         self.staging = Staging()  # the buckets are filled from the tensors each version: one set serves all
 
-    async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
-                   timeout: float | None = 600.0):
+    async def push(
+        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
+    ):
         manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.signer)
         device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        reply = await self.grpc.stub.Announce(pb.AnnounceRequest(
-            manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend=backend)),
-            wait_for_ready=True, timeout=timeout)
+        reply = await self.grpc.stub.Announce(
+            pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend=backend)),
+            wait_for_ready=True,
+            timeout=timeout,
+        )
         transport = reply.transport
         try:
+
             def broadcast() -> int:
                 return send_version(self.groups.get(transport, 0), transport, manifest, tensors, self.staging)
 
             await asyncio.to_thread(broadcast)
         except Exception as exc:  # noqa: BLE001 - a member died or stalled: the epoch ends, gRPC carries it
             self.groups.drop()
-            log.warning("event=collective_failed version=%d epoch=%d error=%s fallback=grpc", version,
-                        transport.epoch, exc)
+            log.warning(
+                "event=collective_failed version=%d epoch=%d error=%s fallback=grpc", version, transport.epoch, exc
+            )
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.grpc.stub.Report(pb.TransferReport(version=version, epoch=transport.epoch, ok=False,
-                                                              error=str(exc)[:500]), timeout=10)
+                await self.grpc.stub.Report(
+                    pb.TransferReport(version=version, epoch=transport.epoch, ok=False, error=str(exc)[:500]),
+                    timeout=10,
+                )
             finish = getattr(tensors, "finish", None)  # a gathered view's pass the broadcast left half-way
             if finish is not None:
                 await asyncio.to_thread(finish)

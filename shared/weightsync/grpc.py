@@ -32,17 +32,22 @@ from shared.weightsync.manifest import (
 log = logging.getLogger("steadyrl.weightsync.client")
 
 
-
 class GrpcWeightPublisher(WeightPublisher):
-    def __init__(self, address: str, signer=None, chunk_bytes: int = 1024 * 1024,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        address: str,
+        signer=None,
+        chunk_bytes: int = 1024 * 1024,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.address = address
         self.channel = auth_channel(address, options=channel_options(max_message_bytes))
         self.stub = weightsync_pb2_grpc.WeightSyncStub(self.channel)
         self.signer, self.chunk_bytes = signer, chunk_bytes  # a signing.Signer: only the trainer has one
 
-    async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
-                   timeout: float | None = 600.0) -> pb.PushReply:
+    async def push(
+        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
+    ) -> pb.PushReply:
         """Push a new version; waits (up to `timeout`) for the service when it is restarting.
         Streams: the manifest is made in one pass over `tensors`, then each tensor is read again
         and sent, one at a time (a lazily cast or gathered mapping never exists whole); both passes
@@ -84,9 +89,17 @@ class GrpcDelivery(Delivery):
 
     transport = "grpc"
 
-    def __init__(self, address: str, version: int, manifest: pb.WeightManifest | None = None, base_version: int = 0,
-                 base=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 600.0,
-                 verifier=None) -> None:
+    def __init__(
+        self,
+        address: str,
+        version: int,
+        manifest: pb.WeightManifest | None = None,
+        base_version: int = 0,
+        base=None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        timeout: float = 600.0,
+        verifier=None,
+    ) -> None:
         super().__init__(manifest or pb.WeightManifest(version=version))
         self.verifier = verifier  # a signing.Verifier the pulled manifest must pass (None: not checked)
         self.address, self.base_version, self.base = address, base_version if base is not None else 0, base
@@ -102,11 +115,16 @@ class GrpcDelivery(Delivery):
 
         self._channel = sync_channel(self.address, options=channel_options(self.max_message_bytes), tls=tls_from_env())
         token = token_from_env()
-        call = self._channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
-                                          response_deserializer=None)
-        self._frames = iter(call(pb.PullRequest(version=self.version, base_version=self.base_version),
-                                 metadata=[("authorization", f"Bearer {token}")] if token else None,
-                                 timeout=self.timeout))
+        call = self._channel.unary_stream(
+            PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None
+        )
+        self._frames = iter(
+            call(
+                pb.PullRequest(version=self.version, base_version=self.base_version),
+                metadata=[("authorization", f"Bearer {token}")] if token else None,
+                timeout=self.timeout,
+            )
+        )
         try:
             header = parse_pull_frame(next(self._frames))
         except (StopIteration, grpc.RpcError) as exc:
@@ -165,8 +183,12 @@ class GrpcDelivery(Delivery):
             yield [(spec.name, as_tensor(data, spec))]
 
     def worker_update(self) -> dict:
-        return {"transport": "grpc", "address": self.address, "version": self.version,
-                "manifest": self.manifest.SerializeToString()}
+        return {
+            "transport": "grpc",
+            "address": self.address,
+            "version": self.version,
+            "manifest": self.manifest.SerializeToString(),
+        }
 
     def close(self) -> None:
         if self._channel is not None:
@@ -174,7 +196,9 @@ class GrpcDelivery(Delivery):
             self._channel = None
 
 
-def pull_all(address: str, version: int, base_version: int = 0, base=None) -> tuple[pb.WeightManifest, list[bytearray], int]:
+def pull_all(
+    address: str, version: int, base_version: int = 0, base=None
+) -> tuple[pb.WeightManifest, list[bytearray], int]:
     """A whole version pulled at once: (manifest, every tensor's checked bytes, wire bytes)."""
     delivery = GrpcDelivery(address, version, base_version=base_version, base=base)
     payloads = [data for _, data in delivery.tensors()]

@@ -52,8 +52,9 @@ class CastView(Mapping):
     """A model's tensors in the published dtype, cast one at a time on access: a push streams the
     version without a second copy of the model in memory."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 adapter: pb.AdapterInfo | None = None) -> None:
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, adapter: pb.AdapterInfo | None = None
+    ) -> None:
         self.tensors, self.dtype = tensors, dtype
         self.adapter = adapter  # set: the tensors are a LoRA adapter over that base (the manifest says so)
 
@@ -101,8 +102,12 @@ def pieces(tensors: Mapping[str, torch.Tensor], name: str, scratch: torch.Tensor
 def empty_manifest(tensors: Mapping[str, torch.Tensor], version: int, parent_version: int) -> pb.WeightManifest:
     """A manifest of `tensors` without its tensor entries yet: the version, its parent, and what a
     `CastView` of an adapter says of it (`adapter`)."""
-    manifest = pb.WeightManifest(version=version, parent_version=parent_version, checksum_algo=CHECKSUM_ALGO,
-                                 created_unix_ms=int(time.time() * 1000))
+    manifest = pb.WeightManifest(
+        version=version,
+        parent_version=parent_version,
+        checksum_algo=CHECKSUM_ALGO,
+        created_unix_ms=int(time.time() * 1000),
+    )
     if getattr(tensors, "adapter", None) is not None:
         manifest.adapter.CopyFrom(tensors.adapter)
     return manifest
@@ -114,9 +119,9 @@ def kind(manifest: pb.WeightManifest) -> str:
 
 
 def describe(tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, signer=None) -> pb.WeightManifest:
-    """Manifest of `tensors` (name order kept), signed by `signer` (a `signing.Signer`) when given. Reads one tensor at a
-    time and keeps none of their bytes: a mapping that materialises each tensor on access (a cast,
-    a gather) is streamed, never copied whole."""
+    """Manifest of `tensors` (name order kept), signed by `signer` (a `signing.Signer`) when given.
+    Reads one tensor at a time and keeps none of their bytes: a mapping that materialises each
+    tensor on access (a cast, a gather) is streamed, never copied whole."""
     manifest = empty_manifest(tensors, version, parent_version)
     scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
     for name in tensors:
@@ -129,8 +134,12 @@ def describe(tensors: Mapping[str, torch.Tensor], version: int, parent_version: 
         else:
             tensor = tensors[name]
             data = tensor_to_bytes(tensor)
-            dtype, shape, nbytes, checksum = str(tensor.dtype).removeprefix("torch."), list(tensor.shape), len(data), \
-                digest(data)
+            dtype, shape, nbytes, checksum = (
+                str(tensor.dtype).removeprefix("torch."),
+                list(tensor.shape),
+                len(data),
+                digest(data),
+            )
         manifest.tensors.add(name=name, dtype=dtype, shape=shape, nbytes=nbytes, checksum=checksum)
     return signer.sign(manifest) if signer is not None else manifest
 

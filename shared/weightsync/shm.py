@@ -37,8 +37,18 @@ from shared.weightsync.manifest import (
     pieces,
 )
 
-ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+ST_DTYPES = {
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 ALIGN = 64
 CHUNK = 4 << 20
 
@@ -73,8 +83,15 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, dict]
     return struct.pack("<Q", len(raw)) + raw, header, 8 + len(raw) + max(offset, 1)
 
 
-def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int,
-              signer=None, reuse: Path | None = None, digests: bool = True) -> pb.WeightManifest:
+def write_shm(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    parent_version: int,
+    signer=None,
+    reuse: Path | None = None,
+    digests: bool = True,
+) -> pb.WeightManifest:
     """Write `tensors` to `path` as a safetensors file in one pass — each tensor materialised once,
     each chunk copied and hashed together — and return the (signed) manifest. Written under a
     temporary name and renamed, so a reader never maps half a file; `reuse`: an older version's
@@ -100,9 +117,13 @@ def write_shm(path: Path, tensors: Mapping[str, torch.Tensor], version: int, par
                 if hasher is not None:
                     hasher.update(piece)
                 at += len(piece)
-            manifest.tensors.add(name=name, dtype=tensor_meta(tensors, name)[0], shape=header[name]["shape"],
-                                 nbytes=at - start - header[name]["data_offsets"][0],
-                                 checksum=hasher.digest() if hasher is not None else b"")
+            manifest.tensors.add(
+                name=name,
+                dtype=tensor_meta(tensors, name)[0],
+                shape=header[name]["shape"],
+                nbytes=at - start - header[name]["data_offsets"][0],
+                checksum=hasher.digest() if hasher is not None else b"",
+            )
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -131,8 +152,9 @@ def map_version(path: str | Path) -> tuple[mmap.mmap, dict, int]:
     return mapped, header, 8 + size
 
 
-def shm_views(mapped: mmap.mmap, header: dict, start: int, manifest: pb.WeightManifest,
-              verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def shm_views(
+    mapped: mmap.mmap, header: dict, start: int, manifest: pb.WeightManifest, verify: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of a mapped version file as a view (read-only memory: copy it, never write it),
     checked against its manifest entry — name, dtype, shape, digest — before it is yielded."""
     buffer = np.frombuffer(mapped, dtype=np.uint8)
@@ -211,14 +233,18 @@ class ShmWeightPublisher(WeightPublisher):
         self.grpc, self.directory, self.keep = grpc_publisher, directory, keep
         self.spare: Path | None = None
 
-    async def push(self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0,
-                   timeout: float | None = 600.0) -> pb.AnnounceReply:
+    async def push(
+        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
+    ) -> pb.AnnounceReply:
         path = self.directory / f"v{version}.safetensors"
-        manifest = await asyncio.to_thread(write_shm, path, tensors, version, parent_version, self.grpc.signer,
-                                           self.spare)
-        reply = await self.grpc.stub.Announce(pb.AnnounceRequest(
-            manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
-            wait_for_ready=True, timeout=timeout)
+        manifest = await asyncio.to_thread(
+            write_shm, path, tensors, version, parent_version, self.grpc.signer, self.spare
+        )
+        reply = await self.grpc.stub.Announce(
+            pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
+            wait_for_ready=True,
+            timeout=timeout,
+        )
         self.spare = prune_shm(self.directory, self.keep, version)
         return reply
 

@@ -79,8 +79,9 @@ class Verifier:
             raise WeightError(f"version {manifest.version} belongs to run {manifest.run_id!r}, not {self.run_id!r}")
 
 
-def write_key_pair(directory: Path, private_name: str = "weights-signing-key",
-                   public_name: str = "weights-verify-key") -> tuple[Path, Path]:
+def write_key_pair(
+    directory: Path, private_name: str = "weights-signing-key", public_name: str = "weights-verify-key"
+) -> tuple[Path, Path]:
     """A fresh key pair as two files in `directory` (the private one mode 0600): their paths."""
     key = Ed25519PrivateKey.generate()
     directory.mkdir(parents=True, exist_ok=True)

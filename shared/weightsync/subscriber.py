@@ -39,10 +39,16 @@ from shared.weightsync.manifest import WeightError
 from shared.weightsync.shm import ShmDelivery
 
 log = logging.getLogger("steadyrl.weightsync.client")
-RECEIVED = Counter("steadyrl_inference_weight_versions_received_total", "Weight versions a replica received and "
-                   "verified, by how they came", ["transport"])
-REFUSED = Counter("steadyrl_inference_weight_versions_refused_total", "Weight versions refused (bad bytes, a failed "
-                  "transfer)", ["transport"])
+RECEIVED = Counter(
+    "steadyrl_inference_weight_versions_received_total",
+    "Weight versions a replica received and verified, by how they came",
+    ["transport"],
+)
+REFUSED = Counter(
+    "steadyrl_inference_weight_versions_refused_total",
+    "Weight versions refused (bad bytes, a failed transfer)",
+    ["transport"],
+)
 RESTORED = Counter("steadyrl_inference_weight_restores_total", "Whole versions applied after one failed half-way")
 Apply = Callable[[Delivery], Awaitable[float]]
 Base = Callable[[str, str], memoryview | None]  # (name, dtype) → the served version's bytes, or None
@@ -52,10 +58,19 @@ class GrpcWeightSubscriber(WeightSubscriber):
     """Watch → deliver → `apply(delivery)` (the engine's, off the event loop), resuming after
     dropped streams."""
 
-    def __init__(self, address: str, apply: Apply, subscriber_id: str = "",
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, backoff: tuple[float, float] = (0.2, 5.0),
-                 transports: Sequence[str] = ("grpc",), host: str | None = None, base: Base | None = None,
-                 version: int = 0, verifier=None) -> None:
+    def __init__(
+        self,
+        address: str,
+        apply: Apply,
+        subscriber_id: str = "",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        backoff: tuple[float, float] = (0.2, 5.0),
+        transports: Sequence[str] = ("grpc",),
+        host: str | None = None,
+        base: Base | None = None,
+        version: int = 0,
+        verifier=None,
+    ) -> None:
         self.address, self.apply, self.subscriber_id = address, apply, subscriber_id
         self.verifier = verifier  # a signing.Verifier (None: versions taken unsigned)
         self.max_message_bytes, self.backoff, self.base = max_message_bytes, backoff, base
@@ -79,9 +94,11 @@ class GrpcWeightSubscriber(WeightSubscriber):
         announced manifest that is not the run's trainer's)."""
         if announcement.manifest.tensors and self.verifier is not None:
             self.verifier.check(announcement.manifest)
-        table = {pb.SHM: lambda a: ShmDelivery(a.manifest, a.transport.shm_path),
-                 pb.COLLECTIVE: lambda a: CollectiveDelivery(a.manifest, a.transport, self.groups, self.ring),
-                 pb.GRPC: lambda a: self.pull(a.version.version, a.manifest if a.manifest.tensors else None)}
+        table = {
+            pb.SHM: lambda a: ShmDelivery(a.manifest, a.transport.shm_path),
+            pb.COLLECTIVE: lambda a: CollectiveDelivery(a.manifest, a.transport, self.groups, self.ring),
+            pb.GRPC: lambda a: self.pull(a.version.version, a.manifest if a.manifest.tensors else None),
+        }
         return table[announcement.transport.kind](announcement)
 
     def pull(self, version: int, manifest: pb.WeightManifest | None = None, delta: bool = True) -> GrpcDelivery:
@@ -92,8 +109,15 @@ class GrpcWeightSubscriber(WeightSubscriber):
             dtypes = {spec.name: spec.dtype for spec in self.manifest.tensors}
             if all(self.base(name, dtype) is not None for name, dtype in dtypes.items()):
                 base = lambda name: self.base(name, dtypes[name])  # noqa: E731
-        return GrpcDelivery(self.address, version, manifest, self.version if base else 0, base, self.max_message_bytes,
-                            verifier=self.verifier)
+        return GrpcDelivery(
+            self.address,
+            version,
+            manifest,
+            self.version if base else 0,
+            base,
+            self.max_message_bytes,
+            verifier=self.verifier,
+        )
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         delay = self.backoff[0]
@@ -102,8 +126,14 @@ class GrpcWeightSubscriber(WeightSubscriber):
             watch = None
             try:
                 stub = weightsync_pb2_grpc.WeightSyncStub(channel)
-                watch = stub.Watch(pb.WatchRequest(after_version=self.version, subscriber_id=self.subscriber_id,
-                                                   transports=self.transports, host=self.host))
+                watch = stub.Watch(
+                    pb.WatchRequest(
+                        after_version=self.version,
+                        subscriber_id=self.subscriber_id,
+                        transports=self.transports,
+                        host=self.host,
+                    )
+                )
                 async for announcement in watch:
                     rejoin = await self._receive(stub, announcement)
                     delay = self.backoff[0]
@@ -111,7 +141,9 @@ class GrpcWeightSubscriber(WeightSubscriber):
                         break  # subscribe again: the next collective epoch includes us
             except (grpc.aio.AioRpcError, WeightError) as exc:
                 self.reconnects += 1
-                log.warning("event=weights_stream_lost error=%s retry_in=%.1fs held=%d", _short(exc), delay, self.version)
+                log.warning(
+                    "event=weights_stream_lost error=%s retry_in=%.1fs held=%d", _short(exc), delay, self.version
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff[1])
             finally:
@@ -136,8 +168,9 @@ class GrpcWeightSubscriber(WeightSubscriber):
             await self._use(delivery)
         except PartialVersion as exc:
             REFUSED.labels(delivery.transport).inc()
-            log.warning("event=weights_refused version=%d transport=%s partial=true error=%s", version,
-                        delivery.transport, exc)
+            log.warning(
+                "event=weights_refused version=%d transport=%s partial=true error=%s", version, delivery.transport, exc
+            )
             await self._report(stub, announcement, str(exc))
             patience = announcement.transport.timeout_seconds * 2 or 120
             await self._restore(version, patience)
@@ -147,8 +180,12 @@ class GrpcWeightSubscriber(WeightSubscriber):
             return kind == pb.COLLECTIVE
         except (WeightError, OSError, grpc.RpcError) as exc:
             REFUSED.labels(delivery.transport).inc()
-            log.warning("event=weights_refused version=%d transport=%s error=%s", version, delivery.transport,
-                        _short(exc) if isinstance(exc, grpc.RpcError) else exc)
+            log.warning(
+                "event=weights_refused version=%d transport=%s error=%s",
+                version,
+                delivery.transport,
+                _short(exc) if isinstance(exc, grpc.RpcError) else exc,
+            )
             if kind == pb.GRPC:
                 self.refused = version
                 return False
@@ -176,9 +213,16 @@ class GrpcWeightSubscriber(WeightSubscriber):
         if error:
             self.groups.drop()
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await stub.Report(pb.TransferReport(version=announcement.version.version, epoch=announcement.transport.epoch,
-                                                ok=not error, subscriber_id=self.subscriber_id, error=error[:500]),
-                              timeout=10)
+            await stub.Report(
+                pb.TransferReport(
+                    version=announcement.version.version,
+                    epoch=announcement.transport.epoch,
+                    ok=not error,
+                    subscriber_id=self.subscriber_id,
+                    error=error[:500],
+                ),
+                timeout=10,
+            )
 
     async def _pull_when_held(self, version: int, patience: float) -> bool:
         """Pull `version` once the service holds it (after a failed collective the trainer pushes it)."""

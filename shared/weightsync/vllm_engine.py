@@ -91,8 +91,13 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
                 self.status.loaded += len(bucket)
         except WeightError as exc:  # the version is refused; finish_weight_update still completes the reload
             self.status.error, self.status.partial = str(exc), self.status.loaded > 0 or self.packed.written
-            log.warning("event=weights_refused version=%d transport=%s loaded=%d error=%s", manifest.version,
-                        info.transport, self.status.loaded, exc)
+            log.warning(
+                "event=weights_refused version=%d transport=%s loaded=%d error=%s",
+                manifest.version,
+                info.transport,
+                self.status.loaded,
+                exc,
+            )
 
     def _buckets(self, info: SteadyrlUpdate, manifest: pb.WeightManifest):
         if info.transport == "shm":
@@ -111,8 +116,9 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
 
             return received()
         if info.transport == "grpc":
-            return GrpcDelivery(info.address, info.version or manifest.version,
-                                manifest if manifest.tensors else None).buckets()
+            return GrpcDelivery(
+                info.address, info.version or manifest.version, manifest if manifest.tensors else None
+            ).buckets()
         raise WeightError(f"unknown transport {info.transport!r}")
 
     def finish_weight_update(self) -> None:
@@ -124,4 +130,3 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
 
     def shutdown(self) -> None:
         self.groups.drop()
-

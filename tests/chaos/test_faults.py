@@ -97,6 +97,7 @@ def freeze_mid_step(launch: Launch, seconds: float) -> None:
 
 def leases_held(launch: Launch, replica_id: str) -> list[str]:
     """The tasks Redis says `replica_id` holds right now."""
+
     async def read():
         redis = Redis.from_url(launch.redis.url)
         try:
@@ -161,12 +162,15 @@ FAULTS = {
 # what each fault must be seen to exercise (log file → pattern), beside the end state every fault shares
 MECHANISMS = {
     "inference_sigkill": {"orchestrator": r"event=leases_expired requeued=[1-9]"},  # its leases ran out
-    "inference_sigstop": {"orchestrator": r"event=leases_expired requeued=[1-9]",  # ...and its late result
-                          "inference-0": r"event=lease_lost task=\S+ attempt=\d+"},  # was refused
+    "inference_sigstop": {
+        "orchestrator": r"event=leases_expired requeued=[1-9]",  # ...and its late result
+        "inference-0": r"event=lease_lost task=\S+ attempt=\d+",
+    },  # was refused
     "trainer_sigkill": {"trainer": r"event=resumed checkpoint=step-\d+ step=\d+"},  # back from its checkpoint
     # the replicas' watch streams broke, they watched the new service and received versions from it again
-    "weightsync_restart": {f"inference-{i}": r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied"
-                           for i in (0, 1)},
+    "weightsync_restart": {
+        f"inference-{i}": r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied" for i in (0, 1)
+    },
     "redis_restart": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
     "redis_sigkill": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
     "redis_host_crash": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
@@ -179,10 +183,19 @@ MECHANISMS = {
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_the_run_survives(fault, tmp_path, tiny_model_dir):
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "run.replicas=2",
-        "orchestrator.eval_every=0", "trainer.checkpoint_every=1", "inference.lease_seconds=3",
-        "inference.tasks_per_batch=2"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith.toml",
+        [
+            f"run.steps={STEPS}",
+            f"run.batch_prompts={B}",
+            f"run.group_size={G}",
+            "run.replicas=2",
+            "orchestrator.eval_every=0",
+            "trainer.checkpoint_every=1",
+            "inference.lease_seconds=3",
+            "inference.tasks_per_batch=2",
+        ],
+    )
     with running(config, tmp_path, tiny_model_dir) as launch:
         FAULTS[fault](launch)
         wait_until(launch, lambda status: status["state"] == "finished")
@@ -226,6 +239,7 @@ async def read_ledger(url: str, run_id: str):
 
 def leased_policy_evals(launch: Launch, run_id: str) -> list[str]:
     """π's eval tasks leased right now."""
+
     async def read():
         redis = Redis.from_url(launch.redis.url)
         try:
@@ -238,6 +252,7 @@ def leased_policy_evals(launch: Launch, run_id: str) -> list[str]:
 
 def eval_leases(launch: Launch, run_id: str) -> dict[str, str]:
     """task id → the lease (`replica|attempt`) that published it, for every entry of the evals stream."""
+
     async def read():
         redis = Redis.from_url(launch.redis.url)
         try:
@@ -254,9 +269,18 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
     or SIGKILLed and restarted while it holds π's tasks of a round: the leases expire, the tasks go
     back to that pool's list (no rollout replica takes them), and every round of μ and of π is
     written once, whole."""
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "orchestrator.eval_every=10",
-        "orchestrator.eval_size=40", "orchestrator.policy_eval=true", "inference.lease_seconds=3"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith.toml",
+        [
+            f"run.steps={STEPS}",
+            f"run.batch_prompts={B}",
+            f"run.group_size={G}",
+            "orchestrator.eval_every=10",
+            "orchestrator.eval_size=40",
+            "orchestrator.policy_eval=true",
+            "inference.lease_seconds=3",
+        ],
+    )
     with running(config, tmp_path, tiny_model_dir) as launch:
         target, deadline = service(launch, "inference-policy").process, time.monotonic() + 120
         while True:  # stopped first, then looked at: the tasks it holds then cannot finish under it
@@ -293,16 +317,27 @@ def test_a_multi_turn_run_survives_a_replica_killed_mid_trajectory(tmp_path, cal
     their start by the other replica; every step trains whole groups of whole trajectories, none
     twice, and every task is accounted for."""
     steps, b, g = 12, 4, 8
-    config = load_run_config(ROOT / "configs" / "tiny-tools.toml", [
-        f"run.steps={steps}", f"run.batch_prompts={b}", f"run.group_size={g}", "run.replicas=2",
-        "orchestrator.eval_every=0", "trainer.checkpoint_every=1", "inference.lease_seconds=3",
-        "inference.tasks_per_batch=2"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-tools.toml",
+        [
+            f"run.steps={steps}",
+            f"run.batch_prompts={b}",
+            f"run.group_size={g}",
+            "run.replicas=2",
+            "orchestrator.eval_every=0",
+            "trainer.checkpoint_every=1",
+            "inference.lease_seconds=3",
+            "inference.tasks_per_batch=2",
+        ],
+    )
     with running(config, tmp_path, calc_model_dir) as launch:
         kill_replica(launch)
         wait_until(launch, lambda status: status["state"] == "finished")
         ledger = asyncio.run(read_ledger(launch.redis.url, config.run_id))
     assert_ledger(tmp_path, ledger, steps, b, g)
-    assert re.search(MECHANISMS["inference_sigkill"]["orchestrator"], (tmp_path / "logs" / "orchestrator.log").read_text())
+    assert re.search(
+        MECHANISMS["inference_sigkill"]["orchestrator"], (tmp_path / "logs" / "orchestrator.log").read_text()
+    )
     lines = [json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, steps + 1))
     assert all(x["turns_mean"] >= 1 and 0 < x["env_tokens_fraction"] < 1 for x in lines)  # trajectories, trained

@@ -24,14 +24,25 @@ from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import inference_pb2, orchestrator_pb2, trainer_pb2, weightsync_pb2
 from tests.helpers import weight_keys
 
-ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE,
-           grpc.StatusCode.DEADLINE_EXCEEDED}
+ALLOWED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 SCALARS = {
-    F.TYPE_INT32: st.integers(-(2**31), 2**31 - 1), F.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
-    F.TYPE_UINT32: st.integers(0, 2**32 - 1), F.TYPE_UINT64: st.integers(0, 2**64 - 1),
-    F.TYPE_FLOAT: st.floats(width=32), F.TYPE_DOUBLE: st.floats(), F.TYPE_BOOL: st.booleans(),
-    F.TYPE_STRING: st.text(max_size=20), F.TYPE_BYTES: st.binary(max_size=64),
+    F.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
+    F.TYPE_INT64: st.integers(-(2**63), 2**63 - 1),
+    F.TYPE_UINT32: st.integers(0, 2**32 - 1),
+    F.TYPE_UINT64: st.integers(0, 2**64 - 1),
+    F.TYPE_FLOAT: st.floats(width=32),
+    F.TYPE_DOUBLE: st.floats(),
+    F.TYPE_BOOL: st.booleans(),
+    F.TYPE_STRING: st.text(max_size=20),
+    F.TYPE_BYTES: st.binary(max_size=64),
 }
 
 
@@ -77,14 +88,15 @@ ENDLESS = {"Watch"}  # streams until the caller leaves: every example ends at it
 
 
 def stub_call(channel, path: str, method, request_cls, reply_cls):
-    kind = ("stream_unary" if method.client_streaming else "unary_stream" if method.server_streaming
-            else "unary_unary")
-    return getattr(channel, kind)(path, request_serializer=request_cls.SerializeToString,
-                                  response_deserializer=reply_cls.FromString)
+    kind = "stream_unary" if method.client_streaming else "unary_stream" if method.server_streaming else "unary_unary"
+    return getattr(channel, kind)(
+        path, request_serializer=request_cls.SerializeToString, response_deserializer=reply_cls.FromString
+    )
 
 
 async def invoke(call, method, request, timeout: float):
     if method.client_streaming:
+
         async def stream():
             for item in request:
                 yield item
@@ -100,23 +112,59 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
 
     monkeypatch.setenv("STEADYRL_TOKEN", TOKEN)  # every service requires it, as deployed
     ports = {name: free_port() for name in ("weightsync", "inference", "trainer", "orchestrator")}
-    targets = [(weightsync_pb2, "WeightSync", "weightsync"), (inference_pb2, "Inference", "inference"),
-               (trainer_pb2, "Trainer", "trainer"), (orchestrator_pb2, "Orchestrator", "orchestrator")]
+    targets = [
+        (weightsync_pb2, "WeightSync", "weightsync"),
+        (inference_pb2, "Inference", "inference"),
+        (trainer_pb2, "Trainer", "trainer"),
+        (orchestrator_pb2, "Orchestrator", "orchestrator"),
+    ]
     calls: dict[str, int] = {}
 
     async def main():
         stop = asyncio.Event()
         servers = [
-            serve_weightsync(WeightSyncSettings(port=ports["weightsync"], metrics_port=0, spill_dir=tmp_path / "s",
-                                                verify_key_file=weight_keys(tmp_path)[1]), stop=stop),
-            serve_inference(InferenceSettings(port=ports["inference"], metrics_port=0, model_path=str(tiny_model_dir),
-                                              dtype="float32", redis_url=redis_server.url, run_id=run_id), stop=stop),
-            serve_trainer(TrainerSettings(port=ports["trainer"], metrics_port=0, model_path=str(tiny_model_dir),
-                                          out_dir=tmp_path / "t", redis_url=redis_server.url, run_id=run_id),
-                          stop=stop),
-            serve_orchestrator(OrchestratorSettings(grpc_port=ports["orchestrator"], http_port=0,
-                                                    model_path=str(tiny_model_dir), redis_url=redis_server.url,
-                                                    run_id=run_id, out_dir=tmp_path / "o"), stop=stop),
+            serve_weightsync(
+                WeightSyncSettings(
+                    port=ports["weightsync"],
+                    metrics_port=0,
+                    spill_dir=tmp_path / "s",
+                    verify_key_file=weight_keys(tmp_path)[1],
+                ),
+                stop=stop,
+            ),
+            serve_inference(
+                InferenceSettings(
+                    port=ports["inference"],
+                    metrics_port=0,
+                    model_path=str(tiny_model_dir),
+                    dtype="float32",
+                    redis_url=redis_server.url,
+                    run_id=run_id,
+                ),
+                stop=stop,
+            ),
+            serve_trainer(
+                TrainerSettings(
+                    port=ports["trainer"],
+                    metrics_port=0,
+                    model_path=str(tiny_model_dir),
+                    out_dir=tmp_path / "t",
+                    redis_url=redis_server.url,
+                    run_id=run_id,
+                ),
+                stop=stop,
+            ),
+            serve_orchestrator(
+                OrchestratorSettings(
+                    grpc_port=ports["orchestrator"],
+                    http_port=0,
+                    model_path=str(tiny_model_dir),
+                    redis_url=redis_server.url,
+                    run_id=run_id,
+                    out_dir=tmp_path / "o",
+                ),
+                stop=stop,
+            ),
         ]
         tasks = [asyncio.create_task(s) for s in servers]
         channels = {name: auth_channel(f"127.0.0.1:{port}", token=TOKEN) for name, port in ports.items()}
@@ -130,15 +178,15 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
     try:
         for module, service, name in targets:
             for method, request_cls, reply_cls in methods(module, service):
-                call = stub_call(channels[name], f"/steadyrl.v1.{service}/{method.name}", method, request_cls,
-                                 reply_cls)
+                call = stub_call(
+                    channels[name], f"/steadyrl.v1.{service}/{method.name}", method, request_cls, reply_cls
+                )
                 strategy = message(request_cls.DESCRIPTOR, request_cls)
                 if method.client_streaming:
                     strategy = st.lists(strategy, max_size=3)
 
                 def make(call, method, strategy):
-                    @settings(max_examples=25, deadline=None, database=None,
-                              suppress_health_check=list(HealthCheck))
+                    @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
                     @given(strategy)
                     def fuzz(request):
                         loop.run_until_complete(once(request, call, method))
@@ -158,12 +206,14 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
         refused = 0
         for module, service, name in targets:  # and every method refuses a missing or a wrong token
             for token in ("", "wrong-token"):
+
                 async def refuse(token=token, module=module, service=service, name=name):
                     count = 0
                     async with auth_channel(f"127.0.0.1:{ports[name]}", token=token) as bare:
                         for method, request_cls, reply_cls in methods(module, service):
-                            call = stub_call(bare, f"/steadyrl.v1.{service}/{method.name}", method, request_cls,
-                                             reply_cls)
+                            call = stub_call(
+                                bare, f"/steadyrl.v1.{service}/{method.name}", method, request_cls, reply_cls
+                            )
                             request = [request_cls()] if method.client_streaming else request_cls()
                             with pytest.raises(grpc.aio.AioRpcError) as err:
                                 await invoke(call, method, request, 5)
@@ -175,6 +225,7 @@ def test_random_requests_to_every_method(tmp_path, tiny_model_dir, redis_server,
 
                 refused += loop.run_until_complete(refuse())
         for name, channel in channels.items():
+
             async def check(channel=channel):
                 return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
 

@@ -24,11 +24,18 @@ EXAMPLES = 60
 def control_plane(redis_server, tiny_model_dir, tmp_path_factory):
     port = free_port()
     run_id = f"fuzz{os.getpid()}"
-    env = {**os.environ, "STEADYRL_TOKEN": TOKEN, "STEADYRL_ORCHESTRATOR_HTTP_PORT": str(port),
-           "STEADYRL_ORCHESTRATOR_GRPC_PORT": str(free_port()), "STEADYRL_ORCHESTRATOR_METRICS_PORT": "0",
-           "STEADYRL_ORCHESTRATOR_MODEL_PATH": str(tiny_model_dir), "STEADYRL_ORCHESTRATOR_REDIS_URL": redis_server.url,
-           "STEADYRL_ORCHESTRATOR_RUN_ID": run_id, "STEADYRL_ORCHESTRATOR_OUT_DIR": str(tmp_path_factory.mktemp("o")),
-           "STEADYRL_ORCHESTRATOR_TRAINER_ADDRESS": f"127.0.0.1:{free_port()}"}
+    env = {
+        **os.environ,
+        "STEADYRL_TOKEN": TOKEN,
+        "STEADYRL_ORCHESTRATOR_HTTP_PORT": str(port),
+        "STEADYRL_ORCHESTRATOR_GRPC_PORT": str(free_port()),
+        "STEADYRL_ORCHESTRATOR_METRICS_PORT": "0",
+        "STEADYRL_ORCHESTRATOR_MODEL_PATH": str(tiny_model_dir),
+        "STEADYRL_ORCHESTRATOR_REDIS_URL": redis_server.url,
+        "STEADYRL_ORCHESTRATOR_RUN_ID": run_id,
+        "STEADYRL_ORCHESTRATOR_OUT_DIR": str(tmp_path_factory.mktemp("o")),
+        "STEADYRL_ORCHESTRATOR_TRAINER_ADDRESS": f"127.0.0.1:{free_port()}",
+    }
     process = subprocess.Popen([sys.executable, "-m", "services.orchestrator"], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -77,7 +84,12 @@ def test_rest_api_fuzz(control_plane):
     failures: list = []
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} == {
-        "GET /health", "GET /metrics", "GET /v1/run", "GET /v1/run/config", "POST /v1/run/{action}"}
+        "GET /health",
+        "GET /metrics",
+        "GET /v1/run",
+        "GET /v1/run/config",
+        "POST /v1/run/{action}",
+    }
     for operation in operations:
         for auth in HEADERS:
             fuzz(url, operation, auth, outcomes, failures)

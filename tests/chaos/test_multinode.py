@@ -32,14 +32,34 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny_model_dir, redis_server, run_id):
     rollouts = recorded_rollouts(tiny_model_dir, 36, seed=89)  # 9 steps of 4 prompts
     out = tmp_path / "trainer"
-    env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
-           "STEADYRL_TRAINER_OUT_DIR": str(out), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
-           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "9", "STEADYRL_LOG_LEVEL": "INFO",
-           "STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS": "15", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **TRAINER_ENV,
+        "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+        "STEADYRL_TRAINER_OUT_DIR": str(out),
+        "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+        "STEADYRL_TRAINER_RUN_ID": run_id,
+        "STEADYRL_TRAINER_MAX_STEPS": "9",
+        "STEADYRL_LOG_LEVEL": "INFO",
+        "STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS": "15",
+        "OMP_NUM_THREADS": "1",
+    }
     endpoint = f"127.0.0.1:{free_port()}"
-    node = [sys.executable, "-m", "steadyrl.cli", "trainer-node", str(ROOT / "configs" / "tiny-arith.toml"),
-            "--set", "trainer.nodes=2", "--set", f"trainer.rdzv_endpoint={endpoint}", "--set", "trainer.parallel=fsdp",
-            "--set", "trainer.checkpoint_every=2"]
+    node = [
+        sys.executable,
+        "-m",
+        "steadyrl.cli",
+        "trainer-node",
+        str(ROOT / "configs" / "tiny-arith.toml"),
+        "--set",
+        "trainer.nodes=2",
+        "--set",
+        f"trainer.rdzv_endpoint={endpoint}",
+        "--set",
+        "trainer.parallel=fsdp",
+        "--set",
+        "trainer.checkpoint_every=2",
+    ]
     metrics = out / "metrics.jsonl"
 
     def steps() -> int:
@@ -51,14 +71,15 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        await publish(redis, run_id, rollouts[:12 * 4])  # 3 steps first: the kill falls inside the run
+        await publish(redis, run_id, rollouts[: 12 * 4])  # 3 steps first: the kill falls inside the run
         nodes = {"a": start("a")}
         time.sleep(1.0)  # node a hosts the rendezvous store (its endpoint), as the first node does
         nodes["b"] = start("b")
         deadline = time.monotonic() + 240
         while steps() < 3:  # step 2 checkpointed, step 3 not: the kill costs step 3, trained again
-            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.values()), \
-                (tmp_path / "a.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.values()), (
+                tmp_path / "a.log"
+            ).read_text()[-3000:]
             await asyncio.sleep(0.1)
         killed_at = steps()
         os.killpg(nodes["b"].pid, signal.SIGKILL)  # node b's launcher and its rank
@@ -71,7 +92,7 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
             await asyncio.sleep(0.1)
         [rank_b] = children(nodes["b"].pid)
         os.kill(rank_b, signal.SIGSTOP)  # node b's rank frozen, its launcher alive
-        await publish(redis, run_id, rollouts[24 * 4:])
+        await publish(redis, run_id, rollouts[24 * 4 :])
         codes = {name: await asyncio.to_thread(p.wait, 300) for name, p in nodes.items()}
         ledger = await Ledger(redis, run_id).trained()
         await redis.aclose()

@@ -24,11 +24,22 @@ RUN = "tiny-arith"
 
 
 def rollout(task: str, index: int, group_size: int = G, run_id: str = RUN, is_eval: bool = False) -> bytes:
-    return encode_rollout(Rollout(
-        rollout_id=f"{task}:{index}", group_id=task, task_id=task, run_id=run_id, sample_index=index,
-        group_size=group_size, prompt_token_ids=np.array([1, 5, 6], dtype=np.int32),
-        completion_token_ids=np.array([7, 2], dtype=np.int32), inference_logprobs=np.array([-0.5, -0.1], np.float32),
-        policy_versions=np.array([1, 1], dtype=np.uint64), reward=1.0, is_eval=is_eval))
+    return encode_rollout(
+        Rollout(
+            rollout_id=f"{task}:{index}",
+            group_id=task,
+            task_id=task,
+            run_id=run_id,
+            sample_index=index,
+            group_size=group_size,
+            prompt_token_ids=np.array([1, 5, 6], dtype=np.int32),
+            completion_token_ids=np.array([7, 2], dtype=np.int32),
+            inference_logprobs=np.array([-0.5, -0.1], np.float32),
+            policy_versions=np.array([1, 1], dtype=np.uint64),
+            reward=1.0,
+            is_eval=is_eval,
+        )
+    )
 
 
 async def publish_as(redis, keys: RunKeys, task: str, payloads: list[bytes], lease: str | None = "rogue|0") -> None:
@@ -52,14 +63,21 @@ async def inject(url: str) -> None:
     await redis.xadd(keys.rollouts, {"task": "x", "lease": "rogue|0", "n": "8", "r": rollout("x", 0, run_id="other")})
     await publish_as(redis, keys, "evil-eval", [rollout("evil-eval", i, is_eval=True) for i in range(G)])
     # the work queue
-    good = common_pb2.PromptTask(run_id=RUN, task_name="exact_match", prompt_token_ids=[1, 5, 6], answer="1",
-                                 group_size=2, sampling=common_pb2.SamplingParams(max_new_tokens=4))
+    good = common_pb2.PromptTask(
+        run_id=RUN,
+        task_name="exact_match",
+        prompt_token_ids=[1, 5, 6],
+        answer="1",
+        group_size=2,
+        sampling=common_pb2.SamplingParams(max_new_tokens=4),
+    )
     bad_tasks = {
         "garbage-task": b"\xff\xfe not a protobuf \x00\x01",
         "far-future": _with(good, task_id="far-future", min_policy_version=10**9).SerializeToString(),
         "zero-group": _with(good, task_id="zero-group", group_size=0).SerializeToString(),
-        "too-long": _with(good, task_id="too-long", sampling=common_pb2.SamplingParams(
-            max_new_tokens=100_000)).SerializeToString(),
+        "too-long": _with(
+            good, task_id="too-long", sampling=common_pb2.SamplingParams(max_new_tokens=100_000)
+        ).SerializeToString(),
         "eval-x-y": _with(good, task_id="eval-x-y", is_eval=True, group_size=1).SerializeToString(),
     }
     for task_id, data in bad_tasks.items():
@@ -90,21 +108,38 @@ async def dead_letters(url: str) -> tuple[dict, dict, set[str], list[str]]:
 
 
 def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model_dir):
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "run.replicas=2",
-        "orchestrator.eval_every=0", "inference.lease_seconds=3", "inference.tasks_per_batch=2",
-        "inference.version_wait_seconds=1", "orchestrator.max_attempts=2"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith.toml",
+        [
+            f"run.steps={STEPS}",
+            f"run.batch_prompts={B}",
+            f"run.group_size={G}",
+            "run.replicas=2",
+            "orchestrator.eval_every=0",
+            "inference.lease_seconds=3",
+            "inference.tasks_per_batch=2",
+            "inference.version_wait_seconds=1",
+            "orchestrator.max_attempts=2",
+        ],
+    )
     with running(config, tmp_path, tiny_model_dir) as launch:
         asyncio.run(inject(launch.redis.url))
         # finished, and the far-future task ran out of attempts too
-        wait_until(launch, lambda status: status["state"] == "finished" and status["dead_letters"]["tasks"].get("attempts"))
+        wait_until(
+            launch, lambda status: status["state"] == "finished" and status["dead_letters"]["tasks"].get("attempts")
+        )
         # the trainer exits after publishing its last step, which "finished" may precede by seconds
         next(s for s in launch.services if s.name == "trainer").process.wait(60)
         alive = {s.name: s.process.poll() is None for s in launch.services}
         trained, dropped, dead, submitted, _ = asyncio.run(read_ledger(launch.redis.url, RUN))
         rollouts_dead, tasks_dead, dead_groups, task_reasons = asyncio.run(dead_letters(launch.redis.url))
-    assert alive == {"weightsync": True, "trainer": False, "inference-0": True, "inference-1": True,
-                     "orchestrator": True}  # the trainer finished its steps; nothing else stopped
+    assert alive == {
+        "weightsync": True,
+        "trainer": False,
+        "inference-0": True,
+        "inference-1": True,
+        "orchestrator": True,
+    }  # the trainer finished its steps; nothing else stopped
     assert rollouts_dead == {
         "publication_size": 2,  # the incomplete group (5 of 8) and the over-full one (9 of 8), first members
         "group_poisoned": 4 + 7 + 3,  # the rest of those groups and of the mis-sized one
@@ -122,4 +157,6 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
     assert len(trained) == len(set(trained)) == STEPS * B * G
     accounted = {rid.split(":")[0] for rid in trained} | {rid.split(":")[0] for rid in dropped} | dead
     assert accounted >= {f"train-{i}" for i in range(submitted)}
-    assert all(t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group", "too-long"} for t in accounted)
+    assert all(
+        t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group", "too-long"} for t in accounted
+    )

@@ -24,11 +24,32 @@ STEPS, B, G = 20, 4, 8
 
 
 def start(out: Path, *settings: str) -> subprocess.Popen:
-    args = [f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "orchestrator.eval_every=0",
-            "trainer.checkpoint_every=10", *settings]
-    return subprocess.Popen([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
-                             "--out", str(out), "--progress", "plain", *(a for s in args for a in ("--set", s))],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        f"run.steps={STEPS}",
+        f"run.batch_prompts={B}",
+        f"run.group_size={G}",
+        "orchestrator.eval_every=0",
+        "trainer.checkpoint_every=10",
+        *settings,
+    ]
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--progress",
+            "plain",
+            *(a for s in args for a in ("--set", s)),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(run: subprocess.Popen, done, timeout: float = 300, poll: float = 0.001):
@@ -81,8 +102,10 @@ def freeze_redis_while_the_replica_holds_a_lease(out: Path, redis_pid: int) -> N
 
 def control_plane(out: Path) -> tuple[str, str, str]:
     """(HTTP base URL, gRPC address, token) of the run's orchestrator, from its log."""
-    line = re.search(r"event=started service=orchestrator port=(\d+) .*http_port=(\d+)",
-                     (out / "logs" / "orchestrator.log").read_text())
+    line = re.search(
+        r"event=started service=orchestrator port=(\d+) .*http_port=(\d+)",
+        (out / "logs" / "orchestrator.log").read_text(),
+    )
     return f"http://127.0.0.1:{line[2]}", f"127.0.0.1:{line[1]}", (out / "token").read_text().strip()
 
 
@@ -123,7 +146,8 @@ def test_redis_frozen_20s_as_a_checkpoint_lands(tmp_path):
                     with grpc.insecure_channel(address) as channel:
                         try:
                             orchestrator_pb2_grpc.OrchestratorStub(channel).Status(
-                                common_pb2.Empty(), metadata=[("authorization", f"Bearer {token}")], timeout=10)
+                                common_pb2.Empty(), metadata=[("authorization", f"Bearer {token}")], timeout=10
+                            )
                             status_code = grpc.StatusCode.OK
                         except grpc.RpcError as exc:
                             status_code = exc.code()
@@ -171,8 +195,15 @@ def test_redis_server_is_supervised_like_every_service(tmp_path):
     out = tmp_path / "run"
     run = start(out, "run.restart_backoff_seconds=0.5")
     try:
-        wait_for(run, lambda: len((out / "trainer" / "metrics.jsonl").read_text().splitlines()) >= 3
-                 if (out / "trainer" / "metrics.jsonl").exists() else False, poll=0.05)
+        wait_for(
+            run,
+            lambda: (
+                len((out / "trainer" / "metrics.jsonl").read_text().splitlines()) >= 3
+                if (out / "trainer" / "metrics.jsonl").exists()
+                else False
+            ),
+            poll=0.05,
+        )
         os.kill(json.loads((out / "pids.json").read_text())["redis-server"], signal.SIGKILL)
         stderr = finished_cleanly(run, out)
     finally:
@@ -192,7 +223,9 @@ def test_redis_server_is_supervised_like_every_service(tmp_path):
             run.kill()
     assert run.returncode == 1, stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["outcome"] == "failed" and summary["error"].startswith("redis-server exited with -9 after 0 restarts")
+    assert summary["outcome"] == "failed" and summary["error"].startswith(
+        "redis-server exited with -9 after 0 restarts"
+    )
 
 
 def test_a_run_stopped_through_the_api_exits_3(tmp_path):
@@ -201,7 +234,9 @@ def test_a_run_stopped_through_the_api_exits_3(tmp_path):
     try:
         wait_for(run, lambda: (out / "trainer" / "metrics.jsonl").exists(), poll=0.05)
         url, _, token = control_plane(out)
-        assert httpx.post(f"{url}/v1/run/stop", headers={"Authorization": f"Bearer {token}"}).json()["state"] == "stopped"
+        assert (
+            httpx.post(f"{url}/v1/run/stop", headers={"Authorization": f"Bearer {token}"}).json()["state"] == "stopped"
+        )
         stdout, stderr = run.communicate(timeout=120)
     finally:
         if run.poll() is None:

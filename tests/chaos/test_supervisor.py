@@ -30,11 +30,36 @@ def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path,
     """On the CPU, and with the trainer on a GPU (bf16-mixed: its checkpoint comes back onto CUDA)."""
     out = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-         "--set", f"run.steps={STEPS}", "--set", f"run.batch_prompts={B}", "--set", f"run.group_size={G}",
-         "--set", "run.replicas=2", "--set", "orchestrator.eval_every=0", "--set", "inference.lease_seconds=3",
-         "--set", "inference.tasks_per_batch=2", "--set", f"trainer.gpus={trainer_gpus}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--set",
+            f"run.steps={STEPS}",
+            "--set",
+            f"run.batch_prompts={B}",
+            "--set",
+            f"run.group_size={G}",
+            "--set",
+            "run.replicas=2",
+            "--set",
+            "orchestrator.eval_every=0",
+            "--set",
+            "inference.lease_seconds=3",
+            "--set",
+            "inference.tasks_per_batch=2",
+            "--set",
+            f"trainer.gpus={trainer_gpus}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = out / "trainer" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     try:
@@ -68,7 +93,9 @@ def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path,
     trainer_log = (out / "logs" / "trainer.log").read_text()
     layouts = re.findall(r"event=trainer_layout rank=0 world=1 device=(\S+) precision=(\S+)", trainer_log)
     assert layouts == [("cuda:0", "bf16-mixed") if trainer_gpus else ("cpu", "fp32")] * 2  # started, restarted
-    continued = re.search(r"event=version_continues checkpoint_version=(\d+) published=(\d+) version=(\d+)", trainer_log)
+    continued = re.search(
+        r"event=version_continues checkpoint_version=(\d+) published=(\d+) version=(\d+)", trainer_log
+    )
     # a step's metrics line is written before its weights are published: the kill may fall between
     assert continued and int(continued[1]) == killed_at // 10 * 10 and int(continued[2]) >= killed_at - 1
     assert int(continued[2]) > int(continued[1]) and int(continued[3]) == int(continued[2]) + 1

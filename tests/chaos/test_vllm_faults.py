@@ -33,6 +33,7 @@ def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
     renames into place, until the replica says it refused one; how many were flipped. A file is
     told by its inode, not its name: the trainer renames a version over a file of that name left
     by an earlier run of the same run id (a killed process's /dev/shm outlives it)."""
+
     def files() -> set[tuple[Path, int]]:
         out = set()
         for path in directory.glob("v*.safetensors"):
@@ -81,11 +82,21 @@ def kill_mid_update(launch, name: str) -> int:
 
 
 def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_and_a_kill_mid_update(
-        tmp_path, tiny_model_dir):
-    config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [
-        f"run.steps={STEPS}", f"run.batch_prompts={B}", f"run.group_size={G}", "orchestrator.eval_every=0",
-        "trainer.checkpoint_every=1", "inference.lease_seconds=3", "inference.tasks_per_batch=2",
-        "trainer.weight_transport=shm"])
+    tmp_path, tiny_model_dir
+):
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith-vllm-cpu.toml",
+        [
+            f"run.steps={STEPS}",
+            f"run.batch_prompts={B}",
+            f"run.group_size={G}",
+            "orchestrator.eval_every=0",
+            "trainer.checkpoint_every=1",
+            "inference.lease_seconds=3",
+            "inference.tasks_per_batch=2",
+            "trainer.weight_transport=shm",
+        ],
+    )
     stale = [Path("/dev/shm/steadyrl") / config.run_id / f"v{v}.safetensors" for v in range(1, 400)]
     stale[0].parent.mkdir(parents=True, exist_ok=True)
     for path in stale:  # what a killed earlier run of this run id left (its own would be pruned at once)
@@ -109,8 +120,9 @@ def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_an
     # every version came through vLLM's weight-transfer API: no other way in exists
     assert re.search(r"event=weights_applied version=\d+ transport=shm", text)
     assert re.search(r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied", text)
-    assert not re.search(rf"event=weights_applied version={killed}\b", text[:before] + text[before:].split(
-        "event=started", 1)[0])  # killed before that version was applied
+    assert not re.search(
+        rf"event=weights_applied version={killed}\b", text[:before] + text[before:].split("event=started", 1)[0]
+    )  # killed before that version was applied
     restarted = text[before:].split("event=started", 1)[1]
     assert re.search(r"event=weights_applied version=\d+", restarted)  # the new process caught up
     versions = [int(v) for v in re.findall(r"event=weights_applied version=(\d+)", restarted)]

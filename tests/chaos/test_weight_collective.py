@@ -21,22 +21,38 @@ STEPS, B, G, TIMEOUT = 30, 4, 8, 5.0
 
 
 def collective_config(replicas: int, steps: int = STEPS):
-    return load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-        f"run.steps={steps}", f"run.batch_prompts={B}", f"run.group_size={G}", f"run.replicas={replicas}",
-        "orchestrator.eval_every=0", "trainer.checkpoint_every=1", "inference.lease_seconds=3",
-        "inference.tasks_per_batch=2", "trainer.weight_transport=collective",
-        f"weightsync.collective_timeout_seconds={TIMEOUT}"])
+    return load_run_config(
+        ROOT / "configs" / "tiny-arith.toml",
+        [
+            f"run.steps={steps}",
+            f"run.batch_prompts={B}",
+            f"run.group_size={G}",
+            f"run.replicas={replicas}",
+            "orchestrator.eval_every=0",
+            "trainer.checkpoint_every=1",
+            "inference.lease_seconds=3",
+            "inference.tasks_per_batch=2",
+            "trainer.weight_transport=collective",
+            f"weightsync.collective_timeout_seconds={TIMEOUT}",
+        ],
+    )
 
 
 def announcements(out: Path) -> list[str]:
-    return re.findall(r"event=version_announced version=\d+ transport=collective epoch=\d+ members=2",
-                      (out / "logs" / "weightsync.log").read_text())
+    return re.findall(
+        r"event=version_announced version=\d+ transport=collective epoch=\d+ members=2",
+        (out / "logs" / "weightsync.log").read_text(),
+    )
 
 
 def step_times(out: Path) -> list[float]:
     """Each step's seconds from its batch to its version published (the trainer's log)."""
-    return [float(s) for s in re.findall(r"event=step .* seconds=([\d.]+)$", (out / "logs" / "trainer.log").read_text(),
-                                         re.MULTILINE)]
+    return [
+        float(s)
+        for s in re.findall(
+            r"event=step .* seconds=([\d.]+)$", (out / "logs" / "trainer.log").read_text(), re.MULTILINE
+        )
+    ]
 
 
 def test_a_replica_killed_during_broadcasts_costs_one_timeout_and_loses_nothing(tmp_path, tiny_model_dir):
@@ -48,8 +64,10 @@ def test_a_replica_killed_during_broadcasts_costs_one_timeout_and_loses_nothing(
         deadline = time.monotonic() + 60
         # ...the next version's broadcast waits on it (or the one announced just before the stop did,
         # and timed out already: the group is then formed again without it, members=1)...
-        while len(announcements(tmp_path)) <= announced and "members=1" not in (
-                tmp_path / "logs" / "weightsync.log").read_text():
+        while (
+            len(announcements(tmp_path)) <= announced
+            and "members=1" not in (tmp_path / "logs" / "weightsync.log").read_text()
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(1.0)
@@ -64,8 +82,9 @@ def test_a_replica_killed_during_broadcasts_costs_one_timeout_and_loses_nothing(
     # a broadcast met the dead member: gloo broadcasts down a binomial tree, so the one sending to the dead
     # rank fails, the trainer (rank 0) or weight-sync (rank 1), by the order the replicas joined in...
     weightsync_log = (tmp_path / "logs" / "weightsync.log").read_text()
-    failed = re.findall(r"event=collective_failed version=(\d+)",
-                        (tmp_path / "logs" / "trainer.log").read_text() + weightsync_log)
+    failed = re.findall(
+        r"event=collective_failed version=(\d+)", (tmp_path / "logs" / "trainer.log").read_text() + weightsync_log
+    )
     assert failed
     assert max(step_times(tmp_path)) <= TIMEOUT * 2 + 10  # ...and the trainer waited one bounded timeout for it
     epochs = [int(e) for e in re.findall(r"transport=collective epoch=(\d+) members", weightsync_log)]
@@ -90,6 +109,8 @@ def test_a_replica_started_mid_run_catches_up_and_joins(tmp_path, tiny_model_dir
     assert joined_at < 150 and received[0] >= joined_at  # it caught up at once to the version current when it came
     assert set(range(received[0], 151)) <= set(received)  # and from then on received every version
     assert final["replica_versions"]["replica-late"] == 150
-    received = re.findall(r"version_announced version=\d+ transport=collective epoch=\d+ members=2",
-                          (tmp_path / "logs" / "weightsync.log").read_text())
+    received = re.findall(
+        r"version_announced version=\d+ transport=collective epoch=\d+ members=2",
+        (tmp_path / "logs" / "weightsync.log").read_text(),
+    )
     assert received  # after catching up it received versions as a member of the group

@@ -52,12 +52,16 @@ def test_the_compose_services_train_the_recipe_they_read(tmp_path, tiny_model_di
     redis = RedisServer(tmp_path / "redis", password=password).start()
     short = tmp_path / "short.toml"  # merged over the compose recipe: a short run
     short.write_text("[run]\nsteps = 3\nbatch_prompts = 4\n[orchestrator]\neval_every = 0\n")
-    ports = {p: str(free_port()) for p in ("50051", "50052", "50053", "50054", "8080", "9101", "9102", "9103",
-                                           "29600")}
+    ports = {p: str(free_port()) for p in ("50051", "50052", "50053", "50054", "8080", "9101", "9102", "9103", "29600")}
     ports["6379"] = str(redis.port)
-    paths = {"/run/secrets": str(secrets), "/models/tiny": str(tiny_model_dir), "/home/steadyrl/runs": str(tmp_path),
-             "/spill": str(tmp_path / "spill"), "/tmp/steadyrl-cache": str(tmp_path / "cache"),
-             "/etc/steadyrl/tiny-arith.toml": f"{ROOT / 'configs' / 'tiny-arith.toml'},{short}"}
+    paths = {
+        "/run/secrets": str(secrets),
+        "/models/tiny": str(tiny_model_dir),
+        "/home/steadyrl/runs": str(tmp_path),
+        "/spill": str(tmp_path / "spill"),
+        "/tmp/steadyrl-cache": str(tmp_path / "cache"),
+        "/etc/steadyrl/tiny-arith.toml": f"{ROOT / 'configs' / 'tiny-arith.toml'},{short}",
+    }
     base = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
     processes = {}
     with contextlib.ExitStack() as files:
@@ -80,8 +84,13 @@ def start_and_finish(compose, processes, logs, ports, paths, base, tmp_path, red
             assert service_of(service["command"]) == name
             env = placed(service["environment"], ports, paths)
             env["HOME"] = str(tmp_path)
-            processes[name] = subprocess.Popen([sys.executable, "-m", *service["command"]], cwd=tmp_path,
-                                               env={**base, **env}, stdout=logs[name], stderr=subprocess.STDOUT)
+            processes[name] = subprocess.Popen(
+                [sys.executable, "-m", *service["command"]],
+                cwd=tmp_path,
+                env={**base, **env},
+                stdout=logs[name],
+                stderr=subprocess.STDOUT,
+            )
         url = f"http://127.0.0.1:{ports['8080']}/v1/run"
         status, deadline = {}, time.monotonic() + 240
         while status.get("state") != "finished" and time.monotonic() < deadline:

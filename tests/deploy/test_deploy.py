@@ -23,6 +23,8 @@ from steadyrl.service_settings import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+
+
 def service_of(args: list[str]) -> str | None:
     """The service a container's command runs: `steadyrl.cli serve NAME`, or the trainer's
     `steadyrl.cli trainer-node` (torchrun over the recipe's GPUs); None for anything else."""
@@ -38,14 +40,20 @@ def steadyrl_env(env: dict[str, str], service: str) -> dict[str, str]:
 
 def check_settings(service: str, env: dict[str, str]) -> None:
     # model_path is required by three services; a probe value stands in where a manifest mounts it
-    validate(service, {f"STEADYRL_{service.upper()}_MODEL_PATH": "/models/tiny", **env}
-             if service != "weightsync" else env)
+    validate(
+        service, {f"STEADYRL_{service.upper()}_MODEL_PATH": "/models/tiny", **env} if service != "weightsync" else env
+    )
 
 
 def dry_run_settings(recipe: str, gpus: int) -> dict[str, dict]:
     """Each service's settings as `steadyrl run --dry-run --gpus N RECIPE` prints them."""
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / recipe), "--dry-run",
-                           "--gpus", str(gpus)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / recipe), "--dry-run", "--gpus", str(gpus)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)["settings"]
 
@@ -62,12 +70,15 @@ def recipe_driven(service: str, env: dict[str, str], recipes: Path, printed: dic
     expected = printed[service]
     differ = sorted(k for k in expected if k not in DEPLOYMENT_FIELDS and settings[k] != expected[k])
     assert not differ, (service, {k: (settings[k], expected[k]) for k in differ})
-    placed = {k[len(f"STEADYRL_{service.upper()}_"):].lower() for k in env if k.startswith(f"STEADYRL_{service.upper()}_")}
+    placed = {
+        k[len(f"STEADYRL_{service.upper()}_") :].lower() for k in env if k.startswith(f"STEADYRL_{service.upper()}_")
+    }
     assert placed <= DEPLOYMENT_FIELDS, (service, sorted(placed - DEPLOYMENT_FIELDS))  # nothing the recipe decides
     return settings
 
 
 # --- docker compose ------------------------------------------------------------------------------
+
 
 def interpolate(value: str) -> str:
     """Compose's ${VAR:-default} and ${VAR} with nothing set (the defaults)."""
@@ -82,8 +93,18 @@ def test_compose_follows_the_specification():
     from compose_spec import PyCompose
 
     spec = PyCompose.from_json(json.dumps(compose())).to_dict()
-    assert set(spec["services"]) == {"redis", "model-init", "weightsync", "trainer", "inference", "inference-policy",
-                                     "orchestrator", "prometheus", "alertmanager", "grafana"}
+    assert set(spec["services"]) == {
+        "redis",
+        "model-init",
+        "weightsync",
+        "trainer",
+        "inference",
+        "inference-policy",
+        "orchestrator",
+        "prometheus",
+        "alertmanager",
+        "grafana",
+    }
     assert spec["services"]["inference-policy"]["profiles"] == ["policy-eval"]  # off unless asked for
     with pytest.raises(ValueError, match="imagee"):  # the validator does reject what the spec does not allow
         PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "imagee": "y"}}}))
@@ -118,27 +139,43 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
                 assert "weights_verify_key" in service["secrets"]
         assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
     assert checked == 5
-    assert set(doc["secrets"]) == {"token", "redis_password", "weights_signing_key", "weights_verify_key",
-                                   "grafana_admin_password"}
+    assert set(doc["secrets"]) == {
+        "token",
+        "redis_password",
+        "weights_signing_key",
+        "weights_verify_key",
+        "grafana_admin_password",
+    }
     assert doc["services"]["grafana"]["secrets"] == ["grafana_admin_password"]  # Grafana gets its own secret alone
     assert "env_file" not in doc["services"]["grafana"]
     assert "ports" not in doc["services"]["inference"]  # `--scale inference=N` needs no fixed host port
-    assert doc["services"]["orchestrator"]["environment"]["STEADYRL_ORCHESTRATOR_AUTOSTART"] == "true"  # no manual start
+    assert (
+        doc["services"]["orchestrator"]["environment"]["STEADYRL_ORCHESTRATOR_AUTOSTART"] == "true"
+    )  # no manual start
     redis = " ".join(doc["services"]["redis"]["command"])
     assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis and "--maxmemory 1gb" in redis
     assert "--requirepass" not in redis and "/run/secrets/redis_password" in redis  # never on a command line
-    example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert {s["environment"] for s in doc["secrets"].values()} <= set(example)  # env.example names each secret
     # π's replica: the rollout replicas' settings, in the policy_eval pool, unquantised, scraped; env.example's two
     # commented lines turn on its profile and the orchestrator's switch together
     services = doc["services"]
     assert services["inference-policy"]["environment"] == {
-        **services["inference"]["environment"], "STEADYRL_INFERENCE_REPLICA_ID": "replica-policy",
-        "STEADYRL_INFERENCE_POOL": "policy_eval", "STEADYRL_INFERENCE_QUANTIZATION": "none"}
+        **services["inference"]["environment"],
+        "STEADYRL_INFERENCE_REPLICA_ID": "replica-policy",
+        "STEADYRL_INFERENCE_POOL": "policy_eval",
+        "STEADYRL_INFERENCE_QUANTIZATION": "none",
+    }
     assert services["inference-policy"]["depends_on"] == services["inference"]["depends_on"]
-    commented = dict(line[2:].split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines()
-                     if re.match(r"# COMPOSE_PROFILES=", line))
+    commented = dict(
+        line[2:].split("=", 1)
+        for line in (DEPLOY / "env.example").read_text().splitlines()
+        if re.match(r"# COMPOSE_PROFILES=", line)
+    )
     assert commented["COMPOSE_PROFILES"] in services["inference-policy"]["profiles"]
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     replicas = next(job for job in scrape["scrape_configs"] if job["job_name"] == "steadyrl-inference")
@@ -149,8 +186,10 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
 
     assert doc["x-recipe"] == "/etc/steadyrl/tiny-arith.toml"  # `up` carries the recipe's run id, as the samples do
     run_id = load_run_config(ROOT / "configs" / "tiny-arith.toml").run_id
-    assert all(job["honor_labels"] and job["relabel_configs"] == [{"target_label": "run", "replacement": run_id}]
-               for job in scrape["scrape_configs"])
+    assert all(
+        job["honor_labels"] and job["relabel_configs"] == [{"target_label": "run", "replacement": run_id}]
+        for job in scrape["scrape_configs"]
+    )
     assert "./deploy/alertmanager:/etc/alertmanager:ro" in services["alertmanager"]["volumes"]
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
     with pytest.raises(ValueError, match="learning_rat"):  # a typo in an env name fails
@@ -159,11 +198,13 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
 
 # --- kubernetes ----------------------------------------------------------------------------------
 
+
 def render(overlay: str, deploy: Path = DEPLOY) -> list[dict]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the kustomizations"
-    out = subprocess.run([kubectl, "kustomize", str(deploy / "k8s" / "overlays" / overlay)], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [kubectl, "kustomize", str(deploy / "k8s" / "overlays" / overlay)], capture_output=True, text=True, check=True
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -227,9 +268,21 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     version = kubernetes_validate.latest_version()
     docs = render(overlay)
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == sorted(["ConfigMap", "Deployment", "ScaledObject", "PodMonitor", "PrometheusRule",
-                            "AlertmanagerConfig", "Service", "StatefulSet", "NetworkPolicy", "PodDisruptionBudget",
-                            *(["PersistentVolumeClaim", "Job"] if overlay == "gpu" else [])])
+    assert kinds == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "ScaledObject",
+            "PodMonitor",
+            "PrometheusRule",
+            "AlertmanagerConfig",
+            "Service",
+            "StatefulSet",
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            *(["PersistentVolumeClaim", "Job"] if overlay == "gpu" else []),
+        ]
+    )
     for doc in docs:
         if doc["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject", "AlertmanagerConfig"):  # CRDs: below
             continue
@@ -238,15 +291,21 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     dashboard = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "steadyrl-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"  # Grafana's sidecar loads it
     assert json.loads(dashboard["data"]["steadyrl.json"]) == json.loads(
-        (DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text())
+        (DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text()
+    )
     for kind in ("PodMonitor", "PrometheusRule", "AlertmanagerConfig"):  # what kube-prometheus-stack selects by default
         assert next(d for d in docs if d["kind"] == kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     routes = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
     inhibits = next(d for d in docs if d["kind"] == "AlertmanagerConfig")["spec"]["inhibitRules"]
-    as_text = [([f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in r["sourceMatch"]],
-                [f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in r["targetMatch"]]) for r in inhibits]
+    as_text = [
+        (
+            [f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in r["sourceMatch"]],
+            [f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in r["targetMatch"]],
+        )
+        for r in inhibits
+    ]
     assert as_text == [(r["source_matchers"], r["target_matchers"]) for r in routes["inhibit_rules"]]
     for doc in docs:  # hardened: every pod and container
         if doc["kind"] not in ("Deployment", "StatefulSet", "Job"):
@@ -256,8 +315,11 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for container in pod["containers"] + pod.get("initContainers", []):
-            assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                                    "capabilities": {"drop": ["ALL"]}}, container["name"]
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }, container["name"]
             assert "resources" in container and container["resources"]["limits"]["memory"]
             env = {e["name"]: e for e in container.get("env", [])}
             assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in env.values())  # secrets: files only
@@ -331,8 +393,9 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     docs = render_with_policy_eval(overlay, tmp_path)
     named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     # what it adds: one Deployment, and the orchestrator's switch; nothing else changes
-    assert sorted(named) == sorted([*((d["kind"], d["metadata"]["name"]) for d in plain),
-                                    ("Deployment", "inference-policy")])
+    assert sorted(named) == sorted(
+        [*((d["kind"], d["metadata"]["name"]) for d in plain), ("Deployment", "inference-policy")]
+    )
     policy, inference = named["Deployment", "inference-policy"], named["Deployment", "inference"]
     kubernetes_validate.validate(policy, version, strict=True)
     env = {e["name"]: e.get("value", "secret") for e in policy["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -342,14 +405,20 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     # pool, one fixed replica, and labels of its own: the rollout replicas' Service and KEDA scaler do not
     # select it, the PodMonitor does
     expected = json.loads(json.dumps(inference))
-    expected["metadata"] = {"name": "inference-policy", "namespace": "steadyrl",
-                            "labels": {**inference["metadata"].get("labels", {}), "app": "inference-policy"}}
+    expected["metadata"] = {
+        "name": "inference-policy",
+        "namespace": "steadyrl",
+        "labels": {**inference["metadata"].get("labels", {}), "app": "inference-policy"},
+    }
     expected["spec"]["replicas"] = 1
     expected["spec"]["selector"]["matchLabels"]["app"] = "inference-policy"
     expected["spec"]["template"]["metadata"]["labels"]["app"] = "inference-policy"
     container = expected["spec"]["template"]["spec"]["containers"][0]
-    container["env"] = [{"name": "STEADYRL_INFERENCE_POOL", "value": "policy_eval"},
-                        {"name": "STEADYRL_INFERENCE_QUANTIZATION", "value": "none"}, *container["env"]]
+    container["env"] = [
+        {"name": "STEADYRL_INFERENCE_POOL", "value": "policy_eval"},
+        {"name": "STEADYRL_INFERENCE_QUANTIZATION", "value": "none"},
+        *container["env"],
+    ]
     in_order = json.loads(json.dumps(policy))  # the overlay's env entries come first: compare env unordered
     for doc in (in_order, expected):
         doc["spec"]["template"]["spec"]["containers"][0]["env"].sort(key=lambda e: e["name"])
@@ -359,9 +428,12 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     assert named["ScaledObject", "inference"]["spec"]["scaleTargetRef"] == {"name": "inference"}
     orchestrator = named["Deployment", "orchestrator"]["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "STEADYRL_ORCHESTRATOR_POLICY_EVAL", "value": "true"} in orchestrator
-    assert not any(e["name"] == "STEADYRL_ORCHESTRATOR_POLICY_EVAL"
-                   for d in plain if d["kind"] == "Deployment" and d["metadata"]["name"] == "orchestrator"
-                   for e in d["spec"]["template"]["spec"]["containers"][0]["env"])
+    assert not any(
+        e["name"] == "STEADYRL_ORCHESTRATOR_POLICY_EVAL"
+        for d in plain
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "orchestrator"
+        for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+    )
     from steadyrl.service_settings import deployed_settings
 
     resolved = container_env(policy["spec"]["template"]["spec"]["containers"][0], docs)
@@ -377,15 +449,24 @@ def validate_crds(docs: list[dict]) -> list[dict]:
     """Each custom resource checked against its CRD's OpenAPI schema (deploy/schemas/validate.mjs)."""
     installed = subprocess.run([str(ROOT / "scripts" / "crd-schemas")], capture_output=True, text=True)
     assert installed.returncode == 0, installed.stderr[-2000:]
-    done = subprocess.run(["node", "validate.mjs"], input=json.dumps(docs), capture_output=True, text=True,
-                          cwd=installed.stdout.strip(), check=True)
+    done = subprocess.run(
+        ["node", "validate.mjs"],
+        input=json.dumps(docs),
+        capture_output=True,
+        text=True,
+        cwd=installed.stdout.strip(),
+        check=True,
+    )
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_custom_resources_validate_against_their_crd_schemas(overlay):
-    crds = [d for d in render(overlay) if d["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject",
-                                                        "AlertmanagerConfig")]
+    crds = [
+        d
+        for d in render(overlay)
+        if d["kind"] in ("PodMonitor", "PrometheusRule", "ScaledObject", "AlertmanagerConfig")
+    ]
     results = validate_crds(crds)
     assert sorted(r["kind"] for r in results) == ["AlertmanagerConfig", "PodMonitor", "PrometheusRule", "ScaledObject"]
     assert all(r["errors"] == [] for r in results), results
@@ -403,7 +484,9 @@ def test_custom_resources_validate_against_their_crd_schemas(overlay):
     assert errors["ScaledObject"] == ["data/spec/minReplicaCount must be integer"]
     assert errors["PodMonitor"][0].startswith("data/spec/podMetricsEndpoints/0/interval must match pattern")
     assert errors["PrometheusRule"] == ["data/spec/groups/0/rules/0 must have required property expr"]
-    assert errors["AlertmanagerConfig"][0].startswith("data/spec/inhibitRules/0/sourceMatch/0/matchType must be equal to one of")
+    assert errors["AlertmanagerConfig"][0].startswith(
+        "data/spec/inhibitRules/0/sourceMatch/0/matchType must be equal to one of"
+    )
 
 
 def check_gpu_overlay(docs: list[dict]) -> None:
@@ -416,16 +499,22 @@ def check_gpu_overlay(docs: list[dict]) -> None:
         probe = container["startupProbe"]  # a large model's load is not killed by the liveness probe
         assert "grpc" in probe and probe["failureThreshold"] * probe["periodSeconds"] >= 900, name
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and {"name": "dshm", "mountPath": "/dev/shm"} in \
-            container["volumeMounts"], name
-        assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "steadyrl-models",
-                                                                                 "readOnly": True}}, name
+        assert (
+            volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+            and {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        ), name
+        assert volumes["models"] == {
+            "name": "models",
+            "persistentVolumeClaim": {"claimName": "steadyrl-models", "readOnly": True},
+        }, name
         assert pod["runtimeClassName"] == "nvidia" and "initContainers" not in pod, name
     env = {e["name"]: e.get("value") for e in pods["inference"]["containers"][0]["env"]}
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert pods["trainer"]["containers"][0]["args"] == ["steadyrl.cli", "trainer-node"]  # torchrun × trainer.gpus
     assert "initContainers" not in pods["orchestrator"]
-    assert {"name": "data", "mountPath": "/data", "readOnly": True} in pods["orchestrator"]["containers"][0]["volumeMounts"]
+    assert {"name": "data", "mountPath": "/data", "readOnly": True} in pods["orchestrator"]["containers"][0][
+        "volumeMounts"
+    ]
     claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert claims["steadyrl-models"]["accessModes"] == ["ReadWriteMany"]  # a Job can fill it
     assert claims["steadyrl-data"]["accessModes"] == ["ReadWriteMany"]
@@ -435,10 +524,13 @@ def check_gpu_overlay(docs: list[dict]) -> None:
     assert container["args"][-2:] == ["--local-dir", "/models/Qwen3-30B-A3B"]  # the recipe's model.path
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "steadyrl-models"}} in fill["spec"]["volumes"]
     egress = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "model-fill-egress")
-    assert egress["spec"]["podSelector"] == {"matchLabels": {"app": fill["metadata"]["labels"]["app"]}}  # it alone leaves
+    assert egress["spec"]["podSelector"] == {
+        "matchLabels": {"app": fill["metadata"]["labels"]["app"]}
+    }  # it alone leaves
 
 
 # --- prometheus and grafana ----------------------------------------------------------------------
+
 
 def promtool() -> str:
     found = shutil.which("promtool")
@@ -448,19 +540,24 @@ def promtool() -> str:
 
 def test_promtool_accepts_the_config_and_the_rules(tmp_path):
     shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
-    config = (DEPLOY / "prometheus" / "prometheus.yml").read_text().replace("/etc/prometheus/alerts.yml",
-                                                                             str(tmp_path / "alerts.yml"))
+    config = (
+        (DEPLOY / "prometheus" / "prometheus.yml")
+        .read_text()
+        .replace("/etc/prometheus/alerts.yml", str(tmp_path / "alerts.yml"))
+    )
     (tmp_path / "prometheus.yml").write_text(config)
-    for args in (["check", "config", str(tmp_path / "prometheus.yml")],
-                 ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")]):
+    for args in (
+        ["check", "config", str(tmp_path / "prometheus.yml")],
+        ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+    ):
         done = subprocess.run([promtool(), *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
 
 
-
 def test_every_alert_fires_on_a_failure_and_stays_quiet_on_a_healthy_run():
-    done = subprocess.run([promtool(), "test", "rules", "alerts_test.yml"], capture_output=True, text=True,
-                          cwd=DEPLOY / "prometheus")
+    done = subprocess.run(
+        [promtool(), "test", "rules", "alerts_test.yml"], capture_output=True, text=True, cwd=DEPLOY / "prometheus"
+    )
     assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
@@ -469,8 +566,15 @@ def test_every_alert_fires_on_a_failure_and_stays_quiet_on_a_healthy_run():
     fired = {c["alertname"] for c in cases if c["exp_alerts"]}
     quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
     assert fired == alerts and quiet == alerts  # each alert: a series it fires on and a healthy one
-    assert {"SteadyrlServiceDown", "SteadyrlNoLiveReplica", "SteadyrlTrainerStalled", "SteadyrlRolloutsStarved",
-            "SteadyrlDeadLetters", "SteadyrlWeightSyncFailures", "SteadyrlCollapseEarlyWarning"} <= alerts
+    assert {
+        "SteadyrlServiceDown",
+        "SteadyrlNoLiveReplica",
+        "SteadyrlTrainerStalled",
+        "SteadyrlRolloutsStarved",
+        "SteadyrlDeadLetters",
+        "SteadyrlWeightSyncFailures",
+        "SteadyrlCollapseEarlyWarning",
+    } <= alerts
 
 
 def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path: Path) -> list[str]:
@@ -487,8 +591,9 @@ def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path
     from tests.integration.test_control_plane import orchestrator_on
 
     async def main() -> str:
-        redis, orchestrator = await orchestrator_on(redis_url, run_id, model_dir, tmp_path, "running",
-                                                    batch_prompts=4, group_size=2, steps=10)
+        redis, orchestrator = await orchestrator_on(
+            redis_url, run_id, model_dir, tmp_path, "running", batch_prompts=4, group_size=2, steps=10
+        )
         assert await orchestrator.admit() == 8
         tasks = [orchestrator.tasks.make(f"evalpi-{i}", orchestrator.tasks.train[i], 1, 0.0, True, 0) for i in range(3)]
         await orchestrator.queue.submit_many(tasks)
@@ -533,15 +638,28 @@ def test_the_inference_scaler_counts_this_run_s_rollout_work_alone(redis_server,
     for labels, value in exported:
         for namespace, other in (("steadyrl", ""), ("steadyrl", "other-run"), ("elsewhere", "")):
             text = labels.replace(f'run="{run}"', f'run="{other}"') if other else labels
-            series.append({"series": f'steadyrl_orchestrator_queue_depth{{{text}, namespace="{namespace}", '
-                                     f'job="steadyrl-orchestrator"}}', "values": f"{value:g}x5"})
-    case = {"rule_files": [], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": series,
-                       "promql_expr_test": [{"expr": query, "eval_time": "2m",
-                                             "exp_samples": [{"labels": "{}", "value": 7}]}]}]}
+            series.append(
+                {
+                    "series": f'steadyrl_orchestrator_queue_depth{{{text}, namespace="{namespace}", '
+                    f'job="steadyrl-orchestrator"}}',
+                    "values": f"{value:g}x5",
+                }
+            )
+    case = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [{"expr": query, "eval_time": "2m", "exp_samples": [{"labels": "{}", "value": 7}]}],
+            }
+        ],
+    }
     (tmp_path / "scaler_test.yml").write_text(yaml.safe_dump(case))
-    done = subprocess.run([promtool(), "test", "rules", "scaler_test.yml"], capture_output=True, text=True,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [promtool(), "test", "rules", "scaler_test.yml"], capture_output=True, text=True, cwd=tmp_path
+    )
     assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
 
 
@@ -551,8 +669,14 @@ def exported_metric_names() -> set[str]:
 
     from prometheus_client import REGISTRY
 
-    for module in ("services.weightsync.server", "services.inference.worker", "services.inference.server",
-                   "services.trainer.trainer", "services.orchestrator.orchestrator", "services.orchestrator.server"):
+    for module in (
+        "services.weightsync.server",
+        "services.inference.worker",
+        "services.inference.server",
+        "services.trainer.trainer",
+        "services.orchestrator.orchestrator",
+        "services.orchestrator.server",
+    ):
         importlib.import_module(module)
     names = set()
     for metric in REGISTRY.collect():
@@ -567,8 +691,15 @@ def test_dashboard_and_alerts_name_only_exported_metrics():
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "steadyrl.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {"${datasource}"}  # any Prometheus, no fixed uid
-    assert dashboard["templating"]["list"][0] == {"name": "datasource", "label": "Prometheus", "type": "datasource",
-                                                  "query": "prometheus", "current": {}, "hide": 0, "refresh": 1}
+    assert dashboard["templating"]["list"][0] == {
+        "name": "datasource",
+        "label": "Prometheus",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "refresh": 1,
+    }
     run = dashboard["templating"]["list"][1]  # a run variable: two runs in one Prometheus stay apart
     assert run["name"] == "run" and run["query"]["query"] == "label_values(steadyrl_orchestrator_queue_depth, run)"
     selectors = [m for e in exprs for m in re.findall(r"(?:steadyrl_|vllm:)[a-z0-9_]+(\{[^}]*\})?", e)]
@@ -578,9 +709,26 @@ def test_dashboard_and_alerts_name_only_exported_metrics():
     named = {m for e in exprs for m in re.findall(r"steadyrl_[a-z0-9_]+", e)}
     assert named and not (named - exported), sorted(named - exported)
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for topic in ("reward", "entropy", "mismatch kl", "is weights", "clip", "staleness", "routing agreement",
-                  "first-order", "tokens/s", "queue", "weight-sync", "version", "weight publishes and failures",
-                  "in-flight tasks", "running sequences", "leases lost", "loading", "kv-cache usage"):
+    for topic in (
+        "reward",
+        "entropy",
+        "mismatch kl",
+        "is weights",
+        "clip",
+        "staleness",
+        "routing agreement",
+        "first-order",
+        "tokens/s",
+        "queue",
+        "weight-sync",
+        "version",
+        "weight publishes and failures",
+        "in-flight tasks",
+        "running sequences",
+        "leases lost",
+        "loading",
+        "kv-cache usage",
+    ):
         assert topic in titles, topic
     used = " ".join(exprs)
     for name in ("mismatch_kl_k3", "entropy", "staleness_max"):  # the collapse and budget alerts
@@ -593,17 +741,35 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
     prometheus = shutil.which("prometheus")
     assert prometheus, "prometheus is missing: scripts/install installs Debian's package as root"
     grpc_port, metrics_port, web_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "STEADYRL_WEIGHTSYNC_PORT": str(grpc_port), "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics_port),
-           "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"), "STEADYRL_WEIGHTSYNC_RUN_ID": "scraped-run",
-           "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(write_key_pair(tmp_path / "keys")[1])}
+    env = {
+        **os.environ,
+        "STEADYRL_WEIGHTSYNC_PORT": str(grpc_port),
+        "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics_port),
+        "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"),
+        "STEADYRL_WEIGHTSYNC_RUN_ID": "scraped-run",
+        "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(write_key_pair(tmp_path / "keys")[1]),
+    }
     service = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "steadyrl-weightsync",
-                            "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}]}))
-    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web_port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s"},
+                "scrape_configs": [
+                    {"job_name": "steadyrl-weightsync", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
+                ],
+            }
+        )
+    )
+    server = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         import httpx
 
@@ -611,8 +777,11 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
         for _ in range(120):
             time.sleep(0.5)
             try:
-                reply = httpx.get(f"http://127.0.0.1:{web_port}/api/v1/query",
-                                  params={"query": "steadyrl_weightsync_versions_held"}, timeout=2).json()
+                reply = httpx.get(
+                    f"http://127.0.0.1:{web_port}/api/v1/query",
+                    params={"query": "steadyrl_weightsync_versions_held"},
+                    timeout=2,
+                ).json()
             except httpx.HTTPError:
                 continue
             result = reply.get("data", {}).get("result", [])
@@ -639,23 +808,48 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
     from steadyrl.alert_replay import firing_steps, minutes, replayed_alerts
 
     rules = DEPLOY / "prometheus" / "alerts.yml"
-    assert replayed_alerts(rules) == ["SteadyrlCollapseEarlyWarning", "SteadyrlRewardCollapse", "SteadyrlEvalDrop",
-                                      "SteadyrlPolicyUnderStart", "SteadyrlStalenessOverBudget"]
+    assert replayed_alerts(rules) == [
+        "SteadyrlCollapseEarlyWarning",
+        "SteadyrlRewardCollapse",
+        "SteadyrlEvalDrop",
+        "SteadyrlPolicyUnderStart",
+        "SteadyrlStalenessOverBudget",
+    ]
     assert (minutes("45m"), minutes("1h30m"), minutes("1d2h"), minutes("0s")) == (45, 90, 1560, 0)
     kl = [0.005] * 41 + [0.01 * 2**i for i in range(9)] + [2.56] * 50
-    collapsing = [{"step": i + 1, "mismatch_kl_k3": k, "entropy": 0.5 - 0.002 * min(i, 49),
-                   "staleness_max": 3 * (30 <= i < 50), "reward_mean": 0.4 if i < 60 else 0.1, "recipe": "minirl"}
-                  for i, k in enumerate(kl)]
+    collapsing = [
+        {
+            "step": i + 1,
+            "mismatch_kl_k3": k,
+            "entropy": 0.5 - 0.002 * min(i, 49),
+            "staleness_max": 3 * (30 <= i < 50),
+            "reward_mean": 0.4 if i < 60 else 0.1,
+            "recipe": "minirl",
+        }
+        for i, k in enumerate(kl)
+    ]
     budget = {"steadyrl_trainer_max_staleness": 1}
-    evals = [{"step": 0, "accuracy": 0.4}, {"step": 50, "accuracy": 0.45, "sets": {"main": {"accuracy": 0.45}}},
-             {"step": 75, "accuracy": 0.2}]
-    policy = [{"step": 0, "accuracy": 0.5}, {"step": 25, "accuracy": 0.35}, {"step": 40, "accuracy": 0.55},
-              {"step": 60, "accuracy": 0.38}, {"step": 80, "accuracy": 0.35}]
+    evals = [
+        {"step": 0, "accuracy": 0.4},
+        {"step": 50, "accuracy": 0.45, "sets": {"main": {"accuracy": 0.45}}},
+        {"step": 75, "accuracy": 0.2},
+    ]
+    policy = [
+        {"step": 0, "accuracy": 0.5},
+        {"step": 25, "accuracy": 0.35},
+        {"step": 40, "accuracy": 0.55},
+        {"step": 60, "accuracy": 0.38},
+        {"step": 80, "accuracy": 0.35},
+    ]
     fired = firing_steps(collapsing, rules, budget, evals, policy)
     # the early warning ends once entropy has stopped falling (its 10 min delta, flat from step 50)
-    assert fired == {"SteadyrlCollapseEarlyWarning": list(range(49, 55)), "SteadyrlRewardCollapse": list(range(91, 101)),
-                     "SteadyrlEvalDrop": list(range(75, 101)), "SteadyrlPolicyUnderStart": list(range(80, 101)),
-                     "SteadyrlStalenessOverBudget": list(range(41, 51))}
+    assert fired == {
+        "SteadyrlCollapseEarlyWarning": list(range(49, 55)),
+        "SteadyrlRewardCollapse": list(range(91, 101)),
+        "SteadyrlEvalDrop": list(range(75, 101)),
+        "SteadyrlPolicyUnderStart": list(range(80, 101)),
+        "SteadyrlStalenessOverBudget": list(range(41, 51)),
+    }
     healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1, "reward_mean": 0.4} for row in collapsing]
     steady = [{"step": e["step"], "accuracy": 0.4} for e in evals]
     assert firing_steps(healthy, rules, budget, steady, steady) == {a: [] for a in fired}
@@ -668,8 +862,9 @@ def test_the_alerts_on_a_collapsed_grid_run():
     the reward collapse 28 steps later; the paper's early warning (KL spike with entropy falling) never."""
     from steadyrl.alert_replay import replay_run
 
-    fired = replay_run(ROOT / "docs" / "reproduction" / "fp4-live-pi" / "collapsed-run",
-                       DEPLOY / "prometheus" / "alerts.yml")["firing_steps"]
+    fired = replay_run(
+        ROOT / "docs" / "reproduction" / "fp4-live-pi" / "collapsed-run", DEPLOY / "prometheus" / "alerts.yml"
+    )["firing_steps"]
     assert fired["SteadyrlPolicyUnderStart"] == list(range(50, 301))
     assert fired["SteadyrlEvalDrop"][0] == 50 and fired["SteadyrlRewardCollapse"][0] == 78
     assert fired["SteadyrlCollapseEarlyWarning"] == [] and fired["SteadyrlStalenessOverBudget"] == []
@@ -679,6 +874,8 @@ def test_replay_alerts_says_when_promtool_cannot_run_the_rules(tmp_path):
     from steadyrl.alert_replay import firing_steps
 
     rules = tmp_path / "rules.yml"
-    rules.write_text('groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: steadyrl_trainer_last_metric{name="x"} >\n')
+    rules.write_text(
+        'groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: steadyrl_trainer_last_metric{name="x"} >\n'
+    )
     with pytest.raises(RuntimeError, match="promtool failed"):
         firing_steps([{"step": 1, "x": 1.0}], rules)

@@ -105,10 +105,16 @@ def test_compose_volume_paths_exist_in_the_image_and_belong_to_the_runtime_user(
     created = set(re.search(r"mkdir -p ([^&]+)", runs).group(1).split())
     owned = set(re.search(r"chown -R 10001:10001 ([^&]+)", runs).group(1).split())
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    mounts = {spec.split(":")[1] for service in compose["services"].values()
-              if service.get("image", "").startswith("steadyrl")
-              for spec in service.get("volumes", []) if not spec.startswith(".")}
-    mounts |= {spec.split(":")[1] for spec in compose.get("x-steadyrl", {}).get("volumes", []) if not spec.startswith(".")}
+    mounts = {
+        spec.split(":")[1]
+        for service in compose["services"].values()
+        if service.get("image", "").startswith("steadyrl")
+        for spec in service.get("volumes", [])
+        if not spec.startswith(".")
+    }
+    mounts |= {
+        spec.split(":")[1] for spec in compose.get("x-steadyrl", {}).get("volumes", []) if not spec.startswith(".")
+    }
     assert mounts >= {"/models", "/home/steadyrl/runs"}
     for path in mounts:
         assert any(path == c or path.startswith(c + "/") for c in created), f"{path} is not created in {name}"
@@ -125,8 +131,13 @@ def test_the_build_context_leaves_out_secrets_environments_and_what_no_image_cop
     ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     for pattern in (".env", ".venv", ".git", "runs", "tests", "**/__pycache__"):
         assert pattern in ignored, pattern
-    copied = {args.split()[0] for name in DOCKERFILES for stage in instructions(name) for op, args in stage
-              if op == "COPY" and not args.startswith("--from")}
+    copied = {
+        args.split()[0]
+        for name in DOCKERFILES
+        for stage in instructions(name)
+        for op, args in stage
+        if op == "COPY" and not args.startswith("--from")
+    }
     assert copied and not copied & set(ignored)  # nothing an image copies is left out
 
 

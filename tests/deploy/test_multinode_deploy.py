@@ -34,8 +34,14 @@ SCONTROL = """#!/bin/bash
 
 
 def dry_run(env: dict[str, str], *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "trainer-node", *args, "--dry-run"], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "trainer-node", *args, "--dry-run"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -46,33 +52,66 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(
         (tmp_path / name).chmod(0o755)
     script = DEPLOY / "slurm" / "trainer.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RECORD": str(tmp_path / "srun"),
-           "PYTHON": sys.executable, "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_JOB_NUM_NODES": "2",
-           "RECIPE": "configs/gpu-qwen3-moe-math.toml", "STEADYRL_TRAINER_REDIS_URL": "redis://:secret-pw@redis:6379/0",
-           "STEADYRL_TRAINER_OUT_DIR": "/shared/run/trainer"}
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+        "RECORD": str(tmp_path / "srun"),
+        "PYTHON": sys.executable,
+        "SLURM_JOB_NODELIST": "gpu-[a-b]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "RECIPE": "configs/gpu-qwen3-moe-math.toml",
+        "STEADYRL_TRAINER_REDIS_URL": "redis://:secret-pw@redis:6379/0",
+        "STEADYRL_TRAINER_OUT_DIR": "/shared/run/trainer",
+    }
     done = subprocess.run(["bash", str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "srun.flags").read_text().split() == ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
     plan = json.loads((tmp_path / "srun.json").read_text())
     argv = plan["argv"][1:]
-    assert argv == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", "gpu-a:29400", "--rdzv-id", "qwen3-moe-math", "--max-restarts", "3",
-                    "-m", "services.trainer"]
+    assert argv == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "gpu-a:29400",
+        "--rdzv-id",
+        "qwen3-moe-math",
+        "--max-restarts",
+        "3",
+        "-m",
+        "services.trainer",
+    ]
     trainer = plan["env"]
     assert trainer["STEADYRL_TRAINER_NODES"] == "2" and trainer["STEADYRL_TRAINER_GPUS"] == "8"
     assert trainer["STEADYRL_TRAINER_OUT_DIR"] == "/shared/run/trainer"  # the environment wins over the recipe
     assert trainer["STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS"] == "600"
     assert "secret-pw" not in (tmp_path / "srun.json").read_text()  # the Redis password is masked
     # without its inputs the script stops before srun, naming what is missing
-    missing = subprocess.run(["bash", str(script)], env={k: v for k, v in env.items() if k != "RECIPE"},
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        ["bash", str(script)],
+        env={k: v for k, v in env.items() if k != "RECIPE"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode != 0 and "RECIPE" in missing.stderr
 
 
 def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous():
     env = {**os.environ, "STEADYRL_TRAINER_MODEL_PATH": "/models/m", "STEADYRL_TRAINER_NODES": "2"}
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "trainer-node", "--dry-run"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "trainer-node", "--dry-run"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "rdzv_endpoint" in done.stderr
 
 
@@ -114,14 +153,18 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     broken["spec"]["replicatedJob"] = broken["spec"].pop("replicatedJobs")
     assert jobset_errors(broken) == [
         "spec/failurePolicy/maxRestarts: 'three' is not of type 'integer'",
-        "spec: Additional properties are not allowed ('replicatedJob' was unexpected)"]
+        "spec: Additional properties are not allowed ('replicatedJob' was unexpected)",
+    ]
     spec = jobset["spec"]
     assert spec["failurePolicy"]["maxRestarts"] >= 1 and spec["network"]["enableDNSHostnames"] is True
     [nodes] = spec["replicatedJobs"]
     job = nodes["template"]
     version = kubernetes_validate.latest_version()
-    kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "trainer-node"},
-                                  "spec": job["spec"]}, version, strict=True)
+    kubernetes_validate.validate(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "trainer-node"}, "spec": job["spec"]},
+        version,
+        strict=True,
+    )
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == job["spec"]["completions"]
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -135,9 +178,22 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     assert container["args"] == ["steadyrl.cli", "trainer-node", "--node-rank", "$(JOB_COMPLETION_INDEX)"]
     recipe = {"STEADYRL_RECIPE": str(ROOT / "configs" / "gpu-qwen3-moe-math.toml")}
     resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer"), **recipe}, "--node-rank", "0")
-    assert resolved["argv"][1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
-                                    "--node-rank", "0", "--master-addr", host, "--master-port", "29500",
-                                    "-m", "services.trainer"]
+    assert resolved["argv"][1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        host,
+        "--master-port",
+        "29500",
+        "-m",
+        "services.trainer",
+    ]
     service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "trainer")
     assert service["spec"]["selector"] == {"app": "trainer", "batch.kubernetes.io/job-completion-index": "0"}
     claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
@@ -145,9 +201,12 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "trainer-data"}} in pod["volumes"]
     assert env["STEADYRL_TRAINER_PARALLEL"] == "hsdp" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     trainer = resolved["env"]  # B, G, N, precision... come from the recipe, not the JobSet
-    assert (trainer["STEADYRL_TRAINER_BATCH_PROMPTS"], trainer["STEADYRL_TRAINER_MINI_BATCHES"],
-            trainer["STEADYRL_TRAINER_PRECISION"], trainer["STEADYRL_TRAINER_RUN_ID"]) == (
-        "64", "4", "bf16-mixed", "qwen3-moe-math")
+    assert (
+        trainer["STEADYRL_TRAINER_BATCH_PROMPTS"],
+        trainer["STEADYRL_TRAINER_MINI_BATCHES"],
+        trainer["STEADYRL_TRAINER_PRECISION"],
+        trainer["STEADYRL_TRAINER_RUN_ID"],
+    ) == ("64", "4", "bf16-mixed", "qwen3-moe-math")
     assert not {"STEADYRL_TRAINER_BATCH_PROMPTS", "STEADYRL_TRAINER_GPUS", "STEADYRL_TRAINER_PRECISION"} & set(env)
     assert yaml.safe_dump(jobset)  # renders back
     assert Path(deploy / "slurm" / "trainer.sbatch").exists()

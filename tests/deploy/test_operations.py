@@ -56,22 +56,37 @@ def test_a_replica_serves_metrics_while_its_model_loads_and_reads_its_recipe(red
     steadyrl_service_loading 1 and no policy version yet, every sample labelled with the recipe's
     run id; once loaded: loading 0 and its version, labelled with its pool."""
     flag, grpc_port, metrics_port = tmp_path / "load", free_port(), free_port()
-    env = {**os.environ, "STEADYRL_RECIPE": str(ROOT / "configs" / "tiny-arith.toml"),
-           "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir), "STEADYRL_INFERENCE_REDIS_URL": redis_server.url,
-           "STEADYRL_INFERENCE_PORT": str(grpc_port), "STEADYRL_INFERENCE_METRICS_PORT": str(metrics_port),
-           "STEADYRL_INFERENCE_REPLICA_ID": "replica-cold"}
-    process = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(flag)], env=env, cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "STEADYRL_RECIPE": str(ROOT / "configs" / "tiny-arith.toml"),
+        "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir),
+        "STEADYRL_INFERENCE_REDIS_URL": redis_server.url,
+        "STEADYRL_INFERENCE_PORT": str(grpc_port),
+        "STEADYRL_INFERENCE_METRICS_PORT": str(metrics_port),
+        "STEADYRL_INFERENCE_REPLICA_ID": "replica-cold",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LOAD, str(flag)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         loading = wait_for(metrics_port, r'^steadyrl_service_loading\{.*service="inference".*\} 1\.0$', process)
         assert 'pool="rollouts"' in loading and "steadyrl_inference_policy_version{" not in loading
         samples = [line for line in loading.splitlines() if line and not line.startswith("#")]
         assert samples and all('run="tiny-arith"' in line for line in samples)  # the recipe's [run] id
         flag.touch()
-        served = wait_for(metrics_port, r'^steadyrl_inference_policy_version\{.*\} 0\.0$', process)
+        served = wait_for(metrics_port, r"^steadyrl_inference_policy_version\{.*\} 0\.0$", process)
         assert re.search(r'^steadyrl_service_loading\{.*service="inference".*\} 0\.0$', served, re.M)
-        assert re.search(r'^steadyrl_inference_policy_version\{pool="rollouts",replica="replica-cold",'
-                         r'run="tiny-arith"\} 0\.0$', served, re.M)
+        assert re.search(
+            r'^steadyrl_inference_policy_version\{pool="rollouts",replica="replica-cold",'
+            r'run="tiny-arith"\} 0\.0$',
+            served,
+            re.M,
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=60)
@@ -85,16 +100,26 @@ def test_a_recipe_a_service_cannot_use_stops_it_before_anything_starts(tmp_path)
     bad = tmp_path / "bad.toml"
     bad.write_text('[run]\nid = "x"\n[weightsync]\nmemory_versions = 0\n')
     env = {**os.environ, "STEADYRL_RECIPE": str(bad)}
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "serve", "weightsync"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "serve", "weightsync"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2 and "event=settings_refused service=weightsync" in done.stderr
     assert "memory_versions" in done.stderr
-    bypass = subprocess.run([sys.executable, "-m", "services.weightsync"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60, env=env)
-    assert bypass.returncode == 2 and "STEADYRL_RECIPE is read by `python -m steadyrl.cli serve weightsync`" in \
-        bypass.stderr
-    unknown = subprocess.run([sys.executable, "-m", "steadyrl.cli", "serve", "trainr"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+    bypass = subprocess.run(
+        [sys.executable, "-m", "services.weightsync"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
+    )
+    assert (
+        bypass.returncode == 2
+        and "STEADYRL_RECIPE is read by `python -m steadyrl.cli serve weightsync`" in bypass.stderr
+    )
+    unknown = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "serve", "trainr"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert unknown.returncode == 2 and "not 'trainr'" in unknown.stderr
 
 
@@ -113,13 +138,33 @@ def test_alertmanager_config_checks_and_inhibits_consequences_of_a_cause(tmp_pat
     assert amtool, "amtool is missing: scripts/install installs Debian's prometheus-alertmanager as root"
     checked = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    routed = subprocess.run([amtool, "config", "routes", "test", "--config.file", str(config), "severity=critical",
-                             "alertname=SteadyrlServiceDown"], capture_output=True, text=True)
+    routed = subprocess.run(
+        [
+            amtool,
+            "config",
+            "routes",
+            "test",
+            "--config.file",
+            str(config),
+            "severity=critical",
+            "alertname=SteadyrlServiceDown",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert routed.stdout.strip() == "page", routed.stdout + routed.stderr
     port = free_port()
-    server = subprocess.Popen([alertmanager(), f"--config.file={config}", f"--storage.path={tmp_path}",
-                               f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            alertmanager(),
+            f"--config.file={config}",
+            f"--storage.path={tmp_path}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     api = f"http://127.0.0.1:{port}/api/v2/alerts"
 
     def post(*names: str, run: str) -> None:
@@ -139,9 +184,14 @@ def test_alertmanager_config_checks_and_inhibits_consequences_of_a_cause(tmp_pat
                 time.sleep(0.1)
         post("SteadyrlTrainerStalled", "SteadyrlRolloutsStarved", run="alone")
         post("SteadyrlServiceDown", "SteadyrlTrainerStalled", "SteadyrlRolloutsStarved", run="down")
-        expected = {"alone": {"SteadyrlTrainerStalled": "suppressed", "SteadyrlRolloutsStarved": "active"},
-                    "down": {"SteadyrlServiceDown": "active", "SteadyrlTrainerStalled": "suppressed",
-                             "SteadyrlRolloutsStarved": "suppressed"}}
+        expected = {
+            "alone": {"SteadyrlTrainerStalled": "suppressed", "SteadyrlRolloutsStarved": "active"},
+            "down": {
+                "SteadyrlServiceDown": "active",
+                "SteadyrlTrainerStalled": "suppressed",
+                "SteadyrlRolloutsStarved": "suppressed",
+            },
+        }
         deadline = time.monotonic() + 30
         while {run: states(run) for run in expected} != expected and time.monotonic() < deadline:
             time.sleep(0.2)

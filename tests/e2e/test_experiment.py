@@ -56,9 +56,25 @@ def test_grid_v2_runs_fp8_inference_on_mul_trace_with_the_papers_geometry(tmp_pa
     """One configuration of configs/paper-grid-v2.toml, cut to 2 steps: the tiny model cold-started
     on mul_trace, fp8-weight inference, DPPO at N = 4 with the global batch 4 × the mini-batch."""
     out = tmp_path / "v2"
-    command = [sys.executable, "-m", "steadyrl.cli", "experiment", str(ROOT / "configs" / "paper-grid-v2.toml"),
-               "--seeds", "1", "--out", str(out), "--only", "n4-dppo", "--set", "run.steps=2",
-               "--set", "run.mini_batch_prompts=2", "--set", "orchestrator.eval_size=20"]
+    command = [
+        sys.executable,
+        "-m",
+        "steadyrl.cli",
+        "experiment",
+        str(ROOT / "configs" / "paper-grid-v2.toml"),
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--only",
+        "n4-dppo",
+        "--set",
+        "run.steps=2",
+        "--set",
+        "run.mini_batch_prompts=2",
+        "--set",
+        "orchestrator.eval_size=20",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     run = out / "n4-dppo" / "seed-0"
@@ -67,8 +83,9 @@ def test_grid_v2_runs_fp8_inference_on_mul_trace_with_the_papers_geometry(tmp_pa
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["valid_tokens"] > 8 * 8 for m in metrics)  # 64 answers, several tokens each
-    model = json.loads((Path(json.loads((run / "summary.json").read_text())["model"]) / "steadyrl_tiny.json")
-                       .read_text())
+    model = json.loads(
+        (Path(json.loads((run / "summary.json").read_text())["model"]) / "steadyrl_tiny.json").read_text()
+    )
     assert model["task"]["name"] == "mul_trace" and model["greedy_accuracy"] >= 0.3
 
 
@@ -76,9 +93,25 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     """One configuration of configs/paper-grid-fp4.toml, cut to 2 steps: the replica computes in
     NVFP4 W4A4 (its mismatch KL far above bf16's) and returns routing traces the trainer replays."""
     out = tmp_path / "fp4"
-    command = [sys.executable, "-m", "steadyrl.cli", "experiment", str(ROOT / "configs" / "paper-grid-fp4.toml"),
-               "--seeds", "1", "--out", str(out), "--only", "n1-minirl-r3", "--set", "run.steps=2",
-               "--set", "orchestrator.eval_size=20", "--set", "trainer.checkpoint_every=1"]
+    command = [
+        sys.executable,
+        "-m",
+        "steadyrl.cli",
+        "experiment",
+        str(ROOT / "configs" / "paper-grid-fp4.toml"),
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--only",
+        "n1-minirl-r3",
+        "--set",
+        "run.steps=2",
+        "--set",
+        "orchestrator.eval_size=20",
+        "--set",
+        "trainer.checkpoint_every=1",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     run = out / "n1-minirl-r3" / "seed-0"

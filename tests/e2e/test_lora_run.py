@@ -47,15 +47,45 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
     recipe = "tiny-arith-vllm-cpu.toml" if engine == "vllm" else "tiny-arith.toml"
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / recipe), "--out", str(out),
-         "--set", "run.steps=8", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=0",
-         "--set", "trainer.lora.rank=8", "--set", "trainer.checkpoint_every=4",
-         # bf16-mixed, micro-batches, activation checkpointing and routing replay
-         *[a for s in (f"trainer.lora.target_experts={str(experts).lower()}", f"trainer.ranks={ranks}",
-                       'trainer.parallel="fsdp"', 'trainer.precision="bf16-mixed"',
-                       "trainer.micro_batch_tokens=40", "trainer.activation_checkpointing=true",
-                       'trainer.recipe="manual"', f'trainer.routing_replay="{replay}"') for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / recipe),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=8",
+            "--set",
+            "run.batch_prompts=8",
+            "--set",
+            "orchestrator.eval_every=0",
+            "--set",
+            "trainer.lora.rank=8",
+            "--set",
+            "trainer.checkpoint_every=4",
+            # bf16-mixed, micro-batches, activation checkpointing and routing replay
+            *[
+                a
+                for s in (
+                    f"trainer.lora.target_experts={str(experts).lower()}",
+                    f"trainer.ranks={ranks}",
+                    'trainer.parallel="fsdp"',
+                    'trainer.precision="bf16-mixed"',
+                    "trainer.micro_batch_tokens=40",
+                    "trainer.activation_checkpointing=true",
+                    'trainer.recipe="manual"',
+                    f'trainer.routing_replay="{replay}"',
+                )
+                for a in ("--set", s)
+            ],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "event=service_exited" not in done.stdout + done.stderr  # no service died on the way
     summary = json.loads((out / "summary.json").read_text())
@@ -69,35 +99,57 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
     assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight
     assert all(".lora_" in k.split("::")[0] for k in keys if k.startswith("optim."))  # AdamW holds the adapter alone
     assert "event=resumed" not in (out / "logs" / "trainer.log").read_text()
-    published = [line for line in (out / "logs" / "weightsync.log").read_text().splitlines()
-                 if "event=version_published" in line]
+    published = [
+        line for line in (out / "logs" / "weightsync.log").read_text().splitlines() if "event=version_published" in line
+    ]
     assert len(published) == 8 and all("kind=adapter" in line for line in published), published[:2]
-    applied = [line for line in (out / "logs" / "inference-0.log").read_text().splitlines()
-               if "event=weights_applied" in line]  # in flight: requests cross the swaps
+    applied = [
+        line for line in (out / "logs" / "inference-0.log").read_text().splitlines() if "event=weights_applied" in line
+    ]  # in flight: requests cross the swaps
     assert applied and all("kind=adapter" in line for line in applied), applied[:2]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(out / "final-model")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    moved = [n for (n, a), (_, b) in zip(merged.state_dict().items(), base.state_dict().items(), strict=True)
-             if not torch.equal(a, b)]
-    assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                                     "experts.gate_up_proj", "experts.down_proj")) for n in moved), moved
+    moved = [
+        n
+        for (n, a), (_, b) in zip(merged.state_dict().items(), base.state_dict().items(), strict=True)
+        if not torch.equal(a, b)
+    ]
+    assert moved and all(
+        n.endswith(
+            (
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "o_proj.weight",
+                "experts.gate_up_proj",
+                "experts.down_proj",
+            )
+        )
+        for n in moved
+    ), moved
     assert any("experts" in n for n in moved) == experts  # the adapted projections (and experts) changed, nothing else
     trainer_log = (out / "logs" / "trainer.log").read_text()
     layout = "parallel=fsdp" if ranks > 1 else "parallel=single"
-    assert (f"event=trainer_layout rank={ranks - 1} world={ranks} device=cpu precision=bf16-mixed {layout} "
-            "micro_batch_tokens=40 activation_checkpointing=True") in trainer_log
+    assert (
+        f"event=trainer_layout rank={ranks - 1} world={ranks} device=cpu precision=bf16-mixed {layout} "
+        "micro_batch_tokens=40 activation_checkpointing=True"
+    ) in trainer_log
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["recipe"].endswith(f"+{replay}") and m["grad_norm"] > 0 for m in metrics), metrics[-1]
     adapter = tmp_path / "adapter"
-    exported = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(out), "--out", str(adapter)],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)  # a LoRA run's: the adapter
+    exported = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "export", str(out), "--out", str(adapter)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )  # a LoRA run's: the adapter
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(adapter)).eval()
     ids = torch.tensor([[1, 7, 8, 9, 10, 11]])
     with torch.no_grad():
         torch.testing.assert_close(peft_model(input_ids=ids).logits, merged.eval()(ids).logits, rtol=1e-4, atol=1e-4)
-

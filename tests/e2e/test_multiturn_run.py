@@ -11,16 +11,37 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-TURN_KEYS = ("turns_mean", "turn_tokens_mean", "env_tokens_fraction", "trajectories_done", "env_tool_calls",
-             "env_tool_success")
+TURN_KEYS = (
+    "turns_mean",
+    "turn_tokens_mean",
+    "env_tokens_fraction",
+    "trajectories_done",
+    "env_tool_calls",
+    "env_tool_success",
+)
 
 
 def test_tiny_tools_learns_to_call_the_calculator(tmp_path, calc_model_dir):
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-tools.toml"), "--out", str(out),
-         "--set", "run.steps=20", "--set", "orchestrator.eval_every=10"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-tools.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=20",
+            "--set",
+            "orchestrator.eval_every=10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["steps"] == 20, summary
@@ -48,14 +69,39 @@ def test_an_agent_program_or_a_verifiers_environment_drives_a_training_run(tmp_p
     `verifiers` environment's own rollout loop and rubric (tests/vf_calc.py, its own dataset),
     through the replicas' OpenAI-compatible endpoint: their rollouts are trained."""
     out = tmp_path / "run"
-    played = [f'orchestrator.environment="agent:{sys.executable} -m tests.agent_calc"'] if player == "agent" else \
-        ['orchestrator.environment="verifiers:tests.vf_calc"', 'orchestrator.task="verifiers"',
-         f'model.path="{calc_model_dir}"']  # "tiny" names the calc model for task calc alone
+    played = (
+        [f'orchestrator.environment="agent:{sys.executable} -m tests.agent_calc"']
+        if player == "agent"
+        else [
+            'orchestrator.environment="verifiers:tests.vf_calc"',
+            'orchestrator.task="verifiers"',
+            f'model.path="{calc_model_dir}"',
+        ]
+    )  # "tiny" names the calc model for task calc alone
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-tools.toml"), "--out", str(out),
-         "--set", "run.steps=3", "--set", "run.batch_prompts=4", "--set", "run.group_size=4",
-         "--set", "orchestrator.eval_every=0", *[a for s in played for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-tools.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=3",
+            "--set",
+            "run.batch_prompts=4",
+            "--set",
+            "run.group_size=4",
+            "--set",
+            "orchestrator.eval_every=0",
+            *[a for s in played for a in ("--set", s)],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["steps"] == 3, summary
@@ -63,6 +109,7 @@ def test_an_agent_program_or_a_verifiers_environment_drives_a_training_run(tmp_p
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert all(x["env_model_calls"] == x["turns_mean"] >= 1 and x["tokens"] > 0 for x in lines), lines
     if player == "verifiers":  # the rubric's metrics ride along: its reward function's mean is the reward's
-        assert all(abs(x["env_correct"] - x["reward_mean"]) < 1e-6 and x["env_num_turns"] == x["turns_mean"]
-                   for x in lines), lines
+        assert all(
+            abs(x["env_correct"] - x["reward_mean"]) < 1e-6 and x["env_num_turns"] == x["turns_mean"] for x in lines
+        ), lines
     assert "event=agent_endpoint url=http://127.0.0.1:" in (out / "logs" / "inference-0.log").read_text()

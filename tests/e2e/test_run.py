@@ -15,9 +15,26 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-TRAINER_KEYS = ("step", "version", "reward_mean", "entropy", "mismatch_kl_k1", "mismatch_kl_k3", "is_weight_mean",
-                "is_weight_max", "is_truncated_frac", "clip_frac", "staleness_mean", "staleness_max", "dropped_stale",
-                "routing_agreement", "first_order_error", "grad_norm", "tokens_per_s", "step_seconds")
+TRAINER_KEYS = (
+    "step",
+    "version",
+    "reward_mean",
+    "entropy",
+    "mismatch_kl_k1",
+    "mismatch_kl_k3",
+    "is_weight_mean",
+    "is_weight_max",
+    "is_truncated_frac",
+    "clip_frac",
+    "staleness_mean",
+    "staleness_max",
+    "dropped_stale",
+    "routing_agreement",
+    "first_order_error",
+    "grad_norm",
+    "tokens_per_s",
+    "step_seconds",
+)
 
 
 def alive(pid: int) -> bool:
@@ -38,18 +55,45 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     hard = tmp_path / "hard.csv"  # a named eval set beside the task's own: 3-digit sums the model never saw
     hard.write_text("prompt,answer\n" + "".join(f"{a}+{b}=,{str(a + b)[::-1]}\n" for a, b in [(123, 456), (900, 99)]))
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-         "--set", "run.steps=4", "--set", "run.batch_prompts=8", "--set", "orchestrator.eval_every=2",
-         "--set", "orchestrator.eval_size=40", "--set", "run.replicas=2", "--set", "trainer.checkpoint_every=2",
-         "--set", f'orchestrator.eval_sets={{hard = "{hard}"}}', "--set", "orchestrator.policy_eval=true",
-         "--set", f'run.tracking={{wandb_project = "e2e", wandb_mode = "offline", mlflow_tracking_uri = "{mlflow}"}}'],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=4",
+            "--set",
+            "run.batch_prompts=8",
+            "--set",
+            "orchestrator.eval_every=2",
+            "--set",
+            "orchestrator.eval_size=40",
+            "--set",
+            "run.replicas=2",
+            "--set",
+            "trainer.checkpoint_every=2",
+            "--set",
+            f'orchestrator.eval_sets={{hard = "{hard}"}}',
+            "--set",
+            "orchestrator.policy_eval=true",
+            "--set",
+            f'run.tracking={{wandb_project = "e2e", wandb_mode = "offline", mlflow_tracking_uri = "{mlflow}"}}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["steps"] == 4 and summary["versions"] == 4, summary
     # every replica reported and ended on the last version
-    assert summary["final_status"]["replica_versions"] == {"replica-0": 4, "replica-1": 4, "replica-policy": 4}, \
+    assert summary["final_status"]["replica_versions"] == {"replica-0": 4, "replica-1": 4, "replica-policy": 4}, (
         summary["final_status"]
+    )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     for key in TRAINER_KEYS:
@@ -76,7 +120,9 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     assert [v for _, v in scalars["reward_mean"]] == pytest.approx([x["reward_mean"] for x in lines], rel=1e-6)
     eval_scalars = read_scalars(out / "orchestrator" / "tensorboard")
     assert [step for step, _ in eval_scalars["eval_accuracy"]] == [0, 2, 4]
-    assert [value for _, value in eval_scalars["eval_set/hard/accuracy"]] == [e["sets"]["hard"]["accuracy"] for e in evals]
+    assert [value for _, value in eval_scalars["eval_set/hard/accuracy"]] == [
+        e["sets"]["hard"]["accuracy"] for e in evals
+    ]
     # W&B and MLflow got what TensorBoard got: the trainer's steps and the orchestrator's evals
     from tests.helpers import mlflow_history, wandb_history
 
@@ -106,10 +152,24 @@ def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir
     out = tmp_path / "run"
     # SIG_IGN for SIGINT, as a shell gives a background job: the run must still honour it
     process = subprocess.Popen(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-         "--set", "run.steps=100000", "--set", "orchestrator.eval_every=0"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=100000",
+            "--set",
+            "orchestrator.eval_every=0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     deadline = time.monotonic() + 300
     while not (out / "pids.json").exists():  # written once every service is healthy
         assert process.poll() is None and time.monotonic() < deadline
@@ -144,8 +204,12 @@ time.sleep(600)
 def test_a_sigkilled_launcher_takes_its_services_and_redis_with_it(tmp_path, tiny_model_dir):
     """A launcher killed outright can stop nothing itself: the kernel sends each process it started
     (services, redis-server) SIGTERM as it dies (PR_SET_PDEATHSIG), and each stops."""
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(ROOT / "configs" / "tiny-arith.toml"),
-                                 str(tmp_path), str(tiny_model_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(ROOT / "configs" / "tiny-arith.toml"), str(tmp_path), str(tiny_model_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pids = json.loads(launcher.stdout.readline())
     try:
         assert len(pids) == 3 and all(alive(pid) for pid in pids)
@@ -171,8 +235,10 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
     from steadyrl.processes import Launch
     from steadyrl.run_config import load_run_config
 
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-        "run.steps=6", "run.batch_prompts=4", "orchestrator.eval_every=0", "trainer.checkpoint_every=1"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith.toml",
+        ["run.steps=6", "run.batch_prompts=4", "orchestrator.eval_every=0", "trainer.checkpoint_every=1"],
+    )
     launch = Launch(config, tmp_path, str(tiny_model_dir))
     try:
         launch.redis = RedisServer(tmp_path / "redis").start()
@@ -211,8 +277,9 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
     # a task is trained or dropped as stale (whole, once; the orchestrator queues another in its place), and
     # the task numbers run without a gap: none lost, none extra
     assert len(dropped) == len(set(dropped)) == 8 * len(dropped_tasks) and not trained_tasks & dropped_tasks
-    assert sorted(trained_tasks | dropped_tasks, key=lambda t: int(t.split("-")[1])) == \
-        [f"train-{i}" for i in range(submitted)], (sorted(trained_tasks), sorted(dropped_tasks), submitted)
+    assert sorted(trained_tasks | dropped_tasks, key=lambda t: int(t.split("-")[1])) == [
+        f"train-{i}" for i in range(submitted)
+    ], (sorted(trained_tasks), sorted(dropped_tasks), submitted)
     assert submitted == 24 + len(dropped_tasks) and dead == 0
 
 
@@ -227,13 +294,28 @@ def export_round_trip(run_dir, tmp_path):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     for dtype in ("float32", "bfloat16"):
-        done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "export", str(run_dir), "--out",
-                               str(tmp_path / dtype), "--dtype", dtype], capture_output=True, text=True, timeout=300,
-                              cwd=ROOT)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "steadyrl.cli",
+                "export",
+                str(run_dir),
+                "--out",
+                str(tmp_path / dtype),
+                "--dtype",
+                dtype,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "float32").eval()
-    assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16",
-                                                                  dtype="auto").parameters()} == {torch.bfloat16}
+    assert {
+        p.dtype for p in AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16", dtype="auto").parameters()
+    } == {torch.bfloat16}
     trainer = AutoModelForCausalLM.from_pretrained(summary["model"]).eval()
     trainer.load_state_dict(load_model_weights(latest_checkpoint(run_dir / "trainer" / "checkpoints")))
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(9).split("eval", 20)])
@@ -243,4 +325,6 @@ def export_round_trip(run_dir, tmp_path):
             want = trainer.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
             got = exported.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
-    assert not torch.equal(exported.lm_head.weight, AutoModelForCausalLM.from_pretrained(summary["model"]).lm_head.weight)
+    assert not torch.equal(
+        exported.lm_head.weight, AutoModelForCausalLM.from_pretrained(summary["model"]).lm_head.weight
+    )

@@ -15,19 +15,46 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(out: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-         "--set", "run.steps=50", "--set", "run.batch_prompts=4", "--set", "orchestrator.eval_size=8",
-         *(x for o in overrides for x in ("--set", o))],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=50",
+            "--set",
+            "run.batch_prompts=4",
+            "--set",
+            "orchestrator.eval_size=8",
+            *(x for o in overrides for x in ("--set", o)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     return done, json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("overrides, rule, reason", [
-    (("orchestrator.max_new_tokens=4096", "orchestrator.stop.window_tasks=40"), "dead_share",
-     "of the last 40 train tasks were dead-lettered"),
-    (('orchestrator.reward="tests.rewards:explode_after_dry_call"', "orchestrator.stop.window_steps=3"),
-     "reward_failures", "the reward failed on 100% of the rollouts of the last 3 steps"),
-], ids=["every-task-dies", "every-reward-raises"])
+@pytest.mark.parametrize(
+    "overrides, rule, reason",
+    [
+        (
+            ("orchestrator.max_new_tokens=4096", "orchestrator.stop.window_tasks=40"),
+            "dead_share",
+            "of the last 40 train tasks were dead-lettered",
+        ),
+        (
+            ('orchestrator.reward="tests.rewards:explode_after_dry_call"', "orchestrator.stop.window_steps=3"),
+            "reward_failures",
+            "the reward failed on 100% of the rollouts of the last 3 steps",
+        ),
+    ],
+    ids=["every-task-dies", "every-reward-raises"],
+)
 def test_a_run_that_can_only_fail_is_failed_with_its_reason(tmp_path, tiny_model_dir, overrides, rule, reason):
     done, summary = run(tmp_path / "run", *overrides)
     assert done.returncode == 1, done.stderr[-3000:]

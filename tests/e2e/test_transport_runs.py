@@ -15,10 +15,28 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_demo_learns_with_weights_on(tmp_path, tiny_model_dir, transport):
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"), "--out", str(out),
-         "--set", "run.steps=120", "--set", "orchestrator.eval_every=120", "--set", "orchestrator.eval_size=300",
-         "--set", f"trainer.weight_transport={transport}"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "run.steps=120",
+            "--set",
+            "orchestrator.eval_every=120",
+            "--set",
+            "orchestrator.eval_size=300",
+            "--set",
+            f"trainer.weight_transport={transport}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     print(f"{transport}: eval {summary['eval_start']:.3f} → {summary['eval_end']:.3f} in {summary['wall_seconds']} s")

@@ -22,8 +22,16 @@ def one_step(model_dir, rollouts, device: str, autocast=None) -> dict[str, torch
     torch.manual_seed(0)
     model = load_causal_lm(model_dir, "float32").to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    train_step(model, optimizer, RoutingController(model), collate(rollouts), GROUP, StepConfig(replay="r3"), 0,
-               compute=Compute(torch.device(device), autocast))
+    train_step(
+        model,
+        optimizer,
+        RoutingController(model),
+        collate(rollouts),
+        GROUP,
+        StepConfig(replay="r3"),
+        0,
+        compute=Compute(torch.device(device), autocast),
+    )
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
@@ -40,10 +48,14 @@ def test_a_step_on_cuda_matches_the_cpu(tiny_model_dir):
     # fp32 on two devices: the same update up to the order of float sums. AdamW's first step is
     # lr × g / (|g| + eps), so a weight whose gradient is at rounding level can move by up to lr
     # either way: measured on an H100, max |Δ| 1.08e-5 = 0.11 × lr, cosine of the updates > 0.9999.
-    cosine = {name: float(torch.nn.functional.cosine_similarity(update(cpu), update(other), dim=0))
-              for name, other in (("cuda", cuda), ("bf16", bf16))}
-    print(f"one step, cpu vs cuda: max |Δ param| {max(float((cpu[k] - cuda[k]).abs().max()) for k in cpu):.3e}, "
-          f"cosine of the updates {cosine}")
+    cosine = {
+        name: float(torch.nn.functional.cosine_similarity(update(cpu), update(other), dim=0))
+        for name, other in (("cuda", cuda), ("bf16", bf16))
+    }
+    print(
+        f"one step, cpu vs cuda: max |Δ param| {max(float((cpu[k] - cuda[k]).abs().max()) for k in cpu):.3e}, "
+        f"cosine of the updates {cosine}"
+    )
     assert max(float((cpu[k] - cuda[k]).abs().max()) for k in cpu) <= 0.2 * LR
     assert cosine["cuda"] >= 0.9999 and cosine["bf16"] >= 0.9
 
@@ -61,12 +73,24 @@ def test_fsdp_over_nccl_updates_like_one_process(tmp_path, tiny_model_dir):
 
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=93)
     out = str(tmp_path / "nccl.safetensors")
-    mp.start_processes(nccl_worker, args=(2, free_port(), str(tiny_model_dir), [encode_rollout(r) for r in rollouts],
-                                          out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        nccl_worker,
+        args=(2, free_port(), str(tiny_model_dir), [encode_rollout(r) for r in rollouts], out),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     torch.manual_seed(0)
     model = load_causal_lm(tiny_model_dir, "float32").train()
-    train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), RoutingController(model), collate(rollouts),
-               GROUP, StepConfig(mini_batches=2, replay="r2"), 0)
+    train_step(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        RoutingController(model),
+        collate(rollouts),
+        GROUP,
+        StepConfig(mini_batches=2, replay="r2"),
+        0,
+    )
     sharded = load_file(out)
     assert max(float((model.state_dict()[k] - sharded[k].cpu()).abs().max()) for k in sharded) <= 1e-4
 
@@ -79,11 +103,15 @@ def test_the_torch_engine_on_cuda_serves_what_it_does_on_the_cpu(tiny_model_dir)
 
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(seed=2).split("eval", 32)])
     greedy = Sampling(temperature=0, max_new_tokens=6)
-    engines = {device: make_engine("torch", str(tiny_model_dir), "float32", device=device) for device in ("cpu", "cuda")}
+    engines = {
+        device: make_engine("torch", str(tiny_model_dir), "float32", device=device) for device in ("cpu", "cuda")
+    }
     try:
         assert engines["cuda"].model.device.type == "cuda" and "on cuda" in engines["cuda"].capabilities.notes[-1]
         torch.manual_seed(0)
-        moved = {k: v + 0.01 * torch.randn_like(v) for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+        moved = {
+            k: v + 0.01 * torch.randn_like(v) for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()
+        }
         for version in (0, 1):
             if version:
                 for engine in engines.values():
@@ -91,13 +119,17 @@ def test_the_torch_engine_on_cuda_serves_what_it_does_on_the_cpu(tiny_model_dir)
             out = {d: e.generate(prompts, greedy, return_trace=True) for d, e in engines.items()}
             same = [i for i in range(len(prompts)) if out["cpu"][i].token_ids == out["cuda"][i].token_ids]
             assert len(same) >= 0.9 * len(prompts)
-            gap = max(abs(a - b) for i in same for a, b in zip(out["cpu"][i].logprobs, out["cuda"][i].logprobs, strict=True))
+            gap = max(
+                abs(a - b) for i in same for a, b in zip(out["cpu"][i].logprobs, out["cuda"][i].logprobs, strict=True)
+            )
             assert gap <= 1e-4
             traces = [(out["cpu"][i].routing_trace == out["cuda"][i].routing_trace).all(-1).mean() for i in same]
             assert min(traces) >= 0.95
             assert {v for s in out["cuda"] for v in s.versions} == {version}
-            print(f"torch engine, cpu vs cuda, version {version}: {len(same)}/{len(prompts)} identical, "
-                  f"max |Δ logprob| {gap:.2e}, routing agreement {sum(traces) / len(traces):.4f}")
+            print(
+                f"torch engine, cpu vs cuda, version {version}: {len(same)}/{len(prompts)} identical, "
+                f"max |Δ logprob| {gap:.2e}, routing agreement {sum(traces) / len(traces):.4f}"
+            )
         seeded = Sampling(temperature=1.0, max_new_tokens=6, seed=7)
         first, again = (engines["cuda"].generate(prompts[:8], seeded) for _ in range(2))
         assert [s.token_ids for s in first] == [s.token_ids for s in again]
@@ -112,8 +144,24 @@ def test_eval_on_cuda_scores_what_it_does_on_the_cpu(tiny_model_dir):
     import sys
 
     def accuracy(device: str) -> dict:
-        done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "eval", str(tiny_model_dir), "--size", "64",
-                               "--samples", "0", "--device", device], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "steadyrl.cli",
+                "eval",
+                str(tiny_model_dir),
+                "--size",
+                "64",
+                "--samples",
+                "0",
+                "--device",
+                device,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -28,8 +28,9 @@ def processes_with(marker: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if f"sleep {marker}" in line]
 
 
-def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(tmp_path, calc_model_dir,
-                                                                              redis_server, run_id, monkeypatch):
+def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(
+    tmp_path, calc_model_dir, redis_server, run_id, monkeypatch
+):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     token = run_dir / "token"
@@ -43,8 +44,15 @@ def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(t
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent_endpoint=True,
-                           agent_env=["STEADYRL_TEST_PASSED"], agent_hidden_paths=[run_dir]):
+        async with Replica(
+            tmp_path,
+            calc_model_dir,
+            redis_server.url,
+            run_id,
+            agent_endpoint=True,
+            agent_env=["STEADYRL_TEST_PASSED"],
+            agent_hidden_paths=[run_dir],
+        ):
             await queue.submit(probe)
             await wait_for(lambda: _dead(queue, 1), 60)
             dead = {f[b"task_id"].decode(): f for _, f in await redis.xrange(queue.run_keys.dead)}
@@ -54,8 +62,15 @@ def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(t
     dead = asyncio.run(asyncio.wait_for(main(), 120))
     reason = dead["probe"][b"reason"].decode()
     report = dict(item.split("=", 1) for item in reason.split("REPORT ", 1)[1].split())
-    assert report == {"token": "0", "token_dir": "0", "processes": "1", "urls": "0", "passed": "named-by-the-recipe",
-                      "leaked": "-", "key": "1"}, reason  # one other process: bubblewrap's init
+    assert report == {
+        "token": "0",
+        "token_dir": "0",
+        "processes": "1",
+        "urls": "0",
+        "passed": "named-by-the-recipe",
+        "leaked": "-",
+        "key": "1",
+    }, reason  # one other process: bubblewrap's init
     assert processes_with(MARKER) == []
 
 

@@ -27,9 +27,15 @@ AGENT = f"agent:{sys.executable} -m tests.agent_calc"
 
 def agent_task(task_id: str, flags: str = "", group_size: int = 4) -> common_pb2.PromptTask:
     return common_pb2.PromptTask(
-        task_id=task_id, prompt_text="12*34=", answer="408", task_name="exact_match", group_size=group_size,
-        environment=AGENT + flags, sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=14, seed=3),
-        budget=common_pb2.TrajectoryBudget(max_turns=3, max_tokens=42, env_seconds=20.0 if not flags else 3.0))
+        task_id=task_id,
+        prompt_text="12*34=",
+        answer="408",
+        task_name="exact_match",
+        group_size=group_size,
+        environment=AGENT + flags,
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=14, seed=3),
+        budget=common_pb2.TrajectoryBudget(max_turns=3, max_tokens=42, env_seconds=20.0 if not flags else 3.0),
+    )
 
 
 def post(url: str, body) -> tuple[int, dict]:
@@ -41,18 +47,25 @@ def post(url: str, body) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(tmp_path, calc_model_dir, redis_server,
-                                                                              run_id):
-    tasks = [agent_task("agent-0"), agent_task("agent-1"), agent_task("fails", " --fail", 1),
-             agent_task("hangs", " --hang", 1), agent_task("silent", " --silent", 1)]
+def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(
+    tmp_path, calc_model_dir, redis_server, run_id
+):
+    tasks = [
+        agent_task("agent-0"),
+        agent_task("agent-1"),
+        agent_task("fails", " --fail", 1),
+        agent_task("hangs", " --hang", 1),
+        agent_task("silent", " --silent", 1),
+    ]
 
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent_endpoint=True) as replica:
             base = trajectories.ENDPOINT[0].base_url
-            bad = await asyncio.to_thread(post, f"{base}/rollouts/nobody/v1/chat/completions",
-                                          {"messages": [{"role": "user", "content": "1"}]})
+            bad = await asyncio.to_thread(
+                post, f"{base}/rollouts/nobody/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}
+            )
             for task in tasks:
                 await queue.submit(task)
             await wait_for(lambda: _completed(queue, 2), 120)
@@ -83,7 +96,10 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(tm
         final = turns.split(":")[-1].replace("</s>", "").strip()
         assert r.reward == (1.0 if final == "408" else 0.0), turns
     assert worst <= 1e-5 and tool_used >= 1
-    assert {t: dead[t][b"code"].decode() for t in ("fails", "hangs", "silent")} == \
-        {"fails": "env_error", "hangs": "env_timeout", "silent": "env_error"}
+    assert {t: dead[t][b"code"].decode() for t in ("fails", "hangs", "silent")} == {
+        "fails": "env_error",
+        "hangs": "env_timeout",
+        "silent": "env_error",
+    }
     assert b"the agent gave up" in dead["fails"][b"reason"] and b"no model call" in dead["silent"][b"reason"]
     assert not any(dead[t][b"reason"].startswith(dead[t][b"code"]) for t in dead)  # the code once, in its own field

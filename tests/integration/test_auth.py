@@ -33,9 +33,14 @@ def refused(metrics_port: int) -> float:
 def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
     port, metrics = free_port(), free_port()
     signer, public = weight_keys(tmp_path)
-    env = {**os.environ, "STEADYRL_TOKEN": TOKEN, "STEADYRL_WEIGHTSYNC_PORT": str(port),
-           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path),
-           "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public)}
+    env = {
+        **os.environ,
+        "STEADYRL_TOKEN": TOKEN,
+        "STEADYRL_WEIGHTSYNC_PORT": str(port),
+        "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics),
+        "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path),
+        "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public),
+    }
     server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     address = f"127.0.0.1:{port}"
 
@@ -49,14 +54,19 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
                 async def push():
                     yield pb.PushRequest(manifest=pb.WeightManifest(version=1))
 
-                calls = [stub.Latest(common_pb2.Empty()), stub.List(common_pb2.Empty()), stub.Push(push()),
-                         stub.RendezvousPut(pb.RendezvousKey(epoch=1, key="0", value=b"10.0.0.9:1"))]
+                calls = [
+                    stub.Latest(common_pb2.Empty()),
+                    stub.List(common_pb2.Empty()),
+                    stub.Push(push()),
+                    stub.RendezvousPut(pb.RendezvousKey(epoch=1, key="0", value=b"10.0.0.9:1")),
+                ]
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     codes.append(err.value.code())
                 listing = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
                 for stream in (stub.Pull(pb.PullRequest(version=1)), stub.Watch(pb.WatchRequest()), listing):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         _ = [m async for m in stream]
@@ -69,7 +79,8 @@ def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
         manifest, payloads, _ = await asyncio.to_thread(pull_all, address, 1)  # the sync pull, token from env
         async with channel(address) as ch:
             replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
             services = [s.name async for r in replies for s in r.list_services_response.service]
         return codes, manifest, payloads, services
 

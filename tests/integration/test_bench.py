@@ -52,12 +52,19 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
             # the step changes most bf16 elements' low bytes: a delta pull carries part of the bytes
             assert side["wire_bytes_share"] == 0 if transport != "grpc" else 0 < side["wire_bytes_share"] < 1
     assert result["ratios"]["two_over_one"]["torch"] == {
-        t: round(refit["1"][t]["seconds"] / refit["2"][t]["seconds"], 3) for t in TRANSPORTS}
+        t: round(refit["1"][t]["seconds"] / refit["2"][t]["seconds"], 3) for t in TRANSPORTS
+    }
     assert result["ratios"]["shm_to_memcpy"]["torch"] == refit["1"]["shm"]["to_memcpy"]
-    assert result["ratios"]["shm_to_floor"]["torch"] == pytest.approx(floor / refit["1"]["shm"]["seconds"],
-                                                                       abs=2e-3)  # from the rounded sides
-    lines = markdown({"machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
-                      "date": "d", "benchmarks": {"weightsync": result}}).splitlines()
+    assert result["ratios"]["shm_to_floor"]["torch"] == pytest.approx(
+        floor / refit["1"]["shm"]["seconds"], abs=2e-3
+    )  # from the rounded sides
+    lines = markdown(
+        {
+            "machine": {"cores": 2, "cpu": "x", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
+            "date": "d",
+            "benchmarks": {"weightsync": result},
+        }
+    ).splitlines()
     rows = [line for line in lines if "refit, torch" in line]
     assert len(rows) == 2 * len(TRANSPORTS)
     floor_rows = [line for line in lines if "own work" in line]
@@ -65,9 +72,13 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
 
 
 def test_time_to_target():
-    evals = [{"version": 0, "accuracy": 0.4, "unix_ms": 1000}, {"version": 10, "accuracy": 0.58, "unix_ms": 6000},
-             {"version": 20, "accuracy": 0.48, "unix_ms": 11500}, {"version": 30, "accuracy": 0.55, "unix_ms": 17000},
-             {"version": 40, "accuracy": 0.6, "unix_ms": 21000}]
+    evals = [
+        {"version": 0, "accuracy": 0.4, "unix_ms": 1000},
+        {"version": 10, "accuracy": 0.58, "unix_ms": 6000},
+        {"version": 20, "accuracy": 0.48, "unix_ms": 11500},
+        {"version": 30, "accuracy": 0.55, "unix_ms": 17000},
+        {"version": 40, "accuracy": 0.6, "unix_ms": 21000},
+    ]
     # v10 alone crosses 0.5; the first window of 3 averaging 0.5 ends at v30 (0.58, 0.48, 0.55)
     assert time_to_target(evals, 0.5) == {"seconds": 16.0, "version": 30, "best": 0.6, "seconds_per_version": 0.5}
     assert time_to_target(evals, 0.7)["seconds"] is None and time_to_target(evals, 0.7)["best"] == 0.6
@@ -79,26 +90,51 @@ def test_markdown_summary_names_the_machine_and_every_figure():
         "machine": {"cores": 2, "cpu": "Test CPU", "memory_gib": 24.0, "gpu": False, "python": "3.11", "torch": "2"},
         "date": "2026-01-01",
         "benchmarks": {
-            "weightsync": {"model": {"bytes": 2**30}, "machine": {"memcpy": {"gib_per_s": 20.0},
-                                                                 "raw_socket_1": {"gib_per_s": 3.0, "to_memcpy": 0.15}},
-                           "refit": {"torch": {"1": {"shm": {"seconds": 0.5, "trainer_publish_seconds": 0.3,
-                                                             "paused_seconds": 0.1, "wire_bytes_share": 0.0,
-                                                             "anon_peak_growth_bytes": 2**20, "to_memcpy": 0.1}}}},
-                           "ratios": {"two_over_one": {"torch": {"shm": 0.9}}},
-                           "targets": {"shm_to_memcpy": 0.25, "two_over_one": 0.8}},
-            "transport": {"shapes": [{"shape": "tiny", "bytes_per_rollout": 198, "steadyrl_rollouts_per_s": 5000,
-                                      "ratio_steadyrl_to_raw": 0.55}]},
+            "weightsync": {
+                "model": {"bytes": 2**30},
+                "machine": {"memcpy": {"gib_per_s": 20.0}, "raw_socket_1": {"gib_per_s": 3.0, "to_memcpy": 0.15}},
+                "refit": {
+                    "torch": {
+                        "1": {
+                            "shm": {
+                                "seconds": 0.5,
+                                "trainer_publish_seconds": 0.3,
+                                "paused_seconds": 0.1,
+                                "wire_bytes_share": 0.0,
+                                "anon_peak_growth_bytes": 2**20,
+                                "to_memcpy": 0.1,
+                            }
+                        }
+                    }
+                },
+                "ratios": {"two_over_one": {"torch": {"shm": 0.9}}},
+                "targets": {"shm_to_memcpy": 0.25, "two_over_one": 0.8},
+            },
+            "transport": {
+                "shapes": [
+                    {
+                        "shape": "tiny",
+                        "bytes_per_rollout": 198,
+                        "steadyrl_rollouts_per_s": 5000,
+                        "ratio_steadyrl_to_raw": 0.55,
+                    }
+                ]
+            },
             "inference": {"error": "exit 1"},
-            "async": {"target_accuracy": 0.5, "variants": {"sync": {"seconds": 60}, "async_1": {
-                "seconds": 40, "speedup_vs_sync": 1.5}}},
+            "async": {
+                "target_accuracy": 0.5,
+                "variants": {"sync": {"seconds": 60}, "async_1": {"seconds": 40, "speedup_vs_sync": 1.5}},
+            },
         },
     }
     text = markdown(result)
     assert "2 cores of Test CPU, 24.0 GiB, no GPU" in text
     assert "| weightsync | raw loopback TCP socket / memcpy (3.0 vs 20.0 GiB/s, 1.0 GiB) | 0.15 | – |" in text
-    assert ("| weightsync | refit, torch engine, 1 replica(s), shm: memcpy / last optimizer step → first token of the "
-            "version on every replica (0.5 s, trainer's publish 0.3 s, paused 0.1 s, wire 0.0 of the bytes, peak "
-            "private growth 1 MiB) | 0.1 | ≥ 0.25 |") in text
+    assert (
+        "| weightsync | refit, torch engine, 1 replica(s), shm: memcpy / last optimizer step → first token of the "
+        "version on every replica (0.5 s, trainer's publish 0.3 s, paused 0.1 s, wire 0.0 of the bytes, peak "
+        "private growth 1 MiB) | 0.1 | ≥ 0.25 |"
+    ) in text
     assert "| weightsync | rate with 2 replicas / with 1 (seconds 1 / seconds 2), torch | shm 0.9 | ≥ 0.8 |" in text
     assert "| 0.55 |" in text and "(60 s vs 40 s) | 1.5 | > 1 |" in text
     assert text.rstrip().endswith("Failed: inference (see the JSON).")
@@ -125,13 +161,25 @@ def test_checkpoint_bench_parts_measure_what_they_say(tmp_path):
     limits = machine_limits(8 * 2**20, str(tmp_path))
     assert limits["bytes"] == 8 * 2**20 and limits["memcpy_seconds"] > 0 and limits["write_fsync_seconds"] > 0
     assert not list(tmp_path.iterdir())
-    text = markdown({"machine": {"cores": 2, "cpu": "c", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
-                     "date": "2026-01-01", "benchmarks": {"trainer_checkpoint": {
-                         "parameters": 5, "rank0_rss_growth_dcp_over_full_gather": 0.09,
-                         "step_during_async_save_over_plain": 1.5, "save_seconds": {"full_gather": 14.0},
-                         "trace": trace}}})
-    assert "| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo ranks " \
-           "(FSDP), 5-parameter MoE | 0.09 | ≤ 0.6 |" in text
+    text = markdown(
+        {
+            "machine": {"cores": 2, "cpu": "c", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
+            "date": "2026-01-01",
+            "benchmarks": {
+                "trainer_checkpoint": {
+                    "parameters": 5,
+                    "rank0_rss_growth_dcp_over_full_gather": 0.09,
+                    "step_during_async_save_over_plain": 1.5,
+                    "save_seconds": {"full_gather": 14.0},
+                    "trace": trace,
+                }
+            },
+        }
+    )
+    assert (
+        "| trainer checkpoint | rank 0's memory growth during a save, DCP blocking / full gather, 2 gloo ranks "
+        "(FSDP), 5-parameter MoE | 0.09 | ≤ 0.6 |" in text
+    )
     assert "| trainer checkpoint | step while an async save is written / a step without one | 1.5 | ≤ 1.2 |" in text
 
 
@@ -146,7 +194,8 @@ def test_lora_refit_bench_times_adapter_versions_against_full_ones_on_one_clock(
     for side in ("full", "lora"):
         assert set(out["seconds"][side]) == set(TRANSPORTS) and all(s > 0 for s in out["seconds"][side].values())
     assert out["lora_over_full_seconds"] == {
-        t: round(out["seconds"]["lora"][t] / out["seconds"]["full"][t], 3) for t in TRANSPORTS}
+        t: round(out["seconds"]["lora"][t] / out["seconds"]["full"][t], 3) for t in TRANSPORTS
+    }
     assert set(out["lora_over_full_paused_seconds"]) == set(TRANSPORTS)
 
 

@@ -17,8 +17,9 @@ TOKEN = "s3cret-token"
 async def orchestrator_on(redis_url: str, run_id: str, model_dir, out_dir, state: str, **fields):
     """(a client, an Orchestrator) of `run_id` on a real Redis, the run put in `state`."""
     redis = Redis.from_url(redis_url)
-    settings = OrchestratorSettings(model_path=str(model_dir), redis_url=redis_url, run_id=run_id, out_dir=out_dir,
-                                    eval_size=5, **fields)
+    settings = OrchestratorSettings(
+        model_path=str(model_dir), redis_url=redis_url, run_id=run_id, out_dir=out_dir, eval_size=5, **fields
+    )
     orchestrator = Orchestrator(settings, redis)
     await redis.hset(orchestrator.keys.run, "state", state)
     return redis, orchestrator
@@ -27,12 +28,21 @@ async def orchestrator_on(redis_url: str, run_id: str, model_dir, out_dir, state
 def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_size=5)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            batch_prompts=2,
+            group_size=2,
+            steps=3,
+            eval_size=5,
+        )
         orchestrator = Orchestrator(settings, redis)
         await redis.hset(orchestrator.keys.run, "state", "created")
         transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+
             async def call(method, path, token=TOKEN):
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
                 return await http.request(method, path, headers=headers)
@@ -66,13 +76,15 @@ def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id,
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, eval_size=5)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id, out_dir=tmp_path, eval_size=5
+        )
         orchestrator = Orchestrator(settings, redis)
         transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN))
         outcomes = []
-        async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                     headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://test", headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as http:
             for attempt in range(20):
                 await redis.hset(orchestrator.keys.run, "state", "running")
                 actions = ["stop", "pause", "pause", "pause"]
@@ -81,10 +93,19 @@ def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id,
                 stop = replies[actions.index("stop")]
                 resumed = await http.post("/v1/run/resume")  # a resume after a stop must not restart the run
                 started = await http.post("/v1/run/start")
-                outcomes.append((stop.status_code, stop.json()["state"], resumed.status_code, started.status_code,
-                                 await orchestrator.state()))
-            docs = {path: (await http.get(path, headers={"Authorization": ""})).status_code
-                    for path in ("/openapi.json", "/docs", "/redoc")}
+                outcomes.append(
+                    (
+                        stop.status_code,
+                        stop.json()["state"],
+                        resumed.status_code,
+                        started.status_code,
+                        await orchestrator.state(),
+                    )
+                )
+            docs = {
+                path: (await http.get(path, headers={"Authorization": ""})).status_code
+                for path in ("/openapi.json", "/docs", "/redoc")
+            }
             openapi = await http.get("/openapi.json")
         await orchestrator.close()
         await redis.aclose()
@@ -105,9 +126,17 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
-                                        eval_size=5)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            batch_prompts=2,
+            group_size=2,
+            steps=3,
+            eval_every=2,
+            eval_size=5,
+        )
         orchestrator = Orchestrator(settings, redis)
         await redis.hset(orchestrator.keys.run, "state", "running")
         await orchestrator.tick()
@@ -115,11 +144,20 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
         pending = sorted(t.decode() for t in await redis.lrange(orchestrator.keys.pending, 0, -1))
         assert pending == [f"eval-0-{j}" for j in range(5)]
         for j in range(5):
-            rollout = Rollout(rollout_id=f"eval-0-{j}:0", group_id=f"eval-0-{j}", task_id=f"eval-0-{j}", run_id=run_id,
-                              sample_index=0, group_size=1, prompt_token_ids=np.array([1, 5], dtype=np.int32),
-                              completion_token_ids=np.array([7, 2], dtype=np.int32),
-                              inference_logprobs=np.array([-0.5, -0.1], np.float32),
-                              policy_versions=np.array([0, 0], dtype=np.uint64), reward=float(j < 2), is_eval=True)
+            rollout = Rollout(
+                rollout_id=f"eval-0-{j}:0",
+                group_id=f"eval-0-{j}",
+                task_id=f"eval-0-{j}",
+                run_id=run_id,
+                sample_index=0,
+                group_size=1,
+                prompt_token_ids=np.array([1, 5], dtype=np.int32),
+                completion_token_ids=np.array([7, 2], dtype=np.int32),
+                inference_logprobs=np.array([-0.5, -0.1], np.float32),
+                policy_versions=np.array([0, 0], dtype=np.uint64),
+                reward=float(j < 2),
+                is_eval=True,
+            )
             await redis.xadd(orchestrator.keys.evals, {"task": f"eval-0-{j}", "n": "1", "r": encode_rollout(rollout)})
         await orchestrator.tick()
         pending = [t.decode() for t in await redis.lrange(orchestrator.keys.pending, 0, -1)]
@@ -138,11 +176,22 @@ def eval_rollout(run_id: str, task: str, index: int, group: int, reward: float) 
 
     from shared.rollout import Rollout, encode_rollout
 
-    return encode_rollout(Rollout(
-        rollout_id=f"{task}:{index}", group_id=task, task_id=task, run_id=run_id, sample_index=index,
-        group_size=group, prompt_token_ids=np.array([1, 5], dtype=np.int32),
-        completion_token_ids=np.array([7, 2], dtype=np.int32), inference_logprobs=np.array([-0.5, -0.1], np.float32),
-        policy_versions=np.array([0, 0], dtype=np.uint64), reward=reward, is_eval=True))
+    return encode_rollout(
+        Rollout(
+            rollout_id=f"{task}:{index}",
+            group_id=task,
+            task_id=task,
+            run_id=run_id,
+            sample_index=index,
+            group_size=group,
+            prompt_token_ids=np.array([1, 5], dtype=np.int32),
+            completion_token_ids=np.array([7, 2], dtype=np.int32),
+            inference_logprobs=np.array([-0.5, -0.1], np.float32),
+            policy_versions=np.array([0, 0], dtype=np.uint64),
+            reward=reward,
+            is_eval=True,
+        )
+    )
 
 
 async def running_orchestrator(redis, settings: OrchestratorSettings):
@@ -161,17 +210,28 @@ async def running_orchestrator(redis, settings: OrchestratorSettings):
 def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
-                                        eval_size=3, eval_samples=4, eval_temperature=0.8)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            batch_prompts=2,
+            group_size=2,
+            steps=3,
+            eval_every=2,
+            eval_size=3,
+            eval_samples=4,
+            eval_temperature=0.8,
+        )
         orchestrator, tasks = await running_orchestrator(redis, settings)
         queued = {i: (t.group_size, round(t.sampling.temperature, 3)) for i, t in tasks.items()}
         correct = {0: [1, 0, 0, 0], 1: [1, 1, 1, 1], 2: [0, 0, 0, 0]}  # samples right per eval prompt
         for j in range(3):
             await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, float(j == 1))})
             for i, reward in enumerate(correct[j]):
-                await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"evalk-0-{j}", i, 4,
-                                                                             float(reward))})
+                await redis.xadd(
+                    orchestrator.keys.evals, {"r": eval_rollout(run_id, f"evalk-0-{j}", i, 4, float(reward))}
+                )
         await orchestrator.tick()
         await orchestrator.close()
         await redis.aclose()
@@ -199,10 +259,20 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path / "orch", batch_prompts=2, group_size=2, steps=3,
-                                        eval_every=2, eval_size=2, eval_sets={"hard": hard}, prompt_column="q",
-                                        answer_column="a")
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path / "orch",
+            batch_prompts=2,
+            group_size=2,
+            steps=3,
+            eval_every=2,
+            eval_size=2,
+            eval_sets={"hard": hard},
+            prompt_column="q",
+            answer_column="a",
+        )
         orchestrator, tasks = await running_orchestrator(redis, settings)
         queued = {i: (list(t.prompt_token_ids), t.answer) for i, t in tasks.items()}
         for j in range(2):
@@ -217,8 +287,10 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
         await redis.aclose()
         return queued, before
 
-    refused = REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
-                                        {"reason": "unknown_eval_task"}) or 0.0
+    refused = (
+        REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total", {"reason": "unknown_eval_task"})
+        or 0.0
+    )
     queued, written_before_hard = asyncio.run(asyncio.wait_for(main(), 60))
     tokenizer = load_tokenizer(str(tiny_model_dir))
     assert queued["eval.hard-0-0"] == (encode_prompt(tokenizer, "98+99="), "791")  # the prompt as written
@@ -231,8 +303,10 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
     scalars = read_scalars(tmp_path / "orch" / "tensorboard")
     assert scalars["eval_accuracy"] == [(0, 1.0)] and scalars["eval_set/hard/accuracy"] == [(0, 0.5)]
     assert REGISTRY.get_sample_value("steadyrl_orchestrator_eval_accuracy", {"set": "hard"}) == 0.5
-    assert REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
-                                     {"reason": "unknown_eval_task"}) == refused + 1
+    assert (
+        REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total", {"reason": "unknown_eval_task"})
+        == refused + 1
+    )
 
 
 def test_eval_sets_are_checked_before_start(tmp_path, tiny_model_dir):
@@ -266,9 +340,18 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
-                                        eval_size=3, policy_eval=True)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            batch_prompts=2,
+            group_size=2,
+            steps=3,
+            eval_every=2,
+            eval_size=3,
+            policy_eval=True,
+        )
         orchestrator, tasks = await running_orchestrator(redis, settings)
         policy_pending = sorted(t.decode() for t in await redis.lrange(orchestrator.keys.pending_policy, 0, -1))
         assert (await orchestrator.status())["queue"]["pending_policy"] == 3
@@ -290,19 +373,40 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
         await restarted.evals.restore()
         restored = gauge("policy_eval_initial_accuracy")
         await restarted.close()
-        refused = REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
-                                            {"reason": "unknown_eval_task"}) or 0.0
-        without = Orchestrator(settings.model_copy(update={"policy_eval": False, "out_dir": tmp_path / "without"}), redis)
+        refused = (
+            REGISTRY.get_sample_value(
+                "steadyrl_orchestrator_eval_rollouts_refused_total", {"reason": "unknown_eval_task"}
+            )
+            or 0.0
+        )
+        without = Orchestrator(
+            settings.model_copy(update={"policy_eval": False, "out_dir": tmp_path / "without"}), redis
+        )
         await without.evals.collect()
-        refused = (REGISTRY.get_sample_value("steadyrl_orchestrator_eval_rollouts_refused_total",
-                                             {"reason": "unknown_eval_task"}) or 0.0) - refused
+        refused = (
+            REGISTRY.get_sample_value(
+                "steadyrl_orchestrator_eval_rollouts_refused_total", {"reason": "unknown_eval_task"}
+            )
+            or 0.0
+        ) - refused
         await without.close()
         await redis.aclose()
-        return sorted(tasks), policy_pending, sorted(mu), sorted(lease.task_id for lease in pi), pi_task, \
-            admitted_before_pi, admitted, status, restored, refused
+        return (
+            sorted(tasks),
+            policy_pending,
+            sorted(mu),
+            sorted(lease.task_id for lease in pi),
+            pi_task,
+            admitted_before_pi,
+            admitted,
+            status,
+            restored,
+            refused,
+        )
 
-    queued, policy_pending, mu, pi, pi_task, admitted_before_pi, admitted, status, restored, refused = \
-        asyncio.run(asyncio.wait_for(main(), 60))
+    queued, policy_pending, mu, pi, pi_task, admitted_before_pi, admitted, status, restored, refused = asyncio.run(
+        asyncio.wait_for(main(), 60)
+    )
     assert queued == [f"eval-0-{j}" for j in range(3)]  # the rollouts pool's list holds μ's round only
     assert policy_pending == pi == [f"evalpi-0-{j}" for j in range(3)]
     assert mu == queued  # a rollouts queue never leases π's tasks
@@ -335,17 +439,27 @@ def test_pi_s_gauges_hold_its_first_round_and_its_two_latest_by_step(redis_serve
     )
 
     def gauges(name: str) -> tuple:
-        return tuple(REGISTRY.get_sample_value(f"steadyrl_orchestrator_policy_eval_{kind}accuracy", {"set": name})
-                     for kind in ("initial_", "", "previous_"))
+        return tuple(
+            REGISTRY.get_sample_value(f"steadyrl_orchestrator_policy_eval_{kind}accuracy", {"set": name})
+            for kind in ("initial_", "", "previous_")
+        )
 
     def round_of(main: float, hard: float | None) -> dict:
-        return {"main": {"accuracy": main, "prompts": 4},
-                "hard": {"accuracy": hard or 0.0, "prompts": 4 if hard is not None else 0}}
+        return {
+            "main": {"accuracy": main, "prompts": 4},
+            "hard": {"accuracy": hard or 0.0, "prompts": 4 if hard is not None else 0},
+        }
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, eval_every=2, policy_eval=True)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            eval_every=2,
+            policy_eval=True,
+        )
         orchestrator = Orchestrator(settings, redis)
         seen = []
         for step, main_accuracy, hard in ((0, 0.5, 0.25), (4, 0.3, 0.125), (2, 0.45, 0.2), (6, 0.35, None)):
@@ -377,9 +491,19 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, batch_prompts=2, group_size=2, steps=3, eval_every=2,
-                                        eval_size=3, eval_samples=2, policy_eval=True)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            batch_prompts=2,
+            group_size=2,
+            steps=3,
+            eval_every=2,
+            eval_size=3,
+            eval_samples=2,
+            policy_eval=True,
+        )
         orchestrator, _ = await running_orchestrator(redis, settings)
         queue, policy = WorkQueue(redis, run_id), WorkQueue(redis, run_id, pool="policy_eval")
         await queue.lease("r0", 30, 10)
@@ -418,8 +542,9 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
     from shared.queues import WorkQueue
 
     async def main():
-        redis, orchestrator = await orchestrator_on(redis_server.url, run_id, tiny_model_dir, tmp_path, "running",
-                                                    batch_prompts=4, group_size=2, steps=10)
+        redis, orchestrator = await orchestrator_on(
+            redis_server.url, run_id, tiny_model_dir, tmp_path, "running", batch_prompts=4, group_size=2, steps=10
+        )
         assert await orchestrator.admit() == 8  # train-0 .. train-7
         keys, queue = orchestrator.keys, WorkQueue(redis, run_id)
         [leased, completed, dead, lost_a, trained, dropped] = await queue.lease("replica-0", 60, count=6)

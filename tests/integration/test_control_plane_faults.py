@@ -28,15 +28,23 @@ def frozen_redis(tmp_path):
         os.kill(server.process.pid, signal.SIGCONT)  # never leave it stopped
 
 
-def test_a_frozen_redis_gives_stale_status_503_and_unavailable_and_applies_nothing_late(frozen_redis, run_id,
-                                                                                        tiny_model_dir, tmp_path):
+def test_a_frozen_redis_gives_stale_status_503_and_unavailable_and_applies_nothing_late(
+    frozen_redis, run_id, tiny_model_dir, tmp_path
+):
     """GET /v1/run answers the last status, marked stale; POST pause is refused with 503 (JSON,
     Retry-After) and is not applied when Redis thaws with the command in its socket; gRPC Status and
     Heartbeat answer UNAVAILABLE; once Redis answers, everything works again."""
+
     async def main():
         redis = connect(frozen_redis.url, timeout=5.0)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=frozen_redis.url, run_id=run_id,
-                                        out_dir=tmp_path, eval_size=5, control_timeout_seconds=1.0)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=frozen_redis.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            eval_size=5,
+            control_timeout_seconds=1.0,
+        )
         orchestrator = Orchestrator(settings, redis)
         await orchestrator.transition("start")
         server = grpc.aio.server()
@@ -54,8 +62,10 @@ def test_a_frozen_redis_gives_stale_status_503_and_unavailable_and_applies_nothi
             stale = await http.get("/v1/run")
             pause = await http.post("/v1/run/pause")
             codes = []
-            for call in (stub.Status(common_pb2.Empty(), timeout=10),
-                         stub.Heartbeat(orchestrator_pb2.ReplicaHeartbeat(replica_id="r0", policy_version=3), timeout=10)):
+            for call in (
+                stub.Status(common_pb2.Empty(), timeout=10),
+                stub.Heartbeat(orchestrator_pb2.ReplicaHeartbeat(replica_id="r0", policy_version=3), timeout=10),
+            ):
                 try:
                     await call
                     codes.append(grpc.StatusCode.OK)
@@ -94,8 +104,9 @@ def test_a_frozen_redis_gives_stale_status_503_and_unavailable_and_applies_nothi
 def test_request_bodies_over_the_limit_are_refused_with_413(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id,
-                                        out_dir=tmp_path, eval_size=5)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id, out_dir=tmp_path, eval_size=5
+        )
         orchestrator = Orchestrator(settings, redis)
         transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN, max_request_bytes=4096))
         async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=HEADERS) as http:
@@ -128,6 +139,7 @@ def test_a_streamed_body_is_cut_at_the_chunk_past_the_limit():
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+
             async def chunks(n):
                 for _ in range(n):
                     yield b"y" * 2048
@@ -136,5 +148,6 @@ def test_a_streamed_body_is_cut_at_the_chunk_past_the_limit():
 
     over, under = asyncio.run(main())
     assert over.status_code == 413 and over.json() == {
-        "detail": "request body over 4096 bytes (the service's max_request_bytes)"}
+        "detail": "request body over 4096 bytes (the service's max_request_bytes)"
+    }
     assert under.status_code == 200 and under.json() == {"bytes": 4096}

@@ -32,8 +32,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model, metrics = one_step(model_dir, [decode_rollout(d) for d in data], rank, world)
-    save_file({"metrics": torch.tensor([metrics[k] for k in sorted(metrics)], dtype=torch.float64)},
-              f"{out}.metrics-{rank}")
+    save_file(
+        {"metrics": torch.tensor([metrics[k] for k in sorted(metrics)], dtype=torch.float64)}, f"{out}.metrics-{rank}"
+    )
     if rank == 0:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
     exit_rank()
@@ -43,8 +44,9 @@ def test_two_gloo_ranks_update_like_one_process(tmp_path, tiny_model_dir):
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=31)  # 4 groups: 2 mini-batches × 2 ranks
     out = str(tmp_path / "ddp.safetensors")
     data = [encode_rollout(r) for r in rollouts]  # protobuf to the workers, not pickle
-    mp.start_processes(worker, args=(2, free_port(), str(tiny_model_dir), data, out), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(2, free_port(), str(tiny_model_dir), data, out), nprocs=2, join=True, start_method="spawn"
+    )
     single, metrics = one_step(tiny_model_dir, rollouts)
     ddp = load_file(out)
     # both ranks report the global step's values, equal to one process's (not their own halves)
@@ -80,23 +82,41 @@ def test_the_trainer_service_under_torchrun_matches_one_process(tmp_path, tiny_m
 
     outs = {}
     for name, launcher in {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                     "--master_port", str(free_port()), "-m", "services.trainer"],
+        "torchrun": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "services.trainer",
+        ],
         "single": [sys.executable, "-m", "services.trainer"],
     }.items():
         asyncio.run(feed(name))
-        env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
-               "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / name), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
-               "STEADYRL_TRAINER_RUN_ID": name, "STEADYRL_TRAINER_MAX_STEPS": "1",
-               "STEADYRL_TRAINER_BATCH_PROMPTS": "2", "STEADYRL_TRAINER_MINI_BATCHES": "2",
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            **TRAINER_ENV,
+            "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+            "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / name),
+            "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+            "STEADYRL_TRAINER_RUN_ID": name,
+            "STEADYRL_TRAINER_MAX_STEPS": "1",
+            "STEADYRL_TRAINER_BATCH_PROMPTS": "2",
+            "STEADYRL_TRAINER_MINI_BATCHES": "2",
+            "OMP_NUM_THREADS": "1",
+        }
         assert subprocess.run(launcher, env=env, timeout=300).returncode == 0
         outs[name] = load_model_weights(tmp_path / name / "checkpoints" / "step-00000001")
     start = load_causal_lm(tiny_model_dir, "float32").state_dict()
     worst = max(float((outs["torchrun"][k] - v).abs().max()) for k, v in outs["single"].items())
     moved = max(float((outs["single"][k] - v).abs().max()) for k, v in start.items())
-    print(f"torchrun (2 gloo ranks) vs 1 process, one global step (2 mini-batches): max |Δparam| {worst:.2e} "
-          f"of a step that moved parameters by up to {moved:.2e}")
+    print(
+        f"torchrun (2 gloo ranks) vs 1 process, one global step (2 mini-batches): max |Δparam| {worst:.2e} "
+        f"of a step that moved parameters by up to {moved:.2e}"
+    )
     # 2 ranks sum gradients in another order than 1 process; AdamW divides each element by its own
     # gradient scale, so that noise on an element with a near-zero gradient becomes visible in the
     # parameter: bound it relative to the step (the pure DDP test above holds 1e-5 absolute)
@@ -122,10 +142,14 @@ def test_step_metrics_are_whole_step_token_weighted_values(tiny_model_dir):
     log_ratio = (old - batch.inference_logprobs)[mask].double()  # π_θ = π_old: log π_θ/μ
     weight = log_ratio.exp().clamp(max=5.0)
     by_hand = {
-        "mismatch_kl_k1": float((-log_ratio).mean()), "mismatch_kl_k3": float((log_ratio.expm1() - log_ratio).mean()),
-        "is_weight_mean": float(weight.mean()), "is_weight_max": float(weight.max()),
-        "entropy": float(entropy_from_logits(logits)[mask].double().mean()), "clip_frac": 0.0,
-        "valid_tokens": float(mask.sum()), "staleness_tokens_s0": float(mask.sum()),
+        "mismatch_kl_k1": float((-log_ratio).mean()),
+        "mismatch_kl_k3": float((log_ratio.expm1() - log_ratio).mean()),
+        "is_weight_mean": float(weight.mean()),
+        "is_weight_max": float(weight.max()),
+        "entropy": float(entropy_from_logits(logits)[mask].double().mean()),
+        "clip_frac": 0.0,
+        "valid_tokens": float(mask.sum()),
+        "staleness_tokens_s0": float(mask.sum()),
         "mismatch_kl_k3_s0": float((log_ratio.expm1() - log_ratio).mean()),
     }
     _, metrics = one_step(tiny_model_dir, rollouts, config=StepConfig(mini_batches=4), lr=0.0)

@@ -69,11 +69,14 @@ def test_a_forward_that_fails_for_one_sequence_fails_it_alone(engine, tiny_model
     assert engine.error is None and engine.running == 0
 
 
-@pytest.mark.parametrize("prompt, sampling, message", [
-    ([1, 2, 10**9], SAMPLING, "outside the vocabulary"),
-    ([1, 2, -1], SAMPLING, "outside the vocabulary"),
-    ([1, 2, 3], Sampling(max_new_tokens=4, stop_token_ids=(10**9,)), "stop token id"),
-])
+@pytest.mark.parametrize(
+    "prompt, sampling, message",
+    [
+        ([1, 2, 10**9], SAMPLING, "outside the vocabulary"),
+        ([1, 2, -1], SAMPLING, "outside the vocabulary"),
+        ([1, 2, 3], Sampling(max_new_tokens=4, stop_token_ids=(10**9,)), "stop token id"),
+    ],
+)
 def test_a_request_outside_the_vocabulary_is_refused_before_it_enters(engine, prompt, sampling, message):
     running = engine.start(prompts_of(1)[0], SAMPLING)
     with pytest.raises(ValueError, match=message):

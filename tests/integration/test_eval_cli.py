@@ -13,8 +13,9 @@ from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts, greedy_
 
 
 def eval_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "steadyrl.cli", "eval", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "eval", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def report_of(done: subprocess.CompletedProcess) -> dict:
@@ -30,8 +31,10 @@ def test_eval_scores_the_recipes_eval_sets_as_its_run_does(tiny_model_dir, tmp_p
         writer.writerow(["question", "solution"])
         writer.writerows([e.prompt, e.answer] for e in examples[40:64])
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(f'[orchestrator]\neval_size = 40\nmax_new_tokens = 8\nprompt_column = "question"\n'
-                      f'answer_column = "solution"\neval_sets = {{hard = "{tmp_path / "hard.csv"}"}}\n')
+    recipe.write_text(
+        f'[orchestrator]\neval_size = 40\nmax_new_tokens = 8\nprompt_column = "question"\n'
+        f'answer_column = "solution"\neval_sets = {{hard = "{tmp_path / "hard.csv"}"}}\n'
+    )
 
     report = report_of(eval_cli(str(tiny_model_dir), "--config", str(recipe), "--samples", "2"))
     assert report["task"] == "arith" and report["reward"] == "exact_match"
@@ -53,15 +56,31 @@ def test_eval_uses_the_recipes_reward_plug_in(tiny_model_dir):
     length of transformers' greedy completions, computed in a reward process."""
     model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
     examples = TinySpec().task().split("eval", 12)
-    report = report_of(eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:length", "--size", "12",
-                                "--max-new-tokens", "6", "--samples", "0"))
+    report = report_of(
+        eval_cli(
+            str(tiny_model_dir),
+            "--set",
+            "orchestrator.reward=tests.rewards:length",
+            "--size",
+            "12",
+            "--max-new-tokens",
+            "6",
+            "--samples",
+            "0",
+        )
+    )
     ids = encode_prompts(tokenizer, [e.prompt for e in examples])
     lengths = []
     with torch.no_grad():
         for row in ids:
-            out = model.generate(input_ids=torch.tensor([row]), max_new_tokens=6, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-            lengths.append(len(tokenizer.decode(out[0, len(row):].tolist(), skip_special_tokens=True)))
+            out = model.generate(
+                input_ids=torch.tensor([row]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=0,
+            )
+            lengths.append(len(tokenizer.decode(out[0, len(row) :].tolist(), skip_special_tokens=True)))
     assert report["reward"] == "tests.rewards:length" and report["prompts"] == 12
     assert report["accuracy"] == round(sum(lengths) / 12, 4) and report["accuracy"] > 0
     assert report["reward_failures"] == {}
@@ -69,10 +88,20 @@ def test_eval_uses_the_recipes_reward_plug_in(tiny_model_dir):
 
 def test_a_reward_that_fails_scores_zero_and_is_counted_with_the_recipes_time_limit(tiny_model_dir):
     common = ["--size", "2", "--max-new-tokens", "4", "--samples", "0"]
-    hung = report_of(eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:hang_after_dry_call",
-                              "--set", "inference.reward_timeout_seconds=1", *common))
+    hung = report_of(
+        eval_cli(
+            str(tiny_model_dir),
+            "--set",
+            "orchestrator.reward=tests.rewards:hang_after_dry_call",
+            "--set",
+            "inference.reward_timeout_seconds=1",
+            *common,
+        )
+    )
     assert hung["accuracy"] == 0.0 and hung["reward_failures"] == {"timeout": 2}
-    raised = report_of(eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:explode_after_dry_call", *common))
+    raised = report_of(
+        eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:explode_after_dry_call", *common)
+    )
     assert raised["accuracy"] == 0.0 and raised["reward_failures"] == {"error:RuntimeError": 2}
 
 
@@ -100,12 +129,32 @@ def test_served_scores_the_model_as_the_recipes_replicas_compute_it(tiny_model_d
     quantize_(model, quantized_targets(model), "fp4")
     examples = TinySpec().task().split("eval", 40)
     common = ["--size", "40", "--max-new-tokens", "8", "--samples", "0"]
-    served = report_of(eval_cli(str(tiny_model_dir), "--served", "--dtype", "bfloat16", *common,
-                                "--set", "inference.dtype=\"float32\"", "--set", "inference.quantization=\"fp4\""))
+    served = report_of(
+        eval_cli(
+            str(tiny_model_dir),
+            "--served",
+            "--dtype",
+            "bfloat16",
+            *common,
+            "--set",
+            'inference.dtype="float32"',
+            "--set",
+            'inference.quantization="fp4"',
+        )
+    )
     assert served["dtype"] == "float32" and served["quantization"] == {"quantization": "fp4"}
     assert served["accuracy"] == round(greedy_accuracy(model, tokenizer, examples), 4)
-    plain = report_of(eval_cli(str(tiny_model_dir), *common, "--set", "inference.quantization=\"fp4\""))
+    plain = report_of(eval_cli(str(tiny_model_dir), *common, "--set", 'inference.quantization="fp4"'))
     assert plain["dtype"] == "float32" and "quantization" not in plain  # without --served: the model as given
-    refused = eval_cli(str(tiny_model_dir), "--served", *common, "--set", "inference.engine=\"vllm\"",
-                       "--set", "inference.quantization=\"fp8\"")
-    assert refused.returncode == 2 and "emulates the torch engine's fp8; this recipe serves it with vllm" in refused.stderr
+    refused = eval_cli(
+        str(tiny_model_dir),
+        "--served",
+        *common,
+        "--set",
+        'inference.engine="vllm"',
+        "--set",
+        'inference.quantization="fp8"',
+    )
+    assert (
+        refused.returncode == 2 and "emulates the torch engine's fp8; this recipe serves it with vllm" in refused.stderr
+    )

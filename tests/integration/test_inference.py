@@ -106,8 +106,10 @@ def test_continuous_batching_admits_and_retires_rows_and_stays_exact(tiny_model_
 
 
 def _v1(engine):
-    return {k: v * 1.5 if k == "lm_head.weight" else (-v if k.endswith("mlp.gate.weight") else v)
-            for k, v in engine.model.state_dict().items()}
+    return {
+        k: v * 1.5 if k == "lm_head.weight" else (-v if k.endswith("mlp.gate.weight") else v)
+        for k, v in engine.model.state_dict().items()
+    }
 
 
 def test_an_update_lands_in_flight_and_every_token_is_its_version(tiny_model_dir):
@@ -126,7 +128,9 @@ def test_an_update_lands_in_flight_and_every_token_is_its_version(tiny_model_dir
             threading.Thread(target=engine.update_weights, args=(1, v1)).start()  # from weight-sync's thread
 
     sampling = Sampling(temperature=1.0, max_new_tokens=20, seed=5, ignore_eos=True)
-    [long, short] = [engine.start(p, sampling, True, switch if i == 0 else None, i) for i, p in enumerate(prompts_of(2))]
+    [long, short] = [
+        engine.start(p, sampling, True, switch if i == 0 else None, i) for i, p in enumerate(prompts_of(2))
+    ]
     samples = [long.result(60), short.result(60)]
     models = {}
     for version, weights in ((0, v0), (1, v1)):
@@ -219,21 +223,33 @@ class Replica:
         self.ws_port, self.port = free_port(), free_port()
         private, public = write_key_pair(tmp_path / "keys")
         self.signer = Signer.from_file(private, run_id)  # the trainer's key: versions the replica takes
-        self.ws_settings = WeightSyncSettings(port=self.ws_port, metrics_port=0, spill_dir=tmp_path / "spill",
-                                              run_id=run_id, **{"verify_key_file": public, **(ws_overrides or {})})
+        self.ws_settings = WeightSyncSettings(
+            port=self.ws_port,
+            metrics_port=0,
+            spill_dir=tmp_path / "spill",
+            run_id=run_id,
+            **{"verify_key_file": public, **(ws_overrides or {})},
+        )
         self.engine = engine or make_engine("torch", str(model_dir), "float32")
         self.settings = InferenceSettings(
-            port=self.port, metrics_port=0, model_path=str(model_dir), dtype="float32", redis_url=redis_url,
-            run_id=run_id, replica_id="replica-a", weightsync_address=f"127.0.0.1:{self.ws_port}",
-            lease_seconds=5, **{"verify_key_file": public, **overrides})
+            port=self.port,
+            metrics_port=0,
+            model_path=str(model_dir),
+            dtype="float32",
+            redis_url=redis_url,
+            run_id=run_id,
+            replica_id="replica-a",
+            weightsync_address=f"127.0.0.1:{self.ws_port}",
+            lease_seconds=5,
+            **{"verify_key_file": public, **overrides},
+        )
         self.stop = asyncio.Event()
 
     async def __aenter__(self):
         ws_ready, ready = asyncio.Event(), asyncio.Event()
         self.tasks = [asyncio.create_task(serve_weightsync(self.ws_settings, ws_ready, self.stop))]
         await ws_ready.wait()
-        self.tasks.append(asyncio.create_task(serve_inference(self.settings, self.engine, ready=ready,
-                                                              stop=self.stop)))
+        self.tasks.append(asyncio.create_task(serve_inference(self.settings, self.engine, ready=ready, stop=self.stop)))
         await asyncio.wait_for(ready.wait(), 60)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
@@ -247,9 +263,14 @@ class Replica:
 
 def arith_task(task_id: str, prompt: list[int], answer: str, group_size: int, **fields) -> common_pb2.PromptTask:
     return common_pb2.PromptTask(
-        task_id=task_id, task_name="exact_match", prompt_token_ids=prompt, answer=answer,
-        group_size=group_size, sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
-        **fields)
+        task_id=task_id,
+        task_name="exact_match",
+        prompt_token_ids=prompt,
+        answer=answer,
+        group_size=group_size,
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
+        **fields,
+    )
 
 
 async def wait_for(predicate, timeout: float = 60.0):
@@ -314,18 +335,26 @@ def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_d
 
     async def main():
         async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id) as replica:
-            request = pb.GenerateRequest(prompt_token_ids=prompt, return_routing_trace=True,
-                                         sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=6))
+            request = pb.GenerateRequest(
+                prompt_token_ids=prompt,
+                return_routing_trace=True,
+                sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=6),
+            )
             events = [e async for e in replica.stub.Generate(request)]
-            by_text = [e async for e in replica.stub.Generate(pb.GenerateRequest(
-                prompt_text="<s>12+34=", sampling=common_pb2.SamplingParams(max_new_tokens=3)))]
+            by_text = [
+                e
+                async for e in replica.stub.Generate(
+                    pb.GenerateRequest(prompt_text="<s>12+34=", sampling=common_pb2.SamplingParams(max_new_tokens=3))
+                )
+            ]
             codes = {}
             for name, bad in {
                 "empty": pb.GenerateRequest(),
                 "vocab": pb.GenerateRequest(prompt_token_ids=[1, 999]),
                 "top_p": pb.GenerateRequest(prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(top_p=1.5)),
-                "long": pb.GenerateRequest(prompt_token_ids=prompt,
-                                           sampling=common_pb2.SamplingParams(max_new_tokens=10_000)),
+                "long": pb.GenerateRequest(
+                    prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=10_000)
+                ),
             }.items():
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     _ = [e async for e in replica.stub.Generate(bad)]
@@ -355,11 +384,18 @@ def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_d
 
 def replica_env(model_dir, redis_url: str, run_id: str, replica: str, lease_seconds: float) -> dict[str, str]:
     """The environment of a replica process (`python -m services.inference`) on the tiny model."""
-    return {**os.environ, "STEADYRL_INFERENCE_MODEL_PATH": str(model_dir), "STEADYRL_INFERENCE_DTYPE": "float32",
-            "STEADYRL_INFERENCE_REDIS_URL": redis_url, "STEADYRL_INFERENCE_RUN_ID": run_id,
-            "STEADYRL_INFERENCE_PORT": "0", "STEADYRL_INFERENCE_METRICS_PORT": "0",
-            "STEADYRL_INFERENCE_LEASE_SECONDS": str(lease_seconds), "STEADYRL_INFERENCE_REPLICA_ID": replica,
-            "STEADYRL_INFERENCE_TORCH_THREADS": "1"}
+    return {
+        **os.environ,
+        "STEADYRL_INFERENCE_MODEL_PATH": str(model_dir),
+        "STEADYRL_INFERENCE_DTYPE": "float32",
+        "STEADYRL_INFERENCE_REDIS_URL": redis_url,
+        "STEADYRL_INFERENCE_RUN_ID": run_id,
+        "STEADYRL_INFERENCE_PORT": "0",
+        "STEADYRL_INFERENCE_METRICS_PORT": "0",
+        "STEADYRL_INFERENCE_LEASE_SECONDS": str(lease_seconds),
+        "STEADYRL_INFERENCE_REPLICA_ID": replica,
+        "STEADYRL_INFERENCE_TORCH_THREADS": "1",
+    }
 
 
 def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, redis_server, run_id):
@@ -385,9 +421,16 @@ def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, re
         assert (await queue.depths()).rollouts == 0
         await asyncio.sleep(1.6)
         assert await queue.requeue_expired(max_attempts=3) == (1, 0)
-        settings = InferenceSettings(port=free_port(), metrics_port=0, model_path=str(tiny_model_dir),
-                                     dtype="float32", redis_url=redis_server.url, run_id=run_id,
-                                     replica_id="survivor", lease_seconds=30)
+        settings = InferenceSettings(
+            port=free_port(),
+            metrics_port=0,
+            model_path=str(tiny_model_dir),
+            dtype="float32",
+            redis_url=redis_server.url,
+            run_id=run_id,
+            replica_id="survivor",
+            lease_seconds=30,
+        )
         stop, ready = asyncio.Event(), asyncio.Event()
         server = asyncio.create_task(serve_inference(settings, ready=ready, stop=stop))
         await wait_for(lambda: _completed(queue, 1), 120)
@@ -418,24 +461,34 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
 
     prompts = prompts_of(2)
     engine = make_engine("torch", str(tiny_model_dir), "float32")
-    greedy = [char_tokenizer().decode(s.token_ids, skip_special_tokens=True)
-              for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=6))]
+    greedy = [
+        char_tokenizer().decode(s.token_ids, skip_special_tokens=True)
+        for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=6))
+    ]
     assert RewardRunner().score("math_verify", [greedy[0]], greedy[0])[0].value == 1.0  # what the replica should get
 
     def failures(reward, reason):
-        return REGISTRY.get_sample_value("steadyrl_inference_reward_failures_total",
-                                         {"reward": reward, "reason": reason}) or 0.0
+        return (
+            REGISTRY.get_sample_value("steadyrl_inference_reward_failures_total", {"reward": reward, "reason": reason})
+            or 0.0
+        )
 
     before = {r: failures(f"tests.rewards:{r}", reason) for r, reason in (("hang", "timeout"), ("explode", "error"))}
-    tasks = [("right", "math_verify", prompts[0], greedy[0]), ("wrong", "math_verify", prompts[0], greedy[0] + "1"),
-             ("plugin", "tests.rewards:length", prompts[1], "-"), ("hang", "tests.rewards:hang", prompts[1], "-"),
-             ("explode", "tests.rewards:explode", prompts[1], "-"), ("after", "math_verify", prompts[1], greedy[1])]
+    tasks = [
+        ("right", "math_verify", prompts[0], greedy[0]),
+        ("wrong", "math_verify", prompts[0], greedy[0] + "1"),
+        ("plugin", "tests.rewards:length", prompts[1], "-"),
+        ("hang", "tests.rewards:hang", prompts[1], "-"),
+        ("explode", "tests.rewards:explode", prompts[1], "-"),
+        ("after", "math_verify", prompts[1], greedy[1]),
+    ]
 
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, reward_timeout_seconds=2,
-                           tasks_per_batch=1) as replica:
+        async with Replica(
+            tmp_path, tiny_model_dir, redis_server.url, run_id, reward_timeout_seconds=2, tasks_per_batch=1
+        ) as replica:
             for name, reward, prompt, answer in tasks:
                 task = arith_task(name, prompt, answer, 1)
                 task.task_name, task.sampling.temperature = reward, 0
@@ -450,8 +503,14 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
     alive, entries = asyncio.run(asyncio.wait_for(main(), 240))
     rewards = {decode_rollout(f[b"r"]).task_id: decode_rollout(f[b"r"]).reward for _, f in entries}
     assert alive == "replica-a"
-    assert rewards == {"right": 1.0, "wrong": 0.0, "plugin": float(len(greedy[1])), "hang": 0.0, "explode": 0.0,
-                       "after": 1.0}
+    assert rewards == {
+        "right": 1.0,
+        "wrong": 0.0,
+        "plugin": float(len(greedy[1])),
+        "hang": 0.0,
+        "explode": 0.0,
+        "after": 1.0,
+    }
     assert failures("tests.rewards:hang", "timeout") == before["hang"] + 1
     assert failures("tests.rewards:explode", "error") == before["explode"] + 1
 
@@ -476,9 +535,16 @@ def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_mo
             return decode(*args)
 
         engine._decode = dying
-        settings = InferenceSettings(port=free_port(), metrics_port=0, model_path=str(tiny_model_dir),
-                                     dtype="float32", redis_url=redis_server.url, run_id=run_id,
-                                     replica_id="fragile", lease_seconds=30)
+        settings = InferenceSettings(
+            port=free_port(),
+            metrics_port=0,
+            model_path=str(tiny_model_dir),
+            dtype="float32",
+            redis_url=redis_server.url,
+            run_id=run_id,
+            replica_id="fragile",
+            lease_seconds=30,
+        )
         task = arith_task("doomed", prompts_of(1)[0], "0", 4)
         task.sampling.max_new_tokens, task.sampling.ignore_eos = 20, True
         await queue.submit(task)

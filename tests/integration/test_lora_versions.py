@@ -36,8 +36,9 @@ def adapted(model_dir, rank: int = 4, seed: int = 0):
 
 
 def version_of(model, digest: bytes) -> CastView:
-    return CastView(adapter_state(model), torch.float32,
-                    AdapterInfo(base_digest=digest, config_json=adapter_config_json(model)))
+    return CastView(
+        adapter_state(model), torch.float32, AdapterInfo(base_digest=digest, config_json=adapter_config_json(model))
+    )
 
 
 def test_an_adapter_version_is_the_adapter_named_by_its_base(tiny_model_dir):
@@ -52,7 +53,8 @@ def test_an_adapter_version_is_the_adapter_named_by_its_base(tiny_model_dir):
 
 
 def test_adapter_versions_reach_the_torch_engine_by_every_transport_and_bad_ones_are_refused(
-        tmp_path, tiny_model_dir, redis_server, run_id):
+    tmp_path, tiny_model_dir, redis_server, run_id
+):
     digest = base_digest(str(tiny_model_dir))
     models = [adapted(tiny_model_dir, seed=s) for s in range(3)]
     delta = copy.deepcopy(models[2])  # version 4: version 3 but one tensor
@@ -69,12 +71,20 @@ def test_adapter_versions_reach_the_torch_engine_by_every_transport_and_bad_ones
         from services.weightsync.server import BYTES_PULLED
 
         ws = {"shm_dir": tmp_path / "shm", "collective_timeout_seconds": 5}
-        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
-                           weight_transports=["shm", "collective", "grpc"]) as replica:
+        async with Replica(
+            tmp_path,
+            tiny_model_dir,
+            redis_server.url,
+            run_id,
+            ws_overrides=ws,
+            weight_transports=["shm", "collective", "grpc"],
+        ) as replica:
             address = f"127.0.0.1:{replica.ws_port}"
             await wait_for(subscribed, 30)
-            publishers = {kind: make_publisher(kind, address, replica.signer, shm_dir=tmp_path / "shm" / "run")
-                          for kind in ("grpc", "shm", "collective")}
+            publishers = {
+                kind: make_publisher(kind, address, replica.signer, shm_dir=tmp_path / "shm" / "run")
+                for kind in ("grpc", "shm", "collective")
+            }
             with torch.no_grad():
                 base = replica.engine.model(IDS).logits.clone()
             logits, received = [], {}
@@ -119,13 +129,19 @@ def test_a_lora_trainer_publishes_the_adapter_or_the_merged_model(tmp_path, tiny
     from services.trainer.config import TrainerSettings
     from services.trainer.steps import StepRunner
 
-    settings = TrainerSettings(model_path=str(tiny_model_dir), out_dir=tmp_path, batch_prompts=1, group_size=2,
-                               lora={"rank": 4, "target_modules": ["q_proj"], "publish": publish})
+    settings = TrainerSettings(
+        model_path=str(tiny_model_dir),
+        out_dir=tmp_path,
+        batch_prompts=1,
+        group_size=2,
+        lora={"rank": 4, "target_modules": ["q_proj"], "publish": publish},
+    )
     view = StepRunner(settings).weights()
     names = set(load_causal_lm(tiny_model_dir, "float32").state_dict())
     if adapter:
         assert view.adapter.base_digest == base_digest(str(tiny_model_dir))
-        assert sorted(view) == sorted(f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{m}.weight"
-                                      for i in range(2) for m in "AB")
+        assert sorted(view) == sorted(
+            f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{m}.weight" for i in range(2) for m in "AB"
+        )
     else:
         assert view.adapter is None and set(view) == names

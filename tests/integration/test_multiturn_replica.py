@@ -19,29 +19,49 @@ from shared.rpc.steadyrl.v1 import common_pb2
 from tests.integration.test_inference import Replica, _completed, fresh_forward, wait_for
 
 
-def multiturn_task(task_id: str, environment: str, group_size: int = 2, answer: str = "408",
-                   max_tokens: int = 40) -> common_pb2.PromptTask:
+def multiturn_task(
+    task_id: str, environment: str, group_size: int = 2, answer: str = "408", max_tokens: int = 40
+) -> common_pb2.PromptTask:
     return common_pb2.PromptTask(
-        task_id=task_id, prompt_text="12*34=", answer=answer, group_size=group_size, environment=environment,
+        task_id=task_id,
+        prompt_text="12*34=",
+        answer=answer,
+        group_size=group_size,
+        environment=environment,
         budget=common_pb2.TrajectoryBudget(max_turns=4, max_tokens=max_tokens, env_seconds=1.0),
-        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=6, seed=3))
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=6, seed=3),
+    )
 
 
 def failures(reason: str) -> float:
-    return REGISTRY.get_sample_value("steadyrl_inference_trajectory_failures_total",
-                                     {"replica": "replica-a", "reason": reason}) or 0.0
+    return (
+        REGISTRY.get_sample_value(
+            "steadyrl_inference_trajectory_failures_total", {"replica": "replica-a", "reason": reason}
+        )
+        or 0.0
+    )
 
 
-BAD = {"raises": ("tests.envs:Raises", "env_error"), "hangs": ("tests.envs:Hangs", "env_timeout"),
-       "malformed": ("tests.envs:Malformed", "malformed_observation"), "floods": ("tests.envs:Floods", "over_budget"),
-       "unmade": ("tests.envs:not_an_environment", "env_error"), "unknown": ("nope", "environment")}
+BAD = {
+    "raises": ("tests.envs:Raises", "env_error"),
+    "hangs": ("tests.envs:Hangs", "env_timeout"),
+    "malformed": ("tests.envs:Malformed", "malformed_observation"),
+    "floods": ("tests.envs:Floods", "over_budget"),
+    "unmade": ("tests.envs:not_an_environment", "env_error"),
+    "unknown": ("nope", "environment"),
+}
 
 
-def test_a_replica_plays_multi_turn_tasks_and_dead_letters_bad_environments(tmp_path, calc_model_dir, redis_server,
-                                                                              run_id):
+def test_a_replica_plays_multi_turn_tasks_and_dead_letters_bad_environments(
+    tmp_path, calc_model_dir, redis_server, run_id
+):
     before = {code: failures(code) for _, code in BAD.values()}
-    tasks = [multiturn_task("echo", "tests.envs:Echo"), multiturn_task("calc", "calc", group_size=4),
-             *(multiturn_task(name, env) for name, (env, _) in BAD.items()), multiturn_task("after", "tests.envs:Echo")]
+    tasks = [
+        multiturn_task("echo", "tests.envs:Echo"),
+        multiturn_task("calc", "calc", group_size=4),
+        *(multiturn_task(name, env) for name, (env, _) in BAD.items()),
+        multiturn_task("after", "tests.envs:Echo"),
+    ]
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -67,20 +87,28 @@ def test_a_replica_plays_multi_turn_tasks_and_dead_letters_bad_environments(tmp_
     worst = 0.0
     for r in rollouts.values():
         validate_rollout(r)
-        assert r.prompt_token_ids.tolist() == tokenizer.apply_chat_template(
-            [{"role": "user", "content": "12*34="}], add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert (
+            r.prompt_token_ids.tolist()
+            == tokenizer.apply_chat_template(
+                [{"role": "user", "content": "12*34="}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
         mask = r.model_tokens
         logp, trace = fresh_forward(model, r.prompt_token_ids.tolist(), r.completion_token_ids.tolist())
         worst = max(worst, float((logp - torch.from_numpy(r.inference_logprobs))[torch.from_numpy(mask)].abs().max()))
         np.testing.assert_array_equal(r.routing_trace, trace)  # composed turn by turn, equal to one forward
         assert not r.inference_logprobs[~mask].any() and set(r.policy_versions.tolist()) == {0}
         if r.task_id in ("echo", "after"):  # three model turns, two observations in between
-            assert (r.turns, r.reward, r.finish_reason, r.env_metrics) == (3, 1.0, "done",
-                                                                          {"tool_calls": 2.0, "answered": 1.0})
+            assert (r.turns, r.reward, r.finish_reason, r.env_metrics) == (
+                3,
+                1.0,
+                "done",
+                {"tool_calls": 2.0, "answered": 1.0},
+            )
             runs = np.flatnonzero(np.diff(mask.astype(int)))  # where the mask switches
             assert len(runs) == 4 and mask[0] and mask[-1]
             for start, end in ((runs[0] + 1, runs[1] + 1), (runs[2] + 1, runs[3] + 1)):
-                assert r.completion_token_ids[start:end].tolist()[-len(observation):] == observation
+                assert r.completion_token_ids[start:end].tolist()[-len(observation) :] == observation
         else:  # the calc environment: calls and their answers, then an answer (or out of turns)
             assert r.reward in (0.0, 1.0) and r.finish_reason in ("done", "max_turns", "max_tokens")
             assert r.turns == r.env_metrics.get("tool_calls", 0) + (r.finish_reason == "done")

@@ -26,10 +26,19 @@ def trajectory(index: int, reward: float, env_logprob: float = 0.0) -> Rollout:
     mask = np.array([who for turn, who in TURNS for _ in turn], dtype=bool)
     rng = np.random.default_rng(index)
     logprobs = np.where(mask, -rng.uniform(0.5, 3.0, len(tokens)), env_logprob).astype(np.float32)
-    return Rollout(rollout_id=f"g:{index}", group_id="g", prompt_token_ids=np.array(PROMPT, dtype=np.int32),
-                   completion_token_ids=np.array(tokens, dtype=np.int32), inference_logprobs=logprobs,
-                   policy_versions=np.zeros(len(tokens), dtype=np.uint64), reward=reward, sample_index=index,
-                   group_size=GROUP, task_id="g", loss_mask=mask)
+    return Rollout(
+        rollout_id=f"g:{index}",
+        group_id="g",
+        prompt_token_ids=np.array(PROMPT, dtype=np.int32),
+        completion_token_ids=np.array(tokens, dtype=np.int32),
+        inference_logprobs=logprobs,
+        policy_versions=np.zeros(len(tokens), dtype=np.uint64),
+        reward=reward,
+        sample_index=index,
+        group_size=GROUP,
+        task_id="g",
+        loss_mask=mask,
+    )
 
 
 def test_the_mask_survives_the_wire_and_marks_only_the_model_s_tokens():
@@ -89,5 +98,6 @@ def test_environment_tokens_logprobs_change_nothing(tiny_model_dir):
     odd, odd_metrics = stepped(tiny_model_dir, [trajectory(0, 1.0, -30.0), trajectory(1, 0.0, -30.0)])
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), odd.state_dict().values(), strict=True))
     timing = {k for k in plain_metrics if "seconds" in k or "per_s" in k}
-    assert {k: v for k, v in plain_metrics.items() if k not in timing} == \
-        {k: v for k, v in odd_metrics.items() if k not in timing}
+    assert {k: v for k, v in plain_metrics.items() if k not in timing} == {
+        k: v for k, v in odd_metrics.items() if k not in timing
+    }

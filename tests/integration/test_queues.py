@@ -11,8 +11,9 @@ from shared.rpc.steadyrl.v1 import common_pb2
 
 
 def task(task_id: str, group_size: int = 2) -> common_pb2.PromptTask:
-    return common_pb2.PromptTask(task_id=task_id, task_name="exact_match", prompt_token_ids=[1, 5, 6],
-                                 answer="11", group_size=group_size)
+    return common_pb2.PromptTask(
+        task_id=task_id, task_name="exact_match", prompt_token_ids=[1, 5, 6], answer="11", group_size=group_size
+    )
 
 
 def run(redis_server, run_id, body):
@@ -101,9 +102,14 @@ def test_a_pending_id_without_its_task_is_dead_lettered_with_the_reason(redis_se
         assert [lease.task_id for lease in leases] == ["real"]
         entries = [fields for _, fields in await redis.xrange(queue.keys["dead"])]
         assert [(f[b"task_id"], f[b"code"]) for f in entries] == [(b"done", b"duplicate"), (b"ghost", b"no_record")]
-        assert (entries[0][b"code"], entries[0][b"reason"]) == (b"duplicate", b"pending again after the lease r1|0 "
-                                                                             b"completed it")
-        assert (entries[1][b"code"], entries[1][b"reason"]) == (b"no_record", b"a pending task id without a task record")
+        assert (entries[0][b"code"], entries[0][b"reason"]) == (
+            b"duplicate",
+            b"pending again after the lease r1|0 completed it",
+        )
+        assert (entries[1][b"code"], entries[1][b"reason"]) == (
+            b"no_record",
+            b"a pending task id without a task record",
+        )
         assert [given_up(f) for f in entries] == [False, True]
         assert await queue.dead_counts() == {"no_record": 1, "duplicate": 1}
         assert (await queue.depths()).pending == 0
@@ -133,6 +139,7 @@ def test_policy_eval_tasks_stay_in_their_pool_through_expiry(redis_server, run_i
     """π's eval tasks (ids starting `evalpi`) are queued in the policy_eval pool's list, leased only
     by a policy_eval queue, counted in that pool's depths, and an expired lease puts them back
     there, not in the rollouts pool."""
+
     async def body(queue, redis):
         policy = WorkQueue(redis, run_id, pool="policy_eval")
         await queue.submit_many([task("train-0"), task("evalpi-0-0", 1), task("eval-0-0", 1)])

@@ -19,17 +19,41 @@ def tiny_models():
         Qwen2MoeForCausalLM,
     )
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=64)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     yield "qwen3_moe", build_model(TinySpec(), seed=0)
-    yield "qwen2_moe", Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        **common, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1))
-    yield "mixtral", MixtralForCausalLM(MixtralConfig(
-        **common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2))
-    yield "olmoe", OlmoeForCausalLM(OlmoeConfig(
-        **common, intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True))
+    yield (
+        "qwen2_moe",
+        Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(
+                **common,
+                intermediate_size=128,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=64,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=False,
+                decoder_sparse_step=1,
+            )
+        ),
+    )
+    yield (
+        "mixtral",
+        MixtralForCausalLM(MixtralConfig(**common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
+    )
+    yield (
+        "olmoe",
+        OlmoeForCausalLM(
+            OlmoeConfig(**common, intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+        ),
+    )
 
 
 MODELS = dict(tiny_models())
@@ -122,16 +146,20 @@ def test_replay_mask_lets_uncovered_positions_route_freely(moe):
 def test_modes_do_not_nest_and_bad_traces_are_refused():
     model = MODELS["qwen3_moe"]
     controller = RoutingController(model)
-    with pytest.raises(RuntimeError, match="already in capture mode"), controller.capture(), controller.replay(
-        torch.zeros(1, 2, 2, 2, dtype=torch.long)
+    with (
+        pytest.raises(RuntimeError, match="already in capture mode"),
+        controller.capture(),
+        controller.replay(torch.zeros(1, 2, 2, 2, dtype=torch.long)),
     ):
         pass
     with pytest.raises(ValueError, match="does not fit"), controller.replay(torch.zeros(1, 2, 3, 2, dtype=torch.long)):
         pass
     with pytest.raises(ValueError, match=r"lie in \[0, 8\)"), controller.replay(torch.full((1, 2, 2, 2), 8)):
         pass
-    with pytest.raises(ValueError, match="covers 8 tokens"), torch.no_grad(), controller.replay(
-        torch.zeros(1, 8, 2, 2, dtype=torch.long)
+    with (
+        pytest.raises(ValueError, match="covers 8 tokens"),
+        torch.no_grad(),
+        controller.replay(torch.zeros(1, 8, 2, 2, dtype=torch.long)),
     ):
         model(tokens(1, 5))
 
@@ -140,9 +168,17 @@ def test_dense_model_passes_through_and_refuses_traces():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                         head_dim=32)).eval()
+    dense = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+        )
+    ).eval()
     controller = RoutingController(dense)
     assert not controller.is_moe
     with torch.no_grad():

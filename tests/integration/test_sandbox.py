@@ -15,25 +15,35 @@ import pytest
 from shared.envs import cgroups, isolation
 from shared.envs.sandbox import SandboxLimits, run_python
 
-LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=4, memory_bytes=256 << 20, max_processes=8, file_bytes=1 << 16,
-                       disk_bytes=4 << 20)
+LIMITS = SandboxLimits(
+    cpu_seconds=1, wall_seconds=4, memory_bytes=256 << 20, max_processes=8, file_bytes=1 << 16, disk_bytes=4 << 20
+)
 needs_bwrap = pytest.mark.skipif(isolation.unavailable() is not None, reason=f"{isolation.unavailable()}")
 pytestmark = needs_bwrap
 
 ATTEMPTS = {
-    "network": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", "error",
-                "Network is unreachable"),
+    "network": (
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)",
+        "error",
+        "Network is unreachable",
+    ),
     "write_outside": ("open({outside!r}, 'w').write('x')", "error", "No such file or directory"),
     "write_system": ("open('/usr/escaped', 'w').write('x')", "error", "Read-only file system"),
     # it spins: its processes together use the call's CPU time before its wall time is up
-    "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "cpu_limit",
-                  ""),
+    "fork_bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "cpu_limit",
+        "",
+    ),
     "infinite_loop": ("while True:\n    pass", "cpu_limit", ""),
     "sleep_forever": ("import time\ntime.sleep(1000)", "timeout", ""),
     "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(10**7))", "memory", ""),
     "output_flood": ("while True:\n    print('x' * 1000)", "output_limit", "File too large"),
-    "disk_flood": ("for i in range(150):\n    open('f%d' % i, 'wb').write(b'x' * 60000)", "disk_limit",
-                   "No space left on device"),
+    "disk_flood": (
+        "for i in range(150):\n    open('f%d' % i, 'wb').write(b'x' * 60000)",
+        "disk_limit",
+        "No space left on device",
+    ),
 }
 
 
@@ -77,12 +87,15 @@ def test_the_code_sees_no_environment_and_no_file_of_the_run(tmp_path, monkeypat
     monkeypatch.setenv("STEADYRL_INFERENCE_REDIS_URL", "redis://:pw@127.0.0.1:1/0")
     monkeypatch.setenv("STEADYRL_TOKEN_FILE", str(token))
     paths = [str(token), str(aof), "/etc/shadow", "/etc/passwd", str(tmp_path)]
-    code = "\n".join([
-        "import os, json",
-        f"found = {{p: os.path.exists(p) for p in {paths!r}}}",
-        f"home = os.listdir({home!r}) if os.path.isdir({home!r}) else []",
-        "print(json.dumps({'env': sorted(os.environ), 'found': found, 'root': sorted(os.listdir('/')), 'home': home}))",
-    ])
+    code = "\n".join(
+        [
+            "import os, json",
+            f"found = {{p: os.path.exists(p) for p in {paths!r}}}",
+            f"home = os.listdir({home!r}) if os.path.isdir({home!r}) else []",
+            "seen = {'env': sorted(os.environ), 'found': found, 'root': sorted(os.listdir('/')), 'home': home}",
+            "print(json.dumps(seen))",
+        ]
+    )
     result = run_python(code, LIMITS)
     assert result.reason == "ok", result
     seen = json.loads(result.stdout)
@@ -90,8 +103,19 @@ def test_the_code_sees_no_environment_and_no_file_of_the_run(tmp_path, monkeypat
     assert not any(seen["found"].values()), seen["found"]
     prefix = os.path.realpath(sys.base_prefix)  # the interpreter's own directory may lie in the home directory
     assert all(prefix.startswith(os.path.join(home, name) + "/") for name in seen["home"]), seen["home"]
-    assert set(seen["root"]) <= {".steadyrl", "scratch", "dev", "proc", "etc", "usr", "bin", "lib", "lib64", "sbin",
-                                 os.path.realpath(sys.base_prefix).split("/")[1]}
+    assert set(seen["root"]) <= {
+        ".steadyrl",
+        "scratch",
+        "dev",
+        "proc",
+        "etc",
+        "usr",
+        "bin",
+        "lib",
+        "lib64",
+        "sbin",
+        os.path.realpath(sys.base_prefix).split("/")[1],
+    }
 
 
 def test_metadata_outside_the_scratch_cannot_change(tmp_path):
@@ -102,19 +126,22 @@ def test_metadata_outside_the_scratch_cannot_change(tmp_path):
     token.chmod(0o600)
     before = token.stat()
     python = os.path.join(os.path.dirname(os.__file__), "this.py")
-    code = "\n".join([
-        "import os",
-        "results = []",
-        f"for path in ({str(token)!r}, {python!r}):",
-        "    for name, change in (('chmod', lambda p: os.chmod(p, 0o666)), ('utime', lambda p: os.utime(p, (0, 0))),",
-        "                         ('setxattr', lambda p: os.setxattr(p, 'user.x', b'1'))):",
-        "        try:",
-        "            change(path)",
-        "            results.append(name + ' changed ' + path)",
-        "        except OSError as exc:",
-        "            results.append(name + ' ' + exc.strerror)",
-        "print('\\n'.join(results))",
-    ])
+    code = "\n".join(
+        [
+            "import os",
+            "results = []",
+            f"for path in ({str(token)!r}, {python!r}):",
+            "    for name, change in (('chmod', lambda p: os.chmod(p, 0o666)),",
+            "                         ('utime', lambda p: os.utime(p, (0, 0))),",
+            "                         ('setxattr', lambda p: os.setxattr(p, 'user.x', b'1'))):",
+            "        try:",
+            "            change(path)",
+            "            results.append(name + ' changed ' + path)",
+            "        except OSError as exc:",
+            "            results.append(name + ' ' + exc.strerror)",
+            "print('\\n'.join(results))",
+        ]
+    )
     result = run_python(code, LIMITS)
     assert result.reason == "ok", result
     assert "changed" not in result.stdout, result.stdout
@@ -134,17 +161,19 @@ def test_no_socket_outside_is_reachable(tmp_path):
         listener.listen()
         listener.setblocking(False)
     port = listeners[2].getsockname()[1]
-    code = "\n".join([
-        "import socket",
-        f"for family, address in ((socket.AF_UNIX, {str(path)!r}), (socket.AF_UNIX, b'\\0steadyrl-test-abstract'),",
-        f"                        (socket.AF_INET, ('127.0.0.1', {port}))):",
-        "    s = socket.socket(family)",
-        "    try:",
-        "        s.connect(address)",
-        "        print('reached', address)",
-        "    except OSError as exc:",
-        "        print('unreachable:', exc.strerror)",
-    ])
+    code = "\n".join(
+        [
+            "import socket",
+            f"for family, address in ((socket.AF_UNIX, {str(path)!r}), (socket.AF_UNIX, b'\\0steadyrl-test-abstract'),",
+            f"                        (socket.AF_INET, ('127.0.0.1', {port}))):",
+            "    s = socket.socket(family)",
+            "    try:",
+            "        s.connect(address)",
+            "        print('reached', address)",
+            "    except OSError as exc:",
+            "        print('unreachable:', exc.strerror)",
+        ]
+    )
     try:
         result = run_python(code, LIMITS)
         accepted = 0
@@ -171,17 +200,19 @@ def _call_cgroup_possible() -> bool:
 
 
 @pytest.mark.skipif(not _call_cgroup_possible(), reason="no cgroup can be made here: limits hold per process")
-@pytest.mark.parametrize("code", [
-    # six children of 100 MB each: under the address-space limit each, 600 MB together
-    "import os, time\nfor i in range(6):\n    if os.fork() == 0:\n        b = bytearray(100 << 20)\n"
-    "        time.sleep(2)\n        os._exit(0)\ntime.sleep(3)\nprint('done')",
-    # 25 memfds of 8 MB, kept open: no file over the size limit, no address space used, 200 MB
-    "import os\nfds = []\nfor i in range(25):\n    fds.append(os.memfd_create('m'))\n"
-    "    for _ in range(128):\n        os.write(fds[-1], b'x' * 65536)\nprint('done')",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        # six children of 100 MB each: under the address-space limit each, 600 MB together
+        "import os, time\nfor i in range(6):\n    if os.fork() == 0:\n        b = bytearray(100 << 20)\n"
+        "        time.sleep(2)\n        os._exit(0)\ntime.sleep(3)\nprint('done')",
+        # 25 memfds of 8 MB, kept open: no file over the size limit, no address space used, 200 MB
+        "import os\nfds = []\nfor i in range(25):\n    fds.append(os.memfd_create('m'))\n"
+        "    for _ in range(128):\n        os.write(fds[-1], b'x' * 65536)\nprint('done')",
+    ],
+)
 def test_memory_is_limited_for_the_call_as_a_whole(code):
-    limits = SandboxLimits(cpu_seconds=5, wall_seconds=8, memory_bytes=128 << 20, max_processes=16,
-                           file_bytes=8 << 20)
+    limits = SandboxLimits(cpu_seconds=5, wall_seconds=8, memory_bytes=128 << 20, max_processes=16, file_bytes=8 << 20)
     result = run_python(code, limits)
     assert (result.scope, result.reason) == ("call", "memory"), result
     assert sandbox_processes() == []
@@ -191,9 +222,11 @@ def test_without_a_cgroup_the_code_is_one_process(monkeypatch):
     """Where no cgroup can be made, per-process limits are the call's only because the code cannot
     start another process or thread."""
     monkeypatch.setattr(cgroups.CallGroup, "make", classmethod(lambda cls, *a: None))
-    code = ("import os, threading\nresults = []\ntry:\n    os.fork()\n    results.append('forked')\n"
-            "except OSError as exc:\n    results.append(exc.strerror)\ntry:\n    threading.Thread(target=print).start()\n"
-            "    results.append('thread')\nexcept RuntimeError as exc:\n    results.append(str(exc))\nprint(results)")
+    code = (
+        "import os, threading\nresults = []\ntry:\n    os.fork()\n    results.append('forked')\n"
+        "except OSError as exc:\n    results.append(exc.strerror)\ntry:\n    threading.Thread(target=print).start()\n"
+        "    results.append('thread')\nexcept RuntimeError as exc:\n    results.append(str(exc))\nprint(results)"
+    )
     result = run_python(code, LIMITS)
     assert result.scope == "process" and result.reason == "ok", result
     assert "forked" not in result.stdout and "'thread'" not in result.stdout, result.stdout
@@ -202,8 +235,10 @@ def test_without_a_cgroup_the_code_is_one_process(monkeypatch):
 def test_a_timeout_after_the_cpu_ran_out_is_a_cpu_limit():
     """Four processes each under the per-process CPU limit, together past it, then sleeping: the
     wall time ends the call, and its reason is the CPU it used."""
-    code = ("import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        end = time.process_time() + 0.8\n"
-            "        while time.process_time() < end:\n            pass\n        time.sleep(100)\ntime.sleep(100)")
+    code = (
+        "import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        end = time.process_time() + 0.8\n"
+        "        while time.process_time() < end:\n            pass\n        time.sleep(100)\ntime.sleep(100)"
+    )
     limits = SandboxLimits(cpu_seconds=1, wall_seconds=3, memory_bytes=256 << 20, max_processes=8)
     result = run_python(code, limits)
     assert result.reason == "cpu_limit", result
@@ -213,8 +248,9 @@ def test_a_timeout_after_the_cpu_ran_out_is_a_cpu_limit():
 def test_a_child_that_leaves_the_session_dies_with_the_call():
     """A process that setsid()s out of the call's process group still dies: the code runs in a PID
     namespace of its own."""
-    result = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\nprint('parent')",
-                        LIMITS)
+    result = run_python(
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\nprint('parent')", LIMITS
+    )
     assert result.stdout == "parent\n"
     time.sleep(0.2)
     assert sandbox_processes() == []
@@ -224,12 +260,27 @@ def test_without_namespaces_the_call_is_refused_never_run_unconfined(tmp_path):
     """In a user namespace that may create none (max_user_namespaces 0, as a locked-down kernel or
     container leaves it), the sandbox refuses with bubblewrap's reason and runs nothing."""
     marker = tmp_path / "ran"
-    script = (f"from shared.envs.sandbox import run_python\n"
-              f"r = run_python(\"open({str(marker)!r}, 'w').write('x')\")\n"
-              f"print(r.reason, '|', r.exit_code, '|', r.stderr)")
+    script = (
+        f"from shared.envs.sandbox import run_python\n"
+        f"r = run_python(\"open({str(marker)!r}, 'w').write('x')\")\n"
+        f"print(r.reason, '|', r.exit_code, '|', r.stderr)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run(["unshare", "-r", "sh", "-c", "echo 0 > /proc/sys/user/max_user_namespaces && exec \"$0\" -c "
-                           "\"$1\"", sys.executable, script], capture_output=True, text=True, timeout=60, cwd=root)
+    done = subprocess.run(
+        [
+            "unshare",
+            "-r",
+            "sh",
+            "-c",
+            'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"',
+            sys.executable,
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     reason, exit_code, message = (part.strip() for part in done.stdout.split("|"))
     assert (reason, exit_code) == ("no_isolation", "None")

@@ -38,8 +38,9 @@ def step(model_dir, rollouts, config: StepConfig, compute: Compute = Compute(), 
     torch.manual_seed(0)
     model = lora_model(model_dir, lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    metrics = train_step(model, optimizer, RoutingController(model), collate(rollouts), GROUP, config, 0,
-                         compute=compute)
+    metrics = train_step(
+        model, optimizer, RoutingController(model), collate(rollouts), GROUP, config, 0, compute=compute
+    )
     return model, metrics
 
 
@@ -70,8 +71,10 @@ def test_bf16_mixed_is_close_to_fp32_and_the_loss_math_stays_fp32(tiny_model_dir
     bf16_update = torch.cat([(bf16.state_dict()[k] - v).flatten() for k, v in start.items()])
     cosine = float(torch.nn.functional.cosine_similarity(fp32_update, bf16_update, dim=0))
     relative = float((bf16_update - fp32_update).norm() / fp32_update.norm())
-    print(f"bf16-mixed vs fp32, one step (lr 1e-4): cosine {cosine:.4f}, relative |Δ| {relative:.3f}, "
-          f"max |Δparam| {float((bf16_update - fp32_update).abs().max()):.2e}")
+    print(
+        f"bf16-mixed vs fp32, one step (lr 1e-4): cosine {cosine:.4f}, relative |Δ| {relative:.3f}, "
+        f"max |Δparam| {float((bf16_update - fp32_update).abs().max()):.2e}"
+    )
     assert all(p.dtype == torch.float32 for p in bf16.parameters())  # fp32 master weights
     assert cosine >= 0.9 and relative <= 0.45  # AdamW's first step is lr × sign(g): bf16 flips the smallest
     dtypes = []
@@ -82,8 +85,19 @@ def test_bf16_mixed_is_close_to_fp32_and_the_loss_math_stays_fp32(tiny_model_dir
     assert forward.logprobs.dtype == forward.entropy_per_token.dtype == torch.float32  # ...the loss math in fp32
 
 
-def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[bytes], out: str, replay: str,
-                parallel: str, device: str = "cpu", mini_batches: int = 2, lora: int = 0) -> None:
+def fsdp_worker(
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    data: list[bytes],
+    out: str,
+    replay: str,
+    parallel: str,
+    device: str = "cpu",
+    mini_batches: int = 2,
+    lora: int = 0,
+) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -96,9 +110,18 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[byt
         layout = {tuple(p.device_mesh.shape) for p in model.parameters()}
         assert layout == {(world // 2, 2)}, layout
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    metrics = train_step(wrapped, optimizer, routing, collate([decode_rollout(d) for d in data]), GROUP,
-                         StepConfig(mini_batches=mini_batches, replay=replay), 0, rank, world,
-                         Compute(torch.device(device)))
+    metrics = train_step(
+        wrapped,
+        optimizer,
+        routing,
+        collate([decode_rollout(d) for d in data]),
+        GROUP,
+        StepConfig(mini_batches=mini_batches, replay=replay),
+        0,
+        rank,
+        world,
+        Compute(torch.device(device)),
+    )
     model_state, optimizer_state = full_state(model, optimizer)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in model_state.items()}, out)
@@ -107,19 +130,42 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, data: list[byt
     exit_rank()
 
 
-@pytest.mark.parametrize(("replay", "parallel", "world", "mini_batches", "lora"),
-                         [("r2", "fsdp", 2, 2, 0), ("r3", "fsdp", 2, 2, 0), ("r3", "hsdp", 4, 1, 0),
-                          ("r3", "ddp", 2, 2, 8), ("r2", "hsdp", 4, 2, 8)])
-def test_fsdp_on_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, replay, parallel, world, mini_batches,
-                                                     lora):
+@pytest.mark.parametrize(
+    ("replay", "parallel", "world", "mini_batches", "lora"),
+    [
+        ("r2", "fsdp", 2, 2, 0),
+        ("r3", "fsdp", 2, 2, 0),
+        ("r3", "hsdp", 4, 1, 0),
+        ("r3", "ddp", 2, 2, 8),
+        ("r2", "hsdp", 4, 2, 8),
+    ],
+)
+def test_fsdp_on_gloo_ranks_updates_like_one_process(
+    tmp_path, tiny_model_dir, replay, parallel, world, mini_batches, lora
+):
     """FSDP over 2 ranks, and HSDP over 4 as 2 replicas × 2 shards, equal to one process; with LoRA
     (rank 8 on attention and experts), by DDP and by HSDP, the adapter trains alike and the base
     stays as loaded."""
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: mini-batches × ranks
     out = str(tmp_path / "fsdp.safetensors")
-    mp.start_processes(fsdp_worker, args=(world, free_port(), str(tiny_model_dir),
-                                          [encode_rollout(r) for r in rollouts], out, replay, parallel, "cpu",
-                                          mini_batches, lora), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        fsdp_worker,
+        args=(
+            world,
+            free_port(),
+            str(tiny_model_dir),
+            [encode_rollout(r) for r in rollouts],
+            out,
+            replay,
+            parallel,
+            "cpu",
+            mini_batches,
+            lora,
+        ),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=mini_batches, replay=replay), lora=lora)
     sharded = load_file(out)
     torch.manual_seed(0)
@@ -128,8 +174,10 @@ def test_fsdp_on_gloo_ranks_updates_like_one_process(tmp_path, tiny_model_dir, r
     trained = {n for n, p in start_model.named_parameters() if p.requires_grad}
     worst = worst_difference(single.state_dict(), sharded)
     moved = worst_difference({k: start[k] for k in trained}, sharded)
-    print(f"{parallel}({world} gloo ranks, {replay}, lora {lora}) vs 1 process: max |Δparam| {worst:.2e}; "
-          f"the step moved up to {moved:.2e}")
+    print(
+        f"{parallel}({world} gloo ranks, {replay}, lora {lora}) vs 1 process: max |Δparam| {worst:.2e}; "
+        f"the step moved up to {moved:.2e}"
+    )
     assert worst <= 1e-5 and moved > 1e-4
     if lora:  # the adapter alone trained; the frozen base (router included) as loaded
         assert trained == {k for k in start if ".lora_" in k}
@@ -168,22 +216,41 @@ def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tin
     from tests.integration.test_trainer import TRAINER_ENV
 
     rollouts = recorded_rollouts(tiny_model_dir, 24, seed=87)  # 6 steps of 4 prompts
-    env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
-           "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / "trainer"), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
-           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "6", "STEADYRL_TRAINER_PARALLEL": "fsdp",
-           "STEADYRL_TRAINER_MICRO_BATCH_TOKENS": "64", "STEADYRL_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **TRAINER_ENV,
+        "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+        "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / "trainer"),
+        "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+        "STEADYRL_TRAINER_RUN_ID": run_id,
+        "STEADYRL_TRAINER_MAX_STEPS": "6",
+        "STEADYRL_TRAINER_PARALLEL": "fsdp",
+        "STEADYRL_TRAINER_MICRO_BATCH_TOKENS": "64",
+        "STEADYRL_LOG_LEVEL": "INFO",
+        "OMP_NUM_THREADS": "1",
+    }
 
     def torchrun():
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port()), "-m", "services.trainer"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "services.trainer",
+        ]
 
     async def main():
         redis = Redis.from_url(redis_server.url)
         # rollouts arrive two steps at a time, so each kill falls before the end of the run
         for part, marker in enumerate(("event=step step=1 ", "event=step_started step=3 ")):
             await publish(redis, run_id, rollouts[part * 32 : (part + 1) * 32])
-            trainer = await asyncio.create_subprocess_exec(*torchrun(), env=env, stderr=subprocess.PIPE,
-                                                           start_new_session=True)
+            trainer = await asyncio.create_subprocess_exec(
+                *torchrun(), env=env, stderr=subprocess.PIPE, start_new_session=True
+            )
             seen = []
             while marker not in (line := (await trainer.stderr.readline()).decode()):
                 seen.append(line)
@@ -222,8 +289,9 @@ def test_activation_checkpointing_keeps_the_replayed_routing_in_the_recompute(ti
         wrapped = prepare(model, settings, torch.device("cpu"), 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)  # large: a routing change would show
         for replay in ("r3", "r2"):
-            train_step(wrapped, optimizer, routing, collate(rollouts), GROUP, StepConfig(mini_batches=2, replay=replay),
-                       0)
+            train_step(
+                wrapped, optimizer, routing, collate(rollouts), GROUP, StepConfig(mini_batches=2, replay=replay), 0
+            )
         results[checkpointing] = model.state_dict()
     assert model.is_gradient_checkpointing
     worst = worst_difference(results[False], results[True])
@@ -244,8 +312,7 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = load_causal_lm(model_dir, "float32")
-    prepare(model, TrainerSettings(model_path=model_dir, parallel="fsdp", precision="fp32"), torch.device("cpu"),
-            world)
+    prepare(model, TrainerSettings(model_path=model_dir, parallel="fsdp", precision="fp32"), torch.device("cpu"), world)
     if rank == 0:
         view = GatheredView(model.state_dict(), torch.bfloat16, lambda: broadcast_payloads([], -3))
         digests = describe(view, 1, 0)
@@ -259,11 +326,19 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
         expected = describe(CastView(model_state, torch.bfloat16), 1, 0)
         written = read_shm(Path(shm_dir) / "v1.safetensors", manifest)  # every digest checked
         with open(out, "w") as f:
-            json.dump({"passes": view.passes, "half_way": half_way, "after": view.next,
-                       "same_digests": [t.checksum for t in digests.tensors] == [t.checksum for t in expected.tensors]
-                       == [t.checksum for t in manifest.tensors],
-                       "names": list(written) == [t.name for t in expected.tensors],
-                       "dtypes": sorted({t.dtype for t in manifest.tensors})}, f)
+            json.dump(
+                {
+                    "passes": view.passes,
+                    "half_way": half_way,
+                    "after": view.next,
+                    "same_digests": [t.checksum for t in digests.tensors]
+                    == [t.checksum for t in expected.tensors]
+                    == [t.checksum for t in manifest.tensors],
+                    "names": list(written) == [t.name for t in expected.tensors],
+                    "dtypes": sorted({t.dtype for t in manifest.tensors}),
+                },
+                f,
+            )
     else:
         gathers = 0
         while True:  # StepRunner.follow's GATHER branch
@@ -282,8 +357,13 @@ def test_a_sharded_model_publishes_tensor_by_tensor_with_every_rank_gathering(tm
     tensor at a time as the transport reads it, no full copy kept, and is the bf16 cast of the
     model's full state exactly; a pass cut short is completed, so no rank waits on a gather."""
     out = tmp_path / "gathered.json"
-    mp.start_processes(gathered_worker, args=(2, free_port(), str(tiny_model_dir), str(tmp_path), str(out)),
-                       nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        gathered_worker,
+        args=(2, free_port(), str(tiny_model_dir), str(tmp_path), str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     result = json.loads(out.read_text())
     assert result["passes"] == 3 and result["half_way"] == 3 and result["after"] == 0
     assert result["same_digests"] and result["names"] and result["dtypes"] == ["bfloat16"]

@@ -30,14 +30,30 @@ def flat_full(model, optimizer) -> dict[str, torch.Tensor]:
     return flat
 
 
-def worker(rank: int, world: int, port: int, model_dir: str, root: str, data: list[bytes], phase: str,
-           parallel: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(
+    rank: int, world: int, port: int, model_dir: str, root: str, data: list[bytes], phase: str, parallel: str
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from services.trainer.steps import StepRunner
 
-    settings = TrainerSettings(model_path=model_dir, out_dir=root, parallel=parallel, shard_ranks=2, precision="fp32",
-                               device="cpu", torch_threads=1, lr=1e-2, tensorboard=False)
+    settings = TrainerSettings(
+        model_path=model_dir,
+        out_dir=root,
+        parallel=parallel,
+        shard_ranks=2,
+        precision="fp32",
+        device="cpu",
+        torch_threads=1,
+        lr=1e-2,
+        tensorboard=False,
+    )
     runner = StepRunner(settings)
     rollouts = [decode_rollout(d) for d in data]
     state = runner.restore()
@@ -45,8 +61,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, root: str, data: li
         restored = flat_full(runner.model, runner.optimizer)
         if rank == 0:
             save_file(restored, f"{root}/restored-{phase}.safetensors")
-            (runner.checkpoints.parent / f"restored-{phase}.json").write_text(json.dumps(
-                {"step": state.step, "version": state.version, "consumed": len(state.consumed)}))
+            (runner.checkpoints.parent / f"restored-{phase}.json").write_text(
+                json.dumps({"step": state.step, "version": state.version, "consumed": len(state.consumed)})
+            )
     runner._step(rollouts, state.version)  # every rank trains the same global batch (as `follow` does)
     state = TrainerState(state.step + 1, state.version + 1, state.consumed | {r.rollout_id for r in rollouts})
     expected = flat_full(runner.model, runner.optimizer)
@@ -60,9 +77,13 @@ def worker(rank: int, world: int, port: int, model_dir: str, root: str, data: li
 
 
 def run(world: int, model_dir, root, rollouts, phase: str, parallel: str) -> None:
-    mp.start_processes(worker, args=(world, free_port(), str(model_dir), str(root),
-                                     [encode_rollout(r) for r in rollouts], phase, parallel),
-                       nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        worker,
+        args=(world, free_port(), str(model_dir), str(root), [encode_rollout(r) for r in rollouts], phase, parallel),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
 
 
 def test_a_sharded_async_checkpoint_resumes_on_another_world_size_and_exports(tmp_path, tiny_model_dir):
@@ -75,15 +96,19 @@ def test_a_sharded_async_checkpoint_resumes_on_another_world_size_and_exports(tm
     checkpoints = tmp_path / "checkpoints"
     first = latest_checkpoint(checkpoints)
     assert first.name == "step-00000001" and sorted(p.name for p in (first / "shards").iterdir()) == [
-        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
+    ]
     assert json.loads((first / "state.json").read_text())["format"] == "dcp"
     assert not list(checkpoints.glob(".tmp-step-*"))  # the attempt cut short was cleared
     run(4, tiny_model_dir, tmp_path, rollouts, "2to4", "hsdp")  # resumed by 4 ranks (2 × 2), step 2 saved
     run(2, tiny_model_dir, tmp_path, rollouts, "4to2", "fsdp")  # resumed by 2 ranks
 
     for phase, step in (("2to4", 1), ("4to2", 2)):
-        saved, restored = load_file(tmp_path / f"saved-step-{step}.safetensors"), \
-            load_file(tmp_path / f"restored-{phase}.safetensors")
+        saved, restored = (
+            load_file(tmp_path / f"saved-step-{step}.safetensors"),
+            load_file(tmp_path / f"restored-{phase}.safetensors"),
+        )
         assert set(saved) == set(restored) and any(k.endswith("::exp_avg_sq") for k in saved), phase
         worst = max(float((saved[k].float() - restored[k].float()).abs().max()) for k in saved)
         assert worst == 0.0, (phase, worst)  # model, moments and AdamW step counts, bit for bit
@@ -93,17 +118,25 @@ def test_a_sharded_async_checkpoint_resumes_on_another_world_size_and_exports(tm
     assert second["step"] == 2 and len(second["consumed"]) == len(rollouts)
     # the step that trained while step 1 was written did not leak into it
     start = load_file(tmp_path / "saved-step-1.safetensors")
-    assert max(float((start[k] - load_file(tmp_path / "saved-step-2.safetensors")[k]).abs().max())
-               for k in start if k.startswith("model.")) > 1e-4
+    assert (
+        max(
+            float((start[k] - load_file(tmp_path / "saved-step-2.safetensors")[k]).abs().max())
+            for k in start
+            if k.startswith("model.")
+        )
+        > 1e-4
+    )
 
     exported = export_checkpoint(str(tiny_model_dir), checkpoints / "step-00000002", tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(exported).eval()
     trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     weights = load_file(tmp_path / "saved-step-2.safetensors")
-    trainer.load_state_dict({k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")})
+    trainer.load_state_dict({k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")})
     assert all(torch.equal(hf.state_dict()[k], v) for k, v in trainer.state_dict().items())
     for prompt in encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(9).split("eval", 8)]):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
-                               trainer.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+            assert torch.equal(
+                hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+                trainer.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+            )

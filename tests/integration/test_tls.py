@@ -35,20 +35,29 @@ def _name(common: str) -> x509.Name:
 
 def _issue(subject: str, issuer_key, issuer_name, key, ca: bool = False, server: bool = False) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
     return builder.sign(issuer_key, hashes.SHA256())
 
 
 def _write(path: Path, cert: x509.Certificate, key) -> tuple[str, str]:
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(path.with_suffix(".pem")), str(path.with_suffix(".key"))
 
 
@@ -69,9 +78,13 @@ def pki(tmp_path_factory) -> dict[str, str]:
 
 
 def server_env(pki, client_auth: bool) -> dict[str, str]:
-    return {"STEADYRL_TLS_CERT_FILE": pki["server"], "STEADYRL_TLS_KEY_FILE": pki["server-key"],
-            "STEADYRL_TLS_CA_FILE": pki["ca"], "STEADYRL_TLS_CLIENT_AUTH": "true" if client_auth else "false",
-            "STEADYRL_TOKEN": TOKEN}
+    return {
+        "STEADYRL_TLS_CERT_FILE": pki["server"],
+        "STEADYRL_TLS_KEY_FILE": pki["server-key"],
+        "STEADYRL_TLS_CA_FILE": pki["ca"],
+        "STEADYRL_TLS_CLIENT_AUTH": "true" if client_auth else "false",
+        "STEADYRL_TOKEN": TOKEN,
+    }
 
 
 def client_tls(pki, who: str | None):
@@ -99,9 +112,14 @@ def wait_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None
 def test_grpc_over_tls(pki, tmp_path, client_auth):
     port, metrics = free_port(), free_port()
     signer, public = weight_keys(tmp_path)
-    env = {**os.environ, **server_env(pki, client_auth), "STEADYRL_WEIGHTSYNC_PORT": str(port),
-           "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics), "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path),
-           "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public)}
+    env = {
+        **os.environ,
+        **server_env(pki, client_auth),
+        "STEADYRL_WEIGHTSYNC_PORT": str(port),
+        "STEADYRL_WEIGHTSYNC_METRICS_PORT": str(metrics),
+        "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path),
+        "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public),
+    }
     server = subprocess.Popen([sys.executable, "-m", "services.weightsync"], env=env)
     address = f"localhost:{port}"
 
@@ -111,7 +129,8 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
         async with aio_channel(address, tls=tls) as ch:
             try:
                 reply = await weightsync_pb2_grpc.WeightSyncStub(ch).List(
-                    common_pb2.Empty(), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=5)
+                    common_pb2.Empty(), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=5
+                )
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
             return len(reply.versions)
@@ -126,14 +145,25 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
         wait_port(port, server)
         outcomes = asyncio.run(main())
         if client_auth:  # mutual TLS: only a client certificate our CA signed gets in
-            assert outcomes == {"plaintext": grpc.StatusCode.UNAVAILABLE, "no-certificate": grpc.StatusCode.UNAVAILABLE,
-                                "client": 0, "rogue-client": grpc.StatusCode.UNAVAILABLE}
+            assert outcomes == {
+                "plaintext": grpc.StatusCode.UNAVAILABLE,
+                "no-certificate": grpc.StatusCode.UNAVAILABLE,
+                "client": 0,
+                "rogue-client": grpc.StatusCode.UNAVAILABLE,
+            }
         else:  # TLS: any client that verifies the server gets in; plaintext does not
-            assert outcomes == {"plaintext": grpc.StatusCode.UNAVAILABLE, "no-certificate": 0, "client": 0,
-                                "rogue-client": 0}
+            assert outcomes == {
+                "plaintext": grpc.StatusCode.UNAVAILABLE,
+                "no-certificate": 0,
+                "client": 0,
+                "rogue-client": 0,
+            }
         # the services' own client path (token + TLS from the environment) pushes and pulls
-        mine = {**server_env(pki, client_auth), "STEADYRL_TLS_CERT_FILE": pki["client"],
-                "STEADYRL_TLS_KEY_FILE": pki["client-key"]}
+        mine = {
+            **server_env(pki, client_auth),
+            "STEADYRL_TLS_CERT_FILE": pki["client"],
+            "STEADYRL_TLS_KEY_FILE": pki["client-key"],
+        }
         with pytest.MonkeyPatch.context() as patch:
             for key, value in mine.items():
                 patch.setenv(key, value)
@@ -145,12 +175,24 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
                 return await asyncio.to_thread(pull_all, address, 1)  # the sync pull: TLS and token from env
 
             manifest, payloads, _ = asyncio.run(asyncio.wait_for(round_trip(), 30))
-            assert manifest.version == 1 and bytes(payloads[0]) == torch.arange(6, dtype=torch.float32).numpy().tobytes()
-            probe = subprocess.run([sys.executable, "-m", "shared.healthcheck", str(port)], capture_output=True,
-                                   text=True, env={**os.environ, **mine}, timeout=30)
+            assert (
+                manifest.version == 1 and bytes(payloads[0]) == torch.arange(6, dtype=torch.float32).numpy().tobytes()
+            )
+            probe = subprocess.run(
+                [sys.executable, "-m", "shared.healthcheck", str(port)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, **mine},
+                timeout=30,
+            )
             assert probe.returncode == 0 and probe.stdout.strip() == "SERVING"
-        plain = subprocess.run([sys.executable, "-m", "shared.healthcheck", str(port)], capture_output=True, text=True,
-                               env={k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_TLS")}, timeout=30)
+        plain = subprocess.run(
+            [sys.executable, "-m", "shared.healthcheck", str(port)],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_TLS")},
+            timeout=30,
+        )
         assert plain.returncode == 1 and "unhealthy: UNAVAILABLE" in plain.stderr
     finally:
         server.terminate()
@@ -159,11 +201,18 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
 
 def test_http_control_plane_over_mutual_tls(pki, tmp_path, redis_server, run_id, tiny_model_dir):
     http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, **server_env(pki, True), "STEADYRL_ORCHESTRATOR_HTTP_PORT": str(http_port),
-           "STEADYRL_ORCHESTRATOR_GRPC_PORT": str(grpc_port), "STEADYRL_ORCHESTRATOR_METRICS_PORT": "0",
-           "STEADYRL_ORCHESTRATOR_MODEL_PATH": str(tiny_model_dir), "STEADYRL_ORCHESTRATOR_REDIS_URL": redis_server.url,
-           "STEADYRL_ORCHESTRATOR_RUN_ID": run_id, "STEADYRL_ORCHESTRATOR_OUT_DIR": str(tmp_path),
-           "STEADYRL_ORCHESTRATOR_TRAINER_ADDRESS": f"localhost:{free_port()}"}
+    env = {
+        **os.environ,
+        **server_env(pki, True),
+        "STEADYRL_ORCHESTRATOR_HTTP_PORT": str(http_port),
+        "STEADYRL_ORCHESTRATOR_GRPC_PORT": str(grpc_port),
+        "STEADYRL_ORCHESTRATOR_METRICS_PORT": "0",
+        "STEADYRL_ORCHESTRATOR_MODEL_PATH": str(tiny_model_dir),
+        "STEADYRL_ORCHESTRATOR_REDIS_URL": redis_server.url,
+        "STEADYRL_ORCHESTRATOR_RUN_ID": run_id,
+        "STEADYRL_ORCHESTRATOR_OUT_DIR": str(tmp_path),
+        "STEADYRL_ORCHESTRATOR_TRAINER_ADDRESS": f"localhost:{free_port()}",
+    }
     server = subprocess.Popen([sys.executable, "-m", "services.orchestrator"], env=env)
     url = f"https://localhost:{http_port}"
     try:
@@ -193,7 +242,12 @@ def test_half_configured_tls_is_an_error(pki):
     with pytest.raises(ValueError, match="go together"):
         tls_from_env({"STEADYRL_TLS_CERT_FILE": pki["server"]})
     with pytest.raises(ValueError, match="needs STEADYRL_TLS_CA_FILE"):
-        tls_from_env({"STEADYRL_TLS_CERT_FILE": pki["server"], "STEADYRL_TLS_KEY_FILE": pki["server-key"],
-                      "STEADYRL_TLS_CLIENT_AUTH": "true"})
+        tls_from_env(
+            {
+                "STEADYRL_TLS_CERT_FILE": pki["server"],
+                "STEADYRL_TLS_KEY_FILE": pki["server-key"],
+                "STEADYRL_TLS_CLIENT_AUTH": "true",
+            }
+        )
     assert tls_from_env({}) is None
     assert tls_from_env({"STEADYRL_TLS_CA_FILE": pki["ca"]}).cert is None  # a client that only verifies

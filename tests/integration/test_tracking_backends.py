@@ -23,22 +23,30 @@ def mlflow_store(tmp_path, monkeypatch):
 
 
 def test_wandb_and_mlflow_get_every_scalar_per_step(tmp_path, mlflow_store):
-    tracking = TrackingSettings(wandb_project="steadyrl-test", wandb_mode="offline", mlflow_tracking_uri=mlflow_store,
-                                mlflow_experiment="grid")
+    tracking = TrackingSettings(
+        wandb_project="steadyrl-test", wandb_mode="offline", mlflow_tracking_uri=mlflow_store, mlflow_experiment="grid"
+    )
     config = {"lr": 0.001, "loss": {"eps_low": 0.2}, "redis_url": "**********"}
     log = ScalarLog(tmp_path / "tb", tracking, "exp-1", "trainer", tmp_path / "out", config)
     log.add(1, {"reward_mean": 0.25, "tokens": 100, "recipe": "minirl+tis", "loss": math.nan})
     log.add(2, {"reward_mean": 0.5, "tokens": 120, "eval_set/hard/accuracy": 0.75})
     log.close()
-    expected = {"reward_mean": [(1, 0.25), (2, 0.5)], "tokens": [(1, 100.0), (2, 120.0)],
-                "eval_set/hard/accuracy": [(2, 0.75)]}
+    expected = {
+        "reward_mean": [(1, 0.25), (2, 0.5)],
+        "tokens": [(1, 100.0), (2, 120.0)],
+        "eval_set/hard/accuracy": [(2, 0.75)],
+    }
     assert read_scalars(tmp_path / "tb") == expected
     assert wandb_history(tmp_path / "out") == expected
     from tests.helpers import wandb_records
 
     run = next(r.run for r in wandb_records(tmp_path / "out") if r.WhichOneof("record_type") == "run")
-    assert (run.run_id, run.run_group, run.display_name, run.project) == ("exp-1-trainer", "exp-1", "exp-1/trainer",
-                                                                          "steadyrl-test")
+    assert (run.run_id, run.run_group, run.display_name, run.project) == (
+        "exp-1-trainer",
+        "exp-1",
+        "exp-1/trainer",
+        "steadyrl-test",
+    )
     metrics, params = mlflow_history(mlflow_store, "exp-1/trainer")
     assert metrics == expected
     assert params == {"lr": "0.001", "loss.eps_low": "0.2", "redis_url": "**********"}
@@ -62,7 +70,8 @@ def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_pat
     assert len(failures) == START_ATTEMPTS and all("phase=start" in f for f in failures)
     status = tracking_status(tmp_path)  # what the run's summary.json says of it
     assert list(status) == ["orchestrator"] and status["orchestrator"]["mlflow"].startswith(
-        f"failed to start ({START_ATTEMPTS} tries): ")
+        f"failed to start ({START_ATTEMPTS} tries): "
+    )
 
 
 def test_two_services_making_the_mlflow_experiment_at_once_both_log(tmp_path, monkeypatch):
@@ -140,7 +149,9 @@ def test_tracking_settings_reach_both_services_and_are_checked(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ValueError, match="tracking.mlflow_tracking_uri needs mlflow: pip install 'steadyrl\\[mlflow\\]'"):
+    with pytest.raises(
+        ValueError, match="tracking.mlflow_tracking_uri needs mlflow: pip install 'steadyrl\\[mlflow\\]'"
+    ):
         TrackingSettings(mlflow_tracking_uri="http://mlflow:5000")
 
 

@@ -33,8 +33,16 @@ from shared.training import StepConfig, train_step
 from tests.helpers import publish
 
 GROUP = 4
-REASONS = ("decode", "missing_field", "future_version", "nonfinite_logprobs", "expert_range", "trace_shape", "length",
-           "oversize")
+REASONS = (
+    "decode",
+    "missing_field",
+    "future_version",
+    "nonfinite_logprobs",
+    "expert_range",
+    "trace_shape",
+    "length",
+    "oversize",
+)
 
 
 def recorded_rollouts(model_dir, groups: int, seed: int = 0, version: int = 0):
@@ -43,24 +51,38 @@ def recorded_rollouts(model_dir, groups: int, seed: int = 0, version: int = 0):
     tokenizer = char_tokenizer()
     examples = TinySpec().task(seed).split("train", groups)
     prompts = encode_prompts(tokenizer, [e.prompt for e in examples])
-    samples = engine.generate([p for p in prompts for _ in range(GROUP)], Sampling(temperature=1.0, max_new_tokens=6,
-                                                                                    seed=seed + 1), return_trace=True)
+    samples = engine.generate(
+        [p for p in prompts for _ in range(GROUP)],
+        Sampling(temperature=1.0, max_new_tokens=6, seed=seed + 1),
+        return_trace=True,
+    )
     out = []
     for g, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
         mine = samples[g * GROUP : (g + 1) * GROUP]
         for s in mine:
             s.versions = [version] * len(s.token_ids)
         task = common_pb2.PromptTask(task_id=f"s{seed}-t{g}", run_id="r", prompt_token_ids=prompt)
-        rewards = [get_reward("exact_match")(tokenizer.decode(s.token_ids, skip_special_tokens=True), example.answer)
-                   for s in mine]
+        rewards = [
+            get_reward("exact_match")(tokenizer.decode(s.token_ids, skip_special_tokens=True), example.answer)
+            for s in mine
+        ]
         out.extend(rollouts_from_samples(task, mine, rewards, "rec", "torch", RolloutTimings()))
     return out
 
 
 def settings_for(tmp_path, model_dir, redis_server, run_id, **overrides) -> TrainerSettings:
-    values = dict(port=0, metrics_port=0, model_path=str(model_dir), out_dir=tmp_path / "trainer",
-                  redis_url=redis_server.url, run_id=run_id, batch_prompts=2, group_size=GROUP, lr=1e-3,
-                  read_block_ms=50)
+    values = dict(
+        port=0,
+        metrics_port=0,
+        model_path=str(model_dir),
+        out_dir=tmp_path / "trainer",
+        redis_url=redis_server.url,
+        run_id=run_id,
+        batch_prompts=2,
+        group_size=GROUP,
+        lr=1e-3,
+        read_block_ms=50,
+    )
     return TrainerSettings(**(values | overrides))
 
 
@@ -103,10 +125,26 @@ def test_one_step_through_redis_equals_the_math_by_hand(tmp_path, tiny_model_dir
     moved = max(float((trained[k] - v).abs().max()) for k, v in start.items())
     assert worst <= 1e-6 and moved > 1e-4
     line = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
-    for key in ("step", "version", "reward_mean", "entropy", "mismatch_kl_k1", "mismatch_kl_k3", "is_weight_mean",
-                "is_weight_max", "is_truncated_frac", "clip_frac", "staleness_mean", "staleness_max",
-                "dropped_stale", "routing_agreement", "first_order_error", "grad_norm", "tokens_per_s",
-                "step_seconds"):
+    for key in (
+        "step",
+        "version",
+        "reward_mean",
+        "entropy",
+        "mismatch_kl_k1",
+        "mismatch_kl_k3",
+        "is_weight_mean",
+        "is_weight_max",
+        "is_truncated_frac",
+        "clip_frac",
+        "staleness_mean",
+        "staleness_max",
+        "dropped_stale",
+        "routing_agreement",
+        "first_order_error",
+        "grad_norm",
+        "tokens_per_s",
+        "step_seconds",
+    ):
         assert key in line, key
     assert line["step"] == 1 and line["version"] == 1 and line["recipe"] == "minirl+tis+clip"
     assert line["mismatch_kl_k3"] > 0 and 0.9 < line["routing_agreement"] <= 1.0  # bf16 inference vs fp32
@@ -115,6 +153,7 @@ def test_one_step_through_redis_equals_the_math_by_hand(tmp_path, tiny_model_dir
 def forward_snapshots(model, routing):
     """Record, for every forward of `model`, the expert ids it routed by (replay) per layer."""
     seen = []
+
     def hook(module, args, output):
         if routing.mode == "replay":
             seen.append([t.clone() for t in routing.replayed])
@@ -127,8 +166,11 @@ def test_r3_routes_every_forward_exactly_as_the_inference_trace(tiny_model_dir):
     rollouts = recorded_rollouts(tiny_model_dir, 2, seed=3)
     rng = np.random.default_rng(0)
     for r in rollouts:  # a trace unlike the model's own routing: replay must follow it
-        r.routing_trace = np.stack([rng.permutation(8)[:2] for _ in range(r.routing_trace.shape[0] * 2)]).reshape(
-            -1, 2, 2).astype(np.uint8)
+        r.routing_trace = (
+            np.stack([rng.permutation(8)[:2] for _ in range(r.routing_trace.shape[0] * 2)])
+            .reshape(-1, 2, 2)
+            .astype(np.uint8)
+        )
     batch = collate(rollouts)
     model = load_causal_lm(tiny_model_dir, "float32").train()
     routing = RoutingController(model)
@@ -183,8 +225,15 @@ def test_r3_without_traces_is_an_error(tiny_model_dir):
     rollouts[0].routing_trace = None
     model = load_causal_lm(tiny_model_dir, "float32")
     with pytest.raises(ValueError, match="R3 needs a routing trace"):
-        train_step(model, torch.optim.AdamW(model.parameters()), RoutingController(model), collate(rollouts),
-                   GROUP, StepConfig(replay="r3"), version=0)
+        train_step(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            RoutingController(model),
+            collate(rollouts),
+            GROUP,
+            StepConfig(replay="r3"),
+            version=0,
+        )
 
 
 def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redis_server, run_id):
@@ -202,14 +251,17 @@ def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redi
     out_of_range = template.routing_trace.copy()
     out_of_range[2, 1, 0] = 8  # the tiny model has experts 0..7
     malformed = [
-        broken("nan", inference_logprobs=nan), broken("inf", inference_logprobs=inf),
+        broken("nan", inference_logprobs=nan),
+        broken("inf", inference_logprobs=inf),
         broken("expert", routing_trace=out_of_range),
         broken("trace", routing_trace=template.routing_trace[:-1]),  # one position short
         broken("lengths", inference_logprobs=template.inference_logprobs[:-1]),
         broken("oversize", prompt_token_ids=np.tile(template.prompt_token_ids, 2000)),  # > max_rollout_bytes
     ]
-    before = {r: REGISTRY.get_sample_value("steadyrl_trainer_rollouts_dead_lettered_total", {"reason": r}) or 0
-              for r in REASONS}
+    before = {
+        r: REGISTRY.get_sample_value("steadyrl_trainer_rollouts_dead_lettered_total", {"reason": r}) or 0
+        for r in REASONS
+    }
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -217,8 +269,9 @@ def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redi
         await redis.xadd(stream, {"r": b"\x00garbage"})
         await redis.xadd(stream, {"nothing": b"1"})
         await publish(redis, run_id, future + malformed + fresh)
-        await serve_trainer(settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1,
-                                         max_rollout_bytes=4096))
+        await serve_trainer(
+            settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1, max_rollout_bytes=4096)
+        )
         dead = await redis.xrange(stream + ":dead")
         pending = await redis.xpending(stream, "trainer")
         await redis.aclose()
@@ -226,30 +279,56 @@ def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redi
 
     dead, pending = asyncio.run(asyncio.wait_for(main(), 120))
     reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
-    assert reasons == ["decode", "expert_range", "future_version", "future_version", "future_version",
-                       "future_version", "length", "missing_field", "nonfinite_logprobs", "nonfinite_logprobs",
-                       "oversize", "trace_shape"]
+    assert reasons == [
+        "decode",
+        "expert_range",
+        "future_version",
+        "future_version",
+        "future_version",
+        "future_version",
+        "length",
+        "missing_field",
+        "nonfinite_logprobs",
+        "nonfinite_logprobs",
+        "oversize",
+        "trace_shape",
+    ]
     kept = {fields[b"reason"].decode(): fields[b"r"] for _, fields in dead}
     assert decode_rollout(kept["expert_range"]).rollout_id == "bad-expert"  # the payload is kept for inspection
-    counted = {r: REGISTRY.get_sample_value("steadyrl_trainer_rollouts_dead_lettered_total", {"reason": r}) - before[r]
-               for r in REASONS}
+    counted = {
+        r: REGISTRY.get_sample_value("steadyrl_trainer_rollouts_dead_lettered_total", {"reason": r}) - before[r]
+        for r in REASONS
+    }
     assert counted == {r: reasons.count(r) for r in REASONS}
     assert pending["pending"] == 0
     line = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
     assert line["step"] == 1 and line["tokens"] == sum(len(r.completion_token_ids) for r in fresh)
 
 
-TRAINER_ENV = {"STEADYRL_TRAINER_PORT": "0", "STEADYRL_TRAINER_METRICS_PORT": "0", "STEADYRL_TRAINER_LR": "1e-3",
-               "STEADYRL_TRAINER_BATCH_PROMPTS": "4", "STEADYRL_TRAINER_GROUP_SIZE": str(GROUP),
-               "STEADYRL_TRAINER_MAX_STALENESS": "100", "STEADYRL_TRAINER_READ_BLOCK_MS": "50",
-               "STEADYRL_TRAINER_TORCH_THREADS": "1"}
+TRAINER_ENV = {
+    "STEADYRL_TRAINER_PORT": "0",
+    "STEADYRL_TRAINER_METRICS_PORT": "0",
+    "STEADYRL_TRAINER_LR": "1e-3",
+    "STEADYRL_TRAINER_BATCH_PROMPTS": "4",
+    "STEADYRL_TRAINER_GROUP_SIZE": str(GROUP),
+    "STEADYRL_TRAINER_MAX_STALENESS": "100",
+    "STEADYRL_TRAINER_READ_BLOCK_MS": "50",
+    "STEADYRL_TRAINER_TORCH_THREADS": "1",
+}
 
 
 def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model_dir, redis_server, run_id):
     rollouts = recorded_rollouts(tiny_model_dir, 24, seed=21)  # 6 steps of 4 prompts
-    env = {**os.environ, **TRAINER_ENV, "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
-           "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / "trainer"), "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
-           "STEADYRL_TRAINER_RUN_ID": run_id, "STEADYRL_TRAINER_MAX_STEPS": "6", "STEADYRL_LOG_LEVEL": "INFO"}
+    env = {
+        **os.environ,
+        **TRAINER_ENV,
+        "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
+        "STEADYRL_TRAINER_OUT_DIR": str(tmp_path / "trainer"),
+        "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
+        "STEADYRL_TRAINER_RUN_ID": run_id,
+        "STEADYRL_TRAINER_MAX_STEPS": "6",
+        "STEADYRL_LOG_LEVEL": "INFO",
+    }
     metrics = tmp_path / "trainer" / "metrics.jsonl"
 
     def steps_done() -> int:
@@ -262,8 +341,9 @@ def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model
         # between steps: right after step 1 is logged (checkpointed, acknowledged);
         # mid-step: as soon as step 3 has started (its forwards and optimizer steps are running)
         for marker in ("event=step step=1 ", "event=step_started step=3 "):
-            trainer = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.trainer", env=env,
-                                                           stderr=subprocess.PIPE)
+            trainer = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.trainer", env=env, stderr=subprocess.PIPE
+            )
             while marker not in (line := (await trainer.stderr.readline()).decode()):
                 assert line, "the trainer exited before the marker"
             os.kill(trainer.pid, signal.SIGKILL)
@@ -299,8 +379,11 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     async def main():
         redis = Redis.from_url(redis_server.url)
         stop, ready = asyncio.Event(), asyncio.Event()
-        server = asyncio.create_task(serve_trainer(
-            settings_for(tmp_path, tiny_model_dir, redis_server, run_id, port=port), ready=ready, stop=stop))
+        server = asyncio.create_task(
+            serve_trainer(
+                settings_for(tmp_path, tiny_model_dir, redis_server, run_id, port=port), ready=ready, stop=stop
+            )
+        )
         await ready.wait()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
@@ -372,11 +455,21 @@ def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_
         restored_dropped = [x.decode() for x in await redis.lrange(keys.dropped, 0, -1)]
         left = await redis.xlen(keys.rollouts)
         await redis.aclose()
-        return (items, appended, ledger, dropped, sorted(h.rollout.rollout_id for h in stale.values()), dead_letters,
-                restored, restored_dropped, left)
+        return (
+            items,
+            appended,
+            ledger,
+            dropped,
+            sorted(h.rollout.rollout_id for h in stale.values()),
+            dead_letters,
+            restored,
+            restored_dropped,
+            left,
+        )
 
     items, appended, ledger, dropped, stale, dead_letters, restored, restored_dropped, left = asyncio.run(
-        asyncio.wait_for(main(), 120))
+        asyncio.wait_for(main(), 120)
+    )
     assert appended == [GROUP, 0]
     assert ledger == [rid for _, rid in items]
     assert sorted(dropped) == stale and len(stale) == GROUP
@@ -388,8 +481,9 @@ def test_settling_again_after_a_lost_reply_changes_nothing(tmp_path, tiny_model_
     assert left == GROUP - 1  # only the dead group's other members remain, unsettled
 
 
-def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(tmp_path, tiny_model_dir, redis_server,
-                                                                          run_id):
+def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(
+    tmp_path, tiny_model_dir, redis_server, run_id
+):
     """The training thread cannot be interrupted: a Checkpoint request during a step saves the
     step whole once it ends (never a half-updated model), and a stop (cancel) lets the step finish
     its bookkeeping, so the rollouts it trained are never trained again after a restart."""
@@ -447,16 +541,26 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
 
     async def weightsync(name: str):
         stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(serve_weightsync(WeightSyncSettings(port=port, metrics_port=0, run_id=run_id,
-                                                                       spill_dir=tmp_path / name,
-                                                                       verify_key_file=public), ready, stop))
+        task = asyncio.create_task(
+            serve_weightsync(
+                WeightSyncSettings(
+                    port=port, metrics_port=0, run_id=run_id, spill_dir=tmp_path / name, verify_key_file=public
+                ),
+                ready,
+                stop,
+            )
+        )
         await asyncio.wait_for(ready.wait(), 30)
         return stop, task
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        publisher = VersionPublisher(settings_for(tmp_path, tiny_model_dir, redis_server, run_id,
-                                                  weightsync_address=address, signing_key_file=private), redis)
+        publisher = VersionPublisher(
+            settings_for(
+                tmp_path, tiny_model_dir, redis_server, run_id, weightsync_address=address, signing_key_file=private
+            ),
+            redis,
+        )
         stop, task = await weightsync("first")
         assert await publisher.publish(weights, 1) and await publisher.publish(weights, 2)
         held_before = await publisher.held_by_weightsync()
@@ -498,12 +602,22 @@ def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tin
     async def main():
         redis = Redis.from_url(redis_server.url)
         stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(serve_weightsync(WeightSyncSettings(
-            port=port, metrics_port=0, run_id=run_id, spill_dir=tmp_path / "spill", verify_key_file=public), ready,
-            stop))
+        task = asyncio.create_task(
+            serve_weightsync(
+                WeightSyncSettings(
+                    port=port, metrics_port=0, run_id=run_id, spill_dir=tmp_path / "spill", verify_key_file=public
+                ),
+                ready,
+                stop,
+            )
+        )
         await asyncio.wait_for(ready.wait(), 30)
-        publisher = VersionPublisher(settings_for(tmp_path, tiny_model_dir, redis_server, run_id,
-                                                  weightsync_address=address, signing_key_file=private), redis)
+        publisher = VersionPublisher(
+            settings_for(
+                tmp_path, tiny_model_dir, redis_server, run_id, weightsync_address=address, signing_key_file=private
+            ),
+            redis,
+        )
         first = await publisher.publish(weights, 1)
         repeated = await publisher.publish(weights, 1)  # as after a reply lost on the way back
         elsewhere = GrpcWeightPublisher(address, Signer.from_file(private, run_id))  # another process, same key

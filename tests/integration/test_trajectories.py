@@ -58,8 +58,13 @@ def test_three_turns_interleave_the_model_and_the_environment(engine):
     model = np.array(t.loss_mask)
     assert all(lp < 0 for lp in np.array(t.logprobs)[model]) and not np.array(t.logprobs)[~model].any()
     assert [tokenizer.decode(t.token_ids[i : i + 4], skip_special_tokens=True) for i in (0, 7, 14)] == env.seen
-    rollout = Rollout(rollout_id="t:0", group_id="t", prompt_token_ids=np.array(t.prompt_token_ids, dtype=np.int32),
-                      reward=t.reward, **t.arrays())
+    rollout = Rollout(
+        rollout_id="t:0",
+        group_id="t",
+        prompt_token_ids=np.array(t.prompt_token_ids, dtype=np.int32),
+        reward=t.reward,
+        **t.arrays(),
+    )
     validate_rollout(rollout)  # a record the trainer takes
     assert t.prompt_token_ids == tokenizer.encode("12*3=", add_special_tokens=False)
 
@@ -74,24 +79,35 @@ def test_without_a_chat_template_turns_are_plain_lines(engine):
 
 def test_a_chat_template_renders_each_observation_after_the_model_s_tokens(engine):
     tokenizer = char_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     t = run_trajectory(engine, tokenizer, Scripted(2, "=7"), {"prompt": "3+4="}, SAMPLING)
     observation = tokenizer.encode("\n<tool>=7\n<assistant>", add_special_tokens=False)
-    assert t.token_ids[4 : 4 + len(observation)] == observation and t.loss_mask[4 : 4 + len(observation)] == \
-        [False] * len(observation)
+    assert t.token_ids[4 : 4 + len(observation)] == observation and t.loss_mask[4 : 4 + len(observation)] == [
+        False
+    ] * len(observation)
     assert t.turns == 2 and sum(t.loss_mask) == 8
 
 
 def test_budgets_end_a_trajectory(engine):
     tokenizer = char_tokenizer()
-    assert run_trajectory(engine, tokenizer, Scripted(9), {"prompt": "1="}, SAMPLING,
-                          Budget(max_turns=2)).finish_reason == "max_turns"
+    assert (
+        run_trajectory(engine, tokenizer, Scripted(9), {"prompt": "1="}, SAMPLING, Budget(max_turns=2)).finish_reason
+        == "max_turns"
+    )
     with pytest.raises(TrajectoryError, match="over_budget"):
-        run_trajectory(engine, tokenizer, Scripted(9, "=" + "9" * 50), {"prompt": "1="}, SAMPLING,
-                       Budget(max_tokens=30))
-    one = run_trajectory(engine, tokenizer, SingleTurn(lambda answer, ref: float(answer == ref)),
-                         {"prompt": "1+1=", "answer": "2"}, SAMPLING)
+        run_trajectory(
+            engine, tokenizer, Scripted(9, "=" + "9" * 50), {"prompt": "1="}, SAMPLING, Budget(max_tokens=30)
+        )
+    one = run_trajectory(
+        engine,
+        tokenizer,
+        SingleTurn(lambda answer, ref: float(answer == ref)),
+        {"prompt": "1+1=", "answer": "2"},
+        SAMPLING,
+    )
     assert one.turns == 1 and one.finish_reason == "done" and all(one.loss_mask)  # the one-step case
 
 
@@ -120,9 +136,16 @@ class BadReward(Scripted):
         return Step([], "one", True)
 
 
-@pytest.mark.parametrize("env,code", [(Raises(3), "env_error"), (Hangs(3), "env_timeout"),
-                                      (Malformed(3), "malformed_observation"), (BadInfo(3), "malformed_observation"),
-                                      (BadReward(3), "malformed_observation")])
+@pytest.mark.parametrize(
+    "env,code",
+    [
+        (Raises(3), "env_error"),
+        (Hangs(3), "env_timeout"),
+        (Malformed(3), "malformed_observation"),
+        (BadInfo(3), "malformed_observation"),
+        (BadReward(3), "malformed_observation"),
+    ],
+)
 def test_a_bad_environment_ends_the_trajectory_with_its_reason(engine, env, code):
     started = time.monotonic()
     with pytest.raises(TrajectoryError) as caught:
@@ -134,8 +157,9 @@ def test_a_bad_environment_ends_the_trajectory_with_its_reason(engine, env, code
 def test_the_calculator_answers_calls_and_scores_answers():
     env = Calculator()
     assert env.reset({"prompt": "12*34=", "answer": "408"}) == [Message("user", "12*34=")]
-    assert env.step("calc(2**99)") == Step([Message("tool", "error: bad expression")], 0.0, False,
-                                           {"tool_calls": 1.0, "tool_errors": 1.0})  # short, whatever was written
+    assert env.step("calc(2**99)") == Step(
+        [Message("tool", "error: bad expression")], 0.0, False, {"tool_calls": 1.0, "tool_errors": 1.0}
+    )  # short, whatever was written
     with pytest.raises(ValueError, match="not an integer expression"):
         evaluate("2**99")
     assert env.step(" 407 ") == Step([], 0.0, True, {"tool_success": 0.0})  # no call computed the answer
@@ -167,12 +191,14 @@ def test_routing_traces_compose_turn_by_turn_and_info_sums(engine, tiny_model_di
 def test_a_hung_environment_call_never_holds_the_process_at_its_exit():
     """The call that hung past its time limit is abandoned on its own daemon thread: the process
     exits at once (a pool's worker would be joined as the interpreter exits: for the hour)."""
-    script = ("import asyncio, time\n"
-              "from shared.envs.trajectory import TrajectoryError, _call\n"
-              "try:\n"
-              "    asyncio.run(_call(time.sleep, 3600, seconds=0.2, what='reset'))\n"
-              "except TrajectoryError as exc:\n"
-              "    print(exc.code, exc)\n")
+    script = (
+        "import asyncio, time\n"
+        "from shared.envs.trajectory import TrajectoryError, _call\n"
+        "try:\n"
+        "    asyncio.run(_call(time.sleep, 3600, seconds=0.2, what='reset'))\n"
+        "except TrajectoryError as exc:\n"
+        "    print(exc.code, exc)\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "env_timeout env_timeout: reset took over 0.2 s"

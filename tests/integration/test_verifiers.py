@@ -25,10 +25,15 @@ ENV = "verifiers:tests.vf_calc"
 def vf_task(task_id: str, environment: str = ENV, row: int = 0, group_size: int = 4) -> common_pb2.PromptTask:
     rows = verifiers_adapter.examples(ENV, "train", 8)
     return common_pb2.PromptTask(
-        task_id=task_id, prompt_text=rows[row].prompt, answer=rows[row].answer, task_name="exact_match",
-        group_size=group_size, environment=environment,
+        task_id=task_id,
+        prompt_text=rows[row].prompt,
+        answer=rows[row].answer,
+        task_name="exact_match",
+        group_size=group_size,
+        environment=environment,
         sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=14, seed=3),
-        budget=common_pb2.TrajectoryBudget(max_turns=3, max_tokens=42, env_seconds=30.0 if environment == ENV else 3.0))
+        budget=common_pb2.TrajectoryBudget(max_turns=3, max_tokens=42, env_seconds=30.0 if environment == ENV else 3.0),
+    )
 
 
 def test_the_adapter_parses_names_and_reads_the_environments_rows():
@@ -50,11 +55,16 @@ def test_the_adapter_parses_names_and_reads_the_environments_rows():
         assert "could not be loaded" in str(exc)
 
 
-def test_a_verifiers_environment_plays_trained_rollouts_through_the_replica(tmp_path, calc_model_dir, redis_server,
-                                                                            run_id):
-    tasks = [vf_task("vf-0", row=0), vf_task("vf-1", row=1), vf_task("missing", "verifiers:tests.no_such_env", 0, 1),
-             vf_task("raises", 'verifiers:tests.vf_calc {"mode": "raise"}', 2, 2),
-             vf_task("hangs", 'verifiers:tests.vf_calc {"mode": "hang"}', 3, 2)]
+def test_a_verifiers_environment_plays_trained_rollouts_through_the_replica(
+    tmp_path, calc_model_dir, redis_server, run_id
+):
+    tasks = [
+        vf_task("vf-0", row=0),
+        vf_task("vf-1", row=1),
+        vf_task("missing", "verifiers:tests.no_such_env", 0, 1),
+        vf_task("raises", 'verifiers:tests.vf_calc {"mode": "raise"}', 2, 2),
+        vf_task("hangs", 'verifiers:tests.vf_calc {"mode": "hang"}', 3, 2),
+    ]
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -92,6 +102,9 @@ def test_a_verifiers_environment_plays_trained_rollouts_through_the_replica(tmp_
         final = text.split(":")[-1].replace("</s>", "").strip()
         assert r.reward == (1.0 if final == answers[r.task_id] else 0.0), text
     assert worst <= 1e-5 and tool_used >= 1
-    assert {t: dead[t][b"code"].decode() for t in ("missing", "raises", "hangs")} == \
-        {"missing": "environment", "raises": "env_error", "hangs": "env_timeout"}
+    assert {t: dead[t][b"code"].decode() for t in ("missing", "raises", "hangs")} == {
+        "missing": "environment",
+        "raises": "env_error",
+        "hangs": "env_timeout",
+    }
     assert b"could not be loaded" in dead["missing"][b"reason"] and b"the tool is broken" in dead["raises"][b"reason"]

@@ -59,8 +59,9 @@ def test_a_replica_refuses_an_unsigned_version_a_weight_sync_took(tmp_path, tiny
     signature and stays on what it serves."""
 
     async def main():
-        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id,
-                           ws_overrides={"unsigned_weights": True}) as replica:
+        async with Replica(
+            tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides={"unsigned_weights": True}
+        ) as replica:
             address = f"127.0.0.1:{replica.ws_port}"
             before = refused_versions()
             attacker = GrpcWeightPublisher(address)

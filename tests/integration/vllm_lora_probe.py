@@ -34,8 +34,9 @@ def delivery(model, digest: bytes, version: int, directory: Path):
     from shared.weightsync.shm import ShmDelivery, write_shm
 
     path = directory / f"v{version}.shm"
-    view = CastView(adapter_state(model), torch.float32, AdapterInfo(base_digest=digest,
-                                                                     config_json=adapter_config_json(model)))
+    view = CastView(
+        adapter_state(model), torch.float32, AdapterInfo(base_digest=digest, config_json=adapter_config_json(model))
+    )
     return ShmDelivery(write_shm(path, view, version, version - 1), str(path))
 
 
@@ -44,7 +45,7 @@ def worst(model, samples, prompts) -> float:
     for prompt, sample in zip(prompts, samples, strict=True):
         ids = torch.tensor([prompt + list(sample.token_ids)])
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
         ref = logp.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
         out = max(out, float((ref - torch.tensor(sample.logprobs)).abs().max()))
     return out
@@ -76,9 +77,11 @@ def main() -> None:
         out[f"v{version}"] = worst(model, samples, prompts)
         out[f"v{version}_versions"] = sorted({v for s in samples for v in s.versions})
     refused = {}
-    for name, (model, base) in {"other_base": (adapted(model_dir, 8, 3), bytes(32)),
-                                "other_rank": (adapted(model_dir, 4, 3), digest),
-                                "past_max_rank": (adapted(model_dir, 16, 3), digest)}.items():
+    for name, (model, base) in {
+        "other_base": (adapted(model_dir, 8, 3), bytes(32)),
+        "other_rank": (adapted(model_dir, 4, 3), digest),
+        "past_max_rank": (adapted(model_dir, 16, 3), digest),
+    }.items():
         try:
             engine.apply(delivery(model, base, 9, work))
             refused[name] = "applied"

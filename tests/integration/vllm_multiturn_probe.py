@@ -21,16 +21,37 @@ def probe(model_dir: str) -> dict:
     prompt = "12*34=" * 6  # 37 tokens with the template: one whole 32-token block the trajectories share
 
     async def group():
-        return await asyncio.gather(*(play(engine, tokenizer, Echo(), {"prompt": prompt}, sampling,
-                                           Budget(max_turns=4, max_tokens=24), index=i) for i in range(4)))
+        return await asyncio.gather(
+            *(
+                play(
+                    engine, tokenizer, Echo(), {"prompt": prompt}, sampling, Budget(max_turns=4, max_tokens=24), index=i
+                )
+                for i in range(4)
+            )
+        )
 
     played = asyncio.run(group())
-    counters = {s.name: s.value for m in REGISTRY.collect() for s in m.samples
-                if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+    counters = {
+        s.name: s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    }
     engine.close()
-    return {"trajectories": [{"prompt": t.prompt_token_ids, "tokens": t.token_ids, "mask": t.loss_mask,
-                              "logprobs": t.logprobs, "turns": t.turns, "reward": t.reward} for t in played],
-            "prefix_cache": counters}
+    return {
+        "trajectories": [
+            {
+                "prompt": t.prompt_token_ids,
+                "tokens": t.token_ids,
+                "mask": t.loss_mask,
+                "logprobs": t.logprobs,
+                "turns": t.turns,
+                "reward": t.reward,
+            }
+            for t in played
+        ],
+        "prefix_cache": counters,
+    }
 
 
 def main() -> None:

@@ -31,12 +31,16 @@ def across_an_update(engine, prompt: list[int], version: int, model_dir: str, af
     def on_token(token, logprob, v):
         seen.append(token)
         if len(seen) == after and not staged:
-            staged.append(threading.Thread(target=engine.update_weights,
-                                           args=(version, version_model(model_dir, version).state_dict())))
+            staged.append(
+                threading.Thread(
+                    target=engine.update_weights, args=(version, version_model(model_dir, version).state_dict())
+                )
+            )
             staged[0].start()
 
-    sample = engine.start(prompt, Sampling(temperature=1.0, max_new_tokens=40, seed=9, ignore_eos=True),
-                          on_token=on_token).result(300)
+    sample = engine.start(
+        prompt, Sampling(temperature=1.0, max_new_tokens=40, seed=9, ignore_eos=True), on_token=on_token
+    ).result(300)
     staged[0].join(300)
     return vars(sample)
 
@@ -97,10 +101,19 @@ def main() -> None:
         out["trace_error"] = str(exc)
     from prometheus_client import REGISTRY
 
-    out["vllm_metrics"] = {s.name: s.value for m in REGISTRY.collect() for s in m.samples
-                           if s.name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
-                                         "vllm:num_requests_running", "vllm:prompt_tokens_total",
-                                         "vllm:generation_tokens_total")}
+    out["vllm_metrics"] = {
+        s.name: s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name
+        in (
+            "vllm:kv_cache_usage_perc",
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_running",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+        )
+    }
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)
 

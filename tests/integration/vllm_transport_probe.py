@@ -20,8 +20,15 @@ async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: l
     engine = make_engine("vllm", model_dir, "float32", max_model_len=64)
     ws = {"shm_dir": tmp / "shm", "collective_timeout_seconds": 30}
     out: dict = {}
-    async with Replica(tmp, model_dir, redis_url, run_id, ws_overrides=ws, engine=engine,
-                       weight_transports=["shm", "collective", "grpc"]) as replica:
+    async with Replica(
+        tmp,
+        model_dir,
+        redis_url,
+        run_id,
+        ws_overrides=ws,
+        engine=engine,
+        weight_transports=["shm", "collective", "grpc"],
+    ) as replica:
         await wait_for(subscribed, 60)
         address = f"127.0.0.1:{replica.ws_port}"
         for version, (kind, tensors) in enumerate(zip(TRANSPORTS, versions(model_dir, 3), strict=True), 1):
@@ -31,8 +38,11 @@ async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: l
             await wait_for(lambda v=version: _version_is(replica.stub, v), 120)
             await publisher.close()
             greedy = await asyncio.to_thread(engine.generate, prompts, Sampling(temperature=0, max_new_tokens=10))
-            out[kind] = {"version": version, "received": received_by(kind) - before,
-                         "samples": [vars(s) for s in greedy]}
+            out[kind] = {
+                "version": version,
+                "received": received_by(kind) - before,
+                "samples": [vars(s) for s in greedy],
+            }
     engine.close()
     return out
 

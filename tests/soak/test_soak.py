@@ -63,15 +63,25 @@ async def ledger(url: str, run_id: str) -> dict:
     await redis.aclose()
     tasks_trained = {rid.split(":")[0] for rid in trained}
     unaccounted = {f"train-{i}" for i in range(submitted)} - tasks_trained - dropped - dead - queued - on_stream
-    return {"submitted": submitted, "rollouts_trained": len(trained), "duplicates": len(trained) - len(set(trained)),
-            "tasks_trained": len(tasks_trained), "tasks_dropped_stale": len(dropped - tasks_trained),
-            "tasks_dead": len(dead), "rollouts_dead": rollouts_dead, "tasks_queued_or_leased": len(queued),
-            "tasks_on_stream": len(on_stream), "tasks_unaccounted": len(unaccounted)}
+    return {
+        "submitted": submitted,
+        "rollouts_trained": len(trained),
+        "duplicates": len(trained) - len(set(trained)),
+        "tasks_trained": len(tasks_trained),
+        "tasks_dropped_stale": len(dropped - tasks_trained),
+        "tasks_dead": len(dead),
+        "rollouts_dead": rollouts_dead,
+        "tasks_queued_or_leased": len(queued),
+        "tasks_on_stream": len(on_stream),
+        "tasks_unaccounted": len(unaccounted),
+    }
 
 
 def test_soak(tmp_path, tiny_model_dir):
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [
-        "run.steps=0", "run.replicas=2", "orchestrator.eval_every=0", "trainer.checkpoint_every=10"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith.toml",
+        ["run.steps=0", "run.replicas=2", "orchestrator.eval_every=0", "trainer.checkpoint_every=10"],
+    )
     launch = Launch(config, tmp_path, str(tiny_model_dir))
     samples: dict[str, list[tuple[float, float]]] = {}
     depth = []
@@ -98,13 +108,21 @@ def test_soak(tmp_path, tiny_model_dir):
     for name, points in samples.items():
         settled = [mib for t, mib in points if t >= min(WARMUP_SECONDS, MINUTES * 30)]
         hours = max((points[-1][0] - min(WARMUP_SECONDS, MINUTES * 30)) / 3600, 1e-9)
-        memory[name] = {"start_mib": round(settled[0], 1), "end_mib": round(settled[-1], 1),
-                        "peak_mib": round(max(mib for _, mib in points), 1),
-                        "growth_mib": round(settled[-1] - settled[0], 1),
-                        "growth_mib_per_hour": round((settled[-1] - settled[0]) / hours, 1)}
-    report = {"minutes": MINUTES, "trainer_version": status["trainer_version"],
-              "queue_pending_mean": round(sum(depth) / len(depth), 1), "queue_pending_min": min(depth),
-              "memory": memory, "work": work}
+        memory[name] = {
+            "start_mib": round(settled[0], 1),
+            "end_mib": round(settled[-1], 1),
+            "peak_mib": round(max(mib for _, mib in points), 1),
+            "growth_mib": round(settled[-1] - settled[0], 1),
+            "growth_mib_per_hour": round((settled[-1] - settled[0]) / hours, 1),
+        }
+    report = {
+        "minutes": MINUTES,
+        "trainer_version": status["trainer_version"],
+        "queue_pending_mean": round(sum(depth) / len(depth), 1),
+        "queue_pending_min": min(depth),
+        "memory": memory,
+        "work": work,
+    }
     print(json.dumps(report, indent=1))
     assert work["duplicates"] == 0 and work["tasks_unaccounted"] == 0
     assert work["rollouts_dead"] == 0 and work["tasks_dead"] == 0

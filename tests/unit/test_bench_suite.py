@@ -6,17 +6,27 @@ from bench.suite import machine, main, markdown
 
 
 def test_an_update_keeps_earlier_figures_dated_and_refuses_another_machine():
-    earlier = {"machine": machine(), "date": "2026-01-02",
-               "benchmarks": {"weightsync": {"ratios": {"two_over_one": {"torch": {"collective": 0.97}}},
-                                             "targets": {"two_over_one": 0.8}},
-                              "inference": {"service_to_bare_ratio": 0.8, "date": "2026-01-01"}}}
+    earlier = {
+        "machine": machine(),
+        "date": "2026-01-02",
+        "benchmarks": {
+            "weightsync": {
+                "ratios": {"two_over_one": {"torch": {"collective": 0.97}}},
+                "targets": {"two_over_one": 0.8},
+            },
+            "inference": {"service_to_bare_ratio": 0.8, "date": "2026-01-01"},
+        },
+    }
     merged = main(["no-such-benchmark"], earlier)  # runs nothing: only the merge
     assert list(merged["benchmarks"]) == ["weightsync", "inference"]
     assert merged["benchmarks"]["weightsync"]["date"] == "2026-01-02"
     assert merged["benchmarks"]["inference"]["date"] == "2026-01-01"
     text = markdown(merged)
     assert "weightsync 2026-01-02, inference 2026-01-01" in text
-    assert "| weightsync | rate with 2 replicas / with 1 (seconds 1 / seconds 2), torch | collective 0.97 | ≥ 0.8 |" in text
+    assert (
+        "| weightsync | rate with 2 replicas / with 1 (seconds 1 / seconds 2), torch | collective 0.97 | ≥ 0.8 |"
+        in text
+    )
     with pytest.raises(ValueError, match="another machine"):
         main([], {**earlier, "machine": {"cpu": "elsewhere"}})
 
@@ -28,16 +38,27 @@ def test_the_lora_bench_counts_adapter_bytes_by_the_shapes():
     from bench.suite import markdown
 
     h, layers, heads, kv, hd, experts, inter, r = 64, 2, 4, 2, 16, 4, 32, 32
-    shape = {"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-             "head_dim": hd, "num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": inter,
-             "intermediate_size": 128, "vocab_size": 100}
+    shape = {
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": inter,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
     out = version_bytes(shape)
     attention = layers * r * ((h + heads * hd) * 2 + (h + kv * hd) * 2)
     assert out["attention"]["adapter_bytes"] == 2 * attention  # bf16
     expert = layers * experts * r * ((h + 2 * inter) + (inter + h))
     assert out["attention_experts"]["adapter_bytes"] == 2 * (attention + expert)
     assert out["full_bytes"] == 2 * out["parameters"]
-    result = {"machine": {"cores": 2, "cpu": "c", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
-              "date": "d", "benchmarks": {"lora": {"rank": 32, "targets": {"adapter_over_full": 0.05},
-                                                   "versions": {"tiny": out}}}}
+    result = {
+        "machine": {"cores": 2, "cpu": "c", "memory_gib": 1, "gpu": False, "python": "3", "torch": "2"},
+        "date": "d",
+        "benchmarks": {"lora": {"rank": 32, "targets": {"adapter_over_full": 0.05}, "versions": {"tiny": out}}},
+    }
     assert f"| lora | tiny ({out['parameters']:,} parameters), rank 32, attention: adapter bytes" in markdown(result)

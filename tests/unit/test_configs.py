@@ -45,9 +45,23 @@ def test_a_bad_value_fails_before_any_process_starts(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
-                           "--out", str(out), "--set", "trainer.loss.eps_low=1.5"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            "--out",
+            str(out),
+            "--set",
+            "trainer.loss.eps_low=1.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and "eps_low must lie in [0, 1)" in done.stderr and "loss" in done.stderr
     assert not out.exists()  # nothing started, nothing written
 
@@ -69,19 +83,23 @@ def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
     from steadyrl.service_settings import build_settings
 
     monkeypatch.setenv("STEADYRL_TRAINER_LR", "0.5")  # this process's environment is not the service's
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3",
-                                                                    "trainer.loss.normalization=sequence"])
+    config = load_run_config(
+        ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3", "trainer.loss.normalization=sequence"]
+    )
     env = service_env(config, "trainer", REQUIRED["trainer"])
     assert env["STEADYRL_TRAINER_LOSS__EPS_HIGH"] == "0.3"
     settings = build_settings("trainer", env)
     assert settings.loss.eps_high == 0.3 and settings.loss.normalization == "sequence" and settings.lr == 1e-3
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["inference.quantize_router=true"], 'quantize_router needs a quantization'),
-    (["inference.quantize_activations=true"], 'quantize_activations needs a quantization'),
-    (["inference.quantization=int8"], "quantization"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["inference.quantize_router=true"], "quantize_router needs a quantization"),
+        (["inference.quantize_activations=true"], "quantize_activations needs a quantization"),
+        (["inference.quantization=int8"], "quantization"),
+    ],
+)
 def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
     with pytest.raises(ValueError, match=message):
@@ -90,14 +108,18 @@ def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
     from steadyrl.service_settings import build_settings
 
     for fmt in ("fp8", "fp4"):
-        fine = load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"inference.quantization={fmt}",
-                                                                      "inference.quantize_router=true",
-                                                                      "inference.quantize_activations=true"])
+        fine = load_run_config(
+            ROOT / "configs" / "tiny-arith.toml",
+            [f"inference.quantization={fmt}", "inference.quantize_router=true", "inference.quantize_activations=true"],
+        )
         settings = build_settings("inference", service_env(fine, "inference", REQUIRED["inference"]))
         assert settings.quantization == fmt and settings.quantize_router and settings.quantize_activations
         options = engine_options(settings)
         assert {k: options[k] for k in ("quantization", "quantize_router", "quantize_activations")} == {
-            "quantization": fmt, "quantize_router": True, "quantize_activations": True}
+            "quantization": fmt,
+            "quantize_router": True,
+            "quantize_activations": True,
+        }
 
 
 def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():
@@ -121,16 +143,21 @@ def test_quantized_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypa
     config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [f"inference.quantization={fmt}"])
     with pytest.raises(ValueError, match=f'quantization = "{fmt}" on the vllm engine needs a GPU'):
         check(config, gpus_available=0)
-    assert check(load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine == "vllm"
+    assert (
+        check(load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine
+        == "vllm"
+    )
 
 
 def test_recipes_merge_left_to_right(tmp_path):
     from steadyrl.run_config import merge_tables
 
-    assert merge_tables({"a": {"x": 1, "y": {"z": 2}}, "b": 1}, {"a": {"y": {"w": 3}}, "b": 2}) == \
-        {"a": {"x": 1, "y": {"z": 2, "w": 3}}, "b": 2}
+    assert merge_tables({"a": {"x": 1, "y": {"z": 2}}, "b": 1}, {"a": {"y": {"w": 3}}, "b": 2}) == {
+        "a": {"x": 1, "y": {"z": 2, "w": 3}},
+        "b": 2,
+    }
     gpu = tmp_path / "more.toml"
-    gpu.write_text('[run]\nsteps = 7\n\n[trainer]\nlr = 5e-4\n\n[trainer.loss]\neps_high = 0.3\n')
+    gpu.write_text("[run]\nsteps = 7\n\n[trainer]\nlr = 5e-4\n\n[trainer.loss]\neps_high = 0.3\n")
     config = load_run_config([ROOT / "configs" / "tiny-arith.toml", gpu], ["trainer.loss.eps_low=0.1"])
     assert config.steps == 7 and config.run.batch_prompts == 32  # the later file's keys win, the rest stays
     assert config.section("trainer")["lr"] == 5e-4 and config.section("trainer")["checkpoint_every"] == 10
@@ -150,9 +177,25 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
 
     extra = tmp_path / "extra.toml"
     extra.write_text("[inference]\nmax_inflight_tasks = 4\n")
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-arith.toml"),
-                           str(extra), "--set", "trainer.lr=3e-4", "--dry-run", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            str(ROOT / "configs" / "tiny-arith.toml"),
+            str(extra),
+            "--set",
+            "trainer.lr=3e-4",
+            "--dry-run",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     shown = json.loads(done.stdout)
     settings = shown["settings"]
@@ -165,12 +208,15 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing started
 
 
-@pytest.mark.parametrize("reward, message", [
-    ("tests.rewards:nope", "cannot be imported"),
-    ("tests.rewards:explode", "failed its dry call on one example: error:RuntimeError"),
-    ("os.path:join", "failed its dry call on one example: error:ValueError"),  # returns no number
-    ("no_such_reward", "no reward named"),
-])
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        ("tests.rewards:nope", "cannot be imported"),
+        ("tests.rewards:explode", "failed its dry call on one example: error:RuntimeError"),
+        ("os.path:join", "failed its dry call on one example: error:ValueError"),  # returns no number
+        ("no_such_reward", "no reward named"),
+    ],
+)
 def test_a_reward_that_cannot_serve_is_refused_before_the_run_starts(reward, message):
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"orchestrator.reward={reward}"])
     with pytest.raises(ValueError, match=message):

@@ -13,12 +13,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def steps(n, **fixed):
-    return [{"step": s, "version": s, "reward_mean": s / n, "entropy": 0.5 - 0.004 * s, "mismatch_kl_k3": 1e-3,
-             "is_weight_max": 1.0 + s / 100, "is_weight_mean": 1.0, "clip_frac": 0.01, "routing_agreement": 0.99,
-             "grad_norm": 1.0, "loss": 0.1, **fixed} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "version": s,
+            "reward_mean": s / n,
+            "entropy": 0.5 - 0.004 * s,
+            "mismatch_kl_k3": 1e-3,
+            "is_weight_max": 1.0 + s / 100,
+            "is_weight_mean": 1.0,
+            "clip_frac": 0.01,
+            "routing_agreement": 0.99,
+            "grad_norm": 1.0,
+            "loss": 0.1,
+            **fixed,
+        }
+        for s in range(1, n + 1)
+    ]
 
 
-@pytest.mark.parametrize("name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)])
+@pytest.mark.parametrize(
+    "name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)]
+)
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     from steadyrl.run_config import SERVICES
     from steadyrl.service_settings import PROBES, service_env, validate
@@ -41,21 +57,34 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
             assert recipe.section("inference")["quantize_activations"] is True
             assert recipe.run.batch_prompts == 16 * recipe.section("trainer")["mini_batches"]
     assert grid.eval_final_model == ("float32" if name == "paper-grid-fp4.toml" else "")
-    assert ("final_model_drop" in grid.collapse) == ("policy_eval_drop" in grid.collapse) == (name == "paper-grid-fp4.toml")
+    assert (
+        ("final_model_drop" in grid.collapse)
+        == ("policy_eval_drop" in grid.collapse)
+        == (name == "paper-grid-fp4.toml")
+    )
     check_recipes(grid, grid.configs)  # what its collapse rules read, every configuration produces
 
 
-@pytest.mark.parametrize("text,error", [
-    ('[grid]\nbase = "x.toml"\n[collapse]\nreward_below = 1\n[[config]]\nname = "a"\n',
-     "unknown collapse rules \\['reward_below'\\]"),
-    ('[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[config]]\nname = "a"\n', "repeat"),
-    ('[grid]\nbase = "x.toml"\n[[config]]\nname = "a b"\n', "name of letters"),
-    ('[grid]\nbase = "x.toml"\nseeds = 3\n[[config]]\nname = "a"\n', "unknown \\[grid\\] keys \\['seeds'\\]"),
-    ('[grid]\nbase = "x.toml"\neval_final_model = "fp32"\n[[config]]\nname = "a"\n',
-     "eval_final_model must be one of .*'fp32'"),
-    ('[grid]\nbase = "x.toml"\n[collapse]\nfinal_model_drop = 0.1\n[[config]]\nname = "a"\n',
-     "final_model_drop needs eval_final_model"),
-])
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        (
+            '[grid]\nbase = "x.toml"\n[collapse]\nreward_below = 1\n[[config]]\nname = "a"\n',
+            "unknown collapse rules \\['reward_below'\\]",
+        ),
+        ('[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[config]]\nname = "a"\n', "repeat"),
+        ('[grid]\nbase = "x.toml"\n[[config]]\nname = "a b"\n', "name of letters"),
+        ('[grid]\nbase = "x.toml"\nseeds = 3\n[[config]]\nname = "a"\n', "unknown \\[grid\\] keys \\['seeds'\\]"),
+        (
+            '[grid]\nbase = "x.toml"\neval_final_model = "fp32"\n[[config]]\nname = "a"\n',
+            "eval_final_model must be one of .*'fp32'",
+        ),
+        (
+            '[grid]\nbase = "x.toml"\n[collapse]\nfinal_model_drop = 0.1\n[[config]]\nname = "a"\n',
+            "final_model_drop needs eval_final_model",
+        ),
+    ],
+)
 def test_grid_errors_name_the_problem(tmp_path, text, error):
     bad = tmp_path / "g.toml"
     bad.write_text(text)
@@ -87,8 +116,10 @@ def test_entropy_and_nonfinite_losses_flag_collapse_and_resumed_steps_count_once
 
 
 def test_aggregate_means_stds_and_collapse_count():
-    rows = [{"config": "a", "seed": s, "eval_final": v, "entropy_end": None, "collapsed": c, "collapse_reason": ""}
-            for s, (v, c) in enumerate([(0.5, False), (0.6, True), (0.7, False)])]
+    rows = [
+        {"config": "a", "seed": s, "eval_final": v, "entropy_end": None, "collapsed": c, "collapse_reason": ""}
+        for s, (v, c) in enumerate([(0.5, False), (0.6, True), (0.7, False)])
+    ]
     out = aggregate(rows)
     assert out["seeds"] == 3 and out["collapsed"] == 1
     assert out["eval_final"] == pytest.approx(0.6) and out["eval_final_std"] == pytest.approx(0.1)
@@ -107,15 +138,26 @@ def test_markdown_table_has_a_row_per_configuration():
 def test_the_final_model_eval_is_a_column_of_the_row_the_summary_and_the_table():
     grid = load_grid(ROOT / "configs" / "paper-grid.toml")
     evals = [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.3}]
-    rows = [{**summarise_run(steps(10), evals, {}, [{"version": 0, "accuracy": 0.4}, {"version": 5, "accuracy": 0.9},
-                                                   {"version": 10, "accuracy": a}]), "seed": s}
-            for s, a in enumerate([0.5, 0.6])]
+    rows = [
+        {
+            **summarise_run(
+                steps(10),
+                evals,
+                {},
+                [{"version": 0, "accuracy": 0.4}, {"version": 5, "accuracy": 0.9}, {"version": 10, "accuracy": a}],
+            ),
+            "seed": s,
+        }
+        for s, a in enumerate([0.5, 0.6])
+    ]
     assert rows[0]["final_model_eval"] == 0.5 and rows[0]["eval_final"] == 0.3  # π's newest version beside μ
     assert rows[0]["initial_model_eval"] == 0.4
     failed = {**summarise_run(steps(3), evals, {}), "seed": 2}  # a run that left no final model
     assert "final_model_eval" not in failed
     out = aggregate([failed, *rows])  # the column is found in any row, averaged over those that have it
-    assert out["final_model_eval"] == pytest.approx(0.55) and out["final_model_eval_std"] == pytest.approx(0.0707, abs=1e-4)
+    assert out["final_model_eval"] == pytest.approx(0.55) and out["final_model_eval_std"] == pytest.approx(
+        0.0707, abs=1e-4
+    )
     lines = markdown_table(grid.configs[:1], {grid.configs[0].name: out}, "float32").splitlines()
     assert "| eval final | final model eval (float32) | reward" in lines[0]
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 13
@@ -129,11 +171,19 @@ def test_final_model_drop_judges_collapse_on_the_trainers_model():
     fell = summarise_run(steps(10), evals, rule, [{"version": 10, "accuracy": 0.18}, {"version": 0, "accuracy": 0.445}])
     assert fell["initial_model_eval"] == 0.445 and fell["final_model_eval"] == 0.18
     assert fell["collapse_reason"] == "eval fell 0.250 from its best; final model 0.265 under the initial one"
-    held = summarise_run(steps(10), evals, {"final_model_drop": 0.1},
-                         [{"version": 0, "accuracy": 0.43}, {"version": 10, "accuracy": 0.34}])  # 0.09: under it
+    held = summarise_run(
+        steps(10),
+        evals,
+        {"final_model_drop": 0.1},
+        [{"version": 0, "accuracy": 0.43}, {"version": 10, "accuracy": 0.34}],
+    )  # 0.09: under it
     assert not held["collapsed"]
-    edge = summarise_run(steps(10), evals, {"final_model_drop": 0.1},
-                         [{"version": 0, "accuracy": 0.445}, {"version": 10, "accuracy": 0.345}])
+    edge = summarise_run(
+        steps(10),
+        evals,
+        {"final_model_drop": 0.1},
+        [{"version": 0, "accuracy": 0.445}, {"version": 10, "accuracy": 0.345}],
+    )
     assert 0.445 - 0.345 > 0.1 and not edge["collapsed"]  # exactly 10 points is not "more than 10"
     unscored = summarise_run(steps(10), evals, {"final_model_drop": 0.1}, [{"version": 0, "accuracy": 0.43}])
     assert not unscored["collapsed"] and "final_model_eval" not in unscored  # no checkpoint: nothing to compare
@@ -143,8 +193,11 @@ def test_policy_eval_drop_judges_collapse_on_pi_scored_live():
     """π's last live round against its first, as the run wrote them: nothing scored after the run.
     A grid whose runs do not score π live is refused before the first run starts."""
     evals = [{"version": 0, "accuracy": 0.3}]
-    live = [{"step": 0, "version": 0, "accuracy": 0.32}, {"step": 25, "version": 25, "accuracy": 0.05},
-            {"step": 50, "version": 50, "accuracy": 0.015}]
+    live = [
+        {"step": 0, "version": 0, "accuracy": 0.32},
+        {"step": 25, "version": 25, "accuracy": 0.05},
+        {"step": 50, "version": 50, "accuracy": 0.015},
+    ]
     rule = {"policy_eval_drop": 0.1}
     fell = summarise_run(steps(10), evals, rule, [], live)
     assert fell["collapsed"] and fell["collapse_reason"] == "π live 0.305 under its start"
@@ -164,14 +217,19 @@ def test_live_policy_evals_are_columns_and_a_plot(tmp_path):
     """policy-eval.jsonl (π scored live): its first, lowest and last round are columns of the row;
     the grid's plots gain π's live curve (mean over seeds, by version) when any run has one."""
     grid = load_grid(ROOT / "configs" / "paper-grid.toml")
-    live = [{"step": 25, "version": 25, "accuracy": 0.5}, {"step": 0, "version": 0, "accuracy": 0.42},
-            {"step": 50, "version": 50, "accuracy": 0.3}]
+    live = [
+        {"step": 25, "version": 25, "accuracy": 0.5},
+        {"step": 0, "version": 0, "accuracy": 0.42},
+        {"step": 50, "version": 50, "accuracy": 0.3},
+    ]
     row = summarise_run(steps(10), [{"version": 0, "accuracy": 0.4}], {}, [], live)
     assert (row["policy_eval_start"], row["policy_eval_min"], row["policy_eval_final"]) == (0.42, 0.3, 0.3)
     assert "policy_eval_start" not in summarise_run(steps(10), [{"version": 0, "accuracy": 0.4}], {})
     runs = {grid.configs[0].name: [(steps(10), [{"version": 0, "accuracy": 0.4}], [], live)]}
     written = plot_grid(tmp_path, grid.configs[:1], runs)
-    assert "plots/policy_eval_accuracy.png" in written and (tmp_path / "plots" / "policy_eval_accuracy.png").stat().st_size
+    assert (
+        "plots/policy_eval_accuracy.png" in written and (tmp_path / "plots" / "policy_eval_accuracy.png").stat().st_size
+    )
     runs[grid.configs[0].name] = [(steps(10), [{"version": 0, "accuracy": 0.4}], [], [])]
     assert "plots/policy_eval_accuracy.png" not in plot_grid(tmp_path / "none", grid.configs[:1], runs)
 
@@ -185,10 +243,16 @@ def test_curves():
 def test_plain_progress_is_one_greppable_line_per_update():
     from steadyrl.progress import plain_line, progress_rows
 
-    rows = progress_rows({"trainer_version": 12, "replica_versions": {"r": 12}},
-                         [{"step": 12, "reward_mean": 0.5, "mismatch_kl_k3": 3e-3, "staleness_max": 1, "tokens_per_s": 900}],
-                         [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.55}], 48, 6.0)
-    assert plain_line(rows) == ("progress step=12/48 trainer_version=12 reward=0.500 mismatch_KL_k3=3.00e-03 "
-                                "staleness_max=1 tokens/s=900 eval_accuracy=v0:0.400,v10:0.550 ETA=18s")
+    rows = progress_rows(
+        {"trainer_version": 12, "replica_versions": {"r": 12}},
+        [{"step": 12, "reward_mean": 0.5, "mismatch_kl_k3": 3e-3, "staleness_max": 1, "tokens_per_s": 900}],
+        [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.55}],
+        48,
+        6.0,
+    )
+    assert plain_line(rows) == (
+        "progress step=12/48 trainer_version=12 reward=0.500 mismatch_KL_k3=3.00e-03 "
+        "staleness_max=1 tokens/s=900 eval_accuracy=v0:0.400,v10:0.550 ETA=18s"
+    )
     rows = progress_rows({}, [], [{"version": 0, "accuracy": 0.4}], 48, 0.0, [{"version": 0, "accuracy": 0.35}])
     assert plain_line(rows).endswith(" eval_accuracy=v0:0.400 policy_eval=v0:0.350 ETA=-")

@@ -83,9 +83,14 @@ def test_the_fp8_emulation_tracks_fp8_kernels(tiny_model_dir, device):
     def gap(a, b) -> float:
         return float((a - b).abs().mean())
 
-    figures = {"emulated_vs_real": gap(by["emulated"], by["real"]), "bf16_vs_real": gap(plain, by["real"]),
-               "real_vs_fp32": gap(by["real"], reference), "emulated_vs_fp32": gap(by["emulated"], reference),
-               "bf16_vs_fp32": gap(plain, reference), "tokens": int(answer.sum())}
+    figures = {
+        "emulated_vs_real": gap(by["emulated"], by["real"]),
+        "bf16_vs_real": gap(plain, by["real"]),
+        "real_vs_fp32": gap(by["real"], reference),
+        "emulated_vs_fp32": gap(by["emulated"], reference),
+        "bf16_vs_fp32": gap(plain, reference),
+        "tokens": int(answer.sum()),
+    }
     print(f"fp8 kernels on {device}, mean |Δ answer logprob|:", figures)
     # the emulation lands where the kernels do: nearer them than bf16 is, and as far from fp32
     assert figures["emulated_vs_real"] < 0.75 * figures["bf16_vs_real"]

@@ -13,17 +13,28 @@ STAMP = "replica-0|0"
 
 def rollout(task: str, index: int, **changes) -> Rollout:
     base = Rollout(
-        rollout_id=f"{task}:{index}", group_id=task, task_id=task, run_id=RUN, sample_index=index, group_size=G,
-        prompt_token_ids=np.array([1, 5, 6], dtype=np.int32), completion_token_ids=np.array([7, 2], dtype=np.int32),
-        inference_logprobs=np.array([-0.5, -0.1], dtype=np.float32), policy_versions=np.array([3, 3], dtype=np.uint64),
+        rollout_id=f"{task}:{index}",
+        group_id=task,
+        task_id=task,
+        run_id=RUN,
+        sample_index=index,
+        group_size=G,
+        prompt_token_ids=np.array([1, 5, 6], dtype=np.int32),
+        completion_token_ids=np.array([7, 2], dtype=np.int32),
+        inference_logprobs=np.array([-0.5, -0.1], dtype=np.float32),
+        policy_versions=np.array([3, 3], dtype=np.uint64),
         reward=float(index % 2),
     )
     return dataclasses.replace(base, **changes)
 
 
 def entry(r: Rollout, lease: str = STAMP, published: int = G, task: str | None = None) -> dict[bytes, bytes]:
-    return {b"task": (task or r.task_id).encode(), b"lease": lease.encode(), b"n": str(published).encode(),
-            b"r": encode_rollout(r)}
+    return {
+        b"task": (task or r.task_id).encode(),
+        b"lease": lease.encode(),
+        b"n": str(published).encode(),
+        b"r": encode_rollout(r),
+    }
 
 
 def buffer() -> GroupBuffer:
@@ -73,9 +84,15 @@ def test_foreign_and_stray_entries_are_dead_without_harming_the_real_group():
         "task_mismatch": accept(buf, "x7", entry(rollout("t2", 0), task="t1")),
     }
     assert {k: v.code for k, v in verdicts.items()} == {
-        "missing": "missing_field", "garbage": "decode", "other_run": "other_run", "eval": "eval_rollout",
-        "unleased": "no_lease", "stale_lease": "no_lease", "before_its_task": "no_lease",
-        "task_mismatch": "task_mismatch"}
+        "missing": "missing_field",
+        "garbage": "decode",
+        "other_run": "other_run",
+        "eval": "eval_rollout",
+        "unleased": "no_lease",
+        "stale_lease": "no_lease",
+        "before_its_task": "no_lease",
+        "task_mismatch": "task_mismatch",
+    }
     assert all(v.kind == "dead" and not v.group for v in verdicts.values()) and not buf.dead_groups
     for index in range(G):  # the real group is untouched and completes
         assert accept(buf, f"e{index}", entry(rollout("t1", index))).kind == "held"
@@ -115,8 +132,13 @@ def test_mis_sized_over_full_and_misnamed_groups_are_refused():
 def test_future_versions_and_rollouts_longer_than_the_context():
     buf = buffer()
     assert accept(buf, "e0", entry(rollout("t1", 0)), version=2).code == "future_version"  # tokens of v3 at v2
-    long = rollout("t2", 0, completion_token_ids=np.full(70, 3, dtype=np.int32),
-                   inference_logprobs=np.full(70, -0.2, dtype=np.float32), policy_versions=np.full(70, 3, np.uint64))
+    long = rollout(
+        "t2",
+        0,
+        completion_token_ids=np.full(70, 3, dtype=np.int32),
+        inference_logprobs=np.full(70, -0.2, dtype=np.float32),
+        policy_versions=np.full(70, 3, np.uint64),
+    )
     assert accept(buf, "e1", entry(long)).code == "oversize"  # 73 tokens, the model has 64 positions
 
 

@@ -24,6 +24,9 @@ def test_no_hash_field_is_written_as_a_bare_string():
     """hset/hget/hmget/hsetnx/hincrby on the run or trainer hash name their field by the enums."""
     call = re.compile(r"\.(?:hset|hget|hmget|hsetnx|hincrby)\(self\.keys\.(?:run|trainer),\s*(\"|\[\"|mapping=\{\")")
     assert call.search('await self.redis.hget(self.keys.run, "state")')  # what it catches
-    bare = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in sorted((ROOT / "services").rglob("*.py"))
-            for m in call.finditer(p.read_text())]
+    bare = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in sorted((ROOT / "services").rglob("*.py"))
+        for m in call.finditer(p.read_text())
+    ]
     assert not bare, bare

@@ -24,8 +24,12 @@ def modules_named(path: Path) -> set[str]:
             named |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             named.add(node.module)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             named.add(str(node.args[0].value))  # importlib.import_module("x.y"), __import__("x.y")
         elif isinstance(node, ast.List | ast.Tuple):  # [sys.executable, "-m", "x.y"]
             values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
@@ -39,15 +43,22 @@ def sources(package: str, root: Path = ROOT) -> list[Path]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_imports_go_downwards(package):
-    bad = {f"{path.relative_to(ROOT)} → {name}" for path in sources(package) for name in modules_named(path)
-           if name.split(".")[0] in FORBIDDEN[package]}
+    bad = {
+        f"{path.relative_to(ROOT)} → {name}"
+        for path in sources(package)
+        for name in modules_named(path)
+        if name.split(".")[0] in FORBIDDEN[package]
+    }
     assert not bad, sorted(bad)
 
 
 def test_the_core_is_pure():
-    bad = {f"{path.relative_to(ROOT)} → {name}" for path in (ROOT / "shared" / "core").glob("*.py")
-           for name in modules_named(path) if name.split(".")[0] not in CORE_ALLOWED
-           or (name.startswith("shared.") and not name.startswith("shared.core"))}
+    bad = {
+        f"{path.relative_to(ROOT)} → {name}"
+        for path in (ROOT / "shared" / "core").glob("*.py")
+        for name in modules_named(path)
+        if name.split(".")[0] not in CORE_ALLOWED or (name.startswith("shared.") and not name.startswith("shared.core"))
+    }
     assert not bad, sorted(bad)
 
 
@@ -76,8 +87,10 @@ def test_no_module_imports_itself_through_others(package):
 
 def test_the_check_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import importlib\nfrom services.trainer import config\nimportlib.import_module('bench.suite')\n"
-                   "cmd = [python, '-m', 'steadyrl.cli']\nlog = getLogger('steadyrl.trainer')\n")
+    bad.write_text(
+        "import importlib\nfrom services.trainer import config\nimportlib.import_module('bench.suite')\n"
+        "cmd = [python, '-m', 'steadyrl.cli']\nlog = getLogger('steadyrl.trainer')\n"
+    )
     assert modules_named(bad) == {"importlib", "services.trainer", "bench.suite", "steadyrl.cli"}
 
 

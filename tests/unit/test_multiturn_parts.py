@@ -21,22 +21,45 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def rollout(mask: list[bool], turns: int, finish: str = "done", **env) -> Rollout:
     n = len(mask)
-    return Rollout(rollout_id="t:0", group_id="t", prompt_token_ids=np.array([1], dtype=np.int32),
-                   completion_token_ids=np.ones(n, dtype=np.int32), inference_logprobs=np.zeros(n, dtype=np.float32),
-                   policy_versions=np.zeros(n, dtype=np.uint64), reward=0.0, loss_mask=np.array(mask), turns=turns,
-                   finish_reason=finish, env_metrics=env)
+    return Rollout(
+        rollout_id="t:0",
+        group_id="t",
+        prompt_token_ids=np.array([1], dtype=np.int32),
+        completion_token_ids=np.ones(n, dtype=np.int32),
+        inference_logprobs=np.zeros(n, dtype=np.float32),
+        policy_versions=np.zeros(n, dtype=np.uint64),
+        reward=0.0,
+        loss_mask=np.array(mask),
+        turns=turns,
+        finish_reason=finish,
+        env_metrics=env,
+    )
 
 
 def test_trajectory_metrics_by_hand():
     a = rollout([True] * 4 + [False] * 2 + [True] * 2, 2, tool_calls=1.0, tool_success=1.0)
     b = rollout([True] * 3, 1, "max_tokens")
-    single = Rollout(rollout_id="s:0", group_id="s", prompt_token_ids=np.array([1], dtype=np.int32),
-                     completion_token_ids=np.ones(5, dtype=np.int32), inference_logprobs=np.zeros(5, dtype=np.float32),
-                     policy_versions=np.zeros(5, dtype=np.uint64), reward=1.0)
+    single = Rollout(
+        rollout_id="s:0",
+        group_id="s",
+        prompt_token_ids=np.array([1], dtype=np.int32),
+        completion_token_ids=np.ones(5, dtype=np.int32),
+        inference_logprobs=np.zeros(5, dtype=np.float32),
+        policy_versions=np.zeros(5, dtype=np.uint64),
+        reward=1.0,
+    )
     assert trajectory_metrics([single]) == {}  # a single-turn step has none
     m = trajectory_metrics([a, b, single])
-    assert m == pytest.approx({"turns_mean": 1.5, "turn_tokens_mean": 9 / 3, "env_tokens_fraction": 2 / 11,
-                               "trajectories_done": 0.5, "env_tool_calls": 0.5, "env_tool_success": 0.5})
+    assert m == pytest.approx(
+        {
+            "turns_mean": 1.5,
+            "turn_tokens_mean": 9 / 3,
+            "env_tokens_fraction": 2 / 11,
+            "trajectories_done": 0.5,
+            "env_tool_calls": 0.5,
+            "env_tool_success": 0.5,
+        }
+    )
 
 
 def settings(**fields) -> OrchestratorSettings:
@@ -52,18 +75,23 @@ def test_multi_turn_tasks_carry_their_environment_budget_and_prompt_text(calc_mo
     assert task.task_name == "exact_match" and task.answer == tasks.train[0].answer
     single = Tasks(settings(model_path=str(calc_model_dir))).make("train-0", tasks.train[0], 8, 1.0, False, 0)
     assert single.environment == "" and list(single.prompt_token_ids) and not single.HasField("budget")
-    agent = settings(model_path=str(calc_model_dir), task="calc", environment="agent:prog --x", max_trajectory_tokens=30)
+    agent = settings(
+        model_path=str(calc_model_dir), task="calc", environment="agent:prog --x", max_trajectory_tokens=30
+    )
     made = Tasks(agent).make("train-1", tasks.train[1], 8, 1.0, False, 0)
     assert (made.environment, made.budget.max_tokens) == ("agent:prog --x", 30)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"environment": "nope"}, "no environment named 'nope'"),
-    ({"environment": "tests.envs:Missing"}, "cannot be imported"),
-    ({"environment": "agent:  "}, "names its command"),
-    ({"task": "calc", "environment": "tests.envs:Echo"}, "played by the environment 'calc' or an agent"),
-    ({"max_turns": 0}, "max_turns"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"environment": "nope"}, "no environment named 'nope'"),
+        ({"environment": "tests.envs:Missing"}, "cannot be imported"),
+        ({"environment": "agent:  "}, "names its command"),
+        ({"task": "calc", "environment": "tests.envs:Echo"}, "played by the environment 'calc' or an agent"),
+        ({"max_turns": 0}, "max_turns"),
+    ],
+)
 def test_a_bad_environment_is_refused_before_anything_starts(fields, message):
     with pytest.raises(ValidationError, match=message):
         settings(**fields)

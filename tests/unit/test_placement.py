@@ -18,8 +18,9 @@ GPU_RUN = ["run.replicas=2", "inference.gpus_per_replica=2", "trainer.gpus=4", "
 
 def planned(tmp_path, overrides, gpus: int) -> Launch:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    launch = Launch(load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides), tmp_path, "model",
-                    gpus_available=gpus)
+    launch = Launch(
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides), tmp_path, "model", gpus_available=gpus
+    )
     launch.plan("redis://127.0.0.1:1/0")
     return launch
 
@@ -28,8 +29,13 @@ def test_each_process_gets_its_own_gpus_and_the_trainer_runs_under_torchrun(tmp_
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)  # a GPU box has vLLM
     launch = planned(tmp_path, GPU_RUN, gpus=8)
     devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services}
-    assert devices == {"weightsync": "", "trainer": "0,1,2,3", "inference-0": "4,5", "inference-1": "6,7",
-                       "orchestrator": ""}
+    assert devices == {
+        "weightsync": "",
+        "trainer": "0,1,2,3",
+        "inference-0": "4,5",
+        "inference-1": "6,7",
+        "orchestrator": "",
+    }
     trainer = next(s for s in launch.services if s.name == "trainer")
     assert trainer.argv[:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port"]
     assert trainer.argv[-2:] == ["-m", "services.trainer"]
@@ -42,8 +48,11 @@ def test_each_process_gets_its_own_gpus_and_the_trainer_runs_under_torchrun(tmp_
 
 def test_a_recipe_needing_more_gpus_than_exist_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
-    with pytest.raises(ValueError, match=r"needs 8 GPUs \(trainer.gpus 4 \+ 2 replicas × inference.gpus_per_replica "
-                                         r"2\) and this machine has 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 8 GPUs \(trainer.gpus 4 \+ 2 replicas × inference.gpus_per_replica "
+        r"2\) and this machine has 4",
+    ):
         planned(tmp_path, GPU_RUN, gpus=4)
     assert not (tmp_path / "logs").exists()
 
@@ -56,18 +65,26 @@ def test_on_the_cpu_nothing_changes(tmp_path):
     trainer = next(s for s in cpu_ranks.services if s.name == "trainer")
     assert trainer.argv[3] == "2" and trainer.devices["CUDA_VISIBLE_DEVICES"] == ""
     assert plan_placement(0, 0, 3, 0, 0).replicas == ((), (), ())
-    assert engine_options(InferenceSettings(model_path="m", engine="torch")) == {"max_num_seqs": 256,
-                                                                                "update_mode": "in_flight"}
+    assert engine_options(InferenceSettings(model_path="m", engine="torch")) == {
+        "max_num_seqs": 256,
+        "update_mode": "in_flight",
+    }
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_quantization_options_reach_each_engine_as_it_takes_them(fmt):
-    torch_options = engine_options(InferenceSettings(model_path="m", engine="torch", quantization=fmt,
-                                                     quantize_router=True, quantize_activations=True))
+    torch_options = engine_options(
+        InferenceSettings(
+            model_path="m", engine="torch", quantization=fmt, quantize_router=True, quantize_activations=True
+        )
+    )
     assert torch_options["quantization"] == fmt and torch_options["quantize_router"] is True
     assert torch_options["quantize_activations"] is True
-    vllm_options = engine_options(InferenceSettings(model_path="m", engine="vllm", quantization=fmt, quantize_router=True,
-                                                    quantize_activations=True))
+    vllm_options = engine_options(
+        InferenceSettings(
+            model_path="m", engine="vllm", quantization=fmt, quantize_router=True, quantize_activations=True
+        )
+    )
     assert vllm_options["quantization"] == fmt  # vLLM's own schemes have no such switches
     assert "quantize_router" not in vllm_options and "quantize_activations" not in vllm_options
 
@@ -93,13 +110,22 @@ def test_a_torch_engine_asked_for_a_gpu_without_one_says_so(tiny_model_dir):
 def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
     one = planned(tmp_path / "one", ["run.colocate=true", "trainer.gpus=1", "inference.gpus_per_replica=1"], gpus=1)
     assert {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in one.services} == {
-        "weightsync": "", "trainer": "0", "inference-0": "0", "orchestrator": ""}
+        "weightsync": "",
+        "trainer": "0",
+        "inference-0": "0",
+        "orchestrator": "",
+    }
     assert plan_placement(4, 0, 3, 2, 4, colocate=True).replicas == ((0, 1), (2, 3), (0, 1))  # wraps around
     assert plan_placement(2, 0, 2, 1, 2, colocate=True).trainer == (0, 1)
-    with pytest.raises(ValueError, match=r"it needs trainer.gpus >= inference.gpus_per_replica >= 1 \(they are 0 and 1\)"):
+    with pytest.raises(
+        ValueError, match=r"it needs trainer.gpus >= inference.gpus_per_replica >= 1 \(they are 0 and 1\)"
+    ):
         planned(tmp_path / "cpu", ["run.colocate=true", "inference.gpus_per_replica=1"], gpus=1)
-    with pytest.raises(ValueError, match=r"needs 2 GPUs \(trainer.gpus, the replicas colocated on them\) and this "
-                                         r"machine has 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 2 GPUs \(trainer.gpus, the replicas colocated on them\) and this "
+        r"machine has 1",
+    ):
         planned(tmp_path / "few", ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1"], gpus=1)
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
     vllm = ["run.colocate=true", "trainer.gpus=1", "inference.gpus_per_replica=1", "inference.engine=vllm"]
@@ -109,11 +135,19 @@ def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
     assert next(s for s in shared.services if s.name == "inference-0").devices["CUDA_VISIBLE_DEVICES"] == "0"
     # the services start at once, but one on a GPU already in use waits for the earlier ones there
     assert start_after(shared.services) == [set(), set(), {"trainer"}, set()]
-    two = planned(tmp_path / "two", ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1",
-                                     "run.replicas=3"], gpus=2)
+    two = planned(
+        tmp_path / "two",
+        ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1", "run.replicas=3"],
+        gpus=2,
+    )
     assert dict(zip([s.name for s in two.services], start_after(two.services), strict=True)) == {
-        "weightsync": set(), "trainer": set(), "inference-0": {"trainer"}, "inference-1": {"trainer"},
-        "inference-2": {"trainer", "inference-0"}, "orchestrator": set()}
+        "weightsync": set(),
+        "trainer": set(),
+        "inference-0": {"trainer"},
+        "inference-1": {"trainer"},
+        "inference-2": {"trainer", "inference-0"},
+        "orchestrator": set(),
+    }
     apart = planned(tmp_path / "apart", ["trainer.gpus=1", "inference.gpus_per_replica=1", "run.replicas=2"], gpus=3)
     assert start_after(apart.services) == [set()] * 5
 
@@ -130,14 +164,24 @@ def test_the_policy_eval_replica_is_one_more_replica_serving_unquantised(tmp_pat
     assert devices == {"inference-0": "4,5", "inference-1": "6,7", "inference-policy": "8,9"}
     settings = {s.name: build_settings("inference", s.env) for s in launch.services if s.name.startswith("inference")}
     assert [(s.pool, s.quantization, s.replica_id, s.engine, s.dtype) for s in settings.values()] == [
-        ("rollouts", "fp8", "replica-0", "vllm", "bfloat16"), ("rollouts", "fp8", "replica-1", "vllm", "bfloat16"),
-        ("policy_eval", "none", "replica-policy", "vllm", "bfloat16")]
-    cpu = planned(tmp_path / "cpu", ['inference.quantization="fp4"', "inference.quantize_activations=true",
-                                     "orchestrator.policy_eval=true"], gpus=0)
+        ("rollouts", "fp8", "replica-0", "vllm", "bfloat16"),
+        ("rollouts", "fp8", "replica-1", "vllm", "bfloat16"),
+        ("policy_eval", "none", "replica-policy", "vllm", "bfloat16"),
+    ]
+    cpu = planned(
+        tmp_path / "cpu",
+        ['inference.quantization="fp4"', "inference.quantize_activations=true", "orchestrator.policy_eval=true"],
+        gpus=0,
+    )
     policy = build_settings("inference", next(s for s in cpu.services if s.name == "inference-policy").env)
     assert (policy.quantization, policy.quantize_activations, policy.engine) == ("none", False, "torch")
-    assert [s.name for s in cpu.services] == ["weightsync", "trainer", "inference-0", "inference-policy",
-                                              "orchestrator"]
+    assert [s.name for s in cpu.services] == [
+        "weightsync",
+        "trainer",
+        "inference-0",
+        "inference-policy",
+        "orchestrator",
+    ]
     # the run's end waits for π's replica to report the last version too, not only the rollout replicas
     assert cpu.inference_replicas() == 2
     rollouts_only = {"trainer_version": 4, "replica_versions": {"replica-0": 4}}

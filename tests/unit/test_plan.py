@@ -43,8 +43,7 @@ def test_the_moe_recipe_is_sized_from_the_model_s_parameters():
 
 def test_nodes_and_hsdp_change_what_each_rank_and_node_holds():
     fsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400")
-    hsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400",
-                 "trainer.parallel=hsdp")
+    hsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400", "trainer.parallel=hsdp")
     one = sized("gpu-qwen3-moe-math")
     n = one["model"]["parameters"]
     assert fsdp["trainer"]["params_grads_adamw_bytes_per_rank"] == 16 * n / 16
@@ -61,17 +60,34 @@ def test_a_dense_model_has_no_trace():
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_the_readme_shows_the_command_s_own_tables(recipe):
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "plan", f"configs/{recipe}.toml", "--model-config",
-                           f"configs/models/{RECIPES[recipe]}.json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "plan",
+            f"configs/{recipe}.toml",
+            "--model-config",
+            f"configs/models/{RECIPES[recipe]}.json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == render(sized(recipe), load_run_config(ROOT / "configs" / f"{recipe}.toml").run_id)
     assert done.stdout.strip() in (ROOT / "README.md").read_text()
 
 
 def test_a_missing_model_config_is_refused_with_a_pointer():
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "plan", "configs/gpu-qwen3-math.toml"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "steadyrl.cli", "plan", "configs/gpu-qwen3-math.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--model-config" in done.stderr
 
 
@@ -84,13 +100,23 @@ def quantity(text: str) -> float:
 def undersized(docs: list[dict], p: dict, recipe) -> list[str]:
     """Every rendered resource of the gpu overlay that is below what the plan says it must hold."""
     named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-    pods = {name: d["spec"]["template"]["spec"] for (kind, name), d in named.items()
-            if kind in ("Deployment", "StatefulSet")}
+    pods = {
+        name: d["spec"]["template"]["spec"]
+        for (kind, name), d in named.items()
+        if kind in ("Deployment", "StatefulSet")
+    }
     first = {name: pod["containers"][0] for name, pod in pods.items()}
-    claims = {name: quantity(d["spec"]["resources"]["requests"]["storage"]) for (kind, name), d in named.items()
-              if kind == "PersistentVolumeClaim"}
-    template = {name: quantity(named["StatefulSet", name]["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]
-                               ["requests"]["storage"]) for name in ("trainer", "redis")}
+    claims = {
+        name: quantity(d["spec"]["resources"]["requests"]["storage"])
+        for (kind, name), d in named.items()
+        if kind == "PersistentVolumeClaim"
+    }
+    template = {
+        name: quantity(
+            named["StatefulSet", name]["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+        )
+        for name in ("trainer", "redis")
+    }
     spill = next(v for v in pods["weightsync"]["volumes"] if v["name"] == "spill")["emptyDir"]["sizeLimit"]
     redis = first["redis"]
     maxmemory = quantity(next(e["value"] for e in redis["env"] if e["name"] == "REDIS_MAXMEMORY"))
@@ -115,8 +141,10 @@ def undersized(docs: list[dict], p: dict, recipe) -> list[str]:
         "replica GPUs != gpus_per_replica": first["inference"]["resources"]["limits"]["nvidia.com/gpu"] == replica_gpus,
         "KEDA maxReplicaCount != the inference GPU budget / a replica's": scaler["maxReplicaCount"]
         == p["gpus"]["inference"] // replica_gpus,
-        "KEDA scale-down stabilization <= a replica's load time": scaler["advanced"]["horizontalPodAutoscalerConfig"]
-        ["behavior"]["scaleDown"]["stabilizationWindowSeconds"] > startup["failureThreshold"] * startup["periodSeconds"],
+        "KEDA scale-down stabilization <= a replica's load time": scaler["advanced"]["horizontalPodAutoscalerConfig"][
+            "behavior"
+        ]["scaleDown"]["stabilizationWindowSeconds"]
+        > startup["failureThreshold"] * startup["periodSeconds"],
     }
     return [name for name, ok in checks.items() if not ok]
 
@@ -140,15 +168,30 @@ def test_the_gpu_overlay_holds_what_the_plan_says(tmp_path):
     overlay = tmp_path / "deploy" / "k8s" / "overlays" / "gpu" / "kustomization.yaml"
     overlay.write_text(overlay.read_text().replace("value: 24gb", "value: 4gb"))
     assert undersized(render_overlay("gpu", tmp_path / "deploy"), p, recipe) == [
-        "model volume < the model on disk", "Redis maxmemory < queue + dead letters"]
+        "model volume < the model on disk",
+        "Redis maxmemory < queue + dead letters",
+    ]
 
 
 def test_dry_run_includes_the_plan_when_the_model_is_on_the_machine(tiny_model_dir):
     import json
 
-    done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", "configs/tiny-arith.toml", "--set",
-                           f"model.path={tiny_model_dir}", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadyrl.cli",
+            "run",
+            "configs/tiny-arith.toml",
+            "--set",
+            f"model.path={tiny_model_dir}",
+            "--dry-run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     shown = json.loads(done.stdout)["plan"]
     assert shown["model"]["parameters"] == model_size(model_config(tiny_model_dir)).parameters > 100_000

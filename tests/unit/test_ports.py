@@ -17,11 +17,14 @@ def bind_fails(port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("32768\t60999\n", (LOWEST, 32767)),  # Linux's default: below it, where outgoing connections never land
-    ("1024 65535\n", (LOWEST, 49151)),  # an ephemeral range with no room below it
-    ("", (LOWEST, 49151)),  # unreadable
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("32768\t60999\n", (LOWEST, 32767)),  # Linux's default: below it, where outgoing connections never land
+        ("1024 65535\n", (LOWEST, 49151)),  # an ephemeral range with no room below it
+        ("", (LOWEST, 49151)),  # unreadable
+    ],
+)
 def test_ports_are_drawn_below_the_ephemeral_range(tmp_path, text, expected):
     (tmp_path / "range").write_text(text)
     assert listen_range(tmp_path / "range") == expected

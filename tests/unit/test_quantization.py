@@ -198,7 +198,7 @@ def test_the_torch_engine_computes_w8a8_on_its_own_thread(tiny_model_dir):
     tokens, served = logprobs[True]
     ids = torch.tensor([prompt + list(tokens)])
     with torch.no_grad(), QuantizedActivations([params[n] for n in names]):
-        logits = reference(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+        logits = reference(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
     assert torch.allclose(served, expected, atol=1e-5)
     assert (served - logprobs[False][1]).abs().max() > 1e-4 or tokens != logprobs[False][0]

@@ -34,15 +34,18 @@ def unresolved(reference: str) -> str | None:
 
 
 def test_every_dotted_reference_resolves():
-    bad = [f"{path.relative_to(ROOT)}: {ref} ({why})" for path in texts() for ref in set(DOTTED.findall(path.read_text()))
-           if not ref.startswith(NOT_PYTHON) and (why := unresolved(ref))]
+    bad = [
+        f"{path.relative_to(ROOT)}: {ref} ({why})"
+        for path in texts()
+        for ref in set(DOTTED.findall(path.read_text()))
+        if not ref.startswith(NOT_PYTHON) and (why := unresolved(ref))
+    ]
     assert not bad, bad
 
 
 def test_the_check_sees_what_does_not_exist():
     assert unresolved("shared.keys.RunKeys") is None and unresolved("shared.core") is None
-    assert unresolved("shared.weightsync.grpc.GrpcWeightSubscriber") == \
-        "GrpcWeightSubscriber is not defined in grpc.py"
+    assert unresolved("shared.weightsync.grpc.GrpcWeightSubscriber") == "GrpcWeightSubscriber is not defined in grpc.py"
     assert unresolved("shared.nowhere.X") == "nowhere is not defined in __init__.py"
 
 

@@ -102,24 +102,37 @@ def test_round_trip_property(prompt_len, completion_len, layers, top_k, experts,
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 8), st.integers(0, 3), st.sampled_from([8, 300]), st.booleans(), st.text(max_size=8),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 8),
+    st.integers(0, 3),
+    st.sampled_from([8, 300]),
+    st.booleans(),
+    st.text(max_size=8),
+    st.integers(0, 2**31 - 1),
+)
 def test_encode_samples_equals_encoding_each_rollout(group, layers, experts, is_eval, group_id, seed):
     from shared.engines import Sample
     from shared.rpc.steadyrl.v1 import common_pb2
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 2**31 - 1, int(rng.integers(1, 20))).tolist()
-    task = common_pb2.PromptTask(task_id=f"t{seed}", run_id="run", group_id=group_id, prompt_token_ids=prompt,
-                                 is_eval=is_eval)
+    task = common_pb2.PromptTask(
+        task_id=f"t{seed}", run_id="run", group_id=group_id, prompt_token_ids=prompt, is_eval=is_eval
+    )
     samples = []
     for _ in range(group):
         n = int(rng.integers(1, 12))
         trace = rng.integers(0, experts, size=(len(prompt) + n - 1, layers, 2)) if layers else None
-        samples.append(Sample(token_ids=rng.integers(0, 2**31 - 1, n).tolist(), logprobs=(-rng.random(n) * 9).tolist(),
-                              versions=sorted(rng.integers(0, 2**40, n).tolist()), finish_reason="length",
-                              routing_trace=None if trace is None else trace.astype(np.uint16 if experts > 256 else np.uint8),
-                              num_experts=experts if layers else 0))
+        samples.append(
+            Sample(
+                token_ids=rng.integers(0, 2**31 - 1, n).tolist(),
+                logprobs=(-rng.random(n) * 9).tolist(),
+                versions=sorted(rng.integers(0, 2**40, n).tolist()),
+                finish_reason="length",
+                routing_trace=None if trace is None else trace.astype(np.uint16 if experts > 256 else np.uint8),
+                num_experts=experts if layers else 0,
+            )
+        )
     rewards = rng.random(group).tolist()
     timings = RolloutTimings(5, 6, 7, 0.25)
     expected = rollouts_from_samples(task, samples, rewards, "inf-0", "torch", timings)
@@ -136,8 +149,15 @@ def test_encode_samples_equals_encoding_each_rollout(group, layers, experts, is_
         ({"rollout_id": ""}, "missing_id"),
         ({"group_id": ""}, "missing_id"),
         ({"sample_index": 4}, "group"),
-        ({"completion_token_ids": np.array([], np.int32), "inference_logprobs": np.array([], np.float32),
-          "policy_versions": np.array([], np.uint64), "routing_trace": None}, "empty"),
+        (
+            {
+                "completion_token_ids": np.array([], np.int32),
+                "inference_logprobs": np.array([], np.float32),
+                "policy_versions": np.array([], np.uint64),
+                "routing_trace": None,
+            },
+            "empty",
+        ),
         ({"inference_logprobs": np.array([-1, -1, -1], np.float32)}, "length"),
         ({"policy_versions": np.array([1, 2], np.uint64)}, "length"),
         ({"inference_logprobs": np.array([-1, np.nan, -1, -1], np.float32)}, "nonfinite_logprobs"),
@@ -183,8 +203,9 @@ def test_trace_bytes_that_do_not_fit_the_shape():
         decode_rollout(msg.SerializeToString())
 
 
-def correlated_trace(positions: int, layers: int = 48, top_k: int = 8, experts: int = 128, keep: float = 0.5,
-                     seed: int = 0) -> np.ndarray:
+def correlated_trace(
+    positions: int, layers: int = 48, top_k: int = 8, experts: int = 128, keep: float = 0.5, seed: int = 0
+) -> np.ndarray:
     """A 30B-A3B-shaped trace: distinct top-k sets; each (layer, slot) keeps the previous token's
     expert with probability `keep` (0: uniformly random sets)."""
     rng = np.random.default_rng(seed)
@@ -239,8 +260,10 @@ def test_fuzz_random_and_corrupted_bytes_raise_only_rollout_error():
     """10,000 inputs: random bytes, and valid encodings bit-flipped, truncated, spliced (one of
     them with a zstd-compressed trace)."""
     rng = np.random.default_rng(1234)
-    seeds = [encode_rollout(make_rollout(p, c, trace=t)) for p, c, t in [(3, 4, True), (5, 9, True), (2, 2, False),
-                                                                           (30, 40, True)]]
+    seeds = [
+        encode_rollout(make_rollout(p, c, trace=t))
+        for p, c, t in [(3, 4, True), (5, 9, True), (2, 2, False), (30, 40, True)]
+    ]
     assert b"\x28\xb5\x2f\xfd" in seeds[-1]  # the zstd frame's magic number
     outcomes = {"accepted": 0, "rejected": 0}
     for i in range(10_000):

@@ -23,16 +23,24 @@ def test_a_stall_fails_only_while_tasks_keep_dying():
     verdict = watch.observe(130, trained=8, dead=3, step=1, metrics={})
     assert verdict.rule == "stalled" and "130 s" in verdict.reason and "3 train tasks" in verdict.reason
     assert watch.observe(131, trained=16, dead=3, step=2, metrics={}) is None  # a step: the clock starts again
-    assert StopWatch(RULES.model_copy(update={"stalled_seconds": 0, "dead_share": 1.0, "window_tasks": 10**6})) \
-        .observe(10**6, trained=0, dead=50, step=0, metrics={}) is None  # 0: never
+    assert (
+        StopWatch(RULES.model_copy(update={"stalled_seconds": 0, "dead_share": 1.0, "window_tasks": 10**6})).observe(
+            10**6, trained=0, dead=50, step=0, metrics={}
+        )
+        is None
+    )  # 0: never
 
 
 def test_failing_rewards_over_the_last_steps():
     watch = StopWatch(RULES)
     shares = {1: 0.9, 2: 0.0, 3: 0.6, 4: 0.9}  # windows of 3: mean 0.5 at step 3 (fires), 0.5 at step 4
-    verdicts = [watch.observe(s, trained=8 * s, dead=0, step=s, metrics={"step": s, "reward_failures": v})
-                for s, v in shares.items()]
+    verdicts = [
+        watch.observe(s, trained=8 * s, dead=0, step=s, metrics={"step": s, "reward_failures": v})
+        for s, v in shares.items()
+    ]
     assert verdicts[:2] == [None, None] and verdicts[2].rule == "reward_failures"
     healthy = StopWatch(RULES)
-    assert all(healthy.observe(s, trained=8 * s, dead=0, step=s, metrics={"step": s, "reward_failures": 0.1}) is None
-               for s in range(1, 50))
+    assert all(
+        healthy.observe(s, trained=8 * s, dead=0, step=s, metrics={"step": s, "reward_failures": 0.1}) is None
+        for s in range(1, 50)
+    )

@@ -103,7 +103,10 @@ def test_every_dataset_format_reads_the_same_rows_with_named_columns(tmp_path, k
     else:  # the layout datasets.Dataset.save_to_disk writes: Arrow IPC streams listed in state.json
         path.mkdir()
         table = pa.Table.from_pylist(rows)
-        with pa.OSFile(str(path / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        with (
+            pa.OSFile(str(path / "data-00000-of-00001.arrow"), "wb") as sink,
+            pa.ipc.new_stream(sink, table.schema) as w,
+        ):
             w.write_table(table)
         (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     task = MathTask(train_path=str(path), template="{problem}", prompt_column="q", answer_column="a")
@@ -122,12 +125,28 @@ def test_a_missing_dataset_or_column_stops_the_run_before_anything_starts(tmp_pa
     root = Path(__file__).resolve().parents[2]
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
-    for extra, message in ((["orchestrator.math_path=" + str(tmp_path / "missing.jsonl")], "does not exist"),
-                           (["orchestrator.math_path=" + str(data), "orchestrator.answer_column=gold"],
-                            "no answer column 'gold'")):
-        done = subprocess.run([sys.executable, "-m", "steadyrl.cli", "run", str(root / "configs" / "tiny-arith.toml"),
-                               "--set", "orchestrator.task=math", *[a for x in extra for a in ("--set", x)],
-                               "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=root)
+    for extra, message in (
+        (["orchestrator.math_path=" + str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["orchestrator.math_path=" + str(data), "orchestrator.answer_column=gold"], "no answer column 'gold'"),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "steadyrl.cli",
+                "run",
+                str(root / "configs" / "tiny-arith.toml"),
+                "--set",
+                "orchestrator.task=math",
+                *[a for x in extra for a in ("--set", x)],
+                "--out",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=root,
+        )
         assert done.returncode == 2 and message in done.stderr, done.stderr[-1500:]
         assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="expected a .jsonl, .json, .csv or .parquet"):
@@ -176,8 +195,10 @@ def test_mul_trace_answers_are_worked_traces_with_a_heavy_tail():
         MulTraceTask(max_answer_tokens=4)
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}a:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
 def test_prompts_go_through_the_tokenizers_chat_template_when_it_has_one(tmp_path, tiny_model_dir):

@@ -16,6 +16,7 @@ def test_scalars_round_trip_and_skip_what_is_no_scalar(tmp_path):
     event_file.write_bytes(event_file.read_bytes()[:-7])  # a record cut short by a crash
     assert read_scalars(tmp_path / "tb") == {"reward_mean": [(1, 0.25), (2, 0.5)], "tokens": [(1, 100.0)]}
 
+
 def test_scalars_off_write_nothing(tmp_path, monkeypatch):
     off = tmp_path / "off"
     off.mkdir()

@@ -39,8 +39,36 @@ def test_impossible_layouts_are_refused_by_the_settings():
 
 def test_a_node_runs_torchrun_elastic_or_at_a_fixed_rank():
     assert node_argv(8, 2, "n0:29400", "run", 3) == [
-        "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "n0:29400", "--rdzv-id", "run", "--max-restarts", "3", "-m", "services.trainer"]
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "n0:29400",
+        "--rdzv-id",
+        "run",
+        "--max-restarts",
+        "3",
+        "-m",
+        "services.trainer",
+    ]
     assert node_argv(0, 4, "n0:29500", "run", 3, node_rank=2) == [
-        "-m", "torch.distributed.run", "--nnodes", "4", "--nproc_per_node", "1", "--node-rank", "2",
-        "--master-addr", "n0", "--master-port", "29500", "-m", "services.trainer"]
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "4",
+        "--nproc_per_node",
+        "1",
+        "--node-rank",
+        "2",
+        "--master-addr",
+        "n0",
+        "--master-port",
+        "29500",
+        "-m",
+        "services.trainer",
+    ]

@@ -19,19 +19,26 @@ from shared.weightsync.manifest import WeightError, describe
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(300, 7, generator=gen).to(torch.bfloat16), "b": torch.randn(5000, generator=gen),
-            "c": torch.randint(0, 100, (64,), generator=gen)}
+    return {
+        "a": torch.randn(300, 7, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(5000, generator=gen),
+        "c": torch.randint(0, 100, (64,), generator=gen),
+    }
 
 
 def test_versions_through_a_ring_of_two_buckets_and_bad_ones_in_between():
     port = free_port()
     # buckets of 8 KiB: a (4200 B) alone, then b (20000 B) alone, then c (512 B)
-    transport = pb.Transport(kind=pb.COLLECTIVE, epoch=1, world_size=2, bucket_bytes=8192, backend="gloo",
-                             timeout_seconds=30)
+    transport = pb.Transport(
+        kind=pb.COLLECTIVE, epoch=1, world_size=2, bucket_bytes=8192, backend="gloo", timeout_seconds=30
+    )
     versions = {v: _state(v) for v in (1, 2, 3, 4)}
     manifests = {v: describe(s, v, v - 1) for v, s in versions.items()}
-    sent = {**versions, 2: {**versions[2], "b": versions[2]["b"] + 1},  # version 2: its second bucket is bad
-            3: {**versions[3], "a": versions[3]["a"] + 1}}  # version 3: its first
+    sent = {
+        **versions,
+        2: {**versions[2], "b": versions[2]["b"] + 1},  # version 2: its second bucket is bad
+        3: {**versions[3], "a": versions[3]["a"] + 1},
+    }  # version 3: its first
     results: dict = {}
     pointers: list[list[int]] = []
 

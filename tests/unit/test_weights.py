@@ -92,8 +92,13 @@ def test_a_version_file_gone_empty_cut_short_or_foreign_is_a_weight_error(tmp_pa
 
     with pytest.raises(WeightError, match="v1.safetensors: .*No such file"):
         map_version(tmp_path / "v1.safetensors")  # pruned between its announcement and the read
-    for name, data in [("empty", b""), ("short", b"\x01"), ("long", (1 << 40).to_bytes(8, "little") + b"{}"),
-                       ("text", (2).to_bytes(8, "little") + b"\xff\xfe"), ("list", (2).to_bytes(8, "little") + b"[]")]:
+    for name, data in [
+        ("empty", b""),
+        ("short", b"\x01"),
+        ("long", (1 << 40).to_bytes(8, "little") + b"{}"),
+        ("text", (2).to_bytes(8, "little") + b"\xff\xfe"),
+        ("list", (2).to_bytes(8, "little") + b"[]"),
+    ]:
         (tmp_path / name).write_bytes(data)
         with pytest.raises(WeightError, match=f"version file {name}: "):
             map_version(tmp_path / name)
