@@ -86,7 +86,8 @@ def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> di
             }
     sync, sync_speed = results["sync"]["seconds"], results["sync"]["seconds_per_version"]
     for name in ("async_1", "async_2"):
-        mine, speed = results[name]["seconds"], results[name]["seconds_per_version"]
+        mine = results[name]["seconds"]
+        speed = results[name]["seconds_per_version"]
         results[name]["speedup_vs_sync"] = round(sync / mine, 2) if sync and mine else None
         results[name]["versions_per_second_vs_sync"] = round(sync_speed / speed, 2) if sync_speed and speed else None
     return {"benchmark": "async", "target_accuracy": target, "steps": steps, "variants": results}

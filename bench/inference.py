@@ -31,8 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-TASKS, GROUP, MAX_INFLIGHT, MAX_ANSWER = 96, 4, 16, 256
-ROUNDS, VERSIONS = 5, 6
+TASKS = 96
+GROUP = 4
+MAX_INFLIGHT = 16
+MAX_ANSWER = 256
+ROUNDS = 5
+VERSIONS = 6
 TORCH_THREADS = 1
 MAX_POSITIONS = 320
 RUN_ID = "bench"  # one run (queue) per engine process
@@ -134,7 +138,8 @@ class Replica:
     async def __aenter__(self):
         from services.inference.server import serve
 
-        self.stop, ready = asyncio.Event(), asyncio.Event()
+        self.stop = asyncio.Event()
+        ready = asyncio.Event()
         self.task = asyncio.create_task(serve(self.settings, self.engine, ready, self.stop))
         await asyncio.wait_for(ready.wait(), 120)
         return self
@@ -171,7 +176,9 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
     from shared.weightsync.signing import Signer, write_key_pair
 
     engine.update_mode = mode
-    port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()
+    port = free_port()
+    stop = asyncio.Event()
+    ready = asyncio.Event()
     with tempfile.TemporaryDirectory() as spill:
         private, public = write_key_pair(Path(spill) / "keys")  # signed and checked, as deployed
         ws = asyncio.create_task(
@@ -186,7 +193,8 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
         publisher = GrpcWeightPublisher(f"127.0.0.1:{port}", Signer.from_file(private, RUN_ID))
         examples, prompts = workload()
         published: dict[int, float] = {}
-        submitted, feeding = 0, True
+        submitted = 0
+        feeding = True
 
         async def feed() -> None:  # the engine never runs dry while versions arrive
             nonlocal submitted
@@ -262,7 +270,9 @@ async def engine_bench(name: str, model_dir: str, dtype: str, redis_url: str) ->
     queue = WorkQueue(redis, RUN_ID)
     try:
         await bare_round(engine, examples[:8], prompts[:8])  # warm-up
-        bare, continuous, barrier = [], [], []
+        bare = []
+        continuous = []
+        barrier = []
         for r in range(ROUNDS):
             bare.append(await bare_round(engine, examples, prompts))
             continuous.append(

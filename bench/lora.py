@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-RANK, ROUNDS = 32, 5
+RANK = 32
+ROUNDS = 5
 REFIT_LAYERS = 4  # the wide bench model's layers for the refit sides (0.4 GiB in bf16)
 SHAPES = {
     "qwen3_moe_210m": {
@@ -137,7 +138,8 @@ def step_sides(model_dir) -> dict:
     from shared.training import StepConfig, train_step
 
     batch = collate(rollouts(model_dir))
-    models, optimizers = {}, {}
+    models = {}
+    optimizers = {}
     for side in ("full", "lora"):
         models[side], optimizers[side] = _side(model_dir, side)
     seconds: dict[str, list[float]] = {"full": [], "lora": []}
@@ -151,7 +153,8 @@ def step_sides(model_dir) -> dict:
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         held[side] = params + 3 * trained  # + gradient + AdamW's two moments
-    full_s, lora_s = statistics.median(seconds["full"][1:]), statistics.median(seconds["lora"][1:])
+    full_s = statistics.median(seconds["full"][1:])
+    lora_s = statistics.median(seconds["lora"][1:])
     return {
         "step_seconds": {"full": round(full_s, 4), "lora": round(lora_s, 4)},
         "lora_over_full_step_seconds": round(lora_s / full_s, 3),

@@ -29,7 +29,9 @@ SETTINGS = {  # name → (dtype, quantization, quantize_router, quantize_activat
     "bf16_fp4": ("bfloat16", "fp4", False, False),  # NVFP4 weights (W4A16)
     "bf16_fp4_w4a4": ("bfloat16", "fp4", False, True),  # NVFP4 weights and inputs: an FP4 engine's matmuls
 }
-PROMPTS, SAMPLES, MAX_NEW_TOKENS = 128, 4, 8
+PROMPTS = 128
+SAMPLES = 4
+MAX_NEW_TOKENS = 8
 
 
 def measure(

@@ -28,7 +28,10 @@ from pathlib import Path
 
 from shared.envs.base import Environment, Message, Step
 
-TASKS, GROUP, MAX_INFLIGHT, ROUNDS = 192, 4, 16, 5
+TASKS = 192
+GROUP = 4
+MAX_INFLIGHT = 16
+ROUNDS = 5
 SHAPES = ((3, 8), (2, 16))  # (model turns, tokens per turn): within the tiny model's 64 positions
 PROMPT = "12*34="
 
@@ -141,7 +144,9 @@ async def shape_bench(engine, model_dir: str, redis_url: str, turns: int, turn_t
     queue = WorkQueue(redis, RUN_ID)
     try:
         await bare_round(engine, prompt, total)  # warm-up
-        bare, single, multi = [], [], []
+        bare = []
+        single = []
+        multi = []
         for r in range(ROUNDS):
             tag = f"{turns}x{turn_tokens}-{r}"
             bare.append(await bare_round(engine, prompt, total))

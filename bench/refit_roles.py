@@ -91,7 +91,8 @@ class TreeMemory:
 
     @staticmethod
     def tree(root: int) -> list[int]:
-        pids, children = [root], {}
+        pids = [root]
+        children = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()

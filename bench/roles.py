@@ -53,7 +53,8 @@ def load(params: dict[str, torch.Tensor], tensors) -> None:
 
 
 def memcpy(nbytes: str) -> None:
-    source, target = synthetic_state(int(nbytes)), resident(int(nbytes))
+    source = synthetic_state(int(nbytes))
+    target = resident(int(nbytes))
     load(target, source)
     ready()
     load(target, source)
@@ -87,7 +88,8 @@ def shm_floor(nbytes: str, directory: str) -> None:
     from shared.weightsync.shm import read_shm, write_shm
 
     master = {name: tensor.float() for name, tensor in synthetic_state(int(nbytes)).items()}
-    target, folder = resident(int(nbytes)), Path(directory)
+    target = resident(int(nbytes))
+    folder = Path(directory)
 
     def refit(version: int) -> None:
         path = folder / f"v{version}.safetensors"

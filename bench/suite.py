@@ -31,7 +31,8 @@ BENCHMARKS = {
 
 def weight_rows(ws: dict) -> list[str]:
     """bench.weightsync's refit sides, each against memcpy of the same bytes, and the target ratios."""
-    mem, gib = _get(ws, "machine", "memcpy", "gib_per_s"), round(_get(ws, "model", "bytes", default=0) / 1024**3, 2)
+    mem = _get(ws, "machine", "memcpy", "gib_per_s")
+    gib = round(_get(ws, "model", "bytes", default=0) / 1024**3, 2)
     rows = [
         f"| weightsync | raw loopback TCP socket / memcpy ({_get(ws, 'machine', 'raw_socket_1', 'gib_per_s')} "
         f"vs {mem} GiB/s, {gib} GiB) | {_get(ws, 'machine', 'raw_socket_1', 'to_memcpy')} | – |"
@@ -150,7 +151,8 @@ def _get(data: dict, *path, default="–"):
 
 def markdown(result: dict) -> str:
     """The summary table of docs/BENCHMARKS.md: every ratio with its target."""
-    m, b = result["machine"], result["benchmarks"]
+    m = result["machine"]
+    b = result["benchmarks"]
     lines = [
         "# Benchmarks",
         "",

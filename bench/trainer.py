@@ -12,7 +12,9 @@ import time
 
 import torch
 
-GROUPS, GROUP, ROUNDS = 16, 8, 5
+GROUPS = 16
+GROUP = 8
+ROUNDS = 5
 
 
 def rollouts(model_dir):
@@ -46,8 +48,11 @@ def wider_model(model_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
-    config.hidden_size, config.moe_intermediate_size, config.intermediate_size = 512, 256, 512
-    config.num_attention_heads, config.num_key_value_heads = 8, 2  # layers stay 2: the traces fit
+    config.hidden_size = 512
+    config.moe_intermediate_size = 256
+    config.intermediate_size = 512
+    config.num_attention_heads = 8
+    config.num_key_value_heads = 2  # layers stay 2: the traces fit
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float().train()
 
@@ -59,7 +64,8 @@ def measure(model, batch) -> dict:
 
     routing = RoutingController(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    shares, steps = [], []
+    shares = []
+    steps = []
     for _ in range(ROUNDS):
         started = time.perf_counter()
         metrics = train_step(model, optimizer, routing, batch, GROUP, StepConfig(mini_batches=2, replay="r2"), 0)
@@ -81,11 +87,13 @@ def measure(model, batch) -> dict:
         return time.perf_counter() - started
 
     forward_backward(False)
-    free, replayed = [], []
+    free = []
+    replayed = []
     for _ in range(ROUNDS * 2):  # alternate, so drift hits both alike
         free.append(forward_backward(False))
         replayed.append(forward_backward(True))
-    free_s, replay_s = statistics.median(free), statistics.median(replayed)
+    free_s = statistics.median(free)
+    replay_s = statistics.median(replayed)
     routing.close()
     return {
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -41,7 +41,8 @@ from bench.trainer_memory import WIDE, local_bytes, rollouts, wide_model
 def peak_growth():
     """This process's peak private (anonymous) memory above its start while the block runs
     (`bench.refit_roles.TreeMemory`, sampled every 5 ms); yields a dict filled on exit."""
-    memory, result = TreeMemory(), {}
+    memory = TreeMemory()
+    result = {}
     memory.start(os.getpid())
     try:
         yield result
@@ -108,7 +109,9 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
             start_save(directory, flat, group, asynchronous=False)
             result["save_seconds"] = time.perf_counter() - started
     else:  # dcp_async: the steps go on while the shards are written
-        during, saves, staged = [], [], []
+        during = []
+        saves = []
+        staged = []
         with peak_growth() as peak:
             for i in range(3):
                 started = time.perf_counter()
@@ -138,7 +141,8 @@ def machine_limits(nbytes: int, directory: str) -> dict:
     """memcpy and a plain write + fsync of `nbytes` into `directory`, best of 3."""
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    copies, writes = [], []
+    copies = []
+    writes = []
     for _ in range(3):
         started = time.perf_counter()
         dst.copy_(src)
@@ -166,7 +170,10 @@ def trace_bytes() -> dict:
     from shared.rollout import trace_message
 
     rng = np.random.default_rng(0)
-    positions, layers, top_k, experts = 4096, 48, 8, 128
+    positions = 4096
+    layers = 48
+    top_k = 8
+    experts = 128
     random = np.argsort(rng.random((positions, layers, experts)), axis=-1)[..., :top_k]
     repeated = random.copy()
     for t in range(1, positions):

@@ -70,7 +70,8 @@ def measure(name: str, device: torch.device) -> dict:
     compute = Compute(device, torch.bfloat16 if precision == "bf16-mixed" else None, micro)
     train, group = batch()
     torch.cuda.reset_peak_memory_stats(device)
-    seconds, tokens = [], 0.0
+    seconds = []
+    tokens = 0.0
     for step in range(ROUNDS + 1):  # the first is a warm-up
         torch.cuda.synchronize(device)
         started = time.perf_counter()

@@ -18,14 +18,19 @@ SHAPES = {
     "moe_30b_a3b": {"prompt": 256, "completion": 2048, "layers": 48, "top_k": 8, "experts": 128, "rollouts": 256},
 }
 GROUP = 8
-STREAM, CONSUMER_GROUP = "bench:rollouts", "bench"
+STREAM = "bench:rollouts"
+CONSUMER_GROUP = "bench"
 
 
 def make_rollouts(shape: dict, seed: int = 0):
     from shared.rollout import Rollout
 
     rng = np.random.default_rng(seed)
-    p, c, layers, k, experts = shape["prompt"], shape["completion"], shape["layers"], shape["top_k"], shape["experts"]
+    p = shape["prompt"]
+    c = shape["completion"]
+    layers = shape["layers"]
+    k = shape["top_k"]
+    experts = shape["experts"]
     out = []
     for i in range(shape["rollouts"]):
         base = rng.integers(0, experts, size=(p + c - 1, layers, 1))
@@ -82,7 +87,8 @@ async def measure(redis_url: str, name: str, shape: dict, rounds: int) -> dict:
     limits = RolloutLimits(
         vocab_size=32000, num_layers=shape["layers"], top_k=shape["top_k"], num_experts=shape["experts"], max_version=7
     )
-    count, total = len(rollouts), sum(len(b) for b in encoded)
+    count = len(rollouts)
+    total = sum(len(b) for b in encoded)
 
     def steadyrl_payloads(a, b):
         return [encode_rollout(r) for r in rollouts[a:b]]
@@ -91,7 +97,8 @@ async def measure(redis_url: str, name: str, shape: dict, rounds: int) -> dict:
         validate_rollout(decode_rollout(data, limits), limits)
 
     redis = Redis.from_url(redis_url)
-    raw, full = [], []
+    raw = []
+    full = []
     try:
         for _ in range(rounds):  # alternate, so both see the same machine
             raw.append(await _through(redis, lambda a, b: encoded[a:b], count, lambda data: None))
@@ -99,7 +106,8 @@ async def measure(redis_url: str, name: str, shape: dict, rounds: int) -> dict:
         await redis.delete(STREAM)
     finally:
         await redis.aclose()
-    raw_s, full_s = statistics.median(raw), statistics.median(full)
+    raw_s = statistics.median(raw)
+    full_s = statistics.median(full)
     return {
         "shape": name,
         "rollouts": count,

@@ -228,7 +228,8 @@ def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> d
         after = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
         full = wire = 0
         for name, tensor in after.items():
-            data, base = tensor_to_bytes(tensor), tensor_to_bytes(before[name])
+            data = tensor_to_bytes(tensor)
+            base = tensor_to_bytes(before[name])
             _, encoded = encode_delta(data, base, digest(data) == digest(base))
             full += len(data)
             wire += len(encoded)

@@ -92,7 +92,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
     if not rollouts:
         raise ValueError("no rollouts to collate")
     lengths = [len(r.prompt_token_ids) + len(r.completion_token_ids) for r in rollouts]
-    batch, width = len(rollouts), max(lengths)
+    batch = len(rollouts)
+    width = max(lengths)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
     attention = torch.zeros(batch, width, dtype=torch.long)
     loss_mask = torch.zeros(batch, width - 1, dtype=torch.bool)
@@ -105,7 +106,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
         trace = torch.zeros(batch, width, layers, top_k, dtype=torch.long)
         trace_mask = torch.zeros(batch, width, dtype=torch.bool)
     for row, r in enumerate(rollouts):
-        prompt, completion = len(r.prompt_token_ids), len(r.completion_token_ids)
+        prompt = len(r.prompt_token_ids)
+        completion = len(r.completion_token_ids)
         tokens = np.concatenate([r.prompt_token_ids, r.completion_token_ids]).astype(np.int64)
         input_ids[row, : len(tokens)] = torch.from_numpy(tokens)
         attention[row, : len(tokens)] = 1

@@ -70,7 +70,8 @@ def broadcast_payloads(payloads: list[bytes] | None, tag: int = 0, src: int = 0)
     else:
         header = torch.zeros(2, dtype=torch.long, device=device)
     dist.broadcast(header, src)
-    count, tag = int(header[0]), int(header[1])
+    count = int(header[0])
+    tag = int(header[1])
     if count < 0:
         return None, tag
     if dist.get_rank() == src:
@@ -87,7 +88,8 @@ def broadcast_payloads(payloads: list[bytes] | None, tag: int = 0, src: int = 0)
         data = torch.zeros(int(lengths.sum()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src)
     raw = data.cpu().numpy().tobytes()
-    out, offset = [], 0
+    out = []
+    offset = 0
     for length in lengths.tolist():
         out.append(raw[offset : offset + length])
         offset += length

@@ -19,7 +19,8 @@ class LedgerCounts:
 
 class Ledger:
     def __init__(self, redis: Redis, run_id: str) -> None:
-        self.redis, self.keys = redis, RunKeys(run_id)
+        self.redis = redis
+        self.keys = RunKeys(run_id)
 
     async def counts(self) -> LedgerCounts:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -79,7 +79,10 @@ class WorkQueue(RolloutSink):
     def __init__(self, redis: Redis, run_id: str, dead_maxlen: int = 10_000, pool: str = "rollouts") -> None:
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
-        self.redis, self.run_id, self.dead_maxlen, self.pool = redis, run_id, dead_maxlen, pool
+        self.redis = redis
+        self.run_id = run_id
+        self.dead_maxlen = dead_maxlen
+        self.pool = pool
         self.run_keys = RunKeys(run_id)
         self._submit = redis.register_script(scripts.SUBMIT)
         self._lease = redis.register_script(scripts.LEASE)

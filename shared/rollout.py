@@ -239,7 +239,8 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("missing_id", f"rollout {rollout.rollout_id}: group_id is empty")
     if rollout.group_size < 1 or rollout.sample_index >= rollout.group_size:
         raise RolloutError("group", f"sample_index {rollout.sample_index} outside a group of {rollout.group_size}")
-    prompt_len, completion_len = len(rollout.prompt_token_ids), len(rollout.completion_token_ids)
+    prompt_len = len(rollout.prompt_token_ids)
+    completion_len = len(rollout.completion_token_ids)
     if prompt_len == 0 or completion_len == 0:
         raise RolloutError("empty", f"prompt has {prompt_len} tokens, completion {completion_len}")
     if prompt_len + completion_len > limits.max_total_tokens:

@@ -47,7 +47,8 @@ class ScalarLog:
         out_dir: Path | None = None,
         config: dict | None = None,
     ) -> None:
-        self.directory, self._writer = directory, None
+        self.directory = directory
+        self._writer = None
         makers = {}
         if tracking is not None and tracking.wandb_project:
             makers["wandb"] = lambda: WandbBackend(tracking, run_id, service, out_dir or Path("."), config or {})
@@ -92,7 +93,8 @@ class ExternalBackends:
     def __init__(self, makers: dict, status: Path | None = None) -> None:
         self._queue: queue.Queue = queue.Queue(BACKLOG)
         self.dropped = 0
-        self.status_path, self.status = status, {}
+        self.status_path = status
+        self.status = {}
         self._thread = threading.Thread(target=self._run, args=(makers,), name="tracking", daemon=True)
         self._thread.start()
 
@@ -270,7 +272,8 @@ def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(Path(directory).glob("events.out.tfevents.*")):
-        data, at = path.read_bytes(), 0
+        data = path.read_bytes()
+        at = 0
         while at + 12 <= len(data):  # TFRecord: length (8), its CRC (4), payload, payload CRC (4)
             (length,) = struct.unpack("<Q", data[at : at + 8])
             payload = data[at + 12 : at + 12 + length]

@@ -132,8 +132,10 @@ def recompute_old(
 ) -> OldPolicy:
     """log π_old once per global step, before any update, replaying R3 traces or capturing the
     routing for R2, in micro-batches; records the routing agreement with the inference traces."""
-    local, is_moe = plan.local, routing is not None and routing.is_moe
-    width, device = local.width, compute.device
+    local = plan.local
+    is_moe = routing is not None and routing.is_moe
+    width = local.width
+    device = compute.device
     logprobs = torch.zeros(local.size, width - 1, device=device) if not config.bypass else None
     captured = None
     for chunk in token_budget_chunks(local.lengths().tolist(), compute.micro_batch_tokens):
@@ -195,9 +197,11 @@ def update(
         at = torch.tensor([plan.position[row] for row in picked], device=compute.device)
         replay = replay_mask = None
         if config.replay == "r3":
-            replay, replay_mask = mb.trace, mb.trace_mask
+            replay = mb.trace
+            replay_mask = mb.trace_mask
         elif config.replay == "r2":
-            replay, replay_mask = old.routing.index_select(0, at)[:, :w], mb.attention_mask.bool()
+            replay = old.routing.index_select(0, at)[:, :w]
+            replay_mask = mb.attention_mask.bool()
         staleness = plan.staleness.index_select(0, torch.tensor(picked))[:, : w - 1].long().to(compute.device)
         with gradient_sync(model, i == len(chunks) - 1), routing_context(routing, replay, replay_mask):
             forward = sequence_logprobs(model, mb, compute=compute)  # replay stays on through the backward

@@ -58,7 +58,8 @@ def eval_values(evals: list[dict], steps: int) -> dict[str, str]:
             for e in sorted(evals, key=lambda e: e["step"])
             if name == "main" or name in e.get("sets", {})
         }
-        values, current = [], None
+        values = []
+        current = None
         for minute in range(steps):
             current = at_minute.get(minute, current)
             values.append("_" if current is None else repr(float(current)))

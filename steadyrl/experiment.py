@@ -108,7 +108,9 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
 
 def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, echo=print) -> dict:
     """The table, CSV and plots of the runs in `out` (scoring the final models not scored yet)."""
-    rows, runs, summary = [], {}, {}
+    rows = []
+    runs = {}
+    summary = {}
     for config in configs:
         config_rows = []
         for seed in range(seeds):

@@ -10,7 +10,9 @@ from steadyrl.grid import CURVES, GridConfig
 
 
 def moving_mean(values: list[float], window: int) -> list[float]:
-    out, total, queue = [], 0.0, []
+    out = []
+    total = 0.0
+    queue = []
     for v in values:
         queue.append(v)
         total += v

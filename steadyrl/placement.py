@@ -131,7 +131,8 @@ def gpu_inventory() -> int:
 
 def placement_of(config, settings: dict, available: int | None = None) -> Placement:
     """The placement of a checked recipe (`steadyrl.service_settings.check`'s settings)."""
-    trainer, inference = settings["trainer"], settings["inference"]
+    trainer = settings["trainer"]
+    inference = settings["inference"]
     if config.run.colocate and inference.engine == "vllm" and inference.vllm_gpu_memory_utilization > 0.5:
         raise ValueError(
             "run.colocate shares each GPU between the trainer and a vLLM replica: set "

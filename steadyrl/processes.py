@@ -68,7 +68,8 @@ class Launch:
         """Every service's command, environment, port and devices (nothing starts here)."""
         from shared.weightsync.signing import write_key_pair
 
-        c, out = self.config, self.out
+        c = self.config
+        out = self.out
         settings = check(c, self.gpus_available)
         placement = placement_of(c, settings, self.gpus_available)
         ws, trainer, master, orch_grpc = (self.ports.take() for _ in range(4))
@@ -125,7 +126,8 @@ class Launch:
             "quantize_activations": False,
         }  # π: the published weights, unquantised
         for index in range(len(placement.replicas)):
-            port, is_policy = self.ports.take(), index == c.replicas
+            port = self.ports.take()
+            is_policy = index == c.replicas
             self.services.append(
                 Service(
                     "inference-policy" if is_policy else f"inference-{index}",

@@ -54,8 +54,10 @@ class _PlainProgress:
     """`progress = "plain"`: a line every `every` steps, at each new eval and at the end."""
 
     def __init__(self, console, steps: int) -> None:
-        self.console, self.every = console, max(1, steps // 20) if steps else 10
-        self.next_step, self.evals = 0, 0
+        self.console = console
+        self.every = max(1, steps // 20) if steps else 10
+        self.next_step = 0
+        self.evals = 0
 
     def __enter__(self):
         return self
@@ -105,7 +107,8 @@ def watch(launch: Launch, supervisor: Supervisor, console, progress: str) -> dic
                 time.sleep(0.5)
                 continue
             if live is not None:
-                metrics, evals = read_jsonl(metrics_path), read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
+                metrics = read_jsonl(metrics_path)
+                evals = read_jsonl(launch.out / "orchestrator" / "eval.jsonl")
                 rows = progress_rows(
                     status,
                     metrics,

@@ -29,7 +29,8 @@ class GaveUp(RuntimeError):
 
 class Supervisor:
     def __init__(self, launch: Launch, echo: Callable[[str], None] = print) -> None:
-        self.launch, self.echo = launch, echo
+        self.launch = launch
+        self.echo = echo
         self.backoff: dict[str, Backoff] = {}
 
     def watched(self) -> Iterator[tuple[str, int | None, Callable[[], int]]]:

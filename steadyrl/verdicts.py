@@ -116,7 +116,8 @@ def read_runs(files: tuple[str, ...], root: Path = ROOT) -> list[Run]:
 
 def fisher_greater(a_hits: int, a_n: int, b_hits: int, b_n: int) -> float:
     """One-sided Fisher exact p that A's rate is above B's: P(A has ≥ a_hits | the margins)."""
-    hits, total = a_hits + b_hits, a_n + b_n
+    hits = a_hits + b_hits
+    total = a_n + b_n
     tail = sum(math.comb(hits, k) * math.comb(total - hits, a_n - k) for k in range(a_hits, min(a_n, hits) + 1))
     return tail / math.comb(total, a_n)
 
@@ -139,14 +140,16 @@ def matching(runs: list[Run], patterns: tuple[str, ...]) -> list[Run]:
 
 def judge(claim: Claim, runs: list[Run]) -> tuple[bool, str] | None:
     """(holds, the statistic as written) for one claim; None when the setting lacks its recipes."""
-    a, b = matching(runs, claim.a), matching(runs, claim.b)
+    a = matching(runs, claim.a)
+    b = matching(runs, claim.b)
     if not all(matching(runs, (p,)) for p in (*claim.a, *claim.b)):
         return None
     if claim.kind == "never_collapses":
         hits = sum(r.collapsed for r in a)
         return hits == 0, f"{hits}/{len(a)} collapsed"
     if claim.kind == "collapses_more":
-        ha, hb = sum(r.collapsed for r in a), sum(r.collapsed for r in b)
+        ha = sum(r.collapsed for r in a)
+        hb = sum(r.collapsed for r in b)
         p = fisher_greater(ha, len(a), hb, len(b))
         return p < 0.05, f"collapsed {ha}/{len(a)} vs {hb}/{len(b)}, Fisher p = {p:.3g}"
     diff, se, t = welch([r.score for r in a], [r.score for r in b])

@@ -12,7 +12,8 @@ import sys
 
 
 def main() -> None:
-    token, marker = sys.argv[1], sys.argv[2]
+    token = sys.argv[1]
+    marker = sys.argv[2]
     mine = os.getpid()
     others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != mine]
     seen_urls = 0

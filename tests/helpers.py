@@ -67,14 +67,17 @@ def wandb_records(directory: Path) -> list:
 
     out = []
     for path in sorted(Path(directory).rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime_ns):  # run order
-        data, at, parts = path.read_bytes(), 7, b""
+        data = path.read_bytes()
+        at = 7
+        parts = b""
         assert data[:4] == b":W&B", path
         while at + 7 <= len(data):
             if 32768 - at % 32768 < 7:  # a block's tail too short for a chunk header is padding
                 at += 32768 - at % 32768
                 continue
             _crc, length, kind = struct.unpack("<IHB", data[at : at + 7])
-            chunk, at = data[at + 7 : at + 7 + length], at + 7 + length
+            chunk = data[at + 7 : at + 7 + length]
+            at = at + 7 + length
             if kind == 0:
                 continue
             parts = chunk if kind in (1, 2) else parts + chunk  # FULL / FIRST start a record

@@ -99,8 +99,11 @@ class Endpoint:
         isolation: AgentIsolation | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
-        self.engine, self.tokenizer, self.base_url = engine, tokenizer, base_url
-        self.isolation, self.max_body_bytes = isolation or AgentIsolation(), max_body_bytes
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.base_url = base_url
+        self.isolation = isolation or AgentIsolation()
+        self.max_body_bytes = max_body_bytes
         self.sessions: dict[str, Session] = {}
 
     def app(self) -> FastAPI:
@@ -160,7 +163,9 @@ class Endpoint:
             raise session.error
         t = session.trajectory
         if t is None:
-            new, tokens, used = messages, render(self.tokenizer, [], messages, tools=tools), 0
+            new = messages
+            tokens = render(self.tokenizer, [], messages, tools=tools)
+            used = 0
         else:
             seen = len(session.conversation)  # its last message: the model's turn, as sampled
             if len(messages) <= seen or [_key(m) for m in messages[:seen]] != [_key(m) for m in session.conversation]:
@@ -242,7 +247,8 @@ class Endpoint:
         trajectory.reward, trajectory.reward_error = await asyncio.to_thread(
             _score, task.task_name, lines[-1] if lines else "", task.answer
         )
-        trajectory.finish_reason, trajectory.env_metrics = "done", {"model_calls": float(trajectory.turns)}
+        trajectory.finish_reason = "done"
+        trajectory.env_metrics = {"model_calls": float(trajectory.turns)}
         return trajectory
 
     async def play_verifiers(self, task, sampling: Sampling, budget: Budget, return_trace: bool) -> list[Trajectory]:
@@ -276,7 +282,8 @@ class Endpoint:
             if error:
                 raise TrajectoryError("env_error", f"the environment's rollout failed: {error}"[:300])
             trajectory = _recorded(session, "the environment")
-            trajectory.reward, trajectory.finish_reason = reward, "done"
+            trajectory.reward = reward
+            trajectory.finish_reason = "done"
             trajectory.env_metrics = {**metrics, "model_calls": float(trajectory.turns)}
             out.append(trajectory)
         return out
@@ -291,7 +298,8 @@ async def _body(request: Request, limit: int):
     length = request.headers.get("content-length", "")
     if length and (not length.isdigit() or int(length) > limit):
         raise TooLarge(f"the body is over the {limit}-byte limit")
-    chunks, size = [], 0
+    chunks = []
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:

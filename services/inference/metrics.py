@@ -29,7 +29,8 @@ class TokenRate:
     """Completion tokens per second over a sliding window."""
 
     def __init__(self, window: float = 10.0) -> None:
-        self.window, self.events = window, deque()
+        self.window = window
+        self.events = deque()
 
     def add(self, tokens: int) -> None:
         self.events.append((time.monotonic(), tokens))

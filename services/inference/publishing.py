@@ -31,7 +31,10 @@ class Publisher:
     def __init__(
         self, queue: WorkQueue, replica_id: str, held: set[str], hand_back: Callable[[str, str], Awaitable[None]]
     ) -> None:
-        self.queue, self.replica_id, self.held, self.hand_back = queue, replica_id, held, hand_back
+        self.queue = queue
+        self.replica_id = replica_id
+        self.held = held
+        self.hand_back = hand_back
         self.published = 0
         self.ready = asyncio.Event()
         self._ready: list[tuple[Lease, list[bytes]]] = []
@@ -59,7 +62,8 @@ class Publisher:
         """Publish every finished task's rollouts in one Redis round trip. False when Redis did not
         answer: the batch stays ready for the next try. A task whose earlier try may have landed
         (the reply was lost) is recognised by its lease stamp in `completed`, never published twice."""
-        batch, self._ready = self._ready, []
+        batch = self._ready
+        self._ready = []
         if not batch:
             return True
         try:

@@ -44,7 +44,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         queue: WorkQueue | None,
         worker: RolloutWorker | None,
     ) -> None:
-        self.settings, self.engine, self.tokenizer, self.queue, self.worker = settings, engine, tokenizer, queue, worker
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.worker = worker
 
     async def _invalid(self, context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
         await context.abort(code, message)

@@ -30,7 +30,8 @@ class BadTask(ValueError):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
+        self.code = code
+        self.message = message
 
 
 def prompt_ids(task, tokenizer) -> list[int]:
@@ -95,8 +96,11 @@ class LeaseRenewal:
     even a renewal stuck in a Redis call that outlives its cancellation renews nothing after."""
 
     def __init__(self, queue: WorkQueue, replica_id: str, lease_seconds: float, held: set[str]) -> None:
-        self.queue, self.replica_id, self.lease_seconds = queue, replica_id, lease_seconds
-        self.held, self.done = held, asyncio.Event()
+        self.queue = queue
+        self.replica_id = replica_id
+        self.lease_seconds = lease_seconds
+        self.held = held
+        self.done = asyncio.Event()
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:

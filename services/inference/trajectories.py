@@ -40,7 +40,8 @@ TURNS = Histogram(
     ["replica"],
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
 )
-DEFAULT_TURNS, DEFAULT_ENV_SECONDS = 4, 10.0
+DEFAULT_TURNS = 4
+DEFAULT_ENV_SECONDS = 10.0
 
 
 def budget_of(task) -> Budget:
@@ -85,7 +86,9 @@ async def play_group(
 ) -> list[bytes]:
     """The task's G rollouts, their model tokens counted (TrajectoryError: the first trajectory
     that failed, the others cancelled)."""
-    task, started_ms, started = checked.lease.task, now_ms(), time.perf_counter()
+    task = checked.lease.task
+    started_ms = now_ms()
+    started = time.perf_counter()
     text = task.prompt_text or tokenizer.decode(checked.prompt, skip_special_tokens=True)
     record = {"prompt": text, "answer": task.answer, "task_id": task.task_id, "is_eval": task.is_eval}
     budget = budget_of(task)

@@ -81,10 +81,15 @@ class RolloutWorker:
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
-        self.engine, self.tokenizer, self.queue = engine, tokenizer, queue
-        self.replica_id, self.lease_seconds = replica_id, lease_seconds
-        self.tasks_per_batch, self.idle_poll_seconds = tasks_per_batch, idle_poll_seconds
-        self.max_inflight_tasks, self.batching = max(max_inflight_tasks, 1), batching
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.replica_id = replica_id
+        self.lease_seconds = lease_seconds
+        self.tasks_per_batch = tasks_per_batch
+        self.idle_poll_seconds = idle_poll_seconds
+        self.max_inflight_tasks = max(max_inflight_tasks, 1)
+        self.batching = batching
         self.return_traces = return_traces and engine.capabilities.routing_trace
         self.rewards = rewards or RewardRunner()
         self.version_wait_seconds = version_wait_seconds
@@ -194,7 +199,8 @@ class RolloutWorker:
 
     async def _generate(self, checked: Checked, leased_ms: int) -> tuple[list[Sample] | None, RolloutTimings | None]:
         task = checked.lease.task
-        started_ms, started = now_ms(), time.perf_counter()
+        started_ms = now_ms()
+        started = time.perf_counter()
         futures = []
         try:
             futures = [

@@ -33,7 +33,8 @@ class RedisUnavailable(RuntimeError):
 
     def __init__(self, what: str, reason: str, retry_after: int) -> None:
         super().__init__(f"{what}: Redis did not answer ({reason}); nothing was applied, try again")
-        self.reason, self.retry_after = reason, retry_after
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 def reason_of(exc: BaseException) -> str:
@@ -79,7 +80,8 @@ class Bounded:
             }
 
     def keep(self, status: dict) -> dict:
-        self.last_status, self.last_status_ms = status, now_ms()
+        self.last_status = status
+        self.last_status_ms = now_ms()
         return status
 
     async def measure_clock(self, client) -> None:

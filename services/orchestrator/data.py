@@ -61,7 +61,8 @@ def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example
                 f"{settings.eval_size} for evaluation (or give math_eval_path)"
             )
         return rows[: -settings.eval_size][: settings.train_size], rows[-settings.eval_size :], "math_verify"
-    train, evals = task.split("train", settings.train_size), task.split("eval", settings.eval_size)
+    train = task.split("train", settings.train_size)
+    evals = task.split("eval", settings.eval_size)
     refuse_overlap(settings, train, evals, "eval problems")
     return train, evals, "math_verify"
 

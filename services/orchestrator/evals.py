@@ -73,7 +73,10 @@ def _bucket() -> dict:
 
 class EvalRounds:
     def __init__(self, settings: OrchestratorSettings, redis: Redis, queue: WorkQueue, tasks: Tasks) -> None:
-        self.settings, self.redis, self.queue, self.tasks = settings, redis, queue, tasks
+        self.settings = settings
+        self.redis = redis
+        self.queue = queue
+        self.tasks = tasks
         self.keys = RunKeys(settings.run_id)
         self.results: dict[int, dict[str, dict]] = {}  # step → eval set → what came back (μ)
         self.policy_results: dict[int, dict[str, dict]] = {}  # the same for π
@@ -105,7 +108,8 @@ class EvalRounds:
         requested = await self._json(RunField.EVAL_VERSIONS, "{}")
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
-            k, temperature = self.settings.eval_samples, self.settings.eval_temperature
+            k = self.settings.eval_samples
+            temperature = self.settings.eval_temperature
             rounds = (
                 [("", 1, 0.0)]
                 + ([("k", k, temperature)] if k else [])
@@ -180,8 +184,10 @@ class EvalRounds:
         match = EVAL_ID.match(task_id)
         if match is None:
             return None
-        kind, name = match.group(1) or "", match.group(2) or "main"
-        step, prompt = int(match.group(3)), int(match.group(4))
+        kind = match.group(1) or ""
+        name = match.group(2) or "main"
+        step = int(match.group(3))
+        prompt = int(match.group(4))
         if (
             name not in self.tasks.evals
             or prompt >= len(self.tasks.evals[name])

@@ -87,7 +87,8 @@ class TransitionRefused(ValueError):
 
 class Orchestrator:
     def __init__(self, settings: OrchestratorSettings, redis: Redis) -> None:
-        self.settings, self.redis = settings, redis
+        self.settings = settings
+        self.redis = redis
         self.queue = WorkQueue(redis, settings.run_id)
         self.keys = RunKeys(settings.run_id)
         self.ledger = Ledger(redis, settings.run_id)
@@ -159,7 +160,8 @@ class Orchestrator:
             if self._trainer is None:
                 raise LookupError("no trainer address")
             status = await self._trainer.Status(common_pb2.Empty(), timeout=2)
-            self.trainer_version, self.trainer_step = status.version.version, status.step
+            self.trainer_version = status.version.version
+            self.trainer_step = status.step
             self.trainer_metrics = dict(status.last_metrics)
         except Exception as exc:  # noqa: BLE001 - restarting or finished: fall back to its ledger
             log.debug("event=trainer_unreachable error=%s", type(exc).__name__)

@@ -35,7 +35,8 @@ REDIS_EVICTED = Gauge(
     "steadyrl_orchestrator_redis_evicted_keys", "Keys Redis evicted since it started (INFO evicted_keys)"
 )
 INFO_EVERY_MS = 2000  # Redis's INFO read at most this often
-LOST_CHECK_SECONDS, LOST_CHECK_EVERY = 60.0, 5.0  # after Redis restarts: look for lost tasks this long, this often
+LOST_CHECK_SECONDS = 60.0
+LOST_CHECK_EVERY = 5.0  # after Redis restarts: look for lost tasks this long, this often
 
 
 class RedisWatch:
@@ -48,7 +49,11 @@ class RedisWatch:
         tasks: Tasks,
         version: Callable[[], int],
     ) -> None:
-        self.settings, self.redis, self.queue, self.ledger, self.tasks = settings, redis, queue, ledger, tasks
+        self.settings = settings
+        self.redis = redis
+        self.queue = queue
+        self.ledger = ledger
+        self.tasks = tasks
         self.version = version  # the trainer's published version: what a re-queued task asks for at least
         self.keys = RunKeys(settings.run_id)
         self.redis_id = ""  # the redis-server's run id: a new one means it restarted, and may have lost writes
@@ -68,7 +73,8 @@ class RedisWatch:
             if identity != self.redis_id:
                 if self.redis_id:
                     log.warning("event=redis_restarted")
-                self.redis_id, self.lost_check_until = identity, time.monotonic() + LOST_CHECK_SECONDS
+                self.redis_id = identity
+                self.lost_check_until = time.monotonic() + LOST_CHECK_SECONDS
         if time.monotonic() < self.lost_check_until and time.monotonic() >= self.next_lost_check:
             self.next_lost_check = time.monotonic() + LOST_CHECK_EVERY
             await self.requeue_lost()

@@ -68,7 +68,8 @@ class StopWatch:
         return self._stalled(now) or self._dead_share(now) or self._reward_failures()
 
     def _stalled(self, now: Sample) -> Verdict | None:
-        since, rules = self.progress_at, self.rules
+        since = self.progress_at
+        rules = self.rules
         if not rules.stalled_seconds or now.seconds - since.seconds < rules.stalled_seconds or now.dead <= since.dead:
             return None
         return Verdict(

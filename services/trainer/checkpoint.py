@@ -42,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 SEP = "::"
-MODEL, OPTIM, SHARDS = "model.", "optim.", "shards"
+MODEL = "model."
+OPTIM = "optim."
+SHARDS = "shards"
 
 
 @dataclass
@@ -86,13 +88,17 @@ def file_index(flat: dict[str, torch.Tensor], file_bytes: int) -> dict[str, int]
     """Tensor name → file number (from 1), in order, each file at most `file_bytes` of this rank's
     part unless one tensor is larger. Pure. The writer serialises a file in memory before writing
     it (two copies of it), so the file size bounds what a save adds to a rank's memory."""
-    index, number, filled = {}, 1, 0
+    index = {}
+    number = 1
+    filled = 0
     for name, tensor in flat.items():
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         size = local.numel() * local.element_size()
         if filled and filled + size > file_bytes:
-            number, filled = number + 1, 0
-        index[name], filled = number, filled + size
+            number = number + 1
+            filled = 0
+        index[name] = number
+        filled = filled + size
     return index
 
 
@@ -121,7 +127,8 @@ def finish_save(tmp: Path, state: TrainerState, param_groups: list, keep: int = 
     """Rank 0, once every shard is written into `tmp`: state.json and the RNG beside the shards,
     the directory renamed into place, `LATEST` pointed at it, old checkpoints and the directories
     of attempts cut short pruned."""
-    root, final = tmp.parent, tmp.parent / f"step-{state.step:08d}"
+    root = tmp.parent
+    final = tmp.parent / f"step-{state.step:08d}"
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     meta = {
         "format": "dcp",

@@ -47,7 +47,9 @@ class Verdict:
 
 class GroupBuffer:
     def __init__(self, group_size: int, run_id: str, limits: RolloutLimits, dead_groups: set[str] | None = None):
-        self.group_size, self.run_id, self.limits = group_size, run_id, limits
+        self.group_size = group_size
+        self.run_id = run_id
+        self.limits = limits
         self.groups: OrderedDict[str, dict[int, Held]] = OrderedDict()
         self.dead_groups: set[str] = set(dead_groups or ())  # poisoned: never trained
 
@@ -81,7 +83,8 @@ class GroupBuffer:
             return Verdict("dead", "other_run", f"rollout of run {rollout.run_id!r}, not {self.run_id!r}", rollout)
         if rollout.is_eval:
             return Verdict("dead", "eval_rollout", "evaluation rollouts are never trained", rollout)
-        task, lease = _text(fields.get(b"task")), _text(fields.get(b"lease"))
+        task = _text(fields.get(b"task"))
+        lease = _text(fields.get(b"lease"))
         if not lease or stamps.get(task) != lease:
             return Verdict(
                 "dead",

@@ -25,7 +25,9 @@ RESTORED = Counter(
 
 class Intake:
     def __init__(self, source: RolloutSource, buffer: GroupBuffer, state: TrainerState) -> None:
-        self.source, self.buffer, self.state = source, buffer, state
+        self.source = source
+        self.buffer = buffer
+        self.state = state
         self.dropped: set[str] = set()  # ids this process dropped as stale (restored into a ledger that lost them)
 
     def count(self, name: str, amount: int = 1) -> None:
@@ -49,7 +51,8 @@ class Intake:
 
     async def claim_all(self) -> int:
         """Take over every entry delivered to a consumer but never acknowledged."""
-        start, claimed = "0-0", 0
+        start = "0-0"
+        claimed = 0
         while True:
             start, entries = await self.source.claim(start)
             await self.take(entries, claimed=True)
@@ -86,7 +89,8 @@ class Intake:
         what is pending again, then write back every checkpointed id and every id dropped as stale
         that the ledger lacks (else the orchestrator counts those tasks outstanding forever)."""
         claimed = await self.claim_all()
-        acked, dropped = sorted(self.state.consumed - unacknowledged), sorted(self.dropped)
+        acked = sorted(self.state.consumed - unacknowledged)
+        dropped = sorted(self.dropped)
         restored = 0
         for start in range(0, len(acked), 4096):
             restored += await self.source.trained([("", rid) for rid in acked[start : start + 4096]])

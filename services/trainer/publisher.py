@@ -30,7 +30,9 @@ PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version p
 
 class VersionPublisher:
     def __init__(self, settings: TrainerSettings, redis: Redis) -> None:
-        self.settings, self.redis, self.keys = settings, redis, RunKeys(settings.run_id)
+        self.settings = settings
+        self.redis = redis
+        self.keys = RunKeys(settings.run_id)
         self.client = None  # a shared.weightsync publisher of the configured transport, made in the event loop
         self.published = 0  # the newest version pushed by this process (or found published)
 

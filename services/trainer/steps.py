@@ -60,7 +60,8 @@ from shared.training import StepConfig, resolve_recipe, train_step
 from shared.weightsync.manifest import CastView
 
 log = logging.getLogger("steadyrl.trainer")
-SAVE, GATHER = -2, -3  # broadcast tags of the checkpoint and gather commands (a step's tag is its version, >= 0)
+SAVE = -2
+GATHER = -3  # broadcast tags of the checkpoint and gather commands (a step's tag is its version, >= 0)
 
 
 @dataclass
@@ -102,7 +103,9 @@ def choose_recipe(
         if not is_moe:
             replay, why = "off", why + " (dense model: no replay)"
     else:
-        replay, clip, why = s.routing_replay, s.loss.clip, "manual"
+        replay = s.routing_replay
+        clip = s.loss.clip
+        why = "manual"
     if s.bypass and replay == "r2":
         replay, why = "off", why + " (bypass: no recompute to replay, R2 off)"
     name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (

@@ -66,9 +66,11 @@ class RedisRolloutSource(RolloutSource):
         dead_maxlen: int = 10_000,
         dead_payload_bytes: int = DEAD_PAYLOAD_BYTES,
     ) -> None:
-        self.redis, self.consumer = redis, consumer
+        self.redis = redis
+        self.consumer = consumer
         self.keys = RunKeys(run_id)
-        self.dead_maxlen, self.dead_payload_bytes = dead_maxlen, dead_payload_bytes
+        self.dead_maxlen = dead_maxlen
+        self.dead_payload_bytes = dead_payload_bytes
         self._settle = redis.register_script(_SETTLE)
         self._dead_letter = redis.register_script(_DEAD_LETTER)
 

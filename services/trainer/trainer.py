@@ -49,8 +49,11 @@ class Trainer:
         self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
         self.saving: tuple[PendingSave, list[tuple[bytes, str]]] | None = None  # a save under way, what it holds
         self.checkpointed: list[tuple[bytes, str]] = []  # in the LATEST checkpoint, not yet acknowledged
-        self.redis_id, self.checked_redis, self.resync = "", 0.0, False
-        self.paused, self.last_metrics = False, {}
+        self.redis_id = ""
+        self.checked_redis = 0.0
+        self.resync = False
+        self.paused = False
+        self.last_metrics = {}
         self.steplog = StepLog(
             settings.out_dir,
             settings.tensorboard,
@@ -129,7 +132,8 @@ class Trainer:
             identity = await self.source.identity()
             if identity != self.redis_id:  # Redis restarted: it may have lost acknowledged writes
                 await self.intake.reconcile({rid for _, rid in self.unacknowledged()})
-                self.redis_id, self.resync = identity, False
+                self.redis_id = identity
+                self.resync = False
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
             self.resync = False
@@ -212,7 +216,8 @@ class Trainer:
         if self.saving is not None:
             await self.settle_save(wait=True)
         pending = await asyncio.to_thread(self.runner.save, self.state)
-        self.saving, self.unacked = (pending, self.unacked), []
+        self.saving = (pending, self.unacked)
+        self.unacked = []
         if wait or pending.done():
             return await self.settle_save(wait=True)
         return None
@@ -229,7 +234,8 @@ class Trainer:
         try:
             path = await asyncio.to_thread(pending.finish)
         except Exception:
-            self.saving, self.unacked = None, entries + self.unacked
+            self.saving = None
+            self.unacked = entries + self.unacked
             raise
         self.saving = None
         self.checkpointed.extend(entries)

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 
-GRPC, SHM, COLLECTIVE = pb.GRPC, pb.SHM, pb.COLLECTIVE
+GRPC = pb.GRPC
+SHM = pb.SHM
+COLLECTIVE = pb.COLLECTIVE
 
 
 @dataclass(eq=False)

@@ -72,7 +72,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
 
     async def Push(self, request_iterator, context):
         started = time.perf_counter()
-        manifest, assembler, received = None, None, 0
+        manifest = None
+        assembler = None
+        received = 0
         try:
             async for item in request_iterator:
                 if manifest is None:
@@ -180,7 +182,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
 
     async def Announce(self, request, context):
         """A version whose bytes travel by shared memory or by a collective (see the module)."""
-        manifest, kind = request.manifest, request.transport.kind
+        manifest = request.manifest
+        kind = request.transport.kind
         try:
             validate_manifest(manifest, self.settings.max_version_bytes)
         except WeightError as exc:
@@ -283,12 +286,15 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             base_version=base_version,
         )
         yield pb.PullResponse(header=header)
-        stripes, stripe = max(request.stripes, 1), request.stripe
+        stripes = max(request.stripes, 1)
+        stripe = request.stripe
         if stripe >= stripes:
             await self._fail(
                 context, "pull", "bad_stripe", grpc.StatusCode.INVALID_ARGUMENT, f"stripe {stripe} of {stripes}"
             )
-        sent, sequence, step = 0, 0, self.settings.chunk_bytes
+        sent = 0
+        sequence = 0
+        step = self.settings.chunk_bytes
         for index, (_, wire) in enumerate(encoded):
             view = memoryview(wire)
             for offset in range(0, len(view), step):

@@ -51,7 +51,9 @@ class StoredVersion:
 
 class VersionStore:
     def __init__(self, retain: int, in_memory: int, spill_dir: Path) -> None:
-        self.retain, self.in_memory, self.spill_dir = retain, min(in_memory, retain), spill_dir
+        self.retain = retain
+        self.in_memory = min(in_memory, retain)
+        self.spill_dir = spill_dir
         self.versions: dict[int, StoredVersion] = {}
         self._disk = threading.Lock()  # one writer of spill files at a time (the write-ahead thread or a caller)
 
@@ -114,7 +116,8 @@ class VersionStore:
         what is past `in_memory` is let go of by `make_room` before the next bytes arrive)."""
         for version in sorted(self.versions, reverse=True)[self.retain :]:
             dropped = self.versions.pop(version)
-            dropped.dropped, dropped.payloads = True, None  # a write of it under way deletes its own file
+            dropped.dropped = True
+            dropped.payloads = None  # a write of it under way deletes its own file
             shutil.rmtree(self.spill_dir / f"v{version}", ignore_errors=True)
 
     def payloads(self, version: int) -> list[bytearray]:

@@ -38,7 +38,10 @@ class Transfers:
         members: Membership,
         stored: Callable[[pb.WeightManifest, frozenset[str]], None],
     ) -> None:
-        self.settings, self.store, self.members, self.stored = settings, store, members, stored
+        self.settings = settings
+        self.store = store
+        self.members = members
+        self.stored = stored
         self.host = socket.gethostname()
         self.rendezvous = Rendezvous(settings.collective_timeout_seconds)
         self._groups = None  # rank 1's groups, made on the first collective (torch.distributed imported then)

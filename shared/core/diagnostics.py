@@ -94,7 +94,8 @@ def loss_diagnostics(
 ) -> dict[str, torch.Tensor]:
     """A loss call's scalar diagnostics (means over its valid tokens), and the same as token sums
     into `stats` (whole-step statistics), per staleness bucket with `buckets`."""
-    mask, dtype = t.mask, parts.weight.dtype
+    mask = t.mask
+    dtype = parts.weight.dtype
     k1, k3 = mismatch_kl_terms(t.inference, t.trainer.detach() if t.bypass else t.old)
     sequences = mask.any(dim=-1)
     per_token = {

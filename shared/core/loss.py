@@ -93,8 +93,10 @@ def dppo_mask(
 ) -> torch.Tensor:
     """DPPO's keep mask (bool [B, T]): False where the sampled token's probability left the trust
     region around the anchor in the direction the advantage pushes it."""
-    p, q = torch.exp(logprobs), torch.exp(anchor_logprobs)
-    up, down = p > q, p < q
+    p = torch.exp(logprobs)
+    q = torch.exp(anchor_logprobs)
+    up = p > q
+    down = p < q
     if config.dppo_divergence == "tv":
         divergence = (p - q).abs()
     else:  # KL(Bernoulli(q) ‖ Bernoulli(p)), finite at the edges

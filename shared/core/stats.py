@@ -53,7 +53,8 @@ class StepStats:
     def as_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sums, counts and totals; maxima) as two flat float64 tensors in name order: all-reduce the
         first with SUM and the second with MAX across ranks, then `load_tensors`."""
-        names, totals = sorted(self.sums), sorted(self.totals)
+        names = sorted(self.sums)
+        totals = sorted(self.totals)
         parts = [self.sums[n] for n in names] + [self.counts[n] for n in names] + [self.totals[n] for n in totals]
         additive = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64)
         top = [self.maxima[n] for n in sorted(self.maxima)]
@@ -62,7 +63,8 @@ class StepStats:
     def load_tensors(self, additive: torch.Tensor, maxima: torch.Tensor) -> None:
         names = sorted(self.sums)
         for i, name in enumerate(names):
-            self.sums[name], self.counts[name] = additive[i], additive[len(names) + i]
+            self.sums[name] = additive[i]
+            self.counts[name] = additive[len(names) + i]
         for i, name in enumerate(sorted(self.totals)):
             self.totals[name] = additive[2 * len(names) + i]
         for i, name in enumerate(sorted(self.maxima)):

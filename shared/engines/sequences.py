@@ -43,7 +43,8 @@ class Seq:
 
     def fail(self, exc: BaseException) -> None:
         """This sequence ends with `exc` (its future raises it once the engine retires it)."""
-        self.finish, self.error = "error", exc
+        self.finish = "error"
+        self.error = exc
 
 
 def sample_next(rows: list[Seq], logits: torch.Tensor, version: int, eos_token_ids: tuple[int, ...]) -> None:

@@ -89,7 +89,9 @@ class TorchEngine:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"the torch engine was asked for {device} and no CUDA device is visible")
-        self.threads, self.max_num_seqs, self.update_mode = threads, max_num_seqs, update_mode
+        self.threads = threads
+        self.max_num_seqs = max_num_seqs
+        self.update_mode = update_mode
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
         self.model, self.quantized, self.activations, notes = load_model(
@@ -118,7 +120,8 @@ class TorchEngine:
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self._built_on = version  # the weights the cache was computed with
         self._wake = threading.Condition()
-        self._closed, self.steps = False, 0
+        self._closed = False
+        self.steps = 0
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
@@ -184,7 +187,8 @@ class TorchEngine:
         except PartialVersion:
             self._broken = True
             raise
-        self._broken, self._version = False, delivery.version
+        self._broken = False
+        self._version = delivery.version
         return time.perf_counter() - started
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
@@ -267,7 +271,8 @@ class TorchEngine:
         rejoin the running batch."""
         log.warning("event=step_failed sequences=%d error=%s: each sequence alone", len(rows), exc)
         if rows is self._live:
-            self._live, self._cache = [], None
+            self._live = []
+            self._cache = None
             self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         for seq in rows:
             if seq.finish:
@@ -343,7 +348,10 @@ class TorchEngine:
 
     def _merge(self, rows: list[Seq], cache, mask: torch.Tensor) -> None:
         if not self._live:
-            self._live, self._cache, self._mask, self._built_on = list(rows), cache, mask, self._version
+            self._live = list(rows)
+            self._cache = cache
+            self._mask = mask
+            self._built_on = self._version
             return
         self._mask = append_rows(self._cache, self._mask, cache, mask)
         self._live = self._live + list(rows)
@@ -363,13 +371,15 @@ class TorchEngine:
                 seq.future.set_result(result_of(seq, self.routing.num_experts))
         self._live = [self._live[i] for i in keep]
         if not keep:
-            self._cache, self._mask = None, torch.zeros(0, 0, dtype=torch.long, device=self.device)
+            self._cache = None
+            self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
             return
         self._mask = keep_rows(self._cache, self._mask, keep)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._wake:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting = list(self._waiting)
+            self._waiting = collections.deque()
         for seq in [*self._live, *waiting]:
             if not seq.future.done() and (seq.future.running() or seq.future.set_running_or_notify_cancel()):
                 seq.future.set_exception(exc)

@@ -41,7 +41,10 @@ class InPlaceWeights:
     that version alone)."""
 
     def __init__(self, model: torch.nn.Module, quantized: list[str], quantization: str, model_path: str = "") -> None:
-        self.model, self.quantized, self.quantization, self.model_path = model, set(quantized), quantization, model_path
+        self.model = model
+        self.quantized = set(quantized)
+        self.quantization = quantization
+        self.model_path = model_path
         self.targets = dict(model.state_dict())  # the base's tensors by their names (kept when LoRA layers come in)
         seen: dict[int, str] = {}
         for name, tensor in self.targets.items():  # tied tensors share storage: one of them suffices
@@ -91,7 +94,8 @@ class InPlaceWeights:
 
     def _adapt(self, delivery: Delivery) -> None:
         """The adapter version's base and shape against this model's; its layers put in by the first."""
-        info, version = delivery.manifest.adapter, delivery.version
+        info = delivery.manifest.adapter
+        version = delivery.version
         refusal = adapter_refusal(info.base_digest, info.config_json, self.model_path, self.adapter_json)
         if refusal:
             raise WeightError(f"version {version}: {refusal}")

@@ -86,7 +86,8 @@ class VllmEngine:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
         if quantization not in VLLM_QUANTIZATION:
             raise ValueError(f"quantization must be one of {tuple(VLLM_QUANTIZATION)}, got {quantization!r}")
-        self.model_path, self.update_mode = str(model_path), update_mode
+        self.model_path = str(model_path)
+        self.update_mode = update_mode
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda" if on_gpu else "cpu")
         if quantization != "none" and not on_gpu:  # fp8: its engine core would die in static_scaled_fp8_quant
@@ -291,7 +292,8 @@ class VllmEngine:
                     self.llm, path, delivery.version, self._lora is not None and self.update_mode == "in_flight"
                 )
             )
-            self._version, self._adapter_json = delivery.version, delivery.manifest.adapter.config_json
+            self._version = delivery.version
+            self._adapter_json = delivery.manifest.adapter.config_json
             vllm_lora.drop_older(self._spool, path)
             return seconds
         if isinstance(delivery, StateDictDelivery):  # in process: to the worker through shared memory

@@ -42,7 +42,8 @@ def write_adapter(delivery: Delivery, spool: Path, model_path: str, served_json:
     WeightError naming why it cannot be served (nothing changed)."""
     from safetensors.torch import save_file
 
-    info, version = delivery.manifest.adapter, delivery.version
+    info = delivery.manifest.adapter
+    version = delivery.version
     if not max_rank:
         raise WeightError(
             f"version {version} is a LoRA adapter and this engine was started without LoRA "

@@ -29,7 +29,8 @@ def plain_moe_without_expert_lora() -> None:
         if self.is_lora_enabled and config is not None and leaves_experts(config.lora_config.target_modules):
             self.is_lora_enabled = False
 
-    FusedMoEConfig.__post_init__, FusedMoEConfig._steadyrl_plain = __post_init__, True
+    FusedMoEConfig.__post_init__ = __post_init__
+    FusedMoEConfig._steadyrl_plain = True
 
 
 register()

@@ -61,7 +61,8 @@ class SingleTurn(Environment):
     """Today's tasks as environments: the prompt, then one answer scored by `reward(answer, reference)`."""
 
     def __init__(self, reward: Callable[[str, str], float]) -> None:
-        self.reward, self.answer = reward, ""
+        self.reward = reward
+        self.answer = ""
 
     def reset(self, task: dict[str, Any]) -> list[Message]:
         self.answer = str(task["answer"])

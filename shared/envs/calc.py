@@ -56,10 +56,12 @@ class Calculator(Environment):
     )
 
     def __init__(self) -> None:
-        self.answer, self.results = "", set()
+        self.answer = ""
+        self.results = set()
 
     def reset(self, task: dict[str, Any]) -> list[Message]:
-        self.answer, self.results = str(task["answer"]).strip(), set()
+        self.answer = str(task["answer"]).strip()
+        self.results = set()
         return [Message("user", str(task["prompt"]))]
 
     def step(self, model_turn: str) -> Step:
@@ -102,7 +104,8 @@ class MulTask:
         rng = random.Random(f"{self.name}-{self.low}-{self.high}-{self.seed}-{name}")
         out: dict[tuple[int, int], Example] = {}
         while len(out) < size:
-            a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+            a = rng.randint(self.low, self.high)
+            b = rng.randint(self.low, self.high)
             digest = hashlib.blake2b(f"{self.seed}:{a}*{b}".encode(), digest_size=2).digest()
             if (int.from_bytes(digest, "little") % 5 == 0) == (name == "eval"):
                 out.setdefault((a, b), Example(prompt=f"{a}*{b}=", answer=str(a * b)))

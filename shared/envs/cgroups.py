@@ -27,7 +27,8 @@ def _mounts() -> dict[str, Path]:
         return out
     for line in lines:
         before, _, after = line.partition(" - ")
-        fields, tail = before.split(), after.split()
+        fields = before.split()
+        tail = after.split()
         if len(fields) < 5 or len(tail) < 3:
             continue
         if tail[0] == "cgroup2":
@@ -57,7 +58,8 @@ class CallGroup:
     """The cgroup directories of one call (one for v2, one per controller for v1)."""
 
     def __init__(self, dirs: dict[str, Path], version: int) -> None:
-        self.dirs, self.version = dirs, version
+        self.dirs = dirs
+        self.version = version
 
     @property
     def procs(self) -> list[str]:
@@ -67,7 +69,9 @@ class CallGroup:
     @classmethod
     def make(cls, memory_bytes: int, max_processes: int) -> CallGroup | None:
         """A fresh cgroup limited to `memory_bytes` and `max_processes`, or None where none can be made."""
-        mounts, own, name = _mounts(), _own_paths(), PREFIX + uuid.uuid4().hex[:12]
+        mounts = _mounts()
+        own = _own_paths()
+        name = PREFIX + uuid.uuid4().hex[:12]
         if "unified" in mounts and "unified" in own:
             made = cls._make_v2(mounts["unified"] / own["unified"].lstrip("/"), name, memory_bytes, max_processes)
             if made is not None:

@@ -193,8 +193,12 @@ def no_new_processes_filter() -> bytes | None:
     if known is None:
         return None
     arch, numbers = known
-    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
-    allow, eagain = 0x7FFF0000, 0x00050000 | 11  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EAGAIN
+    ld_w_abs = 0x20
+    jeq_k = 0x15
+    jge_k = 0x35
+    ret_k = 0x06
+    allow = 0x7FFF0000
+    eagain = 0x00050000 | 11  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EAGAIN
     program = [(ld_w_abs, 0, 0, 4), (jeq_k, 1, 0, arch), (ret_k, 0, 0, eagain), (ld_w_abs, 0, 0, 0)]
     count = len(numbers)
     program.append((jge_k, count + 1, 0, _X32) if arch == 0xC000003E else (jeq_k, 0, 0, 0))

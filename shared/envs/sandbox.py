@@ -160,7 +160,8 @@ def _tree(root: int) -> list[int]:
                 parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-    tree, frontier = [root], [root]
+    tree = [root]
+    frontier = [root]
     while frontier:
         frontier = [pid for pid, parent in parents.items() if parent in frontier]
         tree += frontier
@@ -172,7 +173,8 @@ def _cpu_seconds(group: CallGroup | None, root: int) -> float | None:
     with what its reaped children used)."""
     if group is not None and (seconds := group.cpu_seconds()) is not None:
         return seconds
-    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
     for pid in _tree(root):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

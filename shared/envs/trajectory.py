@@ -43,7 +43,8 @@ class TrajectoryError(Exception):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
+        self.code = code
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class Trajectory:
             if self.routing_trace is not None:
                 trace = trace.copy()
                 trace[: len(self.routing_trace)] = self.routing_trace
-            self.routing_trace, self.num_experts = trace, num_experts
+            self.routing_trace = trace
+            self.num_experts = num_experts
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -142,7 +144,8 @@ def in_daemon_thread(function, *args) -> asyncio.Future:
     future = loop.create_future()
 
     def run() -> None:
-        result, error = None, None
+        result = None
+        error = None
         try:
             result = function(*args)
         except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine

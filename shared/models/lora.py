@@ -120,7 +120,8 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def same_shape(a: str, b: str) -> bool:
     """Whether two adapter configs (JSON) make the same tensors: rank, alpha, targets."""
-    x, y = json.loads(a), json.loads(b)
+    x = json.loads(a)
+    y = json.loads(b)
     norm = lambda v: sorted(v) if isinstance(v, list) else v  # noqa: E731
     return all(norm(x.get(k)) == norm(y.get(k)) for k in SAME)
 

@@ -49,7 +49,8 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     values = torch.tensor(FP4_VALUES, device=x.device)
     midpoints = (values[1:] + values[:-1]) / 2
     magnitude = x.abs().clamp(max=FP4_MAX)
-    down, up = torch.bucketize(magnitude, midpoints), torch.bucketize(magnitude, midpoints, right=True)
+    down = torch.bucketize(magnitude, midpoints)
+    up = torch.bucketize(magnitude, midpoints, right=True)
     return values[torch.where(down % 2 == 0, down, up)] * x.sign()
 
 
@@ -58,7 +59,8 @@ def fp4_roundtrip(x: torch.Tensor, scale_dims: tuple[int, ...] = (-2, -1)) -> to
     last block zero-padded), each scaled by amax / 6 stored in e4m3 relative to a global fp32
     scale amax / (448 × 6) over `scale_dims` — the whole matrix for a weight, each row (token)
     for an activation."""
-    shape, w = x.shape, x.float()
+    shape = x.shape
+    w = x.float()
     pad = (-shape[-1]) % FP4_BLOCK
     w = nn.functional.pad(w, (0, pad)) if pad else w
     glob = (w.abs().amax(dim=scale_dims, keepdim=True).clamp(min=TINY) / (FP8_MAX * FP4_MAX)).unsqueeze(-1)

@@ -154,11 +154,17 @@ class RoutingController:
     def _mode_set(self, mode: str, recording=None, replay=None, replay_mask=None) -> Iterator[None]:
         if self._mode != "off":
             raise RuntimeError(f"routing controller is already in {self._mode} mode")
-        self._mode, self._recording, self._replay, self._replay_mask = mode, recording, replay, replay_mask
+        self._mode = mode
+        self._recording = recording
+        self._replay = replay
+        self._replay_mask = replay_mask
         try:
             yield
         finally:
-            self._mode, self._recording, self._replay, self._replay_mask = "off", None, None, None
+            self._mode = "off"
+            self._recording = None
+            self._replay = None
+            self._replay_mask = None
 
     def _make_hook(self, layer: int, router: nn.Module, rule: RouterRule):
         def hook(module: nn.Module, args, output):

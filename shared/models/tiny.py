@@ -140,7 +140,8 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], max_new_tokens: i
 
 def sft_batch(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [bos prompt answer eos] and labels on the answer and eos only."""
-    rows, labels = [], []
+    rows = []
+    labels = []
     for e in examples:
         prompt = [tokenizer.bos_token_id, *tokenizer.encode(e.prompt, add_special_tokens=False)]
         answer = [*tokenizer.encode(e.answer, add_special_tokens=False), tokenizer.eos_token_id]
@@ -164,7 +165,8 @@ def cold_start(model, tokenizer, task: ArithTask | MulTraceTask, spec: TinySpec,
     def greedy() -> float:
         return greedy_accuracy(model, tokenizer, evaluation, max_new_tokens=max(8, longest))
 
-    accuracy, step = greedy(), 0
+    accuracy = greedy()
+    step = 0
     while accuracy < spec.target_accuracy and step < spec.sft_max_steps:
         model.train()
         for _ in range(spec.sft_eval_every):

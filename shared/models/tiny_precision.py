@@ -28,7 +28,8 @@ def precision_routing_agreement(model_dir: str | Path, size: int = 256, low: str
     tokenizer = load_tokenizer(model_dir)
     ids, labels = sft_batch(tokenizer, task.split("eval", size))
     mask = ids != tokenizer.pad_token_id
-    traces, logprobs = [], []
+    traces = []
+    logprobs = []
     for dtype in ("float32", low):
         model = load_causal_lm(model_dir, dtype)
         controller = RoutingController(model)

@@ -28,7 +28,8 @@ TOOL_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}:{%- endif -%}"
 )
-MAX_TURNS, TURN_TOKENS = 3, 14
+MAX_TURNS = 3
+TURN_TOKENS = 14
 TOOL_SHARE = 3  # of every 10 cold-start traces call the tool; the others answer at once
 
 
@@ -41,14 +42,16 @@ def tool_trace(tokenizer, prompt: str, answer: str, use_tool: bool = True) -> tu
     labels = [-100] * len(ids)
     for turn in (f"calc({prompt.rstrip('=')})", answer) if use_tool else (answer,):
         sampled = [*tokenizer.encode(turn, add_special_tokens=False), tokenizer.eos_token_id]
-        ids, labels = ids + sampled, labels + sampled
+        ids = ids + sampled
+        labels = labels + sampled
         step = env.step(turn)
         if step.done:
             break
         conversation.append(Message("assistant", turn))
         observation = render(tokenizer, conversation, step.observation, sampled)
         conversation += step.observation
-        ids, labels = ids + observation, labels + [-100] * len(observation)
+        ids = ids + observation
+        labels = labels + [-100] * len(observation)
     return ids, labels
 
 
@@ -63,10 +66,12 @@ class _HFEngine:
     """The minimal engine `play` needs: transformers' generate, one sequence a call, greedy at
     temperature 0."""
 
-    name, capabilities = "hf", None
+    name = "hf"
+    capabilities = None
 
     def __init__(self, model, tokenizer) -> None:
-        self.model, self.eos = model, tokenizer.eos_token_id
+        self.model = model
+        self.eos = tokenizer.eos_token_id
 
     def start(self, prompt, sampling, return_trace=False, index=0):
         import concurrent.futures
@@ -102,7 +107,8 @@ def tool_accuracy(
 
     model.eval()
     torch.manual_seed(seed)
-    engine, budget = _HFEngine(model, tokenizer), Budget(max_turns=max_turns, max_tokens=TURN_TOKENS * max_turns)
+    engine = _HFEngine(model, tokenizer)
+    budget = Budget(max_turns=max_turns, max_tokens=TURN_TOKENS * max_turns)
     sampling = Sampling(temperature=temperature, max_new_tokens=TURN_TOKENS)
 
     async def one(example):
@@ -134,7 +140,8 @@ def tool_cold_start(model, tokenizer, spec, seed: int) -> dict:
     evaluation = task.split("eval", spec.sft_eval_size)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    scores, step = tool_accuracy(model, tokenizer, evaluation, 1.0, seed=seed), 0
+    scores = tool_accuracy(model, tokenizer, evaluation, 1.0, seed=seed)
+    step = 0
     while scores["accuracy"] < spec.target_accuracy and step < spec.sft_max_steps:
         model.train()
         for _ in range(spec.sft_eval_every):

@@ -14,7 +14,8 @@ class BodyLimit:
     at the chunk that crosses the limit). A route that never reads its body reads none of it."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+        self.app = app
+        self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -38,7 +38,8 @@ class TLSConfig:
 def tls_from_env(env: dict[str, str] | None = None) -> TLSConfig | None:
     """The deployment's TLS settings, or None for plaintext; a half-set configuration raises."""
     env = os.environ if env is None else env
-    cert_file, key_file = env.get("STEADYRL_TLS_CERT_FILE"), env.get("STEADYRL_TLS_KEY_FILE")
+    cert_file = env.get("STEADYRL_TLS_CERT_FILE")
+    key_file = env.get("STEADYRL_TLS_KEY_FILE")
     ca_file = env.get("STEADYRL_TLS_CA_FILE") or None
     client_auth = env.get("STEADYRL_TLS_CLIENT_AUTH", "false").strip().lower() in ("1", "true", "yes")
     if not cert_file and not key_file and not ca_file:

@@ -28,9 +28,11 @@ def main() -> None:
                 cache[name] = resolve_reward(name)
             value, reason = score(cache[name], str(request["completion"]), str(request["answer"]))
         except KeyError as exc:
-            value, reason = 0.0, f"unknown_reward:{exc}"[:200]
+            value = 0.0
+            reason = f"unknown_reward:{exc}"[:200]
         except ValueError:
-            value, reason = 0.0, "bad_request"
+            value = 0.0
+            reason = "bad_request"
         replies.write(json.dumps({"value": value, "reason": reason}) + "\n")
 
 

@@ -36,12 +36,14 @@ class MulTraceTask:
 
     def _longest_a(self, b: int) -> int:
         """The largest first operand whose trace fits max_answer_tokens."""
-        a, length = 0, -1
+        a = 0
+        length = -1
         while True:
             step = len(str(b * (a + 1))) + 1
             if length + step > self.max_answer_tokens:
                 return a
-            a, length = a + 1, length + step
+            a = a + 1
+            length = length + step
 
     def _problem(self, rng: random.Random) -> tuple[int, int]:
         b = rng.randint(1, self.max_b)

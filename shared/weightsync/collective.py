@@ -51,7 +51,8 @@ class RendezvousStore(dist.Store):
 
     def __init__(self, rendezvous, transport: pb.Transport) -> None:
         super().__init__()
-        self.epoch, self.name = transport.epoch, transport.rendezvous
+        self.epoch = transport.epoch
+        self.name = transport.rendezvous
         self.seconds = transport.timeout_seconds or 60
         self.local = None if isinstance(rendezvous, str) else rendezvous
         self.channel = self.stubs = None
@@ -123,16 +124,19 @@ class Groups:
             return self.group
         timeout = datetime.timedelta(seconds=transport.timeout_seconds or 60)
         store = RendezvousStore(self.rendezvous, transport)
-        self.group, self.epoch = None, None
+        self.group = None
+        self.epoch = None
         if transport.backend == "nccl":
             group = dist.ProcessGroupNCCL(store, rank, transport.world_size, dist.ProcessGroupNCCL.Options())
         else:
             group = dist.ProcessGroupGloo(store, rank, transport.world_size, timeout)
-        self.group, self.epoch = group, transport.epoch
+        self.group = group
+        self.epoch = transport.epoch
         return group
 
     def drop(self) -> None:
-        self.group, self.epoch = None, None
+        self.group = None
+        self.epoch = None
 
 
 def _device(transport: pb.Transport) -> torch.device:
@@ -164,7 +168,8 @@ def _options(transport: pb.Transport):
     import torch.distributed as dist
 
     options = dist.BroadcastOptions()
-    options.rootRank, options.timeout = 0, datetime.timedelta(seconds=transport.timeout_seconds or 60)
+    options.rootRank = 0
+    options.timeout = datetime.timedelta(seconds=transport.timeout_seconds or 60)
     return options
 
 
@@ -213,7 +218,8 @@ def receive_buckets(
     plan, sizes = _plan(manifest, transport)
     slots = (ring or Staging()).buckets([max(sizes, default=0)] * min(2, len(sizes)), _device(transport))
     works = {0: group.broadcast([slots[0][: sizes[0]]], _options(transport))} if sizes else {}
-    bad, yielded = "", 0
+    bad = ""
+    yielded = 0
     for index, indices in enumerate(plan):
         works.pop(index).wait()
         if index + 1 < len(plan):  # its slot held bucket index - 1, applied already
@@ -230,7 +236,8 @@ def receive_buckets(
 def _checked(data: torch.Tensor, specs: list) -> tuple[Bucket, str]:
     """A received bucket's tensors (views of `data`) and "" — or what failed its digest."""
     host = data.cpu() if data.device.type != "cpu" else data
-    bucket, at = [], 0
+    bucket = []
+    at = 0
     for spec in specs:
         if digest(memoryview(host[at : at + spec.nbytes].numpy())) != spec.checksum:
             return [], f"tensor {spec.name}: checksum mismatch"
@@ -249,7 +256,9 @@ class CollectiveDelivery(Delivery):
         self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups, ring: Staging | None = None
     ) -> None:
         super().__init__(manifest)
-        self.spec, self.groups, self.ring = transport, groups, ring
+        self.spec = transport
+        self.groups = groups
+        self.ring = ring
 
     def buckets(self) -> Iterator[Bucket]:
         try:

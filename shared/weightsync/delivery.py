@@ -74,7 +74,8 @@ def batched(tensors: Iterable[tuple[str, torch.Tensor]], limit: int = BUCKET_BYT
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:
             yield bucket
-            bucket, size = [], 0
+            bucket = []
+            size = 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:

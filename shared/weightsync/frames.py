@@ -27,7 +27,8 @@ def iter_chunks(index: int, data: bytes | memoryview, chunk_bytes: int) -> Itera
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
-        low, value = value & 0x7F, value >> 7
+        low = value & 0x7F
+        value = value >> 7
         if value:
             out.append(low | 0x80)
         else:
@@ -72,7 +73,8 @@ def parse_pull_frame(raw: bytes) -> pb.PullHeader | tuple[int, int, memoryview]:
                         length, pos = _read_varint(raw, pos)
                         if pos + length > len(raw):
                             break
-                        fields[3], pos = memoryview(raw)[pos : pos + length], pos + length
+                        fields[3] = memoryview(raw)[pos : pos + length]
+                        pos = pos + length
                     else:
                         break
                 else:
@@ -105,7 +107,8 @@ class Assembler:
     def add(self, index: int, offset: int, data: bytes | memoryview) -> int:
         if index >= len(self.buffers):
             raise WeightError(f"chunk for tensor {index}, manifest has {len(self.buffers)}")
-        buffer, end = self.buffers[index], offset + len(data)
+        buffer = self.buffers[index]
+        end = offset + len(data)
         if end > len(buffer):
             raise WeightError(f"tensor {index}: chunk ends at {end} past its {len(buffer)} bytes")
         if offset in self.spans[index]:

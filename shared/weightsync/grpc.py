@@ -43,7 +43,8 @@ class GrpcWeightPublisher(WeightPublisher):
         self.address = address
         self.channel = auth_channel(address, options=channel_options(max_message_bytes))
         self.stub = weightsync_pb2_grpc.WeightSyncStub(self.channel)
-        self.signer, self.chunk_bytes = signer, chunk_bytes  # a signing.Signer: only the trainer has one
+        self.signer = signer
+        self.chunk_bytes = chunk_bytes  # a signing.Signer: only the trainer has one
 
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
@@ -102,8 +103,11 @@ class GrpcDelivery(Delivery):
     ) -> None:
         super().__init__(manifest or pb.WeightManifest(version=version))
         self.verifier = verifier  # a signing.Verifier the pulled manifest must pass (None: not checked)
-        self.address, self.base_version, self.base = address, base_version if base is not None else 0, base
-        self.max_message_bytes, self.timeout = max_message_bytes, timeout
+        self.address = address
+        self.base_version = base_version if base is not None else 0
+        self.base = base
+        self.max_message_bytes = max_message_bytes
+        self.timeout = timeout
         self.wire_bytes = 0
         self._channel = self._frames = self._header = None
 
@@ -142,7 +146,8 @@ class GrpcDelivery(Delivery):
         except WeightError:
             self.close()
             raise
-        self.manifest, self._header = header.manifest, header
+        self.manifest = header.manifest
+        self._header = header
         return self.manifest
 
     def tensors(self):

@@ -55,7 +55,8 @@ class CastView(Mapping):
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, adapter: pb.AdapterInfo | None = None
     ) -> None:
-        self.tensors, self.dtype = tensors, dtype
+        self.tensors = tensors
+        self.dtype = dtype
         self.adapter = adapter  # set: the tensors are a LoRA adapter over that base (the manifest says so)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -92,7 +93,8 @@ def pieces(tensors: Mapping[str, torch.Tensor], name: str, scratch: torch.Tensor
         data = tensor_to_bytes(tensors[name])
         yield from (data[at : at + len(scratch)] for at in range(0, len(data), len(scratch)))
         return
-    flat, out = source.reshape(-1), scratch.view(tensors.dtype)
+    flat = source.reshape(-1)
+    out = scratch.view(tensors.dtype)
     for start in range(0, flat.numel(), out.numel()):
         count = min(out.numel(), flat.numel() - start)
         out[:count].copy_(flat[start : start + count])
@@ -126,7 +128,9 @@ def describe(tensors: Mapping[str, torch.Tensor], version: int, parent_version: 
     scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
     for name in tensors:
         if isinstance(tensors, CastView):  # cast a piece at a time, never the whole tensor
-            (dtype, shape), hasher, nbytes = tensors.meta(name), blake3.blake3(max_threads=blake3.blake3.AUTO), 0
+            (dtype, shape) = tensors.meta(name)
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            nbytes = 0
             for piece in pieces(tensors, name, scratch):
                 hasher.update(piece)
                 nbytes += len(piece)

@@ -133,7 +133,8 @@ def write_shm(
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+        data = data[written:]
+        offset = offset + written
 
 
 def map_version(path: str | Path) -> tuple[mmap.mmap, dict, int]:
@@ -230,7 +231,9 @@ class ShmWeightPublisher(WeightPublisher):
     than the newest `keep`, then announced."""
 
     def __init__(self, grpc_publisher: GrpcWeightPublisher, directory: Path, keep: int = 4) -> None:
-        self.grpc, self.directory, self.keep = grpc_publisher, directory, keep
+        self.grpc = grpc_publisher
+        self.directory = directory
+        self.keep = keep
         self.spare: Path | None = None
 
     async def push(

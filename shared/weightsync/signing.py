@@ -43,7 +43,8 @@ class Signer:
     """The trainer's side: stamps a manifest with the run and signs it."""
 
     def __init__(self, key: Ed25519PrivateKey, run_id: str = "") -> None:
-        self.key, self.run_id = key, run_id
+        self.key = key
+        self.run_id = run_id
 
     @classmethod
     def from_file(cls, path: Path, run_id: str = "") -> Signer:
@@ -62,7 +63,8 @@ class Verifier:
     """Weight-sync's and a replica's side: a manifest is the run's trainer's, or a WeightError."""
 
     def __init__(self, key: Ed25519PublicKey, run_id: str = "") -> None:
-        self.key, self.run_id = key, run_id
+        self.key = key
+        self.run_id = run_id
 
     @classmethod
     def from_file(cls, path: Path, run_id: str = "") -> Verifier:
@@ -85,7 +87,8 @@ def write_key_pair(
     """A fresh key pair as two files in `directory` (the private one mode 0600): their paths."""
     key = Ed25519PrivateKey.generate()
     directory.mkdir(parents=True, exist_ok=True)
-    private, public = directory / private_name, directory / public_name
+    private = directory / private_name
+    public = directory / public_name
     fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key.private_bytes_raw().hex() + "\n")

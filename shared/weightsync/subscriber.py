@@ -71,9 +71,13 @@ class GrpcWeightSubscriber(WeightSubscriber):
         version: int = 0,
         verifier=None,
     ) -> None:
-        self.address, self.apply, self.subscriber_id = address, apply, subscriber_id
+        self.address = address
+        self.apply = apply
+        self.subscriber_id = subscriber_id
         self.verifier = verifier  # a signing.Verifier (None: versions taken unsigned)
-        self.max_message_bytes, self.backoff, self.base = max_message_bytes, backoff, base
+        self.max_message_bytes = max_message_bytes
+        self.backoff = backoff
+        self.base = base
         self.transports = [pb.WeightTransportKind.Value(t.upper()) for t in transports]
         self.host = host or socket.gethostname()
         self._version = version  # the version the engine serves
@@ -83,7 +87,8 @@ class GrpcWeightSubscriber(WeightSubscriber):
         self.refused = 0  # the newest version refused as corrupt (never asked for again)
         self.wire_bytes = 0
         self.reconnects = 0
-        self.groups, self.ring = Groups(address), Staging()  # an in-process collective member's group and ring
+        self.groups = Groups(address)
+        self.ring = Staging()  # an in-process collective member's group and ring
 
     @property
     def version(self) -> int:
@@ -153,7 +158,8 @@ class GrpcWeightSubscriber(WeightSubscriber):
 
     async def _receive(self, stub, announcement: pb.VersionAnnouncement) -> bool:
         """Apply one announced version; True when this subscriber should subscribe again."""
-        version, kind = announcement.version.version, announcement.transport.kind
+        version = announcement.version.version
+        kind = announcement.transport.kind
         if version <= max(self.version, self.refused):
             return False
         try:
@@ -200,7 +206,8 @@ class GrpcWeightSubscriber(WeightSubscriber):
             await self.apply(delivery)
         finally:
             delivery.close()
-        self._version, self.manifest = delivery.version, delivery.manifest
+        self._version = delivery.version
+        self.manifest = delivery.manifest
         self.applied.append(delivery.version)
         self.wire_bytes += getattr(delivery, "wire_bytes", 0)
         self.received[delivery.transport] = self.received.get(delivery.transport, 0) + 1
@@ -243,7 +250,8 @@ class GrpcWeightSubscriber(WeightSubscriber):
     async def _restore(self, failed: int, patience: float) -> None:
         """A whole version into an engine that holds neither: the one served before the failure
         (pulled whole: the engine's bytes are mixed), else `failed` once the service holds it."""
-        served, self.manifest = self.version, None  # no delta against bytes the engine no longer holds
+        served = self.version
+        self.manifest = None  # no delta against bytes the engine no longer holds
         for version in ([served] if served else []) + [failed]:
             try:
                 if await self._pull_when_held(version, patience if version == failed else 1.0):

@@ -82,7 +82,8 @@ class PackedExperts:
             self.layers[name.removesuffix(".routed_experts").removesuffix(".base_layer")] = module
         self.roots = _roots(model, set(self.layers.values()))
         if self.roots is None:  # a module above an expert layer holds tensors: the whole model reloads
-            self.layers, self.roots = {}, [model]
+            self.layers = {}
+            self.roots = [model]
 
     @property
     def written(self) -> bool:

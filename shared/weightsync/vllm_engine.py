@@ -47,7 +47,8 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.groups, self.ring = Groups(), Staging()  # the rendezvous: the address each collective update names
+        self.groups = Groups()
+        self.ring = Staging()  # the rendezvous: the address each collective update names
         self.status = Status()
         self.packed: PackedExperts | None = None
         self._skeleton = None
@@ -90,7 +91,8 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
                     self.model.load_weights(checkpoint_layout(self.skeleton(), rest))
                 self.status.loaded += len(bucket)
         except WeightError as exc:  # the version is refused; finish_weight_update still completes the reload
-            self.status.error, self.status.partial = str(exc), self.status.loaded > 0 or self.packed.written
+            self.status.error = str(exc)
+            self.status.partial = self.status.loaded > 0 or self.packed.written
             log.warning(
                 "event=weights_refused version=%d transport=%s loaded=%d error=%s",
                 manifest.version,

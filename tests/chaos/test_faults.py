@@ -21,7 +21,9 @@ from tests.helpers import running, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G = 30, 4, 8
+STEPS = 30
+B = 4
+G = 8
 
 
 def service(launch: Launch, name: str):
@@ -86,7 +88,8 @@ def freeze(process, seconds: float) -> None:
 def freeze_mid_step(launch: Launch, seconds: float) -> None:
     """Freeze the weight-sync service while the trainer is inside a step (started, not ended): the
     step's push then meets the frozen service."""
-    trainer, deadline = service(launch, "trainer"), time.monotonic() + 60
+    trainer = service(launch, "trainer")
+    deadline = time.monotonic() + 60
     while True:
         text = trainer.log.read_text()
         if text.count("event=step_started ") > text.count("event=step step="):
@@ -112,7 +115,8 @@ def leases_held(launch: Launch, replica_id: str) -> list[str]:
 def stop_while_holding(launch: Launch, name: str, replica_id: str) -> None:
     """SIGSTOP the replica at a moment it holds leases (stopped first, then looked at: the tasks
     it holds then cannot finish under it)."""
-    target, deadline = service(launch, name).process, time.monotonic() + 120
+    target = service(launch, name).process
+    deadline = time.monotonic() + 120
     while True:
         os.kill(target.pid, signal.SIGSTOP)
         if leases_held(launch, replica_id):
@@ -228,8 +232,10 @@ def assert_ledger(out: Path, ledger, steps: int, b: int, g: int) -> None:
 
 async def read_ledger(url: str, run_id: str):
     redis = Redis.from_url(url)
-    ledger, keys = Ledger(redis, run_id), RunKeys(run_id)
-    trained, dropped = await ledger.trained(), await ledger.dropped()
+    ledger = Ledger(redis, run_id)
+    keys = RunKeys(run_id)
+    trained = await ledger.trained()
+    dropped = await ledger.dropped()
     dead = {f[b"task_id"].decode() for _, f in await redis.xrange(keys.dead)}
     submitted = int(await redis.hget(keys.run, "submitted"))
     rollouts_dead = await ledger.rollouts_dead_counts()
@@ -282,7 +288,8 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
         ],
     )
     with running(config, tmp_path, tiny_model_dir) as launch:
-        target, deadline = service(launch, "inference-policy").process, time.monotonic() + 120
+        target = service(launch, "inference-policy").process
+        deadline = time.monotonic() + 120
         while True:  # stopped first, then looked at: the tasks it holds then cannot finish under it
             os.kill(target.pid, signal.SIGSTOP)
             if leased_policy_evals(launch, config.run_id):
@@ -316,7 +323,9 @@ def test_a_multi_turn_run_survives_a_replica_killed_mid_trajectory(tmp_path, cal
     between turns or inside one): the leases run out, the tasks go back and are played again from
     their start by the other replica; every step trains whole groups of whole trajectories, none
     twice, and every task is accounted for."""
-    steps, b, g = 12, 4, 8
+    steps = 12
+    b = 4
+    g = 8
     config = load_run_config(
         ROOT / "configs" / "tiny-tools.toml",
         [

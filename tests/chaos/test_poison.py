@@ -19,7 +19,9 @@ from tests.helpers import running, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G = 20, 4, 8
+STEPS = 20
+B = 4
+G = 8
 RUN = "tiny-arith"
 
 
@@ -54,7 +56,8 @@ async def publish_as(redis, keys: RunKeys, task: str, payloads: list[bytes], lea
 
 
 async def inject(url: str) -> None:
-    redis, keys = Redis.from_url(url), RunKeys(RUN)
+    redis = Redis.from_url(url)
+    keys = RunKeys(RUN)
     # the rollout stream
     await publish_as(redis, keys, "evil-incomplete", [rollout("evil-incomplete", i) for i in range(5)])
     await publish_as(redis, keys, "evil-overfull", [rollout("evil-overfull", i) for i in range(G + 1)])
@@ -98,7 +101,8 @@ def _with(task: common_pb2.PromptTask, **fields) -> common_pb2.PromptTask:
 
 
 async def dead_letters(url: str) -> tuple[dict, dict, set[str], list[str]]:
-    redis, keys = Redis.from_url(url), RunKeys(RUN)
+    redis = Redis.from_url(url)
+    keys = RunKeys(RUN)
     rollouts = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.rollouts_dead_counts)).items()}
     tasks = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.dead_counts)).items()}
     groups = {g.decode() for g in await redis.smembers(keys.trained_dead)}

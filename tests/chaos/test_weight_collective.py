@@ -17,7 +17,10 @@ from tests.helpers import running, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, G, TIMEOUT = 30, 4, 8, 5.0
+STEPS = 30
+B = 4
+G = 8
+TIMEOUT = 5.0
 
 
 def collective_config(replicas: int, steps: int = STEPS):

@@ -92,7 +92,8 @@ def start_and_finish(compose, processes, logs, ports, paths, base, tmp_path, red
                 stderr=subprocess.STDOUT,
             )
         url = f"http://127.0.0.1:{ports['8080']}/v1/run"
-        status, deadline = {}, time.monotonic() + 240
+        status = {}
+        deadline = time.monotonic() + 240
         while status.get("state") != "finished" and time.monotonic() < deadline:
             for name, process in processes.items():
                 assert process.poll() is None, (name, (tmp_path / f"{name}.log").read_text()[-3000:])

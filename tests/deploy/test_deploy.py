@@ -396,7 +396,8 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     assert sorted(named) == sorted(
         [*((d["kind"], d["metadata"]["name"]) for d in plain), ("Deployment", "inference-policy")]
     )
-    policy, inference = named["Deployment", "inference-policy"], named["Deployment", "inference"]
+    policy = named["Deployment", "inference-policy"]
+    inference = named["Deployment", "inference"]
     kubernetes_validate.validate(policy, version, strict=True)
     env = {e["name"]: e.get("value", "secret") for e in policy["spec"]["template"]["spec"]["containers"][0]["env"]}
     check_settings("inference", steadyrl_env(env, "inference"))
@@ -597,7 +598,8 @@ def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path
         assert await orchestrator.admit() == 8
         tasks = [orchestrator.tasks.make(f"evalpi-{i}", orchestrator.tasks.train[i], 1, 0.0, True, 0) for i in range(3)]
         await orchestrator.queue.submit_many(tasks)
-        rollouts, policy = WorkQueue(redis, run_id), WorkQueue(redis, run_id, pool="policy_eval")
+        rollouts = WorkQueue(redis, run_id)
+        policy = WorkQueue(redis, run_id, pool="policy_eval")
         leased = await rollouts.lease("r0", 60, count=3)
         assert await rollouts.complete("r0", leased[0].task_id, [b"x", b"y"])
         await policy.lease("r1", 60, count=1)
@@ -740,7 +742,9 @@ def test_a_real_prometheus_scrapes_a_running_service(tmp_path):
 
     prometheus = shutil.which("prometheus")
     assert prometheus, "prometheus is missing: scripts/install installs Debian's package as root"
-    grpc_port, metrics_port, web_port = free_port(), free_port(), free_port()
+    grpc_port = free_port()
+    metrics_port = free_port()
+    web_port = free_port()
     env = {
         **os.environ,
         "STEADYRL_WEIGHTSYNC_PORT": str(grpc_port),

@@ -60,7 +60,9 @@ def pinned(lock: str) -> dict[str, str]:
     """name → version of every entry; each entry hashed but the CPU lock's torch (scripts/lock)."""
     from packaging.utils import canonicalize_name
 
-    pins, hashes, name = {}, {}, ""
+    pins = {}
+    hashes = {}
+    name = ""
     for line in (DOCKER / lock).read_text().splitlines():
         if line.startswith(" "):
             hashes[name] += line.strip().startswith("--hash=sha256:")
@@ -68,7 +70,8 @@ def pinned(lock: str) -> dict[str, str]:
             name, _, version = line.removesuffix(" \\").partition("==")
             name = canonicalize_name(name)
             assert version, f"{lock}: {line!r} is not pinned"
-            pins[name], hashes[name] = version, 0
+            pins[name] = version
+            hashes[name] = 0
     unhashed = sorted(n for n, count in hashes.items() if not count)
     assert unhashed == (["torch"] if lock == LOCKS["Dockerfile"] else []), unhashed
     return pins

@@ -55,7 +55,9 @@ def test_a_replica_serves_metrics_while_its_model_loads_and_reads_its_recipe(red
     own variables only placing it) answers /metrics from before its model loads, with
     steadyrl_service_loading 1 and no policy version yet, every sample labelled with the recipe's
     run id; once loaded: loading 0 and its version, labelled with its pool."""
-    flag, grpc_port, metrics_port = tmp_path / "load", free_port(), free_port()
+    flag = tmp_path / "load"
+    grpc_port = free_port()
+    metrics_port = free_port()
     env = {
         **os.environ,
         "STEADYRL_RECIPE": str(ROOT / "configs" / "tiny-arith.toml"),

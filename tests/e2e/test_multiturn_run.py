@@ -50,7 +50,8 @@ def test_tiny_tools_learns_to_call_the_calculator(tmp_path, calc_model_dir):
     assert [x["step"] for x in lines] == list(range(1, 21))
     for key in TURN_KEYS:
         assert all(key in x for x in lines), key
-    first, last = lines[:3], lines[-5:]
+    first = lines[:3]
+    last = lines[-5:]
 
     def mean(rows, key):
         return sum(r[key] for r in rows) / len(rows)

@@ -165,5 +165,6 @@ def test_eval_on_cuda_scores_what_it_does_on_the_cpu(tiny_model_dir):
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    cpu, cuda = accuracy("cpu"), accuracy("cuda")
+    cpu = accuracy("cpu")
+    cuda = accuracy("cuda")
     assert (cpu["device"], cuda["device"]) == ("cpu", "cuda") and cuda["accuracy"] == cpu["accuracy"] > 0

@@ -82,7 +82,8 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(
     assert sorted(r.rollout_id for r in rollouts) == [f"agent-{t}:{i}" for t in range(2) for i in range(4)]
     tokenizer = load_tokenizer(str(calc_model_dir))
     model = load_causal_lm(calc_model_dir, "float32")
-    worst, tool_used = 0.0, 0
+    worst = 0.0
+    tool_used = 0
     for r in rollouts:
         validate_rollout(r)
         mask = r.model_tokens

@@ -31,7 +31,8 @@ def refused(metrics_port: int) -> float:
 
 
 def test_every_method_needs_the_token_but_health(tmp_path, monkeypatch):
-    port, metrics = free_port(), free_port()
+    port = free_port()
+    metrics = free_port()
     signer, public = weight_keys(tmp_path)
     env = {
         **os.environ,

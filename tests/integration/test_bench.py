@@ -35,11 +35,13 @@ def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
     from bench.weightsync import TRANSPORTS, main
 
     result = main(layers=1, rounds=1, engines=("torch",), replicas=(1, 2), warmup=1)
-    nbytes, memcpy = result["model"]["bytes"], result["machine"]["memcpy"]["seconds"]
+    nbytes = result["model"]["bytes"]
+    memcpy = result["machine"]["memcpy"]["seconds"]
     assert 100e6 < nbytes < 120e6 and memcpy > 0 and result["machine"]["raw_socket_1"]["seconds"] > 0
     # the shm transport's own work alone casts, writes, hashes twice and copies: more than a memcpy or
     # one hash, less than the refit that adds a service, an announcement and an engine around it
-    blake3, floor = result["machine"]["blake3_1_thread"]["seconds"], result["machine"]["shm_floor"]["seconds"]
+    blake3 = result["machine"]["blake3_1_thread"]["seconds"]
+    floor = result["machine"]["shm_floor"]["seconds"]
     assert memcpy < floor and blake3 < floor
     refit = result["refit"]["torch"]
     assert set(refit) == {"1", "2"} and all(set(sides) == set(TRANSPORTS) for sides in refit.values())
@@ -207,7 +209,8 @@ def test_lora_peak_memory_is_measured_with_each_side_alone_in_its_own_process(ti
     from bench.trainer import wider_model
 
     out = peak_sides(tiny_model_dir, rounds=1)
-    full, lora = out["peak"]["full"], out["peak"]["lora"]
+    full = out["peak"]["full"]
+    lora = out["peak"]["lora"]
     for side in (full, lora):
         assert side["peak_bytes"] >= side["loaded_bytes"] > 100e6
         assert side["step_peak_bytes"] == side["peak_bytes"] - side["loaded_bytes"]

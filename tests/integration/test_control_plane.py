@@ -505,7 +505,8 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
             policy_eval=True,
         )
         orchestrator, _ = await running_orchestrator(redis, settings)
-        queue, policy = WorkQueue(redis, run_id), WorkQueue(redis, run_id, pool="policy_eval")
+        queue = WorkQueue(redis, run_id)
+        policy = WorkQueue(redis, run_id, pool="policy_eval")
         await queue.lease("r0", 30, 10)
         await policy.lease("p0", 30, 10)
         for task in ("eval-0-2", "evalk-0-2"):
@@ -546,7 +547,8 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
             redis_server.url, run_id, tiny_model_dir, tmp_path, "running", batch_prompts=4, group_size=2, steps=10
         )
         assert await orchestrator.admit() == 8  # train-0 .. train-7
-        keys, queue = orchestrator.keys, WorkQueue(redis, run_id)
+        keys = orchestrator.keys
+        queue = WorkQueue(redis, run_id)
         [leased, completed, dead, lost_a, trained, dropped] = await queue.lease("replica-0", 60, count=6)
         assert await queue.complete("replica-0", completed.task_id, [b"r0", b"r1"])
         assert await queue.dead_letter("replica-0", dead.task_id, "invalid", "test")

@@ -131,8 +131,10 @@ def test_step_metrics_are_whole_step_token_weighted_values(tiny_model_dir):
 
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=33)
     for r in rollouts[:GROUP]:  # the first mini-batch's answers cut to 2 tokens: mini-batches of unequal size
-        r.completion_token_ids, r.inference_logprobs = r.completion_token_ids[:2], r.inference_logprobs[:2]
-        r.policy_versions, r.routing_trace = r.policy_versions[:2], r.routing_trace[: len(r.prompt_token_ids) + 1]
+        r.completion_token_ids = r.completion_token_ids[:2]
+        r.inference_logprobs = r.inference_logprobs[:2]
+        r.policy_versions = r.policy_versions[:2]
+        r.routing_trace = r.routing_trace[: len(r.prompt_token_ids) + 1]
     batch = collate(rollouts)
     model = load_causal_lm(tiny_model_dir, "float32")
     with torch.no_grad():

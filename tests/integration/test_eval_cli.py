@@ -24,7 +24,8 @@ def report_of(done: subprocess.CompletedProcess) -> dict:
 
 
 def test_eval_scores_the_recipes_eval_sets_as_its_run_does(tiny_model_dir, tmp_path):
-    model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
+    model = load_causal_lm(tiny_model_dir, "float32")
+    tokenizer = char_tokenizer()
     examples = TinySpec().task().split("eval", 64)
     with (tmp_path / "hard.csv").open("w", newline="") as f:
         writer = csv.writer(f)
@@ -54,7 +55,8 @@ def test_eval_scores_the_recipes_eval_sets_as_its_run_does(tiny_model_dir, tmp_p
 def test_eval_uses_the_recipes_reward_plug_in(tiny_model_dir):
     """`tests.rewards:length` scores a completion by its length: the greedy 'accuracy' is the mean
     length of transformers' greedy completions, computed in a reward process."""
-    model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
+    model = load_causal_lm(tiny_model_dir, "float32")
+    tokenizer = char_tokenizer()
     examples = TinySpec().task().split("eval", 12)
     report = report_of(
         eval_cli(
@@ -125,7 +127,8 @@ def test_served_scores_the_model_as_the_recipes_replicas_compute_it(tiny_model_d
     and unbatched decoding agree)."""
     from shared.models.quantization import quantize_, quantized_targets
 
-    model, tokenizer = load_causal_lm(tiny_model_dir, "float32"), char_tokenizer()
+    model = load_causal_lm(tiny_model_dir, "float32")
+    tokenizer = char_tokenizer()
     quantize_(model, quantized_targets(model), "fp4")
     examples = TinySpec().task().split("eval", 40)
     common = ["--size", "40", "--max-new-tokens", "8", "--samples", "0"]

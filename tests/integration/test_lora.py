@@ -13,7 +13,9 @@ from shared.models.lora import apply_lora, merged_state
 from shared.rollout import Rollout
 from shared.training import StepConfig, train_step
 
-GROUP, LR, EPS = 2, 1e-3, 1e-8
+GROUP = 2
+LR = 1e-3
+EPS = 1e-8
 
 
 def rollouts() -> list[Rollout]:
@@ -77,7 +79,8 @@ def test_one_lora_step_equals_the_update_by_hand(tiny_model_dir):
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=LR, eps=EPS, weight_decay=0.0)
     train_step(model, optimizer, None, collate(rollouts()), GROUP, CONFIG, version=0)
     after = merged_state(model)
-    scale, checked = 8.0 / 4, 0
+    scale = 8.0 / 4
+    checked = 0
     for name, tensor in after.items():
         delta = tensor - before[name]
         if not name.endswith(("q_proj.weight", "v_proj.weight")):

@@ -87,7 +87,8 @@ def test_adapter_versions_reach_the_torch_engine_by_every_transport_and_bad_ones
             }
             with torch.no_grad():
                 base = replica.engine.model(IDS).logits.clone()
-            logits, received = [], {}
+            logits = []
+            received = {}
             for version, (kind, model) in enumerate(zip(("grpc", "shm", "collective"), models, strict=True), 1):
                 before = received_by(kind)
                 await publishers[kind].push(version_of(model, digest), version, version - 1, timeout=60)

@@ -84,7 +84,8 @@ def test_a_three_turn_step_trains_the_model_s_tokens_alone_by_hand(tiny_model_di
     loss.backward()
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     optimizer.step()
-    trained, expected = model.state_dict(), reference.state_dict()
+    trained = model.state_dict()
+    expected = reference.state_dict()
     assert max(float((trained[k] - v).abs().max()) for k, v in expected.items()) <= 1e-6
     # the diagnostics count model tokens alone: 10 of the 20 completion tokens
     assert metrics["tokens"] == 10

@@ -35,7 +35,8 @@ def test_init_is_deterministic_and_cached(tmp_path):
     spec = replace(TinySpec(), sft_max_steps=20, sft_eval_every=10, sft_eval_size=16, target_accuracy=1.0)
     first = init_tiny_model(tmp_path / "a", spec=spec, seed=3, cache_dir=tmp_path / "cache1")
     second = init_tiny_model(tmp_path / "b", spec=spec, seed=3, cache_dir=tmp_path / "cache2")
-    one, two = load_causal_lm(first).state_dict(), load_causal_lm(second).state_dict()
+    one = load_causal_lm(first).state_dict()
+    two = load_causal_lm(second).state_dict()
     assert all(torch.equal(one[k], two[k]) for k in one)
     cached = next((tmp_path / "cache1").iterdir())
     stamp = (cached / "steadyrl_tiny.json").stat().st_mtime_ns

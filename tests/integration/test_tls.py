@@ -110,7 +110,8 @@ def wait_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None
 
 @pytest.mark.parametrize("client_auth", [False, True], ids=["tls", "mtls"])
 def test_grpc_over_tls(pki, tmp_path, client_auth):
-    port, metrics = free_port(), free_port()
+    port = free_port()
+    metrics = free_port()
     signer, public = weight_keys(tmp_path)
     env = {
         **os.environ,
@@ -200,7 +201,8 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
 
 
 def test_http_control_plane_over_mutual_tls(pki, tmp_path, redis_server, run_id, tiny_model_dir):
-    http_port, grpc_port = free_port(), free_port()
+    http_port = free_port()
+    grpc_port = free_port()
     env = {
         **os.environ,
         **server_env(pki, True),

@@ -183,7 +183,8 @@ def test_r3_routes_every_forward_exactly_as_the_inference_trace(tiny_model_dir):
     for forward, picked in zip(seen, [list(range(8)), *rows], strict=True):
         for layer, used in enumerate(forward):
             used = used.view(len(picked), batch.input_ids.shape[1], 2)
-            want, where = batch.trace[picked][..., layer, :], batch.trace_mask[picked]
+            want = batch.trace[picked][..., layer, :]
+            where = batch.trace_mask[picked]
             assert torch.equal(used[where], want[where])
 
 
@@ -378,7 +379,8 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        stop, ready = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
+        ready = asyncio.Event()
         server = asyncio.create_task(
             serve_trainer(
                 settings_for(tmp_path, tiny_model_dir, redis_server, run_id, port=port), ready=ready, stop=stop
@@ -493,7 +495,8 @@ def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(
 
     async def main():
         redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts)
-        gate, train = threading.Event(), trainer.runner.step
+        gate = threading.Event()
+        train = trainer.runner.step
         trainer.runner.step = lambda batch, version: (gate.wait(30), train(batch, version))[1]  # hold it mid-step
         stepping = asyncio.create_task(trainer.step(trainer.buffer.complete()[:2]))
         await asyncio.sleep(0.2)
@@ -540,7 +543,8 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
     private, public = write_key_pair(tmp_path / "keys")
 
     async def weightsync(name: str):
-        stop, ready = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
+        ready = asyncio.Event()
         task = asyncio.create_task(
             serve_weightsync(
                 WeightSyncSettings(
@@ -601,7 +605,8 @@ def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tin
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        stop, ready = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
+        ready = asyncio.Event()
         task = asyncio.create_task(
             serve_weightsync(
                 WeightSyncSettings(

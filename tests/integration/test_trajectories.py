@@ -25,7 +25,9 @@ class Scripted(Environment):
     """Answers every turn with `observation` until `turns` turns, then done with reward 1."""
 
     def __init__(self, turns: int, observation: str = "=42") -> None:
-        self.turns, self.observation, self.seen = turns, observation, []
+        self.turns = turns
+        self.observation = observation
+        self.seen = []
 
     def reset(self, task):
         return [Message("user", task["prompt"])]

@@ -87,7 +87,8 @@ def test_a_verifiers_environment_plays_trained_rollouts_through_the_replica(
     tokenizer = load_tokenizer(str(calc_model_dir))
     model = load_causal_lm(calc_model_dir, "float32")
     answers = {"vf-0": str(12 * 13), "vf-1": str(12 * 24)}
-    worst, tool_used = 0.0, 0
+    worst = 0.0
+    tool_used = 0
     for r in rollouts:
         validate_rollout(r)
         mask = r.model_tokens

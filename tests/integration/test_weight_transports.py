@@ -207,7 +207,8 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
     from shared.rpc.steadyrl.v1 import inference_pb2_grpc
     from shared.weightsync.signing import Signer, write_key_pair
 
-    ws_port, port = free_port("127.0.0.3"), free_port("127.0.0.4")
+    ws_port = free_port("127.0.0.3")
+    port = free_port("127.0.0.4")
     private, public = write_key_pair(tmp_path / "keys")
     base = {k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_")}
     services = {
@@ -233,7 +234,8 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
             "STEADYRL_INFERENCE_VERIFY_KEY_FILE": str(public),
         },
     }
-    processes, logs = {}, {name: tmp_path / f"{name}.log" for name in services}
+    processes = {}
+    logs = {name: tmp_path / f"{name}.log" for name in services}
     for name, env in services.items():
         with logs[name].open("wb") as log:
             processes[name] = subprocess.Popen(
@@ -272,7 +274,8 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
         for process in processes.values():
             process.terminate()
             process.wait(30)
-    replica_log, ws_log = logs["inference"].read_text(), logs["weightsync"].read_text()
+    replica_log = logs["inference"].read_text()
+    ws_log = logs["weightsync"].read_text()
     assert served == [1, 2]
     assert re.search(r"event=version_announced version=2 transport=collective epoch=\d+ members=1", ws_log), ws_log[
         -2000:

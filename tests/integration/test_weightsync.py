@@ -42,7 +42,8 @@ class Server:
     def __init__(self, tmp_path, **overrides):
         self.port = free_port()
         private, public = write_key_pair(tmp_path / "keys")
-        self.signer, self.key_file = Signer.from_file(private), private
+        self.signer = Signer.from_file(private)
+        self.key_file = private
         self.settings = WeightSyncSettings(
             port=self.port, spill_dir=tmp_path / "spill", chunk_bytes=4096, verify_key_file=public, **overrides
         )
@@ -413,7 +414,8 @@ def test_a_push_spills_before_its_bytes_arrive_so_memory_never_holds_more_than_m
     async def main():
         server = Server(tmp_path, retain_versions=4, memory_versions=2)
         store = server.servicer.store
-        held, make_room = [], store.make_room
+        held = []
+        make_room = store.make_room
 
         def recorded():
             make_room()

@@ -87,7 +87,8 @@ def main() -> None:
             refused[name] = "applied"
         except WeightError as exc:
             refused[name] = str(exc)
-    out["refused"], out["version_after"] = refused, engine.version
+    out["refused"] = refused
+    out["version_after"] = engine.version
     out["after"] = worst(adapted(model_dir, 8, 2), engine.generate(prompts, greedy), prompts)
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)

@@ -26,7 +26,8 @@ def across_an_update(engine, prompt: list[int], version: int, model_dir: str, af
     `after` tokens are out."""
     from shared.engines import Sampling
 
-    seen, staged = [], []
+    seen = []
+    staged = []
 
     def on_token(token, logprob, v):
         seen.append(token)
@@ -78,7 +79,9 @@ def one_failing(engine, prompts: list[list[int]]) -> dict:
 def main() -> None:
     from shared.engines import Sampling, make_engine
 
-    model_dir, dtype, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    model_dir = sys.argv[1]
+    dtype = sys.argv[2]
+    prompts = json.loads(sys.argv[3])
     engine = make_engine("vllm", model_dir, dtype, max_model_len=64)
     out = {"capabilities": {"routing_trace": engine.capabilities.routing_trace, "notes": engine.capabilities.notes}}
     sampled = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=11))

@@ -51,7 +51,8 @@ def _children(pid: int) -> list[int]:
 async def ledger(url: str, run_id: str) -> dict:
     """Where every submitted task is: trained, dropped as stale, dead, still queued or leased, or with
     rollouts on the stream the trainer has not trained yet (a group cut by the stop)."""
-    redis, keys = Redis.from_url(url), RunKeys(run_id)
+    redis = Redis.from_url(url)
+    keys = RunKeys(run_id)
     trained = await Ledger(redis, run_id).trained()
     dropped = {x.split(":")[0] for x in await Ledger(redis, run_id).dropped()}
     dead = {f[b"task_id"].decode() for _, f in await redis.xrange(keys.dead)}

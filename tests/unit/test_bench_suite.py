@@ -37,7 +37,14 @@ def test_the_lora_bench_counts_adapter_bytes_by_the_shapes():
     from bench.lora import version_bytes
     from bench.suite import markdown
 
-    h, layers, heads, kv, hd, experts, inter, r = 64, 2, 4, 2, 16, 4, 32, 32
+    h = 64
+    layers = 2
+    heads = 4
+    kv = 2
+    hd = 16
+    experts = 4
+    inter = 32
+    r = 32
     shape = {
         "hidden_size": h,
         "num_hidden_layers": layers,

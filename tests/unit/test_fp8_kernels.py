@@ -39,7 +39,8 @@ class RealFP8(QuantizedActivations):
     """The matmuls QuantizedActivations reaches, computed by FP8 kernels instead."""
 
     def quantized_matmul(self, func, args: tuple, kwargs: dict):
-        x, weight = args[0], args[1]
+        x = args[0]
+        weight = args[1]
         if func is nn.functional.linear:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             out = fp8_gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
@@ -69,14 +70,16 @@ def test_the_fp8_emulation_tracks_fp8_kernels(tiny_model_dir, device):
 
     task = KitTask("arith")
     ids, labels = sft_batch(load_tokenizer(tiny_model_dir), task.task(task.spec(), 0).split("eval", 256))
-    ids, answer = ids.to(device), (labels[:, 1:] != -100).to(device)
+    ids = ids.to(device)
+    answer = (labels[:, 1:] != -100).to(device)
     reference = answer_logprobs(load_causal_lm(tiny_model_dir, "float32", device), ids, answer)
     plain = answer_logprobs(load_causal_lm(tiny_model_dir, "bfloat16", device), ids, answer)
     model = load_causal_lm(tiny_model_dir, "bfloat16", device)
     names = quantized_targets(model)
     quantize_(model, names, "fp8")
     params = [dict(model.named_parameters())[n] for n in names]
-    emulated, real = QuantizedActivations(params), RealFP8(params)
+    emulated = QuantizedActivations(params)
+    real = RealFP8(params)
     by = {"emulated": answer_logprobs(model, ids, answer, emulated), "real": answer_logprobs(model, ids, answer, real)}
     assert emulated.matched == emulated.storages and real.matched == real.storages  # experts included
 

@@ -7,7 +7,8 @@ import numpy as np
 from services.trainer.groups import GroupBuffer
 from shared.rollout import Rollout, RolloutLimits, encode_rollout
 
-G, RUN = 4, "run-a"
+G = 4
+RUN = "run-a"
 STAMP = "replica-0|0"
 
 

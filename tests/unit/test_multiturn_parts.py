@@ -119,6 +119,7 @@ def test_calc_traces_train_the_model_s_turns_alone(calc_model_dir):
     assert trained == "calc(37*46)</s>1702</s>"  # the prompt and the tool's answer are not trained
     direct_ids, direct_labels = tool_trace(tokenizer, "37*46=", "1702", use_tool=False)
     assert tokenizer.decode(direct_ids) == "<s>37*46=:1702</s>" and sum(x != -100 for x in direct_labels) == 5
-    train, evals = MulTask().split("train", 500), MulTask().split("eval", 200)
+    train = MulTask().split("train", 500)
+    evals = MulTask().split("eval", 200)
     assert not {e.prompt for e in train} & {e.prompt for e in evals}
     assert all(int(e.answer) == eval(e.prompt.rstrip("=")) for e in train[:50])

@@ -120,7 +120,8 @@ def undersized(docs: list[dict], p: dict, recipe) -> list[str]:
     spill = next(v for v in pods["weightsync"]["volumes"] if v["name"] == "spill")["emptyDir"]["sizeLimit"]
     redis = first["redis"]
     maxmemory = quantity(next(e["value"] for e in redis["env"] if e["name"] == "REDIS_MAXMEMORY"))
-    trainer_gpus, replica_gpus = recipe["trainer"].gpus, recipe["inference"].gpus_per_replica
+    trainer_gpus = recipe["trainer"].gpus
+    replica_gpus = recipe["inference"].gpus_per_replica
     scaler = named["ScaledObject", "inference"]["spec"]
     startup = first["inference"]["startupProbe"]
     checks = {

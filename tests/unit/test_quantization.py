@@ -110,7 +110,8 @@ def test_w8a8_rounds_the_inputs_of_fp8_weights_only_by_hand():
     from shared.models.quantization import QuantizedActivations
 
     torch.manual_seed(0)
-    fp8, full = nn.Linear(6, 4, bias=True), nn.Linear(6, 4, bias=False)
+    fp8 = nn.Linear(6, 4, bias=True)
+    full = nn.Linear(6, 4, bias=False)
     experts = torch.randn(3, 4, 6)  # stacked [E, out, in]; an expert's matmul uses a slice
     x = torch.randn(5, 6) * torch.tensor([[1.0], [10.0], [0.1], [3.0], [0.0]])  # rows of very different scale
     # by hand: each row (token) gets its own scale amax / 448, then e4m3
@@ -181,7 +182,8 @@ def test_the_torch_engine_computes_w8a8_on_its_own_thread(tiny_model_dir):
     from shared.models import load_causal_lm
     from shared.models.quantization import QuantizedActivations
 
-    prompt, greedy = [1, 5, 6, 7], Sampling(temperature=0, max_new_tokens=4)
+    prompt = [1, 5, 6, 7]
+    greedy = Sampling(temperature=0, max_new_tokens=4)
     logprobs = {}
     for w8a8 in (False, True):
         engine = make_engine("torch", str(tiny_model_dir), "float32", quantization="fp8", quantize_activations=w8a8)

@@ -224,7 +224,8 @@ def test_traces_travel_one_byte_per_id_and_compressed(keep, most_bytes_per_token
 
     trace = correlated_trace(1000, keep=keep)
     rollout = make_rollout(1, 1000, trace=False)
-    rollout.routing_trace, rollout.num_experts = trace, 128
+    rollout.routing_trace = trace
+    rollout.num_experts = 128
     msg = rollout_pb2.Rollout()
     msg.ParseFromString(encode_rollout(rollout))
     assert msg.routing_trace.dtype == rollout_pb2.RoutingTrace.UINT8 and msg.routing_trace.zstd
@@ -241,7 +242,8 @@ def test_a_compressed_trace_that_lies_about_its_size_is_refused_unexpanded():
     from shared.rpc.steadyrl.v1 import rollout_pb2
 
     rollout = make_rollout(1, 200, trace=False)
-    rollout.routing_trace, rollout.num_experts = correlated_trace(200, 2, 2, 8, keep=0.9), 8
+    rollout.routing_trace = correlated_trace(200, 2, 2, 8, keep=0.9)
+    rollout.num_experts = 8
     msg = rollout_pb2.Rollout()
     msg.ParseFromString(encode_rollout(rollout))
     assert msg.routing_trace.zstd

@@ -185,9 +185,11 @@ def test_mul_trace_answers_are_worked_traces_with_a_heavy_tail():
 
     task = MulTraceTask(max_answer_tokens=256, alpha=1.3, seed=0)
     assert task.example(3, 14).answer == "14,28,42" and task.example(3, 14).prompt == "3*14="
-    train, evals = task.split("train", 3000), task.split("eval", 300)
+    train = task.split("train", 3000)
+    evals = task.split("eval", 300)
     lengths = sorted(len(e.answer) for e in train)
-    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    median = lengths[len(lengths) // 2]
+    p99 = lengths[int(0.99 * len(lengths))]
     assert lengths[-1] <= 256 and p99 >= 150 and median <= 16  # mostly short, a few near the cap
     assert not {e.prompt for e in train} & {e.prompt for e in evals}  # disjoint splits
     assert task.split("train", 50) == train[:50]  # deterministic

@@ -82,7 +82,8 @@ class _Failing(Delivery):
 
     def __init__(self, version: int, state: dict[str, torch.Tensor], bad: int) -> None:
         super().__init__(pb.WeightManifest(version=version))
-        self.state, self.bad = state, bad
+        self.state = state
+        self.bad = bad
 
     def buckets(self):
         for i, item in enumerate(self.state.items()):
