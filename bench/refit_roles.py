@@ -144,7 +144,7 @@ def replica(engine_name: str, model_dir: str, address: str, name: str, verify_ke
 
     from shared.engines import Sampling, make_engine
     from shared.weightsync.signing import Verifier
-    from shared.weightsync.subscriber import GrpcWeightSubscriber
+    from shared.weightsync.subscriber import WatchSubscriber
 
     options = {"max_model_len": 64, "kv_cache_gib": 1.0} if engine_name == "vllm" else {"threads": 1}
     engine = make_engine(engine_name, model_dir, "bfloat16", **options)
@@ -157,7 +157,7 @@ def replica(engine_name: str, model_dir: str, address: str, name: str, verify_ke
         return paused
 
     async def main() -> None:
-        subscriber = GrpcWeightSubscriber(
+        subscriber = WatchSubscriber(
             address,
             apply,
             name,

@@ -244,7 +244,7 @@ def main(
     replicas: tuple[int, ...] = (1, 2),
     warmup: int = WARMUP,
 ) -> dict:
-    from shared.weightsync.delivery import BUCKET_BYTES
+    from shared.weightsync.base import BUCKET_BYTES
 
     with (
         tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp,

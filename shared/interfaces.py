@@ -3,19 +3,14 @@ travels.
 
 - `RolloutSink` (replicas publish): `shared.queues.WorkQueue` (Redis, Lua).
 - `RolloutSource` (the trainer reads): `services.trainer.stream.RedisRolloutSource`.
-- `WeightPublisher` (the trainer pushes): `shared.weightsync.grpc.GrpcWeightPublisher`,
-  `shared.weightsync.shm.ShmWeightPublisher`, `shared.weightsync.collective.CollectiveWeightPublisher`.
-- `WeightSubscriber` (replicas receive): `shared.weightsync.subscriber.GrpcWeightSubscriber`.
+- `WeightPublisher` / `WeightSubscriber` / `Delivery` (the trainer pushes, replicas receive):
+  `shared.weightsync.base`, one module per transport.
 - `Engine` (replicas generate): `shared.engines` torch / vllm (a Protocol there).
 """
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-
-import torch
 
 
 class RolloutSink(ABC):
@@ -69,28 +64,3 @@ class RolloutSource(ABC):
     @abstractmethod
     async def identity(self) -> str:
         """Which server instance answers: a change means it restarted and may have lost writes."""
-
-
-class WeightPublisher(ABC):
-    """The trainer's side of the weights: each version pushed whole, verified before it is visible."""
-
-    @abstractmethod
-    async def push(
-        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
-    ): ...
-
-    @abstractmethod
-    async def close(self) -> None: ...
-
-
-class WeightSubscriber(ABC):
-    """A replica's side: every new version, as a delivery its engine applies (every tensor checked
-    against the signed manifest first); resumes after a drop."""
-
-    @property
-    @abstractmethod
-    def version(self) -> int:
-        """The version the engine serves (0 before the first)."""
-
-    @abstractmethod
-    async def run(self, stop: asyncio.Event | None = None) -> None: ...

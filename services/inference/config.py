@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.settings import VerifiedWeights
+from shared.weightsync.base import TransportName
 
 
 def _default_replica_id() -> str:
@@ -112,7 +113,7 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     """host:port of the weight-sync service; empty = keep the initial weights."""
     orchestrator_address: str = ""
     """host:port of the orchestrator's gRPC API: the replica reports its version there."""
-    weight_transports: list[Literal["grpc", "shm", "collective"]] = ["shm", "collective", "grpc"]
+    weight_transports: list[TransportName] = [TransportName.SHM, TransportName.COLLECTIVE, TransportName.GRPC]
     """How this replica can receive versions: the weight-sync service says which one each version
     takes (shm only on its host); gRPC is always possible."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)

@@ -228,7 +228,7 @@ async def serve(
 ) -> None:
     """Run the replica until `stop` is set (or forever)."""
     from shared.models import load_tokenizer
-    from shared.weightsync.subscriber import GrpcWeightSubscriber
+    from shared.weightsync.subscriber import WatchSubscriber
 
     owned = engine is None  # an engine handed in outlives this replica
     with loading("inference", settings.metrics_port, settings.host, settings.run_id, settings.pool):
@@ -271,7 +271,7 @@ async def serve(
             )
             return seconds
 
-        subscriber = GrpcWeightSubscriber(
+        subscriber = WatchSubscriber(
             settings.weightsync_address,
             apply,
             replica,

@@ -16,6 +16,7 @@ from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.settings import StepShape, TrackingSettings, UnsignedWeights
 from shared.training import StepConfig
+from shared.weightsync.base import TransportName
 
 
 class LoraSettings(BaseModel):
@@ -83,7 +84,7 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     """Largest gRPC message."""
     publish_timeout_seconds: float = Field(600.0, gt=0)
     """Bound on one version push; a push that fails is retried on the next turn of the loop."""
-    weight_transport: Literal["grpc", "shm", "collective"] = "grpc"
+    weight_transport: TransportName = TransportName.GRPC
     """How the bytes of each version reach the replicas (the signed manifest always goes through
     the weight-sync service): gRPC chunks, a shared-memory file (same host), or a broadcast to a
     torch.distributed group (gloo on CPU, nccl on GPU)."""

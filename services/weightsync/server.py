@@ -18,7 +18,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.weightsync.config import WeightSyncSettings
-from services.weightsync.members import COLLECTIVE, GRPC, SHM, Membership, Subscriber
+from services.weightsync.members import GRPC, Membership, Subscriber
 from services.weightsync.rendezvous import RendezvousError
 from services.weightsync.store import VersionStore
 from services.weightsync.transfers import Transfers
@@ -202,26 +202,10 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                 f"version {manifest.version} is not newer than {self._latest_version()}",
             )
         ANNOUNCED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
-        if kind == SHM:
-            path = self.transfers.shm_path(request.transport.shm_path)
-            if path is None:
-                await self._fail(
-                    context,
-                    "announce",
-                    "shm_path",
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{request.transport.shm_path} is not a file under {self.settings.shm_dir} on this host",
-                )
-            return self.transfers.announce_shm(manifest, path)
-        if kind == COLLECTIVE:
-            return self.transfers.announce_collective(manifest, request.transport)
-        await self._fail(
-            context,
-            "announce",
-            "transport",
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "announce carries SHM or COLLECTIVE versions; gRPC versions are pushed",
-        )
+        try:
+            return self.transfers.announce(manifest, request.transport)
+        except ValueError as exc:
+            await self._fail(context, "announce", "transport", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Report(self, request, context):
         """How a collective went for the trainer or a member: a failure ends the epoch."""

@@ -63,7 +63,18 @@ class Transfers:
         root = self.settings.shm_dir.resolve()
         return path if root in path.parents and path.is_file() else None
 
-    def announce_shm(self, manifest: pb.WeightManifest, path: Path) -> pb.AnnounceReply:
+    def announce(self, manifest: pb.WeightManifest, transport: pb.Transport) -> pb.AnnounceReply:
+        """A version whose bytes travel off the push path, by the transport it names (ValueError:
+        one this service cannot take so)."""
+        take = {SHM: self.announce_shm, COLLECTIVE: self.announce_collective}.get(transport.kind)
+        if take is None:
+            raise ValueError("announce carries SHM or COLLECTIVE versions; gRPC versions are pushed")
+        return take(manifest, transport)
+
+    def announce_shm(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
+        path = self.shm_path(requested.shm_path)
+        if path is None:
+            raise ValueError(f"{requested.shm_path} is not a file under {self.settings.shm_dir} on this host")
         self.store.add_shm(manifest, path)
         mapped = {s.id for s in self.members.subscribers.values() if SHM in s.transports and s.host == self.host}
         for subscriber in self.members.subscribers.values():

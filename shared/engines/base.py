@@ -15,7 +15,7 @@ import torch
 from shared.sampling import Sampling
 
 if TYPE_CHECKING:
-    from shared.weightsync.delivery import Delivery
+    from shared.weightsync.base import Delivery
 
 
 @dataclass

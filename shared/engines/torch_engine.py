@@ -55,7 +55,7 @@ from shared.engines.torch_weights import InPlaceWeights, load_model
 from shared.models.loading import resolve_dtype
 from shared.models.routing import RoutingController
 from shared.torch_threads import bind_torch_threads
-from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
+from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 
 log = logging.getLogger("steadyrl.engines.torch")
 UPDATE_MODES = ("in_flight", "between_requests")

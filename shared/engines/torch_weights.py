@@ -10,7 +10,7 @@ import torch
 from shared.models import load_causal_lm
 from shared.models.lora import adapter_refusal, inject
 from shared.models.quantization import QUANTIZATIONS, emulate, quantize_
-from shared.weightsync.delivery import Delivery, PartialVersion
+from shared.weightsync.base import Delivery, PartialVersion
 from shared.weightsync.manifest import WeightError, tensor_to_bytes
 
 

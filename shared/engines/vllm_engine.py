@@ -7,7 +7,7 @@ the engine core in a process of its own.
 - Logprobs: SamplingParams(logprobs=0) with `logprobs_mode="processed_logprobs"`: each value is
   under the distribution actually sampled from.
 - Weights: through vLLM's weight-transfer API with steadyrl's `steadyrl` backend
-  (`shared.weightsync.vllm`): the worker reads each bucket itself — a shared-memory file it maps,
+  (`shared.weightsync.vllm_backend`): the worker reads each bucket itself — a shared-memory file it maps,
   a broadcast it joins, a pull — checks it and loads it (vLLM's layerwise reload); nothing goes
   through a file on disk or a staged copy. `update_mode="in_flight"`: `pause_generation(mode=
   "keep")` (running requests freeze; their KV is dropped and recomputed on resume, so tokens after
@@ -49,8 +49,9 @@ from shared.engines.base import (
     eos_ids,
     generate_all,
 )
-from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
+from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
+from shared.weightsync.shm import ShmDelivery, write_shm
 
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
 UPDATE_MODES = ("in_flight", "between_requests")
@@ -124,11 +125,9 @@ class VllmEngine:
             # its tokens (a chunked prefill, the recompute after an in-flight update), and CPU
             # generators have no offset: the engine core dies. Whole prefills only on the CPU.
             options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        self.lora_rank, self._lora, self._adapter_json = (
-            vllm_lora.max_lora_rank(lora_rank) if lora_rank else 0,
-            None,
-            "",
-        )
+        self.lora_rank = vllm_lora.max_lora_rank(lora_rank) if lora_rank else 0
+        self._lora = None
+        self._adapter_json = ""
         if lora_rank:  # adapter versions load through vLLM's LoRA support (shared/engines/vllm_lora.py)
             options.update(
                 enable_lora=True,
@@ -162,7 +161,7 @@ class VllmEngine:
         self._ids = itertools.count()
         self._running = 0
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
-        self.last_update: dict = {}  # what the last weight update did in the worker (`shared.weightsync.vllm.Status`)
+        self.last_update: dict = {}  # what the last weight update did in the worker (`vllm_backend.Status`)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -174,7 +173,7 @@ class VllmEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from shared.weightsync.vllm import BACKEND
+        from shared.weightsync.vllm_backend import BACKEND
 
         llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**options, weight_transfer_config=WeightTransferConfig(backend=BACKEND))
@@ -299,7 +298,7 @@ class VllmEngine:
         if isinstance(delivery, StateDictDelivery):  # in process: to the worker through shared memory
             path = self._spool / f"v{delivery.version}.safetensors"
             try:
-                return self.apply(delivery.to_shm(path))
+                return self.apply(ShmDelivery(write_shm(path, delivery.state_dict, delivery.version, 0), str(path)))
             finally:
                 path.unlink(missing_ok=True)
         return self._call(self._update(delivery.worker_update(), delivery.version))

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from shared.models.lora import adapter_refusal
-from shared.weightsync.delivery import Delivery
+from shared.weightsync.base import Delivery
 from shared.weightsync.manifest import WeightError
 
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values

@@ -1,12 +1,12 @@
 """vLLM worker extension: methods mixed into every vLLM worker, called by name through
 `collective_rpc`. Importing it (vLLM does, in each worker, before the model loads) registers the
-`steadyrl` weight-transfer backend the weights take (`shared.weightsync.vllm`) and, on the CPU,
+`steadyrl` weight-transfer backend the weights take (`shared.weightsync.vllm_backend`) and, on the CPU,
 lets MoE layers that no adapter targets run their own kernel (`plain_moe_without_expert_lora`)."""
 
 from __future__ import annotations
 
 from shared.engines.vllm_lora import leaves_experts
-from shared.weightsync.vllm import register
+from shared.weightsync.vllm_backend import register
 
 
 def plain_moe_without_expert_lora() -> None:
@@ -39,6 +39,6 @@ plain_moe_without_expert_lora()
 
 class WorkerExtension:
     def steadyrl_update_status(self) -> dict:
-        """What the last weight update did in this worker (`shared.weightsync.vllm.Status`)."""
+        """What the last weight update did in this worker (`shared.weightsync.vllm_backend.Status`)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.status.as_dict() if engine is not None and hasattr(engine, "status") else {}

@@ -18,12 +18,21 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
-from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor
+from shared.weightsync.base import (
+    Bucket,
+    Delivery,
+    PartialVersion,
+    PublishOptions,
+    Transport,
+    TransportName,
+    WeightError,
+    WeightPublisher,
+    as_tensor,
+)
 from shared.weightsync.grpc import GrpcWeightPublisher
-from shared.weightsync.manifest import PIECE_BYTES, WeightError, describe, digest, pieces
+from shared.weightsync.manifest import PIECE_BYTES, describe, digest, pieces
 
 log = logging.getLogger("steadyrl.weightsync.client")
 
@@ -250,7 +259,7 @@ class CollectiveDelivery(Delivery):
     """A version broadcast to this member: received (in process: `buckets`; in a vLLM worker, which
     joins the group itself: `worker_update`) bucket by bucket, each checked as it arrives."""
 
-    transport = "collective"
+    transport = TransportName.COLLECTIVE
 
     def __init__(
         self, manifest: pb.WeightManifest, transport: pb.Transport, groups: Groups, ring: Staging | None = None
@@ -269,7 +278,7 @@ class CollectiveDelivery(Delivery):
 
     def worker_update(self) -> dict:
         return {
-            "transport": "collective",
+            "transport": str(self.transport),
             "spec": self.spec.SerializeToString(),
             "manifest": self.manifest.SerializeToString(),
             "address": self.groups.rendezvous,
@@ -323,3 +332,25 @@ class CollectiveWeightPublisher(WeightPublisher):
 
     async def close(self) -> None:
         await self.grpc.close()
+
+
+class CollectiveTransport(Transport):
+    name = TransportName.COLLECTIVE
+
+    def publisher(self, grpc: GrpcWeightPublisher, options: PublishOptions) -> WeightPublisher:
+        return CollectiveWeightPublisher(grpc)
+
+    def delivery(self, announcement: pb.VersionAnnouncement, subscriber) -> Delivery:
+        return CollectiveDelivery(announcement.manifest, announcement.transport, subscriber.groups, subscriber.ring)
+
+    def worker_buckets(self, update, manifest: pb.WeightManifest, worker) -> Iterator[Bucket]:
+        spec = pb.Transport.FromString(update.spec)
+        worker.groups.rendezvous = update.address  # weight-sync's, which holds the epoch's rendezvous
+        try:
+            yield from receive_buckets(worker.groups.get(spec, spec.rank), spec, manifest, worker.ring)
+        except Exception:  # noqa: BLE001 - whatever ended the epoch, this worker leaves its group, then re-raises
+            worker.groups.drop()
+            raise
+
+
+TRANSPORT = CollectiveTransport()

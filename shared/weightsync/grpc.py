@@ -1,8 +1,9 @@
 """The `grpc` transport: the trainer pushes a version to the weight-sync service, a replica pulls it.
 
-`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version; a `GrpcDelivery`
-(replica side) pulls one tensor by tensor, as a delta against the version it holds where it can,
-checking every tensor's digest.
+`GrpcWeightPublisher` (trainer side) pushes a state dict as a new version (and is what every
+other transport announces through); a `GrpcDelivery` (replica side, or a vLLM worker) pulls one
+tensor by tensor, as a delta against the version it holds where it can, checking every tensor's
+digest. `TRANSPORT`: its entry in `base.TRANSPORTS`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ from collections.abc import Iterator, Mapping
 import grpc
 import torch
 
-from shared.interfaces import WeightPublisher
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.delivery import Bucket, Delivery, PartialVersion, as_tensor
+from shared.weightsync.base import (
+    Bucket,
+    Delivery,
+    PartialVersion,
+    PublishOptions,
+    Transport,
+    TransportName,
+    WeightPublisher,
+    as_tensor,
+)
 from shared.weightsync.frames import decode_delta, iter_chunks, parse_pull_frame
 from shared.weightsync.manifest import (
     WeightError,
@@ -88,7 +97,7 @@ class GrpcDelivery(Delivery):
     failure after the first tensor raises PartialVersion. Sync (gRPC's sync API), so it runs where
     the bytes are applied: an engine's thread, or a vLLM worker."""
 
-    transport = "grpc"
+    transport = TransportName.GRPC
 
     def __init__(
         self,
@@ -189,7 +198,7 @@ class GrpcDelivery(Delivery):
 
     def worker_update(self) -> dict:
         return {
-            "transport": "grpc",
+            "transport": str(self.transport),
             "address": self.address,
             "version": self.version,
             "manifest": self.manifest.SerializeToString(),
@@ -199,6 +208,26 @@ class GrpcDelivery(Delivery):
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+
+class GrpcTransport(Transport):
+    name = TransportName.GRPC
+
+    def publisher(self, grpc: GrpcWeightPublisher, options: PublishOptions) -> WeightPublisher:
+        return grpc
+
+    def delivery(self, announcement: pb.VersionAnnouncement, subscriber) -> Delivery:
+        return subscriber.pull(
+            announcement.version.version, announcement.manifest if announcement.manifest.tensors else None
+        )
+
+    def worker_buckets(self, update, manifest: pb.WeightManifest, worker) -> Iterator[Bucket]:
+        return GrpcDelivery(
+            update.address, update.version or manifest.version, manifest if manifest.tensors else None
+        ).buckets()
+
+
+TRANSPORT = GrpcTransport()
 
 
 def pull_all(

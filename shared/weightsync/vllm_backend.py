@@ -31,7 +31,7 @@ def register() -> None:
     except ImportError:  # a vLLM without the weight-transfer API
         return
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "shared.weightsync.vllm_engine", "SteadyrlEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "shared.weightsync.vllm_receiver", "SteadyrlEngine")
 
 
 @dataclass

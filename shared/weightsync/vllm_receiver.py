@@ -1,5 +1,6 @@
 """The worker-side `steadyrl` weight-transfer engine (imported only inside a vLLM worker; see
-`shared.weightsync.vllm` for what it does and how it is registered)."""
+`shared.weightsync.vllm_backend` for what it does and how it is registered): each update is read
+by its transport's own reader (`base.Transport.worker_buckets`)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.collective import Groups, Staging, receive_buckets
-from shared.weightsync.delivery import batched
-from shared.weightsync.grpc import GrpcDelivery
-from shared.weightsync.manifest import WeightError
-from shared.weightsync.shm import map_version, shm_views
-from shared.weightsync.vllm import Status, checkpoint_layout
+from shared.weightsync.base import WeightError, transport
+from shared.weightsync.collective import Groups, Staging
+from shared.weightsync.vllm_backend import Status, checkpoint_layout
 from shared.weightsync.vllm_cpu import PackedExperts, repack_cpu_experts
 
 log = logging.getLogger("steadyrl.weightsync.vllm")
@@ -35,7 +33,7 @@ class SteadyrlUpdate(WeightTransferUpdateInfo):
     transport: str = ""
     manifest: bytes = b""
     path: str = ""  # shm
-    spec: bytes = b""  # collective: the pb.Transport of the epoch (store, epoch, rank, world, buckets)
+    spec: bytes = b""  # collective: the pb.Transport of the epoch (rendezvous, epoch, rank, world, buckets)
     address: str = ""  # grpc: where to pull; collective: the weight-sync service holding the rendezvous
     version: int = 0  # grpc
 
@@ -102,26 +100,11 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
             )
 
     def _buckets(self, info: SteadyrlUpdate, manifest: pb.WeightManifest):
-        if info.transport == "shm":
-            mapped, header, start = map_version(info.path)
-            return batched(shm_views(mapped, header, start, manifest))
-        if info.transport == "collective":
-            spec = pb.Transport.FromString(info.spec)
-            self.groups.rendezvous = info.address  # weight-sync's, which holds the epoch's rendezvous
-
-            def received():
-                try:
-                    yield from receive_buckets(self.groups.get(spec, spec.rank), spec, manifest, self.ring)
-                except Exception:
-                    self.groups.drop()
-                    raise
-
-            return received()
-        if info.transport == "grpc":
-            return GrpcDelivery(
-                info.address, info.version or manifest.version, manifest if manifest.tensors else None
-            ).buckets()
-        raise WeightError(f"unknown transport {info.transport!r}")
+        try:
+            reader = transport(info.transport)
+        except ValueError as exc:
+            raise WeightError(str(exc)) from None
+        return reader.worker_buckets(info, manifest, self)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
