@@ -46,7 +46,7 @@ def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> di
     import subprocess
     import sys
 
-    from shared.jsonl import read_jsonl
+    from shared.runtime.jsonl import read_jsonl
 
     steadyrl = Path(sys.executable).with_name("steadyrl")
     results = {}

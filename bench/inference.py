@@ -43,7 +43,7 @@ RUN_ID = "bench"  # one run (queue) per engine process
 
 
 def workload():
-    from shared.models.tiny import char_tokenizer, encode_prompts
+    from shared.kit.tiny import char_tokenizer, encode_prompts
     from shared.tasks.trace import MulTraceTask
 
     examples = MulTraceTask(max_answer_tokens=MAX_ANSWER, alpha=1.3, seed=1).split("train", TASKS)
@@ -150,7 +150,7 @@ class Replica:
 
 
 async def replica_round(queue, redis, replica: Replica, examples, prompts, tag: str) -> tuple[int, float]:
-    from shared.rollout import decode_rollout
+    from shared.rollouts.record import decode_rollout
 
     await redis.delete(queue.rollout_stream)
     done = await queue.completed_count()
@@ -171,7 +171,7 @@ async def first_tokens(engine, queue, redis, model_dir: str, dtype: str, redis_u
     from services.weightsync.config import WeightSyncSettings
     from services.weightsync.server import serve as serve_weightsync
     from shared.models import load_causal_lm
-    from shared.redis_server import free_port
+    from shared.runstore.redis_server import free_port
     from shared.weightsync.grpc import GrpcWeightPublisher
     from shared.weightsync.signing import Signer, write_key_pair
 
@@ -260,7 +260,7 @@ def paired(replica: list[tuple[int, float]], bare: list[tuple[int, float]]) -> l
 async def engine_bench(name: str, model_dir: str, dtype: str, redis_url: str) -> dict:
     from redis.asyncio import Redis
 
-    from shared.queues import WorkQueue
+    from shared.runstore.queues import WorkQueue
 
     global RUN_ID
     RUN_ID = f"bench-{name}"
@@ -327,8 +327,8 @@ def in_subprocess(name: str, model_dir: str, dtype: str, redis_url: str) -> dict
 
 
 def main(dtype: str = "bfloat16") -> dict:
-    from shared.models.tiny import TinySpec, init_tiny_model
-    from shared.redis_server import RedisServer
+    from shared.kit.tiny import TinySpec, init_tiny_model
+    from shared.runstore.redis_server import RedisServer
 
     model_dir = str(init_tiny_model(spec=TinySpec(max_positions=MAX_POSITIONS)))
     examples, _ = workload()

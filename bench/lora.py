@@ -97,8 +97,8 @@ def step_peak(model_dir: str, side: str, rounds: int = ROUNDS) -> dict:
     """One side alone in this process: resident bytes with its model and batch loaded, and the
     high-water mark over a warm-up and `rounds` steps (reset to the loaded process first)."""
     from bench.trainer import rollouts
-    from shared.batch import collate
-    from shared.training import StepConfig, train_step
+    from services.trainer.batch import collate
+    from services.trainer.training import StepConfig, train_step
 
     torch.set_num_threads(1)
     batch = collate(rollouts(model_dir))
@@ -134,8 +134,8 @@ def peak_sides(model_dir, rounds: int = ROUNDS) -> dict:
 
 def step_sides(model_dir) -> dict:
     from bench.trainer import rollouts
-    from shared.batch import collate
-    from shared.training import StepConfig, train_step
+    from services.trainer.batch import collate
+    from services.trainer.training import StepConfig, train_step
 
     batch = collate(rollouts(model_dir))
     models = {}
@@ -199,7 +199,7 @@ def refit_sides(layers: int = REFIT_LAYERS, rounds: int = 3, warmup: int | None 
 
 
 def main() -> dict:
-    from shared.models.tiny import init_tiny_model
+    from shared.kit.tiny import init_tiny_model
 
     return {
         "benchmark": "lora",

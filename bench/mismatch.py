@@ -45,15 +45,15 @@ def measure(
 ) -> dict:
     import torch
 
-    from shared.batch import collate
+    from services.trainer.batch import collate
+    from services.trainer.forward import Compute, sequence_logprobs
     from shared.core import routing_agreement
     from shared.core.diagnostics import mismatch_kl_terms
     from shared.engines import Sampling, make_engine
-    from shared.engines.rollouts import rollouts_from_samples
-    from shared.forward import Compute, sequence_logprobs
     from shared.models import load_causal_lm
     from shared.models.routing import RoutingController
-    from shared.rollout import RolloutTimings
+    from shared.rollouts.record import RolloutTimings
+    from shared.rollouts.samples import rollouts_from_samples
     from shared.rpc.steadyrl.v1 import common_pb2
 
     engine = make_engine(
@@ -108,7 +108,7 @@ def measure(
 
 
 def main(device: str = "cpu") -> dict:
-    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts, init_tiny_model
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts, init_tiny_model
 
     started = time.perf_counter()
     model_dir = str(init_tiny_model())

@@ -94,7 +94,7 @@ def tasks(kind: str, tag: str, prompt: list[int], total: int, turns: int, turn_t
 
 async def replica_round(queue, redis, replica, batch) -> tuple[int, int, float]:
     """(completion tokens, model tokens, seconds) of one round through the replica."""
-    from shared.rollout import decode_rollout
+    from shared.rollouts.record import decode_rollout
 
     await redis.delete(queue.rollout_stream)
     done = await queue.completed_count()
@@ -137,7 +137,7 @@ async def shape_bench(engine, model_dir: str, redis_url: str, turns: int, turn_t
 
     from bench.inference import RUN_ID, Replica
     from shared.models import load_tokenizer
-    from shared.queues import WorkQueue
+    from shared.runstore.queues import WorkQueue
 
     prompt, total = shapes(load_tokenizer(model_dir), turns, turn_tokens)
     redis = Redis.from_url(redis_url)
@@ -195,8 +195,8 @@ async def shape_bench(engine, model_dir: str, redis_url: str, turns: int, turn_t
 
 def main() -> dict:
     from shared.engines import make_engine
-    from shared.models.tiny import init_tiny_model
-    from shared.redis_server import RedisServer
+    from shared.kit.tiny import init_tiny_model
+    from shared.runstore.redis_server import RedisServer
 
     model_dir = str(init_tiny_model(task="calc"))
     result = {

@@ -19,9 +19,9 @@ ROUNDS = 5
 
 def rollouts(model_dir):
     from shared.engines import Sampling, make_engine
-    from shared.engines.rollouts import rollouts_from_samples
-    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
-    from shared.rollout import RolloutTimings
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
+    from shared.rollouts.record import RolloutTimings
+    from shared.rollouts.samples import rollouts_from_samples
     from shared.rpc.steadyrl.v1 import common_pb2
 
     engine = make_engine("torch", str(model_dir), "bfloat16")
@@ -58,9 +58,9 @@ def wider_model(model_dir):
 
 
 def measure(model, batch) -> dict:
-    from shared.forward import sequence_logprobs
+    from services.trainer.forward import sequence_logprobs
+    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
-    from shared.training import StepConfig, train_step
 
     routing = RoutingController(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -106,9 +106,9 @@ def measure(model, batch) -> dict:
 
 
 def main() -> dict:
-    from shared.batch import collate
+    from services.trainer.batch import collate
+    from shared.kit.tiny import init_tiny_model
     from shared.models import load_causal_lm
-    from shared.models.tiny import init_tiny_model
 
     model_dir = init_tiny_model()
     batch = collate(rollouts(model_dir))

@@ -54,13 +54,13 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from services.trainer.batch import collate
     from services.trainer.checkpoint import flat_state, start_save
     from services.trainer.config import TrainerSettings
     from services.trainer.parallel import full_state, prepare
-    from shared.batch import collate
-    from shared.distributed import exit_rank
+    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
-    from shared.training import StepConfig, train_step
+    from shared.runtime.distributed import exit_rank
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
@@ -167,7 +167,7 @@ def trace_bytes() -> dict:
     """R3 trace bytes per token on the wire for a Qwen3-30B-A3B-shaped trace (48 × top-8 of 128)."""
     import numpy as np
 
-    from shared.rollout import trace_message
+    from shared.rollouts.record import trace_message
 
     rng = np.random.default_rng(0)
     positions = 4096
@@ -202,7 +202,7 @@ def trace_bytes() -> dict:
 def main() -> dict:
     import torch.multiprocessing as mp
 
-    from shared.redis_server import free_port
+    from shared.runstore.redis_server import free_port
 
     out: dict = {"model": WIDE, "ranks": 2, "parallel": "fsdp"}
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,8 +27,8 @@ def batch(groups: int = 16, group: int = 4, prompt: int = 64, completion: int = 
     """The step's rollouts, collated on the host (the step moves each micro-batch to the device)."""
     import numpy as np
 
-    from shared.batch import collate
-    from shared.rollout import Rollout
+    from services.trainer.batch import collate
+    from shared.rollouts.record import Rollout
 
     rng = np.random.default_rng(0)
     rows = [
@@ -53,10 +53,10 @@ def batch(groups: int = 16, group: int = 4, prompt: int = 64, completion: int = 
 def measure(name: str, device: torch.device) -> dict:
     from bench.trainer_memory import wide_model
     from services.trainer.config import TrainerSettings
+    from services.trainer.forward import Compute
     from services.trainer.parallel import prepare
-    from shared.forward import Compute
+    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
-    from shared.training import StepConfig, train_step
 
     precision, checkpointing, micro = SETTINGS[name]
     model = wide_model()

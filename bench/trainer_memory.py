@@ -36,7 +36,7 @@ def wide_model(**overrides):
     """The wide random-init Qwen3-MoE in fp32 (`overrides`: config fields, e.g. more layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shared.models.tiny import init_tiny_model
+    from shared.kit.tiny import init_tiny_model
 
     config = AutoConfig.from_pretrained(init_tiny_model())
     for key, value in {**WIDE, **overrides}.items():
@@ -49,7 +49,7 @@ def wide_model(**overrides):
 def rollouts(groups: int = 2, group: int = 2):
     import numpy as np
 
-    from shared.rollout import Rollout
+    from shared.rollouts.record import Rollout
 
     rng = np.random.default_rng(0)
     return [
@@ -78,12 +78,12 @@ def local_bytes(tensor: torch.Tensor) -> int:
 def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     import torch.distributed as dist
 
+    from services.trainer.batch import collate
     from services.trainer.config import TrainerSettings
     from services.trainer.parallel import prepare
-    from shared.batch import collate
-    from shared.distributed import exit_rank
+    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
-    from shared.training import StepConfig, train_step
+    from shared.runtime.distributed import exit_rank
     from shared.weightsync.manifest import CastView, describe
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -128,7 +128,7 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
 def main() -> dict:
     import torch.multiprocessing as mp
 
-    from shared.redis_server import free_port
+    from shared.runstore.redis_server import free_port
 
     out: dict = {"model": WIDE, "ranks": 2}
     with tempfile.TemporaryDirectory() as tmp:

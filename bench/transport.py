@@ -23,7 +23,7 @@ CONSUMER_GROUP = "bench"
 
 
 def make_rollouts(shape: dict, seed: int = 0):
-    from shared.rollout import Rollout
+    from shared.rollouts.record import Rollout
 
     rng = np.random.default_rng(seed)
     p = shape["prompt"]
@@ -80,7 +80,7 @@ async def _through(redis, payloads_of, count: int, consume) -> float:
 async def measure(redis_url: str, name: str, shape: dict, rounds: int) -> dict:
     from redis.asyncio import Redis
 
-    from shared.rollout import RolloutLimits, decode_rollout, encode_rollout, validate_rollout
+    from shared.rollouts.record import RolloutLimits, decode_rollout, encode_rollout, validate_rollout
 
     rollouts = make_rollouts(shape)
     encoded = [encode_rollout(r) for r in rollouts]
@@ -124,7 +124,7 @@ def main(rounds: int = 3) -> dict:
     import tempfile
     from pathlib import Path
 
-    from shared.redis_server import RedisServer
+    from shared.runstore.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
         shapes = [asyncio.run(measure(server.url, name, shape, rounds)) for name, shape in SHAPES.items()]

@@ -42,7 +42,7 @@ TARGETS = {"shm_to_memcpy": 0.25, "two_over_one": 0.8, "vllm_over_torch": 1.2, "
 
 
 def free_port() -> int:
-    from shared.redis_server import free_port
+    from shared.runstore.redis_server import free_port
 
     return free_port()
 
@@ -209,9 +209,9 @@ def ratios(refit: dict, bucket: int, machine: dict[str, float]) -> dict:
 
 def delta_share_after_one_step(lrs: tuple[float, ...] = (1e-6, 1e-5, 1e-4)) -> dict[str, float]:
     """Wire bytes of a delta (vs the previous version) as a share of the full bf16 state."""
+    from shared.kit.tiny import TinySpec, init_tiny_model, sft_batch
+    from shared.kit.tiny import char_tokenizer as tokenizer_factory
     from shared.models import load_causal_lm
-    from shared.models.tiny import TinySpec, init_tiny_model, sft_batch
-    from shared.models.tiny import char_tokenizer as tokenizer_factory
     from shared.weightsync.frames import encode_delta
     from shared.weightsync.manifest import digest, tensor_to_bytes
 

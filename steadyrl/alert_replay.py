@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from shared.jsonl import read_jsonl
+from shared.runtime.jsonl import read_jsonl
 
 TRAINER_SERIES = "steadyrl_trainer_last_metric"
 EVAL_SERIES = "steadyrl_orchestrator_eval_accuracy"

@@ -41,8 +41,8 @@ def init_model(
     import json
     from pathlib import Path
 
-    from shared.models.tiny import init_tiny_model
-    from shared.models.tiny_precision import precision_routing_agreement
+    from shared.kit.tiny import init_tiny_model
+    from shared.kit.tiny_precision import precision_routing_agreement
 
     path = init_tiny_model(out, task=task, seed=seed)
     report = json.loads((Path(path) / "steadyrl_tiny.json").read_text())
@@ -91,7 +91,7 @@ def run_command(
     (POST /v1/run/stop), 130 interrupted (Ctrl-C, SIGTERM)."""
     import time as _time
 
-    from shared.logs import setup_logging
+    from shared.runtime.logs import setup_logging
     from steadyrl.launcher import run
     from steadyrl.progress import PROGRESS
     from steadyrl.run_config import load_run_config
@@ -312,7 +312,7 @@ def experiment_command(
     report_only: Annotated[bool, typer.Option(help="Write the table and plots from the runs already there.")] = False,
 ) -> None:
     """Run a grid of configurations × seeds (each a full run), then write table.md, results.csv and plots."""
-    from shared.logs import setup_logging
+    from shared.runtime.logs import setup_logging
     from steadyrl.experiment import run_grid, write_report
     from steadyrl.grid import load_grid
 

@@ -96,7 +96,7 @@ def serve_command(
     Exit code 2: settings refused (nothing started)."""
     import os
 
-    from shared.service_main import run_service
+    from shared.runtime.service_main import run_service
     from steadyrl.run_config import SERVICES
     from steadyrl.service_settings import deployed_settings, settings_class
 

@@ -27,7 +27,7 @@ from steadyrl.grid_plots import plot_grid
 
 def read_run(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """A run's metrics.jsonl, eval.jsonl and policy-eval.jsonl (each [] when absent)."""
-    from shared.jsonl import read_jsonl
+    from shared.runtime.jsonl import read_jsonl
 
     return tuple(read_jsonl(run_dir / name) for name in ("metrics.jsonl", "eval.jsonl", "policy-eval.jsonl"))
 
@@ -37,7 +37,7 @@ def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
     checkpoint it kept, scored greedily in `dtype` on the run's own eval set (each version once)."""
     import tempfile
 
-    from shared.jsonl import read_jsonl
+    from shared.runtime.jsonl import read_jsonl
     from steadyrl.evaluation import evaluate
     from steadyrl.report import export_checkpoint
 

@@ -26,7 +26,7 @@ from steadyrl.supervisor import Supervisor
 def resolve_model(config: RunConfig) -> str:
     path = config.model.path
     if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
-        from shared.models.tiny import KitTask, init_tiny_model
+        from shared.kit.tiny import KitTask, init_tiny_model
 
         orchestrator = config.section("orchestrator")
         if orchestrator.get("task") == "calc":  # the multi-turn kit model (its tokenizer has a chat template)

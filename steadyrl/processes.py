@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.redis_server import RedisServer
-from shared.service_main import parent_death_signal
+from shared.runstore.redis_server import RedisServer
+from shared.runtime.service_main import parent_death_signal
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
 from steadyrl.run_config import RunConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from shared.jsonl import read_jsonl
+from shared.runtime.jsonl import read_jsonl
 from steadyrl.processes import Launch
 from steadyrl.supervisor import Supervisor
 

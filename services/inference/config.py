@@ -10,9 +10,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.settings import VerifiedWeights
+from shared.runstore.redis_client import RedisSettings
+from shared.runtime.settings import VerifiedWeights
 from shared.weightsync.base import TransportName
 
 

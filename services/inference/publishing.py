@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import redis.exceptions
 from prometheus_client import Counter
 
-from shared.queues import Lease, WorkQueue
+from shared.runstore.queues import Lease, WorkQueue
 
 log = logging.getLogger("steadyrl.inference.worker")
 PUBLISHED = Counter("steadyrl_inference_rollouts_published_total", "Rollouts published to the stream", ["replica"])

@@ -13,14 +13,15 @@ from services.inference import trajectories
 from services.inference.config import InferenceSettings
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling, make_engine
-from shared.metrics import loading
-from shared.queues import WorkQueue
-from shared.rollout import trace_message
+from shared.rollouts.record import trace_message
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
-from shared.service_main import grpc_service, run_loops
+from shared.runstore.queues import WorkQueue
+from shared.runtime.metrics import loading
+from shared.runtime.service_main import grpc_service, run_loops
 from shared.tasks import RewardRunner
 from shared.weightsync.manifest import kind
+from shared.weightsync.signing import verifier_of
 
 log = logging.getLogger("steadyrl.inference")
 
@@ -279,7 +280,7 @@ async def serve(
             transports=settings.weight_transports,
             base=engine.weight_bytes,
             version=engine.version,
-            verifier=settings.verifier(settings.run_id),
+            verifier=verifier_of(settings, settings.run_id),
         )
         loops["weights"] = subscriber.run(stop)
     if settings.orchestrator_address:

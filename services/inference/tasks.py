@@ -14,7 +14,7 @@ from shared.engines import Engine, Sampling
 from shared.envs import environment_factory, verifiers_adapter
 from shared.envs.trajectory import render
 from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
-from shared.queues import Lease, WorkQueue
+from shared.runstore.queues import Lease, WorkQueue
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")

@@ -20,9 +20,9 @@ from shared.engines import Engine
 from shared.envs import make_environment
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, play
 from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
-from shared.queues import now_ms
-from shared.rollout import RolloutTimings, trace_message
+from shared.rollouts.record import RolloutTimings, trace_message
 from shared.rpc.steadyrl.v1 import rollout_pb2
+from shared.runstore.queues import now_ms
 
 TRAJECTORIES = Counter(
     "steadyrl_inference_trajectories_total",

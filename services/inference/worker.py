@@ -44,12 +44,12 @@ from services.inference.publishing import QUEUE_ERRORS, Publisher
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
-from shared.engines.rollouts import encode_samples
 from shared.envs.trajectory import TrajectoryError
 from shared.models import decode_completions
-from shared.queues import Lease, WorkQueue, now_ms
-from shared.rollout import RolloutTimings
-from shared.service_main import finish_despite_cancellation, sleep_or_stop
+from shared.rollouts.record import RolloutTimings
+from shared.rollouts.samples import encode_samples
+from shared.runstore.queues import Lease, WorkQueue, now_ms
+from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference.worker")

@@ -10,9 +10,9 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.orchestrator.stop_rules import StopRules
-from shared.redis_client import RedisSettings
-from shared.sampling import check_temperature
-from shared.settings import StepShape, TrackingSettings
+from shared.rollouts.sampling import check_temperature
+from shared.runstore.redis_client import RedisSettings
+from shared.runtime.settings import StepShape, TrackingSettings
 from shared.tasks.trace import MulTraceTask
 
 EVAL_SET_NAME = re.compile(r"[a-z0-9_]+")
@@ -109,7 +109,7 @@ class OrchestratorSettings(RedisSettings, StepShape):
     stop: StopRules = StopRules()
     """When a run that can only fail is failed (services/orchestrator/stop_rules.py)."""
     temperature: float = 1.0
-    """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/sampling.py)."""
+    """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/rollouts/sampling.py)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
     max_new_tokens: int = Field(16, ge=1)

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import redis.exceptions
 
-from shared.queues import now_ms
+from shared.runstore.queues import now_ms
 
 T = TypeVar("T")
 REPLY_MARGIN_SECONDS = 1.0  # how much longer a request waits than its script's deadline

@@ -6,7 +6,7 @@ rounds were submitted and written, so a restarted orchestrator neither repeats n
 Those rounds score μ, the model the replicas serve (quantised when the run quantises). With
 `policy_eval` every round also scores π, the trainer's weights as published and unquantised,
 greedily on every set: its tasks (`evalpi-…`) go to the `policy_eval` pool of replicas
-(`shared.queues.POOLS`), and each complete π round is appended to policy-eval.jsonl. Its accuracy
+(`shared.runstore.queues.POOLS`), and each complete π round is appended to policy-eval.jsonl. Its accuracy
 and the first round's are exported, so an alert can compare π with where it started: without the
 train-infer IS correction the trainer's model can fall while μ's evals and the training reward
 rise (docs/REPRODUCTION.md, "π and μ apart")."""
@@ -23,10 +23,10 @@ from redis.asyncio import Redis
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
 from shared.core.evals import sampled_scores
-from shared.keys import RunField, RunKeys
-from shared.queues import POLICY_EVAL_PREFIX, WorkQueue, given_up, now_ms
-from shared.rollout import RolloutError, decode_rollout
-from shared.tracking import ScalarLog
+from shared.rollouts.record import RolloutError, decode_rollout
+from shared.runstore.keys import RunField, RunKeys
+from shared.runstore.queues import POLICY_EVAL_PREFIX, WorkQueue, given_up, now_ms
+from shared.runtime.tracking import ScalarLog
 
 log = logging.getLogger("steadyrl.orchestrator")
 # μ greedy: eval-STEP-J; μ sampled (k per prompt): evalk-STEP-J; π greedy: evalpi-STEP-J;

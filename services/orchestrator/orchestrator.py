@@ -34,10 +34,10 @@ from services.orchestrator.data import TRAIN_ID, Tasks
 from services.orchestrator.evals import EvalRounds
 from services.orchestrator.recovery import RedisWatch
 from services.orchestrator.stop_rules import StopWatch, Verdict
-from shared.keys import RunField, RunKeys
-from shared.ledger import Ledger
-from shared.queues import WorkQueue, given_up, now_ms
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.keys import RunField, RunKeys
+from shared.runstore.ledger import Ledger
+from shared.runstore.queues import WorkQueue, given_up, now_ms
 
 log = logging.getLogger("steadyrl.orchestrator")
 

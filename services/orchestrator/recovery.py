@@ -18,9 +18,9 @@ from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import TRAIN_ID, Tasks
-from shared.keys import RunField, RunKeys
-from shared.ledger import Ledger
-from shared.queues import WorkQueue, now_ms
+from shared.runstore.keys import RunField, RunKeys
+from shared.runstore.ledger import Ledger
+from shared.runstore.queues import WorkQueue, now_ms
 
 log = logging.getLogger("steadyrl.orchestrator")
 

@@ -16,12 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.control import RedisUnavailable
 from services.orchestrator.orchestrator import Orchestrator, TransitionRefused
-from shared.metrics import registry_of
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.rpc.http import BodyLimit
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
 from shared.rpc.steadyrl.v1 import orchestrator_pb2 as pb
-from shared.service_main import grpc_service, run_loops
+from shared.runtime.metrics import registry_of
+from shared.runtime.service_main import grpc_service, run_loops
 
 log = logging.getLogger("steadyrl.orchestrator")
 REFUSED = Counter("steadyrl_orchestrator_auth_refused_total", "Requests refused for a missing or wrong token")

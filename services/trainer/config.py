@@ -11,11 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.trainer.training import StepConfig
 from shared.core.loss import LossConfig
-from shared.redis_client import RedisSettings
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.settings import StepShape, TrackingSettings, UnsignedWeights
-from shared.training import StepConfig
+from shared.runstore.redis_client import RedisSettings
+from shared.runtime.settings import StepShape, TrackingSettings, UnsignedWeights
 from shared.weightsync.base import TransportName
 
 
@@ -151,8 +151,8 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     it): a hung peer makes the rank exit, and torchrun restarts the ranks from the checkpoint."""
 
     recipe: Literal["auto", "manual"] = "auto"
-    """auto: replay and clipping from N and the observed staleness (`shared.training.resolve_recipe`); manual: as set
-    (routing_replay, loss.clip)."""
+    """auto: replay and clipping from N and the observed staleness
+    (`services.trainer.training.resolve_recipe`); manual: as set (routing_replay, loss.clip)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Manual recipe: routing replay mode."""
     advantage: Literal["mean", "std", "loo"] = "mean"

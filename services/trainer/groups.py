@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from shared.rollout import Rollout, RolloutError, RolloutLimits, decode_rollout, validate_rollout
+from shared.rollouts.record import Rollout, RolloutError, RolloutLimits, decode_rollout, validate_rollout
 
 
 @dataclass

@@ -9,8 +9,8 @@ from prometheus_client import Counter
 
 from services.trainer.checkpoint import TrainerState
 from services.trainer.groups import GroupBuffer, Verdict
-from shared.interfaces import RolloutSource
-from shared.rollout import encode_rollout
+from shared.rollouts.interfaces import RolloutSource
+from shared.rollouts.record import encode_rollout
 
 log = logging.getLogger("steadyrl.trainer")
 

@@ -38,7 +38,9 @@ def prepare(model: torch.nn.Module, settings: TrainerSettings, device: torch.dev
     """The model on its device, checkpointed and wrapped for data parallelism; returns the module
     the step runs (DDP wrapper, or the FSDP-sharded model itself)."""
     model.config.use_cache = False
-    if settings.activation_checkpointing:  # per decoder layer, non-reentrant (replay stays on: shared.forward)
+    if (
+        settings.activation_checkpointing
+    ):  # per decoder layer, non-reentrant (replay stays on: services.trainer.forward)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device).train()
     if world <= 1:

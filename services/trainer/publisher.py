@@ -22,7 +22,7 @@ from prometheus_client import Counter
 from redis.asyncio import Redis
 
 from services.trainer.config import TrainerSettings
-from shared.keys import RunKeys, TrainerField
+from shared.runstore.keys import RunKeys, TrainerField
 
 log = logging.getLogger("steadyrl.trainer")
 PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])

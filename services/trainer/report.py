@@ -11,8 +11,8 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.settings import TrackingSettings
-from shared.tracking import ScalarLog
+from shared.runtime.settings import TrackingSettings
+from shared.runtime.tracking import ScalarLog
 
 STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
 VERSION = Gauge("steadyrl_trainer_policy_version", "Policy version after the last step")

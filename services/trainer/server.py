@@ -7,10 +7,10 @@ import logging
 
 from services.trainer.config import TrainerSettings
 from services.trainer.trainer import Trainer
-from shared.metrics import loading
 from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
 from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
-from shared.service_main import grpc_service, run_loops
+from shared.runtime.metrics import loading
+from shared.runtime.service_main import grpc_service, run_loops
 
 log = logging.getLogger("steadyrl.trainer")
 

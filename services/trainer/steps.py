@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.trainer.batch import collate
 from services.trainer.checkpoint import (
     TrainerState,
     finish_save,
@@ -32,6 +33,7 @@ from services.trainer.checkpoint import (
     start_save,
 )
 from services.trainer.config import TrainerSettings
+from services.trainer.forward import Compute
 from services.trainer.parallel import (
     GatheredView,
     gather_published,
@@ -39,9 +41,7 @@ from services.trainer.parallel import (
     prepare,
     wants_bf16,
 )
-from shared.batch import collate
-from shared.distributed import broadcast_payloads, init_from_env, rank_device
-from shared.forward import Compute
+from services.trainer.training import StepConfig, resolve_recipe, train_step
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
 from shared.models.lora import (
@@ -53,10 +53,10 @@ from shared.models.lora import (
     merged_state,
 )
 from shared.models.routing import RoutingController
-from shared.rollout import Rollout, RolloutLimits, decode_rollout, encode_rollout
+from shared.rollouts.record import Rollout, RolloutLimits, decode_rollout, encode_rollout
 from shared.rpc.steadyrl.v1.weightsync_pb2 import AdapterInfo
-from shared.torch_threads import bind_torch_threads
-from shared.training import StepConfig, resolve_recipe, train_step
+from shared.runtime.distributed import broadcast_payloads, init_from_env, rank_device
+from shared.runtime.torch_threads import bind_torch_threads
 from shared.weightsync.manifest import CastView
 
 log = logging.getLogger("steadyrl.trainer")

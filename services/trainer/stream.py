@@ -1,4 +1,4 @@
-"""The trainer's side of the rollout stream (`RedisRolloutSource`, a `shared.interfaces.RolloutSource`):
+"""The trainer's side of the rollout stream (`RedisRolloutSource`, a `shared.rollouts.interfaces.RolloutSource`):
 the Redis consumer group, settlements and dead letters.
 
 Settling is idempotent: a reply can be lost after Redis applied a script (Redis going down),
@@ -12,8 +12,8 @@ import logging
 import redis.exceptions
 from redis.asyncio import Redis
 
-from shared.interfaces import RolloutSource
-from shared.keys import RunKeys
+from shared.rollouts.interfaces import RolloutSource
+from shared.runstore.keys import RunKeys
 
 log = logging.getLogger("steadyrl.trainer")
 GROUP = "trainer"
@@ -94,7 +94,7 @@ class RedisRolloutSource(RolloutSource):
         return reply[0], reply[1]
 
     async def stamps(self, entries: list) -> dict[str, str | None]:
-        """The lease that completed each task these entries name (`shared.queues`)."""
+        """The lease that completed each task these entries name (`shared.runstore.queues`)."""
         tasks = sorted({f[b"task"].decode(errors="replace") for _, f in entries if f and b"task" in f})
         if not tasks:
             return {}

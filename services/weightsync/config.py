@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.settings import VerifiedWeights
+from shared.runtime.settings import VerifiedWeights
 
 
 class WeightSyncSettings(BaseSettings, VerifiedWeights):

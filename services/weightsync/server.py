@@ -24,7 +24,7 @@ from services.weightsync.store import VersionStore
 from services.weightsync.transfers import Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.service_main import grpc_service, run_loops
+from shared.runtime.service_main import grpc_service, run_loops
 from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
 from shared.weightsync.manifest import (
     WeightError,
@@ -33,6 +33,7 @@ from shared.weightsync.manifest import (
     validate_manifest,
     verify_payloads,
 )
+from shared.weightsync.signing import verifier_of
 
 log = logging.getLogger("steadyrl.weightsync")
 
@@ -50,7 +51,7 @@ FAILURES = Counter("steadyrl_weightsync_failures_total", "Failed pushes and pull
 class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     def __init__(self, settings: WeightSyncSettings) -> None:
         self.settings = settings
-        self.verifier = settings.verifier(settings.run_id)  # None: unsigned_weights
+        self.verifier = verifier_of(settings, settings.run_id)  # None: unsigned_weights
         self.store = VersionStore(settings.retain_versions, settings.memory_versions, settings.spill_dir)
         self.members = Membership()
         self.transfers = Transfers(settings, self.store, self.members, self._stored)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from shared.sampling import Sampling
+from shared.rollouts.sampling import Sampling
 
 if TYPE_CHECKING:
     from shared.weightsync.base import Delivery

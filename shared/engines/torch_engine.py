@@ -54,7 +54,7 @@ from shared.engines.sequences import (
 from shared.engines.torch_weights import InPlaceWeights, load_model
 from shared.models.loading import resolve_dtype
 from shared.models.routing import RoutingController
-from shared.torch_threads import bind_torch_threads
+from shared.runtime.torch_threads import bind_torch_threads
 from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 
 log = logging.getLogger("steadyrl.engines.torch")

@@ -1,7 +1,7 @@
 """One multi-turn trajectory: the engine generates a turn, the environment answers, the answer's
 tokens are appended, until the environment says done or a budget runs out. The result is one
 record — the model's tokens (with their behaviour logprobs and versions) and the environment's
-interleaved after the prompt, and a loss mask marking the model's (`shared.rollout.Rollout`).
+interleaved after the prompt, and a loss mask marking the model's (`shared.rollouts.record.Rollout`).
 
 Messages become tokens by the tokenizer's chat template where it has one (an observation's
 tokens are what rendering the conversation with it adds to rendering the conversation without
@@ -31,10 +31,14 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shared.engines.base import Engine, Sampling
+from shared.rollouts.sampling import Sampling
+
+if TYPE_CHECKING:
+    from shared.engines.base import Engine
 from shared.envs.base import Environment, Message, Step
 
 

@@ -6,6 +6,27 @@ shared memory), `collective` (a gloo / nccl broadcast) — and the replica's wat
 (`subscriber.py`). The weight-sync service is the control plane of every transport: announce,
 membership, late joiners, the gRPC fallback, the signature's check."""
 
-from shared.weightsync.base import TRANSPORTS, TransportName, make_publisher
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.weightsync.base import TRANSPORTS, PublishOptions, TransportName, WeightPublisher, transport
 
 __all__ = ["TRANSPORTS", "TransportName", "make_publisher"]
+
+
+def make_publisher(
+    name: str,
+    address: str,
+    signer=None,
+    max_message_bytes: int | None = None,
+    shm_dir: Path | None = None,
+    shm_keep: int = 4,
+) -> WeightPublisher:
+    """The trainer's publisher of the transport `name`, announcing through weight-sync at `address`."""
+    from shared.weightsync.grpc import GrpcWeightPublisher
+
+    chosen = transport(name)
+    options = PublishOptions(signer, max_message_bytes, shm_dir, shm_keep)
+    extra = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
+    return chosen.publisher(GrpcWeightPublisher(address, signer=signer, **extra), options)

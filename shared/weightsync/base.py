@@ -1,8 +1,9 @@
-"""What a weight transport is, declared once: the trainer's end (`WeightPublisher`), what reaches
-a replica (`Delivery`, which its engine applies bucket by bucket), a replica's watch
-(`WeightSubscriber`), and the registry of transports by name (`TRANSPORTS`: each one's module
-holds both its ends and its vLLM-worker reader, `Transport`). Adding a transport is one module
-and one line here. Light to import (no torch): settings name transports through `TransportName`.
+"""What a weight transport is, declared once: the trainer's end (`WeightPublisher`), what reaches a
+replica (`Delivery`, which its engine applies bucket by bucket), a replica's watch
+(`WeightSubscriber`), and the registry of transports by name (`TRANSPORTS`: each one's module holds
+both its ends and its vLLM-worker reader, `Transport`; `shared.weightsync.make_publisher` picks the
+trainer's end). Adding a transport is one module and one line here. Light to import (no torch):
+settings name transports through `TransportName`.
 
 A delivery gives its bytes one of two ways: `buckets()` in this process, each bucket checked
 against the signed manifest before it is yielded (views of the transport's memory); or
@@ -155,23 +156,6 @@ def transport_of_kind(kind: int) -> Transport:
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 
     return transport(pb.WeightTransportKind.Name(kind).lower())
-
-
-def make_publisher(
-    name: str,
-    address: str,
-    signer=None,
-    max_message_bytes: int | None = None,
-    shm_dir: Path | None = None,
-    shm_keep: int = 4,
-) -> WeightPublisher:
-    """The trainer's publisher of the transport `name`, announcing through weight-sync at `address`."""
-    from shared.weightsync.grpc import GrpcWeightPublisher
-
-    chosen = transport(name)
-    options = PublishOptions(signer, max_message_bytes, shm_dir, shm_keep)
-    extra = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
-    return chosen.publisher(GrpcWeightPublisher(address, signer=signer, **extra), options)
 
 
 def as_tensor(data, spec: pb.TensorSpec) -> torch.Tensor:

@@ -59,6 +59,11 @@ class Signer:
         return self.key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
+def verifier_of(settings, run_id: str = "") -> Verifier | None:
+    """The verifier of a service's `VerifiedWeights` fields (None: unsigned_weights)."""
+    return None if settings.unsigned_weights else Verifier.from_file(settings.verify_key_file, run_id)
+
+
 class Verifier:
     """Weight-sync's and a replica's side: a manifest is the run's trainer's, or a WeightError."""
 

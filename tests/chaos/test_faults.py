@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from shared.keys import RunKeys
-from shared.ledger import Ledger
+from shared.runstore.keys import RunKeys
+from shared.runstore.ledger import Ledger
 from steadyrl.processes import Launch
 from steadyrl.run_config import load_run_config
 from tests.helpers import running, wait_until

@@ -20,8 +20,8 @@ from services.trainer.config import TrainerSettings
 from services.trainer.server import serve as serve_trainer
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.server import serve as serve_weightsync
-from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import inference_pb2, orchestrator_pb2, trainer_pb2, weightsync_pb2
+from shared.runstore.redis_server import free_port
 from tests.helpers import weight_keys
 
 ALLOWED = {

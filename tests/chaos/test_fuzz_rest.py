@@ -14,7 +14,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from shared.redis_server import free_port
+from shared.runstore.redis_server import free_port
 
 TOKEN = "rest-fuzz-token"
 EXAMPLES = 60

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from shared.ledger import Ledger
-from shared.redis_server import free_port
+from shared.runstore.ledger import Ledger
+from shared.runstore.redis_server import free_port
 from tests.helpers import publish
 from tests.integration.test_trainer import TRAINER_ENV, recorded_rollouts
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from shared.keys import RunKeys
-from shared.rollout import Rollout, encode_rollout
+from shared.rollouts.record import Rollout, encode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.keys import RunKeys
 from steadyrl.run_config import load_run_config
 from tests.chaos.test_faults import read_ledger
 from tests.helpers import running, wait_until

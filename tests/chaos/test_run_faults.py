@@ -77,7 +77,7 @@ def freeze_redis_while_the_replica_holds_a_lease(out: Path, redis_pid: int) -> N
     before the replica is let go, so its publish meets the freeze."""
     import redis
 
-    from shared.keys import RunKeys
+    from shared.runstore.keys import RunKeys
 
     pids = json.loads((out / "pids.json").read_text())
     environ = Path(f"/proc/{pids['trainer']}/environ").read_bytes().split(b"\0")  # the run's Redis, as services see it

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from shared.keys import RunKeys
-from shared.redis_server import RedisServer
+from shared.runstore.keys import RunKeys
+from shared.runstore.redis_server import RedisServer
 from tests.chaos.test_faults import read_ledger
 
 pytestmark = pytest.mark.e2e

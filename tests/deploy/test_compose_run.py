@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from shared.redis_server import RedisServer, free_port
+from shared.runstore.redis_server import RedisServer, free_port
 from shared.weightsync.signing import write_key_pair
 from tests.deploy.test_deploy import interpolate, service_of
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.queues import QueueDepths
-from shared.redis_server import free_port
+from shared.runstore.queues import QueueDepths
+from shared.runstore.redis_server import free_port
 from steadyrl.service_settings import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -588,7 +588,7 @@ def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path
     from prometheus_client.parser import text_string_to_metric_families
 
     from services.orchestrator.server import create_app
-    from shared.queues import WorkQueue
+    from shared.runstore.queues import WorkQueue
     from tests.integration.test_control_plane import orchestrator_on
 
     async def main() -> str:

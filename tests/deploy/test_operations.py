@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.redis_server import free_port
+from shared.runstore.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

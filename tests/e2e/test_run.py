@@ -111,7 +111,7 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     assert [(e["sets"]["main"]["prompts"], e["sets"]["hard"]["prompts"]) for e in policy] == [(40, 2)] * 3, policy
     assert abs(policy[0]["accuracy"] - evals[0]["accuracy"]) <= 2 / 40, (policy[0], evals[0])
     assert summary["policy_eval_start"] == policy[0]["accuracy"] and len(summary["policy_evals"]) == 3
-    from shared.tracking import read_scalars
+    from shared.runtime.tracking import read_scalars
 
     scalars = read_scalars(out / "trainer" / "tensorboard")  # TensorBoard: every numeric key, every step
     numeric = {k for x in lines for k, v in x.items() if isinstance(v, int | float) and not isinstance(v, bool)}
@@ -231,7 +231,7 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
 
     from redis.asyncio import Redis
 
-    from shared.redis_server import RedisServer
+    from shared.runstore.redis_server import RedisServer
     from steadyrl.processes import Launch
     from steadyrl.run_config import load_run_config
 
@@ -290,7 +290,7 @@ def export_round_trip(run_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from services.trainer.checkpoint import latest_checkpoint, load_model_weights
-    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 
     summary = json.loads((run_dir / "summary.json").read_text())
     for dtype in ("float32", "bfloat16"):

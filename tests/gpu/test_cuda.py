@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from shared.batch import collate
-from shared.forward import Compute
+from services.trainer.batch import collate
+from services.trainer.forward import Compute
+from services.trainer.training import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
-from shared.redis_server import free_port
-from shared.rollout import encode_rollout
-from shared.training import StepConfig, train_step
+from shared.rollouts.record import encode_rollout
+from shared.runstore.redis_server import free_port
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 pytestmark = pytest.mark.gpu
@@ -99,7 +99,7 @@ def test_the_torch_engine_on_cuda_serves_what_it_does_on_the_cpu(tiny_model_dir)
     """fp32 greedy on both devices: the same tokens, logprobs and routing, before and after a
     weight update handed over as host tensors; seeded sampling repeats on the GPU."""
     from shared.engines import Sampling, make_engine
-    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(seed=2).split("eval", 32)])
     greedy = Sampling(temperature=0, max_new_tokens=6)

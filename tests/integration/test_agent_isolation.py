@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from services.inference import trajectories
 from shared.envs import isolation
-from shared.queues import WorkQueue
+from shared.runstore.queues import WorkQueue
 from tests.integration.test_agents import agent_task
 from tests.integration.test_inference import Replica, wait_for
 from tests.integration.test_multiturn_replica import _dead

@@ -16,9 +16,9 @@ from redis.asyncio import Redis
 
 from services.inference import trajectories
 from shared.models import load_causal_lm, load_tokenizer
-from shared.queues import WorkQueue
-from shared.rollout import decode_rollout, validate_rollout
+from shared.rollouts.record import decode_rollout, validate_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.queues import WorkQueue
 from tests.integration.test_inference import Replica, _completed, fresh_forward, wait_for
 from tests.integration.test_multiturn_replica import _dead
 

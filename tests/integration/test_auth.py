@@ -14,10 +14,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from shared.redis_server import free_port
 from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.runstore.redis_server import free_port
 from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
 from tests.helpers import weight_keys
 

@@ -19,7 +19,7 @@ def test_transport_bench_moves_every_rollout_through_a_real_redis(redis_server):
 
 
 def test_transport_rollouts_are_valid():
-    from shared.rollout import RolloutLimits, decode_rollout, encode_rollout, validate_rollout
+    from shared.rollouts.record import RolloutLimits, decode_rollout, encode_rollout, validate_rollout
 
     shape = {"prompt": 5, "completion": 7, "layers": 3, "top_k": 4, "experts": 6, "rollouts": 9}
     limits = RolloutLimits(num_layers=3, top_k=4, num_experts=6, max_version=7)

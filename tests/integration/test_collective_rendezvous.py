@@ -14,10 +14,10 @@ import psutil
 import pytest
 import torch
 
-from shared.redis_server import free_port
 from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
+from shared.runstore.redis_server import free_port
 from shared.weightsync import make_publisher
 from tests.helpers import weight_keys
 

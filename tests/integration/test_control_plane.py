@@ -122,7 +122,7 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
     is queued until that round is in."""
     import numpy as np
 
-    from shared.rollout import Rollout, encode_rollout
+    from shared.rollouts.record import Rollout, encode_rollout
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -174,7 +174,7 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
 def eval_rollout(run_id: str, task: str, index: int, group: int, reward: float) -> bytes:
     import numpy as np
 
-    from shared.rollout import Rollout, encode_rollout
+    from shared.rollouts.record import Rollout, encode_rollout
 
     return encode_rollout(
         Rollout(
@@ -252,7 +252,7 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
 
     from shared.models import load_tokenizer
     from shared.models.loading import encode_prompt
-    from shared.tracking import read_scalars
+    from shared.runtime.tracking import read_scalars
 
     hard = tmp_path / "hard.jsonl"
     hard.write_text('{"q": "98+99=", "a": "791"}\n{"q": "77+88=", "a": "561"}\n{"q": "11+11=", "a": "22"}\n')
@@ -332,8 +332,8 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
     from prometheus_client import REGISTRY
 
     from services.orchestrator.evals import POLICY_EVAL_INITIAL
-    from shared.queues import WorkQueue
-    from shared.tracking import read_scalars
+    from shared.runstore.queues import WorkQueue
+    from shared.runtime.tracking import read_scalars
 
     def gauge(name: str) -> float | None:
         return REGISTRY.get_sample_value(f"steadyrl_orchestrator_{name}", {"set": "main"})
@@ -487,7 +487,7 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
     """An eval task dead-lettered (μ's greedy and sampled, π's) never holds its round, nor the run's
     end: the round is written with the prompts that were answered and the given-up ones under `dead`,
     by this orchestrator and, reading the dead-letter stream from its start, by a restarted one."""
-    from shared.queues import WorkQueue
+    from shared.runstore.queues import WorkQueue
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -540,7 +540,7 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
 def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server, run_id, tiny_model_dir, tmp_path):
     """A host crash can bring Redis back holding a submitted task in no state at all: the sweep after
     a restart queues exactly those again (not queued, leased, completed, trained, dropped or dead ones)."""
-    from shared.queues import WorkQueue
+    from shared.runstore.queues import WorkQueue
 
     async def main():
         redis, orchestrator = await orchestrator_on(

@@ -13,9 +13,9 @@ from redis.asyncio import Redis
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.orchestrator import Orchestrator
 from services.orchestrator.server import OrchestratorServicer, create_app
-from shared.redis_client import connect
-from shared.redis_server import RedisServer
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from shared.runstore.redis_client import connect
+from shared.runstore.redis_server import RedisServer
 
 TOKEN = "s3cret-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

@@ -5,14 +5,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from services.trainer.batch import collate
 from services.trainer.checkpoint import load_model_weights
-from shared.batch import collate
-from shared.distributed import exit_rank
+from services.trainer.training import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
-from shared.redis_server import free_port
-from shared.rollout import decode_rollout, encode_rollout
-from shared.training import StepConfig, train_step
+from shared.rollouts.record import decode_rollout, encode_rollout
+from shared.runstore.redis_server import free_port
+from shared.runtime.distributed import exit_rank
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
 CONFIG = StepConfig(mini_batches=2, replay="r2")

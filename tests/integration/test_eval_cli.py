@@ -8,8 +8,8 @@ import sys
 
 import torch
 
+from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts, greedy_accuracy
 from shared.models import load_causal_lm
-from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts, greedy_accuracy
 
 
 def eval_cli(*args: str) -> subprocess.CompletedProcess:

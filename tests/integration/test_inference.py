@@ -19,14 +19,14 @@ from services.inference.server import serve as serve_inference
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.server import serve as serve_weightsync
 from shared.engines import Sampling, make_engine
+from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
-from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
-from shared.queues import WorkQueue
-from shared.redis_server import free_port
-from shared.rollout import decode_rollout, decode_trace
+from shared.rollouts.record import decode_rollout, decode_trace
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc, rollout_pb2
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+from shared.runstore.queues import WorkQueue
+from shared.runstore.redis_server import free_port
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.signing import Signer, write_key_pair
 
@@ -525,7 +525,7 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
 def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_model_dir, redis_server, run_id):
     """The engine thread dies mid-task: the task is handed back (not lost, not published) and the
     rollout loop stops the replica (LoopDied: NOT_SERVING, exit for the supervisor)."""
-    from shared.service_main import LoopDied
+    from shared.runtime.service_main import LoopDied
 
     class Crash(BaseException):  # not an Exception: nothing on the way catches it
         pass

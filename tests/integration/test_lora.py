@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.batch import collate
+from services.trainer.batch import collate
+from services.trainer.training import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.lora import apply_lora, merged_state
-from shared.rollout import Rollout
-from shared.training import StepConfig, train_step
+from shared.rollouts.record import Rollout
 
 GROUP = 2
 LR = 1e-3

@@ -13,9 +13,9 @@ from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from shared.models import load_causal_lm, load_tokenizer
-from shared.queues import WorkQueue
-from shared.rollout import decode_rollout, validate_rollout
+from shared.rollouts.record import decode_rollout, validate_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.queues import WorkQueue
 from tests.integration.test_inference import Replica, _completed, fresh_forward, wait_for
 
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.batch import collate
+from services.trainer.batch import collate
+from services.trainer.training import StepConfig, train_step
 from shared.core import LossConfig, policy_loss
 from shared.models import load_causal_lm
-from shared.rollout import Rollout, RolloutError, decode_rollout, encode_rollout, validate_rollout
-from shared.training import StepConfig, train_step
+from shared.rollouts.record import Rollout, RolloutError, decode_rollout, encode_rollout, validate_rollout
 
 # turns of one trajectory: (tokens, who): model turn, observation, model turn, observation, model turn
 TURNS = [([5, 6], 1), ([7, 8, 9], 0), ([10, 11], 1), ([12, 13], 0), ([14], 1)]

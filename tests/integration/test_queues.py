@@ -6,8 +6,8 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from shared.queues import WorkQueue
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.queues import WorkQueue
 
 
 def task(task_id: str, group_size: int = 2) -> common_pb2.PromptTask:
@@ -90,7 +90,7 @@ def test_renewed_leases_survive_and_failures_go_to_dead_letters(redis_server, ru
 def test_a_pending_id_without_its_task_is_dead_lettered_with_the_reason(redis_server, run_id):
     """An id in `pending` whose record is gone is never dropped silently: `no_record`, or
     `duplicate` when that task was completed already (which is not counted as a task given up)."""
-    from shared.queues import given_up
+    from shared.runstore.queues import given_up
 
     async def body(queue, redis):
         await queue.submit(task("done"))
@@ -175,7 +175,7 @@ def test_redis_server_in_a_relative_directory(tmp_path, monkeypatch):
 
     import redis
 
-    from shared.redis_server import RedisServer
+    from shared.runstore.redis_server import RedisServer
 
     monkeypatch.chdir(tmp_path)
     with RedisServer(Path("runs") / "r" / "redis") as server:  # `steadyrl run --out runs/...` is relative
@@ -189,7 +189,7 @@ def test_a_redis_password_with_url_characters_works_escaped_in_the_url_or_from_a
     import redis.exceptions
 
     from services.orchestrator.config import OrchestratorSettings
-    from shared.redis_server import RedisServer
+    from shared.runstore.redis_server import RedisServer
 
     password = "p@ss/w:rd#?%&"
     server = RedisServer(tmp_path / "redis", password=password).start()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from shared.kit.tiny import TinySpec, build_model
 from shared.models import NotMoEError, RoutingController
-from shared.models.tiny import TinySpec, build_model
 
 VOCAB = 64
 

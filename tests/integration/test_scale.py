@@ -9,17 +9,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from services.trainer.batch import collate, token_budget_chunks
 from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
+from services.trainer.forward import Compute, sequence_logprobs
 from services.trainer.parallel import full_state, prepare
-from shared.batch import collate, token_budget_chunks
-from shared.distributed import exit_rank
-from shared.forward import Compute, sequence_logprobs
+from services.trainer.training import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
-from shared.redis_server import free_port
-from shared.rollout import decode_rollout, encode_rollout
-from shared.training import StepConfig, train_step
+from shared.rollouts.record import decode_rollout, encode_rollout
+from shared.runstore.redis_server import free_port
+from shared.runtime.distributed import exit_rank
 from shared.weightsync.manifest import CastView
 from tests.integration.test_trainer import GROUP, recorded_rollouts
 
@@ -211,7 +211,7 @@ def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tin
 
     from redis.asyncio import Redis
 
-    from shared.ledger import Ledger
+    from shared.runstore.ledger import Ledger
     from tests.helpers import publish
     from tests.integration.test_trainer import TRAINER_ENV
 
@@ -305,7 +305,7 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
     from pathlib import Path
 
     from services.trainer.parallel import GatheredView, gather_published
-    from shared.distributed import broadcast_payloads
+    from shared.runtime.distributed import broadcast_payloads
     from shared.weightsync.manifest import describe
     from shared.weightsync.shm import read_shm, write_shm
 

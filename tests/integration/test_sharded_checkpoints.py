@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerSettings
 from services.trainer.parallel import full_state
-from shared.distributed import exit_rank
-from shared.redis_server import free_port
-from shared.rollout import decode_rollout, encode_rollout
+from shared.rollouts.record import decode_rollout, encode_rollout
+from shared.runstore.redis_server import free_port
+from shared.runtime.distributed import exit_rank
 from steadyrl.report import export_checkpoint
 from tests.integration.test_trainer import recorded_rollouts
 
@@ -89,7 +89,7 @@ def run(world: int, model_dir, root, rollouts, phase: str, parallel: str) -> Non
 def test_a_sharded_async_checkpoint_resumes_on_another_world_size_and_exports(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=93)  # 4 groups: whole groups on 2 or 4 ranks
     run(2, tiny_model_dir, tmp_path, rollouts, "save", "fsdp")  # step 1 saved async by 2 FSDP ranks

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import torch
 
+from shared.kit.tiny import TinySpec, greedy_accuracy, init_tiny_model
+from shared.kit.tiny_precision import precision_routing_agreement
 from shared.models import RoutingController, load_causal_lm, load_tokenizer
-from shared.models.tiny import TinySpec, greedy_accuracy, init_tiny_model
-from shared.models.tiny_precision import precision_routing_agreement
 
 
 def test_tiny_model_loads_and_has_partial_accuracy(tiny_model_dir):

@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.tls import tls_from_env
+from shared.runstore.redis_server import free_port
 from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
 from tests.helpers import weight_keys
 
@@ -180,7 +180,7 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
                 manifest.version == 1 and bytes(payloads[0]) == torch.arange(6, dtype=torch.float32).numpy().tobytes()
             )
             probe = subprocess.run(
-                [sys.executable, "-m", "shared.healthcheck", str(port)],
+                [sys.executable, "-m", "shared.runtime.healthcheck", str(port)],
                 capture_output=True,
                 text=True,
                 env={**os.environ, **mine},
@@ -188,7 +188,7 @@ def test_grpc_over_tls(pki, tmp_path, client_auth):
             )
             assert probe.returncode == 0 and probe.stdout.strip() == "SERVING"
         plain = subprocess.run(
-            [sys.executable, "-m", "shared.healthcheck", str(port)],
+            [sys.executable, "-m", "shared.runtime.healthcheck", str(port)],
             capture_output=True,
             text=True,
             env={k: v for k, v in os.environ.items() if not k.startswith("STEADYRL_TLS")},

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from shared.settings import TrackingSettings
-from shared.tracking import ScalarLog, read_scalars
+from shared.runtime.settings import TrackingSettings
+from shared.runtime.tracking import ScalarLog, read_scalars
 from tests.helpers import mlflow_history, wandb_history
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -53,7 +53,7 @@ def test_wandb_and_mlflow_get_every_scalar_per_step(tmp_path, mlflow_store):
 
 
 def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_path, monkeypatch, caplog):
-    from shared.tracking import START_ATTEMPTS
+    from shared.runtime.tracking import START_ATTEMPTS
     from steadyrl.summary import tracking_status
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -79,7 +79,7 @@ def test_two_services_making_the_mlflow_experiment_at_once_both_log(tmp_path, mo
     store; the one whose create loses the race finds the other's experiment and logs to it."""
     from mlflow import MlflowClient
 
-    from shared.tracking import MlflowBackend
+    from shared.runtime.tracking import MlflowBackend
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     store = f"file://{tmp_path / 'mlruns'}"
@@ -102,7 +102,7 @@ def test_two_services_making_the_mlflow_experiment_at_once_both_log(tmp_path, mo
 
 
 def test_a_backend_that_fails_to_start_once_is_tried_again(tmp_path):
-    from shared.tracking import ExternalBackends
+    from shared.runtime.tracking import ExternalBackends
 
     class Recorder:
         name = "recorder"
@@ -158,7 +158,7 @@ def test_tracking_settings_reach_both_services_and_are_checked(monkeypatch):
 def test_a_backend_failing_records_in_a_row_is_dropped(tmp_path, mlflow_store, caplog):
     """MLflow's file store cannot hold `x/y` once `x` exists: each such record fails, a good one in
     between resets the count, and MAX_FAILURES failures in a row drop the backend."""
-    from shared.tracking import MAX_FAILURES
+    from shared.runtime.tracking import MAX_FAILURES
 
     log = ScalarLog(None, TrackingSettings(mlflow_tracking_uri=mlflow_store), "exp-3", "trainer")
     records = [{"x": 1.0}, {"x/y": 1.0}, {"x": 2.0}, *[{"x/y": 1.0}] * MAX_FAILURES, {"x": 3.0}]

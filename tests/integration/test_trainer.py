@@ -14,22 +14,22 @@ import torch
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
+from services.trainer.batch import collate
 from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
+from services.trainer.forward import sequence_logprobs
 from services.trainer.server import serve as serve_trainer
-from shared.batch import collate
+from services.trainer.training import StepConfig, train_step
 from shared.core.loss import LossConfig, policy_loss
 from shared.engines import Sampling, make_engine
-from shared.engines.rollouts import rollouts_from_samples
-from shared.forward import sequence_logprobs
+from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
-from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
-from shared.queues import WorkQueue
-from shared.rollout import RolloutTimings, decode_rollout
+from shared.rollouts.record import RolloutTimings, decode_rollout
+from shared.rollouts.samples import rollouts_from_samples
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore.queues import WorkQueue
 from shared.tasks import get_reward
-from shared.training import StepConfig, train_step
 from tests.helpers import publish
 
 GROUP = 4
@@ -370,9 +370,9 @@ def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model
 def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_server, run_id):
     import grpc
 
-    from shared.redis_server import free_port
     from shared.rpc.steadyrl.v1 import trainer_pb2 as tpb
     from shared.rpc.steadyrl.v1 import trainer_pb2_grpc
+    from shared.runstore.redis_server import free_port
 
     rollouts = recorded_rollouts(tiny_model_dir, 2, seed=51)
     port = free_port()
@@ -533,7 +533,7 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
     from services.trainer.publisher import VersionPublisher
     from services.weightsync.config import WeightSyncSettings
     from services.weightsync.server import serve as serve_weightsync
-    from shared.redis_server import free_port
+    from shared.runstore.redis_server import free_port
     from shared.weightsync.grpc import latest_version
     from shared.weightsync.signing import write_key_pair
 
@@ -593,7 +593,7 @@ def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tin
     from services.trainer.publisher import PUBLISH_FAILURES, VersionPublisher
     from services.weightsync.config import WeightSyncSettings
     from services.weightsync.server import serve as serve_weightsync
-    from shared.redis_server import free_port
+    from shared.runstore.redis_server import free_port
     from shared.weightsync.grpc import GrpcWeightPublisher
     from shared.weightsync.signing import Signer, write_key_pair
 

@@ -15,8 +15,8 @@ from shared.engines import Sampling, make_engine
 from shared.envs.base import Environment, Message, SingleTurn, Step
 from shared.envs.calc import Calculator, evaluate
 from shared.envs.trajectory import Budget, TrajectoryError, run_trajectory
-from shared.models.tiny import char_tokenizer
-from shared.rollout import Rollout, validate_rollout
+from shared.kit.tiny import char_tokenizer
+from shared.rollouts.record import Rollout, validate_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 

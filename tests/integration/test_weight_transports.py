@@ -203,8 +203,8 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
     import subprocess
     import sys
 
-    from shared.redis_server import free_port
     from shared.rpc.steadyrl.v1 import inference_pb2_grpc
+    from shared.runstore.redis_server import free_port
     from shared.weightsync.signing import Signer, write_key_pair
 
     ws_port = free_port("127.0.0.3")

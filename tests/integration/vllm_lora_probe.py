@@ -53,9 +53,9 @@ def worst(model, samples, prompts) -> float:
 
 def main() -> None:
     from shared.engines import Sampling, make_engine
+    from shared.kit.tiny import init_tiny_model
     from shared.models import load_causal_lm
     from shared.models.lora import base_digest
-    from shared.models.tiny import init_tiny_model
     from shared.weightsync.manifest import WeightError
 
     work = Path(sys.argv[1])

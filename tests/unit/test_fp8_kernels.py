@@ -65,8 +65,8 @@ def answer_logprobs(model, ids, answer, mode=None) -> torch.Tensor:
 def test_the_fp8_emulation_tracks_fp8_kernels(tiny_model_dir, device):
     if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9 or later")
+    from shared.kit.tiny import KitTask, sft_batch
     from shared.models.loading import load_tokenizer
-    from shared.models.tiny import KitTask, sft_batch
 
     task = KitTask("arith")
     ids, labels = sft_batch(load_tokenizer(tiny_model_dir), task.task(task.spec(), 0).split("eval", 256))

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 
 from services.trainer.groups import GroupBuffer
-from shared.rollout import Rollout, RolloutLimits, encode_rollout
+from shared.rollouts.record import Rollout, RolloutLimits, encode_rollout
 
 G = 4
 RUN = "run-a"

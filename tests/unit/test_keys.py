@@ -1,10 +1,10 @@
-"""The Redis keys of a run are declared once (shared/keys.py) and printed by docs/ARCHITECTURE.md;
+"""The Redis keys of a run are declared once (shared/runstore/keys.py) and printed by docs/ARCHITECTURE.md;
 every hash field the services write is a declared one."""
 
 import re
 from pathlib import Path
 
-from shared.keys import KEYS, RunField, RunKeys, TrainerField, markdown_table
+from shared.runstore.keys import KEYS, RunField, RunKeys, TrainerField, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,9 @@
 """The layers import downwards only: the library (`shared`) imports neither the services, the
 benchmarks nor the application layer (`steadyrl`); the services import neither the benchmarks
 nor the application layer; the benchmarks do not import the application layer (which runs them);
-`shared/core` is pure (torch and the standard library only); and within the benchmarks no two
-modules import each other, however indirectly. Checked on the source: every import statement and
+`shared/core` is pure (torch and the standard library only); `shared` is packages alone, each
+importing only those below it (SHARED_ORDER); and within the benchmarks, the application and the
+library no two modules import each other, however indirectly. Checked on the source: every import statement and
 every string naming a module (`importlib`, `-m`)."""
 
 import ast
@@ -16,10 +17,19 @@ FORBIDDEN = {"shared": ("services", "bench", "steadyrl"), "services": ("bench", 
 CORE_ALLOWED = {"torch", "shared", "__future__"} | set(sys.stdlib_module_names)
 
 
-def modules_named(path: Path) -> set[str]:
+def modules_named(path: Path, runtime_only: bool = False) -> set[str]:
+    """The modules `path` names (imports, `importlib`, `-m`); `runtime_only`: not those imported
+    under `if TYPE_CHECKING:` (names for annotations alone)."""
     tree = ast.parse(path.read_text(), str(path))
     named = set()
+    typing_only = set()
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                typing_only |= {id(n) for n in ast.walk(node)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             named |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -80,7 +90,37 @@ def cycles(package: str, root: Path = ROOT) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("package", ["bench", "steadyrl"])
+# shared's packages, lowest first: each may import only those before it
+SHARED_ORDER = [
+    "core",
+    "rpc",
+    "runtime",
+    "rollouts",
+    "runstore",
+    "weightsync",
+    "tasks",
+    "models",
+    "envs",
+    "engines",
+    "kit",
+]
+
+
+def test_shared_is_packages_that_import_downwards():
+    loose = sorted(p.name for p in (ROOT / "shared").glob("*.py") if p.name != "__init__.py")
+    packages = sorted(p.name for p in (ROOT / "shared").iterdir() if (p / "__init__.py").exists())
+    assert loose == [] and packages == sorted(SHARED_ORDER)
+    upward = {
+        f"{path.relative_to(ROOT)} → {name}"
+        for package in SHARED_ORDER
+        for path in sources(f"shared/{package}")
+        for name in modules_named(path, runtime_only=True)
+        if name.startswith("shared.") and name.split(".")[1] in SHARED_ORDER[SHARED_ORDER.index(package) + 1 :]
+    }
+    assert not upward, sorted(upward)
+
+
+@pytest.mark.parametrize("package", ["bench", "steadyrl", "shared"])
 def test_no_module_imports_itself_through_others(package):
     assert not cycles(package), cycles(package)
 

@@ -12,7 +12,7 @@ from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
 from services.trainer.report import trajectory_metrics
 from shared.envs.calc import MulTask
-from shared.rollout import Rollout
+from shared.rollouts.record import Rollout
 from steadyrl.run_config import load_run_config
 from steadyrl.service_settings import service_values
 
@@ -109,8 +109,8 @@ def test_a_recipe_with_an_agent_turns_the_replicas_endpoint_on():
 
 
 def test_calc_traces_train_the_model_s_turns_alone(calc_model_dir):
+    from shared.kit.tiny_tools import tool_trace
     from shared.models import load_tokenizer
-    from shared.models.tiny_tools import tool_trace
 
     tokenizer = load_tokenizer(str(calc_model_dir))
     ids, labels = tool_trace(tokenizer, "37*46=", "1702")

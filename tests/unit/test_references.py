@@ -44,7 +44,7 @@ def test_every_dotted_reference_resolves():
 
 
 def test_the_check_sees_what_does_not_exist():
-    assert unresolved("shared.keys.RunKeys") is None and unresolved("shared.core") is None
+    assert unresolved("shared.runstore.keys.RunKeys") is None and unresolved("shared.core") is None
     assert unresolved("shared.weightsync.grpc.WatchSubscriber") == "WatchSubscriber is not defined in grpc.py"
     assert unresolved("shared.nowhere.X") == "nowhere is not defined in __init__.py"
 

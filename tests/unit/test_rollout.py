@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engines.rollouts import encode_samples, rollouts_from_samples
-from shared.rollout import (
+from shared.rollouts.record import (
     Rollout,
     RolloutError,
     RolloutLimits,
@@ -15,6 +14,7 @@ from shared.rollout import (
     encode_rollout,
     validate_rollout,
 )
+from shared.rollouts.samples import encode_samples, rollouts_from_samples
 
 LIMITS = RolloutLimits(vocab_size=64, num_layers=2, top_k=2, num_experts=8, max_version=10)
 

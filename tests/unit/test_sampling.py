@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from shared.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
+from shared.rollouts.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import logging
 import pytest
 from grpc_health.v1 import health, health_pb2
 
-from shared.service_main import LoopDied, run_loops
+from shared.runtime.service_main import LoopDied, run_loops
 
 
 async def status(servicer) -> int:
@@ -60,7 +60,7 @@ def test_a_replica_hands_back_its_leases_even_when_its_stop_cancels_it_meanwhile
     back still finishes, and the cancellation is raised after it, not swallowed."""
     import asyncio
 
-    from shared.service_main import finish_despite_cancellation
+    from shared.runtime.service_main import finish_despite_cancellation
 
     handed_back: list[str] = []
 

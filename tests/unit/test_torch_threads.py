@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from shared.torch_threads import bind_torch_threads
+from shared.runtime.torch_threads import bind_torch_threads
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is one thread anyway")
 

@@ -2,7 +2,7 @@
 
 import math
 
-from shared.tracking import ScalarLog, read_scalars
+from shared.runtime.tracking import ScalarLog, read_scalars
 
 
 def test_scalars_round_trip_and_skip_what_is_no_scalar(tmp_path):

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from shared.engines.torch_weights import InPlaceWeights
-from shared.redis_server import free_port
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.runstore.redis_server import free_port
 from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.collective import Staging, receive_buckets, send_version
 from shared.weightsync.manifest import WeightError, describe

@@ -1,7 +1,7 @@
 """Every Redis key of a run, and every field of its hashes, declared once: who writes it, who reads it.
 
 All keys live under `steadyrl:{run_id}:`. The writer named for a key is its only writer (the
-work-queue keys are written only through `shared.queues` scripts, whichever service calls them).
+work-queue keys are written only through `shared.runstore.queues` scripts, whichever service calls them).
 `markdown_table()` renders the declaration; docs/ARCHITECTURE.md prints it (a test keeps them
 equal). Hash fields are named by `RunField` and `TrainerField`, whose values are the field names.
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from shared.models.tiny import KitTask, TinySpec, sft_batch
+from shared.kit.tiny import KitTask, TinySpec, sft_batch
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The Lua scripts of the work queue (`shared.queues`): each state change of a task is one of
+"""The Lua scripts of the work queue (`shared.runstore.queues`): each state change of a task is one of
 these, run atomically by Redis. Key and argument order are given above each."""
 
 SUBMIT = """

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.service_main import parent_death_signal
+from shared.runtime.service_main import parent_death_signal
 
 
 def redis_server_binary() -> str:

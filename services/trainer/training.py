@@ -1,5 +1,5 @@
 """One global step of the training engine: π_old, the N updates (each in micro-batches), the
-statistics. Batches are laid out by `shared.batch`; forwards run in `shared.forward`."""
+statistics. Batches are laid out by `services.trainer.batch`; forwards run in `services.trainer.forward`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.batch import TrainBatch, split_groups, token_budget_chunks
+from services.trainer.batch import TrainBatch, split_groups, token_budget_chunks
+from services.trainer.forward import Compute, gradient_sync, routing_context, sequence_logprobs
 from shared.core.advantages import group_advantages
 from shared.core.loss import LossConfig, policy_loss
 from shared.core.stats import StepStats
-from shared.forward import Compute, gradient_sync, routing_context, sequence_logprobs
 from shared.models.routing import RoutingController
 
 REPLAY_MODES = ("off", "r2", "r3")

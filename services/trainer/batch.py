@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.rollout import Rollout
+from shared.rollouts.record import Rollout
 
 
 @dataclass

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from shared.settings import TrackingSettings
+from shared.runtime.settings import TrackingSettings
 
 log = logging.getLogger("steadyrl.tracking")
 BACKLOG = 10_000  # records waiting for the external backends; beyond it new ones are dropped (counted)

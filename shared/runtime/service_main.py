@@ -20,7 +20,7 @@ import sys
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 
-from shared.logs import setup_logging
+from shared.runtime.logs import setup_logging
 
 log = logging.getLogger("steadyrl.service")
 
@@ -96,7 +96,7 @@ def run_service(name: str, settings_cls: type, server_module: str, settings: obj
     # finish) must not turn a clean exit into a kill mid-teardown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "LOCAL_RANK" in os.environ:  # a torchrun rank: leave the group, skip C++ teardown (exit_rank)
-        from shared.distributed import exit_rank
+        from shared.runtime.distributed import exit_rank
 
         exit_rank(code)
     sys.exit(code)
@@ -125,8 +125,8 @@ async def grpc_service(
     """The skeleton every service shares: its gRPC API (with health, reflection, the token and
     TLS: `shared.rpc.start_server`) and /metrics; `ready` is set once both listen. On the way
     out health turns NOT_SERVING first, then the server stops."""
-    from shared.metrics import start_metrics_server
     from shared.rpc import start_server
+    from shared.runtime.metrics import start_metrics_server
 
     server, bound, health = await start_server(register, service_names, f"{host}:{port}", max_message_bytes)
     try:

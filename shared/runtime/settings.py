@@ -71,14 +71,6 @@ class VerifiedWeights(UnsignedWeights):
     versions signed with its private key, the trainer's, are taken. Required unless
     unsigned_weights."""
 
-    def verifier(self, run_id: str = ""):
-        """The `shared.weightsync.signing.Verifier` of `verify_key_file` (None: unsigned_weights)."""
-        if self.unsigned_weights:
-            return None
-        from shared.weightsync.signing import Verifier
-
-        return Verifier.from_file(self.verify_key_file, run_id)
-
     def _needs_key(self, what: str) -> None:
         if self.verify_key_file is None and not self.unsigned_weights:
             raise ValueError(

@@ -8,7 +8,7 @@ attention rejects 16), and caches it by content so tests and the demo reuse it.
 Three tasks: `arith` (the demo's 2-digit addition), `mul_trace` (multiplication as a trace of
 partial sums, answers of a few to `max_answer_tokens` tokens; its model gets the positions to
 hold the longest answer) and `calc` (multi-turn: 2-digit multiplication with a calculator tool,
-its tokenizer given a chat template; `shared.models.tiny_tools`).
+its tokenizer given a chat template; `shared.kit.tiny_tools`).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class KitTask:
         """The default model for this task: positions for prompt + the longest answer + eos."""
         if self.name == "arith":
             return TinySpec()
-        if self.name == "calc":  # stops on sampled accuracy (shared.models.tiny_tools)
+        if self.name == "calc":  # stops on sampled accuracy (shared.kit.tiny_tools)
             return TinySpec(sft_eval_every=20, sft_eval_size=100, sft_lr=3e-3, target_accuracy=0.15)
         return TinySpec(max_positions=-(-(self.trace_max_answer_tokens + 16) // 32) * 32)
 
@@ -271,7 +271,7 @@ def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
         tokenizer = char_tokenizer()
         model = build_model(spec, seed)
         if task.name == "calc":
-            from shared.models.tiny_tools import TOOL_TEMPLATE, tool_cold_start
+            from shared.kit.tiny_tools import TOOL_TEMPLATE, tool_cold_start
 
             tokenizer.chat_template = TOOL_TEMPLATE
             report = tool_cold_start(model, tokenizer, spec, seed)

@@ -1,4 +1,4 @@
-"""The Redis work queue of prompt tasks (with leases) and the rollout stream (`shared.keys` names
+"""The Redis work queue of prompt tasks (with leases) and the rollout stream (`shared.runstore.keys` names
 every key).
 
 Every state change is one Lua script, so a replica that dies at any point leaves the task either
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 
-from shared import queue_scripts as scripts
-from shared.interfaces import RolloutSink
-from shared.keys import RunKeys
+from shared.rollouts.interfaces import RolloutSink
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.runstore import queue_scripts as scripts
+from shared.runstore.keys import RunKeys
 
 # Two pools of replicas share one queue: `rollouts` (every replica by default: training rollouts
 # and μ's evals) and `policy_eval` (replicas that serve the trainer's weights unquantised: π's
@@ -96,7 +96,7 @@ class WorkQueue(RolloutSink):
 
     @property
     def keys(self) -> dict[str, str]:
-        """Every key of the run by name (`shared.keys`)."""
+        """Every key of the run by name (`shared.runstore.keys`)."""
         return self.run_keys.all()
 
     def _k(self, *names: str) -> list[str]:

@@ -1,5 +1,5 @@
 """What the trainer recorded about a run's work, read for the orchestrator, tests and operators
-(the trainer is the only writer: `shared.keys`)."""
+(the trainer is the only writer: `shared.runstore.keys`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from shared.keys import RunKeys
+from shared.runstore.keys import RunKeys
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.batch import TrainBatch
+from services.trainer.batch import TrainBatch
 from shared.core.diagnostics import entropy_from_logits
 from shared.models.routing import RoutingController
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.rollout import Rollout, RolloutTimings, trace_message
+from shared.rollouts.record import Rollout, RolloutTimings, trace_message
 from shared.rpc.steadyrl.v1 import rollout_pb2
 
 

@@ -1,4 +1,4 @@
-"""`python -m shared.healthcheck PORT [SERVICE]`: exit 0 when the gRPC health service on
+"""`python -m shared.runtime.healthcheck PORT [SERVICE]`: exit 0 when the gRPC health service on
 127.0.0.1:PORT says SERVING (container HEALTHCHECKs and manual probes; over TLS when the
 deployment uses it: the certificate must then name 127.0.0.1 or STEADYRL_TLS_SERVER_NAME be set)."""
 
@@ -14,7 +14,7 @@ def main(argv: list[str]) -> int:
     from shared.rpc.tls import sync_channel
 
     if not argv or not argv[0].isdigit():
-        print("usage: python -m shared.healthcheck PORT [SERVICE]", file=sys.stderr)
+        print("usage: python -m shared.runtime.healthcheck PORT [SERVICE]", file=sys.stderr)
         return 2
     service = argv[1] if len(argv) > 1 else ""
     try:

@@ -1,7 +1,7 @@
 """The transports between the services, as interfaces: what a service needs of each, not how it
 travels.
 
-- `RolloutSink` (replicas publish): `shared.queues.WorkQueue` (Redis, Lua).
+- `RolloutSink` (replicas publish): `shared.runstore.queues.WorkQueue` (Redis, Lua).
 - `RolloutSource` (the trainer reads): `services.trainer.stream.RedisRolloutSource`.
 - `WeightPublisher` / `WeightSubscriber` / `Delivery` (the trainer pushes, replicas receive):
   `shared.weightsync.base`, one module per transport.
