@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import struct
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
+
+import torch
 
 from shared.rollouts.record import Rollout, encode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runstore.queues import WorkQueue
+from shared.weightsync.grpc import GrpcDelivery
+from shared.weightsync.manifest import bytes_to_tensor, describe, tensor_to_bytes
 
 
 async def publish(redis, run_id: str, rollouts: list[Rollout], replica: str = "rec") -> None:
@@ -21,7 +28,7 @@ async def publish(redis, run_id: str, rollouts: list[Rollout], replica: str = "r
     for r in rollouts:
         by_task[r.task_id].append(encode_rollout(dataclasses.replace(r, run_id=run_id)))
     for task_id, payloads in by_task.items():
-        assert await queue.submit(common_pb2.PromptTask(task_id=task_id, run_id=run_id))
+        assert await submit(queue, common_pb2.PromptTask(task_id=task_id, run_id=run_id))
         [lease] = await queue.lease(replica, 600)
         assert lease.task_id == task_id
         assert await queue.complete(replica, task_id, payloads)
@@ -126,3 +133,48 @@ def weight_keys(directory: Path, run_id: str = ""):
 
     private, public = write_key_pair(directory / "keys")
     return Signer.from_file(private, run_id), public
+
+
+async def submit(queue: WorkQueue, task: common_pb2.PromptTask) -> bool:
+    """Queue one task; False when a task with its id is already queued or leased."""
+    return (await queue.submit_many([task]))[0]
+
+
+def build_manifest(
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, signer=None
+) -> tuple[pb.WeightManifest, list[memoryview]]:
+    """`describe(tensors, ...)` and the raw bytes of every tensor (all held at once)."""
+    return describe(tensors, version, parent_version, signer), [tensor_to_bytes(tensors[name]) for name in tensors]
+
+
+def pull_all(
+    address: str, version: int, base_version: int = 0, base=None
+) -> tuple[pb.WeightManifest, list[bytearray], int]:
+    """A whole version pulled at once: (manifest, every tensor's checked bytes, wire bytes)."""
+    delivery = GrpcDelivery(address, version, base_version=base_version, base=base)
+    payloads = [data for _, data in delivery.tensors()]
+    return delivery.manifest, payloads, delivery.wire_bytes
+
+
+def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dict[str, torch.Tensor]:
+    return {s.name: bytes_to_tensor(d, s.dtype, list(s.shape)) for s, d in zip(manifest.tensors, payloads, strict=True)}
+
+
+def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files under `directory`: tag → [(step, value)] in file order."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at + 12 <= len(data):  # TFRecord: length (8), its CRC (4), payload, payload CRC (4)
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            payload = data[at + 12 : at + 12 + length]
+            at += 12 + length + 4
+            if len(payload) < length:
+                break  # a record cut short by a crash
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

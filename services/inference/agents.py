@@ -27,38 +27,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import math
-import re
 import secrets
 import shlex
-import time
 import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
-from services.inference import agent_programs
+from services.inference import agent_programs, agent_wire
 from services.inference.agent_programs import AgentIsolation
+from services.inference.agent_wire import (
+    MAX_BODY_BYTES,
+    BadCall,
+    TooLarge,
+    completion,
+    messages_of,
+    read_body,
+    sampling_of,
+)
 from shared.engines import Engine, Sampling
 from shared.envs.base import Message
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, render
 
 log = logging.getLogger("steadyrl.inference.agents")
 PREFIX = "agent:"
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_BODY_BYTES = 4 << 20
-
-
-class BadCall(ValueError):
-    """A call the endpoint refuses (400) without changing its session."""
-
-
-class TooLarge(ValueError):
-    """A body past the endpoint's limit (413)."""
 
 
 @dataclass
@@ -117,29 +110,31 @@ class Endpoint:
         @app.exception_handler(Exception)
         async def internal(request: Request, exc: Exception):
             log.warning("event=agent_call_failed error=%s: %s", type(exc).__name__, exc)
-            return _error(500, "internal", "the call failed inside the replica")
+            return agent_wire.error(500, "internal", "the call failed inside the replica")
 
         @app.post("/rollouts/{session_id}/v1/chat/completions")
         async def chat(session_id: str, request: Request):
             session = self.sessions.get(session_id)
             if session is None:
-                return _error(404, "not_found", f"no rollout session {session_id!r}")
+                return agent_wire.error(404, "not_found", f"no rollout session {session_id!r}")
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {session.key}".encode()):
-                return _error(401, "unauthorized", "this session's key is required (Authorization: Bearer KEY)")
+                return agent_wire.error(
+                    401, "unauthorized", "this session's key is required (Authorization: Bearer KEY)"
+                )
             try:
-                body = await _body(request, self.max_body_bytes)
+                body = await read_body(request, self.max_body_bytes)
                 async with session.lock:  # one call of a conversation at a time
                     call = await asyncio.to_thread(self.check, session, body)
                     return await self.call(session, call)
             except TooLarge as exc:
-                return _error(413, "too_large", str(exc))
+                return agent_wire.error(413, "too_large", str(exc))
             except TrajectoryError as exc:
                 session.error = session.error or exc
-                return _error(400, exc.code, exc.message)
+                return agent_wire.error(400, exc.code, exc.message)
             except (BadCall, ValueError) as exc:
                 session.refused = str(exc)
-                return _error(400, "invalid_request", f"bad request: {exc}")
+                return agent_wire.error(400, "invalid_request", f"bad request: {exc}")
 
         return app
 
@@ -148,7 +143,7 @@ class Endpoint:
         or TrajectoryError when it cannot be served)."""
         if not isinstance(body, dict):
             raise BadCall("the body must be a JSON object")
-        messages = _messages(body.get("messages"))
+        messages = messages_of(body.get("messages"))
         tools = body.get("tools") or None
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise BadCall("tools must be a list of objects")
@@ -182,7 +177,7 @@ class Endpoint:
         left = session.budget.max_tokens - used
         if (t is not None and t.turns >= session.budget.max_turns) or left <= 0:
             raise TrajectoryError("over_budget", f"a call past the budget ({t.turns if t else 0} turns, {used} tokens)")
-        sampling = _sampling(body, session.sampling, left)
+        sampling = sampling_of(body, session.sampling, left)
         context = (len(t.prompt_token_ids) + used if t is not None else len(tokens)) + sampling.max_new_tokens
         if context > self.engine.max_model_len:
             raise BadCall(
@@ -209,7 +204,7 @@ class Endpoint:
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         session.sampled = list(sample.token_ids)
         session.conversation.append(Message("assistant", text))
-        return _completion(session, text, sample, self.tokenizer, call.logprobs)
+        return completion(session, text, sample, self.tokenizer, call.logprobs)
 
     @contextlib.contextmanager
     def session(self, task, sampling: Sampling, budget: Budget, return_trace: bool, index: int):
@@ -289,78 +284,6 @@ class Endpoint:
         return out
 
 
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status)
-
-
-async def _body(request: Request, limit: int):
-    """The request's JSON, read at most `limit` bytes (TooLarge past it), parsed off the loop."""
-    length = request.headers.get("content-length", "")
-    if length and (not length.isdigit() or int(length) > limit):
-        raise TooLarge(f"the body is over the {limit}-byte limit")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"the body is over the {limit}-byte limit")
-        chunks.append(chunk)
-    try:
-        return await asyncio.to_thread(json.loads, b"".join(chunks))
-    except (ValueError, RecursionError) as exc:
-        raise BadCall(f"the body is not JSON: {str(exc)[:200]}") from None
-
-
-def _messages(value) -> list[Message]:
-    """The call's messages: each a role of ROLES and a content that is text, null or a list of
-    text parts (OpenAI's `[{"type": "text", "text": …}]`)."""
-    if not isinstance(value, list) or not value:
-        raise BadCall("the body needs a non-empty list of messages")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise BadCall(f"message {i} needs a role, one of {ROLES}")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise BadCall(f"message {i}: a list content holds text parts only")
-            content = "".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise BadCall(f"message {i}: content must be text, null or a list of text parts")
-        out.append(Message(message["role"], content or ""))
-    return out
-
-
-def _sampling(body: dict, base: Sampling, left: int) -> Sampling:
-    """The call's sampling: the task's, with what the call sets (each value checked), its
-    max_tokens within what the budget leaves."""
-
-    def number(name: str, default: float) -> float:
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise BadCall(f"{name} must be a finite number, got {value!r}")
-        return float(value)
-
-    limit = next((body[n] for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None), None)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise BadCall(f"max_tokens must be a positive integer, got {limit!r}")
-    try:
-        return Sampling(
-            **{
-                **vars(base),
-                "max_new_tokens": min(limit or base.max_new_tokens, left),
-                "temperature": number("temperature", base.temperature),
-                "top_p": number("top_p", base.top_p),
-            }
-        )
-    except ValueError as exc:
-        raise BadCall(str(exc)) from None
-
-
 def _key(message: Message) -> tuple[str, str]:
     """What a call must repeat of the conversation so far: every message, an assistant one by its
     role alone (a client sends back the content it was given — tool calls parsed out — and the
@@ -381,42 +304,24 @@ def _score(reward: str, answer: str, reference: str) -> tuple[float, str]:
     return score(resolve_reward(reward), answer, reference)
 
 
-def _completion(session: Session, text: str, sample, tokenizer, logprobs: bool) -> dict:
-    calls = []
-    for i, match in enumerate(TOOL_CALL.finditer(text)):
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            call = json.loads(match.group(1))
-            calls.append(
-                {
-                    "id": f"call_{session.index}_{session.trajectory.turns}_{i}",
-                    "type": "function",
-                    "function": {"name": str(call["name"]), "arguments": json.dumps(call.get("arguments", {}))},
-                }
-            )
-    content = TOOL_CALL.sub("", text).strip() if calls else text
-    message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
-    choice = {
-        "index": 0,
-        "message": message,
-        "finish_reason": "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop"),
-    }
-    if logprobs:
-        choice["logprobs"] = {
-            "content": [
-                {"token": tokenizer.decode([token]), "logprob": lp}
-                for token, lp in zip(sample.token_ids, sample.logprobs, strict=True)
-            ]
-        }
-    prompt = len(session.trajectory.prompt_token_ids) + len(session.trajectory.token_ids) - len(sample.token_ids)
-    return {
-        "id": f"chatcmpl-{session.task_id}-{session.trajectory.turns}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": "steadyrl",
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": len(sample.token_ids),
-            "total_tokens": prompt + len(sample.token_ids),
-        },
-    }
+async def serve_endpoint(engine: Engine, tokenizer, settings):
+    """The agent endpoint on a free loopback port (`settings`: the replica's): (its uvicorn server,
+    the task serving it)."""
+    import uvicorn
+
+    from services.inference import trajectories
+
+    endpoint = Endpoint(engine, tokenizer, "", settings.agent_isolation_of(), settings.agent_max_body_bytes)
+    server = uvicorn.Server(
+        uvicorn.Config(endpoint.app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            raise RuntimeError(f"the agent endpoint did not start: {serving.exception()!r}")
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    endpoint.base_url = f"http://127.0.0.1:{port}"
+    trajectories.ENDPOINT[:] = [endpoint]
+    log.info("event=agent_endpoint url=%s", endpoint.base_url)
+    return server, serving

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 TOKENS = Counter("steadyrl_inference_generated_tokens_total", "Completion tokens generated", ["replica"])
 TOKENS_PER_SECOND = Gauge("steadyrl_inference_tokens_per_second", "Completion tokens/s over the last 10 s", ["replica"])
@@ -19,6 +19,15 @@ VERSION_WAITS = Counter(
     "steadyrl_inference_version_wait_expired_total",
     "Tasks handed back after waiting too long for their policy version",
     ["replica"],
+)
+POLICY_VERSION = Gauge(
+    "steadyrl_inference_policy_version", "Policy version the engine serves (set once it serves)", ["replica", "pool"]
+)
+SWAP_SECONDS = Histogram(
+    "steadyrl_inference_swap_seconds",
+    "Generation paused while a version was applied",
+    ["replica"],
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
 )
 REWARD_FAILURES = Counter(
     "steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed", ["reward", "reason"]

@@ -40,7 +40,7 @@ from services.inference.metrics import (
     VERSION_WAITS,
     TokenRate,
 )
-from services.inference.publishing import QUEUE_ERRORS, Publisher
+from services.inference.rollout_publisher import QUEUE_ERRORS, Publisher
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample

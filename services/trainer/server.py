@@ -77,7 +77,7 @@ async def serve(
         ) as serving:
             await run_loops({"trainer": trainer.run(stop)}, stop, serving.health, finishing=frozenset({"trainer"}))
     finally:
-        if trainer.unacked:  # a clean stop keeps every trained step: checkpoint, then acknowledge
+        if trainer.acks.unsaved:  # a clean stop keeps every trained step: checkpoint, then acknowledge
             await trainer.checkpoint_now()
         await asyncio.to_thread(trainer.runner.stop_followers)
         await trainer.close()

@@ -26,13 +26,14 @@ from pathlib import Path
 import redis.exceptions
 from redis.asyncio import Redis
 
+from services.trainer.acknowledgements import Acknowledgements
 from services.trainer.config import TrainerSettings
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
-from services.trainer.publisher import VersionPublisher
-from services.trainer.report import StepLog, reward_metrics, trajectory_metrics
-from services.trainer.steps import PendingSave, StepRunner
+from services.trainer.step_log import StepLog, reward_metrics, trajectory_metrics
+from services.trainer.steps import StepRunner
 from services.trainer.stream import RedisRolloutSource
+from services.trainer.version_publisher import VersionPublisher
 
 log = logging.getLogger("steadyrl.trainer")
 
@@ -46,9 +47,7 @@ class Trainer:
         self.buffer = GroupBuffer(s.group_size, s.run_id, self.runner.limits)
         self.intake = Intake(self.source, self.buffer, self.state)
         self.publisher = VersionPublisher(settings, redis)
-        self.unacked: list[tuple[bytes, str]] = []  # trained, waiting for a checkpoint: (entry id, rollout id)
-        self.saving: tuple[PendingSave, list[tuple[bytes, str]]] | None = None  # a save under way, what it holds
-        self.checkpointed: list[tuple[bytes, str]] = []  # in the LATEST checkpoint, not yet acknowledged
+        self.acks = Acknowledgements(self.runner, self.source)  # trained, checkpointed, acknowledged
         self.redis_id = ""
         self.checked_redis = 0.0
         self.resync = False
@@ -95,9 +94,9 @@ class Trainer:
                 delay = min(delay * 2, 5.0)
         while self.publisher.published < self.state.version and not stop.is_set():  # the last version
             await self.publish()
-        if self.saving is not None:  # a stop lets the checkpoint under way land (it is on disk soon)
+        if self.acks.saving is not None:  # a stop lets the checkpoint under way land (it is on disk soon)
             with contextlib.suppress(redis.exceptions.RedisError):
-                await self.settle_save(wait=True)
+                await self.acks.settle(wait=True)
 
     async def start(self, stop: asyncio.Event) -> None:
         """Continue the version numbering past anything already published (before any entry is
@@ -131,17 +130,17 @@ class Trainer:
             self.checked_redis = time.monotonic()
             identity = await self.source.identity()
             if identity != self.redis_id:  # Redis restarted: it may have lost acknowledged writes
-                await self.intake.reconcile({rid for _, rid in self.unacknowledged()})
+                await self.intake.reconcile({rid for _, rid in self.acks.pending()})
                 self.redis_id = identity
                 self.resync = False
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
             self.resync = False
-        if self.saving is not None and self.saving[0].done():
+        if self.acks.save_done():
             async with self.model_lock:
-                await self.settle_save(wait=False)
-        if self.checkpointed:  # an acknowledgement cut off (Redis restarting or frozen)
-            await self.acknowledge()
+                await self.acks.settle(wait=False)
+        if self.acks.saved:  # an acknowledgement cut off (Redis restarting or frozen)
+            await self.acks.acknowledge()
         if self.publisher.enabled and time.monotonic() >= self.next_held_check:
             self.next_held_check = time.monotonic() + 3.0
             await self.publisher.held_by_weightsync()
@@ -165,8 +164,8 @@ class Trainer:
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await step
-                if self.saving is not None:  # its checkpoint lands and acknowledges it
-                    await self.settle_save(wait=True)
+                if self.acks.saving is not None:  # its checkpoint lands and acknowledges it
+                    await self.acks.settle(wait=True)
             raise
 
     async def _train(self, group_ids: list[str]) -> dict[str, float]:
@@ -179,7 +178,7 @@ class Trainer:
             self.state.step += 1
             self.state.version += 1
             self.state.consumed.update(r.rollout_id for r in rollouts)
-            self.unacked.extend((m.entry, m.rollout.rollout_id) for group in groups for m in group)
+            self.acks.trained([(m.entry, m.rollout.rollout_id) for group in groups for m in group])
             seconds = time.perf_counter() - started
             metrics.update(
                 step=self.state.step,
@@ -195,7 +194,7 @@ class Trainer:
             self.steplog.record(metrics, len(rollouts), self.runner.recipe)
             self.last_metrics = metrics
             if self.state.step % self.settings.checkpoint_every == 0 or self.done:
-                await self.save(wait=self.done)
+                await self.acks.save(self.state, wait=self.done)
             await self.publish()
         self.last_step = time.monotonic()
         log.info(
@@ -208,47 +207,6 @@ class Trainer:
             time.perf_counter() - started,
         )
         return metrics
-
-    async def save(self, wait: bool = False) -> Path | None:
-        """Start a checkpoint of the current state (the one under way first lands); once it is in
-        place, what it holds is acknowledged — now when it blocks or `wait`, else by a later turn
-        of the loop. Call with the model lock held."""
-        if self.saving is not None:
-            await self.settle_save(wait=True)
-        pending = await asyncio.to_thread(self.runner.save, self.state)
-        self.saving = (pending, self.unacked)
-        self.unacked = []
-        if wait or pending.done():
-            return await self.settle_save(wait=True)
-        return None
-
-    async def settle_save(self, wait: bool) -> Path | None:
-        """The save under way put in place and its rollouts acknowledged (None when not done and
-        not `wait`, or when another caller settled it first). A failed save puts its rollouts back
-        with the unsaved ones, for the next."""
-        if self.saving is None:  # settled while this caller waited for the model lock
-            return None
-        pending, entries = self.saving
-        if not wait and not pending.done():
-            return None
-        try:
-            path = await asyncio.to_thread(pending.finish)
-        except Exception:
-            self.saving = None
-            self.unacked = entries + self.unacked
-            raise
-        self.saving = None
-        self.checkpointed.extend(entries)
-        log.info("event=checkpoint_saved checkpoint=%s step=%d", path.name if path else "", pending.state.step)
-        await self.acknowledge()
-        return path
-
-    async def acknowledge(self) -> None:
-        await self.source.trained(self.checkpointed)
-        self.checkpointed = []
-
-    def unacknowledged(self) -> list[tuple[bytes, str]]:
-        return self.checkpointed + (self.saving[1] if self.saving else []) + self.unacked
 
     async def publish(self) -> None:
         """Publish the current weights as the current version (call with the model lock held);
@@ -265,7 +223,7 @@ class Trainer:
 
     async def checkpoint_now(self) -> Path:
         async with self.model_lock:  # never half a step
-            return await self.save(wait=True)
+            return await self.acks.save(self.state, wait=True)
 
     async def close(self) -> None:
         self.steplog.close()

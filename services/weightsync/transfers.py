@@ -1,19 +1,19 @@
-"""The bytes that reach this service off the gRPC push path: a shared-memory file the trainer
-wrote (this service reads it to serve pulls), or a collective broadcast it takes part in as
-rank 1 of each membership epoch (`members.py`), receiving, verifying and keeping the version.
-Each epoch's group forms through this service's own rendezvous (`rendezvous.py`)."""
+"""The versions announced off the gRPC push path: a shared-memory file the trainer wrote (this
+service reads it to serve pulls), or a collective broadcast to the members of an epoch
+(`members.py`), which this service joins as rank 1 (`collective_receiver.py`); each epoch's group
+forms through this service's own rendezvous (`rendezvous.py`). How each collective went, as the
+trainer and the members report it."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge
 
+from services.weightsync.collective_receiver import FAILED, CollectiveReceiver
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.members import COLLECTIVE, SHM, Membership
 from services.weightsync.rendezvous import Rendezvous
@@ -25,9 +25,6 @@ from shared.weightsync.manifest import kind
 log = logging.getLogger("steadyrl.weightsync")
 EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")
 MEMBERS = Gauge("steadyrl_weightsync_collective_members", "Replicas in the current collective epoch")
-RECEIVED_BYTES = Counter("steadyrl_weightsync_collective_received_bytes_total", "Bytes received by broadcast")
-RECEIVE_SECONDS = Histogram("steadyrl_weightsync_collective_receive_seconds", "Duration of received broadcasts")
-FAILED = Counter("steadyrl_weightsync_collective_failures_total", "Collective transfers that failed", ["reason"])
 
 
 class Transfers:
@@ -44,9 +41,7 @@ class Transfers:
         self.stored = stored
         self.host = socket.gethostname()
         self.rendezvous = Rendezvous(settings.collective_timeout_seconds)
-        self._groups = None  # rank 1's groups, made on the first collective (torch.distributed imported then)
-        self._staging = None
-        self._receiving: asyncio.Task | None = None
+        self.receiver = CollectiveReceiver(store, members, self.rendezvous, stored, self.latest)
 
     def latest(self) -> int:
         latest = self.store.latest
@@ -54,8 +49,7 @@ class Transfers:
 
     async def settled(self) -> None:
         """Wait for a broadcast still being received (bounded by the collective timeout)."""
-        if self._receiving is not None:
-            await asyncio.wait({self._receiving})
+        await self.receiver.settled()
 
     def shm_path(self, given: str) -> Path | None:
         """`given` resolved, if it is a file under this service's shm_dir (else None)."""
@@ -103,7 +97,6 @@ class Transfers:
         epoch = self.members.epoch_for_announce()
         nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
         first = 1 if nccl else 2
-        self._start_groups()
         transport = pb.Transport(
             kind=COLLECTIVE,
             epoch=epoch.number,
@@ -134,7 +127,7 @@ class Transfers:
             mine = pb.Transport()
             mine.CopyFrom(transport)
             mine.rank = 1
-            self._receiving = asyncio.create_task(self._receive(manifest, mine, frozenset(epoch.members)))
+            self.receiver.start(manifest, mine, frozenset(epoch.members))
         log.info(
             "event=version_announced version=%d transport=collective epoch=%d members=%d",
             manifest.version,
@@ -142,60 +135,6 @@ class Transfers:
             len(epoch.members),
         )
         return pb.AnnounceReply(version=version.version, transport=transport)
-
-    def _start_groups(self) -> None:
-        if self._groups is None:
-            from shared.weightsync.collective import Groups, Staging
-
-            self._groups = Groups(self.rendezvous)  # rank 1 reaches the rendezvous in process
-            self._staging = Staging()  # what arrives is copied out before the next version: one set serves all
-
-    async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
-        """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
-        the epoch (the trainer then pushes the version over gRPC)."""
-        from shared.weightsync.collective import receive_buckets
-        from shared.weightsync.manifest import tensor_to_bytes
-
-        started = time.perf_counter()
-        try:
-
-            def work():  # each bucket copied out of the ring into the version this service keeps
-                self.store.make_room()  # spill before the new bytes arrive
-                group = self._groups.get(transport, 1)
-                kept = {
-                    name: bytearray(tensor_to_bytes(tensor))
-                    for bucket in receive_buckets(group, transport, manifest, self._staging)
-                    for name, tensor in bucket
-                }
-                return [kept[spec.name] for spec in manifest.tensors]
-
-            payloads = await asyncio.to_thread(work)
-        except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes
-            FAILED.labels(type(exc).__name__).inc()
-            self._groups.drop()
-            gone = self.members.fail(transport.epoch, manifest.version)
-            log.warning(
-                "event=collective_failed version=%d epoch=%d error=%s left=%s",
-                manifest.version,
-                transport.epoch,
-                exc,
-                gone,
-            )
-            return
-        finally:
-            self._receiving = None
-        if manifest.version > self.latest():
-            self.store.add(manifest, payloads)
-            self.stored(manifest, skip=members)
-        RECEIVED_BYTES.inc(sum(len(p) for p in payloads))
-        RECEIVE_SECONDS.observe(time.perf_counter() - started)
-        log.info(
-            "event=version_published version=%d kind=%s transport=collective epoch=%d bytes=%d",
-            manifest.version,
-            kind(manifest),
-            transport.epoch,
-            sum(len(p) for p in payloads),
-        )
 
     def report(self, request: pb.TransferReport) -> None:
         """How a collective went for the trainer or a member: a failure ends the epoch."""

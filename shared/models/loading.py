@@ -56,20 +56,6 @@ def decode_completions(tokenizer, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
-def checkpoint_state_dict(
-    model_path: str | os.PathLike, state_dict: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """A transformers module state dict in the on-disk (checkpoint) layout, e.g. fused MoE expert
-    tensors split back per expert: what `save_pretrained` writes and vLLM's `load_weights` reads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
-
-    config = AutoConfig.from_pretrained(_local_dir(model_path), local_files_only=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return dict(revert_weight_conversion(skeleton, dict(state_dict)))
-
-
 def encode_prompt(tokenizer, text: str, chat: bool = False, system_prompt: str = "") -> list[int]:
     """Token ids of a prompt: with `chat` and a tokenizer that has a chat template, the template's
     rendering of (system prompt,) the user's message and the assistant's turn opening; else the

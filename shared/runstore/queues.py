@@ -106,10 +106,6 @@ class WorkQueue(RolloutSink):
     def rollout_stream(self) -> str:
         return self.run_keys.rollouts
 
-    async def submit(self, task: common_pb2.PromptTask) -> bool:
-        """Queue a task; False when a task with its id is already queued or leased."""
-        return (await self.submit_many([task]))[0]
-
     async def submit_many(
         self, tasks: list[common_pb2.PromptTask], record: tuple[str, dict[str, int | str]] | None = None
     ) -> list[bool]:

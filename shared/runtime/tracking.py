@@ -1,5 +1,5 @@
 """Experiment tracking: TensorBoard event files (tensorboardX) with the same keys as the JSONL
-records, written as each record is, and read back by `read_scalars`; W&B and MLflow when
+records, written as each record is; W&B and MLflow when
 `TrackingSettings` names them, fed from a thread of their own so that a slow or failing backend
 never holds a step; what became of each backend is written to `tracking.json` beside the
 service's records, for the run's summary. Pure I/O, no service state."""
@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import queue
-import struct
 import threading
 import time
 from pathlib import Path
@@ -264,23 +263,3 @@ class MlflowBackend:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
-
-
-def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the event files under `directory`: tag → [(step, value)] in file order."""
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        at = 0
-        while at + 12 <= len(data):  # TFRecord: length (8), its CRC (4), payload, payload CRC (4)
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            payload = data[at + 12 : at + 12 + length]
-            at += 12 + length + 4
-            if len(payload) < length:
-                break  # a record cut short by a crash
-            event = event_pb2.Event.FromString(payload)
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars

@@ -32,7 +32,6 @@ from shared.weightsync.base import (
 from shared.weightsync.frames import decode_delta, iter_chunks, parse_pull_frame
 from shared.weightsync.manifest import (
     WeightError,
-    bytes_to_tensor,
     describe,
     digest,
     tensor_to_bytes,
@@ -228,19 +227,6 @@ class GrpcTransport(Transport):
 
 
 TRANSPORT = GrpcTransport()
-
-
-def pull_all(
-    address: str, version: int, base_version: int = 0, base=None
-) -> tuple[pb.WeightManifest, list[bytearray], int]:
-    """A whole version pulled at once: (manifest, every tensor's checked bytes, wire bytes)."""
-    delivery = GrpcDelivery(address, version, base_version=base_version, base=base)
-    payloads = [data for _, data in delivery.tensors()]
-    return delivery.manifest, payloads, delivery.wire_bytes
-
-
-def to_state_dict(manifest: pb.WeightManifest, payloads: list[bytearray]) -> dict[str, torch.Tensor]:
-    return {s.name: bytes_to_tensor(d, s.dtype, list(s.shape)) for s, d in zip(manifest.tensors, payloads, strict=True)}
 
 
 def _short(exc: BaseException) -> str:

@@ -145,13 +145,6 @@ def describe(tensors: Mapping[str, torch.Tensor], version: int, parent_version: 
     return signer.sign(manifest) if signer is not None else manifest
 
 
-def build_manifest(
-    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, signer=None
-) -> tuple[pb.WeightManifest, list[memoryview]]:
-    """`describe(tensors, ...)` and the raw bytes of every tensor (all held at once)."""
-    return describe(tensors, version, parent_version, signer), [tensor_to_bytes(tensors[name]) for name in tensors]
-
-
 def same_weights(a: pb.WeightManifest, b: pb.WeightManifest) -> bool:
     """Whether two manifests describe the same version: number, run, adapter and every tensor's
     name, dtype, shape and digest (when and from which parent it was made aside)."""

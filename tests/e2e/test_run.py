@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import read_scalars
+
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_KEYS = (
@@ -111,7 +113,6 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     assert [(e["sets"]["main"]["prompts"], e["sets"]["hard"]["prompts"]) for e in policy] == [(40, 2)] * 3, policy
     assert abs(policy[0]["accuracy"] - evals[0]["accuracy"]) <= 2 / 40, (policy[0], evals[0])
     assert summary["policy_eval_start"] == policy[0]["accuracy"] and len(summary["policy_evals"]) == 3
-    from shared.runtime.tracking import read_scalars
 
     scalars = read_scalars(out / "trainer" / "tensorboard")  # TensorBoard: every numeric key, every step
     numeric = {k for x in lines for k, v in x.items() if isinstance(v, int | float) and not isinstance(v, bool)}

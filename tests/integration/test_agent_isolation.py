@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from services.inference import trajectories
 from shared.envs import isolation
 from shared.runstore.queues import WorkQueue
+from tests.helpers import submit
 from tests.integration.test_agents import agent_task
 from tests.integration.test_inference import Replica, wait_for
 from tests.integration.test_multiturn_replica import _dead
@@ -53,7 +54,7 @@ def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(
             agent_env=["STEADYRL_TEST_PASSED"],
             agent_hidden_paths=[run_dir],
         ):
-            await queue.submit(probe)
+            await submit(queue, probe)
             await wait_for(lambda: _dead(queue, 1), 60)
             dead = {f[b"task_id"].decode(): f for _, f in await redis.xrange(queue.run_keys.dead)}
         await redis.aclose()
@@ -83,7 +84,7 @@ def test_a_session_answers_only_calls_that_carry_its_key(tmp_path, calc_model_di
         queue = WorkQueue(redis, run_id)
         async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent_endpoint=True):
             endpoint = trajectories.ENDPOINT[0]
-            await queue.submit(hold)
+            await submit(queue, hold)
             await wait_for(lambda: _sessions(endpoint), 60)
             session_id, session = next(iter(endpoint.sessions.items()))
             url = f"{endpoint.base_url}/rollouts/{session_id}/v1/chat/completions"

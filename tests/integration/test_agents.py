@@ -19,6 +19,7 @@ from shared.models import load_causal_lm, load_tokenizer
 from shared.rollouts.record import decode_rollout, validate_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.runstore.queues import WorkQueue
+from tests.helpers import submit
 from tests.integration.test_inference import Replica, _completed, fresh_forward, wait_for
 from tests.integration.test_multiturn_replica import _dead
 
@@ -67,7 +68,7 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(
                 post, f"{base}/rollouts/nobody/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}
             )
             for task in tasks:
-                await queue.submit(task)
+                await submit(queue, task)
             await wait_for(lambda: _completed(queue, 2), 120)
             await wait_for(lambda: _dead(queue, 3), 60)
             alive = (await replica.stub.Status(common_pb2.Empty())).replica_id

@@ -18,8 +18,8 @@ from shared.rpc.auth import channel
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runstore.redis_server import free_port
-from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
-from tests.helpers import weight_keys
+from shared.weightsync.grpc import GrpcWeightPublisher
+from tests.helpers import pull_all, weight_keys
 
 TOKEN = "a-long-random-token"
 

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.orchestrator import Orchestrator
 from services.orchestrator.server import create_app
+from tests.helpers import read_scalars
 
 TOKEN = "s3cret-token"
 
@@ -252,7 +253,6 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
 
     from shared.models import load_tokenizer
     from shared.models.loading import encode_prompt
-    from shared.runtime.tracking import read_scalars
 
     hard = tmp_path / "hard.jsonl"
     hard.write_text('{"q": "98+99=", "a": "791"}\n{"q": "77+88=", "a": "561"}\n{"q": "11+11=", "a": "22"}\n')
@@ -333,7 +333,6 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
 
     from services.orchestrator.evals import POLICY_EVAL_INITIAL
     from shared.runstore.queues import WorkQueue
-    from shared.runtime.tracking import read_scalars
 
     def gauge(name: str) -> float | None:
         return REGISTRY.get_sample_value(f"steadyrl_orchestrator_{name}", {"set": "main"})

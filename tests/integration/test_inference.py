@@ -29,6 +29,7 @@ from shared.runstore.queues import WorkQueue
 from shared.runstore.redis_server import free_port
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.signing import Signer, write_key_pair
+from tests.helpers import submit
 
 
 def prompts_of(count: int, seed: int = 0) -> list[list[int]]:
@@ -301,7 +302,7 @@ def test_replica_publishes_scored_rollouts_with_the_pulled_version(tmp_path, tin
             await publisher.push(v1.state_dict(), 1)
             await wait_for(lambda: _version_is(replica.stub, 1))
             for i, (prompt, example) in enumerate(zip(prompts, examples, strict=True)):
-                await queue.submit(arith_task(f"task{i}", prompt, example.answer, 4, min_policy_version=1))
+                await submit(queue, arith_task(f"task{i}", prompt, example.answer, 4, min_policy_version=1))
             await wait_for(lambda: _completed(queue, 3))
             status = await replica.stub.Status(common_pb2.Empty())
             entries = await redis.xrange(queue.rollout_stream)
@@ -414,7 +415,7 @@ def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, re
         task = arith_task("slow", prompt, "0", group)
         task.sampling.max_new_tokens = 48
         task.sampling.temperature = 5.0  # near-uniform sampling: long sequences, a long generation
-        await queue.submit(task)
+        await submit(queue, task)
         replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
         try:
             await wait_for(lambda: _owned_by(redis, queue, "slow", b"doomed"), 90)
@@ -500,7 +501,7 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
                 task.task_name = reward
                 task.sampling.temperature = 0
                 task.sampling.max_new_tokens = 6
-                await queue.submit(task)
+                await submit(queue, task)
             await wait_for(lambda: _completed(queue, len(tasks)), 120)
             alive = (await replica.stub.Status(common_pb2.Empty())).replica_id
             entries = await redis.xrange(queue.rollout_stream)
@@ -555,7 +556,7 @@ def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_mo
         task = arith_task("doomed", prompts_of(1)[0], "0", 4)
         task.sampling.max_new_tokens = 20
         task.sampling.ignore_eos = True
-        await queue.submit(task)
+        await submit(queue, task)
         stop = asyncio.Event()
         ready = asyncio.Event()
         server = asyncio.create_task(serve_inference(settings, engine, ready=ready, stop=stop))
@@ -585,7 +586,7 @@ def test_a_replica_scaled_down_mid_task_hands_its_leases_back_at_once(tmp_path, 
         task = arith_task("long", prompt, "0", 512)
         task.sampling.max_new_tokens = 48
         task.sampling.ignore_eos = True  # a long generation to stop in
-        await queue.submit(task)
+        await submit(queue, task)
         replica = subprocess.Popen([sys.executable, "-m", "services.inference"], env=env)
         try:
             await wait_for(lambda: _owned_by(redis, queue, "long", b"scaled-down"), 90)

@@ -16,6 +16,7 @@ from shared.models import load_causal_lm, load_tokenizer
 from shared.rollouts.record import decode_rollout, validate_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.runstore.queues import WorkQueue
+from tests.helpers import submit
 from tests.integration.test_inference import Replica, _completed, fresh_forward, wait_for
 
 
@@ -68,7 +69,7 @@ def test_a_replica_plays_multi_turn_tasks_and_dead_letters_bad_environments(
         queue = WorkQueue(redis, run_id)
         async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, tasks_per_batch=1) as replica:
             for task in tasks:
-                await queue.submit(task)
+                await submit(queue, task)
             await wait_for(lambda: _completed(queue, 3), 120)
             await wait_for(lambda: _dead(queue, len(BAD)), 60)
             alive = (await replica.stub.Status(common_pb2.Empty())).replica_id

@@ -8,6 +8,7 @@ from redis.asyncio import Redis
 
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.runstore.queues import WorkQueue
+from tests.helpers import submit
 
 
 def task(task_id: str, group_size: int = 2) -> common_pb2.PromptTask:
@@ -29,8 +30,8 @@ def run(redis_server, run_id, body):
 
 def test_fifo_leases_and_duplicate_submits(redis_server, run_id):
     async def body(queue, redis):
-        assert await queue.submit(task("a")) and await queue.submit(task("b"))
-        assert not await queue.submit(task("a"))  # already queued: not twice
+        assert await submit(queue, task("a")) and await submit(queue, task("b"))
+        assert not await submit(queue, task("a"))  # already queued: not twice
         leases = await queue.lease("r1", 30, count=5)
         assert [lease.task_id for lease in leases] == ["a", "b"]
         assert leases[0].task.answer == "11" and leases[0].attempt == 0
@@ -43,7 +44,7 @@ def test_fifo_leases_and_duplicate_submits(redis_server, run_id):
 
 def test_a_lost_lease_cannot_publish_and_the_new_owner_publishes_once(redis_server, run_id):
     async def body(queue, redis):
-        await queue.submit(task("a"))
+        await submit(queue, task("a"))
         [first] = await queue.lease("r1", 0.05)
         await asyncio.sleep(0.1)
         assert await queue.requeue_expired(max_attempts=3) == (1, 0)
@@ -64,8 +65,8 @@ def test_a_lost_lease_cannot_publish_and_the_new_owner_publishes_once(redis_serv
 
 def test_renewed_leases_survive_and_failures_go_to_dead_letters(redis_server, run_id):
     async def body(queue, redis):
-        await queue.submit(task("kept"))
-        await queue.submit(task("bad"))
+        await submit(queue, task("kept"))
+        await submit(queue, task("bad"))
         leases = {lease.task_id: lease for lease in await queue.lease("r1", 0.3, count=2)}
         await asyncio.sleep(0.15)
         assert await queue.extend("r1", ["kept"], 30) == 1
@@ -93,7 +94,7 @@ def test_a_pending_id_without_its_task_is_dead_lettered_with_the_reason(redis_se
     from shared.runstore.queues import given_up
 
     async def body(queue, redis):
-        await queue.submit(task("done"))
+        await submit(queue, task("done"))
         [lease] = await queue.lease("r1", 30)
         assert await queue.complete("r1", "done", [b"r"])
         await redis.lpush(queue.keys["pending"], "done", "ghost", "real")  # leased in this order
@@ -120,7 +121,7 @@ def test_a_pending_id_without_its_task_is_dead_lettered_with_the_reason(redis_se
 def test_a_lease_whose_reply_was_lost_is_reclaimed_not_left_to_expire(redis_server, run_id):
     async def body(queue, redis):
         for name in ("held", "lost", "other"):
-            await queue.submit(task(name))
+            await submit(queue, task(name))
         [held] = await queue.lease("r1", 30)
         await queue.lease("r1", 30)  # Redis ran it, the reply never came back: r1 does not know it holds "lost"
         await queue.lease("r2", 30)

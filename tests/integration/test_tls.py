@@ -23,8 +23,8 @@ from cryptography.x509.oid import NameOID
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.tls import tls_from_env
 from shared.runstore.redis_server import free_port
-from shared.weightsync.grpc import GrpcWeightPublisher, pull_all
-from tests.helpers import weight_keys
+from shared.weightsync.grpc import GrpcWeightPublisher
+from tests.helpers import pull_all, weight_keys
 
 TOKEN = "tls-test-token"
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from shared.runtime.settings import TrackingSettings
-from shared.runtime.tracking import ScalarLog, read_scalars
-from tests.helpers import mlflow_history, wandb_history
+from shared.runtime.tracking import ScalarLog
+from tests.helpers import mlflow_history, read_scalars, wandb_history
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

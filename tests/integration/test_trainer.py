@@ -530,7 +530,7 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
     """Weight-sync restarted right after the trainer's last push (its memory, and that version,
     gone): replicas would wait for a version nobody pushes again. The trainer notices that
     weight-sync no longer holds it and pushes its current weights again."""
-    from services.trainer.publisher import VersionPublisher
+    from services.trainer.version_publisher import VersionPublisher
     from services.weightsync.config import WeightSyncSettings
     from services.weightsync.server import serve as serve_weightsync
     from shared.runstore.redis_server import free_port
@@ -590,7 +590,7 @@ def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tin
     """Issue 50 item 1: weight-sync holding other weights under a number is a refusal the trainer
     reports (counted, logged) and does not take for published; a push repeated after a lost reply
     is a success."""
-    from services.trainer.publisher import PUBLISH_FAILURES, VersionPublisher
+    from services.trainer.version_publisher import PUBLISH_FAILURES, VersionPublisher
     from services.weightsync.config import WeightSyncSettings
     from services.weightsync.server import serve as serve_weightsync
     from shared.runstore.redis_server import free_port

@@ -13,10 +13,11 @@ from shared.rpc import start_server
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.frames import iter_chunks
-from shared.weightsync.grpc import GrpcWeightPublisher, pull_all, to_state_dict
-from shared.weightsync.manifest import WeightError, build_manifest
+from shared.weightsync.grpc import GrpcWeightPublisher
+from shared.weightsync.manifest import WeightError
 from shared.weightsync.signing import Signer, write_key_pair
 from shared.weightsync.subscriber import WatchSubscriber
+from tests.helpers import build_manifest, pull_all, to_state_dict
 
 
 def free_port() -> int:
@@ -498,9 +499,9 @@ def test_generated_clients_decode_the_hand_built_frames_and_stripes_partition_th
 KILLED_PUBLISHER = """
 import asyncio, sys, grpc, torch
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb, weightsync_pb2_grpc
-from shared.weightsync.manifest import build_manifest
 from shared.weightsync.frames import iter_chunks
 from shared.weightsync.signing import Signer
+from tests.helpers import build_manifest
 
 async def main():
     tensors = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(8)}

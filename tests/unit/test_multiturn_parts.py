@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.data import Tasks
-from services.trainer.report import trajectory_metrics
+from services.trainer.step_log import trajectory_metrics
 from shared.envs.calc import MulTask
 from shared.rollouts.record import Rollout
 from steadyrl.run_config import load_run_config

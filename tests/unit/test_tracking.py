@@ -2,7 +2,8 @@
 
 import math
 
-from shared.runtime.tracking import ScalarLog, read_scalars
+from shared.runtime.tracking import ScalarLog
+from tests.helpers import read_scalars
 
 
 def test_scalars_round_trip_and_skip_what_is_no_scalar(tmp_path):

@@ -1,0 +1,124 @@
+"""A replica's Inference gRPC API: `Generate` (one request, streamed token by token, every
+value checked first) and `Status`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from services.inference.config import InferenceSettings
+from services.inference.worker import RolloutWorker
+from shared.engines import Engine, Sampling
+from shared.rollouts.record import trace_message
+from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
+from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+from shared.runstore.queues import WorkQueue
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        engine: Engine,
+        tokenizer,
+        queue: WorkQueue | None,
+        worker: RolloutWorker | None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.worker = worker
+
+    async def _invalid(self, context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
+        await context.abort(code, message)
+
+    async def Generate(self, request, context):
+        if request.prompt_token_ids:
+            prompt = list(request.prompt_token_ids)
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                await self._invalid(
+                    context, f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})"
+                )
+        elif request.prompt_text:
+            prompt = list(self.tokenizer(request.prompt_text).input_ids)
+        else:
+            await self._invalid(context, "give prompt_token_ids or prompt_text")
+        try:
+            sampling = Sampling.from_proto(request.sampling)
+        except ValueError as exc:
+            await self._invalid(context, str(exc))
+        if sampling.max_new_tokens > self.settings.max_new_tokens_limit:
+            await self._invalid(
+                context,
+                f"max_new_tokens {sampling.max_new_tokens} > limit {self.settings.max_new_tokens_limit}",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
+        if len(prompt) + sampling.max_new_tokens > self.engine.max_model_len:
+            await self._invalid(
+                context,
+                f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {self.engine.max_model_len}",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
+        if request.return_routing_trace and not self.engine.capabilities.routing_trace:
+            await self._invalid(
+                context,
+                f"the {self.engine.name} engine returns no routing traces here",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_token(token: int, logprob: float, version: int) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (token, logprob, version))
+
+        try:
+            job = asyncio.wrap_future(self.engine.start(prompt, sampling, request.return_routing_trace, on_token))
+        except ValueError as exc:
+            await self._invalid(context, str(exc))
+        try:
+            while not (job.done() and events.empty()):
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                token, logprob, version = getter.result()
+                yield pb.GenerateEvent(
+                    token_id=token,
+                    inference_logprob=logprob,
+                    policy_version=version,
+                    text=self.tokenizer.decode([token]),
+                )
+        finally:
+            job.cancel()  # the client went away: the engine drops the sequence (or never starts it)
+        sample = job.result()
+        final = pb.GenerateEvent(
+            token_id=-1, done=True, finish_reason=sample.finish_reason, policy_version=sample.versions[-1]
+        )
+        if sample.routing_trace is not None:
+            final.routing_trace = trace_message(sample.routing_trace, sample.num_experts).SerializeToString()
+        yield final
+
+    async def Status(self, request, context):
+        lag = 0
+        if self.queue is not None:
+            with contextlib.suppress(Exception):
+                lag = await self.queue.pending_count()
+        caps = self.engine.capabilities
+        return pb.InferenceStatus(
+            replica_id=self.settings.replica_id,
+            engine=self.engine.name,
+            model=self.engine.model_path,
+            version=common_pb2.PolicyVersion(version=self.engine.version),
+            capabilities=pb.EngineCapabilities(
+                routing_trace=caps.routing_trace, logprobs=caps.logprobs, hot_swap=caps.hot_swap, dtype=caps.dtype
+            ),
+            queue_lag=lag,
+            rollouts_published=self.worker.published if self.worker else 0,
+            tokens_per_second=self.worker.tokens_per_second if self.worker else 0.0,
+            busy=bool(self.worker and self.worker.busy),
+        )

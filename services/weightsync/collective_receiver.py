@@ -1,0 +1,107 @@
+"""Rank 1 of each collective epoch: this service receives the broadcast version itself, checks
+every bucket against the signed manifest, keeps it for gRPC pulls, and tells the subscribers the
+broadcast did not reach to pull it. A failure (a dead member, a timeout, corrupted bytes) ends the
+epoch; the trainer then pushes the version over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import Counter, Histogram
+
+from services.weightsync.members import Membership
+from services.weightsync.rendezvous import Rendezvous
+from services.weightsync.store import VersionStore
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.manifest import kind
+
+log = logging.getLogger("steadyrl.weightsync")
+RECEIVED_BYTES = Counter("steadyrl_weightsync_collective_received_bytes_total", "Bytes received by broadcast")
+RECEIVE_SECONDS = Histogram("steadyrl_weightsync_collective_receive_seconds", "Duration of received broadcasts")
+FAILED = Counter("steadyrl_weightsync_collective_failures_total", "Collective transfers that failed", ["reason"])
+
+
+class CollectiveReceiver:
+    def __init__(
+        self,
+        store: VersionStore,
+        members: Membership,
+        rendezvous: Rendezvous,
+        stored: Callable[[pb.WeightManifest, frozenset[str]], None],
+        latest: Callable[[], int],
+    ) -> None:
+        self.store = store
+        self.members = members
+        self.rendezvous = rendezvous
+        self.stored = stored
+        self.latest = latest
+        self._groups = None  # made on the first collective (torch.distributed imported then)
+        self._staging = None
+        self._receiving: asyncio.Task | None = None
+
+    def start(self, manifest: pb.WeightManifest, transport: pb.Transport, members: frozenset[str]) -> None:
+        """Receive `manifest`'s version as rank 1 of `transport`'s epoch, in the background."""
+        self._start_groups()
+        self._receiving = asyncio.create_task(self._receive(manifest, transport, members))
+
+    async def settled(self) -> None:
+        """Wait for a broadcast still being received (bounded by the collective timeout)."""
+        if self._receiving is not None:
+            await asyncio.wait({self._receiving})
+
+    def _start_groups(self) -> None:
+        if self._groups is None:
+            from shared.weightsync.collective import Groups, Staging
+
+            self._groups = Groups(self.rendezvous)  # rank 1 reaches the rendezvous in process
+            self._staging = Staging()  # what arrives is copied out before the next version: one set serves all
+
+    async def _receive(self, manifest, transport: pb.Transport, members: frozenset[str]) -> None:
+        """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
+        the epoch (the trainer then pushes the version over gRPC)."""
+        from shared.weightsync.collective import receive_buckets
+        from shared.weightsync.manifest import tensor_to_bytes
+
+        started = time.perf_counter()
+        try:
+
+            def work():  # each bucket copied out of the ring into the version this service keeps
+                self.store.make_room()  # spill before the new bytes arrive
+                group = self._groups.get(transport, 1)
+                kept = {
+                    name: bytearray(tensor_to_bytes(tensor))
+                    for bucket in receive_buckets(group, transport, manifest, self._staging)
+                    for name, tensor in bucket
+                }
+                return [kept[spec.name] for spec in manifest.tensors]
+
+            payloads = await asyncio.to_thread(work)
+        except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes
+            FAILED.labels(type(exc).__name__).inc()
+            self._groups.drop()
+            gone = self.members.fail(transport.epoch, manifest.version)
+            log.warning(
+                "event=collective_failed version=%d epoch=%d error=%s left=%s",
+                manifest.version,
+                transport.epoch,
+                exc,
+                gone,
+            )
+            return
+        finally:
+            self._receiving = None
+        if manifest.version > self.latest():
+            self.store.add(manifest, payloads)
+            self.stored(manifest, skip=members)
+        RECEIVED_BYTES.inc(sum(len(p) for p in payloads))
+        RECEIVE_SECONDS.observe(time.perf_counter() - started)
+        log.info(
+            "event=version_published version=%d kind=%s transport=collective epoch=%d bytes=%d",
+            manifest.version,
+            kind(manifest),
+            transport.epoch,
+            sum(len(p) for p in payloads),
+        )
