@@ -4,9 +4,16 @@ import uuid
 
 import pytest
 
+HEAVY_FIXTURES = {"tiny_model_dir": "model", "calc_model_dir": "model", "redis_server": "process"}
+
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests run only where CUDA is: elsewhere they are skipped, saying so (never faked)."""
+    """A test that builds the tiny model or starts redis-server is marked so (`model`, `process`):
+    the fast tier (`scripts/test --fast`) leaves those out. `gpu` tests run only where CUDA is:
+    elsewhere they are skipped, saying so (never faked)."""
+    for item in items:
+        for fixture in set(getattr(item, "fixturenames", ())) & HEAVY_FIXTURES.keys():
+            item.add_marker(getattr(pytest.mark, HEAVY_FIXTURES[fixture]))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

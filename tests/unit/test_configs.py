@@ -40,6 +40,7 @@ def test_a_typo_names_the_field(tmp_path):
     assert load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.path="/m"']).model.path == "/m"
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_a_bad_value_fails_before_any_process_starts(tmp_path):
     import subprocess
     import sys
@@ -170,6 +171,7 @@ def test_recipes_merge_left_to_right(tmp_path):
         load_run_config([bad])
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path):
     import json
     import subprocess

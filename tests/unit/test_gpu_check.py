@@ -8,6 +8,7 @@ import pytest
 import torch
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: scripts/gpu-check runs for real")
 def test_gpu_check_says_so_on_a_machine_without_a_gpu(tmp_path):
     """The GPU check script parses, and where no CUDA device is visible it stops at once, saying so."""

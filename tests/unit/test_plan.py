@@ -58,6 +58,7 @@ def test_a_dense_model_has_no_trace():
     assert p["model"]["parameters"] == 8_190_735_360 and p["redis"]["trace_bytes_per_token"] == 0
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_the_readme_shows_the_command_s_own_tables(recipe):
     done = subprocess.run(
@@ -80,6 +81,7 @@ def test_the_readme_shows_the_command_s_own_tables(recipe):
     assert done.stdout.strip() in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_a_missing_model_config_is_refused_with_a_pointer():
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "plan", "configs/gpu-qwen3-math.toml"],
@@ -174,6 +176,7 @@ def test_the_gpu_overlay_holds_what_the_plan_says(tmp_path):
     ]
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_dry_run_includes_the_plan_when_the_model_is_on_the_machine(tiny_model_dir):
     import json
 

@@ -61,6 +61,7 @@ def test_the_launcher_holds_each_services_ports_until_it_starts(tmp_path):
         launch.ports.close()
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_the_runs_redis_listens_on_a_drawn_port(tmp_path):
     from steadyrl.processes import Launch
     from steadyrl.run_config import load_run_config

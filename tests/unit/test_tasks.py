@@ -118,6 +118,7 @@ def test_every_dataset_format_reads_the_same_rows_with_named_columns(tmp_path, k
         check_columns(path)
 
 
+@pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_a_missing_dataset_or_column_stops_the_run_before_anything_starts(tmp_path):
     import subprocess
     import sys
