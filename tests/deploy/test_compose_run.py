@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from shared.runstore.redis_server import RedisServer, free_port
+from shared.runstore.redis_server import RedisServer
 from shared.weightsync.signing import write_key_pair
+from steadyrl.ports import PortReservations
 from tests.deploy.test_deploy import interpolate, service_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,8 @@ def test_the_compose_services_train_the_recipe_they_read(tmp_path, tiny_model_di
     redis = RedisServer(tmp_path / "redis", password=password).start()
     short = tmp_path / "short.toml"  # merged over the compose recipe: a short run
     short.write_text("[run]\nsteps = 3\nbatch_prompts = 4\n[orchestrator]\neval_every = 0\n")
-    ports = {p: str(free_port()) for p in ("50051", "50052", "50053", "50054", "8080", "9101", "9102", "9103", "29600")}
+    held = PortReservations()  # distinct ports below the ephemeral range, let go just before the services start
+    ports = {p: str(held.take()) for p in ("50051", "50052", "50053", "50054", "8080", "9101", "9102", "9103")}
     ports["6379"] = str(redis.port)
     paths = {
         "/run/secrets": str(secrets),
@@ -66,6 +68,7 @@ def test_the_compose_services_train_the_recipe_they_read(tmp_path, tiny_model_di
     processes = {}
     with contextlib.ExitStack() as files:
         logs = {name: files.enter_context(open(tmp_path / f"{name}.log", "w")) for name in ORDER}
+        held.close()
         codes = start_and_finish(compose, processes, logs, ports, paths, base, tmp_path, redis)
     assert codes == dict.fromkeys(ORDER, 0), codes
     text = {name: (tmp_path / f"{name}.log").read_text() for name in ORDER}
