@@ -56,8 +56,8 @@ def main(target: float = 0.5, steps: int = 200, overrides: list[str] = ()) -> di
             settings = [
                 f"run.steps={steps}",
                 f"run.max_staleness={staleness}",
-                "orchestrator.eval_every=10",
-                "orchestrator.eval_size=200",
+                "orchestrator.evals.every=10",
+                "orchestrator.evals.size=200",
                 f'run.id="bench-{name}"',
                 *overrides,
             ]

@@ -127,12 +127,10 @@ class Replica:
             port=0,
             metrics_port=0,
             replica_id=f"bench-{batching}",
-            batching=batching,
-            tasks_per_batch=MAX_INFLIGHT,
-            max_inflight_tasks=MAX_INFLIGHT,
             return_routing_traces=True,
             weightsync_address=weightsync_address,
             verify_key_file=verify_key,
+            tasks={"batching": batching, "per_batch": MAX_INFLIGHT, "max_inflight": MAX_INFLIGHT},
         )
 
     async def __aenter__(self):

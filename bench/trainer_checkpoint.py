@@ -68,7 +68,10 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
     model = wide_model()
     routing = RoutingController(model)
     wrapped = prepare(
-        model, TrainerSettings(model_path="-", parallel="fsdp", precision="fp32"), torch.device("cpu"), world
+        model,
+        TrainerSettings(model_path="-", parallel={"mode": "fsdp"}, compute={"precision": "fp32"}),
+        torch.device("cpu"),
+        world,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = collate(rollouts())

@@ -63,7 +63,8 @@ def measure(name: str, device: torch.device) -> dict:
     model.config.max_position_embeddings = 1024
     routing = RoutingController(model)
     settings = TrainerSettings(
-        model_path="-", precision=precision, activation_checkpointing=checkpointing, micro_batch_tokens=micro
+        model_path="-",
+        compute={"precision": precision, "activation_checkpointing": checkpointing, "micro_batch_tokens": micro},
     )
     model = prepare(model, settings, device, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

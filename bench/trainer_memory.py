@@ -90,7 +90,7 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
     torch.set_num_threads(1)
     model = wide_model()
     routing = RoutingController(model)
-    settings = TrainerSettings(model_path="-", parallel=parallel, precision="fp32")
+    settings = TrainerSettings(model_path="-", parallel={"mode": parallel}, compute={"precision": "fp32"})
     wrapped = prepare(model, settings, torch.device("cpu"), world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     train_step(wrapped, optimizer, routing, collate(rollouts()), 2, StepConfig(), 0, rank, world)

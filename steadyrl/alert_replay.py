@@ -1,7 +1,7 @@
 """`steadyrl replay-alerts RUN_DIR`: would the alert rules have fired on this run? The run's
 metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the trainer exports, its
 eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next) and
-its policy-eval.jsonl (π's rounds, orchestrator.policy_eval)
+its policy-eval.jsonl (π's rounds, orchestrator.evals.policy)
 `steadyrl_orchestrator_policy_eval_accuracy{set=NAME}` beside the first round's
 `steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}` and the round before the last
 `steadyrl_orchestrator_policy_eval_previous_accuracy{set=NAME}`, one step per minute, and

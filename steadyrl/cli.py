@@ -113,9 +113,9 @@ def run_command(
         if dry_run:
             typer.echo(json.dumps(resolved(recipe), indent=2))
             return
-        if settings["trainer"].nodes > 1:
+        if settings["trainer"].parallel.nodes > 1:
             raise ValueError(
-                f"trainer.nodes = {settings['trainer'].nodes}: `steadyrl run` starts one machine; a "
+                f"trainer.parallel.nodes = {settings['trainer'].parallel.nodes}: `steadyrl run` starts one machine; a "
                 "multi-node trainer runs `steadyrl trainer-node` on every node under a job launcher "
                 "(deploy/slurm/trainer.sbatch, the JobSet in deploy/k8s/components/multinode-trainer)"
             )
@@ -235,12 +235,12 @@ def eval_command(
         ),
     ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
-    task: Annotated[str | None, typer.Option(help="Shortcut for --set orchestrator.task=...")] = None,
-    size: Annotated[int | None, typer.Option(help="Shortcut for --set orchestrator.eval_size=...")] = None,
+    task: Annotated[str | None, typer.Option(help="Shortcut for --set orchestrator.data.task=...")] = None,
+    size: Annotated[int | None, typer.Option(help="Shortcut for --set orchestrator.evals.size=...")] = None,
     max_new_tokens: Annotated[
-        int | None, typer.Option(help="Shortcut for --set orchestrator.max_new_tokens=...")
+        int | None, typer.Option(help="Shortcut for --set orchestrator.sampling.max_new_tokens=...")
     ] = None,
-    math_path: Annotated[Path | None, typer.Option(help="Shortcut for --set orchestrator.math_path=...")] = None,
+    math_path: Annotated[Path | None, typer.Option(help="Shortcut for --set orchestrator.data.math_path=...")] = None,
     samples: Annotated[int, typer.Option(min=0, help="Samples per prompt for pass@k / mean@k (0: greedy only).")] = 4,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible) | cpu | cuda.")] = "auto",
@@ -255,10 +255,10 @@ def eval_command(
     from steadyrl.evaluation import evaluate
 
     shortcuts = {
-        "task": task,
-        "eval_size": size,
-        "max_new_tokens": max_new_tokens,
-        "math_path": str(math_path) if math_path else None,
+        "data.task": task,
+        "evals.size": size,
+        "sampling.max_new_tokens": max_new_tokens,
+        "data.math_path": str(math_path) if math_path else None,
     }
     overrides = [*(set_ or []), *(f"orchestrator.{k}={json.dumps(v)}" for k, v in shortcuts.items() if v is not None)]
     try:

@@ -29,7 +29,7 @@ def trainer_node_command(
             min=0,
             help="This node's fixed rank (a JobSet "
             "pod's completion index): a static rendezvous at trainer."
-            "rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.",
+            "trainer.parallel.rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.",
         ),
     ] = None,
     dry_run: Annotated[
@@ -40,7 +40,7 @@ def trainer_node_command(
     ] = False,
 ) -> None:
     """One node of the trainer, as a job launcher starts it on every node (srun, a JobSet pod):
-    torchrun with the recipe's trainer settings (trainer.nodes, trainer.rdzv_endpoint). Variables
+    torchrun with the recipe's trainer settings (trainer.parallel.nodes, trainer.parallel.rdzv_endpoint). Variables
     STEADYRL_TRAINER_* already in the environment (addresses, secrets) win over the recipe.
     Exit code 2: settings refused (nothing started)."""
     import os
@@ -62,11 +62,11 @@ def trainer_node_command(
         typer.echo(f"steadyrl trainer-node: {exc}", err=True)
         raise typer.Exit(2) from None
     argv = node_argv(
-        settings.gpus or settings.ranks,
-        settings.nodes,
-        settings.rdzv_endpoint or "127.0.0.1:29400",
+        settings.parallel.gpus or settings.parallel.ranks,
+        settings.parallel.nodes,
+        settings.parallel.rdzv_endpoint or "127.0.0.1:29400",
         settings.run_id,
-        settings.max_restarts,
+        settings.parallel.max_restarts,
         node_rank,
     )
     if dry_run:

@@ -1,7 +1,7 @@
 """Accuracy of a model on a recipe's eval sets, offline, with the torch engine.
 
 The sets are the ones the run's orchestrator evaluates — the task's own (`main`) and every named
-set of `orchestrator.eval_sets` — built by the same code (`services.orchestrator.data.Tasks`),
+set of `orchestrator.evals.sets` — built by the same code (`services.orchestrator.data.Tasks`),
 prompted the same way (chat template, system prompt) and scored by the same reward in a reward
 process with the replicas' time limit. The fields are eval.jsonl's: greedy `accuracy` (mean
 reward), and with k samples per prompt `pass_at_k` / `mean_at_k`; `reward_failures` counts the
@@ -70,7 +70,7 @@ def evaluate(
     dtype = inference.dtype if served else dtype
     tasks = Tasks(settings)
     engine = make_engine("torch", model_dir, dtype, device=device, **quantization)  # a bad device is refused here
-    rewards = RewardRunner(inference.reward_timeout_seconds)  # the replicas' time limit
+    rewards = RewardRunner(inference.tasks.reward_timeout_seconds)  # the replicas' time limit
     rewards.check(tasks.reward)
     failures: Counter[str] = Counter()  # completions the reward could not score (0 with a reason)
 
@@ -91,15 +91,15 @@ def evaluate(
         return out
 
     def scores(examples) -> dict:
-        greedy = rewards_of(examples, Sampling(temperature=0, max_new_tokens=settings.max_new_tokens), 1)
+        greedy = rewards_of(examples, Sampling(temperature=0, max_new_tokens=settings.sampling.max_new_tokens), 1)
         out = {"accuracy": round(sum(r[0] for r in greedy) / len(greedy), 4), "prompts": len(examples)}
         if samples:
             sampled = rewards_of(
                 examples,
                 Sampling(
-                    temperature=settings.eval_temperature,
-                    top_p=settings.top_p,
-                    max_new_tokens=settings.max_new_tokens,
+                    temperature=settings.evals.temperature,
+                    top_p=settings.sampling.top_p,
+                    max_new_tokens=settings.sampling.max_new_tokens,
                     seed=1,
                 ),
                 samples,
@@ -115,7 +115,7 @@ def evaluate(
         rewards.close()
     report = {
         "model": model_dir,
-        "task": settings.task,
+        "task": settings.data.task,
         "reward": tasks.reward,
         "device": device,
         "dtype": dtype,

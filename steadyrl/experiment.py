@@ -70,10 +70,10 @@ def check_recipes(grid: Grid, configs: list[GridConfig], extra: list[str] = ()) 
     """Every configuration's recipe valid, and what the collapse rules read produced, before the first run starts."""
     for config in configs:
         recipe = run_config_for(grid, config, 0, extra)
-        if "policy_eval_drop" in grid.collapse and not recipe.section("orchestrator").get("policy_eval"):
+        if "policy_eval_drop" in grid.collapse and not recipe.section("orchestrator").get("evals", {}).get("policy"):
             raise ValueError(
                 f"configuration {config.name}: the collapse rule policy_eval_drop needs "
-                "orchestrator.policy_eval = true (π scored live)"
+                "orchestrator.evals.policy = true (π scored live)"
             )
 
 

@@ -14,7 +14,7 @@ eval_final_model = "float32"             # optional: each run's final model scor
 eval_drop = 0.15                         # best eval accuracy − final eval accuracy
 entropy_below = 0.02                     # mean entropy of the last tenth of steps
 final_model_drop = 0.1                   # needs eval_final_model: the initial model's eval − the final's
-policy_eval_drop = 0.1                   # needs orchestrator.policy_eval: π's first live round − its last
+policy_eval_drop = 0.1                   # needs orchestrator.evals.policy: π's first live round − its last
 
 [[config]]
 name = "onpolicy-minirl"
@@ -22,18 +22,18 @@ label = "on-policy N=1: MiniRL"
 set = ["trainer.mini_batches=1"]
 ```
 
-Seed s sets `trainer.seed` and `orchestrator.task_seed` (the order of the prompts); sampling on the
+Seed s sets `trainer.seed` and `orchestrator.data.seed` (the order of the prompts); sampling on the
 replicas is not seeded, so two runs of one seed differ too. Every run writes its own directory
 (DIR/<config>/seed-<s>) and a finished run is not run again, so an interrupted grid resumes.
 
 The run's own eval scores the model its replicas serve (μ: the inference dtype and quantization).
 With `eval_final_model`, each finished run's final model is also scored as the trainer holds it
 (π, in that dtype, unquantized: `steadyrl eval`, greedy, on the run's eval set), and so are the model
-it started from and every checkpoint the run kept (`trainer.keep_checkpoints`): model-evals.jsonl,
+it started from and every checkpoint the run kept (`trainer.checkpoint.keep`): model-evals.jsonl,
 one line per policy version. The table gets a column for the final one, the plots a π curve.
 `--report-only` scores what is not scored yet. Under a coarse inference quantization μ's eval swings
 between rounds, so `final_model_drop` judges a collapse on π instead. A run with
-`orchestrator.policy_eval` also scored π live at every eval round (policy-eval.jsonl, the published
+`orchestrator.evals.policy` also scored π live at every eval round (policy-eval.jsonl, the published
 weights unquantised): the rows get its first, lowest and last round, the plots its curve, and
 `policy_eval_drop` judges a collapse on π without scoring anything after the run (on 40 NVFP4 runs it
 disagreed with `final_model_drop` on 2, each within a point of the line).
@@ -133,7 +133,7 @@ def run_config_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] =
         *grid.overrides,
         *config.overrides,
         f"trainer.seed={seed}",
-        f"orchestrator.task_seed={seed}",
+        f"orchestrator.data.seed={seed}",
         f'run.id="{config.name}-s{seed}"',
         *extra,
     ]
@@ -157,7 +157,7 @@ def summarise_run(
     """One run's row: eval accuracy (start, best, final), diagnostics and the collapse flag with its reason;
     with `model_evals` (the lines of MODEL_EVALS), the accuracies of the initial model (version 0) and
     the final one (the newest version) as the trainer holds them; with `policy_evals` (the run's
-    policy-eval.jsonl: π scored live, orchestrator.policy_eval), π's first, lowest and last round."""
+    policy-eval.jsonl: π scored live, orchestrator.evals.policy), π's first, lowest and last round."""
     by_step = {int(m["step"]): m for m in metrics}  # a resumed step keeps its last line
     series = [by_step[s] for s in sorted(by_step)]
     row: dict = {"steps": len(series)}

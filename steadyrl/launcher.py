@@ -28,15 +28,13 @@ def resolve_model(config: RunConfig) -> str:
     if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
         from shared.kit.tiny import KitTask, init_tiny_model
 
-        orchestrator = config.section("orchestrator")
-        if orchestrator.get("task") == "calc":  # the multi-turn kit model (its tokenizer has a chat template)
-            return str(init_tiny_model(task="calc", seed=int(orchestrator.get("task_seed", 0))))
-        if orchestrator.get("task") != "mul_trace":
+        data = config.section("orchestrator").get("data", {})
+        if data.get("task") == "calc":  # the multi-turn kit model (its tokenizer has a chat template)
+            return str(init_tiny_model(task="calc", seed=int(data.get("seed", 0))))
+        if data.get("task") != "mul_trace":
             return str(init_tiny_model())
-        kit = KitTask(
-            "mul_trace", **{k: orchestrator[k] for k in ("trace_max_answer_tokens", "trace_alpha") if k in orchestrator}
-        )
-        return str(init_tiny_model(task=kit, seed=int(orchestrator.get("task_seed", 0))))
+        kit = KitTask("mul_trace", **{k: data[k] for k in ("trace_max_answer_tokens", "trace_alpha") if k in data})
+        return str(init_tiny_model(task=kit, seed=int(data.get("seed", 0))))
     return path
 
 

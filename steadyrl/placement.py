@@ -1,6 +1,6 @@
-"""Which GPUs each process of a run gets: the trainer `trainer.gpus` (one torchrun rank each),
+"""Which GPUs each process of a run gets: the trainer `trainer.parallel.gpus` (one torchrun rank each),
 every replica its own `inference.gpus_per_replica` (vLLM's tensor_parallel_size; the policy-eval
-replica of `orchestrator.policy_eval` is one more), disjoint, as
+replica of `orchestrator.evals.policy` is one more), disjoint, as
 CUDA_VISIBLE_DEVICES — or, with `run.colocate`, the replicas on the trainer's GPUs (replica i on
 the i-th block of them, wrapping around), so that one machine with few GPUs holds both. A recipe
 that asks for more GPUs than the machine has is refused before any process starts. On a machine
@@ -88,12 +88,12 @@ def plan_placement(
     if colocate:
         if not trainer_gpus or not gpus_per_replica or gpus_per_replica > trainer_gpus:
             raise ValueError(
-                f"run.colocate puts the replicas on the trainer's GPUs: it needs trainer.gpus >= "
+                f"run.colocate puts the replicas on the trainer's GPUs: it needs trainer.parallel.gpus >= "
                 f"inference.gpus_per_replica >= 1 (they are {trainer_gpus} and {gpus_per_replica})"
             )
         if trainer_gpus > available:
             raise ValueError(
-                f"the recipe needs {trainer_gpus} GPUs (trainer.gpus, the replicas colocated on them) "
+                f"the recipe needs {trainer_gpus} GPUs (trainer.parallel.gpus, the replicas colocated on them) "
                 f"and this machine has {available}"
             )
         return Placement(
@@ -107,7 +107,7 @@ def plan_placement(
     need = trainer_gpus + replicas * gpus_per_replica
     if need > available:
         raise ValueError(
-            f"the recipe needs {need} GPUs (trainer.gpus {trainer_gpus} + {replicas} replicas × "
+            f"the recipe needs {need} GPUs (trainer.parallel.gpus {trainer_gpus} + {replicas} replicas × "
             f"inference.gpus_per_replica {gpus_per_replica}) and this machine has {available}"
         )
     trainer = tuple(range(trainer_gpus))
@@ -133,14 +133,14 @@ def placement_of(config, settings: dict, available: int | None = None) -> Placem
     """The placement of a checked recipe (`steadyrl.service_settings.check`'s settings)."""
     trainer = settings["trainer"]
     inference = settings["inference"]
-    if config.run.colocate and inference.engine == "vllm" and inference.vllm_gpu_memory_utilization > 0.5:
+    if config.run.colocate and inference.engine == "vllm" and inference.vllm.gpu_memory_utilization > 0.5:
         raise ValueError(
             "run.colocate shares each GPU between the trainer and a vLLM replica: set "
-            f"inference.vllm_gpu_memory_utilization <= 0.5 (it is {inference.vllm_gpu_memory_utilization})"
+            f"inference.vllm.gpu_memory_utilization <= 0.5 (it is {inference.vllm.gpu_memory_utilization})"
         )
     return plan_placement(
-        trainer.gpus,
-        trainer.ranks,
+        trainer.parallel.gpus,
+        trainer.parallel.ranks,
         config.replicas + policy_eval_replicas(settings),
         inference.gpus_per_replica,
         gpu_inventory() if available is None else available,
@@ -149,6 +149,6 @@ def placement_of(config, settings: dict, available: int | None = None) -> Placem
 
 
 def policy_eval_replicas(settings: dict) -> int:
-    """Replicas of the policy_eval pool a run needs: one with orchestrator.policy_eval (placed
+    """Replicas of the policy_eval pool a run needs: one with orchestrator.evals.policy (placed
     after the rollout replicas, like one more of them)."""
-    return 1 if settings["orchestrator"].policy_eval else 0
+    return 1 if settings["orchestrator"].evals.policy else 0

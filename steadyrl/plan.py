@@ -4,7 +4,7 @@ on those two, stated with its assumption; nothing here is measured.
 
 Sizes are in bytes (GB = 1e9 in the rendering). The trainer keeps fp32 parameters, fp32
 gradients and AdamW's two fp32 moments (16 B per parameter) sharded over the ranks of a shard
-group (fsdp: every rank; hsdp: `shard_ranks`; ddp: none), plus activations, which depend on
+group (fsdp: every rank; hsdp: `parallel.shard_ranks`; ddp: none), plus activations, which depend on
 the batch and are not counted. A checkpoint holds parameters and moments (12 B per parameter),
 each rank writing its shard; an async save first copies the rank's shard into host memory.
 """
@@ -76,24 +76,28 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
     trainer, inference, weightsync, orchestrator = (
         settings[k] for k in ("trainer", "inference", "weightsync", "orchestrator")
     )
-    per_node = max(trainer.gpus or trainer.ranks, 1)
-    world = per_node * trainer.nodes
-    shard = {"ddp": 1, "fsdp": world, "hsdp": trainer.shard_ranks or per_node}[trainer.parallel] if world > 1 else 1
+    per_node = max(trainer.parallel.gpus or trainer.parallel.ranks, 1)
+    world = per_node * trainer.parallel.nodes
+    shard = (
+        {"ddp": 1, "fsdp": world, "hsdp": trainer.parallel.shard_ranks or per_node}[trainer.parallel.mode]
+        if world > 1
+        else 1
+    )
     p = size.parameters
     state_per_rank = 16 * p / shard  # fp32 params + grads + 2 AdamW moments
     checkpoint = 12 * p  # fp32 params + 2 moments (gradients are not saved)
-    version = p * DTYPE_BYTES[trainer.publish_dtype]
+    version = p * DTYPE_BYTES[trainer.publish.dtype]
     tokens = (
-        inference.vllm_max_model_len
+        inference.vllm.max_model_len
         if inference.engine == "vllm"
-        else orchestrator.max_new_tokens + min(size.max_position_embeddings or 512, 512)
+        else orchestrator.sampling.max_new_tokens + min(size.max_position_embeddings or 512, 512)
     )
     trace = trace_bytes_per_token(size)
     # a rollout on the wire: ids (4 B) per token; per completion token a logprob (4) and version (8)
-    rollout = tokens * 4 + orchestrator.max_new_tokens * 12 + trace * tokens
+    rollout = tokens * 4 + orchestrator.sampling.max_new_tokens * 12 + trace * tokens
     from services.trainer.stream import DEAD_PAYLOAD_BYTES
 
-    dead_letters = trainer.dead_letter_maxlen * min(rollout, DEAD_PAYLOAD_BYTES)
+    dead_letters = trainer.stream.dead_letter_maxlen * min(rollout, DEAD_PAYLOAD_BYTES)
     outstanding = (trainer.max_staleness + 1) * trainer.batch_prompts * trainer.group_size
     replica_gpus = max(inference.gpus_per_replica, 1)
     weights_per_replica = p * DTYPE_BYTES.get(
@@ -109,11 +113,11 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
             "top_k": size.top_k,
         },
         "trainer": {
-            "nodes": trainer.nodes,
+            "nodes": trainer.parallel.nodes,
             "ranks": world,
-            "parallel": trainer.parallel if world > 1 else "single",
+            "parallel": trainer.parallel.mode if world > 1 else "single",
             "shard_group": shard,
-            "gpus": trainer.gpus * trainer.nodes,
+            "gpus": trainer.parallel.gpus * trainer.parallel.nodes,
             "params_grads_adamw_bytes_per_rank": state_per_rank,
             "note": "fp32 parameters, gradients and both AdamW moments (16 B/parameter) over the shard group; "
             "activations not counted",
@@ -121,7 +125,7 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
         "checkpoint": {
             "bytes": checkpoint,
             "bytes_written_per_rank": checkpoint / world,  # DCP writes a replicated shard once
-            "volume_bytes": (trainer.keep_checkpoints + 1) * checkpoint,  # those kept and the one being written
+            "volume_bytes": (trainer.checkpoint.keep + 1) * checkpoint,  # those kept and the one being written
             "write_seconds": checkpoint / disk_bytes_per_s,
             "disk_bytes_per_s": disk_bytes_per_s,
             "async_host_bytes_per_node": checkpoint / shard * per_node,  # every rank stages its own shard
@@ -132,7 +136,7 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
         },
         "weights": {
             "version_bytes": version,
-            "publish_dtype": trainer.publish_dtype,
+            "publish_dtype": trainer.publish.dtype,
             "weightsync_memory_bytes": weightsync.memory_versions * version,
             "weightsync_disk_bytes": max(weightsync.retain_versions - weightsync.memory_versions, 0) * version,
             "note": "weight sync holds memory_versions versions in memory at most, the one arriving included; "
@@ -148,18 +152,19 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
             "bytes": outstanding * rollout + dead_letters,
             "note": "(max_staleness + 1) × B × G rollouts of the longest length, routing traces uncompressed "
             "(zstd takes random routing to 7/8 of it); dead-lettered rollouts kept with up to 1 MiB of their "
-            "payload, trainer.dead_letter_maxlen of them; `bytes`, the two together, is what maxmemory must hold",
+            "payload, trainer.stream.dead_letter_maxlen of them; `bytes`, the two together, is what maxmemory "
+            "must hold",
         },
         "inference": {
             "replicas": replicas,
             "gpus_per_replica": inference.gpus_per_replica,
             "weight_bytes_per_gpu": weights_per_replica / replica_gpus,
-            "note": "weights only; the KV cache takes what vllm_gpu_memory_utilization leaves",
+            "note": "weights only; the KV cache takes what vllm.gpu_memory_utilization leaves",
         },
         "gpus": {
-            "trainer": trainer.gpus * trainer.nodes,
+            "trainer": trainer.parallel.gpus * trainer.parallel.nodes,
             "inference": replicas * inference.gpus_per_replica,
-            "total": trainer.gpus * trainer.nodes + replicas * inference.gpus_per_replica,
+            "total": trainer.parallel.gpus * trainer.parallel.nodes + replicas * inference.gpus_per_replica,
         },
     }
 
@@ -218,11 +223,11 @@ def render(result: dict[str, Any], name: str) -> str:
         ),
         (
             "Redis, dead letters",
-            f"{gb(r['dead_letter_bytes'])} at most (trainer.dead_letter_maxlen rollouts, 1 MiB of each)",
+            f"{gb(r['dead_letter_bytes'])} at most (trainer.stream.dead_letter_maxlen rollouts, 1 MiB of each)",
         ),
         (
             "volumes",
-            f"model {gb(m['disk_bytes'])}; checkpoints {gb(c['volume_bytes'])} (keep_checkpoints + the one "
+            f"model {gb(m['disk_bytes'])}; checkpoints {gb(c['volume_bytes'])} (checkpoint.keep + the one "
             f"being written); Redis maxmemory {gb(r['bytes'])}",
         ),
     ]

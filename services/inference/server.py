@@ -39,12 +39,12 @@ def engine_options(settings: InferenceSettings) -> dict:
         options["device"] = "cuda"
     if settings.engine == "vllm":
         options.update(
-            max_model_len=settings.vllm_max_model_len,
-            kv_cache_gib=settings.vllm_kv_cache_gib,
-            gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            max_model_len=settings.vllm.max_model_len,
+            kv_cache_gib=settings.vllm.kv_cache_gib,
+            gpu_memory_utilization=settings.vllm.gpu_memory_utilization,
             tensor_parallel_size=max(settings.gpus_per_replica, 1),
-            lora_rank=settings.lora_rank,
-            lora_targets=tuple(settings.lora_targets),
+            lora_rank=settings.lora.rank,
+            lora_targets=tuple(settings.lora.targets),
         )
     return options
 
@@ -70,20 +70,20 @@ async def serve(
     stop = stop or asyncio.Event()
     redis = settings.redis()
     queue = WorkQueue(redis, settings.run_id, pool=settings.pool)
-    rewards = RewardRunner(settings.reward_timeout_seconds)
+    rewards = RewardRunner(settings.tasks.reward_timeout_seconds)
     worker = RolloutWorker(
         engine,
         tokenizer,
         queue,
         replica,
-        settings.lease_seconds,
-        settings.tasks_per_batch,
-        settings.idle_poll_seconds,
+        settings.tasks.lease_seconds,
+        settings.tasks.per_batch,
+        settings.tasks.idle_poll_seconds,
         settings.return_routing_traces,
         rewards,
-        settings.version_wait_seconds,
-        settings.max_inflight_tasks,
-        settings.batching,
+        settings.tasks.version_wait_seconds,
+        settings.tasks.max_inflight,
+        settings.tasks.batching,
     )
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
     POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
@@ -92,7 +92,7 @@ async def serve(
         loops["weights"] = weights_loop(settings, engine, stop)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
-    endpoint = await serve_endpoint(engine, tokenizer, settings) if settings.agent_endpoint else None
+    endpoint = await serve_endpoint(engine, tokenizer, settings) if settings.agent.endpoint else None
     try:
         async with grpc_service(
             "inference",

@@ -60,7 +60,7 @@ ENDPOINT: list[agents.Endpoint] = []  # the replica's agent endpoint, when it se
 def agents_endpoint() -> agents.Endpoint:
     if not ENDPOINT:
         raise TrajectoryError(
-            "env_error", "agent and verifiers tasks need the replica's OpenAI endpoint (inference.agent_endpoint)"
+            "env_error", "agent and verifiers tasks need the replica's OpenAI endpoint (inference.agent.endpoint)"
         )
     return ENDPOINT[0]
 

@@ -3,8 +3,8 @@ one task at a time, without batch barriers.
 
 Each leased task's G requests enter the engine as soon as the task is leased and checked; the task
 is scored and published as soon as its G samples are done, whatever else is still generating.
-The loop keeps up to `max_inflight_tasks` tasks with the engine, leasing more as tasks finish
-(`batching = "barrier"` keeps the old behaviour for comparison: lease `tasks_per_batch`, wait for
+The loop keeps up to `tasks.max_inflight` tasks with the engine, leasing more as tasks finish
+(`tasks.batching = "barrier"` keeps the old behaviour for comparison: lease `tasks.per_batch`, wait for
 all of them, lease again). Leases are renewed while tasks generate; a task whose generation
 fails is handed back (it is retried, the attempt counts). Publishing and ending the lease are one
 atomic step in Redis (`WorkQueue.complete_many`), refused when the lease was lost, so a slow
@@ -279,7 +279,7 @@ class RolloutWorker:
 
     async def _version_ready(self, checked: Checked) -> bool:
         """Admission may ask for a policy version newer than the one served: wait for it, at most
-        `version_wait_seconds`; a task still waiting then goes back with the reason."""
+        `tasks.version_wait_seconds`; a task still waiting then goes back with the reason."""
         need = checked.lease.task.min_policy_version
         deadline = time.monotonic() + self.version_wait_seconds
         while self.engine.version < need and time.monotonic() < deadline:

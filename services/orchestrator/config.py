@@ -6,72 +6,49 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.orchestrator.stop_rules import StopRules
 from shared.rollouts.sampling import check_temperature
 from shared.runstore.redis_client import RedisSettings
+from shared.runtime.moved_settings import refuse_moved
 from shared.runtime.settings import StepShape, TrackingSettings
 from shared.tasks.trace import MulTraceTask
 
 EVAL_SET_NAME = re.compile(r"[a-z0-9_]+")
 
 
-class OrchestratorSettings(RedisSettings, StepShape):
-    model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", env_nested_delimiter="__", extra="forbid")
+class DataSettings(BaseModel):
+    """The training and eval prompts ([orchestrator.data])."""
 
-    host: str = "127.0.0.1"
-    """Address the HTTP control plane and the gRPC server bind to."""
-    http_port: int = Field(8080, ge=0, le=65535)
-    """FastAPI control plane (OpenAPI docs at /docs, Prometheus at /metrics)."""
-    grpc_port: int = Field(50054, ge=0, le=65535)
-    """gRPC Orchestrator service (Heartbeat, Status)."""
-    control_timeout_seconds: float = Field(2.0, gt=0, le=60)
-    """Bound on the Redis work behind one control-plane request: past it, GET /v1/run answers the
-    last status read (marked `stale`), a transition is refused with 503 and Retry-After (and is
-    never applied later), gRPC answers UNAVAILABLE."""
-    max_request_bytes: int = Field(1 << 20, ge=1024)
-    """Largest HTTP request body accepted; a larger one is refused with 413 before it is read whole."""
-    token: SecretStr | None = None
-    """Bearer token required on every route but /health and /metrics (never logged)."""
-    token_file: Path | None = None
-    """File holding the token (alternative to `token`)."""
-    run_id: str = "default"
-    """The run this orchestrator owns."""
-    model_path: str
-    """Model directory (its tokenizer turns prompts into token ids)."""
-    out_dir: Path = Path("runs/orchestrator")
-    """Where eval.jsonl is written."""
-    tensorboard: bool = True
-    """Write each eval round's accuracy as the TensorBoard scalar `eval_accuracy` (`out_dir/tensorboard/`)."""
-    tracking: TrackingSettings = TrackingSettings()
-    """W&B / MLflow, the scalars TensorBoard gets (a recipe sets [run.tracking])."""
-    trainer_address: str = ""
-    """host:port of the trainer's gRPC API (its version drives admission)."""
+    model_config = ConfigDict(extra="forbid")
 
     task: Literal["arith", "math", "mul_trace", "calc", "verifiers"] = "arith"
     """Dataset: synthetic addition, a local math file, multiplication as a worked trace of
     partial sums (answer lengths heavy-tailed up to `trace_max_answer_tokens`), 2-digit
     multiplication with a calculator tool (multi-turn: environment `calc`), or the dataset of the
     `verifiers:` environment that plays the run."""
-    environment: str = ""
-    """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`), a
-    plug-in `module:factory` importable by the replicas (`shared.envs`; its reward replaces
-    `reward`), or `agent:COMMAND`, an agent program run per trajectory against the replica's
-    OpenAI-compatible endpoint (inference.agent_endpoint), its last line of output scored by `reward`,
-    or `verifiers:ENV_ID [{JSON kwargs}]`, a `verifiers` environment (extra `steadyrl[verifiers]`;
-    task `verifiers`: its dataset, its rollout loop, its rubric).
-    Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
-    max_turns: int = Field(4, ge=1)
-    """Multi-turn: model turns per trajectory at most."""
-    max_trajectory_tokens: int = Field(0, ge=0)
-    """Multi-turn: completion tokens per trajectory at most, the model's and the environment's
-    (0: max_new_tokens × max_turns). `max_new_tokens` bounds each model turn."""
-    env_seconds: float = Field(10.0, gt=0)
-    """Multi-turn: one environment call (reset or step) at most; past it the task is dead-lettered."""
-    task_seed: int = 0
+    seed: int = 0
     """Seed of the arith task's split."""
+    math_path: Path | None = None
+    """Math: the training problems — JSONL, JSON, CSV, Parquet or a `save_to_disk` dataset directory."""
+    math_eval_path: Path | None = None
+    """Math: the evaluation problems; unset = the last evals.size rows of math_path, held out of training."""
+    prompt_column: str = ""
+    """Math: the prompt column (empty: the first of prompt, problem, question the rows have)."""
+    answer_column: str = ""
+    """Math: the answer column (empty: the first of answer, solution, ground_truth)."""
+    allow_eval_overlap: bool = False
+    """Allow eval problems that are also training problems (refused by default: evals would measure
+    memorisation)."""
+    train_size: int = Field(3000, ge=1)
+    """Training prompts (cycled over epochs)."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """`auto`: prompts go through the tokenizer's chat template when it has one (the user's message,
+    then the assistant's turn opened); `none`: raw text. The exact tokens travel in each rollout."""
+    system_prompt: str = ""
+    """With a chat template: a system message before every prompt (empty: none)."""
     arith_digits: int = Field(2, ge=1)
     """Arith: digits per operand."""
     arith_fixed_width: bool = True
@@ -82,54 +59,35 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """mul_trace: the longest answer, in characters (= tokens with the tiny model's tokenizer)."""
     trace_alpha: float = Field(MulTraceTask.alpha, gt=0)
     """mul_trace: power-law exponent of the answer length (smaller = heavier tail)."""
-    math_path: Path | None = None
-    """Math: the training problems — JSONL, JSON, CSV, Parquet or a `save_to_disk` dataset directory."""
-    math_eval_path: Path | None = None
-    """Math: the evaluation problems; unset = the last eval_size rows of math_path, held out of training."""
-    prompt_column: str = ""
-    """Math: the prompt column (empty: the first of prompt, problem, question the rows have)."""
-    answer_column: str = ""
-    """Math: the answer column (empty: the first of answer, solution, ground_truth)."""
-    allow_eval_overlap: bool = False
-    """Allow eval problems that are also training problems (refused by default: evals would measure
-    memorisation)."""
-    train_size: int = Field(3000, ge=1)
-    """Training prompts (cycled over epochs)."""
-    eval_size: int = Field(300, ge=1)
-    """Evaluation prompts (of the task's own eval set, and at most this many of each of `eval_sets`)."""
-    eval_sets: dict[str, Path] = {}
+
+    @model_validator(mode="after")
+    def _dataset_named(self) -> DataSettings:
+        if self.task == "math" and self.math_path is None:
+            raise ValueError("data.task 'math' needs data.math_path")
+        return self
+
+
+class EvalSettings(BaseModel):
+    """Eval rounds ([orchestrator.evals])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(10, ge=0)
+    """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
+    size: int = Field(300, ge=1)
+    """Evaluation prompts (of the task's own eval set, and at most this many of each of `sets`)."""
+    sets: dict[str, Path] = {}
     """More eval sets beside the task's own (named `main`): name → a local dataset in any format
-    math_path takes, read with prompt_column / answer_column, prompts as written (the math task's
+    data.math_path takes, read with data.prompt_column / answer_column, prompts as written (the math task's
     instruction added in a math run). Every eval round scores each with the run's reward; eval.jsonl
     gives each set's accuracy under `sets`, TensorBoard, W&B and MLflow as `eval_set/NAME/accuracy`, Prometheus as
     steadyrl_orchestrator_eval_accuracy{set="NAME"}. Names: lower-case letters, digits and _."""
-
-    steps: int = Field(0, ge=0)
-    """Global steps of the run (0 = until stopped)."""
-    stop: StopRules = StopRules()
-    """When a run that can only fail is failed (services/orchestrator/stop_rules.py)."""
-    temperature: float = 1.0
-    """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/rollouts/sampling.py)."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
-    max_new_tokens: int = Field(16, ge=1)
-    """Completion budget."""
-    reward: str = ""
-    """The reward of every task: a built-in name (exact_match, math_verify, ...) or a plug-in
-    `module:function(completion, answer) -> float` importable by the replicas. Checked before the
-    run starts: loaded, its signature, one dry call in a reward process with a time limit. Empty:
-    the task's own (exact_match for arith and mul_trace, math_verify for math)."""
-    chat_template: Literal["auto", "none"] = "auto"
-    """`auto`: prompts go through the tokenizer's chat template when it has one (the user's message,
-    then the assistant's turn opened); `none`: raw text. The exact tokens travel in each rollout."""
-    system_prompt: str = ""
-    """With a chat template: a system message before every prompt (empty: none)."""
-    eval_samples: int = Field(0, ge=0)
-    """Sampled evals beside the greedy ones: k samples per eval prompt at `eval_temperature`, scored
+    samples: int = Field(0, ge=0)
+    """Sampled evals beside the greedy ones: k samples per eval prompt at `temperature`, scored
     as pass@k and mean@k in eval.jsonl (0 = greedy only)."""
-    eval_temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0)
     """Temperature of the sampled evals (in [0.01, 100])."""
-    policy_eval: bool = False
+    policy: bool = False
     """Every eval round also scores π, the trainer's weights as published and never quantised,
     greedily on every eval set, served by a replica of the `policy_eval` pool (`steadyrl run`
     starts one: inference.pool; compose's `policy-eval` profile and deploy/k8s/components/policy-eval
@@ -138,31 +96,13 @@ class OrchestratorSettings(RedisSettings, StepShape):
     steadyrl_orchestrator_policy_eval_initial_accuracy{set} and the round before the last's
     steadyrl_orchestrator_policy_eval_previous_accuracy{set} (alert SteadyrlPolicyUnderStart). The
     evals above score μ, the model the replicas serve; under a quantised engine the two part."""
-    eval_every: int = Field(10, ge=0)
-    """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
-    max_attempts: int = Field(3, ge=1)
-    """A task whose lease expired or failed more often goes to the dead-letter stream."""
-    tick_seconds: float = Field(0.1, gt=0)
-    """Period of the admission / lease sweep loop."""
-    autostart: bool = False
-    """Start the run as soon as the orchestrator is up (else it waits in `created` for
-    POST /v1/run/start)."""
 
-    @field_validator("temperature", "eval_temperature")
+    @field_validator("temperature")
     @classmethod
     def _sane_temperature(cls, value: float) -> float:
         return check_temperature(value)
 
-    @field_validator("reward")
-    @classmethod
-    def _reward_serves(cls, value: str) -> str:
-        if value:
-            from shared.tasks.reward_runner import check_reward
-
-            check_reward(value, "0", "0")
-        return value
-
-    @field_validator("eval_sets")
+    @field_validator("sets")
     @classmethod
     def _eval_set_names(cls, value: dict[str, Path]) -> dict[str, Path]:
         for name in value:
@@ -172,6 +112,28 @@ class OrchestratorSettings(RedisSettings, StepShape):
                     "(the task's own eval set)"
                 )
         return value
+
+
+class TrajectorySettings(BaseModel):
+    """Multi-turn rollouts ([orchestrator.trajectory])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: str = ""
+    """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`), a
+    plug-in `module:factory` importable by the replicas (`shared.envs`; its reward replaces
+    `reward`), or `agent:COMMAND`, an agent program run per trajectory against the replica's
+    OpenAI-compatible endpoint (inference.agent.endpoint), its last line of output scored by `reward`,
+    or `verifiers:ENV_ID [{JSON kwargs}]`, a `verifiers` environment (extra `steadyrl[verifiers]`;
+    task `verifiers`: its dataset, its rollout loop, its rubric).
+    Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
+    max_turns: int = Field(4, ge=1)
+    """Multi-turn: model turns per trajectory at most."""
+    max_tokens: int = Field(0, ge=0)
+    """Multi-turn: completion tokens per trajectory at most, the model's and the environment's
+    (0: max_new_tokens × max_turns). `max_new_tokens` bounds each model turn."""
+    env_seconds: float = Field(10.0, gt=0)
+    """Multi-turn: one environment call (reset or step) at most; past it the task is dead-lettered."""
 
     @field_validator("environment")
     @classmethod
@@ -192,33 +154,128 @@ class OrchestratorSettings(RedisSettings, StepShape):
                 raise ValueError(str(exc.args[0])) from None
         return value
 
+
+class SamplingSettings(BaseModel):
+    """Sampling of training rollouts ([orchestrator.sampling])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/rollouts/sampling.py)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Completion budget."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _sane_temperature(cls, value: float) -> float:
+        return check_temperature(value)
+
+
+class ControlSettings(BaseModel):
+    """The HTTP control plane's bounds ([orchestrator.control])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_seconds: float = Field(2.0, gt=0, le=60)
+    """Bound on the Redis work behind one control-plane request: past it, GET /v1/run answers the
+    last status read (marked `stale`), a transition is refused with 503 and Retry-After (and is
+    never applied later), gRPC answers UNAVAILABLE."""
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    """Largest HTTP request body accepted; a larger one is refused with 413 before it is read whole."""
+
+
+class OrchestratorSettings(RedisSettings, StepShape):
+    model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address the HTTP control plane and the gRPC server bind to."""
+    http_port: int = Field(8080, ge=0, le=65535)
+    """FastAPI control plane (OpenAPI docs at /docs, Prometheus at /metrics)."""
+    grpc_port: int = Field(50054, ge=0, le=65535)
+    """gRPC Orchestrator service (Heartbeat, Status)."""
+    token: SecretStr | None = None
+    """Bearer token required on every route but /health and /metrics (never logged)."""
+    token_file: Path | None = None
+    """File holding the token (alternative to `token`)."""
+    run_id: str = "default"
+    """The run this orchestrator owns."""
+    model_path: str
+    """Model directory (its tokenizer turns prompts into token ids)."""
+    out_dir: Path = Path("runs/orchestrator")
+    """Where eval.jsonl is written."""
+    tensorboard: bool = True
+    """Write each eval round's accuracy as the TensorBoard scalar `eval_accuracy` (`out_dir/tensorboard/`)."""
+    tracking: TrackingSettings = TrackingSettings()
+    """W&B / MLflow, the scalars TensorBoard gets (a recipe sets [run.tracking])."""
+    trainer_address: str = ""
+    """host:port of the trainer's gRPC API (its version drives admission)."""
+    steps: int = Field(0, ge=0)
+    """Global steps of the run (0 = until stopped)."""
+    stop: StopRules = StopRules()
+    """When a run that can only fail is failed (services/orchestrator/stop_rules.py)."""
+    reward: str = ""
+    """The reward of every task: a built-in name (exact_match, math_verify, ...) or a plug-in
+    `module:function(completion, answer) -> float` importable by the replicas. Checked before the
+    run starts: loaded, its signature, one dry call in a reward process with a time limit. Empty:
+    the task's own (exact_match for arith and mul_trace, math_verify for math)."""
+    max_attempts: int = Field(3, ge=1)
+    """A task whose lease expired or failed more often goes to the dead-letter stream."""
+    tick_seconds: float = Field(0.1, gt=0)
+    """Period of the admission / lease sweep loop."""
+    autostart: bool = False
+    """Start the run as soon as the orchestrator is up (else it waits in `created` for
+    POST /v1/run/start)."""
+    data: DataSettings = DataSettings()
+    """The prompts ([orchestrator.data])."""
+    evals: EvalSettings = EvalSettings()
+    """Eval rounds ([orchestrator.evals])."""
+    trajectory: TrajectorySettings = TrajectorySettings()
+    """Multi-turn rollouts ([orchestrator.trajectory])."""
+    sampling: SamplingSettings = SamplingSettings()
+    """Sampling of training rollouts ([orchestrator.sampling])."""
+    control: ControlSettings = ControlSettings()
+    """The control plane's bounds ([orchestrator.control])."""
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_serves(cls, value: str) -> str:
+        if value:
+            from shared.tasks.reward_runner import check_reward
+
+            check_reward(value, "0", "0")
+        return value
+
+    _refuse_moved = refuse_moved("orchestrator")
+
     @model_validator(mode="after")
-    def _dataset_named(self) -> OrchestratorSettings:
-        if self.task == "math" and self.math_path is None:
-            raise ValueError("task 'math' needs math_path")
-        if self.task == "calc" and self.environment not in ("", "calc") and not self.environment.startswith("agent:"):
-            raise ValueError(f"task 'calc' is played by the environment 'calc' or an agent, not {self.environment!r}")
-        if (self.task == "verifiers") != self.environment.startswith("verifiers:"):
+    def _task_and_environment(self) -> OrchestratorSettings:
+        task, environment = self.data.task, self.trajectory.environment
+        if task == "calc" and environment not in ("", "calc") and not environment.startswith("agent:"):
+            raise ValueError(f"data.task 'calc' is played by the environment 'calc' or an agent, not {environment!r}")
+        if (task == "verifiers") != environment.startswith("verifiers:"):
             raise ValueError(
-                "task 'verifiers' and an environment `verifiers:ENV_ID` go together (the environment's "
-                f"dataset is the task's): task {self.task!r}, environment {self.environment!r}"
+                "data.task 'verifiers' and a trajectory.environment `verifiers:ENV_ID` go together (the "
+                f"environment's dataset is the task's): task {task!r}, environment {environment!r}"
             )
         return self
 
     @property
     def task_environment(self) -> str:
         """The environment that plays this run's tasks ('' for single-turn ones)."""
-        return self.environment or ("calc" if self.task == "calc" else "")
+        return self.trajectory.environment or ("calc" if self.data.task == "calc" else "")
 
     def check_dataset(self) -> None:
         """ValueError naming a missing dataset file or column (`steadyrl run` calls it before any
         process starts; the files may live only where the orchestrator runs)."""
         from shared.tasks.math_task import check_columns
 
-        paths = [self.math_path, self.math_eval_path] if self.task == "math" else []
-        for path in [*paths, *self.eval_sets.values()]:
+        data = self.data
+        paths = [data.math_path, data.math_eval_path] if data.task == "math" else []
+        for path in [*paths, *self.evals.sets.values()]:
             if path is not None:
-                check_columns(path, self.prompt_column, self.answer_column)
+                check_columns(path, data.prompt_column, data.answer_column)
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""

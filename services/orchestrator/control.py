@@ -1,7 +1,7 @@
 """What the control plane (HTTP and gRPC) asks of Redis, each request bounded in time.
 
 A frozen or restarting Redis must not turn the control plane into 500s: within
-`control_timeout_seconds` a request either has its answer from Redis or gets `RedisUnavailable`,
+`control.timeout_seconds` a request either has its answer from Redis or gets `RedisUnavailable`,
 which the HTTP API answers 503 with a JSON body and `Retry-After`, and gRPC `UNAVAILABLE`.
 `GET /v1/run` answers the last status read instead, marked `stale` (when it was read and why
 Redis did not answer), so an operator keeps seeing the run.

@@ -18,51 +18,51 @@ TRAIN_ID = re.compile(r"^train-(\d+)$")  # a train task's id: train-<its number 
 
 def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example], str]:
     """(train, eval, reward) of the run; train and eval never share a problem unless allowed."""
-    if settings.task == "arith":
+    if settings.data.task == "arith":
         task = ArithTask(
-            digits=settings.arith_digits,
-            seed=settings.task_seed,
-            fixed_width=settings.arith_fixed_width,
-            reverse=settings.arith_reverse,
+            digits=settings.data.arith_digits,
+            seed=settings.data.seed,
+            fixed_width=settings.data.arith_fixed_width,
+            reverse=settings.data.arith_reverse,
         )
-        train = task.split("train", min(settings.train_size, task.max_split_size("train")))
-        return train, task.split("eval", min(settings.eval_size, task.max_split_size("eval"))), "exact_match"
-    if settings.task == "calc":
-        calc = MulTask(seed=settings.task_seed)
+        train = task.split("train", min(settings.data.train_size, task.max_split_size("train")))
+        return train, task.split("eval", min(settings.evals.size, task.max_split_size("eval"))), "exact_match"
+    if settings.data.task == "calc":
+        calc = MulTask(seed=settings.data.seed)
         return (
-            calc.split("train", min(settings.train_size, calc.max_split_size("train"))),
-            calc.split("eval", min(settings.eval_size, calc.max_split_size("eval"))),
+            calc.split("train", min(settings.data.train_size, calc.max_split_size("train"))),
+            calc.split("eval", min(settings.evals.size, calc.max_split_size("eval"))),
             "exact_match",
         )
-    if settings.task == "verifiers":  # the environment's own rows; its rubric scores them on the replicas
+    if settings.data.task == "verifiers":  # the environment's own rows; its rubric scores them on the replicas
         from shared.envs import verifiers_adapter
 
         return (
-            verifiers_adapter.examples(settings.environment, "train", settings.train_size),
-            verifiers_adapter.examples(settings.environment, "eval", settings.eval_size),
+            verifiers_adapter.examples(settings.trajectory.environment, "train", settings.data.train_size),
+            verifiers_adapter.examples(settings.trajectory.environment, "eval", settings.evals.size),
             "exact_match",
         )
-    if settings.task == "mul_trace":
-        trace = MulTraceTask(settings.trace_max_answer_tokens, settings.trace_alpha, seed=settings.task_seed)
-        return trace.split("train", settings.train_size), trace.split("eval", settings.eval_size), "exact_match"
-    if settings.math_path is None:
-        raise ValueError("task 'math' needs math_path")
+    if settings.data.task == "mul_trace":
+        trace = MulTraceTask(settings.data.trace_max_answer_tokens, settings.data.trace_alpha, seed=settings.data.seed)
+        return trace.split("train", settings.data.train_size), trace.split("eval", settings.evals.size), "exact_match"
+    if settings.data.math_path is None:
+        raise ValueError("data.task 'math' needs data.math_path")
     task = MathTask(
-        str(settings.math_path),
-        str(settings.math_eval_path) if settings.math_eval_path else None,
-        prompt_column=settings.prompt_column,
-        answer_column=settings.answer_column,
+        str(settings.data.math_path),
+        str(settings.data.math_eval_path) if settings.data.math_eval_path else None,
+        prompt_column=settings.data.prompt_column,
+        answer_column=settings.data.answer_column,
     )
-    if settings.math_eval_path is None:  # hold the last eval_size rows out of training
+    if settings.data.math_eval_path is None:  # hold the last evals.size rows out of training
         rows = task.split("train")
-        if len(rows) <= settings.eval_size:
+        if len(rows) <= settings.evals.size:
             raise ValueError(
-                f"{settings.math_path} has {len(rows)} rows: too few to hold out eval_size="
-                f"{settings.eval_size} for evaluation (or give math_eval_path)"
+                f"{settings.data.math_path} has {len(rows)} rows: too few to hold out evals.size="
+                f"{settings.evals.size} for evaluation (or give data.math_eval_path)"
             )
-        return rows[: -settings.eval_size][: settings.train_size], rows[-settings.eval_size :], "math_verify"
-    train = task.split("train", settings.train_size)
-    evals = task.split("eval", settings.eval_size)
+        return rows[: -settings.evals.size][: settings.data.train_size], rows[-settings.evals.size :], "math_verify"
+    train = task.split("train", settings.data.train_size)
+    evals = task.split("eval", settings.evals.size)
     refuse_overlap(settings, train, evals, "eval problems")
     return train, evals, "math_verify"
 
@@ -71,22 +71,22 @@ def refuse_overlap(settings: OrchestratorSettings, train: list[Example], evals: 
     """ValueError when eval problems are also training problems (evals would measure memorisation),
     unless allow_eval_overlap."""
     overlap = sorted({e.prompt for e in train} & {e.prompt for e in evals})
-    if overlap and not settings.allow_eval_overlap:
+    if overlap and not settings.data.allow_eval_overlap:
         raise ValueError(
             f"{len(overlap)} {what} are also training problems (e.g. {overlap[0][:80]!r}); evals would "
-            "measure memorisation. Remove them or set allow_eval_overlap = true"
+            "measure memorisation. Remove them or set data.allow_eval_overlap = true"
         )
 
 
 def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str, list[Example]]:
-    """The named eval sets (`eval_sets`), at most eval_size problems each, none a training problem
+    """The named eval sets (`evals.sets`), at most evals.size problems each, none a training problem
     unless allowed."""
-    template = {} if settings.task == "math" else {"template": "{problem}"}
+    template = {} if settings.data.task == "math" else {"template": "{problem}"}
     out: dict[str, list[Example]] = {}
-    for name, path in settings.eval_sets.items():
+    for name, path in settings.evals.sets.items():
         out[name] = MathTask(
-            str(path), prompt_column=settings.prompt_column, answer_column=settings.answer_column, **template
-        ).split("train", settings.eval_size)
+            str(path), prompt_column=settings.data.prompt_column, answer_column=settings.data.answer_column, **template
+        ).split("train", settings.evals.size)
         refuse_overlap(settings, train, out[name], f"problems of eval set {name!r}")
     return out
 
@@ -105,7 +105,7 @@ class Tasks:
     def prompt_ids(self, example: Example) -> list[int]:
         """The prompt's tokens: through the chat template (and system prompt) when the run asks."""
         return encode_prompt(
-            self.tokenizer, example.prompt, self.settings.chat_template == "auto", self.settings.system_prompt
+            self.tokenizer, example.prompt, self.settings.data.chat_template == "auto", self.settings.data.system_prompt
         )
 
     def make(
@@ -120,9 +120,9 @@ class Tasks:
                 "environment": environment,
                 "prompt_text": example.prompt,
                 "budget": common_pb2.TrajectoryBudget(
-                    max_turns=s.max_turns,
-                    max_tokens=s.max_trajectory_tokens or s.max_new_tokens * s.max_turns,
-                    env_seconds=s.env_seconds,
+                    max_turns=s.trajectory.max_turns,
+                    max_tokens=s.trajectory.max_tokens or s.sampling.max_new_tokens * s.trajectory.max_turns,
+                    env_seconds=s.trajectory.env_seconds,
                 ),
             }
             if environment
@@ -139,6 +139,8 @@ class Tasks:
             is_eval=is_eval,
             min_policy_version=min_version,
             sampling=common_pb2.SamplingParams(
-                temperature=temperature, top_p=s.top_p if temperature else 1.0, max_new_tokens=s.max_new_tokens
+                temperature=temperature,
+                top_p=s.sampling.top_p if temperature else 1.0,
+                max_new_tokens=s.sampling.max_new_tokens,
             ),
         )

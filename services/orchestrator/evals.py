@@ -1,5 +1,5 @@
-"""Evaluation rounds: scheduled at step 0, every `eval_every` steps and at the end, on every eval
-set (the task's held-out `main` set and the named `eval_sets`), greedy and, with `eval_samples`,
+"""Evaluation rounds: scheduled at step 0, every `evals.every` steps and at the end, on every eval
+set (the task's held-out `main` set and the named `evals.sets`), greedy and, with `evals.samples`,
 sampled; a round complete on every set is appended to eval.jsonl once (the run hash remembers which
 rounds were submitted and written, so a restarted orchestrator neither repeats nor loses one).
 
@@ -96,9 +96,9 @@ class EvalRounds:
 
     def steps(self, trainer_step: int) -> list[int]:
         s = self.settings
-        if not s.eval_every:
+        if not s.evals.every:
             return []
-        steps = list(range(0, (s.steps or trainer_step) + 1, s.eval_every))
+        steps = list(range(0, (s.steps or trainer_step) + 1, s.evals.every))
         if s.steps and steps[-1] != s.steps:
             steps.append(s.steps)
         return steps
@@ -108,12 +108,12 @@ class EvalRounds:
         requested = await self._json(RunField.EVAL_VERSIONS, "{}")
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
-            k = self.settings.eval_samples
-            temperature = self.settings.eval_temperature
+            k = self.settings.evals.samples
+            temperature = self.settings.evals.temperature
             rounds = (
                 [("", 1, 0.0)]
                 + ([("k", k, temperature)] if k else [])
-                + ([("pi", 1, 0.0)] if self.settings.policy_eval else [])
+                + ([("pi", 1, 0.0)] if self.settings.evals.policy else [])
             )
             tasks = [
                 self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version)
@@ -191,8 +191,8 @@ class EvalRounds:
         if (
             name not in self.tasks.evals
             or prompt >= len(self.tasks.evals[name])
-            or (kind == "k" and not self.settings.eval_samples)
-            or (kind == "pi" and not self.settings.policy_eval)
+            or (kind == "k" and not self.settings.evals.samples)
+            or (kind == "pi" and not self.settings.evals.policy)
         ):
             return None
         return kind, name, step, prompt
@@ -306,7 +306,7 @@ class EvalRounds:
         self._set_recent(await self._json(RunField.POLICY_EVAL_RECENT, "{}"))
 
     def _complete(self, bucket: dict | None, prompts: int, policy: bool = False) -> bool:
-        k = 0 if policy else self.settings.eval_samples  # π's rounds are greedy only
+        k = 0 if policy else self.settings.evals.samples  # π's rounds are greedy only
         return (
             bucket is not None
             and bucket["n"] + len(bucket["dead"]) >= prompts
@@ -320,8 +320,8 @@ class EvalRounds:
         out = {"accuracy": bucket["correct"] / bucket["n"] if bucket["n"] else 0.0, "prompts": bucket["n"]}
         if bucket["dead"] or bucket["dead_sampled"]:
             out["dead"] = len(bucket["dead"]) + len(bucket["dead_sampled"])
-        if self.settings.eval_samples and not policy and bucket["sampled"]:
-            k = self.settings.eval_samples
+        if self.settings.evals.samples and not policy and bucket["sampled"]:
+            k = self.settings.evals.samples
             out.update(k=k, **sampled_scores(list(bucket["sampled"].values()), k))
         return out
 
@@ -332,7 +332,7 @@ class EvalRounds:
     def _written_fields(self) -> tuple[str, ...]:
         return (
             (RunField.EVALS_WRITTEN, RunField.POLICY_EVALS_WRITTEN)
-            if self.settings.policy_eval
+            if self.settings.evals.policy
             else (RunField.EVALS_WRITTEN,)
         )
 
@@ -340,7 +340,7 @@ class EvalRounds:
         """Whether the step-0 round (the cold start; μ's and, with policy_eval, π's) is in, or there
         is none: training waits for it, else versions that land while it generates would be scored
         as version 0."""
-        return not self.settings.eval_every or {0} <= await self._written()
+        return not self.settings.evals.every or {0} <= await self._written()
 
     async def all_written(self, trainer_step: int) -> bool:
         return set(self.steps(trainer_step)) <= await self._written()

@@ -98,7 +98,7 @@ class Orchestrator:
         self.trainer_metrics: dict[str, float] = {}
         self._transition = redis.register_script(_TRANSITION)
         self._channel = self._trainer = None  # grpc.aio: made in the event loop, on first use
-        self.bounded = Bounded(settings.control_timeout_seconds)  # the control plane's bound and last status
+        self.bounded = Bounded(settings.control.timeout_seconds)  # the control plane's bound and last status
         self.recovery = RedisWatch(settings, redis, self.queue, self.ledger, self.tasks, lambda: self.trainer_version)
         self.stop_watch = StopWatch(settings.stop)
 
@@ -215,7 +215,7 @@ class Orchestrator:
         train = self.tasks.train
         tasks = [
             self.tasks.make(
-                f"train-{i}", train[i % len(train)], s.group_size, s.temperature, False, self.trainer_version
+                f"train-{i}", train[i % len(train)], s.group_size, s.sampling.temperature, False, self.trainer_version
             )
             for i in range(p["submitted"], p["submitted"] + budget)
         ]
@@ -332,7 +332,7 @@ class Orchestrator:
             "last_metrics": self.trainer_metrics,
             "evals": self.evals.accuracies(),
             **({"failure": json.loads(failure)} if failure else {}),
-            **({"policy_evals": self.evals.accuracies(policy=True)} if self.settings.policy_eval else {}),
+            **({"policy_evals": self.evals.accuracies(policy=True)} if self.settings.evals.policy else {}),
         }
 
     async def close(self) -> None:

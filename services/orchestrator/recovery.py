@@ -100,7 +100,7 @@ class RedisWatch:
                 t,
                 train[int(TRAIN_ID.match(t).group(1)) % len(train)],
                 s.group_size,
-                s.temperature,
+                s.sampling.temperature,
                 False,
                 self.version(),
             )

@@ -51,7 +51,7 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
                 status_code=401, detail="missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(BodyLimit, limit=max_request_bytes, setting="orchestrator.control.max_request_bytes")
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
@@ -164,7 +164,7 @@ async def serve(
     stop = stop or asyncio.Event()
     redis = settings.redis()
     orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
-    app = create_app(orchestrator, settings.bearer_token(), settings.max_request_bytes)
+    app = create_app(orchestrator, settings.bearer_token(), settings.control.max_request_bytes)
     http = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -7,7 +7,7 @@ each shard's offsets), rng.safetensors (rank 0's CPU RNG state) and state.json (
 optimizer's param groups, the trained rollout ids). Tensors are keyed `model.<name>` (names as in
 `state_dict()`) and `optim.<name>::<state key>`. No rank ever holds more than its own shard; DCP
 reshards on load, so a checkpoint resumes on any world size and any parallelism (one process,
-DDP, FSDP, HSDP). With `trainer.async_checkpoint` the shards are staged to host memory and written
+DDP, FSDP, HSDP). With `trainer.checkpoint.async_save` the shards are staged to host memory and written
 by a background thread while training goes on (`dcp.async_save`).
 
 A checkpoint is written into `.tmp-step-…/` and renamed into place once every rank's shards are

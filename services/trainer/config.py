@@ -15,6 +15,7 @@ from services.trainer.training import StepConfig
 from shared.core.loss import LossConfig
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runstore.redis_client import RedisSettings
+from shared.runtime.moved_settings import refuse_moved
 from shared.runtime.settings import StepShape, TrackingSettings, UnsignedWeights
 from shared.weightsync.base import TransportName
 
@@ -50,6 +51,138 @@ class LoraSettings(BaseModel):
         return self
 
 
+class OptimSettings(BaseModel):
+    """The optimizer ([trainer.optim]): AdamW."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global gradient norm (0 = off)."""
+
+
+class ParallelSettings(BaseModel):
+    """Data parallelism and the torchrun job ([trainer.parallel])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """A full model per rank (ddp), or parameters, gradients and optimizer state sharded over the
+    ranks (fsdp: FSDP2 per decoder layer, then the root), or sharded within groups of
+    `shard_ranks` and replicated across them (hsdp: FSDP2 on a 2-D mesh, replicate × shard)."""
+    gpus: int = Field(0, ge=0)
+    """GPUs per trainer node, one torchrun rank each (0 = the CPU)."""
+    ranks: int = Field(0, ge=0)
+    """torchrun ranks per node on the CPU when gpus = 0 (0 = one process)."""
+    nodes: int = Field(1, ge=1)
+    """Trainer nodes (torchrun --nnodes): above 1 the job launcher starts one torchrun per node
+    (deploy/slurm, the JobSet of deploy/k8s), meeting at `rdzv_endpoint`; `steadyrl run` is one node."""
+    rdzv_endpoint: str = ""
+    """host:port of torchrun's c10d rendezvous (the first node's address); needed when nodes > 1."""
+    max_restarts: int = Field(3, ge=0)
+    """torchrun --max-restarts: how often a node's launcher restarts its ranks after one fails
+    before the job itself fails."""
+    shard_ranks: int = Field(0, ge=0)
+    """hsdp: ranks per shard group (0 = the ranks of one node, torchrun's LOCAL_WORLD_SIZE); the
+    world size must be a multiple of it."""
+    collective_timeout_seconds: float = Field(600.0, gt=0)
+    """Bound on one collective (the process group's timeout): a hung peer makes the rank exit, and
+    torchrun restarts the ranks from the checkpoint."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ParallelSettings:
+        if self.gpus and self.ranks and self.ranks != self.gpus:
+            raise ValueError(f"ranks ({self.ranks}) must equal gpus ({self.gpus}) on GPUs: one rank per GPU")
+        if self.nodes > 1 and not _endpoint(self.rdzv_endpoint):
+            raise ValueError(
+                f"trainer.parallel.nodes = {self.nodes} needs trainer.parallel.rdzv_endpoint = 'host:port' (the first "
+                f"node's c10d rendezvous), got {self.rdzv_endpoint!r}"
+            )
+        per_node = self.gpus or self.ranks  # 0: the world is torchrun's, known at start (parallel.shard_layout)
+        if self.mode == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
+            raise ValueError(
+                f"trainer.parallel.mode = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
+                f"shard groups of trainer.parallel.shard_ranks = {self.shard_ranks}"
+            )
+        return self
+
+
+class ComputeSettings(BaseModel):
+    """Where and how each rank computes ([trainer.compute])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Each rank's device: auto = cuda:LOCAL_RANK when CUDA is visible, else the CPU."""
+    precision: Literal["auto", "fp32", "bf16-mixed"] = "auto"
+    """fp32, or bf16 compute over fp32 parameters, gradients and optimizer state (the loss math
+    stays fp32); auto = bf16-mixed on CUDA, fp32 on the CPU."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Split each rank's mini-batch into micro-batches of at most this many tokens, gradients
+    accumulated (the update is the unsplit one); 0 = no split."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them."""
+    torch_threads: int = Field(0, ge=0)
+    """torch intra-op threads (0 = torch's default)."""
+
+
+class CheckpointSettings(BaseModel):
+    """Checkpoints ([trainer.checkpoint]): rollouts are acknowledged only once one holds them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(1, ge=1)
+    """Steps between checkpoints."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+    file_bytes: int = Field(256 * 1024**2, ge=1024**2)
+    """Each rank's shard is written as files of about this size (safetensors serialises a file in
+    memory before writing it: this bounds what a save adds to a rank's memory)."""
+    async_save: bool = True
+    """Write the shards in the background (`dcp.async_save`: staged into host memory, written while
+    the next steps train), its rollouts acknowledged once it is in place. False: the step waits."""
+
+
+class PublishSettings(BaseModel):
+    """How each version is published ([trainer.publish]; docs/security.md for the signing)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    signing_key_file: Path | None = None
+    """The run's private Ed25519 key (64 hexadecimal characters, `steadyrl keys DIR` makes a pair):
+    every version is signed with it, and weight-sync and the replicas take no other. Required to
+    publish unless unsigned_weights; only the trainer holds it."""
+    timeout_seconds: float = Field(600.0, gt=0)
+    """Bound on one version push; a push that fails is retried on the next turn of the loop."""
+    transport: TransportName = TransportName.GRPC
+    """How each version's bytes reach the replicas (the signed manifest always goes through
+    weight-sync): gRPC chunks, a shared-memory file (same host), or a torch.distributed broadcast."""
+    shm_dir: Path = Path("/dev/shm/steadyrl")
+    """shm: version files go to <shm_dir>/<run_id>/ (the weight-sync service's shm_dir)."""
+    shm_keep: int = Field(4, ge=1)
+    """shm: version files kept (older ones are deleted; a reader keeps what it mapped)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the published weights: the replicas' (`steadyrl run` sets it from inference.dtype)."""
+
+
+class StreamSettings(BaseModel):
+    """Reading the rollout stream ([trainer.stream])."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    read_block_ms: int = Field(200, ge=1)
+    """XREADGROUP block time while waiting for rollouts."""
+    max_rollout_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Larger stream entries go to the dead-letter stream."""
+    dead_letter_maxlen: int = Field(10_000, ge=1)
+    """Newest dead-lettered rollouts kept with their payload (every reason stays counted)."""
+
+
 class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
@@ -76,79 +209,31 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     """Name of this trainer in the stream's consumer group."""
     weightsync_address: str = ""
     """host:port of the weight-sync service; empty = do not publish versions."""
-    signing_key_file: Path | None = None
-    """The run's private Ed25519 key (64 hexadecimal characters, `steadyrl keys DIR` makes a pair):
-    every version is signed with it, and weight-sync and the replicas take no other. Required to
-    publish unless unsigned_weights; only the trainer holds it."""
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
     """Largest gRPC message."""
-    publish_timeout_seconds: float = Field(600.0, gt=0)
-    """Bound on one version push; a push that fails is retried on the next turn of the loop."""
-    weight_transport: TransportName = TransportName.GRPC
-    """How the bytes of each version reach the replicas (the signed manifest always goes through
-    the weight-sync service): gRPC chunks, a shared-memory file (same host), or a broadcast to a
-    torch.distributed group (gloo on CPU, nccl on GPU)."""
-    shm_dir: Path = Path("/dev/shm/steadyrl")
-    """shm transport: version files go to <shm_dir>/<run_id>/ (the weight-sync service's shm_dir)."""
-    shm_keep: int = Field(4, ge=1)
-    """shm transport: version files kept (older ones are deleted; a reader keeps what it mapped)."""
-
     mini_batches: int = Field(1, ge=1)
     """N: optimizer steps per global step (1 = on-policy)."""
     max_steps: int = Field(0, ge=0)
     """Stop after this many global steps (0 = run until stopped)."""
-    lr: float = Field(1e-5, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    grad_clip: float = Field(1.0, ge=0)
-    """Max global gradient norm (0 = off)."""
     seed: int = 0
     """Seed of torch's RNG (saved and restored with checkpoints)."""
-    torch_threads: int = Field(0, ge=0)
-    """torch intra-op threads (0 = torch's default)."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Each rank's device: auto = cuda:LOCAL_RANK when CUDA is visible, else the CPU."""
-    precision: Literal["auto", "fp32", "bf16-mixed"] = "auto"
-    """fp32, or bf16 compute over fp32 parameters, gradients and optimizer state (the loss math
-    stays fp32); auto = bf16-mixed on CUDA, fp32 on the CPU."""
-    parallel: Literal["ddp", "fsdp", "hsdp"] = "ddp"
-    """Data parallelism over the torchrun ranks: a full model per rank (ddp), or parameters,
-    gradients and optimizer state sharded over the ranks (fsdp: FSDP2 per decoder layer, then the
-    root), or sharded within groups of `shard_ranks` and replicated across them (hsdp: FSDP2 on a
-    2-D device mesh, replicate × shard — the shards' all-gathers stay inside a node)."""
-    shard_ranks: int = Field(0, ge=0)
-    """hsdp: ranks per shard group (0 = the ranks of one node, torchrun's LOCAL_WORLD_SIZE); the
-    world size must be a multiple of it."""
-    micro_batch_tokens: int = Field(0, ge=0)
-    """Split each rank's mini-batch into micro-batches of at most this many tokens, gradients
-    accumulated (the update is the unsplit one); 0 = no split."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward instead of keeping them."""
+    optim: OptimSettings = OptimSettings()
+    """The optimizer ([trainer.optim])."""
+    parallel: ParallelSettings = ParallelSettings()
+    """Data parallelism and the torchrun job ([trainer.parallel])."""
+    compute: ComputeSettings = ComputeSettings()
+    """Device, precision, micro-batches ([trainer.compute])."""
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    """Checkpoints ([trainer.checkpoint])."""
+    publish: PublishSettings = PublishSettings()
+    """Publishing versions ([trainer.publish])."""
+    stream: StreamSettings = StreamSettings()
+    """Reading rollouts ([trainer.stream])."""
     lora: LoraSettings = LoraSettings()
     """LoRA RL ([trainer.lora], `shared/models/lora.py`): rank > 0 trains an adapter over the frozen
-    base; the optimizer and the checkpoints hold the adapter alone, each version publishes the base
-    with the adapter merged in. Tested with one process and DDP; not with FSDP / HSDP (refused)."""
-    publish_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Dtype of the published weights: the replicas' (`steadyrl run` sets it from inference.dtype)."""
-    gpus: int = Field(0, ge=0)
-    """GPUs per trainer node, one torchrun rank each (0 = the CPU)."""
-    ranks: int = Field(0, ge=0)
-    """torchrun ranks per node on the CPU when gpus = 0 (0 = one process)."""
-    nodes: int = Field(1, ge=1)
-    """Trainer nodes (torchrun --nnodes): above 1 the job launcher starts one torchrun per node
-    (deploy/slurm, the JobSet of deploy/k8s), meeting at `rdzv_endpoint`; `steadyrl run` is one node."""
-    rdzv_endpoint: str = ""
-    """host:port of torchrun's c10d rendezvous (the first node's address); needed when nodes > 1."""
-    max_restarts: int = Field(3, ge=0)
-    """torchrun --max-restarts: how often a node's launcher restarts its ranks after one fails (a
-    node lost, a collective timed out) before the job itself fails."""
-    collective_timeout_seconds: float = Field(600.0, gt=0)
-    """Bound on one collective (the process group's timeout; nccl's watchdog aborts the rank past
-    it): a hung peer makes the rank exit, and torchrun restarts the ranks from the checkpoint."""
+    base; the optimizer and the checkpoints hold the adapter alone; each version publishes the
+    adapter or the merged weights (`lora.publish`). Merged publishing needs one rank or DDP."""
 
     recipe: Literal["auto", "manual"] = "auto"
     """auto: replay and clipping from N and the observed staleness
@@ -163,23 +248,7 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/terms.py `LossConfig`). Its
     `clip` is the manual recipe's; the auto recipe decides clipping itself."""
 
-    checkpoint_every: int = Field(1, ge=1)
-    """Steps between checkpoints; rollouts are acknowledged only once a checkpoint holds them."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Checkpoints kept on disk."""
-    checkpoint_file_bytes: int = Field(256 * 1024**2, ge=1024**2)
-    """Each rank's checkpoint shard is written as files of about this size: safetensors serialises
-    a file in memory before writing it, so it bounds what a save adds to a rank's memory."""
-    async_checkpoint: bool = True
-    """Write a checkpoint's shards in the background (`dcp.async_save`: staged into host memory,
-    then written while the next steps train); its rollouts are acknowledged once it is in place.
-    False: the step waits for the write."""
-    read_block_ms: int = Field(200, ge=1)
-    """XREADGROUP block time while waiting for rollouts."""
-    max_rollout_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    """Larger stream entries go to the dead-letter stream."""
-    dead_letter_maxlen: int = Field(10_000, ge=1)
-    """Newest dead-lettered rollouts kept with their payload (every reason stays counted)."""
+    _refuse_moved = refuse_moved("trainer")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
@@ -187,36 +256,26 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             self.step_config(self.routing_replay, self.loss.clip)  # the step's own rules (e.g. R2 needs π_old)
         if self.mini_batches > self.batch_prompts:
             raise ValueError("mini_batches cannot exceed batch_prompts (mini-batches hold whole groups)")
-        if self.gpus and self.ranks and self.ranks != self.gpus:
-            raise ValueError(f"ranks ({self.ranks}) must equal gpus ({self.gpus}) on GPUs: one rank per GPU")
-        if self.nodes > 1 and not _endpoint(self.rdzv_endpoint):
-            raise ValueError(
-                f"trainer.nodes = {self.nodes} needs trainer.rdzv_endpoint = 'host:port' (the first "
-                f"node's c10d rendezvous), got {self.rdzv_endpoint!r}"
-            )
-        per_node = self.gpus or self.ranks  # 0: the world is torchrun's, known at start (parallel.shard_layout)
-        if self.parallel == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
-            raise ValueError(
-                f"trainer.parallel = 'hsdp': {per_node * self.nodes} ranks are not a whole number of "
-                f"shard groups of trainer.shard_ranks = {self.shard_ranks}"
-            )
+        parallel = self.parallel
         if (
             self.lora.rank
             and self.lora.publish == "merged"
-            and self.parallel != "ddp"
-            and (self.gpus or self.ranks or self.nodes) > 1
+            and parallel.mode != "ddp"
+            and (parallel.gpus or parallel.ranks or parallel.nodes) > 1
         ):
             raise ValueError(
-                f"trainer.lora.publish = 'merged' with trainer.parallel = '{self.parallel}' is not "
+                f"trainer.lora.publish = 'merged' with trainer.parallel.mode = '{parallel.mode}' is not "
                 "supported (the merge needs the whole weights on one rank): publish = 'adapter'"
             )
-        if self.weightsync_address and self.signing_key_file is None and not self.unsigned_weights:
+        if self.weightsync_address and self.publish.signing_key_file is None and not self.unsigned_weights:
             raise ValueError(
-                "the trainer signs every version it publishes: set signing_key_file (`steadyrl keys "
+                "the trainer signs every version it publishes: set publish.signing_key_file (`steadyrl keys "
                 "DIR` makes a pair), or unsigned_weights = true"
             )
-        if self.read_block_ms >= self.redis_timeout_seconds * 1000:
-            raise ValueError("read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)")
+        if self.stream.read_block_ms >= self.redis_timeout_seconds * 1000:
+            raise ValueError(
+                "stream.read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)"
+            )
         return self
 
     def step_config(self, replay: str, clip: bool) -> StepConfig:
@@ -226,7 +285,7 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             mini_batches=self.mini_batches,
             replay=replay,
             bypass=self.bypass,
-            grad_clip=self.grad_clip,
+            grad_clip=self.optim.grad_clip,
         )
 
 

@@ -4,7 +4,7 @@ and on the device the step runs with, the loss math always in fp32.
 `Compute` says how a step is computed — never what it computes: the device, bf16 autocast over
 fp32 parameters (`bf16-mixed`: parameters, gradients and optimizer state stay fp32; under FSDP
 the same is a MixedPrecisionPolicy set where the model is sharded), and micro-batches of at most
-`micro_batch_tokens` tokens whose gradients accumulate into one update.
+`compute.micro_batch_tokens` tokens whose gradients accumulate into one update.
 """
 
 from __future__ import annotations

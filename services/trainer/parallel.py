@@ -31,7 +31,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def wants_bf16(settings: TrainerSettings, device: torch.device) -> bool:
-    return settings.precision == "bf16-mixed" or (settings.precision == "auto" and device.type == "cuda")
+    return settings.compute.precision == "bf16-mixed" or (
+        settings.compute.precision == "auto" and device.type == "cuda"
+    )
 
 
 def prepare(model: torch.nn.Module, settings: TrainerSettings, device: torch.device, world: int) -> torch.nn.Module:
@@ -39,13 +41,13 @@ def prepare(model: torch.nn.Module, settings: TrainerSettings, device: torch.dev
     the step runs (DDP wrapper, or the FSDP-sharded model itself)."""
     model.config.use_cache = False
     if (
-        settings.activation_checkpointing
+        settings.compute.activation_checkpointing
     ):  # per decoder layer, non-reentrant (replay stays on: services.trainer.forward)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device).train()
     if world <= 1:
         return model
-    if settings.parallel in ("fsdp", "hsdp"):
+    if settings.parallel.mode in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = (
@@ -70,8 +72,8 @@ def shard_layout(parallel: str, world: int, shard_ranks: int, local_world: int) 
     shard = shard_ranks or local_world
     if shard < 1 or world % shard:
         raise ValueError(
-            f"trainer.parallel = 'hsdp': the world ({world} ranks) is not a whole number of shard "
-            f"groups of {shard} ranks (trainer.shard_ranks, 0 = the ranks of one node)"
+            f"trainer.parallel.mode = 'hsdp': the world ({world} ranks) is not a whole number of shard "
+            f"groups of {shard} ranks (trainer.parallel.shard_ranks, 0 = the ranks of one node)"
         )
     return world // shard, shard
 
@@ -83,9 +85,9 @@ def device_mesh(settings: TrainerSettings, device: torch.device, world: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     replicas, shard = shard_layout(
-        settings.parallel, world, settings.shard_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        settings.parallel.mode, world, settings.parallel.shard_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", world))
     )
-    if settings.parallel != "hsdp":
+    if settings.parallel.mode != "hsdp":
         return init_device_mesh(device.type, (world,))
     return init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 

@@ -118,9 +118,9 @@ class StepRunner:
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = s = settings
         torch.manual_seed(s.seed)
-        bind_torch_threads(s.torch_threads)
-        self.device = rank_device(s.device)
-        self.rank, self.world = init_from_env(self.device, s.collective_timeout_seconds)
+        bind_torch_threads(s.compute.torch_threads)
+        self.device = rank_device(s.compute.device)
+        self.rank, self.world = init_from_env(self.device, s.parallel.collective_timeout_seconds)
         self.model = load_causal_lm(s.model_path, "float32")
         if s.lora.rank:  # the adapter trains, the base (router included) stays frozen
             self.model = apply_lora(
@@ -130,20 +130,22 @@ class StepRunner:
         self.parallel = prepare(self.model, s, self.device, self.world)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=s.lr,
-            betas=s.adam_betas,
-            weight_decay=s.weight_decay,
+            lr=s.optim.lr,
+            betas=s.optim.adam_betas,
+            weight_decay=s.optim.weight_decay,
         )
         bf16 = wants_bf16(s, self.device)
-        sharded = s.parallel in ("fsdp", "hsdp") and self.world > 1
-        self.compute = Compute(self.device, torch.bfloat16 if bf16 and not sharded else None, s.micro_batch_tokens)
+        sharded = s.parallel.mode in ("fsdp", "hsdp") and self.world > 1
+        self.compute = Compute(
+            self.device, torch.bfloat16 if bf16 and not sharded else None, s.compute.micro_batch_tokens
+        )
         self.sharded = sharded
-        self.publish_dtype = resolve_dtype(s.publish_dtype)
+        self.publish_dtype = resolve_dtype(s.publish.dtype)
         config = self.model.config
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
         context = int(getattr(config, "max_position_embeddings", 0) or 0) or RolloutLimits.max_total_tokens
         self.limits = RolloutLimits(
-            max_encoded_bytes=s.max_rollout_bytes,
+            max_encoded_bytes=s.stream.max_rollout_bytes,
             max_total_tokens=context,
             vocab_size=int(config.vocab_size),
             num_layers=self.routing.num_layers or None,
@@ -154,7 +156,7 @@ class StepRunner:
         self.checkpoints = s.out_dir / "checkpoints"
         # async saves collect over a group of their own (a CPU one, as DCP asks), off the step's
         self.checkpoint_group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=s.collective_timeout_seconds))
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=s.parallel.collective_timeout_seconds))
             if self.world > 1
             else None
         )
@@ -166,9 +168,9 @@ class StepRunner:
             self.world,
             self.device,
             "bf16-mixed" if bf16 else "fp32",
-            s.parallel if self.world > 1 else "single",
-            s.micro_batch_tokens,
-            s.activation_checkpointing,
+            s.parallel.mode if self.world > 1 else "single",
+            s.compute.micro_batch_tokens,
+            s.compute.activation_checkpointing,
         )
 
     def restore(self) -> TrainerState:
@@ -205,11 +207,15 @@ class StepRunner:
         flat, param_groups = flat_state(self.model, self.optimizer)
         directory = staging_dir(self.checkpoints, step, attempt)
         future = start_save(
-            directory, flat, self.checkpoint_group, self.settings.async_checkpoint, self.settings.checkpoint_file_bytes
+            directory,
+            flat,
+            self.checkpoint_group,
+            self.settings.checkpoint.async_save,
+            self.settings.checkpoint.file_bytes,
         )
         if self.settings.lora.rank and self.rank == 0:  # the adapter's shape, as peft writes it
             self.model.peft_config[ADAPTER].save_pretrained(str(directory))
-        return PendingSave(directory, state, param_groups, self.settings.keep_checkpoints, future)
+        return PendingSave(directory, state, param_groups, self.settings.checkpoint.keep, future)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """What the current version publishes, in the published dtype, one tensor at a time: a cast
@@ -238,7 +244,7 @@ class StepRunner:
         return self._step(rollouts, version)
 
     def _step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
-        bind_torch_threads(self.settings.torch_threads)  # steps run on executor threads
+        bind_torch_threads(self.settings.compute.torch_threads)  # steps run on executor threads
         batch = collate(rollouts, self.pad_token_id)
         staleness_max = (
             int((version - batch.versions[batch.loss_mask]).clamp(min=0).max()) if batch.loss_mask.any() else 0

@@ -43,7 +43,7 @@ class Trainer:
         self.settings = s = settings
         self.runner = StepRunner(settings)
         self.state = self.runner.restore()
-        self.source = RedisRolloutSource(redis, s.run_id, s.consumer, s.dead_letter_maxlen)
+        self.source = RedisRolloutSource(redis, s.run_id, s.consumer, s.stream.dead_letter_maxlen)
         self.buffer = GroupBuffer(s.group_size, s.run_id, self.runner.limits)
         self.intake = Intake(self.source, self.buffer, self.state)
         self.publisher = VersionPublisher(settings, redis)
@@ -81,7 +81,7 @@ class Trainer:
                     await asyncio.sleep(0.1)
                     continue
                 await self.keep_in_sync()
-                await self.intake.take(await self.source.read(self.settings.read_block_ms))
+                await self.intake.take(await self.source.read(self.settings.stream.read_block_ms))
                 await self.intake.drop_stale(self.settings.max_staleness)
                 ready = self.buffer.complete()
                 if len(ready) >= self.settings.batch_prompts:
@@ -193,7 +193,7 @@ class Trainer:
             # survives has its line (one the crash takes back is cut on resume: StepLog.resume)
             self.steplog.record(metrics, len(rollouts), self.runner.recipe)
             self.last_metrics = metrics
-            if self.state.step % self.settings.checkpoint_every == 0 or self.done:
+            if self.state.step % self.settings.checkpoint.every == 0 or self.done:
                 await self.acks.save(self.state, wait=self.done)
             await self.publish()
         self.last_step = time.monotonic()

@@ -52,7 +52,7 @@ class VersionPublisher:
                 newest = max(
                     newest,
                     await asyncio.wait_for(
-                        latest_version(self.settings.weightsync_address), self.settings.publish_timeout_seconds
+                        latest_version(self.settings.weightsync_address), self.settings.publish.timeout_seconds
                     ),
                 )
             except (TimeoutError, grpc.aio.AioRpcError) as exc:
@@ -103,12 +103,17 @@ class VersionPublisher:
             from shared.weightsync.signing import Signer
 
             s = self.settings
-            signer = Signer.from_file(s.signing_key_file, s.run_id) if s.signing_key_file else None
+            signer = Signer.from_file(s.publish.signing_key_file, s.run_id) if s.publish.signing_key_file else None
             self.client = make_publisher(
-                s.weight_transport, s.weightsync_address, signer, s.max_message_bytes, s.shm_dir / s.run_id, s.shm_keep
+                s.publish.transport,
+                s.weightsync_address,
+                signer,
+                s.max_message_bytes,
+                s.publish.shm_dir / s.run_id,
+                s.publish.shm_keep,
             )
         try:
-            await self.client.push(weights, version, self.published, timeout=self.settings.publish_timeout_seconds)
+            await self.client.push(weights, version, self.published, timeout=self.settings.publish.timeout_seconds)
         except grpc.aio.AioRpcError as exc:
             PUBLISH_FAILURES.labels(exc.code().name).inc()
             log.warning(

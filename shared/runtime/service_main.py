@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 
 from shared.runtime.logs import setup_logging
+from shared.runtime.moved_settings import moved_in_env, moved_message
 
 log = logging.getLogger("steadyrl.service")
 
@@ -75,6 +76,10 @@ def run_service(name: str, settings_cls: type, server_module: str, settings: obj
                 name,
                 name,
             )
+            sys.exit(2)
+        moved = moved_in_env(name, os.environ)
+        if moved:  # before pydantic reads them: an old `parallel = "fsdp"` would only fail to parse as a section
+            log.error("event=settings_refused service=%s reason=%s", name, moved_message(name, moved))
             sys.exit(2)
         settings = settings_cls()
 

@@ -194,10 +194,10 @@ def test_the_run_survives(fault, tmp_path, tiny_model_dir):
             f"run.batch_prompts={B}",
             f"run.group_size={G}",
             "run.replicas=2",
-            "orchestrator.eval_every=0",
-            "trainer.checkpoint_every=1",
-            "inference.lease_seconds=3",
-            "inference.tasks_per_batch=2",
+            "orchestrator.evals.every=0",
+            "trainer.checkpoint.every=1",
+            "inference.tasks.lease_seconds=3",
+            "inference.tasks.per_batch=2",
         ],
     )
     with running(config, tmp_path, tiny_model_dir) as launch:
@@ -271,7 +271,7 @@ def eval_leases(launch: Launch, run_id: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("fault", ["sigstop", "sigkill"])
 def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, tiny_model_dir):
-    """orchestrator.policy_eval: the replica of the policy_eval pool frozen (8 s, past its 3 s leases)
+    """orchestrator.evals.policy: the replica of the policy_eval pool frozen (8 s, past its 3 s leases)
     or SIGKILLed and restarted while it holds π's tasks of a round: the leases expire, the tasks go
     back to that pool's list (no rollout replica takes them), and every round of μ and of π is
     written once, whole."""
@@ -281,10 +281,10 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
             f"run.steps={STEPS}",
             f"run.batch_prompts={B}",
             f"run.group_size={G}",
-            "orchestrator.eval_every=10",
-            "orchestrator.eval_size=40",
-            "orchestrator.policy_eval=true",
-            "inference.lease_seconds=3",
+            "orchestrator.evals.every=10",
+            "orchestrator.evals.size=40",
+            "orchestrator.evals.policy=true",
+            "inference.tasks.lease_seconds=3",
         ],
     )
     with running(config, tmp_path, tiny_model_dir) as launch:
@@ -333,10 +333,10 @@ def test_a_multi_turn_run_survives_a_replica_killed_mid_trajectory(tmp_path, cal
             f"run.batch_prompts={b}",
             f"run.group_size={g}",
             "run.replicas=2",
-            "orchestrator.eval_every=0",
-            "trainer.checkpoint_every=1",
-            "inference.lease_seconds=3",
-            "inference.tasks_per_batch=2",
+            "orchestrator.evals.every=0",
+            "trainer.checkpoint.every=1",
+            "inference.tasks.lease_seconds=3",
+            "inference.tasks.per_batch=2",
         ],
     )
     with running(config, tmp_path, calc_model_dir) as launch:

@@ -4,7 +4,7 @@ across the nodes. One node's launcher is SIGKILLed mid-run (it and its rank die 
 restarts it, as Slurm's requeue or a JobSet's restart would; the surviving launcher restarts its
 rank (torchrun --max-restarts) and the two meet again: the run resumes from the checkpoint. Then
 node b's rank is frozen (SIGSTOP) mid-run: node a's rank waits in a collective until
-trainer.collective_timeout_seconds, exits, and both launchers restart their ranks (b's frozen one
+trainer.parallel.collective_timeout_seconds, exits, and both launchers restart their ranks (b's frozen one
 killed by its launcher) — the run ends with every rollout trained once."""
 
 import asyncio
@@ -41,7 +41,7 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
         "STEADYRL_TRAINER_RUN_ID": run_id,
         "STEADYRL_TRAINER_MAX_STEPS": "9",
         "STEADYRL_LOG_LEVEL": "INFO",
-        "STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS": "15",
+        "STEADYRL_TRAINER_PARALLEL__COLLECTIVE_TIMEOUT_SECONDS": "15",
         "OMP_NUM_THREADS": "1",
     }
     endpoint = f"127.0.0.1:{free_port()}"
@@ -52,13 +52,13 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
         "trainer-node",
         str(ROOT / "configs" / "tiny-arith.toml"),
         "--set",
-        "trainer.nodes=2",
+        "trainer.parallel.nodes=2",
         "--set",
-        f"trainer.rdzv_endpoint={endpoint}",
+        f"trainer.parallel.rdzv_endpoint={endpoint}",
         "--set",
-        "trainer.parallel=fsdp",
+        "trainer.parallel.mode=fsdp",
         "--set",
-        "trainer.checkpoint_every=2",
+        "trainer.checkpoint.every=2",
     ]
     metrics = out / "metrics.jsonl"
 

@@ -30,8 +30,8 @@ def start(out: Path, *settings: str) -> subprocess.Popen:
         f"run.steps={STEPS}",
         f"run.batch_prompts={B}",
         f"run.group_size={G}",
-        "orchestrator.eval_every=0",
-        "trainer.checkpoint_every=10",
+        "orchestrator.evals.every=0",
+        "trainer.checkpoint.every=10",
         *settings,
     ]
     return subprocess.Popen(
@@ -132,7 +132,7 @@ def test_redis_frozen_20s_as_a_checkpoint_lands(tmp_path):
     publish that Redis did not answer is tried again when it thaws, its leases kept (none expires)."""
     out = tmp_path / "run"
     # the replica is the bottleneck (one task at a time, a backlog queued); Redis freezes while it holds a lease
-    run = start(out, "inference.max_inflight_tasks=1", "inference.tasks_per_batch=1", "run.max_staleness=2")
+    run = start(out, "inference.tasks.max_inflight=1", "inference.tasks.per_batch=1", "run.max_staleness=2")
     try:
         wait_for(run, lambda: latest_is(out, 10))
         redis_pid = json.loads((out / "pids.json").read_text())["redis-server"]

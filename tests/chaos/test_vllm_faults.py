@@ -95,11 +95,11 @@ def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_an
             f"run.steps={STEPS}",
             f"run.batch_prompts={B}",
             f"run.group_size={G}",
-            "orchestrator.eval_every=0",
-            "trainer.checkpoint_every=1",
-            "inference.lease_seconds=3",
-            "inference.tasks_per_batch=2",
-            "trainer.weight_transport=shm",
+            "orchestrator.evals.every=0",
+            "trainer.checkpoint.every=1",
+            "inference.tasks.lease_seconds=3",
+            "inference.tasks.per_batch=2",
+            "trainer.publish.transport=shm",
         ],
     )
     stale = [Path("/dev/shm/steadyrl") / config.run_id / f"v{v}.safetensors" for v in range(1, 400)]

@@ -66,15 +66,25 @@ def recipe_driven(service: str, env: dict[str, str], recipes: Path, printed: dic
 
     name = env["STEADYRL_RECIPE"].removeprefix("/etc/steadyrl/")
     assert env["STEADYRL_RECIPE"] == f"/etc/steadyrl/{name}", env["STEADYRL_RECIPE"]
-    settings = deployed_settings(service, {**env, "STEADYRL_RECIPE": str(recipes / name)}).model_dump(mode="json")
-    expected = printed[service]
+    resolved = deployed_settings(service, {**env, "STEADYRL_RECIPE": str(recipes / name)}).model_dump(mode="json")
+    settings, expected = dotted(resolved), dotted(printed[service])
     differ = sorted(k for k in expected if k not in DEPLOYMENT_FIELDS and settings[k] != expected[k])
     assert not differ, (service, {k: (settings[k], expected[k]) for k in differ})
-    placed = {
-        k[len(f"STEADYRL_{service.upper()}_") :].lower() for k in env if k.startswith(f"STEADYRL_{service.upper()}_")
-    }
+    prefix = f"STEADYRL_{service.upper()}_"
+    placed = {k[len(prefix) :].lower().replace("__", ".") for k in env if k.startswith(prefix)}
     assert placed <= DEPLOYMENT_FIELDS, (service, sorted(placed - DEPLOYMENT_FIELDS))  # nothing the recipe decides
-    return settings
+    return resolved
+
+
+def dotted(values: dict, prefix: str = "") -> dict:
+    """Nested settings as one level of dotted names (a section's fields compared one by one)."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 # --- docker compose ------------------------------------------------------------------------------
@@ -130,7 +140,7 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
             assert env[f"STEADYRL_{kind.upper()}_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
             assert settings["redis_url"] == "**********" and "redis_password" in service["secrets"]
         if kind == "trainer":  # weights are signed in every deploy, by the trainer alone
-            assert env["STEADYRL_TRAINER_SIGNING_KEY_FILE"] == "/run/secrets/weights_signing_key"
+            assert env["STEADYRL_TRAINER_PUBLISH__SIGNING_KEY_FILE"] == "/run/secrets/weights_signing_key"
             assert "weights_signing_key" in service["secrets"] and "weights_verify_key" not in service["secrets"]
         else:  # and checked by weight-sync and every replica, which never hold the signing key
             assert "weights_signing_key" not in service["secrets"]
@@ -428,9 +438,9 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
     assert named["Service", "inference"]["spec"]["selector"] == {"app": "inference"}
     assert named["ScaledObject", "inference"]["spec"]["scaleTargetRef"] == {"name": "inference"}
     orchestrator = named["Deployment", "orchestrator"]["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "STEADYRL_ORCHESTRATOR_POLICY_EVAL", "value": "true"} in orchestrator
+    assert {"name": "STEADYRL_ORCHESTRATOR_EVALS__POLICY", "value": "true"} in orchestrator
     assert not any(
-        e["name"] == "STEADYRL_ORCHESTRATOR_POLICY_EVAL"
+        e["name"] == "STEADYRL_ORCHESTRATOR_EVALS__POLICY"
         for d in plain
         if d["kind"] == "Deployment" and d["metadata"]["name"] == "orchestrator"
         for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -511,7 +521,10 @@ def check_gpu_overlay(docs: list[dict]) -> None:
         assert pod["runtimeClassName"] == "nvidia" and "initContainers" not in pod, name
     env = {e["name"]: e.get("value") for e in pods["inference"]["containers"][0]["env"]}
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-    assert pods["trainer"]["containers"][0]["args"] == ["steadyrl.cli", "trainer-node"]  # torchrun × trainer.gpus
+    assert pods["trainer"]["containers"][0]["args"] == [
+        "steadyrl.cli",
+        "trainer-node",
+    ]  # torchrun × trainer.parallel.gpus
     assert "initContainers" not in pods["orchestrator"]
     assert {"name": "data", "mountPath": "/data", "readOnly": True} in pods["orchestrator"]["containers"][0][
         "volumeMounts"

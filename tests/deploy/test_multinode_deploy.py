@@ -87,9 +87,9 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(
         "services.trainer",
     ]
     trainer = plan["env"]
-    assert trainer["STEADYRL_TRAINER_NODES"] == "2" and trainer["STEADYRL_TRAINER_GPUS"] == "8"
+    assert trainer["STEADYRL_TRAINER_PARALLEL__NODES"] == "2" and trainer["STEADYRL_TRAINER_PARALLEL__GPUS"] == "8"
     assert trainer["STEADYRL_TRAINER_OUT_DIR"] == "/shared/run/trainer"  # the environment wins over the recipe
-    assert trainer["STEADYRL_TRAINER_COLLECTIVE_TIMEOUT_SECONDS"] == "600"
+    assert trainer["STEADYRL_TRAINER_PARALLEL__COLLECTIVE_TIMEOUT_SECONDS"] == "600"
     assert "secret-pw" not in (tmp_path / "srun.json").read_text()  # the Redis password is masked
     # without its inputs the script stops before srun, naming what is missing
     missing = subprocess.run(
@@ -103,7 +103,7 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(
 
 
 def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous():
-    env = {**os.environ, "STEADYRL_TRAINER_MODEL_PATH": "/models/m", "STEADYRL_TRAINER_NODES": "2"}
+    env = {**os.environ, "STEADYRL_TRAINER_MODEL_PATH": "/models/m", "STEADYRL_TRAINER_PARALLEL__NODES": "2"}
     done = subprocess.run(
         [sys.executable, "-m", "steadyrl.cli", "trainer-node", "--dry-run"],
         env=env,
@@ -171,10 +171,10 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     env = container_env(container, docs)
     check_settings("trainer", steadyrl_env(env, "trainer"))
     assert env["STEADYRL_RECIPE"] == "/etc/steadyrl/gpu-qwen3-moe-math.toml"  # the gpu overlay's recipe...
-    assert env["STEADYRL_TRAINER_NODES"] == str(job["spec"]["parallelism"])  # ...spread over the nodes
+    assert env["STEADYRL_TRAINER_PARALLEL__NODES"] == str(job["spec"]["parallelism"])  # ...spread over the nodes
     # pod 0's DNS name under the JobSet's headless Service: <jobset>-<job>-<job index>-<pod index>.<subdomain>
     host = f"{jobset['metadata']['name']}-{nodes['name']}-0-0.{spec['network']['subdomain']}"
-    assert env["STEADYRL_TRAINER_RDZV_ENDPOINT"] == f"{host}:29500"
+    assert env["STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT"] == f"{host}:29500"
     assert container["args"] == ["steadyrl.cli", "trainer-node", "--node-rank", "$(JOB_COMPLETION_INDEX)"]
     recipe = {"STEADYRL_RECIPE": str(ROOT / "configs" / "gpu-qwen3-moe-math.toml")}
     resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer"), **recipe}, "--node-rank", "0")
@@ -199,14 +199,18 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert claims["trainer-data"]["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes its shards
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "trainer-data"}} in pod["volumes"]
-    assert env["STEADYRL_TRAINER_PARALLEL"] == "hsdp" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["STEADYRL_TRAINER_PARALLEL__MODE"] == "hsdp" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     trainer = resolved["env"]  # B, G, N, precision... come from the recipe, not the JobSet
     assert (
         trainer["STEADYRL_TRAINER_BATCH_PROMPTS"],
         trainer["STEADYRL_TRAINER_MINI_BATCHES"],
-        trainer["STEADYRL_TRAINER_PRECISION"],
+        trainer["STEADYRL_TRAINER_COMPUTE__PRECISION"],
         trainer["STEADYRL_TRAINER_RUN_ID"],
     ) == ("64", "4", "bf16-mixed", "qwen3-moe-math")
-    assert not {"STEADYRL_TRAINER_BATCH_PROMPTS", "STEADYRL_TRAINER_GPUS", "STEADYRL_TRAINER_PRECISION"} & set(env)
+    assert not {
+        "STEADYRL_TRAINER_BATCH_PROMPTS",
+        "STEADYRL_TRAINER_PARALLEL__GPUS",
+        "STEADYRL_TRAINER_COMPUTE__PRECISION",
+    } & set(env)
     assert yaml.safe_dump(jobset)  # renders back
     assert Path(deploy / "slurm" / "trainer.sbatch").exists()

@@ -19,7 +19,7 @@ def test_experiment_grid_runs_every_seed_and_writes_the_table(tmp_path, tiny_mod
 [grid]
 base = "{ROOT / "configs" / "tiny-arith.toml"}"
 set = ["run.steps=2", "run.batch_prompts=4", "run.max_staleness=0", "trainer.recipe=manual",
-       "orchestrator.eval_every=2", "orchestrator.eval_size=20"]
+       "orchestrator.evals.every=2", "orchestrator.evals.size=20"]
 [collapse]
 entropy_below = 10.0
 [[config]]
@@ -43,7 +43,7 @@ set = ["trainer.mini_batches=2", "trainer.routing_replay=r2"]
         assert row["collapsed"] == "True" and row["collapse_reason"].startswith("entropy")  # the rule is applied
         assert 0 <= float(row["eval_final"]) <= 1
     seeds = [(out / "n1" / f"seed-{s}" / "config.resolved.toml").read_text().count("seed = 1") for s in (0, 1)]
-    assert seeds == [0, 2]  # seed 1 sets trainer.seed and orchestrator.task_seed
+    assert seeds == [0, 2]  # seed 1 sets trainer.seed and orchestrator.data.seed
     table = (out / "table.md").read_text().splitlines()
     assert len(table) == 4 and table[3].startswith("| N=2 + R2 |") and table[3].endswith("| 2/2 |")
     assert {"plots/reward_mean.png", "plots/eval_accuracy.png", "plots/mismatch_kl_k3.png"} <= set(result["plots"])
@@ -73,7 +73,7 @@ def test_grid_v2_runs_fp8_inference_on_mul_trace_with_the_papers_geometry(tmp_pa
         "--set",
         "run.mini_batch_prompts=2",
         "--set",
-        "orchestrator.eval_size=20",
+        "orchestrator.evals.size=20",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -108,9 +108,9 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
         "--set",
         "run.steps=2",
         "--set",
-        "orchestrator.eval_size=20",
+        "orchestrator.evals.size=20",
         "--set",
-        "trainer.checkpoint_every=1",
+        "trainer.checkpoint.every=1",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -60,21 +60,21 @@ def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_p
             "--set",
             "run.batch_prompts=8",
             "--set",
-            "orchestrator.eval_every=0",
+            "orchestrator.evals.every=0",
             "--set",
             "trainer.lora.rank=8",
             "--set",
-            "trainer.checkpoint_every=4",
+            "trainer.checkpoint.every=4",
             # bf16-mixed, micro-batches, activation checkpointing and routing replay
             *[
                 a
                 for s in (
                     f"trainer.lora.target_experts={str(experts).lower()}",
-                    f"trainer.ranks={ranks}",
-                    'trainer.parallel="fsdp"',
-                    'trainer.precision="bf16-mixed"',
-                    "trainer.micro_batch_tokens=40",
-                    "trainer.activation_checkpointing=true",
+                    f"trainer.parallel.ranks={ranks}",
+                    'trainer.parallel.mode="fsdp"',
+                    'trainer.compute.precision="bf16-mixed"',
+                    "trainer.compute.micro_batch_tokens=40",
+                    "trainer.compute.activation_checkpointing=true",
                     'trainer.recipe="manual"',
                     f'trainer.routing_replay="{replay}"',
                 )

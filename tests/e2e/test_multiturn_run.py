@@ -35,7 +35,7 @@ def test_tiny_tools_learns_to_call_the_calculator(tmp_path, calc_model_dir):
             "--set",
             "run.steps=20",
             "--set",
-            "orchestrator.eval_every=10",
+            "orchestrator.evals.every=10",
         ],
         capture_output=True,
         text=True,
@@ -71,11 +71,11 @@ def test_an_agent_program_or_a_verifiers_environment_drives_a_training_run(tmp_p
     through the replicas' OpenAI-compatible endpoint: their rollouts are trained."""
     out = tmp_path / "run"
     played = (
-        [f'orchestrator.environment="agent:{sys.executable} -m tests.agent_calc"']
+        [f'orchestrator.trajectory.environment="agent:{sys.executable} -m tests.agent_calc"']
         if player == "agent"
         else [
-            'orchestrator.environment="verifiers:tests.vf_calc"',
-            'orchestrator.task="verifiers"',
+            'orchestrator.trajectory.environment="verifiers:tests.vf_calc"',
+            'orchestrator.data.task="verifiers"',
             f'model.path="{calc_model_dir}"',
         ]
     )  # "tiny" names the calc model for task calc alone
@@ -95,7 +95,7 @@ def test_an_agent_program_or_a_verifiers_environment_drives_a_training_run(tmp_p
             "--set",
             "run.group_size=4",
             "--set",
-            "orchestrator.eval_every=0",
+            "orchestrator.evals.every=0",
             *[a for s in played for a in ("--set", s)],
         ],
         capture_output=True,

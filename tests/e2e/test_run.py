@@ -70,17 +70,17 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
             "--set",
             "run.batch_prompts=8",
             "--set",
-            "orchestrator.eval_every=2",
+            "orchestrator.evals.every=2",
             "--set",
-            "orchestrator.eval_size=40",
+            "orchestrator.evals.size=40",
             "--set",
             "run.replicas=2",
             "--set",
-            "trainer.checkpoint_every=2",
+            "trainer.checkpoint.every=2",
             "--set",
-            f'orchestrator.eval_sets={{hard = "{hard}"}}',
+            f'orchestrator.evals.sets={{hard = "{hard}"}}',
             "--set",
-            "orchestrator.policy_eval=true",
+            "orchestrator.evals.policy=true",
             "--set",
             f'run.tracking={{wandb_project = "e2e", wandb_mode = "offline", mlflow_tracking_uri = "{mlflow}"}}',
         ],
@@ -164,7 +164,7 @@ def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir
             "--set",
             "run.steps=100000",
             "--set",
-            "orchestrator.eval_every=0",
+            "orchestrator.evals.every=0",
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -238,7 +238,7 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
 
     config = load_run_config(
         ROOT / "configs" / "tiny-arith.toml",
-        ["run.steps=6", "run.batch_prompts=4", "orchestrator.eval_every=0", "trainer.checkpoint_every=1"],
+        ["run.steps=6", "run.batch_prompts=4", "orchestrator.evals.every=0", "trainer.checkpoint.every=1"],
     )
     launch = Launch(config, tmp_path, str(tiny_model_dir))
     try:

@@ -28,7 +28,7 @@ def run(out: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
             "--set",
             "run.batch_prompts=4",
             "--set",
-            "orchestrator.eval_size=8",
+            "orchestrator.evals.size=8",
             *(x for o in overrides for x in ("--set", o)),
         ],
         capture_output=True,
@@ -43,7 +43,7 @@ def run(out: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
     "overrides, rule, reason",
     [
         (
-            ("orchestrator.max_new_tokens=4096", "orchestrator.stop.window_tasks=40"),
+            ("orchestrator.sampling.max_new_tokens=4096", "orchestrator.stop.window_tasks=40"),
             "dead_share",
             "of the last 40 train tasks were dead-lettered",
         ),

@@ -50,9 +50,7 @@ def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(
             calc_model_dir,
             redis_server.url,
             run_id,
-            agent_endpoint=True,
-            agent_env=["STEADYRL_TEST_PASSED"],
-            agent_hidden_paths=[run_dir],
+            agent={"endpoint": True, "env": ["STEADYRL_TEST_PASSED"], "hidden_paths": [run_dir]},
         ):
             await submit(queue, probe)
             await wait_for(lambda: _dead(queue, 1), 60)
@@ -82,7 +80,7 @@ def test_a_session_answers_only_calls_that_carry_its_key(tmp_path, calc_model_di
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent_endpoint=True):
+        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}):
             endpoint = trajectories.ENDPOINT[0]
             await submit(queue, hold)
             await wait_for(lambda: _sessions(endpoint), 60)

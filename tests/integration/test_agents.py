@@ -62,7 +62,7 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent_endpoint=True) as replica:
+        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}) as replica:
             base = trajectories.ENDPOINT[0].base_url
             bad = await asyncio.to_thread(
                 post, f"{base}/rollouts/nobody/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}

@@ -19,7 +19,7 @@ async def orchestrator_on(redis_url: str, run_id: str, model_dir, out_dir, state
     """(a client, an Orchestrator) of `run_id` on a real Redis, the run put in `state`."""
     redis = Redis.from_url(redis_url)
     settings = OrchestratorSettings(
-        model_path=str(model_dir), redis_url=redis_url, run_id=run_id, out_dir=out_dir, eval_size=5, **fields
+        model_path=str(model_dir), redis_url=redis_url, run_id=run_id, out_dir=out_dir, **fields, evals={"size": 5}
     )
     orchestrator = Orchestrator(settings, redis)
     await redis.hset(orchestrator.keys.run, "state", state)
@@ -37,7 +37,7 @@ def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_
             batch_prompts=2,
             group_size=2,
             steps=3,
-            eval_size=5,
+            evals={"size": 5},
         )
         orchestrator = Orchestrator(settings, redis)
         await redis.hset(orchestrator.keys.run, "state", "created")
@@ -78,7 +78,11 @@ def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id,
     async def main():
         redis = Redis.from_url(redis_server.url)
         settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id, out_dir=tmp_path, eval_size=5
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            evals={"size": 5},
         )
         orchestrator = Orchestrator(settings, redis)
         transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN))
@@ -135,8 +139,7 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
             batch_prompts=2,
             group_size=2,
             steps=3,
-            eval_every=2,
-            eval_size=5,
+            evals={"every": 2, "size": 5},
         )
         orchestrator = Orchestrator(settings, redis)
         await redis.hset(orchestrator.keys.run, "state", "running")
@@ -219,10 +222,7 @@ def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_mode
             batch_prompts=2,
             group_size=2,
             steps=3,
-            eval_every=2,
-            eval_size=3,
-            eval_samples=4,
-            eval_temperature=0.8,
+            evals={"every": 2, "size": 3, "samples": 4, "temperature": 0.8},
         )
         orchestrator, tasks = await running_orchestrator(redis, settings)
         queued = {i: (t.group_size, round(t.sampling.temperature, 3)) for i, t in tasks.items()}
@@ -267,11 +267,8 @@ def test_named_eval_sets_are_scored_apart(redis_server, run_id, tiny_model_dir, 
             batch_prompts=2,
             group_size=2,
             steps=3,
-            eval_every=2,
-            eval_size=2,
-            eval_sets={"hard": hard},
-            prompt_column="q",
-            answer_column="a",
+            evals={"every": 2, "size": 2, "sets": {"hard": hard}},
+            data={"prompt_column": "q", "answer_column": "a"},
         )
         orchestrator, tasks = await running_orchestrator(redis, settings)
         queued = {i: (list(t.prompt_token_ids), t.answer) for i, t in tasks.items()}
@@ -314,14 +311,14 @@ def test_eval_sets_are_checked_before_start(tmp_path, tiny_model_dir):
     hard.write_text('{"problem": "1+1=", "answer": "2"}\n')
     base = {"model_path": str(tiny_model_dir), "out_dir": tmp_path}
     with pytest.raises(ValueError, match="eval set name 'Hard!'"):
-        OrchestratorSettings(**base, eval_sets={"Hard!": hard})
+        OrchestratorSettings(**base, evals={"sets": {"Hard!": hard}})
     with pytest.raises(ValueError, match="not 'main'"):
-        OrchestratorSettings(**base, eval_sets={"main": hard})
+        OrchestratorSettings(**base, evals={"sets": {"main": hard}})
     with pytest.raises(ValueError, match="does not exist"):
-        OrchestratorSettings(**base, eval_sets={"gone": tmp_path / "gone.jsonl"}).check_dataset()
+        OrchestratorSettings(**base, evals={"sets": {"gone": tmp_path / "gone.jsonl"}}).check_dataset()
     with pytest.raises(ValueError, match="no answer column 'solution'"):
-        OrchestratorSettings(**base, eval_sets={"hard": hard}, answer_column="solution").check_dataset()
-    OrchestratorSettings(**base, eval_sets={"hard": hard}).check_dataset()  # columns found: fine
+        OrchestratorSettings(**base, evals={"sets": {"hard": hard}}, data={"answer_column": "solution"}).check_dataset()
+    OrchestratorSettings(**base, evals={"sets": {"hard": hard}}).check_dataset()  # columns found: fine
 
 
 def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id, tiny_model_dir, tmp_path):
@@ -347,9 +344,7 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
             batch_prompts=2,
             group_size=2,
             steps=3,
-            eval_every=2,
-            eval_size=3,
-            policy_eval=True,
+            evals={"every": 2, "size": 3, "policy": True},
         )
         orchestrator, tasks = await running_orchestrator(redis, settings)
         policy_pending = sorted(t.decode() for t in await redis.lrange(orchestrator.keys.pending_policy, 0, -1))
@@ -379,7 +374,10 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
             or 0.0
         )
         without = Orchestrator(
-            settings.model_copy(update={"policy_eval": False, "out_dir": tmp_path / "without"}), redis
+            settings.model_copy(
+                update={"evals": settings.evals.model_copy(update={"policy": False}), "out_dir": tmp_path / "without"}
+            ),
+            redis,
         )
         await without.evals.collect()
         refused = (
@@ -456,8 +454,7 @@ def test_pi_s_gauges_hold_its_first_round_and_its_two_latest_by_step(redis_serve
             redis_url=redis_server.url,
             run_id=run_id,
             out_dir=tmp_path,
-            eval_every=2,
-            policy_eval=True,
+            evals={"every": 2, "policy": True},
         )
         orchestrator = Orchestrator(settings, redis)
         seen = []
@@ -498,10 +495,7 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
             batch_prompts=2,
             group_size=2,
             steps=3,
-            eval_every=2,
-            eval_size=3,
-            eval_samples=2,
-            policy_eval=True,
+            evals={"every": 2, "size": 3, "samples": 2, "policy": True},
         )
         orchestrator, _ = await running_orchestrator(redis, settings)
         queue = WorkQueue(redis, run_id)

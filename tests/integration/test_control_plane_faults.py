@@ -42,8 +42,8 @@ def test_a_frozen_redis_gives_stale_status_503_and_unavailable_and_applies_nothi
             redis_url=frozen_redis.url,
             run_id=run_id,
             out_dir=tmp_path,
-            eval_size=5,
-            control_timeout_seconds=1.0,
+            evals={"size": 5},
+            control={"timeout_seconds": 1.0},
         )
         orchestrator = Orchestrator(settings, redis)
         await orchestrator.transition("start")
@@ -105,7 +105,11 @@ def test_request_bodies_over_the_limit_are_refused_with_413(redis_server, run_id
     async def main():
         redis = Redis.from_url(redis_server.url)
         settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir), redis_url=redis_server.url, run_id=run_id, out_dir=tmp_path, eval_size=5
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            evals={"size": 5},
         )
         orchestrator = Orchestrator(settings, redis)
         transport = httpx.ASGITransport(app=create_app(orchestrator, TOKEN, max_request_bytes=4096))
@@ -148,6 +152,6 @@ def test_a_streamed_body_is_cut_at_the_chunk_past_the_limit():
 
     over, under = asyncio.run(main())
     assert over.status_code == 413 and over.json() == {
-        "detail": "request body over 4096 bytes (the service's max_request_bytes)"
+        "detail": "request body over 4096 bytes (orchestrator.control.max_request_bytes)"
     }
     assert under.status_code == 200 and under.json() == {"bytes": 4096}

@@ -33,8 +33,9 @@ def test_eval_scores_the_recipes_eval_sets_as_its_run_does(tiny_model_dir, tmp_p
         writer.writerows([e.prompt, e.answer] for e in examples[40:64])
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(
-        f'[orchestrator]\neval_size = 40\nmax_new_tokens = 8\nprompt_column = "question"\n'
-        f'answer_column = "solution"\neval_sets = {{hard = "{tmp_path / "hard.csv"}"}}\n'
+        "[orchestrator.evals]\nsize = 40\n[orchestrator.sampling]\nmax_new_tokens = 8\n"
+        '[orchestrator.data]\nprompt_column = "question"\nanswer_column = "solution"\n'
+        f'[orchestrator.evals.sets]\nhard = "{tmp_path / "hard.csv"}"\n'
     )
 
     report = report_of(eval_cli(str(tiny_model_dir), "--config", str(recipe), "--samples", "2"))
@@ -96,7 +97,7 @@ def test_a_reward_that_fails_scores_zero_and_is_counted_with_the_recipes_time_li
             "--set",
             "orchestrator.reward=tests.rewards:hang_after_dry_call",
             "--set",
-            "inference.reward_timeout_seconds=1",
+            "inference.tasks.reward_timeout_seconds=1",
             *common,
         )
     )
@@ -110,7 +111,7 @@ def test_a_reward_that_fails_scores_zero_and_is_counted_with_the_recipes_time_li
 def test_bad_eval_settings_are_refused_with_the_reason(tiny_model_dir, tmp_path):
     done = eval_cli(str(tiny_model_dir), "--task", "nope")
     assert done.returncode == 2 and "task" in done.stderr and "'mul_trace'" in done.stderr
-    done = eval_cli(str(tiny_model_dir), "--set", f'orchestrator.eval_sets={{x = "{tmp_path / "none.csv"}"}}')
+    done = eval_cli(str(tiny_model_dir), "--set", f'orchestrator.evals.sets={{x = "{tmp_path / "none.csv"}"}}')
     assert done.returncode == 2 and "none.csv" in done.stderr
     done = eval_cli(str(tiny_model_dir), "--set", "orchestrator.reward=tests.rewards:nothing_here")
     assert done.returncode == 2 and "nothing_here" in done.stderr

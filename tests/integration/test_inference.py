@@ -29,6 +29,7 @@ from shared.runstore.queues import WorkQueue
 from shared.runstore.redis_server import free_port
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.signing import Signer, write_key_pair
+from steadyrl.run_config import merge_tables
 from tests.helpers import submit
 
 
@@ -245,8 +246,7 @@ class Replica:
             run_id=run_id,
             replica_id="replica-a",
             weightsync_address=f"127.0.0.1:{self.ws_port}",
-            lease_seconds=5,
-            **{"verify_key_file": public, **overrides},
+            **merge_tables({"verify_key_file": public, "tasks": {"lease_seconds": 5}}, overrides),
         )
         self.stop = asyncio.Event()
 
@@ -398,7 +398,7 @@ def replica_env(model_dir, redis_url: str, run_id: str, replica: str, lease_seco
         "STEADYRL_INFERENCE_RUN_ID": run_id,
         "STEADYRL_INFERENCE_PORT": "0",
         "STEADYRL_INFERENCE_METRICS_PORT": "0",
-        "STEADYRL_INFERENCE_LEASE_SECONDS": str(lease_seconds),
+        "STEADYRL_INFERENCE_TASKS__LEASE_SECONDS": str(lease_seconds),
         "STEADYRL_INFERENCE_REPLICA_ID": replica,
         "STEADYRL_INFERENCE_TORCH_THREADS": "1",
     }
@@ -435,7 +435,7 @@ def test_a_replica_sigkilled_mid_task_loses_nothing(tmp_path, tiny_model_dir, re
             redis_url=redis_server.url,
             run_id=run_id,
             replica_id="survivor",
-            lease_seconds=30,
+            tasks={"lease_seconds": 30},
         )
         stop = asyncio.Event()
         ready = asyncio.Event()
@@ -494,7 +494,7 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         async with Replica(
-            tmp_path, tiny_model_dir, redis_server.url, run_id, reward_timeout_seconds=2, tasks_per_batch=1
+            tmp_path, tiny_model_dir, redis_server.url, run_id, tasks={"reward_timeout_seconds": 2, "per_batch": 1}
         ) as replica:
             for name, reward, prompt, answer in tasks:
                 task = arith_task(name, prompt, answer, 1)
@@ -551,7 +551,7 @@ def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_mo
             redis_url=redis_server.url,
             run_id=run_id,
             replica_id="fragile",
-            lease_seconds=30,
+            tasks={"lease_seconds": 30},
         )
         task = arith_task("doomed", prompts_of(1)[0], "0", 4)
         task.sampling.max_new_tokens = 20

@@ -154,7 +154,7 @@ def test_a_lora_trainer_resumes_its_adapter_and_optimizer_from_its_checkpoint(tm
         batch_prompts=1,
         group_size=GROUP,
         lora={"rank": 4, "target_modules": ["q_proj"], "publish": "merged"},
-        async_checkpoint=False,
+        checkpoint={"async_save": False},
     )
     runner = StepRunner(settings)
     assert sum(p.numel() for g in runner.optimizer.param_groups for p in g["params"]) == 2 * (

@@ -104,7 +104,9 @@ def fsdp_worker(
     torch.manual_seed(0)
     model = lora_model(model_dir, lora)
     routing = RoutingController(model)
-    settings = TrainerSettings(model_path=model_dir, parallel=parallel, precision="fp32", shard_ranks=2)
+    settings = TrainerSettings(
+        model_path=model_dir, parallel={"mode": parallel, "shard_ranks": 2}, compute={"precision": "fp32"}
+    )
     wrapped = prepare(model, settings, torch.device(device), world)
     if parallel == "hsdp":  # 2 replicas × 2 shards: each rank holds half of every parameter
         layout = {tuple(p.device_mesh.shape) for p in model.parameters()}
@@ -224,8 +226,8 @@ def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tin
         "STEADYRL_TRAINER_REDIS_URL": redis_server.url,
         "STEADYRL_TRAINER_RUN_ID": run_id,
         "STEADYRL_TRAINER_MAX_STEPS": "6",
-        "STEADYRL_TRAINER_PARALLEL": "fsdp",
-        "STEADYRL_TRAINER_MICRO_BATCH_TOKENS": "64",
+        "STEADYRL_TRAINER_PARALLEL__MODE": "fsdp",
+        "STEADYRL_TRAINER_COMPUTE__MICRO_BATCH_TOKENS": "64",
         "STEADYRL_LOG_LEVEL": "INFO",
         "OMP_NUM_THREADS": "1",
     }
@@ -285,7 +287,7 @@ def test_activation_checkpointing_keeps_the_replayed_routing_in_the_recompute(ti
         torch.manual_seed(0)
         model = load_causal_lm(tiny_model_dir, "float32")
         routing = RoutingController(model)
-        settings = TrainerSettings(model_path=str(tiny_model_dir), activation_checkpointing=checkpointing)
+        settings = TrainerSettings(model_path=str(tiny_model_dir), compute={"activation_checkpointing": checkpointing})
         wrapped = prepare(model, settings, torch.device("cpu"), 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)  # large: a routing change would show
         for replay in ("r3", "r2"):
@@ -312,7 +314,12 @@ def gathered_worker(rank: int, world: int, port: int, model_dir: str, shm_dir: s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = load_causal_lm(model_dir, "float32")
-    prepare(model, TrainerSettings(model_path=model_dir, parallel="fsdp", precision="fp32"), torch.device("cpu"), world)
+    prepare(
+        model,
+        TrainerSettings(model_path=model_dir, parallel={"mode": "fsdp"}, compute={"precision": "fp32"}),
+        torch.device("cpu"),
+        world,
+    )
     if rank == 0:
         view = GatheredView(model.state_dict(), torch.bfloat16, lambda: broadcast_payloads([], -3))
         digests = describe(view, 1, 0)

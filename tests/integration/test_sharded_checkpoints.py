@@ -46,13 +46,10 @@ def worker(
     settings = TrainerSettings(
         model_path=model_dir,
         out_dir=root,
-        parallel=parallel,
-        shard_ranks=2,
-        precision="fp32",
-        device="cpu",
-        torch_threads=1,
-        lr=1e-2,
         tensorboard=False,
+        parallel={"mode": parallel, "shard_ranks": 2},
+        compute={"precision": "fp32", "device": "cpu", "torch_threads": 1},
+        optim={"lr": 1e-2},
     )
     runner = StepRunner(settings)
     rollouts = [decode_rollout(d) for d in data]

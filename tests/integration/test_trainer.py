@@ -30,6 +30,7 @@ from shared.rollouts.samples import rollouts_from_samples
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.runstore.queues import WorkQueue
 from shared.tasks import get_reward
+from steadyrl.run_config import merge_tables
 from tests.helpers import publish
 
 GROUP = 4
@@ -80,10 +81,10 @@ def settings_for(tmp_path, model_dir, redis_server, run_id, **overrides) -> Trai
         run_id=run_id,
         batch_prompts=2,
         group_size=GROUP,
-        lr=1e-3,
-        read_block_ms=50,
+        optim={"lr": 1e-3},
+        stream={"read_block_ms": 50},
     )
-    return TrainerSettings(**(values | overrides))
+    return TrainerSettings(**merge_tables(values, overrides))
 
 
 def test_one_step_through_redis_equals_the_math_by_hand(tmp_path, tiny_model_dir, redis_server, run_id):
@@ -271,7 +272,9 @@ def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redi
         await redis.xadd(stream, {"nothing": b"1"})
         await publish(redis, run_id, future + malformed + fresh)
         await serve_trainer(
-            settings_for(tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1, max_rollout_bytes=4096)
+            settings_for(
+                tmp_path, tiny_model_dir, redis_server, run_id, max_steps=1, stream={"max_rollout_bytes": 4096}
+            )
         )
         dead = await redis.xrange(stream + ":dead")
         pending = await redis.xpending(stream, "trainer")
@@ -309,12 +312,12 @@ def test_stale_and_malformed_rollouts_never_train(tmp_path, tiny_model_dir, redi
 TRAINER_ENV = {
     "STEADYRL_TRAINER_PORT": "0",
     "STEADYRL_TRAINER_METRICS_PORT": "0",
-    "STEADYRL_TRAINER_LR": "1e-3",
+    "STEADYRL_TRAINER_OPTIM__LR": "1e-3",
     "STEADYRL_TRAINER_BATCH_PROMPTS": "4",
     "STEADYRL_TRAINER_GROUP_SIZE": str(GROUP),
     "STEADYRL_TRAINER_MAX_STALENESS": "100",
-    "STEADYRL_TRAINER_READ_BLOCK_MS": "50",
-    "STEADYRL_TRAINER_TORCH_THREADS": "1",
+    "STEADYRL_TRAINER_STREAM__READ_BLOCK_MS": "50",
+    "STEADYRL_TRAINER_COMPUTE__TORCH_THREADS": "1",
 }
 
 
@@ -561,7 +564,12 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
         redis = Redis.from_url(redis_server.url)
         publisher = VersionPublisher(
             settings_for(
-                tmp_path, tiny_model_dir, redis_server, run_id, weightsync_address=address, signing_key_file=private
+                tmp_path,
+                tiny_model_dir,
+                redis_server,
+                run_id,
+                weightsync_address=address,
+                publish={"signing_key_file": private},
             ),
             redis,
         )
@@ -619,7 +627,12 @@ def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tin
         await asyncio.wait_for(ready.wait(), 30)
         publisher = VersionPublisher(
             settings_for(
-                tmp_path, tiny_model_dir, redis_server, run_id, weightsync_address=address, signing_key_file=private
+                tmp_path,
+                tiny_model_dir,
+                redis_server,
+                run_id,
+                weightsync_address=address,
+                publish={"signing_key_file": private},
             ),
             redis,
         )

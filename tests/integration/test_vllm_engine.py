@@ -258,18 +258,24 @@ def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_a
             VllmEngine(str(tiny_model_dir), "float32", lora_rank=8, lora_targets=targets)  # before vLLM starts
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
     adapters = load_run_config(
-        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "inference.vllm_max_model_len=64"]
+        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "inference.vllm.max_model_len=64"]
     )
     values = service_values(adapters, "inference")
-    assert values["lora_rank"] == 8 and values["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    assert check(adapters)["inference"].lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention: runs
+    assert values["lora"]["rank"] == 8 and values["lora"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert check(adapters)["inference"].lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention: runs
     experts = load_run_config(
         recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "trainer.lora.target_experts=true"]
     )
-    assert service_values(experts, "inference")["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
+    assert service_values(experts, "inference")["lora"]["targets"] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "experts",
+    ]
     with pytest.raises(ValueError, match="lora adapter versions that adapt the MoE experts"):
         check(experts)
     merged = load_run_config(
         recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"']
     )
-    assert "lora_rank" not in service_values(merged, "inference")  # whole versions: the engine needs no LoRA
+    assert "lora" not in service_values(merged, "inference")  # whole versions: the engine needs no LoRA

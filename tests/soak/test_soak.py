@@ -81,7 +81,7 @@ async def ledger(url: str, run_id: str) -> dict:
 def test_soak(tmp_path, tiny_model_dir):
     config = load_run_config(
         ROOT / "configs" / "tiny-arith.toml",
-        ["run.steps=0", "run.replicas=2", "orchestrator.eval_every=0", "trainer.checkpoint_every=10"],
+        ["run.steps=0", "run.replicas=2", "orchestrator.evals.every=0", "trainer.checkpoint.every=10"],
     )
     launch = Launch(config, tmp_path, str(tiny_model_dir))
     samples: dict[str, list[tuple[float, float]]] = {}

@@ -1,5 +1,6 @@
 """Every recipe in configs/ parses and every section validates against its service's settings."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -29,8 +30,8 @@ def test_a_typo_names_the_field(tmp_path):
         validate("trainer", service_env(load_run_config(bad), "trainer", REQUIRED["trainer"]))
     with pytest.raises(ValueError, match="section.key=value"):
         load_run_config(bad, ["steps=3"])
-    overridden = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.lr=3e-4", "run.steps=7"])
-    assert overridden.section("trainer")["lr"] == 3e-4 and overridden.steps == 7
+    overridden = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.lr=3e-4", "run.steps=7"])
+    assert overridden.section("trainer")["optim"]["lr"] == 3e-4 and overridden.steps == 7
     env = service_env(overridden, "orchestrator", REQUIRED["orchestrator"])
     assert env["STEADYRL_ORCHESTRATOR_STEPS"] == "7" and env["STEADYRL_ORCHESTRATOR_RUN_ID"] == "tiny-arith"
     with pytest.raises(ValueError, match=r"\[model\][\s\S]*pth[\s\S]*Extra inputs"):  # not silently the tiny model
@@ -83,14 +84,70 @@ def test_services_cannot_disagree_on_what_run_declares():
 def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
     from steadyrl.service_settings import build_settings
 
-    monkeypatch.setenv("STEADYRL_TRAINER_LR", "0.5")  # this process's environment is not the service's
+    monkeypatch.setenv("STEADYRL_TRAINER_OPTIM__LR", "0.5")  # this process's environment is not the service's
     config = load_run_config(
         ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3", "trainer.loss.normalization=sequence"]
     )
     env = service_env(config, "trainer", REQUIRED["trainer"])
     assert env["STEADYRL_TRAINER_LOSS__EPS_HIGH"] == "0.3"
     settings = build_settings("trainer", env)
-    assert settings.loss.eps_high == 0.3 and settings.loss.normalization == "sequence" and settings.lr == 1e-3
+    assert settings.loss.eps_high == 0.3 and settings.loss.normalization == "sequence" and settings.optim.lr == 1e-3
+    assert env["STEADYRL_TRAINER_OPTIM__LR"] == "0.001" and env["STEADYRL_TRAINER_CHECKPOINT__EVERY"] == "10"
+
+
+@pytest.mark.parametrize(
+    "where, service, old, new",
+    [
+        ("recipe", "trainer", "lr = 1e-3", "trainer.lr is now trainer.optim.lr"),
+        ("recipe", "trainer", 'parallel = "fsdp"', "trainer.parallel is now trainer.parallel.mode"),
+        (
+            "set",
+            "inference",
+            "inference.lease_seconds=3",
+            "inference.lease_seconds is now inference.tasks.lease_seconds",
+        ),
+        ("set", "orchestrator", "orchestrator.eval_every=2", "orchestrator.eval_every is now orchestrator.evals.every"),
+        (
+            "env",
+            "trainer",
+            "STEADYRL_TRAINER_CHECKPOINT_EVERY",
+            "trainer.checkpoint_every is now trainer.checkpoint.every",
+        ),
+        (
+            "env",
+            "inference",
+            "STEADYRL_INFERENCE_AGENT_ISOLATION",
+            "inference.agent_isolation is now inference.agent.isolation",
+        ),
+        (
+            "kwarg",
+            "orchestrator",
+            "max_new_tokens",
+            "orchestrator.max_new_tokens is now orchestrator.sampling.max_new_tokens",
+        ),
+    ],
+)
+def test_an_old_flat_setting_is_refused_with_its_new_name(tmp_path, monkeypatch, where, service, old, new):
+    from steadyrl.service_settings import build_settings, settings_class
+
+    recipe = ROOT / "configs" / "tiny-arith.toml"
+    if where == "recipe":
+        recipe = tmp_path / "old.toml"
+        recipe.write_text(
+            (ROOT / "configs" / "tiny-arith.toml").read_text().replace("[trainer]\n", f"[trainer]\n{old}\n")
+        )
+    config = load_run_config(recipe, [old] if where == "set" else [])
+    if where in ("recipe", "set"):  # what `steadyrl run` checks before any process starts
+        with pytest.raises(ValueError, match=re.escape(new)):
+            build_settings(service, service_env(config, service, REQUIRED[service]))
+        return
+    if where == "env":  # a deployment's environment: the service refuses to start
+        monkeypatch.setenv(old, "1")
+        with pytest.raises(ValueError, match=re.escape(new)):
+            settings_class(service)(model_path="m")
+        return
+    with pytest.raises(ValueError, match=re.escape(new)):
+        settings_class(service)(model_path="m", **{old: 8})
 
 
 @pytest.mark.parametrize(
@@ -158,10 +215,10 @@ def test_recipes_merge_left_to_right(tmp_path):
         "b": 2,
     }
     gpu = tmp_path / "more.toml"
-    gpu.write_text("[run]\nsteps = 7\n\n[trainer]\nlr = 5e-4\n\n[trainer.loss]\neps_high = 0.3\n")
+    gpu.write_text("[run]\nsteps = 7\n\n[trainer.optim]\nlr = 5e-4\n\n[trainer.loss]\neps_high = 0.3\n")
     config = load_run_config([ROOT / "configs" / "tiny-arith.toml", gpu], ["trainer.loss.eps_low=0.1"])
     assert config.steps == 7 and config.run.batch_prompts == 32  # the later file's keys win, the rest stays
-    assert config.section("trainer")["lr"] == 5e-4 and config.section("trainer")["checkpoint_every"] == 10
+    assert config.section("trainer")["optim"]["lr"] == 5e-4 and config.section("trainer")["checkpoint"]["every"] == 10
     assert config.section("trainer")["loss"] == {"eps_high": 0.3, "eps_low": 0.1}
     with pytest.raises(ValueError, match="does not exist"):
         load_run_config([ROOT / "configs" / "tiny-arith.toml", tmp_path / "missing.toml"])
@@ -178,7 +235,7 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
     import sys
 
     extra = tmp_path / "extra.toml"
-    extra.write_text("[inference]\nmax_inflight_tasks = 4\n")
+    extra.write_text("[inference.tasks]\nmax_inflight = 4\n")
     done = subprocess.run(
         [
             sys.executable,
@@ -188,7 +245,7 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
             str(ROOT / "configs" / "tiny-arith.toml"),
             str(extra),
             "--set",
-            "trainer.lr=3e-4",
+            "trainer.optim.lr=3e-4",
             "--dry-run",
             "--out",
             str(tmp_path / "run"),
@@ -201,12 +258,12 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     shown = json.loads(done.stdout)
     settings = shown["settings"]
-    assert settings["trainer"]["lr"] == 3e-4 and settings["inference"]["max_inflight_tasks"] == 4
+    assert settings["trainer"]["optim"]["lr"] == 3e-4 and settings["inference"]["tasks"]["max_inflight"] == 4
     assert settings["trainer"]["batch_prompts"] == settings["orchestrator"]["batch_prompts"] == 32
     assert settings["trainer"]["redis_url"] == "**********" and settings["orchestrator"]["token"] is None
     assert shown["placement"] == {"trainer_gpus": [], "trainer_ranks": 1, "replica_gpus": [[]]}
     assert "steadyrl plan --model-config" in shown["plan"]["skipped"]  # "tiny" is built at start, not here
-    assert "max_inflight_tasks = 4" in shown["recipe"]
+    assert "max_inflight = 4" in shown["recipe"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing started
 
 

@@ -44,7 +44,7 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     assert len(names) == configs and len(set(names)) == configs
     for config in grid.configs:
         recipe = run_config_for(grid, config, seed=2)
-        assert recipe.section("trainer")["seed"] == 2 and recipe.section("orchestrator")["task_seed"] == 2
+        assert recipe.section("trainer")["seed"] == 2 and recipe.section("orchestrator")["data"]["seed"] == 2
         assert recipe.run_id == f"{config.name}-s2"
         for service in SERVICES:  # a typo in a configuration names the field
             validate(service, service_env(recipe, service, PROBES[service]))
@@ -208,9 +208,9 @@ def test_policy_eval_drop_judges_collapse_on_pi_scored_live():
     assert not summarise_run(steps(10), evals, rule, [], [])["collapsed"]  # no live rounds: nothing to compare
     grid = load_grid(ROOT / "configs" / "paper-grid.toml")
     grid.collapse = rule
-    with pytest.raises(ValueError, match="policy_eval_drop needs orchestrator.policy_eval"):
+    with pytest.raises(ValueError, match="policy_eval_drop needs orchestrator.evals.policy"):
         check_recipes(grid, grid.configs)
-    check_recipes(grid, grid.configs, ["orchestrator.policy_eval=true"])
+    check_recipes(grid, grid.configs, ["orchestrator.evals.policy=true"])
 
 
 def test_live_policy_evals_are_columns_and_a_plot(tmp_path):

@@ -67,7 +67,12 @@ def settings(**fields) -> OrchestratorSettings:
 
 
 def test_multi_turn_tasks_carry_their_environment_budget_and_prompt_text(calc_model_dir):
-    s = settings(model_path=str(calc_model_dir), task="calc", max_turns=3, max_new_tokens=14, env_seconds=5)
+    s = settings(
+        model_path=str(calc_model_dir),
+        data={"task": "calc"},
+        trajectory={"max_turns": 3, "env_seconds": 5},
+        sampling={"max_new_tokens": 14},
+    )
     tasks = Tasks(s)
     task = tasks.make("train-0", tasks.train[0], 8, 1.0, False, 0)
     assert (task.environment, task.prompt_text, list(task.prompt_token_ids)) == ("calc", tasks.train[0].prompt, [])
@@ -76,7 +81,9 @@ def test_multi_turn_tasks_carry_their_environment_budget_and_prompt_text(calc_mo
     single = Tasks(settings(model_path=str(calc_model_dir))).make("train-0", tasks.train[0], 8, 1.0, False, 0)
     assert single.environment == "" and list(single.prompt_token_ids) and not single.HasField("budget")
     agent = settings(
-        model_path=str(calc_model_dir), task="calc", environment="agent:prog --x", max_trajectory_tokens=30
+        model_path=str(calc_model_dir),
+        data={"task": "calc"},
+        trajectory={"environment": "agent:prog --x", "max_tokens": 30},
     )
     made = Tasks(agent).make("train-1", tasks.train[1], 8, 1.0, False, 0)
     assert (made.environment, made.budget.max_tokens) == ("agent:prog --x", 30)
@@ -85,11 +92,14 @@ def test_multi_turn_tasks_carry_their_environment_budget_and_prompt_text(calc_mo
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"environment": "nope"}, "no environment named 'nope'"),
-        ({"environment": "tests.envs:Missing"}, "cannot be imported"),
-        ({"environment": "agent:  "}, "names its command"),
-        ({"task": "calc", "environment": "tests.envs:Echo"}, "played by the environment 'calc' or an agent"),
-        ({"max_turns": 0}, "max_turns"),
+        ({"trajectory": {"environment": "nope"}}, "no environment named 'nope'"),
+        ({"trajectory": {"environment": "tests.envs:Missing"}}, "cannot be imported"),
+        ({"trajectory": {"environment": "agent:  "}}, "names its command"),
+        (
+            {"data": {"task": "calc"}, "trajectory": {"environment": "tests.envs:Echo"}},
+            "played by the environment 'calc' or an agent",
+        ),
+        ({"trajectory": {"max_turns": 0}}, "max_turns"),
     ],
 )
 def test_a_bad_environment_is_refused_before_anything_starts(fields, message):
@@ -99,13 +109,15 @@ def test_a_bad_environment_is_refused_before_anything_starts(fields, message):
 
 def test_a_recipe_with_an_agent_turns_the_replicas_endpoint_on():
     plain = load_run_config(ROOT / "configs" / "tiny-tools.toml")
-    agent = load_run_config(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.environment="agent:prog"'])
-    assert service_values(plain, "inference")["agent_endpoint"] is False
-    assert service_values(agent, "inference")["agent_endpoint"] is True
-    forced = load_run_config(ROOT / "configs" / "tiny-tools.toml", ["inference.agent_endpoint=true"])
-    assert service_values(forced, "inference")["agent_endpoint"] is True
-    played = load_run_config(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.environment="verifiers:x"'])
-    assert service_values(played, "inference")["agent_endpoint"] is True
+    agent = load_run_config(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.trajectory.environment="agent:prog"'])
+    assert service_values(plain, "inference")["agent"]["endpoint"] is False
+    assert service_values(agent, "inference")["agent"]["endpoint"] is True
+    forced = load_run_config(ROOT / "configs" / "tiny-tools.toml", ["inference.agent.endpoint=true"])
+    assert service_values(forced, "inference")["agent"]["endpoint"] is True
+    played = load_run_config(
+        ROOT / "configs" / "tiny-tools.toml", ['orchestrator.trajectory.environment="verifiers:x"']
+    )
+    assert service_values(played, "inference")["agent"]["endpoint"] is True
 
 
 def test_calc_traces_train_the_model_s_turns_alone(calc_model_dir):

@@ -13,7 +13,7 @@ from steadyrl.run_config import load_run_config
 from steadyrl.service_settings import build_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_RUN = ["run.replicas=2", "inference.gpus_per_replica=2", "trainer.gpus=4", "inference.engine=vllm"]
+GPU_RUN = ["run.replicas=2", "inference.gpus_per_replica=2", "trainer.parallel.gpus=4", "inference.engine=vllm"]
 
 
 def planned(tmp_path, overrides, gpus: int) -> Launch:
@@ -43,14 +43,14 @@ def test_each_process_gets_its_own_gpus_and_the_trainer_runs_under_torchrun(tmp_
     settings = build_settings("inference", replica.env)
     assert settings.gpus_per_replica == 2 and engine_options(settings)["tensor_parallel_size"] == 2
     # the trainer publishes in the replicas' dtype unless told otherwise
-    assert trainer.env["STEADYRL_TRAINER_PUBLISH_DTYPE"] == "bfloat16"
+    assert trainer.env["STEADYRL_TRAINER_PUBLISH__DTYPE"] == "bfloat16"
 
 
 def test_a_recipe_needing_more_gpus_than_exist_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
     with pytest.raises(
         ValueError,
-        match=r"needs 8 GPUs \(trainer.gpus 4 \+ 2 replicas × inference.gpus_per_replica "
+        match=r"needs 8 GPUs \(trainer.parallel.gpus 4 \+ 2 replicas × inference.gpus_per_replica "
         r"2\) and this machine has 4",
     ):
         planned(tmp_path, GPU_RUN, gpus=4)
@@ -61,7 +61,7 @@ def test_on_the_cpu_nothing_changes(tmp_path):
     launch = planned(tmp_path, [], gpus=0)
     assert {s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services} == {""}
     assert [s.argv for s in launch.services if s.name == "trainer"] == [["-m", "services.trainer"]]
-    cpu_ranks = planned(tmp_path / "ranks", ["trainer.ranks=2"], gpus=0)
+    cpu_ranks = planned(tmp_path / "ranks", ["trainer.parallel.ranks=2"], gpus=0)
     trainer = next(s for s in cpu_ranks.services if s.name == "trainer")
     assert trainer.argv[3] == "2" and trainer.devices["CUDA_VISIBLE_DEVICES"] == ""
     assert plan_placement(0, 0, 3, 0, 0).replicas == ((), (), ())
@@ -90,7 +90,7 @@ def test_quantization_options_reach_each_engine_as_it_takes_them(fmt):
 
 
 def test_a_torch_replica_with_a_gpu_runs_its_engine_there(tmp_path):
-    launch = planned(tmp_path, ["inference.gpus_per_replica=1", "trainer.gpus=1"], gpus=2)
+    launch = planned(tmp_path, ["inference.gpus_per_replica=1", "trainer.parallel.gpus=1"], gpus=2)
     devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services}
     assert devices["trainer"] == "0" and devices["inference-0"] == "1"
     replica = next(s for s in launch.services if s.name == "inference-0")
@@ -108,7 +108,9 @@ def test_a_torch_engine_asked_for_a_gpu_without_one_says_so(tiny_model_dir):
 
 
 def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
-    one = planned(tmp_path / "one", ["run.colocate=true", "trainer.gpus=1", "inference.gpus_per_replica=1"], gpus=1)
+    one = planned(
+        tmp_path / "one", ["run.colocate=true", "trainer.parallel.gpus=1", "inference.gpus_per_replica=1"], gpus=1
+    )
     assert {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in one.services} == {
         "weightsync": "",
         "trainer": "0",
@@ -118,26 +120,28 @@ def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
     assert plan_placement(4, 0, 3, 2, 4, colocate=True).replicas == ((0, 1), (2, 3), (0, 1))  # wraps around
     assert plan_placement(2, 0, 2, 1, 2, colocate=True).trainer == (0, 1)
     with pytest.raises(
-        ValueError, match=r"it needs trainer.gpus >= inference.gpus_per_replica >= 1 \(they are 0 and 1\)"
+        ValueError, match=r"it needs trainer.parallel.gpus >= inference.gpus_per_replica >= 1 \(they are 0 and 1\)"
     ):
         planned(tmp_path / "cpu", ["run.colocate=true", "inference.gpus_per_replica=1"], gpus=1)
     with pytest.raises(
         ValueError,
-        match=r"needs 2 GPUs \(trainer.gpus, the replicas colocated on them\) and this "
+        match=r"needs 2 GPUs \(trainer.parallel.gpus, the replicas colocated on them\) and this "
         r"machine has 1",
     ):
-        planned(tmp_path / "few", ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1"], gpus=1)
+        planned(
+            tmp_path / "few", ["run.colocate=true", "trainer.parallel.gpus=2", "inference.gpus_per_replica=1"], gpus=1
+        )
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
-    vllm = ["run.colocate=true", "trainer.gpus=1", "inference.gpus_per_replica=1", "inference.engine=vllm"]
-    with pytest.raises(ValueError, match=r"set inference.vllm_gpu_memory_utilization <= 0.5 \(it is 0.85\)"):
+    vllm = ["run.colocate=true", "trainer.parallel.gpus=1", "inference.gpus_per_replica=1", "inference.engine=vllm"]
+    with pytest.raises(ValueError, match=r"set inference.vllm.gpu_memory_utilization <= 0.5 \(it is 0.85\)"):
         planned(tmp_path / "vllm", vllm, gpus=1)
-    shared = planned(tmp_path / "ok", [*vllm, "inference.vllm_gpu_memory_utilization=0.4"], gpus=1)
+    shared = planned(tmp_path / "ok", [*vllm, "inference.vllm.gpu_memory_utilization=0.4"], gpus=1)
     assert next(s for s in shared.services if s.name == "inference-0").devices["CUDA_VISIBLE_DEVICES"] == "0"
     # the services start at once, but one on a GPU already in use waits for the earlier ones there
     assert start_after(shared.services) == [set(), set(), {"trainer"}, set()]
     two = planned(
         tmp_path / "two",
-        ["run.colocate=true", "trainer.gpus=2", "inference.gpus_per_replica=1", "run.replicas=3"],
+        ["run.colocate=true", "trainer.parallel.gpus=2", "inference.gpus_per_replica=1", "run.replicas=3"],
         gpus=2,
     )
     assert dict(zip([s.name for s in two.services], start_after(two.services), strict=True)) == {
@@ -148,16 +152,18 @@ def test_colocated_replicas_share_the_trainers_gpus(tmp_path, monkeypatch):
         "inference-2": {"trainer", "inference-0"},
         "orchestrator": set(),
     }
-    apart = planned(tmp_path / "apart", ["trainer.gpus=1", "inference.gpus_per_replica=1", "run.replicas=2"], gpus=3)
+    apart = planned(
+        tmp_path / "apart", ["trainer.parallel.gpus=1", "inference.gpus_per_replica=1", "run.replicas=2"], gpus=3
+    )
     assert start_after(apart.services) == [set()] * 5
 
 
 def test_the_policy_eval_replica_is_one_more_replica_serving_unquantised(tmp_path, monkeypatch):
-    """orchestrator.policy_eval: `steadyrl run` plans one replica of the policy_eval pool after the
+    """orchestrator.evals.policy: `steadyrl run` plans one replica of the policy_eval pool after the
     rollout replicas, on GPUs of its own, with the recipe's engine and dtype but no quantization."""
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
-    recipe = [*GPU_RUN, 'inference.quantization="fp8"', "orchestrator.policy_eval=true"]
-    with pytest.raises(ValueError, match=r"needs 10 GPUs \(trainer.gpus 4 \+ 3 replicas"):
+    recipe = [*GPU_RUN, 'inference.quantization="fp8"', "orchestrator.evals.policy=true"]
+    with pytest.raises(ValueError, match=r"needs 10 GPUs \(trainer.parallel.gpus 4 \+ 3 replicas"):
         planned(tmp_path / "small", recipe, gpus=8)
     launch = planned(tmp_path / "big", recipe, gpus=10)
     devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services if s.name.startswith("inference")}
@@ -170,7 +176,7 @@ def test_the_policy_eval_replica_is_one_more_replica_serving_unquantised(tmp_pat
     ]
     cpu = planned(
         tmp_path / "cpu",
-        ['inference.quantization="fp4"', "inference.quantize_activations=true", "orchestrator.policy_eval=true"],
+        ['inference.quantization="fp4"', "inference.quantize_activations=true", "orchestrator.evals.policy=true"],
         gpus=0,
     )
     policy = build_settings("inference", next(s for s in cpu.services if s.name == "inference-policy").env)

@@ -35,15 +35,20 @@ def test_the_moe_recipe_is_sized_from_the_model_s_parameters():
     assert p["redis"]["rollouts_outstanding"] == 2 * 64 * 16  # (max_staleness + 1) × B × G
     assert p["gpus"] == {"trainer": 8, "inference": 4, "total": 12}
     assert p["model"]["disk_bytes"] == 2 * n  # bf16 safetensors
-    assert p["checkpoint"]["volume_bytes"] == 3 * 12 * n  # keep_checkpoints 2 + the one being written
+    assert p["checkpoint"]["volume_bytes"] == 3 * 12 * n  # checkpoint.keep 2 + the one being written
     rollout = p["redis"]["rollout_bytes"]
     assert rollout > 2**20 and p["redis"]["dead_letter_bytes"] == 10_000 * 2**20  # 1 MiB of each dead letter
     assert p["redis"]["bytes"] == 2048 * rollout + 10_000 * 2**20
 
 
 def test_nodes_and_hsdp_change_what_each_rank_and_node_holds():
-    fsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400")
-    hsdp = sized("gpu-qwen3-moe-math", "trainer.nodes=2", "trainer.rdzv_endpoint=node-0:29400", "trainer.parallel=hsdp")
+    fsdp = sized("gpu-qwen3-moe-math", "trainer.parallel.nodes=2", "trainer.parallel.rdzv_endpoint=node-0:29400")
+    hsdp = sized(
+        "gpu-qwen3-moe-math",
+        "trainer.parallel.nodes=2",
+        "trainer.parallel.rdzv_endpoint=node-0:29400",
+        "trainer.parallel.mode=hsdp",
+    )
     one = sized("gpu-qwen3-moe-math")
     n = one["model"]["parameters"]
     assert fsdp["trainer"]["params_grads_adamw_bytes_per_rank"] == 16 * n / 16
@@ -122,13 +127,13 @@ def undersized(docs: list[dict], p: dict, recipe) -> list[str]:
     spill = next(v for v in pods["weightsync"]["volumes"] if v["name"] == "spill")["emptyDir"]["sizeLimit"]
     redis = first["redis"]
     maxmemory = quantity(next(e["value"] for e in redis["env"] if e["name"] == "REDIS_MAXMEMORY"))
-    trainer_gpus = recipe["trainer"].gpus
+    trainer_gpus = recipe["trainer"].parallel.gpus
     replica_gpus = recipe["inference"].gpus_per_replica
     scaler = named["ScaledObject", "inference"]["spec"]
     startup = first["inference"]["startupProbe"]
     checks = {
         "model volume < the model on disk": claims["steadyrl-models"] >= p["model"]["disk_bytes"],
-        "checkpoint volume < keep_checkpoints + 1 checkpoints": template["trainer"] >= p["checkpoint"]["volume_bytes"],
+        "checkpoint volume < checkpoint.keep + 1 checkpoints": template["trainer"] >= p["checkpoint"]["volume_bytes"],
         "trainer memory < its async checkpoint staging": quantity(first["trainer"]["resources"]["limits"]["memory"])
         >= p["checkpoint"]["async_host_bytes_per_node"],
         "trainer grace period < its final save": pods["trainer"]["terminationGracePeriodSeconds"]
@@ -140,7 +145,8 @@ def undersized(docs: list[dict], p: dict, recipe) -> list[str]:
         "Redis limit < maxmemory + the AOF rewrite's fork": quantity(redis["resources"]["limits"]["memory"])
         >= 1.5 * maxmemory,
         "Redis volume < an AOF twice maxmemory": template["redis"] >= 2 * maxmemory,
-        "trainer GPUs != trainer.gpus": first["trainer"]["resources"]["limits"]["nvidia.com/gpu"] == trainer_gpus,
+        "trainer GPUs != trainer.parallel.gpus": first["trainer"]["resources"]["limits"]["nvidia.com/gpu"]
+        == trainer_gpus,
         "replica GPUs != gpus_per_replica": first["inference"]["resources"]["limits"]["nvidia.com/gpu"] == replica_gpus,
         "KEDA maxReplicaCount != the inference GPU budget / a replica's": scaler["maxReplicaCount"]
         == p["gpus"]["inference"] // replica_gpus,

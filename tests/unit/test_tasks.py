@@ -127,8 +127,11 @@ def test_a_missing_dataset_or_column_stops_the_run_before_anything_starts(tmp_pa
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     for extra, message in (
-        (["orchestrator.math_path=" + str(tmp_path / "missing.jsonl")], "does not exist"),
-        (["orchestrator.math_path=" + str(data), "orchestrator.answer_column=gold"], "no answer column 'gold'"),
+        (["orchestrator.data.math_path=" + str(tmp_path / "missing.jsonl")], "does not exist"),
+        (
+            ["orchestrator.data.math_path=" + str(data), "orchestrator.data.answer_column=gold"],
+            "no answer column 'gold'",
+        ),
     ):
         done = subprocess.run(
             [
@@ -138,7 +141,7 @@ def test_a_missing_dataset_or_column_stops_the_run_before_anything_starts(tmp_pa
                 "run",
                 str(root / "configs" / "tiny-arith.toml"),
                 "--set",
-                "orchestrator.task=math",
+                "orchestrator.data.task=math",
                 *[a for x in extra for a in ("--set", x)],
                 "--out",
                 str(tmp_path / "run"),
@@ -165,20 +168,25 @@ def test_math_evals_never_measure_memorisation(tmp_path):
         return path
 
     train = write("train.jsonl", [f"problem {i}" for i in range(10)])
-    settings = dict(model_path="m", task="math", math_path=train, eval_size=3, train_size=100)
-    held_train, held_eval, _ = dataset(OrchestratorSettings(**settings))  # no eval file: the last rows held out
+    data = {"task": "math", "math_path": train, "train_size": 100}
+    settings = dict(model_path="m", evals={"size": 3})
+    held_train, held_eval, _ = dataset(
+        OrchestratorSettings(**settings, data=data)
+    )  # no eval file: the last rows held out
     assert [e.prompt.split("\n")[0] for e in held_eval] == ["problem 7", "problem 8", "problem 9"]
     assert len(held_train) == 7 and not {e.prompt for e in held_train} & {e.prompt for e in held_eval}
     overlapping = write("eval.jsonl", ["problem 2", "a new problem"])
     with pytest.raises(ValueError, match="1 eval problems are also training problems"):
-        dataset(OrchestratorSettings(**settings, math_eval_path=overlapping))
-    _, evals, _ = dataset(OrchestratorSettings(**settings, math_eval_path=overlapping, allow_eval_overlap=True))
+        dataset(OrchestratorSettings(**settings, data={**data, "math_eval_path": overlapping}))
+    _, evals, _ = dataset(
+        OrchestratorSettings(**settings, data={**data, "math_eval_path": overlapping, "allow_eval_overlap": True})
+    )
     assert len(evals) == 2
     separate = write("separate.jsonl", ["another problem"])
-    full_train, evals, reward = dataset(OrchestratorSettings(**settings, math_eval_path=separate))
+    full_train, evals, reward = dataset(OrchestratorSettings(**settings, data={**data, "math_eval_path": separate}))
     assert len(full_train) == 10 and len(evals) == 1 and reward == "math_verify"
     with pytest.raises(ValueError, match="too few to hold out"):
-        dataset(OrchestratorSettings(**{**settings, "eval_size": 10}))
+        dataset(OrchestratorSettings(model_path="m", evals={"size": 10}, data=data))
 
 
 def test_mul_trace_answers_are_worked_traces_with_a_heavy_tail():
@@ -211,7 +219,7 @@ def test_prompts_go_through_the_tokenizers_chat_template_when_it_has_one(tmp_pat
     from services.orchestrator.data import Tasks
     from shared.models import load_tokenizer
 
-    raw = Tasks(OrchestratorSettings(model_path=str(tiny_model_dir), eval_size=5, train_size=5))
+    raw = Tasks(OrchestratorSettings(model_path=str(tiny_model_dir), evals={"size": 5}, data={"train_size": 5}))
     example = raw.train[0]
     plain = list(raw.make("t", example, 2, 1.0, False, 0).prompt_token_ids)
     assert plain == [raw.tokenizer.bos_token_id, *raw.tokenizer.encode(example.prompt, add_special_tokens=False)]
@@ -220,12 +228,20 @@ def test_prompts_go_through_the_tokenizers_chat_template_when_it_has_one(tmp_pat
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(tmp_path)
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
-    chat = Tasks(OrchestratorSettings(model_path=str(tmp_path), eval_size=5, train_size=5, system_prompt="be exact"))
+    chat = Tasks(
+        OrchestratorSettings(
+            model_path=str(tmp_path), evals={"size": 5}, data={"train_size": 5, "system_prompt": "be exact"}
+        )
+    )
     ids = list(chat.make("t", example, 2, 1.0, False, 0).prompt_token_ids)
     messages = [{"role": "system", "content": "be exact"}, {"role": "user", "content": example.prompt}]
     want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert ids == list(want) and ids != plain
     assert tokenizer.decode(ids) == f"s:be exact u:{example.prompt} a:"  # what the template renders
-    off = Tasks(OrchestratorSettings(model_path=str(tmp_path), eval_size=5, train_size=5, chat_template="none"))
+    off = Tasks(
+        OrchestratorSettings(
+            model_path=str(tmp_path), evals={"size": 5}, data={"train_size": 5, "chat_template": "none"}
+        )
+    )
     assert list(off.make("t", example, 2, 1.0, False, 0).prompt_token_ids) == plain

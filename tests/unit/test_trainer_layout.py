@@ -28,13 +28,16 @@ def test_hsdp_lays_replicas_across_nodes_and_shards_within():
 
 def test_impossible_layouts_are_refused_by_the_settings():
     with pytest.raises(ValidationError, match="rdzv_endpoint"):
-        TrainerSettings(model_path="m", nodes=2)
+        TrainerSettings(model_path="m", parallel={"nodes": 2})
     with pytest.raises(ValidationError, match="rdzv_endpoint"):
-        TrainerSettings(model_path="m", nodes=2, rdzv_endpoint="no-port")
+        TrainerSettings(model_path="m", parallel={"nodes": 2, "rdzv_endpoint": "no-port"})
     with pytest.raises(ValidationError, match="16 ranks are not a whole number of shard groups"):
-        TrainerSettings(model_path="m", nodes=2, rdzv_endpoint="n0:29400", gpus=8, parallel="hsdp", shard_ranks=3)
-    ok = TrainerSettings(model_path="m", nodes=2, rdzv_endpoint="n0:29400", gpus=8, parallel="hsdp")
-    assert (ok.nodes, ok.shard_ranks, ok.collective_timeout_seconds) == (2, 0, 600.0)
+        TrainerSettings(
+            model_path="m",
+            parallel={"nodes": 2, "rdzv_endpoint": "n0:29400", "gpus": 8, "mode": "hsdp", "shard_ranks": 3},
+        )
+    ok = TrainerSettings(model_path="m", parallel={"nodes": 2, "rdzv_endpoint": "n0:29400", "gpus": 8, "mode": "hsdp"})
+    assert (ok.parallel.nodes, ok.parallel.shard_ranks, ok.parallel.collective_timeout_seconds) == (2, 0, 600.0)
 
 
 def test_a_node_runs_torchrun_elastic_or_at_a_fixed_rank():
