@@ -1,18 +1,11 @@
 """One clock for every side of a benchmark run.
 
-Each side is a set of processes (`python -m bench.roles ROLE ...`). They are started and made
-ready first — interpreter, imports, connections, resident buffers, a warm-up where the real
-thing has one — and each says `ready`. The clock then starts (CLOCK_MONOTONIC, one clock for every
-process of a host) and a `go` line releases them, stage by stage: a later stage (a replica mapping
-what the trainer wrote) is released when every process of the stage before has finished. The
-clock stops at the last process's own `end` reading. So a transport, the raw socket it is compared
-with and a memcpy of the same bytes are all timed from the same release to the same arrival,
-never including an interpreter's start or exit.
+Each side is a set of processes (`python -m bench.roles ROLE ...`), made ready first, each saying `ready`; the clock
+(CLOCK_MONOTONIC) starts, a `go` line releases them stage by stage, and it stops at the last process's own `end`
+reading, never counting an interpreter's start or exit. Long-running roles are timed round by round (`cycle`). Every
+read of a role's output is bounded (`expect`'s timeout): a role that hangs fails the run.
 
-Long-running roles (a trainer, replicas, serving version after version) are timed round by round
-with `cycle`: the same ready → release → end, the processes staying up in between.
-Every read of a role's output is bounded (`expect`'s timeout): a role that hangs fails the run.
-"""
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

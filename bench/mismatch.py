@@ -1,17 +1,12 @@
-"""The training–inference mismatch each inference precision makes on the tiny MoE, side by side
-in one run. Prints one JSON object.
+"""The training–inference mismatch each inference precision makes on the tiny MoE, side by side in one run. Prints
+one JSON object.
 
-For each inference setting — fp32, bf16, fp8 weights computed in fp32, bf16 with fp8 weights
-(attention, MLP and experts), the same with the router in fp8 too, W8A8 (fp8 weights and their
-inputs), and the same two with NVFP4 instead of fp8 (W4A16, W4A4) — the torch engine samples the
-same prompts (T = 1, seeded), and the fp32 training engine scores the very tokens it sampled, as the
-trainer's π_old recompute does. Per setting: mismatch KL D_KL(μ‖π) on the sampled tokens (k1 and k3,
-means over tokens), |Δ logprob| of the answer tokens (mean, p99, max), and routing agreement (share
-of (position, layer) top-k expert sets the two engines chose alike). fp8 and fp4 here are the
-emulations of `shared/models/quantization.py` (weights rounded through e4m3 with per-channel scales,
-or through NVFP4's e2m1 blocks of 16; W8A8 / W4A4 also the matmuls' inputs with per-token scales;
-computed in bf16), not fp8 or fp4 kernels. `--device cuda` (`steadyrl bench mismatch --device cuda`)
-runs the engine and the fp32 trainer on a GPU: the same settings with CUDA's kernels."""
+For each setting (fp32, bf16, fp8 and NVFP4 weights, W8A8, W4A4, the router quantised too) the torch engine samples
+the same prompts and the fp32 training engine scores the sampled tokens, as the trainer's π_old recompute does:
+mismatch KL (k1, k3), |Δ logprob| and routing agreement. fp8 and fp4 are the emulations of
+`shared/models/quantization.py`, not their kernels. `--device cuda` runs both on a GPU.
+
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

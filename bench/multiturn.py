@@ -1,21 +1,11 @@
-"""Multi-turn rollouts against single-turn ones of the same total tokens, in one run. Prints one JSON
-object.
+"""Multi-turn rollouts against single-turn ones of the same total tokens, in one run. Prints one JSON object.
 
-Workload (the kit's calc model, torch engine, bf16, a real Redis and the real replica): `TASKS`
-tasks × G, in two shapes (`SHAPES`). A multi-turn task is a number of model turns of a fixed number
-of tokens each (`ignore_eos`), the environment (`Fixed`, below) answering each turn with a fixed
-observation, which the chat template renders into a few tokens, until the turn budget ends the
-trajectory; a single-turn task asks, from the same prompt, for as many tokens as the whole
-trajectory holds (model + environment), in one completion. Both sides produce rollouts of the same
-length; each round is clocked from the tasks' submission to the last rollout's arrival on the stream
-(Redis's clock). Rounds alternate single, multi; ratios are medians of each multi round over the
-single round just before it. Beside them, the machine's limit on this workload: the engine driven
-directly with the single-turn requests (no Redis, no replica).
+Workload: the kit's calc model on the torch engine (bf16), a real Redis and the real replica, `TASKS` tasks × G in
+two shapes (`SHAPES`). A multi-turn task is fixed-length model turns answered by a fixed observation (`Fixed`); a
+single-turn task asks for as many tokens in one completion. Rounds alternate single, multi; ratios are medians of
+each multi round over the single round before it. Beside them: the engine driven directly.
 
-A multi-turn trajectory makes a request per turn where a single-turn rollout makes one: each turn
-prefills the conversation so far again (the torch engine keeps no prefix cache), and waits for
-the environment's answer between turns; the environment's tokens are prefilled, not decoded.
-"""
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""The long-running processes of the end-to-end refit benchmark (bench/weightsync.py), timed
-round by round (bench/clock.py `cycle`):
+"""The long-running processes of the end-to-end refit benchmark (bench/weightsync.py), timed round by round
+(bench/clock.py `cycle`): `trainer` (fp32 master weights; each round an untimed optimizer step, then, on `go`, the
+version published in bf16 by the round's transport through `make_publisher`) and `replica` (an engine with the
+replica's weight subscriber; its `end` is the first token of the new version, and it samples its process tree's
+memory meanwhile).
 
-- `trainer`: the model's fp32 master weights; each round it takes an optimizer step (untimed:
-  AdamW's first step, lr·sign(g), so a realistic share of the bf16 bytes changes), says ready,
-  and on `go` publishes the version in bf16 with the transport the round names — the trainer's
-  own publishing code (`make_publisher`, a cast view of its state dict).
-- `replica`: an engine (torch or vllm) with the replica's own weight subscriber, as
-  `services/inference` wires it; after each version is applied it serves a request, and its `end`
-  is the moment the first token of that version came out. It samples its process tree's memory
-  (itself and, for vLLM, the engine core) while the version comes in.
-"""
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
-"""Checkpoint benchmark: FSDP2 on 2 gloo ranks (this machine's CPU), the wide random-init
-Qwen3-MoE of `bench.trainer_memory` (214.7 M parameters), each side in fresh processes so that
-no side inherits another's heap:
+"""Checkpoint benchmark: FSDP2 on 2 gloo ranks (this machine's CPU), the wide Qwen3-MoE of `bench.trainer_memory`,
+each side in fresh processes: full gather (the earlier format), DCP blocking, DCP async.
 
-- full gather (the earlier format): every rank gathers the full fp32 parameters and AdamW
-  moments to rank 0, which writes them as safetensors;
-- DCP, blocking: every rank writes its own shard (`torch.distributed.checkpoint`, the trainer's
-  `start_save`), the step waits;
-- DCP, async: the shards staged into host memory, then written by a background thread while
-  the next steps train.
-
-Per side: rank 0's private-memory growth during the save (sampled every 5 ms from /proc, peak
-minus before), the save's wall time on rank 0, and the step time (median of 3) without a save and
-while an async save is being written. Beside them the machine's limits for the same bytes: a
-memcpy and a plain file write + fsync into the same directory. Then the R3 trace bytes per token
-of a Qwen3-30B-A3B-shaped trace (48 layers, top-8 of 128): one byte per id, zstd-compressed, for
-uniformly random routing and for routing that repeats from one token to the next half the time,
-against the uint8 bytes before compression and the uint16 an int64 engine trace travelled as.
+Per side: rank 0's private-memory growth during the save, the save's wall time, and the step time with and without
+an async save being written, beside a memcpy and a file write + fsync of the same bytes. Then the R3 trace bytes per
+token of a Qwen3-30B-A3B-shaped trace.
 
 `python -m bench.trainer_checkpoint` (or `steadyrl bench trainer --checkpoint`). Prints one JSON object.
-"""
+
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
-"""Weight benchmark, end to end: a refit from the trainer's last optimizer step to every replica
-serving the new version (the first token of it), per transport, with 1 and 2 replicas, on both
-engines, beside a memcpy of the same bytes and a raw loopback socket — all in one run, on one
-clock (bench/clock.py; the processes: bench/refit_roles.py).
+"""Weight benchmark, end to end: a refit from the trainer's last optimizer step to every replica serving the new
+version (its first token), per transport, with 1 and 2 replicas, on both engines, beside a memcpy of the same bytes
+and a raw loopback socket, on one clock (bench/clock.py; the processes: bench/refit_roles.py).
 
-The model: the wide random-init Qwen3-MoE of bench/trainer_memory.py with `layers` layers (11: 1.09
-GiB in bf16), written once. Each group (engine × replica count) is a real weight-sync service, one
-trainer holding fp32 master weights and publishing bf16 with its own publisher, and replicas built
-as `services/inference` builds them (engine + subscriber). A round: the trainer steps (untimed),
-every process says ready, the clock starts, the trainer publishes by the round's transport, and the
-clock stops when the last replica has the first token of the new version. Each transport gets WARMUP
-untimed versions first (group formation, first use of buffers, the trainer's ring of shm files
-filled: steady state); then `rounds` timed rounds per transport, the transports alternated, the
-median reported. Each replica also reports its pause, the wire bytes it pulled (deltas), and the
-peak growth of its process tree's private memory (and of its mapped shared memory) during the
-update.
+The model: bench/trainer_memory.py's wide Qwen3-MoE with `layers` layers. WARMUP untimed versions per transport,
+then `rounds` timed rounds, the transports alternated, the median reported. Prints one JSON object.
 
-Prints one JSON object: seconds and seconds per GiB per side, every side against memcpy, and the
-ratios the targets name (2 replicas / 1, vLLM / torch, shm / memcpy, peak growth / bucket).
-"""
+Details: docs/internals/bench.md"""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""`steadyrl replay-alerts RUN_DIR`: would the alert rules have fired on this run? The run's
-metrics.jsonl becomes the series `steadyrl_trainer_last_metric{name=KEY}` the trainer exports, its
-eval.jsonl `steadyrl_orchestrator_eval_accuracy{set=NAME}` (each round held until the next) and
-its policy-eval.jsonl (π's rounds, orchestrator.evals.policy)
-`steadyrl_orchestrator_policy_eval_accuracy{set=NAME}` beside the first round's
-`steadyrl_orchestrator_policy_eval_initial_accuracy{set=NAME}` and the round before the last
-`steadyrl_orchestrator_policy_eval_previous_accuracy{set=NAME}`, one step per minute, and
-`promtool test rules` evaluates every alert that reads those series at every minute. The windows
-of the rules (a 30 m mean, a 10 m delta, `for: 5m`) thus span 30, 10 and 5 steps. Needs promtool
-(Prometheus' test tool) on PATH.
-"""
+"""`steadyrl replay-alerts RUN_DIR`: would the alert rules have fired on this run?
+
+The run's metrics.jsonl, eval.jsonl and policy-eval.jsonl become the series the trainer and the orchestrator export,
+one step per minute, and `promtool test rules` evaluates every alert that reads them at every minute: the rules'
+windows (a 30 m mean, a 10 m delta, `for: 5m`) span 30, 10 and 5 steps. Needs promtool on PATH.
+
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

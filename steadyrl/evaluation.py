@@ -1,17 +1,11 @@
 """Accuracy of a model on a recipe's eval sets, offline, with the torch engine.
 
-The sets are the ones the run's orchestrator evaluates — the task's own (`main`) and every named
-set of `orchestrator.evals.sets` — built by the same code (`services.orchestrator.data.Tasks`),
-prompted the same way (chat template, system prompt) and scored by the same reward in a reward
-process with the replicas' time limit. The fields are eval.jsonl's: greedy `accuracy` (mean
-reward), and with k samples per prompt `pass_at_k` / `mean_at_k`; `reward_failures` counts the
-completions the reward could not score (each scored 0) by reason (timeout, error:<type>, nonfinite).
+The sets, prompts and reward are the run's orchestrator's (`services.orchestrator.data.Tasks`); the fields are
+eval.jsonl's: greedy `accuracy`, with k samples `pass_at_k` / `mean_at_k`, and `reward_failures` by reason. By
+default the model is scored as given, in `dtype` (π); `served=True` scores it as the replicas serve it (μ: the
+inference dtype and the recipe's quantization as the torch engine computes it).
 
-By default the model is scored as given, in `dtype` (a trainer's π). `served=True` scores it as the
-recipe's replicas serve it (μ): in the inference dtype, through the recipe's quantization as the
-torch engine computes it (a recipe served by vLLM with a quantization is refused: its kernels are
-not the torch engine's emulation).
-"""
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

@@ -1,43 +1,12 @@
-"""A grid of configurations (`steadyrl experiment`): its file, each run's recipe, and what is read
-from the runs — a row per run (with the collapse rules), the mean ± std per configuration, the table.
+"""A grid of configurations (`steadyrl experiment`): its file, each run's recipe, and what is read from the runs —
+a row per run (with the collapse rules), the mean ± std per configuration, the table.
 
-A grid file (TOML) names a base recipe, overrides shared by every run, the collapse rule and the
-configurations, each a list of `--set` overrides:
+A grid file (TOML) names a base recipe (`[grid] base`), overrides every run shares (`set`), the `[collapse]` rules
+and the `[[config]]` entries, each a list of `--set` overrides. Seed s sets `trainer.seed` and
+`orchestrator.data.seed`. Every run writes DIR/<config>/seed-<s>; a finished run is not run again. With
+`eval_final_model` each run's final model is also scored as the trainer holds it (π): model-evals.jsonl.
 
-```toml
-[grid]
-base = "tiny-arith.toml"                 # relative to the grid file
-set = ["run.steps=150", "trainer.recipe=manual"]
-eval_final_model = "float32"             # optional: each run's final model scored in this dtype too
-
-[collapse]                               # a run is flagged when any rule holds
-eval_drop = 0.15                         # best eval accuracy − final eval accuracy
-entropy_below = 0.02                     # mean entropy of the last tenth of steps
-final_model_drop = 0.1                   # needs eval_final_model: the initial model's eval − the final's
-policy_eval_drop = 0.1                   # needs orchestrator.evals.policy: π's first live round − its last
-
-[[config]]
-name = "onpolicy-minirl"
-label = "on-policy N=1: MiniRL"
-set = ["trainer.mini_batches=1"]
-```
-
-Seed s sets `trainer.seed` and `orchestrator.data.seed` (the order of the prompts); sampling on the
-replicas is not seeded, so two runs of one seed differ too. Every run writes its own directory
-(DIR/<config>/seed-<s>) and a finished run is not run again, so an interrupted grid resumes.
-
-The run's own eval scores the model its replicas serve (μ: the inference dtype and quantization).
-With `eval_final_model`, each finished run's final model is also scored as the trainer holds it
-(π, in that dtype, unquantized: `steadyrl eval`, greedy, on the run's eval set), and so are the model
-it started from and every checkpoint the run kept (`trainer.checkpoint.keep`): model-evals.jsonl,
-one line per policy version. The table gets a column for the final one, the plots a π curve.
-`--report-only` scores what is not scored yet. Under a coarse inference quantization μ's eval swings
-between rounds, so `final_model_drop` judges a collapse on π instead. A run with
-`orchestrator.evals.policy` also scored π live at every eval round (policy-eval.jsonl, the published
-weights unquantised): the rows get its first, lowest and last round, the plots its curve, and
-`policy_eval_drop` judges a collapse on π without scoring anything after the run (on 40 NVFP4 runs it
-disagreed with `final_model_drop` on 2, each within a point of the line).
-"""
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""`steadyrl plan`: what a recipe needs, sized from the model's config (its parameters counted on
-the meta device: exact, no weights read) and the recipe's settings. Every figure is arithmetic
-on those two, stated with its assumption; nothing here is measured.
+"""`steadyrl plan`: what a recipe needs, sized from the model's config (its parameters counted on the meta device:
+exact, no weights read) and the recipe's settings. Every figure is arithmetic on those two, stated with its
+assumption; nothing here is measured. Sizes are in bytes (GB = 1e9 in the rendering).
 
-Sizes are in bytes (GB = 1e9 in the rendering). The trainer keeps fp32 parameters, fp32
-gradients and AdamW's two fp32 moments (16 B per parameter) sharded over the ranks of a shard
-group (fsdp: every rank; hsdp: `parallel.shard_ranks`; ddp: none), plus activations, which depend on
-the batch and are not counted. A checkpoint holds parameters and moments (12 B per parameter),
-each rank writing its shard; an async save first copies the rank's shard into host memory.
-"""
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

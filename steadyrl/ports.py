@@ -1,15 +1,10 @@
 """Listening ports for the processes `steadyrl run` starts on loopback.
 
-Asking the kernel for a free port (bind to 0) and handing the number to a process that binds it
-seconds later races with everything else on the machine: the kernel hands out the same
-ephemeral range to every outgoing connection (each gRPC channel and Redis client takes one), and
-to another `steadyrl run` planning its own ports. Seen in a grid of two runs side by side: the
-orchestrator's HTTP port was taken before it bound, and the run failed at start.
+A port is drawn below the ephemeral range, where outgoing connections never land, and stays bound by the launcher
+(not listening) until just before the process that will listen on it starts, so neither an outgoing connection nor
+another launcher's draw can take it meanwhile.
 
-So a port is drawn below the ephemeral range, where outgoing connections never land, and stays
-bound by the launcher (not listening) until just before the process that will listen on it
-starts: another launcher's draw cannot take it meanwhile.
-"""
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

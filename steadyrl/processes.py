@@ -1,14 +1,8 @@
-"""The processes of one `steadyrl run` on loopback: what each is (`Service`: command, settings,
-port, GPUs), starting them, waiting for their health, the control plane's client, and stopping
-them.
+"""The processes of one `steadyrl run` on loopback: what each is (`Service`: command, settings, port, GPUs), starting
+them, waiting for their health, the control plane's client, and stopping them (SIGTERM, then SIGKILL after a grace
+period). Ports: steadyrl/ports.py; restarts are the supervisor's (steadyrl/supervisor.py).
 
-redis-server runs embedded (AOF on, a password made for this run); weight-sync, the trainer, K
-inference replicas (and, with orchestrator.evals.policy, one replica of the policy_eval pool) and
-the orchestrator listen on loopback ports drawn below the ephemeral range and held until each
-process starts (steadyrl/ports.py). They start all at once (those sharing a GPU one after
-another) and are stopped with SIGTERM, then SIGKILL after a grace period. Restarts are the
-supervisor's (steadyrl/supervisor.py).
-"""
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """A run recipe (TOML) and what each service's settings become.
 
-```toml
-[run]            # RunSection: id, replicas, steps, batch_prompts (or mini_batch_prompts), group_size,
-                 #   max_staleness, restarts, tracking (W&B / MLflow: [run.tracking])
-[model]          # path ("tiny" = the cold-started tiny MoE, built and cached on first use)
-[trainer]        # any STEADYRL_TRAINER_* field (services/trainer/config.py)
-[inference]      # any STEADYRL_INFERENCE_* field
-[orchestrator]   # any STEADYRL_ORCHESTRATOR_* field
-[weightsync]     # any STEADYRL_WEIGHTSYNC_* field
-```
+Sections: [run] (`RunSection`: what several services must agree on), [model] (path; "tiny" = the kit's tiny MoE), and
+[trainer], [inference], [orchestrator], [weightsync] (any STEADYRL_<SERVICE>_* field). [run] values are copied into
+every service, and a service section that sets one is refused. Every section is validated against its service's
+settings model before any process starts, so a typo or a bad value is an error naming the field.
 
-[run] values that several services must agree on (the run id, B, G, the staleness bound, the
-steps) are declared there once and copied into each service; a service section that sets one is
-refused, so the services can never disagree. Every section is validated against its service's
-settings model — from the same environment variables the process will read, and nothing else —
-before any process starts, so a typo or a bad value is an error naming the field.
-"""
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

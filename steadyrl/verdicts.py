@@ -1,17 +1,11 @@
 """The verdict on each of the paper's six findings, from the committed per-run results
 (docs/reproduction/**/results.csv), by one rule (docs/REPRODUCTION.md prints what this writes).
 
-A finding is a list of claims, each comparing recipes (configurations of a grid):
-- `collapses_more` (A collapses more often than B): Fisher's exact test on the runs flagged
-  collapsed, one-sided p < 0.05;
-- `higher` (A ends higher than B): Welch's t on the final score at least 2;
-- `never_collapses` (A is stable): none of A's runs collapsed;
-- `no_gain` (A brings no gain over B): the gain is excluded, mean difference + 2 standard
-  errors < 0.05 (5 accuracy points).
-A finding is reproduced in a setting when all its claims hold there. The score is π's final
-accuracy in float32 (the trainer's own model) where the grid scored it, else μ's (the served
-model's) final eval. `python -m steadyrl.verdicts` prints the tables.
-"""
+A finding is a list of claims comparing recipes (`collapses_more`, `higher`, `never_collapses`, `no_gain`), each with
+its test; it is reproduced in a setting when all its claims hold there. The score is π's final float32 accuracy
+where the grid scored it, else μ's final eval. `python -m steadyrl.verdicts` prints the tables.
+
+Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 

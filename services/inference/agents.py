@@ -1,26 +1,12 @@
 """Agent programs drive rollouts through an OpenAI-compatible endpoint on the replica.
 
-A task whose environment is `agent:COMMAND` is played by running COMMAND (an unmodified program
-that speaks the OpenAI chat API) once per trajectory (`agent_programs.py`: isolated, with
-`OPENAI_BASE_URL` pointing at this replica's `/rollouts/SESSION/v1`, `OPENAI_API_KEY` the
-session's own key, which every call must carry, and the task's prompt in `STEADYRL_PROMPT`); one
-whose environment is `verifiers:ENV_ID` by that environment's own rollout loop, a client per
-trajectory pointing at such a session (`shared.envs.verifiers_adapter`), scored by its rubric.
-Every `POST …/chat/completions` (messages, `tools`, temperature, top_p, max_tokens or
-max_completion_tokens, logprobs) is rendered by the tokenizer's chat template and sampled by the
-engine like any turn: the call's new messages are the environment's tokens (masked out), its
-completion the model's (behaviour logprobs and versions kept, routing traces composed), and each
-call must continue the conversation so far (else `template_mismatch`). A call is read, checked
-and rendered (off the event loop, its body bounded) before anything of its session changes: a
-refused one (4xx, JSON) changes nothing. An agent program's last line on stdout is its answer,
-scored by the task's reward against the task's answer. The whole program (or group of rollouts)
-is bounded by the task's `env_seconds` (then killed: `env_timeout`); an exit status other than 0,
-or an environment that raises, is `env_error`; a call past the turn or token budget is answered
-400 and ends the trajectory (`over_budget`).
+An `agent:COMMAND` task runs COMMAND once per trajectory (`agent_programs.py`: isolated, `OPENAI_BASE_URL` at this
+replica's `/rollouts/SESSION/v1`, `OPENAI_API_KEY` the session's key, the prompt in `STEADYRL_PROMPT`); its last
+stdout line is its answer. A `verifiers:ENV_ID` task runs that environment's own rollout loop
+(`shared.envs.verifiers_adapter`). Each `POST …/chat/completions` is rendered and sampled like any turn; a refused
+call (4xx) changes nothing. Failures: `env_timeout`, `env_error`, `over_budget`, `template_mismatch`.
 
-Tool calls in the Hermes format the Qwen templates use (`<tool_call>{"name": …, "arguments": …}
-</tool_call>`) come back as the message's `tool_calls`; the conversation keeps the text as sampled.
-"""
+Details: docs/internals/inference.md"""
 
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
-"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → publish,
-one task at a time, without batch barriers.
+"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → publish, without batch
+barriers.
 
-Each leased task's G requests enter the engine as soon as the task is leased and checked; the task
-is scored and published as soon as its G samples are done, whatever else is still generating.
-The loop keeps up to `tasks.max_inflight` tasks with the engine, leasing more as tasks finish
-(`tasks.batching = "barrier"` keeps the old behaviour for comparison: lease `tasks.per_batch`, wait for
-all of them, lease again). Leases are renewed while tasks generate; a task whose generation
-fails is handed back (it is retried, the attempt counts). Publishing and ending the lease are one
-atomic step in Redis (`WorkQueue.complete_many`), refused when the lease was lost, so a slow
-replica never duplicates work; a publish Redis does not answer (frozen, restarting) is tried again
-at once when it answers, its rollouts kept and its leases renewed meanwhile, and one Redis refuses
-hands its tasks back at once. A task that can never be served (undecodable, invalid, too long
-for the engine, an unknown reward, another run's) goes to the dead-letter stream with its reason;
-a task waiting for a policy version waits at most `version_wait_seconds`, then goes back with
-the reason. A multi-turn task (one with an environment) plays its G trajectories instead
+A task's G requests enter the engine once it is leased and checked; it is published once they are done. Up to
+`tasks.max_inflight` tasks stay with the engine (`tasks.batching = "barrier"`: the old behaviour, for comparison).
+Publishing and ending the lease are one atomic step (`WorkQueue.complete_many`), so a slow replica never duplicates
+work. Unservable tasks go to the dead-letter stream with a reason; multi-turn tasks play their G trajectories
 (`services.inference.trajectories`).
-"""
+
+Details: docs/internals/inference.md"""
 
 from __future__ import annotations
 

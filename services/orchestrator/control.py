@@ -1,17 +1,10 @@
 """What the control plane (HTTP and gRPC) asks of Redis, each request bounded in time.
 
-A frozen or restarting Redis must not turn the control plane into 500s: within
-`control.timeout_seconds` a request either has its answer from Redis or gets `RedisUnavailable`,
-which the HTTP API answers 503 with a JSON body and `Retry-After`, and gRPC `UNAVAILABLE`.
-`GET /v1/run` answers the last status read instead, marked `stale` (when it was read and why
-Redis did not answer), so an operator keeps seeing the run.
+Within `control.timeout_seconds` a request has Redis's answer or gets `RedisUnavailable` (HTTP 503 with `Retry-After`,
+gRPC `UNAVAILABLE`); `GET /v1/run` answers the last status read instead, marked `stale`. A transition answered 503 was
+not applied: its script carries a deadline in Redis's clock, and the request waits one second past it.
 
-A transition is never accepted-then-lost, nor refused-then-applied: the transition script carries
-a deadline in Redis's own clock (`TIME`, the offset to ours measured every tick) and does nothing
-once it is past, and the request waits one more second than that deadline for the reply. So a
-request answered 503 was not applied, even when its command sits in a frozen Redis's socket
-buffer and runs after the thaw.
-"""
+Details: docs/internals/orchestrator.md"""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Evaluation rounds: scheduled at step 0, every `evals.every` steps and at the end, on every eval
-set (the task's held-out `main` set and the named `evals.sets`), greedy and, with `evals.samples`,
-sampled; a round complete on every set is appended to eval.jsonl once (the run hash remembers which
-rounds were submitted and written, so a restarted orchestrator neither repeats nor loses one).
+"""Evaluation rounds: at step 0, every `evals.every` steps and at the end, on every eval set (the task's `main` and
+the named `evals.sets`), greedy and, with `evals.samples`, sampled; each complete round is appended to eval.jsonl
+once, across restarts too. They score μ, the served model. With `policy_eval` every round also scores π (the
+trainer's published weights, unquantised) greedily on the `policy_eval` pool (`shared.runstore.queues.POOLS`),
+appended to policy-eval.jsonl, so an alert can compare π with where it started.
 
-Those rounds score μ, the model the replicas serve (quantised when the run quantises). With
-`policy_eval` every round also scores π, the trainer's weights as published and unquantised,
-greedily on every set: its tasks (`evalpi-…`) go to the `policy_eval` pool of replicas
-(`shared.runstore.queues.POOLS`), and each complete π round is appended to policy-eval.jsonl. Its accuracy
-and the first round's are exported, so an alert can compare π with where it started: without the
-train-infer IS correction the trainer's model can fall while μ's evals and the training reward
-rise (docs/REPRODUCTION.md, "π and μ apart")."""
+Details: docs/internals/orchestrator.md"""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
-"""The run's owner: turns the dataset into prompt tasks under a staleness budget, sweeps expired
-leases, schedules greedy evaluations and records their accuracy.
+"""The run's owner: turns the dataset into prompt tasks under a staleness budget, sweeps expired leases, schedules
+greedy evaluations and records their accuracy.
 
-Everything it needs to resume lives in Redis (`run`): a restarted orchestrator counts what the
-trainer's ledger says was trained or dropped and what the dead-letter streams hold, and continues
-with the next task number, so no task is lost or submitted twice.
+Everything it needs to resume lives in Redis (`run`). Tasks outstanding stay below (max_staleness + 1) × B prompts,
+so no rollout is trained more than max_staleness versions behind. Run state: created → running ⇄ paused → finished;
+stop from any of the first three; failed (`stop_rules.py`) from running or paused. Each transition is one atomic
+Redis script; `stopped`, `finished` and `failed` are final.
 
-Admission (AReaL-style): tasks outstanding (submitted, not yet trained, dropped or dead) stay
-below (max_staleness + 1) × B prompts, and each task asks for at least the trainer's published
-version at submission, so no rollout is ever more than max_staleness versions behind when it is
-trained. Progress and evaluations follow the trainer's steps (a restarted trainer may number its
-versions past the steps it lost; see services/trainer/trainer.py).
-
-Run state: created → running ⇄ paused → finished; stop from any of the first three; failed (a
-stop rule: `stop_rules.py`) from running or paused. Every transition is one atomic Redis script,
-and `stopped`, `finished` and `failed` are final.
-"""
+Details: docs/internals/orchestrator.md"""
 
 from __future__ import annotations
 

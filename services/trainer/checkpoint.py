@@ -1,24 +1,12 @@
-"""Checkpoints without pickle: sharded tensors in safetensors (torch.distributed.checkpoint), the
-rest in JSON.
+"""Checkpoints without pickle: sharded tensors in safetensors (torch.distributed.checkpoint), the rest in JSON.
 
-`checkpoints/step-00000012/` holds `shards/` (every rank writes its own shard of the model and of
-the AdamW moments, through DCP's `HuggingFaceStorageWriter`: safetensors files whose headers carry
-each shard's offsets), rng.safetensors (rank 0's CPU RNG state) and state.json (step, version, the
-optimizer's param groups, the trained rollout ids). Tensors are keyed `model.<name>` (names as in
-`state_dict()`) and `optim.<name>::<state key>`. No rank ever holds more than its own shard; DCP
-reshards on load, so a checkpoint resumes on any world size and any parallelism (one process,
-DDP, FSDP, HSDP). With `trainer.checkpoint.async_save` the shards are staged to host memory and written
-by a background thread while training goes on (`dcp.async_save`).
+`checkpoints/step-00000012/` holds `shards/` (each rank's shard of the model and the AdamW moments), rng.safetensors
+and state.json. DCP reshards on load: a checkpoint resumes on any world size and parallelism. With
+`trainer.checkpoint.async_save` a background thread writes the shards. A checkpoint is renamed into place, then named
+by `LATEST` atomically: a crash leaves the old or the new one, never half. The checkpoint directory must be one
+filesystem for every node. The earlier full-state format is still read.
 
-A checkpoint is written into `.tmp-step-…/` and renamed into place once every rank's shards are
-written (rank 0's save completes only after every rank's writes: DCP gathers their results), then
-`LATEST` is replaced atomically: a crash leaves either the old or the new checkpoint, never half
-of one, and only a checkpoint `LATEST` names acknowledges its rollouts. The checkpoint directory
-must be one filesystem for every node (a shared volume).
-
-Checkpoints of the earlier full-state format (model.safetensors and optimizer.safetensors gathered
-onto rank 0) are still read: `load_checkpoint` returns them whole, rank 0 broadcasts them.
-"""
+Details: docs/internals/trainer.md"""
 
 from __future__ import annotations
 

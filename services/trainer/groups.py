@@ -1,15 +1,10 @@
 """The trainer's group buffer: stream entries in, whole groups of G rollouts out. Pure (no I/O).
 
-Every entry gets a verdict. A rollout is held only if it belongs to this run, is a training
-rollout, was published by the lease that completed its task (the entry's `lease` stamp equals
-the task's record in `completed`), is neither trained nor held already, is valid for this model,
-and fits its group: group size G, published as one of exactly G, `rollout_id` =
-`task_id:sample_index`, the group's prompt. An entry
-failing a check is dead with a reason code. When a check fails for a rollout that a real lease
-published, its whole group can never be trained: the group is poisoned, the members held so far
-and any that arrive later are dead too (`group_poisoned`), so no group waits forever and no
-partial group is trained.
-"""
+Every entry gets a verdict: held (this run's training rollout, published by the lease that completed its task, not
+trained or held already, valid, fitting its group) or dead with a reason code. A failed check on a rollout a real
+lease published poisons its whole group (`group_poisoned`): no group waits forever, no partial group is trained.
+
+Details: docs/internals/trainer.md"""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """The trainer's loop: rollout stream → complete groups → one global step → checkpoint → publish.
 
-Durability: a rollout is acknowledged (XACK, and appended to the `trained` ledger in the same
-script) only once a checkpoint that includes its update and its id is on disk and named by
-`LATEST` (an async checkpoint is finished by a later turn of the loop); a crash leaves it
-pending, and the restarted trainer claims it back and trains it again into the surviving model
-(or, if the checkpoint lists its id, only acknowledges it). No rollout is trained twice into the
-model that survives, none is skipped.
+A rollout is acknowledged (XACK and the `trained` ledger, in one script) only once a checkpoint holding its update
+and its id is named by `LATEST`: no rollout is trained twice into the surviving model, none is skipped. Every step
+publishes a version; a trainer restarted from an older checkpoint publishes past the newest published number
+(`VersionPublisher.newest_published`), never reusing one.
 
-Versions: every step publishes a version, checkpointed or not (`checkpoint_every` > 1 saves
-seconds per step). A trainer restarted from a checkpoint older than the newest published version
-does not reuse those numbers: it publishes its checkpointed weights as the next number past them
-(`VersionPublisher.newest_published`), and the replicas, which may hold weights of the lost steps,
-switch to it. Rollouts sampled from the lost steps carry versions below the new one: they are
-trained or dropped as stale by the usual rule, never refused as from the future.
-"""
+Details: docs/internals/trainer.md"""
 
 from __future__ import annotations
 

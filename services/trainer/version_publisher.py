@@ -1,14 +1,11 @@
-"""The trainer's weight publishing: each version signed with the run's key and sent to the
-weight-sync service, never twice under one number.
+"""The trainer's weight publishing: each version signed with the run's key and sent to the weight-sync service,
+never twice under one number.
 
-Before a version is pushed, its number is recorded in Redis (`trainer.published_version`): a
-restarted trainer whose checkpoint is older than what was published continues numbering past it
-(`newest_published`), so no number is ever reused for other weights. A push that fails (the
-service frozen or restarting) or is refused is not fatal and never counts as published: it is
-logged and counted with its gRPC code, the trainer retries on its next turn, and a newer version
-supersedes an unpublished one. (A push of a version the service holds already with the same
-weights, a retry after a lost reply, is answered as a success by the service.)
-"""
+A version's number is recorded in Redis (`trainer.published_version`) before it is pushed, so a restarted trainer
+numbers past it (`newest_published`). A failed or refused push is not fatal and never counts as published: it is
+logged and counted with its gRPC code and retried on the next turn, and a newer version supersedes it.
+
+Details: docs/internals/trainer.md"""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""Who receives each version, and how: the subscribers of the Watch streams, and the members of
-the current collective epoch.
+"""Who receives each version, and how: the subscribers of the Watch streams, and the members of the current
+collective epoch.
 
-A subscriber says which transports it can receive (gRPC always) and on which host it runs. A
-subscriber that can receive collectives joins at the next epoch: when a version is announced for
-a collective, the epoch is kept if its members are still the subscribers that want it and no
-transfer of it failed, else a new epoch is formed from them (rank 0 the trainer, rank 1 this
-service on gloo, the members after). A member whose stream closes ends its epoch; a failed
-transfer ends it too, and members that did not confirm the failed version leave the collective
-(they receive by gRPC until they subscribe again), so a dead or frozen replica is never waited
-for twice.
-"""
+A subscriber says which transports it can receive (gRPC always) and on which host it runs. A closed member stream or a
+failed transfer ends the epoch; members that did not confirm the failed version receive by gRPC until they subscribe
+again, so a dead or frozen replica is never waited for twice.
+
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

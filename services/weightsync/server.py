@@ -1,11 +1,10 @@
-"""The weight-sync service: the control plane of weights. Every version is announced with its
-manifest, which only the run's trainer can sign (`shared.weightsync.signing`: a version anyone
-else makes is refused, PERMISSION_DENIED); its bytes come by gRPC Push, by a shared-memory file
-the trainer wrote, or by a collective broadcast this service takes part in (rank 1), and it keeps
-every version for gRPC pulls (replicas that join late, fall behind, or live on another network).
-A push of a version it holds already with the same weights (the trainer's retry after a lost
-reply) is answered as a success; any other version not newer than the latest is refused
-(FAILED_PRECONDITION). Each Watch subscriber is told how it receives each version (`members.py`)."""
+"""The weight-sync service: the control plane of weights. Every version is announced with its manifest, which only
+the run's trainer can sign (`shared.weightsync.signing`; others are refused, PERMISSION_DENIED). Its bytes come by gRPC
+Push, a shared-memory file or a collective broadcast (this service is rank 1), and it keeps versions for gRPC pulls.
+A repeated push of the same weights is a success; any other version not newer than the latest is refused
+(FAILED_PRECONDITION). Watch subscribers are told how they receive each version (`members.py`).
+
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""The versions held: the newest in memory, older retained ones spilled to disk (the version-file
-layout of the shm transport, read back with every digest checked); a version that came through
-shared memory is read from its file (the trainer's) when pulled.
+"""The versions held: the newest in memory, older retained ones spilled to disk (the shm transport's version-file
+layout, read back with every digest checked); a version that came through shared memory is read from its file.
 
-Spilling is written ahead: as soon as a version is held, a thread writes to disk the versions the
-next arrival will spill, keeping their bytes in memory; the arrival then only lets go of them
-(`make_room`). No push or broadcast waits for a disk write (a 1.1 GiB version took 4–5 s through
-safetensors' serialise-then-write here), and memory never holds more than `in_memory` versions,
-the arriving one counted. A version the next arrival drops (past `retain`) is never written:
-where `retain` equals `in_memory` (above 1) nothing reaches the disk, and an arrival lets go of
-the version it drops before its bytes come. Dropping a version never waits for a write of it
-under way: the writer deletes what it wrote."""
+Spills are written ahead by a thread, so no push or broadcast waits for a disk write, and memory never holds more
+than `in_memory` versions, the arriving one counted. A version past `retain` is never written.
+
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

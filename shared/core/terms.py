@@ -1,18 +1,12 @@
-"""What every objective reads and the corrections it applies (shared by shared.core.loss's
-objectives): the loss configuration, the sanitised per-token terms, the truncated IS weight,
-the mismatch rejection masks and the normaliser.
+"""What every objective reads and the corrections it applies (shared by shared.core.loss's objectives): the loss
+configuration, the sanitised per-token terms, the truncated IS weight, the mismatch rejection masks, the normaliser.
 
-Shapes: logprobs float [B, T]; advantages [B] (one per sequence) or [B, T]; loss_mask bool [B, T].
-Names say which engine produced a value: `trainer_logprobs` = log π_θ (with gradient),
-`old_logprobs` = log π_old (training engine, start of the global step; None = bypass mode,
-π_old := μ_old), `inference_logprobs` = log μ_old (the sampling engine).
+Shapes: logprobs float [B, T]; advantages [B] or [B, T]; loss_mask bool [B, T]. `trainer_logprobs` = log π_θ (with
+gradient), `old_logprobs` = log π_old (None = bypass mode, π_old := μ_old), `inference_logprobs` = log μ_old.
+Normaliser "tokens": the valid tokens of the update's mini-batch summed over data-parallel ranks
+(`token_normalizer`); "sequence": length normalisation, an ablation.
 
-Normaliser ("tokens"): the number of valid tokens of the mini-batch of the update, summed over
-data-parallel ranks — one constant for every sequence of the update, as verl's token-mean
-(`token_normalizer`; micro-batches keep their mini-batch's constant). "sequence" (length
-normalisation, an ablation) averages each sequence over its tokens, then over the sequences with
-a valid token.
-"""
+Details: docs/internals/trainer.md"""
 
 from __future__ import annotations
 

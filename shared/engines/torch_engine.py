@@ -1,25 +1,12 @@
 """The reference engine: a transformers causal LM with continuous batching on a thread of its own.
 
-Sequences enter as they are submitted (`start`) and leave as they finish: at each decode step the
-engine admits waiting prompts into free slots (a left-padded prefill of the newcomers whose KV is
-merged into the running batch's cache, left-padded to a common width), samples one token for
-every running sequence, and drops the finished ones (their futures resolve then). Per-row
-position ids and the attention mask keep every row's logprobs those of a fresh full forward.
+Sequences enter as they are submitted (`start`) and leave as they finish; every row's logprobs are those of a fresh
+full forward. `apply` copies a version into the model in place between decode steps: "in_flight" recomputes the
+running sequences' KV under it, "between_requests" lets them finish on the old weights (one version per rollout).
+Routing traces come from the forwards that sample. Device: the CPU or a GPU (`device="cuda"`); a seed gives the same
+tokens on the same device.
 
-Weights: `apply` waits for the running step to end (the engine thread steps no more while an
-update waits) and copies each bucket into the model in place (`torch_weights`; a version failing
-after its first bucket stops all serving until a whole one lands). "in_flight": running sequences
-continue on it, their KV recomputed (one prefill of prompt + tokens so far): each token's logprob
-is that of its recorded version over the whole prefix. "between_requests": admissions stop while
-a version waits, the running sequences finish on the old weights first: every rollout is one version.
-
-Routing traces come from capturing the routers during the very forwards that sample (a
-recomputation after an update replaces the trace of the positions it recomputed).
-
-Device: the CPU, or a GPU (`device="cuda"`: the replica's first visible GPU, which `steadyrl run`
-gives it with `inference.gpus_per_replica = 1`); the same code either way. Seeded sampling draws
-from a generator on the engine's device, so a seed gives the same tokens on the same device.
-"""
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

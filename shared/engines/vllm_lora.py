@@ -1,13 +1,11 @@
-"""The vllm engine's adapter versions (`trainer.lora.publish = "adapter"`) through vLLM's LoRA
-support: the engine starts with `enable_lora` (one adapter, `max_lora_rank` the trainer's rank
-rounded up to one vLLM accepts); each version's tensors, checked against its signed manifest as
-any delivery's, are written in PEFT's format (adapter_config.json + adapter_model.safetensors) to
-a directory of the engine's spool in shared memory, and loaded in place under one adapter id
-(`add_lora` with `load_inplace=True`): every request runs on the newest adapter, and the tokens
-after the swap carry the new version. The requests carry that id without `load_inplace` (with it,
-vLLM's worker would re-read the adapter from its path at every step, a path the next version
-deletes). vLLM 0.32 loads adapters from a path only (no in-memory tensors):
-the write is that path's cost, measured by the engine's `apply` seconds."""
+"""The vllm engine's adapter versions (`trainer.lora.publish = "adapter"`) through vLLM's LoRA support.
+
+The engine starts with `enable_lora` (one adapter, `max_lora_rank` the trainer's rank rounded up to one vLLM
+accepts). Each version, checked against its signed manifest, is written in PEFT's format to the engine's spool in
+shared memory and loaded in place under one adapter id (`add_lora` with `load_inplace=True`): every request runs on
+the newest adapter, and the tokens after the swap carry the new version.
+
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""Programs the run does not trust run in a view of the machine made by bubblewrap (`bwrap`, the
-Debian package `bubblewrap`): a user namespace with no capabilities, new PID, IPC and UTS
-namespaces (so no other process is visible and every process the program starts dies with it),
-read-only binds, tmpfs where it may write, an empty environment but for what is given.
+"""Programs the run does not trust run in a view of the machine made by bubblewrap (`bwrap`, the Debian package
+`bubblewrap`): a user namespace with no capabilities, new PID, IPC and UTS namespaces, read-only binds, tmpfs where
+it may write, an empty environment but for what is given. Two views: `sandbox_argv` (model-written code, no network)
+and `agent_argv` (agent programs: the host read-only, the host's network). Where bwrap cannot run, `unavailable()`
+says why and nothing runs unconfined. The threat model: docs/security.md.
 
-Two views:
-- `sandbox_argv`: model-written code. The interpreter's files read-only, a size-bounded scratch
-  tmpfs, no network (a namespace whose loopback is down), nothing else.
-- `agent_argv`: agent programs. The host read-only (they are the user's programs, with their own
-  interpreter and files), their own /tmp and home, the run's secret directories hidden, and the
-  host's network, which they need to reach their endpoint.
-
-Where bwrap is missing or the kernel gives it no namespaces, `unavailable()` says why and nothing
-runs unconfined. The threat model: docs/security.md.
-"""
+Details: docs/internals/inference.md"""
 
 from __future__ import annotations
 

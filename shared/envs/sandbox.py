@@ -1,14 +1,10 @@
-"""Run model-written Python in a sandbox: bubblewrap's view of the interpreter and a scratch
-directory only (read-only but for the scratch, which is a tmpfs of `disk_bytes`), an empty
-environment, no network, new PID and user namespaces with no capabilities
-(`shared.envs.isolation`), and limits that hold for the call as a whole where a cgroup of its own
-can be made (`shared.envs.cgroups`: memory and processes across everything it starts; where none
-can, the code runs as one process, so the per-process limits are the call's). Whatever the code
-does — read or change files outside, connect out, fork without end, loop, allocate, fill the disk
-— the call ends with a `SandboxResult` naming why, the caller's process untouched. Where bubblewrap
-is missing or the kernel gives it no namespaces, the call is refused (`reason="no_isolation"`),
-never run unconfined. docs/security.md: what is and is not held.
-"""
+"""Run model-written Python in a sandbox: bubblewrap's view of the interpreter and a scratch tmpfs of `disk_bytes`,
+an empty environment, no network, no capabilities (`shared.envs.isolation`), and limits for the whole call where it
+gets a cgroup of its own (`shared.envs.cgroups`). Whatever the code does, the call ends with a `SandboxResult` naming
+why, the caller's process untouched; without isolation it is refused (`reason="no_isolation"`), never run
+unconfined. docs/security.md: what is and is not held.
+
+Details: docs/internals/inference.md"""
 
 from __future__ import annotations
 

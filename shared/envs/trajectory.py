@@ -1,28 +1,12 @@
-"""One multi-turn trajectory: the engine generates a turn, the environment answers, the answer's
-tokens are appended, until the environment says done or a budget runs out. The result is one
-record — the model's tokens (with their behaviour logprobs and versions) and the environment's
-interleaved after the prompt, and a loss mask marking the model's (`shared.rollouts.record.Rollout`).
+"""One multi-turn trajectory: the engine generates a turn, the environment answers, the answer's tokens are appended,
+until the environment says done or a budget runs out.
 
-Messages become tokens by the tokenizer's chat template where it has one (an observation's
-tokens are what rendering the conversation with it adds to rendering the conversation without
-it, appended after the model's turn exactly as sampled; a template that rewrites earlier turns is
-refused, `template_mismatch`), else as plain `role: content` lines. An
-environment that raises, answers with something that is not a list of messages, hangs past
-`env_seconds`, or a trajectory past its turn or token budget, ends with a `TrajectoryError`
-naming why, for its caller to dead-letter the task with. Each environment call runs on a daemon
-thread of its own: a hung call is abandoned at once, its thread left to finish whenever it
-returns, holding nothing else (no pool's worker) and never the process's exit (an interpreter
-joins a ThreadPoolExecutor's threads as it exits: one `time.sleep(3600)` in an environment held a
-test process, or a replica stopping, for the hour).
+The result is one record (`shared.rollouts.record.Rollout`): the model's tokens, with behaviour logprobs and versions,
+and the environment's, interleaved after the prompt, a loss mask marking the model's. Messages become tokens by the
+tokenizer's chat template, else as `role: content` lines. A failure ends with a `TrajectoryError` naming why.
+`play` is the loop as a coroutine; `run_trajectory` runs it to its end from synchronous code.
 
-`play` is the loop as a coroutine (a replica plays its G trajectories and its other tasks' at once,
-every turn a sequence of the engine's continuous batch: a weight update lands between turns or
-inside one, and each model token keeps the version that sampled it); `run_trajectory` runs it to
-its end from synchronous code. With routing traces, each position keeps the routing of the first
-forward that computed it — a model token's, the decode step that sampled it (R3 replays what
-inference did), an observation's, the next turn's prefill. The engine computes the whole
-conversation again each turn (its own prefix cache reuses it where it has one: vLLM's).
-"""
+Details: docs/internals/inference.md"""
 
 from __future__ import annotations
 

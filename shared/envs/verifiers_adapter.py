@@ -1,15 +1,12 @@
-"""`verifiers` environments (the optional extra `steadyrl[verifiers]`, its classic API:
-`load_environment()` → a `vf.SingleTurnEnv` / `MultiTurnEnv` / `ToolEnv` with a rubric) as a
-steadyrl run's environment: `environment = "verifiers:ENV_ID"`, or `"verifiers:ENV_ID {JSON}"`
-with `load_environment`'s keyword arguments.
+"""`verifiers` environments (the optional extra `steadyrl[verifiers]`, its classic API: `load_environment()`) as a
+run's environment: `environment = "verifiers:ENV_ID"`, or `"verifiers:ENV_ID {JSON}"` with `load_environment`'s
+keyword arguments.
 
-The environment's own dataset is the run's (the orchestrator sends each row whole, as JSON, in the
-task's `prompt_text`); a replica plays the row's G trajectories with the environment's own rollout
-loop, its model calls answered by the replica's OpenAI-compatible endpoint (one session per
-trajectory, so every call is recorded under its rollout: the model's tokens with their logprobs,
-versions and routing, the environment's masked out), and scores the group with the environment's
-rubric (group reward functions included). The rubric's reward is the rollout's; its metrics are
-the rollout's `env_metrics`."""
+A replica plays each dataset row's G trajectories with the environment's own rollout loop, its model calls answered
+by the replica's OpenAI-compatible endpoint (one session per trajectory), and scores the group with the
+environment's rubric: its reward is the rollout's, its metrics the rollout's `env_metrics`.
+
+Details: docs/internals/inference.md"""
 
 from __future__ import annotations
 

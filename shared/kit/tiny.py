@@ -1,15 +1,10 @@
 """The tiny-model kit: a small Qwen3-MoE with a character tokenizer, cold-started on a task.
 
-`init_tiny_model(out)` builds it deterministically from a seed (random init, then a short
-supervised cold start that stops once greedy eval accuracy reaches `target_accuracy`, leaving
-room for RL), saves an HF directory that transformers and vLLM load (head_dim 32: vLLM's CPU
-attention rejects 16), and caches it by content so tests and the demo reuse it.
+`init_tiny_model(out)` builds it deterministically from a seed (random init, then a short supervised cold start that
+stops at `target_accuracy`), saves an HF directory that transformers and vLLM load, and caches it by content so tests
+and the demo reuse it. Tasks: `arith`, `mul_trace` and `calc` (multi-turn, with a tool: `shared.kit.tiny_tools`).
 
-Three tasks: `arith` (the demo's 2-digit addition), `mul_trace` (multiplication as a trace of
-partial sums, answers of a few to `max_answer_tokens` tokens; its model gets the positions to
-hold the longest answer) and `calc` (multi-turn: 2-digit multiplication with a calculator tool,
-its tokenizer given a chat template; `shared.kit.tiny_tools`).
-"""
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""The tiny-model kit's multi-turn task: 2-digit multiplication with the `calc` tool
-(`shared.envs.calc`). The tokenizer gets a chat template (`TOOL_TEMPLATE`: the user's text, each
-assistant turn opened by `:` and closed by the end-of-sequence token, a tool's answer as is), and
-the cold start is SFT on traces rendered by the same code a replica renders trajectories with, the
-loss on the model's turns alone, until the accuracy of sampled trajectories reaches the target:
-3 in 10 use the tool — `37*46=` → `calc(37*46)` → `= 1702` → `1702` — and the others answer at
-once (which a model this small cannot compute), so the cold-started model calls the tool on a
-minority of prompts (and greedily on fewer) and RL has the tool's use to learn.
-"""
+"""The tiny-model kit's multi-turn task: 2-digit multiplication with the `calc` tool (`shared.envs.calc`).
+
+The tokenizer gets a chat template (`TOOL_TEMPLATE`); the cold start is SFT on traces rendered by the same code a
+replica renders trajectories with, the loss on the model's turns alone, until the accuracy of sampled trajectories
+reaches the target. A minority of the traces use the tool (`TOOL_SHARE`), so RL has the tool's use to learn.
+
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
-"""LoRA on the trainer's model with `peft`: the adapter is what trains (the base is frozen, the
-router too: it is never a target). A version publishes the adapter alone (`adapter_state`, named
-as PEFT saves it, its adapter_config.json and the base's `base_digest` in the manifest), which an
-engine adds to the base it serves (`inject`: peft's LoRA layers in the engine's model, written in
-place by each version); or, `trainer.lora.publish = "merged"`, the base with the adapter merged in
-under the base's names (`merged_state`), which every engine takes as a full version.
+"""LoRA on the trainer's model with `peft`: the adapter trains; the base, router included, is frozen.
 
-Targets: the attention projections (`target_modules`) and, where the architecture keeps its
-experts as stacked parameters (transformers' Qwen3-MoE: `mlp.experts.gate_up_proj`,
-`mlp.experts.down_proj`), the experts (`target_experts`, through peft's `target_parameters`;
-dropout must then be 0, as peft requires)."""
+A version publishes the adapter alone (`adapter_state`, which an engine adds to its base with `inject`) or, with
+`trainer.lora.publish = "merged"`, the base with the adapter merged in under the base's names (`merged_state`), a
+full version to every engine. Targets: the attention projections (`target_modules`) and, where the experts are
+stacked parameters, the experts (`target_experts`; dropout must then be 0).
+
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
-"""Low-precision inference as an emulation: the weights of the linear layers are rounded through
-a low-precision format when a version is loaded, and the model computes on the dequantised values.
-On a CPU this reproduces the format's rounding of the weights — the part of a quantised engine
-that moves its logprobs and routing away from the trainer's — but not its kernels.
+"""Low-precision inference as an emulation: the linear layers' weights are rounded through a low-precision format
+when a version is loaded, and the model computes on the dequantised values (the format's rounding, not its kernels).
 
-- `fp8`: float8 e4m3 with one scale per output channel (amax / 448), as vLLM's online fp8.
-- `fp4`: NVFP4 — float4 e2m1 values (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) in blocks of 16 inputs,
-  each block with its own e4m3 scale, under one fp32 scale per matrix (per expert of a stacked
-  tensor): the format of Blackwell's FP4 engines and of RL with FP4 rollouts.
+- `fp8`: float8 e4m3, one scale per output channel (amax / 448), as vLLM's online fp8.
+- `fp4`: NVFP4, e2m1 values in blocks of 16 inputs, each with an e4m3 scale, under one fp32 scale per matrix.
 
-With `QuantizedActivations` the inputs of those matmuls are rounded too (W8A8 / W4A4, dynamic
-scales per token), as a quantised engine's are; without it activations stay in the engine's
-dtype. The torch engine applies them."""
+`QuantizedActivations` rounds the matmuls' inputs too (W8A8 / W4A4). The torch engine applies them.
+
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 
@@ -118,15 +114,12 @@ def _grouped_mm_functions() -> tuple:
 
 
 class QuantizedActivations(torch.overrides.TorchFunctionMode):
-    """W8A8 / W4A4: while active (modes are per thread: enter it on the thread that runs the
-    forward), every matmul whose weight is one of `weights` gets its input rounded through
-    `quantization` with dynamic scales per row (fp8: amax of the row / 448; fp4: NVFP4 blocks
-    under a per-row scale), as a quantised engine rounds activations before its low-precision
-    matmul: a `linear` on a quantised parameter or on a slice of one (an expert of a stacked
-    tensor, `eager` experts), and a grouped matmul on a view of one (`grouped_mm` experts, whose
-    input rows are the tokens routed to each expert). Other matmuls (the output head, a router
-    kept in full precision) are left alone. `matched` holds the weights whose inputs were rounded
-    so far (by storage), so a test can check that every quantised weight was reached."""
+    """W8A8 / W4A4: while active, every matmul whose weight is one of `weights` gets its input rounded through
+    `quantization` with dynamic scales per row, as a quantised engine rounds activations before its low-precision
+    matmul. Modes are per thread: enter it on the thread that runs the forward. Other matmuls (the output head, a router
+    kept in full precision) are left alone; `matched` holds the weights whose inputs were rounded so far (by storage).
+
+    Details: docs/internals/engines.md"""
 
     def __init__(self, weights: list[torch.Tensor], quantization: str = "fp8") -> None:
         super().__init__()

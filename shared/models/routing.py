@@ -1,14 +1,10 @@
 """MoE routing capture and replay (Routing Replay, paper §3.2) for Hugging Face MoE models.
 
-A `RoutingController` finds the top-k router of every MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral,
-OLMoE in the pinned transformers: `*TopKRouter` modules returning (logits, scores, indices)) and
-hooks it. Per forward it is off, capturing (records the top-k expert ids), or replaying (forces
-given ids). Replay fixes the **indices** only: the gate weights are recomputed from this forward's
-router logits at those indices, with the architecture's own renormalisation, so the router still
-receives gradient (R2/R3 as in verl's router_replay_patch).
+A `RoutingController` hooks the top-k router of every MoE layer; per forward it is off, capturing (records the top-k
+expert ids) or replaying (forces given ids). Replay fixes the indices only: the gate weights are recomputed from this
+forward's router logits, so the router still receives gradient. Traces are int tensors [B, T, layers, top_k].
 
-Traces are int tensors [B, T, layers, top_k]: expert ids of each token at each MoE layer.
-"""
+Details: docs/internals/engines.md"""
 
 from __future__ import annotations
 

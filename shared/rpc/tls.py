@@ -1,17 +1,11 @@
-"""Optional TLS and mutual TLS for every gRPC server and client and the HTTP control plane.
+"""Optional TLS and mutual TLS for every gRPC server and client and the HTTP control plane, deployment-wide from the
+environment: `STEADYRL_TLS_CERT_FILE` and `STEADYRL_TLS_KEY_FILE` (this process's certificate chain and its key),
+`STEADYRL_TLS_CA_FILE` (the CA bundle that verifies the peer), `STEADYRL_TLS_CLIENT_AUTH` (true: mutual TLS) and
+`STEADYRL_TLS_SERVER_NAME` (the name expected in server certificates; default: the host dialled).
 
-Deployment-wide, from the environment (like the bearer token), so every service agrees:
+Unset, everything is plaintext; set, servers refuse plaintext clients, and a half-configured TLS fails at start.
 
-    STEADYRL_TLS_CERT_FILE    this process's certificate chain (PEM): its server certificate, and
-                              its client certificate under mTLS (a pure client may go without)
-    STEADYRL_TLS_KEY_FILE     the private key of that certificate
-    STEADYRL_TLS_CA_FILE      the CA bundle that verifies the peer: clients verify servers with it
-    STEADYRL_TLS_CLIENT_AUTH  true: mutual TLS, servers refuse a client without a certificate the CA signed
-    STEADYRL_TLS_SERVER_NAME  the name clients expect in server certificates (default: the host dialled)
-
-Unset, everything is plaintext (the loopback demo). Set, servers refuse plaintext clients, and a
-half-configured TLS (a certificate without its key, mTLS without a CA) fails at start.
-"""
+Details: docs/internals/rpc.md"""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""The Redis work queue of prompt tasks (with leases) and the rollout stream (`shared.runstore.keys` names
-every key).
+"""The Redis work queue of prompt tasks (with leases) and the rollout stream (`shared.runstore.keys` names every key).
 
-Every state change is one Lua script, so a replica that dies at any point leaves the task either
-pending, leased (its lease expires, `requeue_expired` puts it back) or completed — never half.
-`complete` publishes all G rollouts of a task and ends its lease in one step, and only while the
-caller still owns the lease: a replica whose lease was taken away publishes nothing, so each task
-reaches the stream exactly once. Each published entry carries the lease that produced it
-(`replica|attempt`, stamped by the script, also recorded in `completed`), so the trainer can tell
-a real rollout from a stray or replayed entry.
+Every state change is one Lua script: a task is pending, leased or completed, never half. `complete` publishes a
+task's G rollouts and ends its lease in one step, only while the caller owns the lease, so each task reaches the
+stream exactly once; each entry carries its lease (`replica|attempt`). An unservable task goes to the `dead` stream
+with a reason code (`dead:counts` counts every code; the stream keeps the newest `dead_maxlen` entries).
 
-A task that cannot be served (undecodable, invalid, a version that never comes) goes to the `dead`
-stream with a reason code and a message; `dead:counts` counts every code for good, while the
-stream itself keeps only the newest `dead_maxlen` entries.
-"""
+Details: docs/internals/orchestrator.md"""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""What a weight transport is, declared once: the trainer's end (`WeightPublisher`), what reaches a
-replica (`Delivery`, which its engine applies bucket by bucket), a replica's watch
-(`WeightSubscriber`), and the registry of transports by name (`TRANSPORTS`: each one's module holds
-both its ends and its vLLM-worker reader, `Transport`; `shared.weightsync.make_publisher` picks the
-trainer's end). Adding a transport is one module and one line here. Light to import (no torch):
-settings name transports through `TransportName`.
+"""What a weight transport is, declared once: the trainer's end (`WeightPublisher`), what reaches a replica
+(`Delivery`), a replica's watch (`WeightSubscriber`), and the registry of transports by name (`TRANSPORTS`).
+Adding a transport is one module and one line here. Light to import (no torch).
 
-A delivery gives its bytes one of two ways: `buckets()` in this process, each bucket checked
-against the signed manifest before it is yielded (views of the transport's memory); or
-`worker_update()`, what a vLLM worker's reader (`Transport.worker_buckets`) needs to read and
-check them itself. A transport that fails after some buckets were applied raises
-`PartialVersion` (the engine then serves nothing until a whole version lands); one that fails
-before the first raises `WeightError` (the engine keeps serving).
-"""
+A transport that fails after some buckets were applied raises `PartialVersion` (the engine then serves nothing until
+a whole version lands); one that fails before the first raises `WeightError` (the engine keeps serving).
+
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

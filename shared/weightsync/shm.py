@@ -1,15 +1,9 @@
-"""The `shm` transport, both ends: the trainer writes each version once as a safetensors file in
-shared memory (`/dev/shm`) and announces it; replicas on that host map the file and apply it
-tensor by tensor, each checked against the manifest before it is used.
+"""The `shm` transport, both ends: the trainer writes each version once as a safetensors file in shared memory
+(`/dev/shm`) and announces it; replicas on that host map the file and apply it tensor by tensor, each checked against
+the manifest before it is used. The files of the last `keep` versions are kept, older ones written over: a reader
+still mapping a file that is written over reads bytes that fail their digest, refused, never served.
 
-Writing: one pass per 4 MiB chunk — write it into the file (pwrite: no page fault per page, which
-made writing through a mapping 4–10× slower here), hash it while it is in cache — so the digest
-costs no second read of the version. The files of the last `keep` versions are kept;
-an older one is not deleted but renamed and written over by the next version, so its pages,
-already in memory, are not faulted in again (a fresh GiB took 0.8–3.6 s here, most of it page
-faults). A reader still mapping a file that is written over reads bytes that fail their digest:
-refused, never served.
-"""
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""A replica's side of the weights (`shared.weightsync.base.WeightSubscriber`): watch the weight-sync
-service, turn each announced version into the `Delivery` of the transport it takes (a table,
-`deliveries`), and hand it to the engine to apply — whatever carried it, its manifest must carry
-the run's trainer's signature (`signing.Verifier`) and every tensor is checked against it before
-it is used, or the version is not served.
+"""A replica's side of the weights (`shared.weightsync.base.WeightSubscriber`): watch the weight-sync service, turn
+each announced version into the `Delivery` of its transport (`deliveries`), and hand it to the engine to apply.
 
-- A version refused before anything changed (a bad shm file, a bad first bucket, a pull cut short
-  at once) keeps the replica on its version; a shm or collective one is then pulled over gRPC
-  (after a failed collective the trainer pushes it there), and after a failed collective the
-  subscriber subscribes again, to join the next epoch.
-- A version that failed after some of its buckets landed (`PartialVersion`) leaves the engine
-  serving nothing; the subscriber restores a whole version at once: the one it served before,
-  pulled from the service (which keeps the last few), else the new one once the service holds it.
-  If none can be applied, the loop dies: the replica restarts from its model and catches up.
-- gRPC pulls come as deltas against the version served when the engine holds its exact bytes
-  (`Engine.weight_bytes`); else whole.
-"""
+Whatever carried it, a version's manifest must carry the run's trainer's signature (`signing.Verifier`) and every
+tensor is checked against it before it is used, or the version is not served. A failed version never leaves a mixed
+one served: the replica keeps its version, or restores a whole one.
+
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

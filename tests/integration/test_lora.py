@@ -198,7 +198,10 @@ def test_a_lora_trainer_resumes_its_adapter_and_optimizer_from_its_checkpoint(tm
     "fields, message",
     [
         ({"lora": {"rank": 8, "target_experts": True, "dropout": 0.1}}, "dropout must be 0 with target_experts"),
-        ({"lora": {"rank": 8, "publish": "merged"}, "parallel": "fsdp", "ranks": 2}, "publish = 'merged' with trainer"),
+        (
+            {"lora": {"rank": 8, "publish": "merged"}, "parallel": {"mode": "fsdp", "ranks": 2}},
+            "publish = 'merged' with trainer",
+        ),
         ({"lora": {"rank": -1}}, "greater than or equal to 0"),
         ({"lora": {"rank": 8, "alpha": 0}}, "greater than 0"),
     ],

@@ -30,3 +30,19 @@ def test_the_lint_selects_line_length_and_broad_excepts():
     lint = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
     assert lint["line-length"] == 120
     assert {"E", "BLE"} <= set(lint["lint"]["select"]) and "E501" not in lint["lint"].get("ignore", [])
+
+
+def test_docstrings_say_what_and_why_in_a_few_lines():
+    """Over 800 characters, an explanation belongs on a docs page the docstring links (docs/internals/)."""
+    import ast
+
+    long = []
+    for path in ROOT.rglob("*.py"):
+        if {".venv", "node_modules"} & set(path.parts) or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node, clean=False) or ""
+                if len(doc) > 800:
+                    long.append(f"{path.relative_to(ROOT)}:{getattr(node, 'name', '<module>')} ({len(doc)})")
+    assert not long, long
