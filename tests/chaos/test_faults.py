@@ -185,7 +185,24 @@ MECHANISMS = {
 }
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+# slow, each covered by another test: Redis restarted or SIGKILLed by redis_host_crash (the same recovery
+# from its harshest form) and test_run_faults' supervised redis-server; Redis frozen by test_run_faults'
+# 20 s freeze; the orchestrator SIGKILLed by test_run.py's orchestrator restart; a replica SIGKILLed by
+# the multi-turn case below and tests/integration/test_inference.py; the trainer SIGKILLed (and restarted
+# by `steadyrl run` itself) by test_supervisor.py and test_run_faults' kill as a checkpoint lands
+SLOW_FAULTS = {
+    "redis_restart",
+    "redis_sigkill",
+    "redis_sigstop",
+    "orchestrator_sigkill",
+    "inference_sigkill",
+    "trainer_sigkill",
+}
+
+
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAULTS else f for f in sorted(FAULTS)]
+)
 def test_the_run_survives(fault, tmp_path, tiny_model_dir):
     config = load_run_config(
         ROOT / "configs" / "tiny-arith.toml",
@@ -269,6 +286,9 @@ def eval_leases(launch: Launch, run_id: str) -> dict[str, str]:
     return asyncio.run(read())
 
 
+# slow: a frozen replica's leases run out and its late result is refused in inference_sigstop, and a
+# policy_eval pool's tasks stay in their pool through lease expiry in tests/integration/test_queues.py
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigstop", "sigkill"])
 def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, tiny_model_dir):
     """orchestrator.evals.policy: the replica of the policy_eval pool frozen (8 s, past its 3 s leases)

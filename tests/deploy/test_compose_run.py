@@ -52,7 +52,7 @@ def test_the_compose_services_train_the_recipe_they_read(tmp_path, tiny_model_di
     write_key_pair(secrets, "weights_signing_key", "weights_verify_key")  # what `steadyrl keys` makes
     redis = RedisServer(tmp_path / "redis", password=password).start()
     short = tmp_path / "short.toml"  # merged over the compose recipe: a short run
-    short.write_text("[run]\nsteps = 3\nbatch_prompts = 4\n[orchestrator]\neval_every = 0\n")
+    short.write_text("[run]\nsteps = 3\nbatch_prompts = 4\n[orchestrator.evals]\nevery = 0\n")
     held = PortReservations()  # distinct ports below the ephemeral range, let go just before the services start
     ports = {p: str(held.take()) for p in ("50051", "50052", "50053", "50054", "8080", "9101", "9102", "9103")}
     ports["6379"] = str(redis.port)

@@ -391,7 +391,7 @@ def test_every_service_of_an_overlay_resolves_its_recipe_as_steadyrl_run_does(ov
     assert set(resolved) == {"weightsync", "trainer", "inference", "orchestrator"}
     if overlay == "gpu":  # the model at the recipe's path: no pod overrides it
         assert {s["model_path"] for n, s in resolved.items() if n != "weightsync"} == {"/models/Qwen3-30B-A3B"}
-        assert resolved["trainer"]["gpus"] == 8 and resolved["inference"]["engine"] == "vllm"
+        assert resolved["trainer"]["parallel"]["gpus"] == 8 and resolved["inference"]["engine"] == "vllm"
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])

@@ -39,7 +39,8 @@ def vllm_missing() -> str:
 RUNS = {"vllm": (1, "vllm", False, "r2"), "fsdp-torch": (2, "torch", True, "r3")}
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+# slow: vllm's adapter versions are checked in tests/integration/test_vllm_engine.py, a LoRA run in fsdp-torch
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "vllm" in n else n for n in RUNS])
 def test_a_lora_run_checkpoints_the_adapter_and_exports_it_merged_or_alone(tmp_path, tiny_model_dir, name):
     ranks, engine, experts, replay = RUNS[name]
     if engine == "vllm" and vllm_missing():

@@ -64,7 +64,8 @@ def test_tiny_tools_learns_to_call_the_calculator(tmp_path, calc_model_dir):
         assert f"plots/{name}.png" in summary["plots"] and (out / "plots" / f"{name}.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("player", ["agent", "verifiers"])
+# slow: a verifiers environment plays through a replica in tests/integration/test_verifiers.py
+@pytest.mark.parametrize("player", ["agent", pytest.param("verifiers", marks=pytest.mark.slow)])
 def test_an_agent_program_or_a_verifiers_environment_drives_a_training_run(tmp_path, calc_model_dir, player):
     """The same recipe played by an unmodified agent program (tests/agent_calc.py), or by a
     `verifiers` environment's own rollout loop and rubric (tests/vf_calc.py, its own dataset),

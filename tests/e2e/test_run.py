@@ -148,7 +148,11 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     export_round_trip(out, tmp_path)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],  # slow: the same shutdown as SIGTERM
+    ids=["sigterm", "sigint"],
+)
 def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir, sig):
     out = tmp_path / "run"
     # SIG_IGN for SIGINT, as a shell gives a background job: the run must still honour it
