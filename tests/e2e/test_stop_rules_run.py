@@ -47,10 +47,11 @@ def run(out: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
             "dead_share",
             "of the last 40 train tasks were dead-lettered",
         ),
-        (
+        pytest.param(  # slow: the rule is tests/unit/test_stop_rules.py's, the failed run's path every-task-dies'
             ('orchestrator.reward="tests.rewards:explode_after_dry_call"', "orchestrator.stop.window_steps=3"),
             "reward_failures",
             "the reward failed on 100% of the rollouts of the last 3 steps",
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["every-task-dies", "every-reward-raises"],
