@@ -61,7 +61,17 @@ def plot_run(out: Path, metrics: list[dict], evals: list[dict]) -> list[str]:
 
 
 def save_final_model(model_path: str, checkpoints: Path, target: Path) -> str | None:
-    """The last checkpoint's weights as a Hugging Face directory (config, tokenizer, safetensors)."""
+    """The last checkpoint's weights as a Hugging Face directory (config, tokenizer, safetensors):
+    the one the trainer wrote at its last step when it holds that checkpoint (services/trainer/final_model.py),
+    else exported from the checkpoint here (a sharded or LoRA trainer, a run stopped before its end)."""
+    from services.trainer.final_model import MARKER, written_final_model
+
+    written = written_final_model(checkpoints)
+    if written is not None:
+        (written / MARKER).unlink()
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(written, target)
+        return str(target)
     from services.trainer.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(checkpoints)
@@ -100,7 +110,7 @@ def export_checkpoint(
     `PeftModel.from_pretrained(base, target)`; what `steadyrl export` writes unless --merge)."""
     from services.trainer.checkpoint import load_model_weights
     from shared.models import load_causal_lm
-    from shared.models.loading import resolve_dtype
+    from shared.models.loading import copy_tokenizer_files, resolve_dtype
 
     model = load_causal_lm(model_path, "float32")
     weights = load_model_weights(checkpoint)
@@ -116,19 +126,7 @@ def export_checkpoint(
                 f"unexpected {unexpected[:3]}"
             )
     model.to(resolve_dtype(dtype)).save_pretrained(target)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "generation_config.json",
-        "vocab.json",
-        "merges.txt",
-        "tokenizer.model",
-        "chat_template.jinja",
-    ):
-        source = Path(model_path) / name
-        if source.exists() and not (target / name).exists():
-            shutil.copy(source, target / name)
+    copy_tokenizer_files(model_path, target)
     return target
 
 

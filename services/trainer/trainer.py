@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 
 from services.trainer.acknowledgements import Acknowledgements
 from services.trainer.config import TrainerSettings
+from services.trainer.final_model import write_final_model
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
 from services.trainer.step_log import StepLog, reward_metrics, trajectory_metrics
@@ -187,6 +188,14 @@ class Trainer:
             self.last_metrics = metrics
             if self.state.step % self.settings.checkpoint.every == 0 or self.done:
                 await self.acks.save(self.state, wait=self.done)
+            if self.done and self.runner.world == 1 and not self.settings.lora.rank:  # the whole model, as is
+                await asyncio.to_thread(
+                    write_final_model,
+                    self.runner.model,
+                    self.settings.model_path,
+                    self.settings.out_dir,
+                    self.state.step,
+                )
             await self.publish()
         self.last_step = time.monotonic()
         log.info(

@@ -47,6 +47,28 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+def copy_tokenizer_files(model_path: str | os.PathLike, target: Path) -> None:
+    """The base model's tokenizer and generation files beside weights saved to `target` (an exported model)."""
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        source = Path(model_path) / name
+        if source.exists() and not (target / name).exists():
+            shutil.copy(source, target / name)
+
+
 def decode_completions(tokenizer, token_ids: list[list[int]]) -> list[str]:
     """`tokenizer.decode(ids, skip_special_tokens=True)` of each, in one call to a fast tokenizer's
     backend when the wrapper would add nothing to it (no clean-up of spaces)."""

@@ -146,6 +146,17 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     model = AutoModelForCausalLM.from_pretrained(out / "final-model")  # loadable by transformers
     assert sum(p.numel() for p in model.parameters()) == 230_848
     export_round_trip(out, tmp_path)
+    # the trainer wrote the final model at its last step (the launcher moved it into place): what
+    # `steadyrl export` makes of the last checkpoint, tensor for tensor, config for config
+    import torch
+    from safetensors.torch import load_file
+
+    assert "event=final_model_written step=4 " in (out / "logs" / "trainer.log").read_text()
+    final, exported = (load_file(d / "model.safetensors") for d in (out / "final-model", tmp_path / "float32"))
+    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+    configs = [json.loads((d / "config.json").read_text()) for d in (out / "final-model", tmp_path / "float32")]
+    assert configs[0] == configs[1] and configs[0]["use_cache"] is True  # the trainer's own turns it off
+    assert not (out / "final-model" / "exported-step.json").exists()
 
 
 @pytest.mark.parametrize(
