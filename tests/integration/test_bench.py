@@ -218,3 +218,16 @@ def test_lora_peak_memory_is_measured_with_each_side_alone_in_its_own_process(ti
     assert full["step_peak_bytes"] > 2 * weights  # at least the gradients and two AdamW moments' worth, less slack
     assert full["step_peak_bytes"] - lora["step_peak_bytes"] > weights  # LoRA holds no per-weight state
     assert out["lora_over_full_step_peak_bytes"] == round(lora["step_peak_bytes"] / full["step_peak_bytes"], 3)
+
+
+def test_the_full_batch_line_times_the_engine_and_generate_on_the_same_batch():
+    """bench.inference's demo step in one batch: the torch engine (with and without traces) and transformers'
+    `generate` on the same 256 sequences; the ratio is the engine's rate over generate's (one round: exactly)."""
+    from bench.inference import full_batch
+
+    side = full_batch("float32", rounds=1)
+    assert (side["sequences"], side["new_tokens"], side["threads"]) == (256, 6, 1)
+    rates = [side[f"{name}_tokens_per_s"] for name in ("generate", "engine", "engine_traces")]
+    assert all(rate > 0 for rate in rates), side
+    assert side["engine_over_generate"] == pytest.approx(rates[1] / rates[0], rel=1e-3)
+    assert side["engine_traces_over_generate"] == pytest.approx(rates[2] / rates[0], rel=1e-3)
