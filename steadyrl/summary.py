@@ -54,6 +54,11 @@ def finish(launch: Launch, summary: dict) -> None:
         eval_end=evals[-1]["accuracy"] if evals else None,
         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
     )
+    idle = [
+        float(m["trainer_idle_share"]) for step, m in sorted(by_step.items()) if step > 1 and "trainer_idle_share" in m
+    ]
+    if idle:  # the share of each step's cycle the trainer waited for rollouts (step 1 waited for the start)
+        summary["trainer_idle_share"] = round(sum(idle) / len(idle), 3)
     if tracking := tracking_status(out):
         summary["tracking"] = tracking
     if policy_evals:  # π's rounds (orchestrator.evals.policy)

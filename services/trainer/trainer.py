@@ -60,6 +60,7 @@ class Trainer:
         self.reported = self.progress()
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()
+        self.step_ended = self.cycle_started = self.last_step  # the idle share: waiting for rollouts (_train)
 
     @property
     def done(self) -> bool:
@@ -163,6 +164,10 @@ class Trainer:
 
     async def _train(self, group_ids: list[str]) -> dict[str, float]:
         started = time.perf_counter()
+        now = time.monotonic()  # since the last step ended (its checkpoint and publish too) the trainer waited
+        waited = now - self.step_ended
+        idle_share = waited / max(now - self.cycle_started, 1e-9)  # of the time since the last step started
+        self.cycle_started = now
         groups = self.buffer.take(group_ids)
         rollouts = [m.rollout for group in groups for m in group]
         log.info("event=step_started step=%d rollouts=%d", self.state.step + 1, len(rollouts))
@@ -179,6 +184,8 @@ class Trainer:
                 step_seconds=seconds,
                 tokens_per_s=metrics["tokens"] / max(seconds, 1e-9),
                 dropped_stale=self.state.counters.get("dropped_stale", 0),
+                trainer_wait_seconds=waited,
+                trainer_idle_share=idle_share,
                 **reward_metrics(rollouts),
                 **trajectory_metrics(rollouts),
             )
@@ -197,7 +204,7 @@ class Trainer:
                     self.state.step,
                 )
             await self.publish()
-        self.last_step = time.monotonic()
+        self.last_step = self.step_ended = time.monotonic()
         log.info(
             "event=step step=%d version=%d reward=%.3f kl_k3=%.2e step_seconds=%.2f seconds=%.2f",
             metrics["step"],

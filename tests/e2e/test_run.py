@@ -36,6 +36,8 @@ TRAINER_KEYS = (
     "grad_norm",
     "tokens_per_s",
     "step_seconds",
+    "trainer_wait_seconds",
+    "trainer_idle_share",
 )
 
 
@@ -98,6 +100,11 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    # the trainer's idle share: step 1 waited for everything before it; the summary, the mean of the others
+    idle = [x["trainer_idle_share"] for x in lines]
+    assert idle[0] == 1.0 and all(0 <= share < 1 for share in idle[1:]), idle
+    assert all(x["trainer_wait_seconds"] >= 0 for x in lines)
+    assert summary["trainer_idle_share"] == round(sum(idle[1:]) / 3, 3)
     for key in TRAINER_KEYS:
         assert all(key in x for x in lines), key
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
