@@ -112,7 +112,16 @@ def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_an
         assert directory == stale[0].parent
         flipped = corrupt_versions(directory, replica.log)
         assert not any(path.exists() and path.stat().st_size == 5 for path in stale)  # pruned, or new versions
+        restarted_at = len(replica.log.read_text())
         weightsync_restart(launch)
+        # the replica lost its watch and takes versions from the new service again before it is killed
+        deadline = time.monotonic() + 60
+        while not re.search(
+            r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied",
+            replica.log.read_text()[restarted_at:],
+        ):
+            assert time.monotonic() < deadline, "the replica never watched the restarted weight-sync service"
+            time.sleep(0.1)
         before = len(replica.log.read_text())
         killed = kill_mid_update(launch, "inference-0")
         launch.start(replica)  # what the supervisor of `steadyrl run` does
