@@ -32,7 +32,7 @@ from services.inference.metrics import (
     VERSION_WAITS,
     TokenRate,
 )
-from services.inference.rollout_publisher import QUEUE_ERRORS, Publisher
+from services.inference.rollout_publisher import LEASES_LOST, QUEUE_ERRORS, Publisher
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
@@ -266,8 +266,15 @@ class RolloutWorker:
         """Stop renewing the task and give it back to the queue (if Redis is down, its lease expires
         and it is retried all the same)."""
         self.held.discard(task_id)
+        await self._give_back(task_id, f"handed back: {reason}")
+
+    async def _give_back(self, task_id: str, reason: str) -> None:
+        """Return a task to the queue; Redis refuses when its lease ran out meanwhile (it was
+        retried elsewhere), counted and logged as a lost lease like a refused publish."""
         with contextlib.suppress(redis.exceptions.RedisError):
-            await self.queue.fail(self.replica_id, task_id, f"handed back: {reason}")
+            if not await self.queue.fail(self.replica_id, task_id, reason):
+                LEASES_LOST.labels(self.replica_id).inc()
+                log.warning("event=lease_lost task=%s on=hand_back", task_id)
 
     async def _version_ready(self, checked: Checked) -> bool:
         """Admission may ask for a policy version newer than the one served: wait for it, at most
@@ -300,8 +307,7 @@ class RolloutWorker:
         left = sorted(self.held)
         await renewal.stop()  # never renews again, whatever Redis did to it
         for task_id in left:
-            with contextlib.suppress(redis.exceptions.RedisError):
-                await self.queue.fail(self.replica_id, task_id, "handed back: the replica stopped")
+            await self._give_back(task_id, "handed back: the replica stopped")
 
     def _encode_task(self, lease: Lease, samples: list[Sample], timings: RolloutTimings) -> list[bytes] | None:
         task = lease.task
