@@ -1,5 +1,5 @@
 """`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
-LoRA, mismatch, trainer, trainer memory and checkpoints, async), one JSON object with the machine
+LoRA, mismatch, trainer, trainer memory and checkpoints, async, peers), one JSON object with the machine
 it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
 inherits another's threads or memory."""
 
@@ -26,6 +26,7 @@ BENCHMARKS = {
     "trainer_memory": ("bench.trainer_memory", []),
     "trainer_checkpoint": ("bench.trainer_checkpoint", []),
     "async": ("bench.asynchrony", []),
+    "peers": ("bench.peers", []),
 }
 
 
@@ -147,6 +148,34 @@ def _get(data: dict, *path, default="–"):
             return default
         data = data[key]
     return data
+
+
+def peer_rows(peers: dict) -> list[str]:
+    """bench.peers: steadyrl / TRL's GRPOTrainer on the demo, each ratio with its target."""
+    ours, trl, r, t = (_get(peers, k, default={}) for k in ("steadyrl", "trl", "ratios", "targets"))
+    label = f"steadyrl / TRL GRPO, tiny-arith, {_get(peers, 'steps')} steps"
+    rows = [
+        f"| peers | {label}: wall seconds per step ({_get(ours, 'seconds_per_step')} vs "
+        f"{_get(trl, 'seconds_per_step')}; the whole command {_get(ours, 'command_seconds')} vs "
+        f"{_get(trl, 'command_seconds')} s, ratio {_get(r, 'command_seconds')}) | {_get(r, 'seconds_per_step')} "
+        f"| ≤ {_get(t, 'seconds_per_step')} |",
+    ]
+    for a in (0.5, 0.6):
+        target = f"≤ {_get(t, f'seconds_to_eval_{a}')}" if f"seconds_to_eval_{a}" in t else "–"
+        rows.append(
+            f"| peers | {label}: seconds to eval {a} from the end of step 1 (one eval loop, greedy, fp32) "
+            f"| {_get(r, f'seconds_to_eval_{a}')} | {target} |"
+        )
+    rows.append(
+        f"| peers | {label}: eval at the last step (mean over the last quarter "
+        f"{_get(r, 'eval_at_equal_steps_last_quarter')}) "
+        f"| {_get(r, 'eval_at_equal_steps')} | ≥ {_get(t, 'eval_at_equal_steps')} |"
+    )
+    rows.append(
+        f"| peers | steadyrl's idle shares in that run, trainer / replica | {_get(ours, 'trainer_idle_share')} / "
+        f"{_get(ours, 'replica_idle_share')} | – |"
+    )
+    return rows
 
 
 def markdown(result: dict) -> str:
@@ -331,6 +360,7 @@ def markdown(result: dict) -> str:
             f"| async | versions per second, {name} / sync | "
             f"{_get(asy, 'variants', name, 'versions_per_second_vs_sync')} | > 1 |"
         )
+    lines += peer_rows(b.get("peers", {}))
     failed = [name for name, value in b.items() if "error" in value]
     if failed:
         lines += ["", f"Failed: {', '.join(failed)} (see the JSON)."]

@@ -120,6 +120,21 @@ def bench_async(
     typer.echo(json.dumps(run(target, steps)))
 
 
+@bench_app.command("peers")
+def bench_peers(
+    steps: int = typer.Option(200, min=2, help="Steps of each side."),
+    every: int = typer.Option(10, min=1, help="Steps between the models both sides' evals score."),
+    peer_python: str = typer.Option(
+        "", help="A Python with TRL (default .venv-compare/bin/python: STEADYRL_EXTRAS=compare scripts/install)."
+    ),
+) -> None:
+    """steadyrl against TRL's GRPOTrainer on the tiny demo, the recipe matched (printed beside the
+    result): wall seconds per step, seconds to an eval accuracy, eval at equal steps, one eval loop."""
+    from bench.peers import main as run
+
+    typer.echo(json.dumps(run(steps, every, peer_python=peer_python or None)))
+
+
 @bench_app.command("all")
 def bench_all(
     only: Annotated[list[str] | None, typer.Option("--only", help="Run only this benchmark (repeatable).")] = None,

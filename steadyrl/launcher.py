@@ -18,7 +18,7 @@ from pathlib import Path
 from steadyrl.processes import Launch
 from steadyrl.progress import PROGRESS, watch
 from steadyrl.run_config import RunConfig
-from steadyrl.service_settings import check
+from steadyrl.service_settings import check, settle_auto_dtype
 from steadyrl.summary import finish
 from steadyrl.supervisor import Supervisor
 
@@ -100,9 +100,12 @@ def _run(config: RunConfig, out: Path, progress: str) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(config)
+    settle_auto_dtype(config, model_path)
     (out / "config.resolved.toml").write_text(config.as_toml())
     console.print(f"[bold]steadyrl run[/] {config.run_id} → {out}")
-    model_path = resolve_model(config)
+    for note in config.notes:
+        console.print(f"  {note}", markup=False)
     launch = Launch(config, out, model_path)
     started = time.time()
     summary: dict = {"run_id": config.run_id, "out": str(out), "model": model_path}

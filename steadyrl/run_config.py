@@ -100,6 +100,8 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """What resolving the recipe decided (written as comments atop config.resolved.toml)."""
 
     @property
     def run_id(self) -> str:
@@ -117,7 +119,8 @@ class RunConfig:
         return self.sections.setdefault(name, {})
 
     def as_toml(self) -> str:
-        parts = [_table("run", self.run.model_dump()), _table("model", self.model.model_dump())]
+        parts = ["".join(f"# {note}\n" for note in self.notes)] if self.notes else []
+        parts += [_table("run", self.run.model_dump()), _table("model", self.model.model_dump())]
         parts += [_table(name, self.sections[name]) for name in SERVICES if self.sections.get(name)]
         return "\n".join(parts)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shared.engines.dtype_choice import AUTO
 from shared.runtime.moved_settings import moved_in_env, moved_message
 from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig, merge_tables
 
@@ -61,8 +62,11 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
     values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
     if service == "trainer":  # the replicas' dtype
-        dtype = config.section("inference").get("dtype", settings_class("inference").model_fields["dtype"].default)
-        values.setdefault("publish", {}).setdefault("dtype", dtype)
+        values.setdefault("publish", {}).setdefault(
+            "dtype", inference_dtype(config, (extra or {}).get("model_path"))[0]
+        )
+    if service == "inference" and values.get("dtype", AUTO) == AUTO:
+        values["dtype"] = inference_dtype(config, (extra or {}).get("model_path"))[0]
     if service == "inference":  # agent programs need the replicas' endpoint
         environment = str(config.section("orchestrator").get("trajectory", {}).get("environment", ""))
         values.setdefault("agent", {}).setdefault("endpoint", environment.startswith(("agent:", "verifiers:")))
@@ -77,6 +81,28 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
             + ["experts"] * bool(lora.get("target_experts", False)),
         )
     return merge_tables(values, extra or {})
+
+
+def inference_dtype(config: RunConfig, model_path: str | None = None) -> tuple[str, str]:
+    """(dtype, why) the replicas serve: the recipe's, or with "auto" (the default) the fastest here
+    (`shared.engines.dtype_choice`)."""
+    inference = config.section("inference")
+    dtype = inference.get("dtype", settings_class("inference").model_fields["dtype"].default)
+    if dtype != AUTO:
+        return dtype, "set by the recipe"
+    from shared.engines.dtype_choice import choose_dtype
+
+    gpus = int(inference.get("gpus_per_replica", 0))
+    return choose_dtype(gpus, model_path or config.model.path, int(inference.get("torch_threads", 0)))
+
+
+def settle_auto_dtype(config: RunConfig, model_path: str) -> None:
+    """Write the dtype "auto" chose into the recipe (every service then reads the same one) and
+    say why in the resolved recipe's notes."""
+    if config.section("inference").get("dtype", AUTO) == AUTO:
+        dtype, why = inference_dtype(config, model_path)
+        config.section("inference")["dtype"] = dtype
+        config.notes.append(f'inference.dtype "auto" chose "{dtype}": {why}')
 
 
 def service_env(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:

@@ -6,11 +6,17 @@ from __future__ import annotations
 import json
 import shutil
 
+from shared.runtime.exit_codes import ExitCode
 from shared.runtime.jsonl import read_jsonl
 from steadyrl.processes import Launch
 
-# `steadyrl run`'s exit code per outcome (2: the recipe was refused before anything started)
-EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 3, "interrupted": 130}
+# `steadyrl run`'s exit code per outcome (a recipe refused before anything started exits REFUSED)
+EXIT_CODES = {
+    "finished": ExitCode.OK,
+    "failed": ExitCode.FAILED,
+    "stopped": ExitCode.STOPPED,
+    "interrupted": ExitCode.INTERRUPTED,
+}
 
 
 def exit_code(outcome: str | None) -> int:
@@ -54,11 +60,10 @@ def finish(launch: Launch, summary: dict) -> None:
         eval_end=evals[-1]["accuracy"] if evals else None,
         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
     )
-    idle = [
-        float(m["trainer_idle_share"]) for step, m in sorted(by_step.items()) if step > 1 and "trainer_idle_share" in m
-    ]
-    if idle:  # the share of each step's cycle the trainer waited for rollouts (step 1 waited for the start)
-        summary["trainer_idle_share"] = round(sum(idle) / len(idle), 3)
+    for name in ("trainer_idle_share", "replica_idle_share"):  # each step's idle share (step 1 waited for the start)
+        idle = [float(m[name]) for step, m in sorted(by_step.items()) if step > 1 and name in m]
+        if idle:
+            summary[name] = round(sum(idle) / len(idle), 3)
     if tracking := tracking_status(out):
         summary["tracking"] = tracking
     if policy_evals:  # π's rounds (orchestrator.evals.policy)

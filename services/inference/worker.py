@@ -19,6 +19,7 @@ import time
 
 import redis.exceptions
 
+from services.inference.idle_clock import IdleClock
 from services.inference.metrics import (
     BAD_TASKS,
     ENGINE_ERRORS,
@@ -86,6 +87,7 @@ class RolloutWorker:
         self.rewards = rewards or RewardRunner()
         self.version_wait_seconds = version_wait_seconds
         self.rate = TokenRate()
+        self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
         self.publisher = Publisher(queue, replica_id, self.held, self._hand_back)
@@ -183,7 +185,8 @@ class RolloutWorker:
                 return
             if not await self._version_ready(checked):
                 return
-            payloads = await (self._play if lease.task.environment else self._sample)(checked, now_ms())
+            with self.idle.busy():
+                payloads = await (self._play if lease.task.environment else self._sample)(checked, now_ms())
             if payloads is not None:  # else given up or handed back already
                 self.publisher.add(lease, payloads)
         finally:

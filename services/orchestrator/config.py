@@ -224,6 +224,10 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """A task whose lease expired or failed more often goes to the dead-letter stream."""
     tick_seconds: float = Field(0.1, gt=0)
     """Period of the admission / lease sweep loop."""
+    lookahead_batches: int = Field(1, ge=0)
+    """Batches queued beyond the staleness budget, each for a version the trainer has not made
+    yet (the task's minimum version): a replica leases them ahead and starts them the moment their
+    version lands, with no admission tick between. The staleness bound is unchanged."""
     autostart: bool = False
     """Start the run as soon as the orchestrator is up (else it waits in `created` for
     POST /v1/run/start)."""

@@ -1,8 +1,9 @@
 """The run's owner: turns the dataset into prompt tasks under a staleness budget, sweeps expired leases, schedules
 greedy evaluations and records their accuracy.
 
-Everything it needs to resume lives in Redis (`run`). Tasks outstanding stay below (max_staleness + 1) × B prompts,
-so no rollout is trained more than max_staleness versions behind. Run state: created → running ⇄ paused → finished;
+Everything it needs to resume lives in Redis (`run`). Tasks outstanding stay below (max_staleness + 1) × B prompts
+for the trainer's version, and `lookahead_batches` × B more for versions to come, so no rollout is trained more than
+max_staleness versions behind. Run state: created → running ⇄ paused → finished;
 stop from any of the first three; failed (`stop_rules.py`) from running or paused. Each transition is one atomic
 Redis script; `stopped`, `finished` and `failed` are final.
 
@@ -194,11 +195,13 @@ class Orchestrator:
             await pipe.execute()
 
     async def admit(self) -> int:
-        """Queue train tasks up to the staleness budget; returns how many were queued."""
+        """Queue train tasks up to the staleness budget and `lookahead_batches` beyond it; returns
+        how many were queued. A task with p tasks outstanding before it is trained within p // B + 1
+        steps, so it needs at least version V + max(0, p // B − max_staleness) (V: the trainer's now)."""
         s = self.settings
         p = await self.progress()
         outstanding = p["submitted"] - (p["trained"] + p["dropped"] + p["dead"])
-        budget = (s.max_staleness + 1) * s.batch_prompts - outstanding
+        budget = (s.max_staleness + 1 + s.lookahead_batches) * s.batch_prompts - outstanding
         if s.steps:
             budget = min(budget, s.steps * s.batch_prompts - p["trained"] - outstanding)
         OUTSTANDING.set(outstanding)
@@ -207,9 +210,14 @@ class Orchestrator:
         train = self.tasks.train
         tasks = [
             self.tasks.make(
-                f"train-{i}", train[i % len(train)], s.group_size, s.sampling.temperature, False, self.trainer_version
+                f"train-{i}",
+                train[i % len(train)],
+                s.group_size,
+                s.sampling.temperature,
+                False,
+                self.trainer_version + max(0, (outstanding + j) // s.batch_prompts - s.max_staleness),
             )
-            for i in range(p["submitted"], p["submitted"] + budget)
+            for j, i in enumerate(range(p["submitted"], p["submitted"] + budget))
         ]
         submitted = p["submitted"] + len(tasks)
         await self.queue.submit_many(

@@ -80,11 +80,11 @@ class RedisWatch:
             await self.requeue_lost()
 
     async def requeue_lost(self) -> int:
-        """Queue again the recent train tasks (the last 4 × (max_staleness + 1) × B submitted) Redis
-        holds in no state at all; returns how many."""
+        """Queue again the recent train tasks (the last 4 × (max_staleness + 1 + lookahead_batches) × B
+        submitted) Redis holds in no state at all; returns how many."""
         s = self.settings
         submitted = int((await self.redis.hget(self.keys.run, RunField.SUBMITTED)) or 0)
-        window = 4 * (s.max_staleness + 1) * s.batch_prompts
+        window = 4 * (s.max_staleness + 1 + s.lookahead_batches) * s.batch_prompts
         ids = await self.queue.unknown([f"train-{i}" for i in range(max(0, submitted - window), submitted)])
         if ids:
             settled = await self.ledger.settled_groups(ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -124,11 +125,24 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         if not request.replica_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id is required")
-        o = self.orchestrator
-        await self._bounded(
-            context, "heartbeat", o.redis.hset(o.keys.replicas, request.replica_id, request.policy_version)
-        )
+        idle, uptime = request.idle_seconds, request.uptime_seconds
+        if not (math.isfinite(idle) and math.isfinite(uptime) and 0 <= idle <= uptime + 1e-3):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"idle_seconds {idle} and uptime_seconds {uptime}: finite, 0 <= idle <= uptime",
+            )
+        await self._bounded(context, "heartbeat", self._record(request))
         return common_pb2.Empty()
+
+    async def _record(self, request) -> None:
+        """The replica's version, and its idle time when it reports one, in one round trip."""
+        o = self.orchestrator
+        async with o.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(o.keys.replicas, request.replica_id, request.policy_version)
+            if request.uptime_seconds > 0:
+                idle = f"{request.idle_seconds:.3f},{request.uptime_seconds:.3f}"
+                pipe.hset(o.keys.replica_idle, request.replica_id, idle)
+            await pipe.execute()
 
     async def Status(self, request, context):
         status = await self._bounded(context, "status", self.orchestrator.status())

@@ -108,7 +108,8 @@ class StepLog:
         with self.path.open("a") as f:
             f.write(
                 json.dumps(
-                    {k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()} | {"recipe": recipe}
+                    {k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}
+                    | {"recipe": recipe, "unix_ms": int(time.time() * 1000)}
                 )
                 + "\n"
             )

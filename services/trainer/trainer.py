@@ -23,10 +23,12 @@ from services.trainer.config import TrainerSettings
 from services.trainer.final_model import write_final_model
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
+from services.trainer.replica_idle import ReplicaIdle
 from services.trainer.step_log import StepLog, reward_metrics, trajectory_metrics
 from services.trainer.steps import StepRunner
 from services.trainer.stream import RedisRolloutSource
 from services.trainer.version_publisher import VersionPublisher
+from shared.runstore.keys import RunKeys
 
 log = logging.getLogger("steadyrl.trainer")
 
@@ -40,6 +42,7 @@ class Trainer:
         self.buffer = GroupBuffer(s.group_size, s.run_id, self.runner.limits)
         self.intake = Intake(self.source, self.buffer, self.state)
         self.publisher = VersionPublisher(settings, redis)
+        self.replica_idle = ReplicaIdle(redis, RunKeys(s.run_id).replica_idle)
         self.acks = Acknowledgements(self.runner, self.source)  # trained, checkpointed, acknowledged
         self.redis_id = ""
         self.checked_redis = 0.0
@@ -168,6 +171,7 @@ class Trainer:
         waited = now - self.step_ended
         idle_share = waited / max(now - self.cycle_started, 1e-9)  # of the time since the last step started
         self.cycle_started = now
+        replica_idle = await self.replica_idle.share()
         groups = self.buffer.take(group_ids)
         rollouts = [m.rollout for group in groups for m in group]
         log.info("event=step_started step=%d rollouts=%d", self.state.step + 1, len(rollouts))
@@ -186,6 +190,7 @@ class Trainer:
                 dropped_stale=self.state.counters.get("dropped_stale", 0),
                 trainer_wait_seconds=waited,
                 trainer_idle_share=idle_share,
+                **({} if replica_idle is None else {"replica_idle_share": replica_idle}),
                 **reward_metrics(rollouts),
                 **trajectory_metrics(rollouts),
             )

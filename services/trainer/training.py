@@ -33,6 +33,15 @@ class StepConfig:
     """π_old := μ_old (no recompute forward)."""
     grad_clip: float = 1.0
     """Max global grad norm (0 = off)."""
+    separate_old_pass: bool = False
+    """Recompute π_old in a pass of its own even where the update's forward gives it (`fuses_old`)."""
+
+    @property
+    def fuses_old(self) -> bool:
+        """N = 1 without bypass or R3: π_old is the model as it is before the one update, so the
+        update's own forward, detached, is log π_old, and R2 would replay exactly what that forward
+        routes: no separate no-grad pass (docs/internals/trainer.md)."""
+        return self.mini_batches == 1 and not self.bypass and self.replay != "r3" and not self.separate_old_pass
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
@@ -120,10 +129,18 @@ def plan_step(
 
 @dataclass
 class OldPolicy:
-    """π_old of this rank's rows (None in bypass mode) and what the recompute routed by (R2)."""
+    """π_old of this rank's rows (None in bypass mode, or when the update's forward gives it:
+    `fused`) and what the recompute routed by (R2)."""
 
     logprobs: torch.Tensor | None
     routing: torch.Tensor | None
+    fused: bool = False
+
+
+def record_agreement(stats: StepStats, own: torch.Tensor, part: TrainBatch) -> None:
+    """The share of (token, layer) whose training experts equal the inference trace's, as sets."""
+    same = (own.sort(dim=-1).values == part.trace.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
+    stats.add_mean("routing_agreement", same, part.trace_mask.unsqueeze(-1).expand_as(same))
 
 
 @torch.no_grad()
@@ -132,6 +149,8 @@ def recompute_old(
 ) -> OldPolicy:
     """log π_old once per global step, before any update, replaying R3 traces or capturing the
     routing for R2, in micro-batches; records the routing agreement with the inference traces."""
+    if config.fuses_old:
+        return OldPolicy(None, None, fused=True)
     local = plan.local
     is_moe = routing is not None and routing.is_moe
     width = local.width
@@ -163,8 +182,7 @@ def recompute_old(
             inner = getattr(model, "module", model)
             if own is None:
                 own = sequence_logprobs(inner, part, routing, capture=True, compute=compute).routing
-            same = (own.sort(dim=-1).values == part.trace.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
-            stats.add_mean("routing_agreement", same, part.trace_mask.unsqueeze(-1).expand_as(same))
+            record_agreement(stats, own, part)
     return OldPolicy(logprobs, captured)
 
 
@@ -199,16 +217,24 @@ def update(
         if config.replay == "r3":
             replay = mb.trace
             replay_mask = mb.trace_mask
-        elif config.replay == "r2":
+        elif config.replay == "r2" and not old.fused:
             replay = old.routing.index_select(0, at)[:, :w]
             replay_mask = mb.attention_mask.bool()
         staleness = plan.staleness.index_select(0, torch.tensor(picked))[:, : w - 1].long().to(compute.device)
+        agreement = old.fused and routing is not None and routing.is_moe and mb.trace is not None
         with gradient_sync(model, i == len(chunks) - 1), routing_context(routing, replay, replay_mask):
-            forward = sequence_logprobs(model, mb, compute=compute)  # replay stays on through the backward
+            # replay stays on through the backward; fused, the forward records its routing for the agreement
+            forward = sequence_logprobs(model, mb, routing if agreement else None, capture=agreement, compute=compute)
+            if agreement:
+                record_agreement(stats, forward.routing, mb)
+            if old.fused:
+                old_logprobs = forward.logprobs.detach()
+            else:
+                old_logprobs = None if old.logprobs is None else old.logprobs.index_select(0, at)[:, : w - 1]
             started = time.perf_counter()
             loss, _ = policy_loss(
                 forward.logprobs,
-                None if old.logprobs is None else old.logprobs.index_select(0, at)[:, : w - 1],
+                old_logprobs,
                 mb.inference_logprobs,
                 plan.advantages.index_select(0, torch.tensor(picked)).to(compute.device),
                 mb.loss_mask,

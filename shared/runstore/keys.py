@@ -2,7 +2,7 @@
 
 All keys live under `steadyrl:{run_id}:`. The writer named for a key is its only writer (the
 work-queue keys are written only through `shared.runstore.queues` scripts, whichever service calls them).
-`markdown_table()` renders the declaration; docs/ARCHITECTURE.md prints it (a test keeps them
+`markdown_table()` renders the declaration; docs/reference/redis-keys.md prints it (a test keeps them
 equal). Hash fields are named by `RunField` and `TrainerField`, whose values are the field names.
 """
 
@@ -77,6 +77,13 @@ KEYS = {
     "trainer": Key("trainer", "HASH", "`TrainerField`s", "trainer", "trainer (restart)"),
     "run": Key("run", "HASH", "`RunField`s", "orchestrator", "orchestrator, `/v1/run`"),
     "replicas": Key("replicas", "HASH", "replica → version", "orchestrator (heartbeats)", "orchestrator, `/v1/run`"),
+    "replica_idle": Key(
+        "replica_idle",
+        "HASH",
+        'replica → "idle seconds,uptime seconds" since it started',
+        "orchestrator (heartbeats)",
+        "trainer (replica idle share per step)",
+    ),
 }
 
 
@@ -136,7 +143,7 @@ class RunKeys:
 
 
 def markdown_table() -> str:
-    """The keys and hash fields of a run as docs/ARCHITECTURE.md prints them."""
+    """The keys and hash fields of a run as docs/reference/redis-keys.md prints them."""
     lines = ["| key | type | holds | writer | readers |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{k.suffix}` | {k.type} | {k.holds} | {k.writer} | {k.readers} |" for k in KEYS.values()]
     for enum in (RunField, TrainerField):

@@ -606,7 +606,15 @@ def exported_queue_series(redis_url: str, run_id: str, model_dir: Path, tmp_path
 
     async def main() -> str:
         redis, orchestrator = await orchestrator_on(
-            redis_url, run_id, model_dir, tmp_path, "running", batch_prompts=4, group_size=2, steps=10
+            redis_url,
+            run_id,
+            model_dir,
+            tmp_path,
+            "running",
+            batch_prompts=4,
+            group_size=2,
+            steps=10,
+            lookahead_batches=0,
         )
         assert await orchestrator.admit() == 8
         tasks = [orchestrator.tasks.make(f"evalpi-{i}", orchestrator.tasks.train[i], 1, 0.0, True, 0) for i in range(3)]

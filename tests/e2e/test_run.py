@@ -105,6 +105,11 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     assert idle[0] == 1.0 and all(0 <= share < 1 for share in idle[1:]), idle
     assert all(x["trainer_wait_seconds"] >= 0 for x in lines)
     assert summary["trainer_idle_share"] == round(sum(idle[1:]) / 3, 3)
+    # the rollout replicas' idle share from their heartbeats (π's eval replica reports none), on every
+    # step from the first heartbeat the orchestrator recorded (a replica can start before it listens)
+    replica_idle = [x["replica_idle_share"] for x in lines[1:] if "replica_idle_share" in x]
+    assert "replica_idle_share" in lines[-1] and all(0 <= share <= 1 for share in replica_idle), replica_idle
+    assert summary["replica_idle_share"] == round(sum(replica_idle) / len(replica_idle), 3)
     for key in TRAINER_KEYS:
         assert all(key in x for x in lines), key
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.orchestrator import Orchestrator
 from services.orchestrator.server import create_app
+from shared.runstore.queues import WorkQueue
 from tests.helpers import read_scalars
 
 TOKEN = "s3cret-token"
@@ -63,9 +64,12 @@ def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_
             assert status["state"] == "running" and status["queue"]["pending"] == 0
             config = (await call("GET", "/v1/run/config")).json()
             assert config["batch_prompts"] == 2 and "token" not in config and "redis_url" not in config
-            assert await orchestrator.admit() == 4  # (max_staleness 1 + 1) × B prompts queued
+            # (max_staleness 1 + 1) × B prompts for version 0, and lookahead_batches 1 × B for version 1
+            assert await orchestrator.admit() == 6
             assert await orchestrator.admit() == 0  # the budget is spent until the trainer moves
-            assert (await call("GET", "/v1/run")).json()["queue"]["pending"] == 4
+            assert (await call("GET", "/v1/run")).json()["queue"]["pending"] == 6
+            leases = await WorkQueue(redis, run_id).lease("replica-0", 60, count=6)
+            assert [lease.task.min_policy_version for lease in leases] == [0, 0, 0, 0, 1, 1]
         await orchestrator.close()
         await redis.aclose()
 
@@ -170,7 +174,7 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
         return pending
 
     pending = asyncio.run(asyncio.wait_for(main(), 60))
-    assert sum(t.startswith("train-") for t in pending) == 4  # admitted once the round is in
+    assert sum(t.startswith("train-") for t in pending) == 6  # admitted once the round is in (2 B and one lookahead B)
     first = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()][0]
     assert first["step"] == 0 and first["accuracy"] == 0.4 and first["policy_version_max"] == 0
 
@@ -409,7 +413,7 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
     assert mu == queued  # a rollouts queue never leases π's tasks
     assert pi_task == (1, 0.0, 0)  # greedy, one sample, version 0
     assert admitted_before_pi == 0  # μ's round in, π's not: no train task yet
-    assert sum(t.startswith("train-") for t in admitted) == 4
+    assert sum(t.startswith("train-") for t in admitted) == 6  # 2 B and one lookahead B
     mu_line = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[0])
     pi_lines = [json.loads(line) for line in (tmp_path / "policy-eval.jsonl").read_text().splitlines()]
     assert mu_line["accuracy"] == pytest.approx(1 / 3)
@@ -537,7 +541,15 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
 
     async def main():
         redis, orchestrator = await orchestrator_on(
-            redis_server.url, run_id, tiny_model_dir, tmp_path, "running", batch_prompts=4, group_size=2, steps=10
+            redis_server.url,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
+            "running",
+            batch_prompts=4,
+            group_size=2,
+            steps=10,
+            lookahead_batches=0,
         )
         assert await orchestrator.admit() == 8  # train-0 .. train-7
         keys = orchestrator.keys

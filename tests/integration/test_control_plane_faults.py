@@ -57,6 +57,17 @@ def test_a_frozen_redis_gives_stale_status_503_and_unavailable_and_applies_nothi
         async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=HEADERS) as http:
             live = await http.get("/v1/run")
             assert live.status_code == 200 and "stale" not in live.json() and live.json()["state"] == "running"
+            beat = orchestrator_pb2.ReplicaHeartbeat(replica_id="r1", idle_seconds=1.5, uptime_seconds=6.0)
+            await stub.Heartbeat(beat, timeout=10)
+            refused = []
+            for idle, uptime in ((float("nan"), 6.0), (7.0, 6.0), (-1.0, 6.0)):  # idle only within uptime
+                beat = orchestrator_pb2.ReplicaHeartbeat(replica_id="r1", idle_seconds=idle, uptime_seconds=uptime)
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await stub.Heartbeat(beat, timeout=10)
+                refused.append(bad.value.code())
+            assert refused == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+            assert await redis.hgetall(orchestrator.keys.replica_idle) == {b"r1": b"1.500,6.000"}
+            await redis.hdel(orchestrator.keys.replicas, "r1")  # what follows counts r0's alone
             os.kill(frozen_redis.process.pid, signal.SIGSTOP)
             started = time.monotonic()
             stale = await http.get("/v1/run")

@@ -222,6 +222,37 @@ def test_r2_replays_the_recompute_routing_in_every_update(tiny_model_dir, lora):
     assert not torch.equal(free[batch.attention_mask.bool()], expected[batch.attention_mask.bool()])
 
 
+@pytest.mark.parametrize("replay", ["off", "r2"])
+def test_one_update_takes_pi_old_from_its_own_forward_and_equals_a_separate_pass(tiny_model_dir, replay):
+    """N = 1: the update's forward, detached, is log π_old (the model before its one update), and
+    R2 would replay what that forward routes: the step without the no-grad pass moves the weights
+    and reports the diagnostics (clip fractions, IS weights, routing agreement) as with it."""
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=5)
+    for i, r in enumerate(rollouts):
+        r.reward = float(i % 2)
+    batch = collate(rollouts)
+    results = []
+    for separate in (True, False):
+        torch.manual_seed(0)
+        model = load_causal_lm(tiny_model_dir, "float32").train()
+        routing = RoutingController(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+        config = StepConfig(replay=replay, separate_old_pass=separate)
+        assert config.fuses_old is not separate
+        calls: list[int] = []
+        handle = model.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        metrics = train_step(model, optimizer, routing, batch, GROUP, config, version=0)
+        handle.remove()
+        results.append((metrics, {n: p.detach().clone() for n, p in model.named_parameters()}, len(calls)))
+    (separate, weights_a, forwards_a), (fused, weights_b, forwards_b) = results
+    assert (forwards_a, forwards_b) == (2, 1)
+    for name, tensor in weights_a.items():
+        torch.testing.assert_close(weights_b[name], tensor, rtol=0, atol=1e-6)
+    assert set(separate) == set(fused) and fused["routing_agreement"] == separate["routing_agreement"] > 0.5
+    for key in ("loss", "clip_frac", "mismatch_kl_k3", "is_weight_mean", "entropy", "grad_norm"):
+        assert fused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-7), key
+
+
 def test_r3_without_traces_is_an_error(tiny_model_dir):
     rollouts = recorded_rollouts(tiny_model_dir, 1, seed=7)
     rollouts[0].routing_trace = None

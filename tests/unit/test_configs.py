@@ -292,3 +292,30 @@ def test_a_reward_with_the_wrong_signature_or_a_hang_is_refused():
     assert check_reward("tests.rewards:length", "abc", "0") == 3.0
     config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.reward=tests.rewards:length"])
     validate("orchestrator", service_env(config, "orchestrator", REQUIRED["orchestrator"]))
+
+
+def test_an_open_inference_dtype_is_the_faster_one_here_and_every_service_reads_it(tmp_path):
+    """inference.dtype left open ("auto"): bfloat16 on a GPU replica; on the CPU the dtype whose
+    model-shaped matmul measured faster, the same for the replicas and the trainer's publish, and
+    named with its timings in config.resolved.toml."""
+    from shared.engines.dtype_choice import choose_dtype, matmul_seconds
+    from steadyrl.service_settings import settle_auto_dtype
+
+    assert choose_dtype(1) == ("bfloat16", "a GPU replica serves bfloat16")
+    seconds = matmul_seconds(1024, 1)
+    dtype, why = choose_dtype(0)
+    assert dtype == min(seconds, key=seconds.__getitem__) and "float32" in why and "bfloat16" in why
+    assert all(0 < s < 1 for s in seconds.values())
+    recipe = tmp_path / "open.toml"
+    recipe.write_text((ROOT / "configs" / "tiny-arith.toml").read_text().replace('dtype = "bfloat16"\n', ""))
+    config = load_run_config(recipe)
+    assert "dtype" not in config.section("inference")
+    inference = service_env(config, "inference", REQUIRED["inference"])
+    trainer = service_env(config, "trainer", REQUIRED["trainer"])
+    assert inference["STEADYRL_INFERENCE_DTYPE"] == trainer["STEADYRL_TRAINER_PUBLISH__DTYPE"] == dtype
+    settle_auto_dtype(config, "tiny")
+    assert config.section("inference")["dtype"] == dtype
+    assert config.as_toml().startswith(f'# inference.dtype "auto" chose "{dtype}": the faster on this CPU')
+    named = load_run_config(ROOT / "configs" / "tiny-arith.toml")  # a recipe that names its dtype keeps it
+    settle_auto_dtype(named, "tiny")
+    assert named.section("inference")["dtype"] == "bfloat16" and not named.notes

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from shared.rpc.steadyrl.v1 import common_pb2 as steadyrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esteadyrl/v1/orchestrator.proto\x12\x0bsteadyrl.v1\x1a\x18steadyrl/v1/common.proto\"{\n\x10ReplicaHeartbeat\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\"\xb5\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x04\x12\x45\n\x10replica_versions\x18\x04 \x03(\x0b\x32+.steadyrl.v1.RunStatus.ReplicaVersionsEntry\x12\x15\n\rqueue_pending\x18\x05 \x01(\x04\x12\x14\n\x0cqueue_leased\x18\x06 \x01(\x04\x12\x18\n\x10rollouts_pending\x18\x07 \x01(\x04\x12\x1b\n\x13tasks_dead_lettered\x18\x08 \x01(\x04\x12\r\n\x05\x65poch\x18\t \x01(\x04\x1a\x36\n\x14ReplicaVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x84\x01\n\x0cOrchestrator\x12>\n\tHeartbeat\x12\x1d.steadyrl.v1.ReplicaHeartbeat\x1a\x12.steadyrl.v1.Empty\x12\x34\n\x06Status\x12\x12.steadyrl.v1.Empty\x1a\x16.steadyrl.v1.RunStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esteadyrl/v1/orchestrator.proto\x12\x0bsteadyrl.v1\x1a\x18steadyrl/v1/common.proto\"\xa9\x01\n\x10ReplicaHeartbeat\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x06 \x01(\x01\x12\x16\n\x0euptime_seconds\x18\x07 \x01(\x01\"\xb5\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x04\x12\x45\n\x10replica_versions\x18\x04 \x03(\x0b\x32+.steadyrl.v1.RunStatus.ReplicaVersionsEntry\x12\x15\n\rqueue_pending\x18\x05 \x01(\x04\x12\x14\n\x0cqueue_leased\x18\x06 \x01(\x04\x12\x18\n\x10rollouts_pending\x18\x07 \x01(\x04\x12\x1b\n\x13tasks_dead_lettered\x18\x08 \x01(\x04\x12\r\n\x05\x65poch\x18\t \x01(\x04\x1a\x36\n\x14ReplicaVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x84\x01\n\x0cOrchestrator\x12>\n\tHeartbeat\x12\x1d.steadyrl.v1.ReplicaHeartbeat\x1a\x12.steadyrl.v1.Empty\x12\x34\n\x06Status\x12\x12.steadyrl.v1.Empty\x1a\x16.steadyrl.v1.RunStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNSTATUS_REPLICAVERSIONSENTRY']._loaded_options = None
   _globals['_RUNSTATUS_REPLICAVERSIONSENTRY']._serialized_options = b'8\001'
-  _globals['_REPLICAHEARTBEAT']._serialized_start=73
-  _globals['_REPLICAHEARTBEAT']._serialized_end=196
-  _globals['_RUNSTATUS']._serialized_start=199
-  _globals['_RUNSTATUS']._serialized_end=508
-  _globals['_RUNSTATUS_REPLICAVERSIONSENTRY']._serialized_start=454
-  _globals['_RUNSTATUS_REPLICAVERSIONSENTRY']._serialized_end=508
-  _globals['_ORCHESTRATOR']._serialized_start=511
-  _globals['_ORCHESTRATOR']._serialized_end=643
+  _globals['_REPLICAHEARTBEAT']._serialized_start=74
+  _globals['_REPLICAHEARTBEAT']._serialized_end=243
+  _globals['_RUNSTATUS']._serialized_start=246
+  _globals['_RUNSTATUS']._serialized_end=555
+  _globals['_RUNSTATUS_REPLICAVERSIONSENTRY']._serialized_start=501
+  _globals['_RUNSTATUS_REPLICAVERSIONSENTRY']._serialized_end=555
+  _globals['_ORCHESTRATOR']._serialized_start=558
+  _globals['_ORCHESTRATOR']._serialized_end=690
 # @@protoc_insertion_point(module_scope)

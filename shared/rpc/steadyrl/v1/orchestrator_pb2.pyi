@@ -9,18 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReplicaHeartbeat(_message.Message):
-    __slots__ = ("replica_id", "service", "policy_version", "address", "tokens_per_second")
+    __slots__ = ("replica_id", "service", "policy_version", "address", "tokens_per_second", "idle_seconds", "uptime_seconds")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     service: str
     policy_version: int
     address: str
     tokens_per_second: float
-    def __init__(self, replica_id: _Optional[str] = ..., service: _Optional[str] = ..., policy_version: _Optional[int] = ..., address: _Optional[str] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    idle_seconds: float
+    uptime_seconds: float
+    def __init__(self, replica_id: _Optional[str] = ..., service: _Optional[str] = ..., policy_version: _Optional[int] = ..., address: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "trainer_version", "replica_versions", "queue_pending", "queue_leased", "rollouts_pending", "tasks_dead_lettered", "epoch")

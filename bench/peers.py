@@ -1,0 +1,156 @@
+"""`steadyrl bench peers`: steadyrl against TRL's GRPOTrainer on steadyrl's own demo, in one run.
+
+Both train the tiny MoE on the recipe's arith problems in the same order, with the same reward,
+batch geometry, sampling, optimizer and loss (`bench.peers_trl` prints the GRPOConfig it used);
+both sides' models every `every` steps are scored by one eval loop (`steadyrl.evaluation.evaluate`:
+greedy, fp32, the recipe's held-out problems). Ratios are steadyrl / TRL: wall seconds per step,
+seconds to an eval accuracy (from the end of step 1, so start-up is out), eval at equal steps.
+TRL runs with a Python that has it (the `compare` extra in a venv of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"seconds_per_step": 0.8, "seconds_to_eval_0.6": 1.0, "eval_at_equal_steps": 0.95}
+DIFFERENCES = [
+    "TRL samples with the model it trains, exactly on policy: it computes no old log-probs and no "
+    "importance weight; steadyrl samples on its inference replica in the recipe's inference dtype, "
+    "up to max_staleness versions behind, and corrects both with MiniRL's IS weights",
+    "steadyrl runs its trainer and its replica as separate processes, one torch thread each (two cores); "
+    "TRL generates and trains in one process on one thread",
+    "TRL clips its ratio at ε = 0.2 (inactive on policy); steadyrl's clipping follows the recipe",
+    "steadyrl writes a checkpoint every `every` steps as part of its run; TRL's saves are left out of its clock",
+]
+COMPARE_VENV = "STEADYRL_EXTRAS=compare STEADYRL_LINK=.venv-compare scripts/install"
+
+
+def first_at(curve: list[dict], accuracy: float) -> float | None:
+    """Seconds at the first point of the curve whose eval reaches `accuracy` (None: never)."""
+    return next((p["seconds"] for p in curve if p["accuracy"] >= accuracy), None)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def score(model_dir: Path, recipe: Path) -> float:
+    from steadyrl.evaluation import evaluate
+
+    return evaluate(str(model_dir), [recipe], samples=0, dtype="float32")["accuracy"]
+
+
+def run_trl(python: str, model: str, recipe: Path, steps: int, every: int, out: Path) -> dict:
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [python, "-m", "bench.peers_trl", model, str(recipe), str(steps), str(every), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the TRL side failed ({done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["command_seconds"] = round(time.perf_counter() - started, 1)
+    result["curve"] = [
+        {"step": p["step"], "seconds": p["seconds"], "accuracy": score(out / f"step-{p['step']:06d}", recipe)}
+        for p in result.pop("saved")
+    ]
+    return result
+
+
+def run_steadyrl(model: str, recipe: Path, steps: int, every: int, out: Path) -> dict:
+    from shared.runtime.jsonl import read_jsonl
+    from steadyrl.report import export_checkpoint
+
+    settings = [
+        f"run.steps={steps}",
+        "orchestrator.evals.every=0",
+        f"trainer.checkpoint.every={every}",
+        f"trainer.checkpoint.keep={steps // every + 2}",
+    ]
+    started = time.perf_counter()
+    command = [str(Path(sys.executable).with_name("steadyrl")), "run", str(recipe), "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--progress", "none", *(a for s in settings for a in ("--set", s))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    seconds = round(time.perf_counter() - started, 1)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    if done.returncode != 0 or summary.get("outcome") != "finished":
+        raise RuntimeError(f"the steadyrl side failed ({done.returncode}): {done.stderr[-2000:]}")
+    at = {int(m["step"]): int(m["unix_ms"]) for m in read_jsonl(out / "metrics.jsonl")}
+    curve = []
+    for checkpoint in sorted((out / "trainer" / "checkpoints").glob("step-*")):
+        step = int(checkpoint.name.removeprefix("step-"))
+        exported = export_checkpoint(model, checkpoint, out / "exported" / checkpoint.name)
+        curve.append({"step": step, "seconds": (at[step] - at[1]) / 1000, "accuracy": score(exported, recipe)})
+    return {
+        "command_seconds": seconds,
+        "trainer_idle_share": summary.get("trainer_idle_share"),
+        "replica_idle_share": summary.get("replica_idle_share"),
+        "curve": curve,
+    }
+
+
+def main(steps: int = 200, every: int = 10, recipe: Path | None = None, peer_python: str | None = None) -> dict:
+    from shared.kit.tiny import init_tiny_model
+
+    recipe = recipe or ROOT / "configs" / "tiny-arith.toml"
+    python = peer_python or str(ROOT / ".venv-compare" / "bin" / "python")
+    if not Path(python).exists():
+        raise RuntimeError(f"no Python with TRL at {python}: make one with `{COMPARE_VENV}` or pass --peer-python")
+    model = str(init_tiny_model())
+    base = score(Path(model), recipe)
+    with tempfile.TemporaryDirectory() as tmp:
+        trl = run_trl(python, model, recipe, steps, every, Path(tmp) / "trl")
+        ours = run_steadyrl(model, recipe, steps, every, Path(tmp) / "steadyrl")
+    for side in (trl, ours):
+        side["curve"].insert(0, {"step": 0, "seconds": None, "accuracy": base})
+        timed = [p for p in side["curve"] if p["step"] >= every]
+        side["seconds_per_step"] = round(timed[-1]["seconds"] / (timed[-1]["step"] - 1), 4)
+    ours_by_step = {p["step"]: p["accuracy"] for p in ours["curve"]}
+    equal = [(ours_by_step[p["step"]], p["accuracy"]) for p in trl["curve"] if p["step"] in ours_by_step]
+    last_quarter = [pair for pair, p in zip(equal, trl["curve"], strict=False) if p["step"] > steps * 3 // 4]
+    ratios = {
+        "seconds_per_step": ratio(ours["seconds_per_step"], trl["seconds_per_step"]),
+        "command_seconds": ratio(ours["command_seconds"], trl["command_seconds"]),
+        **{
+            f"seconds_to_eval_{a}": ratio(first_at(ours["curve"][1:], a), first_at(trl["curve"][1:], a))
+            for a in (0.5, 0.6)
+        },
+        "eval_at_equal_steps": ratio(equal[-1][0], equal[-1][1]),
+        "eval_at_equal_steps_last_quarter": ratio(
+            sum(o for o, _ in last_quarter), sum(t for _, t in last_quarter) if last_quarter else None
+        ),
+    }
+    return {
+        "benchmark": "peers",
+        "peer": "trl.GRPOTrainer",
+        "recipe": str(recipe.relative_to(ROOT)) if recipe.is_relative_to(ROOT) else str(recipe),
+        "steps": steps,
+        "eval_every": every,
+        "steadyrl": ours,
+        "trl": trl,
+        "ratios": ratios,
+        "targets": TARGETS,
+        "differences": DIFFERENCES,
+    }
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    print(json.dumps(main(*(int(a) for a in args[:2]))))
