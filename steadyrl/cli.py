@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from shared.runtime.exit_codes import ExitCode
+
 app = typer.Typer(
     name="steadyrl",
     help="Asynchronous RL for LLM post-training with training–inference mismatch correction.",
@@ -121,7 +123,7 @@ def run_command(
             )
     except ValueError as exc:
         typer.echo(f"steadyrl run: {named}: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.REFUSED) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
     summary = run(recipe, out, progress)
     typer.echo(
@@ -169,7 +171,7 @@ def plan_command(
         result = plan_recipe(recipe, settings, source, disk_gbps * 1e9)
     except ValueError as exc:
         typer.echo(f"steadyrl plan: {named}: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.REFUSED) from None
     typer.echo(json.dumps(result, indent=2) if as_json else render(result, recipe.run_id))
 
 
@@ -218,7 +220,7 @@ def export_command(
         export_checkpoint(base, step, out, dtype, merge)
     except ValueError as exc:
         typer.echo(f"steadyrl export: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.REFUSED) from None
     typer.echo(json.dumps({"checkpoint": str(step), "model": base, "out": str(out), "dtype": dtype}))
 
 
@@ -265,7 +267,7 @@ def eval_command(
         report = evaluate(str(model_dir), config or [], overrides, samples, dtype, device, served)
     except (ValueError, KeyError) as exc:
         typer.echo(f"steadyrl eval: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.REFUSED) from None
     typer.echo(json.dumps(report))
 
 

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from shared.runtime.exit_codes import ExitCode
+
 
 def trainer_node_command(
     configs: Annotated[
@@ -60,7 +62,7 @@ def trainer_node_command(
         settings = build_settings("trainer", env)
     except ValueError as exc:
         typer.echo(f"steadyrl trainer-node: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.REFUSED) from None
     argv = node_argv(
         settings.parallel.gpus or settings.parallel.ranks,
         settings.parallel.nodes,
@@ -102,12 +104,12 @@ def serve_command(
 
     if service not in SERVICES:
         typer.echo(f"steadyrl serve: the service is one of {', '.join(SERVICES)}, not {service!r}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.REFUSED)
     try:
         settings = deployed_settings(service, os.environ)
     except ValueError as exc:
         typer.echo(
             f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "), err=True
         )
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.REFUSED) from None
     run_service(service, settings_class(service), f"services.{service}.server", settings=settings)

@@ -20,6 +20,7 @@ import sys
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 
+from shared.runtime.exit_codes import ExitCode
 from shared.runtime.logs import setup_logging
 from shared.runtime.moved_settings import moved_in_env, moved_message
 
@@ -58,7 +59,7 @@ def die_with_parent() -> None:
         return
     arm()
     if os.getppid() == 1:  # the parent died before the call
-        os._exit(1)
+        os._exit(ExitCode.FAILED)
 
 
 def run_service(name: str, settings_cls: type, server_module: str, settings: object | None = None) -> None:
@@ -76,11 +77,11 @@ def run_service(name: str, settings_cls: type, server_module: str, settings: obj
                 name,
                 name,
             )
-            sys.exit(2)
+            sys.exit(ExitCode.REFUSED)
         moved = moved_in_env(name, os.environ)
         if moved:  # before pydantic reads them: an old `parallel = "fsdp"` would only fail to parse as a section
             log.error("event=settings_refused service=%s reason=%s", name, moved_message(name, moved))
-            sys.exit(2)
+            sys.exit(ExitCode.REFUSED)
         settings = settings_cls()
 
     async def run() -> None:
@@ -91,12 +92,12 @@ def run_service(name: str, settings_cls: type, server_module: str, settings: obj
             loop.add_signal_handler(sig, stop.set)
         await serve(settings, stop=stop)
 
-    code = 0
+    code = ExitCode.OK
     try:
         asyncio.run(run())
     except LoopDied as exc:
         log.error("event=service_exit service=%s reason=%s", name, exc)
-        code = 1
+        code = ExitCode.FAILED
     # the service is done and exiting: a stop asked for now (SIGTERM, a supervisor that saw it
     # finish) must not turn a clean exit into a kill mid-teardown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
