@@ -26,7 +26,7 @@ BENCHMARKS = {
     "trainer_memory": ("bench.trainer_memory", []),
     "trainer_checkpoint": ("bench.trainer_checkpoint", []),
     "async": ("bench.asynchrony", []),
-    "peers": ("bench.peers", []),
+    "peers": ("steadyrl.peers", []),  # the application layer: it runs `steadyrl run` and `steadyrl eval`'s loop
 }
 
 
@@ -151,7 +151,7 @@ def _get(data: dict, *path, default="–"):
 
 
 def peer_rows(peers: dict) -> list[str]:
-    """bench.peers: steadyrl / TRL's GRPOTrainer on the demo, each ratio with its target."""
+    """steadyrl.peers: steadyrl / TRL's GRPOTrainer on the demo, each ratio with its target."""
     ours, trl, r, t = (_get(peers, k, default={}) for k in ("steadyrl", "trl", "ratios", "targets"))
     label = f"steadyrl / TRL GRPO, tiny-arith, {_get(peers, 'steps')} steps"
     rows = [

@@ -130,7 +130,7 @@ def bench_peers(
 ) -> None:
     """steadyrl against TRL's GRPOTrainer on the tiny demo, the recipe matched (printed beside the
     result): wall seconds per step, seconds to an eval accuracy, eval at equal steps, one eval loop."""
-    from bench.peers import main as run
+    from steadyrl.peers import main as run
 
     typer.echo(json.dumps(run(steps, every, peer_python=peer_python or None)))
 

@@ -93,7 +93,9 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
     from services.trainer.stream import DEAD_PAYLOAD_BYTES
 
     dead_letters = trainer.stream.dead_letter_maxlen * min(rollout, DEAD_PAYLOAD_BYTES)
-    outstanding = (trainer.max_staleness + 1) * trainer.batch_prompts * trainer.group_size
+    outstanding = (
+        (trainer.max_staleness + 1 + orchestrator.lookahead_batches) * trainer.batch_prompts * trainer.group_size
+    )
     replica_gpus = max(inference.gpus_per_replica, 1)
     weights_per_replica = p * DTYPE_BYTES.get(
         inference.quantization if inference.quantization != "none" else inference.dtype, 2
@@ -176,7 +178,7 @@ def count(value: float) -> str:
 
 
 def render(result: dict[str, Any], name: str) -> str:
-    """The plan as a Markdown table (what the README shows)."""
+    """The plan as a Markdown table (what docs/guides/gpus.md shows)."""
     m, t, c, w, r, i, g = (
         result[k] for k in ("model", "trainer", "checkpoint", "weights", "redis", "inference", "gpus")
     )

@@ -256,8 +256,6 @@ class OrchestratorSettings(RedisSettings, StepShape):
     @model_validator(mode="after")
     def _task_and_environment(self) -> OrchestratorSettings:
         task, environment = self.data.task, self.trajectory.environment
-        if task == "calc" and environment not in ("", "calc") and not environment.startswith("agent:"):
-            raise ValueError(f"data.task 'calc' is played by the environment 'calc' or an agent, not {environment!r}")
         if (task == "verifiers") != environment.startswith("verifiers:"):
             raise ValueError(
                 "data.task 'verifiers' and a trajectory.environment `verifiers:ENV_ID` go together (the "

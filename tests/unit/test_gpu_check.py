@@ -1,4 +1,4 @@
-"""scripts/gpu-check on a machine without a GPU (where it has one, it runs for real: see README "GPU")."""
+"""scripts/gpu-check on a machine without a GPU (where it has one, it runs for real: see docs/guides/gpus.md)."""
 
 import subprocess
 import sys

@@ -1,5 +1,6 @@
-"""The Redis keys of a run are declared once (shared/runstore/keys.py) and printed by docs/ARCHITECTURE.md;
-every hash field the services write is a declared one."""
+"""The Redis keys of a run are declared once (shared/runstore/keys.py) and printed by
+docs/reference/redis-keys.md, which docs/ARCHITECTURE.md links; every hash field the services write
+is a declared one."""
 
 import re
 from pathlib import Path
@@ -9,8 +10,11 @@ from shared.runstore.keys import KEYS, RunField, RunKeys, TrainerField, markdown
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_architecture_page_prints_the_declaration():
-    assert markdown_table() in (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+def test_the_reference_page_prints_the_declaration_and_the_architecture_links_it():
+    table = markdown_table()
+    assert "| `rollouts` | STREAM |" in table and "`published_version`" in table
+    assert table in (ROOT / "docs" / "reference" / "redis-keys.md").read_text()
+    assert "(reference/redis-keys.md)" in (ROOT / "docs" / "ARCHITECTURE.md").read_text()
 
 
 def test_keys_and_fields():

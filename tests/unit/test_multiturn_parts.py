@@ -87,6 +87,11 @@ def test_multi_turn_tasks_carry_their_environment_budget_and_prompt_text(calc_mo
     )
     made = Tasks(agent).make("train-1", tasks.train[1], 8, 1.0, False, 0)
     assert (made.environment, made.budget.max_tokens) == ("agent:prog --x", 30)
+    plugin = settings(
+        model_path=str(calc_model_dir), data={"task": "calc"}, trajectory={"environment": "tests.envs:Echo"}
+    )
+    made = Tasks(plugin).make("train-2", tasks.train[2], 8, 1.0, False, 0)  # the calc rows, played by a plug-in
+    assert (made.environment, made.prompt_text) == ("tests.envs:Echo", tasks.train[2].prompt)
 
 
 @pytest.mark.parametrize(
@@ -95,10 +100,7 @@ def test_multi_turn_tasks_carry_their_environment_budget_and_prompt_text(calc_mo
         ({"trajectory": {"environment": "nope"}}, "no environment named 'nope'"),
         ({"trajectory": {"environment": "tests.envs:Missing"}}, "cannot be imported"),
         ({"trajectory": {"environment": "agent:  "}}, "names its command"),
-        (
-            {"data": {"task": "calc"}, "trajectory": {"environment": "tests.envs:Echo"}},
-            "played by the environment 'calc' or an agent",
-        ),
+        ({"data": {"task": "verifiers"}}, "go together"),
         ({"trajectory": {"max_turns": 0}}, "max_turns"),
     ],
 )

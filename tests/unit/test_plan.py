@@ -1,6 +1,6 @@
 """`steadyrl plan`: parameters counted exactly from the models' configs, the sizes derived from
-them and the recipe, the README's tables equal to the command's output, the deploy files sized
-to hold what the plan says."""
+them and the recipe, the GPU guide's tables (docs/guides/gpus.md) equal to the command's output,
+the deploy files sized to hold what the plan says."""
 
 import re
 import subprocess
@@ -32,13 +32,13 @@ def test_the_moe_recipe_is_sized_from_the_model_s_parameters():
     assert p["checkpoint"]["bytes"] == 12 * n and p["checkpoint"]["write_seconds"] == pytest.approx(12 * n / 2e9)
     assert p["weights"]["version_bytes"] == 2 * n and p["weights"]["weightsync_memory_bytes"] == 4 * n
     assert p["redis"]["trace_bytes_per_token"] == 48 * 8  # 384 B per token
-    assert p["redis"]["rollouts_outstanding"] == 2 * 64 * 16  # (max_staleness + 1) × B × G
+    assert p["redis"]["rollouts_outstanding"] == 3 * 64 * 16  # (max_staleness + 1 + lookahead_batches) × B × G
     assert p["gpus"] == {"trainer": 8, "inference": 4, "total": 12}
     assert p["model"]["disk_bytes"] == 2 * n  # bf16 safetensors
     assert p["checkpoint"]["volume_bytes"] == 3 * 12 * n  # checkpoint.keep 2 + the one being written
     rollout = p["redis"]["rollout_bytes"]
     assert rollout > 2**20 and p["redis"]["dead_letter_bytes"] == 10_000 * 2**20  # 1 MiB of each dead letter
-    assert p["redis"]["bytes"] == 2048 * rollout + 10_000 * 2**20
+    assert p["redis"]["bytes"] == 3 * 1024 * rollout + 10_000 * 2**20
 
 
 def test_nodes_and_hsdp_change_what_each_rank_and_node_holds():
@@ -65,7 +65,7 @@ def test_a_dense_model_has_no_trace():
 
 @pytest.mark.process  # starts a steadyrl process: not in the fast tier
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_the_readme_shows_the_command_s_own_tables(recipe):
+def test_the_gpu_guide_shows_the_command_s_own_tables(recipe):
     done = subprocess.run(
         [
             sys.executable,
@@ -83,7 +83,7 @@ def test_the_readme_shows_the_command_s_own_tables(recipe):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == render(sized(recipe), load_run_config(ROOT / "configs" / f"{recipe}.toml").run_id)
-    assert done.stdout.strip() in (ROOT / "README.md").read_text()
+    assert done.stdout.strip() in (ROOT / "docs" / "guides" / "gpus.md").read_text()
 
 
 @pytest.mark.process  # starts a steadyrl process: not in the fast tier

@@ -13,7 +13,7 @@ NOT_PYTHON = ("steadyrl.v1", "steadyrl.run_id")  # the proto package; an MLflow 
 
 def texts() -> list[Path]:
     files = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py") if "rpc/steadyrl" not in p.as_posix()]
-    return [*files, ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    return [*files, ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def unresolved(reference: str) -> str | None:

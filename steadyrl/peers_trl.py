@@ -3,7 +3,7 @@ train problems in the same order, exact-match reward, batch geometry, sampling, 
 loss), saving the model every `every` steps for the shared eval loop. Runs in a venv with TRL
 (the `compare` extra); prints one JSON object: the config it used and each saved step's seconds.
 
-    python -m bench.peers_trl MODEL_DIR RECIPE STEPS EVERY OUT_DIR
+    python -m steadyrl.peers_trl MODEL_DIR RECIPE STEPS EVERY OUT_DIR
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`steadyrl bench peers`: steadyrl against TRL's GRPOTrainer on steadyrl's own demo, in one run.
 
 Both train the tiny MoE on the recipe's arith problems in the same order, with the same reward,
-batch geometry, sampling, optimizer and loss (`bench.peers_trl` prints the GRPOConfig it used);
+batch geometry, sampling, optimizer and loss (`steadyrl.peers_trl` prints the GRPOConfig it used);
 both sides' models every `every` steps are scored by one eval loop (`steadyrl.evaluation.evaluate`:
 greedy, fp32, the recipe's held-out problems). Ratios are steadyrl / TRL: wall seconds per step,
 seconds to an eval accuracy (from the end of step 1, so start-up is out), eval at equal steps.
@@ -51,7 +51,7 @@ def run_trl(python: str, model: str, recipe: Path, steps: int, every: int, out: 
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [python, "-m", "bench.peers_trl", model, str(recipe), str(steps), str(every), str(out)],
+        [python, "-m", "steadyrl.peers_trl", model, str(recipe), str(steps), str(every), str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
