@@ -1,4 +1,4 @@
-"""An agent program that looks for what an agent must not reach (issue 50 items 3 and 9), leaves
+"""An agent program that looks for what an agent must not reach, leaves
 a detached process behind, and reports what it found on stderr before failing, so the report
 rides the task's dead-letter reason (an isolated agent can write nowhere the test reads).
 

@@ -23,9 +23,6 @@ set = ["run.steps=2", "run.batch_prompts=4", "run.max_staleness=0", "trainer.rec
 [collapse]
 entropy_below = 10.0
 [[config]]
-name = "n1"
-set = ["trainer.mini_batches=1"]
-[[config]]
 name = "n2-r2"
 label = "N=2 + R2"
 set = ["trainer.mini_batches=2", "trainer.routing_replay=r2"]
@@ -35,21 +32,21 @@ set = ["trainer.mini_batches=2", "trainer.routing_replay=r2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["runs"] == 4 and result["configs"] == 2
+    assert result["runs"] == 2 and result["configs"] == 1  # a row per configuration: tests/unit/test_experiment.py
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert [(r["config"], r["seed"]) for r in rows] == [("n1", "0"), ("n1", "1"), ("n2-r2", "0"), ("n2-r2", "1")]
+    assert [(r["config"], r["seed"]) for r in rows] == [("n2-r2", "0"), ("n2-r2", "1")]
     for row in rows:
         assert row["outcome"] == "finished" and row["steps"] == "2"
         assert row["collapsed"] == "True" and row["collapse_reason"].startswith("entropy")  # the rule is applied
         assert 0 <= float(row["eval_final"]) <= 1
-    seeds = [(out / "n1" / f"seed-{s}" / "config.resolved.toml").read_text().count("seed = 1") for s in (0, 1)]
+    seeds = [(out / "n2-r2" / f"seed-{s}" / "config.resolved.toml").read_text().count("seed = 1") for s in (0, 1)]
     assert seeds == [0, 2]  # seed 1 sets trainer.seed and orchestrator.data.seed
     table = (out / "table.md").read_text().splitlines()
-    assert len(table) == 4 and table[3].startswith("| N=2 + R2 |") and table[3].endswith("| 2/2 |")
+    assert len(table) == 3 and table[2].startswith("| N=2 + R2 |") and table[2].endswith("| 2/2 |")
     assert {"plots/reward_mean.png", "plots/eval_accuracy.png", "plots/mismatch_kl_k3.png"} <= set(result["plots"])
     # a second call finds every run finished and only rewrites the report
     again = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert again.returncode == 0 and again.stderr.count("finished before, kept") == 4
+    assert again.returncode == 0 and again.stderr.count("finished before, kept") == 2
 
 
 def test_grid_v2_runs_fp8_inference_on_mul_trace_with_the_papers_geometry(tmp_path):

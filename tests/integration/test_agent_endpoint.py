@@ -1,5 +1,5 @@
-"""The agent endpoint's calls, one by one, against the real app and a real engine (issue 50 items
-2, 5 and 8): a refused call is answered with a JSON 4xx and changes nothing of its session, a
+"""The agent endpoint's calls, one by one, against the real app and a real engine: a refused
+call is answered with a JSON 4xx and changes nothing of its session, a
 large body is refused without holding the other sessions, and no documentation route is served."""
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Agent programs are untrusted (issue 50 items 3, 5 and 9; docs/security.md): on a real replica
+"""Agent programs are untrusted (docs/security.md): on a real replica
 an agent program finds none of the run's secrets (its environment holds its endpoint, its session
 key, its prompt and what the recipe names; the run's directory is hidden), sees no other process,
 leaves nothing running behind it, and cannot call another trajectory's session."""

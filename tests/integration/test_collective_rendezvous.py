@@ -1,4 +1,4 @@
-"""The collective transport's rendezvous (issue 50 item 7): it lives behind weight-sync's
+"""The collective transport's rendezvous: it lives behind weight-sync's
 authenticated gRPC methods, so no store port listens anywhere; an epoch's key space is named by a
 token only its members learn and no one else can write; every wait is bounded by the service's
 collective timeout whatever the caller asks."""

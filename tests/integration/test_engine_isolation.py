@@ -1,4 +1,4 @@
-"""One request's failure stays its own (issue 50 item 2): a sequence whose sampling, callback or
+"""One request's failure stays its own: a sequence whose sampling, callback or
 forward fails fails alone; every other sequence in the batch finishes with the logprobs of a
 fresh forward. Requests outside the model's vocabulary or sane sampling never enter the batch."""
 

@@ -1,6 +1,6 @@
 """The code sandbox for real (bubblewrap's namespaces, a cgroup per call where one can be made,
 rlimits, this kernel): each escape attempt ends its call with a reason or finds nothing to reach,
-the caller's files stay as they were, and the calling process stays healthy (issue 50 item 4)."""
+the caller's files stay as they were, and the calling process stays healthy."""
 
 import json
 import os

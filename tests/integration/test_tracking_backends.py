@@ -75,7 +75,7 @@ def test_a_failing_backend_is_logged_and_dropped_and_tensorboard_goes_on(tmp_pat
 
 
 def test_two_services_making_the_mlflow_experiment_at_once_both_log(tmp_path, monkeypatch):
-    """Issue 50 item 10: the trainer's and the orchestrator's backends start together on a fresh
+    """The trainer's and the orchestrator's backends start together on a fresh
     store; the one whose create loses the race finds the other's experiment and logs to it."""
     from mlflow import MlflowClient
 

@@ -626,7 +626,7 @@ def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, t
 
 
 def test_a_refused_push_is_reported_and_never_counted_as_published(tmp_path, tiny_model_dir, redis_server, run_id):
-    """Issue 50 item 1: weight-sync holding other weights under a number is a refusal the trainer
+    """Weight-sync holding other weights under a number is a refusal the trainer
     reports (counted, logged) and does not take for published; a push repeated after a lost reply
     is a success."""
     from services.trainer.version_publisher import PUBLISH_FAILURES, VersionPublisher

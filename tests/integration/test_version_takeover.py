@@ -1,4 +1,4 @@
-"""Only the run's trainer publishes weights (issue 50 item 1): a well-formed version numbered past
+"""Only the run's trainer publishes weights: a well-formed version numbered past
 the trainer's, pushed with the run's token but without the trainer's key, is refused by
 weight-sync, and a replica behind a weight-sync that took it anyway refuses it too; the trainer's
 next version is served as if nothing happened."""

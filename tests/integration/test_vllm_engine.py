@@ -123,7 +123,7 @@ def test_vllm_updates_in_flight_and_each_token_carries_its_version(tiny_model_di
 
 
 def test_one_failing_request_fails_alone_on_vllm(probe):
-    """Issue 50 item 2 on the vllm engine: a request whose callback raises fails alone, one with
+    """On the vllm engine: a request whose callback raises fails alone, one with
     an overflowing temperature is refused before it enters, the others finish."""
     prompts, out = probe
     failing = out["one_failing"]

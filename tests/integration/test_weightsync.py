@@ -248,7 +248,7 @@ def test_subscriber_resumes_after_its_stream_is_cut(tmp_path):
 
 
 def test_only_the_trainers_signed_versions_are_taken_and_a_repeat_is_no_refusal(tmp_path):
-    """Issue 50 item 1: the token alone publishes nothing; a repeated push of a version it holds
+    """The token alone publishes nothing; a repeated push of a version it holds
     (a retry after a lost reply) is answered as a success; other weights under a held number are
     refused."""
 

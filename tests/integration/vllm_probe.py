@@ -23,20 +23,18 @@ def version_model(model_dir: str, k: int):
 
 def across_an_update(engine, prompt: list[int], version: int, model_dir: str, after: int = 4) -> dict:
     """A long request; version `version` is staged (from weight-sync's side, a thread) once
-    `after` tokens are out."""
+    `after` tokens are out. The version's weights are built before the request starts: built in
+    the thread, on a loaded machine the request could finish first."""
     from shared.engines import Sampling
 
     seen = []
     staged = []
+    weights = version_model(model_dir, version).state_dict()
 
     def on_token(token, logprob, v):
         seen.append(token)
         if len(seen) == after and not staged:
-            staged.append(
-                threading.Thread(
-                    target=engine.update_weights, args=(version, version_model(model_dir, version).state_dict())
-                )
-            )
+            staged.append(threading.Thread(target=engine.update_weights, args=(version, weights)))
             staged[0].start()
 
     sample = engine.start(

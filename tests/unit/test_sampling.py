@@ -1,4 +1,4 @@
-"""Sampling parameters are checked to finite, sane ranges wherever they enter (issue 50 item 2): a
+"""Sampling parameters are checked to finite, sane ranges wherever they enter: a
 temperature of 1e-40 overflowed the torch engine's sampling and failed every sequence in flight."""
 
 import math

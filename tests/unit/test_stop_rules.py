@@ -1,4 +1,4 @@
-"""The stop rules on hand-made histories (issue 50 item 6): each fires exactly when its
+"""The stop rules on hand-made histories: each fires exactly when its
 threshold is crossed, and never on a run that makes progress."""
 
 from services.orchestrator.stop_rules import StopRules, StopWatch

@@ -107,7 +107,7 @@ def test_a_version_file_gone_empty_cut_short_or_foreign_is_a_weight_error(tmp_pa
 
 def test_the_transports_are_named_in_the_registry_alone():
     """No module branches on a transport's name: each is declared once, in `base.TRANSPORTS`, and
-    looked up there (issue 51)."""
+    looked up there."""
     import re
 
     from shared.weightsync.base import TRANSPORTS, TransportName, transport
