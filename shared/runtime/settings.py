@@ -17,7 +17,9 @@ class StepShape(BaseModel):
     """G: samples per prompt."""
     max_staleness: int = Field(1, ge=0)
     """Versions a rollout may lag the trainer when trained: admission keeps at most
-    (max_staleness + 1) × B prompts outstanding, and the trainer drops older groups (0 = synchronous)."""
+    (max_staleness + 1) × B prompts outstanding for the trainer's version (plus
+    orchestrator.lookahead_batches for versions to come), and the trainer drops older groups
+    (0 = synchronous)."""
 
 
 class TrackingSettings(BaseModel):
