@@ -28,6 +28,9 @@ def test_transport_rollouts_are_valid():
         assert back.routing_trace.shape == (11, 3, 4)
 
 
+# slow: every transport's delivery, bit-exact and refusing bad versions, is
+# tests/integration/test_weight_transports.py's; the bench's tables are test_bench_suite's
+@pytest.mark.slow
 def test_weight_bench_refits_every_transport_end_to_end_on_one_clock():
     """A 1-layer model (108 MB in bf16), one untimed and one timed round: every transport into 1 and
     2 torch-engine replicas, each side against memcpy of the same bytes, the ratios the targets name
@@ -185,6 +188,8 @@ def test_checkpoint_bench_parts_measure_what_they_say(tmp_path):
     assert "| trainer checkpoint | step while an async save is written / a step without one | 1.5 | ≤ 1.2 |" in text
 
 
+# slow: adapter versions by every transport are tests/integration/test_lora_versions.py's
+@pytest.mark.slow
 def test_lora_refit_bench_times_adapter_versions_against_full_ones_on_one_clock():
     """bench/lora.py's refit sides on a 1-layer model, one untimed and one timed round: full and
     adapter-only versions into a torch replica by every transport, the ratios computed from the sides."""

@@ -137,7 +137,7 @@ def fsdp_worker(
     [
         ("r2", "fsdp", 2, 2, 0),
         ("r3", "fsdp", 2, 2, 0),
-        ("r3", "hsdp", 4, 1, 0),
+        ("r2", "hsdp", 4, 1, 0),  # N = 1: pi_old from the update's own forward, sharded
         ("r3", "ddp", 2, 2, 8),
         ("r2", "hsdp", 4, 2, 8),
     ],
