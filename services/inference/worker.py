@@ -160,8 +160,9 @@ class RolloutWorker:
             if self._reclaim:  # a lease call's reply was lost: Redis may have leased us tasks we do not know of
                 leases = await self.queue.reclaim(self.replica_id, self.held, self.lease_seconds)
                 self._reclaim = False
-                if leases:
-                    log.warning("event=leases_reclaimed tasks=%s", ",".join(lease.task_id for lease in leases))
+                # none: the tasks it leased expired meanwhile and went back to the queue (the frozen
+                # replica's case): nothing of theirs is held here, nothing is published late
+                log.warning("event=leases_reclaimed tasks=%s", ",".join(lease.task_id for lease in leases) or "none")
             if count > len(leases):
                 leases += await self.queue.lease(self.replica_id, self.lease_seconds, count - len(leases))
             self._delay = 0.1

@@ -169,8 +169,9 @@ MECHANISMS = {
     "inference_sigkill": {"orchestrator": r"event=leases_expired requeued=[1-9]"},  # its leases ran out
     "inference_sigstop": {
         "orchestrator": r"event=leases_expired requeued=[1-9]",  # ...and its late result
-        "inference-0": r"event=lease_lost task=\S+",
-    },  # was refused
+        # was refused, or, when the freeze cut the lease call's reply, the reclaim finds them gone
+        "inference-0": r"event=lease_lost task=\S+|event=leases_reclaimed tasks=none",
+    },
     "trainer_sigkill": {"trainer": r"event=resumed checkpoint=step-\d+ step=\d+"},  # back from its checkpoint
     # the replicas' watch streams broke, they watched the new service and received versions from it again
     "weightsync_restart": {
