@@ -295,7 +295,7 @@ async def engine_bench(name: str, model_dir: str, dtype: str, redis_url: str) ->
     }
 
 
-def full_batch(dtype: str, rounds: int = ROUNDS) -> dict:
+def full_batch(dtype: str, rounds: int = 20) -> dict:
     """The demo's step on one thread: B = 32 arith prompts × G = 8 samples, 6 new tokens at temperature 1,
     submitted at once to the torch engine and given to transformers' `generate` as one batch (left-padded,
     the same dtype); rounds interleaved, tokens/s medians and the median of the paired ratios, the engine

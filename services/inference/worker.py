@@ -199,10 +199,8 @@ class RolloutWorker:
         started = time.perf_counter()
         futures = []
         try:
-            futures = [
-                asyncio.wrap_future(self.engine.start(checked.prompt, checked.sampling, self.return_traces, index=i))
-                for i in range(task.group_size)
-            ]
+            queued = self.engine.start_many([checked.prompt] * task.group_size, checked.sampling, self.return_traces)
+            futures = [asyncio.wrap_future(f) for f in queued]
             samples = await asyncio.gather(*futures)
         except asyncio.CancelledError:
             for f in futures:

@@ -79,6 +79,15 @@ class Engine(Protocol):
         future. Callable from any thread."""
         ...
 
+    def start_many(
+        self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False, on_token: OnToken | None = None
+    ) -> list[concurrent.futures.Future]:
+        """`start` of prompt i with index i, `on_token` following the first; all are checked
+        before any is queued, and an engine that batches admits them in one step (one prefill).
+        A group submitted one by one is split over the steps its submissions straddle, and the
+        submitting thread competes for the GIL with the forward it started."""
+        ...
+
     def generate(
         self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False, on_token: OnToken | None = None
     ) -> list[Sample]:
@@ -149,6 +158,17 @@ def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
     return torch.log_softmax(scaled, dim=-1)
 
 
+def start_each(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    return_trace: bool = False,
+    on_token: OnToken | None = None,
+) -> list[concurrent.futures.Future]:
+    """`Engine.start_many` from `Engine.start`, for an engine that schedules on its own."""
+    return [engine.start(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
+
+
 def generate_all(
     engine: Engine,
     prompts: list[list[int]],
@@ -156,8 +176,7 @@ def generate_all(
     return_trace: bool = False,
     on_token: OnToken | None = None,
 ) -> list[Sample]:
-    """`Engine.generate` from `Engine.start`: prompt i with index i, `on_token` on the first."""
+    """`Engine.generate` from `Engine.start_many`."""
     if not prompts:
         raise ValueError("no prompts")
-    futures = [engine.start(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
-    return [f.result() for f in futures]
+    return [f.result() for f in engine.start_many(prompts, sampling, return_trace, on_token)]

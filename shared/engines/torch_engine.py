@@ -129,6 +129,15 @@ class TorchEngine:
     ) -> concurrent.futures.Future:
         """Queue one sequence; its Sample arrives on the future. Seeded sampling uses `seed +
         index`, so a group's samples differ and none depends on what else runs."""
+        return self._queue([self._seq(prompt, sampling, return_trace, on_token, index)])[0]
+
+    def start_many(
+        self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False, on_token: OnToken | None = None
+    ) -> list[concurrent.futures.Future]:
+        seqs = [self._seq(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
+        return self._queue(seqs)
+
+    def _seq(self, prompt: list[int], sampling: Sampling, return_trace: bool, on_token: OnToken | None, index: int):
         check_request(
             prompt,
             sampling,
@@ -137,15 +146,16 @@ class TorchEngine:
             None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
             self.vocab_size,
         )
-        seq = Seq(
-            list(prompt), sampling, sampling.seed + index if sampling.seed else 0, return_trace, on_token, SeqFuture()
-        )
+        seed = sampling.seed + index if sampling.seed else 0
+        return Seq(list(prompt), sampling, seed, return_trace, on_token, SeqFuture())
+
+    def _queue(self, seqs: list[Seq]) -> list[concurrent.futures.Future]:
         with self._wake:
             if self._closed or self.error is not None:
                 raise RuntimeError(f"the torch engine is stopped{f': {self.error}' if self.error else ''}")
-            self._waiting.append(seq)
+            self._waiting.extend(seqs)
             self._wake.notify()
-        return seq.future
+        return [seq.future for seq in seqs]
 
     def apply(self, delivery: Delivery) -> float:
         if threading.current_thread() is self._thread:
@@ -204,20 +214,24 @@ class TorchEngine:
     def _run(self) -> None:
         bind_torch_threads(self.threads)
         try:
-            while True:
-                with self._wake:
-                    while not (self._closed or self._can_step()):
-                        self._wake.wait()
-                    if self._closed:
-                        break
-                    room = 0 if self._updates else self.max_num_seqs - len(self._live)
-                    admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                self._step([s for s in admitted if s.future.set_running_or_notify_cancel()])
+            with torch.inference_mode():  # no autograd records on this thread: it only samples
+                self._loop()
         except BaseException as exc:  # noqa: BLE001 - the engine is dead: every waiter hears why
             self.error = exc
             log.exception("event=engine_died error=%s", exc)
         finally:
             self._fail_all(self.error or RuntimeError("the torch engine was closed"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._closed or self._can_step()):
+                    self._wake.wait()
+                if self._closed:
+                    return
+                room = 0 if self._updates else self.max_num_seqs - len(self._live)
+                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            self._step([s for s in admitted if s.future.set_running_or_notify_cancel()])
 
     def _can_step(self) -> bool:
         """A waiting update goes first (a lock alone let this thread take it straight back)."""

@@ -33,6 +33,7 @@ from shared.engines.base import (
     check_request,
     eos_ids,
     generate_all,
+    start_each,
 )
 from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
@@ -174,6 +175,7 @@ class VllmEngine:
     # --- generation --------------------------------------------------------------------------------
 
     generate = generate_all
+    start_many = start_each
 
     def start(
         self,
