@@ -304,6 +304,14 @@ def markdown(result: dict) -> str:
             f"| trainer | routing replay overhead on forward + backward, {size} "
             f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |"
         )
+    costs = _get(tr, "demo_step_costs", default={})
+    shares = _get(costs, "share_of_cycle", default={})
+    lines.append(
+        f"| trainer | the demo's cycle ({_get(costs, 'cycle_seconds')} s a step, {_get(costs, 'steps_measured')} "
+        f"steps), share of each phase: "
+        + ", ".join(f"{name} {value}" for name, value in shares.items())
+        + " | – | – |"
+    )
     mem = b.get("trainer_memory", {})
     lines.append(
         f"| trainer memory | FSDP / DDP parameter + AdamW bytes per rank, 2 gloo ranks, "

@@ -1,7 +1,8 @@
 """Trainer benchmark on the tiny MoE (fp32): the share of a global step spent in the loss and
 correction math (shared.core.policy_loss), and the routing replay overhead of a training
-forward + backward (R3 replay vs free routing), measured side by side in one run. Prints one
-JSON object."""
+forward + backward (R3 replay vs free routing), measured side by side in one run; and where the
+trainer's cycle goes on the demo (`demo_step_costs`: each phase's share, from a short real run's
+metrics.jsonl). Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -105,6 +106,63 @@ def measure(model, batch) -> dict:
     }
 
 
+DEMO_STEPS = 80
+# a step line's phases: inside the step (the trainer's thread), then what follows its line (the
+# checkpoint and the publish, reported on the next line) and the wait for rollouts before it
+PHASES = (
+    "collate_seconds",
+    "plan_seconds",
+    "old_logprobs_seconds",
+    "update_seconds",
+    "diagnostics_seconds",
+    "checkpoint_seconds",
+    "publish_seconds",
+    "trainer_wait_seconds",
+)
+
+
+def demo_step_costs(steps: int = DEMO_STEPS) -> dict:
+    """The demo recipe (configs/tiny-arith.toml) run for `steps` steps without evals: each phase's
+    mean seconds and its share of the mean cycle (step line to step line), steps 21 on (past the
+    start); `update` includes the loss math (`loss_seconds`, also given), `other` is the cycle
+    left (reading and decoding rollouts, bookkeeping, the step line)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from shared.runtime.jsonl import read_jsonl
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        done = subprocess.run(
+            [
+                str(Path(sys.executable).with_name("steadyrl")), "run", "configs/tiny-arith.toml", "--out", str(out),
+                "--progress", "none", "--set", f"run.steps={steps}", "--set", "orchestrator.evals.every=0",
+            ],
+            cwd=root, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        if done.returncode != 0:
+            return {"error": done.stderr[-2000:]}
+        lines = [m for m in read_jsonl(out / "metrics.jsonl") if "step_seconds" in m]
+    cycles = [(b["unix_ms"] - a["unix_ms"]) / 1000 for a, b in zip(lines, lines[1:], strict=False)][20:]
+    later = lines[21:]  # the lines whose cycle is measured (each carries the previous step's publish)
+    cycle = statistics.mean(cycles)
+    means = {name: statistics.mean(m.get(name, 0.0) for m in later) for name in (*PHASES, "loss_seconds")}
+    result = {
+        "steps": steps,
+        "steps_measured": len(cycles),
+        "cycle_seconds": round(cycle, 4),
+        "seconds": {k.removesuffix("_seconds"): round(v, 5) for k, v in means.items()},
+        "share_of_cycle": {
+            k.removesuffix("_seconds"): round(v / cycle, 4) for k, v in means.items() if k != "loss_seconds"
+        },
+    }
+    result["share_of_cycle"]["other"] = round(1 - sum(result["share_of_cycle"].values()), 4)
+    result["replica_idle_share"] = round(statistics.mean(m.get("replica_idle_share", 0.0) for m in later), 4)
+    return result
+
+
 def main() -> dict:
     from services.trainer.batch import collate
     from shared.kit.tiny import init_tiny_model
@@ -122,6 +180,7 @@ def main() -> dict:
         "threads": torch.get_num_threads(),
         "tiny": measure(load_causal_lm(model_dir, "float32").train(), batch),
         "wider": measure(wider_model(model_dir), batch),
+        "demo_step_costs": demo_step_costs(),
         "target_loss_math_share": 0.03,
         "target_replay_overhead": 0.10,
     }

@@ -35,21 +35,23 @@ REWARD_FAILURES = Counter(
 
 
 class TokenRate:
-    """Completion tokens per second over a sliding window."""
+    """Completion tokens per second over a sliding window (a running total: read after every task)."""
 
     def __init__(self, window: float = 10.0) -> None:
         self.window = window
         self.events = deque()
+        self.total = 0
 
     def add(self, tokens: int) -> None:
         self.events.append((time.monotonic(), tokens))
+        self.total += tokens
 
     @property
     def per_second(self) -> float:
         now = time.monotonic()
         while self.events and now - self.events[0][0] > self.window:
-            self.events.popleft()
+            self.total -= self.events.popleft()[1]
         if not self.events:
             return 0.0
         span = max(now - self.events[0][0], 1.0)
-        return sum(t for _, t in self.events) / span
+        return self.total / span

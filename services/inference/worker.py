@@ -90,6 +90,7 @@ class RolloutWorker:
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
+        self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
         self.publisher = Publisher(queue, replica_id, self.held, self._hand_back)
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
@@ -141,16 +142,20 @@ class RolloutWorker:
             raise EngineDead(f"the {self.engine.name} engine died: {error}")
 
     async def _wait(self, stop: asyncio.Event, poll: bool) -> None:
-        """Until a task finishes (there is room again) or, with room, the next poll of the queue."""
+        """Until a task finishes (there is room again) or, with room, the next poll of the queue.
+        One event, not a wait on every task in flight: the loop turns once per finished task."""
+        ended = asyncio.ensure_future(self.task_ended.wait())
         stopping = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait(
-                {stopping, *self.inflight.values()},
+                {stopping, ended},
                 return_when=asyncio.FIRST_COMPLETED,
                 timeout=self.idle_poll_seconds if poll or not self.inflight else None,
             )
         finally:
             stopping.cancel()
+            ended.cancel()
+        self.task_ended.clear()
 
     async def _lease(self, stop: asyncio.Event, count: int) -> list[Lease] | None:
         """Up to `count` leases ([] when the queue is empty); None after a Redis error, once
@@ -192,6 +197,7 @@ class RolloutWorker:
                 self.publisher.add(lease, payloads)
         finally:
             self.inflight.pop(lease.task_id, None)
+            self.task_ended.set()
 
     async def _generate(self, checked: Checked, leased_ms: int) -> tuple[list[Sample] | None, RolloutTimings | None]:
         task = checked.lease.task

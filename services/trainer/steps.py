@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -245,7 +246,9 @@ class StepRunner:
 
     def _step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         bind_torch_threads(self.settings.compute.torch_threads)  # steps run on executor threads
+        started = time.perf_counter()
         batch = collate(rollouts, self.pad_token_id)
+        collate_seconds = time.perf_counter() - started
         staleness_max = (
             int((version - batch.versions[batch.loss_mask]).clamp(min=0).max()) if batch.loss_mask.any() else 0
         )
@@ -265,6 +268,7 @@ class StepRunner:
             self.world,
             self.compute,
         )
+        metrics["collate_seconds"] = collate_seconds
         return metrics
 
     def follow(self) -> int:

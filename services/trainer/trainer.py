@@ -64,6 +64,7 @@ class Trainer:
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()
         self.step_ended = self.cycle_started = self.last_step  # the idle share: waiting for rollouts (_train)
+        self.after_last_step: dict[str, float] = {}  # the last step's checkpoint and publish seconds
 
     @property
     def done(self) -> bool:
@@ -193,11 +194,13 @@ class Trainer:
                 **({} if replica_idle is None else {"replica_idle_share": replica_idle}),
                 **reward_metrics(rollouts),
                 **trajectory_metrics(rollouts),
+                **self.after_last_step,  # its checkpoint and publish follow the line: in the next one
             )
             # the step's line before the checkpoint that acknowledges its rollouts: a step that
             # survives has its line (one the crash takes back is cut on resume: StepLog.resume)
             self.steplog.record(metrics, len(rollouts), self.runner.recipe)
             self.last_metrics = metrics
+            saving = time.perf_counter()
             if self.state.step % self.settings.checkpoint.every == 0 or self.done:
                 await self.acks.save(self.state, wait=self.done)
             if self.done and self.runner.world == 1 and not self.settings.lora.rank:  # the whole model, as is
@@ -208,7 +211,12 @@ class Trainer:
                     self.settings.out_dir,
                     self.state.step,
                 )
+            publishing = time.perf_counter()
             await self.publish()
+            self.after_last_step = {
+                "checkpoint_seconds": publishing - saving,  # the final model's write included
+                "publish_seconds": time.perf_counter() - publishing,
+            }
         self.last_step = self.step_ended = time.monotonic()
         log.info(
             "event=step step=%d version=%d reward=%.3f kl_k3=%.2e step_seconds=%.2f seconds=%.2f",

@@ -277,11 +277,20 @@ def train_step(
     (DDP and FSDP average gradients), so the update equals one process on the whole batch.
     Returns the step's diagnostics: token-weighted over the whole step (every mini-batch, every
     rank), maxima as maxima, and per staleness bucket `_s<k>` (k versions behind)."""
+    clock = [time.perf_counter()]
+
+    def lap() -> float:  # seconds since the last lap: this rank's wall time of each phase
+        clock.append(time.perf_counter())
+        return clock[-1] - clock[-2]
+
     plan = plan_step(batch, group_size, config, routing, version, rank, world)
+    plan_seconds = lap()
     stats = StepStats()
     old = recompute_old(model, plan, routing, config, stats, compute)
+    old_seconds = lap()
     for rows in plan.rows_of:
         update(model, optimizer, routing, plan, old, rows, config, stats, world, compute)
+    update_seconds = lap()
     reduce_stats(stats, world)
     metrics = stats.result()
     mask = batch.loss_mask
@@ -294,4 +303,10 @@ def train_step(
     )
     for b in plan.buckets:
         metrics[f"staleness_tokens_s{b}"] = float((plan.staleness[mask] == b).sum())
+    metrics.update(  # where the step's time went (docs/operate/metrics.md)
+        plan_seconds=plan_seconds,
+        old_logprobs_seconds=old_seconds,
+        update_seconds=update_seconds,
+        diagnostics_seconds=lap(),
+    )
     return metrics
