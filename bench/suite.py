@@ -308,9 +308,7 @@ def markdown(result: dict) -> str:
     shares = _get(costs, "share_of_cycle", default={})
     lines.append(
         f"| trainer | the demo's cycle ({_get(costs, 'cycle_seconds')} s a step, {_get(costs, 'steps_measured')} "
-        f"steps), share of each phase: "
-        + ", ".join(f"{name} {value}" for name, value in shares.items())
-        + " | – | – |"
+        f"steps), share of each phase: " + ", ".join(f"{name} {value}" for name, value in shares.items()) + " | – | – |"
     )
     mem = b.get("trainer_memory", {})
     lines.append(
