@@ -89,7 +89,7 @@ async def serve(
     POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
     loops = {"rollouts": worker.run(stop)}
     if settings.weightsync_address:
-        loops["weights"] = weights_loop(settings, engine, stop)
+        loops["weights"] = weights_loop(settings, engine, stop, worker.version_changed)
     if settings.orchestrator_address:
         loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
     endpoint = await serve_endpoint(engine, tokenizer, settings) if settings.agent.endpoint else None

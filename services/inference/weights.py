@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from services.inference.config import InferenceSettings
 from services.inference.metrics import POLICY_VERSION, SWAP_SECONDS
@@ -16,14 +17,20 @@ from shared.weightsync.signing import verifier_of
 log = logging.getLogger("steadyrl.inference")
 
 
-def weights_loop(settings: InferenceSettings, engine: Engine, stop: asyncio.Event):
-    """The loop that keeps `engine` on the trainer's newest version."""
+def weights_loop(
+    settings: InferenceSettings, engine: Engine, stop: asyncio.Event, applied: Callable[[], None] = lambda: None
+):
+    """The loop that keeps `engine` on the trainer's newest version; `applied()` after each one
+    lands (tasks waiting for it start at once)."""
     from shared.weightsync.subscriber import WatchSubscriber
 
     replica = settings.replica_id
 
     async def apply(delivery) -> float:
-        seconds = await asyncio.to_thread(engine.apply, delivery)
+        try:
+            seconds = await asyncio.to_thread(engine.apply, delivery)
+        finally:
+            applied()
         POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
         SWAP_SECONDS.labels(replica).observe(seconds)
         log.info(
