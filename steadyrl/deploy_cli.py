@@ -51,11 +51,12 @@ def trainer_node_command(
     from steadyrl.launcher import resolve_model
     from steadyrl.placement import node_argv
     from steadyrl.run_config import load_run_config
-    from steadyrl.service_settings import build_settings, service_env
+    from steadyrl.service_settings import build_settings, recipe_overrides, service_env
 
     try:
         if not configs and os.environ.get("STEADYRL_RECIPE", "").strip():  # a deployment's recipe
             configs = [Path(p.strip()) for p in os.environ["STEADYRL_RECIPE"].split(",") if p.strip()]
+            set_ = [*recipe_overrides(os.environ), *(set_ or [])]
         recipe = load_run_config(configs, set_ or []) if configs else None
         env = service_env(recipe, "trainer", {"model_path": recipe.model.path}) if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
@@ -84,7 +85,7 @@ def trainer_node_command(
     # node that replaces a lost one waits forever for the round's address (the surviving first
     # node only publishes it in the first round)
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
-    ranks = {k: v for k, v in os.environ.items() if k != "STEADYRL_RECIPE"}  # resolved into `env` already
+    ranks = {k: v for k, v in os.environ.items() if k not in ("STEADYRL_RECIPE", "STEADYRL_RECIPE_SET")}  # resolved into `env` already
     os.execvpe(sys.executable, [sys.executable, *argv], {**ranks, **env})
 
 
@@ -93,8 +94,9 @@ def serve_command(
 ) -> None:
     """Run one service as a deployment starts it (compose, the Kubernetes manifests): its settings
     from the recipe STEADYRL_RECIPE names (a file, or several merged left to right, comma-separated:
-    the service's section and [run], resolved as `steadyrl run` resolves them), under its own
-    STEADYRL_<SERVICE>_* variables; without STEADYRL_RECIPE, from those variables alone.
+    the service's section and [run], resolved as `steadyrl run` resolves them; STEADYRL_RECIPE_SET:
+    `section.key=value` overrides of it, a line or a `;` each), under its own STEADYRL_<SERVICE>_*
+    variables; without STEADYRL_RECIPE, from those variables alone.
     Exit code 2: settings refused (nothing started)."""
     import os
 

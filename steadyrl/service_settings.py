@@ -277,6 +277,15 @@ def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, 
 
 
 RECIPE_ENV = "STEADYRL_RECIPE"
+RECIPE_SET_ENV = "STEADYRL_RECIPE_SET"  # `--set` overrides of that recipe, `section.key=value` a line (or `;`)
+
+
+def recipe_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The `--set` overrides a deployment gives its recipe in STEADYRL_RECIPE_SET: one
+    `section.key=value` per line or per `;`, blanks ignored (every service of the deployment
+    gets the same ones, so they agree on the run)."""
+    text = environ.get(RECIPE_SET_ENV, "")
+    return [item.strip() for line in text.splitlines() for item in line.split(";") if item.strip()]
 
 
 def deployed_settings(service: str, environ: Mapping[str, str]):
@@ -284,7 +293,8 @@ def deployed_settings(service: str, environ: Mapping[str, str]):
     right, comma-separated): the recipe's section and [run] resolved as `steadyrl run` resolves
     them, with the model path as given, then the process's own STEADYRL_<SERVICE>_* variables over
     single keys (ports, addresses, secrets: what the deployment places). Without it, those variables
-    alone. Raises ValueError naming the recipe or the field."""
+    alone; STEADYRL_RECIPE_SET's overrides apply to the recipe as `--set` does. Raises ValueError
+    naming the recipe or the field."""
     from steadyrl.run_config import load_run_config
 
     prefix = f"STEADYRL_{service.upper()}_"
@@ -292,7 +302,7 @@ def deployed_settings(service: str, environ: Mapping[str, str]):
     recipe = environ.get(RECIPE_ENV, "").strip()
     if not recipe:
         return build_settings(service, own)
-    config = load_run_config([p.strip() for p in recipe.split(",") if p.strip()])
+    config = load_run_config([p.strip() for p in recipe.split(",") if p.strip()], recipe_overrides(environ))
     model = {"model_path": config.model.path} if "model_path" in PROBES[service] else {}
     return build_settings(service, {**service_env(config, service, model), **own})
 

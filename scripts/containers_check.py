@@ -1,0 +1,193 @@
+"""The compose run under `scripts/containers`, checked from outside its containers: the run trains to
+its end with every rollout trained once, both replicas lease work and serve the last version, every
+container's healthcheck passes and none but Redis runs as root, Prometheus scrapes every target with
+its `run` label, every dashboard expression returns a series (fault-only panels named), every alert
+rule evaluates and none fires. With --fault, one fault injected mid-run (trainer killed, a replica
+killed, Redis stopped and started) before the same checks. Prints one JSON object; exit 1 on a failed
+check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTROL = "http://127.0.0.1:8080"
+PROMETHEUS = "http://127.0.0.1:9090"
+# dashboard panels whose series exist only once something went wrong, or only with an engine or
+# profile this run does not start
+FAULT_ONLY = {
+    "steadyrl_orchestrator_policy_eval_accuracy": "π's eval: the policy-eval profile is off",
+    "steadyrl_trainer_rollouts_dead_lettered_total": "rollouts dead-lettered: none in a healthy run",
+    "steadyrl_trainer_publish_failures_total": "publish failures: none in a healthy run",
+    "steadyrl_weightsync_failures_total": "weight-sync failures: none in a healthy run",
+    "steadyrl_inference_leases_lost_total": "leases lost: none in a healthy run",
+    "vllm:": "vLLM's own metrics: the compose recipe runs the torch engine",
+}
+
+
+def podman(*args: str, check: bool = True) -> str:
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=120)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"podman {' '.join(args)}: {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def containers(project: str) -> dict[str, dict]:
+    """name → podman's inspect of each container of the project."""
+    names = podman("ps", "-a", "--filter", f"label=io.podman.compose.project={project}", "--format", "{{.Names}}")
+    return {name: json.loads(podman("inspect", name))[0] for name in names.split()}
+
+
+def service_of(info: dict) -> str:
+    return info["Config"]["Labels"].get("com.docker.compose.service", "")
+
+
+def get(url: str, token: str | None = None, timeout: float = 10.0) -> dict:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def promql(expr: str, at: float | None = None) -> list[dict]:
+    query = {"query": expr, **({"time": str(at)} if at else {})}
+    reply = get(f"{PROMETHEUS}/api/v1/query?{urllib.parse.urlencode(query)}")
+    if reply.get("status") != "success":
+        raise RuntimeError(f"PromQL {expr!r}: {reply}")
+    return reply["data"]["result"]
+
+
+def wait_status(token: str, until, deadline: float, what: str) -> dict:
+    """The control plane's /v1/run once `until(status)` holds (bounded by `deadline`)."""
+    last: dict | str = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            last = get(f"{CONTROL}/v1/run", token)
+            if until(last):
+                return last
+        except OSError as exc:  # the orchestrator still starting, or restarting
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(2)
+    raise TimeoutError(f"{what}: not within the time allowed; last status {str(last)[:800]}")
+
+
+def inject(fault: str, project: str, token: str, deadline: float) -> dict:
+    """One fault at step ≥ 10: what was done, and when."""
+    wait_status(token, lambda s: s.get("trainer_step", 0) >= 10, deadline, "step 10 before the fault")
+    by_service: dict[str, list[str]] = {}
+    for name, info in containers(project).items():
+        by_service.setdefault(service_of(info), []).append(name)
+    if fault == "trainer":  # a crash, not a stop: SIGKILL to its process, so the restart policy applies
+        name = by_service["trainer"][0]
+        pid = json.loads(podman("inspect", name))[0]["State"]["Pid"]
+        subprocess.run(["kill", "-KILL", str(pid)], check=True)
+        restarts = 0
+        while time.monotonic() < deadline and restarts == 0:
+            time.sleep(2)
+            restarts = json.loads(podman("inspect", name))[0].get("RestartCount", 0)
+        return {"fault": "trainer process killed (SIGKILL)", "container": name, "restarts": restarts}
+    if fault == "inference":
+        name = sorted(by_service["inference"])[0]
+        podman("kill", name)  # stopped for good: the other replica carries the run
+        return {"fault": "one inference container killed", "container": name}
+    if fault == "redis":
+        name = by_service["redis"][0]
+        podman("stop", "-t", "5", name)
+        time.sleep(10)
+        podman("start", name)
+        return {"fault": "Redis stopped for 10 s, then started", "container": name}
+    raise ValueError(f"unknown fault {fault!r}")
+
+
+def check_prometheus(result: dict, failures: list[str]) -> None:
+    up = promql("up")
+    result["targets"] = sorted(f"{s['metric'].get('job')} {s['metric'].get('instance')} up={s['value'][1]}" for s in up)
+    for series in up:
+        if series["value"][1] != "1" or series["metric"].get("run") != "tiny-arith":
+            failures.append(f"target down or unlabelled: {series['metric']}")
+    jobs = {s["metric"].get("job") for s in up}
+    for job in ("steadyrl-weightsync", "steadyrl-trainer", "steadyrl-orchestrator", "steadyrl-inference"):
+        if job not in jobs:
+            failures.append(f"no target of {job}")
+    if sum(1 for s in up if s["metric"].get("job") == "steadyrl-inference") < 2:
+        failures.append("fewer than 2 inference targets scraped")
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/steadyrl.json").read_text())
+    empty, excused = [], []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$run", "tiny-arith")
+            if promql(expr):
+                continue
+            why = next((why for key, why in FAULT_ONLY.items() if key in expr), None)
+            (excused if why else empty).append(f"{panel.get('title')}: {why or expr}")
+    result["dashboard_expressions_without_series"] = {"excused": excused, "empty": empty}
+    failures.extend(f"dashboard expression returned no series: {e}" for e in empty)
+    rules = get(f"{PROMETHEUS}/api/v1/rules")["data"]["groups"]
+    evaluated = [r for g in rules for r in g["rules"]]
+    result["alert_rules"] = len(evaluated)
+    for rule in evaluated:
+        if rule.get("health") != "ok":
+            failures.append(f"alert rule {rule['name']} health={rule.get('health')}: {rule.get('lastError')}")
+        if rule.get("state") == "firing":
+            failures.append(f"alert {rule['name']} firing at the end of the run")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--project", required=True)
+    parser.add_argument("--env-file", type=Path, required=True)
+    parser.add_argument("--fault", choices=["trainer", "inference", "redis"])
+    parser.add_argument("--minutes", type=float, default=20.0)
+    args = parser.parse_args()
+    env = dict(line.split("=", 1) for line in args.env_file.read_text().splitlines() if "=" in line)
+    token = env["STEADYRL_TOKEN"]
+    deadline = time.monotonic() + args.minutes * 60
+    started = time.monotonic()
+    result: dict = {"fault": None}
+    failures: list[str] = []
+    if args.fault:
+        result["fault"] = inject(args.fault, args.project, token, deadline)
+    status = wait_status(token, lambda s: s.get("state") in ("finished", "failed", "stopped"), deadline, "the run")
+    result["run_seconds"] = round(time.monotonic() - started, 1)
+    result["state"] = status["state"]
+    result["steps"] = status.get("trainer_step")
+    result["progress"] = status.get("progress")
+    result["replica_versions"] = status.get("replica_versions")
+    result["evals"] = [(e.get("version"), e.get("accuracy")) for e in status.get("evals", [])]
+    progress = status.get("progress", {})
+    if status["state"] != "finished":
+        failures.append(f"the run ended {status['state']}")
+    if progress.get("trained") != progress.get("submitted") or progress.get("dead"):
+        failures.append(f"not every rollout trained once: {progress}")
+    versions = status.get("replica_versions", {})
+    serving = {r: v for r, v in versions.items() if v == status.get("trainer_version")}
+    if len(serving) < (1 if args.fault == "inference" else 2):
+        failures.append(f"replicas on the last version {status.get('trainer_version')}: {versions}")
+    health, users = {}, {}
+    for name, info in containers(args.project).items():
+        service = service_of(info)
+        users[name] = info["Config"].get("User") or "root"
+        if info["State"]["Running"] and info["Config"].get("Healthcheck"):
+            ran = subprocess.run(["podman", "healthcheck", "run", name], capture_output=True, text=True, timeout=60)
+            health[name] = "healthy" if ran.returncode == 0 else f"unhealthy: {ran.stdout.strip()}{ran.stderr.strip()}"
+            if ran.returncode != 0:
+                failures.append(f"{name}: healthcheck failed")
+        if service != "redis" and users[name] in ("", "root", "0", "0:0"):
+            failures.append(f"{name} runs as root")
+    result["healthchecks"] = health
+    result["users"] = users
+    time.sleep(15)  # one more scrape and rule evaluation after the end (the interval is 10 s)
+    check_prometheus(result, failures)
+    result["failures"] = failures
+    print(json.dumps(result, indent=2))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
