@@ -105,8 +105,9 @@ def inject(fault: str, project: str, token: str, deadline: float) -> dict:
     raise ValueError(f"unknown fault {fault!r}")
 
 
-def check_prometheus(result: dict, failures: list[str]) -> None:
-    up = promql("up")
+def check_prometheus(result: dict, failures: list[str], during: float) -> None:
+    """Targets and dashboard as of `during` (a moment of the run), alert rules now (after its end)."""
+    up = promql("up", during)
     result["targets"] = sorted(f"{s['metric'].get('job')} {s['metric'].get('instance')} up={s['value'][1]}" for s in up)
     for series in up:
         if series["value"][1] != "1" or series["metric"].get("run") != "tiny-arith":
@@ -122,7 +123,7 @@ def check_prometheus(result: dict, failures: list[str]) -> None:
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             expr = target["expr"].replace("$run", "tiny-arith")
-            if promql(expr):
+            if promql(expr, during):
                 continue
             why = next((why for key, why in FAULT_ONLY.items() if key in expr), None)
             (excused if why else empty).append(f"{panel.get('title')}: {why or expr}")
@@ -153,19 +154,25 @@ def main() -> int:
     failures: list[str] = []
     if args.fault:
         result["fault"] = inject(args.fault, args.project, token, deadline)
+    # the dashboard and the targets are read as of three quarters of the run (the trainer exits at its end)
+    steps = int(env.get("STEADYRL_RECIPE_SET", "run.steps=400").rsplit("=", 1)[-1])
+    wait_status(token, lambda s: s.get("trainer_step", 0) >= steps * 3 // 4, deadline, "three quarters of the run")
+    during = time.time()
     status = wait_status(token, lambda s: s.get("state") in ("finished", "failed", "stopped"), deadline, "the run")
     result["run_seconds"] = round(time.monotonic() - started, 1)
     result["state"] = status["state"]
     result["steps"] = status.get("trainer_step")
     result["progress"] = status.get("progress")
     result["replica_versions"] = status.get("replica_versions")
-    result["evals"] = [(e.get("version"), e.get("accuracy")) for e in status.get("evals", [])]
+    result["evals"] = status.get("evals", {})  # version → greedy eval accuracy
     progress = status.get("progress", {})
     if status["state"] != "finished":
         failures.append(f"the run ended {status['state']}")
-    if progress.get("trained") != progress.get("submitted") or progress.get("dead"):
+    # every task trained once or dropped as staler than the budget (counted), none lost or dead
+    if progress.get("trained", 0) + progress.get("dropped", 0) != progress.get("submitted") or progress.get("dead"):
         failures.append(f"not every rollout trained once: {progress}")
-    versions = status.get("replica_versions", {})
+    live = {info["Id"][:12] for info in containers(args.project).values() if service_of(info) == "inference"}
+    versions = {r: v for r, v in status.get("replica_versions", {}).items() if r.rsplit("-", 1)[0] in live}
     serving = {r: v for r, v in versions.items() if v == status.get("trainer_version")}
     if len(serving) < (1 if args.fault == "inference" else 2):
         failures.append(f"replicas on the last version {status.get('trainer_version')}: {versions}")
@@ -183,7 +190,7 @@ def main() -> int:
     result["healthchecks"] = health
     result["users"] = users
     time.sleep(15)  # one more scrape and rule evaluation after the end (the interval is 10 s)
-    check_prometheus(result, failures)
+    check_prometheus(result, failures, during)
     result["failures"] = failures
     print(json.dumps(result, indent=2))
     return 1 if failures else 0
