@@ -85,7 +85,8 @@ def trainer_node_command(
     # node that replaces a lost one waits forever for the round's address (the surviving first
     # node only publishes it in the first round)
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
-    ranks = {k: v for k, v in os.environ.items() if k not in ("STEADYRL_RECIPE", "STEADYRL_RECIPE_SET")}  # resolved into `env` already
+    resolved = ("STEADYRL_RECIPE", "STEADYRL_RECIPE_SET")  # into `env` already
+    ranks = {k: v for k, v in os.environ.items() if k not in resolved}
     os.execvpe(sys.executable, [sys.executable, *argv], {**ranks, **env})
 
 
