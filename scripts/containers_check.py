@@ -2,9 +2,9 @@
 its end with every rollout trained once, both replicas lease work and serve the last version, every
 container's healthcheck passes and none but Redis runs as root, Prometheus scrapes every target with
 its `run` label, every dashboard expression returns a series (fault-only panels named), every alert
-rule evaluates and none fires. With --fault, one fault injected mid-run (trainer killed, a replica
-killed, Redis stopped and started) before the same checks. Prints one JSON object; exit 1 on a failed
-check."""
+rule evaluates and none but an info one fires (those are listed). With --fault, one fault injected
+mid-run (trainer killed, a replica killed, Redis stopped and started) before the same checks.
+Prints one JSON object; exit 1 on a failed check."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ FAULT_ONLY = {
     "steadyrl_weightsync_failures_total": "weight-sync failures: none in a healthy run",
     "steadyrl_inference_leases_lost_total": "leases lost: none in a healthy run",
     "vllm:": "vLLM's own metrics: the compose recipe runs the torch engine",
+    "steadyrl_weightsync_pull_seconds": "pulls from weight-sync: every version reached the replicas by the collective",
 }
 
 
@@ -135,8 +136,11 @@ def check_prometheus(result: dict, failures: list[str], during: float) -> None:
     for rule in evaluated:
         if rule.get("health") != "ok":
             failures.append(f"alert rule {rule['name']} health={rule.get('health')}: {rule.get('lastError')}")
-        if rule.get("state") == "firing":
-            failures.append(f"alert {rule['name']} firing at the end of the run")
+        if rule.get("state") == "firing":  # an info alert reports (stale drops); any other is a failure
+            severity = rule.get("labels", {}).get("severity", "")
+            result.setdefault("alerts_firing", []).append(f"{rule['name']} ({severity})")
+            if severity != "info":
+                failures.append(f"alert {rule['name']} ({severity}) firing at the end of the run")
 
 
 def main() -> int:
