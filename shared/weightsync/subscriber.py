@@ -167,7 +167,9 @@ class WatchSubscriber(WeightSubscriber):
                 with contextlib.suppress(WeightError):
                     await self._pull_when_held(version, patience)
             return kind == pb.COLLECTIVE
-        except (WeightError, OSError, grpc.RpcError) as exc:
+        except (WeightError, OSError, grpc.RpcError, RuntimeError) as exc:
+            # RuntimeError: a collective's group broke (gloo: "Connection closed by peer", its publisher
+            # restarted); like any failed transfer it is reported and the version pulled by gRPC
             REFUSED.labels(delivery.transport).inc()
             log.warning(
                 "event=weights_refused version=%d transport=%s error=%s",
