@@ -1,5 +1,6 @@
-"""The policy-gradient objectives: MiniRL (paper Eq. 7), GRPO (Appendix A) and DPPO (arXiv
-2602.04879, its binary TV / KL trust region), over the terms and corrections of
+"""The policy-gradient objectives: MiniRL (paper Eq. 7), GRPO (Appendix A), DPPO (arXiv
+2602.04879, its binary TV / KL trust region), GSPO (arXiv 2507.18071, sequence-level ratio and
+clipping) and CISPO (arXiv 2506.13585, a clipped IS coefficient under stop-gradient), over the terms and corrections of
 `shared.core.terms` (token and sequence TIS, MIS, geometric and IcePop masks, the normaliser),
 and `policy_loss`, the one entry the trainer calls. Shapes and names: `shared.core.terms`.
 """
@@ -112,7 +113,66 @@ def dppo_mask(
     return ~outside
 
 
-OBJECTIVES = {"minirl": minirl_loss, "grpo": grpo_loss, "dppo": dppo_loss}
+def gspo_loss(
+    t: TokenTerms, config: LossConfig, token_normalizer=None, sequence_normalizer=None
+) -> tuple[torch.Tensor, Parts]:
+    """GSPO:  −Σ_i sg[w_i] · min(s_i·Â_i, clip(s_i, 1−ε_low, 1+ε_high)·Â_i) / N_seq, where
+    s_i = exp(mean_t log π_θ/π_old) is the length-normalised sequence ratio (staleness: clipped
+    per sequence, the gradient flows through it) and w_i = min(exp(mean_t log π_old/μ_old), C) the
+    training–inference correction, decoupled as in GRPO's Appendix A form and taken at the level
+    GSPO works at (1 in bypass, where π_old := μ_old). N_seq: sequences with a valid token (over
+    every rank); rejected tokens leave their sequence's means."""
+    keep = rejection_mask(t.log_discrepancy, t.mask, config)
+    valid = t.mask & keep
+    lengths = valid.sum(dim=-1).clamp(min=1)
+    zeros = torch.zeros_like(t.trainer)
+    log_s = torch.where(valid, t.trainer - t.old, zeros).sum(dim=-1) / lengths
+    s = torch.exp(log_s)
+    advantage = torch.where(valid, t.advantages, zeros).sum(dim=-1) / lengths  # Â_i (one per sequence)
+    surrogate = s * advantage
+    clipped = torch.zeros_like(valid[:, 0])
+    if config.clip:
+        bounded = torch.clamp(s.detach(), 1.0 - config.eps_low, 1.0 + config.eps_high) * advantage
+        clipped = bounded < surrogate.detach()  # PPO-min takes the constant branch
+        surrogate = torch.where(clipped, bounded, surrogate)  # (a tie keeps the whole gradient)
+    raw_w = torch.exp(torch.where(valid, t.old - t.inference, zeros).sum(dim=-1) / lengths)
+    if config.train_infer_is:
+        weight = torch.clamp(raw_w, max=config.tis_cap)
+        truncated = raw_w > config.tis_cap
+    else:
+        weight, truncated = torch.ones_like(raw_w), torch.zeros_like(clipped)
+    has = valid.any(dim=-1)
+    count = has.sum() if sequence_normalizer is None else sequence_normalizer
+    loss = -torch.where(has, weight * surrogate, torch.zeros_like(s)).sum() / torch.as_tensor(
+        count, dtype=s.dtype
+    ).clamp(min=1)
+    per_token = valid.shape
+
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(-1).expand(per_token)
+
+    return loss, Parts(spread(weight), spread(truncated) & t.mask, ~spread(clipped), keep)
+
+
+def cispo_loss(
+    t: TokenTerms, config: LossConfig, token_normalizer=None, sequence_normalizer=None
+) -> tuple[torch.Tensor, Parts]:
+    """CISPO:  −Σ_t sg[w_t] · sg[clip(r_t, 1−ε_low, 1+ε_high)] · Â · log π_θ(y_t) / N, r_t = π_θ/π_old:
+    no token leaves the loss (unlike Eq. 7's M_t), its coefficient is clipped instead; w_t =
+    min(π_old/μ_old, C) corrects the training–inference discrepancy (token or sequence level,
+    `is_level`; 1 in bypass, where π_old := μ_old), the clip bounds the staleness. `clip = False`:
+    the coefficient is r_t itself."""
+    log_k = t.old - t.inference  # log π_old/μ_old (0 in bypass)
+    weight, truncated = is_weight(log_k, t.mask, config)
+    ratio = t.ratio
+    coefficient = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high) if config.clip else ratio
+    keep = rejection_mask(t.log_discrepancy, t.mask, config)
+    per_token = torch.where(t.mask & keep, weight * coefficient * t.advantages * t.trainer, torch.zeros_like(t.trainer))
+    loss = -normalise(per_token, t.mask, config, token_normalizer, sequence_normalizer)
+    return loss, Parts(weight, truncated, coefficient == ratio, keep)
+
+
+OBJECTIVES = {"minirl": minirl_loss, "grpo": grpo_loss, "dppo": dppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def policy_loss(

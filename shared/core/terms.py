@@ -18,7 +18,8 @@ import torch
 
 from shared.core import corrections
 
-Objective = Literal["minirl", "grpo", "dppo"]
+Objective = Literal["minirl", "grpo", "dppo", "gspo", "cispo"]
+OBJECTIVE_NAMES = ("minirl", "grpo", "dppo", "gspo", "cispo")
 Divergence = Literal["tv", "kl"]
 Normalization = Literal["tokens", "sequence"]
 ISLevel = Literal["token", "sequence"]
@@ -38,7 +39,9 @@ class LossConfig:
 
     objective: Objective = "minirl"
     """"minirl": Σ M_t·sg[w_t]·Â·log π_θ (Eq. 7); "grpo": PPO-min clipped surrogate (App. A);
-    "dppo": Eq. 7 with the trust region on the sampled token's probability, not its ratio."""
+    "dppo": Eq. 7 with the trust region on the sampled token's probability, not its ratio;
+    "gspo": the sequence-level ratio, clipped per sequence (Qwen3's recipe); "cispo": every token
+    kept, its IS coefficient clipped under stop-gradient (MiniMax-M1). shared/core/loss.py."""
     train_infer_is: bool = True
     """Apply the training–inference IS weight; False sets w_t := 1 (the paper's ablation)."""
     tis_cap: float = 5.0
@@ -68,8 +71,8 @@ class LossConfig:
     """DPPO: a token with Â > 0 leaves the loss once π_θ has risen past this divergence (> 0)."""
 
     def __post_init__(self) -> None:
-        if self.objective not in ("minirl", "grpo", "dppo"):
-            raise ValueError(f"objective must be 'minirl', 'grpo' or 'dppo', got {self.objective!r}")
+        if self.objective not in OBJECTIVE_NAMES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVE_NAMES)}, got {self.objective!r}")
         if self.dppo_divergence not in ("tv", "kl"):
             raise ValueError(f"dppo_divergence must be 'tv' or 'kl', got {self.dppo_divergence!r}")
         if not (self.dppo_delta_low > 0 and self.dppo_delta_high > 0):

@@ -141,6 +141,41 @@ def test_grpo_without_clip_is_plain_ratio():
     assert_close(loss, torch.tensor(expected, dtype=torch.float64))
 
 
+def test_gspo_sequence_ratio_clipped_per_sequence():
+    loss, metrics, grad = run(LossConfig(objective="gspo"))
+    # s_i = exp(mean log π_θ/π_old): s0 = √1.6 ≈ 1.265 (under 1 + 0.27), s1 = √0.6 ≈ 0.775 (Â < 0,
+    # under 1 − 0.2: the constant 0.8·Â); w_i = min(exp(mean log π_old/μ), 5): w0 = √1.25, w1 = √9 = 3
+    expected = -(math.sqrt(1.25) * math.sqrt(1.6) + 3 * -0.8) / 2
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    # ∂s0/∂log π_θ(t) = s0 / 2 per token of seq0; seq1 took the clipped (constant) branch
+    g = -math.sqrt(1.25) * math.sqrt(1.6) / 2 / 2
+    assert_close(grad, torch.tensor([[g, g], [0.0, 0.0]], dtype=torch.float64))
+    assert metrics["clip_frac"].item() == pytest.approx(0.5)  # seq1's two tokens
+    assert metrics["is_weight_max"].item() == pytest.approx(3.0)
+
+
+def test_gspo_without_clip_or_correction_is_the_plain_sequence_ratio():
+    loss, _, _ = run(LossConfig(objective="gspo", clip=False, train_infer_is=False))
+    assert_close(loss, torch.tensor(-(math.sqrt(1.6) - math.sqrt(0.6)) / 2, dtype=torch.float64))
+
+
+def test_cispo_keeps_every_token_with_a_clipped_coefficient():
+    loss, metrics, grad = run(LossConfig(objective="cispo"))
+    # coefficient clip(r, 0.8, 1.27) = [[1, 1.27], [0.8, 1]], w = min(π_old/μ, 5) = [[1, 1.25], [1, 5]]
+    factors = [[1.0, 1.25 * 1.27], [-0.8, -5.0]]  # w · c · Â
+    expected = -sum(f * L(p) for fs, ps in zip(factors, PI_THETA, strict=True) for f, p in zip(fs, ps, strict=True))
+    assert_close(loss, torch.tensor(expected / 4, dtype=torch.float64))
+    assert_close(grad, -torch.tensor(factors, dtype=torch.float64) / 4)  # no token leaves the gradient
+    assert metrics["clip_frac"].item() == pytest.approx(0.5)  # two coefficients clipped
+
+
+def test_cispo_in_bypass_clips_the_ratio_to_the_sampler():
+    # π_old := μ_old: r = π_θ/μ = [[1, 2], [0.6, 9]] → c = [[1, 1.27], [0.8, 1.27]], no further weight
+    loss, _, grad = run(LossConfig(objective="cispo"), pi_old=None)
+    factors = [[1.0, 1.27], [-0.8, -1.27]]
+    assert_close(grad, -torch.tensor(factors, dtype=torch.float64) / 4)
+
+
 def test_nonfinite_inference_logprobs_leave_numerator_and_denominator():
     for bad in (float("-inf"), float("nan"), float("inf")):
         mu = _logs(MU_OLD)
