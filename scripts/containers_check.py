@@ -184,7 +184,8 @@ def main() -> int:
     for name, info in containers(args.project).items():
         service = service_of(info)
         users[name] = info["Config"].get("User") or "root"
-        if info["State"]["Running"] and info["Config"].get("Healthcheck"):
+        check = (info["Config"].get("Healthcheck") or {}).get("Test") or ["NONE"]
+        if info["State"]["Running"] and check != ["NONE"]:
             ran = subprocess.run(["podman", "healthcheck", "run", name], capture_output=True, text=True, timeout=60)
             health[name] = "healthy" if ran.returncode == 0 else f"unhealthy: {ran.stdout.strip()}{ran.stderr.strip()}"
             if ran.returncode != 0:
