@@ -33,7 +33,7 @@ class Compute:
 @dataclass
 class Forward:
     logprobs: torch.Tensor  # [B, S-1] float32: log π(y_{j+1}) at each position (with grad when asked)
-    entropy_per_token: torch.Tensor  # [B, S-1] float32 token entropy of π (no grad)
+    entropy_per_token: torch.Tensor  # [B, S-1] float32 token entropy of π (with grad for the entropy bonus)
     routing: torch.Tensor | None  # [B, S, layers, top_k] experts the forward routed to (captured)
 
 
@@ -62,10 +62,12 @@ def sequence_logprobs(
     replay_mask: torch.Tensor | None = None,
     capture: bool = False,
     compute: Compute = Compute(),
+    entropy_grad: bool = False,
 ) -> Forward:  # noqa: B008
     """One forward of the training engine over `batch`: next-token logprobs and entropy, in fp32
     whatever the parameters' or the autocast dtype. `replay` ([B, S, L, K] with `replay_mask`
-    [B, S]) forces the routing; `capture` records it."""
+    [B, S]) forces the routing; `capture` records it; `entropy_grad`: the entropy keeps its graph
+    (an entropy bonus in the loss)."""
     autocast = torch.autocast(
         compute.device.type, dtype=compute.autocast or torch.float32, enabled=compute.autocast is not None
     )
@@ -73,9 +75,13 @@ def sequence_logprobs(
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast
     targets = batch.input_ids[:, 1:]
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits.detach())
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    logprobs = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if entropy_grad:
+        entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())
     captured = recording.trace(batch.input_ids.shape) if capture else None
     return Forward(logprobs, entropy, captured)
 

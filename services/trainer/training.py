@@ -224,7 +224,10 @@ def update(
         agreement = old.fused and routing is not None and routing.is_moe and mb.trace is not None
         with gradient_sync(model, i == len(chunks) - 1), routing_context(routing, replay, replay_mask):
             # replay stays on through the backward; fused, the forward records its routing for the agreement
-            forward = sequence_logprobs(model, mb, routing if agreement else None, capture=agreement, compute=compute)
+            bonus = config.loss.entropy_coef > 0
+            forward = sequence_logprobs(
+                model, mb, routing if agreement else None, capture=agreement, compute=compute, entropy_grad=bonus
+            )
             if agreement:
                 record_agreement(stats, forward.routing, mb)
             if old.fused:
@@ -243,11 +246,12 @@ def update(
                 sequence_normalizer=sequences,
                 stats=stats,
                 buckets=(staleness, plan.buckets),
+                entropy=forward.entropy_per_token if bonus else None,
             )
             stats.add_total("loss_seconds", time.perf_counter() - started)
             (loss * world).backward()
         stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks, micro- and mini-batches
-        stats.add_mean("entropy", forward.entropy_per_token, mb.loss_mask)
+        stats.add_mean("entropy", forward.entropy_per_token.detach(), mb.loss_mask)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf")
     )

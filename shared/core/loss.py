@@ -186,14 +186,21 @@ def policy_loss(
     sequence_normalizer: float | torch.Tensor | None = None,
     stats: StepStats | None = None,
     buckets: tuple[torch.Tensor, list[int]] | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured objective's loss to minimise and a dict of scalar diagnostics (means over
     this call's valid tokens). With `stats`, the same diagnostics are also added there as token
     sums (whole-step statistics); `buckets` = (staleness bucket per token [B, T], bucket values)
     adds mismatch KL and IS weight per staleness bucket. Tokens whose logprobs are not finite
-    leave numerator and denominator alike."""
+    leave numerator and denominator alike. `entropy` ([B, T], with its graph): the entropy bonus,
+    −entropy_coef · H over the valid tokens under the objective's normaliser (off at 0)."""
     t = token_terms(trainer_logprobs, old_logprobs, inference_logprobs, advantages, loss_mask)
     loss, parts = OBJECTIVES[config.objective](t, config, token_normalizer, sequence_normalizer)
+    if config.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the token entropy (with its graph)")
+        bonus = torch.where(t.mask, entropy.to(t.trainer.dtype), torch.zeros_like(t.trainer))
+        loss = loss - config.entropy_coef * normalise(bonus, t.mask, config, token_normalizer, sequence_normalizer)
     with torch.no_grad():
         metrics = loss_diagnostics(t, parts, loss_mask, stats, buckets)
     return loss, metrics

@@ -69,6 +69,9 @@ class LossConfig:
     """DPPO: a token with Â < 0 leaves the loss once π_θ has fallen past this divergence (> 0)."""
     dppo_delta_high: float = 0.15
     """DPPO: a token with Â > 0 leaves the loss once π_θ has risen past this divergence (> 0)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef × the mean token entropy of π_θ over the
+    valid tokens (same normaliser); 0 = off, as in the paper. ≥ 0."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVE_NAMES:
@@ -85,6 +88,8 @@ class LossConfig:
             raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
         if self.rejection not in ("none", *DEFAULT_REJECTION_BOUNDS):
             raise ValueError(f"unknown rejection {self.rejection!r}")
+        if not self.entropy_coef >= 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
         if not 0 <= self.eps_low < 1:

@@ -253,6 +253,32 @@ def test_one_update_takes_pi_old_from_its_own_forward_and_equals_a_separate_pass
         assert fused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-7), key
 
 
+def test_the_entropy_bonus_alone_raises_the_policys_entropy(tiny_model_dir):
+    """Equal rewards: every advantage is 0, so the policy term has no gradient; with an entropy
+    coefficient the step's one gradient is the bonus's, and π's entropy on the batch rises (without
+    it nothing moves)."""
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=3)
+    for r in rollouts:
+        r.reward = 1.0
+    batch = collate(rollouts)
+    mask = batch.loss_mask
+    entropies = []
+    for coef in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = load_causal_lm(tiny_model_dir, "float32").train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        config = StepConfig(loss=LossConfig(entropy_coef=coef))
+        with torch.no_grad():
+            before = sequence_logprobs(model, batch).entropy_per_token[mask].mean().item()
+        train_step(model, optimizer, RoutingController(model), batch, GROUP, config, version=0)
+        with torch.no_grad():
+            after = sequence_logprobs(model, batch).entropy_per_token[mask].mean().item()
+        entropies.append((before, after))
+    (plain_before, plain_after), (bonus_before, bonus_after) = entropies
+    assert plain_after == pytest.approx(plain_before, abs=1e-6)
+    assert bonus_after > bonus_before + 1e-3
+
+
 def test_r3_without_traces_is_an_error(tiny_model_dir):
     rollouts = recorded_rollouts(tiny_model_dir, 1, seed=7)
     rollouts[0].routing_trace = None

@@ -176,6 +176,17 @@ def test_cispo_in_bypass_clips_the_ratio_to_the_sampler():
     assert_close(grad, -torch.tensor(factors, dtype=torch.float64) / 4)
 
 
+def test_entropy_bonus_subtracts_the_mean_entropy_of_the_valid_tokens():
+    entropy = torch.tensor([[0.5, 1.0], [2.0, 0.25]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    base, _, _ = run(LossConfig(), mask=mask)
+    loss, _, grad = run(LossConfig(entropy_coef=0.1), mask=mask, entropy=entropy)
+    assert_close(loss, base - 0.1 * (0.5 + 1.0 + 2.0) / 3)
+    assert_close(entropy.grad, torch.tensor([[-0.1 / 3, -0.1 / 3], [-0.1 / 3, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="entropy"):
+        run(LossConfig(entropy_coef=0.1))
+
+
 def test_nonfinite_inference_logprobs_leave_numerator_and_denominator():
     for bad in (float("-inf"), float("nan"), float("inf")):
         mu = _logs(MU_OLD)
