@@ -88,7 +88,9 @@ class TrainBatch:
         )
 
 
-def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
+def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool = False) -> TrainBatch:
+    """The rollouts as one left-aligned batch; `mask_truncated`: a rollout that ran out of tokens
+    (finish reason "length") keeps no token in the loss mask."""
     if not rollouts:
         raise ValueError("no rollouts to collate")
     lengths = [len(r.prompt_token_ids) + len(r.completion_token_ids) for r in rollouts]
@@ -113,7 +115,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0) -> TrainBatch:
         input_ids[row, prompt : prompt + completion] = r.completion_token_ids
         attention[row, : prompt + completion] = 1
         span = slice(prompt - 1, prompt + completion - 1)
-        loss_mask[row, span] = r.model_tokens  # a multi-turn trajectory: the model's tokens
+        if not (mask_truncated and r.finish_reason == "length"):
+            loss_mask[row, span] = r.model_tokens  # a multi-turn trajectory: the model's tokens
         inference[row, span] = r.inference_logprobs
         versions[row, span] = r.policy_versions
         if with_trace:

@@ -244,6 +244,9 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     """Group baseline."""
     bypass: bool = False
     """π_old := μ_old (no recompute forward)."""
+    mask_truncated: bool = False
+    """Truncated answers (finish reason "length": the token budget ran out before an end) leave the
+    loss, as DAPO's overlong filtering does; their rewards still enter their group's advantages."""
     loss: LossConfig = LossConfig()
     """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/terms.py `LossConfig`). Its
     `clip` is the manual recipe's; the auto recipe decides clipping itself."""

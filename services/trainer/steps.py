@@ -247,7 +247,7 @@ class StepRunner:
     def _step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         bind_torch_threads(self.settings.compute.torch_threads)  # steps run on executor threads
         started = time.perf_counter()
-        batch = collate(rollouts, self.pad_token_id)
+        batch = collate(rollouts, self.pad_token_id, self.settings.mask_truncated)
         collate_seconds = time.perf_counter() - started
         staleness_max = (
             int((version - batch.versions[batch.loss_mask]).clamp(min=0).max()) if batch.loss_mask.any() else 0
@@ -269,6 +269,7 @@ class StepRunner:
             self.compute,
         )
         metrics["collate_seconds"] = collate_seconds
+        metrics["truncated_frac"] = sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)
         return metrics
 
     def follow(self) -> int:
