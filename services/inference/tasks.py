@@ -75,6 +75,15 @@ def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: Re
             f"prompt ({len(prompt)}) + {'the trajectory budget' if task.environment else 'max_new_tokens'}"
             f" ({completion}) > the engine's {engine.max_model_len} positions",
         )
+    overlong = task.overlong
+    if overlong.buffer_tokens and not (
+        overlong.buffer_tokens < sampling.max_new_tokens and 0 <= overlong.penalty <= 100 and not task.environment
+    ):
+        raise BadTask(
+            "overlong",
+            f"overlong shaping of {overlong.buffer_tokens} tokens, penalty {overlong.penalty}: needs a buffer under "
+            f"max_new_tokens ({sampling.max_new_tokens}), a penalty in [0, 100] and a single-turn task",
+        )
     agent = task.environment.startswith(AGENT)
     if agent and not task.environment[len(AGENT) :].strip():
         raise BadTask("environment", "an agent environment names its command: agent:COMMAND")

@@ -44,6 +44,7 @@ from shared.rollouts.samples import encode_samples
 from shared.runstore.queues import Lease, WorkQueue, now_ms
 from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
 from shared.tasks import RewardRunner
+from shared.tasks.shaping import overlong_penalty
 
 log = logging.getLogger("steadyrl.inference.worker")
 BATCHING = ("continuous", "barrier")
@@ -343,10 +344,17 @@ class RolloutWorker:
                     )
             if not task.run_id:
                 task.run_id = self.queue.run_id
+            shaping = task.overlong  # checked with the task (check_task)
             return encode_samples(
                 task,
                 samples,
-                [s.value for s in scores],
+                [
+                    s.value
+                    + overlong_penalty(
+                        len(sample.token_ids), task.sampling.max_new_tokens, shaping.buffer_tokens, shaping.penalty
+                    )
+                    for s, sample in zip(scores, samples, strict=True)
+                ],
                 self.replica_id,
                 self.engine.name,
                 timings,

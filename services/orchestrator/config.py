@@ -166,11 +166,25 @@ class SamplingSettings(BaseModel):
     """Top-p of training rollouts (1: the trainer's recompute sees the same distribution)."""
     max_new_tokens: int = Field(16, ge=1)
     """Completion budget."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment on training rollouts: a completion past max_new_tokens −
+    overlong_buffer tokens loses overlong_penalty × its share of the buffer from its reward (all of
+    it at the budget); 0: off. Less than max_new_tokens; single-turn tasks."""
+    overlong_penalty: float = Field(1.0, ge=0, le=100)
+    """The penalty at the token budget (DAPO: 1)."""
 
     @field_validator("temperature")
     @classmethod
     def _sane_temperature(cls, value: float) -> float:
         return check_temperature(value)
+
+    @model_validator(mode="after")
+    def _buffer_inside_the_budget(self) -> SamplingSettings:
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"overlong_buffer ({self.overlong_buffer}) must be less than max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
 
 
 class ControlSettings(BaseModel):

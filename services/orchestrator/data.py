@@ -128,6 +128,10 @@ class Tasks:
             if environment
             else {"prompt_token_ids": self.prompt_ids(example)}
         )
+        if s.sampling.overlong_buffer and not is_eval and not environment:  # evals score the answer alone
+            turns["overlong"] = common_pb2.OverlongShaping(
+                buffer_tokens=s.sampling.overlong_buffer, penalty=s.sampling.overlong_penalty
+            )
         return common_pb2.PromptTask(
             task_id=task_id,
             run_id=s.run_id,

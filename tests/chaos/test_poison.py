@@ -82,6 +82,9 @@ async def inject(url: str) -> None:
             good, task_id="too-long", sampling=common_pb2.SamplingParams(max_new_tokens=100_000)
         ).SerializeToString(),
         "eval-x-y": _with(good, task_id="eval-x-y", is_eval=True, group_size=1).SerializeToString(),
+        "overlong-buffer": _with(  # a shaping buffer as long as the budget
+            good, task_id="overlong-buffer", overlong=common_pb2.OverlongShaping(buffer_tokens=4, penalty=1.0)
+        ).SerializeToString(),
     }
     for task_id, data in bad_tasks.items():
         await redis.hset(keys.tasks, task_id, data)
@@ -93,7 +96,7 @@ def _with(task: common_pb2.PromptTask, **fields) -> common_pb2.PromptTask:
     copy = common_pb2.PromptTask()
     copy.CopyFrom(task)
     for name, value in fields.items():
-        if isinstance(value, common_pb2.SamplingParams):  # a message field is copied into, not assigned
+        if isinstance(value, common_pb2.SamplingParams | common_pb2.OverlongShaping):  # message fields: copied into
             getattr(copy, name).CopyFrom(value)
         else:
             setattr(copy, name, value)
@@ -154,7 +157,7 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
         "eval_rollout": G,
     }
     assert dead_groups == {"evil-incomplete", "evil-overfull", "evil-missized"}
-    assert tasks_dead == {"decode": 1, "group_size": 1, "context": 1, "attempts": 1}
+    assert tasks_dead == {"decode": 1, "group_size": 1, "context": 1, "attempts": 1, "overlong": 1}
     assert any("max_new_tokens (100000) > the engine's" in r for r in task_reasons)  # refused, not crashed
     assert any("version_wait" in r and "1000000000" in r for r in task_reasons)  # the reason names the wait
     assert "event=eval_rollout_refused" in (tmp_path / "logs" / "orchestrator.log").read_text()

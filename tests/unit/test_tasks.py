@@ -245,3 +245,22 @@ def test_prompts_go_through_the_tokenizers_chat_template_when_it_has_one(tmp_pat
         )
     )
     assert list(off.make("t", example, 2, 1.0, False, 0).prompt_token_ids) == plain
+
+
+def test_train_tasks_carry_the_overlong_shaping_and_evals_do_not(tiny_model_dir):
+    from services.orchestrator.config import OrchestratorSettings
+    from services.orchestrator.data import Tasks
+
+    tasks = Tasks(
+        OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            evals={"size": 5},
+            data={"train_size": 5},
+            sampling={"max_new_tokens": 6, "overlong_buffer": 2, "overlong_penalty": 0.5},
+        )
+    )
+    example = tasks.train[0]
+    train = tasks.make("t", example, 2, 1.0, False, 0)
+    evaluated = tasks.make("e", example, 1, 0.0, True, 0)
+    assert (train.overlong.buffer_tokens, train.overlong.penalty) == (2, 0.5)
+    assert not evaluated.HasField("overlong")
