@@ -62,10 +62,12 @@ class Membership:
         live = [s for s in self.subscribers.values() if COLLECTIVE in s.transports]
         return tuple(s.id for s in sorted(live, key=lambda s: s.order))
 
-    def epoch_for_announce(self) -> Epoch:
-        """The epoch the next collective uses (a new one when membership changed or one failed)."""
+    def epoch_for_announce(self, publisher_epoch: int = 0) -> Epoch:
+        """The epoch the next collective uses: a new one when membership changed, one failed, or the
+        publisher holds no group of this epoch (`publisher_epoch`: the epoch of its group, 0 for none:
+        a trainer restarted after a crash must not be sent into the group its predecessor led)."""
         members = self.wanting()
-        if self.epoch.ended or members != self.epoch.members:
+        if self.epoch.ended or members != self.epoch.members or publisher_epoch != self.epoch.number:
             self.epoch = Epoch(self.epoch.number + 1, members, False)
         return self.epoch
 

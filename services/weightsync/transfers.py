@@ -94,7 +94,7 @@ class Transfers:
         )
 
     def announce_collective(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
-        epoch = self.members.epoch_for_announce()
+        epoch = self.members.epoch_for_announce(requested.epoch)
         nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
         first = 1 if nccl else 2
         transport = pb.Transport(

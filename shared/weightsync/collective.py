@@ -301,7 +301,10 @@ class CollectiveWeightPublisher(WeightPublisher):
         device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
         backend = "nccl" if device.type == "cuda" else "gloo"
         reply = await self.grpc.stub.Announce(
-            pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.COLLECTIVE, backend=backend)),
+            pb.AnnounceRequest(  # the epoch of the group it leads, 0 for none: the service then forms a new one
+                manifest=manifest,
+                transport=pb.Transport(kind=pb.COLLECTIVE, backend=backend, epoch=self.groups.epoch or 0),
+            ),
             wait_for_ready=True,
             timeout=timeout,
         )
