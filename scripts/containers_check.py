@@ -120,6 +120,10 @@ def check_prometheus(result: dict, failures: list[str], during: float) -> None:
     replicas = 1 if result["fault"] and "inference" in result["fault"]["fault"] else 2
     if sum(1 for s in up if s["metric"].get("job") == "steadyrl-inference") < replicas:
         failures.append(f"fewer than {replicas} inference targets scraped")
+    published = promql('sum by (replica) (steadyrl_inference_rollouts_published_total{run="tiny-arith"})', during)
+    result["rollouts_published_by_replica"] = {s["metric"].get("replica"): float(s["value"][1]) for s in published}
+    if sum(1 for value in result["rollouts_published_by_replica"].values() if value > 0) < replicas:
+        failures.append(f"fewer than {replicas} replicas leased and published work")
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/steadyrl.json").read_text())
     empty, excused = [], []
     for panel in dashboard["panels"]:
