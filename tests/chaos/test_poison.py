@@ -165,5 +165,6 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
     accounted = {rid.split(":")[0] for rid in trained} | {rid.split(":")[0] for rid in dropped} | dead
     assert accounted >= {f"train-{i}" for i in range(submitted)}
     assert all(
-        t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group", "too-long"} for t in accounted
+        t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group", "too-long", "overlong-buffer"}
+        for t in accounted
     )

@@ -23,7 +23,9 @@ from tests.integration.test_multiturn_replica import _dead
 ENV = "verifiers:tests.vf_calc"
 
 
-def vf_task(task_id: str, environment: str = ENV, row: int = 0, group_size: int = 4) -> common_pb2.PromptTask:
+def vf_task(
+    task_id: str, environment: str = ENV, row: int = 0, group_size: int = 4, temperature: float = 1.0
+) -> common_pb2.PromptTask:
     rows = verifiers_adapter.examples(ENV, "train", 8)
     return common_pb2.PromptTask(
         task_id=task_id,
@@ -32,7 +34,7 @@ def vf_task(task_id: str, environment: str = ENV, row: int = 0, group_size: int 
         task_name="exact_match",
         group_size=group_size,
         environment=environment,
-        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=14, seed=3),
+        sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=14, seed=3),
         budget=common_pb2.TrajectoryBudget(max_turns=3, max_tokens=42, env_seconds=30.0 if environment == ENV else 3.0),
     )
 
@@ -63,8 +65,9 @@ def test_a_verifiers_environment_plays_trained_rollouts_through_the_replica(
         vf_task("vf-0", row=0),
         vf_task("vf-1", row=1),
         vf_task("missing", "verifiers:tests.no_such_env", 0, 1),
-        vf_task("raises", 'verifiers:tests.vf_calc {"mode": "raise"}', 2, 2),
-        vf_task("hangs", 'verifiers:tests.vf_calc {"mode": "hang"}', 3, 2),
+        # greedy: the calc model then calls its tool, whatever the sampler's draws, so the broken env is reached
+        vf_task("raises", 'verifiers:tests.vf_calc {"mode": "raise"}', 2, 2, temperature=0.0),
+        vf_task("hangs", 'verifiers:tests.vf_calc {"mode": "hang"}', 3, 2, temperature=0.0),
     ]
 
     async def main():
