@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from services.inference.config import InferenceSettings
 from services.inference.metrics import POLICY_VERSION, SWAP_SECONDS
@@ -18,7 +18,10 @@ log = logging.getLogger("steadyrl.inference")
 
 
 def weights_loop(
-    settings: InferenceSettings, engine: Engine, stop: asyncio.Event, applied: Callable[[], None] = lambda: None
+    settings: InferenceSettings,
+    engine: Engine,
+    stop: asyncio.Event,
+    applied: Callable[[], Awaitable[None]] | None = None,
 ):
     """The loop that keeps `engine` on the trainer's newest version; `applied()` after each one
     lands (tasks waiting for it start at once)."""
@@ -30,7 +33,8 @@ def weights_loop(
         try:
             seconds = await asyncio.to_thread(engine.apply, delivery)
         finally:
-            applied()
+            if applied is not None:
+                await applied()
         POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
         SWAP_SECONDS.labels(replica).observe(seconds)
         log.info(

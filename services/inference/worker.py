@@ -97,11 +97,8 @@ class RolloutWorker:
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
 
-    def version_changed(self) -> None:
+    async def version_changed(self) -> None:
         """A version landed in the engine (or failed to): every task waiting for one looks again."""
-        asyncio.get_running_loop().create_task(self._notify_version())
-
-    async def _notify_version(self) -> None:
         async with self.new_version:
             self.new_version.notify_all()
 

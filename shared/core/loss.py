@@ -146,12 +146,8 @@ def gspo_loss(
     loss = -torch.where(has, weight * surrogate, torch.zeros_like(s)).sum() / torch.as_tensor(
         count, dtype=s.dtype
     ).clamp(min=1)
-    per_token = valid.shape
-
-    def spread(x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(-1).expand(per_token)
-
-    return loss, Parts(spread(weight), spread(truncated) & t.mask, ~spread(clipped), keep)
+    weight, truncated, clipped = (x.unsqueeze(-1).expand_as(valid) for x in (weight, truncated, clipped))
+    return loss, Parts(weight, truncated & t.mask, ~clipped, keep)  # each sequence's value on its tokens
 
 
 def cispo_loss(
