@@ -180,8 +180,9 @@ def main() -> int:
     progress = status.get("progress", {})
     if status["state"] != "finished":
         failures.append(f"the run ended {status['state']}")
-    # every task trained once or dropped as staler than the budget (counted), none lost or dead
-    if progress.get("trained", 0) + progress.get("dropped", 0) != progress.get("submitted") or progress.get("dead"):
+    # every task trained once, dropped as staler than the budget or filtered (counted), none lost or dead
+    settled = sum(progress.get(k, 0) for k in ("trained", "dropped", "filtered"))
+    if settled != progress.get("submitted") or progress.get("dead"):
         failures.append(f"not every rollout trained once: {progress}")
     live = {info["Id"][:12] for info in containers(args.project).values() if service_of(info) == "inference"}
     versions = {r: v for r, v in status.get("replica_versions", {}).items() if r.rsplit("-", 1)[0] in live}

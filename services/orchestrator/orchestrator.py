@@ -37,6 +37,10 @@ log = logging.getLogger("steadyrl.orchestrator")
 SUBMITTED = Counter("steadyrl_orchestrator_tasks_submitted_total", "Train prompt tasks queued")
 REQUEUED = Counter("steadyrl_orchestrator_tasks_requeued_total", "Tasks re-queued after a lease expired")
 DEAD = Counter("steadyrl_orchestrator_tasks_dead_total", "Tasks given up after max_attempts")
+FILTERED = Gauge(
+    "steadyrl_orchestrator_tasks_filtered",
+    "Train tasks whose group dynamic sampling filtered (equal rewards), each replaced by one more task",
+)
 OUTSTANDING = Gauge("steadyrl_orchestrator_outstanding_prompts", "Train prompts submitted and not yet done")
 TRAINER_VERSION = Gauge("steadyrl_orchestrator_trainer_version", "Trainer version seen by admission")
 TRAINER_STEP = Gauge("steadyrl_orchestrator_trainer_step", "Trainer global steps seen")
@@ -121,7 +125,8 @@ class Orchestrator:
 
     async def progress(self) -> dict[str, int]:
         """Train prompts submitted, trained (B per trainer step; the ledger lags until the trainer's
-        next checkpoint), dropped as stale and dead (given up by the queue or by the trainer)."""
+        next checkpoint), dropped as stale, filtered by dynamic sampling and dead (given up by the
+        queue or by the trainer)."""
         g = self.settings.group_size
         ledger = await self.ledger.counts()
         submitted, dead = await self.redis.hmget(self.keys.run, [RunField.SUBMITTED, RunField.DEAD_TRAIN])
@@ -131,6 +136,7 @@ class Orchestrator:
             "submitted": int(submitted or 0),
             "trained": trained,
             "dropped": ledger.dropped // g,
+            "filtered": ledger.filtered // g,
             "dead": int(dead or 0) + dead_groups,
         }
 
@@ -200,11 +206,12 @@ class Orchestrator:
         steps, so it needs at least version V + max(0, p // B − max_staleness) (V: the trainer's now)."""
         s = self.settings
         p = await self.progress()
-        outstanding = p["submitted"] - (p["trained"] + p["dropped"] + p["dead"])
+        outstanding = p["submitted"] - (p["trained"] + p["dropped"] + p["filtered"] + p["dead"])
         budget = (s.max_staleness + 1 + s.lookahead_batches) * s.batch_prompts - outstanding
         if s.steps:
             budget = min(budget, s.steps * s.batch_prompts - p["trained"] - outstanding)
         OUTSTANDING.set(outstanding)
+        FILTERED.set(p["filtered"])  # each filtered task is replaced: not trained, it leaves the budget
         if budget <= 0:
             return 0
         train = self.tasks.train

@@ -68,9 +68,20 @@ KEYS = {
     ),
     "trained": Key("trained", "LIST", "rollout ids (the ledger)", "trainer", "orchestrator (progress), tests"),
     "trained_ids": Key(
-        "trained:ids", "SET", "rollout ids in the ledger, trained or dropped (guards it)", "trainer", "trainer"
+        "trained:ids",
+        "SET",
+        "rollout ids in the ledger, trained, dropped or filtered (guards it)",
+        "trainer",
+        "trainer",
     ),
     "dropped": Key("trained:dropped", "LIST", "rollout ids dropped as stale", "trainer", "orchestrator (progress)"),
+    "filtered": Key(
+        "trained:filtered",
+        "LIST",
+        "rollout ids of groups dynamic sampling filtered (equal rewards)",
+        "trainer",
+        "orchestrator (progress)",
+    ),
     "trained_dead": Key(
         "trained:dead", "SET", "group ids dead-lettered whole", "trainer", "orchestrator (progress), trainer (restart)"
     ),

@@ -14,6 +14,7 @@ from shared.runstore.keys import RunKeys
 class LedgerCounts:
     trained: int  # rollouts trained into a checkpoint
     dropped: int  # rollouts dropped as stale
+    filtered: int  # rollouts of groups dynamic sampling filtered (equal rewards: no advantage)
     dead_groups: frozenset[str]  # groups (tasks) the trainer dead-lettered whole
 
 
@@ -24,12 +25,13 @@ class Ledger:
 
     async def counts(self) -> LedgerCounts:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.llen(self.keys.trained).llen(self.keys.dropped).smembers(self.keys.trained_dead)
-            trained, dropped, dead = await pipe.execute()
-        return LedgerCounts(int(trained), int(dropped), frozenset(g.decode() for g in dead))
+            pipe.llen(self.keys.trained).llen(self.keys.dropped).llen(self.keys.filtered)
+            pipe.smembers(self.keys.trained_dead)
+            trained, dropped, filtered, dead = await pipe.execute()
+        return LedgerCounts(int(trained), int(dropped), int(filtered), frozenset(g.decode() for g in dead))
 
     async def settled_groups(self, group_ids: list[str]) -> set[str]:
-        """The groups among `group_ids` the ledger holds: trained or dropped (their first rollout,
+        """The groups among `group_ids` the ledger holds: trained, dropped or filtered (their first rollout,
         `group:0`, recorded: a group's ids are recorded together) or dead-lettered whole."""
         if not group_ids:
             return set()
@@ -42,6 +44,9 @@ class Ledger:
 
     async def dropped(self) -> list[str]:
         return [x.decode() for x in await self.redis.lrange(self.keys.dropped, 0, -1)]
+
+    async def filtered(self) -> list[str]:
+        return [x.decode() for x in await self.redis.lrange(self.keys.filtered, 0, -1)]
 
     async def rollouts_dead_counts(self) -> dict[str, int]:
         """Rollouts the trainer dead-lettered, by reason, since the run began."""
