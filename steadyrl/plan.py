@@ -80,6 +80,7 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
     )
     p = size.parameters
     state_per_rank = 16 * p / shard  # fp32 params + grads + 2 AdamW moments
+    reference_per_rank = 4 * p / shard if trainer.loss.kl_coef > 0 else 0  # a KL's frozen fp32 reference
     checkpoint = 12 * p  # fp32 params + 2 moments (gradients are not saved)
     version = p * DTYPE_BYTES[trainer.publish.dtype]
     tokens = (
@@ -116,8 +117,9 @@ def plan(size: ModelSize, settings: dict[str, Any], replicas: int, disk_bytes_pe
             "shard_group": shard,
             "gpus": trainer.parallel.gpus * trainer.parallel.nodes,
             "params_grads_adamw_bytes_per_rank": state_per_rank,
-            "note": "fp32 parameters, gradients and both AdamW moments (16 B/parameter) over the shard group; "
-            "activations not counted",
+            "reference_bytes_per_rank": reference_per_rank,
+            "note": "fp32 parameters, gradients and both AdamW moments (16 B/parameter) over the shard group, "
+            "and a KL's frozen reference (4 B/parameter, sharded alike); activations not counted",
         },
         "checkpoint": {
             "bytes": checkpoint,
@@ -200,7 +202,8 @@ def render(result: dict[str, Any], name: str) -> str:
         ),
         (
             "trainer state per rank",
-            f"{gb(t['params_grads_adamw_bytes_per_rank'])} (fp32 params + grads + AdamW; activations extra)",
+            f"{gb(t['params_grads_adamw_bytes_per_rank'])} (fp32 params + grads + AdamW; activations extra)"
+            + (f" + {gb(t['reference_bytes_per_rank'])} KL reference" if t["reference_bytes_per_rank"] else ""),
         ),
         (
             "checkpoint",

@@ -183,6 +183,23 @@ class StreamSettings(BaseModel):
     """Newest dead-lettered rollouts kept with their payload (every reason stays counted)."""
 
 
+class DynamicSamplingSettings(BaseModel):
+    """DAPO's dynamic sampling ([trainer.dynamic_sampling]): a group whose G rewards are all equal has
+    zero advantage and teaches nothing, so it is not trained — acknowledged as filtered (the ledger's
+    `trained:filtered`), and the orchestrator admits a task in its place, keeping every step's batch
+    of informative groups full."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    """Filter groups with equal rewards (off: every group is trained, as in the paper)."""
+    max_filtered_per_step: int = Field(0, ge=0)
+    """At most this many groups filtered while one step's batch fills (0: batch_prompts, i.e. up to
+    twice the groups sampled per trained step, DAPO's max_num_gen_batches = 2); past it a group with
+    equal rewards is trained (a warning and steadyrl_trainer_dynamic_sampling_cap_hit_total), so a
+    run whose tasks became all-solved still moves."""
+
+
 class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
@@ -247,6 +264,11 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     mask_truncated: bool = False
     """Truncated answers (finish reason "length": the token budget ran out before an end) leave the
     loss, as DAPO's overlong filtering does; their rewards still enter their group's advantages."""
+    reference_model: str = ""
+    """The frozen reference of a KL term (loss.kl_coef > 0): a local model directory, loaded once
+    (under fsdp/hsdp sharded like the policy); empty: model_path, the run's starting weights."""
+    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()
+    """DAPO's dynamic sampling: groups with equal rewards are filtered, not trained ([trainer.dynamic_sampling])."""
     loss: LossConfig = LossConfig()
     """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/terms.py `LossConfig`). Its
     `clip` is the manual recipe's; the auto recipe decides clipping itself."""
@@ -280,6 +302,12 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
                 "stream.read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)"
             )
         return self
+
+    @property
+    def filter_cap(self) -> int:
+        """Groups dynamic sampling may filter per step (0 when it is off)."""
+        ds = self.dynamic_sampling
+        return (ds.max_filtered_per_step or self.batch_prompts) if ds.enabled else 0
 
     def step_config(self, replay: str, clip: bool) -> StepConfig:
         return StepConfig(

@@ -9,6 +9,7 @@ Details: docs/internals/trainer.md"""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -28,7 +29,7 @@ class Verdict:
 
     kind: "held" (kept in its group), "again" (this very entry is already held: a re-claim),
     "trained" (its rollout id is in a checkpoint: acknowledge it into the ledger), "duplicate"
-    (another entry carries this rollout, or it was dropped as stale already: acknowledge only),
+    (another entry carries this rollout, or it was dropped as stale or filtered already: acknowledge only),
     "dead" (dead-letter it with `code`).
     `released`: held members of a group this entry poisoned (dead-letter them too)."""
 
@@ -59,12 +60,12 @@ class GroupBuffer:
         stamps: dict[str, str | None],
         version: int,
         trained: set[str],
-        dropped: set[str] | frozenset[str] = frozenset(),
+        untrained: Container[str] = frozenset(),
     ) -> Verdict:
         """The verdict on one stream entry. `stamps`: task id → the lease that completed it;
         `version`: the newest policy version (later ones are from the future); `trained`: rollout
-        ids already in a checkpoint; `dropped`: rollout ids dropped as stale (final like a trained
-        one: a copy that comes back — Redis lost the drop and the task ran again — is never
+        ids already in a checkpoint; `untrained`: rollout ids dropped as stale or filtered (final like a
+        trained one: a copy that comes back — Redis lost the drop and the task ran again — is never
         trained, or the ledger, which records an id once, would call it dropped)."""
         fields = fields or {}
         data = fields.get(b"r")
@@ -94,7 +95,7 @@ class GroupBuffer:
             )
         if rollout.rollout_id in trained:  # whatever this copy holds, the rollout is trained already
             return Verdict("trained", rollout=rollout)
-        if rollout.rollout_id in dropped:
+        if rollout.rollout_id in untrained:
             return Verdict("duplicate", rollout=rollout)
         held = self.groups.get(rollout.group_id, {}).get(rollout.sample_index)
         if held is not None and held.rollout.rollout_id == rollout.rollout_id:
@@ -135,6 +136,14 @@ class GroupBuffer:
     def complete(self) -> list[str]:
         """Groups holding all G members, oldest first."""
         return [gid for gid, members in self.groups.items() if len(members) == self.group_size]
+
+    def equal_rewards(self, group_id: str) -> bool:
+        """Whether every member of this held group got the same reward (zero advantage under every baseline)."""
+        return self.equal(list(self.groups[group_id].values()))
+
+    @staticmethod
+    def equal(members: list[Held]) -> bool:
+        return len({m.rollout.reward for m in members}) == 1
 
     def take(self, group_ids: list[str]) -> list[list[Held]]:
         """Remove and return these groups, each ordered by sample index."""

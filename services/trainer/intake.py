@@ -1,5 +1,6 @@
 """From the stream into the group buffer: each entry's verdict carried out in Redis (hold,
-acknowledge, dead-letter with its reason, drop as stale), with the trainer's counters."""
+acknowledge, dead-letter with its reason, drop as stale, filter a group with equal rewards), with
+the trainer's counters."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ log = logging.getLogger("steadyrl.trainer")
 
 DROPPED = Counter("steadyrl_trainer_rollouts_dropped_stale_total", "Rollouts dropped for staleness")
 DEAD = Counter("steadyrl_trainer_rollouts_dead_lettered_total", "Rollouts sent to the dead-letter stream", ["reason"])
+FILTERED = Counter(
+    "steadyrl_trainer_groups_filtered_total", "Groups dynamic sampling filtered (equal rewards), not trained"
+)
+CAP_HIT = Counter(
+    "steadyrl_trainer_dynamic_sampling_cap_hit_total",
+    "Groups with equal rewards trained because the step's filter cap was reached",
+)
 DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
 RESTORED = Counter(
     "steadyrl_trainer_ledger_restored_total",
@@ -28,7 +36,10 @@ class Intake:
         self.source = source
         self.buffer = buffer
         self.state = state
-        self.dropped: set[str] = set()  # ids this process dropped as stale (restored into a ledger that lost them)
+        # ids this process settled untrained → "dropped" (stale) or "filtered" (restored into a ledger that lost them)
+        self.untrained: dict[str, str] = {}
+        self.examined: set[str] = set()  # complete groups dynamic sampling looked at (each once)
+        self.filtered_this_step = 0  # groups filtered since the last step (the cap counts these)
 
     def count(self, name: str, amount: int = 1) -> None:
         self.state.counters[name] = self.state.counters.get(name, 0) + amount
@@ -37,7 +48,7 @@ class Intake:
         """Give every entry its verdict and settle what is not held."""
         stamps = await self.source.stamps(entries)
         for entry, fields in entries:
-            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed, self.dropped)
+            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed, self.untrained)
             if verdict.kind == "dead":
                 await self.dead_letter(entry, (fields or {}).get(b"r", b""), verdict)
             elif verdict.kind in ("trained", "duplicate"):
@@ -79,23 +90,52 @@ class Intake:
         """Whole groups whose oldest token is more than max_staleness versions behind are dropped."""
         for members in self.buffer.drop_stale(self.state.version - max_staleness):
             await self.source.dropped([(m.entry, m.rollout.rollout_id) for m in members])
-            self.dropped.update(m.rollout.rollout_id for m in members)
+            self.untrained.update((m.rollout.rollout_id, "dropped") for m in members)
             DROPPED.inc(len(members))
             self.count("dropped_stale", len(members))
+
+    async def filter_equal(self, cap: int) -> None:
+        """Dynamic sampling: complete groups with equal rewards are acknowledged as filtered, at most
+        `cap` of them per step (`filtered_this_step`; `Trainer` resets it); past the cap they stay,
+        to be trained (a warning). Each complete group is examined once."""
+        for gid in self.buffer.complete():
+            if gid in self.examined:
+                continue
+            self.examined.add(gid)
+            if not self.buffer.equal_rewards(gid):
+                continue
+            if self.filtered_this_step >= cap:
+                CAP_HIT.inc()
+                self.count("filter_cap_hit")
+                log.warning("event=dynamic_sampling_cap_hit group=%s cap=%d", gid, cap)
+                continue
+            (members,) = self.buffer.take([gid])
+            self.examined.discard(gid)
+            await self.source.filtered([(m.entry, m.rollout.rollout_id) for m in members])
+            self.untrained.update((m.rollout.rollout_id, "filtered") for m in members)
+            self.filtered_this_step += 1
+            FILTERED.inc()
+            self.count("filtered_groups")
+
+    def next_step(self) -> None:
+        """A step took its groups: forget the groups gone from the buffer, and a new filter allowance."""
+        self.examined.intersection_update(self.buffer.groups)
+        self.filtered_this_step = 0
 
     async def reconcile(self, unacknowledged: set[str]) -> None:
         """Redis restarted. With appendfsync everysec a host crash loses up to the last second of
         acknowledged writes, here acknowledgements and ledger entries of trained rollouts: claim
         what is pending again, then write back every checkpointed id and every id dropped as stale
-        that the ledger lacks (else the orchestrator counts those tasks outstanding forever)."""
+        or filtered that the ledger lacks (else the orchestrator counts those tasks outstanding forever)."""
         claimed = await self.claim_all()
         acked = sorted(self.state.consumed - unacknowledged)
-        dropped = sorted(self.dropped)
         restored = 0
         for start in range(0, len(acked), 4096):
             restored += await self.source.trained([("", rid) for rid in acked[start : start + 4096]])
-        for start in range(0, len(dropped), 4096):
-            restored += await self.source.dropped([("", rid) for rid in dropped[start : start + 4096]])
+        for mode, settle in (("dropped", self.source.dropped), ("filtered", self.source.filtered)):
+            ids = sorted(rid for rid, how in self.untrained.items() if how == mode)
+            for start in range(0, len(ids), 4096):
+                restored += await settle([("", rid) for rid in ids[start : start + 4096]])
         RESTORED.inc(restored)
         self.count("ledger_restored", restored)
         log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, restored)

@@ -65,6 +65,27 @@ def prepare(model: torch.nn.Module, settings: TrainerSettings, device: torch.dev
     )
 
 
+def prepare_reference(
+    model: torch.nn.Module, settings: TrainerSettings, device: torch.device, world: int
+) -> torch.nn.Module:
+    """A frozen reference model (a KL term's π_ref) laid out like the policy: on its device, no
+    gradients, sharded per decoder layer under fsdp/hsdp (each rank holds its part), whole under
+    ddp (no gradients, so no DDP wrapper)."""
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    model.to(device).eval()
+    if world > 1 and settings.parallel.mode in ("fsdp", "hsdp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        bf16 = wants_bf16(settings, device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+        mesh = device_mesh(settings, device, world)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
 def shard_layout(parallel: str, world: int, shard_ranks: int, local_world: int) -> tuple[int, int]:
     """(replicas, ranks per shard group) of a sharded model; pure. fsdp: one group of every rank."""
     if parallel != "hsdp":

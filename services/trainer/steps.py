@@ -40,6 +40,7 @@ from services.trainer.parallel import (
     gather_published,
     load_state,
     prepare,
+    prepare_reference,
     wants_bf16,
 )
 from services.trainer.training import StepConfig, resolve_recipe, train_step
@@ -112,6 +113,12 @@ def choose_recipe(
     name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
         f"+{replay}" if replay != "off" else ""
     )
+    if s.loss.kl_coef:  # what the paper's recipe leaves out, named when a recipe adds it
+        name += f"+kl_{s.loss.kl_estimator}_in_{s.loss.kl_in}"
+    if s.loss.entropy_coef:
+        name += "+entropy"
+    if s.dynamic_sampling.enabled:
+        name += "+dynamic_sampling"
     return s.step_config(replay, clip), name, why
 
 
@@ -129,6 +136,11 @@ class StepRunner:
             )
         self.routing = RoutingController(self.model)
         self.parallel = prepare(self.model, s, self.device, self.world)
+        self.reference = (  # a KL term's frozen π_ref: loaded once, never trained nor checkpointed
+            prepare_reference(load_causal_lm(s.reference_model or s.model_path, "float32"), s, self.device, self.world)
+            if s.loss.kl_coef > 0
+            else None
+        )
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=s.optim.lr,
@@ -267,6 +279,7 @@ class StepRunner:
             self.rank,
             self.world,
             self.compute,
+            self.reference,
         )
         metrics["collate_seconds"] = collate_seconds
         metrics["truncated_frac"] = sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)

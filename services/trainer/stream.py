@@ -21,7 +21,7 @@ DEAD_PAYLOAD_BYTES = 1 << 20  # a dead-lettered rollout keeps at most this much 
 
 # Settle stream entries: XACK + XDEL each, and record its rollout id in a ledger list, atomically.
 # KEYS: stream, ledger list ('' for none), the set of ids the ledger holds. ARGV: group, mode, then
-# (entry id | '', rollout id) pairs. mode 'trained' or 'dropped': an id is appended once ever (the
+# (entry id | '', rollout id) pairs. mode 'trained', 'dropped' or 'filtered': an id is appended once ever (the
 # set guards it; '' entries restore ids Redis lost). mode 'none': acknowledge only.
 _SETTLE = """
 local group, mode, added = ARGV[1], ARGV[2], 0
@@ -120,6 +120,10 @@ class RedisRolloutSource(RolloutSource):
     async def dropped(self, items: list[tuple[bytes | str, str]]) -> int:
         """Acknowledge entries dropped as stale into the ledger (each id once, ever)."""
         return await self.settle(items, self.keys.dropped, "dropped")
+
+    async def filtered(self, items: list[tuple[bytes | str, str]]) -> int:
+        """Acknowledge the entries of groups dynamic sampling filtered into the ledger (each id once, ever)."""
+        return await self.settle(items, self.keys.filtered, "filtered")
 
     async def dead_letter(self, entry: bytes, reason: str, message: str, payload: bytes, group: str = "") -> None:
         payload = payload[: self.dead_payload_bytes]

@@ -81,6 +81,8 @@ class Trainer:
                 await self.keep_in_sync()
                 await self.intake.take(await self.source.read(self.settings.stream.read_block_ms))
                 await self.intake.drop_stale(self.settings.max_staleness)
+                if self.settings.filter_cap:
+                    await self.intake.filter_equal(self.settings.filter_cap)
                 ready = self.buffer.complete()
                 if len(ready) >= self.settings.batch_prompts:
                     await self.step(ready[: self.settings.batch_prompts])
@@ -174,6 +176,8 @@ class Trainer:
         self.cycle_started = now
         replica_idle = await self.replica_idle.share()
         groups = self.buffer.take(group_ids)
+        filtered = self.intake.filtered_this_step  # groups dynamic sampling filtered while this batch filled
+        self.intake.next_step()
         rollouts = [m.rollout for group in groups for m in group]
         log.info("event=step_started step=%d rollouts=%d", self.state.step + 1, len(rollouts))
         async with self.model_lock:  # a Checkpoint request waits for the step, never saves half of one
@@ -192,6 +196,12 @@ class Trainer:
                 trainer_wait_seconds=waited,
                 trainer_idle_share=idle_share,
                 **({} if replica_idle is None else {"replica_idle_share": replica_idle}),
+                zero_variance_share=sum(self.buffer.equal(g) for g in groups) / len(groups),
+                **(
+                    {"filtered_groups": filtered, "filtered_share": filtered / (filtered + len(groups))}
+                    if self.settings.filter_cap
+                    else {}
+                ),
                 **reward_metrics(rollouts),
                 **trajectory_metrics(rollouts),
                 **self.after_last_step,  # its checkpoint and publish follow the line: in the next one

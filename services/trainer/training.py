@@ -12,6 +12,7 @@ from services.trainer.batch import TrainBatch, split_groups, token_budget_chunks
 from services.trainer.forward import Compute, gradient_sync, routing_context, sequence_logprobs
 from shared.core.advantages import group_advantages
 from shared.core.loss import LossConfig, policy_loss
+from shared.core.reference_kl import kl_terms, reward_penalty
 from shared.core.stats import StepStats
 from shared.models.routing import RoutingController
 
@@ -135,6 +136,7 @@ class OldPolicy:
     logprobs: torch.Tensor | None
     routing: torch.Tensor | None
     fused: bool = False
+    reference: torch.Tensor | None = None  # log π_ref of this rank's rows (a KL to the reference)
 
 
 def record_agreement(stats: StepStats, own: torch.Tensor, part: TrainBatch) -> None:
@@ -184,6 +186,39 @@ def recompute_old(
                 own = sequence_logprobs(inner, part, routing, capture=True, compute=compute).routing
             record_agreement(stats, own, part)
     return OldPolicy(logprobs, captured)
+
+
+@torch.no_grad()
+def reference_logprobs(reference, plan: StepPlan, compute: Compute) -> torch.Tensor:
+    """log π_ref [local rows, S − 1] of this rank's rows, from the frozen reference, in micro-batches
+    (under FSDP every rank runs the same chunks as its π_old recompute)."""
+    local = plan.local
+    out = torch.zeros(local.size, local.width - 1, device=compute.device)
+    for chunk in token_budget_chunks(local.lengths().tolist(), compute.micro_batch_tokens):
+        part = local.select(chunk).trimmed().to(compute.device)
+        out[torch.tensor(chunk, device=compute.device), : part.width - 1] = sequence_logprobs(
+            reference, part, compute=compute
+        ).logprobs
+    return out
+
+
+def kl_in_reward(
+    plan: StepPlan, reference: torch.Tensor, group_size: int, config: StepConfig, stats: StepStats, world: int
+) -> None:
+    """KL in the reward: every sequence's reward loses β · Σ_t k(log μ_old, log π_ref) (this rank
+    its rows, summed over ranks), and the advantages are formed again from what is left."""
+    local = plan.local
+    mask = local.loss_mask.to(reference.device) & torch.isfinite(local.inference_logprobs).to(reference.device)
+    mu = local.inference_logprobs.to(reference.device)
+    loss = config.loss
+    penalty_local = reward_penalty(mu, reference, mask, loss.kl_estimator, loss.kl_coef)
+    penalty = torch.zeros(plan.batch.size, device=reference.device)
+    penalty[torch.tensor(list(plan.position), device=reference.device)] = penalty_local
+    penalty = _global_sum(penalty, world).cpu()
+    rewards = plan.batch.rewards - penalty
+    plan.advantages = group_advantages(rewards.view(-1, group_size), config.advantage).reshape(-1)
+    stats.add_mean("ref_kl", kl_terms(mu, reference, loss.kl_estimator), mask)
+    stats.add_sum("ref_kl_penalty", penalty_local.sum(), local.size)  # per sequence
 
 
 def update(
@@ -247,6 +282,7 @@ def update(
                 stats=stats,
                 buckets=(staleness, plan.buckets),
                 entropy=forward.entropy_per_token if bonus else None,
+                reference=None if old.reference is None else old.reference.index_select(0, at)[:, : w - 1],
             )
             stats.add_total("loss_seconds", time.perf_counter() - started)
             (loss * world).backward()
@@ -272,6 +308,7 @@ def train_step(
     rank: int = 0,
     world: int = 1,
     compute: Compute = Compute(),  # noqa: B008 - a frozen dataclass, read only
+    reference=None,
 ) -> dict[str, float]:  # noqa: B008
     """One global step on `batch` (rows grouped G by G): advantages, π_old, N optimizer steps.
 
@@ -280,7 +317,8 @@ def train_step(
     each mini-batch; the loss normalisers are summed over ranks and the loss is scaled by `world`
     (DDP and FSDP average gradients), so the update equals one process on the whole batch.
     Returns the step's diagnostics: token-weighted over the whole step (every mini-batch, every
-    rank), maxima as maxima, and per staleness bucket `_s<k>` (k versions behind)."""
+    rank), maxima as maxima, and per staleness bucket `_s<k>` (k versions behind). `reference`: the
+    frozen reference model of a KL term (config.loss.kl_coef > 0), in the loss or in the reward."""
     clock = [time.perf_counter()]
 
     def lap() -> float:  # seconds since the last lap: this rank's wall time of each phase
@@ -292,6 +330,14 @@ def train_step(
     stats = StepStats()
     old = recompute_old(model, plan, routing, config, stats, compute)
     old_seconds = lap()
+    reference_seconds = 0.0
+    if config.loss.kl_coef > 0:
+        if reference is None:
+            raise ValueError("loss.kl_coef > 0 needs the reference model")
+        old.reference = reference_logprobs(reference, plan, compute)
+        if config.loss.kl_in == "reward":
+            kl_in_reward(plan, old.reference, group_size, config, stats, world)
+        reference_seconds = lap()
     for rows in plan.rows_of:
         update(model, optimizer, routing, plan, old, rows, config, stats, world, compute)
     update_seconds = lap()
@@ -310,6 +356,7 @@ def train_step(
     metrics.update(  # where the step's time went (docs/operate/metrics.md)
         plan_seconds=plan_seconds,
         old_logprobs_seconds=old_seconds,
+        **({"reference_seconds": reference_seconds} if config.loss.kl_coef > 0 else {}),
         update_seconds=update_seconds,
         diagnostics_seconds=lap(),
     )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from shared.core import corrections
-from shared.core.diagnostics import loss_diagnostics
+from shared.core.diagnostics import loss_diagnostics, masked_mean
+from shared.core.reference_kl import kl_terms
 from shared.core.stats import StepStats
 from shared.core.terms import (
     LossConfig,
@@ -183,13 +184,16 @@ def policy_loss(
     stats: StepStats | None = None,
     buckets: tuple[torch.Tensor, list[int]] | None = None,
     entropy: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured objective's loss to minimise and a dict of scalar diagnostics (means over
     this call's valid tokens). With `stats`, the same diagnostics are also added there as token
     sums (whole-step statistics); `buckets` = (staleness bucket per token [B, T], bucket values)
     adds mismatch KL and IS weight per staleness bucket. Tokens whose logprobs are not finite
     leave numerator and denominator alike. `entropy` ([B, T], with its graph): the entropy bonus,
-    −entropy_coef · H over the valid tokens under the objective's normaliser (off at 0)."""
+    −entropy_coef · H over the valid tokens under the objective's normaliser (off at 0).
+    `reference` ([B, T] log π_ref): with kl_coef > 0 and kl_in "loss", + kl_coef · the KL
+    estimate on log π_θ under the same normaliser (`ref_kl`: its mean, in the diagnostics)."""
     t = token_terms(trainer_logprobs, old_logprobs, inference_logprobs, advantages, loss_mask)
     loss, parts = OBJECTIVES[config.objective](t, config, token_normalizer, sequence_normalizer)
     if config.entropy_coef > 0:
@@ -197,6 +201,17 @@ def policy_loss(
             raise ValueError("entropy_coef > 0 needs the token entropy (with its graph)")
         bonus = torch.where(t.mask, entropy.to(t.trainer.dtype), torch.zeros_like(t.trainer))
         loss = loss - config.entropy_coef * normalise(bonus, t.mask, config, token_normalizer, sequence_normalizer)
+    kl = None
+    if config.kl_coef > 0 and config.kl_in == "loss":
+        if reference is None:
+            raise ValueError("kl_coef > 0 with kl_in 'loss' needs the reference model's logprobs")
+        ref = torch.where(t.mask, reference.to(t.trainer.dtype), t.trainer.detach())  # 0 off the mask
+        kl = kl_terms(t.trainer, ref, config.kl_estimator)
+        loss = loss + config.kl_coef * normalise(kl, t.mask, config, token_normalizer, sequence_normalizer)
     with torch.no_grad():
         metrics = loss_diagnostics(t, parts, loss_mask, stats, buckets)
+        if kl is not None:
+            metrics["ref_kl"] = masked_mean(kl.detach(), t.mask)
+            if stats is not None:
+                stats.add_mean("ref_kl", kl.detach(), t.mask)
     return loss, metrics

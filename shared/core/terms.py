@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from shared.core import corrections
+from shared.core.reference_kl import KL_ESTIMATORS, KLEstimator
 
 Objective = Literal["minirl", "grpo", "dppo", "gspo", "cispo"]
 OBJECTIVE_NAMES = ("minirl", "grpo", "dppo", "gspo", "cispo")
@@ -72,6 +73,15 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts entropy_coef × the mean token entropy of π_θ over the
     valid tokens (same normaliser); 0 = off, as in the paper. ≥ 0."""
+    kl_coef: float = 0.0
+    """KL to a frozen reference model (trainer.reference_model): its weight β; 0 = off (no
+    reference is loaded), as in the paper. ≥ 0. shared/core/reference_kl.py."""
+    kl_estimator: KLEstimator = "k3"
+    """The per-token estimator of KL(π ‖ π_ref): "k1" (log-ratio), "k2" (half its square) or "k3"
+    (e^r − r − 1, non-negative)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """"loss": + β · the mean estimate over the valid tokens of log π_θ (same normaliser);
+    "reward": each sequence's reward loses β · Σ_t of the estimate on log μ_old before the advantages."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVE_NAMES:
@@ -88,6 +98,12 @@ class LossConfig:
             raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
         if self.rejection not in ("none", *DEFAULT_REJECTION_BOUNDS):
             raise ValueError(f"unknown rejection {self.rejection!r}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        if self.kl_in not in ("loss", "reward"):
+            raise ValueError(f"kl_in must be 'loss' or 'reward', got {self.kl_in!r}")
         if not self.entropy_coef >= 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if not self.tis_cap > 0:

@@ -26,7 +26,7 @@ class RolloutSink(ABC):
 
 class RolloutSource(ABC):
     """Where the trainer reads rollouts, at least once, and settles each exactly once: trained
-    (into the ledger), a duplicate, dropped as stale, or dead-lettered with a reason."""
+    (into the ledger), a duplicate, dropped as stale, filtered, or dead-lettered with a reason."""
 
     @abstractmethod
     async def open(self) -> None:
@@ -53,6 +53,10 @@ class RolloutSource(ABC):
 
     @abstractmethod
     async def dropped(self, items: list[tuple[bytes | str, str]]) -> int: ...
+
+    @abstractmethod
+    async def filtered(self, items: list[tuple[bytes | str, str]]) -> int:
+        """Settle the entries of a group dynamic sampling filtered (equal rewards); returns the new ids."""
 
     @abstractmethod
     async def dead_letter(self, entry: bytes, reason: str, message: str, payload: bytes, group: str = "") -> None:

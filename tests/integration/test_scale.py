@@ -13,8 +13,9 @@ from services.trainer.batch import collate, token_budget_chunks
 from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.forward import Compute, sequence_logprobs
-from services.trainer.parallel import full_state, prepare
+from services.trainer.parallel import full_state, prepare, prepare_reference
 from services.trainer.training import StepConfig, train_step
+from shared.core.loss import LossConfig
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.rollouts.record import decode_rollout, encode_rollout
@@ -34,14 +35,42 @@ def lora_model(model_dir, lora: int):
     return model.train()
 
 
-def step(model_dir, rollouts, config: StepConfig, compute: Compute = Compute(), lr: float = 1e-3, lora: int = 0):  # noqa: B008
+def step(
+    model_dir,
+    rollouts,
+    config: StepConfig,
+    compute: Compute = Compute(),  # noqa: B008
+    lr: float = 1e-3,
+    lora: int = 0,
+    reference_dir: str = "",
+):
     torch.manual_seed(0)
     model = lora_model(model_dir, lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    reference = load_causal_lm(reference_dir, "float32").eval().requires_grad_(False) if reference_dir else None
     metrics = train_step(
-        model, optimizer, RoutingController(model), collate(rollouts), GROUP, config, 0, compute=compute
+        model,
+        optimizer,
+        RoutingController(model),
+        collate(rollouts),
+        GROUP,
+        config,
+        0,
+        compute=compute,
+        reference=reference,
     )
     return model, metrics
+
+
+def perturbed_model(model_dir, out) -> str:
+    """The tiny model with every weight moved by seeded noise: a reference that differs from the policy."""
+    torch.manual_seed(7)
+    model = load_causal_lm(model_dir, "float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return str(out)
 
 
 def worst_difference(a: dict, b: dict) -> float:
@@ -97,6 +126,8 @@ def fsdp_worker(
     device: str = "cpu",
     mini_batches: int = 2,
     lora: int = 0,
+    kl_in: str = "",
+    reference_dir: str = "",
 ) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -112,17 +143,23 @@ def fsdp_worker(
         layout = {tuple(p.device_mesh.shape) for p in model.parameters()}
         assert layout == {(world // 2, 2)}, layout
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    reference = None
+    if kl_in:  # the frozen reference, sharded like the policy under fsdp/hsdp
+        reference = prepare_reference(load_causal_lm(reference_dir, "float32"), settings, torch.device(device), world)
+        if parallel != "ddp":
+            assert all(hasattr(p, "full_tensor") for p in reference.parameters())
     metrics = train_step(
         wrapped,
         optimizer,
         routing,
         collate([decode_rollout(d) for d in data]),
         GROUP,
-        StepConfig(mini_batches=mini_batches, replay=replay),
+        step_config(mini_batches, replay, kl_in),
         0,
         rank,
         world,
         Compute(torch.device(device)),
+        reference,
     )
     model_state, optimizer_state = full_state(model, optimizer)
     if rank == 0:
@@ -132,24 +169,30 @@ def fsdp_worker(
     exit_rank()
 
 
+def step_config(mini_batches: int, replay: str, kl_in: str = "") -> StepConfig:
+    loss = LossConfig(kl_coef=0.05, kl_in=kl_in) if kl_in else LossConfig()
+    return StepConfig(loss=loss, mini_batches=mini_batches, replay=replay)
+
+
 @pytest.mark.parametrize(
-    ("replay", "parallel", "world", "mini_batches", "lora"),
+    ("replay", "parallel", "world", "mini_batches", "lora", "kl_in"),
     [
-        ("r2", "fsdp", 2, 2, 0),
-        ("r3", "fsdp", 2, 2, 0),
-        ("r2", "hsdp", 4, 1, 0),  # N = 1: pi_old from the update's own forward, sharded
-        ("r3", "ddp", 2, 2, 8),
-        ("r2", "hsdp", 4, 2, 8),
+        ("r2", "fsdp", 2, 2, 0, "reward"),  # KL to a sharded reference, in the reward (penalties summed over ranks)
+        ("r3", "fsdp", 2, 2, 0, "loss"),  # ... and in the loss
+        ("r2", "hsdp", 4, 1, 0, ""),  # N = 1: pi_old from the update's own forward, sharded
+        ("r3", "ddp", 2, 2, 8, ""),
+        ("r2", "hsdp", 4, 2, 8, ""),
     ],
 )
 def test_fsdp_on_gloo_ranks_updates_like_one_process(
-    tmp_path, tiny_model_dir, replay, parallel, world, mini_batches, lora
+    tmp_path, tiny_model_dir, replay, parallel, world, mini_batches, lora, kl_in
 ):
     """FSDP over 2 ranks, and HSDP over 4 as 2 replicas × 2 shards, equal to one process; with LoRA
     (rank 8 on attention and experts), by DDP and by HSDP, the adapter trains alike and the base
-    stays as loaded."""
+    stays as loaded; with a KL to a reference (a perturbed copy, sharded like the policy), alike too."""
     rollouts = recorded_rollouts(tiny_model_dir, 4, seed=85)  # 4 groups: mini-batches × ranks
     out = str(tmp_path / "fsdp.safetensors")
+    reference_dir = perturbed_model(tiny_model_dir, tmp_path / "reference") if kl_in else ""
     mp.start_processes(
         fsdp_worker,
         args=(
@@ -163,12 +206,16 @@ def test_fsdp_on_gloo_ranks_updates_like_one_process(
             "cpu",
             mini_batches,
             lora,
+            kl_in,
+            reference_dir,
         ),
         nprocs=world,
         join=True,
         start_method="spawn",
     )
-    single, metrics = step(tiny_model_dir, rollouts, StepConfig(mini_batches=mini_batches, replay=replay), lora=lora)
+    single, metrics = step(
+        tiny_model_dir, rollouts, step_config(mini_batches, replay, kl_in), lora=lora, reference_dir=reference_dir
+    )
     sharded = load_file(out)
     torch.manual_seed(0)
     start_model = lora_model(tiny_model_dir, lora)
@@ -186,7 +233,10 @@ def test_fsdp_on_gloo_ranks_updates_like_one_process(
         assert worst_difference({k: v for k, v in start.items() if k not in trained}, sharded) == 0
     saved = json.loads((tmp_path / "fsdp.safetensors.json").read_text())
     assert set(saved["moments"]) == trained  # AdamW state for every trained parameter, by name
-    for key in ("mismatch_kl_k3", "is_weight_max", "entropy", "routing_agreement"):
+    keys = ("mismatch_kl_k3", "is_weight_max", "entropy", "routing_agreement") + (("ref_kl",) if kl_in else ())
+    if kl_in:
+        assert metrics["ref_kl"] > 1e-3  # the reference differs: the term acts
+    for key in keys:
         assert abs(saved["metrics"][key] - metrics[key]) <= 1e-5 * max(1, abs(metrics[key])), key
 
 

@@ -29,6 +29,9 @@ def test_the_moe_recipe_is_sized_from_the_model_s_parameters():
     assert n == 30_532_122_624  # Qwen3-30B-A3B: "30.5B in total"
     assert 3.3e9 < p["model"]["active_parameters_per_token"] < 3.4e9  # "3.3B activated"
     assert p["trainer"]["params_grads_adamw_bytes_per_rank"] == 16 * n / 8  # FSDP over 8 GPUs
+    assert p["trainer"]["reference_bytes_per_rank"] == 0  # no KL term: no reference
+    kl = sized("gpu-qwen3-moe-math", "trainer.loss.kl_coef=0.001")
+    assert kl["trainer"]["reference_bytes_per_rank"] == 4 * n / 8  # the fp32 reference, sharded alike
     assert p["checkpoint"]["bytes"] == 12 * n and p["checkpoint"]["write_seconds"] == pytest.approx(12 * n / 2e9)
     assert p["weights"]["version_bytes"] == 2 * n and p["weights"]["weightsync_memory_bytes"] == 4 * n
     assert p["redis"]["trace_bytes_per_token"] == 48 * 8  # 384 B per token
