@@ -1,5 +1,5 @@
 """`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
-LoRA, mismatch, trainer, trainer memory and checkpoints, async, peers), one JSON object with the machine
+LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, peers), one JSON object with the machine
 it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
 inherits another's threads or memory."""
 
@@ -26,6 +26,7 @@ BENCHMARKS = {
     "trainer_memory": ("bench.trainer_memory", []),
     "trainer_checkpoint": ("bench.trainer_checkpoint", []),
     "async": ("bench.asynchrony", []),
+    "dynamic_sampling": ("bench.dynamic_sampling", []),
     "peers": ("steadyrl.peers", []),  # the application layer: it runs `steadyrl run` and `steadyrl eval`'s loop
 }
 
@@ -366,6 +367,24 @@ def markdown(result: dict) -> str:
             f"| async | versions per second, {name} / sync | "
             f"{_get(asy, 'variants', name, 'versions_per_second_vs_sync')} | > 1 |"
         )
+    ds = b.get("dynamic_sampling", {})
+    on, off = (_get(ds, "variants", k, default={}) for k in ("with", "without"))
+    label = f"tiny-arith, {_get(ds, 'steps')} steps, with / without dynamic sampling"
+    lines.append(
+        f"| dynamic sampling | {label}: trained tokens per second ({_get(on, 'tokens_trained_per_s')} vs "
+        f"{_get(off, 'tokens_trained_per_s')}; groups filtered {_get(on, 'filtered_share')} of those completed) "
+        f"| {_get(ds, 'ratios', 'tokens_trained_per_s')} | – |"
+    )
+    lines.append(
+        f"| dynamic sampling | {label}: tokens of groups with unequal rewards per second "
+        f"({_get(on, 'informative_tokens_per_s')} vs {_get(off, 'informative_tokens_per_s')}; equal-reward share of "
+        f"the trained groups {_get(on, 'zero_variance_share_trained')} vs {_get(off, 'zero_variance_share_trained')}) "
+        f"| {_get(ds, 'ratios', 'informative_tokens_per_s')} | – |"
+    )
+    lines.append(
+        f"| dynamic sampling | {label}: seconds from the first step to the last; evals {_get(on, 'evals')} vs "
+        f"{_get(off, 'evals')} | {_get(ds, 'ratios', 'seconds')} | – |"
+    )
     lines += peer_rows(b.get("peers", {}))
     failed = [name for name, value in b.items() if "error" in value]
     if failed:

@@ -120,6 +120,15 @@ def bench_async(
     typer.echo(json.dumps(run(target, steps)))
 
 
+@bench_app.command("dynamic-sampling")
+def bench_dynamic_sampling(steps: int = typer.Option(200, min=2, help="Steps of each run.")) -> None:
+    """The demo with and without dynamic sampling, the same steps: trained tokens per second (all, and
+    those of groups with unequal rewards), the filtered share, wall time, evals."""
+    from bench.dynamic_sampling import main as run
+
+    typer.echo(json.dumps(run(steps)))
+
+
 @bench_app.command("peers")
 def bench_peers(
     steps: int = typer.Option(200, min=2, help="Steps of each side."),

@@ -69,3 +69,22 @@ def test_the_lora_bench_counts_adapter_bytes_by_the_shapes():
         "benchmarks": {"lora": {"rank": 32, "targets": {"adapter_over_full": 0.05}, "versions": {"tiny": out}}},
     }
     assert f"| lora | tiny ({out['parameters']:,} parameters), rank 32, attention: adapter bytes" in markdown(result)
+
+
+def test_the_dynamic_sampling_bench_counts_tokens_and_filtered_groups_by_hand():
+    """bench.dynamic_sampling's summary of one run: tokens and seconds from the end of step 1 to the
+    end of the last, the filtered share over every group that completed (B = 2 trained a step)."""
+    from bench.dynamic_sampling import summarise
+
+    lines = [  # three steps one second apart; step 2 trained a group with equal rewards (share 0.5)
+        {"step": 1, "unix_ms": 1000, "tokens": 50, "filtered_groups": 1, "zero_variance_share": 0.0},
+        {"step": 2, "unix_ms": 2000, "tokens": 40, "filtered_groups": 3, "zero_variance_share": 0.5},
+        {"step": 3, "unix_ms": 3000, "tokens": 60, "filtered_groups": 0, "zero_variance_share": 0.0},
+    ]
+    evals = [{"version": 3, "accuracy": 0.5}, {"version": 0, "accuracy": 0.25}]
+    out = summarise(lines, evals, batch_prompts=2)
+    assert out["seconds"] == 2.0 and out["tokens_trained_per_s"] == 50.0  # (40 + 60) / 2
+    assert out["informative_tokens_per_s"] == 40.0  # (40 × 0.5 + 60) / 2
+    assert out["filtered_groups"] == 4 and out["filtered_share"] == 0.4  # 4 / (4 + 3 × 2)
+    assert out["zero_variance_share_trained"] == round(0.5 / 3, 4)
+    assert out["evals"] == {0: 0.25, 3: 0.5}
