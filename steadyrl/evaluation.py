@@ -65,31 +65,34 @@ def evaluate(
     tasks = Tasks(settings)
     engine = make_engine("torch", model_dir, dtype, device=device, **quantization)  # a bad device is refused here
     rewards = RewardRunner(inference.tasks.reward_timeout_seconds)  # the replicas' time limit
-    rewards.check(tasks.reward)
+    for reward in {source.reward for source in tasks.ordered}:
+        rewards.check(reward)
     failures: Counter[str] = Counter()  # completions the reward could not score (0 with a reason)
 
-    def rewards_of(examples, sampling: Sampling, repeat: int) -> list[list[float]]:
-        """Per example, the rewards of its `repeat` completions."""
+    def rewards_of(problems, sampling: Sampling, repeat: int) -> list[list[float]]:
+        """Per (source, example), the rewards of its `repeat` completions, by its source's reward."""
         out: list[list[float]] = []
-        for start in range(0, len(examples), BATCH):
-            chunk = examples[start : start + BATCH]
-            outs = engine.generate([tasks.prompt_ids(e) for e in chunk for _ in range(repeat)], sampling)
-            for i, example in enumerate(chunk):
+        for start in range(0, len(problems), BATCH):
+            chunk = problems[start : start + BATCH]
+            outs = engine.generate(
+                [tasks.prompt_ids(e, source) for source, e in chunk for _ in range(repeat)], sampling
+            )
+            for i, (source, example) in enumerate(chunk):
                 texts = [
                     tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                     for s in outs[i * repeat : (i + 1) * repeat]
                 ]
-                scored = rewards.score(tasks.reward, texts, example.answer)
+                scored = rewards.score(tasks.source(source).reward, texts, example.answer)
                 failures.update(s.reason for s in scored if s.reason)
                 out.append([s.value for s in scored])
         return out
 
-    def scores(examples) -> dict:
-        greedy = rewards_of(examples, Sampling(temperature=0, max_new_tokens=settings.sampling.max_new_tokens), 1)
-        out = {"accuracy": round(sum(r[0] for r in greedy) / len(greedy), 4), "prompts": len(examples)}
+    def scores(problems) -> dict:
+        greedy = rewards_of(problems, Sampling(temperature=0, max_new_tokens=settings.sampling.max_new_tokens), 1)
+        out = {"accuracy": round(sum(r[0] for r in greedy) / len(greedy), 4), "prompts": len(problems)}
         if samples:
             sampled = rewards_of(
-                examples,
+                problems,
                 Sampling(
                     temperature=settings.evals.temperature,
                     top_p=settings.sampling.top_p,
@@ -103,14 +106,14 @@ def evaluate(
         return out
 
     try:
-        sets = {name: scores(examples) for name, examples in tasks.evals.items()}
+        sets = {name: scores(problems) for name, problems in tasks.evals.items()}
     finally:
         engine.close()
         rewards.close()
     report = {
         "model": model_dir,
-        "task": settings.data.task,
-        "reward": tasks.reward,
+        "task": {s.name: s.data.task for s in tasks.ordered} if settings.data.mixture else settings.data.task,
+        "reward": {s.name: s.reward for s in tasks.ordered} if settings.data.mixture else tasks.reward,
         "device": device,
         "dtype": dtype,
         **({"quantization": quantization} if quantization else {}),

@@ -161,6 +161,7 @@ def encode_trajectories(
             env_metrics=t.env_metrics,
             reward_error=t.reward_error,
             timings=rollout_pb2.RolloutTimings(**vars(timings)),
+            source=task.source,
         )
         if t.routing_trace is not None:
             msg.routing_trace.CopyFrom(trace_message(np.asarray(t.routing_trace), t.num_experts))

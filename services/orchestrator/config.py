@@ -19,8 +19,9 @@ from shared.tasks.trace import MulTraceTask
 EVAL_SET_NAME = re.compile(r"[a-z0-9_]+")
 
 
-class DataSettings(BaseModel):
-    """The training and eval prompts ([orchestrator.data])."""
+class DataSource(BaseModel):
+    """The prompts of one source: a task kind and its dataset (the fields of [orchestrator.data] and of
+    each of its mixture's sources)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -61,10 +62,89 @@ class DataSettings(BaseModel):
     """mul_trace: power-law exponent of the answer length (smaller = heavier tail)."""
 
     @model_validator(mode="after")
-    def _dataset_named(self) -> DataSettings:
+    def _dataset_named(self) -> DataSource:
         if self.task == "math" and self.math_path is None:
             raise ValueError("data.task 'math' needs data.math_path")
         return self
+
+
+class MixtureSource(DataSource):
+    """One source of a data mixture ([[orchestrator.data.mixture]]): its own task and dataset, reward
+    and eval split, drawn in proportion to its weight."""
+
+    name: str = Field(max_length=64)
+    """The source's name, carried by each of its tasks and rollouts: lower-case letters, digits and _,
+    not 'main' nor an evals.sets name (its eval split is the eval set of this name)."""
+    weight: float = Field(1.0, gt=0)
+    """Its share of the training tasks: weight / the sum of the weights."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nested_mixture(cls, values):
+        if isinstance(values, dict) and "mixture" in values:
+            raise ValueError("a mixture source cannot have a mixture of its own")
+        return values
+
+    @field_validator("name")
+    @classmethod
+    def _source_name(cls, value: str) -> str:
+        if not EVAL_SET_NAME.fullmatch(value) or value == "main":
+            raise ValueError(
+                f"mixture source name {value!r}: lower-case letters, digits and _, and not 'main' "
+                "(the union of the sources' eval splits)"
+            )
+        return value
+
+    @field_validator("task")
+    @classmethod
+    def _not_verifiers(cls, value: str) -> str:
+        if value == "verifiers":
+            raise ValueError(
+                "task 'verifiers' cannot be a mixture source: its environment plays the whole run with its own dataset"
+            )
+        return value
+
+
+class DataSettings(DataSource):
+    """The training and eval prompts ([orchestrator.data])."""
+
+    mixture: list[MixtureSource] = []
+    """Several training sources instead of one: each `[[orchestrator.data.mixture]]` table holds a
+    `name`, a `weight` and the fields above for its own dataset (the fields above are then left at
+    their defaults). Task i draws from the sources in proportion to their weights, spread evenly over
+    every window of tasks (services/orchestrator/mixture.py); each task and rollout carries its source's
+    name. Each source has its own reward (the run's `reward` when set), its own eval split (the eval set
+    of its name; `main` is their union) and metrics `source/NAME/reward_mean` and `source/NAME/rollouts`
+    in the trainer's step line. Empty: one source, this table."""
+
+    @model_validator(mode="after")
+    def _mixture_sound(self) -> DataSettings:
+        if not self.mixture:
+            return self
+        beside = [name for name, field in DataSource.model_fields.items() if getattr(self, name) != field.get_default()]
+        if beside:
+            raise ValueError(
+                f"data.{', data.'.join(beside)} set beside data.mixture: each source sets its own, in its "
+                "[[orchestrator.data.mixture]] table"
+            )
+        names = [source.name for source in self.mixture]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"mixture source names must be unique: {repeated} repeated")
+        from services.orchestrator.mixture import CYCLE, quotas
+
+        starved = [
+            name for name, quota in zip(names, quotas([s.weight for s in self.mixture]), strict=True) if not quota
+        ]
+        if starved:
+            raise ValueError(
+                f"mixture sources {starved} weigh too little to draw one task in {CYCLE}: raise their weights"
+            )
+        return self
+
+    def sources(self) -> list[DataSource]:
+        """The mixture's sources, or this one."""
+        return [*self.mixture] or [self]
 
 
 class EvalSettings(BaseModel):
@@ -270,6 +350,11 @@ class OrchestratorSettings(RedisSettings, StepShape):
     @model_validator(mode="after")
     def _task_and_environment(self) -> OrchestratorSettings:
         task, environment = self.data.task, self.trajectory.environment
+        if self.data.mixture and environment.startswith("verifiers:"):
+            raise ValueError(
+                f"a data.mixture cannot be played by {environment!r}: a verifiers environment plays the whole "
+                "run with its own dataset"
+            )
         if (task == "verifiers") != environment.startswith("verifiers:"):
             raise ValueError(
                 "data.task 'verifiers' and a trajectory.environment `verifiers:ENV_ID` go together (the "
@@ -277,21 +362,30 @@ class OrchestratorSettings(RedisSettings, StepShape):
             )
         return self
 
-    @property
-    def task_environment(self) -> str:
-        """The environment that plays this run's tasks ('' for single-turn ones)."""
-        return self.trajectory.environment or ("calc" if self.data.task == "calc" else "")
+    @model_validator(mode="after")
+    def _source_names_free(self) -> OrchestratorSettings:
+        clash = sorted({source.name for source in self.data.mixture} & set(self.evals.sets))
+        if clash:
+            raise ValueError(f"{clash}: both a mixture source and an evals.sets name (each names one eval set)")
+        return self
+
+    def environment_of(self, data: DataSource) -> str:
+        """The environment that plays the tasks of source `data` ('' for single-turn ones)."""
+        return self.trajectory.environment or ("calc" if data.task == "calc" else "")
 
     def check_dataset(self) -> None:
-        """ValueError naming a missing dataset file or column (`steadyrl run` calls it before any
-        process starts; the files may live only where the orchestrator runs)."""
+        """ValueError naming a missing dataset file or column of any source or eval set (`steadyrl run`
+        calls it before any process starts; the files may live only where the orchestrator runs).
+        The evals.sets are read with the first source's columns."""
         from shared.tasks.math_task import check_columns
 
-        data = self.data
-        paths = [data.math_path, data.math_eval_path] if data.task == "math" else []
-        for path in [*paths, *self.evals.sets.values()]:
-            if path is not None:
-                check_columns(path, data.prompt_column, data.answer_column)
+        sources = self.data.sources()
+        for data in sources:
+            for path in [data.math_path, data.math_eval_path] if data.task == "math" else []:
+                if path is not None:
+                    check_columns(path, data.prompt_column, data.answer_column)
+        for path in self.evals.sets.values():
+            check_columns(path, sources[0].prompt_column, sources[0].answer_column)
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""

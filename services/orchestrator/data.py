@@ -4,8 +4,10 @@ made from them."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.config import DataSettings, DataSource, MixtureSource, OrchestratorSettings
+from services.orchestrator.mixture import MixturePlan
 from shared.envs.calc import MulTask
 from shared.models import load_tokenizer
 from shared.models.loading import encode_prompt
@@ -16,105 +18,171 @@ from shared.tasks.trace import MulTraceTask
 TRAIN_ID = re.compile(r"^train-(\d+)$")  # a train task's id: train-<its number in the run>
 
 
-def dataset(settings: OrchestratorSettings) -> tuple[list[Example], list[Example], str]:
-    """(train, eval, reward) of the run; train and eval never share a problem unless allowed."""
-    if settings.data.task == "arith":
+def dataset(settings: OrchestratorSettings, data: DataSource | None = None) -> tuple[list[Example], list[Example], str]:
+    """(train, eval, reward) of source `data` (the run's [orchestrator.data] when it has no mixture);
+    train and eval never share a problem unless allowed."""
+    data = data or settings.data
+    if isinstance(data, DataSettings) and data.mixture:
+        raise ValueError("a data.mixture has a dataset per source: pass the source")
+    if data.task == "arith":
         task = ArithTask(
-            digits=settings.data.arith_digits,
-            seed=settings.data.seed,
-            fixed_width=settings.data.arith_fixed_width,
-            reverse=settings.data.arith_reverse,
+            digits=data.arith_digits, seed=data.seed, fixed_width=data.arith_fixed_width, reverse=data.arith_reverse
         )
-        train = task.split("train", min(settings.data.train_size, task.max_split_size("train")))
+        train = task.split("train", min(data.train_size, task.max_split_size("train")))
         return train, task.split("eval", min(settings.evals.size, task.max_split_size("eval"))), "exact_match"
-    if settings.data.task == "calc":
-        calc = MulTask(seed=settings.data.seed)
+    if data.task == "calc":
+        calc = MulTask(seed=data.seed)
         return (
-            calc.split("train", min(settings.data.train_size, calc.max_split_size("train"))),
+            calc.split("train", min(data.train_size, calc.max_split_size("train"))),
             calc.split("eval", min(settings.evals.size, calc.max_split_size("eval"))),
             "exact_match",
         )
-    if settings.data.task == "verifiers":  # the environment's own rows; its rubric scores them on the replicas
+    if data.task == "verifiers":  # the environment's own rows; its rubric scores them on the replicas
         from shared.envs import verifiers_adapter
 
         return (
-            verifiers_adapter.examples(settings.trajectory.environment, "train", settings.data.train_size),
+            verifiers_adapter.examples(settings.trajectory.environment, "train", data.train_size),
             verifiers_adapter.examples(settings.trajectory.environment, "eval", settings.evals.size),
             "exact_match",
         )
-    if settings.data.task == "mul_trace":
-        trace = MulTraceTask(settings.data.trace_max_answer_tokens, settings.data.trace_alpha, seed=settings.data.seed)
-        return trace.split("train", settings.data.train_size), trace.split("eval", settings.evals.size), "exact_match"
-    if settings.data.math_path is None:
+    if data.task == "mul_trace":
+        trace = MulTraceTask(data.trace_max_answer_tokens, data.trace_alpha, seed=data.seed)
+        return trace.split("train", data.train_size), trace.split("eval", settings.evals.size), "exact_match"
+    if data.math_path is None:
         raise ValueError("data.task 'math' needs data.math_path")
     task = MathTask(
-        str(settings.data.math_path),
-        str(settings.data.math_eval_path) if settings.data.math_eval_path else None,
-        prompt_column=settings.data.prompt_column,
-        answer_column=settings.data.answer_column,
+        str(data.math_path),
+        str(data.math_eval_path) if data.math_eval_path else None,
+        prompt_column=data.prompt_column,
+        answer_column=data.answer_column,
     )
-    if settings.data.math_eval_path is None:  # hold the last evals.size rows out of training
+    if data.math_eval_path is None:  # hold the last evals.size rows out of training
         rows = task.split("train")
         if len(rows) <= settings.evals.size:
             raise ValueError(
-                f"{settings.data.math_path} has {len(rows)} rows: too few to hold out evals.size="
+                f"{data.math_path} has {len(rows)} rows: too few to hold out evals.size="
                 f"{settings.evals.size} for evaluation (or give data.math_eval_path)"
             )
-        return rows[: -settings.evals.size][: settings.data.train_size], rows[-settings.evals.size :], "math_verify"
-    train = task.split("train", settings.data.train_size)
+        return rows[: -settings.evals.size][: data.train_size], rows[-settings.evals.size :], "math_verify"
+    train = task.split("train", data.train_size)
     evals = task.split("eval", settings.evals.size)
-    refuse_overlap(settings, train, evals, "eval problems")
+    refuse_overlap(data, train, evals, "eval problems")
     return train, evals, "math_verify"
 
 
-def refuse_overlap(settings: OrchestratorSettings, train: list[Example], evals: list[Example], what: str) -> None:
+def refuse_overlap(data: DataSource, train: list[Example], evals: list[Example], what: str) -> None:
     """ValueError when eval problems are also training problems (evals would measure memorisation),
-    unless allow_eval_overlap."""
+    unless data.allow_eval_overlap."""
     overlap = sorted({e.prompt for e in train} & {e.prompt for e in evals})
-    if overlap and not settings.data.allow_eval_overlap:
+    if overlap and not data.allow_eval_overlap:
         raise ValueError(
             f"{len(overlap)} {what} are also training problems (e.g. {overlap[0][:80]!r}); evals would "
             "measure memorisation. Remove them or set data.allow_eval_overlap = true"
         )
 
 
-def eval_sets(settings: OrchestratorSettings, train: list[Example]) -> dict[str, list[Example]]:
-    """The named eval sets (`evals.sets`), at most evals.size problems each, none a training problem
-    unless allowed."""
-    template = {} if settings.data.task == "math" else {"template": "{problem}"}
+def eval_sets(settings: OrchestratorSettings, data: DataSource, train: list[Example]) -> dict[str, list[Example]]:
+    """The named eval sets (`evals.sets`), at most evals.size problems each, read as problems of
+    source `data`, none a training problem unless allowed."""
+    template = {} if data.task == "math" else {"template": "{problem}"}
     out: dict[str, list[Example]] = {}
     for name, path in settings.evals.sets.items():
         out[name] = MathTask(
-            str(path), prompt_column=settings.data.prompt_column, answer_column=settings.data.answer_column, **template
+            str(path), prompt_column=data.prompt_column, answer_column=data.answer_column, **template
         ).split("train", settings.evals.size)
-        refuse_overlap(settings, train, out[name], f"problems of eval set {name!r}")
+        refuse_overlap(data, train, out[name], f"problems of eval set {name!r}")
     return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """One training source of a run: its examples, the reward that scores them and the environment
+    that plays them ('' for single-turn). A run without a mixture has one, named ''."""
+
+    name: str
+    data: DataSource
+    train: list[Example]
+    eval: list[Example]
+    reward: str
+    environment: str
 
 
 class Tasks:
     """The examples of a run and the PromptTasks made of them (prompts tokenized here). `evals`:
-    every eval set by name, the task's own first (`main`)."""
+    every eval set by name as (source, example) pairs: `main` (the task's own; a mixture's: the union
+    of its sources' eval splits), each mixture source's, then `evals.sets` (of no source, made as the
+    first source's problems)."""
 
     def __init__(self, settings: OrchestratorSettings) -> None:
         self.settings = settings
-        self.train, self.eval, self.reward = dataset(settings)
-        self.evals = {"main": self.eval, **eval_sets(settings, self.train)}
-        self.reward = settings.reward or self.reward
+        self.sources: dict[str, Source] = {}
+        for data in settings.data.sources():
+            train, evals, reward = dataset(settings, data)
+            name = data.name if isinstance(data, MixtureSource) else ""
+            self.sources[name] = Source(
+                name, data, train, evals, settings.reward or reward, settings.environment_of(data)
+            )
+        self.ordered = list(self.sources.values())  # the mixture plan's source indices
+        self.first = self.ordered[0]
+        self.reward = self.first.reward
+        self.train = [e for source in self.ordered for e in source.train]
+        self.plan = MixturePlan([getattr(source.data, "weight", 1.0) for source in self.ordered])
+        mixture = bool(settings.data.mixture)
+        if mixture:  # a problem trained through one source is no eval of another
+            for source in self.ordered:
+                refuse_overlap(source.data, self.train, source.eval, f"eval problems of source {source.name!r}")
+        own = {source.name: [(source.name, e) for e in source.eval] for source in self.ordered}
+        named = eval_sets(settings, self.first.data, self.train)
+        self.evals = {
+            "main": [pair for pairs in own.values() for pair in pairs],
+            **(own if mixture else {}),
+            **{name: [("", e) for e in examples] for name, examples in named.items()},
+        }
         self.tokenizer = load_tokenizer(settings.model_path)
 
-    def prompt_ids(self, example: Example) -> list[int]:
-        """The prompt's tokens: through the chat template (and system prompt) when the run asks."""
-        return encode_prompt(
-            self.tokenizer, example.prompt, self.settings.data.chat_template == "auto", self.settings.data.system_prompt
-        )
+    def train_task(self, i: int) -> tuple[str, Example]:
+        """(source, example) of train task i: the source by the mixture's plan, the example its k-th
+        of that source's, cycled over its training examples. O(1), the same for i whatever came before."""
+        index, k = self.plan.task(i)
+        source = self.ordered[index]
+        return source.name, source.train[k % len(source.train)]
+
+    def make_train(self, i: int, min_version: int) -> common_pb2.PromptTask:
+        """Train task i (`train-i`), the same whenever it is made: its source's example, G samples at
+        the run's temperature."""
+        source, example = self.train_task(i)
+        s = self.settings
+        return self.make(f"train-{i}", example, s.group_size, s.sampling.temperature, False, min_version, source)
+
+    def epoch(self, submitted: int) -> int:
+        """Whole passes over every source's training examples among the first `submitted` tasks."""
+        return min(self.plan.drawn(index, submitted) // len(source.train) for index, source in enumerate(self.ordered))
+
+    def source(self, name: str) -> Source:
+        """The source of this name; '' (a problem of no source, an evals.sets one): the first."""
+        return self.sources[name] if name else self.first
+
+    def prompt_ids(self, example: Example, source: str = "") -> list[int]:
+        """The prompt's tokens: through the chat template (and system prompt) when its source asks."""
+        data = self.source(source).data
+        return encode_prompt(self.tokenizer, example.prompt, data.chat_template == "auto", data.system_prompt)
 
     def make(
-        self, task_id: str, example: Example, group_size: int, temperature: float, is_eval: bool, min_version: int
+        self,
+        task_id: str,
+        example: Example,
+        group_size: int,
+        temperature: float,
+        is_eval: bool,
+        min_version: int,
+        source: str = "",
     ) -> common_pb2.PromptTask:
-        """A PromptTask; a multi-turn one carries its prompt as text, for the environment to open the
-        conversation with (the replica renders it), and its environment and budget."""
+        """A PromptTask of `source`, scored by its reward; a multi-turn one carries its prompt as text,
+        for the environment to open the conversation with (the replica renders it), and its environment
+        and budget."""
         s = self.settings
-        environment = s.task_environment
+        spec = self.source(source)
+        environment = spec.environment
         turns = (
             {
                 "environment": environment,
@@ -126,7 +194,7 @@ class Tasks:
                 ),
             }
             if environment
-            else {"prompt_token_ids": self.prompt_ids(example)}
+            else {"prompt_token_ids": self.prompt_ids(example, source)}
         )
         if s.sampling.overlong_buffer and not is_eval and not environment:  # evals score the answer alone
             turns["overlong"] = common_pb2.OverlongShaping(
@@ -136,7 +204,7 @@ class Tasks:
             task_id=task_id,
             run_id=s.run_id,
             group_id=task_id,
-            task_name=self.reward,
+            task_name=spec.reward,
             **turns,
             answer=example.answer,
             group_size=group_size,
@@ -147,4 +215,5 @@ class Tasks:
                 top_p=s.sampling.top_p if temperature else 1.0,
                 max_new_tokens=s.sampling.max_new_tokens,
             ),
+            source=source,
         )

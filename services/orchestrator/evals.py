@@ -1,8 +1,9 @@
-"""Evaluation rounds: at step 0, every `evals.every` steps and at the end, on every eval set (the task's `main` and
-the named `evals.sets`), greedy and, with `evals.samples`, sampled; each complete round is appended to eval.jsonl
-once, across restarts too. They score μ, the served model. With `policy_eval` every round also scores π (the
-trainer's published weights, unquantised) greedily on the `policy_eval` pool (`shared.runstore.queues.POOLS`),
-appended to policy-eval.jsonl, so an alert can compare π with where it started.
+"""Evaluation rounds: at step 0, every `evals.every` steps and at the end, on every eval set (the task's `main`, a
+data mixture's sources' and the named `evals.sets`, each problem scored by its source's reward), greedy and, with
+`evals.samples`, sampled; each complete round is appended to eval.jsonl once, across restarts too. They score μ, the
+served model. With `policy_eval` every round also scores π (the trainer's published weights, unquantised) greedily
+on the `policy_eval` pool (`shared.runstore.queues.POOLS`), appended to policy-eval.jsonl, so an alert can compare π
+with where it started.
 
 Details: docs/internals/orchestrator.md"""
 
@@ -111,10 +112,10 @@ class EvalRounds:
                 + ([("pi", 1, 0.0)] if self.settings.evals.policy else [])
             )
             tasks = [
-                self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version)
+                self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version, source)
                 for kind, group, t in rounds
-                for name, examples in self.tasks.evals.items()
-                for j, example in enumerate(examples)
+                for name, problems in self.tasks.evals.items()
+                for j, (source, example) in enumerate(problems)
             ]
             submitted.append(step)
             requested[str(step)] = version

@@ -214,21 +214,15 @@ class Orchestrator:
         FILTERED.set(p["filtered"])  # each filtered task is replaced: not trained, it leaves the budget
         if budget <= 0:
             return 0
-        train = self.tasks.train
         tasks = [
-            self.tasks.make(
-                f"train-{i}",
-                train[i % len(train)],
-                s.group_size,
-                s.sampling.temperature,
-                False,
-                self.trainer_version + max(0, (outstanding + j) // s.batch_prompts - s.max_staleness),
+            self.tasks.make_train(
+                i, self.trainer_version + max(0, (outstanding + j) // s.batch_prompts - s.max_staleness)
             )
             for j, i in enumerate(range(p["submitted"], p["submitted"] + budget))
         ]
         submitted = p["submitted"] + len(tasks)
         await self.queue.submit_many(
-            tasks, (self.keys.run, {RunField.SUBMITTED: submitted, RunField.EPOCH: submitted // len(train)})
+            tasks, (self.keys.run, {RunField.SUBMITTED: submitted, RunField.EPOCH: self.tasks.epoch(submitted)})
         )
         SUBMITTED.inc(len(tasks))
         return len(tasks)

@@ -94,18 +94,7 @@ class RedisWatch:
             ids = [t for t in ids if t not in dead]
         if not ids:
             return 0
-        train = self.tasks.train
-        tasks = [
-            self.tasks.make(
-                t,
-                train[int(TRAIN_ID.match(t).group(1)) % len(train)],
-                s.group_size,
-                s.sampling.temperature,
-                False,
-                self.version(),
-            )
-            for t in ids
-        ]
+        tasks = [self.tasks.make_train(int(TRAIN_ID.match(t).group(1)), self.version()) for t in ids]
         queued = sum(await self.queue.submit_many(tasks))
         LOST.inc(queued)
         log.warning("event=lost_tasks_requeued count=%d tasks=%s", queued, ",".join(ids[:20]))

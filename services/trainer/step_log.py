@@ -37,8 +37,14 @@ STALL_AFTER = Gauge(
 def reward_metrics(rollouts) -> dict[str, float]:
     """The share of a step's rollouts whose reward could not score them (`reward_failures`: a
     reward that raises, hangs or returns no finite number scores 0; the orchestrator's stop rules
-    fail a run where this stays high)."""
-    return {"reward_failures": sum(bool(r.reward_error) for r in rollouts) / max(len(rollouts), 1)}
+    fail a run where this stays high), and per data mixture source among them its rollouts and their
+    mean reward (`source/NAME/rollouts`, `source/NAME/reward_mean`; none in a run of one source)."""
+    out = {"reward_failures": sum(bool(r.reward_error) for r in rollouts) / max(len(rollouts), 1)}
+    for name in sorted({r.source for r in rollouts if r.source}):
+        rewards = [r.reward for r in rollouts if r.source == name]
+        out[f"source/{name}/reward_mean"] = sum(rewards) / len(rewards)
+        out[f"source/{name}/rollouts"] = len(rewards)
+    return out
 
 
 def trajectory_metrics(rollouts) -> dict[str, float]:

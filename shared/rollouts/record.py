@@ -8,6 +8,7 @@ metric label) and whose message says what was wrong.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from shared.rpc.steadyrl.v1 import rollout_pb2
 MAX_LOGPROB = 1e-3
 _TRACE_DTYPES = {rollout_pb2.RoutingTrace.UINT8: np.uint8, rollout_pb2.RoutingTrace.UINT16: np.uint16}
 _MAX_TRACE_BYTES = 1 << 31  # an unpacked trace (a 256k-token rollout of a 48-layer top-8 model is ~100 MB)
+SOURCE_NAME = re.compile(r"[a-z0-9_]{0,64}")  # a mixture source's name (a metric key of the trainer), or empty
 
 
 def _unzstd() -> zstandard.ZstdDecompressor:
@@ -73,6 +75,7 @@ class Rollout:
     turns: int = 0  # model turns of a multi-turn trajectory
     env_metrics: dict[str, float] = field(default_factory=dict)  # the environment's counts, summed over its steps
     reward_error: str = ""  # why the reward could not score it (then 0); empty when it did
+    source: str = ""  # its task's data mixture source (empty: a run of one source)
 
     @property
     def model_tokens(self) -> np.ndarray:
@@ -129,6 +132,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
         turns=rollout.turns,
         env_metrics=rollout.env_metrics,
         reward_error=rollout.reward_error,
+        source=rollout.source,
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
@@ -202,6 +206,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         turns=msg.turns,
         env_metrics=dict(msg.env_metrics),
         reward_error=msg.reward_error[:200],
+        source=msg.source,
     )
 
 
@@ -237,6 +242,8 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("missing_id", "rollout_id is empty")
     if not rollout.group_id:
         raise RolloutError("missing_id", f"rollout {rollout.rollout_id}: group_id is empty")
+    if not SOURCE_NAME.fullmatch(rollout.source):
+        raise RolloutError("source", f"source {rollout.source[:80]!r}: at most 64 lower-case letters, digits and _")
     if rollout.group_size < 1 or rollout.sample_index >= rollout.group_size:
         raise RolloutError("group", f"sample_index {rollout.sample_index} outside a group of {rollout.group_size}")
     prompt_len = len(rollout.prompt_token_ids)

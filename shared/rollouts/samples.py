@@ -37,6 +37,7 @@ def rollouts_from_samples(
             engine=engine,
             is_eval=task.is_eval,
             timings=timings,
+            source=task.source,
         )
         for index, (sample, reward) in enumerate(zip(samples, rewards, strict=True))
     ]
@@ -65,6 +66,7 @@ def encode_samples(
         engine=engine,
         is_eval=task.is_eval,
         timings=rollout_pb2.RolloutTimings(**vars(timings)),
+        source=task.source,
     ).SerializeToString()
     out = []
     errors = reward_errors or [""] * len(samples)

@@ -534,9 +534,17 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
         assert (pi["accuracy"], pi["prompts"], pi["dead"]) == (1.0, 2, 1)
 
 
-def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server, run_id, tiny_model_dir, tmp_path):
+MIXTURE = {"mixture": [{"name": "add", "task": "arith", "weight": 3}, {"name": "trace", "task": "mul_trace"}]}
+
+
+@pytest.mark.parametrize("data", [{}, MIXTURE], ids=["one_source", "mixture"])
+def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(
+    redis_server, run_id, tiny_model_dir, tmp_path, data
+):
     """A host crash can bring Redis back holding a submitted task in no state at all: the sweep after
-    a restart queues exactly those again (not queued, leased, completed, trained, dropped or dead ones)."""
+    a restart queues exactly those again (not queued, leased, completed, trained, dropped or dead ones),
+    each the same task, of the same source."""
+    from shared.rpc.steadyrl.v1.common_pb2 import PromptTask
     from shared.runstore.queues import WorkQueue
 
     async def main():
@@ -550,9 +558,13 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
             group_size=2,
             steps=10,
             lookahead_batches=0,
+            data=data,
         )
         assert await orchestrator.admit() == 8  # train-0 .. train-7
         keys = orchestrator.keys
+        stored = {k.decode(): PromptTask.FromString(v).source for k, v in (await redis.hgetall(keys.tasks)).items()}
+        mixed = {f"train-{i}": "trace" if i % 4 == 2 else "add" for i in range(8)}  # 3:1 — add add trace add
+        assert stored == (mixed if data else dict.fromkeys(mixed, ""))
         queue = WorkQueue(redis, run_id)
         [leased, completed, dead, lost_a, trained, dropped] = await queue.lease("replica-0", 60, count=6)
         assert await queue.complete("replica-0", completed.task_id, [b"r0", b"r1"])
@@ -573,6 +585,7 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(redis_server
         assert await orchestrator.recovery.requeue_lost() == 0  # queued now: found
         [again] = [x for x in await queue.lease("replica-1", 60, count=8) if x.task_id == lost_a.task_id]
         assert list(again.task.prompt_token_ids) == list(lost_a.task.prompt_token_ids)  # the same prompt
+        assert (again.task.source, again.task.answer) == (lost_a.task.source, lost_a.task.answer)
         await orchestrator.close()
         await redis.aclose()
 

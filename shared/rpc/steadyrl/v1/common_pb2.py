@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18steadyrl/v1/common.proto\x12\x0bsteadyrl.v1\"Q\n\rPolicyVersion\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x16\n\x0eparent_version\x18\x02 \x01(\x04\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"\x95\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xa0\x03\n\nPromptTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x11\n\ttask_name\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x07 \x01(\t\x12\x12\n\ngroup_size\x18\x08 \x01(\r\x12-\n\x08sampling\x18\t \x01(\x0b\x32\x1b.steadyrl.v1.SamplingParams\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\x12\x0f\n\x07is_eval\x18\x0b \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x0c \x01(\x04\x12\x18\n\x10\x65nqueued_unix_ms\x18\r \x01(\x03\x12\x13\n\x0b\x65nvironment\x18\x0e \x01(\t\x12-\n\x06\x62udget\x18\x0f \x01(\x0b\x32\x1d.steadyrl.v1.TrajectoryBudget\x12.\n\x08overlong\x18\x10 \x01(\x0b\x32\x1c.steadyrl.v1.OverlongShaping\"9\n\x0fOverlongShaping\x12\x15\n\rbuffer_tokens\x18\x01 \x01(\r\x12\x0f\n\x07penalty\x18\x02 \x01(\x01\"N\n\x10TrajectoryBudget\x12\x11\n\tmax_turns\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x65nv_seconds\x18\x03 \x01(\x01\"\x07\n\x05\x45mptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18steadyrl/v1/common.proto\x12\x0bsteadyrl.v1\"Q\n\rPolicyVersion\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x16\n\x0eparent_version\x18\x02 \x01(\x04\x12\x17\n\x0f\x63reated_unix_ms\x18\x03 \x01(\x03\"\x95\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xb0\x03\n\nPromptTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x11\n\ttask_name\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x07 \x01(\t\x12\x12\n\ngroup_size\x18\x08 \x01(\r\x12-\n\x08sampling\x18\t \x01(\x0b\x32\x1b.steadyrl.v1.SamplingParams\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\x12\x0f\n\x07is_eval\x18\x0b \x01(\x08\x12\x1a\n\x12min_policy_version\x18\x0c \x01(\x04\x12\x18\n\x10\x65nqueued_unix_ms\x18\r \x01(\x03\x12\x13\n\x0b\x65nvironment\x18\x0e \x01(\t\x12-\n\x06\x62udget\x18\x0f \x01(\x0b\x32\x1d.steadyrl.v1.TrajectoryBudget\x12.\n\x08overlong\x18\x10 \x01(\x0b\x32\x1c.steadyrl.v1.OverlongShaping\x12\x0e\n\x06source\x18\x11 \x01(\t\"9\n\x0fOverlongShaping\x12\x15\n\rbuffer_tokens\x18\x01 \x01(\r\x12\x0f\n\x07penalty\x18\x02 \x01(\x01\"N\n\x10TrajectoryBudget\x12\x11\n\tmax_turns\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x65nv_seconds\x18\x03 \x01(\x01\"\x07\n\x05\x45mptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=125
   _globals['_SAMPLINGPARAMS']._serialized_end=274
   _globals['_PROMPTTASK']._serialized_start=277
-  _globals['_PROMPTTASK']._serialized_end=693
-  _globals['_OVERLONGSHAPING']._serialized_start=695
-  _globals['_OVERLONGSHAPING']._serialized_end=752
-  _globals['_TRAJECTORYBUDGET']._serialized_start=754
-  _globals['_TRAJECTORYBUDGET']._serialized_end=832
-  _globals['_EMPTY']._serialized_start=834
-  _globals['_EMPTY']._serialized_end=841
+  _globals['_PROMPTTASK']._serialized_end=709
+  _globals['_OVERLONGSHAPING']._serialized_start=711
+  _globals['_OVERLONGSHAPING']._serialized_end=768
+  _globals['_TRAJECTORYBUDGET']._serialized_start=770
+  _globals['_TRAJECTORYBUDGET']._serialized_end=848
+  _globals['_EMPTY']._serialized_start=850
+  _globals['_EMPTY']._serialized_end=857
 # @@protoc_insertion_point(module_scope)
