@@ -1,7 +1,7 @@
 """`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
-LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, peers), one JSON object with the machine
-it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each benchmark runs in its own process, so none
-inherits another's threads or memory."""
+LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, peers), one JSON
+object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each
+benchmark runs in its own process, so none inherits another's threads or memory."""
 
 from __future__ import annotations
 
