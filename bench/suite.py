@@ -381,9 +381,13 @@ def markdown(result: dict) -> str:
         f"the trained groups {_get(on, 'zero_variance_share_trained')} vs {_get(off, 'zero_variance_share_trained')}) "
         f"| {_get(ds, 'ratios', 'informative_tokens_per_s')} | – |"
     )
+
+    def curve(side: dict) -> str:
+        return ", ".join(f"{v}: {a:.3f}" for v, a in _get(side, "evals", default={}).items())
+
     lines.append(
-        f"| dynamic sampling | {label}: seconds from the first step to the last; evals {_get(on, 'evals')} vs "
-        f"{_get(off, 'evals')} | {_get(ds, 'ratios', 'seconds')} | – |"
+        f"| dynamic sampling | {label}: seconds from the first step to the last; eval by version {curve(on)} vs "
+        f"{curve(off)} | {_get(ds, 'ratios', 'seconds')} | – |"
     )
     lines += peer_rows(b.get("peers", {}))
     failed = [name for name, value in b.items() if "error" in value]
