@@ -113,6 +113,8 @@ class Launch:
                 ports=(trainer, master),
             )
         )
+        teachers = self.teacher_services(common, redis_url)
+        addresses = {"teacher": {"addresses": [f"127.0.0.1:{t.grpc_port}" for t in teachers]}} if teachers else {}
         policy = {
             "pool": "policy_eval",
             "quantization": "none",
@@ -139,7 +141,7 @@ class Launch:
                             "orchestrator_address": f"127.0.0.1:{orch_grpc}",
                             "agent": {"hidden_paths": [str(out.resolve())]},
                             "verify_key_file": verify_key,
-                            **(policy if is_policy else {}),
+                            **(policy if is_policy else addresses),
                         },
                     ),
                     port,
@@ -173,7 +175,33 @@ class Launch:
             )
         )
         for service in self.services:
-            validate(service.name.split("-")[0], service.env)
+            validate("inference" if service.name.startswith("teacher") else service.name.split("-")[0], service.env)
+
+    def teacher_services(self, common: dict, redis_url: str) -> list[Service]:
+        """The [teacher] pool's replicas (none without one): inference processes in pool `teacher`
+        on the teacher's fixed weights, on the CPU, answering Score to the rollout replicas."""
+        pool = self.config.teacher
+        if pool is None:
+            return []
+        services = []
+        for index in range(pool.replicas):
+            port = self.ports.take()
+            values = {
+                **common,
+                "port": port,
+                "run_id": self.config.run_id,
+                "model_path": pool.path,
+                "redis_url": redis_url,
+                "replica_id": f"teacher-{index}",
+                "pool": "teacher",
+                "engine": pool.engine,
+                "dtype": pool.dtype,
+                "torch_threads": pool.torch_threads,
+            }
+            env = {f"STEADYRL_INFERENCE_{k.upper()}": str(v) for k, v in values.items()}
+            services.append(Service(f"teacher-{index}", ["-m", "services.inference"], env, port, ports=(port,)))
+        self.services.extend(services)
+        return services
 
     def add_replica(self, template: Service, replica_id: str) -> Service:
         """One more inference replica like `template`, started now (it joins the running run)."""

@@ -209,7 +209,7 @@ def toml_value(value: Any) -> str:
 
 
 def settings_page() -> str:
-    from steadyrl.run_config import SERVICES, SHARED, ModelSection, RunSection
+    from steadyrl.run_config import SERVICES, SHARED, ModelSection, PoolSection, RunSection
     from steadyrl.service_settings import DEPLOYMENT_FIELDS, PROBES, settings_class
 
     copied: dict[str, list[str]] = {}
@@ -236,6 +236,8 @@ def settings_page() -> str:
             [row(f, f"model.{f.name}", ", ".join(code(t) for t in model_targets)) for f in fields_of(ModelSection)],
         )
     )
+    parts.append("## [teacher]\n\n" + prose(PoolSection.__doc__))
+    parts.append(table(HEADER_RUN, [row(f, f"teacher.{f.name}", "") for f in fields_of(PoolSection)]))
     for service in SERVICES:
         cls = settings_class(service)
         config = cls.model_config

@@ -1,7 +1,8 @@
 """A run recipe (TOML) and what each service's settings become.
 
-Sections: [run] (`RunSection`: what several services must agree on), [model] (path; "tiny" = the kit's tiny MoE), and
-[trainer], [inference], [orchestrator], [weightsync] (any STEADYRL_<SERVICE>_* field). [run] values are copied into
+Sections: [run] (`RunSection`: what several services must agree on), [model] (path; "tiny" = the kit's tiny MoE),
+[trainer], [inference], [orchestrator], [weightsync] (any STEADYRL_<SERVICE>_* field), and [teacher] (`PoolSection`: a
+teacher pool for on-policy distillation). [run] values are copied into
 every service, and a service section that sets one is refused. Every section is validated against its service's
 settings model before any process starts, so a typo or a bad value is an error naming the field.
 
@@ -14,7 +15,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -72,6 +73,28 @@ class ModelSection(BaseModel):
     task and cached on first use)."""
 
 
+class PoolSection(BaseModel):
+    """[teacher]: a pool of replicas serving a fixed model's per-token logprobs (on-policy
+    distillation), its own processes beside the rollout replicas (docs/guides/pools.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1)
+    """The teacher's model directory (a Hugging Face directory, e.g. a finished run's final-model/);
+    it shares the policy's tokenizer."""
+    replicas: int = Field(1, ge=1)
+    """Replicas of the pool (each its own process; the rollout replicas call them in turn)."""
+    engine: Literal["torch"] = "torch"
+    """The teacher's engine: torch (a prefill forward gives every token's logprob)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The teacher's precision."""
+    torch_threads: int = Field(1, ge=0)
+    """torch threads of each teacher replica (0: torch's default)."""
+
+
+POOLS = ("teacher",)  # the pool sections a recipe may declare
+
+
 # [run] field → the field it becomes in each service's settings
 SHARED = {
     "trainer": {
@@ -100,6 +123,7 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    teacher: PoolSection | None = None
     notes: list[str] = field(default_factory=list)
     """What resolving the recipe decided (written as comments atop config.resolved.toml)."""
 
@@ -122,6 +146,8 @@ class RunConfig:
         parts = ["".join(f"# {note}\n" for note in self.notes)] if self.notes else []
         parts += [_table("run", self.run.model_dump()), _table("model", self.model.model_dump())]
         parts += [_table(name, self.sections[name]) for name in SERVICES if self.sections.get(name)]
+        if self.teacher is not None:
+            parts.append(_table("teacher", self.teacher.model_dump()))
         return "\n".join(parts)
 
 
@@ -192,12 +218,15 @@ def load_run_config(
             layer = tomllib.loads(Path(one).read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{one} is not valid TOML: {exc}") from None
-        unknown = set(layer) - {"run", "model", *SERVICES}
+        unknown = set(layer) - {"run", "model", *SERVICES, *POOLS}
         if unknown:
-            raise ValueError(f"unknown sections {sorted(unknown)} in {one}; expected run, model, {', '.join(SERVICES)}")
+            raise ValueError(
+                f"unknown sections {sorted(unknown)} in {one}; expected run, model, {', '.join(SERVICES + POOLS)}"
+            )
         data = merge_tables(data, layer)
     run = dict(data.get("run", {}))
     model = dict(data.get("model", {}))
+    pools = {name: dict(data[name]) for name in POOLS if name in data}
     sections = {name: json.loads(json.dumps(data.get(name, {}))) for name in SERVICES}
     for text in overrides:
         section, key, value = parse_override(text)
@@ -207,14 +236,18 @@ def load_run_config(
             model[key] = value
         elif section in SERVICES:
             _set(sections[section], key, value)
+        elif section in POOLS:
+            _set(pools.setdefault(section, {}), key, value)
         else:
             raise ValueError(f"unknown section {section!r} in --set {text!r}")
     if run.get("mini_batch_prompts"):
         run["batch_prompts"] = mini_batches(sections["trainer"]) * run["mini_batch_prompts"]
     try:
-        config = RunConfig(RunSection(**run), ModelSection(**model), sections)
+        teacher = PoolSection(**pools["teacher"]) if "teacher" in pools else None
+        config = RunConfig(RunSection(**run), ModelSection(**model), sections, teacher)
     except ValidationError as exc:
-        raise ValueError(f"[{exc.title.removesuffix('Section').lower()}] {exc}") from None
+        section = "teacher" if exc.title == "PoolSection" else exc.title.removesuffix("Section").lower()
+        raise ValueError(f"[{section}] {exc}") from None
     for service, shared in SHARED.items():
         clash = sorted(set(config.section(service)) & set(shared.values()))
         if clash:

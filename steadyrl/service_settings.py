@@ -51,6 +51,7 @@ DEPLOYMENT_FIELDS = frozenset(
         "consumer",
         "autostart",
         "agent.hidden_paths",
+        "teacher.addresses",
     }
 )
 

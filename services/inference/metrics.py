@@ -1,4 +1,5 @@
-"""What a replica's rollout loop counts (Prometheus `steadyrl_inference_*`), and its token rate."""
+"""What a replica's rollout loop counts (Prometheus `steadyrl_inference_*`), what a teacher or judge
+pool replica serves (`steadyrl_pool_*`), and the token rate."""
 
 from __future__ import annotations
 
@@ -14,11 +15,34 @@ RUNNING = Gauge("steadyrl_inference_running_sequences", "Sequences the engine is
 RETRIED = Counter("steadyrl_inference_tasks_retried_total", "Leased tasks that were on a retry", ["replica"])
 ENGINE_ERRORS = Counter("steadyrl_inference_engine_errors_total", "Tasks the engine failed on", ["replica"])
 TASK_ERRORS = Counter("steadyrl_inference_task_errors_total", "Tasks that could not be scored or encoded", ["replica"])
+TEACHER_FAILURES = Counter(
+    "steadyrl_inference_teacher_failures_total",
+    "Groups handed back because the teacher pool failed every attempt to score them",
+    ["replica"],
+)
 BAD_TASKS = Counter("steadyrl_inference_tasks_dead_lettered_total", "Tasks given up as unservable", ["reason"])
 VERSION_WAITS = Counter(
     "steadyrl_inference_version_wait_expired_total",
     "Tasks handed back after waiting too long for their policy version",
     ["replica"],
+)
+POOL_REQUESTS = Counter(
+    "steadyrl_pool_requests_total", "Requests a pool replica (teacher, judge) answered", ["pool", "replica", "method"]
+)
+POOL_FAILURES = Counter(
+    "steadyrl_pool_failures_total",
+    "Requests a pool replica refused or failed, by reason",
+    ["pool", "replica", "reason"],
+)
+POOL_TOKENS = Counter("steadyrl_pool_tokens_total", "Tokens a pool replica scored or generated", ["pool", "replica"])
+POOL_QUEUE = Gauge(
+    "steadyrl_pool_queue_depth", "Requests at a pool replica waiting for or in its engine (KEDA's scaler)", ["pool"]
+)
+POOL_SECONDS = Histogram(
+    "steadyrl_pool_request_seconds",
+    "A pool request from arrival to answer, the wait for the engine included",
+    ["pool", "replica"],
+    buckets=(0.005, 0.02, 0.1, 0.5, 2, 10, 60),
 )
 POLICY_VERSION = Gauge(
     "steadyrl_inference_policy_version", "Policy version the engine serves (set once it serves)", ["replica", "pool"]

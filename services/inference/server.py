@@ -1,6 +1,7 @@
 """An inference replica, assembled: its engine (`load_engine`), the rollout loop
 (`worker.py`), the weights (`weights.py`), the heartbeat (`heartbeat.py`), the agent endpoint
-(`agents.py`) and the gRPC API (`servicer.py`), until stopped."""
+(`agents.py`), the teacher pool's client (`teacher.py`) and the gRPC API (`servicer.py`), until
+stopped. A teacher pool's replica runs only the gRPC API, on fixed weights."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from services.inference.config import InferenceSettings
 from services.inference.heartbeat import heartbeat
 from services.inference.metrics import POLICY_VERSION
 from services.inference.servicer import InferenceServicer
+from services.inference.teacher import TeacherScoring
 from services.inference.weights import weights_loop
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, make_engine
+from shared.rpc.pool_client import PoolClient
 from shared.rpc.steadyrl.v1 import inference_pb2_grpc
 from shared.runstore.queues import WorkQueue
 from shared.runtime.metrics import loading
@@ -53,6 +56,14 @@ def load_engine(settings: InferenceSettings) -> Engine:
     return make_engine(settings.engine, settings.model_path, settings.dtype, **engine_options(settings))
 
 
+def teacher_client(settings: InferenceSettings) -> PoolClient | None:
+    """The teacher pool's client of a rollout replica (None without a teacher)."""
+    t = settings.teacher
+    if not t.addresses or settings.pool == "teacher":
+        return None
+    return PoolClient("teacher", t.addresses, inference_pb2_grpc.InferenceStub, t.timeout_seconds, t.attempts)
+
+
 async def serve(
     settings: InferenceSettings,
     engine: Engine | None = None,
@@ -69,8 +80,9 @@ async def serve(
     replica = settings.replica_id
     stop = stop or asyncio.Event()
     redis = settings.redis()
-    queue = WorkQueue(redis, settings.run_id, pool=settings.pool)
+    queue = WorkQueue(redis, settings.run_id, pool="rollouts" if settings.pool == "teacher" else settings.pool)
     rewards = RewardRunner(settings.tasks.reward_timeout_seconds)
+    teacher = teacher_client(settings)
     worker = RolloutWorker(
         engine,
         tokenizer,
@@ -84,14 +96,18 @@ async def serve(
         settings.tasks.version_wait_seconds,
         settings.tasks.max_inflight,
         settings.tasks.batching,
+        TeacherScoring(teacher) if teacher else None,
     )
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
     POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
-    loops = {"rollouts": worker.run(stop)}
-    if settings.weightsync_address:
-        loops["weights"] = weights_loop(settings, engine, stop, worker.version_changed)
-    if settings.orchestrator_address:
-        loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
+    if settings.pool == "teacher":  # fixed weights, no task: it answers Score until stopped
+        loops = {"pool": stop.wait()}
+    else:
+        loops = {"rollouts": worker.run(stop)}
+        if settings.weightsync_address:
+            loops["weights"] = weights_loop(settings, engine, stop, worker.version_changed)
+        if settings.orchestrator_address:
+            loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
     endpoint = await serve_endpoint(engine, tokenizer, settings) if settings.agent.endpoint else None
     try:
         async with grpc_service(
@@ -117,6 +133,8 @@ async def serve(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(endpoint[1], 5)
         await redis.aclose()
+        if teacher is not None:
+            await teacher.close()
         rewards.close()
         if owned:
             engine.close()

@@ -1,14 +1,16 @@
 """A replica's Inference gRPC API: `Generate` (one request, streamed token by token, every
-value checked first) and `Status`."""
+value checked first), `Score` (a teacher's logprobs of given completions: one prefill) and `Status`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 
 from services.inference.config import InferenceSettings
+from services.inference.metrics import POOL_FAILURES, POOL_QUEUE, POOL_REQUESTS, POOL_SECONDS, POOL_TOKENS
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling
 from shared.rollouts.record import trace_message
@@ -102,6 +104,33 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if sample.routing_trace is not None:
             final.routing_trace = trace_message(sample.routing_trace, sample.num_experts).SerializeToString()
         yield final
+
+    async def Score(self, request, context):
+        """log p(each completion token | what precedes it) for every sequence, from one prefill."""
+        pool, replica = self.settings.pool, self.settings.replica_id
+        score = getattr(self.engine, "score", None)
+        if score is None:
+            POOL_FAILURES.labels(pool, replica, "unimplemented").inc()
+            await self._invalid(context, f"the {self.engine.name} engine does not score", grpc.StatusCode.UNIMPLEMENTED)
+        sequences = [(list(s.prompt_token_ids), list(s.completion_token_ids)) for s in request.sequences]
+        if not sequences:
+            POOL_FAILURES.labels(pool, replica, "invalid").inc()
+            await self._invalid(context, "no sequence to score")
+        started = time.perf_counter()
+        POOL_QUEUE.labels(pool).inc()
+        try:
+            logprobs = await asyncio.to_thread(score, sequences)  # waits for the engine between two steps
+        except ValueError as exc:
+            POOL_FAILURES.labels(pool, replica, "invalid").inc()
+            await self._invalid(context, str(exc))
+        finally:
+            POOL_QUEUE.labels(pool).dec()
+        POOL_REQUESTS.labels(pool, replica, "Score").inc()
+        POOL_TOKENS.labels(pool, replica).inc(sum(len(c) for _, c in sequences))
+        POOL_SECONDS.labels(pool, replica).observe(time.perf_counter() - started)
+        return pb.ScoreReply(
+            sequences=[pb.TokenLogprobs(logprobs=row) for row in logprobs], model=self.engine.model_path
+        )
 
     async def Status(self, request, context):
         lag = 0

@@ -28,6 +28,7 @@ from services.inference.metrics import (
     REWARD_FAILURES,
     RUNNING,
     TASK_ERRORS,
+    TEACHER_FAILURES,
     TOKENS,
     TOKENS_PER_SECOND,
     VERSION_WAITS,
@@ -35,12 +36,14 @@ from services.inference.metrics import (
 )
 from services.inference.rollout_publisher import LEASES_LOST, QUEUE_ERRORS, Publisher
 from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
+from services.inference.teacher import TeacherScoring
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
 from shared.envs.trajectory import TrajectoryError
 from shared.models import decode_completions
 from shared.rollouts.record import RolloutTimings
 from shared.rollouts.samples import encode_samples
+from shared.rpc.pool_client import PoolError
 from shared.runstore.queues import Lease, WorkQueue, now_ms
 from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
 from shared.tasks import RewardRunner
@@ -72,6 +75,7 @@ class RolloutWorker:
         version_wait_seconds: float = 120.0,
         max_inflight_tasks: int = 16,
         batching: str = "continuous",
+        teacher: TeacherScoring | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
@@ -87,6 +91,7 @@ class RolloutWorker:
         self.return_traces = return_traces and engine.capabilities.routing_trace
         self.rewards = rewards or RewardRunner()
         self.version_wait_seconds = version_wait_seconds
+        self.teacher = teacher  # on-policy distillation: a teacher pool scores each group before it is published
         self.rate = TokenRate()
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
@@ -200,6 +205,8 @@ class RolloutWorker:
                 return
             with self.idle.busy():
                 payloads = await (self._play if lease.task.environment else self._sample)(checked, now_ms())
+            if payloads is not None and self.teacher is not None and not lease.task.is_eval:
+                payloads = await self._teacher_scored(lease, payloads)
             if payloads is not None:  # else given up or handed back already
                 self.publisher.add(lease, payloads)
         finally:
@@ -265,6 +272,17 @@ class RolloutWorker:
             log.warning("event=generation_failed task=%s error=%s", lease.task_id, exc)
             await self._hand_back(lease.task_id, "generation failed")
         return None
+
+    async def _teacher_scored(self, lease: Lease, payloads: list[bytes]) -> list[bytes] | None:
+        """The group with the teacher's logprobs; None once handed back (the pool failed every attempt:
+        the queue retries the task and, past its attempts, dead-letters it with this reason)."""
+        try:
+            return await self.teacher.attach(payloads)
+        except PoolError as exc:
+            TEACHER_FAILURES.labels(self.replica_id).inc()
+            log.warning("event=teacher_failed task=%s reason=%s", lease.task_id, exc.reason[:300])
+            await self._hand_back(lease.task_id, f"teacher: {exc.reason}")
+            return None
 
     async def _give_up(self, lease: Lease, code: str, message: str) -> None:
         BAD_TASKS.labels(code).inc()

@@ -28,6 +28,9 @@ class TrainBatch:
     trace: torch.Tensor | None  # [B, S, layers, top_k] long, when every rollout has one
     trace_mask: torch.Tensor | None  # [B, S] bool: positions the trace covers
     rollout_ids: list[str]
+    teacher_logprobs: torch.Tensor | None = (
+        None  # [B, S-1] float32, when every rollout has a teacher's (0 off the mask)
+    )
 
     @property
     def size(self) -> int:
@@ -55,6 +58,7 @@ class TrainBatch:
             pick(self.trace),
             pick(self.trace_mask),
             [self.rollout_ids[i] for i in index.tolist()],
+            pick(self.teacher_logprobs),
         )
 
     def trimmed(self) -> TrainBatch:
@@ -71,6 +75,7 @@ class TrainBatch:
             cut(self.trace, width),
             cut(self.trace_mask, width),
             self.rollout_ids,
+            cut(self.teacher_logprobs, width - 1),
         )
 
     def to(self, device: torch.device) -> TrainBatch:
@@ -85,6 +90,7 @@ class TrainBatch:
             move(self.trace),
             move(self.trace_mask),
             self.rollout_ids,
+            move(self.teacher_logprobs),
         )
 
 
@@ -103,6 +109,11 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
     inference = np.zeros((batch, width - 1), dtype=np.float32)
     versions = np.zeros((batch, width - 1), dtype=np.int64)
     with_trace = all(r.routing_trace is not None for r in rollouts)
+    teacher = (
+        np.zeros((batch, width - 1), dtype=np.float32)
+        if all(r.teacher_logprobs is not None for r in rollouts)
+        else None
+    )
     trace = trace_mask = None
     if with_trace:
         layers, top_k = rollouts[0].routing_trace.shape[1:]
@@ -119,6 +130,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
             loss_mask[row, span] = r.model_tokens  # a multi-turn trajectory: the model's tokens
         inference[row, span] = r.inference_logprobs
         versions[row, span] = r.policy_versions
+        if teacher is not None:
+            teacher[row, span] = r.teacher_logprobs
         if with_trace:
             positions = r.routing_trace.shape[0]
             trace[row, :positions] = r.routing_trace
@@ -134,6 +147,7 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
         None if trace is None else torch.from_numpy(trace),
         None if trace_mask is None else torch.from_numpy(trace_mask),
         [r.rollout_id for r in rollouts],
+        None if teacher is None else torch.from_numpy(teacher),
     )
 
 

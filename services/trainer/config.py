@@ -200,6 +200,19 @@ class DynamicSamplingSettings(BaseModel):
     run whose tasks became all-solved still moves."""
 
 
+class DistillSettings(BaseModel):
+    """On-policy distillation ([trainer.distill]): every token's advantage is coef · (log π_teacher −
+    log μ), the teacher pool's logprob against the sampler's, plus reward_weight · the task's
+    advantage; every rollout must carry the teacher's logprobs (a run with a [teacher] pool)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coef: float = Field(0.0, ge=0)
+    """Weight of the teacher's per-token signal (0: off, the task's reward alone)."""
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the task's sequence advantage beside it (0: pure distillation)."""
+
+
 class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
@@ -267,6 +280,8 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     reference_model: str = ""
     """The frozen reference of a KL term (loss.kl_coef > 0): a local model directory, loaded once
     (under fsdp/hsdp sharded like the policy); empty: model_path, the run's starting weights."""
+    distill: DistillSettings = DistillSettings()
+    """On-policy distillation from a teacher pool ([trainer.distill], docs/guides/pools.md)."""
     dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()
     """DAPO's dynamic sampling: groups with equal rewards are filtered, not trained ([trainer.dynamic_sampling])."""
     loss: LossConfig = LossConfig()
@@ -317,6 +332,8 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             replay=replay,
             bypass=self.bypass,
             grad_clip=self.optim.grad_clip,
+            distill_coef=self.distill.coef,
+            distill_reward_weight=self.distill.reward_weight,
         )
 
 

@@ -42,8 +42,16 @@ class Verdict:
 
 
 class GroupBuffer:
-    def __init__(self, group_size: int, run_id: str, limits: RolloutLimits, dead_groups: set[str] | None = None):
+    def __init__(
+        self,
+        group_size: int,
+        run_id: str,
+        limits: RolloutLimits,
+        dead_groups: set[str] | None = None,
+        require_teacher: bool = False,
+    ):
         self.group_size = group_size
+        self.require_teacher = require_teacher  # distillation: a rollout without the teacher's logprobs is dead
         self.run_id = run_id
         self.limits = limits
         self.groups: OrderedDict[str, dict[int, Held]] = OrderedDict()
@@ -104,6 +112,8 @@ class GroupBuffer:
             validate_rollout(rollout, replace(self.limits, max_version=version))
         except RolloutError as exc:
             return self._poison(rollout, exc.reason, str(exc))
+        if self.require_teacher and rollout.teacher_logprobs is None:
+            return self._poison(rollout, "no_teacher_logprobs", "distillation needs the teacher pool's logprobs")
         if rollout.group_id in self.dead_groups:
             return Verdict("dead", "group_poisoned", f"group {rollout.group_id} was dead-lettered", rollout)
         problem = self._check_group(rollout, fields)

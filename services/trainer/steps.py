@@ -113,7 +113,9 @@ def choose_recipe(
     name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
         f"+{replay}" if replay != "off" else ""
     )
-    if s.loss.kl_coef:  # what the paper's recipe leaves out, named when a recipe adds it
+    if s.distill.coef:  # what the paper's recipe leaves out, named when a recipe adds it
+        name += "+distill"
+    if s.loss.kl_coef:
         name += f"+kl_{s.loss.kl_estimator}_in_{s.loss.kl_in}"
     if s.loss.entropy_coef:
         name += "+entropy"

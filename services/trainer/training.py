@@ -11,6 +11,7 @@ import torch
 from services.trainer.batch import TrainBatch, split_groups, token_budget_chunks
 from services.trainer.forward import Compute, gradient_sync, routing_context, sequence_logprobs
 from shared.core.advantages import group_advantages
+from shared.core.distillation import distillation_advantages
 from shared.core.loss import LossConfig, policy_loss
 from shared.core.reference_kl import kl_terms, reward_penalty
 from shared.core.stats import StepStats
@@ -36,6 +37,10 @@ class StepConfig:
     """Max global grad norm (0 = off)."""
     separate_old_pass: bool = False
     """Recompute π_old in a pass of its own even where the update's forward gives it (`fuses_old`)."""
+    distill_coef: float = 0.0
+    """On-policy distillation: per-token advantages coef · (log π_teacher − log μ) (0: off)."""
+    distill_reward_weight: float = 0.0
+    """... plus this weight of the task's sequence advantage."""
 
     @property
     def fuses_old(self) -> bool:
@@ -93,7 +98,7 @@ class StepPlan:
     """A global step laid out: advantages of the whole batch, this rank's rows of each mini-batch."""
 
     batch: TrainBatch
-    advantages: torch.Tensor  # [B] over the whole global batch
+    advantages: torch.Tensor  # [B] over the whole global batch ([B, S-1] per token when distilling)
     staleness: torch.Tensor  # [B, S-1] float: version − token version (0 off the mask)
     rows_of: list[list[int]]  # per mini-batch: this rank's rows of `batch`
     local: TrainBatch  # this rank's rows of every mini-batch, in order
@@ -116,7 +121,7 @@ def plan_step(
         raise ValueError("R3 needs a routing trace on every rollout")
     if config.replay != "off" and not (routing is not None and routing.is_moe):
         raise ValueError(f"routing replay {config.replay} needs an MoE model")
-    advantages = group_advantages(batch.rewards.view(-1, group_size), config.advantage).reshape(-1)
+    advantages = step_advantages(batch, batch.rewards, group_size, config)
     staleness = torch.where(batch.loss_mask, (version - batch.versions).clamp(min=0), 0).float()
     rows_of = [rows[rank::world] for rows in split_groups(batch.size // group_size, group_size, config.mini_batches)]
     if any(not rows for rows in rows_of):
@@ -125,6 +130,24 @@ def plan_step(
     buckets = sorted({int(x) for x in staleness[batch.loss_mask].tolist()}) if batch.loss_mask.any() else []
     return StepPlan(
         batch, advantages, staleness, rows_of, batch.select(mine), {row: i for i, row in enumerate(mine)}, buckets
+    )
+
+
+def step_advantages(batch: TrainBatch, rewards: torch.Tensor, group_size: int, config: StepConfig) -> torch.Tensor:
+    """The step's advantages: the group baseline's [B] from `rewards`, or with distillation [B, S-1]
+    per token (the teacher's log-ratio against μ, plus the task's by its weight)."""
+    sequence = group_advantages(rewards.view(-1, group_size), config.advantage).reshape(-1)
+    if not config.distill_coef:
+        return sequence
+    if batch.teacher_logprobs is None:
+        raise ValueError("distillation needs the teacher's logprobs on every rollout")
+    return distillation_advantages(
+        batch.teacher_logprobs,
+        batch.inference_logprobs,
+        batch.loss_mask,
+        config.distill_coef,
+        sequence,
+        config.distill_reward_weight,
     )
 
 
@@ -215,10 +238,15 @@ def kl_in_reward(
     penalty = torch.zeros(plan.batch.size, device=reference.device)
     penalty[torch.tensor(list(plan.position), device=reference.device)] = penalty_local
     penalty = _global_sum(penalty, world).cpu()
-    rewards = plan.batch.rewards - penalty
-    plan.advantages = group_advantages(rewards.view(-1, group_size), config.advantage).reshape(-1)
+    plan.advantages = step_advantages(plan.batch, plan.batch.rewards - penalty, group_size, config)
     stats.add_mean("ref_kl", kl_terms(mu, reference, loss.kl_estimator), mask)
     stats.add_sum("ref_kl_penalty", penalty_local.sum(), local.size)  # per sequence
+
+
+def advantages_of(plan: StepPlan, rows: list[int], width: int) -> torch.Tensor:
+    """The advantages of these rows of the batch ([rows], or [rows, width − 1] per token)."""
+    picked = plan.advantages.index_select(0, torch.tensor(rows))
+    return picked[:, : width - 1] if picked.dim() == 2 else picked
 
 
 def update(
@@ -274,7 +302,7 @@ def update(
                 forward.logprobs,
                 old_logprobs,
                 mb.inference_logprobs,
-                plan.advantages.index_select(0, torch.tensor(picked)).to(compute.device),
+                advantages_of(plan, picked, w).to(compute.device),
                 mb.loss_mask,
                 config.loss,
                 token_normalizer=tokens,
@@ -344,6 +372,8 @@ def train_step(
     reduce_stats(stats, world)
     metrics = stats.result()
     mask = batch.loss_mask
+    if batch.teacher_logprobs is not None and mask.any():  # log π_teacher − log μ: the reverse KL's sample, negated
+        metrics["teacher_gap"] = float((batch.teacher_logprobs - batch.inference_logprobs)[mask].mean())
     metrics.update(
         reward_mean=float(batch.rewards.mean()),
         staleness_mean=float(plan.staleness[mask].mean()) if mask.any() else 0.0,

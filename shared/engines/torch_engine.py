@@ -48,6 +48,10 @@ log = logging.getLogger("steadyrl.engines.torch")
 UPDATE_MODES = ("in_flight", "between_requests")
 
 
+def _width(sequence: tuple[list[int], list[int]]) -> int:
+    return len(sequence[0]) + len(sequence[1])
+
+
 def _close_at_exit(engine: weakref.ref) -> None:
     """Close before the interpreter stops: a daemon thread cut off inside torch aborts the process."""
     alive = engine()
@@ -193,6 +197,49 @@ class TorchEngine:
 
     def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
         return self.weights.bytes_of(name, dtype)
+
+    def score(self, sequences: list[tuple[list[int], list[int]]], chunk_tokens: int = 16384) -> list[list[float]]:
+        """A teacher's scoring: log p(each completion token | the prompt and the completion before it)
+        for every (prompt, completion), by prefill forwards of right-padded chunks of at most
+        `chunk_tokens` tokens, under the engine's lock (between two decode steps). ValueError for a
+        sequence that cannot be scored (empty, out of the vocabulary, longer than the context)."""
+        for i, (prompt, completion) in enumerate(sequences):
+            if not prompt or not completion:
+                raise ValueError(f"sequence {i}: an empty prompt or completion")
+            tokens = [*prompt, *completion]
+            if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+                raise ValueError(f"sequence {i}: token ids outside the vocabulary [0, {self.vocab_size})")
+            if len(tokens) > self.max_model_len:
+                raise ValueError(f"sequence {i}: {len(tokens)} tokens > the engine's {self.max_model_len} positions")
+        out: list[list[float]] = []
+        start = 0
+        with self._lock, torch.inference_mode():
+            bind_torch_threads(self.threads)
+            while start < len(sequences):
+                end, longest = start, 0
+                while end < len(sequences) and (
+                    end == start or (end + 1 - start) * max(longest, _width(sequences[end])) <= chunk_tokens
+                ):
+                    longest = max(longest, _width(sequences[end]))
+                    end += 1
+                out += self._score_chunk(sequences[start:end], longest)
+                start = end
+        return out
+
+    def _score_chunk(self, sequences: list[tuple[list[int], list[int]]], width: int) -> list[list[float]]:
+        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, (prompt, completion) in enumerate(sequences):
+            n = len(prompt) + len(completion)
+            ids[row, :n] = torch.tensor([*prompt, *completion])
+            mask[row, :n] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None].to(self.device))
+        logprobs = logprobs.squeeze(-1).cpu()
+        return [
+            logprobs[row, len(prompt) - 1 : len(prompt) + len(completion) - 1].tolist()
+            for row, (prompt, completion) in enumerate(sequences)
+        ]
 
     @property
     def version(self) -> int:

@@ -76,6 +76,7 @@ class Rollout:
     env_metrics: dict[str, float] = field(default_factory=dict)  # the environment's counts, summed over its steps
     reward_error: str = ""  # why the reward could not score it (then 0); empty when it did
     source: str = ""  # its task's data mixture source (empty: a run of one source)
+    teacher_logprobs: np.ndarray | None = None  # float32 [C]: a teacher pool's logprob of each completion token
 
     @property
     def model_tokens(self) -> np.ndarray:
@@ -133,6 +134,11 @@ def encode_rollout(rollout: Rollout) -> bytes:
         env_metrics=rollout.env_metrics,
         reward_error=rollout.reward_error,
         source=rollout.source,
+        teacher_logprobs=(
+            np.asarray(rollout.teacher_logprobs, dtype=np.float32).tolist()
+            if rollout.teacher_logprobs is not None
+            else []
+        ),
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
@@ -207,6 +213,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         env_metrics=dict(msg.env_metrics),
         reward_error=msg.reward_error[:200],
         source=msg.source,
+        teacher_logprobs=np.array(msg.teacher_logprobs, dtype=np.float32) if len(msg.teacher_logprobs) else None,
     )
 
 
@@ -252,7 +259,8 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("empty", f"prompt has {prompt_len} tokens, completion {completion_len}")
     if prompt_len + completion_len > limits.max_total_tokens:
         raise RolloutError("oversize", f"{prompt_len + completion_len} tokens > limit {limits.max_total_tokens}")
-    for name in ("inference_logprobs", "policy_versions", *(("loss_mask",) if rollout.loss_mask is not None else ())):
+    optional = tuple(name for name in ("loss_mask", "teacher_logprobs") if getattr(rollout, name) is not None)
+    for name in ("inference_logprobs", "policy_versions", *optional):
         if len(getattr(rollout, name)) != completion_len:
             raise RolloutError(
                 "length", f"{name} has {len(getattr(rollout, name))} entries for {completion_len} completion tokens"
@@ -266,6 +274,9 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("nonfinite_logprobs", f"{bad} of {completion_len} inference logprobs are NaN/inf")
     if logprobs.max() > MAX_LOGPROB:
         raise RolloutError("logprob_range", f"inference logprob {float(logprobs.max()):.4g} > 0")
+    teacher = rollout.teacher_logprobs
+    if teacher is not None and not (np.isfinite(teacher).all() and teacher.max() <= MAX_LOGPROB):
+        raise RolloutError("teacher_logprobs", "a teacher logprob is NaN, infinite or above 0")
     if not np.isfinite(rollout.reward) or not all(map(np.isfinite, rollout.env_metrics.values())):
         raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}, env_metrics {rollout.env_metrics}")
     model = rollout.model_tokens

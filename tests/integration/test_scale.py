@@ -4,6 +4,7 @@ the same code that runs on CUDA with nccl."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -441,3 +442,18 @@ def test_every_objective_trains_the_moe_with_the_corrections_and_r3(tiny_model_d
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
     assert metrics["routing_agreement"] > 0.9 and 0 <= metrics["clip_frac"] <= 1
     assert metrics["ref_kl"] >= 0 and "is_weight_max" in metrics
+
+
+def test_distillation_trains_on_the_teacher_s_per_token_advantage(tiny_model_dir):
+    """Rewards all equal (no task signal) and a teacher at half the sampler's logprob (the gap
+    −½ log μ(y_t) > 0 on every token): the step moves the weights on the teacher's signal alone, its
+    `teacher_gap` the mean by hand."""
+    rollouts = recorded_rollouts(tiny_model_dir, 2, seed=93)
+    for r in rollouts:
+        r.reward = 1.0
+        r.teacher_logprobs = (0.5 * r.inference_logprobs).astype(np.float32)
+    gap = np.concatenate([-0.5 * r.inference_logprobs for r in rollouts]).mean()
+    plain, _ = step(tiny_model_dir, rollouts, StepConfig())  # equal rewards: only AdamW's weight decay
+    model, metrics = step(tiny_model_dir, rollouts, StepConfig(distill_coef=1.0))
+    assert worst_difference(plain.state_dict(), model.state_dict()) > 1e-4
+    assert metrics["teacher_gap"] == pytest.approx(float(gap), rel=1e-5)

@@ -71,3 +71,31 @@ class InferenceStatus(_message.Message):
     tokens_per_second: float
     busy: bool
     def __init__(self, replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_common_pb2.PolicyVersion, _Mapping]] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., queue_lag: _Optional[int] = ..., rollouts_published: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class ScoreSequence(_message.Message):
+    __slots__ = ("prompt_token_ids", "completion_token_ids")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ScoreSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreReply(_message.Message):
+    __slots__ = ("sequences", "model")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    model: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...

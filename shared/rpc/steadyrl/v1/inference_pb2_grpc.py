@@ -46,6 +46,11 @@ class InferenceStub:
                 request_serializer=steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=steadyrl_dot_v1_dot_inference__pb2.InferenceStatus.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/steadyrl.v1.Inference/Score',
+                request_serializer=steadyrl_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_inference__pb2.ScoreReply.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -63,6 +68,12 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +86,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=steadyrl_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=steadyrl_dot_v1_dot_inference__pb2.InferenceStatus.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=steadyrl_dot_v1_dot_inference__pb2.ScoreRequest.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_inference__pb2.ScoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +147,33 @@ class Inference:
             '/steadyrl.v1.Inference/Status',
             steadyrl_dot_v1_dot_common__pb2.Empty.SerializeToString,
             steadyrl_dot_v1_dot_inference__pb2.InferenceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.Inference/Score',
+            steadyrl_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
+            steadyrl_dot_v1_dot_inference__pb2.ScoreReply.FromString,
             options,
             channel_credentials,
             insecure,

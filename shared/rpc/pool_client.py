@@ -1,0 +1,94 @@
+"""Calls into a pool of model-signal replicas (a teacher or a judge) with bounded waits: each attempt
+has a deadline, a failed or slow replica is left for the next one (round robin), and after
+`attempts` tries the call fails with the reason of the last — the caller hands its task back, so a
+pool that is down, slow or answering garbage delays work and never loses it.
+
+Details: docs/guides/pools.md"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+
+log = logging.getLogger("steadyrl.pools")
+# what another replica, or the same one later, may answer differently
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+class PoolError(RuntimeError):
+    """A pool call that failed every attempt (or was refused as invalid): `reason` says why."""
+
+    def __init__(self, pool: str, reason: str) -> None:
+        super().__init__(f"{pool} pool: {reason}")
+        self.pool = pool
+        self.reason = reason
+
+
+class PoolClient:
+    """One channel per replica address, kept open; `call` runs an RPC on them in turn."""
+
+    def __init__(
+        self,
+        pool: str,
+        addresses: Sequence[str],
+        stub: Callable[[grpc.aio.Channel], object],
+        timeout_seconds: float,
+        attempts: int,
+        backoff_seconds: float = 0.2,
+        channel: Callable[[str], grpc.aio.Channel] | None = None,
+    ) -> None:
+        if not addresses:
+            raise ValueError(f"the {pool} pool has no replica address")
+        from shared.rpc import channel_options
+        from shared.rpc.auth import channel as open_channel
+
+        self.pool = pool
+        self.addresses = list(addresses)
+        self.timeout_seconds = timeout_seconds
+        self.attempts = attempts
+        self.backoff_seconds = backoff_seconds
+        make = channel or (lambda address: open_channel(address, options=channel_options()))
+        self.channels = [make(a) for a in self.addresses]
+        self.stubs = [stub(c) for c in self.channels]
+        self._next = itertools.cycle(range(len(self.stubs)))
+
+    async def call(self, method: str, request, check: Callable[[object], str] | None = None) -> object:
+        """`method` of a replica's stub on `request`, at most `attempts` tries of `timeout_seconds`
+        each; `check(reply)` returns a reason when the reply is garbage ('' when it is good), which
+        counts as a failed attempt. Raises PoolError with the last reason."""
+        reason = "no attempt"
+        for attempt in range(self.attempts):
+            index = next(self._next)
+            address = self.addresses[index]
+            try:
+                reply = await getattr(self.stubs[index], method)(request, timeout=self.timeout_seconds)
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{address}: {exc.code().name} {exc.details() or ''}".strip()
+                if exc.code() not in RETRYABLE:
+                    raise PoolError(self.pool, reason) from None
+            else:
+                problem = check(reply) if check else ""
+                if not problem:
+                    return reply
+                reason = f"{address}: {problem}"
+            log.warning("event=pool_call_failed pool=%s attempt=%d reason=%s", self.pool, attempt + 1, reason[:300])
+            if attempt + 1 < self.attempts:
+                await asyncio.sleep(self.backoff_seconds * 2**attempt)
+        raise PoolError(self.pool, f"{self.attempts} attempts failed, the last: {reason}")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.channels), return_exceptions=True)

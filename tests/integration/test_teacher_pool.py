@@ -1,0 +1,116 @@
+"""A teacher pool for real: two teacher replicas (`python -m services.inference`, pool `teacher`) on the
+tiny model, reached through `PoolClient` — Score equals the engine's own logprobs, a dead address and
+a frozen replica (SIGSTOP) cost one bounded attempt each and the next replica answers, garbage and
+invalid requests fail with their reason, and the replica counts what it served."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from shared.engines import make_engine
+from shared.rpc.pool_client import PoolClient, PoolError
+from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+from shared.rpc.steadyrl.v1 import inference_pb2_grpc
+from shared.runstore.redis_server import free_port
+
+
+def teacher(model_dir, port: int, metrics_port: int, name: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "STEADYRL_INFERENCE_MODEL_PATH": str(model_dir),
+        "STEADYRL_INFERENCE_DTYPE": "float32",
+        "STEADYRL_INFERENCE_POOL": "teacher",
+        "STEADYRL_INFERENCE_PORT": str(port),
+        "STEADYRL_INFERENCE_METRICS_PORT": str(metrics_port),
+        "STEADYRL_INFERENCE_REPLICA_ID": name,
+        "STEADYRL_INFERENCE_TORCH_THREADS": "1",
+    }
+    return subprocess.Popen([sys.executable, "-m", "services.inference"], env=env, stdout=subprocess.DEVNULL)
+
+
+def wait_serving(port: int, deadline: float = 120.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no teacher serving on {port}")
+
+
+def test_a_teacher_pool_scores_and_survives_a_dead_and_a_frozen_replica(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("STEADYRL_TOKEN", raising=False)
+    ports = [free_port() for _ in range(5)]
+    dead, (a, a_metrics), (b, b_metrics) = ports[0], ports[1:3], ports[3:5]
+    replicas = [teacher(tiny_model_dir, a, a_metrics, "teacher-0"), teacher(tiny_model_dir, b, b_metrics, "teacher-1")]
+    prompt, completion = [1, 5, 6, 7], [4, 5, 7, 7, 6, 5]
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    [expected] = engine.score([(prompt, completion)])
+    engine.close()
+    request = pb.ScoreRequest(sequences=[pb.ScoreSequence(prompt_token_ids=prompt, completion_token_ids=completion)])
+    try:
+        wait_serving(a)
+        wait_serving(b)
+
+        async def main():
+            client = PoolClient(
+                "teacher",
+                [f"127.0.0.1:{dead}", f"127.0.0.1:{a}", f"127.0.0.1:{b}"],
+                inference_pb2_grpc.InferenceStub,
+                timeout_seconds=2.0,
+                attempts=3,
+                backoff_seconds=0.05,
+            )
+            out = {}
+            out["first"] = await client.call("Score", request)  # the dead address, then teacher-0
+            os.kill(replicas[0].pid, signal.SIGSTOP)  # frozen: its attempt runs out, teacher-1 answers
+            try:
+                started = time.monotonic()
+                out["frozen"] = await client.call("Score", request)  # teacher-1 first (round robin), then dead ...
+                out["frozen_again"] = await client.call("Score", request)  # ... teacher-0 frozen, teacher-1
+                out["seconds"] = time.monotonic() - started
+            finally:
+                os.kill(replicas[0].pid, signal.SIGCONT)
+            with pytest.raises(PoolError, match="3 attempts failed, the last: .*garbage"):
+                await client.call("Score", request, check=lambda reply: "garbage")
+            bad = pb.ScoreRequest(sequences=[pb.ScoreSequence(prompt_token_ids=[1, 999], completion_token_ids=[2])])
+            with pytest.raises(PoolError, match="INVALID_ARGUMENT .*vocabulary") as refused:
+                await client.call("Score", bad)  # not retried: no replica would score it
+            out["invalid"] = refused.value.reason
+            await client.close()
+            return out
+
+        out = asyncio.run(asyncio.wait_for(main(), 120))
+        served = {name: served_by(port) for name, port in (("teacher-0", a_metrics), ("teacher-1", b_metrics))}
+    finally:
+        for replica in replicas:
+            replica.terminate()
+            replica.wait(20)
+    for key in ("first", "frozen", "frozen_again"):
+        assert list(out[key].sequences[0].logprobs) == pytest.approx(expected, abs=1e-5), key
+    assert out["seconds"] < 2 * 2.0 + 1.0  # one frozen attempt (2 s) and one dead one at most, not a hang
+    assert served["teacher-0"] >= 1 and served["teacher-1"] >= 2 and sum(served.values()) >= 5, served
+
+
+def served_by(metrics_port: int) -> float:
+    """Score requests a replica answered (its Prometheus counter)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("steadyrl_pool_requests_total{") and 'method="Score"' in line
+    )

@@ -1,0 +1,53 @@
+"""On-policy distillation: the per-token advantage log π_teacher − log μ (mixed with the task's by a
+weight), and through MiniRL's Eq. 7 the loss and gradient equal the math by hand on 3 tokens; the
+teacher reply check of the replicas."""
+
+import math
+
+import pytest
+import torch
+
+from services.inference.teacher import reply_problem
+from shared.core.distillation import distillation_advantages
+from shared.core.loss import LossConfig, policy_loss
+from shared.rpc.steadyrl.v1 import inference_pb2 as pb
+
+LN2 = math.log(2)
+TEACHER = torch.log(torch.tensor([[0.5, 0.25, 0.8]]))
+BEHAVIOUR = torch.log(torch.tensor([[0.25, 0.25, 0.4]]))  # μ: the sampler's logprobs
+
+
+def test_the_advantage_is_the_teacher_s_log_ratio_by_hand():
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    assert distillation_advantages(TEACHER, BEHAVIOUR, mask, 1.0)[0].tolist() == pytest.approx([LN2, 0, LN2])
+    # a token off the mask (an environment's) carries none; the task's Â joins the valid tokens by its weight
+    mask = torch.tensor([[True, True, False]])
+    mixed = distillation_advantages(TEACHER, BEHAVIOUR, mask, 0.5, torch.tensor([2.0]), reward_weight=0.25)
+    assert mixed[0].tolist() == pytest.approx([0.5 * LN2 + 0.5, 0.5, 0.0])
+    # a non-finite teacher logprob gives no advantage rather than a NaN
+    broken = distillation_advantages(torch.tensor([[-math.inf, -1.0, 0.0]]), BEHAVIOUR, torch.ones(1, 3), 1.0)
+    assert broken[0].tolist() == pytest.approx([0.0, -1.0 - math.log(0.25), -math.log(0.4)])
+
+
+def test_through_minirl_the_loss_and_gradient_equal_the_math_by_hand():
+    """π_θ = μ (on policy): w_t = 1, no clip, so loss = −Σ_t A_t log π_θ(y_t) / 3 and
+    ∂loss/∂log π_θ(y_t) = −A_t / 3 with A = [ln 2, 0, ln 2]."""
+    logprobs = BEHAVIOUR.clone().requires_grad_(True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    advantages = distillation_advantages(TEACHER, BEHAVIOUR, mask, 1.0)
+    loss, _ = policy_loss(logprobs, None, BEHAVIOUR, advantages, mask, LossConfig())
+    loss.backward()
+    expected = -(LN2 * math.log(0.25) + 0 + LN2 * math.log(0.4)) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert logprobs.grad[0].tolist() == pytest.approx([-LN2 / 3, 0.0, -LN2 / 3], abs=1e-6)
+
+
+def test_a_teacher_reply_is_checked_before_it_rides_on_a_rollout():
+    good = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0]), pb.TokenLogprobs(logprobs=[-1.0])])
+    assert reply_problem(good, [2, 1]) == ""
+    assert "1 sequences scored, 2 sent" in reply_problem(pb.ScoreReply(sequences=good.sequences[:1]), [2, 1])
+    assert "1 logprobs for 2" in reply_problem(pb.ScoreReply(sequences=[good.sequences[1], good.sequences[1]]), [2, 1])
+    nan = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[math.nan, -1.0]), good.sequences[1]])
+    assert "not a finite log-probability" in reply_problem(nan, [2, 1])
+    positive = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[0.5, -1.0]), good.sequences[1]])
+    assert "not a finite log-probability" in reply_problem(positive, [2, 1])
