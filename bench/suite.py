@@ -1,5 +1,5 @@
 """`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
-LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, peers), one JSON
+LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, pools, peers), one JSON
 object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each
 benchmark runs in its own process, so none inherits another's threads or memory."""
 
@@ -27,6 +27,7 @@ BENCHMARKS = {
     "trainer_checkpoint": ("bench.trainer_checkpoint", []),
     "async": ("bench.asynchrony", []),
     "dynamic_sampling": ("bench.dynamic_sampling", []),
+    "pools": ("bench.pools", []),
     "peers": ("steadyrl.peers", []),  # the application layer: it runs `steadyrl run` and `steadyrl eval`'s loop
 }
 
@@ -388,6 +389,25 @@ def markdown(result: dict) -> str:
     lines.append(
         f"| dynamic sampling | {label}: seconds from the first step to the last; eval by version {curve(on)} vs "
         f"{curve(off)} | {_get(ds, 'ratios', 'seconds')} | – |"
+    )
+    pools = b.get("pools", {})
+    scoring = _get(pools, "teacher_scoring", default={})
+    lines.append(
+        f"| pools | teacher scoring / generation, completion tokens/s, torch engine, the demo's step "
+        f"({_get(scoring, 'sequences')} sequences, fp32, one thread: {_get(scoring, 'score_tokens_per_s')} vs "
+        f"{_get(scoring, 'generate_tokens_per_s')}) | {_get(pools, 'ratios', 'score_over_generate_tokens_per_s')} | – |"
+    )
+    lines.append(
+        f"| pools | rollouts trained per second with a teacher pool (1 replica) / without, tiny-arith, "
+        f"{_get(pools, 'steps')} steps ({_get(pools, 'distill', 'rollouts_per_s')} vs "
+        f"{_get(pools, 'rl', 'rollouts_per_s')}) | {_get(pools, 'ratios', 'rollouts_per_s_with_teacher_over_without')} "
+        f"| – |"
+    )
+    lines.append(
+        f"| pools | steps to eval {_get(pools, 'target_accuracy')} (mean of 2 evals), distilled from a teacher of "
+        f"{_get(pools, 'teacher', 'steps')} RL steps (eval {_get(pools, 'teacher', 'eval_end')}) / RL alone "
+        f"({_get(pools, 'distill', 'steps_to_target')} vs {_get(pools, 'rl', 'steps_to_target')}) "
+        f"| {_get(pools, 'ratios', 'steps_to_target_distill_over_rl')} | < 1 |"
     )
     lines += peer_rows(b.get("peers", {}))
     failed = [name for name, value in b.items() if "error" in value]

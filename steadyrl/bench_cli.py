@@ -129,6 +129,19 @@ def bench_dynamic_sampling(steps: int = typer.Option(200, min=2, help="Steps of 
     typer.echo(json.dumps(run(steps)))
 
 
+@bench_app.command("pools")
+def bench_pools(
+    teacher_steps: int = typer.Option(300, min=2, help="RL steps that make the teacher."),
+    steps: int = typer.Option(150, min=2, help="Steps of each student run."),
+    target: float = typer.Option(0.6, help="Eval accuracy the students race to."),
+) -> None:
+    """A teacher pool: scoring / generation tokens/s, rollouts/s with the pool / without, and the
+    steps a distilled student and an RL student need to reach `target`."""
+    from bench.pools import main as run
+
+    typer.echo(json.dumps(run(teacher_steps, steps, target)))
+
+
 @bench_app.command("peers")
 def bench_peers(
     steps: int = typer.Option(200, min=2, help="Steps of each side."),

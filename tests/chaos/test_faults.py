@@ -199,6 +199,7 @@ SLOW_FAULTS = {
     "orchestrator_sigkill",
     "inference_sigkill",
     "trainer_sigkill",
+    "weightsync_restart",  # the default suite restarts weight-sync under a vLLM run (tests/chaos/test_vllm_faults.py)
 }
 
 

@@ -27,7 +27,12 @@ B = 4
 G = 8
 
 
-@pytest.mark.parametrize("trainer_gpus", [0, pytest.param(1, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "trainer_gpus",
+    # slow on the CPU: the default suite has the supervisor restart a killed trainer in
+    # tests/chaos/test_run_faults.py (as a checkpoint lands) and tests/chaos/test_faults.py
+    [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.gpu)],
+)
 def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path, tiny_model_dir, trainer_gpus):
     """On the CPU, and with the trainer on a GPU (bf16-mixed: its checkpoint comes back onto CUDA)."""
     out = tmp_path / "run"

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the default suite runs the grids of configs/ (below) through the same runner
 def test_experiment_grid_runs_every_seed_and_writes_the_table(tmp_path, tiny_model_dir):
     grid = tmp_path / "grid.toml"
     grid.write_text(f'''

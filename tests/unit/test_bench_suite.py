@@ -88,3 +88,14 @@ def test_the_dynamic_sampling_bench_counts_tokens_and_filtered_groups_by_hand():
     assert out["filtered_groups"] == 4 and out["filtered_share"] == 0.4  # 4 / (4 + 3 × 2)
     assert out["zero_variance_share_trained"] == round(0.5 / 3, 4)
     assert out["evals"] == {0: 0.25, 3: 0.5}
+
+
+def test_the_pools_bench_counts_steps_to_target_and_rollouts_by_hand():
+    from bench.pools import rollouts_per_second, steps_to
+
+    evals = [{"version": v, "accuracy": a} for v, a in [(20, 0.62), (0, 0.4), (10, 0.58), (30, 0.5)]]
+    assert steps_to(evals, 0.6) == 20  # (0.58 + 0.62) / 2: one lucky eval alone does not decide
+    assert steps_to(evals, 0.61) is None
+    lines = [{"step": 2, "unix_ms": 3000}, {"step": 1, "unix_ms": 1000}, {"step": 3, "unix_ms": 5000}]
+    assert rollouts_per_second(lines, 256) == 128.0  # 2 steps × 256 rollouts in 4 s
+    assert rollouts_per_second(lines[:1], 256) is None

@@ -1,0 +1,135 @@
+"""Teacher pool benchmark in one run: the torch engine's scoring (a teacher's prefill) against its
+generation on the demo's step, and a cold-started student trained by RL alone and distilled from an
+RL-made teacher — rollouts per second with the pool / without, steps to a target eval. One JSON object.
+
+Details: docs/internals/bench.md"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "configs" / "tiny-arith.toml"
+
+
+def steps_to(evals: list[dict], target: float) -> int | None:
+    """The first version at which two consecutive evals average `target` or more (None: never). Pure."""
+    evals = sorted(evals, key=lambda e: e["version"])
+    for before, at in zip(evals, evals[1:], strict=False):
+        if (before["accuracy"] + at["accuracy"]) / 2 >= target:
+            return int(at["version"])
+    return None
+
+
+def rollouts_per_second(lines: list[dict], batch: int) -> float | None:
+    """Rollouts trained per second from the end of the first step to the end of the last. Pure."""
+    lines = sorted(lines, key=lambda m: m["step"])
+    if len(lines) < 2:
+        return None
+    return round((len(lines) - 1) * batch / ((lines[-1]["unix_ms"] - lines[0]["unix_ms"]) / 1000), 1)
+
+
+def scoring_vs_generation(model: str, sequences: int = 256, tokens: int = 6, rounds: int = 3) -> dict:
+    from shared.engines import Sampling, make_engine
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
+
+    engine = make_engine("torch", model, "float32", threads=1)
+    try:
+        examples = TinySpec().task(0).split("train", sequences // 8)
+        prompts = [p for p in encode_prompts(char_tokenizer(), [e.prompt for e in examples]) for _ in range(8)]
+        generate, score = [], []
+        for r in range(rounds):
+            started = time.perf_counter()
+            samples = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=tokens, seed=r + 1))
+            generate.append(time.perf_counter() - started)
+            pairs = [(p, s.token_ids) for p, s in zip(prompts, samples, strict=True)]
+            started = time.perf_counter()
+            engine.score(pairs)
+            score.append(time.perf_counter() - started)
+        completion = sum(len(s.token_ids) for s in samples)
+    finally:
+        engine.close()
+    gen_rate = completion / sorted(generate)[rounds // 2]
+    score_rate = completion / sorted(score)[rounds // 2]
+    return {
+        "sequences": sequences,
+        "generate_tokens_per_s": round(gen_rate, 1),
+        "score_tokens_per_s": round(score_rate, 1),
+        "score_over_generate": round(score_rate / gen_rate, 2),
+    }
+
+
+def run(out: Path, steps: int, extra: list[Path], settings: list[str]) -> tuple[list[dict], list[dict]]:
+    from shared.runtime.jsonl import read_jsonl
+
+    command = [str(Path(sys.executable).with_name("steadyrl")), "run", str(RECIPE), *map(str, extra)]
+    settings = [f"run.steps={steps}", *settings]
+    done = subprocess.run(
+        [*command, "--out", str(out), "--progress", "none", *(a for s in settings for a in ("--set", s))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    if done.returncode != 0 or summary.get("outcome") != "finished":
+        raise RuntimeError(f"the run in {out.name} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "eval.jsonl")
+
+
+def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dict:
+    import tomllib
+
+    from shared.kit.tiny import init_tiny_model
+
+    recipe = tomllib.loads(RECIPE.read_text())["run"]
+    batch = recipe["batch_prompts"] * recipe["group_size"]
+    result = {"benchmark": "pools", "recipe": "configs/tiny-arith.toml", "steps": steps, "target_accuracy": target}
+    result["teacher_scoring"] = scoring_vs_generation(str(init_tiny_model()))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        _, teacher_evals = run(tmp / "teacher", teacher_steps, [], ["orchestrator.evals.every=100"])
+        pool = tmp / "teacher.toml"
+        pool.write_text(f'[teacher]\npath = "{tmp / "teacher" / "final-model"}"\n')
+        sides = {}
+        for name, extra, settings in (
+            ("rl", [], []),
+            ("distill", [pool], ["trainer.distill.coef=1.0", "trainer.distill.reward_weight=1.0"]),
+        ):
+            lines, evals = run(tmp / name, steps, extra, ["orchestrator.evals.every=10", *settings])
+            sides[name] = {
+                "rollouts_per_s": rollouts_per_second(lines, batch),
+                "steps_to_target": steps_to(evals, target),
+                "evals": {int(e["version"]): round(e["accuracy"], 3) for e in evals},
+            }
+    rl, distill = sides["rl"], sides["distill"]
+    result.update(
+        teacher={
+            "steps": teacher_steps,
+            "eval_end": round(sorted(teacher_evals, key=lambda e: e["version"])[-1]["accuracy"], 3),
+        },
+        rl=rl,
+        distill=distill,
+        ratios={
+            "score_over_generate_tokens_per_s": result["teacher_scoring"]["score_over_generate"],
+            "rollouts_per_s_with_teacher_over_without": (
+                round(distill["rollouts_per_s"] / rl["rollouts_per_s"], 3)
+                if distill["rollouts_per_s"] and rl["rollouts_per_s"]
+                else None
+            ),
+            "steps_to_target_distill_over_rl": (
+                round(distill["steps_to_target"] / rl["steps_to_target"], 3)
+                if distill["steps_to_target"] and rl["steps_to_target"]
+                else None
+            ),
+        },
+    )
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
