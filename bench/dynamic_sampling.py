@@ -10,7 +10,6 @@ of the first step to the end of the last (start-up and the final checkpoint not 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,18 +40,13 @@ def summarise(lines: list[dict], evals: list[dict], batch_prompts: int) -> dict:
     }
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def main(steps: int = 200, overrides: list[str] = ()) -> dict:
     """Each variant a whole `steadyrl run` of configs/tiny-arith.toml, as a user starts it."""
     import tomllib
 
-    from shared.runtime.jsonl import read_jsonl
+    from bench.demo_run import ratio, run_demo
 
     batch_prompts = tomllib.loads(RECIPE.read_text())["run"]["batch_prompts"]
-    steadyrl = Path(sys.executable).with_name("steadyrl")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, enabled in VARIANTS.items():
@@ -64,21 +58,8 @@ def main(steps: int = 200, overrides: list[str] = ()) -> dict:
                 f'run.id="bench-ds-{name}"',
                 *overrides,
             ]
-            done = subprocess.run(
-                [str(steadyrl), "run", str(RECIPE), "--out", str(out)]
-                + ["--progress", "none", *(a for s in settings for a in ("--set", s))],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-            if done.returncode != 0 or summary.get("outcome") != "finished":
-                raise RuntimeError(f"the run {name} dynamic sampling failed ({done.returncode}): {done.stderr[-2000:]}")
-            lines = read_jsonl(out / "metrics.jsonl")
-            results[name] = {
-                "wall_seconds": summary.get("wall_seconds"),
-                **summarise(lines, read_jsonl(out / "eval.jsonl"), batch_prompts),
-            }
+            lines, evals, summary = run_demo([RECIPE], out, settings)
+            results[name] = {"wall_seconds": summary.get("wall_seconds"), **summarise(lines, evals, batch_prompts)}
     on, off = results["with"], results["without"]
     return {
         "benchmark": "dynamic_sampling",

@@ -7,8 +7,6 @@ Details: docs/internals/bench.md"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,26 +62,10 @@ def scoring_vs_generation(model: str, sequences: int = 256, tokens: int = 6, rou
     }
 
 
-def run(out: Path, steps: int, extra: list[Path], settings: list[str]) -> tuple[list[dict], list[dict]]:
-    from shared.runtime.jsonl import read_jsonl
-
-    command = [str(Path(sys.executable).with_name("steadyrl")), "run", str(RECIPE), *map(str, extra)]
-    settings = [f"run.steps={steps}", *settings]
-    done = subprocess.run(
-        [*command, "--out", str(out), "--progress", "none", *(a for s in settings for a in ("--set", s))],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    if done.returncode != 0 or summary.get("outcome") != "finished":
-        raise RuntimeError(f"the run in {out.name} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "eval.jsonl")
-
-
 def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dict:
     import tomllib
 
+    from bench.demo_run import ratio, run_demo
     from shared.kit.tiny import init_tiny_model
 
     recipe = tomllib.loads(RECIPE.read_text())["run"]
@@ -92,7 +74,8 @@ def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dic
     result["teacher_scoring"] = scoring_vs_generation(str(init_tiny_model()))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        _, teacher_evals = run(tmp / "teacher", teacher_steps, [], ["orchestrator.evals.every=100"])
+        settings = [f"run.steps={teacher_steps}", "orchestrator.evals.every=100"]
+        _, teacher_evals, _ = run_demo([RECIPE], tmp / "teacher", settings)
         pool = tmp / "teacher.toml"
         pool.write_text(f'[teacher]\npath = "{tmp / "teacher" / "final-model"}"\n')
         sides = {}
@@ -100,7 +83,9 @@ def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dic
             ("rl", [], []),
             ("distill", [pool], ["trainer.distill.coef=1.0", "trainer.distill.reward_weight=1.0"]),
         ):
-            lines, evals = run(tmp / name, steps, extra, ["orchestrator.evals.every=10", *settings])
+            lines, evals, _ = run_demo(
+                [RECIPE, *extra], tmp / name, [f"run.steps={steps}", "orchestrator.evals.every=10", *settings]
+            )
             sides[name] = {
                 "rollouts_per_s": rollouts_per_second(lines, batch),
                 "steps_to_target": steps_to(evals, target),
@@ -116,16 +101,8 @@ def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dic
         distill=distill,
         ratios={
             "score_over_generate_tokens_per_s": result["teacher_scoring"]["score_over_generate"],
-            "rollouts_per_s_with_teacher_over_without": (
-                round(distill["rollouts_per_s"] / rl["rollouts_per_s"], 3)
-                if distill["rollouts_per_s"] and rl["rollouts_per_s"]
-                else None
-            ),
-            "steps_to_target_distill_over_rl": (
-                round(distill["steps_to_target"] / rl["steps_to_target"], 3)
-                if distill["steps_to_target"] and rl["steps_to_target"]
-                else None
-            ),
+            "rollouts_per_s_with_teacher_over_without": ratio(distill["rollouts_per_s"], rl["rollouts_per_s"]),
+            "steps_to_target_distill_over_rl": ratio(distill["steps_to_target"], rl["steps_to_target"]),
         },
     )
     return result

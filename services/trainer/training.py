@@ -13,7 +13,7 @@ from services.trainer.forward import Compute, gradient_sync, routing_context, se
 from shared.core.advantages import group_advantages
 from shared.core.distillation import distillation_advantages
 from shared.core.loss import LossConfig, policy_loss
-from shared.core.reference_kl import kl_terms, reward_penalty
+from shared.core.reference_kl import reward_penalty
 from shared.core.stats import StepStats
 from shared.models.routing import RoutingController
 
@@ -239,7 +239,7 @@ def kl_in_reward(
     penalty[torch.tensor(list(plan.position), device=reference.device)] = penalty_local
     penalty = _global_sum(penalty, world).cpu()
     plan.advantages = step_advantages(plan.batch, plan.batch.rewards - penalty, group_size, config)
-    stats.add_mean("ref_kl", kl_terms(mu, reference, loss.kl_estimator), mask)
+    stats.add_sum("ref_kl", penalty_local.sum() / loss.kl_coef, mask.sum())  # per token: the sum before β
     stats.add_sum("ref_kl_penalty", penalty_local.sum(), local.size)  # per sequence
 
 

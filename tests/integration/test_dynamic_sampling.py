@@ -3,8 +3,8 @@ rewards is acknowledged into `trained:filtered` (never trained, never lost), at 
 and a copy that comes back is a duplicate; past the cap the group stays to be trained."""
 
 import asyncio
+import dataclasses
 
-import numpy as np
 from redis.asyncio import Redis
 
 from services.trainer.checkpoint import TrainerState
@@ -14,24 +14,14 @@ from services.trainer.stream import RedisRolloutSource
 from shared.rollouts.record import Rollout, RolloutLimits, encode_rollout
 from shared.runstore.keys import RunKeys
 from shared.runstore.ledger import Ledger
+from tests.unit.test_group_buffer import rollout as group_rollout
 
 G = 2
 
 
 def rollout(run_id: str, task: str, index: int, reward: float) -> Rollout:
-    return Rollout(
-        rollout_id=f"{task}:{index}",
-        group_id=task,
-        task_id=task,
-        run_id=run_id,
-        sample_index=index,
-        group_size=G,
-        prompt_token_ids=np.array([1, 5, 6], dtype=np.int32),
-        completion_token_ids=np.array([7, 2], dtype=np.int32),
-        inference_logprobs=np.array([-0.5, -0.1], dtype=np.float32),
-        policy_versions=np.array([0, 0], dtype=np.uint64),
-        reward=reward,
-    )
+    """The group buffer tests' rollout, in groups of G, of this run, with this reward."""
+    return dataclasses.replace(group_rollout(task, index), run_id=run_id, group_size=G, reward=reward)
 
 
 async def publish(redis: Redis, keys: RunKeys, rollouts: list[Rollout]) -> None:
