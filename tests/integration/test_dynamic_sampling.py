@@ -5,6 +5,7 @@ and a copy that comes back is a duplicate; past the cap the group stays to be tr
 import asyncio
 import dataclasses
 
+import numpy as np
 from redis.asyncio import Redis
 
 from services.trainer.checkpoint import TrainerState
@@ -20,8 +21,12 @@ G = 2
 
 
 def rollout(run_id: str, task: str, index: int, reward: float) -> Rollout:
-    """The group buffer tests' rollout, in groups of G, of this run, with this reward."""
-    return dataclasses.replace(group_rollout(task, index), run_id=run_id, group_size=G, reward=reward)
+    """The group buffer tests' rollout, in groups of G, of this run, with this reward, sampled by version 0 (the
+    trainer's own: a later version would be dead-lettered as from the future)."""
+    versions = np.zeros(2, dtype=np.uint64)
+    return dataclasses.replace(
+        group_rollout(task, index), run_id=run_id, group_size=G, reward=reward, policy_versions=versions
+    )
 
 
 async def publish(redis: Redis, keys: RunKeys, rollouts: list[Rollout]) -> None:
