@@ -22,7 +22,7 @@ from shared.runstore.redis_server import RedisServer
 from shared.runtime.service_main import parent_death_signal
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
-from steadyrl.run_config import RunConfig
+from steadyrl.run_config import POOLS, RunConfig, resolve_pool_model
 from steadyrl.service_settings import check, service_env, validate
 
 
@@ -113,8 +113,11 @@ class Launch:
                 ports=(trainer, master),
             )
         )
-        teachers = self.teacher_services(common, redis_url)
-        addresses = {"teacher": {"addresses": [f"127.0.0.1:{t.grpc_port}" for t in teachers]}} if teachers else {}
+        addresses = {}
+        for pool in POOLS:
+            replicas = self.pool_services(pool, common, redis_url)
+            if replicas:
+                addresses[pool] = {"addresses": [f"127.0.0.1:{r.grpc_port}" for r in replicas]}
         policy = {
             "pool": "policy_eval",
             "quantization": "none",
@@ -175,12 +178,13 @@ class Launch:
             )
         )
         for service in self.services:
-            validate("inference" if service.name.startswith("teacher") else service.name.split("-")[0], service.env)
+            validate("inference" if service.name.startswith(POOLS) else service.name.split("-")[0], service.env)
 
-    def teacher_services(self, common: dict, redis_url: str) -> list[Service]:
-        """The [teacher] pool's replicas (none without one): inference processes in pool `teacher`
-        on the teacher's fixed weights, on the CPU, answering Score to the rollout replicas."""
-        pool = self.config.teacher
+    def pool_services(self, name: str, common: dict, redis_url: str) -> list[Service]:
+        """The [teacher] or [judge] pool's replicas (none without one): inference processes in pool
+        `name` on the pool's fixed weights, on the CPU, answering Score (teacher) or Judge (judge)
+        to the rollout replicas."""
+        pool = self.config.pool(name)
         if pool is None:
             return []
         services = []
@@ -190,16 +194,16 @@ class Launch:
                 **common,
                 "port": port,
                 "run_id": self.config.run_id,
-                "model_path": pool.path,
+                "model_path": resolve_pool_model(pool.path),
                 "redis_url": redis_url,
-                "replica_id": f"teacher-{index}",
-                "pool": "teacher",
+                "replica_id": f"{name}-{index}",
+                "pool": name,
                 "engine": pool.engine,
                 "dtype": pool.dtype,
                 "torch_threads": pool.torch_threads,
             }
             env = {f"STEADYRL_INFERENCE_{k.upper()}": str(v) for k, v in values.items()}
-            services.append(Service(f"teacher-{index}", ["-m", "services.inference"], env, port, ports=(port,)))
+            services.append(Service(f"{name}-{index}", ["-m", "services.inference"], env, port, ports=(port,)))
         self.services.extend(services)
         return services
 

@@ -1,10 +1,10 @@
 """A run recipe (TOML) and what each service's settings become.
 
 Sections: [run] (`RunSection`: what several services must agree on), [model] (path; "tiny" = the kit's tiny MoE),
-[trainer], [inference], [orchestrator], [weightsync] (any STEADYRL_<SERVICE>_* field), and [teacher] (`PoolSection`: a
-teacher pool for on-policy distillation). [run] values are copied into
-every service, and a service section that sets one is refused. Every section is validated against its service's
-settings model before any process starts, so a typo or a bad value is an error naming the field.
+[trainer], [inference], [orchestrator], [weightsync] (any STEADYRL_<SERVICE>_* field), and [teacher] / [judge]
+(`PoolSection`: a teacher pool for on-policy distillation, a judge pool for model-judged rewards). [run] values are
+copied into every service, and a service section that sets one is refused. Every section is validated against its
+service's settings model before any process starts, so a typo or a bad value is an error naming the field.
 
 Details: docs/internals/cli.md"""
 
@@ -74,25 +74,40 @@ class ModelSection(BaseModel):
 
 
 class PoolSection(BaseModel):
-    """[teacher]: a pool of replicas serving a fixed model's per-token logprobs (on-policy
-    distillation), its own processes beside the rollout replicas (docs/guides/pools.md)."""
+    """[teacher] or [judge]: a pool of replicas on a fixed model, its own processes beside the
+    rollout replicas, which call them in turn with bounded waits. A teacher serves per-token
+    logprobs (on-policy distillation); a judge serves verdicts for `judge:NAME` rewards, or a
+    sequence-classification model's scalars for `reward_model:NAME` (the templates:
+    [inference.judge.templates.NAME]). docs/guides/pools.md"""
 
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(min_length=1)
-    """The teacher's model directory (a Hugging Face directory, e.g. a finished run's final-model/);
-    it shares the policy's tokenizer."""
+    """The model directory (a Hugging Face directory, e.g. a finished run's final-model/), or
+    "tiny-judge" (the kit's judge of the arith task, built and cached on first use). A teacher shares
+    the policy's tokenizer; a judge reads text with its own."""
     replicas: int = Field(1, ge=1)
     """Replicas of the pool (each its own process; the rollout replicas call them in turn)."""
     engine: Literal["torch"] = "torch"
-    """The teacher's engine: torch (a prefill forward gives every token's logprob)."""
+    """The pool's engine: torch (a teacher's prefill forward gives every token's logprob; a judge
+    generates its verdicts greedily; a reward model needs no engine)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The teacher's precision."""
+    """The pool's precision."""
     torch_threads: int = Field(1, ge=0)
-    """torch threads of each teacher replica (0: torch's default)."""
+    """torch threads of each replica of the pool (0: torch's default)."""
 
 
-POOLS = ("teacher",)  # the pool sections a recipe may declare
+POOLS = ("teacher", "judge")  # the pool sections a recipe may declare
+KIT_POOL_MODELS = ("tiny-judge",)
+
+
+def resolve_pool_model(path: str) -> str:
+    """A pool's model directory: `path`, or the kit's model it names (built and cached on first use)."""
+    if path == "tiny-judge":
+        from shared.kit.tiny_judge import init_tiny_judge
+
+        return str(init_tiny_judge())
+    return path
 
 
 # [run] field → the field it becomes in each service's settings
@@ -124,6 +139,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     teacher: PoolSection | None = None
+    judge: PoolSection | None = None
     notes: list[str] = field(default_factory=list)
     """What resolving the recipe decided (written as comments atop config.resolved.toml)."""
 
@@ -142,12 +158,15 @@ class RunConfig:
     def section(self, name: str) -> dict[str, Any]:
         return self.sections.setdefault(name, {})
 
+    def pool(self, name: str) -> PoolSection | None:
+        """The [teacher] or [judge] pool (None when the recipe has none)."""
+        return getattr(self, name)
+
     def as_toml(self) -> str:
         parts = ["".join(f"# {note}\n" for note in self.notes)] if self.notes else []
         parts += [_table("run", self.run.model_dump()), _table("model", self.model.model_dump())]
         parts += [_table(name, self.sections[name]) for name in SERVICES if self.sections.get(name)]
-        if self.teacher is not None:
-            parts.append(_table("teacher", self.teacher.model_dump()))
+        parts += [_table(name, self.pool(name).model_dump()) for name in POOLS if self.pool(name) is not None]
         return "\n".join(parts)
 
 
@@ -202,6 +221,13 @@ def merge_tables(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+def _pool(name: str, values: dict[str, Any]) -> PoolSection:
+    try:
+        return PoolSection(**values)
+    except ValidationError as exc:
+        raise ValueError(f"[{name}] {exc}") from None
+
+
 def load_run_config(
     path: str | Path | Sequence[str | Path], overrides: Sequence[str] = (), allow_empty: bool = False
 ) -> RunConfig:
@@ -243,11 +269,12 @@ def load_run_config(
     if run.get("mini_batch_prompts"):
         run["batch_prompts"] = mini_batches(sections["trainer"]) * run["mini_batch_prompts"]
     try:
-        teacher = PoolSection(**pools["teacher"]) if "teacher" in pools else None
-        config = RunConfig(RunSection(**run), ModelSection(**model), sections, teacher)
+        for name in POOLS:
+            if name in pools:
+                pools[name] = _pool(name, pools[name])
+        config = RunConfig(RunSection(**run), ModelSection(**model), sections, pools.get("teacher"), pools.get("judge"))
     except ValidationError as exc:
-        section = "teacher" if exc.title == "PoolSection" else exc.title.removesuffix("Section").lower()
-        raise ValueError(f"[{section}] {exc}") from None
+        raise ValueError(f"[{exc.title.removesuffix('Section').lower()}] {exc}") from None
     for service, shared in SHARED.items():
         clash = sorted(set(config.section(service)) & set(shared.values()))
         if clash:
@@ -255,7 +282,44 @@ def load_run_config(
                 f"[{service}] sets {clash}, which [run] declares for every service: set "
                 f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead"
             )
+    check_judged_rewards(config)
     return config
+
+
+def check_judged_rewards(config: RunConfig) -> None:
+    """A `judge:NAME` / `reward_model:NAME` reward needs the [judge] pool and template NAME in
+    [inference.judge.templates], and a [judge] pool needs a reward that uses it: ValueError naming
+    what is missing, before any process starts."""
+    from shared.tasks.judging import model_reward
+
+    orchestrator = config.section("orchestrator")
+    rewards = [orchestrator.get("reward", ""), orchestrator.get("evals", {}).get("reward", "")]
+    judged = [(name, model_reward(name)) for name in rewards if name and model_reward(name)]
+    templates = config.section("inference").get("judge", {}).get("templates", {})
+    if config.judge is not None and not judged:
+        raise ValueError(
+            '[judge] starts a judge pool that no reward uses: set orchestrator.reward = "judge:NAME" '
+            'or "reward_model:NAME"'
+        )
+    for name, (kind, template) in judged:
+        if config.judge is None:
+            raise ValueError(f"reward {name!r} needs a judge pool: add [judge] with the judge model's path")
+        if template not in templates:
+            raise ValueError(
+                f"reward {name!r} names the template {template!r}: add [inference.judge.templates.{template}] "
+                f"(a prompt naming {{response}}); defined: {sorted(templates)}"
+            )
+        if config.judge.path in KIT_POOL_MODELS and kind == "reward_model":
+            raise ValueError(f"reward {name!r}: {config.judge.path} writes verdicts (judge:), it is no reward model")
+        if Path(config.judge.path).is_dir():
+            from shared.engines.classifier import is_classifier
+
+            if (kind == "reward_model") != is_classifier(config.judge.path):
+                raise ValueError(
+                    f"reward {name!r}: the judge model {config.judge.path} is "
+                    f"{'a sequence classifier' if kind == 'judge' else 'not a sequence classifier'}; "
+                    f"{kind}: needs {'a causal LM that writes a verdict' if kind == 'judge' else 'one'}"
+                )
 
 
 def mini_batches(trainer: Mapping[str, Any]) -> int:

@@ -116,6 +116,71 @@ class TeacherClientSettings(BaseModel):
     """Calls (each to the next replica) before the task is handed back with the last reason."""
 
 
+class JudgeTemplate(BaseModel):
+    """One judge prompt a reward names (`judge:NAME` or `reward_model:NAME`,
+    [inference.judge.templates.NAME]): what the judge reads, and how its verdict becomes a reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    """The judge's input, naming {response} (the completion) and optionally {prompt} (the task's
+    prompt as text) and {answer} (the task's reference answer)."""
+    rule: Literal["number", "yes_no", "label"] = "yes_no"
+    """`judge:`: how the verdict text becomes a reward — its last number, its last word yes/no (1/0),
+    or its last word looked up in `labels`. A verdict the rule cannot read scores 0 with the reason.
+    `reward_model:` ignores it: the reward is the model's scalar."""
+    labels: dict[str, float] = {}
+    """rule = "label": verdict word (lower case) → reward."""
+    max_new_tokens: int = Field(8, ge=1)
+    """`judge:`: the verdict's length (greedy)."""
+    compare_with: str = ""
+    """A rule reward (e.g. exact_match) each judged completion is also scored by: the rollout carries
+    it and each training step reports the judge's agreement with it (`judge_agreement`); it is
+    never trained on. Empty: no comparison."""
+
+    @model_validator(mode="after")
+    def _readable(self) -> JudgeTemplate:
+        from shared.tasks.judging import check_template
+
+        check_template(self.prompt)
+        if self.rule == "label" and not self.labels:
+            raise ValueError("rule 'label' needs labels (verdict word → reward)")
+        bad = [word for word in self.labels if word != word.lower() or not word.replace("_", "").isalnum()]
+        if bad:
+            raise ValueError(f"labels {bad}: a verdict word is lower-case letters, digits and _")
+        if self.compare_with:
+            from shared.tasks.reward_runner import check_reward
+
+            check_reward(self.compare_with, "0", "0")
+        return self
+
+
+class JudgeClientSettings(BaseModel):
+    """How a rollout replica scores `judge:` and `reward_model:` rewards ([inference.judge]): the
+    judge pool's replicas, each call bounded and tried in turn, and the templates the rewards name;
+    a task whose judging fails every attempt goes back to the queue."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    addresses: list[str] = []
+    """host:port of every judge replica (`steadyrl run` fills them from [judge])."""
+    timeout_seconds: float = Field(60.0, gt=0)
+    """Bound on one Judge call (a whole group's completions) to one replica."""
+    attempts: int = Field(3, ge=1)
+    """Calls (each to the next replica) before the task is handed back with the last reason."""
+    templates: dict[str, JudgeTemplate] = {}
+    """The templates the rewards name: NAME → [inference.judge.templates.NAME]."""
+
+    @model_validator(mode="after")
+    def _names(self) -> JudgeClientSettings:
+        from shared.tasks.judging import model_reward
+
+        bad = [name for name in self.templates if model_reward(f"judge:{name}") is None]
+        if bad:
+            raise ValueError(f"judge template names {bad}: 1 to 64 lower-case letters, digits and _")
+        return self
+
+
 class InferenceSettings(RedisSettings, VerifiedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", env_nested_delimiter="__", extra="forbid")
 
@@ -160,12 +225,14 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     GPU). 0 = the CPU."""
     run_id: str = "default"
     """Run whose work queue this replica serves."""
-    pool: Literal["rollouts", "policy_eval", "teacher"] = "rollouts"
+    pool: Literal["rollouts", "policy_eval", "teacher", "judge"] = "rollouts"
     """The tasks this replica serves: `rollouts` (training rollouts and the evals of the served
     model μ), `policy_eval` (only the evals of π, the trainer's weights as published, never
     quantised: `orchestrator.evals.policy`; `steadyrl run` starts one such replica; needs
     quantization = "none"), or `teacher` (no task: a teacher pool's replica, its weights fixed for the
-    run, answering Score for the rollout replicas: docs/guides/pools.md)."""
+    run, answering Score for the rollout replicas: docs/guides/pools.md), or `judge` (no task: a
+    judge pool's replica, answering Judge with a verdict or, for a sequence-classification model,
+    a scalar)."""
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences the engine generates at once (vLLM's max_num_seqs; the torch engine's batch)."""
     update_mode: Literal["in_flight", "between_requests"] = "in_flight"
@@ -196,6 +263,9 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     teacher: TeacherClientSettings = TeacherClientSettings()
     """On-policy distillation: the teacher pool this rollout replica sends each finished group to
     ([inference.teacher]; `steadyrl run` fills its addresses from [teacher])."""
+    judge: JudgeClientSettings = JudgeClientSettings()
+    """Model-judged rewards: the judge pool and the templates `judge:NAME` and `reward_model:NAME`
+    name ([inference.judge]; `steadyrl run` fills its addresses from [judge])."""
 
     _refuse_moved = refuse_moved("inference")
 

@@ -20,6 +20,11 @@ TEACHER_FAILURES = Counter(
     "Groups handed back because the teacher pool failed every attempt to score them",
     ["replica"],
 )
+JUDGE_FAILURES = Counter(
+    "steadyrl_inference_judge_failures_total",
+    "Groups handed back because the judge pool failed every attempt to judge them",
+    ["replica"],
+)
 BAD_TASKS = Counter("steadyrl_inference_tasks_dead_lettered_total", "Tasks given up as unservable", ["reason"])
 VERSION_WAITS = Counter(
     "steadyrl_inference_version_wait_expired_total",

@@ -1,7 +1,8 @@
 """An inference replica, assembled: its engine (`load_engine`), the rollout loop
 (`worker.py`), the weights (`weights.py`), the heartbeat (`heartbeat.py`), the agent endpoint
-(`agents.py`), the teacher pool's client (`teacher.py`) and the gRPC API (`servicer.py`), until
-stopped. A teacher pool's replica runs only the gRPC API, on fixed weights."""
+(`agents.py`), the teacher and judge pools' clients (`teacher.py`, `judge.py`) and the gRPC API
+(`servicer.py`), until stopped. A teacher or judge pool's replica runs only the gRPC API, on fixed
+weights (a judge's reward model without an engine)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from services.inference import trajectories
 from services.inference.agents import serve_endpoint
 from services.inference.config import InferenceSettings
 from services.inference.heartbeat import heartbeat
+from services.inference.judge import JudgeScoring
 from services.inference.metrics import POLICY_VERSION
 from services.inference.servicer import InferenceServicer
 from services.inference.teacher import TeacherScoring
 from services.inference.weights import weights_loop
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, make_engine
+from shared.engines.classifier import SequenceClassifier, is_classifier
 from shared.rpc.pool_client import PoolClient
 from shared.rpc.steadyrl.v1 import inference_pb2_grpc
 from shared.runstore.queues import WorkQueue
@@ -56,12 +59,24 @@ def load_engine(settings: InferenceSettings) -> Engine:
     return make_engine(settings.engine, settings.model_path, settings.dtype, **engine_options(settings))
 
 
-def teacher_client(settings: InferenceSettings) -> PoolClient | None:
-    """The teacher pool's client of a rollout replica (None without a teacher)."""
-    t = settings.teacher
-    if not t.addresses or settings.pool == "teacher":
+FIXED_POOLS = ("teacher", "judge")  # replicas on fixed weights that serve no task, only their RPC
+
+
+def pool_client(settings: InferenceSettings, pool: str) -> PoolClient | None:
+    """A rollout replica's client of the teacher or judge pool (None without one)."""
+    section = getattr(settings, pool)
+    if not section.addresses or settings.pool in FIXED_POOLS:
         return None
-    return PoolClient("teacher", t.addresses, inference_pb2_grpc.InferenceStub, t.timeout_seconds, t.attempts)
+    return PoolClient(
+        pool, section.addresses, inference_pb2_grpc.InferenceStub, section.timeout_seconds, section.attempts
+    )
+
+
+def reward_model(settings: InferenceSettings) -> SequenceClassifier | None:
+    """A judge pool's replica serving a sequence-classification model loads it in place of an engine."""
+    if settings.pool != "judge" or not is_classifier(settings.model_path):
+        return None
+    return SequenceClassifier(settings.model_path, settings.dtype, settings.torch_threads)
 
 
 async def serve(
@@ -75,14 +90,20 @@ async def serve(
 
     owned = engine is None  # an engine handed in outlives this replica
     with loading("inference", settings.metrics_port, settings.host, settings.run_id, settings.pool):
-        engine = engine or await asyncio.to_thread(load_engine, settings)
+        classifier = await asyncio.to_thread(reward_model, settings)
+        if classifier is None:
+            engine = engine or await asyncio.to_thread(load_engine, settings)
+    if classifier is not None:
+        await serve_reward_model(settings, classifier, ready, stop)
+        return
     tokenizer = load_tokenizer(settings.model_path)
     replica = settings.replica_id
     stop = stop or asyncio.Event()
     redis = settings.redis()
-    queue = WorkQueue(redis, settings.run_id, pool="rollouts" if settings.pool == "teacher" else settings.pool)
+    queue = WorkQueue(redis, settings.run_id, pool="rollouts" if settings.pool in FIXED_POOLS else settings.pool)
     rewards = RewardRunner(settings.tasks.reward_timeout_seconds)
-    teacher = teacher_client(settings)
+    teacher = pool_client(settings, "teacher")
+    judge = pool_client(settings, "judge")
     worker = RolloutWorker(
         engine,
         tokenizer,
@@ -97,10 +118,11 @@ async def serve(
         settings.tasks.max_inflight,
         settings.tasks.batching,
         TeacherScoring(teacher) if teacher else None,
+        JudgeScoring(judge, settings.judge.templates, rewards),
     )
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
     POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
-    if settings.pool == "teacher":  # fixed weights, no task: it answers Score until stopped
+    if settings.pool in FIXED_POOLS:  # fixed weights, no task: it answers Score / Judge until stopped
         loops = {"pool": stop.wait()}
     else:
         loops = {"rollouts": worker.run(stop)}
@@ -133,8 +155,33 @@ async def serve(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(endpoint[1], 5)
         await redis.aclose()
-        if teacher is not None:
-            await teacher.close()
+        for client in (teacher, judge):
+            if client is not None:
+                await client.close()
         rewards.close()
         if owned:
             engine.close()
+
+
+async def serve_reward_model(
+    settings: InferenceSettings, classifier: SequenceClassifier, ready: asyncio.Event | None, stop: asyncio.Event | None
+) -> None:
+    """A judge pool's replica on a reward model: the Judge and Status RPCs until stopped."""
+    stop = stop or asyncio.Event()
+    servicer = InferenceServicer(settings, None, classifier.tokenizer, None, None, classifier)
+    async with grpc_service(
+        "inference",
+        [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
+        ["steadyrl.v1.Inference"],
+        settings.host,
+        settings.port,
+        settings.max_message_bytes,
+        settings.metrics_port,
+        ready,
+        run=settings.run_id,
+        replica=settings.replica_id,
+        engine=classifier.name,
+        device="cpu",
+        traces=False,
+    ) as serving:
+        await run_loops({"pool": stop.wait()}, stop, serving.health)

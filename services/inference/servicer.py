@@ -1,5 +1,6 @@
 """A replica's Inference gRPC API: `Generate` (one request, streamed token by token, every
-value checked first), `Score` (a teacher's logprobs of given completions: one prefill) and `Status`."""
+value checked first), `Score` (a teacher's logprobs of given completions: one prefill), `Judge` (a
+judge's greedy verdicts, or a reward model's scalars) and `Status`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from services.inference.config import InferenceSettings
 from services.inference.metrics import POOL_FAILURES, POOL_QUEUE, POOL_REQUESTS, POOL_SECONDS, POOL_TOKENS
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling
+from shared.engines.classifier import SequenceClassifier
+from shared.models.loading import decode_completions, encode_prompt
 from shared.rollouts.record import trace_message
 from shared.rpc.steadyrl.v1 import common_pb2, inference_pb2_grpc
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
@@ -27,17 +30,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tokenizer,
         queue: WorkQueue | None,
         worker: RolloutWorker | None,
+        classifier: SequenceClassifier | None = None,
     ) -> None:
         self.settings = settings
-        self.engine = engine
+        self.engine = engine  # None on a reward model's replica: it answers Judge and Status only
         self.tokenizer = tokenizer
         self.queue = queue
         self.worker = worker
+        self.classifier = classifier
 
     async def _invalid(self, context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
         await context.abort(code, message)
 
     async def Generate(self, request, context):
+        if self.engine is None:
+            await self._invalid(context, "a reward model's replica does not generate", grpc.StatusCode.UNIMPLEMENTED)
         if request.prompt_token_ids:
             prompt = list(request.prompt_token_ids)
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
@@ -110,8 +117,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         pool, replica = self.settings.pool, self.settings.replica_id
         score = getattr(self.engine, "score", None)
         if score is None:
+            engine = self.engine.name if self.engine else "reward model's"
             POOL_FAILURES.labels(pool, replica, "unimplemented").inc()
-            await self._invalid(context, f"the {self.engine.name} engine does not score", grpc.StatusCode.UNIMPLEMENTED)
+            await self._invalid(context, f"the {engine} engine does not score", grpc.StatusCode.UNIMPLEMENTED)
         sequences = [(list(s.prompt_token_ids), list(s.completion_token_ids)) for s in request.sequences]
         if not sequences:
             POOL_FAILURES.labels(pool, replica, "invalid").inc()
@@ -132,11 +140,65 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sequences=[pb.TokenLogprobs(logprobs=row) for row in logprobs], model=self.engine.model_path
         )
 
+    async def Judge(self, request, context):
+        """A verdict per text: a reward model's scalar, or a generative judge's greedy completion of
+        at most `max_new_tokens` tokens (the texts batched in the engine)."""
+        pool, replica = self.settings.pool, self.settings.replica_id
+        texts = list(request.texts)
+        if not texts:
+            POOL_FAILURES.labels(pool, replica, "invalid").inc()
+            await self._invalid(context, "no text to judge")
+        started = time.perf_counter()
+        POOL_QUEUE.labels(pool).inc()
+        try:
+            if self.classifier is not None:
+                scores = await asyncio.to_thread(self.classifier.scores, texts)
+                verdicts = [pb.JudgeVerdict(score=value) for value in scores]
+                tokens = 0
+            else:
+                verdicts, tokens = await self._generate_verdicts(texts, request.max_new_tokens or 8)
+        except ValueError as exc:
+            POOL_FAILURES.labels(pool, replica, "invalid").inc()
+            await self._invalid(context, str(exc))
+        finally:
+            POOL_QUEUE.labels(pool).dec()
+        POOL_REQUESTS.labels(pool, replica, "Judge").inc()
+        POOL_TOKENS.labels(pool, replica).inc(tokens)
+        POOL_SECONDS.labels(pool, replica).observe(time.perf_counter() - started)
+        model = self.classifier.model_path if self.classifier else self.engine.model_path
+        return pb.JudgeReply(verdicts=verdicts, model=model)
+
+    async def _generate_verdicts(self, texts: list[str], max_new_tokens: int) -> tuple[list, int]:
+        """Greedy verdicts and the tokens generated; ValueError for a text that cannot be judged."""
+        if max_new_tokens > self.settings.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens {max_new_tokens} > limit {self.settings.max_new_tokens_limit}")
+        prompts = [encode_prompt(self.tokenizer, text) for text in texts]
+        for i, prompt in enumerate(prompts):
+            if len(prompt) + max_new_tokens > self.engine.max_model_len:
+                raise ValueError(
+                    f"text {i}: {len(prompt)} tokens + {max_new_tokens} new > the judge's {self.engine.max_model_len}"
+                )
+        sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens)
+        samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in self.engine.start_many(prompts, sampling)))
+        completions = [s.token_ids for s in samples]
+        return [pb.JudgeVerdict(text=t) for t in decode_completions(self.tokenizer, completions)], sum(
+            map(len, completions)
+        )
+
     async def Status(self, request, context):
         lag = 0
         if self.queue is not None:
             with contextlib.suppress(Exception):
                 lag = await self.queue.pending_count()
+        if self.engine is None:  # a reward model's replica
+            return pb.InferenceStatus(
+                replica_id=self.settings.replica_id,
+                engine=self.classifier.name,
+                model=self.classifier.model_path,
+                version=common_pb2.PolicyVersion(version=0),
+                capabilities=pb.EngineCapabilities(dtype=self.settings.dtype),
+                queue_lag=lag,
+            )
         caps = self.engine.capabilities
         return pb.InferenceStatus(
             replica_id=self.settings.replica_id,

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import redis.exceptions
 from prometheus_client import Counter
 
+from services.inference.judge import JudgeScoring
 from shared.engines import Engine, Sampling
 from shared.envs import environment_factory, verifiers_adapter
 from shared.envs.trajectory import render
 from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
 from shared.runstore.queues import Lease, WorkQueue
 from shared.tasks import RewardRunner
+from shared.tasks.judging import model_reward
 
 log = logging.getLogger("steadyrl.inference.worker")
 AGENT = "agent:"  # services.inference.agents.PREFIX: an agent program plays the task, scored by task_name
@@ -54,8 +56,11 @@ class Checked:
     sampling: Sampling
 
 
-def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: RewardRunner) -> Checked:
-    """The task's prompt and sampling, or BadTask when it can never be served here."""
+def check_task(
+    lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: RewardRunner, judging: JudgeScoring | None = None
+) -> Checked:
+    """The task's prompt and sampling, or BadTask when it can never be served here (`judging`: the
+    judge pool's client, which alone scores `judge:` and `reward_model:` rewards)."""
     task = lease.task
     if task.run_id and task.run_id != run_id:
         raise BadTask("other_run", f"task of run {task.run_id!r} in the queue of {run_id!r}")
@@ -92,6 +97,14 @@ def check_task(lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: Re
             verifiers_adapter.load(task.environment)  # imported once per replica and name, then cached
         except ValueError as exc:
             raise BadTask("environment", str(exc)) from None
+        return Checked(lease, prompt, sampling)
+    if model_reward(task.task_name) is not None:
+        if task.environment:
+            raise BadTask("reward", f"{task.task_name!r}: a model-judged reward scores single-turn tasks only")
+        try:
+            (judging or JudgeScoring(None, {}, rewards)).check(task.task_name)
+        except KeyError as exc:
+            raise BadTask("reward", str(exc).strip("'\"")) from None
         return Checked(lease, prompt, sampling)
     try:
         environment_factory(task.environment) if task.environment and not agent else rewards.check(task.task_name)

@@ -20,10 +20,12 @@ import time
 import redis.exceptions
 
 from services.inference.idle_clock import IdleClock
+from services.inference.judge import JudgeScoring
 from services.inference.metrics import (
     BAD_TASKS,
     ENGINE_ERRORS,
     INFLIGHT,
+    JUDGE_FAILURES,
     RETRIED,
     REWARD_FAILURES,
     RUNNING,
@@ -76,6 +78,7 @@ class RolloutWorker:
         max_inflight_tasks: int = 16,
         batching: str = "continuous",
         teacher: TeacherScoring | None = None,
+        judging: JudgeScoring | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
@@ -92,6 +95,7 @@ class RolloutWorker:
         self.rewards = rewards or RewardRunner()
         self.version_wait_seconds = version_wait_seconds
         self.teacher = teacher  # on-policy distillation: a teacher pool scores each group before it is published
+        self.judging = judging or JudgeScoring(None, {}, self.rewards)  # judge:/reward_model: rewards
         self.rate = TokenRate()
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
@@ -197,7 +201,7 @@ class RolloutWorker:
         encode them, and queue them for publishing; on any failure the lease goes back."""
         try:
             try:
-                checked = check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards)
+                checked = check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards, self.judging)
             except BadTask as exc:
                 await self._give_up(lease, exc.code, exc.message)
                 return
@@ -243,8 +247,13 @@ class RolloutWorker:
         if samples is None:
             await self._hand_back(checked.lease.task_id, "generation failed")
             return None
+        judged = None
+        if self.judging.judges(checked.lease.task.task_name):
+            judged = await self._judged(checked.lease, samples)
+            if judged is None:
+                return None
         payloads = await asyncio.get_running_loop().run_in_executor(
-            SCORING, self._encode_task, checked.lease, samples, timings
+            SCORING, self._encode_task, checked.lease, samples, timings, judged
         )
         if payloads is None:
             await self._hand_back(checked.lease.task_id, "the task's rollouts could not be scored or encoded")
@@ -282,6 +291,20 @@ class RolloutWorker:
             TEACHER_FAILURES.labels(self.replica_id).inc()
             log.warning("event=teacher_failed task=%s reason=%s", lease.task_id, exc.reason[:300])
             await self._hand_back(lease.task_id, f"teacher: {exc.reason}")
+            return None
+
+    async def _judged(self, lease: Lease, samples: list[Sample]) -> tuple[list, list[float] | None] | None:
+        """The judge pool's rewards of the group (and the rule rewards they are compared with); None
+        once handed back (the pool failed every attempt: the queue retries the task and, past its
+        attempts, dead-letters it with this reason)."""
+        task = lease.task
+        prompt, *texts = decode_completions(self.tokenizer, [task.prompt_token_ids, *(s.token_ids for s in samples)])
+        try:
+            return await self.judging.score(task.task_name, prompt, texts, task.answer)
+        except PoolError as exc:
+            JUDGE_FAILURES.labels(self.replica_id).inc()
+            log.warning("event=judge_failed task=%s reason=%s", lease.task_id, exc.reason[:300])
+            await self._hand_back(lease.task_id, f"judge: {exc.reason}")
             return None
 
     async def _give_up(self, lease: Lease, code: str, message: str) -> None:
@@ -346,11 +369,18 @@ class RolloutWorker:
         for task_id in left:
             await self._give_back(task_id, "handed back: the replica stopped")
 
-    def _encode_task(self, lease: Lease, samples: list[Sample], timings: RolloutTimings) -> list[bytes] | None:
+    def _encode_task(
+        self, lease: Lease, samples: list[Sample], timings: RolloutTimings, judged: tuple | None = None
+    ) -> list[bytes] | None:
+        """The group's rollouts, scored by the task's reward (`judged`: the judge pool's rewards and
+        the rule rewards they are compared with), encoded; None when that fails."""
         task = lease.task
         try:
-            texts = decode_completions(self.tokenizer, [s.token_ids for s in samples])
-            scores = self.rewards.score(task.task_name, texts, task.answer)
+            if judged is None:
+                texts = decode_completions(self.tokenizer, [s.token_ids for s in samples])
+                scores, reference = self.rewards.score(task.task_name, texts, task.answer), None
+            else:
+                scores, reference = judged
             for s in scores:
                 if s.reason:
                     REWARD_FAILURES.labels(task.task_name, s.reason.split(":")[0]).inc()
@@ -374,6 +404,7 @@ class RolloutWorker:
                 self.engine.name,
                 timings,
                 [s.reason for s in scores],
+                reference,
             )
         except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is handed back
             TASK_ERRORS.labels(self.replica_id).inc()

@@ -147,6 +147,19 @@ class DataSettings(DataSource):
         return [*self.mixture] or [self]
 
 
+def checked_reward(name: str) -> str:
+    """The reward name unchanged if the replicas can score it: a rule is loaded and called once in a
+    reward process; a model-judged one (`judge:` / `reward_model:`) is checked against the judge
+    templates by `steadyrl run` and by each replica."""
+    from shared.tasks.judging import is_model_reward
+
+    if name and not is_model_reward(name):
+        from shared.tasks.reward_runner import check_reward
+
+        check_reward(name, "0", "0")
+    return name
+
+
 class EvalSettings(BaseModel):
     """Eval rounds ([orchestrator.evals])."""
 
@@ -167,6 +180,10 @@ class EvalSettings(BaseModel):
     as pass@k and mean@k in eval.jsonl (0 = greedy only)."""
     temperature: float = Field(1.0, gt=0)
     """Temperature of the sampled evals (in [0.01, 100])."""
+    reward: str = ""
+    """The reward that scores eval rounds (a name or `module:function`, checked like `reward`).
+    Empty: the training reward. A run trained on a model's verdicts (`judge:` / `reward_model:`)
+    names here the rule that measures it, e.g. exact_match."""
     policy: bool = False
     """Every eval round also scores π, the trainer's weights as published and never quantised,
     greedily on every eval set, served by a replica of the `policy_eval` pool (`steadyrl run`
@@ -181,6 +198,11 @@ class EvalSettings(BaseModel):
     @classmethod
     def _sane_temperature(cls, value: float) -> float:
         return check_temperature(value)
+
+    @field_validator("reward")
+    @classmethod
+    def _eval_reward_serves(cls, value: str) -> str:
+        return checked_reward(value)
 
     @field_validator("sets")
     @classmethod
@@ -311,9 +333,10 @@ class OrchestratorSettings(RedisSettings, StepShape):
     """When a run that can only fail is failed (services/orchestrator/stop_rules.py)."""
     reward: str = ""
     """The reward of every task: a built-in name (exact_match, math_verify, ...) or a plug-in
-    `module:function(completion, answer) -> float` importable by the replicas. Checked before the
-    run starts: loaded, its signature, one dry call in a reward process with a time limit. Empty:
-    the task's own (exact_match for arith and mul_trace, math_verify for math)."""
+    `module:function(completion, answer) -> float` importable by the replicas, or a judge pool's
+    `judge:NAME` / `reward_model:NAME` (template NAME of inference.judge.templates; docs/guides/pools.md).
+    Checked before the run starts: loaded, its signature, one dry call in a reward process with a
+    time limit. Empty: the task's own (exact_match for arith and mul_trace, math_verify for math)."""
     max_attempts: int = Field(3, ge=1)
     """A task whose lease expired or failed more often goes to the dead-letter stream."""
     tick_seconds: float = Field(0.1, gt=0)
@@ -339,11 +362,7 @@ class OrchestratorSettings(RedisSettings, StepShape):
     @field_validator("reward")
     @classmethod
     def _reward_serves(cls, value: str) -> str:
-        if value:
-            from shared.tasks.reward_runner import check_reward
-
-            check_reward(value, "0", "0")
-        return value
+        return checked_reward(value)
 
     _refuse_moved = refuse_moved("orchestrator")
 

@@ -204,7 +204,7 @@ class Tasks:
             task_id=task_id,
             run_id=s.run_id,
             group_id=task_id,
-            task_name=spec.reward,
+            task_name=(s.evals.reward if is_eval and s.evals.reward else spec.reward),
             **turns,
             answer=example.answer,
             group_size=group_size,

@@ -108,14 +108,12 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, examples: list[Example], max_new_tokens: int = 8, batch: int = 256) -> float:
-    """Share of examples whose greedy completion earns reward 1 (exact match)."""
-    reward = get_reward("exact_match")
+def greedy_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 8, batch: int = 256) -> list[str]:
+    """Each prompt's greedy completion (BOS first, left-padded batches), special tokens dropped."""
     model.eval()
-    correct = 0
-    for start in range(0, len(examples), batch):
-        chunk = examples[start : start + batch]
-        ids = encode_prompts(tokenizer, [e.prompt for e in chunk])
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch):
+        ids = encode_prompts(tokenizer, prompts[start : start + batch])
         width = max(map(len, ids))
         input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
         attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
@@ -127,9 +125,15 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], max_new_tokens: i
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=0,
         )
-        for example, row in zip(chunk, out[:, width:].tolist(), strict=True):
-            text = tokenizer.decode(row, skip_special_tokens=True)
-            correct += reward(text, example.answer) == 1.0
+        texts += [tokenizer.decode(row, skip_special_tokens=True) for row in out[:, width:].tolist()]
+    return texts
+
+
+def greedy_accuracy(model, tokenizer, examples: list[Example], max_new_tokens: int = 8, batch: int = 256) -> float:
+    """Share of examples whose greedy completion earns reward 1 (exact match)."""
+    reward = get_reward("exact_match")
+    texts = greedy_texts(model, tokenizer, [e.prompt for e in examples], max_new_tokens, batch)
+    correct = sum(reward(text, e.answer) == 1.0 for text, e in zip(texts, examples, strict=True))
     return correct / max(len(examples), 1)
 
 
@@ -215,13 +219,15 @@ class KitTask:
         return KitTask(**task) if isinstance(task, dict) else KitTask(task)
 
 
-def cache_key(spec: TinySpec, task: KitTask, seed: int) -> str:
+def cache_key(spec: TinySpec, task: KitTask | str | dict, seed: int) -> str:
+    """The content key of a kit model: its spec, its task (a KitTask, or another kit model's key such
+    as the judge's), its seed and the library versions that build it."""
     import transformers
 
     payload = {
         "kit": KIT_VERSION,
         "spec": asdict(spec),
-        "task": task.key(),
+        "task": task.key() if isinstance(task, KitTask) else task,
         "seed": seed,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -274,16 +280,22 @@ def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
             report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed)
     finally:
         torch.use_deterministic_algorithms(False)
-    staging = target.with_name(target.name + f".tmp{time.time_ns()}")
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
     report.update(
         task=task.key(),
         seed=seed,
         digits=spec.digits,
-        parameters=sum(p.numel() for p in model.parameters()),
         init_seconds=round(time.perf_counter() - started, 2),
         spec=asdict(spec),
     )
+    save_kit_model(target, model, tokenizer, report)
+
+
+def save_kit_model(target: Path, model, tokenizer, report: dict) -> None:
+    """Write a kit model and its report (`steadyrl_tiny.json`) to `target` in one rename: a reader
+    sees the whole directory or none of it, and a builder that lost the race leaves the first."""
+    staging = target.with_name(target.name + f".tmp{time.time_ns()}")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    report["parameters"] = sum(p.numel() for p in model.parameters())
     (staging / "steadyrl_tiny.json").write_text(json.dumps(report, indent=2))
     staging.rename(target) if not target.exists() else shutil.rmtree(staging)

@@ -77,6 +77,7 @@ class Rollout:
     reward_error: str = ""  # why the reward could not score it (then 0); empty when it did
     source: str = ""  # its task's data mixture source (empty: a run of one source)
     teacher_logprobs: np.ndarray | None = None  # float32 [C]: a teacher pool's logprob of each completion token
+    reference_reward: float | None = None  # a judged reward's rule reward for the same completion (agreement)
 
     @property
     def model_tokens(self) -> np.ndarray:
@@ -139,6 +140,7 @@ def encode_rollout(rollout: Rollout) -> bytes:
             if rollout.teacher_logprobs is not None
             else []
         ),
+        reference_reward=rollout.reference_reward,
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
@@ -214,6 +216,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         reward_error=msg.reward_error[:200],
         source=msg.source,
         teacher_logprobs=np.array(msg.teacher_logprobs, dtype=np.float32) if len(msg.teacher_logprobs) else None,
+        reference_reward=msg.reference_reward if msg.HasField("reference_reward") else None,
     )
 
 
@@ -277,6 +280,8 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
     teacher = rollout.teacher_logprobs
     if teacher is not None and not (np.isfinite(teacher).all() and teacher.max() <= MAX_LOGPROB):
         raise RolloutError("teacher_logprobs", "a teacher logprob is NaN, infinite or above 0")
+    if rollout.reference_reward is not None and not np.isfinite(rollout.reference_reward):
+        raise RolloutError("nonfinite_reward", f"reference_reward is {rollout.reference_reward}")
     if not np.isfinite(rollout.reward) or not all(map(np.isfinite, rollout.env_metrics.values())):
         raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}, env_metrics {rollout.env_metrics}")
     model = rollout.model_tokens

@@ -51,6 +51,7 @@ def encode_samples(
     engine: str,
     timings: RolloutTimings,
     reward_errors: list[str] | None = None,
+    reference_rewards: list[float] | None = None,
 ) -> list[bytes]:
     """`[encode_rollout(r) for r in rollouts_from_samples(...)]` without the Rollout objects, in
     about half the time: what the G rollouts of a task share is serialized once, and each rollout
@@ -81,6 +82,8 @@ def encode_samples(
             finish_reason=sample.finish_reason,
             reward_error=error[:200],
         )
+        if reference_rewards is not None:
+            own.reference_reward = float(reference_rewards[index])
         if sample.routing_trace is not None:
             own.routing_trace.CopyFrom(trace_message(sample.routing_trace, sample.num_experts))
         out.append(shared + own.SerializeToString())

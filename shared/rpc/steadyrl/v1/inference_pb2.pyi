@@ -99,3 +99,27 @@ class ScoreReply(_message.Message):
     sequences: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     model: str
     def __init__(self, sequences: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class JudgeRequest(_message.Message):
+    __slots__ = ("texts", "max_new_tokens")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    max_new_tokens: int
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class JudgeVerdict(_message.Message):
+    __slots__ = ("text", "score")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    score: float
+    def __init__(self, text: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class JudgeReply(_message.Message):
+    __slots__ = ("verdicts", "model")
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    verdicts: _containers.RepeatedCompositeFieldContainer[JudgeVerdict]
+    model: str
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[JudgeVerdict, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...

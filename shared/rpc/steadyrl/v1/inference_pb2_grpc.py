@@ -51,6 +51,11 @@ class InferenceStub:
                 request_serializer=steadyrl_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=steadyrl_dot_v1_dot_inference__pb2.ScoreReply.FromString,
                 _registered_method=True)
+        self.Judge = channel.unary_unary(
+                '/steadyrl.v1.Inference/Judge',
+                request_serializer=steadyrl_dot_v1_dot_inference__pb2.JudgeRequest.SerializeToString,
+                response_deserializer=steadyrl_dot_v1_dot_inference__pb2.JudgeReply.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -74,6 +79,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Judge(self, request, context):
+        """A judge pool's replica: a verdict (generative judge) or a scalar (reward model) per text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=steadyrl_dot_v1_dot_inference__pb2.ScoreRequest.FromString,
                     response_serializer=steadyrl_dot_v1_dot_inference__pb2.ScoreReply.SerializeToString,
+            ),
+            'Judge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Judge,
+                    request_deserializer=steadyrl_dot_v1_dot_inference__pb2.JudgeRequest.FromString,
+                    response_serializer=steadyrl_dot_v1_dot_inference__pb2.JudgeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +191,33 @@ class Inference:
             '/steadyrl.v1.Inference/Score',
             steadyrl_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
             steadyrl_dot_v1_dot_inference__pb2.ScoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Judge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyrl.v1.Inference/Judge',
+            steadyrl_dot_v1_dot_inference__pb2.JudgeRequest.SerializeToString,
+            steadyrl_dot_v1_dot_inference__pb2.JudgeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,155 @@
+"""The tiny judge: a tiny model trained by the kit to say whether an answer to the arith task is
+right, for `judge:` rewards on a laptop. It reads "07+35=240?" (the policy's prompt, its answer,
+a question mark) and writes the right answer, then its verdict: "240 y" or "240 n" — a judge that
+works the problem before it judges. Trained on pairs of the train split (half right, half wrong:
+mostly one digit off by one, the rest another digit, random or of the wrong length), it stops
+once its verdicts agree with exact match on held-out pairs of the eval split at the target; the
+agreement is in its report.
+
+Details: docs/guides/pools.md"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from shared.kit.tiny import (
+    TinySpec,
+    build_model,
+    cache_key,
+    char_tokenizer,
+    default_cache_dir,
+    greedy_texts,
+    save_kit_model,
+    sft_batch,
+)
+from shared.tasks import Example
+from shared.tasks.judging import VerdictError, parse_verdict, render
+
+JUDGE_KEY = "arith_judge-2"
+TEMPLATE = "{prompt}{response}?"  # [inference.judge.templates.NAME] prompt of the tiny judge
+RULE = "yes_no"
+MAX_NEW_TOKENS = 6  # the answer (3 digits), a space, the verdict, EOS
+JUDGE_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=4000, sft_eval_every=250, sft_eval_size=300, target_accuracy=0.95)
+DIGITS = "0123456789"
+
+
+def candidate(answer: str, rng: random.Random) -> str:
+    """An answer to judge: the right one half the time, else a wrong one — most often one digit
+    off by one (the policy's usual miss: a carry), else one digit changed, random digits, or a
+    wrong length."""
+    if rng.random() < 0.5:
+        return answer
+    draw = rng.random()
+    if draw < 0.75:
+        i = rng.randrange(len(answer))
+        if draw < 0.5:
+            digit = str((int(answer[i]) + rng.choice((-1, 1))) % 10)
+        else:
+            digit = rng.choice([d for d in DIGITS if d != answer[i]])
+        return answer[:i] + digit + answer[i + 1 :]
+    if draw < 0.85:
+        return "".join(rng.choice(DIGITS) for _ in answer)
+    return "".join(rng.choice(DIGITS) for _ in range(rng.choice([1, 2, len(answer) + 1])))
+
+
+def judge_pair(example: Example, rng: random.Random) -> tuple[Example, bool]:
+    """(the judge's training example, whether the candidate it judges is right)."""
+    response = candidate(example.answer, rng)
+    right = response == example.answer
+    judged = render(TEMPLATE, example.prompt, response, example.answer)
+    return Example(prompt=judged, answer=f"{example.answer} {'y' if right else 'n'}"), right
+
+
+def verdicts(model, tokenizer, prompts: list[str]) -> list[float | None]:
+    """The judge's reward for each filled template (None: a verdict the rule cannot read)."""
+    out: list[float | None] = []
+    for text in greedy_texts(model, tokenizer, prompts, MAX_NEW_TOKENS):
+        try:
+            out.append(parse_verdict(text, RULE, {}))
+        except VerdictError:
+            out.append(None)
+    return out
+
+
+def agreement(model, tokenizer, pairs: list[tuple[Example, bool]]) -> dict:
+    """How often the judge's verdict equals exact match on `pairs`: over all, on right answers, on wrong ones."""
+    said = verdicts(model, tokenizer, [example.prompt for example, _ in pairs])
+    hits = [(value == 1.0) == right and value is not None for value, (_, right) in zip(said, pairs, strict=True)]
+
+    def share(which: bool) -> float:
+        chosen = [hit for hit, (_, right) in zip(hits, pairs, strict=True) if right == which]
+        return round(sum(chosen) / max(len(chosen), 1), 4)
+
+    return {
+        "agreement": round(sum(hits) / len(hits), 4),
+        "on_right": share(True),
+        "on_wrong": share(False),
+        "unreadable": sum(value is None for value in said),
+        "pairs": len(pairs),
+    }
+
+
+def train_judge(model, tokenizer, spec: TinySpec, seed: int) -> dict:
+    """Supervised training on judge pairs until the held-out agreement reaches the target (or max steps)."""
+    task = spec.task(seed)
+    train = task.split("train", task.max_split_size("train"))
+    held_out = [
+        judge_pair(e, random.Random(f"{seed}:{i}")) for i, e in enumerate(task.split("eval", spec.sft_eval_size))
+    ]
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    measured = agreement(model, tokenizer, held_out)
+    step = 0
+    while measured["agreement"] < spec.target_accuracy and step < spec.sft_max_steps:
+        model.train()
+        for _ in range(spec.sft_eval_every):
+            pick = torch.randint(len(train), (spec.sft_batch_size,), generator=generator).tolist()
+            ids, labels = sft_batch(tokenizer, [judge_pair(train[i], rng)[0] for i in pick])
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+        measured = agreement(model, tokenizer, held_out)
+    return {"sft_steps": step, "held_out": measured}
+
+
+def init_tiny_judge(
+    out: str | Path | None = None, seed: int = 0, spec: TinySpec | None = None, cache_dir: Path | None = None
+) -> Path:
+    """Build (or reuse from the cache) the tiny judge; copy it to `out` if given."""
+    import shutil
+
+    spec = spec or JUDGE_SPEC
+    cached = (cache_dir or default_cache_dir()) / cache_key(spec, JUDGE_KEY, seed)
+    if not (cached / "steadyrl_tiny.json").is_file():
+        started = time.perf_counter()
+        torch.use_deterministic_algorithms(True)
+        try:
+            tokenizer = char_tokenizer()
+            model = build_model(spec, seed)
+            report = train_judge(model, tokenizer, spec, seed)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        report.update(
+            task=JUDGE_KEY,
+            seed=seed,
+            template=TEMPLATE,
+            rule=RULE,
+            max_new_tokens=MAX_NEW_TOKENS,
+            init_seconds=round(time.perf_counter() - started, 2),
+            spec=asdict(spec),
+        )
+        save_kit_model(cached, model, tokenizer, report)
+    if out is None:
+        return cached
+    out = Path(out)
+    if out.resolve() != cached.resolve():
+        shutil.copytree(cached, out, dirs_exist_ok=True)
+    return out
