@@ -1,6 +1,8 @@
-"""Teacher pool benchmark in one run: the torch engine's scoring (a teacher's prefill) against its
-generation on the demo's step, and a cold-started student trained by RL alone and distilled from an
-RL-made teacher — rollouts per second with the pool / without, steps to a target eval. One JSON object.
+"""Pool benchmark in one run: the torch engine's scoring (a teacher's prefill) against its generation
+on the demo's step; a cold-started student trained by RL alone and distilled from an RL-made teacher
+(rollouts per second with the pool / without, steps to a target eval); and RL on the tiny judge's
+verdicts (configs/tiny-judge.toml: eval gain, judge/exact agreement per step, rollouts per second).
+One JSON object.
 
 Details: docs/internals/bench.md"""
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tiny-arith.toml"
+JUDGED = ROOT / "configs" / "tiny-judge.toml"
 
 
 def steps_to(evals: list[dict], target: float) -> int | None:
@@ -62,7 +65,25 @@ def scoring_vs_generation(model: str, sequences: int = 256, tokens: int = 6, rou
     }
 
 
-def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dict:
+def judged_run(lines: list[dict], evals: list[dict], batch: int) -> dict:
+    """A judged run's figures: evals, the gain from the first eval to the last and to the best, and
+    the judge's agreement with exact match over all steps, the first tenth and the last tenth. Pure."""
+    evals = sorted(evals, key=lambda e: e["version"])
+    accuracy = [e["accuracy"] for e in evals]
+    agreement = [m["judge_agreement"] for m in sorted(lines, key=lambda m: m["step"])]
+    tenth = max(len(agreement) // 10, 1)
+    return {
+        "rollouts_per_s": rollouts_per_second(lines, batch),
+        "evals": {int(e["version"]): round(e["accuracy"], 3) for e in evals},
+        "eval_gain_end": round(accuracy[-1] - accuracy[0], 3),
+        "eval_gain_best": round(max(accuracy) - accuracy[0], 3),
+        "judge_agreement_mean": round(sum(agreement) / len(agreement), 3),
+        "judge_agreement_first_tenth": round(sum(agreement[:tenth]) / tenth, 3),
+        "judge_agreement_last_tenth": round(sum(agreement[-tenth:]) / tenth, 3),
+    }
+
+
+def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6, judge_steps: int = 200) -> dict:
     import tomllib
 
     from bench.demo_run import ratio, run_demo
@@ -91,6 +112,12 @@ def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dic
                 "steps_to_target": steps_to(evals, target),
                 "evals": {int(e["version"]): round(e["accuracy"], 3) for e in evals},
             }
+        lines, evals, _ = run_demo([JUDGED], tmp / "judge", [f"run.steps={judge_steps}", "orchestrator.evals.every=25"])
+        judge = judged_run(lines, evals, batch)
+    from shared.kit.tiny_judge import init_tiny_judge
+
+    report = json.loads((init_tiny_judge() / "steadyrl_tiny.json").read_text())
+    judge.update(steps=judge_steps, recipe="configs/tiny-judge.toml", held_out=report["held_out"])
     rl, distill = sides["rl"], sides["distill"]
     result.update(
         teacher={
@@ -99,7 +126,9 @@ def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6) -> dic
         },
         rl=rl,
         distill=distill,
+        judge=judge,
         ratios={
+            "rollouts_per_s_with_judge_over_rule": ratio(judge["rollouts_per_s"], rl["rollouts_per_s"]),
             "score_over_generate_tokens_per_s": result["teacher_scoring"]["score_over_generate"],
             "rollouts_per_s_with_teacher_over_without": ratio(distill["rollouts_per_s"], rl["rollouts_per_s"]),
             "steps_to_target_distill_over_rl": ratio(distill["steps_to_target"], rl["steps_to_target"]),

@@ -134,12 +134,14 @@ def bench_pools(
     teacher_steps: int = typer.Option(300, min=2, help="RL steps that make the teacher."),
     steps: int = typer.Option(150, min=2, help="Steps of each student run."),
     target: float = typer.Option(0.6, help="Eval accuracy the students race to."),
+    judge_steps: int = typer.Option(200, min=2, help="Steps of the run on the tiny judge's verdicts."),
 ) -> None:
-    """A teacher pool: scoring / generation tokens/s, rollouts/s with the pool / without, and the
-    steps a distilled student and an RL student need to reach `target`."""
+    """Teacher and judge pools: scoring / generation tokens/s, rollouts/s with a teacher pool / without,
+    the steps a distilled student and an RL student need to reach `target`, and RL on the tiny judge's
+    verdicts (eval gain, judge/exact agreement, rollouts/s with the judge / the rule)."""
     from bench.pools import main as run
 
-    typer.echo(json.dumps(run(teacher_steps, steps, target)))
+    typer.echo(json.dumps(run(teacher_steps, steps, target, judge_steps)))
 
 
 @bench_app.command("peers")

@@ -102,7 +102,7 @@ def serve_command(
     import os
 
     from shared.runtime.service_main import run_service
-    from steadyrl.run_config import SERVICES
+    from steadyrl.run_config import POOLS, SERVICES, resolve_pool_model
     from steadyrl.service_settings import deployed_settings, settings_class
 
     if service not in SERVICES:
@@ -115,4 +115,6 @@ def serve_command(
             f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "), err=True
         )
         raise typer.Exit(ExitCode.REFUSED) from None
+    if service == "inference" and settings.pool in POOLS:  # a kit pool model (tiny-judge) is built here, cached
+        settings.model_path = resolve_pool_model(settings.model_path)
     run_service(service, settings_class(service), f"services.{service}.server", settings=settings)

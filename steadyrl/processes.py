@@ -23,7 +23,7 @@ from shared.runtime.service_main import parent_death_signal
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
 from steadyrl.run_config import POOLS, RunConfig, resolve_pool_model
-from steadyrl.service_settings import check, service_env, validate
+from steadyrl.service_settings import check, pool_values, service_env, validate
 
 
 @dataclass
@@ -191,18 +191,14 @@ class Launch:
         for index in range(pool.replicas):
             port = self.ports.take()
             values = {
+                **pool_values(self.config, name),
                 **common,
                 "port": port,
-                "run_id": self.config.run_id,
                 "model_path": resolve_pool_model(pool.path),
                 "redis_url": redis_url,
                 "replica_id": f"{name}-{index}",
-                "pool": name,
-                "engine": pool.engine,
-                "dtype": pool.dtype,
-                "torch_threads": pool.torch_threads,
             }
-            env = {f"STEADYRL_INFERENCE_{k.upper()}": str(v) for k, v in values.items()}
+            env = service_env(self.config, "inference", values, alone=True)
             services.append(Service(f"{name}-{index}", ["-m", "services.inference"], env, port, ports=(port,)))
         self.services.extend(services)
         return services

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from shared.engines.dtype_choice import AUTO
 from shared.runtime.moved_settings import moved_in_env, moved_message
-from steadyrl.run_config import SERVICES, SETTINGS, SHARED, RunConfig, merge_tables
+from steadyrl.run_config import POOLS, SERVICES, SETTINGS, SHARED, RunConfig, merge_tables
 
 # What a deployment places rather than a recipe decides: where a service listens, whom it dials,
 # where its files and secrets are, how weights cross its network, the pool of π's replica, and
@@ -52,6 +52,7 @@ DEPLOYMENT_FIELDS = frozenset(
         "autostart",
         "agent.hidden_paths",
         "teacher.addresses",
+        "judge.addresses",
     }
 )
 
@@ -106,10 +107,14 @@ def settle_auto_dtype(config: RunConfig, model_path: str) -> None:
         config.notes.append(f'inference.dtype "auto" chose "{dtype}": {why}')
 
 
-def service_env(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """STEADYRL_<SERVICE>_* variables of one service (nested settings: `__` between the names)."""
+def service_env(
+    config: RunConfig, service: str, extra: Mapping[str, Any] | None = None, alone: bool = False
+) -> dict[str, str]:
+    """STEADYRL_<SERVICE>_* variables of one service (nested settings: `__` between the names);
+    `alone`: of `extra` only, not the recipe's section (a pool's replica)."""
     prefix = f"STEADYRL_{service.upper()}_"
-    return {prefix + k.upper(): _env_value(v) for k, v in _flatten(service_values(config, service, extra)).items()}
+    values = dict(extra or {}) if alone else service_values(config, service, extra)
+    return {prefix + k.upper(): _env_value(v) for k, v in _flatten(values).items()}
 
 
 def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -268,6 +273,7 @@ def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, 
         "note": "ports, run directories and service addresses are assigned by `steadyrl run` when it starts",
         "recipe": config.as_toml(),
         "settings": {service: s.model_dump(mode="json") for service, s in settings.items()},
+        "pools": {name: s.model_dump(mode="json") for name, s in pools_settings(config).items()},
         "placement": {
             "trainer_gpus": list(placement.trainer),
             "trainer_ranks": placement.trainer_ranks,
@@ -289,6 +295,35 @@ def recipe_overrides(environ: Mapping[str, str]) -> list[str]:
     return [item.strip() for line in text.splitlines() for item in line.split(";") if item.strip()]
 
 
+POOL_PORT = 50052  # a deployed pool's gRPC port, behind the DNS name inference-<pool>
+
+
+def pool_values(config: RunConfig, name: str) -> dict[str, Any]:
+    """What a [teacher] / [judge] pool's replica serves, as inference settings: the pool, its model
+    (as the recipe gives it: a kit name such as tiny-judge is built where it starts), engine, dtype,
+    threads. Its replicas read nothing else of the recipe ([inference] is the rollout replicas')."""
+    pool = config.pool(name)
+    if pool is None:
+        raise ValueError(f"the recipe has no [{name}]: a {name} pool's replica has nothing to serve")
+    return {
+        "run_id": config.run_id,
+        "pool": name,
+        "model_path": pool.path,
+        "engine": pool.engine,
+        "dtype": pool.dtype,
+        "torch_threads": pool.torch_threads,
+    }
+
+
+def pools_settings(config: RunConfig) -> dict[str, Any]:
+    """Each declared pool's replica settings (`steadyrl run --dry-run` prints them under `pools`)."""
+    return {
+        name: build_settings("inference", service_env(config, "inference", pool_values(config, name), alone=True))
+        for name in POOLS
+        if config.pool(name) is not None
+    }
+
+
 def deployed_settings(service: str, environ: Mapping[str, str]):
     """A deployed service's settings. With STEADYRL_RECIPE (a recipe file, or several merged left to
     right, comma-separated): the recipe's section and [run] resolved as `steadyrl run` resolves
@@ -304,7 +339,12 @@ def deployed_settings(service: str, environ: Mapping[str, str]):
     if not recipe:
         return build_settings(service, own)
     config = load_run_config([p.strip() for p in recipe.split(",") if p.strip()], recipe_overrides(environ))
+    pool = own.get(f"{prefix}POOL", "")
+    if service == "inference" and pool in POOLS:  # a pool's replica: the pool's model, nothing of [inference]
+        return build_settings(service, {**service_env(config, service, pool_values(config, pool), alone=True), **own})
     model = {"model_path": config.model.path} if "model_path" in PROBES[service] else {}
+    if service == "inference":  # the rollout replicas reach each declared pool at its deployment's DNS name
+        model |= {p: {"addresses": [f"inference-{p}:{POOL_PORT}"]} for p in POOLS if config.pool(p) is not None}
     return build_settings(service, {**service_env(config, service, model), **own})
 
 

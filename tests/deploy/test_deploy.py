@@ -45,29 +45,35 @@ def check_settings(service: str, env: dict[str, str]) -> None:
     )
 
 
-def dry_run_settings(recipe: str, gpus: int) -> dict[str, dict]:
-    """Each service's settings as `steadyrl run --dry-run --gpus N RECIPE` prints them."""
+def dry_run_settings(recipe: str, gpus: int, overrides: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Each service's settings as `steadyrl run --dry-run --gpus N RECIPE [--set ...]` prints them
+    (a pool's replica's as `pool/NAME`)."""
     done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / recipe), "--dry-run", "--gpus", str(gpus)],
+        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / recipe), "--dry-run", "--gpus", str(gpus)]
+        + [a for o in overrides for a in ("--set", o)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout)["settings"]
+    printed = json.loads(done.stdout)
+    return {**printed["settings"], **{f"pool/{name}": s for name, s in printed["pools"].items()}}
 
 
-def recipe_driven(service: str, env: dict[str, str], recipes: Path, printed: dict[str, dict]) -> dict:
+def recipe_driven(
+    service: str, env: dict[str, str], recipes: Path, printed: dict[str, dict], printed_as: str = ""
+) -> dict:
     """The settings `service` resolves from a deployment's environment (STEADYRL_RECIPE at
-    /etc/steadyrl/NAME read from `recipes`), checked equal to what `--dry-run` printed but for the
-    fields a deployment places (steadyrl/service_settings.py DEPLOYMENT_FIELDS); returns them."""
+    /etc/steadyrl/NAME read from `recipes`), checked equal to what `--dry-run` printed (under
+    `printed_as`: a pool's replica, `pool/NAME`) but for the fields a deployment places
+    (steadyrl/service_settings.py DEPLOYMENT_FIELDS); returns them."""
     from steadyrl.service_settings import DEPLOYMENT_FIELDS, deployed_settings
 
     name = env["STEADYRL_RECIPE"].removeprefix("/etc/steadyrl/")
     assert env["STEADYRL_RECIPE"] == f"/etc/steadyrl/{name}", env["STEADYRL_RECIPE"]
     resolved = deployed_settings(service, {**env, "STEADYRL_RECIPE": str(recipes / name)}).model_dump(mode="json")
-    settings, expected = dotted(resolved), dotted(printed[service])
+    settings, expected = dotted(resolved), dotted(printed[printed_as or service])
     differ = sorted(k for k in expected if k not in DEPLOYMENT_FIELDS and settings[k] != expected[k])
     assert not differ, (service, {k: (settings[k], expected[k]) for k in differ})
     prefix = f"STEADYRL_{service.upper()}_"
@@ -88,6 +94,8 @@ def dotted(values: dict, prefix: str = "") -> dict:
 
 
 # --- docker compose ------------------------------------------------------------------------------
+
+POOL_SERVICES = {"inference-teacher": "teacher", "inference-judge": "judge"}
 
 
 def interpolate(value: str) -> str:
@@ -110,14 +118,50 @@ def test_compose_follows_the_specification():
         "trainer",
         "inference",
         "inference-policy",
+        "inference-teacher",
+        "inference-judge",
         "orchestrator",
         "prometheus",
         "alertmanager",
         "grafana",
     }
     assert spec["services"]["inference-policy"]["profiles"] == ["policy-eval"]  # off unless asked for
+    assert spec["services"]["inference-judge"]["profiles"] == ["judge"]  # a recipe's pool: on with its profile
+    assert spec["services"]["inference-teacher"]["profiles"] == ["teacher"]
     with pytest.raises(ValueError, match="imagee"):  # the validator does reject what the spec does not allow
         PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "imagee": "y"}}}))
+
+
+def test_compose_starts_a_recipe_s_pools_and_points_the_replicas_at_them():
+    """A recipe with [judge] and [teacher]: each pool's service resolves to the replica `steadyrl run`
+    starts for it (the pool's model, engine and dtype, no weight sync), the rollout replicas reach each at
+    its service's name, and a pool's service under a recipe without the pool refuses to start."""
+    from steadyrl.service_settings import deployed_settings
+
+    doc = compose()
+    overrides = ('teacher.path="/models/teacher"',)
+    printed = dry_run_settings("tiny-judge.toml", 0, overrides)
+    recipe = {"STEADYRL_RECIPE": "/etc/steadyrl/tiny-judge.toml", "STEADYRL_RECIPE_SET": ";".join(overrides)}
+    for name, pool in POOL_SERVICES.items():
+        service = doc["services"][name]
+        env = {k: interpolate(str(v)) for k, v in service["environment"].items()} | recipe
+        settings = recipe_driven("inference", env, ROOT / "configs", printed, f"pool/{pool}")
+        assert (
+            settings["pool"] == pool
+            and settings["model_path"] == {"judge": "tiny-judge", "teacher": "/models/teacher"}[pool]
+        )
+        assert (settings["weightsync_address"], settings["orchestrator_address"]) == ("", "")  # fixed weights
+        assert settings["dtype"] == "float32" and settings["judge"]["templates"] == {}  # nothing of [inference]
+        assert set(service["secrets"]) == {"token", "redis_password"}
+        if pool == "judge":
+            refused = {**env, "STEADYRL_RECIPE": str(ROOT / "configs" / "tiny-arith.toml"), "STEADYRL_RECIPE_SET": ""}
+            with pytest.raises(ValueError, match=r"the recipe has no \[judge\]: a judge pool's replica has nothing"):
+                deployed_settings("inference", refused)
+    env = {k: interpolate(str(v)) for k, v in doc["services"]["inference"]["environment"].items()} | recipe
+    replica = recipe_driven("inference", env, ROOT / "configs", printed)
+    assert replica["judge"]["addresses"] == ["inference-judge:50052"]
+    assert replica["teacher"]["addresses"] == ["inference-teacher:50052"]
+    assert replica["judge"]["templates"]["arith"]["compare_with"] == "exact_match"
 
 
 def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_files():
@@ -126,7 +170,7 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
     checked = 0
     for name, service in doc["services"].items():
         kind = service_of(service.get("command") or [])
-        if kind is None:
+        if kind is None or name in POOL_SERVICES:  # a pool's replica needs a recipe with the pool: below
             continue
         env = {k: interpolate(str(v)) for k, v in service["environment"].items()}
         settings = recipe_driven(kind, env, ROOT / "configs", printed)
@@ -181,12 +225,14 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
         "STEADYRL_INFERENCE_QUANTIZATION": "none",
     }
     assert services["inference-policy"]["depends_on"] == services["inference"]["depends_on"]
-    commented = dict(
-        line[2:].split("=", 1)
+    commented = [
+        line[2:].split("=", 1)[1]
         for line in (DEPLOY / "env.example").read_text().splitlines()
         if re.match(r"# COMPOSE_PROFILES=", line)
-    )
-    assert commented["COMPOSE_PROFILES"] in services["inference-policy"]["profiles"]
+    ]
+    assert commented == ["policy-eval", "judge"]  # the profiles of π's replica and of a judge pool
+    assert commented[0] in services["inference-policy"]["profiles"]
+    assert commented[1] in services["inference-judge"]["profiles"]
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     replicas = next(job for job in scrape["scrape_configs"] if job["job_name"] == "steadyrl-inference")
     assert replicas["dns_sd_configs"][0]["names"] == ["inference"]  # π's replica answers to it too (an alias):

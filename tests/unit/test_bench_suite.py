@@ -99,3 +99,15 @@ def test_the_pools_bench_counts_steps_to_target_and_rollouts_by_hand():
     lines = [{"step": 2, "unix_ms": 3000}, {"step": 1, "unix_ms": 1000}, {"step": 3, "unix_ms": 5000}]
     assert rollouts_per_second(lines, 256) == 128.0  # 2 steps × 256 rollouts in 4 s
     assert rollouts_per_second(lines[:1], 256) is None
+
+
+def test_the_pools_bench_sums_a_judged_run_by_hand():
+    from bench.pools import judged_run
+
+    lines = [{"step": s, "unix_ms": 1000 * s, "judge_agreement": a} for s, a in enumerate([0.5, 0.7, 0.9, 0.9], 1)]
+    evals = [{"version": v, "accuracy": a} for v, a in [(4, 0.5), (0, 0.4), (2, 0.65)]]
+    out = judged_run(lines, evals, batch=10)
+    assert out["eval_gain_end"] == 0.1 and out["eval_gain_best"] == 0.25
+    assert out["judge_agreement_mean"] == 0.75  # (0.5 + 0.7 + 0.9 + 0.9) / 4
+    assert (out["judge_agreement_first_tenth"], out["judge_agreement_last_tenth"]) == (0.5, 0.9)  # a step each
+    assert out["rollouts_per_s"] == 10.0 and out["evals"] == {0: 0.4, 2: 0.65, 4: 0.5}
