@@ -61,7 +61,10 @@ class PoolClient:
         self.timeout_seconds = timeout_seconds
         self.attempts = attempts
         self.backoff_seconds = backoff_seconds
-        make = channel or (lambda address: open_channel(address, options=channel_options()))
+        # an address that names several replicas (a deployment's headless Service, compose's scaled
+        # service) spreads its calls over all of them, and a failed attempt's retry finds the next
+        options = [*channel_options(), ("grpc.lb_policy_name", "round_robin")]
+        make = channel or (lambda address: open_channel(address, options=options))
         self.channels = [make(a) for a in self.addresses]
         self.stubs = [stub(c) for c in self.channels]
         self._next = itertools.cycle(range(len(self.stubs)))

@@ -502,6 +502,65 @@ def test_the_policy_eval_component_adds_pi_s_replica_built_from_the_inference_de
         assert limits["nvidia.com/gpu"] == 2 and settings.engine == "vllm" and settings.gpus_per_replica == 2
 
 
+def test_the_pool_components_start_a_recipe_s_pools_as_steadyrl_run_does(tmp_path):
+    """The cpu overlay on a recipe with [judge] and [teacher], both pool components added as their
+    comments say: each pool's Deployment resolves to the replica `steadyrl run` starts for it, the rollout
+    replicas reach it at its headless Service, KEDA scales it on its own queue depth, only the rollout
+    replicas may call it; every manifest validates against the Kubernetes schemas and the CRDs'."""
+    import kubernetes_validate
+
+    deploy = copy_deploy(tmp_path)
+    recipe = deploy.parent / "configs" / "tiny-judge.toml"
+    recipe.write_text(recipe.read_text() + '\n[teacher]\npath = "/models/teacher"\n')
+    with open(deploy / "k8s" / "overlays" / "cpu" / "kustomization.yaml", "a") as f:
+        f.write("components:\n  - ../../components/judge-pool\n  - ../../components/teacher-pool\n")
+    base = deploy / "k8s" / "base" / "kustomization.yaml"
+    base.write_text(
+        base.read_text().replace("recipe=/etc/steadyrl/tiny-arith.toml", "recipe=/etc/steadyrl/tiny-judge.toml")
+    )
+    docs = render("cpu", deploy)
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    version = kubernetes_validate.latest_version()
+    for doc in docs:
+        if "keda.sh" not in doc["apiVersion"] and "monitoring.coreos.com" not in doc["apiVersion"]:
+            kubernetes_validate.validate(doc, version, strict=True)
+    results = validate_crds([d for d in docs if d["kind"] == "ScaledObject"])
+    assert len(results) == 3 and all(r["errors"] == [] for r in results), results
+    folder = tmp_path / "etc-steadyrl"
+    folder.mkdir()
+    (folder / "tiny-judge.toml").write_text(recipe.read_text())
+    printed = dry_run_settings("tiny-judge.toml", 0, ('teacher.path="/models/teacher"',))
+    for pool in ("judge", "teacher"):
+        name = f"inference-{pool}"
+        container = named["Deployment", name]["spec"]["template"]["spec"]["containers"][0]
+        settings = recipe_driven("inference", container_env(container, docs), folder, printed, f"pool/{pool}")
+        assert (
+            settings["pool"] == pool
+            and settings["model_path"] == {"judge": "tiny-judge", "teacher": "/models/teacher"}[pool]
+        )
+        assert (settings["weightsync_address"], settings["orchestrator_address"]) == ("", "")
+        assert named["Service", name]["spec"]["clusterIP"] == "None"  # every pod's address under one name
+        assert named["Service", name]["spec"]["selector"] == {"app": name}
+        scaler = named["ScaledObject", name]["spec"]
+        assert scaler["scaleTargetRef"] == {"name": name}
+        assert (
+            scaler["triggers"][0]["metadata"]["query"]
+            == f'sum(steadyrl_pool_queue_depth{{pool="{pool}", namespace="steadyrl"}})'
+        )
+    rollout = named["Deployment", "inference"]["spec"]["template"]["spec"]["containers"][0]
+    replica = recipe_driven("inference", container_env(rollout, docs), folder, printed)
+    assert replica["judge"]["addresses"] == ["inference-judge:50052"]
+    assert replica["teacher"]["addresses"] == ["inference-teacher:50052"]
+    assert named["ScaledObject", "inference"]["spec"]["scaleTargetRef"] == {"name": "inference"}  # untouched
+    pools = named["NetworkPolicy", "pools"]["spec"]
+    assert pools["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app": "inference"}}}],
+            "ports": [{"protocol": "TCP", "port": 50052}],
+        }
+    ]
+
+
 def validate_crds(docs: list[dict]) -> list[dict]:
     """Each custom resource checked against its CRD's OpenAPI schema (deploy/schemas/validate.mjs)."""
     installed = subprocess.run([str(ROOT / "scripts" / "crd-schemas")], capture_output=True, text=True)
