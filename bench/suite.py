@@ -409,6 +409,17 @@ def markdown(result: dict) -> str:
         f"({_get(pools, 'distill', 'steps_to_target')} vs {_get(pools, 'rl', 'steps_to_target')}) "
         f"| {_get(pools, 'ratios', 'steps_to_target_distill_over_rl')} | < 1 |"
     )
+    judge = _get(pools, "judge", default={})
+    lines.append(
+        f"| pools | rollouts trained per second, RL on the tiny judge's verdicts (1 judge replica) / on exact match, "
+        f"{_get(judge, 'steps')} vs {_get(pools, 'steps')} steps ({_get(judge, 'rollouts_per_s')} vs "
+        f"{_get(pools, 'rl', 'rollouts_per_s')}) | {_get(pools, 'ratios', 'rollouts_per_s_with_judge_over_rule')} | – |"
+    )
+    lines.append(
+        f"| pools | eval gain (exact match) of RL on the tiny judge's verdicts, {_get(judge, 'steps')} steps "
+        f"(evals {_get(judge, 'evals')}; judge/exact agreement per step {_get(judge, 'judge_agreement_mean')}, "
+        f"held-out pairs {_get(judge, 'held_out', 'agreement')}) | {_get(judge, 'eval_gain_end')} | ≥ 0.10 |"
+    )
     lines += peer_rows(b.get("peers", {}))
     failed = [name for name, value in b.items() if "error" in value]
     if failed:

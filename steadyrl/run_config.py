@@ -88,9 +88,11 @@ class PoolSection(BaseModel):
     the policy's tokenizer; a judge reads text with its own."""
     replicas: int = Field(1, ge=1)
     """Replicas of the pool (each its own process; the rollout replicas call them in turn)."""
-    engine: Literal["torch"] = "torch"
-    """The pool's engine: torch (a teacher's prefill forward gives every token's logprob; a judge
-    generates its verdicts greedily; a reward model needs no engine)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """The pool's engine: torch (a teacher's prefill forward gives every token's logprob) or vllm (its
+    prompt logprobs); a judge generates its verdicts greedily on either; a reward model needs none."""
+    max_model_len: int = Field(1024, ge=16)
+    """vllm: the longest prompt + completion the pool serves."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The pool's precision."""
     torch_threads: int = Field(1, ge=0)

@@ -222,6 +222,13 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
         reason = vllm_unavailable()
         if reason:
             raise ValueError(f'[inference] engine = "vllm" cannot run here: {reason}; use engine = "torch"')
+    for name in POOLS:
+        pool = config.pool(name)
+        if pool is not None and pool.engine == "vllm":
+            from shared.engines import vllm_unavailable
+
+            if reason := vllm_unavailable():
+                raise ValueError(f'[{name}] engine = "vllm" cannot run here: {reason}; use engine = "torch"')
         if inference.quantization != "none" and not inference.gpus_per_replica:
             raise ValueError(
                 f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
@@ -312,6 +319,7 @@ def pool_values(config: RunConfig, name: str) -> dict[str, Any]:
         "engine": pool.engine,
         "dtype": pool.dtype,
         "torch_threads": pool.torch_threads,
+        **({"vllm": {"max_model_len": pool.max_model_len}} if pool.engine == "vllm" else {}),
     }
 
 

@@ -121,6 +121,19 @@ def eos_ids(config) -> tuple[int, ...]:
     return tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
 
 
+def check_scored(sequences: list[tuple[list[int], list[int]]], vocab_size: int, max_model_len: int) -> None:
+    """ValueError for a (prompt, completion) a teacher cannot score: empty, a token outside the
+    vocabulary, longer than the engine's positions."""
+    for i, (prompt, completion) in enumerate(sequences):
+        if not prompt or not completion:
+            raise ValueError(f"sequence {i}: an empty prompt or completion")
+        tokens = [*prompt, *completion]
+        if min(tokens) < 0 or max(tokens) >= vocab_size:
+            raise ValueError(f"sequence {i}: token ids outside the vocabulary [0, {vocab_size})")
+        if len(tokens) > max_model_len:
+            raise ValueError(f"sequence {i}: {len(tokens)} tokens > the engine's {max_model_len} positions")
+
+
 def check_request(
     prompt: list[int], sampling: Sampling, return_trace: bool, max_model_len: int, no_trace: str | None, vocab_size: int
 ) -> None:

@@ -25,6 +25,7 @@ from shared.engines.base import (
     OnToken,
     Sampling,
     check_request,
+    check_scored,
     eos_ids,
     generate_all,
 )
@@ -203,14 +204,7 @@ class TorchEngine:
         for every (prompt, completion), by prefill forwards of right-padded chunks of at most
         `chunk_tokens` tokens, under the engine's lock (between two decode steps). ValueError for a
         sequence that cannot be scored (empty, out of the vocabulary, longer than the context)."""
-        for i, (prompt, completion) in enumerate(sequences):
-            if not prompt or not completion:
-                raise ValueError(f"sequence {i}: an empty prompt or completion")
-            tokens = [*prompt, *completion]
-            if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-                raise ValueError(f"sequence {i}: token ids outside the vocabulary [0, {self.vocab_size})")
-            if len(tokens) > self.max_model_len:
-                raise ValueError(f"sequence {i}: {len(tokens)} tokens > the engine's {self.max_model_len} positions")
+        check_scored(sequences, self.vocab_size, self.max_model_len)
         out: list[list[float]] = []
         start = 0
         with self._lock, torch.inference_mode():

@@ -31,6 +31,7 @@ from shared.engines.base import (
     Sample,
     Sampling,
     check_request,
+    check_scored,
     eos_ids,
     generate_all,
     start_each,
@@ -259,6 +260,29 @@ class VllmEngine:
             sample.routing_trace = np.asarray(routed).astype(np.uint16 if self.num_experts > 256 else np.uint8)
             sample.num_experts = self.num_experts
         return sample
+
+    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """A teacher's scoring: log p(each completion token | the prompt and the completion before it)
+        for every (prompt, completion), from vLLM's prompt logprobs of the whole sequence (a prefill and
+        one sampled token, dropped). ValueError for a sequence that cannot be scored."""
+        check_scored(sequences, self.vocab_size, self.max_model_len)
+        return self._call(self._score(sequences))
+
+    async def _score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+
+        async def one(prompt: list[int], completion: list[int]) -> list[float]:
+            final = None
+            async for output in self.llm.generate(
+                {"prompt_token_ids": [*prompt, *completion]}, params, f"s{next(self._ids)}", lora_request=self._lora
+            ):
+                final = output
+            rows = final.prompt_logprobs[len(prompt) :]
+            return [float(row[token].logprob) for row, token in zip(rows, completion, strict=True)]
+
+        return list(await asyncio.gather(*(one(list(p), list(c)) for p, c in sequences)))
 
     # --- weights ---------------------------------------------------------------------------------
 

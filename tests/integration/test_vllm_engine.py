@@ -98,6 +98,18 @@ def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
     assert float(delta.max()) < 1e-4
 
 
+def test_vllm_scores_as_a_teacher_with_its_prompt_logprobs(tiny_model_dir, probe):
+    """A teacher pool on vLLM: `score` of v1's own samples (prompt logprobs of the whole sequence) equals the
+    torch recompute of v1 and the logprobs v1 sampled them with; a token outside the vocabulary is refused."""
+    prompts, out = probe
+    v1 = v1_model(tiny_model_dir)
+    for p, s, scored in zip(prompts, out["v1"], out["v1_scored"], strict=True):
+        assert len(scored) == len(s["token_ids"])
+        assert torch.allclose(torch.tensor(scored), recompute(v1, p, s["token_ids"]), atol=1e-4)
+        assert torch.allclose(torch.tensor(scored), torch.tensor(s["logprobs"]), atol=1e-4)
+    assert "outside the vocabulary" in out["score_refused"]
+
+
 def test_vllm_updates_in_flight_and_each_token_carries_its_version(tiny_model_dir, probe):
     """An update lands while a long request generates: its tokens before carry v1, after v2, and
     each logprob is the torch recompute, over the whole prefix, of the version that sampled it.

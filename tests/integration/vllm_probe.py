@@ -89,6 +89,12 @@ def main() -> None:
     out["last_update"] = engine.last_update
     out["v1_greedy"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
     out["v1"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=3))]
+    out["v1_scored"] = engine.score([(p, s["token_ids"]) for p, s in zip(prompts, out["v1"], strict=True)])
+    try:
+        engine.score([(prompts[0], [engine.vocab_size])])
+        out["score_refused"] = ""
+    except ValueError as exc:
+        out["score_refused"] = str(exc)
     out["in_flight"] = across_an_update(engine, prompts[0], 2, model_dir)
     engine.update_mode = "between_requests"
     out["between_requests"] = across_an_update(engine, prompts[1], 3, model_dir)

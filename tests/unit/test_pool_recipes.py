@@ -65,6 +65,7 @@ def test_a_judged_reward_needs_its_pool_and_template_and_a_pool_needs_a_reward()
 
 def test_the_plan_starts_the_judge_pool_beside_the_teacher_pool(tmp_path, monkeypatch):
     overrides = ['judge.path="/models/judge"', "judge.replicas=2", 'teacher.path="/models/teacher"']
+    overrides += ['teacher.engine="vllm"', "teacher.max_model_len=64"]
     launch = Launch(load_run_config(JUDGED, overrides), tmp_path, "model", gpus_available=0)
     try:
         launch.plan("redis://127.0.0.1:1")
@@ -74,6 +75,12 @@ def test_the_plan_starts_the_judge_pool_beside_the_teacher_pool(tmp_path, monkey
     judges = [by_name["judge-0"], by_name["judge-1"]]
     assert [j.env["STEADYRL_INFERENCE_POOL"] for j in judges] == ["judge", "judge"]
     assert {j.env["STEADYRL_INFERENCE_MODEL_PATH"] for j in judges} == {"/models/judge"}
+    assert (
+        judges[0].env["STEADYRL_INFERENCE_ENGINE"] == "torch"
+        and "STEADYRL_INFERENCE_VLLM__MAX_MODEL_LEN" not in judges[0].env
+    )
+    teacher = by_name["teacher-0"].env  # a teacher on vLLM: its prompt logprobs, in the pool's context length
+    assert (teacher["STEADYRL_INFERENCE_ENGINE"], teacher["STEADYRL_INFERENCE_VLLM__MAX_MODEL_LEN"]) == ("vllm", "64")
     replica = by_name["inference-0"].env
     assert json.loads(replica["STEADYRL_INFERENCE_JUDGE__ADDRESSES"]) == [f"127.0.0.1:{j.grpc_port}" for j in judges]
     assert json.loads(replica["STEADYRL_INFERENCE_TEACHER__ADDRESSES"]) == [
