@@ -103,3 +103,24 @@ def test_the_rule_reward_rides_on_the_rollout_and_gives_the_agreement():
     assert metrics["judge_agreement"] == pytest.approx(4 / 5)
     assert metrics["judge_reference_reward_mean"] == pytest.approx(2 / 5)
     assert "judge_agreement" not in reward_metrics([plain])
+
+
+def test_a_judged_run_scores_its_evals_with_the_rule_it_names(tiny_model_dir):
+    from services.orchestrator.config import OrchestratorSettings
+    from services.orchestrator.data import Tasks
+
+    settings = OrchestratorSettings(
+        run_id="r",
+        model_path=str(tiny_model_dir),
+        reward="judge:arith",
+        evals={"size": 5, "reward": "exact_match"},
+        data={"train_size": 7},
+    )
+    tasks = Tasks(settings)
+    example = tasks.train[0]
+    assert tasks.make("train-0", example, 4, 1.0, False, 0).task_name == "judge:arith"
+    assert tasks.make("eval-0", example, 1, 0.0, True, 0).task_name == "exact_match"
+    plain = Tasks(settings.model_copy(update={"evals": settings.evals.model_copy(update={"reward": ""})}))
+    assert plain.make("eval-0", example, 1, 0.0, True, 0).task_name == "judge:arith"  # unset: the training reward
+    with pytest.raises(ValidationError, match="no reward named 'exact'"):
+        OrchestratorSettings(run_id="r", model_path="tiny", evals={"reward": "exact"})
