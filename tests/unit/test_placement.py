@@ -46,6 +46,20 @@ def test_each_process_gets_its_own_gpus_and_the_trainer_runs_under_torchrun(tmp_
     assert trainer.env["STEADYRL_TRAINER_PUBLISH__DTYPE"] == "bfloat16"
 
 
+def test_pool_replicas_get_their_own_gpus_after_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
+    pools = ['teacher.path="/models/teacher"', "teacher.replicas=2", "teacher.gpus_per_replica=1"]
+    launch = planned(tmp_path, [*GPU_RUN, *pools], gpus=10)
+    devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services}
+    assert (devices["inference-1"], devices["teacher-0"], devices["teacher-1"]) == ("6,7", "8", "9")
+    teacher = build_settings("inference", next(s for s in launch.services if s.name == "teacher-0").env)
+    assert teacher.gpus_per_replica == 1 and engine_options(teacher)["device"] == "cuda"
+    with pytest.raises(ValueError, match=r"needs 10 GPUs \(.* \+ 2 teacher replicas × 1\) and this machine has 9"):
+        planned(tmp_path / "fewer", [*GPU_RUN, *pools], gpus=9)
+    cpu = plan_placement(0, 1, 1, 0, 0, pools={"judge": (2, 0)})
+    assert cpu.pools == {"judge": ((), ())}  # on the CPU nothing changes
+
+
 def test_a_recipe_needing_more_gpus_than_exist_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
     with pytest.raises(
