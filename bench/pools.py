@@ -117,7 +117,12 @@ def main(teacher_steps: int = 300, steps: int = 150, target: float = 0.6, judge_
     from shared.kit.tiny_judge import init_tiny_judge
 
     report = json.loads((init_tiny_judge() / "steadyrl_tiny.json").read_text())
-    judge.update(steps=judge_steps, recipe="configs/tiny-judge.toml", held_out=report["held_out"])
+    judge.update(
+        steps=judge_steps,
+        recipe="configs/tiny-judge.toml",
+        held_out=report["held_out"],
+        held_out_policy=report["held_out_policy"],
+    )
     rl, distill = sides["rl"], sides["distill"]
     result.update(
         teacher={

@@ -418,7 +418,8 @@ def markdown(result: dict) -> str:
     lines.append(
         f"| pools | eval gain (exact match) of RL on the tiny judge's verdicts, {_get(judge, 'steps')} steps "
         f"(evals {_get(judge, 'evals')}; judge/exact agreement per step {_get(judge, 'judge_agreement_mean')}, "
-        f"held-out pairs {_get(judge, 'held_out', 'agreement')}) | {_get(judge, 'eval_gain_end')} | ≥ 0.10 |"
+        f"held-out pairs {_get(judge, 'held_out', 'agreement')}, the policy's samples "
+        f"{_get(judge, 'held_out_policy', 'agreement')}) | {_get(judge, 'eval_gain_end')} | ≥ 0.10 |"
     )
     lines += peer_rows(b.get("peers", {}))
     failed = [name for name, value in b.items() if "error" in value]

@@ -1,10 +1,11 @@
 """The tiny judge: a tiny model trained by the kit to say whether an answer to the arith task is
 right, for `judge:` rewards on a laptop. It reads "07+35=240?" (the policy's prompt, its answer,
 a question mark) and writes the right answer, then its verdict: "240 y" or "240 n" — a judge that
-works the problem before it judges. Trained on pairs of the train split (half right, half wrong:
-mostly one digit off by one, the rest another digit, random or of the wrong length), it stops
-once its verdicts agree with exact match on held-out pairs of the eval split at the target; the
-agreement is in its report.
+works the problem before it judges. Trained on pairs of the train split, half right, half wrong; most
+wrong ones are the kit's tiny policy's own wrong samples (a judge trained on synthetic misses alone
+copies a policy's plausible answer instead of checking it), the rest one digit off, random, or of the
+wrong length. It stops once it agrees with exact match on held-out pairs of the eval split, both
+synthetic and the policy's samples, at the target; both agreements are in its report.
 
 Details: docs/guides/pools.md"""
 
@@ -30,20 +31,24 @@ from shared.kit.tiny import (
 from shared.tasks import Example
 from shared.tasks.judging import VerdictError, parse_verdict, render
 
-JUDGE_KEY = "arith_judge-2"
+JUDGE_KEY = "arith_judge-3"
 TEMPLATE = "{prompt}{response}?"  # [inference.judge.templates.NAME] prompt of the tiny judge
 RULE = "yes_no"
 MAX_NEW_TOKENS = 6  # the answer (3 digits), a space, the verdict, EOS
-JUDGE_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=8000, sft_eval_every=500, sft_eval_size=300, target_accuracy=0.95)
+JUDGE_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=8000, sft_eval_every=500, sft_eval_size=300, target_accuracy=0.98)
 DIGITS = "0123456789"
+POLICY_SHARE = 0.6  # of the wrong candidates of a problem the policy answered wrongly: one of its answers
+POLICY_SAMPLES = 4  # samples of the tiny policy per train problem (temperature 1)
 
 
-def candidate(answer: str, rng: random.Random) -> str:
-    """An answer to judge: the right one half the time, else a wrong one — most often one digit
-    off by one (the policy's usual miss: a carry), else one digit changed, random digits, or a
-    wrong length."""
+def candidate(answer: str, rng: random.Random, misses: list[str] = ()) -> str:
+    """An answer to judge: the right one half the time, else a wrong one — one of `misses` (the
+    policy's wrong answers to this problem) when there are some, at POLICY_SHARE, else most often
+    one digit off by one (a carry), one digit changed, random digits, or a wrong length."""
     if rng.random() < 0.5:
         return answer
+    if misses and rng.random() < POLICY_SHARE:
+        return rng.choice(misses)
     draw = rng.random()
     if draw < 0.75:
         i = rng.randrange(len(answer))
@@ -57,9 +62,11 @@ def candidate(answer: str, rng: random.Random) -> str:
     return "".join(rng.choice(DIGITS) for _ in range(rng.choice([1, 2, len(answer) + 1])))
 
 
-def judge_pair(example: Example, rng: random.Random) -> tuple[Example, bool]:
+def judge_pair(
+    example: Example, rng: random.Random, misses: dict[str, list[str]] | None = None
+) -> tuple[Example, bool]:
     """(the judge's training example, whether the candidate it judges is right)."""
-    response = candidate(example.answer, rng)
+    response = candidate(example.answer, rng, (misses or {}).get(example.prompt, []))
     right = response == example.answer
     judged = render(TEMPLATE, example.prompt, response, example.answer)
     return Example(prompt=judged, answer=f"{example.answer} {'y' if right else 'n'}"), right
@@ -94,30 +101,75 @@ def agreement(model, tokenizer, pairs: list[tuple[Example, bool]]) -> dict:
     }
 
 
+def policy_answers(tokenizer, examples: list[Example], samples: int, seed: int) -> list[list[str]]:
+    """The kit's tiny policy's answers to each example, `samples` each at temperature 1."""
+    from shared.kit.tiny import encode_prompts, init_tiny_model
+    from shared.models.loading import load_causal_lm
+
+    policy = load_causal_lm(init_tiny_model())
+    torch.manual_seed(seed)
+    out: list[list[str]] = [[] for _ in examples]
+    with torch.no_grad():
+        for start in range(0, len(examples), 500):
+            ids = encode_prompts(tokenizer, [e.prompt for e in examples[start : start + 500]])
+            width = max(map(len, ids))
+            input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+            attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
+            for _ in range(samples):
+                rows = policy.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=0,
+                )[:, width:].tolist()
+                for i, row in enumerate(rows):
+                    out[start + i].append(tokenizer.decode(row, skip_special_tokens=True))
+    return out
+
+
 def train_judge(model, tokenizer, spec: TinySpec, seed: int) -> dict:
-    """Supervised training on judge pairs until the held-out agreement reaches the target (or max steps)."""
+    """Supervised training on judge pairs until the agreement on both held-out sets (synthetic pairs,
+    the policy's own samples) reaches the target (or max steps)."""
     task = spec.task(seed)
     train = task.split("train", task.max_split_size("train"))
-    held_out = [
-        judge_pair(e, random.Random(f"{seed}:{i}")) for i, e in enumerate(task.split("eval", spec.sft_eval_size))
+    held = task.split("eval", spec.sft_eval_size)
+    misses = {
+        e.prompt: sorted({a for a in answers if a != e.answer})
+        for e, answers in zip(train, policy_answers(tokenizer, train, POLICY_SAMPLES, seed), strict=True)
+    }
+    held_out = [judge_pair(e, random.Random(f"{seed}:{i}")) for i, e in enumerate(held)]
+    sampled = [
+        (Example(prompt=render(TEMPLATE, e.prompt, a[0], e.answer), answer=""), a[0] == e.answer)
+        for e, a in zip(held, policy_answers(tokenizer, held, 1, seed + 1), strict=True)
     ]
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    measured = agreement(model, tokenizer, held_out)
+
+    def measure() -> dict:
+        return {
+            "held_out": agreement(model, tokenizer, held_out),
+            "held_out_policy": agreement(model, tokenizer, sampled),
+        }
+
+    measured = measure()
     step = 0
-    while measured["agreement"] < spec.target_accuracy and step < spec.sft_max_steps:
+    while min(m["agreement"] for m in measured.values()) < spec.target_accuracy and step < spec.sft_max_steps:
         model.train()
         for _ in range(spec.sft_eval_every):
             pick = torch.randint(len(train), (spec.sft_batch_size,), generator=generator).tolist()
-            ids, labels = sft_batch(tokenizer, [judge_pair(train[i], rng)[0] for i in pick])
+            ids, labels = sft_batch(tokenizer, [judge_pair(train[i], rng, misses)[0] for i in pick])
             loss = model(input_ids=ids, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
-        measured = agreement(model, tokenizer, held_out)
-    return {"sft_steps": step, "held_out": measured}
+        measured = measure()
+    return {"sft_steps": step, **measured, "policy_misses": sum(map(len, misses.values()))}
 
 
 def init_tiny_judge(

@@ -55,7 +55,8 @@ def test_a_judge_replica_killed_mid_run_loses_nothing(tmp_path, quick_judge_dir)
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))
     assert all(0.0 <= x["judge_agreement"] <= 1.0 for x in lines)  # every rollout judged and compared
-    assert sum(x["judge_agreement"] for x in lines) / STEPS > 0.5  # the verdicts are read, not all refused
+    failures = sum(x["reward_failures"] for x in lines) / STEPS
+    assert failures < 0.5, failures  # the verdicts are read (an unreadable one would score 0 with its reason)
     progress = json.loads((out / "summary.json").read_text())["final_status"]["progress"]
     assert progress["trained"] == STEPS * B and progress["dead"] == 0, progress
     assert progress["submitted"] == progress["trained"] + progress["dropped"] + progress["filtered"], progress
