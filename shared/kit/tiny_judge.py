@@ -1,11 +1,8 @@
 """The tiny judge: a tiny model trained by the kit to say whether an answer to the arith task is
-right, for `judge:` rewards on a laptop. It reads "07+35=240?" (the policy's prompt, its answer,
-a question mark) and writes the right answer, then its verdict: "240 y" or "240 n" — a judge that
-works the problem before it judges. Trained on pairs of the train split, half right, half wrong; most
-wrong ones are the kit's tiny policy's own wrong samples (a judge trained on synthetic misses alone
-copies a policy's plausible answer instead of checking it), the rest one digit off, random, or of the
-wrong length. It stops once it agrees with exact match on held-out pairs of the eval split, both
-synthetic and the policy's samples, at the target; both agreements are in its report.
+right, for `judge:` rewards on a laptop. It reads "07+35=240?" and writes the right answer, then its
+verdict: "240 y" or "240 n". Half its training pairs are wrong answers, mostly the kit's tiny
+policy's own (a judge of synthetic misses alone copies a plausible answer instead of checking it).
+It stops once it agrees with exact match on held-out synthetic pairs and on the policy's samples.
 
 Details: docs/guides/pools.md"""
 

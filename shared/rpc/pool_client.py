@@ -74,8 +74,9 @@ class PoolClient:
         each; `check(reply)` returns a reason when the reply is garbage ('' when it is good), which
         counts as a failed attempt. Raises PoolError with the last reason."""
         reason = "no attempt"
-        for attempt in range(self.attempts):
-            index = next(self._next)
+        first = next(self._next)  # calls start on the replicas in turn; a call's retries go on from its own start,
+        for attempt in range(self.attempts):  # so concurrent calls never send one call twice to a dead replica
+            index = (first + attempt) % len(self.stubs)
             address = self.addresses[index]
             try:
                 reply = await getattr(self.stubs[index], method)(request, timeout=self.timeout_seconds)

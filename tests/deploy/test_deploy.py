@@ -398,7 +398,14 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     policies = {name: d["spec"] for (kind, name), d in named.items() if kind == "NetworkPolicy"}
     assert policies["default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     redis_from = policies["redis"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]
-    assert sorted(redis_from) == ["inference", "inference-policy", "orchestrator", "trainer"]  # not weight-sync
+    assert sorted(redis_from) == [  # not weight-sync
+        "inference",
+        "inference-judge",
+        "inference-policy",
+        "inference-teacher",
+        "orchestrator",
+        "trainer",
+    ]
     orchestrator = workloads(docs)["orchestrator"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "STEADYRL_ORCHESTRATOR_AUTOSTART", "value": "true"} in orchestrator["env"]  # starts by itself
     inference = workloads(docs)["inference"]

@@ -114,3 +114,21 @@ def served_by(metrics_port: int) -> float:
         for line in text.splitlines()
         if line.startswith("steadyrl_pool_requests_total{") and 'method="Score"' in line
     )
+
+
+def test_a_teacher_s_score_of_its_own_samples_equals_their_sampling_logprobs(tiny_model_dir):
+    """The prefill that scores for a teacher aligns each logprob with its token: a model scoring its own
+    samples gives back the logprobs it sampled them with (fp32, temperature 1)."""
+    from shared.engines import Sampling
+    from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
+
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    try:
+        prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task().split("train", 6)])
+        samples = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=6, seed=3))
+        scored = engine.score([(p, s.token_ids) for p, s in zip(prompts, samples, strict=True)])
+    finally:
+        engine.close()
+    assert sum(len(s.token_ids) for s in samples) >= 12
+    for sample, row in zip(samples, scored, strict=True):
+        assert row == pytest.approx(sample.logprobs, abs=1e-5)

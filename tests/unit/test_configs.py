@@ -261,7 +261,7 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
     assert settings["trainer"]["optim"]["lr"] == 3e-4 and settings["inference"]["tasks"]["max_inflight"] == 4
     assert settings["trainer"]["batch_prompts"] == settings["orchestrator"]["batch_prompts"] == 32
     assert settings["trainer"]["redis_url"] == "**********" and settings["orchestrator"]["token"] is None
-    assert shown["placement"] == {"trainer_gpus": [], "trainer_ranks": 1, "replica_gpus": [[]]}
+    assert shown["placement"] == {"trainer_gpus": [], "trainer_ranks": 1, "replica_gpus": [[]], "pool_gpus": {}}
     assert "steadyrl plan --model-config" in shown["plan"]["skipped"]  # "tiny" is built at start, not here
     assert "max_inflight = 4" in shown["recipe"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing started

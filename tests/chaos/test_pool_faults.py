@@ -1,7 +1,8 @@
-"""configs/tiny-judge.toml under `steadyrl run` with a judge pool of two replicas, one SIGKILLed mid-run:
-the rollout replicas' Judge calls go to the other (a failed attempt each, bounded), the supervisor
-restarts the killed one, the run finishes, every step reports the judge's agreement with exact match,
-and every task is trained once (none dead)."""
+"""configs/tiny-judge.toml under `steadyrl run`, distilled too, with a judge pool and a teacher pool of two
+replicas each, one of each SIGKILLed mid-run: the rollout replicas' Judge and Score calls go to the
+other replica (a failed attempt each, bounded), the supervisor restarts the killed ones, the run
+finishes, every step reports the judge's agreement with exact match and the teacher's gap, and every
+task is trained once (none dead)."""
 
 import json
 import os
@@ -20,9 +21,14 @@ STEPS = 16
 B = 8
 
 
-def test_a_judge_replica_killed_mid_run_loses_nothing(tmp_path, quick_judge_dir):
+def test_a_judge_and_a_teacher_replica_killed_mid_run_lose_nothing(tmp_path, quick_judge_dir, tiny_model_dir):
     out = tmp_path / "run"
     settings = [
+        f'teacher.path="{tiny_model_dir}"',
+        "teacher.replicas=2",
+        "trainer.distill.coef=1.0",
+        "trainer.distill.reward_weight=1.0",
+        "inference.teacher.timeout_seconds=5",
         f"run.steps={STEPS}",
         f"run.batch_prompts={B}",
         f'judge.path="{quick_judge_dir}"',
@@ -45,21 +51,27 @@ def test_a_judge_replica_killed_mid_run_loses_nothing(tmp_path, quick_judge_dir)
         while not metrics.exists() or len(metrics.read_text().splitlines()) < 4:
             assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.poll() else ""
             time.sleep(0.05)
-        os.kill(json.loads((out / "pids.json").read_text())["judge-0"], signal.SIGKILL)
+        pids = json.loads((out / "pids.json").read_text())
+        os.kill(pids["judge-0"], signal.SIGKILL)
+        os.kill(pids["teacher-0"], signal.SIGKILL)
         stdout, stderr = run.communicate(timeout=600)
     finally:
         if run.poll() is None:
             run.kill()
     assert run.returncode == 0, stderr[-3000:]
-    assert re.search(r"event=service_restarted service=judge-0", stderr), stderr[-3000:]
+    for name in ("judge-0", "teacher-0"):
+        assert re.search(rf"event=service_restarted service={name}", stderr), stderr[-3000:]
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))
     assert all(0.0 <= x["judge_agreement"] <= 1.0 for x in lines)  # every rollout judged and compared
+    assert all("+distill" in x["recipe"] and x["teacher_gap"] == x["teacher_gap"] for x in lines)  # never NaN
     failures = sum(x["reward_failures"] for x in lines) / STEPS
     assert failures < 0.5, failures  # the verdicts are read (an unreadable one would score 0 with its reason)
     progress = json.loads((out / "summary.json").read_text())["final_status"]["progress"]
     assert progress["trained"] == STEPS * B and progress["dead"] == 0, progress
     assert progress["submitted"] == progress["trained"] + progress["dropped"] + progress["filtered"], progress
     # the killed replica was called while down (its restart loads a model: many steps long), and the call went on
-    saw = [n for n in os.listdir(out / "logs") if "event=pool_call_failed" in (out / "logs" / n).read_text()]
-    assert saw and all(n.startswith("inference") for n in saw), saw
+    logs = {n: (out / "logs" / n).read_text() for n in os.listdir(out / "logs")}
+    for pool in ("judge", "teacher"):
+        saw = [n for n, text in logs.items() if f"event=pool_call_failed pool={pool}" in text]
+        assert saw and all(n.startswith("inference") for n in saw), (pool, saw)
