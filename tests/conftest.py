@@ -41,7 +41,7 @@ def quick_judge_dir():
 
     from shared.kit.tiny_judge import JUDGE_SPEC, init_tiny_judge
 
-    return init_tiny_judge(spec=dataclasses.replace(JUDGE_SPEC, sft_max_steps=500, sft_eval_every=250))
+    return init_tiny_judge(spec=dataclasses.replace(JUDGE_SPEC, sft_max_steps=500, sft_eval_every=500))
 
 
 @pytest.fixture(scope="session")

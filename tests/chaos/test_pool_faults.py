@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 16
+STEPS = 12
 B = 8
 
 
