@@ -30,6 +30,10 @@ FAULT_ONLY = {
     "steadyrl_inference_leases_lost_total": "leases lost: none in a healthy run",
     "vllm:": "vLLM's own metrics: the compose recipe runs the torch engine",
     "steadyrl_weightsync_pull_seconds": "pulls from weight-sync: every version reached the replicas by the collective",
+    "steadyrl_pool_": "teacher and judge pools: the compose recipe declares none",
+    "steadyrl_inference_teacher_failures_total": "teacher pool failures: the compose recipe has no teacher",
+    "steadyrl_inference_judge_failures_total": "judge pool failures: the compose recipe has no judge",
+    "judge_agreement|teacher_gap": "judge agreement and teacher gap: the compose recipe has no pool",
 }
 
 
