@@ -257,6 +257,11 @@ def init_tiny_model(
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, task, seed)
     if not (cached / "steadyrl_tiny.json").is_file():
         _build_into(cached, spec, task, seed)
+    return deliver(cached, out)
+
+
+def deliver(cached: Path, out: str | Path | None) -> Path:
+    """A cached kit model's directory, or `out` holding a copy of it when given."""
     if out is None:
         return cached
     out = Path(out)

@@ -21,6 +21,7 @@ from shared.kit.tiny import (
     cache_key,
     char_tokenizer,
     default_cache_dir,
+    deliver,
     greedy_texts,
     save_kit_model,
     sft_batch,
@@ -173,8 +174,6 @@ def init_tiny_judge(
     out: str | Path | None = None, seed: int = 0, spec: TinySpec | None = None, cache_dir: Path | None = None
 ) -> Path:
     """Build (or reuse from the cache) the tiny judge; copy it to `out` if given."""
-    import shutil
-
     spec = spec or JUDGE_SPEC
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, JUDGE_KEY, seed)
     if not (cached / "steadyrl_tiny.json").is_file():
@@ -196,9 +195,4 @@ def init_tiny_judge(
             spec=asdict(spec),
         )
         save_kit_model(cached, model, tokenizer, report)
-    if out is None:
-        return cached
-    out = Path(out)
-    if out.resolve() != cached.resolve():
-        shutil.copytree(cached, out, dirs_exist_ok=True)
-    return out
+    return deliver(cached, out)
