@@ -236,6 +236,7 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     replicas = next(job for job in scrape["scrape_configs"] if job["job_name"] == "steadyrl-inference")
     assert replicas["dns_sd_configs"][0]["names"] == ["inference"]  # π's replica answers to it too (an alias):
+    assert replicas["dns_sd_configs"][0]["refresh_interval"] == "5s"  # a replica started late is scraped soon
     assert services["inference-policy"]["networks"] == {"default": {"aliases": ["inference"]}}  # no failed lookup
     assert scrape["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
     from steadyrl.run_config import load_run_config
