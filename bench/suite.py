@@ -144,6 +144,13 @@ def main(only: list[str] = (), previous: dict | None = None) -> dict:
     return result
 
 
+def last_eval(evals) -> object:
+    """The eval at the highest version of a {version: accuracy} map (JSON keys are strings), or "–"."""
+    if not isinstance(evals, dict) or not evals:
+        return "–"
+    return evals[max(evals, key=int)]
+
+
 def _get(data: dict, *path, default="–"):
     for key in path:
         if not isinstance(data, dict) or key not in data or data[key] is None:
@@ -398,16 +405,22 @@ def markdown(result: dict) -> str:
         f"{_get(scoring, 'generate_tokens_per_s')}) | {_get(pools, 'ratios', 'score_over_generate_tokens_per_s')} | – |"
     )
     lines.append(
-        f"| pools | rollouts trained per second with a teacher pool (1 replica) / without, tiny-arith, "
+        f"| pools | rollouts trained per second with a teacher pool (1 replica) / without, tiny-distill, "
         f"{_get(pools, 'steps')} steps ({_get(pools, 'distill', 'rollouts_per_s')} vs "
         f"{_get(pools, 'rl', 'rollouts_per_s')}) | {_get(pools, 'ratios', 'rollouts_per_s_with_teacher_over_without')} "
         f"| – |"
     )
+    reached = _get(pools, "ratios", "rl_reached_target", default=True)
+    rl, distill = _get(pools, "rl", default={}), _get(pools, "distill", default={})
+    rl_steps = _get(rl, "steps_to_target") if reached else f"none within {_get(pools, 'steps')}"
     lines.append(
-        f"| pools | steps to eval {_get(pools, 'target_accuracy')} (mean of 2 evals), distilled from a teacher of "
-        f"{_get(pools, 'teacher', 'steps')} RL steps (eval {_get(pools, 'teacher', 'eval_end')}) / RL alone "
-        f"({_get(pools, 'distill', 'steps_to_target')} vs {_get(pools, 'rl', 'steps_to_target')}) "
-        f"| {_get(pools, 'ratios', 'steps_to_target_distill_over_rl')} | < 1 |"
+        f"| pools | tiny-distill, steps to eval {_get(pools, 'target_accuracy')} (mean of 2 evals), distilled from the "
+        f"tiny teacher (held-out {_get(pools, 'teacher', 'held_out')}; the student "
+        f"{_get(pools, 'teacher', 'student_before')}) / RL alone ({_get(distill, 'steps_to_target')} vs {rl_steps}; "
+        f"steps to the teacher's accuracy {_get(distill, 'steps_to_teacher', default='none')} vs "
+        f"{_get(rl, 'steps_to_teacher', default='none')}; eval at the last step "
+        f"{last_eval(_get(distill, 'evals'))} vs {last_eval(_get(rl, 'evals'))}) | {'' if reached else '< '}"
+        f"{_get(pools, 'ratios', 'steps_to_target_distill_over_rl')} | < 1 |"
     )
     judge = _get(pools, "judge", default={})
     lines.append(

@@ -35,20 +35,24 @@ def version() -> None:
 @app.command("init-model")
 def init_model(
     out: str = typer.Option(..., help="Directory to write the HF model into."),
-    task: str = typer.Option("arith", help="Task the cold start trains on; `judge`: the tiny judge of arith."),
+    task: str = typer.Option(
+        "arith", help="Task the cold start trains on; `judge`: the tiny judge of arith; `teacher`: the tiny teacher."
+    ),
     seed: int = typer.Option(0, help="Seed of the init and the cold start."),
     check_precision: bool = typer.Option(True, help="Report fp32 vs bf16 routing agreement."),
 ) -> None:
     """Build the tiny Qwen3-MoE (character tokenizer, SFT cold start), cached by content; with
-    `--task judge` the tiny judge (docs/guides/pools.md)."""
+    `--task judge` the tiny judge, with `--task teacher` the tiny teacher (docs/guides/pools.md)."""
     import json
     from pathlib import Path
 
     from shared.kit.tiny import init_tiny_model
     from shared.kit.tiny_judge import init_tiny_judge
     from shared.kit.tiny_precision import precision_routing_agreement
+    from shared.kit.tiny_teacher import init_tiny_teacher
 
-    path = init_tiny_judge(out, seed=seed) if task == "judge" else init_tiny_model(out, task=task, seed=seed)
+    pools = {"judge": init_tiny_judge, "teacher": init_tiny_teacher}
+    path = pools[task](out, seed=seed) if task in pools else init_tiny_model(out, task=task, seed=seed)
     report = json.loads((Path(path) / "steadyrl_tiny.json").read_text())
     report.pop("spec", None)
     if check_precision:

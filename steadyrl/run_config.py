@@ -84,8 +84,8 @@ class PoolSection(BaseModel):
 
     path: str = Field(min_length=1)
     """The model directory (a Hugging Face directory, e.g. a finished run's final-model/), or
-    "tiny-judge" (the kit's judge of the arith task, built and cached on first use). A teacher shares
-    the policy's tokenizer; a judge reads text with its own."""
+    "tiny-judge" / "tiny-teacher" (the kit's judge of the arith task, its teacher of unpadded sums: built
+    and cached on first use). A teacher shares the policy's tokenizer; a judge reads text with its own."""
     replicas: int = Field(1, ge=1)
     """Replicas of the pool (each its own process; the rollout replicas call them in turn)."""
     engine: Literal["torch", "vllm"] = "torch"
@@ -102,7 +102,7 @@ class PoolSection(BaseModel):
 
 
 POOLS = ("teacher", "judge")  # the pool sections a recipe may declare
-KIT_POOL_MODELS = ("tiny-judge",)
+KIT_POOL_MODELS = {"teacher": "tiny-teacher", "judge": "tiny-judge"}  # each pool's kit model, by its name
 
 
 def resolve_pool_model(path: str) -> str:
@@ -111,6 +111,10 @@ def resolve_pool_model(path: str) -> str:
         from shared.kit.tiny_judge import init_tiny_judge
 
         return str(init_tiny_judge())
+    if path == "tiny-teacher":
+        from shared.kit.tiny_teacher import init_tiny_teacher
+
+        return str(init_tiny_teacher())
     return path
 
 
@@ -227,9 +231,16 @@ def merge_tables(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]
 
 def _pool(name: str, values: dict[str, Any]) -> PoolSection:
     try:
-        return PoolSection(**values)
+        pool = PoolSection(**values)
     except ValidationError as exc:
         raise ValueError(f"[{name}] {exc}") from None
+    other = next((kit for role, kit in KIT_POOL_MODELS.items() if role != name and pool.path == kit), None)
+    if other:
+        raise ValueError(
+            f"[{name}] path = {other!r} is the kit's {other.removeprefix('tiny-')}: a {name} pool takes "
+            f"{KIT_POOL_MODELS[name]!r} or a model directory"
+        )
+    return pool
 
 
 def load_run_config(
@@ -313,7 +324,7 @@ def check_judged_rewards(config: RunConfig) -> None:
                 f"reward {name!r} names the template {template!r}: add [inference.judge.templates.{template}] "
                 f"(a prompt naming {{response}}); defined: {sorted(templates)}"
             )
-        if config.judge.path in KIT_POOL_MODELS and kind == "reward_model":
+        if config.judge.path == KIT_POOL_MODELS["judge"] and kind == "reward_model":
             raise ValueError(f"reward {name!r}: {config.judge.path} writes verdicts (judge:), it is no reward model")
         if Path(config.judge.path).is_dir():
             from shared.engines.classifier import is_classifier

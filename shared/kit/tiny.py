@@ -13,6 +13,8 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -270,10 +272,20 @@ def deliver(cached: Path, out: str | Path | None) -> Path:
     return out
 
 
-def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
-    started = time.perf_counter()
+@contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms for the length of a kit model's build (then off again): a
+    model built from the same key is the same on a rebuild."""
     torch.use_deterministic_algorithms(True)
     try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
+    started = time.perf_counter()
+    with deterministic():
         tokenizer = char_tokenizer()
         model = build_model(spec, seed)
         if task.name == "calc":
@@ -283,8 +295,6 @@ def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
             report = tool_cold_start(model, tokenizer, spec, seed)
         else:
             report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed)
-    finally:
-        torch.use_deterministic_algorithms(False)
     report.update(
         task=task.key(),
         seed=seed,

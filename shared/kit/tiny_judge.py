@@ -22,6 +22,7 @@ from shared.kit.tiny import (
     char_tokenizer,
     default_cache_dir,
     deliver,
+    deterministic,
     greedy_texts,
     save_kit_model,
     sft_batch,
@@ -178,13 +179,10 @@ def init_tiny_judge(
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, JUDGE_KEY, seed)
     if not (cached / "steadyrl_tiny.json").is_file():
         started = time.perf_counter()
-        torch.use_deterministic_algorithms(True)
-        try:
+        with deterministic():
             tokenizer = char_tokenizer()
             model = build_model(spec, seed)
             report = train_judge(model, tokenizer, spec, seed)
-        finally:
-            torch.use_deterministic_algorithms(False)
         report.update(
             task=JUDGE_KEY,
             seed=seed,

@@ -15,6 +15,7 @@ from steadyrl.run_config import load_run_config
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "tiny-arith.toml"
 JUDGED = ROOT / "configs" / "tiny-judge.toml"
+DISTILLED = ROOT / "configs" / "tiny-distill.toml"
 
 
 def test_the_teacher_section_is_validated_with_its_name():
@@ -26,6 +27,17 @@ def test_the_teacher_section_is_validated_with_its_name():
         load_run_config(RECIPE, ['teacher.path="/m"', 'teacher.pth="/m"'])
     with pytest.raises(ValueError, match=r"(?s)\[teacher\].*replicas"):
         load_run_config(RECIPE, ['teacher.path="/m"', "teacher.replicas=0"])
+
+
+def test_the_distillation_recipe_names_the_kit_teacher_and_each_pool_takes_its_own_kit_model():
+    config = load_run_config(DISTILLED)
+    assert config.teacher.path == "tiny-teacher" and config.judge is None
+    assert config.section("trainer")["distill"] == {"coef": 1.0, "reward_weight": 0.0}
+    assert config.section("orchestrator")["data"]["arith_fixed_width"] is False  # the teacher's format
+    with pytest.raises(ValueError, match=r"\[teacher\] path = 'tiny-judge' is the kit's judge: a teacher pool takes"):
+        load_run_config(DISTILLED, ['teacher.path="tiny-judge"'])
+    with pytest.raises(ValueError, match=r"\[judge\] path = 'tiny-teacher' is the kit's teacher: a judge pool takes"):
+        load_run_config(JUDGED, ['judge.path="tiny-teacher"'])
 
 
 def test_the_plan_starts_the_pool_and_points_the_rollout_replicas_at_it(tmp_path):
