@@ -85,6 +85,19 @@ class GrpcWeightPublisher(WeightPublisher):
 
 
 PULL_METHOD = "/steadyrl.v1.WeightSync/Pull"
+# a pull's deadline when the caller gives none: a start-up allowance plus the version's bytes at a floor rate
+# (a stalled service fails the pull in seconds for a small model, not in minutes); 600 s when its size is unknown
+PULL_START_SECONDS = 30.0
+PULL_FLOOR_BYTES_PER_SECOND = 50e6
+PULL_UNSIZED_SECONDS = 600.0
+
+
+def pull_deadline(manifest: pb.WeightManifest | None) -> float:
+    """Seconds a pull of `manifest`'s version may take: PULL_START_SECONDS + its bytes at
+    PULL_FLOOR_BYTES_PER_SECOND, or PULL_UNSIZED_SECONDS when the manifest is not known. Pure."""
+    if manifest is None or not manifest.tensors:
+        return PULL_UNSIZED_SECONDS
+    return PULL_START_SECONDS + sum(spec.nbytes for spec in manifest.tensors) / PULL_FLOOR_BYTES_PER_SECOND
 
 
 class GrpcDelivery(Delivery):
@@ -93,7 +106,8 @@ class GrpcDelivery(Delivery):
     against the receiver's own bytes of `base_version` (`base(name)`, None: a full pull).
 
     `open()` starts the pull and reads its header (the manifest, when it was not announced); a
-    failure after the first tensor raises PartialVersion. Sync (gRPC's sync API), so it runs where
+    failure after the first tensor raises PartialVersion. The whole pull is bounded by `timeout`, by
+    default one sized to the version (`pull_deadline`). Sync (gRPC's sync API), so it runs where
     the bytes are applied: an engine's thread, or a vLLM worker."""
 
     transport = TransportName.GRPC
@@ -106,7 +120,7 @@ class GrpcDelivery(Delivery):
         base_version: int = 0,
         base=None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        timeout: float = 600.0,
+        timeout: float | None = None,
         verifier=None,
     ) -> None:
         super().__init__(manifest or pb.WeightManifest(version=version))
@@ -115,7 +129,7 @@ class GrpcDelivery(Delivery):
         self.base_version = base_version if base is not None else 0
         self.base = base
         self.max_message_bytes = max_message_bytes
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else pull_deadline(manifest)
         self.wire_bytes = 0
         self._channel = self._frames = self._header = None
 

@@ -124,3 +124,15 @@ def test_the_transports_are_named_in_the_registry_alone():
     ]
     assert found == []
     assert {transport(name).name for name in TRANSPORTS} == set(TransportName)
+
+
+def test_a_pull_is_bounded_by_the_size_of_its_version():
+    from shared.weightsync.grpc import GrpcDelivery, pull_deadline
+
+    manifest = pb.WeightManifest(
+        version=3, tensors=[pb.TensorSpec(name="a", nbytes=100_000_000), pb.TensorSpec(name="b", nbytes=50_000_000)]
+    )
+    assert pull_deadline(manifest) == 30.0 + 3.0  # 150 MB at the 50 MB/s floor
+    assert pull_deadline(None) == pull_deadline(pb.WeightManifest(version=3)) == 600.0  # size unknown
+    assert GrpcDelivery("127.0.0.1:1", 3, manifest).timeout == 33.0
+    assert GrpcDelivery("127.0.0.1:1", 3, manifest, timeout=5.0).timeout == 5.0
