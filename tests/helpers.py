@@ -178,3 +178,50 @@ def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+@dataclasses.dataclass
+class KilledRun:
+    """A `steadyrl run` with services SIGKILLed mid-run: its exit code, stdout, stderr, and the step of
+    the trainer's last metrics line before the kill."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    killed_at: int
+
+
+def kill_mid_run(recipe: Path, out: Path, settings: list[str], after_lines: int, victims: list[str]) -> KilledRun:
+    """Start `steadyrl run RECIPE --out OUT --set ...`, wait (up to 300 s) for `after_lines` lines of the
+    trainer's metrics.jsonl, SIGKILL the services named in `victims` (by the run's pids.json) and wait
+    (up to 600 s) for the run to end; it is killed if it has not."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "steadyrl.cli", "run", str(recipe), "--out", str(out), "--progress", "none"]
+        + [a for s in settings for a in ("--set", s)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = out / "trainer" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    try:
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < after_lines:
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.poll() else ""
+            time.sleep(0.05)
+        killed_at = json.loads(metrics.read_text().splitlines()[-1])["step"]
+        pids = json.loads((out / "pids.json").read_text())
+        for name in victims:
+            os.kill(pids[name], signal.SIGKILL)
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    return KilledRun(run.returncode, stdout, stderr, killed_at)

@@ -7,13 +7,11 @@ task is trained once (none dead)."""
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import kill_mid_run
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,27 +35,9 @@ def test_a_judge_and_a_teacher_replica_killed_mid_run_lose_nothing(tmp_path, qui
         "inference.judge.timeout_seconds=5",
         "inference.tasks.lease_seconds=5",
     ]
-    run = subprocess.Popen(
-        [sys.executable, "-m", "steadyrl.cli", "run", str(ROOT / "configs" / "tiny-judge.toml")]
-        + ["--out", str(out), "--progress", "none", *(a for s in settings for a in ("--set", s))],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = kill_mid_run(ROOT / "configs" / "tiny-judge.toml", out, settings, 4, ["judge-0", "teacher-0"])
+    stderr = run.stderr
     metrics = out / "trainer" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    try:
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 4:
-            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.poll() else ""
-            time.sleep(0.05)
-        pids = json.loads((out / "pids.json").read_text())
-        os.kill(pids["judge-0"], signal.SIGKILL)
-        os.kill(pids["teacher-0"], signal.SIGKILL)
-        stdout, stderr = run.communicate(timeout=600)
-    finally:
-        if run.poll() is None:
-            run.kill()
     assert run.returncode == 0, stderr[-3000:]
     for name in ("judge-0", "teacher-0"):
         assert re.search(rf"event=service_restarted service={name}", stderr), stderr[-3000:]

@@ -5,12 +5,7 @@ versions the replicas serve are the trainer's."""
 
 import asyncio
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +14,7 @@ from redis.asyncio import Redis
 from shared.runstore.keys import RunKeys
 from shared.runstore.redis_server import RedisServer
 from tests.chaos.test_faults import read_ledger
+from tests.helpers import kill_mid_run
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,49 +32,18 @@ G = 8
 def test_steadyrl_run_restarts_a_sigkilled_trainer_between_checkpoints(tmp_path, tiny_model_dir, trainer_gpus):
     """On the CPU, and with the trainer on a GPU (bf16-mixed: its checkpoint comes back onto CUDA)."""
     out = tmp_path / "run"
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "steadyrl.cli",
-            "run",
-            str(ROOT / "configs" / "tiny-arith.toml"),
-            "--out",
-            str(out),
-            "--set",
-            f"run.steps={STEPS}",
-            "--set",
-            f"run.batch_prompts={B}",
-            "--set",
-            f"run.group_size={G}",
-            "--set",
-            "run.replicas=2",
-            "--set",
-            "orchestrator.evals.every=0",
-            "--set",
-            "inference.tasks.lease_seconds=3",
-            "--set",
-            "inference.tasks.per_batch=2",
-            "--set",
-            f"trainer.parallel.gpus={trainer_gpus}",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics = out / "trainer" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    try:
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 15:
-            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.poll() else ""
-            time.sleep(0.05)
-        killed_at = json.loads(metrics.read_text().splitlines()[-1])["step"]
-        os.kill(json.loads((out / "pids.json").read_text())["trainer"], signal.SIGKILL)
-        stdout, stderr = run.communicate(timeout=600)
-    finally:
-        if run.poll() is None:
-            run.kill()
+    settings = [
+        f"run.steps={STEPS}",
+        f"run.batch_prompts={B}",
+        f"run.group_size={G}",
+        "run.replicas=2",
+        "orchestrator.evals.every=0",
+        "inference.tasks.lease_seconds=3",
+        "inference.tasks.per_batch=2",
+        f"trainer.parallel.gpus={trainer_gpus}",
+    ]
+    run = kill_mid_run(ROOT / "configs" / "tiny-arith.toml", out, settings, 15, ["trainer"])
+    killed_at, stderr = run.killed_at, run.stderr
     assert killed_at % 10, f"the kill must fall between checkpoints, it came at step {killed_at}"
     assert run.returncode == 0, stderr[-3000:]
     assert re.search(r"event=service_restarted service=trainer", stderr)
