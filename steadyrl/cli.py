@@ -47,12 +47,10 @@ def init_model(
     from pathlib import Path
 
     from shared.kit.tiny import init_tiny_model
-    from shared.kit.tiny_judge import init_tiny_judge
     from shared.kit.tiny_precision import precision_routing_agreement
-    from shared.kit.tiny_teacher import init_tiny_teacher
+    from steadyrl.run_config import KIT_POOL_MODELS, kit_pool_model
 
-    pools = {"judge": init_tiny_judge, "teacher": init_tiny_teacher}
-    path = pools[task](out, seed=seed) if task in pools else init_tiny_model(out, task=task, seed=seed)
+    path = kit_pool_model(task, out, seed) if task in KIT_POOL_MODELS else init_tiny_model(out, task=task, seed=seed)
     report = json.loads((Path(path) / "steadyrl_tiny.json").read_text())
     report.pop("spec", None)
     if check_precision:

@@ -105,17 +105,21 @@ POOLS = ("teacher", "judge")  # the pool sections a recipe may declare
 KIT_POOL_MODELS = {"teacher": "tiny-teacher", "judge": "tiny-judge"}  # each pool's kit model, by its name
 
 
-def resolve_pool_model(path: str) -> str:
-    """A pool's model directory: `path`, or the kit's model it names (built and cached on first use)."""
-    if path == "tiny-judge":
+def kit_pool_model(pool: str, out: str | Path | None = None, seed: int = 0) -> Path:
+    """The kit's model of a pool (`teacher` or `judge`), built and cached on first use; copied to `out` if given."""
+    if pool == "judge":
         from shared.kit.tiny_judge import init_tiny_judge
 
-        return str(init_tiny_judge())
-    if path == "tiny-teacher":
-        from shared.kit.tiny_teacher import init_tiny_teacher
+        return init_tiny_judge(out, seed=seed)
+    from shared.kit.tiny_teacher import init_tiny_teacher
 
-        return str(init_tiny_teacher())
-    return path
+    return init_tiny_teacher(out, seed=seed)
+
+
+def resolve_pool_model(path: str) -> str:
+    """A pool's model directory: `path`, or the kit's model it names (built and cached on first use)."""
+    pool = next((role for role, kit in KIT_POOL_MODELS.items() if kit == path), None)
+    return str(kit_pool_model(pool)) if pool else path
 
 
 # [run] field → the field it becomes in each service's settings
