@@ -4,7 +4,8 @@ container's healthcheck passes and none but Redis runs as root, Prometheus scrap
 its `run` label, every dashboard expression returns a series (fault-only panels named), every alert
 rule evaluates and, in a run without a fault, none but an info one fires (those are listed). With
 --fault, one fault injected mid-run (trainer killed, a replica killed, Redis stopped and started)
-before the same checks. Prints one JSON object; exit 1 on a failed check."""
+before the same checks; with --pools, a recipe's teacher and judge pools serve the run and their
+panels must show it. Prints one JSON object; exit 1 on a failed check."""
 
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ FAULT_ONLY = {
     "steadyrl_inference_leases_lost_total": "leases lost: none in a healthy run",
     "vllm:": "vLLM's own metrics: the compose recipe runs the torch engine",
     "steadyrl_weightsync_pull_seconds": "pulls from weight-sync: every version reached the replicas by the collective",
+    "steadyrl_pool_failures_total": "pool failures: none in a healthy run",
+    "steadyrl_inference_teacher_failures_total": "teacher pool failures: none in a healthy run",
+    "steadyrl_inference_judge_failures_total": "judge pool failures: none in a healthy run",
+}
+# and those of a teacher or judge pool, which only a run with --pools starts
+POOLS_ONLY = {
     "steadyrl_pool_": "teacher and judge pools: the compose recipe declares none",
-    "steadyrl_inference_teacher_failures_total": "teacher pool failures: the compose recipe has no teacher",
-    "steadyrl_inference_judge_failures_total": "judge pool failures: the compose recipe has no judge",
     "judge_agreement|teacher_gap": "judge agreement and teacher gap: the compose recipe has no pool",
 }
 
@@ -110,13 +115,13 @@ def inject(fault: str, project: str, token: str, deadline: float) -> dict:
     raise ValueError(f"unknown fault {fault!r}")
 
 
-def check_prometheus(result: dict, failures: list[str], during: float) -> None:
+def check_prometheus(result: dict, failures: list[str], during: float, run: str, pools: bool) -> None:
     """Targets and dashboard as of `during` (a moment of the run), alert rules now (after its end)."""
     up = promql("up", during)
     result["targets"] = sorted(f"{s['metric'].get('job')} {s['metric'].get('instance')} up={s['value'][1]}" for s in up)
     killed = bool(result["fault"]) and "inference" in result["fault"]["fault"]
     for series in up:
-        if series["metric"].get("run") != "tiny-arith":
+        if series["metric"].get("run") != run:
             failures.append(f"target unlabelled: {series['metric']}")
         elif series["value"][1] != "1" and not (killed and series["metric"].get("job") == "steadyrl-inference"):
             failures.append(f"target down: {series['metric']}")  # (the killed replica's may be, in its fault)
@@ -127,18 +132,25 @@ def check_prometheus(result: dict, failures: list[str], during: float) -> None:
     replicas = 1 if killed else 2
     if sum(1 for s in up if s["metric"].get("job") == "steadyrl-inference") < replicas:
         failures.append(f"fewer than {replicas} inference targets scraped")
-    published = promql('sum by (replica) (steadyrl_inference_rollouts_published_total{run="tiny-arith"})', during)
+    published = promql(f'sum by (replica) (steadyrl_inference_rollouts_published_total{{run="{run}"}})', during)
     result["rollouts_published_by_replica"] = {s["metric"].get("replica"): float(s["value"][1]) for s in published}
     if sum(1 for value in result["rollouts_published_by_replica"].values() if value > 0) < replicas:
         failures.append(f"fewer than {replicas} replicas leased and published work")
+    if pools:  # each pool answered the replicas (a pool's replicas publish no rollouts)
+        served = promql(f'sum by (pool) (steadyrl_pool_requests_total{{run="{run}"}})', during)
+        result["pool_requests"] = {s["metric"].get("pool"): float(s["value"][1]) for s in served}
+        failures.extend(
+            f"the {p} pool served no request" for p in ("teacher", "judge") if not result["pool_requests"].get(p)
+        )
+    excuses = FAULT_ONLY if pools else FAULT_ONLY | POOLS_ONLY
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/steadyrl.json").read_text())
     empty, excused = [], []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = target["expr"].replace("$run", "tiny-arith")
+            expr = target["expr"].replace("$run", run)
             if promql(expr, during):
                 continue
-            why = next((why for key, why in FAULT_ONLY.items() if key in expr), None)
+            why = next((why for key, why in excuses.items() if key in expr), None)
             (excused if why else empty).append(f"{panel.get('title')}: {why or expr}")
     result["dashboard_expressions_without_series"] = {"excused": excused, "empty": empty}
     failures.extend(f"dashboard expression returned no series: {e}" for e in empty)
@@ -161,6 +173,8 @@ def main() -> int:
     parser.add_argument("--env-file", type=Path, required=True)
     parser.add_argument("--fault", choices=["trainer", "inference", "redis"])
     parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--run-id", default="tiny-arith", help="the recipe's [run] id: every series' run label")
+    parser.add_argument("--pools", action="store_true", help="the recipe's teacher and judge pools must serve")
     args = parser.parse_args()
     env = dict(line.split("=", 1) for line in args.env_file.read_text().splitlines() if "=" in line)
     token = env["STEADYRL_TOKEN"]
@@ -171,7 +185,8 @@ def main() -> int:
     if args.fault:
         result["fault"] = inject(args.fault, args.project, token, deadline)
     # the dashboard and the targets are read as of three quarters of the run (the trainer exits at its end)
-    steps = int(env.get("STEADYRL_RECIPE_SET", "run.steps=400").rsplit("=", 1)[-1])
+    recipe_set = dict(s.split("=", 1) for s in env.get("STEADYRL_RECIPE_SET", "").split(";") if "=" in s)
+    steps = int(recipe_set.get("run.steps", 400))
     wait_status(token, lambda s: s.get("trainer_step", 0) >= steps * 3 // 4, deadline, "three quarters of the run")
     during = time.time()
     status = wait_status(token, lambda s: s.get("state") in ("finished", "failed", "stopped"), deadline, "the run")
@@ -215,7 +230,7 @@ def main() -> int:
     result["healthchecks"] = health
     result["users"] = users
     time.sleep(15)  # one more scrape and rule evaluation after the end (the interval is 10 s)
-    check_prometheus(result, failures, during)
+    check_prometheus(result, failures, during, args.run_id, args.pools)
     result["failures"] = failures
     print(json.dumps(result, indent=2))
     return 1 if failures else 0

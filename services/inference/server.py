@@ -68,7 +68,12 @@ def pool_client(settings: InferenceSettings, pool: str) -> PoolClient | None:
     if not section.addresses or settings.pool in FIXED_POOLS:
         return None
     return PoolClient(
-        pool, section.addresses, inference_pb2_grpc.InferenceStub, section.timeout_seconds, section.attempts
+        pool,
+        section.addresses,
+        inference_pb2_grpc.InferenceStub,
+        section.timeout_seconds,
+        section.attempts,
+        ready_seconds=section.ready_seconds,
     )
 
 

@@ -129,6 +129,7 @@ class RolloutWorker:
         renewal = LeaseRenewal(self.queue, self.replica_id, self.lease_seconds, self.held)
         publisher = asyncio.create_task(self.publisher.loop())
         try:
+            await self._pools_ready(stop)
             while not stop.is_set():
                 self._check_engine()
                 room = self._room()
@@ -147,6 +148,23 @@ class RolloutWorker:
                 await self._wait(stop, poll=bool(self._room()))
         finally:
             await finish_despite_cancellation(self._shutdown(publisher, renewal))
+
+    async def _pools_ready(self, stop: asyncio.Event) -> None:
+        """Before the first lease, a replica of each pool this replica calls answers (bounded by the
+        pool's `ready_seconds`; past it PoolError ends the replica): a task leased while a pool's
+        model still loads would fail its attempts and die."""
+        clients = [c for c in (self.teacher and self.teacher.client, self.judging.client) if c is not None]
+        if not clients:
+            return
+        ready = asyncio.ensure_future(asyncio.gather(*(c.wait_ready() for c in clients)))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not ready.done():
+            ready.cancel()
+            await asyncio.gather(ready, return_exceptions=True)
+            return
+        ready.result()
 
     def _room(self) -> int:
         if self.batching == "barrier":

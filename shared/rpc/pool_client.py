@@ -49,6 +49,7 @@ class PoolClient:
         timeout_seconds: float,
         attempts: int,
         backoff_seconds: float = 0.2,
+        ready_seconds: float = 600.0,
         channel: Callable[[str], grpc.aio.Channel] | None = None,
     ) -> None:
         if not addresses:
@@ -61,6 +62,7 @@ class PoolClient:
         self.timeout_seconds = timeout_seconds
         self.attempts = attempts
         self.backoff_seconds = backoff_seconds
+        self.ready_seconds = ready_seconds
         # an address that names several replicas (a deployment's headless Service, compose's scaled
         # service) spreads its calls over all of them, and a failed attempt's retry finds the next
         options = [*channel_options(), ("grpc.lb_policy_name", "round_robin")]
@@ -93,6 +95,28 @@ class PoolClient:
             if attempt + 1 < self.attempts:
                 await asyncio.sleep(self.backoff_seconds * 2**attempt)
         raise PoolError(self.pool, f"{self.attempts} attempts failed, the last: {reason}")
+
+    async def wait_ready(self, poll_seconds: float = 30.0) -> float:
+        """Until a replica of the pool accepts a connection (a pool replica listens once its model is
+        loaded), at most `ready_seconds`, so a rollout replica started beside its pools leases no task
+        the pool would fail. Returns the seconds waited; raises PoolError past the bound."""
+        seconds = self.ready_seconds
+        clock = asyncio.get_running_loop().time
+        started = clock()
+        while True:
+            waits = [asyncio.ensure_future(c.channel_ready()) for c in self.channels]
+            left = max(min(poll_seconds, started + seconds - clock()), 0)
+            done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for wait in pending:
+                wait.cancel()
+            waited = clock() - started
+            if done:
+                return waited
+            if waited >= seconds:
+                raise PoolError(self.pool, f"no replica of {','.join(self.addresses)} answered within {seconds:g}s")
+            log.info(
+                "event=waiting_for_pool pool=%s addresses=%s waited_s=%.0f", self.pool, ",".join(self.addresses), waited
+            )
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.channels), return_exceptions=True)

@@ -153,6 +153,10 @@ def test_compose_starts_a_recipe_s_pools_and_points_the_replicas_at_them():
         assert (settings["weightsync_address"], settings["orchestrator_address"]) == ("", "")  # fixed weights
         assert settings["dtype"] == "float32" and settings["judge"]["templates"] == {}  # nothing of [inference]
         assert set(service["secrets"]) == {"token", "redis_password"}
+        # after the policy's build, a kit model of its own built once in the models volume's cache
+        assert service["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
+        cache = service["environment"]["STEADYRL_CACHE"]
+        assert cache == doc["services"]["model-init"]["environment"]["STEADYRL_CACHE"] and cache.startswith("/models/")
         if pool == "judge":
             refused = {**env, "STEADYRL_RECIPE": str(ROOT / "configs" / "tiny-arith.toml"), "STEADYRL_RECIPE_SET": ""}
             with pytest.raises(ValueError, match=r"the recipe has no \[judge\]: a judge pool's replica has nothing"):

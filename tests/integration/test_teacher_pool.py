@@ -132,3 +132,52 @@ def test_a_teacher_s_score_of_its_own_samples_equals_their_sampling_logprobs(tin
     assert sum(len(s.token_ids) for s in samples) >= 12
     for sample, row in zip(samples, scored, strict=True):
         assert row == pytest.approx(sample.logprobs, abs=1e-5)
+
+
+def test_a_rollout_replica_leases_nothing_before_its_teacher_pool_answers(redis_server, run_id, tiny_model_dir):
+    """A rollout replica whose teacher pool never comes up (nothing listens at its address) leases no
+    task in `ready_seconds`, then ends with the reason; the queued task is still there, unleased."""
+    from redis.asyncio import Redis
+
+    from services.inference.teacher import TeacherScoring
+    from services.inference.worker import RolloutWorker
+    from shared.models import load_tokenizer
+    from shared.rpc.steadyrl.v1 import common_pb2
+    from shared.runstore.queues import WorkQueue
+
+    nobody = f"127.0.0.1:{free_port()}"
+    engine = make_engine("torch", str(tiny_model_dir), "float32", threads=1)
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = WorkQueue(redis, run_id)
+        await queue.submit_many([common_pb2.PromptTask(task_id="train-0", prompt_token_ids=[1, 2], group_size=2)])
+        client = PoolClient("teacher", [nobody], inference_pb2_grpc.InferenceStub, 1.0, 1, ready_seconds=1.5)
+        worker = RolloutWorker(
+            engine,
+            load_tokenizer(str(tiny_model_dir)),
+            queue,
+            "r0",
+            30.0,
+            4,
+            0.05,
+            False,
+            teacher=TeacherScoring(client),
+        )
+        try:
+            await worker.run(asyncio.Event())
+        except PoolError as error:
+            ended = str(error)
+        else:
+            ended = ""
+        await client.close()
+        leased = await queue.lease("r1", 30.0, count=4)
+        await redis.aclose()
+        return ended, [(lease.task_id, lease.attempt) for lease in leased]
+
+    try:
+        ended, leased = asyncio.run(main())
+    finally:
+        engine.close()
+    assert ended == f"teacher pool: no replica of {nobody} answered within 1.5s", ended
+    assert leased == [("train-0", 0)]  # never leased by the replica that waited: its first lease, here

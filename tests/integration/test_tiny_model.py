@@ -44,3 +44,12 @@ def test_init_is_deterministic_and_cached(tmp_path):
     assert (cached / "steadyrl_tiny.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
     other = init_tiny_model(None, spec=spec, seed=4, cache_dir=tmp_path / "cache1")
     assert other != cached
+    # a second delivery to the same place leaves the model there untouched (a rerun of compose's model-init
+    # while services read it); another seed's model replaces it
+    weights = first / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    init_tiny_model(first, spec=spec, seed=3, cache_dir=tmp_path / "cache1")
+    assert weights.stat().st_mtime_ns == written
+    init_tiny_model(first, spec=spec, seed=4, cache_dir=tmp_path / "cache1")
+    assert weights.stat().st_mtime_ns != written
+    assert (first / "steadyrl_tiny.json").read_bytes() == (other / "steadyrl_tiny.json").read_bytes()
