@@ -92,7 +92,7 @@ class PoolSection(BaseModel):
     """The pool's engine: torch (a teacher's prefill forward gives every token's logprob) or vllm (its
     prompt logprobs); a judge generates its verdicts greedily on either; a reward model needs none."""
     max_model_len: int = Field(1024, ge=16)
-    """vllm: the longest prompt + completion the pool serves."""
+    """vllm: the longest prompt + completion the pool serves (at most the model's positions)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The pool's precision."""
     torch_threads: int = Field(1, ge=0)

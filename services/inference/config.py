@@ -27,7 +27,7 @@ class VllmSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_model_len: int = Field(1024, ge=16)
-    """vLLM: longest prompt + completion."""
+    """vLLM: longest prompt + completion (at most the model's positions: a longer one is clamped to them)."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     """vLLM on a GPU: share of device memory it may take."""
     kv_cache_gib: float = Field(1.0, gt=0)

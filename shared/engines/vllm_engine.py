@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import gc
 import itertools
+import logging
 import os
 import tempfile
 import threading
@@ -40,6 +41,7 @@ from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
 from shared.weightsync.shm import ShmDelivery, write_shm
 
+log = logging.getLogger("steadyrl.engines.vllm")
 NO_TRACE_ON_CPU = "vLLM returns routed experts only with its V2 model runner (GPU); use the torch engine for R3 on CPU"
 UPDATE_MODES = ("in_flight", "between_requests")
 VLLM_QUANTIZATION = {  # this project's name → vLLM 0.32's online quantization (GPU only)
@@ -86,6 +88,10 @@ class VllmEngine:
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        context = int(getattr(config, "max_position_embeddings", 0) or 0)
+        if context and max_model_len > context:  # vLLM refuses a length past the model's positions
+            log.info("event=max_model_len_clamped asked=%d model_positions=%d", max_model_len, context)
+            max_model_len = context
         is_moe = bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
         if (
             lora_rank and is_moe and not on_gpu and not vllm_lora.leaves_experts(lora_targets)

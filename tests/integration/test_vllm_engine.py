@@ -69,6 +69,7 @@ def test_vllm_logprobs_match_the_torch_recompute(tiny_model_dir, probe):
     assert all(s["versions"] == [0] * len(s["token_ids"]) for s in out["v0"])
     assert len({tuple(s["token_ids"]) for s in out["v0"]}) > 1  # per-sample seeds: samples differ
     assert not out["capabilities"]["routing_trace"] and "V2 model runner" in out["trace_error"]
+    assert out["max_model_len"] == 64  # the engine's default clamped to the model's positions (vLLM refuses more)
     # vLLM's own engine metrics land in the process's registry, which the replica's /metrics serves
     metrics = out["vllm_metrics"]
     assert {"vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running"} <= set(metrics)

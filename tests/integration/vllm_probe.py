@@ -80,8 +80,9 @@ def main() -> None:
     model_dir = sys.argv[1]
     dtype = sys.argv[2]
     prompts = json.loads(sys.argv[3])
-    engine = make_engine("vllm", model_dir, dtype, max_model_len=64)
+    engine = make_engine("vllm", model_dir, dtype)  # the default 1024, past the tiny model's 64 positions
     out = {"capabilities": {"routing_trace": engine.capabilities.routing_trace, "notes": engine.capabilities.notes}}
+    out["max_model_len"] = engine.max_model_len
     sampled = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=11))
     out["v0"] = [vars(s) for s in sampled]
     seconds = engine.update_weights(1, version_model(model_dir, 1).state_dict())
