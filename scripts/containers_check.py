@@ -115,8 +115,10 @@ def inject(fault: str, project: str, token: str, deadline: float) -> dict:
     raise ValueError(f"unknown fault {fault!r}")
 
 
-def check_prometheus(result: dict, failures: list[str], during: float, run: str, pools: bool) -> None:
-    """Targets and dashboard as of `during` (a moment of the run), alert rules now (after its end)."""
+def check_prometheus(result: dict, failures: list[str], during: float, ended: float, run: str, pools: bool) -> None:
+    """Targets as of `during` (a moment of the run), each dashboard expression then or at `ended` (a
+    rate over a window needs two scrapes of a series: a short run may end before a late series has
+    them at `during`), alert rules now (after its end)."""
     up = promql("up", during)
     result["targets"] = sorted(f"{s['metric'].get('job')} {s['metric'].get('instance')} up={s['value'][1]}" for s in up)
     killed = bool(result["fault"]) and "inference" in result["fault"]["fault"]
@@ -148,7 +150,7 @@ def check_prometheus(result: dict, failures: list[str], during: float, run: str,
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             expr = target["expr"].replace("$run", run)
-            if promql(expr, during):
+            if promql(expr, during) or promql(expr, ended):
                 continue
             why = next((why for key, why in excuses.items() if key in expr), None)
             (excused if why else empty).append(f"{panel.get('title')}: {why or expr}")
@@ -190,6 +192,7 @@ def main() -> int:
     wait_status(token, lambda s: s.get("trainer_step", 0) >= steps * 3 // 4, deadline, "three quarters of the run")
     during = time.time()
     status = wait_status(token, lambda s: s.get("state") in ("finished", "failed", "stopped"), deadline, "the run")
+    ended = time.time()
     result["run_seconds"] = round(time.monotonic() - started, 1)
     result["state"] = status["state"]
     result["steps"] = status.get("trainer_step")
@@ -230,7 +233,7 @@ def main() -> int:
     result["healthchecks"] = health
     result["users"] = users
     time.sleep(15)  # one more scrape and rule evaluation after the end (the interval is 10 s)
-    check_prometheus(result, failures, during, args.run_id, args.pools)
+    check_prometheus(result, failures, during, ended, args.run_id, args.pools)
     result["failures"] = failures
     print(json.dumps(result, indent=2))
     return 1 if failures else 0

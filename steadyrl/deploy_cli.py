@@ -92,6 +92,15 @@ def trainer_node_command(
 
 def serve_command(
     service: Annotated[str, typer.Argument(help="weightsync | trainer | inference | orchestrator")],
+    model_wait: Annotated[
+        float,
+        typer.Option(
+            "--model-wait",
+            min=0,
+            help="Seconds to wait for the service's model_path to hold a model (a job beside it may still "
+            "be writing it, as compose's model-init does); 0: it must be there at start.",
+        ),
+    ] = 0.0,
 ) -> None:
     """Run one service as a deployment starts it (compose, the Kubernetes manifests): its settings
     from the recipe STEADYRL_RECIPE names (a file, or several merged left to right, comma-separated:
@@ -117,4 +126,19 @@ def serve_command(
         raise typer.Exit(ExitCode.REFUSED) from None
     if service == "inference" and settings.pool in POOLS:  # a kit pool model (tiny-judge) is built here, cached
         settings.model_path = resolve_pool_model(settings.model_path)
+    if model_wait and getattr(settings, "model_path", None):
+        _wait_for_model(service, settings.model_path, model_wait)
     run_service(service, settings_class(service), f"services.{service}.server", settings=settings)
+
+
+def _wait_for_model(service: str, path: str, seconds: float) -> None:
+    from shared.models.loading import wait_for_model
+
+    def waiting(waited: int) -> None:
+        typer.echo(f"steadyrl serve: event=waiting_for_model service={service} path={path} waited={waited}", err=True)
+
+    try:
+        wait_for_model(path, seconds, waiting)
+    except FileNotFoundError as exc:
+        typer.echo(f"steadyrl serve: event=model_missing service={service} reason={exc}", err=True)
+        raise typer.Exit(ExitCode.REFUSED) from None

@@ -270,7 +270,9 @@ def deliver(cached: Path, out: str | Path | None) -> Path:
     report = "steadyrl_tiny.json"
     same = (out / report).is_file() and (out / report).read_bytes() == (cached / report).read_bytes()
     if out.resolve() != cached.resolve() and not same:  # a rerun leaves a model in use untouched
-        shutil.copytree(cached, out, dirs_exist_ok=True)
+        # config.json last: a service waiting for the model (wait_for_model) never reads half of it
+        shutil.copytree(cached, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("config.json"))
+        shutil.copy2(cached / "config.json", out / "config.json")
     return out
 
 

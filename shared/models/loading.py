@@ -33,6 +33,23 @@ def _local_dir(path: str | os.PathLike) -> Path:
     return directory
 
 
+def wait_for_model(path: str | os.PathLike, seconds: float, log=None, every: float = 30.0) -> None:
+    """Return once `path` holds a model (its config.json), waiting at most `seconds`: a deployment's
+    job may still be writing it. `log(waited)` every `every` seconds; past the bound FileNotFoundError."""
+    import time
+
+    started = time.monotonic()
+    told = started
+    while not (Path(path) / "config.json").is_file():
+        now = time.monotonic()
+        if now - started >= seconds:
+            raise FileNotFoundError(f"{path}: no model (config.json) within {seconds:g} s")
+        if log is not None and now - told >= every:
+            log(round(now - started))
+            told = now
+        time.sleep(max(0.05, min(1.0, every, seconds - (now - started))))
+
+
 def load_causal_lm(path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"):
     """A transformers causal LM from a local directory, in `dtype`, in eval mode."""
     from transformers import AutoModelForCausalLM

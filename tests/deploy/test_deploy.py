@@ -132,6 +132,26 @@ def test_compose_follows_the_specification():
         PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "imagee": "y"}}}))
 
 
+def test_no_restarting_service_depends_on_the_model_job_and_each_waits_for_its_model():
+    """podman-compose makes every dependency, transitive ones too, a `--requires`, and podman restarts
+    no container whose required container has exited: a service depending on the one-shot model-init
+    would stay down after a crash. Each service that reads /models/tiny waits for it instead, bounded."""
+    services = compose()["services"]
+
+    def needs(name: str) -> set[str]:
+        direct = set(services[name].get("depends_on", {}))
+        return direct.union(*(needs(d) for d in direct)) if direct else set()
+
+    jobs = {name for name, s in services.items() if s.get("restart") == "no"}
+    assert jobs == {"model-init"}
+    for name, service in services.items():
+        if service.get("restart") not in (None, "no"):
+            assert not needs(name) & jobs, name
+        if "serve" in service.get("command", []) and name != "weightsync":
+            command = service["command"]
+            assert float(command[command.index("--model-wait") + 1]) >= 120, name
+
+
 def test_compose_starts_a_recipe_s_pools_and_points_the_replicas_at_them():
     """A recipe with [judge] and [teacher]: each pool's service resolves to the replica `steadyrl run`
     starts for it (the pool's model, engine and dtype, no weight sync), the rollout replicas reach each at
@@ -153,8 +173,7 @@ def test_compose_starts_a_recipe_s_pools_and_points_the_replicas_at_them():
         assert (settings["weightsync_address"], settings["orchestrator_address"]) == ("", "")  # fixed weights
         assert settings["dtype"] == "float32" and settings["judge"]["templates"] == {}  # nothing of [inference]
         assert set(service["secrets"]) == {"token", "redis_password"}
-        # after the policy's build, a kit model of its own built once in the models volume's cache
-        assert service["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
+        # a kit model of its own built once, in the cache on the models volume model-init's build shares
         cache = service["environment"]["STEADYRL_CACHE"]
         assert cache == doc["services"]["model-init"]["environment"]["STEADYRL_CACHE"] and cache.startswith("/models/")
         if pool == "judge":

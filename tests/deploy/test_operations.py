@@ -125,6 +125,21 @@ def test_a_recipe_a_service_cannot_use_stops_it_before_anything_starts(tmp_path)
     assert unknown.returncode == 2 and "not 'trainr'" in unknown.stderr
 
 
+def test_a_service_waits_a_bounded_time_for_its_model(tmp_path):
+    """`steadyrl serve --model-wait S` (compose's services, beside the model-init job writing the model):
+    absent past S, exit 2 with the reason; present, no wait."""
+    env = {
+        **os.environ,
+        "STEADYRL_ORCHESTRATOR_MODEL_PATH": str(tmp_path / "absent"),
+        "STEADYRL_ORCHESTRATOR_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    command = [sys.executable, "-m", "steadyrl.cli", "serve", "orchestrator", "--model-wait", "1.5"]
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "event=model_missing service=orchestrator" in done.stderr
+    assert "no model (config.json) within 1.5 s" in done.stderr and time.monotonic() - started >= 1.5
+
+
 def alertmanager() -> str:
     found = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
     assert found, "alertmanager is missing: scripts/install installs Debian's prometheus-alertmanager as root"
