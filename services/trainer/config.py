@@ -64,6 +64,13 @@ class OptimSettings(BaseModel):
     """AdamW betas."""
     grad_clip: float = Field(1.0, ge=0)
     """Max global gradient norm (0 = off)."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """The learning rate over the run: `lr` throughout, or decaying from `lr` to `min_lr_ratio` × `lr`
+    at the run's last step along a half cosine or a line (a decay needs run.steps)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Global steps of linear warm-up to `lr` before the schedule (0 = none)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """A decaying schedule's last learning rate, as a share of `lr`."""
 
 
 class ParallelSettings(BaseModel):
@@ -311,6 +318,10 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             raise ValueError(
                 "the trainer signs every version it publishes: set publish.signing_key_file (`steadyrl keys "
                 "DIR` makes a pair), or unsigned_weights = true"
+            )
+        if self.optim.schedule != "constant" and not self.max_steps:
+            raise ValueError(
+                f"trainer.optim.schedule = '{self.optim.schedule}' decays to the run's last step: set run.steps"
             )
         if self.stream.read_block_ms >= self.redis_timeout_seconds * 1000:
             raise ValueError(

@@ -44,6 +44,7 @@ from services.trainer.parallel import (
     wants_bf16,
 )
 from services.trainer.training import StepConfig, resolve_recipe, train_step
+from shared.core.lr_schedule import lr_factor
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
 from shared.models.lora import (
@@ -168,6 +169,7 @@ class StepRunner:
             num_experts=self.routing.num_experts or None,
         )
         self.recipe = ""
+        self.steps_done = 0  # global steps trained, restored from a checkpoint: the schedule's clock
         self.checkpoints = s.out_dir / "checkpoints"
         # async saves collect over a group of their own (a CPU one, as DCP asks), off the step's
         self.checkpoint_group = (
@@ -199,6 +201,9 @@ class StepRunner:
             reader = self.rank == 0 or not self.sharded
             model_state, optimizer_state, state = load_checkpoint(found) if reader else ({}, {}, TrainerState())
             load_state(self.model, self.optimizer, model_state, optimizer_state)
+            if self.sharded:  # the others learn the step from rank 0: the schedule counts from it
+                _, state.step = broadcast_payloads([], state.step)
+        self.steps_done = state.step
         log.info(
             "event=resumed checkpoint=%s step=%d version=%d consumed=%d",
             found.name,
@@ -270,6 +275,12 @@ class StepRunner:
         if recipe != self.recipe:
             log.info("event=recipe recipe=%s why=%s", recipe, why)
             self.recipe = recipe
+        optim = self.settings.optim
+        lr = optim.lr * lr_factor(
+            self.steps_done, self.settings.max_steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         metrics = train_step(
             self.parallel,
             self.optimizer,
@@ -283,7 +294,9 @@ class StepRunner:
             self.compute,
             self.reference,
         )
+        self.steps_done += 1
         metrics["collate_seconds"] = collate_seconds
+        metrics["lr"] = lr
         metrics["truncated_frac"] = sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)
         return metrics
 

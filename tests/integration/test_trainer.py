@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -389,6 +390,10 @@ def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model
         "STEADYRL_TRAINER_RUN_ID": run_id,
         "STEADYRL_TRAINER_MAX_STEPS": "6",
         "STEADYRL_LOG_LEVEL": "INFO",
+        # a learning rate warmed up over 2 steps, then a cosine to a tenth: a function of the step alone
+        "STEADYRL_TRAINER_OPTIM__SCHEDULE": "cosine",
+        "STEADYRL_TRAINER_OPTIM__WARMUP_STEPS": "2",
+        "STEADYRL_TRAINER_OPTIM__MIN_LR_RATIO": "0.1",
     }
     metrics = tmp_path / "trainer" / "metrics.jsonl"
 
@@ -425,6 +430,11 @@ def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model
     assert state["version"] == 6 and len(state["consumed"]) == len(rollouts)
     print("trainer killed at", kills)
     assert kills[0][1] == 1 and kills[1][1] == 2  # the mid-step kill lost step 3 before its checkpoint
+    # the restarted trainers continued the curve: 1e-3 × (0.5, 1, then cos from 1 to 0.1 over steps 3-6)
+    lrs = {line["step"]: line["lr"] for line in map(json.loads, metrics.read_text().splitlines())}
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(4)]
+    assert [lrs[step] for step in range(1, 7)] == pytest.approx([5e-4, 1e-3] + [1e-3 * c for c in cosine])
+    assert lrs[6] == pytest.approx(1e-4)
 
 
 def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_server, run_id):
