@@ -218,6 +218,9 @@ class DistillSettings(BaseModel):
     """Weight of the teacher's per-token signal (0: off, the task's reward alone)."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task's sequence advantage beside it (0: pure distillation)."""
+    max_gap: float = Field(0.0, ge=0)
+    """Bound on each token's |log π_teacher − log μ| (0: none): a token the teacher all but rules
+    out would otherwise outweigh the whole batch."""
 
 
 class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
@@ -345,6 +348,7 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             grad_clip=self.optim.grad_clip,
             distill_coef=self.distill.coef,
             distill_reward_weight=self.distill.reward_weight,
+            distill_max_gap=self.distill.max_gap,
         )
 
 

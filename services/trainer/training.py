@@ -41,6 +41,8 @@ class StepConfig:
     """On-policy distillation: per-token advantages coef · (log π_teacher − log μ) (0: off)."""
     distill_reward_weight: float = 0.0
     """... plus this weight of the task's sequence advantage."""
+    distill_max_gap: float = 0.0
+    """... the log-ratio clamped to ±this first (0: not clamped)."""
 
     @property
     def fuses_old(self) -> bool:
@@ -148,6 +150,7 @@ def step_advantages(batch: TrainBatch, rewards: torch.Tensor, group_size: int, c
         config.distill_coef,
         sequence,
         config.distill_reward_weight,
+        config.distill_max_gap,
     )
 
 

@@ -27,6 +27,12 @@ def test_the_advantage_is_the_teacher_s_log_ratio_by_hand():
     # a non-finite teacher logprob gives no advantage rather than a NaN
     broken = distillation_advantages(torch.tensor([[-math.inf, -1.0, 0.0]]), BEHAVIOUR, torch.ones(1, 3), 1.0)
     assert broken[0].tolist() == pytest.approx([0.0, -1.0 - math.log(0.25), -math.log(0.4)])
+    # max_gap bounds each log-ratio both ways: a token the teacher all but rules out, one it prefers
+    ruled_out = torch.log(torch.tensor([[1e-13, 0.9, 0.5]]))
+    clamped = distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 2.0, max_gap=0.5)
+    assert clamped[0].tolist() == pytest.approx([-1.0, 1.0, 2 * math.log(0.5 / 0.4)])
+    raw = distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 1.0)
+    assert raw[0, 0].item() == pytest.approx(math.log(1e-13 / 0.25), rel=1e-5)  # ≈ −28.6: unbounded by default
 
 
 def test_through_minirl_the_loss_and_gradient_equal_the_math_by_hand():
