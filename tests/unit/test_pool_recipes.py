@@ -32,7 +32,7 @@ def test_the_teacher_section_is_validated_with_its_name():
 def test_the_distillation_recipe_names_the_kit_teacher_and_each_pool_takes_its_own_kit_model():
     config = load_run_config(DISTILLED)
     assert config.teacher.path == "tiny-teacher" and config.judge is None
-    assert config.section("trainer")["distill"] == {"coef": 1.0, "reward_weight": 0.0}
+    assert config.section("trainer")["distill"] == {"coef": 1.0, "reward_weight": 0.0, "max_gap": 2.0}
     assert config.section("orchestrator")["data"]["arith_fixed_width"] is False  # the teacher's format
     with pytest.raises(ValueError, match=r"\[teacher\] path = 'tiny-judge' is the kit's judge: a teacher pool takes"):
         load_run_config(DISTILLED, ['teacher.path="tiny-judge"'])
