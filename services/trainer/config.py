@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.trainer.training import StepConfig
 from shared.core.loss import LossConfig
+from shared.core.lr_schedule import Schedule
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
@@ -64,7 +65,7 @@ class OptimSettings(BaseModel):
     """AdamW betas."""
     grad_clip: float = Field(1.0, ge=0)
     """Max global gradient norm (0 = off)."""
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    schedule: Schedule = "constant"
     """The learning rate over the run: `lr` throughout, or decaying from `lr` to `min_lr_ratio` × `lr`
     at the run's last step along a half cosine or a line (a decay needs run.steps)."""
     warmup_steps: int = Field(0, ge=0)

@@ -199,10 +199,10 @@ class StepRunner:
             state = load_sharded(found, self.model, self.optimizer)
         else:  # the earlier full-state format; sharded: rank 0 reads, the others receive
             reader = self.rank == 0 or not self.sharded
-            model_state, optimizer_state, state = load_checkpoint(found) if reader else ({}, {}, TrainerState())
+            # the others' step (the schedule counts from it) is the checkpoint's name, step-00000012
+            unread = ({}, {}, TrainerState(step=int(found.name.removeprefix("step-"))))
+            model_state, optimizer_state, state = load_checkpoint(found) if reader else unread
             load_state(self.model, self.optimizer, model_state, optimizer_state)
-            if self.sharded:  # the others learn the step from rank 0: the schedule counts from it
-                _, state.step = broadcast_payloads([], state.step)
         self.steps_done = state.step
         log.info(
             "event=resumed checkpoint=%s step=%d version=%d consumed=%d",

@@ -5,11 +5,13 @@ curve without a scheduler's state in its checkpoint (docs/concepts/objective.md#
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
-SCHEDULES = ("constant", "cosine", "linear")
+Schedule = Literal["constant", "cosine", "linear"]
+SCHEDULES = get_args(Schedule)
 
 
-def lr_factor(step: int, total: int, schedule: str = "constant", warmup: int = 0, floor: float = 0.0) -> float:
+def lr_factor(step: int, total: int, schedule: Schedule = "constant", warmup: int = 0, floor: float = 0.0) -> float:
     """The multiple of the base learning rate for global step `step` (0-based) of `total`:
     (step + 1) / warmup during the warm-up; then 1 (constant), or from 1 down to `floor` at the
     last step along a half cosine or a line."""
