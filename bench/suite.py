@@ -422,6 +422,18 @@ def markdown(result: dict) -> str:
         f"{last_eval(_get(distill, 'evals'))} vs {last_eval(_get(rl, 'evals'))}) | {'' if reached else '< '}"
         f"{_get(pools, 'ratios', 'steps_to_target_distill_over_rl')} | < 1 |"
     )
+    reached = _get(pools, "ratios", "rl_reached_teacher", default=True)
+    rl_steps = _get(rl, "steps_to_teacher") if reached else f"none within {_get(pools, 'steps')}"
+    lines.append(
+        f"| pools | tiny-distill, steps to the teacher's eval {_get(pools, 'teacher', 'held_out')} (mean of 2 evals), "
+        f"distilled / RL alone ({_get(distill, 'steps_to_teacher', default='none')} vs {rl_steps}) "
+        f"| {'' if reached else '< '}{_get(pools, 'ratios', 'steps_to_teacher_distill_over_rl')} | < 1 |"
+    )
+    lines.append(
+        f"| pools | tiny-distill, final model / the teacher, greedy accuracy on 1,200 held-out problems no eval saw "
+        f"(distilled {_get(distill, 'final_fresh')}, RL alone {_get(rl, 'final_fresh')}, teacher "
+        f"{_get(pools, 'teacher', 'fresh')}) | {_get(pools, 'ratios', 'final_fresh_distill_over_teacher')} | – |"
+    )
     judge = _get(pools, "judge", default={})
     lines.append(
         f"| pools | rollouts trained per second, RL on the tiny judge's verdicts (1 judge replica) / on exact match, "

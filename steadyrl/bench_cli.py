@@ -131,17 +131,17 @@ def bench_dynamic_sampling(steps: int = typer.Option(200, min=2, help="Steps of 
 
 @bench_app.command("pools")
 def bench_pools(
-    teacher_steps: int = typer.Option(300, min=2, help="RL steps that make the teacher."),
-    steps: int = typer.Option(150, min=2, help="Steps of each student run."),
-    target: float = typer.Option(0.6, help="Eval accuracy the students race to."),
+    steps: int | None = typer.Option(None, min=2, help="Steps of each student run (default: bench/pools.py's)."),
+    target: float = typer.Option(0.5, help="Eval accuracy the students race to (besides the teacher's)."),
     judge_steps: int = typer.Option(200, min=2, help="Steps of the run on the tiny judge's verdicts."),
 ) -> None:
     """Teacher and judge pools: scoring / generation tokens/s, rollouts/s with a teacher pool / without,
-    the steps a distilled student and an RL student need to reach `target`, and RL on the tiny judge's
-    verdicts (eval gain, judge/exact agreement, rollouts/s with the judge / the rule)."""
+    the steps a distilled student and an RL student need to reach `target` and the teacher's accuracy,
+    and RL on the tiny judge's verdicts (eval gain, judge/exact agreement, rollouts/s with the judge / the rule)."""
     from bench.pools import main as run
 
-    typer.echo(json.dumps(run(teacher_steps, steps, target, judge_steps)))
+    chosen = {"steps": steps} if steps else {}
+    typer.echo(json.dumps(run(target=target, judge_steps=judge_steps, **chosen)))
 
 
 @bench_app.command("peers")

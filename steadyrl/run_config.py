@@ -302,7 +302,19 @@ def load_run_config(
                 f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead"
             )
     check_judged_rewards(config)
+    check_distillation(config)
     return config
+
+
+def check_distillation(config: RunConfig) -> None:
+    """[trainer.distill] needs the [teacher] pool that scores its rollouts, and a [teacher] pool
+    needs a distillation that reads it: ValueError naming what is missing, before any process starts."""
+    distill = config.section("trainer").get("distill", {})
+    distils = float(distill.get("coef", 0)) > 0 or int(distill.get("top_k", 0)) > 0
+    if distils and config.teacher is None:
+        raise ValueError("[trainer.distill] needs a teacher pool: add [teacher] with the teacher model's path")
+    if config.teacher is not None and not distils:
+        raise ValueError("[teacher] starts a teacher pool that nothing reads: set trainer.distill.coef or top_k")
 
 
 def check_judged_rewards(config: RunConfig) -> None:

@@ -60,7 +60,8 @@ DEPLOYMENT_FIELDS = frozenset(
 def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One service's settings: its section, the shared [run] values, what follows from other
     sections (the trainer publishes in the replicas' dtype unless told otherwise; the replicas serve
-    agent programs when the run's environment is one), then `extra`."""
+    agent programs when the run's environment is one, and ask the teacher for the top-k the trainer's
+    distillation reads), then `extra`."""
     values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
     values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
     if service == "trainer":  # the replicas' dtype
@@ -82,6 +83,9 @@ def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | N
             list(lora.get("target_modules", fields["target_modules"].default))
             + ["experts"] * bool(lora.get("target_experts", False)),
         )
+    top_k = int(config.section("trainer").get("distill", {}).get("top_k", 0))
+    if service == "inference" and top_k and config.pool("teacher") is not None:  # what the trainer's loss reads
+        values.setdefault("teacher", {}).setdefault("top_k", top_k)
     return merge_tables(values, extra or {})
 
 

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.rollouts.sampling import MAX_SCORE_TOP_K
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
@@ -123,6 +124,9 @@ class TeacherClientSettings(PoolStart):
     """Bound on one Score call to one replica."""
     attempts: int = Field(3, ge=1)
     """Calls (each to the next replica) before the task is handed back with the last reason."""
+    top_k: int = Field(0, ge=0, le=MAX_SCORE_TOP_K)
+    """The teacher's k most likely tokens at every completion position, carried on each rollout
+    (0: none). `steadyrl run` sets it from trainer.distill.top_k."""
 
 
 class JudgeTemplate(BaseModel):

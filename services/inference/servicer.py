@@ -113,7 +113,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         yield final
 
     async def Score(self, request, context):
-        """log p(each completion token | what precedes it) for every sequence, from one prefill."""
+        """log p(each completion token | what precedes it) for every sequence, and the request's top_k
+        most likely tokens at each completion position, from one prefill."""
         pool, replica = self.settings.pool, self.settings.replica_id
         score = getattr(self.engine, "score", None)
         if score is None:
@@ -127,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         started = time.perf_counter()
         POOL_QUEUE.labels(pool).inc()
         try:
-            logprobs = await asyncio.to_thread(score, sequences)  # waits for the engine between two steps
+            scored = await asyncio.to_thread(score, sequences, request.top_k)  # waits for the engine between two steps
         except ValueError as exc:
             POOL_FAILURES.labels(pool, replica, "invalid").inc()
             await self._invalid(context, str(exc))
@@ -137,7 +138,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         POOL_TOKENS.labels(pool, replica).inc(sum(len(c) for _, c in sequences))
         POOL_SECONDS.labels(pool, replica).observe(time.perf_counter() - started)
         return pb.ScoreReply(
-            sequences=[pb.TokenLogprobs(logprobs=row) for row in logprobs], model=self.engine.model_path
+            sequences=[
+                pb.TokenLogprobs(
+                    logprobs=s.logprobs,
+                    top_token_ids=[t for row in s.top_ids for t in row],
+                    top_logprobs=[x for row in s.top_logprobs for x in row],
+                )
+                for s in scored
+            ],
+            model=self.engine.model_path,
         )
 
     async def Judge(self, request, context):

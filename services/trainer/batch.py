@@ -31,6 +31,8 @@ class TrainBatch:
     teacher_logprobs: torch.Tensor | None = (
         None  # [B, S-1] float32, when every rollout has a teacher's (0 off the mask)
     )
+    teacher_top_ids: torch.Tensor | None = None  # [B, S-1, k] long: the teacher's top-k (0 off the mask)
+    teacher_top_logprobs: torch.Tensor | None = None  # [B, S-1, k] float32: their logprobs (0 off the mask)
 
     @property
     def size(self) -> int:
@@ -59,6 +61,8 @@ class TrainBatch:
             pick(self.trace_mask),
             [self.rollout_ids[i] for i in index.tolist()],
             pick(self.teacher_logprobs),
+            pick(self.teacher_top_ids),
+            pick(self.teacher_top_logprobs),
         )
 
     def trimmed(self) -> TrainBatch:
@@ -76,6 +80,8 @@ class TrainBatch:
             cut(self.trace_mask, width),
             self.rollout_ids,
             cut(self.teacher_logprobs, width - 1),
+            cut(self.teacher_top_ids, width - 1),
+            cut(self.teacher_top_logprobs, width - 1),
         )
 
     def to(self, device: torch.device) -> TrainBatch:
@@ -91,6 +97,8 @@ class TrainBatch:
             move(self.trace_mask),
             self.rollout_ids,
             move(self.teacher_logprobs),
+            move(self.teacher_top_ids),
+            move(self.teacher_top_logprobs),
         )
 
 
@@ -114,6 +122,11 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
         if all(r.teacher_logprobs is not None for r in rollouts)
         else None
     )
+    top_ids = top_logprobs = None
+    top_k = {None if r.teacher_top_ids is None else r.teacher_top_ids.shape[1] for r in rollouts}
+    if len(top_k) == 1 and None not in top_k:  # every rollout with the teacher's top-k, one k
+        top_ids = np.zeros((batch, width - 1, top_k.pop()), dtype=np.int64)
+        top_logprobs = np.zeros(top_ids.shape, dtype=np.float32)
     trace = trace_mask = None
     if with_trace:
         layers, top_k = rollouts[0].routing_trace.shape[1:]
@@ -132,6 +145,9 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
         versions[row, span] = r.policy_versions
         if teacher is not None:
             teacher[row, span] = r.teacher_logprobs
+        if top_ids is not None:
+            top_ids[row, span] = r.teacher_top_ids
+            top_logprobs[row, span] = r.teacher_top_logprobs
         if with_trace:
             positions = r.routing_trace.shape[0]
             trace[row, :positions] = r.routing_trace
@@ -148,6 +164,8 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
         None if trace_mask is None else torch.from_numpy(trace_mask),
         [r.rollout_id for r in rollouts],
         None if teacher is None else torch.from_numpy(teacher),
+        None if top_ids is None else torch.from_numpy(top_ids),
+        None if top_logprobs is None else torch.from_numpy(top_logprobs),
     )
 
 

@@ -14,6 +14,7 @@ from pydantic_settings import SettingsConfigDict
 from services.trainer.training import StepConfig
 from shared.core.loss import LossConfig
 from shared.core.lr_schedule import Schedule
+from shared.rollouts.sampling import MAX_SCORE_TOP_K
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
@@ -211,7 +212,9 @@ class DynamicSamplingSettings(BaseModel):
 class DistillSettings(BaseModel):
     """On-policy distillation ([trainer.distill]): every token's advantage is coef · (log π_teacher −
     log μ), the teacher pool's logprob against the sampler's, plus reward_weight · the task's
-    advantage; every rollout must carry the teacher's logprobs (a run with a [teacher] pool)."""
+    advantage; with top_k, the loss adds top_k_coef · the KL from the teacher's distribution over
+    its k most likely tokens (and one bucket for the rest) to the policy's at every position. Every
+    rollout must carry what the teacher pool scored (a run with a [teacher] pool)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -222,6 +225,17 @@ class DistillSettings(BaseModel):
     max_gap: float = Field(0.0, ge=0)
     """Bound on each token's |log π_teacher − log μ| (0: none): a token the teacher all but rules
     out would otherwise outweigh the whole batch."""
+    top_k: int = Field(0, ge=0, le=MAX_SCORE_TOP_K)
+    """The teacher's k most likely tokens at every position, carried on each rollout, and the
+    distribution loss over them (0: off). Unlike the sampled token's log-ratio, its gradient does
+    not fade where the policy is confidently wrong."""
+    top_k_coef: float = Field(1.0, ge=0)
+    """Weight of that loss (with top_k > 0)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run distils: a teacher signal in the advantages or in the loss."""
+        return self.coef > 0 or (self.top_k > 0 and self.top_k_coef > 0)
 
 
 class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
@@ -350,6 +364,7 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             distill_coef=self.distill.coef,
             distill_reward_weight=self.distill.reward_weight,
             distill_max_gap=self.distill.max_gap,
+            distill_top_k_coef=self.distill.top_k_coef if self.distill.top_k else 0.0,
         )
 
 

@@ -35,6 +35,7 @@ class Forward:
     logprobs: torch.Tensor  # [B, S-1] float32: log π(y_{j+1}) at each position (with grad when asked)
     entropy_per_token: torch.Tensor  # [B, S-1] float32 token entropy of π (with grad for the entropy bonus)
     routing: torch.Tensor | None  # [B, S, layers, top_k] experts the forward routed to (captured)
+    top_logprobs: torch.Tensor | None = None  # [B, S-1, k] log π at the teacher's top-k ids (when asked)
 
 
 def routing_context(
@@ -63,11 +64,12 @@ def sequence_logprobs(
     capture: bool = False,
     compute: Compute = Compute(),
     entropy_grad: bool = False,
+    teacher_top: bool = False,
 ) -> Forward:  # noqa: B008
     """One forward of the training engine over `batch`: next-token logprobs and entropy, in fp32
     whatever the parameters' or the autocast dtype. `replay` ([B, S, L, K] with `replay_mask`
     [B, S]) forces the routing; `capture` records it; `entropy_grad`: the entropy keeps its graph
-    (an entropy bonus in the loss)."""
+    (an entropy bonus in the loss); `teacher_top`: log π at the batch's teacher top-k ids too."""
     autocast = torch.autocast(
         compute.device.type, dtype=compute.autocast or torch.float32, enabled=compute.autocast is not None
     )
@@ -83,7 +85,8 @@ def sequence_logprobs(
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())
     captured = recording.trace(batch.input_ids.shape) if capture else None
-    return Forward(logprobs, entropy, captured)
+    top = log_softmax.gather(-1, batch.teacher_top_ids) if teacher_top else None
+    return Forward(logprobs, entropy, captured, top)
 
 
 @contextlib.contextmanager

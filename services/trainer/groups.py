@@ -49,9 +49,11 @@ class GroupBuffer:
         limits: RolloutLimits,
         dead_groups: set[str] | None = None,
         require_teacher: bool = False,
+        teacher_top_k: int = 0,
     ):
         self.group_size = group_size
         self.require_teacher = require_teacher  # distillation: a rollout without the teacher's logprobs is dead
+        self.teacher_top_k = teacher_top_k  # ... or without the teacher's top-k of this k
         self.run_id = run_id
         self.limits = limits
         self.groups: OrderedDict[str, dict[int, Held]] = OrderedDict()
@@ -114,6 +116,11 @@ class GroupBuffer:
             return self._poison(rollout, exc.reason, str(exc))
         if self.require_teacher and rollout.teacher_logprobs is None:
             return self._poison(rollout, "no_teacher_logprobs", "distillation needs the teacher pool's logprobs")
+        k = 0 if rollout.teacher_top_ids is None else rollout.teacher_top_ids.shape[1]
+        if self.teacher_top_k and k != self.teacher_top_k:
+            return self._poison(
+                rollout, "teacher_top_k", f"distill.top_k is {self.teacher_top_k}; the rollout carries the top {k}"
+            )
         if rollout.group_id in self.dead_groups:
             return Verdict("dead", "group_poisoned", f"group {rollout.group_id} was dead-lettered", rollout)
         problem = self._check_group(rollout, fields)

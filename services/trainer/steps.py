@@ -114,8 +114,8 @@ def choose_recipe(
     name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
         f"+{replay}" if replay != "off" else ""
     )
-    if s.distill.coef:  # what the paper's recipe leaves out, named when a recipe adds it
-        name += "+distill"
+    if s.distill.enabled:  # what the paper's recipe leaves out, named when a recipe adds it
+        name += "+distill" + (f"_top{s.distill.top_k}" if s.distill.top_k and s.distill.top_k_coef else "")
     if s.loss.kl_coef:
         name += f"+kl_{s.loss.kl_estimator}_in_{s.loss.kl_in}"
     if s.loss.entropy_coef:

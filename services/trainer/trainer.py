@@ -39,7 +39,13 @@ class Trainer:
         self.runner = StepRunner(settings)
         self.state = self.runner.restore()
         self.source = RedisRolloutSource(redis, s.run_id, s.consumer, s.stream.dead_letter_maxlen)
-        self.buffer = GroupBuffer(s.group_size, s.run_id, self.runner.limits, require_teacher=s.distill.coef > 0)
+        self.buffer = GroupBuffer(
+            s.group_size,
+            s.run_id,
+            self.runner.limits,
+            require_teacher=s.distill.enabled,
+            teacher_top_k=s.distill.top_k if s.distill.enabled else 0,
+        )
         self.intake = Intake(self.source, self.buffer, self.state)
         self.publisher = VersionPublisher(settings, redis)
         self.replica_idle = ReplicaIdle(redis, RunKeys(s.run_id).replica_idle)

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.batch import TrainBatch, split_groups, token_budget_chunks
-from services.trainer.forward import Compute, gradient_sync, routing_context, sequence_logprobs
+from services.trainer.forward import Compute, Forward, gradient_sync, routing_context, sequence_logprobs
 from shared.core.advantages import group_advantages
-from shared.core.distillation import distillation_advantages
+from shared.core.distillation import distillation_advantages, top_k_kl
 from shared.core.loss import LossConfig, policy_loss
 from shared.core.reference_kl import reward_penalty
 from shared.core.stats import StepStats
+from shared.core.terms import normalise
 from shared.models.routing import RoutingController
 
 REPLAY_MODES = ("off", "r2", "r3")
@@ -43,6 +44,13 @@ class StepConfig:
     """... plus this weight of the task's sequence advantage."""
     distill_max_gap: float = 0.0
     """... the log-ratio clamped to ±this first (0: not clamped)."""
+    distill_top_k_coef: float = 0.0
+    """Weight of the KL from the teacher's top-k distribution to the policy's in the loss (0: off)."""
+
+    @property
+    def distills(self) -> bool:
+        """A teacher signal in the advantages or in the loss: advantages are per token."""
+        return self.distill_coef > 0 or self.distill_top_k_coef > 0
 
     @property
     def fuses_old(self) -> bool:
@@ -139,7 +147,7 @@ def step_advantages(batch: TrainBatch, rewards: torch.Tensor, group_size: int, c
     """The step's advantages: the group baseline's [B] from `rewards`, or with distillation [B, S-1]
     per token (the teacher's log-ratio against μ, plus the task's by its weight)."""
     sequence = group_advantages(rewards.view(-1, group_size), config.advantage).reshape(-1)
-    if not config.distill_coef:
+    if not config.distills:
         return sequence
     if batch.teacher_logprobs is None:
         raise ValueError("distillation needs the teacher's logprobs on every rollout")
@@ -291,8 +299,15 @@ def update(
         with gradient_sync(model, i == len(chunks) - 1), routing_context(routing, replay, replay_mask):
             # replay stays on through the backward; fused, the forward records its routing for the agreement
             bonus = config.loss.entropy_coef > 0
+            top = config.distill_top_k_coef > 0
             forward = sequence_logprobs(
-                model, mb, routing if agreement else None, capture=agreement, compute=compute, entropy_grad=bonus
+                model,
+                mb,
+                routing if agreement else None,
+                capture=agreement,
+                compute=compute,
+                entropy_grad=bonus,
+                teacher_top=top,
             )
             if agreement:
                 record_agreement(stats, forward.routing, mb)
@@ -315,6 +330,8 @@ def update(
                 entropy=forward.entropy_per_token if bonus else None,
                 reference=None if old.reference is None else old.reference.index_select(0, at)[:, : w - 1],
             )
+            if top:
+                loss = loss + teacher_kl_loss(forward, mb, config, stats, tokens, sequences)
             stats.add_total("loss_seconds", time.perf_counter() - started)
             (loss * world).backward()
         stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks, micro- and mini-batches
@@ -326,6 +343,20 @@ def update(
     optimizer.step()
     stats.add_sum("grad_norm", grad_norm / world, 1.0 / world)  # every rank holds the same global norm
     stats.add_max("grad_norm_max", grad_norm.reshape(1))
+
+
+def teacher_kl_loss(
+    forward: Forward, mb: TrainBatch, config: StepConfig, stats: StepStats, tokens, sequences
+) -> torch.Tensor:
+    """top_k_coef · the KL from the teacher's top-k distribution to π_θ's on the valid tokens, under
+    the objective's normaliser (`teacher_kl`: its mean per token, in the step's metrics)."""
+    if forward.top_logprobs is None or mb.teacher_top_logprobs is None:
+        raise ValueError("distill.top_k needs the teacher's top-k on every rollout")
+    valid = mb.loss_mask & torch.isfinite(mb.inference_logprobs)
+    kl = top_k_kl(forward.top_logprobs, mb.teacher_top_logprobs)
+    kl = torch.where(valid, kl, torch.zeros_like(kl))
+    stats.add_mean("teacher_kl", kl.detach(), valid)
+    return config.distill_top_k_coef * normalise(kl, valid, config.loss, tokens, sequences)
 
 
 def train_step(

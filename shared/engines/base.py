@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from shared.rollouts.sampling import Sampling
+from shared.rollouts.sampling import MAX_SCORE_TOP_K, Sampling
 
 if TYPE_CHECKING:
     from shared.weightsync.base import Delivery
@@ -28,6 +28,16 @@ class Sample:
     finish_reason: str  # "stop" | "length"
     routing_trace: np.ndarray | None = None  # [P + C − 1, layers, top_k] when captured
     num_experts: int = 0
+
+
+@dataclass
+class Scored:
+    """A teacher's scoring of one completion: the logprob of each of its tokens and, when asked, the
+    k most likely tokens at each of its positions with their logprobs (most likely first)."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]] = field(default_factory=list)  # [C][k]; empty when top_k = 0
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -121,9 +131,13 @@ def eos_ids(config) -> tuple[int, ...]:
     return tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
 
 
-def check_scored(sequences: list[tuple[list[int], list[int]]], vocab_size: int, max_model_len: int) -> None:
+def check_scored(
+    sequences: list[tuple[list[int], list[int]]], vocab_size: int, max_model_len: int, top_k: int = 0
+) -> None:
     """ValueError for a (prompt, completion) a teacher cannot score: empty, a token outside the
-    vocabulary, longer than the engine's positions."""
+    vocabulary, longer than the engine's positions; or a top_k outside [0, MAX_SCORE_TOP_K]."""
+    if not 0 <= top_k <= min(MAX_SCORE_TOP_K, vocab_size):
+        raise ValueError(f"top_k {top_k} is outside [0, {min(MAX_SCORE_TOP_K, vocab_size)}]")
     for i, (prompt, completion) in enumerate(sequences):
         if not prompt or not completion:
             raise ValueError(f"sequence {i}: an empty prompt or completion")

@@ -24,6 +24,7 @@ from shared.engines.base import (
     Capabilities,
     OnToken,
     Sampling,
+    Scored,
     check_request,
     check_scored,
     eos_ids,
@@ -199,13 +200,16 @@ class TorchEngine:
     def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
         return self.weights.bytes_of(name, dtype)
 
-    def score(self, sequences: list[tuple[list[int], list[int]]], chunk_tokens: int = 16384) -> list[list[float]]:
+    def score(
+        self, sequences: list[tuple[list[int], list[int]]], top_k: int = 0, chunk_tokens: int = 16384
+    ) -> list[Scored]:
         """A teacher's scoring: log p(each completion token | the prompt and the completion before it)
-        for every (prompt, completion), by prefill forwards of right-padded chunks of at most
-        `chunk_tokens` tokens, under the engine's lock (between two decode steps). ValueError for a
-        sequence that cannot be scored (empty, out of the vocabulary, longer than the context)."""
-        check_scored(sequences, self.vocab_size, self.max_model_len)
-        out: list[list[float]] = []
+        for every (prompt, completion), and the `top_k` most likely tokens at each of its positions,
+        by prefill forwards of right-padded chunks of at most `chunk_tokens` tokens, under the
+        engine's lock (between two decode steps). ValueError for a sequence that cannot be scored
+        (empty, out of the vocabulary, longer than the context) or a top_k beyond the limit."""
+        check_scored(sequences, self.vocab_size, self.max_model_len, top_k)
+        out: list[Scored] = []
         start = 0
         with self._lock, torch.inference_mode():
             bind_torch_threads(self.threads)
@@ -216,11 +220,11 @@ class TorchEngine:
                 ):
                     longest = max(longest, _width(sequences[end]))
                     end += 1
-                out += self._score_chunk(sequences[start:end], longest)
+                out += self._score_chunk(sequences[start:end], longest, top_k)
                 start = end
         return out
 
-    def _score_chunk(self, sequences: list[tuple[list[int], list[int]]], width: int) -> list[list[float]]:
+    def _score_chunk(self, sequences: list[tuple[list[int], list[int]]], width: int, top_k: int) -> list[Scored]:
         ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for row, (prompt, completion) in enumerate(sequences):
@@ -228,12 +232,18 @@ class TorchEngine:
             ids[row, :n] = torch.tensor([*prompt, *completion])
             mask[row, :n] = 1
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None].to(self.device))
-        logprobs = logprobs.squeeze(-1).cpu()
-        return [
-            logprobs[row, len(prompt) - 1 : len(prompt) + len(completion) - 1].tolist()
-            for row, (prompt, completion) in enumerate(sequences)
-        ]
+        log_softmax = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logprobs = log_softmax.gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1).cpu()
+        top_logprobs, top_ids = log_softmax.topk(top_k, dim=-1) if top_k else (None, None)
+        out = []
+        for row, (prompt, completion) in enumerate(sequences):
+            span = slice(len(prompt) - 1, len(prompt) + len(completion) - 1)
+            scored = Scored(logprobs[row, span].tolist())
+            if top_k:
+                scored.top_ids = top_ids[row, span].cpu().tolist()
+                scored.top_logprobs = top_logprobs[row, span].cpu().tolist()
+            out.append(scored)
+        return out
 
     @property
     def version(self) -> int:

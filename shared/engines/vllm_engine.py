@@ -31,6 +31,7 @@ from shared.engines.base import (
     OnToken,
     Sample,
     Sampling,
+    Scored,
     check_request,
     check_scored,
     eos_ids,
@@ -267,26 +268,34 @@ class VllmEngine:
             sample.num_experts = self.num_experts
         return sample
 
-    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    def score(self, sequences: list[tuple[list[int], list[int]]], top_k: int = 0) -> list[Scored]:
         """A teacher's scoring: log p(each completion token | the prompt and the completion before it)
-        for every (prompt, completion), from vLLM's prompt logprobs of the whole sequence (a prefill and
-        one sampled token, dropped). ValueError for a sequence that cannot be scored."""
-        check_scored(sequences, self.vocab_size, self.max_model_len)
-        return self._call(self._score(sequences))
+        for every (prompt, completion), and the `top_k` most likely tokens at each of its positions,
+        from vLLM's prompt logprobs of the whole sequence (a prefill and one sampled token, dropped).
+        ValueError for a sequence that cannot be scored or a top_k beyond the limit."""
+        check_scored(sequences, self.vocab_size, self.max_model_len, top_k)
+        return self._call(self._score(sequences, top_k))
 
-    async def _score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    async def _score(self, sequences: list[tuple[list[int], list[int]]], top_k: int) -> list[Scored]:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False)
 
-        async def one(prompt: list[int], completion: list[int]) -> list[float]:
+        async def one(prompt: list[int], completion: list[int]) -> Scored:
             final = None
             async for output in self.llm.generate(
                 {"prompt_token_ids": [*prompt, *completion]}, params, f"s{next(self._ids)}", lora_request=self._lora
             ):
                 final = output
             rows = final.prompt_logprobs[len(prompt) :]
-            return [float(row[token].logprob) for row, token in zip(rows, completion, strict=True)]
+            scored = Scored([float(row[token].logprob) for row, token in zip(rows, completion, strict=True)])
+            if top_k:  # each row: the top_k by rank, and the scored token where it ranks below them
+                ranked = [
+                    sorted((e.rank, t, float(e.logprob)) for t, e in row.items() if e.rank <= top_k) for row in rows
+                ]
+                scored.top_ids = [[t for _, t, _ in r] for r in ranked]
+                scored.top_logprobs = [[lp for _, _, lp in r] for r in ranked]
+            return scored
 
         return list(await asyncio.gather(*(one(list(p), list(c)) for p, c in sequences)))
 

@@ -28,8 +28,10 @@ from shared.kit.tiny import (
 )
 from shared.tasks.arith import ArithTask
 
-TEACHER_KEY = "arith_unpadded_teacher-1"
-TEACHER_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=3000, sft_eval_every=250, sft_eval_size=300, target_accuracy=0.9)
+TEACHER_KEY = "arith_unpadded_teacher-2"
+# all 3,000 steps, no early stop: stopping at the first eval past a target would pick the checkpoint on
+# the very problems its accuracy is then read on (0.92 on those 300, 0.896 on 1,200 others)
+TEACHER_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=3000, sft_eval_every=250, sft_eval_size=300, target_accuracy=1.01)
 
 
 def teacher_task(seed: int = 0) -> ArithTask:

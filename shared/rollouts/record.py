@@ -78,6 +78,8 @@ class Rollout:
     source: str = ""  # its task's data mixture source (empty: a run of one source)
     teacher_logprobs: np.ndarray | None = None  # float32 [C]: a teacher pool's logprob of each completion token
     reference_reward: float | None = None  # a judged reward's rule reward for the same completion (agreement)
+    teacher_top_ids: np.ndarray | None = None  # int32 [C, k]: the teacher's k most likely tokens at each position
+    teacher_top_logprobs: np.ndarray | None = None  # float32 [C, k]: their logprobs (most likely first)
 
     @property
     def model_tokens(self) -> np.ndarray:
@@ -144,6 +146,15 @@ def encode_rollout(rollout: Rollout) -> bytes:
     )
     if rollout.routing_trace is not None:
         msg.routing_trace.CopyFrom(trace_message(rollout.routing_trace, rollout.num_experts))
+    if rollout.teacher_top_ids is not None and rollout.teacher_top_logprobs is not None:
+        ids = np.asarray(rollout.teacher_top_ids, dtype=np.int32)
+        msg.teacher_top.CopyFrom(
+            rollout_pb2.TeacherTop(
+                k=ids.shape[-1] if ids.ndim == 2 else 0,
+                token_ids=ids.ravel().tolist(),
+                logprobs=np.asarray(rollout.teacher_top_logprobs, dtype=np.float32).ravel().tolist(),
+            )
+        )
     return msg.SerializeToString()
 
 
@@ -186,6 +197,9 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
     num_experts = 0
     if msg.HasField("routing_trace"):
         trace, num_experts = decode_trace(msg.routing_trace)
+    top_ids = top_logprobs = None
+    if msg.HasField("teacher_top"):
+        top_ids, top_logprobs = decode_teacher_top(msg.teacher_top)
     return Rollout(
         rollout_id=msg.rollout_id,
         run_id=msg.run_id,
@@ -217,7 +231,19 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         source=msg.source,
         teacher_logprobs=np.array(msg.teacher_logprobs, dtype=np.float32) if len(msg.teacher_logprobs) else None,
         reference_reward=msg.reference_reward if msg.HasField("reference_reward") else None,
+        teacher_top_ids=top_ids,
+        teacher_top_logprobs=top_logprobs,
     )
+
+
+def decode_teacher_top(top: rollout_pb2.TeacherTop) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher's top-k ids int32 [C, k] and logprobs float32 [C, k]; RolloutError when the two
+    lists do not fill whole rows of k."""
+    k, count = top.k, len(top.token_ids)
+    if k < 1 or count % k or len(top.logprobs) != count:
+        raise RolloutError("teacher_top", f"{count} ids and {len(top.logprobs)} logprobs do not fill rows of k = {k}")
+    ids = np.array(top.token_ids, dtype=np.int32).reshape(-1, k)
+    return ids, np.array(top.logprobs, dtype=np.float32).reshape(-1, k)
 
 
 def decode_trace(trace: rollout_pb2.RoutingTrace) -> tuple[np.ndarray, int]:
@@ -280,6 +306,8 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
     teacher = rollout.teacher_logprobs
     if teacher is not None and not (np.isfinite(teacher).all() and teacher.max() <= MAX_LOGPROB):
         raise RolloutError("teacher_logprobs", "a teacher logprob is NaN, infinite or above 0")
+    if rollout.teacher_top_ids is not None or rollout.teacher_top_logprobs is not None:
+        _validate_teacher_top(rollout, limits)
     if rollout.reference_reward is not None and not np.isfinite(rollout.reference_reward):
         raise RolloutError("nonfinite_reward", f"reference_reward is {rollout.reference_reward}")
     if not np.isfinite(rollout.reward) or not all(map(np.isfinite, rollout.env_metrics.values())):
@@ -297,6 +325,27 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
     if rollout.routing_trace is not None:
         _validate_trace(rollout, limits)
     return rollout
+
+
+def _validate_teacher_top(rollout: Rollout, limits: RolloutLimits) -> None:
+    """The teacher's top-k: ids and logprobs both, [C, k] each, ids in the vocabulary and distinct
+    in a row, logprobs finite and at most 0, each row's probabilities summing to at most 1."""
+    ids, logprobs = rollout.teacher_top_ids, rollout.teacher_top_logprobs
+    if ids is None or logprobs is None:
+        raise RolloutError("teacher_top", "the teacher's top-k needs both its token ids and their logprobs")
+    completion_len = len(rollout.completion_token_ids)
+    if ids.ndim != 2 or ids.shape != logprobs.shape or ids.shape[0] != completion_len or ids.shape[1] < 1:
+        raise RolloutError(
+            "teacher_top", f"top-k ids {ids.shape} and logprobs {logprobs.shape}, expected ({completion_len}, k)"
+        )
+    if ids.min() < 0 or (limits.vocab_size is not None and ids.max() >= limits.vocab_size):
+        raise RolloutError("teacher_top", f"top-k token ids span [{ids.min()}, {ids.max()}], vocab {limits.vocab_size}")
+    if ids.shape[1] > 1 and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
+        raise RolloutError("teacher_top", "a top-k row names the same token twice")
+    if not (np.isfinite(logprobs).all() and logprobs.max() <= MAX_LOGPROB):
+        raise RolloutError("teacher_top", "a top-k logprob is NaN, infinite or above 0")
+    if np.exp(logprobs.astype(np.float64)).sum(axis=1).max() > 1 + 1e-2:
+        raise RolloutError("teacher_top", "a top-k row's probabilities sum to more than 1")
 
 
 def _validate_trace(rollout: Rollout, limits: RolloutLimits) -> None:

@@ -16,6 +16,7 @@ MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**62  # seed + a sample's index must stay within torch's and vLLM's 64-bit seeds
 MAX_NEW_TOKENS = 1 << 20
+MAX_SCORE_TOP_K = 20  # the most top-k logprobs a teacher serves per position (vLLM's default max_logprobs)
 
 
 def check_temperature(value: float) -> float:

@@ -159,7 +159,7 @@ def test_compose_starts_a_recipe_s_pools_and_points_the_replicas_at_them():
     from steadyrl.service_settings import deployed_settings
 
     doc = compose()
-    overrides = ('teacher.path="/models/teacher"',)
+    overrides = ('teacher.path="/models/teacher"', "trainer.distill.coef=1.0")
     printed = dry_run_settings("tiny-judge.toml", 0, overrides)
     recipe = {"STEADYRL_RECIPE": "/etc/steadyrl/tiny-judge.toml", "STEADYRL_RECIPE_SET": ";".join(overrides)}
     for name, pool in POOL_SERVICES.items():
@@ -542,7 +542,7 @@ def test_the_pool_components_start_a_recipe_s_pools_as_steadyrl_run_does(tmp_pat
 
     deploy = copy_deploy(tmp_path)
     recipe = deploy.parent / "configs" / "tiny-judge.toml"
-    recipe.write_text(recipe.read_text() + '\n[teacher]\npath = "/models/teacher"\n')
+    recipe.write_text(recipe.read_text() + '\n[teacher]\npath = "/models/teacher"\n\n[trainer.distill]\ncoef = 1.0\n')
     with open(deploy / "k8s" / "overlays" / "cpu" / "kustomization.yaml", "a") as f:
         f.write("components:\n  - ../../components/judge-pool\n  - ../../components/teacher-pool\n")
     base = deploy / "k8s" / "base" / "kustomization.yaml"
@@ -560,7 +560,7 @@ def test_the_pool_components_start_a_recipe_s_pools_as_steadyrl_run_does(tmp_pat
     folder = tmp_path / "etc-steadyrl"
     folder.mkdir()
     (folder / "tiny-judge.toml").write_text(recipe.read_text())
-    printed = dry_run_settings("tiny-judge.toml", 0, ('teacher.path="/models/teacher"',))
+    printed = dry_run_settings("tiny-judge.toml", 0, ('teacher.path="/models/teacher"', "trainer.distill.coef=1.0"))
     for pool in ("judge", "teacher"):
         name = f"inference-{pool}"
         container = named["Deployment", name]["spec"]["template"]["spec"]["containers"][0]

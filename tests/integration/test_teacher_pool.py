@@ -58,9 +58,11 @@ def test_a_teacher_pool_scores_and_survives_a_dead_and_a_frozen_replica(tiny_mod
     replicas = [teacher(tiny_model_dir, a, a_metrics, "teacher-0"), teacher(tiny_model_dir, b, b_metrics, "teacher-1")]
     prompt, completion = [1, 5, 6, 7], [4, 5, 7, 7, 6, 5]
     engine = make_engine("torch", str(tiny_model_dir), "float32")
-    [expected] = engine.score([(prompt, completion)])
+    [expected] = engine.score([(prompt, completion)], top_k=3)
     engine.close()
-    request = pb.ScoreRequest(sequences=[pb.ScoreSequence(prompt_token_ids=prompt, completion_token_ids=completion)])
+    request = pb.ScoreRequest(
+        sequences=[pb.ScoreSequence(prompt_token_ids=prompt, completion_token_ids=completion)], top_k=3
+    )
     try:
         wait_serving(a)
         wait_serving(b)
@@ -90,6 +92,9 @@ def test_a_teacher_pool_scores_and_survives_a_dead_and_a_frozen_replica(tiny_mod
             with pytest.raises(PoolError, match="INVALID_ARGUMENT .*vocabulary") as refused:
                 await client.call("Score", bad)  # not retried: no replica would score it
             out["invalid"] = refused.value.reason
+            too_many = pb.ScoreRequest(sequences=request.sequences, top_k=21)
+            with pytest.raises(PoolError, match=r"INVALID_ARGUMENT .*top_k 21 is outside \[0, 20\]"):
+                await client.call("Score", too_many)
             await client.close()
             return out
 
@@ -100,7 +105,11 @@ def test_a_teacher_pool_scores_and_survives_a_dead_and_a_frozen_replica(tiny_mod
             replica.terminate()
             replica.wait(20)
     for key in ("first", "frozen", "frozen_again"):
-        assert list(out[key].sequences[0].logprobs) == pytest.approx(expected, abs=1e-5), key
+        scored = out[key].sequences[0]
+        assert list(scored.logprobs) == pytest.approx(expected.logprobs, abs=1e-5), key
+        assert list(scored.top_token_ids) == [t for row in expected.top_ids for t in row], key
+        assert list(scored.top_logprobs) == pytest.approx([x for row in expected.top_logprobs for x in row], abs=1e-5)
+    assert len(expected.top_ids) == len(completion) and all(len(row) == 3 for row in expected.top_ids)
     assert out["seconds"] < 2 * 2.0 + 1.0  # one frozen attempt (2 s) and one dead one at most, not a hang
     assert served["teacher-0"] >= 1 and served["teacher-1"] >= 2 and sum(served.values()) >= 5, served
 
@@ -118,7 +127,9 @@ def served_by(metrics_port: int) -> float:
 
 def test_a_teacher_s_score_of_its_own_samples_equals_their_sampling_logprobs(tiny_model_dir):
     """The prefill that scores for a teacher aligns each logprob with its token: a model scoring its own
-    samples gives back the logprobs it sampled them with (fp32, temperature 1)."""
+    samples gives back the logprobs it sampled them with (fp32, temperature 1); its top-k at each
+    position is the distribution's head, most likely first, and holds the sampled token's logprob
+    wherever the token is in it."""
     from shared.engines import Sampling
     from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
 
@@ -126,12 +137,23 @@ def test_a_teacher_s_score_of_its_own_samples_equals_their_sampling_logprobs(tin
     try:
         prompts = encode_prompts(char_tokenizer(), [e.prompt for e in TinySpec().task().split("train", 6)])
         samples = engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=6, seed=3))
-        scored = engine.score([(p, s.token_ids) for p, s in zip(prompts, samples, strict=True)])
+        scored = engine.score([(p, s.token_ids) for p, s in zip(prompts, samples, strict=True)], top_k=4)
     finally:
         engine.close()
     assert sum(len(s.token_ids) for s in samples) >= 12
+    found = 0
     for sample, row in zip(samples, scored, strict=True):
-        assert row == pytest.approx(sample.logprobs, abs=1e-5)
+        assert row.logprobs == pytest.approx(sample.logprobs, abs=1e-5)
+        for token, logprob, ids, tops in zip(
+            sample.token_ids, row.logprobs, row.top_ids, row.top_logprobs, strict=True
+        ):
+            assert len(ids) == len(set(ids)) == 4 and tops == sorted(tops, reverse=True) and logprob <= tops[0] + 1e-6
+            if token in ids:
+                found += 1
+                assert tops[ids.index(token)] == pytest.approx(logprob, abs=1e-5)
+            else:
+                assert logprob <= tops[-1] + 1e-6
+    assert found >= 6  # sampled at temperature 1, most tokens are among the 4 most likely
 
 
 def test_a_rollout_replica_leases_nothing_before_its_teacher_pool_answers(redis_server, run_id, tiny_model_dir):

@@ -101,13 +101,20 @@ def test_vllm_weight_update_reproduces_the_new_weights(tiny_model_dir, probe):
 
 def test_vllm_scores_as_a_teacher_with_its_prompt_logprobs(tiny_model_dir, probe):
     """A teacher pool on vLLM: `score` of v1's own samples (prompt logprobs of the whole sequence) equals the
-    torch recompute of v1 and the logprobs v1 sampled them with; a token outside the vocabulary is refused."""
+    torch recompute of v1 and the logprobs v1 sampled them with, its top 5 at each position v1's top 5
+    by the same recompute; a token outside the vocabulary is refused."""
     prompts, out = probe
     v1 = v1_model(tiny_model_dir)
     for p, s, scored in zip(prompts, out["v1"], out["v1_scored"], strict=True):
-        assert len(scored) == len(s["token_ids"])
-        assert torch.allclose(torch.tensor(scored), recompute(v1, p, s["token_ids"]), atol=1e-4)
-        assert torch.allclose(torch.tensor(scored), torch.tensor(s["logprobs"]), atol=1e-4)
+        logprobs = torch.tensor(scored["logprobs"])
+        assert len(logprobs) == len(s["token_ids"])
+        assert torch.allclose(logprobs, recompute(v1, p, s["token_ids"]), atol=1e-4)
+        assert torch.allclose(logprobs, torch.tensor(s["logprobs"]), atol=1e-4)
+        with torch.no_grad():
+            full = torch.log_softmax(v1(torch.tensor([p + s["token_ids"]])).logits[0, len(p) - 1 : -1].float(), -1)
+        top = full.topk(5, dim=-1)
+        assert scored["top_ids"] == top.indices.tolist()
+        assert torch.allclose(torch.tensor(scored["top_logprobs"]), top.values, atol=1e-4)
     assert "outside the vocabulary" in out["score_refused"]
 
 

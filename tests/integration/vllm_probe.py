@@ -90,7 +90,8 @@ def main() -> None:
     out["last_update"] = engine.last_update
     out["v1_greedy"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
     out["v1"] = [vars(s) for s in engine.generate(prompts, Sampling(temperature=1.0, max_new_tokens=10, seed=3))]
-    out["v1_scored"] = engine.score([(p, s["token_ids"]) for p, s in zip(prompts, out["v1"], strict=True)])
+    pairs = [(p, s["token_ids"]) for p, s in zip(prompts, out["v1"], strict=True)]
+    out["v1_scored"] = [vars(s) for s in engine.score(pairs, top_k=5)]
     try:
         engine.score([(prompts[0], [engine.vocab_size])])
         out["score_refused"] = ""

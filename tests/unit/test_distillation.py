@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.inference.teacher import reply_problem
-from shared.core.distillation import distillation_advantages
+from shared.core.distillation import distillation_advantages, top_k_kl
 from shared.core.loss import LossConfig, policy_loss
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 
@@ -57,3 +57,71 @@ def test_a_teacher_reply_is_checked_before_it_rides_on_a_rollout():
     assert "not a finite log-probability" in reply_problem(nan, [2, 1])
     positive = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[0.5, -1.0]), good.sequences[1]])
     assert "not a finite log-probability" in reply_problem(positive, [2, 1])
+
+
+def test_the_top_k_kl_equals_the_math_by_hand_and_its_gradient_does_not_fade():
+    """Teacher p_T = (0.6, 0.3) on its top 2 of 3 tokens (rest 0.1); π_θ = (0.01, 0.98, 0.01): the
+    KL over (top 2, rest) is Σ p_T log(p_T/π) by hand, and ∂KL/∂logit_v = π(v) − p_T(v) on each
+    token, large where π is confidently wrong (where log π_teacher − log μ on the sampled token
+    has a gradient of 1 − 0.98)."""
+    logits = torch.log(torch.tensor([[[0.01, 0.98, 0.01]]])).requires_grad_(True)
+    policy = torch.log_softmax(logits, dim=-1)
+    ids = torch.tensor([[[0, 1]]])
+    teacher = torch.log(torch.tensor([[[0.6, 0.3]]]))
+    kl = top_k_kl(policy.gather(-1, ids), teacher)
+    expected = 0.6 * math.log(0.6 / 0.01) + 0.3 * math.log(0.3 / 0.98) + 0.1 * math.log(0.1 / 0.01)
+    assert kl.shape == (1, 1) and kl.item() == pytest.approx(expected, rel=1e-5)
+    kl.sum().backward()
+    # token 2 is the teacher's "rest": its target share is 0.1
+    assert logits.grad[0, 0].tolist() == pytest.approx([0.01 - 0.6, 0.98 - 0.3, 0.01 - 0.1], abs=1e-5)
+    # equal distributions on the top-k and the rest: 0, whatever is outside the top-k
+    same = torch.log(torch.tensor([[[0.6, 0.3]]]))
+    assert top_k_kl(same, teacher).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_trainer_adds_the_top_k_kl_under_the_objective_s_normaliser():
+    """teacher_kl_loss on 2 valid tokens of 3 (the third off the mask): coef · Σ KL / 2."""
+    from services.trainer.batch import TrainBatch
+    from services.trainer.forward import Forward
+    from services.trainer.training import StepConfig, teacher_kl_loss
+    from shared.core.stats import StepStats
+
+    policy = torch.log(torch.tensor([[[0.5, 0.25], [0.1, 0.8], [0.3, 0.3]]]))
+    teacher = torch.log(torch.tensor([[[0.25, 0.5], [0.1, 0.8], [0.9, 0.05]]]))
+    mask = torch.tensor([[True, True, False]])
+    batch = TrainBatch(
+        *(torch.zeros(1, 4, dtype=torch.long),) * 2,
+        mask,
+        torch.zeros(1, 3),
+        torch.zeros(1, 3, dtype=torch.long),
+        torch.zeros(1),
+        None,
+        None,
+        ["r"],
+        teacher_top_ids=torch.zeros(1, 3, 2, dtype=torch.long),
+        teacher_top_logprobs=teacher,
+    )
+    forward = Forward(torch.zeros(1, 3), torch.zeros(1, 3), None, policy)
+    stats = StepStats()
+    loss = teacher_kl_loss(forward, batch, StepConfig(distill_top_k_coef=0.5), stats, 2, 1)
+    first = 0.25 * math.log(0.25 / 0.5) + 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.25)
+    assert loss.item() == pytest.approx(0.5 * (first + 0.0) / 2, rel=1e-5)
+    assert stats.result()["teacher_kl"] == pytest.approx(first / 2, rel=1e-5)
+
+
+def test_a_teacher_reply_s_top_k_is_checked_too():
+    good = pb.ScoreReply(
+        sequences=[
+            pb.TokenLogprobs(logprobs=[-0.1, -2.0], top_token_ids=[3, 4, 5, 6], top_logprobs=[-0.1, -3, -0.2, -2]),
+        ]
+    )
+    assert reply_problem(good, [2], top_k=2) == ""
+    assert "4 top ids and 4 top logprobs for 2 tokens × k 3" in reply_problem(good, [2], top_k=3)
+    assert "0 top ids and 0 top logprobs for 2 tokens × k 2" in reply_problem(
+        pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0])]), [2], top_k=2
+    )
+    for ids, logprobs in (([3, -4, 5, 6], [-0.1, -3, -0.2, -2]), ([3, 4, 5, 6], [-0.1, math.inf, -0.2, -2])):
+        bad = pb.ScoreReply(
+            sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0], top_token_ids=ids, top_logprobs=logprobs)]
+        )
+        assert "not a token and its finite log-probability" in reply_problem(bad, [2], top_k=2)

@@ -49,6 +49,7 @@ def test_each_process_gets_its_own_gpus_and_the_trainer_runs_under_torchrun(tmp_
 def test_pool_replicas_get_their_own_gpus_after_the_rest(tmp_path, monkeypatch):
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
     pools = ['teacher.path="/models/teacher"', "teacher.replicas=2", "teacher.gpus_per_replica=1"]
+    pools.append("trainer.distill.coef=1.0")
     launch = planned(tmp_path, [*GPU_RUN, *pools], gpus=10)
     devices = {s.name: s.devices["CUDA_VISIBLE_DEVICES"] for s in launch.services}
     assert (devices["inference-1"], devices["teacher-0"], devices["teacher-1"]) == ("6,7", "8", "9")

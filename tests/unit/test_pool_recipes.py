@@ -19,20 +19,27 @@ DISTILLED = ROOT / "configs" / "tiny-distill.toml"
 
 
 def test_the_teacher_section_is_validated_with_its_name():
-    config = load_run_config(RECIPE, ['teacher.path="/models/teacher"', "teacher.replicas=2"])
+    distils = "trainer.distill.coef=1.0"
+    config = load_run_config(RECIPE, ['teacher.path="/models/teacher"', "teacher.replicas=2", distils])
     assert config.teacher.path == "/models/teacher" and config.teacher.replicas == 2
     assert '[teacher]\npath = "/models/teacher"' in config.as_toml()
     assert load_run_config(RECIPE).teacher is None
     with pytest.raises(ValueError, match=r"(?s)\[teacher\].*pth"):
-        load_run_config(RECIPE, ['teacher.path="/m"', 'teacher.pth="/m"'])
+        load_run_config(RECIPE, ['teacher.path="/m"', 'teacher.pth="/m"', distils])
     with pytest.raises(ValueError, match=r"(?s)\[teacher\].*replicas"):
-        load_run_config(RECIPE, ['teacher.path="/m"', "teacher.replicas=0"])
+        load_run_config(RECIPE, ['teacher.path="/m"', "teacher.replicas=0", distils])
+    # a teacher pool needs a distillation that reads it, and a distillation its teacher pool
+    with pytest.raises(ValueError, match=r"\[teacher\] starts a teacher pool that nothing reads"):
+        load_run_config(RECIPE, ['teacher.path="/m"'])
+    for setting in (distils, "trainer.distill.top_k=4"):
+        with pytest.raises(ValueError, match=r"\[trainer.distill\] needs a teacher pool: add \[teacher\]"):
+            load_run_config(RECIPE, [setting])
 
 
 def test_the_distillation_recipe_names_the_kit_teacher_and_each_pool_takes_its_own_kit_model():
     config = load_run_config(DISTILLED)
     assert config.teacher.path == "tiny-teacher" and config.judge is None
-    assert config.section("trainer")["distill"] == {"coef": 1.0, "reward_weight": 0.0, "max_gap": 2.0}
+    assert config.section("trainer")["distill"] == {"top_k": 8, "top_k_coef": 1.0, "coef": 0.0, "reward_weight": 0.0}
     assert config.section("orchestrator")["data"]["arith_fixed_width"] is False  # the teacher's format
     with pytest.raises(ValueError, match=r"\[teacher\] path = 'tiny-judge' is the kit's judge: a teacher pool takes"):
         load_run_config(DISTILLED, ['teacher.path="tiny-judge"'])
@@ -41,7 +48,7 @@ def test_the_distillation_recipe_names_the_kit_teacher_and_each_pool_takes_its_o
 
 
 def test_the_plan_starts_the_pool_and_points_the_rollout_replicas_at_it(tmp_path):
-    overrides = ['teacher.path="/models/teacher"', "teacher.replicas=2", "run.replicas=2"]
+    overrides = ['teacher.path="/models/teacher"', "teacher.replicas=2", "run.replicas=2", "trainer.distill.top_k=5"]
     overrides.append("orchestrator.evals.policy=true")
     launch = Launch(load_run_config(RECIPE, overrides), tmp_path, "model", gpus_available=0)
     try:
@@ -56,6 +63,7 @@ def test_the_plan_starts_the_pool_and_points_the_rollout_replicas_at_it(tmp_path
     addresses = [f"127.0.0.1:{t.grpc_port}" for t in teachers]
     for name in ("inference-0", "inference-1"):
         assert json.loads(by_name[name].env["STEADYRL_INFERENCE_TEACHER__ADDRESSES"]) == addresses
+        assert by_name[name].env["STEADYRL_INFERENCE_TEACHER__TOP_K"] == "5"  # what the trainer's loss reads
     assert "STEADYRL_INFERENCE_TEACHER__ADDRESSES" not in by_name["inference-policy"].env
     assert launch.inference_replicas() == 3  # the pool is not a rollout replica
 
@@ -76,7 +84,12 @@ def test_a_judged_reward_needs_its_pool_and_template_and_a_pool_needs_a_reward()
 
 
 def test_the_plan_starts_the_judge_pool_beside_the_teacher_pool(tmp_path, monkeypatch):
-    overrides = ['judge.path="/models/judge"', "judge.replicas=2", 'teacher.path="/models/teacher"']
+    overrides = [
+        'judge.path="/models/judge"',
+        "judge.replicas=2",
+        'teacher.path="/models/teacher"',
+        "trainer.distill.coef=1.0",
+    ]
     overrides += ['teacher.engine="vllm"', "teacher.max_model_len=64"]
     launch = Launch(load_run_config(JUDGED, overrides), tmp_path, "model", gpus_available=0)
     try:

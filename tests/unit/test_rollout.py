@@ -182,6 +182,38 @@ def test_validator_reasons(overrides, reason):
     assert str(err.value).startswith(reason + ": ")
 
 
+TOP_IDS = np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32)
+TOP_LOGPROBS = np.log(np.array([[0.5, 0.25], [0.9, 0.05], [0.4, 0.4], [0.3, 0.2]], np.float32))
+
+
+def test_the_teacher_s_top_k_round_trips_and_is_validated():
+    rollout = make_rollout(teacher_top_ids=TOP_IDS, teacher_top_logprobs=TOP_LOGPROBS)
+    back = decode_rollout(encode_rollout(rollout))
+    assert_same(rollout, back)
+    assert back.teacher_top_ids.shape == (4, 2)
+    validate_rollout(back, LIMITS)
+    bad = {
+        "ids without logprobs": {"teacher_top_ids": TOP_IDS},
+        "a row short": {"teacher_top_ids": TOP_IDS[:3], "teacher_top_logprobs": TOP_LOGPROBS[:3]},
+        "an id past the vocabulary": {"teacher_top_ids": TOP_IDS + 56, "teacher_top_logprobs": TOP_LOGPROBS},
+        "an id twice in a row": {"teacher_top_ids": TOP_IDS * 0 + 3, "teacher_top_logprobs": TOP_LOGPROBS},
+        "a logprob above 0": {"teacher_top_ids": TOP_IDS, "teacher_top_logprobs": -TOP_LOGPROBS},
+        "a NaN": {"teacher_top_ids": TOP_IDS, "teacher_top_logprobs": TOP_LOGPROBS * np.nan},
+        "a row summing past 1": {"teacher_top_ids": TOP_IDS, "teacher_top_logprobs": TOP_LOGPROBS * 0 - 0.1},
+    }
+    for what, overrides in bad.items():
+        with pytest.raises(RolloutError) as err:
+            validate_rollout(make_rollout(**overrides), LIMITS)
+        assert err.value.reason == "teacher_top", what
+    from shared.rpc.steadyrl.v1 import rollout_pb2
+
+    msg = rollout_pb2.Rollout()
+    msg.ParseFromString(encode_rollout(rollout))
+    msg.teacher_top.k = 3  # 8 ids are not rows of 3
+    with pytest.raises(RolloutError, match="teacher_top: 8 ids and 8 logprobs do not fill rows of k = 3"):
+        decode_rollout(msg.SerializeToString())
+
+
 def test_oversize_is_rejected_before_parsing_and_by_token_count():
     data = encode_rollout(make_rollout())
     with pytest.raises(RolloutError, match="oversize"):

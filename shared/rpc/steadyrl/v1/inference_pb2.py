@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from shared.rpc.steadyrl.v1 import common_pb2 as steadyrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsteadyrl/v1/inference.proto\x12\x0bsteadyrl.v1\x1a\x18steadyrl/v1/common.proto\"\x8d\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.steadyrl.v1.SamplingParams\x12\x1c\n\x14return_routing_trace\x18\x04 \x01(\x08\"\x9e\x01\n\rGenerateEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x19\n\x11inference_logprob\x18\x02 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\rrouting_trace\x18\x07 \x01(\x0c\"^\n\x12\x45ngineCapabilities\x12\x15\n\rrouting_trace\x18\x01 \x01(\x08\x12\x10\n\x08logprobs\x18\x02 \x01(\x08\x12\x10\n\x08hot_swap\x18\x03 \x01(\x08\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x80\x02\n\x0fInferenceStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x07version\x18\x04 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x35\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x1f.steadyrl.v1.EngineCapabilities\x12\x11\n\tqueue_lag\x18\x06 \x01(\x04\x12\x1a\n\x12rollouts_published\x18\x07 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x0c\n\x04\x62usy\x18\t \x01(\x08\"G\n\rScoreSequence\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"=\n\x0cScoreRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.steadyrl.v1.ScoreSequence\"!\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"J\n\nScoreReply\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.steadyrl.v1.TokenLogprobs\x12\r\n\x05model\x18\x02 \x01(\t\"5\n\x0cJudgeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\":\n\x0cJudgeVerdict\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\x05score\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_score\"H\n\nJudgeReply\x12+\n\x08verdicts\x18\x01 \x03(\x0b\x32\x19.steadyrl.v1.JudgeVerdict\x12\r\n\x05model\x18\x02 \x01(\t2\x89\x02\n\tInference\x12\x46\n\x08Generate\x12\x1c.steadyrl.v1.GenerateRequest\x1a\x1a.steadyrl.v1.GenerateEvent0\x01\x12:\n\x06Status\x12\x12.steadyrl.v1.Empty\x1a\x1c.steadyrl.v1.InferenceStatus\x12;\n\x05Score\x12\x19.steadyrl.v1.ScoreRequest\x1a\x17.steadyrl.v1.ScoreReply\x12;\n\x05Judge\x12\x19.steadyrl.v1.JudgeRequest\x1a\x17.steadyrl.v1.JudgeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsteadyrl/v1/inference.proto\x12\x0bsteadyrl.v1\x1a\x18steadyrl/v1/common.proto\"\x8d\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.steadyrl.v1.SamplingParams\x12\x1c\n\x14return_routing_trace\x18\x04 \x01(\x08\"\x9e\x01\n\rGenerateEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x19\n\x11inference_logprob\x18\x02 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\rrouting_trace\x18\x07 \x01(\x0c\"^\n\x12\x45ngineCapabilities\x12\x15\n\rrouting_trace\x18\x01 \x01(\x08\x12\x10\n\x08logprobs\x18\x02 \x01(\x08\x12\x10\n\x08hot_swap\x18\x03 \x01(\x08\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x80\x02\n\x0fInferenceStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x07version\x18\x04 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x35\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x1f.steadyrl.v1.EngineCapabilities\x12\x11\n\tqueue_lag\x18\x06 \x01(\x04\x12\x1a\n\x12rollouts_published\x18\x07 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x0c\n\x04\x62usy\x18\t \x01(\x08\"G\n\rScoreSequence\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"L\n\x0cScoreRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.steadyrl.v1.ScoreSequence\x12\r\n\x05top_k\x18\x02 \x01(\r\"N\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"J\n\nScoreReply\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.steadyrl.v1.TokenLogprobs\x12\r\n\x05model\x18\x02 \x01(\t\"5\n\x0cJudgeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\":\n\x0cJudgeVerdict\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\x05score\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_score\"H\n\nJudgeReply\x12+\n\x08verdicts\x18\x01 \x03(\x0b\x32\x19.steadyrl.v1.JudgeVerdict\x12\r\n\x05model\x18\x02 \x01(\t2\x89\x02\n\tInference\x12\x46\n\x08Generate\x12\x1c.steadyrl.v1.GenerateRequest\x1a\x1a.steadyrl.v1.GenerateEvent0\x01\x12:\n\x06Status\x12\x12.steadyrl.v1.Empty\x1a\x1c.steadyrl.v1.InferenceStatus\x12;\n\x05Score\x12\x19.steadyrl.v1.ScoreRequest\x1a\x17.steadyrl.v1.ScoreReply\x12;\n\x05Judge\x12\x19.steadyrl.v1.JudgeRequest\x1a\x17.steadyrl.v1.JudgeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,17 +44,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORESEQUENCE']._serialized_start=730
   _globals['_SCORESEQUENCE']._serialized_end=801
   _globals['_SCOREREQUEST']._serialized_start=803
-  _globals['_SCOREREQUEST']._serialized_end=864
-  _globals['_TOKENLOGPROBS']._serialized_start=866
-  _globals['_TOKENLOGPROBS']._serialized_end=899
-  _globals['_SCOREREPLY']._serialized_start=901
-  _globals['_SCOREREPLY']._serialized_end=975
-  _globals['_JUDGEREQUEST']._serialized_start=977
-  _globals['_JUDGEREQUEST']._serialized_end=1030
-  _globals['_JUDGEVERDICT']._serialized_start=1032
-  _globals['_JUDGEVERDICT']._serialized_end=1090
-  _globals['_JUDGEREPLY']._serialized_start=1092
-  _globals['_JUDGEREPLY']._serialized_end=1164
-  _globals['_INFERENCE']._serialized_start=1167
-  _globals['_INFERENCE']._serialized_end=1432
+  _globals['_SCOREREQUEST']._serialized_end=879
+  _globals['_TOKENLOGPROBS']._serialized_start=881
+  _globals['_TOKENLOGPROBS']._serialized_end=959
+  _globals['_SCOREREPLY']._serialized_start=961
+  _globals['_SCOREREPLY']._serialized_end=1035
+  _globals['_JUDGEREQUEST']._serialized_start=1037
+  _globals['_JUDGEREQUEST']._serialized_end=1090
+  _globals['_JUDGEVERDICT']._serialized_start=1092
+  _globals['_JUDGEVERDICT']._serialized_end=1150
+  _globals['_JUDGEREPLY']._serialized_start=1152
+  _globals['_JUDGEREPLY']._serialized_end=1224
+  _globals['_INFERENCE']._serialized_start=1227
+  _globals['_INFERENCE']._serialized_end=1492
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class RolloutTimings(_message.Message):
     def __init__(self, leased_unix_ms: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., generation_seconds: _Optional[float] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("rollout_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "completion_token_ids", "inference_logprobs", "policy_versions", "reward", "routing_trace", "timings", "finish_reason", "replica_id", "engine", "is_eval", "loss_mask", "turns", "env_metrics", "reward_error", "source", "teacher_logprobs", "reference_reward")
+    __slots__ = ("rollout_id", "run_id", "task_id", "group_id", "sample_index", "group_size", "prompt_token_ids", "completion_token_ids", "inference_logprobs", "policy_versions", "reward", "routing_trace", "timings", "finish_reason", "replica_id", "engine", "is_eval", "loss_mask", "turns", "env_metrics", "reward_error", "source", "teacher_logprobs", "reference_reward", "teacher_top")
     class EnvMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class Rollout(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     run_id: str
     task_id: str
@@ -103,4 +104,15 @@ class Rollout(_message.Message):
     source: str
     teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
     reference_reward: float
-    def __init__(self, rollout_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., inference_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., routing_trace: _Optional[_Union[RoutingTrace, _Mapping]] = ..., timings: _Optional[_Union[RolloutTimings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., is_eval: _Optional[bool] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[int] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., source: _Optional[str] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., reference_reward: _Optional[float] = ...) -> None: ...
+    teacher_top: TeacherTop
+    def __init__(self, rollout_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., inference_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., routing_trace: _Optional[_Union[RoutingTrace, _Mapping]] = ..., timings: _Optional[_Union[RolloutTimings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., is_eval: _Optional[bool] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[int] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., reward_error: _Optional[str] = ..., source: _Optional[str] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., reference_reward: _Optional[float] = ..., teacher_top: _Optional[_Union[TeacherTop, _Mapping]] = ...) -> None: ...
+
+class TeacherTop(_message.Message):
+    __slots__ = ("k", "token_ids", "logprobs")
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, k: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
