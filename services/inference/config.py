@@ -127,6 +127,9 @@ class TeacherClientSettings(PoolStart):
     top_k: int = Field(0, ge=0, le=MAX_SCORE_TOP_K)
     """The teacher's k most likely tokens at every completion position, carried on each rollout
     (0: none). `steadyrl run` sets it from trainer.distill.top_k."""
+    batch_sequences: int = Field(256, ge=1)
+    """At most this many sequences in one Score call: groups that finish while a call is out go
+    together in the next one."""
 
 
 class JudgeTemplate(BaseModel):

@@ -122,7 +122,7 @@ async def serve(
         settings.tasks.version_wait_seconds,
         settings.tasks.max_inflight,
         settings.tasks.batching,
-        TeacherScoring(teacher, settings.teacher.top_k) if teacher else None,
+        TeacherScoring(teacher, settings.teacher.top_k, settings.teacher.batch_sequences) if teacher else None,
         JudgeScoring(judge, settings.judge.templates, rewards),
     )
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)

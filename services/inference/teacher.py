@@ -9,6 +9,7 @@ Details: docs/guides/pools.md"""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -56,15 +57,67 @@ def reply_problem(reply: pb.ScoreReply, lengths: list[int], top_k: int = 0) -> s
 
 
 class TeacherScoring:
-    def __init__(self, client: PoolClient, top_k: int = 0) -> None:
+    """The rollout replica's scoring client. Groups that finish while a Score call is out wait and
+    go together in the next one (at most `batch_sequences` sequences a call, two calls or one per
+    address out at once): a step's groups cost a few calls, not one each, and none waits on a timer.
+    A failed call fails every group in it; each is handed back on its own."""
+
+    def __init__(self, client: PoolClient, top_k: int = 0, batch_sequences: int = 256) -> None:
         self.client = client
         self.top_k = top_k
+        self.batch_sequences = batch_sequences
+        self.slots = max(2, len(client.addresses))
+        self.calls = 0  # Score calls sent (each carries one or more groups)
+        self._waiting: list[tuple[list[bytes], asyncio.Future]] = []
+        self._out: set[asyncio.Task] = set()
 
     async def attach(self, payloads: list[bytes]) -> list[bytes]:
         """The same rollouts with the teacher's logprob of every completion token (and its top-k at
         each position); raises PoolError."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((payloads, future))
+        self._send_waiting()
+        return await future
+
+    def _send_waiting(self) -> None:
+        while self._waiting and len(self._out) < self.slots:
+            batch, size = [], 0
+            while self._waiting and (not batch or size + len(self._waiting[0][0]) <= self.batch_sequences):
+                payloads, future = self._waiting.pop(0)
+                if not future.done():  # its task was cancelled meanwhile: nothing to score
+                    batch.append((payloads, future))
+                    size += len(payloads)
+            if batch:
+                task = asyncio.create_task(self._call(batch))
+                self._out.add(task)
+                task.add_done_callback(self._call_done)
+
+    def _call_done(self, task: asyncio.Task) -> None:
+        self._out.discard(task)
+        self._send_waiting()
+
+    async def _call(self, batch: list[tuple[list[bytes], asyncio.Future]]) -> None:
+        try:
+            scored = await self._score([p for payloads, _ in batch for p in payloads])
+        except asyncio.CancelledError:  # the replica stops: so do the groups waiting on this call
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a PoolError or anything else: no group waits forever
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        start = 0
+        for payloads, future in batch:
+            if not future.done():
+                future.set_result(scored[start : start + len(payloads)])
+            start += len(payloads)
+
+    async def _score(self, payloads: list[bytes]) -> list[bytes]:
         request, rollouts = score_request(payloads, self.top_k)
         lengths = [len(r.completion_token_ids) for r in rollouts]
+        self.calls += 1
         reply = await self.client.call("Score", request, check=lambda r: reply_problem(r, lengths, self.top_k))
         for rollout, scored in zip(rollouts, reply.sequences, strict=True):
             rollout.teacher_logprobs = np.asarray(scored.logprobs, dtype=np.float32)

@@ -203,3 +203,82 @@ def test_a_rollout_replica_leases_nothing_before_its_teacher_pool_answers(redis_
         engine.close()
     assert ended == f"teacher pool: no replica of {nobody} answered within 1.5s", ended
     assert leased == [("train-0", 0)]  # never leased by the replica that waited: its first lease, here
+
+
+def test_groups_that_finish_together_share_a_score_call(tiny_model_dir, monkeypatch):
+    """Six groups attached at once through a real teacher replica: the first two calls go out at once
+    (two in flight), the other four groups wait and go together in a third call; every group gets its
+    own scores, equal to the engine's. With at most 2 sequences a call each group is its own call, and a
+    pool that fails every attempt fails every waiting group with the reason."""
+    import numpy as np
+
+    from services.inference.teacher import TeacherScoring
+    from shared.rollouts.record import Rollout, decode_rollout, encode_rollout
+
+    monkeypatch.delenv("STEADYRL_TOKEN", raising=False)
+    port, metrics_port, dead = free_port(), free_port(), free_port()
+    replica = teacher(tiny_model_dir, port, metrics_port, "teacher-0")
+    rng = np.random.default_rng(5)
+    groups = []
+    for g in range(6):
+        prompt = [1, *rng.integers(4, 20, size=4).tolist()]
+        rollouts = [
+            Rollout(
+                f"r{g}-{i}",
+                f"g{g}",
+                np.array(prompt, np.int32),
+                rng.integers(4, 20, size=3 + i).astype(np.int32),
+                np.full(3 + i, -1.0, np.float32),
+                np.zeros(3 + i, np.uint64),
+                0.0,
+                i,
+                2,
+            )
+            for i in range(2)
+        ]
+        groups.append([encode_rollout(r) for r in rollouts])
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    pairs = [
+        (r.prompt_token_ids.tolist(), r.completion_token_ids.tolist()) for g in groups for r in map(decode_rollout, g)
+    ]
+    expected = engine.score(pairs, top_k=2)
+    engine.close()
+
+    def client(addresses):
+        return PoolClient(
+            "teacher",
+            addresses,
+            inference_pb2_grpc.InferenceStub,
+            timeout_seconds=10.0,
+            attempts=2,
+            backoff_seconds=0.05,
+        )
+
+    try:
+        wait_serving(port)
+
+        async def main():
+            out = {}
+            for name, cap in (("batched", 256), ("capped", 2)):
+                scoring = TeacherScoring(client([f"127.0.0.1:{port}"]), top_k=2, batch_sequences=cap)
+                out[name] = await asyncio.gather(*(scoring.attach(g) for g in groups))
+                out[name + "_calls"] = scoring.calls
+                await scoring.client.close()
+            failing = TeacherScoring(client([f"127.0.0.1:{dead}"]), top_k=2)
+            out["failed"] = await asyncio.gather(*(failing.attach(g) for g in groups), return_exceptions=True)
+            out["failed_calls"] = failing.calls
+            await failing.client.close()
+            return out
+
+        out = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        replica.terminate()
+        replica.wait(20)
+    assert (out["batched_calls"], out["capped_calls"], out["failed_calls"]) == (3, 6, 3)
+    for name in ("batched", "capped"):
+        scored = [decode_rollout(p) for g in out[name] for p in g]
+        assert [r.rollout_id for r in scored] == [f"r{g}-{i}" for g in range(6) for i in range(2)]
+        for r, want in zip(scored, expected, strict=True):
+            assert r.teacher_logprobs.tolist() == pytest.approx(want.logprobs, abs=1e-5)
+            assert r.teacher_top_ids.tolist() == want.top_ids
+    assert all(isinstance(e, PoolError) and "2 attempts failed" in str(e) for e in out["failed"])
