@@ -144,6 +144,12 @@ def main(only: list[str] = (), previous: dict | None = None) -> dict:
     return result
 
 
+def bound(value: object, reached: bool) -> str:
+    """A steps ratio as the table shows it: '–' when the distilled side never got there either, '< x'
+    when only RL alone did not (x is then an upper bound). Pure."""
+    return "–" if value is None else f"{'' if reached else '< '}{value}"
+
+
 def last_eval(evals) -> object:
     """The eval at the highest version of a {version: accuracy} map (JSON keys are strings), or "–"."""
     if not isinstance(evals, dict) or not evals:
@@ -427,7 +433,7 @@ def markdown(result: dict) -> str:
     lines.append(
         f"| pools | tiny-distill, steps to the teacher's eval {_get(pools, 'teacher', 'held_out')} (mean of 2 evals), "
         f"distilled / RL alone ({_get(distill, 'steps_to_teacher', default='none')} vs {rl_steps}) "
-        f"| {'' if reached else '< '}{_get(pools, 'ratios', 'steps_to_teacher_distill_over_rl')} | < 1 |"
+        f"| {bound(_get(pools, 'ratios', 'steps_to_teacher_distill_over_rl', default=None), reached)} | < 1 |"
     )
     lines.append(
         f"| pools | tiny-distill, final model / the teacher, greedy accuracy on 1,200 held-out problems no eval saw "
