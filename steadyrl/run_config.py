@@ -309,12 +309,18 @@ def load_run_config(
 def check_distillation(config: RunConfig) -> None:
     """[trainer.distill] needs the [teacher] pool that scores its rollouts, and a [teacher] pool
     needs a distillation that reads it: ValueError naming what is missing, before any process starts."""
-    distill = config.section("trainer").get("distill", {})
-    distils = float(distill.get("coef", 0)) > 0 or int(distill.get("top_k", 0)) > 0
+    from services.trainer.config import DistillSettings
+
+    try:  # the trainer's own rule; a table it refuses is reported where its settings are checked
+        distils = DistillSettings(**config.section("trainer").get("distill", {})).enabled
+    except ValidationError:
+        return
     if distils and config.teacher is None:
         raise ValueError("[trainer.distill] needs a teacher pool: add [teacher] with the teacher model's path")
     if config.teacher is not None and not distils:
-        raise ValueError("[teacher] starts a teacher pool that nothing reads: set trainer.distill.coef or top_k")
+        raise ValueError(
+            "[teacher] starts a teacher pool that nothing reads: set trainer.distill.coef or top_k (with top_k_coef)"
+        )
 
 
 def check_judged_rewards(config: RunConfig) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 
 import numpy as np
 
@@ -68,7 +69,7 @@ class TeacherScoring:
         self.batch_sequences = batch_sequences
         self.slots = max(2, len(client.addresses))
         self.calls = 0  # Score calls sent (each carries one or more groups)
-        self._waiting: list[tuple[list[bytes], asyncio.Future]] = []
+        self._waiting: deque[tuple[list[bytes], asyncio.Future]] = deque()
         self._out: set[asyncio.Task] = set()
 
     async def attach(self, payloads: list[bytes]) -> list[bytes]:
@@ -83,7 +84,7 @@ class TeacherScoring:
         while self._waiting and len(self._out) < self.slots:
             batch, size = [], 0
             while self._waiting and (not batch or size + len(self._waiting[0][0]) <= self.batch_sequences):
-                payloads, future = self._waiting.pop(0)
+                payloads, future = self._waiting.popleft()
                 if not future.done():  # its task was cancelled meanwhile: nothing to score
                     batch.append((payloads, future))
                     size += len(payloads)
