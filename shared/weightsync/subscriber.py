@@ -24,7 +24,7 @@ from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.rpc.steadyrl.v1 import weightsync_pb2_grpc
 from shared.weightsync.base import Delivery, PartialVersion, WeightError, WeightSubscriber, transport_of_kind
 from shared.weightsync.collective import Groups, Staging
-from shared.weightsync.grpc import GrpcDelivery, _short
+from shared.weightsync.grpc import GrpcDelivery, _short, latest_version
 
 log = logging.getLogger("steadyrl.weightsync.client")
 RECEIVED = Counter(
@@ -217,7 +217,9 @@ class WatchSubscriber(WeightSubscriber):
             )
 
     async def _pull_when_held(self, version: int, patience: float) -> bool:
-        """Pull `version` once the service holds it (after a failed collective the trainer pushes it)."""
+        """Pull `version` once the service holds it (after a failed collective the trainer pushes it),
+        or the newest version once the service holds a newer one: a restarted service never holds
+        what was published before it, and the trainer has moved on."""
         deadline = asyncio.get_running_loop().time() + patience
         while asyncio.get_running_loop().time() < deadline:
             try:
@@ -228,7 +230,15 @@ class WatchSubscriber(WeightSubscriber):
             except WeightError as exc:
                 if "NOT_FOUND" not in str(exc):
                     raise
-                await asyncio.sleep(0.5)
+            try:
+                newest = await latest_version(self.address)
+            except grpc.aio.AioRpcError as exc:
+                raise WeightError(f"the newest version could not be asked for: {_short(exc)}") from exc
+            if newest > version:
+                log.warning("event=weights_superseded version=%d newest=%d", version, newest)
+                version = newest
+                continue
+            await asyncio.sleep(0.5)
         log.warning("event=weights_skipped version=%d reason=never_held", version)
         return False
 

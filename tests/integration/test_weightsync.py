@@ -564,3 +564,33 @@ def test_a_publisher_sigkilled_mid_push_leaves_no_version(tmp_path):
         await server.stop()
 
     run(main())
+
+
+def test_a_version_the_service_will_never_hold_is_superseded_by_its_newest(tmp_path):
+    """A refused shm version is pulled over gRPC once the service holds it; a restarted service
+    holds only what came after it, so the subscriber takes the newest instead of waiting."""
+
+    async def main():
+        server = Server(tmp_path)
+        await server.start()
+        applied = []
+
+        async def apply(delivery):
+            applied.append(
+                (delivery.version, await asyncio.to_thread(lambda: dict(kv for b in delivery.buckets() for kv in b)))
+            )
+            return 0.0
+
+        publisher = GrpcWeightPublisher(server.address, server.signer)
+        await publisher.push(state(1), 1)
+        await publisher.push(state(3), 3)  # version 2 was published to the service before it restarted
+        subscriber = WatchSubscriber(server.address, apply)
+        assert await subscriber._pull_when_held(2, patience=600)  # run() bounds this at 60 s
+        assert subscriber.version == 3 and [version for version, _ in applied] == [3]
+        assert_equal_states(applied[0][1], state(3))
+        assert not await subscriber._pull_when_held(4, patience=1.2)  # nothing newer: waits its patience out
+        assert subscriber.version == 3
+        await publisher.close()
+        await server.stop()
+
+    run(main())
