@@ -160,7 +160,7 @@ FAULTS = {
     "orchestrator_sigkill": lambda launch: kill_and_restart(launch, "orchestrator"),
     "inference_sigstop": stall_replica,
     "redis_sigstop": lambda launch: freeze(launch.redis.process, 20.0),
-    "weightsync_sigstop": lambda launch: freeze_mid_step(launch, 15.0),
+    "weightsync_sigstop": lambda launch: freeze_mid_step(launch, 6.0),
 }
 
 
@@ -183,7 +183,7 @@ MECHANISMS = {
     "orchestrator_sigkill": {"orchestrator": r"event=resumed run=\S+ state=running"},
     "redis_sigstop": {"trainer": r"event=redis_unreachable error=TimeoutError", "orchestrator": r"event=tick_failed"},
     # the push waited through the 15 s freeze (bounded by publish_timeout_seconds) instead of failing the step
-    "weightsync_sigstop": {"trainer": r"(?m)event=step .* seconds=(?:1[0-9]|[2-9][0-9])\.\d+$"},
+    "weightsync_sigstop": {"trainer": r"(?m)event=step .* seconds=(?:[5-9]|[1-9][0-9])\.\d+$"},  # waited out the freeze
 }
 
 
