@@ -251,7 +251,7 @@ class WatchSubscriber(WeightSubscriber):
             try:
                 if await self._pull_when_held(version, patience if version == failed else 1.0):
                     RESTORED.inc()
-                    log.warning("event=weights_restored version=%d after=%d", version, failed)
+                    log.warning("event=weights_restored version=%d after=%d", self.version, failed)
                     return
             except WeightError as exc:  # PartialVersion included
                 log.warning("event=weights_restore_failed version=%d error=%s", version, exc)
