@@ -182,8 +182,8 @@ MECHANISMS = {
     "redis_host_crash": {"trainer": r"event=redis_restarted claimed=\d+ ledger_restored=\d+"},
     "orchestrator_sigkill": {"orchestrator": r"event=resumed run=\S+ state=running"},
     "redis_sigstop": {"trainer": r"event=redis_unreachable error=TimeoutError", "orchestrator": r"event=tick_failed"},
-    # the push waited through the 15 s freeze (bounded by publish_timeout_seconds) instead of failing the step
-    "weightsync_sigstop": {"trainer": r"(?m)event=step .* seconds=(?:[5-9]|[1-9][0-9])\.\d+$"},  # waited out the freeze
+    # the push waited through the 6 s freeze (bounded by publish_timeout_seconds) instead of failing the step
+    "weightsync_sigstop": {"trainer": r"(?m)event=step .* seconds=(?:[5-9]|[1-9][0-9])\.\d+$"},
 }
 
 
