@@ -99,7 +99,7 @@ def judged_run(lines: list[dict], evals: list[dict], batch: int) -> dict:
     }
 
 
-def main(steps: int = 1000, target: float = 0.5, judge_steps: int = 200) -> dict:
+def main(steps: int = 2000, target: float = 0.5, judge_steps: int = 200) -> dict:
     import tomllib
 
     from bench.demo_run import ratio, run_demo

@@ -1,8 +1,8 @@
 """configs/tiny-judge.toml under `steadyrl run`, distilled too, with a judge pool and a teacher pool of two
 replicas each, one of each SIGKILLed mid-run: the rollout replicas' Judge and Score calls go to the
 other replica (a failed attempt each, bounded), the supervisor restarts the killed ones, the run
-finishes, every step reports the judge's agreement with exact match and the teacher's gap, and every
-task is trained once (none dead)."""
+finishes, every step reports the judge's agreement with exact match, the teacher's gap and the KL from
+its top 8, and every task is trained once (none dead)."""
 
 import json
 import os
@@ -26,6 +26,8 @@ def test_a_judge_and_a_teacher_replica_killed_mid_run_lose_nothing(tmp_path, qui
         "teacher.replicas=2",
         "trainer.distill.coef=1.0",
         "trainer.distill.reward_weight=1.0",
+        "trainer.distill.top_k=8",  # configs/tiny-distill.toml's loss on the teacher's top 8, over its mini-batches
+        "trainer.mini_batches=2",
         "inference.teacher.timeout_seconds=5",
         f"run.steps={STEPS}",
         f"run.batch_prompts={B}",
@@ -44,7 +46,8 @@ def test_a_judge_and_a_teacher_replica_killed_mid_run_lose_nothing(tmp_path, qui
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))
     assert all(0.0 <= x["judge_agreement"] <= 1.0 for x in lines)  # every rollout judged and compared
-    assert all("+distill" in x["recipe"] and x["teacher_gap"] == x["teacher_gap"] for x in lines)  # never NaN
+    assert all("+distill_top8" in x["recipe"] and x["teacher_gap"] == x["teacher_gap"] for x in lines)  # never NaN
+    assert all(-1e-6 <= x["teacher_kl"] < 10.0 for x in lines), [x["teacher_kl"] for x in lines]  # read, finite
     failures = sum(x["reward_failures"] for x in lines) / STEPS
     assert failures < 0.5, failures  # the verdicts are read (an unreadable one would score 0 with its reason)
     progress = json.loads((out / "summary.json").read_text())["final_status"]["progress"]

@@ -41,6 +41,7 @@ def test_the_distillation_recipe_names_the_kit_teacher_and_each_pool_takes_its_o
     assert config.teacher.path == "tiny-teacher" and config.judge is None
     assert config.section("trainer")["distill"] == {"top_k": 8, "top_k_coef": 1.0, "coef": 0.0, "reward_weight": 0.0}
     assert config.section("orchestrator")["data"]["arith_fixed_width"] is False  # the teacher's format
+    assert config.section("trainer")["mini_batches"] == 8 and config.run.steps == 2000
     with pytest.raises(ValueError, match=r"\[teacher\] path = 'tiny-judge' is the kit's judge: a teacher pool takes"):
         load_run_config(DISTILLED, ['teacher.path="tiny-judge"'])
     with pytest.raises(ValueError, match=r"\[judge\] path = 'tiny-teacher' is the kit's teacher: a judge pool takes"):
