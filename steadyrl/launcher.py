@@ -18,7 +18,7 @@ from pathlib import Path
 from steadyrl.processes import Launch
 from steadyrl.progress import PROGRESS, watch
 from steadyrl.run_config import RunConfig
-from steadyrl.service_settings import check, settle_auto_dtype
+from steadyrl.service_settings import check, settle_auto_dtype, settle_local_transport
 from steadyrl.summary import finish
 from steadyrl.supervisor import Supervisor
 
@@ -102,6 +102,7 @@ def _run(config: RunConfig, out: Path, progress: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(config)
     settle_auto_dtype(config, model_path)
+    settle_local_transport(config)
     (out / "config.resolved.toml").write_text(config.as_toml())
     console.print(f"[bold]steadyrl run[/] {config.run_id} → {out}")
     for note in config.notes:

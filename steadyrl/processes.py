@@ -50,6 +50,7 @@ class Launch:
     http_port: int = 0
     gpus_available: int | None = None  # None: this machine's (steadyrl.placement.gpu_inventory)
     ports: PortReservations = field(default_factory=PortReservations)
+    http: object | None = None  # the control plane's httpx.Client, made at the first call and kept
 
     # --- setup ----------------------------------------------------------------------------------
 
@@ -298,18 +299,21 @@ class Launch:
         raise TimeoutError(f"{service.name} not healthy after {timeout:.0f}s; see {service.log}")
 
     def api(self, method: str, path: str) -> dict:
+        """One control-plane call, on a client kept for the run (a new client per call loads the
+        CA bundle again: most of a poll's CPU)."""
         import httpx
 
         from shared.rpc.tls import httpx_options, tls_from_env
 
-        tls = tls_from_env()
-        reply = httpx.request(
-            method,
-            f"{'https' if tls else 'http'}://127.0.0.1:{self.http_port}{path}",
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=10,
-            **httpx_options(tls),
-        )
+        if self.http is None:
+            tls = tls_from_env()
+            self.http = httpx.Client(
+                base_url=f"{'https' if tls else 'http'}://127.0.0.1:{self.http_port}",
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=10,
+                **httpx_options(tls),
+            )
+        reply = self.http.request(method, path)
         reply.raise_for_status()
         return reply.json()
 
@@ -327,6 +331,9 @@ class Launch:
                 _signal_group(service.process, signal.SIGKILL)
                 service.process.wait()
         self.ports.close()
+        if self.http is not None:
+            self.http.close()
+            self.http = None
         if self.redis is not None:
             self.redis.stop()
         trainer = next((s for s in self.services if s.name == "trainer"), None)

@@ -111,6 +111,19 @@ def settle_auto_dtype(config: RunConfig, model_path: str) -> None:
         config.notes.append(f'inference.dtype "auto" chose "{dtype}": {why}')
 
 
+def settle_local_transport(config: RunConfig) -> None:
+    """Every process `steadyrl run` starts is on this host: versions travel through shared memory
+    (`trainer.publish.transport = "shm"`) unless the recipe names a transport, or the host has no
+    shm directory (gRPC then); the resolved recipe's notes say which."""
+    publish = config.section("trainer").setdefault("publish", {})
+    if "transport" in publish:
+        return
+    shm_dir = Path(publish.get("shm_dir", settings_class("trainer").model_fields["publish"].annotation().shm_dir))
+    if shm_dir.is_dir() or shm_dir.parent.is_dir():
+        publish["transport"] = "shm"
+        config.notes.append(f'trainer.publish.transport "shm": every process is on this host ({shm_dir})')
+
+
 def service_env(
     config: RunConfig, service: str, extra: Mapping[str, Any] | None = None, alone: bool = False
 ) -> dict[str, str]:

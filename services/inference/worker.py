@@ -101,15 +101,15 @@ class RolloutWorker:
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
         self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
-        self.new_version = asyncio.Condition()  # notified as a version lands in the engine
+        self.new_version = asyncio.Event()  # set (and replaced) as a version lands in the engine
         self.publisher = Publisher(queue, replica_id, self.held, self._hand_back)
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
 
     async def version_changed(self) -> None:
         """A version landed in the engine (or failed to): every task waiting for one looks again."""
-        async with self.new_version:
-            self.new_version.notify_all()
+        landed, self.new_version = self.new_version, asyncio.Event()
+        landed.set()  # every waiter resumes in the same turn of the loop: their groups enter the engine together
 
     @property
     def published(self) -> int:
@@ -358,9 +358,7 @@ class RolloutWorker:
         while self.engine.version < need and time.monotonic() < deadline:
             # woken as a version lands (`version_changed`); the period covers any other way in
             with contextlib.suppress(asyncio.TimeoutError):
-                async with self.new_version:
-                    landed = self.new_version.wait_for(lambda: self.engine.version >= need)
-                    await asyncio.wait_for(landed, min(0.5, max(deadline - time.monotonic(), 0)))
+                await asyncio.wait_for(self.new_version.wait(), min(0.5, max(deadline - time.monotonic(), 0)))
         if self.engine.version >= need:
             return True
         VERSION_WAITS.labels(self.replica_id).inc()

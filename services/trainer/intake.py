@@ -40,6 +40,7 @@ class Intake:
         self.untrained: dict[str, str] = {}
         self.examined: set[str] = set()  # complete groups dynamic sampling looked at (each once)
         self.filtered_this_step = 0  # groups filtered since the last step (the cap counts these)
+        self.training: set[str] = set()  # rollout ids of the step under way: out of the buffer, not yet trained
 
     def count(self, name: str, amount: int = 1) -> None:
         self.state.counters[name] = self.state.counters.get(name, 0) + amount
@@ -48,7 +49,9 @@ class Intake:
         """Give every entry its verdict and settle what is not held."""
         stamps = await self.source.stamps(entries)
         for entry, fields in entries:
-            verdict = self.buffer.accept(entry, fields, stamps, self.state.version, self.state.consumed, self.untrained)
+            verdict = self.buffer.accept(
+                entry, fields, stamps, self.state.version, self.state.consumed, _Either(self.untrained, self.training)
+            )
             if verdict.kind == "dead":
                 await self.dead_letter(entry, (fields or {}).get(b"r", b""), verdict)
             elif verdict.kind in ("trained", "duplicate"):
@@ -139,3 +142,14 @@ class Intake:
         RESTORED.inc(restored)
         self.count("ledger_restored", restored)
         log.warning("event=redis_restarted claimed=%d ledger_restored=%d", claimed, restored)
+
+
+class _Either:
+    """Membership in either of two containers (a copy of a rollout the step under way trains is a
+    duplicate, like one dropped or filtered)."""
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.first or item in self.second

@@ -71,38 +71,64 @@ class Trainer:
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()
         self.step_ended = self.cycle_started = self.last_step  # the idle share: waiting for rollouts (_train)
         self.after_last_step: dict[str, float] = {}  # the last step's checkpoint and publish seconds
+        self.stepping: set[asyncio.Future] = set()  # the step under way (at most one)
 
     @property
     def done(self) -> bool:
         return bool(self.settings.max_steps) and self.state.step >= self.settings.max_steps
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Read the stream and start a step as soon as a batch is complete. A step runs as its own
+        task: the stream is read, decoded and judged meanwhile, so the next batch is ready the
+        moment the step ends (details: docs/internals/trainer.md)."""
         await self.start(stop)
         delay = 0.2
-        while not stop.is_set() and not self.done:
-            try:
-                if self.paused:
-                    await asyncio.sleep(0.1)
-                    continue
-                await self.keep_in_sync()
-                await self.intake.take(await self.source.read(self.settings.stream.read_block_ms))
-                await self.intake.drop_stale(self.settings.max_staleness)
-                if self.settings.filter_cap:
-                    await self.intake.filter_equal(self.settings.filter_cap)
-                ready = self.buffer.complete()
-                if len(ready) >= self.settings.batch_prompts:
-                    await self.step(ready[: self.settings.batch_prompts])
-                delay = 0.2
-            except redis.exceptions.RedisError as exc:  # Redis restarting or frozen: nothing is lost
-                self.resync = True  # replies may be lost: entries delivered but never seen
-                log.warning("event=redis_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        reading: asyncio.Future | None = None
+        try:
+            while not stop.is_set() and not self.done:
+                try:
+                    if self.paused:
+                        await asyncio.sleep(0.1)
+                        continue
+                    await self.keep_in_sync()
+                    ready = self.buffer.complete()
+                    if not self.stepping and len(ready) >= self.settings.batch_prompts:
+                        self.stepping.add(self.begin_step(ready[: self.settings.batch_prompts]))
+                    if reading is None:
+                        reading = asyncio.ensure_future(self.source.read(self.settings.stream.read_block_ms))
+                    await asyncio.wait({reading, *self.stepping}, return_when=asyncio.FIRST_COMPLETED)
+                    for ended in [step for step in self.stepping if step.done()]:
+                        self.stepping.discard(ended)
+                        ended.result()
+                    if reading.done():
+                        done, reading = reading, None
+                        await self.intake.take(done.result())
+                        await self.intake.drop_stale(self.settings.max_staleness)
+                        if self.settings.filter_cap:
+                            await self.intake.filter_equal(self.settings.filter_cap)
+                    delay = 0.2
+                except redis.exceptions.RedisError as exc:  # Redis restarting or frozen: nothing is lost
+                    self.resync = True  # replies may be lost: entries delivered but never seen
+                    log.warning("event=redis_unreachable error=%s retry_in=%.1fs", type(exc).__name__, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            if reading is not None:
+                reading.cancel()  # what it read stays pending in the group: claimed on the next start
+                await asyncio.gather(reading, return_exceptions=True)
+            await self.steps_ended()
         while self.publisher.published < self.state.version and not stop.is_set():  # the last version
             await self.publish()
         if self.acks.saving is not None:  # a stop lets the checkpoint under way land (it is on disk soon)
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.acks.settle(wait=True)
+
+    async def steps_ended(self) -> None:
+        """The step under way, carried to its end (see `carried`)."""
+        for step in list(self.stepping):
+            self.stepping.discard(step)
+            with contextlib.suppress(Exception):
+                await self.carried(step)
 
     async def start(self, stop: asyncio.Event) -> None:
         """Continue the version numbering past anything already published (before any entry is
@@ -142,6 +168,8 @@ class Trainer:
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
             self.resync = False
+        if self.stepping:  # the rest needs the model: after the step
+            return
         if self.acks.save_done():
             async with self.model_lock:
                 await self.acks.settle(wait=False)
@@ -159,12 +187,22 @@ class Trainer:
             )
             self.last_step = time.monotonic()
 
+    def begin_step(self, group_ids: list[str]) -> asyncio.Task:
+        """Start one step on these complete groups, taken from the buffer at once (before the loop
+        reads the stream again, which may drop or filter groups)."""
+        groups = self.buffer.take(group_ids)
+        self.intake.training = {m.rollout.rollout_id for group in groups for m in group}
+        return asyncio.ensure_future(self._train(groups))
+
     async def step(self, group_ids: list[str]) -> dict[str, float]:
-        """One step, carried to its end (its checkpoint too) even when the loop is cancelled
-        meanwhile (a clean stop): the training thread cannot be interrupted, and a model updated
-        without its bookkeeping would be checkpointed as the step before, its rollouts trained
-        again after a restart."""
-        step = asyncio.ensure_future(self._train(group_ids))
+        """One step, awaited to its end."""
+        return await self.carried(self.begin_step(group_ids))
+
+    async def carried(self, step: asyncio.Task) -> dict[str, float]:
+        """Wait for a step, carried to its end (its checkpoint too) even when the waiter is
+        cancelled meanwhile (a clean stop): the training thread cannot be interrupted, and a model
+        updated without its bookkeeping would be checkpointed as the step before, its rollouts
+        trained again after a restart."""
         try:
             return await asyncio.shield(step)
         except asyncio.CancelledError:
@@ -174,14 +212,13 @@ class Trainer:
                     await self.acks.settle(wait=True)
             raise
 
-    async def _train(self, group_ids: list[str]) -> dict[str, float]:
+    async def _train(self, groups: list[list]) -> dict[str, float]:
         started = time.perf_counter()
         now = time.monotonic()  # since the last step ended (its checkpoint and publish too) the trainer waited
         waited = now - self.step_ended
         idle_share = waited / max(now - self.cycle_started, 1e-9)  # of the time since the last step started
         self.cycle_started = now
         replica_idle = await self.replica_idle.share()
-        groups = self.buffer.take(group_ids)
         filtered = self.intake.filtered_this_step  # groups dynamic sampling filtered while this batch filled
         self.intake.next_step()
         rollouts = [m.rollout for group in groups for m in group]

@@ -140,7 +140,36 @@ def forward(model, routing, activations, input_ids, attention, positions, cache,
 def prefill(
     model, routing, activations, pad_token_id: int, rows: list[Seq], sequences: list[list[int]], device: torch.device
 ):
-    """Left-padded forward of whole sequences from scratch: (last logits, cache, mask)."""
+    """Left-padded forward of whole sequences from scratch: (last logits, cache, mask). Equal
+    sequences (a group's G samples of one prompt) are computed once and the row copied: the same
+    logits, cache and routing at a fraction of the forward."""
+    copies: dict[tuple[int, ...], list[int]] = {}
+    for i, sequence in enumerate(sequences):
+        copies.setdefault(tuple(sequence), []).append(i)
+    if len(copies) == len(sequences):
+        return _prefill(model, routing, activations, pad_token_id, rows, sequences, device)
+    members = list(copies.values())
+    # each distinct sequence once, fed by a row that wants the routing when one of its copies does
+    computed = [next((rows[i] for i in m if rows[i].trace), rows[m[0]]) for m in members]
+    logits, cache, mask = _prefill(
+        model, routing, activations, pad_token_id, computed, [sequences[m[0]] for m in members], device
+    )
+    source = [0] * len(sequences)
+    for u, m in enumerate(members):
+        for i in m:
+            source[i] = u
+            if rows[i] is not computed[u] and rows[i].trace:
+                rows[i].positions.extend(computed[u].positions[-len(sequences[i]) :])
+    pick = torch.tensor(source, device=device)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, pick)
+        layer.values = layer.values.index_select(0, pick)
+    return logits.index_select(0, pick), cache, mask.index_select(0, pick)
+
+
+def _prefill(
+    model, routing, activations, pad_token_id: int, rows: list[Seq], sequences: list[list[int]], device: torch.device
+):
     width = max(map(len, sequences))
     pads = torch.tensor([width - len(s) for s in sequences], device=device)
     input_ids = torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], device=device)

@@ -152,6 +152,9 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     shown = [int(step) for step in re.findall(r"^progress step=(\d+)/4 ", done.stderr, re.MULTILINE)]
     assert len(set(shown)) >= 2 and shown == sorted(shown) and shown[-1] == 4, done.stderr[-2000:]
     assert len(summary["plots"]) >= 8 and (out / "config.resolved.toml").exists()
+    # every process on one host: the versions went through shared memory, and the recipe says so
+    assert (out / "logs" / "weightsync.log").read_text().count("transport=shm") >= 4
+    assert 'trainer.publish.transport "shm"' in (out / "config.resolved.toml").read_text()
     time.sleep(0.5)
     assert not [pid for pid in json.loads((out / "pids.json").read_text()).values() if alive(pid)]  # no orphan
     from transformers import AutoModelForCausalLM

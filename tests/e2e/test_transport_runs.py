@@ -11,9 +11,10 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# slow: the collective transport runs a whole run in tests/chaos/test_weight_collective.py, shm crosses
-# a replica and weight-sync in tests/integration/test_weight_transports.py; the default grpc in test_run.py
-@pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.slow) for t in ("shm", "collective")])
+# slow: the collective transport runs a whole run in tests/chaos/test_weight_collective.py, grpc crosses
+# a replica and weight-sync in tests/integration/test_weight_transports.py; shm, `steadyrl run`'s
+# default on one host, in test_run.py
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.slow) for t in ("grpc", "collective")])
 def test_the_demo_learns_with_weights_on(tmp_path, tiny_model_dir, transport):
     out = tmp_path / "run"
     done = subprocess.run(

@@ -110,6 +110,46 @@ def test_continuous_batching_admits_and_retires_rows_and_stays_exact(tiny_model_
     engine.close()
 
 
+def test_a_groups_copies_of_one_prompt_are_prefilled_once_and_stay_exact(tiny_model_dir):
+    """G samples of one prompt (and another prompt's G) enter together: the prefill forward runs on
+    the 2 distinct prompts, not 2·G rows; every sample's logprobs and routing trace (one copy asked
+    for it, the prompt's computed row did not) still equal a fresh forward of it alone."""
+    from shared.engines import sequences
+
+    engine = make_engine("torch", str(tiny_model_dir), "float32")
+    reference = load_causal_lm(tiny_model_dir, "float32")
+    widths = []
+    forward = sequences.forward
+    sequences.forward = lambda model, routing, act, ids, *rest: (
+        widths.append(ids.shape),
+        forward(model, routing, act, ids, *rest),
+    )[1]
+    try:
+        first, second = prompts_of(2, seed=5)
+        group = [first] * 6 + [second[2:]] * 4
+        with engine._wake:  # every request queued before the engine admits any: one step, one prefill
+            futures = engine.start_many(group[:3], Sampling(temperature=1.0, max_new_tokens=5, seed=3))
+            futures += [engine.start(first, Sampling(temperature=1.0, max_new_tokens=5), True, index=i) for i in (3, 4)]
+            futures += engine.start_many(group[5:6], Sampling(temperature=1.0, max_new_tokens=5, seed=3))
+            futures += engine.start_many(group[6:], Sampling(temperature=1.0, max_new_tokens=5, seed=4), True)
+        samples = [f.result(60) for f in futures]
+    finally:
+        sequences.forward = forward
+    worst = 0.0
+    for i, (prompt, sample) in enumerate(zip(group, samples, strict=True)):
+        logp, trace = fresh_forward(reference, prompt, sample.token_ids)
+        worst = max(worst, float((logp - torch.tensor(sample.logprobs)).abs().max()))
+        if i in (3, 4) or i >= 6:
+            np.testing.assert_array_equal(sample.routing_trace, trace)
+        else:
+            assert sample.routing_trace is None
+    assert worst <= 1e-4
+    assert len({tuple(s.token_ids) for s in samples[:6]}) > 1  # the copies sampled on their own
+    prefills = [shape for shape in widths if shape[1] > 1]
+    assert prefills and all(rows <= 2 for rows, _ in prefills)  # one row per distinct prompt
+    engine.close()
+
+
 def _v1(engine):
     return {
         k: v * 1.5 if k == "lm_head.weight" else (-v if k.endswith("mlp.gate.weight") else v)
