@@ -41,6 +41,7 @@ from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
 from services.inference.teacher import TeacherScoring
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
+from shared.engines.base import gathered
 from shared.envs.trajectory import TrajectoryError
 from shared.models import decode_completions
 from shared.rollouts.record import RolloutTimings
@@ -241,9 +242,8 @@ class RolloutWorker:
         started = time.perf_counter()
         futures = []
         try:
-            queued = self.engine.start_many([checked.prompt] * task.group_size, checked.sampling, self.return_traces)
-            futures = [asyncio.wrap_future(f) for f in queued]
-            samples = await asyncio.gather(*futures)
+            futures = self.engine.start_many([checked.prompt] * task.group_size, checked.sampling, self.return_traces)
+            samples = await gathered(futures)
         except asyncio.CancelledError:
             for f in futures:
                 f.cancel()

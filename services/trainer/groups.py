@@ -21,6 +21,7 @@ from shared.rollouts.record import Rollout, RolloutError, RolloutLimits, decode_
 class Held:
     entry: bytes
     rollout: Rollout
+    oldest: int = 0  # the rollout's min_version, computed once (drop_stale looks at it after every read)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class GroupBuffer:
         first = next(iter(group.values()), None)
         if first is not None and not np.array_equal(first.rollout.prompt_token_ids, rollout.prompt_token_ids):
             return self._poison(rollout, "group_mismatch", "members of one group have different prompts")
-        group[rollout.sample_index] = Held(entry, rollout)
+        group[rollout.sample_index] = Held(entry, rollout, rollout.min_version)
         return Verdict("held", rollout=rollout)
 
     def _check_group(self, rollout: Rollout, fields: dict[bytes, bytes]) -> tuple[str, str] | None:
@@ -169,9 +170,7 @@ class GroupBuffer:
     def drop_stale(self, oldest_allowed: int) -> list[list[Held]]:
         """Remove and return the groups holding a token older than `oldest_allowed`."""
         stale = [
-            gid
-            for gid, members in self.groups.items()
-            if min(m.rollout.min_version for m in members.values()) < oldest_allowed
+            gid for gid, members in self.groups.items() if min(m.oldest for m in members.values()) < oldest_allowed
         ]
         return [list(self.groups.pop(gid).values()) for gid in stale]
 

@@ -4,7 +4,10 @@ and weight updates that land between decode steps."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -194,6 +197,42 @@ def start_each(
 ) -> list[concurrent.futures.Future]:
     """`Engine.start_many` from `Engine.start`, for an engine that schedules on its own."""
     return [engine.start(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
+
+
+def gathered(futures: list[concurrent.futures.Future]) -> asyncio.Future:
+    """One asyncio future for a group's engine futures: the event loop wakes once, as the last one
+    is done, not once per sample (a wake-up costs the engine thread a pipe write). Its result is
+    every sample in order; the first failure fails it; cancelling it does not cancel `futures`."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def settle() -> None:
+        if out.done():
+            return
+        for future in futures:
+            if future.cancelled():
+                out.cancel()
+                return
+            if future.exception() is not None:
+                out.set_exception(future.exception())
+                return
+        out.set_result([future.result() for future in futures])
+
+    def one_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle)
+
+    if not futures:
+        out.set_result([])
+    for future in futures:
+        future.add_done_callback(one_done)
+    return out
 
 
 def generate_all(

@@ -67,8 +67,12 @@ class ScalarLog:
 
             self.directory.mkdir(parents=True, exist_ok=True)
             self._writer = SummaryWriter(str(self.directory), flush_secs=5)
-        for key, value in scalars.items():
-            self._writer.add_scalar(key, value, step)
+        if scalars:  # one event per step with every value (an event each cost a queue put and a pickle)
+            from tensorboardX.proto.summary_pb2 import Summary
+            from tensorboardX.summary import scalar
+
+            values = [v for key, value in scalars.items() for v in scalar(key, value).value]
+            self._writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def flush(self) -> None:
         if self._writer is not None:
