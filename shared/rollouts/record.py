@@ -207,10 +207,10 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         group_id=msg.group_id,
         sample_index=msg.sample_index,
         group_size=msg.group_size,
-        prompt_token_ids=np.array(msg.prompt_token_ids, dtype=np.int32),
-        completion_token_ids=np.array(msg.completion_token_ids, dtype=np.int32),
-        inference_logprobs=np.array(msg.inference_logprobs, dtype=np.float32),
-        policy_versions=np.array(msg.policy_versions, dtype=np.uint64),
+        prompt_token_ids=_array(msg.prompt_token_ids, np.int32),
+        completion_token_ids=_array(msg.completion_token_ids, np.int32),
+        inference_logprobs=_array(msg.inference_logprobs, np.float32),
+        policy_versions=_array(msg.policy_versions, np.uint64),
         reward=msg.reward,
         routing_trace=trace,
         num_experts=num_experts,
@@ -224,16 +224,21 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
             finished_unix_ms=msg.timings.finished_unix_ms,
             generation_seconds=msg.timings.generation_seconds,
         ),
-        loss_mask=np.array(msg.loss_mask, dtype=bool) if len(msg.loss_mask) else None,
+        loss_mask=_array(msg.loss_mask, bool) if len(msg.loss_mask) else None,
         turns=msg.turns,
         env_metrics=dict(msg.env_metrics),
         reward_error=msg.reward_error[:200],
         source=msg.source,
-        teacher_logprobs=np.array(msg.teacher_logprobs, dtype=np.float32) if len(msg.teacher_logprobs) else None,
+        teacher_logprobs=_array(msg.teacher_logprobs, np.float32) if len(msg.teacher_logprobs) else None,
         reference_reward=msg.reference_reward if msg.HasField("reference_reward") else None,
         teacher_top_ids=top_ids,
         teacher_top_logprobs=top_logprobs,
     )
+
+
+def _array(field, dtype) -> np.ndarray:
+    """A repeated field as an array (np.fromiter: a quarter of np.array's time on a short field)."""
+    return np.fromiter(field, dtype, len(field))
 
 
 def decode_teacher_top(top: rollout_pb2.TeacherTop) -> tuple[np.ndarray, np.ndarray]:
@@ -251,7 +256,7 @@ def decode_trace(trace: rollout_pb2.RoutingTrace) -> tuple[np.ndarray, int]:
     if dtype is None:
         raise RolloutError("trace_dtype", f"routing trace dtype {trace.dtype} is not UINT8 or UINT16")
     shape = (trace.num_positions, trace.num_layers, trace.top_k)
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    expected = shape[0] * shape[1] * shape[2] * np.dtype(dtype).itemsize
     data = trace.expert_ids
     if trace.zstd:  # never inflated past what the shape says: a bomb is refused, not unpacked
         if expected > _MAX_TRACE_BYTES:
@@ -312,11 +317,10 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
         raise RolloutError("nonfinite_reward", f"reference_reward is {rollout.reference_reward}")
     if not np.isfinite(rollout.reward) or not all(map(np.isfinite, rollout.env_metrics.values())):
         raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}, env_metrics {rollout.env_metrics}")
-    model = rollout.model_tokens
-    if not model.any():
+    if rollout.loss_mask is not None and not rollout.model_tokens.any():
         raise RolloutError("empty", "the loss mask marks no model token")
     versions = rollout.policy_versions
-    if np.any(np.diff(versions.astype(np.int64)) < 0):
+    if (versions[1:] < versions[:-1]).any():
         raise RolloutError("version_order", "per-token policy versions decrease along the completion")
     if limits.max_version is not None and int(versions.max()) > limits.max_version:
         raise RolloutError(
@@ -366,5 +370,5 @@ def _validate_trace(rollout: Rollout, limits: RolloutLimits) -> None:
         # slot-major copy; comparing slot i with slot i + d for every distance d covers every pair
         # (6.6× faster than sorting each top-k set on a 30B-A3B-sized trace)
         slots = np.ascontiguousarray(trace.reshape(-1, k).T)
-        if any(np.any(slots[d:] == slots[:-d]) for d in range(1, k)):
+        if any((slots[d:] == slots[:-d]).any() for d in range(1, k)):
             raise RolloutError("expert_duplicate", "a top-k set names the same expert twice")
