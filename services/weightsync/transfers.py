@@ -82,9 +82,10 @@ class Transfers:
                 )
         self.stored(manifest, skip=frozenset(mapped))
         log.info(
-            "event=version_published version=%d kind=%s transport=shm tensors=%d mapped_by=%d",
+            "event=version_published version=%d kind=%s transport=shm bytes=%d tensors=%d mapped_by=%d",
             manifest.version,
             kind(manifest),
+            self.store.versions[manifest.version].total_bytes,
             len(manifest.tensors),
             len(mapped),
         )

@@ -67,7 +67,8 @@ def test_a_gpu_recipe_runs_its_path_on_the_cpu(tmp_path, tiny_model_dir, recipe)
     published = [
         int(b)
         for b in re.findall(
-            r"event=version_published version=\d+ kind=full bytes=(\d+)", (out / "logs" / "weightsync.log").read_text()
+            r"event=version_published version=\d+ kind=full (?:transport=\w+ )?bytes=(\d+)",
+            (out / "logs" / "weightsync.log").read_text(),
         )
     ]
     assert published and set(published) == {TINY_FP32_BYTES // 2}  # bf16, as the replicas run
