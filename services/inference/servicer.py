@@ -14,6 +14,7 @@ from services.inference.config import InferenceSettings
 from services.inference.metrics import POOL_FAILURES, POOL_QUEUE, POOL_REQUESTS, POOL_SECONDS, POOL_TOKENS
 from services.inference.worker import RolloutWorker
 from shared.engines import Engine, Sampling
+from shared.engines.base import gathered
 from shared.engines.classifier import SequenceClassifier
 from shared.models.loading import decode_completions, encode_prompt
 from shared.rollouts.record import trace_message
@@ -188,7 +189,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     f"text {i}: {len(prompt)} tokens + {max_new_tokens} new > the judge's {self.engine.max_model_len}"
                 )
         sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens)
-        samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in self.engine.start_many(prompts, sampling)))
+        samples = await gathered(self.engine.start_many(prompts, sampling))
         completions = [s.token_ids for s in samples]
         return [pb.JudgeVerdict(text=t) for t in decode_completions(self.tokenizer, completions)], sum(
             map(len, completions)

@@ -21,7 +21,7 @@ from shared.rollouts.record import Rollout, RolloutError, RolloutLimits, decode_
 class Held:
     entry: bytes
     rollout: Rollout
-    oldest: int = 0  # the rollout's min_version, computed once (drop_stale looks at it after every read)
+    oldest: int  # the rollout's min_version, computed once (drop_stale looks at it after every read)
 
 
 @dataclass

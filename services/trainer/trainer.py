@@ -71,7 +71,7 @@ class Trainer:
         self.last_step = self.next_publish = self.next_held_check = time.monotonic()
         self.step_ended = self.cycle_started = self.last_step  # the idle share: waiting for rollouts (_train)
         self.after_last_step: dict[str, float] = {}  # the last step's checkpoint and publish seconds
-        self.stepping: set[asyncio.Future] = set()  # the step under way (at most one)
+        self.stepping: asyncio.Task | None = None  # the step under way
 
     @property
     def done(self) -> bool:
@@ -92,13 +92,14 @@ class Trainer:
                         continue
                     await self.keep_in_sync()
                     ready = self.buffer.complete()
-                    if not self.stepping and len(ready) >= self.settings.batch_prompts:
-                        self.stepping.add(self.begin_step(ready[: self.settings.batch_prompts]))
+                    if self.stepping is None and len(ready) >= self.settings.batch_prompts:
+                        self.stepping = self.begin_step(ready[: self.settings.batch_prompts])
                     if reading is None:
                         reading = asyncio.ensure_future(self.source.read(self.settings.stream.read_block_ms))
-                    await asyncio.wait({reading, *self.stepping}, return_when=asyncio.FIRST_COMPLETED)
-                    for ended in [step for step in self.stepping if step.done()]:
-                        self.stepping.discard(ended)
+                    waits = {reading} if self.stepping is None else {reading, self.stepping}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if self.stepping is not None and self.stepping.done():
+                        ended, self.stepping = self.stepping, None
                         ended.result()
                     if reading.done():
                         done, reading = reading, None
@@ -116,19 +117,15 @@ class Trainer:
             if reading is not None:
                 reading.cancel()  # what it read stays pending in the group: claimed on the next start
                 await asyncio.gather(reading, return_exceptions=True)
-            await self.steps_ended()
+            if self.stepping is not None:  # carried to its end (see `carried`)
+                ended, self.stepping = self.stepping, None
+                with contextlib.suppress(Exception):
+                    await self.carried(ended)
         while self.publisher.published < self.state.version and not stop.is_set():  # the last version
             await self.publish()
         if self.acks.saving is not None:  # a stop lets the checkpoint under way land (it is on disk soon)
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.acks.settle(wait=True)
-
-    async def steps_ended(self) -> None:
-        """The step under way, carried to its end (see `carried`)."""
-        for step in list(self.stepping):
-            self.stepping.discard(step)
-            with contextlib.suppress(Exception):
-                await self.carried(step)
 
     async def start(self, stop: asyncio.Event) -> None:
         """Continue the version numbering past anything already published (before any entry is
@@ -168,7 +165,7 @@ class Trainer:
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
             self.resync = False
-        if self.stepping:  # the rest needs the model: after the step
+        if self.stepping is not None:  # the rest needs the model: after the step
             return
         if self.acks.save_done():
             async with self.model_lock:
