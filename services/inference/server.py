@@ -27,6 +27,7 @@ from shared.rpc.steadyrl.v1 import inference_pb2_grpc
 from shared.runstore.queues import WorkQueue
 from shared.runtime.metrics import loading
 from shared.runtime.service_main import grpc_service, run_loops
+from shared.runtime.torch_threads import bind_default_executor
 from shared.tasks import RewardRunner
 
 log = logging.getLogger("steadyrl.inference")
@@ -94,6 +95,7 @@ async def serve(
     from shared.models import load_tokenizer
 
     owned = engine is None  # an engine handed in outlives this replica
+    bind_default_executor(settings.torch_threads)
     with loading("inference", settings.metrics_port, settings.host, settings.run_id, settings.pool):
         classifier = await asyncio.to_thread(reward_model, settings)
         if classifier is None:

@@ -11,6 +11,7 @@ from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
 from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
 from shared.runtime.metrics import loading
 from shared.runtime.service_main import grpc_service, run_loops
+from shared.runtime.torch_threads import bind_default_executor
 
 log = logging.getLogger("steadyrl.trainer")
 
@@ -53,6 +54,7 @@ async def serve(
     settings: TrainerSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
     stop = stop or asyncio.Event()
+    bind_default_executor(settings.compute.torch_threads)
     redis = settings.redis()
     with loading("trainer", settings.metrics_port, settings.host, settings.run_id):
         trainer = await asyncio.to_thread(Trainer, settings, redis)

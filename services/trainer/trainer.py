@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import redis.exceptions
@@ -72,6 +73,8 @@ class Trainer:
         self.step_ended = self.cycle_started = self.last_step  # the idle share: waiting for rollouts (_train)
         self.after_last_step: dict[str, float] = {}  # the last step's checkpoint and publish seconds
         self.stepping: asyncio.Task | None = None  # the step under way
+        self.announcing: asyncio.Task | None = None  # the version on its way out (Trainer.publish)
+        self.settling: asyncio.Task | None = None  # a checkpoint put in place, its rollouts acknowledged
 
     @property
     def done(self) -> bool:
@@ -121,8 +124,14 @@ class Trainer:
                 ended, self.stepping = self.stepping, None
                 with contextlib.suppress(Exception):
                     await self.carried(ended)
+        await self.announced()
         while self.publisher.published < self.state.version and not stop.is_set():  # the last version
             await self.publish()
+            await self.announced()
+        if self.settling is not None:
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self.settling
+            self.settling = None
         if self.acks.saving is not None:  # a stop lets the checkpoint under way land (it is on disk soon)
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.acks.settle(wait=True)
@@ -165,17 +174,25 @@ class Trainer:
         if self.resync:
             log.info("event=resynced claimed=%d", await self.intake.claim_all())
             self.resync = False
+        if self.announcing is not None and self.announcing.done():
+            await self.announced()
+        if self.settling is not None and self.settling.done():
+            ended, self.settling = self.settling, None
+            ended.result()
+        if self.settling is None and self.acks.save_done():  # no model needed: beside a step
+            self.settling = asyncio.ensure_future(self.acks.settle(wait=False))
         if self.stepping is not None:  # the rest needs the model: after the step
             return
-        if self.acks.save_done():
-            async with self.model_lock:
-                await self.acks.settle(wait=False)
-        if self.acks.saved:  # an acknowledgement cut off (Redis restarting or frozen)
+        if self.acks.saved and self.settling is None:  # an acknowledgement cut off (Redis restarting or frozen)
             await self.acks.acknowledge()
         if self.publisher.enabled and time.monotonic() >= self.next_held_check:
             self.next_held_check = time.monotonic() + 3.0
             await self.publisher.held_by_weightsync()
-        if self.publisher.published < self.state.version and time.monotonic() >= self.next_publish:
+        if (
+            self.announcing is None
+            and self.publisher.published < self.state.version
+            and time.monotonic() >= self.next_publish
+        ):
             async with self.model_lock:
                 await self.publish()
         if time.monotonic() - self.last_step > 30:
@@ -192,8 +209,10 @@ class Trainer:
         return asyncio.ensure_future(self._train(groups))
 
     async def step(self, group_ids: list[str]) -> dict[str, float]:
-        """One step, awaited to its end."""
-        return await self.carried(self.begin_step(group_ids))
+        """One step, awaited to its end (its version announced)."""
+        metrics = await self.carried(self.begin_step(group_ids))
+        await self.announced()
+        return metrics
 
     async def carried(self, step: asyncio.Task) -> dict[str, float]:
         """Wait for a step, carried to its end (its checkpoint too) even when the waiter is
@@ -280,13 +299,26 @@ class Trainer:
         return metrics
 
     async def publish(self) -> None:
-        """Publish the current weights as the current version (call with the model lock held);
-        on failure the next turn of the loop tries again, two seconds later at the earliest."""
+        """Publish the current weights as the current version (call with the model lock held): what
+        reads the weights now, the rest (shm: the announcement) in the background (`announcing`),
+        after the previous version's, while the next step runs. On failure the next turn of the
+        loop tries again, two seconds later at the earliest."""
+        await self.announced()
         weights = self.runner.weights() if self.publisher.enabled else {}
-        if not await self.publisher.publish(weights, self.state.version):
+        complete = await self.publisher.stage(weights, self.state.version)
+        self.announcing = asyncio.ensure_future(self._announce(complete))
+
+    async def _announce(self, complete: Callable[[], Awaitable[bool]]) -> None:
+        if not await complete():
             self.next_publish = time.monotonic() + 2.0
             await asyncio.sleep(0.5)
         self.reported = self.progress()
+
+    async def announced(self) -> None:
+        """The version on its way out is out (or failed: `next_publish` retries it)."""
+        if self.announcing is not None:
+            await asyncio.shield(self.announcing)  # a cancelled waiter leaves it to finish
+            self.announcing = None
 
     def progress(self) -> tuple[int, int, int]:
         """(step, version, rollouts trained) as of the last published version (what Status says)."""
@@ -297,5 +329,7 @@ class Trainer:
             return await self.acks.save(self.state, wait=True)
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.announced(), self.settings.publish.timeout_seconds)
         self.steplog.close()
         await self.publisher.close()

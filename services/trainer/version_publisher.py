@@ -10,8 +10,9 @@ Details: docs/internals/trainer.md"""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 import torch
@@ -22,6 +23,12 @@ from services.trainer.config import TrainerSettings
 from shared.runstore.keys import RunKeys, TrainerField
 
 log = logging.getLogger("steadyrl.trainer")
+
+
+async def _sent() -> None:
+    """Nothing left to send (no weight-sync service: a version is out once made)."""
+
+
 PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])
 
 
@@ -91,9 +98,14 @@ class VersionPublisher:
 
     async def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> bool:
         """Push `version`; True once the service holds it. False (logged, counted) on failure."""
+        return await (await self.stage(weights, version))()
+
+    async def stage(self, weights: Mapping[str, torch.Tensor], version: int) -> Callable[[], Awaitable[bool]]:
+        """The part of `publish` that reads the weights (shm: the file written; grpc and collective:
+        the whole push); returns its completion (shm: the announcement), awaited later: True once
+        the service holds the version, False (logged, counted) on failure."""
         if not self.enabled:
-            self.published = version
-            return True
+            return functools.partial(self._complete, _sent, version)
         await self.redis.hset(self.keys.trainer, TrainerField.PUBLISHED_VERSION, version)  # before any byte leaves
         if self.client is None:
             from shared.weightsync import make_publisher
@@ -110,22 +122,36 @@ class VersionPublisher:
                 s.publish.shm_keep,
             )
         try:
-            await self.client.push(weights, version, self.published, timeout=self.settings.publish.timeout_seconds)
-        except grpc.aio.AioRpcError as exc:
-            PUBLISH_FAILURES.labels(exc.code().name).inc()
-            log.warning(
-                "event=publish_failed version=%d code=%s detail=%s",
-                version,
-                exc.code().name,
-                (exc.details() or "")[:300],
+            complete = await self.client.stage(
+                weights, version, self.published, timeout=self.settings.publish.timeout_seconds
             )
-            return False
+        except grpc.aio.AioRpcError as exc:
+            self._failed(version, exc)
+            return functools.partial(self._complete, None, version)
         finally:
             finish = getattr(weights, "finish", None)  # a sharded model's gather left half-way: the ranks complete it
             if finish is not None:
                 await asyncio.to_thread(finish)
+        return functools.partial(self._complete, complete, version)
+
+    async def _complete(self, complete: Callable[[], Awaitable] | None, version: int) -> bool:
+        """`version` is out once its completion returns (None: its stage failed already)."""
+        if complete is None:
+            return False
+        try:
+            await complete()
+        except grpc.aio.AioRpcError as exc:
+            self._failed(version, exc)
+            return False
         self.published = version
         return True
+
+    @staticmethod
+    def _failed(version: int, exc: grpc.aio.AioRpcError) -> None:
+        PUBLISH_FAILURES.labels(exc.code().name).inc()
+        log.warning(
+            "event=publish_failed version=%d code=%s detail=%s", version, exc.code().name, (exc.details() or "")[:300]
+        )
 
     async def close(self) -> None:
         if self.client is not None:

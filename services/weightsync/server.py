@@ -127,7 +127,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         self._stored(manifest, skip=frozenset())
         PUSH_SECONDS.observe(time.perf_counter() - started)
         log.info(
-            "event=version_published version=%d kind=%s bytes=%d tensors=%d",
+            "event=version_published version=%d kind=%s transport=grpc bytes=%d tensors=%d",
             manifest.version,
             kind(manifest),
             received,

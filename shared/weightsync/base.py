@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -49,6 +49,19 @@ class WeightPublisher(ABC):
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
     ): ...
+
+    async def stage(
+        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
+    ) -> Callable[[], Awaitable[Any]]:
+        """The part of a push that reads `tensors`; returns what completes it, awaited later (the
+        tensors free to change meanwhile; one completion before the next stage). By default the
+        whole push: a transport that sends while it reads (grpc, collective) has nothing left."""
+        reply = await self.push(tensors, version, parent_version, timeout)
+
+        async def sent():
+            return reply
+
+        return sent
 
     @abstractmethod
     async def close(self) -> None: ...

@@ -13,7 +13,7 @@ import mmap
 import os
 import struct
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 
 import blake3
@@ -241,17 +241,27 @@ class ShmWeightPublisher(WeightPublisher):
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
     ) -> pb.AnnounceReply:
+        return await (await self.stage(tensors, version, parent_version, timeout))()
+
+    async def stage(
+        self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
+    ) -> Callable[[], Awaitable[pb.AnnounceReply]]:
+        """The file written (the tensors read); its completion announces it and prunes the old ones."""
         path = self.directory / f"v{version}.safetensors"
         manifest = await asyncio.to_thread(
             write_shm, path, tensors, version, parent_version, self.grpc.signer, self.spare
         )
-        reply = await self.grpc.stub.Announce(
-            pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
-            wait_for_ready=True,
-            timeout=timeout,
-        )
-        self.spare = prune_shm(self.directory, self.keep, version)
-        return reply
+
+        async def announce() -> pb.AnnounceReply:
+            reply = await self.grpc.stub.Announce(
+                pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
+                wait_for_ready=True,
+                timeout=timeout,
+            )
+            self.spare = prune_shm(self.directory, self.keep, version)
+            return reply
+
+        return announce
 
     async def close(self) -> None:
         await self.grpc.close()

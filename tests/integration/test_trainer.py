@@ -596,6 +596,57 @@ def test_a_checkpoint_request_or_a_stop_during_a_step_waits_for_the_step(
     assert len(latest["consumed"]) == 4 * GROUP
 
 
+def test_a_written_checkpoint_lands_and_acknowledges_beside_the_next_step(
+    tmp_path, tiny_model_dir, redis_server, run_id
+):
+    """An async checkpoint needs no model once its shards are written: it is put in place and its
+    rollouts acknowledged while the next step trains (it used to hold that step back)."""
+    import concurrent.futures
+    import threading
+
+    rollouts = recorded_rollouts(tiny_model_dir, 4, seed=83)
+
+    async def main():
+        redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts)
+        written, gate = threading.Event(), threading.Event()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        save, train = trainer.runner.save, trainer.runner.step
+
+        def held_save(state):  # the shards count as written once `written` is set
+            pending = save(state)
+            inner = pending.future
+            pending.future = pool.submit(lambda: (written.wait(30), inner and inner.result()))
+            return pending
+
+        trainer.runner.save = held_save
+        trainer.runner.step = lambda batch, version: (gate.wait(30), train(batch, version))[1]
+        gate.set()
+        await trainer.step(trainer.buffer.complete()[:2])  # step 1: its checkpoint still being written
+        gate.clear()
+        unsettled = trainer.acks.saving is not None
+        trainer.stepping = trainer.begin_step(trainer.buffer.complete()[:2])  # step 2, held mid-step
+        written.set()
+        while not trainer.acks.save_done():
+            await asyncio.sleep(0.01)
+        await trainer.keep_in_sync()
+        await asyncio.wait_for(asyncio.shield(trainer.settling), 30)
+        beside = not trainer.stepping.done()
+        acknowledged = len(await redis.lrange(trainer.source.keys.trained, 0, -1))
+        latest = (tmp_path / "trainer" / "checkpoints" / "LATEST").read_text().strip()
+        gate.set()
+        await trainer.carried(trainer.stepping)
+        await trainer.announced()
+        pool.shutdown()
+        await redis.aclose()
+        return unsettled, beside, acknowledged, latest, trainer.state.step
+
+    unsettled, beside, acknowledged, latest, step = asyncio.run(asyncio.wait_for(main(), 120))
+    assert unsettled  # step 1 ended before its checkpoint was in place
+    assert beside  # ...which landed while step 2 was still training
+    assert acknowledged == 2 * GROUP and latest == "step-00000001"
+    assert step == 2
+
+
 def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, tiny_model_dir, redis_server, run_id):
     """Weight-sync restarted right after the trainer's last push (its memory, and that version,
     gone): replicas would wait for a version nobody pushes again. The trainer notices that

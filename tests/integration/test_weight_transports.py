@@ -88,6 +88,42 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(
     assert after == 1  # nothing corrupted was ever served
 
 
+@pytest.mark.parametrize("kind", ["shm", "grpc"])
+def test_a_staged_version_holds_the_weights_it_read_and_is_out_only_once_completed(
+    tmp_path, tiny_model_dir, redis_server, run_id, kind
+):
+    """What the trainer's next step may overlap: `stage` reads the weights (shm: the file written)
+    and returns; the completion (shm: the announcement) needs them no more. The tensors changed
+    after the stage (the next step training) change nothing served. grpc sends while it reads:
+    its stage is the whole push."""
+    from shared.weightsync.grpc import latest_version
+
+    good = versions(tiny_model_dir, 1)[0]
+    source = {name: tensor.clone() for name, tensor in good.items()}
+
+    async def main():
+        ws = {"shm_dir": tmp_path / "shm"}
+        async with Replica(
+            tmp_path, tiny_model_dir, redis_server.url, run_id, ws_overrides=ws, weight_transports=["shm", "grpc"]
+        ) as replica:
+            address = f"127.0.0.1:{replica.ws_port}"
+            publisher = make_publisher(kind, address, replica.signer, shm_dir=tmp_path / "shm" / "run")
+            complete = await publisher.stage(source, 1, 0, timeout=60)
+            held_after_stage = await latest_version(address)
+            for tensor in source.values():  # the next step trains the model the version came from
+                tensor.add_(1.0)
+            await complete()
+            held_after_completion = await latest_version(address)
+            await wait_for(lambda: _version_is(replica.stub, 1), 60)
+            await publisher.close()
+            return held_after_stage, held_after_completion, served(replica.engine)
+
+    held_after_stage, held_after_completion, weights = asyncio.run(asyncio.wait_for(main(), 120))
+    assert held_after_stage == {"shm": 0, "grpc": 1}[kind]
+    assert held_after_completion == 1
+    assert all(torch.equal(weights[k], good[k].float()) for k in good)  # the bytes as staged
+
+
 def test_a_version_failing_half_way_is_never_served_mixed(tmp_path, tiny_model_dir, redis_server, run_id):
     """A broadcast in 64 KiB buckets whose last bucket is corrupt: the buckets before it have landed
     in the engine's parameters, so the replica restores the version it served before, whole, by
