@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from shared.rollouts.record import Rollout, RolloutError, RolloutLimits, decode_rollout, validate_rollout
+from shared.rollouts.record import (
+    Rollout,
+    RolloutError,
+    RolloutLimits,
+    decode_rollout,
+    surely_valid,
+    validate_rollout,
+)
 
 
 @dataclass
@@ -40,6 +47,9 @@ class Verdict:
     rollout: Rollout | None = None
     released: list[Held] = field(default_factory=list)
     group: str = ""  # the poisoned group, when one was
+
+
+Prepared = tuple[Rollout | Verdict, bool]  # an entry decoded (or its dead verdict), and surely valid
 
 
 class GroupBuffer:
@@ -72,20 +82,18 @@ class GroupBuffer:
         version: int,
         trained: set[str],
         untrained: Container[str] = frozenset(),
+        prepared: Prepared | None = None,
     ) -> Verdict:
         """The verdict on one stream entry. `stamps`: task id → the lease that completed it;
         `version`: the newest policy version (later ones are from the future); `trained`: rollout
         ids already in a checkpoint; `untrained`: rollout ids dropped as stale or filtered (final like a
         trained one: a copy that comes back — Redis lost the drop and the task ran again — is never
-        trained, or the ledger, which records an id once, would call it dropped)."""
+        trained, or the ledger, which records an id once, would call it dropped); `prepared`: this
+        entry's item of `prepare` (else it is decoded and validated here)."""
         fields = fields or {}
-        data = fields.get(b"r")
-        if data is None:
-            return Verdict("dead", "missing_field", "stream entry has no 'r' field")
-        try:
-            rollout = decode_rollout(data, self.limits)
-        except RolloutError as exc:
-            return Verdict("dead", exc.reason, str(exc))
+        rollout, sure = prepared if prepared is not None else (self.decode(fields), False)
+        if isinstance(rollout, Verdict):
+            return rollout
         if rollout.run_id != self.run_id:
             return Verdict("dead", "other_run", f"rollout of run {rollout.run_id!r}, not {self.run_id!r}", rollout)
         if rollout.is_eval:
@@ -112,7 +120,8 @@ class GroupBuffer:
         if held is not None and held.rollout.rollout_id == rollout.rollout_id:
             return Verdict("again" if held.entry == entry else "duplicate", rollout=rollout)
         try:
-            validate_rollout(rollout, replace(self.limits, max_version=version))
+            if not sure:
+                validate_rollout(rollout, replace(self.limits, max_version=version))
         except RolloutError as exc:
             return self._poison(rollout, exc.reason, str(exc))
         if self.require_teacher and rollout.teacher_logprobs is None:
@@ -131,8 +140,28 @@ class GroupBuffer:
         first = next(iter(group.values()), None)
         if first is not None and not np.array_equal(first.rollout.prompt_token_ids, rollout.prompt_token_ids):
             return self._poison(rollout, "group_mismatch", "members of one group have different prompts")
-        group[rollout.sample_index] = Held(entry, rollout, rollout.min_version)
+        # validated: versions never decrease, so without a loss mask the first is the oldest
+        oldest = int(rollout.policy_versions[0]) if rollout.loss_mask is None else rollout.min_version
+        group[rollout.sample_index] = Held(entry, rollout, oldest)
         return Verdict("held", rollout=rollout)
+
+    def prepare(self, entries: list, version: int) -> list[Prepared]:
+        """Each entry of one read decoded (a dead Verdict when it cannot be) and whether its rollout
+        surely passes validation against `version` (`surely_valid`: the numeric checks of the read
+        made together; the others are validated one by one in `accept`)."""
+        decoded = [self.decode(fields or {}) for _, fields in entries]
+        rollouts = [d for d in decoded if isinstance(d, Rollout)]
+        sure = iter(surely_valid(rollouts, replace(self.limits, max_version=version)))
+        return [(d, next(sure)) if isinstance(d, Rollout) else (d, False) for d in decoded]
+
+    def decode(self, fields: dict[bytes, bytes]) -> Rollout | Verdict:
+        data = fields.get(b"r")
+        if data is None:
+            return Verdict("dead", "missing_field", "stream entry has no 'r' field")
+        try:
+            return decode_rollout(data, self.limits)
+        except RolloutError as exc:
+            return Verdict("dead", exc.reason, str(exc))
 
     def _check_group(self, rollout: Rollout, fields: dict[bytes, bytes]) -> tuple[str, str] | None:
         g = self.group_size

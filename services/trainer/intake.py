@@ -48,9 +48,16 @@ class Intake:
     async def take(self, entries: list, claimed: bool = False) -> None:
         """Give every entry its verdict and settle what is not held."""
         stamps = await self.source.stamps(entries)
-        for entry, fields in entries:
+        prepared = self.buffer.prepare(entries, self.state.version)
+        for (entry, fields), ready in zip(entries, prepared, strict=True):
             verdict = self.buffer.accept(
-                entry, fields, stamps, self.state.version, self.state.consumed, _Either(self.untrained, self.training)
+                entry,
+                fields,
+                stamps,
+                self.state.version,
+                self.state.consumed,
+                _Either(self.untrained, self.training),
+                ready,
             )
             if verdict.kind == "dead":
                 await self.dead_letter(entry, (fields or {}).get(b"r", b""), verdict)

@@ -12,6 +12,7 @@ from shared.rollouts.record import (
     RolloutTimings,
     decode_rollout,
     encode_rollout,
+    surely_valid,
     validate_rollout,
 )
 from shared.rollouts.samples import encode_samples, rollouts_from_samples
@@ -180,6 +181,25 @@ def test_validator_reasons(overrides, reason):
         validate_rollout(decode_rollout(encode_rollout(rollout)), LIMITS)
     assert err.value.reason == reason
     assert str(err.value).startswith(reason + ": ")
+    # the checks made over a whole read never call it surely valid, whatever its neighbours
+    good = [decode_rollout(encode_rollout(make_rollout(rollout_id=f"g{i}"))) for i in range(3)]
+    assert surely_valid([*good[:1], decode_rollout(encode_rollout(rollout)), *good[1:]], LIMITS)[1] is False
+
+
+def test_a_read_of_valid_rollouts_is_surely_valid_at_once():
+    """Versions that fall from one rollout to the next are no fall; a loss mask is left to the
+    one-by-one check (the read's other rollouts stay sure)."""
+    reads = [
+        make_rollout(rollout_id="a", policy_versions=np.array([7, 7, 8, 9], np.uint64)),
+        make_rollout(rollout_id="b", policy_versions=np.array([2, 3, 3, 3], np.uint64)),
+        make_rollout(rollout_id="c", trace=True),
+        make_rollout(rollout_id="d", loss_mask=np.array([1, 0, 1, 1], bool)),
+    ]
+    rollouts = [decode_rollout(encode_rollout(r)) for r in reads]
+    for r in rollouts:
+        validate_rollout(r, LIMITS)
+    assert surely_valid(rollouts, LIMITS) == [True, True, True, False]
+    assert surely_valid([], LIMITS) == []
 
 
 TOP_IDS = np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32)
