@@ -166,28 +166,34 @@ def _get(data: dict, *path, default="–"):
 
 
 def peer_rows(peers: dict) -> list[str]:
-    """steadyrl.peers: steadyrl / TRL's GRPOTrainer on the demo, each ratio with its target."""
+    """steadyrl.peers: steadyrl / TRL's GRPOTrainer on the demo, each ratio (of the mean curves of
+    the interleaved pairs) with its target and each pair's own."""
     ours, trl, r, t = (_get(peers, k, default={}) for k in ("steadyrl", "trl", "ratios", "targets"))
-    label = f"steadyrl / TRL GRPO, tiny-arith, {_get(peers, 'steps')} steps"
+    each = peers.get("pair_ratios") or []
+    label = f"steadyrl / TRL GRPO, tiny-arith, {_get(peers, 'steps')} steps, mean curves of {len(each) or 1} pair(s)"
+
+    def pairs(key: str) -> str:
+        return f"; pairs {', '.join(str(_get(p, key)) for p in each)}" if each else ""
+
     rows = [
         f"| peers | {label}: wall seconds per step ({_get(ours, 'seconds_per_step')} vs "
         f"{_get(trl, 'seconds_per_step')}; the whole command {_get(ours, 'command_seconds')} vs "
-        f"{_get(trl, 'command_seconds')} s, ratio {_get(r, 'command_seconds')}) | {_get(r, 'seconds_per_step')} "
-        f"| ≤ {_get(t, 'seconds_per_step')} |",
+        f"{_get(trl, 'command_seconds')} s, ratio {_get(r, 'command_seconds')}{pairs('seconds_per_step')}) "
+        f"| {_get(r, 'seconds_per_step')} | ≤ {_get(t, 'seconds_per_step')} |",
     ]
     for a in (0.5, 0.6):
         target = f"≤ {_get(t, f'seconds_to_eval_{a}')}" if f"seconds_to_eval_{a}" in t else "–"
         rows.append(
-            f"| peers | {label}: seconds to eval {a} from the end of step 1 (one eval loop, greedy, fp32) "
-            f"| {_get(r, f'seconds_to_eval_{a}')} | {target} |"
+            f"| peers | {label}: seconds to eval {a} from the end of step 1 (one eval loop, greedy, fp32"
+            f"{pairs(f'seconds_to_eval_{a}')}) | {_get(r, f'seconds_to_eval_{a}')} | {target} |"
         )
     rows.append(
         f"| peers | {label}: eval at the last step (mean over the last quarter "
-        f"{_get(r, 'eval_at_equal_steps_last_quarter')}) "
+        f"{_get(r, 'eval_at_equal_steps_last_quarter')}{pairs('eval_at_equal_steps')}) "
         f"| {_get(r, 'eval_at_equal_steps')} | ≥ {_get(t, 'eval_at_equal_steps')} |"
     )
     rows.append(
-        f"| peers | steadyrl's idle shares in that run, trainer / replica | {_get(ours, 'trainer_idle_share')} / "
+        f"| peers | steadyrl's idle shares in those runs, trainer / replica | {_get(ours, 'trainer_idle_share')} / "
         f"{_get(ours, 'replica_idle_share')} | – |"
     )
     return rows

@@ -151,12 +151,13 @@ def bench_peers(
     peer_python: str = typer.Option(
         "", help="A Python with TRL (default .venv-compare/bin/python: STEADYRL_EXTRAS=compare scripts/install)."
     ),
+    pairs: int = typer.Option(3, min=1, help="Interleaved runs of each side; the ratios are of their mean curves."),
 ) -> None:
     """steadyrl against TRL's GRPOTrainer on the tiny demo, the recipe matched (printed beside the
     result): wall seconds per step, seconds to an eval accuracy, eval at equal steps, one eval loop."""
     from steadyrl.peers import main as run
 
-    typer.echo(json.dumps(run(steps, every, peer_python=peer_python or None)))
+    typer.echo(json.dumps(run(steps, every, peer_python=peer_python or None, pairs=pairs)))
 
 
 @bench_app.command("all")

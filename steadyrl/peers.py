@@ -3,8 +3,9 @@
 Both train the tiny MoE on the recipe's arith problems in the same order, with the same reward,
 batch geometry, sampling, optimizer and loss (`steadyrl.peers_trl` prints the GRPOConfig it used);
 both sides' models every `every` steps are scored by one eval loop (`steadyrl.evaluation.evaluate`:
-greedy, fp32, the recipe's held-out problems). Ratios are steadyrl / TRL: wall seconds per step,
-seconds to an eval accuracy (from the end of step 1, so start-up is out), eval at equal steps.
+greedy, fp32, the recipe's held-out problems). Ratios are steadyrl / TRL of each side's mean curve
+over interleaved pairs of runs: wall seconds per step, seconds to an eval accuracy (from the end of
+step 1, so start-up is out), eval at equal steps.
 TRL runs with a Python that has it (the `compare` extra in a venv of its own).
 """
 
@@ -106,7 +107,47 @@ def run_steadyrl(model: str, recipe: Path, steps: int, every: int, out: Path) ->
     }
 
 
-def main(steps: int = 200, every: int = 10, recipe: Path | None = None, peer_python: str | None = None) -> dict:
+def mean_curve(curves: list[list[dict]]) -> list[dict]:
+    """The pointwise mean of curves sampled at the same steps (seconds None at step 0). Pure."""
+    points = []
+    for at in zip(*curves, strict=True):
+        seconds = [p["seconds"] for p in at]
+        points.append(
+            {
+                "step": at[0]["step"],
+                "seconds": None if None in seconds else round(sum(seconds) / len(seconds), 3),
+                "accuracy": round(sum(p["accuracy"] for p in at) / len(at), 4),
+            }
+        )
+    return points
+
+
+def compare(ours: list[dict], trl: list[dict], steps: int) -> dict:
+    """steadyrl / TRL ratios of two curves that start at step 0 (the base model). Pure."""
+    by_step = {p["step"]: p["accuracy"] for p in ours}
+    equal = [(by_step[p["step"]], p["accuracy"]) for p in trl if p["step"] in by_step]
+    last_quarter = [pair for pair, p in zip(equal, trl, strict=False) if p["step"] > steps * 3 // 4]
+    return {
+        "seconds_per_step": ratio(_per_step(ours), _per_step(trl)),
+        **{f"seconds_to_eval_{a}": ratio(first_at(ours[1:], a), first_at(trl[1:], a)) for a in (0.5, 0.6)},
+        "eval_at_equal_steps": ratio(equal[-1][0], equal[-1][1]),
+        "eval_at_equal_steps_last_quarter": ratio(
+            sum(o for o, _ in last_quarter), sum(t for _, t in last_quarter) if last_quarter else None
+        ),
+    }
+
+
+def _per_step(curve: list[dict]) -> float:
+    """Wall seconds per step: the last point's seconds (counted from the end of step 1) over its steps."""
+    return round(curve[-1]["seconds"] / (curve[-1]["step"] - 1), 4)
+
+
+def main(
+    steps: int = 200, every: int = 10, recipe: Path | None = None, peer_python: str | None = None, pairs: int = 3
+) -> dict:
+    """`pairs` interleaved runs of each side (TRL, steadyrl, TRL, ...); the ratios are those of each
+    side's mean curve (one 300-problem eval moves by about 3 points: a single pair's ratios at an
+    accuracy spread by ±0.3), each pair's own beside them."""
     from shared.kit.tiny import init_tiny_model
 
     recipe = recipe or ROOT / "configs" / "tiny-arith.toml"
@@ -114,41 +155,50 @@ def main(steps: int = 200, every: int = 10, recipe: Path | None = None, peer_pyt
     if not Path(python).exists():
         raise RuntimeError(f"no Python with TRL at {python}: make one with `{COMPARE_VENV}` or pass --peer-python")
     model = str(init_tiny_model())
-    base = score(Path(model), recipe)
-    with tempfile.TemporaryDirectory() as tmp:
-        trl = run_trl(python, model, recipe, steps, every, Path(tmp) / "trl")
-        ours = run_steadyrl(model, recipe, steps, every, Path(tmp) / "steadyrl")
-    for side in (trl, ours):
-        side["curve"].insert(0, {"step": 0, "seconds": None, "accuracy": base})
-        timed = [p for p in side["curve"] if p["step"] >= every]
-        side["seconds_per_step"] = round(timed[-1]["seconds"] / (timed[-1]["step"] - 1), 4)
-    ours_by_step = {p["step"]: p["accuracy"] for p in ours["curve"]}
-    equal = [(ours_by_step[p["step"]], p["accuracy"]) for p in trl["curve"] if p["step"] in ours_by_step]
-    last_quarter = [pair for pair, p in zip(equal, trl["curve"], strict=False) if p["step"] > steps * 3 // 4]
-    ratios = {
-        "seconds_per_step": ratio(ours["seconds_per_step"], trl["seconds_per_step"]),
-        "command_seconds": ratio(ours["command_seconds"], trl["command_seconds"]),
-        **{
-            f"seconds_to_eval_{a}": ratio(first_at(ours["curve"][1:], a), first_at(trl["curve"][1:], a))
-            for a in (0.5, 0.6)
-        },
-        "eval_at_equal_steps": ratio(equal[-1][0], equal[-1][1]),
-        "eval_at_equal_steps_last_quarter": ratio(
-            sum(o for o, _ in last_quarter), sum(t for _, t in last_quarter) if last_quarter else None
-        ),
+    base = {"step": 0, "seconds": None, "accuracy": score(Path(model), recipe)}
+    runs = []
+    for _ in range(pairs):
+        with tempfile.TemporaryDirectory() as tmp:
+            trl = run_trl(python, model, recipe, steps, every, Path(tmp) / "trl")
+            ours = run_steadyrl(model, recipe, steps, every, Path(tmp) / "steadyrl")
+        for side in (trl, ours):
+            side["curve"].insert(0, dict(base))
+            side["seconds_per_step"] = _per_step(side["curve"])
+        runs.append((ours, trl))
+    ours = {
+        "command_seconds": _mean([o["command_seconds"] for o, _ in runs], 1),
+        "trainer_idle_share": _mean([o["trainer_idle_share"] for o, _ in runs], 3),
+        "replica_idle_share": _mean([o["replica_idle_share"] for o, _ in runs], 3),
+        "curve": mean_curve([o["curve"] for o, _ in runs]),
     }
+    trl = {
+        "config": runs[0][1]["config"],
+        "command_seconds": _mean([t["command_seconds"] for _, t in runs], 1),
+        "curve": mean_curve([t["curve"] for _, t in runs]),
+    }
+    for side in (ours, trl):
+        side["seconds_per_step"] = _per_step(side["curve"])
+    ratios = {**compare(ours["curve"], trl["curve"], steps)}
+    ratios["command_seconds"] = ratio(ours["command_seconds"], trl["command_seconds"])
     return {
         "benchmark": "peers",
         "peer": "trl.GRPOTrainer",
         "recipe": str(recipe.relative_to(ROOT)) if recipe.is_relative_to(ROOT) else str(recipe),
         "steps": steps,
         "eval_every": every,
+        "pairs": pairs,
         "steadyrl": ours,
         "trl": trl,
         "ratios": ratios,
+        "pair_ratios": [compare(o["curve"], t["curve"], steps) for o, t in runs],
         "targets": TARGETS,
         "differences": DIFFERENCES,
     }
+
+
+def _mean(values: list, digits: int):
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), digits) if values else None
 
 
 if __name__ == "__main__":
