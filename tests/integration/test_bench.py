@@ -236,3 +236,5 @@ def test_the_full_batch_line_times_the_engine_and_generate_on_the_same_batch():
     assert all(rate > 0 for rate in rates), side
     assert side["engine_over_generate"] == pytest.approx(rates[1] / rates[0], rel=1e-3)
     assert side["engine_traces_over_generate"] == pytest.approx(rates[2] / rates[0], rel=1e-3)
+    by_group = side["engine_by_group_tokens_per_s"]  # the same work, its groups started one after another
+    assert by_group > 0 and side["by_group_over_one_batch"] == pytest.approx(by_group / rates[1], rel=1e-3)
