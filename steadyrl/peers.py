@@ -110,6 +110,9 @@ def run_steadyrl(model: str, recipe: Path, steps: int, every: int, out: Path) ->
 def mean_curve(curves: list[list[dict]]) -> list[dict]:
     """The pointwise mean of curves sampled at the same steps (seconds None at step 0). Pure."""
     points = []
+    steps = [[p["step"] for p in curve] for curve in curves]
+    if any(s != steps[0] for s in steps):
+        raise ValueError(f"the runs' curves are sampled at different steps: {steps}")
     for at in zip(*curves, strict=True):
         seconds = [p["seconds"] for p in at]
         points.append(
@@ -126,7 +129,9 @@ def compare(ours: list[dict], trl: list[dict], steps: int) -> dict:
     """steadyrl / TRL ratios of two curves that start at step 0 (the base model). Pure."""
     by_step = {p["step"]: p["accuracy"] for p in ours}
     equal = [(by_step[p["step"]], p["accuracy"]) for p in trl if p["step"] in by_step]
-    last_quarter = [pair for pair, p in zip(equal, trl, strict=False) if p["step"] > steps * 3 // 4]
+    last_quarter = [
+        (by_step[p["step"]], p["accuracy"]) for p in trl if p["step"] in by_step and p["step"] > steps * 3 // 4
+    ]
     return {
         "seconds_per_step": ratio(_per_step(ours), _per_step(trl)),
         **{f"seconds_to_eval_{a}": ratio(first_at(ours[1:], a), first_at(trl[1:], a)) for a in (0.5, 0.6)},

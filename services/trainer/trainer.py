@@ -185,7 +185,7 @@ class Trainer:
             return
         if self.acks.saved and self.settling is None:  # an acknowledgement cut off (Redis restarting or frozen)
             await self.acks.acknowledge()
-        if self.publisher.enabled and time.monotonic() >= self.next_held_check:
+        if self.publisher.enabled and self.announcing is None and time.monotonic() >= self.next_held_check:
             self.next_held_check = time.monotonic() + 3.0
             await self.publisher.held_by_weightsync()
         if (
@@ -305,20 +305,25 @@ class Trainer:
         loop tries again, two seconds later at the earliest."""
         await self.announced()
         weights = self.runner.weights() if self.publisher.enabled else {}
+        staged = self.state.step, self.state.version, len(self.state.consumed)  # Status, once it is out
         complete = await self.publisher.stage(weights, self.state.version)
-        self.announcing = asyncio.ensure_future(self._announce(complete))
+        self.announcing = asyncio.ensure_future(self._announce(complete, staged))
 
-    async def _announce(self, complete: Callable[[], Awaitable[bool]]) -> None:
+    async def _announce(self, complete: Callable[[], Awaitable[bool]], staged: tuple[int, int, int]) -> None:
         if not await complete():
             self.next_publish = time.monotonic() + 2.0
             await asyncio.sleep(0.5)
-        self.reported = self.progress()
+        step, version, trained = staged
+        self.reported = step, min(version, self.publisher.published), trained
 
     async def announced(self) -> None:
         """The version on its way out is out (or failed: `next_publish` retries it)."""
         if self.announcing is not None:
-            await asyncio.shield(self.announcing)  # a cancelled waiter leaves it to finish
-            self.announcing = None
+            try:
+                await asyncio.shield(self.announcing)  # a cancelled waiter leaves it to finish
+            finally:
+                if self.announcing is not None and self.announcing.done():
+                    self.announcing = None
 
     def progress(self) -> tuple[int, int, int]:
         """(step, version, rollouts trained) as of the last published version (what Status says)."""
@@ -331,5 +336,8 @@ class Trainer:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.announced(), self.settings.publish.timeout_seconds)
+        if self.settling is not None:  # a run that ended by an error: its checkpoint's landing, seen to
+            with contextlib.suppress(Exception):
+                await self.settling
         self.steplog.close()
         await self.publisher.close()

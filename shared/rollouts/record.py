@@ -427,12 +427,14 @@ def _arrays_valid(rollouts: list[Rollout], limits: RolloutLimits) -> bool:
     if limits.num_experts is None and any(r.num_experts != traced[0].num_experts for r in traced):
         return False
     k = traced[0].routing_trace.shape[2]
-    sets = np.concatenate([r.routing_trace.reshape(-1, k) for r in traced])
+    sets = np.concatenate(
+        [r.routing_trace.reshape(r.routing_trace.shape[0] * r.routing_trace.shape[1], k) for r in traced]
+    )
     num_experts = limits.num_experts or traced[0].num_experts
     if num_experts and sets.size and int(sets.max()) >= num_experts:
         return False
     slots = np.ascontiguousarray(sets.T)
-    return not any((slots[d:] == slots[:-d]).any() for d in range(1, k))
+    return not any((slots[d:] == slots[:-d]).any() for d in range(1, k))  # k < 2: no pair to compare
 
 
 def _validate_trace(rollout: Rollout, limits: RolloutLimits) -> None:

@@ -647,6 +647,33 @@ def test_a_written_checkpoint_lands_and_acknowledges_beside_the_next_step(
     assert step == 2
 
 
+def test_no_held_check_while_a_version_is_on_its_way_out(tmp_path, tiny_model_dir, redis_server, run_id):
+    """Weight-sync's latest, asked while the trainer's last version is being announced, may be the
+    one before: lowering `published` to it would publish that version again, refused as not newer."""
+    from services.trainer.trainer import Trainer
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = settings_for(
+            tmp_path, tiny_model_dir, redis_server, run_id, weightsync_address="127.0.0.1:9", unsigned_weights=True
+        )
+        trainer = Trainer(settings, redis)
+        await trainer.source.open()
+        trainer.redis_id = await trainer.source.identity()
+        announcing = asyncio.get_running_loop().create_future()
+        trainer.announcing, trainer.next_held_check = announcing, 0.0
+        await trainer.keep_in_sync()
+        during = trainer.next_held_check
+        announcing.set_result(None)
+        await trainer.keep_in_sync()  # out: the check runs (weight-sync unreachable: assumed held)
+        after = trainer.next_held_check
+        await redis.aclose()
+        return during, after, trainer.announcing
+
+    during, after, announcing = asyncio.run(asyncio.wait_for(main(), 60))
+    assert during == 0.0 and after > 0.0 and announcing is None
+
+
 def test_a_version_lost_by_a_restarted_weightsync_is_published_again(tmp_path, tiny_model_dir, redis_server, run_id):
     """Weight-sync restarted right after the trainer's last push (its memory, and that version,
     gone): replicas would wait for a version nobody pushes again. The trainer notices that

@@ -200,6 +200,11 @@ def test_a_read_of_valid_rollouts_is_surely_valid_at_once():
         validate_rollout(r, LIMITS)
     assert surely_valid(rollouts, LIMITS) == [True, True, True, False]
     assert surely_valid([], LIMITS) == []
+    # a trace of top-0 (no expert named; valid where the model's top_k is not known) breaks nothing
+    empty = decode_rollout(encode_rollout(make_rollout(rollout_id="e", routing_trace=np.zeros((6, 2, 0), np.uint8))))
+    unknown_k = RolloutLimits(vocab_size=64, num_layers=2, num_experts=8, max_version=10)
+    validate_rollout(empty, unknown_k)
+    assert surely_valid([empty, empty], unknown_k) == [True, True]
 
 
 TOP_IDS = np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32)
