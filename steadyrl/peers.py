@@ -128,10 +128,9 @@ def mean_curve(curves: list[list[dict]]) -> list[dict]:
 def compare(ours: list[dict], trl: list[dict], steps: int) -> dict:
     """steadyrl / TRL ratios of two curves that start at step 0 (the base model). Pure."""
     by_step = {p["step"]: p["accuracy"] for p in ours}
-    equal = [(by_step[p["step"]], p["accuracy"]) for p in trl if p["step"] in by_step]
-    last_quarter = [
-        (by_step[p["step"]], p["accuracy"]) for p in trl if p["step"] in by_step and p["step"] > steps * 3 // 4
-    ]
+    at_steps = [(p["step"], by_step[p["step"]], p["accuracy"]) for p in trl if p["step"] in by_step]
+    equal = [(o, t) for _, o, t in at_steps]
+    last_quarter = [(o, t) for step, o, t in at_steps if step > steps * 3 // 4]
     return {
         "seconds_per_step": ratio(_per_step(ours), _per_step(trl)),
         **{f"seconds_to_eval_{a}": ratio(first_at(ours[1:], a), first_at(trl[1:], a)) for a in (0.5, 0.6)},
@@ -168,7 +167,6 @@ def main(
             ours = run_steadyrl(model, recipe, steps, every, Path(tmp) / "steadyrl")
         for side in (trl, ours):
             side["curve"].insert(0, dict(base))
-            side["seconds_per_step"] = _per_step(side["curve"])
         runs.append((ours, trl))
     ours = {
         "command_seconds": _mean([o["command_seconds"] for o, _ in runs], 1),
@@ -183,7 +181,7 @@ def main(
     }
     for side in (ours, trl):
         side["seconds_per_step"] = _per_step(side["curve"])
-    ratios = {**compare(ours["curve"], trl["curve"], steps)}
+    ratios = compare(ours["curve"], trl["curve"], steps)
     ratios["command_seconds"] = ratio(ours["command_seconds"], trl["command_seconds"])
     return {
         "benchmark": "peers",

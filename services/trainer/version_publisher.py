@@ -23,13 +23,11 @@ from services.trainer.config import TrainerSettings
 from shared.runstore.keys import RunKeys, TrainerField
 
 log = logging.getLogger("steadyrl.trainer")
+PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])
 
 
 async def _sent() -> None:
     """Nothing left to send (no weight-sync service: a version is out once made)."""
-
-
-PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])
 
 
 class VersionPublisher:
