@@ -82,6 +82,35 @@ class TransitionRefused(ValueError):
         self.state = state
 
 
+def min_versions(
+    version: int, outstanding: int, ahead: dict[int, int], count: int, batch: int, max_staleness: int, lookahead: int
+) -> tuple[list[int], dict[int, int]]:
+    """The minimum policy version each of `count` new train tasks asks for, and `ahead` after them.
+
+    `ahead`: the outstanding tasks asking for each version past `version` (the trainer's). A task
+    may ask for version + k (1 ≤ k ≤ lookahead) once (max_staleness + k) × B outstanding tasks ask
+    for less: those are trained first, so it is trained at version + k or later. Counted by version
+    rather than by position, tasks ahead of it that are dropped as stale, filtered or dead get
+    replacements the trainer can use now, and a trainer waiting for tasks always has
+    (max_staleness + 1) × B that ask for no more than its version."""
+    ahead = {v: n for v, n in ahead.items() if v > version}
+    versions = []
+    for _ in range(count):
+        k = next(
+            (
+                k
+                for k in range(lookahead, 0, -1)
+                if outstanding - sum(n for v, n in ahead.items() if v >= version + k) >= (max_staleness + k) * batch
+            ),
+            0,
+        )
+        versions.append(version + k)
+        if k:
+            ahead[version + k] = ahead.get(version + k, 0) + 1
+        outstanding += 1
+    return versions, ahead
+
+
 class Orchestrator:
     def __init__(self, settings: OrchestratorSettings, redis: Redis) -> None:
         self.settings = settings
@@ -201,9 +230,8 @@ class Orchestrator:
             await pipe.execute()
 
     async def admit(self) -> int:
-        """Queue train tasks up to the staleness budget and `lookahead_batches` beyond it; returns
-        how many were queued. A task with p tasks outstanding before it is trained within p // B + 1
-        steps, so it needs at least version V + max(0, p // B − max_staleness) (V: the trainer's now)."""
+        """Queue train tasks up to the staleness budget and `lookahead_batches` beyond it, each
+        asking for its minimum version (`min_versions`); returns how many were queued."""
         s = self.settings
         p = await self.progress()
         outstanding = p["submitted"] - (p["trained"] + p["dropped"] + p["filtered"] + p["dead"])
@@ -214,16 +242,18 @@ class Orchestrator:
         FILTERED.set(p["filtered"])  # each filtered task is replaced: not trained, it leaves the budget
         if budget <= 0:
             return 0
-        tasks = [
-            self.tasks.make_train(
-                i, self.trainer_version + max(0, (outstanding + j) // s.batch_prompts - s.max_staleness)
-            )
-            for j, i in enumerate(range(p["submitted"], p["submitted"] + budget))
-        ]
-        submitted = p["submitted"] + len(tasks)
-        await self.queue.submit_many(
-            tasks, (self.keys.run, {RunField.SUBMITTED: submitted, RunField.EPOCH: self.tasks.epoch(submitted)})
+        ahead = {int(v): n for v, n in json.loads(await self.field(RunField.AHEAD, "{}")).items()}
+        versions, ahead = min_versions(
+            self.trainer_version, outstanding, ahead, budget, s.batch_prompts, s.max_staleness, s.lookahead_batches
         )
+        tasks = [self.tasks.make_train(p["submitted"] + j, v) for j, v in enumerate(versions)]
+        submitted = p["submitted"] + len(tasks)
+        record = {
+            RunField.SUBMITTED: submitted,
+            RunField.EPOCH: self.tasks.epoch(submitted),
+            RunField.AHEAD: json.dumps(ahead),
+        }
+        await self.queue.submit_many(tasks, (self.keys.run, record))
         SUBMITTED.inc(len(tasks))
         return len(tasks)
 

@@ -107,6 +107,7 @@ class RunField(StrEnum):
     CONFIG = "config"  # the orchestrator's settings as JSON (secrets left out)
     SUBMITTED = "submitted"  # train tasks submitted: the next task number
     EPOCH = "epoch"  # passes over the training set
+    AHEAD = "ahead"  # JSON: version → train tasks admitted asking for it, for versions past the trainer's
     DEAD_TRAIN = "dead_train"  # train tasks dead-lettered, folded from `dead`
     DEAD_CURSOR = "dead_cursor"  # the last `dead` entry folded
     EVALS_SUBMITTED = "evals_submitted"  # JSON: the steps whose eval round is queued

@@ -76,6 +76,44 @@ def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_tasks_dropped_ahead_are_replaced_by_tasks_the_trainer_can_use(redis_server, run_id, tiny_model_dir, tmp_path):
+    """B = 2, max_staleness 1, lookahead 2: 8 tasks ask for versions 0,0,0,0,1,1,2,2. The four for
+    version 0 dropped (a restarted trainer's stale rollouts), their replacements ask for version 0
+    (by position they would ask for 1,1,2,2, and a trainer at version 0 would wait for ever); a
+    restarted orchestrator reads what it queued ahead from Redis."""
+
+    async def main():
+        fields = {"batch_prompts": 2, "group_size": 2, "max_staleness": 1, "lookahead_batches": 2, "steps": 10}
+        redis, orchestrator = await orchestrator_on(
+            redis_server.url, run_id, tiny_model_dir, tmp_path, "running", **fields
+        )
+        queue = WorkQueue(redis, run_id)
+
+        async def admitted():
+            return {lease.task_id: lease.task.min_policy_version for lease in await queue.lease("r", 60, count=16)}
+
+        async def drop(task_ids):  # as the trainer records a group dropped as stale: each rollout's id
+            await redis.rpush(orchestrator.keys.dropped, *[f"{t}:{i}" for t in task_ids for i in range(2)])
+
+        assert await orchestrator.admit() == 8
+        first = await admitted()
+        assert list(first.values()) == [0, 0, 0, 0, 1, 1, 2, 2]
+        await drop([t for t, v in first.items() if v == 0])
+        assert await orchestrator.admit() == 4
+        second = await admitted()
+        assert set(second) == {f"train-{i}" for i in range(8, 12)} and set(second.values()) == {0}
+        assert json.loads(await redis.hget(orchestrator.keys.run, "ahead")) == {"1": 2, "2": 2}
+        await orchestrator.close()
+        restarted = Orchestrator(orchestrator.settings, redis)
+        await drop(list(second))
+        assert await restarted.admit() == 4
+        assert set((await admitted()).values()) == {0}
+        await restarted.close()
+        await redis.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id, tiny_model_dir, tmp_path):
     import random
 
