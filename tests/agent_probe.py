@@ -16,10 +16,11 @@ def main() -> None:
     marker = sys.argv[2]
     mine = os.getpid()
     others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != mine]
-    seen_urls = 0
+    seen_urls = 0  # another trajectory's session URL in a process it can see (its own sandbox's share its own)
+    own = f"OPENAI_BASE_URL={os.environ.get('OPENAI_BASE_URL', '')}".encode()
     for pid in others:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as environ:
-            seen_urls += b"OPENAI_BASE_URL" in environ.read()
+            seen_urls += any(v.startswith(b"OPENAI_BASE_URL=") and v != own for v in environ.read().split(b"\0"))
     leaked = sorted(
         k
         for k in os.environ

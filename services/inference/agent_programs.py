@@ -1,22 +1,29 @@
-"""Running one agent program for one trajectory, as the run's threat model wants it
-(docs/security.md): an environment holding only its endpoint, its session key, its prompt and the
-variables the recipe names; under bubblewrap (`shared.envs.isolation.agent_argv`) in a PID
-namespace of its own, so it sees no other process and everything it starts ends with it, the
-host read-only, its own /tmp, the run's secret directories hidden. Its output is kept to a bounded
-tail; the whole program is bounded in time."""
+"""Running one agent program for one trajectory, as the run's threat model wants it (docs/security.md): an
+environment holding only its endpoint, its session key, its prompt and the variables the recipe names; under
+bubblewrap (`shared.envs.isolation.agent_argv`) with only the system's files and its own (its interpreter, the
+files its command names, the recipe's `read_only_paths`) read-only, in PID and network namespaces of its own where
+only its endpoint is reachable (`shared.envs.agent_forwarder`), under the seccomp deny-list, in a cgroup of its own
+for memory, processes and CPU (rlimits where none can be made). Its output is kept to a bounded tail; the whole
+program is bounded in time."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.envs import isolation
+from shared.envs import isolation, seccomp
+from shared.envs.cgroups import CallGroup
 
 OUTPUT_TAIL = 1 << 20  # bytes of stdout (its last line is the answer) and of stderr kept
+FORWARDER = Path(isolation.__file__).with_name("agent_forwarder.py")
+RUNNER = Path(isolation.__file__).with_name("sandbox_runner.py")  # its `outside` step joins the cgroup
+SOCKET = f"{isolation.AGENT_DIR}/endpoint.sock"
 
 
 @dataclass(frozen=True)
@@ -24,9 +31,14 @@ class AgentIsolation:
     """How agent programs are started on this replica."""
 
     isolated: bool = True
-    hidden: tuple[Path, ...] = ()  # directories (or files' directories) replaced by an empty tmpfs
+    hidden: tuple[Path, ...] = ()  # directories (or files' directories) replaced by an empty tmpfs where visible
     tmp_bytes: int = 256 << 20
     passed_env: tuple[str, ...] = ()  # the replica's environment variables an agent also gets
+    read_only: tuple[Path, ...] = ()  # the recipe's extra read-only paths
+    memory_bytes: int = 2 << 30
+    max_processes: int = 64
+    cpus: float = 1.0
+    endpoint: tuple[Path, int] | None = None  # the replica's endpoint: its unix socket, the port the program dials
 
     def refused(self) -> str | None:
         """Why no agent program can start here (None when they can)."""
@@ -44,10 +56,34 @@ class AgentIsolation:
         """The program's whole environment: the named variables of this replica's, then `given`."""
         return {**{name: os.environ[name] for name in self.passed_env if name in os.environ}, **given}
 
-    def argv(self, command: list[str], env: dict[str, str]) -> list[str]:
-        if not self.isolated:
-            return command
-        return isolation.agent_argv(command, env, list(self.hidden), self.tmp_bytes)
+    def argv(
+        self, command: list[str], env: dict[str, str], group: CallGroup | None, seconds: float, seccomp_fd: int | None
+    ) -> list[str]:
+        """bubblewrap's argv running `command` behind the forwarder, with the rlimits `group` does not hold."""
+        cwd = os.getcwd()
+        search = env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+        own = [*isolation.program_paths(command, cwd, search), *(p for p in self.read_only if os.path.exists(p))]
+        rlimits = {"RLIMIT_CORE": 0}
+        if group is None:
+            rlimits |= {"RLIMIT_AS": self.memory_bytes, "RLIMIT_NPROC": self.max_processes}
+        if group is None or not group.cpu_limited:
+            rlimits["RLIMIT_CPU"] = math.ceil(self.cpus * seconds) + 1
+        files = {f"{isolation.AGENT_DIR}/forwarder.py": FORWARDER}
+        forwarding = {"rlimits": rlimits}
+        if self.endpoint is not None:
+            files[SOCKET] = self.endpoint[0]
+            forwarding |= {"socket": SOCKET, "port": self.endpoint[1]}
+        inner = [isolation.interpreter(), "-I", "-S", f"{isolation.AGENT_DIR}/forwarder.py", json.dumps(forwarding)]
+        return isolation.agent_argv(
+            [*inner, *command],
+            env,
+            own,
+            list(self.hidden),
+            self.tmp_bytes,
+            files,
+            cwd,
+            seccomp_fd,
+        )
 
 
 async def run(command: list[str], env: dict[str, str], how: AgentIsolation, seconds: float) -> tuple[int, str, str]:
@@ -55,13 +91,36 @@ async def run(command: list[str], env: dict[str, str], how: AgentIsolation, seco
     Cancelled or timed out, the program and everything it started are killed (without isolation:
     its process group)."""
     env = how.environment(env)
+    if not how.isolated:
+        return await _run(command, env, seconds)
+    group = CallGroup.make(how.memory_bytes, how.max_processes + 3, how.cpus)  # + bubblewrap's two, the forwarder
+    filter_fd = None
+    try:
+        filter_fd = seccomp.program_fd(seccomp.DENIED)
+        argv = how.argv(command, env, group, seconds, filter_fd)
+        outside = {"procs": group.procs if group is not None else [], "argv": argv}
+        return await _run(
+            [isolation.interpreter(), "-I", "-S", str(RUNNER), "outside", json.dumps(outside)],
+            {},
+            seconds,
+            (filter_fd,),
+        )
+    finally:
+        if filter_fd is not None:
+            os.close(filter_fd)
+        if group is not None:
+            group.close()
+
+
+async def _run(argv: list[str], env: dict[str, str], seconds: float, pass_fds=()) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
-        *how.argv(command, env),
+        *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env={} if how.isolated else env,
+        env=env,
         start_new_session=True,
+        pass_fds=pass_fds,
     )
     try:
         out, err, status = await asyncio.wait_for(

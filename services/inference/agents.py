@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
+import os
 import secrets
 import shlex
+import shutil
+import socket
+import tempfile
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 
@@ -291,23 +297,28 @@ def _score(reward: str, answer: str, reference: str) -> tuple[float, str]:
 
 
 async def serve_endpoint(engine: Engine, tokenizer, settings):
-    """The agent endpoint on a free loopback port (`settings`: the replica's): (its uvicorn server,
-    the task serving it)."""
+    """The agent endpoint on a free loopback port and on a unix socket in a directory of its own, the one an
+    isolated agent program reaches from its network namespace (`settings`: the replica's): (its uvicorn server,
+    the task serving it). The socket's directory goes when the server stops."""
     import uvicorn
 
     from services.inference import trajectories
 
-    endpoint = Endpoint(engine, tokenizer, "", settings.agent_isolation_of(), settings.agent.max_body_bytes)
-    server = uvicorn.Server(
-        uvicorn.Config(endpoint.app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    serving = asyncio.create_task(server.serve())
+    tcp = socket.create_server(("127.0.0.1", 0))
+    port = tcp.getsockname()[1]
+    directory = tempfile.mkdtemp(prefix="steadyrl-agents-")  # 0700: this user's alone
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(os.path.join(directory, "endpoint.sock"))
+    unix.listen(128)
+    isolation = dataclasses.replace(settings.agent_isolation_of(), endpoint=(Path(unix.getsockname()), port))
+    endpoint = Endpoint(engine, tokenizer, f"http://127.0.0.1:{port}", isolation, settings.agent.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(endpoint.app(), log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve(sockets=[tcp, unix]))
+    serving.add_done_callback(lambda _: shutil.rmtree(directory, ignore_errors=True))
     while not server.started:
         if serving.done():
             raise RuntimeError(f"the agent endpoint did not start: {serving.exception()!r}")
         await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    endpoint.base_url = f"http://127.0.0.1:{port}"
     trajectories.ENDPOINT[:] = [endpoint]
-    log.info("event=agent_endpoint url=%s", endpoint.base_url)
+    log.info("event=agent_endpoint url=%s socket=%s", endpoint.base_url, isolation.endpoint[0])
     return server, serving

@@ -1,8 +1,8 @@
-"""A control group of its own for one sandboxed call, so its limits hold for the call as a whole:
-memory (page cache, tmpfs and memfds included) and processes across everything it starts, and its
-CPU time read back. cgroup v2 where this process's cgroup delegates the memory and pids
-controllers; else cgroup v1's memory and pids hierarchies where they are writable (root on a
-hybrid layout); else none (`CallGroup.make` returns None and the sandbox keeps its per-process
+"""A control group of its own for one sandboxed call (model-written code, an agent program), so its limits hold
+for the call as a whole: memory (page cache, tmpfs and memfds included) and processes across everything it starts,
+a share of the CPUs where asked for and the cpu controller is there too, and its CPU time read back. cgroup v2 where
+this process's cgroup delegates the memory and pids controllers; else cgroup v1's memory and pids hierarchies where
+they are writable (root on a hybrid layout); else none (`CallGroup.make` returns None and the caller keeps per-process
 limits: docs/security.md says what that changes).
 """
 
@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 PREFIX = "steadyrl-sandbox-"
+PERIOD_US = 100_000  # the CPU bandwidth period: `cpus` × this much CPU time per period
 
 
 def _mounts() -> dict[str, Path]:
@@ -60,30 +61,36 @@ class CallGroup:
     def __init__(self, dirs: dict[str, Path], version: int) -> None:
         self.dirs = dirs
         self.version = version
+        self.cpu_limited = False  # whether a CPU share was asked for and holds
 
     @property
     def procs(self) -> list[str]:
         """The cgroup.procs files a process writes "0" into to join the call's cgroup(s)."""
-        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+        return [str(d / "cgroup.procs") for d in dict.fromkeys(self.dirs.values())]
 
     @classmethod
-    def make(cls, memory_bytes: int, max_processes: int) -> CallGroup | None:
-        """A fresh cgroup limited to `memory_bytes` and `max_processes`, or None where none can be made."""
+    def make(cls, memory_bytes: int, max_processes: int, cpus: float | None = None) -> CallGroup | None:
+        """A fresh cgroup limited to `memory_bytes` and `max_processes` (and `cpus` CPUs' worth of time where
+        the cpu controller can be had: `cpu_limited` says), or None where none can be made."""
         mounts = _mounts()
         own = _own_paths()
         name = PREFIX + uuid.uuid4().hex[:12]
         if "unified" in mounts and "unified" in own:
-            made = cls._make_v2(mounts["unified"] / own["unified"].lstrip("/"), name, memory_bytes, max_processes)
+            base = mounts["unified"] / own["unified"].lstrip("/")
+            made = cls._make_v2(base, name, memory_bytes, max_processes, cpus)
             if made is not None:
                 return made
         if {"memory", "pids"} <= mounts.keys() and {"memory", "pids"} <= own.keys():
-            return cls._make_v1(mounts, own, name, memory_bytes, max_processes)
+            return cls._make_v1(mounts, own, name, memory_bytes, max_processes, cpus)
         return None
 
     @classmethod
-    def _make_v2(cls, base: Path, name: str, memory_bytes: int, max_processes: int) -> CallGroup | None:
+    def _make_v2(
+        cls, base: Path, name: str, memory_bytes: int, max_processes: int, cpus: float | None
+    ) -> CallGroup | None:
         try:
-            if not {"memory", "pids"} <= set((base / "cgroup.subtree_control").read_text().split()):
+            controllers = set((base / "cgroup.subtree_control").read_text().split())
+            if not {"memory", "pids"} <= controllers:
                 return None
             path = base / name
             path.mkdir()
@@ -95,6 +102,9 @@ class CallGroup:
             with contextlib.suppress(OSError):  # no swap accounting: nothing to bound
                 _write(path / "memory.swap.max", "0")
             _write(path / "pids.max", str(max_processes))
+            if cpus is not None and "cpu" in controllers:
+                _write(path / "cpu.max", f"{_quota(cpus)} {PERIOD_US}")
+                group.cpu_limited = True
         except OSError:
             group.close()
             return None
@@ -102,14 +112,22 @@ class CallGroup:
 
     @classmethod
     def _make_v1(
-        cls, mounts: dict[str, Path], own: dict[str, str], name: str, memory_bytes: int, max_processes: int
+        cls,
+        mounts: dict[str, Path],
+        own: dict[str, str],
+        name: str,
+        memory_bytes: int,
+        max_processes: int,
+        cpus: float | None,
     ) -> CallGroup | None:
-        wanted = ["memory", "pids"] + (["cpuacct"] if "cpuacct" in mounts and "cpuacct" in own else [])
+        optional = ["cpuacct"] + (["cpu"] if cpus is not None else [])
+        wanted = ["memory", "pids"] + [c for c in optional if c in mounts and c in own]
         group = cls({}, 1)
         try:
             for controller in wanted:
                 path = mounts[controller] / own[controller].lstrip("/") / name
-                path.mkdir()
+                if path not in group.dirs.values():  # cpu and cpuacct are often one hierarchy
+                    path.mkdir()
                 group.dirs[controller] = path
             _write(group.dirs["memory"] / "memory.limit_in_bytes", str(memory_bytes))
             with contextlib.suppress(OSError):  # swap accounting off: nothing to bound
@@ -118,6 +136,13 @@ class CallGroup:
         except OSError:
             group.close()
             return None
+        if "cpu" in group.dirs:
+            try:
+                _write(group.dirs["cpu"] / "cpu.cfs_period_us", str(PERIOD_US))
+                _write(group.dirs["cpu"] / "cpu.cfs_quota_us", str(_quota(cpus)))
+                group.cpu_limited = True
+            except OSError:  # no CPU bandwidth control here: the caller's rlimit holds instead
+                pass
         return group
 
     def cpu_seconds(self) -> float | None:
@@ -162,7 +187,11 @@ class CallGroup:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.02)
-        for path in self.dirs.values():
+        for path in set(self.dirs.values()):
             with contextlib.suppress(OSError):
                 path.rmdir()
         self.dirs = {}
+
+
+def _quota(cpus: float) -> int:
+    return max(1000, round(cpus * PERIOD_US))  # the kernel's least quota is 1 ms

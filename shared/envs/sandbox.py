@@ -1,8 +1,9 @@
 """Run model-written Python in a sandbox: bubblewrap's view of the interpreter and a scratch tmpfs of `disk_bytes`,
-an empty environment, no network, no capabilities (`shared.envs.isolation`), and limits for the whole call where it
-gets a cgroup of its own (`shared.envs.cgroups`). Whatever the code does, the call ends with a `SandboxResult` naming
-why, the caller's process untouched; without isolation it is refused (`reason="no_isolation"`), never run
-unconfined. docs/security.md: what is and is not held.
+an empty environment, no network, no capabilities, no user namespaces (`shared.envs.isolation`), a seccomp
+deny-list (`shared.envs.seccomp`), and limits for the whole call where it gets a cgroup of its own
+(`shared.envs.cgroups`); without one, the seccomp program also keeps the code one process. Whatever the code does,
+the call ends with a `SandboxResult` naming why, the caller's process untouched; without isolation it is refused
+(`reason="no_isolation"`), never run unconfined. docs/security.md: what is and is not held.
 
 Details: docs/internals/inference.md"""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
 import subprocess
 import tempfile
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.envs import isolation
+from shared.envs import isolation, seccomp
 from shared.envs.cgroups import CallGroup
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
@@ -66,18 +66,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     if refused is not None:
         return SandboxResult("no_isolation", None, "", refused, time.monotonic() - started)
     group = CallGroup.make(limits.memory_bytes, limits.max_processes + 2)  # + bubblewrap's two processes
-    seccomp = None if group is not None else _one_process()
-    if group is None and seccomp is None:
-        return SandboxResult(
-            "no_isolation",
-            None,
-            "",
-            "no cgroup can be made here and no seccomp program is known "
-            f"for {platform.machine()}: the call's limits could not hold",
-            time.monotonic() - started,
-        )
+    filter_fd = None
     work = Path(tempfile.mkdtemp(prefix="steadyrl-sandbox-"))  # never visible inside: code.py alone is bound
     try:
+        # without a cgroup to count its processes and memory together, the code stays one process: limits per
+        # process are then limits per call
+        filter_fd = seccomp.program_fd(seccomp.DENIED if group is not None else seccomp.ONE_PROCESS)
         (work / "code.py").write_text(code)
         inside = {
             "cpu_seconds": limits.cpu_seconds,
@@ -92,7 +86,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
             {"/.steadyrl/runner.py": RUNNER},
             limits.disk_bytes,
             [python, "-I", "-S", "/.steadyrl/runner.py", "inside", json.dumps(inside)],
-            seccomp,
+            filter_fd,
         )
         outside = {"procs": group.procs if group else [], "argv": argv}
         with open(work / ".stdout", "wb") as out, open(work / ".stderr", "wb") as err:
@@ -102,11 +96,10 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                pass_fds=() if seccomp is None else (seccomp,),
+                pass_fds=(filter_fd,),
             )
-        if seccomp is not None:
-            os.close(seccomp)
-            seccomp = None
+        os.close(filter_fd)
+        filter_fd = None
         try:
             status = runner.wait(timeout=limits.wall_seconds)
         except subprocess.TimeoutExpired:
@@ -126,25 +119,13 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         exit_code = 128 - status if status > 128 else status  # bubblewrap: 128 + the signal that ended it
         return _result(_reason(exit_code, work, group), exit_code, work, started, group)
     finally:
-        if seccomp is not None:
-            os.close(seccomp)
+        if filter_fd is not None:
+            os.close(filter_fd)
         if group is not None:
             group.close()
         for name in ("code.py", ".stdout", ".stderr"):
             (work / name).unlink(missing_ok=True)
         work.rmdir()
-
-
-def _one_process() -> int | None:
-    """A file descriptor holding the seccomp program that keeps the code one process (no cgroup
-    to count its processes and memory together); None on an architecture it does not know."""
-    program = isolation.no_new_processes_filter()
-    if program is None:
-        return None
-    fd = os.memfd_create("steadyrl-seccomp")
-    os.write(fd, program)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
 
 
 def _tree(root: int) -> list[int]:

@@ -2,7 +2,8 @@
 (standard library only; `python -I sandbox_runner.py STEP CONFIG_JSON`):
 
 - `outside`: join the call's cgroup(s) (`shared.envs.cgroups`), then exec bubblewrap, so
-  everything the call starts is counted against the call's memory and process limits;
+  everything the call starts is counted against the call's memory and process limits (an agent
+  program's start, `services.inference.agent_programs`, takes this step too);
 - `inside` (in the sandbox, as bubblewrap's command): set the per-process limits (CPU seconds,
   address space, processes counted in the call's own user namespace, file size, open files, no
   core dumps), then exec the model's code with `python -I -S code.py`.

@@ -4,16 +4,21 @@ the caller's files stay as they were, and the calling process stays healthy."""
 
 import json
 import os
+import platform
 import socket
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from shared.envs import cgroups, isolation
 from shared.envs.sandbox import SandboxLimits, run_python
+from tests.syscall_probe import NUMBERS
+
+MACHINE = platform.machine()
 
 LIMITS = SandboxLimits(
     cpu_seconds=1, wall_seconds=4, memory_bytes=256 << 20, max_processes=8, file_bytes=1 << 16, disk_bytes=4 << 20
@@ -286,3 +291,47 @@ def test_without_namespaces_the_call_is_refused_never_run_unconfined(tmp_path):
     assert (reason, exit_code) == ("no_isolation", "None")
     assert message.startswith("bubblewrap could not make its namespaces") and "ENOSPC" in message
     assert not marker.exists()
+
+
+PROBE = (Path(__file__).parents[1] / "syscall_probe.py").read_text()
+DENIED = {name: "ENOSYS" if name == "clone3" else "EPERM" for name in NUMBERS.get(MACHINE, {})}
+
+
+@pytest.mark.skipif(MACHINE not in NUMBERS, reason=f"no syscall numbers written for {MACHINE}")
+@pytest.mark.parametrize("scope", ["call", "process"])
+def test_every_denied_call_fails_inside_in_either_scope(scope, monkeypatch):
+    """New user or network namespaces (unshare, clone with their flags, clone3, setns), keyrings, BPF,
+    userfaultfd, io_uring, ptrace and perf events fail with EPERM (clone3 with ENOSYS, so libc falls back to
+    clone), whether a cgroup holds the call's limits or not."""
+    if scope == "call" and not _call_cgroup_possible():
+        pytest.skip("no cgroup can be made here")
+    if scope == "process":
+        monkeypatch.setattr(cgroups.CallGroup, "make", classmethod(lambda cls, *a, **k: None))
+    result = run_python(PROBE, LIMITS)
+    assert (result.reason, result.scope) == ("ok", scope), result
+    assert json.loads(result.stdout) == DENIED
+
+
+@pytest.mark.skipif(not isolation.disables_userns(), reason="this bubblewrap has no --disable-userns")
+def test_bubblewrap_alone_makes_no_user_namespace(tmp_path):
+    """Without the seccomp program, bubblewrap's --disable-userns still leaves no user namespace to make."""
+    code = tmp_path / "code.py"
+    code.write_text(PROBE)
+    argv = isolation.sandbox_argv(code, {}, 1 << 20, [isolation.interpreter(), "-I", "-S", "code.py"])
+    assert "--disable-userns" in argv and "--seccomp" not in argv
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert (seen["unshare"], seen["clone"], seen["clone3"]) == ("ENOSPC", "ENOSPC", "ENOSPC"), seen
+
+
+@pytest.mark.skipif(not _call_cgroup_possible(), reason="no cgroup can be made here: the code is one process")
+def test_an_ordinary_program_with_threads_and_processes_still_runs():
+    code = (
+        "import subprocess, sys, threading\nseen = []\nthreads = [threading.Thread(target=seen.append, args=(i,))"
+        " for i in range(4)]\nfor t in threads:\n    t.start()\nfor t in threads:\n    t.join()\n"
+        "child = subprocess.run([sys.executable, '-I', '-S', '-c', 'print(6 * 7)'], capture_output=True, text=True)\n"
+        "print(sorted(seen), child.stdout.strip())"
+    )
+    result = run_python(code, LIMITS)
+    assert (result.reason, result.stdout) == ("ok", "[0, 1, 2, 3] 42\n"), result
