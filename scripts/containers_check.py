@@ -1,11 +1,10 @@
 """The compose run under `scripts/containers`, checked from outside its containers: the run trains to
-its end with every rollout trained once, both replicas lease work and serve the last version, every
-container's healthcheck passes and none but Redis runs as root, Prometheus scrapes every target with
-its `run` label, every dashboard expression returns a series (fault-only panels named), every alert
-rule evaluates and, in a run without a fault, none but an info one fires (those are listed). With
---fault, one fault injected mid-run (trainer killed, a replica killed, Redis stopped and started)
-before the same checks; with --pools, a recipe's teacher and judge pools serve the run and their
-panels must show it. Prints one JSON object; exit 1 on a failed check."""
+its end with every rollout trained once, replicas serve the last version, healthchecks pass, none but
+Redis runs as root, Prometheus scrapes every target, published ports bind loopback, dashboards and
+alert rules evaluate. --fault injects one fault mid-run first; --pools runs a recipe's teacher and
+judge pools; --agents checks that an agent program in a replica container runs isolated and reads
+none of its secrets. Prints one JSON object; exit 1 on a failed check. Each check in full:
+docs/guides/deploy-compose.md."""
 
 from __future__ import annotations
 
@@ -169,6 +168,49 @@ def check_prometheus(result: dict, failures: list[str], during: float, ended: fl
                 failures.append(f"alert {rule['name']} ({severity}) firing at the end of a healthy run")
 
 
+def probe(command: list[str]) -> dict:
+    """scripts/containers_agent_probe.py run by `command` (podman exec or run, reading it on stdin)."""
+    script = (ROOT / "scripts" / "containers_agent_probe.py").read_text()
+    done = subprocess.run(command, input=script, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return {"exit": done.returncode, **(json.loads(lines[-1]) if lines else {"stderr": done.stderr[-2000:]})}
+
+
+def check_agents(project: str, deadline: float) -> dict:
+    """Agent programs in the replica's container as compose runs it (its security options, its
+    secrets): isolated, no secret read. Then the same image, user and environment under the runtime's
+    default profile (Docker's and containerd's: deploy/seccomp/runtime-default.json) and under the
+    shipped profile with /proc masked: both refused, so the shipped options are what isolates them."""
+    replica = None
+    while replica is None and time.monotonic() < deadline:
+        running = [n for n, i in containers(project).items() if service_of(i) == "inference" and i["State"]["Running"]]
+        replica = sorted(running)[0] if running else None
+        if replica is None:
+            time.sleep(2)
+    if replica is None:
+        return {"failures": ["no inference container running"]}
+    info = containers(project)[replica]
+    result: dict = {"container": replica, "security_opt": info["HostConfig"].get("SecurityOpt")}
+    result["shipped"] = probe(["podman", "exec", "-i", replica, "python", "-"])
+    env = [a for e in info["Config"]["Env"] for a in ("-e", e)]
+    run = ["podman", "run", "--rm", "-i", "--pull=never", "--user", "10001", "--read-only", "--tmpfs", "/tmp"]
+    run += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges", *env, "--entrypoint", "python"]
+    default = str(ROOT / "deploy" / "seccomp" / "runtime-default.json")
+    shipped = str(ROOT / "deploy" / "seccomp" / "agents.json")
+    variants = {
+        "runtime_default_profile": ["--security-opt", f"seccomp={default}", "--security-opt", "systempaths=unconfined"],
+        "shipped_profile_proc_masked": ["--security-opt", f"seccomp={shipped}"],
+    }
+    for name, options in variants.items():
+        result[name] = probe([*run, *options, info["ImageName"], "-"])
+    failures = [f"shipped: {f}" for f in result["shipped"].get("failures", ["no report"])]
+    if result["shipped"].get("refused"):
+        failures.append(f"shipped: agent programs refused: {result['shipped']['refused']}")
+    failures += [f"{name}: agent programs were not refused" for name in variants if not result[name].get("refused")]
+    result["failures"] = failures
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--project", required=True)
@@ -177,7 +219,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--run-id", default="tiny-arith", help="the recipe's [run] id: every series' run label")
     parser.add_argument("--pools", action="store_true", help="the recipe's teacher and judge pools must serve")
+    parser.add_argument("--agents", action="store_true", help="agent programs in a replica's container: no run")
     args = parser.parse_args()
+    if args.agents:
+        result = check_agents(args.project, time.monotonic() + args.minutes * 60)
+        print(json.dumps(result, indent=2))
+        return 1 if result["failures"] else 0
     env = dict(line.split("=", 1) for line in args.env_file.read_text().splitlines() if "=" in line)
     token = env["STEADYRL_TOKEN"]
     deadline = time.monotonic() + args.minutes * 60
@@ -218,10 +265,16 @@ def main() -> int:
             failures.append("the trainer still runs 120 s after the run finished")
             break
         time.sleep(2)
-    health, users = {}, {}
+    health, users, published = {}, {}, {}
+    bind = env.get("STEADYRL_BIND_ADDRESS") or "127.0.0.1"  # compose's default: loopback alone
     for name, info in containers(args.project).items():
         service = service_of(info)
         users[name] = info["Config"].get("User") or "root"
+        for port, bindings in (info["HostConfig"].get("PortBindings") or {}).items():
+            for binding in bindings or []:
+                published[f"{name} {port}"] = f"{binding.get('HostIp') or '*'}:{binding.get('HostPort')}"
+                if (binding.get("HostIp") or "0.0.0.0") != bind:
+                    failures.append(f"{name} publishes {port} on {binding.get('HostIp') or 'every address'}")
         check = (info["Config"].get("Healthcheck") or {}).get("Test") or ["NONE"]
         if info["State"]["Running"] and check != ["NONE"]:
             ran = subprocess.run(["podman", "healthcheck", "run", name], capture_output=True, text=True, timeout=60)
@@ -232,6 +285,7 @@ def main() -> int:
             failures.append(f"{name} runs as root")
     result["healthchecks"] = health
     result["users"] = users
+    result["published"] = published
     time.sleep(15)  # one more scrape and rule evaluation after the end (the interval is 10 s)
     check_prometheus(result, failures, during, ended, args.run_id, args.pools)
     result["failures"] = failures

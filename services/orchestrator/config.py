@@ -408,10 +408,12 @@ class OrchestratorSettings(RedisSettings, StepShape):
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""
+        from shared.rpc.secret_files import read_secret, refuse_placeholder
+
         if self.token_file is not None:
-            return self.token_file.read_text().strip() or None
+            return read_secret(self.token_file, "the control plane's token, token_file")
         if self.token:
-            return self.token.get_secret_value()
+            return refuse_placeholder(self.token.get_secret_value(), "the control plane's token, token")
         from shared.rpc.auth import token_from_env
 
         return token_from_env()

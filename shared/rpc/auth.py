@@ -22,10 +22,13 @@ MESSAGE = "missing or wrong bearer token"
 
 
 def token_from_env() -> str | None:
+    """The deployment's token; deploy/env.example's placeholder is refused (PlaceholderSecret)."""
+    from shared.rpc.secret_files import read_secret, refuse_placeholder
+
     path = os.environ.get("STEADYRL_TOKEN_FILE")
     if path:
-        return Path(path).read_text().strip() or None
-    return os.environ.get("STEADYRL_TOKEN") or None
+        return read_secret(Path(path), "the deployment's token, STEADYRL_TOKEN_FILE")
+    return refuse_placeholder(os.environ.get("STEADYRL_TOKEN", ""), "the deployment's token, STEADYRL_TOKEN") or None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

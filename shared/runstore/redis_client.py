@@ -30,9 +30,11 @@ class RedisSettings(BaseSettings):
     """Bound on each Redis call (socket read and connect); a longer one fails and is recovered."""
 
     def redis(self) -> Redis:
+        from shared.rpc.secret_files import read_secret
+
         password = None
-        if self.redis_password_file is not None:
-            password = self.redis_password_file.read_text().strip() or None
+        if self.redis_password_file is not None:  # deploy/env.example's placeholder refused
+            password = read_secret(self.redis_password_file, "Redis's password, redis_password_file")
         return connect(self.redis_url.get_secret_value(), self.redis_timeout_seconds, password)
 
 

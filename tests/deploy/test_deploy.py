@@ -110,7 +110,7 @@ def compose() -> dict:
 def test_compose_follows_the_specification():
     from compose_spec import PyCompose
 
-    spec = PyCompose.from_json(json.dumps(compose())).to_dict()
+    spec = PyCompose.from_json(interpolate(json.dumps(compose()))).to_dict()  # as compose reads it: ${VAR:-default}
     assert set(spec["services"]) == {
         "redis",
         "model-init",
@@ -410,7 +410,7 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
             mounted = {i["key"] for i in secrets["items"]}
             assert secrets["secretName"] == "steadyrl-secrets" and "token" in mounted
             name = doc["metadata"]["name"].removesuffix("-policy")
-            assert ("redis-password" in mounted) == (name != "weightsync")  # each pod its own keys alone
+            assert "redis-password" in mounted  # every service reads the run's Redis (weight-sync: its instance)
             assert ("weights-signing-key" in mounted) == (name == "trainer")  # the trainer's alone
             assert ("weights-verify-key" in mounted) == (name in ("weightsync", "inference"))
             assert "grpc" in container["livenessProbe"]  # native gRPC health probes
@@ -422,13 +422,14 @@ def test_kustomize_renders_and_validates_against_the_kubernetes_schemas(overlay)
     policies = {name: d["spec"] for (kind, name), d in named.items() if kind == "NetworkPolicy"}
     assert policies["default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     redis_from = policies["redis"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]
-    assert sorted(redis_from) == [  # not weight-sync
+    assert sorted(redis_from) == [  # weight-sync: the run's instance alone
         "inference",
         "inference-judge",
         "inference-policy",
         "inference-teacher",
         "orchestrator",
         "trainer",
+        "weightsync",
     ]
     orchestrator = workloads(docs)["orchestrator"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "STEADYRL_ORCHESTRATOR_AUTOSTART", "value": "true"} in orchestrator["env"]  # starts by itself

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("shared", "services", "steadyrl", "bench")
 DOTTED = re.compile(r"`((?:shared|services|steadyrl|bench)(?:\.[A-Za-z_]\w*)+)")
-NOT_PYTHON = ("steadyrl.v1", "steadyrl.run_id")  # the proto package; an MLflow tag
+NOT_PYTHON = ("steadyrl.v1", "steadyrl.run_id", "steadyrl.io")  # the proto package; an MLflow tag; a k8s label
 
 
 def texts() -> list[Path]:
