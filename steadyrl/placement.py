@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.trainer.config import ParallelSettings
 
 
 @dataclass(frozen=True)
@@ -41,41 +45,35 @@ class Placement:
         ]
 
 
-def node_argv(
-    ranks_per_node: int, nodes: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int, node_rank: int | None = None
-) -> list[str]:
-    """`python` arguments of one node of a multi-node trainer. Without `node_rank` (every node runs
-    the same, srun): torchrun meeting the others at a c10d rendezvous, restarting its ranks up to
-    `max_restarts` times (a failed rank, a lost node: the survivors re-rendezvous and resume from
-    the checkpoint). With it (a JobSet pod's completion index): a static rendezvous at the first
-    node's address, which then holds global rank 0 (the one serving gRPC), and a lost node
-    restarts the whole job (the JobSet's failure policy). Pure."""
-    head = ["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(max(ranks_per_node, 1))]
-    if node_rank is not None:
-        host, _, port = rdzv_endpoint.rpartition(":")
-        return [
-            *head,
-            "--node-rank",
-            str(node_rank),
-            "--master-addr",
-            host,
-            "--master-port",
-            port,
-            "-m",
-            "services.trainer",
-        ]
+TRAINER = ("-m", "services.trainer")
+
+
+def node_argv(parallel: ParallelSettings, job: str, node_rank: int | None = None, entry=TRAINER) -> list[str]:
+    """`python` arguments of one node of a multi-node trainer (`parallel`: trainer.parallel): torchrun
+    meeting the other nodes at weight-sync (`steadyrl.torchrun`, rendezvous backend `steadyrl` at
+    `rdzv_endpoint`, behind the deployment's token, as `job`), restarting its ranks up to
+    `max_restarts` times (a failed rank, a lost node: the survivors meet again in the next round and
+    resume from the checkpoint). With `node_rank` (a JobSet pod's completion index) the node holds
+    that node rank, so global rank 0 (the one serving gRPC) is on node 0. Pure."""
+    conf = f"join_timeout={parallel.rdzv_timeout_seconds}" + ("" if node_rank is None else f",node_rank={node_rank}")
     return [
-        *head,
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        rdzv_endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        "--max-restarts",
-        str(max_restarts),
         "-m",
-        "services.trainer",
+        "steadyrl.torchrun",
+        "--nnodes",
+        str(parallel.nodes),
+        "--nproc_per_node",
+        str(max(parallel.gpus or parallel.ranks, 1)),
+        "--rdzv-backend",
+        "steadyrl",
+        "--rdzv-endpoint",
+        parallel.rdzv_endpoint,
+        "--rdzv-id",
+        job,
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        str(parallel.max_restarts),
+        *entry,
     ]
 
 

@@ -1,15 +1,18 @@
 """Who receives each version, and how: the subscribers of the Watch streams, and the members of the current
 collective epoch.
 
-A subscriber says which transports it can receive (gRPC always) and on which host it runs. A closed member stream or a
-failed transfer ends the epoch; members that did not confirm the failed version receive by gRPC until they subscribe
-again, so a dead or frozen replica is never waited for twice.
+A subscriber says which transports it can receive (gRPC always) and on which host it runs. Its id is its own while its
+stream is open: another stream naming it is refused (`SubscriberTaken`), but a member that closes its stream and
+subscribes again at once gets it back. A closed member stream or a failed transfer ends the epoch; members that did
+not confirm the failed version receive by gRPC until they subscribe again, so a dead or frozen replica is never waited
+for twice.
 
 Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -18,6 +21,11 @@ from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 GRPC = pb.GRPC
 SHM = pb.SHM
 COLLECTIVE = pb.COLLECTIVE
+RELEASE_SECONDS = 2.0  # how long a new stream waits for the id's previous stream to end (a member subscribing again)
+
+
+class SubscriberTaken(ValueError):
+    """A subscriber id held by another open Watch stream."""
 
 
 @dataclass(eq=False)
@@ -27,6 +35,7 @@ class Subscriber:
     host: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     order: int = 0
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when its stream ends
 
 
 @dataclass
@@ -44,14 +53,28 @@ class Membership:
         self._order = itertools.count()
 
     def add(self, subscriber: Subscriber) -> Subscriber:
+        """`subscriber` takes its id (SubscriberTaken: another open stream holds it)."""
         previous = self.subscribers.get(subscriber.id)
         if previous is not None:
-            self.remove(previous)
+            raise SubscriberTaken(
+                f"subscriber id {subscriber.id!r} is held by another open Watch stream (host {previous.host!r}): "
+                "give each replica its own id"
+            )
         subscriber.order = next(self._order)
         self.subscribers[subscriber.id] = subscriber
         return subscriber
 
+    async def join(self, subscriber: Subscriber, release: float = RELEASE_SECONDS) -> Subscriber:
+        """`add`, once the stream that holds the id (if one does) ended, waiting `release` seconds
+        at most: a member that subscribes again closed its old stream just before."""
+        previous = self.subscribers.get(subscriber.id)
+        if previous is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(previous.gone.wait(), release)
+        return self.add(subscriber)
+
     def remove(self, subscriber: Subscriber) -> None:
+        subscriber.gone.set()
         if self.subscribers.get(subscriber.id) is subscriber:
             del self.subscribers[subscriber.id]
             if subscriber.id in self.epoch.members:

@@ -34,9 +34,14 @@ def init_from_env(device: torch.device | None = None, timeout_seconds: float = 6
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
+        from shared.runtime.job_store import rank_store
+
         cuda = device is not None and device.type == "cuda"
         dist.init_process_group(
-            "nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timedelta(seconds=timeout_seconds)
+            "nccl" if cuda else "gloo",
+            device_id=device if cuda else None,
+            timeout=timedelta(seconds=timeout_seconds),
+            **rank_store(timeout_seconds),  # a multi-node job's round at weight-sync (no store port), else env://
         )
     return dist.get_rank(), dist.get_world_size()
 

@@ -1,11 +1,10 @@
-"""A two-node trainer on loopback: two torchrun launchers (`steadyrl trainer-node`, as srun or a
-JobSet pod runs it on every node) meeting at a c10d rendezvous, one rank each over gloo, FSDP
-across the nodes. One node's launcher is SIGKILLed mid-run (it and its rank die at once); the job
-restarts it, as Slurm's requeue or a JobSet's restart would; the surviving launcher restarts its
-rank (torchrun --max-restarts) and the two meet again: the run resumes from the checkpoint. Then
-node b's rank is frozen (SIGSTOP) mid-run: node a's rank waits in a collective until
-trainer.parallel.collective_timeout_seconds, exits, and both launchers restart their ranks (b's frozen one
-killed by its launcher) — the run ends with every rollout trained once."""
+"""A two-node trainer on loopback: two torchrun launchers (`steadyrl trainer-node`) meeting at
+weight-sync's rendezvous (the `steadyrl` backend: no launcher opens a port), one rank each over
+gloo, FSDP across the nodes. One node's launcher is SIGKILLed mid-run; the job restarts it, the
+surviving launcher restarts its rank (torchrun --max-restarts) and the two meet again in the next
+round: the run resumes from the checkpoint. Then node b's rank is frozen (SIGSTOP): node a's rank
+times out in a collective (trainer.parallel.collective_timeout_seconds), and both launchers
+restart their ranks (b's frozen one killed by its launcher) — every rollout is trained once."""
 
 import asyncio
 import json
@@ -17,23 +16,36 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from redis.asyncio import Redis
 
 from shared.runstore.ledger import Ledger
-from shared.runstore.redis_server import free_port
 from tests.helpers import publish
+from tests.integration.test_collective_rendezvous import weightsync_process
 from tests.integration.test_trainer import TRAINER_ENV, recorded_rollouts
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny_model_dir, redis_server, run_id):
+TOKEN = "multinode-test-token"
+
+
+@pytest.fixture
+def weightsync(tmp_path):
+    with weightsync_process(tmp_path, TOKEN, unsigned_weights="true") as (_, address):
+        yield address
+
+
+def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(
+    tmp_path, tiny_model_dir, redis_server, run_id, weightsync
+):
     rollouts = recorded_rollouts(tiny_model_dir, 36, seed=89)  # 9 steps of 4 prompts
     out = tmp_path / "trainer"
     env = {
         **os.environ,
+        "STEADYRL_TOKEN": TOKEN,
         **TRAINER_ENV,
         "STEADYRL_TRAINER_MODEL_PATH": str(tiny_model_dir),
         "STEADYRL_TRAINER_OUT_DIR": str(out),
@@ -44,7 +56,6 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
         "STEADYRL_TRAINER_PARALLEL__COLLECTIVE_TIMEOUT_SECONDS": "15",
         "OMP_NUM_THREADS": "1",
     }
-    endpoint = f"127.0.0.1:{free_port()}"
     node = [
         sys.executable,
         "-m",
@@ -54,7 +65,7 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
         "--set",
         "trainer.parallel.nodes=2",
         "--set",
-        f"trainer.parallel.rdzv_endpoint={endpoint}",
+        f"trainer.parallel.rdzv_endpoint={weightsync}",
         "--set",
         "trainer.parallel.mode=fsdp",
         "--set",
@@ -72,9 +83,7 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
     async def main():
         redis = Redis.from_url(redis_server.url)
         await publish(redis, run_id, rollouts[: 12 * 4])  # 3 steps first: the kill falls inside the run
-        nodes = {"a": start("a")}
-        time.sleep(1.0)  # node a hosts the rendezvous store (its endpoint), as the first node does
-        nodes["b"] = start("b")
+        nodes = {"a": start("a"), "b": start("b")}
         deadline = time.monotonic() + 240
         while steps() < 3:  # step 2 checkpointed, step 3 not: the kill costs step 3, trained again
             assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.values()), (
@@ -82,6 +91,7 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
             ).read_text()[-3000:]
             await asyncio.sleep(0.1)
         killed_at = steps()
+        listening = {n: listeners(p.pid) for n, p in nodes.items()}  # the launchers themselves: none
         os.killpg(nodes["b"].pid, signal.SIGKILL)  # node b's launcher and its rank
         nodes["b"].wait()
         await asyncio.sleep(2.0)
@@ -96,13 +106,14 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
         codes = {name: await asyncio.to_thread(p.wait, 300) for name, p in nodes.items()}
         ledger = await Ledger(redis, run_id).trained()
         await redis.aclose()
-        return killed_at, codes, ledger
+        return killed_at, codes, ledger, listening
 
     try:
-        killed_at, codes, ledger = asyncio.run(asyncio.wait_for(main(), 480))
+        killed_at, codes, ledger, listening = asyncio.run(asyncio.wait_for(main(), 480))
     finally:
         logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("a", "b")}
     assert codes == {"a": 0, "b": 0}, logs["a"][-3000:] + logs["b"][-3000:]
+    assert listening == {"a": [], "b": []}  # no rendezvous store port: the rounds live in weight-sync
     both = logs["a"] + logs["b"]
     assert both.count("event=trainer_layout rank=0 world=2") >= 2  # started, and started again after the kill
     assert "event=resumed checkpoint=step-00000002" in both and "parallel=fsdp" in both and killed_at == 3
@@ -117,6 +128,11 @@ def test_two_torchrun_nodes_survive_a_node_kill_and_a_frozen_rank(tmp_path, tiny
     assert re.search(r"Timed out waiting 15000ms for (send|recv) operation", logs["a"] + logs["b"])
     assert re.search(r"event=resumed checkpoint=step-0000000[46]", both)
     print(f"node b killed after step {killed_at}; rank starts: {both.count('event=trainer_layout rank=0')}")
+
+
+def listeners(pid: int) -> list:
+    """The ports a launcher listens on (torchrun's own process, not its ranks)."""
+    return [c.laddr for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"]
 
 
 def children(pid: int) -> list[int]:

@@ -1,7 +1,8 @@
-"""The multi-node trainer's launch files, checked offline: the Slurm script run with stand-ins
-for srun and scontrol (what it would start, resolved by `steadyrl trainer-node --dry-run`), and the
-JobSet component rendered into the gpu overlay, its pod template validated as a Kubernetes Job and
-its command resolved the same way."""
+"""The multi-node trainer's launch files, checked offline: the Slurm script run with a stand-in
+for srun (what it would start, resolved by `steadyrl trainer-node --dry-run`), and the JobSet
+component rendered into the gpu overlay, its pod template validated as a Kubernetes Job and its
+command resolved the same way. Both meet at weight-sync (torchrun's `steadyrl` rendezvous): no
+rendezvous port, a rendezvous id per launch of the job."""
 
 import json
 import os
@@ -28,9 +29,6 @@ while [[ "$1" == --* ]]; do flags+=("$1"); shift; done
 printf '%s\\n' "${flags[@]}" > "$RECORD.flags"
 "$@" --dry-run > "$RECORD.json"
 """
-SCONTROL = """#!/bin/bash
-[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-a\\ngpu-b\\n'
-"""
 
 
 def dry_run(env: dict[str, str], *args: str) -> dict:
@@ -46,10 +44,9 @@ def dry_run(env: dict[str, str], *args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(tmp_path):
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
-        (tmp_path / name).write_text(text)
-        (tmp_path / name).chmod(0o755)
+def test_the_slurm_script_starts_one_trainer_node_per_node_meeting_at_weightsync(tmp_path):
+    (tmp_path / "srun").write_text(SRUN)
+    (tmp_path / "srun").chmod(0o755)
     script = DEPLOY / "slurm" / "trainer.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     env = {
@@ -59,9 +56,13 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(
         "PYTHON": sys.executable,
         "SLURM_JOB_NODELIST": "gpu-[a-b]",
         "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_RESTART_COUNT": "1",  # requeued once: a new job at the rendezvous
         "RECIPE": "configs/gpu-qwen3-moe-math.toml",
         "STEADYRL_TRAINER_REDIS_URL": "redis://:secret-pw@redis:6379/0",
         "STEADYRL_TRAINER_OUT_DIR": "/shared/run/trainer",
+        "STEADYRL_TRAINER_WEIGHTSYNC_ADDRESS": "weightsync-host:50051",
+        "STEADYRL_TRAINER_PUBLISH__SIGNING_KEY_FILE": "/shared/secrets/weights-signing-key",
     }
     done = subprocess.run(["bash", str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -70,17 +71,19 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(
     argv = plan["argv"][1:]
     assert argv == [
         "-m",
-        "torch.distributed.run",
+        "steadyrl.torchrun",
         "--nnodes",
         "2",
         "--nproc_per_node",
         "8",
         "--rdzv-backend",
-        "c10d",
+        "steadyrl",
         "--rdzv-endpoint",
-        "gpu-a:29400",
+        "weightsync-host:50051",
         "--rdzv-id",
-        "qwen3-moe-math",
+        "slurm-4242.1",
+        "--rdzv-conf",
+        "join_timeout=600",
         "--max-restarts",
         "3",
         "-m",
@@ -92,27 +95,32 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_at_a_c10d_rendezvous(
     assert trainer["STEADYRL_TRAINER_PARALLEL__COLLECTIVE_TIMEOUT_SECONDS"] == "600"
     assert "secret-pw" not in (tmp_path / "srun.json").read_text()  # the Redis password is masked
     # without its inputs the script stops before srun, naming what is missing
-    missing = subprocess.run(
-        ["bash", str(script)],
-        env={k: v for k, v in env.items() if k != "RECIPE"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert missing.returncode != 0 and "RECIPE" in missing.stderr
+    for name in ("RECIPE", "STEADYRL_TRAINER_WEIGHTSYNC_ADDRESS"):
+        missing = subprocess.run(
+            ["bash", str(script)],
+            env={k: v for k, v in env.items() if k != name},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert missing.returncode != 0 and name in missing.stderr
 
 
-def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous():
+def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous_or_a_node_rank_past_the_nodes():
     env = {**os.environ, "STEADYRL_TRAINER_MODEL_PATH": "/models/m", "STEADYRL_TRAINER_PARALLEL__NODES": "2"}
-    done = subprocess.run(
-        [sys.executable, "-m", "steadyrl.cli", "trainer-node", "--dry-run"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and "rdzv_endpoint" in done.stderr
+    for extra, args, said in (
+        ({}, [], "rdzv_endpoint"),
+        ({"STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT": "weightsync:50051"}, ["--node-rank", "2"], "--node-rank 2"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "steadyrl.cli", "trainer-node", *args, "--dry-run"],
+            env={**env, **extra},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
 def jobset_errors(jobset: dict) -> list[str]:
@@ -172,25 +180,39 @@ def test_the_jobset_component_runs_the_trainer_over_nodes_with_rank_0_behind_the
     check_settings("trainer", steadyrl_env(env, "trainer"))
     assert env["STEADYRL_RECIPE"] == "/etc/steadyrl/gpu-qwen3-moe-math.toml"  # the gpu overlay's recipe...
     assert env["STEADYRL_TRAINER_PARALLEL__NODES"] == str(job["spec"]["parallelism"])  # ...spread over the nodes
-    # pod 0's DNS name under the JobSet's headless Service: <jobset>-<job>-<job index>-<pod index>.<subdomain>
-    host = f"{jobset['metadata']['name']}-{nodes['name']}-0-0.{spec['network']['subdomain']}"
-    assert env["STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT"] == f"{host}:29500"
+    # the nodes meet at weight-sync's gRPC port, a job name per restart attempt of the JobSet
+    assert env["STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT"] == "weightsync:50051"
+    assert env["STEADYRL_TRAINER_PARALLEL__RDZV_ID"] == "trainer-attempt-$(JOBSET_RESTART_ATTEMPT)"
+    names = [e["name"] for e in container["env"]]  # $(VAR) resolves only from variables listed before it
+    assert names.index("JOBSET_RESTART_ATTEMPT") < names.index("STEADYRL_TRAINER_PARALLEL__RDZV_ID")
+    assert {p["name"] for p in container["ports"]} == {"grpc", "metrics"}  # no rendezvous port
+    collective = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "weights-collective")
+    admitted = collective["spec"]["ingress"][0]["ports"][0]
+    sysctls = {s["name"]: s["value"] for s in pod["securityContext"]["sysctls"]}
+    assert sysctls["net.ipv4.ip_local_port_range"] == f"{admitted['port']} {admitted['endPort']}"  # broadcasts pass
     assert container["args"] == ["steadyrl.cli", "trainer-node", "--node-rank", "$(JOB_COMPLETION_INDEX)"]
-    recipe = {"STEADYRL_RECIPE": str(ROOT / "configs" / "gpu-qwen3-moe-math.toml")}
-    resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer"), **recipe}, "--node-rank", "0")
+    recipe = {
+        "STEADYRL_RECIPE": str(ROOT / "configs" / "gpu-qwen3-moe-math.toml"),
+        "STEADYRL_TRAINER_PARALLEL__RDZV_ID": "trainer-attempt-2",  # as the kubelet resolves it
+    }
+    resolved = dry_run({**os.environ, **steadyrl_env(env, "trainer"), **recipe}, "--node-rank", "1")
     assert resolved["argv"][1:] == [
         "-m",
-        "torch.distributed.run",
+        "steadyrl.torchrun",
         "--nnodes",
         "2",
         "--nproc_per_node",
         "8",
-        "--node-rank",
-        "0",
-        "--master-addr",
-        host,
-        "--master-port",
-        "29500",
+        "--rdzv-backend",
+        "steadyrl",
+        "--rdzv-endpoint",
+        "weightsync:50051",
+        "--rdzv-id",
+        "trainer-attempt-2",
+        "--rdzv-conf",
+        "join_timeout=600,node_rank=1",
+        "--max-restarts",
+        "3",
         "-m",
         "services.trainer",
     ]

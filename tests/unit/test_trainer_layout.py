@@ -40,38 +40,33 @@ def test_impossible_layouts_are_refused_by_the_settings():
     assert (ok.parallel.nodes, ok.parallel.shard_ranks, ok.parallel.collective_timeout_seconds) == (2, 0, 600.0)
 
 
-def test_a_node_runs_torchrun_elastic_or_at_a_fixed_rank():
-    assert node_argv(8, 2, "n0:29400", "run", 3) == [
+def test_a_node_runs_torchrun_meeting_the_others_at_weightsync():
+    parallel = TrainerSettings(
+        model_path="m", parallel={"nodes": 2, "gpus": 8, "rdzv_endpoint": "weightsync:50051"}
+    ).parallel
+    assert node_argv(parallel, "run") == [
         "-m",
-        "torch.distributed.run",
+        "steadyrl.torchrun",
         "--nnodes",
         "2",
         "--nproc_per_node",
         "8",
         "--rdzv-backend",
-        "c10d",
+        "steadyrl",
         "--rdzv-endpoint",
-        "n0:29400",
+        "weightsync:50051",
         "--rdzv-id",
         "run",
+        "--rdzv-conf",
+        "join_timeout=600",
         "--max-restarts",
         "3",
         "-m",
         "services.trainer",
     ]
-    assert node_argv(0, 4, "n0:29500", "run", 3, node_rank=2) == [
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "4",
-        "--nproc_per_node",
-        "1",
-        "--node-rank",
-        "2",
-        "--master-addr",
-        "n0",
-        "--master-port",
-        "29500",
-        "-m",
-        "services.trainer",
-    ]
+    parallel = TrainerSettings(
+        model_path="m", parallel={"nodes": 4, "rdzv_endpoint": "ws:1", "rdzv_timeout_seconds": 30}
+    ).parallel
+    argv = node_argv(parallel, "job-7", node_rank=2)
+    assert argv[argv.index("--nproc_per_node") + 1] == "1" and argv[argv.index("--rdzv-id") + 1] == "job-7"
+    assert argv[argv.index("--rdzv-conf") + 1] == "join_timeout=30,node_rank=2"
