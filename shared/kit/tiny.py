@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import shutil
 import time
 from collections.abc import Iterator
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import torch
 
+from shared.kit.build_progress import BuildProgress
 from shared.tasks import ArithTask, Example, get_reward
 from shared.tasks.trace import MulTraceTask
-
-log = logging.getLogger(__name__)
 
 KIT_VERSION = "1"
 KIT_TASKS = ("arith", "mul_trace", "calc")
@@ -154,8 +152,11 @@ def sft_batch(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.T
     return ids, lab
 
 
-def cold_start(model, tokenizer, task: ArithTask | MulTraceTask, spec: TinySpec, seed: int) -> dict:
-    """Supervised cold start until greedy eval accuracy ≥ target (or max steps)."""
+def cold_start(
+    model, tokenizer, task: ArithTask | MulTraceTask, spec: TinySpec, seed: int, progress: BuildProgress | None = None
+) -> dict:
+    """Supervised cold start until greedy eval accuracy ≥ target (or max steps), its steps and
+    each eval shown by `progress`."""
     sizes = getattr(task, "max_split_size", None)
     train = task.split("train", min(20000, sizes("train")) if sizes else 20000)
     evaluation = task.split("eval", spec.sft_eval_size)
@@ -166,8 +167,11 @@ def cold_start(model, tokenizer, task: ArithTask | MulTraceTask, spec: TinySpec,
     def greedy() -> float:
         return greedy_accuracy(model, tokenizer, evaluation, max_new_tokens=max(8, longest))
 
+    progress = progress or BuildProgress("a kit model")
     accuracy = greedy()
     step = 0
+    measured = f"greedy accuracy {accuracy:.3f} (stops at {spec.target_accuracy:g})"
+    progress.step("SFT step", step, spec.sft_max_steps, measured, now=True)
     while accuracy < spec.target_accuracy and step < spec.sft_max_steps:
         model.train()
         for _ in range(spec.sft_eval_every):
@@ -178,8 +182,10 @@ def cold_start(model, tokenizer, task: ArithTask | MulTraceTask, spec: TinySpec,
             loss.backward()
             optimizer.step()
             step += 1
+            progress.step("SFT step", step, spec.sft_max_steps, measured)
         accuracy = greedy()
-        log.info("cold_start step=%d loss=%.4f greedy_acc=%.3f", step, loss.item(), accuracy)
+        measured = f"loss {loss.item():.3f}, greedy accuracy {accuracy:.3f} (stops at {spec.target_accuracy:g})"
+        progress.step("SFT step", step, spec.sft_max_steps, measured, now=True)
     return {"sft_steps": step, "greedy_accuracy": accuracy}
 
 
@@ -289,6 +295,7 @@ def deterministic() -> Iterator[None]:
 
 def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
     started = time.perf_counter()
+    progress = BuildProgress(f"the kit's tiny model ({task.name}, seed {seed})")
     with deterministic():
         tokenizer = char_tokenizer()
         model = build_model(spec, seed)
@@ -296,9 +303,9 @@ def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
             from shared.kit.tiny_tools import TOOL_TEMPLATE, tool_cold_start
 
             tokenizer.chat_template = TOOL_TEMPLATE
-            report = tool_cold_start(model, tokenizer, spec, seed)
+            report = tool_cold_start(model, tokenizer, spec, seed, progress)
         else:
-            report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed)
+            report = cold_start(model, tokenizer, task.task(spec, seed), spec, seed, progress)
     report.update(
         task=task.key(),
         seed=seed,
@@ -307,6 +314,7 @@ def _build_into(target: Path, spec: TinySpec, task: KitTask, seed: int) -> None:
         spec=asdict(spec),
     )
     save_kit_model(target, model, tokenizer, report)
+    progress.built(f"{report['sft_steps']} SFT steps, cached in {target}")
 
 
 def save_kit_model(target: Path, model, tokenizer, report: dict) -> None:

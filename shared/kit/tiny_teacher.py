@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from shared.kit.build_progress import BuildProgress
 from shared.kit.tiny import (
     TinySpec,
     cache_key,
@@ -54,12 +55,13 @@ def init_tiny_teacher(
         from transformers import AutoModelForCausalLM
 
         started = time.perf_counter()
+        progress = BuildProgress(f"the kit's tiny teacher (seed {seed})")
         with deterministic():
             tokenizer = char_tokenizer()
             model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
             task = teacher_task(seed)
             before = greedy_accuracy(model, tokenizer, task.split("eval", spec.sft_eval_size))
-            report = cold_start(model, tokenizer, task, spec, seed)
+            report = cold_start(model, tokenizer, task, spec, seed, progress)
         report.update(
             task=TEACHER_KEY,
             seed=seed,
@@ -70,4 +72,5 @@ def init_tiny_teacher(
             spec=asdict(spec),
         )
         save_kit_model(cached, model, tokenizer, report)
+        progress.built(f"{report['sft_steps']} SFT steps, cached in {cached}")
     return deliver(cached, out)

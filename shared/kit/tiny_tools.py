@@ -9,15 +9,14 @@ Details: docs/internals/engines.md"""
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import torch
 
 from shared.envs.base import Message
 from shared.envs.calc import Calculator, MulTask
 from shared.envs.trajectory import render
+from shared.kit.build_progress import BuildProgress
 
-log = logging.getLogger(__name__)
 TOOL_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' -%}:{{ m.content }}</s>"
@@ -127,9 +126,11 @@ def tool_accuracy(
     }
 
 
-def tool_cold_start(model, tokenizer, spec, seed: int) -> dict:
+def tool_cold_start(model, tokenizer, spec, seed: int, progress: BuildProgress | None = None) -> dict:
     """SFT on the traces until the accuracy of sampled (temperature 1) trajectories reaches
-    spec.target_accuracy (or max steps): RL then starts from a reward it can see."""
+    spec.target_accuracy (or max steps): RL then starts from a reward it can see. Its steps and
+    each measurement are shown by `progress`."""
+    progress = progress or BuildProgress("a kit model")
     task = MulTask(seed=seed)
     train = [
         tool_trace(tokenizer, e.prompt, e.answer, use_tool=i % 10 < TOOL_SHARE)
@@ -140,6 +141,8 @@ def tool_cold_start(model, tokenizer, spec, seed: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     scores = tool_accuracy(model, tokenizer, evaluation, 1.0, seed=seed)
     step = 0
+    measured = f"sampled accuracy {scores['accuracy']:.3f} (stops at {spec.target_accuracy:g})"
+    progress.step("SFT step", step, spec.sft_max_steps, measured, now=True)
     while scores["accuracy"] < spec.target_accuracy and step < spec.sft_max_steps:
         model.train()
         for _ in range(spec.sft_eval_every):
@@ -150,14 +153,13 @@ def tool_cold_start(model, tokenizer, spec, seed: int) -> dict:
             loss.backward()
             optimizer.step()
             step += 1
+            progress.step("SFT step", step, spec.sft_max_steps, measured)
         scores = tool_accuracy(model, tokenizer, evaluation, 1.0, seed=seed)
-        log.info(
-            "cold_start step=%d loss=%.4f sampled_acc=%.3f tool_success=%.3f",
-            step,
-            loss.item(),
-            scores["accuracy"],
-            scores["tool_success"],
+        measured = (
+            f"loss {loss.item():.3f}, sampled accuracy {scores['accuracy']:.3f} (stops at {spec.target_accuracy:g}),"
+            f" tool success {scores['tool_success']:.3f}"
         )
+        progress.step("SFT step", step, spec.sft_max_steps, measured, now=True)
     greedy = tool_accuracy(model, tokenizer, evaluation)
     return {
         "sft_steps": step,

@@ -1,6 +1,7 @@
 """The collective weight transport under faults: a replica SIGKILLed while versions are being
-broadcast costs the trainer one bounded timeout at most and the run finishes whole; a replica
-started mid-run catches up by gRPC and joins the group."""
+broadcast fails that broadcast, the group is formed again without it and the run finishes whole (how
+long the trainer waited for it, against the timeout, is bench/faults.py's); a replica started mid-run
+catches up by gRPC and joins the group."""
 
 import asyncio
 import os
@@ -48,17 +49,7 @@ def announcements(out: Path) -> list[str]:
     )
 
 
-def step_times(out: Path) -> list[float]:
-    """Each step's seconds from its batch to its version published (the trainer's log)."""
-    return [
-        float(s)
-        for s in re.findall(
-            r"event=step .* seconds=([\d.]+)$", (out / "logs" / "trainer.log").read_text(), re.MULTILINE
-        )
-    ]
-
-
-def test_a_replica_killed_during_broadcasts_costs_one_timeout_and_loses_nothing(tmp_path, tiny_model_dir):
+def test_a_replica_killed_during_broadcasts_fails_one_broadcast_and_loses_nothing(tmp_path, tiny_model_dir):
     config = collective_config(replicas=2)
     with running(config, tmp_path, tiny_model_dir, past_version=4) as launch:
         victim = next(s for s in launch.services if s.name == "inference-0")
@@ -88,8 +79,7 @@ def test_a_replica_killed_during_broadcasts_costs_one_timeout_and_loses_nothing(
     failed = re.findall(
         r"event=collective_failed version=(\d+)", (tmp_path / "logs" / "trainer.log").read_text() + weightsync_log
     )
-    assert failed
-    assert max(step_times(tmp_path)) <= TIMEOUT * 2 + 10  # ...and the trainer waited one bounded timeout for it
+    assert failed  # ...and the run went on: every step trained, every version reached the survivor
     epochs = [int(e) for e in re.findall(r"transport=collective epoch=(\d+) members", weightsync_log)]
     assert epochs[-1] > epochs[0]  # the group was formed again without the dead replica
     survivor = (tmp_path / "logs" / "inference-1.log").read_text()

@@ -19,7 +19,7 @@ from shared.rpc.steadyrl.v1.weightsync_pb2 import AdapterInfo
 from shared.weightsync import make_publisher
 from shared.weightsync.manifest import CastView, describe
 from tests.integration.test_inference import Replica, _version_is, wait_for
-from tests.integration.test_weight_transports import received_by, subscribed
+from tests.integration.test_weight_transports import received_by, refused_by, refused_more, subscribed
 
 IDS = torch.tensor([[1, 7, 8, 9, 10, 11, 12]])
 
@@ -104,8 +104,9 @@ def test_adapter_versions_reach_the_torch_engine_by_every_transport_and_bad_ones
                 logits.append(replica.engine.model(IDS).logits.clone())
             refused = []
             for version, bad in enumerate((other_base, other_rank, misfit), 5):
+                refusals = refused_by("grpc")
                 await publishers["grpc"].push(bad, version, version - 1, timeout=60)
-                await asyncio.sleep(1.0)
+                await wait_for(lambda n=refusals: refused_more("grpc", n), 60)  # the replica read it and refused it
                 refused.append((await replica.stub.Status(common_pb2.Empty())).version.version)
             with torch.no_grad():
                 after = replica.engine.model(IDS).logits.clone()

@@ -438,6 +438,11 @@ def test_sigkilled_trainer_resumes_without_duplicate_or_gap(tmp_path, tiny_model
 
 
 def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_server, run_id):
+    """A paused trainer holds a batch it could train: it stays at its step for three times what its
+    step before took (so a slow machine cannot pass by being slow), Resume trains it, Status and
+    Checkpoint say so."""
+    import time
+
     import grpc
 
     from shared.rpc.steadyrl.v1 import trainer_pb2 as tpb
@@ -445,7 +450,16 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     from shared.runstore.redis_server import free_port
 
     rollouts = recorded_rollouts(tiny_model_dir, 2, seed=51)
+    held = recorded_rollouts(tiny_model_dir, 2, seed=52, version=1)  # on policy for step 2, as step 1's for 1
     port = free_port()
+
+    async def at_step(stub, step: int):
+        for _ in range(1200):
+            status = await stub.Status(common_pb2.Empty())
+            if status.step >= step:
+                return status
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"the trainer never reached step {step}: {status}")
 
     async def main():
         redis = Redis.from_url(redis_server.url)
@@ -459,28 +473,33 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
         await ready.wait()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
-            paused = await stub.Pause(common_pb2.Empty())
+            started = time.monotonic()
             await publish(redis, run_id, rollouts)
-            await asyncio.sleep(1.0)
-            idle = await stub.Status(common_pb2.Empty())
-            resumed = await stub.Resume(common_pb2.Empty())
-            for _ in range(600):
-                status = await stub.Status(common_pb2.Empty())
-                if status.step == 1:
-                    break
+            first = await at_step(stub, 1)
+            took = time.monotonic() - started  # from a batch on the stream to its step done
+            paused = await stub.Pause(common_pb2.Empty())
+            await publish(redis, run_id, held)
+            idle = []
+            until = time.monotonic() + 3 * took  # running, it would have trained by then
+            while time.monotonic() < until:
+                idle.append(await stub.Status(common_pb2.Empty()))
                 await asyncio.sleep(0.05)
+            resumed = await stub.Resume(common_pb2.Empty())
+            status = await at_step(stub, 2)
             checkpoint = await stub.Checkpoint(tpb.CheckpointRequest(tag="manual"))
         stop.set()
         await server
         await redis.aclose()
-        return paused, idle, resumed, status, checkpoint
+        return first, paused, idle, resumed, status, checkpoint
 
-    paused, idle, resumed, status, checkpoint = asyncio.run(asyncio.wait_for(main(), 120))
-    assert paused.paused and idle.paused and idle.step == 0 and not resumed.paused
-    assert status.step == 1 and status.version.version == 1 and status.rollouts_trained == 8
+    first, paused, idle, resumed, status, checkpoint = asyncio.run(asyncio.wait_for(main(), 180))
+    assert first.step == 1 and first.rollouts_trained == 8 and not first.paused
+    assert paused.paused and idle and all(s.paused and s.step == 1 and s.rollouts_trained == 8 for s in idle)
+    assert not resumed.paused
+    assert status.step == 2 and status.version.version == 2 and status.rollouts_trained == 16
     assert status.recipe == "minirl+tis+clip" and "reward_mean" in status.last_metrics
-    assert checkpoint.step == 1 and checkpoint.version == 1
-    assert (tmp_path / "trainer" / "checkpoints" / "step-00000001" / "shards").is_dir()
+    assert checkpoint.step == 2 and checkpoint.version == 2
+    assert (tmp_path / "trainer" / "checkpoints" / "step-00000002" / "shards").is_dir()
 
 
 async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):

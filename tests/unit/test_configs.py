@@ -294,28 +294,46 @@ def test_a_reward_with_the_wrong_signature_or_a_hang_is_refused():
     validate("orchestrator", service_env(config, "orchestrator", REQUIRED["orchestrator"]))
 
 
-def test_an_open_inference_dtype_is_the_faster_one_here_and_every_service_reads_it(tmp_path):
+@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
+def test_an_open_inference_dtype_is_the_faster_one_measured_and_every_service_reads_it(tmp_path, monkeypatch, faster):
     """inference.dtype left open ("auto"): bfloat16 on a GPU replica; on the CPU the dtype whose
-    model-shaped matmul measured faster, the same for the replicas and the trainer's publish, and
-    named with its timings in config.resolved.toml."""
-    from shared.engines.dtype_choice import choose_dtype, matmul_seconds
+    model-shaped matmul measured faster — here a measurement given to the rule, each dtype the faster
+    in turn — the same for the replicas and the trainer's publish, and named with its timings in
+    config.resolved.toml."""
+    from shared.engines import dtype_choice
     from steadyrl.service_settings import settle_auto_dtype
 
-    assert choose_dtype(1) == ("bfloat16", "a GPU replica serves bfloat16")
-    seconds = matmul_seconds(1024, 1)
-    dtype, why = choose_dtype(0)
-    assert dtype == min(seconds, key=seconds.__getitem__) and "float32" in why and "bfloat16" in why
-    assert all(0 < s < 1 for s in seconds.values())
+    slower = "bfloat16" if faster == "float32" else "float32"
+    asked = []
+
+    def measured(width: int, threads: int = 1) -> dict[str, float]:
+        asked.append((width, threads))
+        return {"float32": 2e-3, "bfloat16": 3e-3} if faster == "float32" else {"float32": 3e-3, "bfloat16": 2e-3}
+
+    monkeypatch.setattr(dtype_choice, "matmul_seconds", measured)
+    assert dtype_choice.choose_dtype(1) == ("bfloat16", "a GPU replica serves bfloat16") and not asked
+    dtype, why = dtype_choice.choose_dtype(0)
+    assert dtype == faster and asked == [(1024, 1)]  # the model's width (1,024 when unknown), one thread
+    assert f"{faster} 2.000 ms" in why and f"{slower} 3.000 ms" in why
     recipe = tmp_path / "open.toml"
     recipe.write_text((ROOT / "configs" / "tiny-arith.toml").read_text().replace('dtype = "bfloat16"\n', ""))
     config = load_run_config(recipe)
     assert "dtype" not in config.section("inference")
     inference = service_env(config, "inference", REQUIRED["inference"])
     trainer = service_env(config, "trainer", REQUIRED["trainer"])
-    assert inference["STEADYRL_INFERENCE_DTYPE"] == trainer["STEADYRL_TRAINER_PUBLISH__DTYPE"] == dtype
+    assert inference["STEADYRL_INFERENCE_DTYPE"] == trainer["STEADYRL_TRAINER_PUBLISH__DTYPE"] == faster
     settle_auto_dtype(config, "tiny")
-    assert config.section("inference")["dtype"] == dtype
-    assert config.as_toml().startswith(f'# inference.dtype "auto" chose "{dtype}": the faster on this CPU')
+    assert config.section("inference")["dtype"] == faster
+    assert config.as_toml().startswith(f'# inference.dtype "auto" chose "{faster}": the faster on this CPU')
     named = load_run_config(ROOT / "configs" / "tiny-arith.toml")  # a recipe that names its dtype keeps it
+    calls = len(asked)
     settle_auto_dtype(named, "tiny")
-    assert named.section("inference")["dtype"] == "bfloat16" and not named.notes
+    assert named.section("inference")["dtype"] == "bfloat16" and not named.notes and len(asked) == calls
+
+
+def test_the_dtype_measurement_times_both_dtypes_on_the_model_s_shape():
+    """What the rule above is given: the best of its rounds per dtype, each a real matmul's seconds."""
+    from shared.engines.dtype_choice import matmul_seconds
+
+    seconds = matmul_seconds.__wrapped__(64, 1, rows=8, rounds=2)
+    assert set(seconds) == {"float32", "bfloat16"} and all(0 < s < float("inf") for s in seconds.values())

@@ -26,8 +26,8 @@ def test_the_idle_clock_counts_only_the_time_no_task_generates(monkeypatch):
 def test_the_share_per_step_is_over_the_interval_since_the_last_heartbeat():
     shares = ReplicaIdle(redis=None, key="k")
     assert shares.update("r0", 3.0, 4.0) == 0.75  # first seen: since it started
-    shares.shares["r0"] = 0.75
-    assert shares.update("r0", 3.0, 4.0) == 0.75  # no heartbeat since: unchanged
+    shares.shares["r0"] = 0.6  # its last share (planted unlike idle / uptime, the fallback of 0.75)
+    assert shares.update("r0", 3.0, 4.0) == 0.6  # no heartbeat since: its last share, unchanged
     assert shares.update("r0", 3.5, 6.0) == pytest.approx(0.25)  # 0.5 s idle of the last 2 s
     assert shares.update("r0", 0.2, 1.0) == pytest.approx(0.2)  # restarted: since it started again
     assert shares.update("r0", 0.2, 2.0) == 0.0
