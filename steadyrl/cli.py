@@ -48,8 +48,10 @@ def init_model(
 
     from shared.kit.tiny import init_tiny_model
     from shared.kit.tiny_precision import precision_routing_agreement
+    from shared.runtime.logs import setup_logging
     from steadyrl.run_config import KIT_POOL_MODELS, kit_pool_model
 
+    setup_logging("init-model")  # a first build's progress lines (stderr; the report is stdout's)
     path = kit_pool_model(task, out, seed) if task in KIT_POOL_MODELS else init_tiny_model(out, task=task, seed=seed)
     report = json.loads((Path(path) / "steadyrl_tiny.json").read_text())
     report.pop("spec", None)
@@ -278,12 +280,18 @@ def eval_command(
 @app.command("keys")
 def keys_command(
     directory: Annotated[Path, typer.Argument(file_okay=False, help="Where the two key files go.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace a key pair already there.")] = False,
 ) -> None:
     """Make the weight-signing key pair of a deployment: `weights-signing-key` (private, mode 0600:
-    the trainer's alone) and `weights-verify-key` (public: weight-sync's and the replicas')."""
+    the trainer's alone) and `weights-verify-key` (public: weight-sync's and the replicas'). A pair
+    already there is kept unless --force (replicas holding its public key would refuse the new one's)."""
     from shared.weightsync.signing import write_key_pair
 
-    private, public = write_key_pair(directory)
+    try:
+        private, public = write_key_pair(directory, replace=force)
+    except FileExistsError as exc:
+        typer.echo(f"steadyrl keys: {exc}", err=True)
+        raise typer.Exit(ExitCode.REFUSED) from None
     typer.echo(
         json.dumps(
             {"signing_key_file": str(private), "verify_key_file": str(public), "verify_key": public.read_text().strip()}
@@ -333,11 +341,12 @@ def experiment_command(
 
 
 from steadyrl.bench_cli import bench_app  # noqa: E402 - the subcommands beside the app they join
-from steadyrl.deploy_cli import serve_command, trainer_node_command  # noqa: E402
+from steadyrl.deploy_cli import secret_command, serve_command, trainer_node_command  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.command("trainer-node")(trainer_node_command)
 app.command("serve")(serve_command)
+app.command("secret")(secret_command)
 
 
 def main() -> None:

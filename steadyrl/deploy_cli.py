@@ -1,6 +1,6 @@
 """The deployment's commands of `steadyrl` (registered in steadyrl/cli.py): `serve`, one service
-as compose and the manifests start it, and `trainer-node`, one node of the trainer as a job
-launcher (srun, a JobSet pod) starts it."""
+as compose and the manifests start it, `trainer-node`, one node of the trainer as a job
+launcher (srun, a JobSet pod) starts it, and `secret`, a new token or password for a deployment."""
 
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ def trainer_node_command(
         typer.Option(
             "--node-rank",
             min=0,
-            help="This node's fixed rank (a JobSet "
-            "pod's completion index): a static rendezvous at trainer."
-            "trainer.parallel.rdzv_endpoint, rank 0 on node 0; omitted: c10d, elastic.",
+            help="This node's fixed node rank (a JobSet pod's completion index: global rank 0 on node 0); "
+            "omitted: the order in which the nodes reach the rendezvous.",
         ),
     ] = None,
     dry_run: Annotated[
@@ -42,8 +41,9 @@ def trainer_node_command(
     ] = False,
 ) -> None:
     """One node of the trainer, as a job launcher starts it on every node (srun, a JobSet pod):
-    torchrun with the recipe's trainer settings (trainer.parallel.nodes, trainer.parallel.rdzv_endpoint). Variables
-    STEADYRL_TRAINER_* already in the environment (addresses, secrets) win over the recipe.
+    torchrun with the recipe's trainer settings, meeting the other nodes at the weight-sync service
+    (trainer.parallel.nodes, trainer.parallel.rdzv_endpoint: its address; the deployment's token).
+    Variables STEADYRL_TRAINER_* already in the environment (addresses, secrets) win over the recipe.
     Exit code 2: settings refused (nothing started)."""
     import os
     import sys
@@ -61,17 +61,16 @@ def trainer_node_command(
         env = service_env(recipe, "trainer", {"model_path": recipe.model.path}) if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
         settings = build_settings("trainer", env)
+        if not settings.parallel.rdzv_endpoint:
+            raise ValueError("trainer.parallel.rdzv_endpoint names the weight-sync service, where the nodes meet")
+        if node_rank is not None and node_rank >= settings.parallel.nodes:
+            raise ValueError(
+                f"--node-rank {node_rank} is not one of trainer.parallel.nodes = {settings.parallel.nodes}"
+            )
     except ValueError as exc:
         typer.echo(f"steadyrl trainer-node: {exc}", err=True)
         raise typer.Exit(ExitCode.REFUSED) from None
-    argv = node_argv(
-        settings.parallel.gpus or settings.parallel.ranks,
-        settings.parallel.nodes,
-        settings.parallel.rdzv_endpoint or "127.0.0.1:29400",
-        settings.run_id,
-        settings.parallel.max_restarts,
-        node_rank,
-    )
+    argv = node_argv(settings.parallel, settings.parallel.rdzv_id or settings.run_id, node_rank)
     if dry_run:
         from pydantic import SecretStr
 
@@ -81,10 +80,6 @@ def trainer_node_command(
         return
     if recipe and env.get("STEADYRL_TRAINER_MODEL_PATH") == "tiny":
         env["STEADYRL_TRAINER_MODEL_PATH"] = resolve_model(recipe)
-    # each rendezvous round publishes its own master address: with the agents' shared store, a
-    # node that replaces a lost one waits forever for the round's address (the surviving first
-    # node only publishes it in the first round)
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
     resolved = ("STEADYRL_RECIPE", "STEADYRL_RECIPE_SET")  # into `env` already
     ranks = {k: v for k, v in os.environ.items() if k not in resolved}
     os.execvpe(sys.executable, [sys.executable, *argv], {**ranks, **env})
@@ -110,6 +105,8 @@ def serve_command(
     Exit code 2: settings refused (nothing started)."""
     import os
 
+    from shared.rpc.auth import token_from_env
+    from shared.rpc.secret_files import PlaceholderSecret, refuse_placeholder_files
     from shared.runtime.service_main import run_service
     from steadyrl.run_config import POOLS, SERVICES, resolve_pool_model
     from steadyrl.service_settings import deployed_settings, settings_class
@@ -124,7 +121,16 @@ def serve_command(
             f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "), err=True
         )
         raise typer.Exit(ExitCode.REFUSED) from None
+    try:  # deploy/env.example's placeholders: refused before anything starts, the command that makes one named
+        token_from_env()
+        refuse_placeholder_files(settings)
+    except PlaceholderSecret as exc:
+        typer.echo(f"steadyrl serve: event=settings_refused service={service} reason={exc}", err=True)
+        raise typer.Exit(ExitCode.REFUSED) from None
     if service == "inference" and settings.pool in POOLS:  # a kit pool model (tiny-judge) is built here, cached
+        from shared.runtime.logs import setup_logging
+
+        setup_logging(service)  # the build's progress lines, before the service's own logging starts
         settings.model_path = resolve_pool_model(settings.model_path)
     if model_wait and getattr(settings, "model_path", None):
         _wait_for_model(service, settings.model_path, model_wait)
@@ -142,3 +148,13 @@ def _wait_for_model(service: str, path: str, seconds: float) -> None:
     except FileNotFoundError as exc:
         typer.echo(f"steadyrl serve: event=model_missing service={service} reason={exc}", err=True)
         raise typer.Exit(ExitCode.REFUSED) from None
+
+
+def secret_command() -> None:
+    """Print a new random secret (32 random bytes, URL-safe base64: 43 characters) for a deployment's
+    token, Redis's password or Grafana's (`STEADYRL_TOKEN=$(steadyrl secret)` in .env, or
+    `--from-literal=token=$(steadyrl secret)` in the Kubernetes Secret). The weight keys:
+    `steadyrl keys DIR`."""
+    import secrets
+
+    typer.echo(secrets.token_urlsafe(32))

@@ -61,6 +61,7 @@ class Launch:
 
     def plan(self, redis_url: str) -> None:
         """Every service's command, environment, port and devices (nothing starts here)."""
+        from shared.runtime.private_files import write_private
         from shared.weightsync.signing import write_key_pair
 
         c = self.config
@@ -69,7 +70,8 @@ class Launch:
         placement = placement_of(c, settings, self.gpus_available)
         ws, trainer, master, orch_grpc = (self.ports.take() for _ in range(4))
         self.http_port = self.ports.take()
-        signing_key, verify_key = (str(p) for p in write_key_pair(out / "keys"))  # only the trainer signs
+        # only the trainer signs; a run's directory is new, its keys too
+        signing_key, verify_key = (str(p) for p in write_key_pair(out / "keys", replace=True))
         common = {"host": "127.0.0.1", "metrics_port": 0}
         shm = {} if "shm_dir" in c.section("weightsync") else {"shm_dir": str(settings["trainer"].publish.shm_dir)}
         self.services.append(
@@ -84,6 +86,7 @@ class Launch:
                         "port": ws,
                         "spill_dir": str(out / "weightsync-spill"),
                         "verify_key_file": verify_key,
+                        "redis_url": redis_url,  # the run's instance, which every version must carry
                         **shm,
                     },
                 ),
@@ -153,8 +156,7 @@ class Launch:
                     ports=(port,),
                 )
             )
-        (out / "token").write_text(self.token)
-        os.chmod(out / "token", 0o600)
+        write_private(out / "token", self.token, 0o600, replace=True)
         self.services.append(
             Service(
                 "orchestrator",

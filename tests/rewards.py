@@ -1,5 +1,6 @@
 """Reward plug-ins the tests load by dotted path (`tests.rewards:<name>`), as a user's would be."""
 
+import random
 import time
 
 
@@ -31,3 +32,21 @@ def hang_after_dry_call(completion: str, answer: str) -> float:
 def explode_after_dry_call(completion: str, answer: str) -> float:
     """Passes the dry call, then raises on every real completion."""
     return 1.0 if completion == "0" else explode(completion, answer)
+
+
+_FLAKY = random.Random(5)  # seeded: one reward process fails the same calls on every run
+
+
+def flaky_exact_match(completion: str, answer: str) -> float:
+    """Exact match that raises on 5 % of its calls (each call draws from a seeded stream: a retry of
+    the same completion draws again)."""
+    if _FLAKY.random() < 0.05:
+        raise ConnectionError("the reward's backend dropped the call")
+    return float(completion.strip() == answer.strip())
+
+
+def nan_sometimes(completion: str, answer: str) -> float:
+    """Exact match that returns NaN on 5 % of its calls (seeded, as flaky_exact_match)."""
+    if _FLAKY.random() < 0.05:
+        return float("nan")
+    return float(completion.strip() == answer.strip())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.rollouts.record import MAX_REWARD
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runstore.redis_client import RedisSettings
@@ -58,7 +60,13 @@ class TaskSettings(BaseModel):
     idle_poll_seconds: float = Field(0.05, gt=0)
     """Pause between polls of an empty queue."""
     reward_timeout_seconds: float = Field(10.0, gt=0)
-    """Time limit of one reward call (a reward that hangs scores 0, reason `timeout`)."""
+    """Time limit of one reward call (a call that hangs fails, reason `timeout`)."""
+    reward_retries: int = Field(2, ge=0)
+    """Calls again for a completion whose reward call failed (raised, hung, returned no finite
+    number); a completion whose every call failed is left out of the loss, never scored 0."""
+    reward_min_scored: int = Field(2, ge=1)
+    """A training group with fewer completions whose reward scored (at most its size) is dropped:
+    dead-lettered as `reward_failed` (its baseline would come from too few)."""
 
 
 class AgentSettings(BaseModel):
@@ -71,18 +79,36 @@ class AgentSettings(BaseModel):
     (`services.inference.agents`), on a loopback port the OS picks; `steadyrl run` turns it on when
     the run's environment is an agent."""
     isolation: bool = True
-    """Agent programs run under bubblewrap: a PID namespace of their own (no other process seen,
-    everything they start ends with them), the host read-only, their own /tmp, the run's secret
-    directories hidden (docs/security.md). False runs them as plain child processes, with only the
-    minimal environment: for a machine whose kernel gives bubblewrap no namespaces."""
+    """Agent programs run under bubblewrap (docs/security.md): only the system's files and their own
+    (their interpreter, the files their command names, `read_only_paths`) read-only, their own /tmp,
+    PID and network namespaces of their own in which only their endpoint is reachable, no user
+    namespaces, a seccomp deny-list, and a cgroup of their own (`memory_bytes`, `max_processes`,
+    `cpus`). False runs them as plain child processes of the replica with only the minimal
+    environment, for a machine whose kernel gives bubblewrap no namespaces: they then read every
+    file the replica's user can (the home directory, the Redis password file, the run's token and
+    keys), reach every socket and address it can, and are unlimited."""
     env: list[str] = []
     """Names of this replica's environment variables an agent program also gets (beside its
     endpoint, its session key and its prompt); nothing else of the replica's environment."""
+    read_only_paths: list[Path] = []
+    """Files and directories of the host an agent program also sees, read-only at their own paths
+    (data, a model, a virtual environment's packages installed elsewhere), beside the system's and
+    those its command names."""
     hidden_paths: list[Path] = []
-    """Directories an agent program never sees (each replaced by an empty one), beside those of the
-    replica's token file and TLS files; `steadyrl run` adds the run's directory."""
+    """Directories an agent program never sees (each replaced by an empty one where it would show
+    inside what it sees), beside those of the replica's token, Redis password and TLS files;
+    `steadyrl run` adds the run's directory."""
     tmp_bytes: int = Field(256 << 20, ge=1 << 20)
     """Size of an agent program's own /tmp (its HOME) and of its /dev/shm."""
+    memory_bytes: int = Field(2 << 30, ge=16 << 20)
+    """Memory of one agent program and everything it starts (its cgroup; where none can be made,
+    the address space of each of its processes)."""
+    max_processes: int = Field(64, ge=2)
+    """Processes and threads of one agent program at once (its cgroup; else an rlimit, which does
+    not hold for a replica running as root)."""
+    cpus: float = Field(1.0, gt=0, le=1024)
+    """CPUs' worth of time one agent program may use at once (its cgroup's CPU bandwidth; where
+    that cannot be had, an rlimit of `cpus` × `trajectory.env_seconds` CPU seconds per process)."""
     max_body_bytes: int = Field(4 << 20, ge=1024)
     """Largest request body the agent endpoint reads (413 past it)."""
 
@@ -142,11 +168,24 @@ class JudgeTemplate(BaseModel):
     """The judge's input, naming {response} (the completion) and optionally {prompt} (the task's
     prompt as text) and {answer} (the task's reference answer)."""
     rule: Literal["number", "yes_no", "label"] = "yes_no"
-    """`judge:`: how the verdict text becomes a reward — its last number, its last word yes/no (1/0),
-    or its last word looked up in `labels`. A verdict the rule cannot read scores 0 with the reason.
-    `reward_model:` ignores it: the reward is the model's scalar."""
+    """`judge:`: how the verdict (what follows `anchor`) becomes a reward — a number or a fraction
+    a/b, one word yes/no (1/0), or one word looked up in `labels`; nothing else is read. A verdict
+    the rule cannot read is a failed reward (docs/guides/pools.md). `reward_model:` ignores it: the
+    reward is the model's scalar."""
     labels: dict[str, float] = {}
     """rule = "label": verdict word (lower case) → reward."""
+    anchor: str = "VERDICT:"
+    """`judge:`: the verdict follows this text (case-insensitive), which must appear once in the
+    judge's reply, on its last line; it is taken out of the completion the judge reads. Empty: the
+    whole last line is the verdict."""
+    markers: tuple[str, str] = ("<response>", "</response>")
+    """What the completion is put between in {response}; both are taken out of the completion, so
+    that it cannot close its own block. ("", "") leaves it undelimited."""
+    max_response_chars: int = Field(8000, ge=1)
+    """The completion is cut to this many characters before it is put in the template."""
+    reward_range: tuple[float, float] = (-1e4, 1e4)
+    """[low, high] of a verdict's or a reward model's value, checked in float32: a reply holding a
+    value outside it is a failed attempt (retried on another replica), never a reward."""
     max_new_tokens: int = Field(8, ge=1)
     """`judge:`: the verdict's length (greedy)."""
     compare_with: str = ""
@@ -164,6 +203,9 @@ class JudgeTemplate(BaseModel):
         bad = [word for word in self.labels if word != word.lower() or not word.replace("_", "").isalnum()]
         if bad:
             raise ValueError(f"labels {bad}: a verdict word is lower-case letters, digits and _")
+        low, high = self.reward_range
+        if not (math.isfinite(low) and math.isfinite(high) and -MAX_REWARD <= low < high <= MAX_REWARD):
+            raise ValueError(f"reward_range {self.reward_range}: finite, low < high, within ±{MAX_REWARD:g}")
         if self.compare_with:
             from shared.tasks.reward_runner import check_reward
 
@@ -291,8 +333,17 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
             os.environ.get(name) for name in ("STEADYRL_TOKEN_FILE", "STEADYRL_TLS_KEY_FILE", "STEADYRL_TLS_CERT_FILE")
         ]
         agent = self.agent
-        hidden = [*agent.hidden_paths, *(Path(p) for p in secrets if p)]
-        return AgentIsolation(agent.isolation, tuple(hidden), agent.tmp_bytes, tuple(agent.env))
+        hidden = [*agent.hidden_paths, *(Path(p) for p in [*secrets, self.redis_password_file] if p)]
+        return AgentIsolation(
+            agent.isolation,
+            tuple(hidden),
+            agent.tmp_bytes,
+            tuple(agent.env),
+            tuple(agent.read_only_paths),
+            agent.memory_bytes,
+            agent.max_processes,
+            agent.cpus,
+        )
 
     def quantization_options(self) -> dict:
         """The engine options of `quantization` (the router and activation switches are the torch

@@ -59,7 +59,14 @@ SWAP_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
 )
 REWARD_FAILURES = Counter(
-    "steadyrl_inference_reward_failures_total", "Rewards scored 0 because they failed", ["reward", "reason"]
+    "steadyrl_inference_reward_failures_total",
+    "Reward calls that failed (raised, hung, no finite value, a verdict not read), retried ones included",
+    ["reward", "reason"],
+)
+REWARDS_EXCLUDED = Counter(
+    "steadyrl_inference_rewards_excluded_total",
+    "Completions whose every reward call failed: published with the reason, left out of the loss",
+    ["reward"],
 )
 
 

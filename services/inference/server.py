@@ -108,7 +108,7 @@ async def serve(
     stop = stop or asyncio.Event()
     redis = settings.redis()
     queue = WorkQueue(redis, settings.run_id, pool="rollouts" if settings.pool in FIXED_POOLS else settings.pool)
-    rewards = RewardRunner(settings.tasks.reward_timeout_seconds)
+    rewards = RewardRunner(settings.tasks.reward_timeout_seconds, settings.tasks.reward_retries)
     teacher = pool_client(settings, "teacher")
     judge = pool_client(settings, "judge")
     worker = RolloutWorker(
@@ -124,8 +124,11 @@ async def serve(
         settings.tasks.version_wait_seconds,
         settings.tasks.max_inflight,
         settings.tasks.batching,
-        TeacherScoring(teacher, settings.teacher.top_k, settings.teacher.batch_sequences) if teacher else None,
+        TeacherScoring(teacher, settings.teacher.top_k, settings.teacher.batch_sequences, engine.vocab_size)
+        if teacher
+        else None,
         JudgeScoring(judge, settings.judge.templates, rewards),
+        settings.tasks.reward_min_scored,
     )
     servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
     POLICY_VERSION.labels(replica, settings.pool).set(engine.version)

@@ -10,12 +10,11 @@ Details: docs/guides/pools.md"""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 
 import numpy as np
 
-from shared.rollouts.record import decode_rollout, encode_rollout
+from shared.rollouts.record import MIN_LOGPROB, decode_rollout, encode_rollout, logprobs_valid
 from shared.rpc.pool_client import PoolClient
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 
@@ -35,25 +34,30 @@ def score_request(payloads: list[bytes], top_k: int = 0) -> tuple[pb.ScoreReques
     return request, rollouts
 
 
-def reply_problem(reply: pb.ScoreReply, lengths: list[int], top_k: int = 0) -> str:
-    """Why a teacher's reply cannot be used ('' when it can): one logprob per completion token of
-    every sequence, each finite and at most 0; with `top_k`, k ids (≥ 0) and k such logprobs per
-    completion token."""
+def reply_problem(reply: pb.ScoreReply, lengths: list[int], top_k: int = 0, vocab_size: int | None = None) -> str:
+    """Why a teacher's reply cannot be used ('' when it can), `code: detail`: one logprob per
+    completion token of every sequence, each, as the float32 the loss holds, finite and within
+    [MIN_LOGPROB, 0]; with `top_k`, k distinct ids in the vocabulary and k such logprobs per
+    completion token. Teacher replicas are not trusted: a bad reply costs one attempt."""
     if len(reply.sequences) != len(lengths):
-        return f"{len(reply.sequences)} sequences scored, {len(lengths)} sent"
+        return f"sequence_count: {len(reply.sequences)} sequences scored, {len(lengths)} sent"
     for i, (scored, length) in enumerate(zip(reply.sequences, lengths, strict=True)):
         if len(scored.logprobs) != length:
-            return f"sequence {i}: {len(scored.logprobs)} logprobs for {length} completion tokens"
-        if not all(math.isfinite(x) and x <= 1e-3 for x in scored.logprobs):
-            return f"sequence {i}: a logprob that is not a finite log-probability"
+            return f"logprob_count: sequence {i}: {len(scored.logprobs)} logprobs for {length} completion tokens"
+        if not logprobs_valid(np.fromiter(scored.logprobs, np.float64, length)):
+            return f"logprob_range: sequence {i}: a logprob that is not finite or not within [{MIN_LOGPROB:g}, 0]"
         tops = (len(scored.top_token_ids), len(scored.top_logprobs))
         if tops != (length * top_k,) * 2:
-            return f"sequence {i}: {tops[0]} top ids and {tops[1]} top logprobs for {length} tokens × k {top_k}"
-        if (
-            not all(math.isfinite(x) and x <= 1e-3 for x in scored.top_logprobs)
-            or min(scored.top_token_ids, default=0) < 0
-        ):
-            return f"sequence {i}: a top-k entry that is not a token and its finite log-probability"
+            return f"top_k_count: sequence {i}: {tops[0]} ids, {tops[1]} logprobs for {length} tokens × k {top_k}"
+        if not top_k:
+            continue
+        if not logprobs_valid(np.fromiter(scored.top_logprobs, np.float64, tops[1])):
+            return f"top_k_range: sequence {i}: a top-k logprob that is not a finite log-probability"
+        ids = np.fromiter(scored.top_token_ids, np.int64, tops[0]).reshape(length, top_k)
+        if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+            return f"top_k_ids: sequence {i}: top-k ids span [{ids.min()}, {ids.max()}], vocabulary {vocab_size}"
+        if top_k > 1 and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
+            return f"top_k_ids: sequence {i}: a top-k row names the same token twice"
     return ""
 
 
@@ -63,9 +67,12 @@ class TeacherScoring:
     address out at once): a step's groups cost a few calls, not one each, and none waits on a timer.
     A failed call fails every group in it; each is handed back on its own."""
 
-    def __init__(self, client: PoolClient, top_k: int = 0, batch_sequences: int = 256) -> None:
+    def __init__(
+        self, client: PoolClient, top_k: int = 0, batch_sequences: int = 256, vocab_size: int | None = None
+    ) -> None:
         self.client = client
         self.top_k = top_k
+        self.vocab_size = vocab_size  # the policy's: a top-k id past it names no token the trainer can score
         self.batch_sequences = batch_sequences
         self.slots = max(2, len(client.addresses))
         self.calls = 0  # Score calls sent (each carries one or more groups)
@@ -119,7 +126,9 @@ class TeacherScoring:
         request, rollouts = score_request(payloads, self.top_k)
         lengths = [len(r.completion_token_ids) for r in rollouts]
         self.calls += 1
-        reply = await self.client.call("Score", request, check=lambda r: reply_problem(r, lengths, self.top_k))
+        reply = await self.client.call(
+            "Score", request, check=lambda r: reply_problem(r, lengths, self.top_k, self.vocab_size)
+        )
         for rollout, scored in zip(rollouts, reply.sequences, strict=True):
             rollout.teacher_logprobs = np.asarray(scored.logprobs, dtype=np.float32)
             if self.top_k:

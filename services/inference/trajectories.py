@@ -21,6 +21,7 @@ from shared.envs import make_environment
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, play
 from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
 from shared.rollouts.record import RolloutTimings, trace_message
+from shared.rollouts.samples import scored_problem
 from shared.rpc.steadyrl.v1 import rollout_pb2
 from shared.runstore.queues import now_ms
 
@@ -83,9 +84,11 @@ async def play_group(
     run_id: str,
     leased_ms: int,
     rate: TokenRate,
+    min_scored: int = 2,
 ) -> list[bytes]:
     """The task's G rollouts, their model tokens counted (TrajectoryError: the first trajectory
-    that failed, the others cancelled)."""
+    that failed, the others cancelled; `reward_failed`: a training group with fewer than
+    `min_scored` rewards that scored)."""
     task = checked.lease.task
     started_ms = now_ms()
     started = time.perf_counter()
@@ -122,6 +125,9 @@ async def play_group(
         if isinstance(exc, TrajectoryError):
             TRAJECTORY_FAILURES.labels(replica_id, exc.code).inc()
         raise
+    problem = "" if task.is_eval else scored_problem([t.reward_error for t in trajectories], min_scored)
+    if problem:
+        raise TrajectoryError("reward_failed", problem)
     for t in trajectories:
         TRAJECTORIES.labels(replica_id, t.finish_reason).inc()
         TURNS.labels(replica_id).observe(t.turns)

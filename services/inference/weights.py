@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from services.inference.config import InferenceSettings
 from services.inference.metrics import POLICY_VERSION, SWAP_SECONDS
 from shared.engines import Engine
+from shared.runstore.run_instance import resolve_instance
 from shared.weightsync.manifest import kind
 from shared.weightsync.signing import verifier_of
 
@@ -56,4 +57,14 @@ def weights_loop(
         version=engine.version,
         verifier=verifier_of(settings, settings.run_id),
     )
-    return subscriber.run(stop)
+
+    async def watch() -> None:
+        if subscriber.verifier is not None:  # versions of another instance of the run are refused
+            client = settings.redis()
+            try:
+                subscriber.verifier.instance = await resolve_instance(settings, client)
+            finally:
+                await client.aclose()
+        await subscriber.run(stop)
+
+    return watch()

@@ -28,6 +28,7 @@ from services.inference.metrics import (
     JUDGE_FAILURES,
     RETRIED,
     REWARD_FAILURES,
+    REWARDS_EXCLUDED,
     RUNNING,
     TASK_ERRORS,
     TEACHER_FAILURES,
@@ -45,7 +46,7 @@ from shared.engines.base import gathered
 from shared.envs.trajectory import TrajectoryError
 from shared.models import decode_completions
 from shared.rollouts.record import RolloutTimings
-from shared.rollouts.samples import encode_samples
+from shared.rollouts.samples import encode_samples, scored_problem
 from shared.rpc.pool_client import PoolError
 from shared.runstore.queues import Lease, WorkQueue, now_ms
 from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
@@ -61,6 +62,10 @@ SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
 
 class EngineDead(RuntimeError):
     """The engine can serve nothing any more: the replica must stop (its supervisor restarts it)."""
+
+
+class TooFewScored(ValueError):
+    """A training group whose rewards scored too few of its completions: dropped, not trained."""
 
 
 class RolloutWorker:
@@ -80,6 +85,7 @@ class RolloutWorker:
         batching: str = "continuous",
         teacher: TeacherScoring | None = None,
         judging: JudgeScoring | None = None,
+        reward_min_scored: int = 2,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
@@ -97,6 +103,7 @@ class RolloutWorker:
         self.version_wait_seconds = version_wait_seconds
         self.teacher = teacher  # on-policy distillation: a teacher pool scores each group before it is published
         self.judging = judging or JudgeScoring(None, {}, self.rewards)  # judge:/reward_model: rewards
+        self.reward_min_scored = reward_min_scored  # a training group with fewer scored rewards is dropped
         self.rate = TokenRate()
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
@@ -270,9 +277,13 @@ class RolloutWorker:
             judged = await self._judged(checked.lease, samples)
             if judged is None:
                 return None
-        payloads = await asyncio.get_running_loop().run_in_executor(
-            SCORING, self._encode_task, checked.lease, samples, timings, judged
-        )
+        try:
+            payloads = await asyncio.get_running_loop().run_in_executor(
+                SCORING, self._encode_task, checked.lease, samples, timings, judged
+            )
+        except TooFewScored as exc:
+            await self._give_up(checked.lease, "reward_failed", str(exc))
+            return None
         if payloads is None:
             await self._hand_back(checked.lease.task_id, "the task's rollouts could not be scored or encoded")
         return payloads
@@ -291,6 +302,7 @@ class RolloutWorker:
                 self.queue.run_id,
                 leased_ms,
                 self.rate,
+                self.reward_min_scored,
             )
         except TrajectoryError as exc:
             await self._give_up(lease, exc.code, exc.message)
@@ -398,11 +410,20 @@ class RolloutWorker:
             else:
                 scores, reference = judged
             for s in scores:
+                for reason in s.failures or ((s.reason,) if s.reason else ()):
+                    REWARD_FAILURES.labels(task.task_name, reason.split(":")[0]).inc()
                 if s.reason:
-                    REWARD_FAILURES.labels(task.task_name, s.reason.split(":")[0]).inc()
+                    REWARDS_EXCLUDED.labels(task.task_name).inc()
                     log.warning(
-                        "event=reward_failed task=%s reward=%s reason=%s", lease.task_id, task.task_name, s.reason
+                        "event=reward_failed task=%s reward=%s reason=%s calls=%d",
+                        lease.task_id,
+                        task.task_name,
+                        s.reason,
+                        max(len(s.failures), 1),
                     )
+            problem = "" if task.is_eval else scored_problem([s.reason for s in scores], self.reward_min_scored)
+            if problem:
+                raise TooFewScored(problem)
             if not task.run_id:
                 task.run_id = self.queue.run_id
             shaping = task.overlong  # checked with the task (check_task)
@@ -422,6 +443,8 @@ class RolloutWorker:
                 [s.reason for s in scores],
                 reference,
             )
+        except TooFewScored:
+            raise
         except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is handed back
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)

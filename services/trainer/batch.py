@@ -33,6 +33,7 @@ class TrainBatch:
     )
     teacher_top_ids: torch.Tensor | None = None  # [B, S-1, k] long: the teacher's top-k (0 off the mask)
     teacher_top_logprobs: torch.Tensor | None = None  # [B, S-1, k] float32: their logprobs (0 off the mask)
+    scored: torch.Tensor | None = None  # [B] bool: whose reward scored (None: all); the others are off the loss
 
     @property
     def size(self) -> int:
@@ -63,6 +64,7 @@ class TrainBatch:
             pick(self.teacher_logprobs),
             pick(self.teacher_top_ids),
             pick(self.teacher_top_logprobs),
+            pick(self.scored),
         )
 
     def trimmed(self) -> TrainBatch:
@@ -82,6 +84,7 @@ class TrainBatch:
             cut(self.teacher_logprobs, width - 1),
             cut(self.teacher_top_ids, width - 1),
             cut(self.teacher_top_logprobs, width - 1),
+            self.scored,
         )
 
     def to(self, device: torch.device) -> TrainBatch:
@@ -99,12 +102,14 @@ class TrainBatch:
             move(self.teacher_logprobs),
             move(self.teacher_top_ids),
             move(self.teacher_top_logprobs),
+            move(self.scored),
         )
 
 
 def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool = False) -> TrainBatch:
     """The rollouts as one left-aligned batch; `mask_truncated`: a rollout that ran out of tokens
-    (finish reason "length") keeps no token in the loss mask."""
+    (finish reason "length") keeps no token in the loss mask. A rollout whose reward failed
+    (`reward_error`) keeps none either: it is left out of the loss and of its group's baseline."""
     if not rollouts:
         raise ValueError("no rollouts to collate")
     lengths = [len(r.prompt_token_ids) + len(r.completion_token_ids) for r in rollouts]
@@ -139,7 +144,7 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
         input_ids[row, prompt : prompt + completion] = r.completion_token_ids
         attention[row, : prompt + completion] = 1
         span = slice(prompt - 1, prompt + completion - 1)
-        if not (mask_truncated and r.finish_reason == "length"):
+        if not (mask_truncated and r.finish_reason == "length") and not r.reward_error:
             loss_mask[row, span] = r.model_tokens  # a multi-turn trajectory: the model's tokens
         inference[row, span] = r.inference_logprobs
         versions[row, span] = r.policy_versions
@@ -166,6 +171,7 @@ def collate(rollouts: list[Rollout], pad_token_id: int = 0, mask_truncated: bool
         None if teacher is None else torch.from_numpy(teacher),
         None if top_ids is None else torch.from_numpy(top_ids),
         None if top_logprobs is None else torch.from_numpy(top_logprobs),
+        torch.tensor([not r.reward_error for r in rollouts], dtype=torch.bool),
     )
 
 

@@ -92,7 +92,14 @@ class ParallelSettings(BaseModel):
     """Trainer nodes (torchrun --nnodes): above 1 the job launcher starts one torchrun per node
     (deploy/slurm, the JobSet of deploy/k8s), meeting at `rdzv_endpoint`; `steadyrl run` is one node."""
     rdzv_endpoint: str = ""
-    """host:port of torchrun's c10d rendezvous (the first node's address); needed when nodes > 1."""
+    """host:port of the weight-sync service, where the nodes meet (torchrun's `steadyrl` rendezvous:
+    weight-sync's gRPC port, the deployment's token required; no store port is opened); needed when
+    nodes > 1."""
+    rdzv_id: str = Field("", max_length=200)
+    """The job's name at the rendezvous, one per launch of the job (a requeued Slurm job, a restarted
+    JobSet: a new one), so that no node meets one of an earlier launch; empty: run_id."""
+    rdzv_timeout_seconds: int = Field(600, ge=1)
+    """How long a node waits at the rendezvous for the others before its launcher fails."""
     max_restarts: int = Field(3, ge=0)
     """torchrun --max-restarts: how often a node's launcher restarts its ranks after one fails
     before the job itself fails."""
@@ -109,8 +116,8 @@ class ParallelSettings(BaseModel):
             raise ValueError(f"ranks ({self.ranks}) must equal gpus ({self.gpus}) on GPUs: one rank per GPU")
         if self.nodes > 1 and not _endpoint(self.rdzv_endpoint):
             raise ValueError(
-                f"trainer.parallel.nodes = {self.nodes} needs trainer.parallel.rdzv_endpoint = 'host:port' (the first "
-                f"node's c10d rendezvous), got {self.rdzv_endpoint!r}"
+                f"trainer.parallel.nodes = {self.nodes} needs trainer.parallel.rdzv_endpoint = 'host:port' (the "
+                f"weight-sync service, where the nodes meet), got {self.rdzv_endpoint!r}"
             )
         per_node = self.gpus or self.ranks  # 0: the world is torchrun's, known at start (parallel.shard_layout)
         if self.mode == "hsdp" and self.shard_ranks and per_node and per_node * self.nodes % self.shard_ranks:
@@ -222,9 +229,9 @@ class DistillSettings(BaseModel):
     """Weight of the teacher's per-token signal (0: off, the task's reward alone)."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task's sequence advantage beside it (0: pure distillation)."""
-    max_gap: float = Field(0.0, ge=0)
-    """Bound on each token's |log π_teacher − log μ| (0: none): a token the teacher all but rules
-    out would otherwise outweigh the whole batch."""
+    max_gap: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """Bound on each token's |log π_teacher − log μ| (finite): a token the teacher all but rules out
+    would otherwise outweigh the whole batch."""
     top_k: int = Field(0, ge=0, le=MAX_SCORE_TOP_K)
     """The teacher's k most likely tokens at every position, carried on each rollout, and the
     distribution loss over them (0: off). Unlike the sampled token's log-ratio, its gradient does
@@ -321,6 +328,12 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
             self.step_config(self.routing_replay, self.loss.clip)  # the step's own rules (e.g. R2 needs π_old)
         if self.mini_batches > self.batch_prompts:
             raise ValueError("mini_batches cannot exceed batch_prompts (mini-batches hold whole groups)")
+        if self.dynamic_sampling.enabled and self.group_size < 2:
+            raise ValueError(
+                "trainer.dynamic_sampling filters groups whose rewards are all equal, and a group of "
+                f"run.group_size = {self.group_size} always is: every group would be filtered and nothing "
+                "trained. Set run.group_size >= 2 or turn dynamic sampling off"
+            )
         parallel = self.parallel
         if (
             self.lora.rank

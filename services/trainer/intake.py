@@ -9,7 +9,7 @@ import logging
 from prometheus_client import Counter
 
 from services.trainer.checkpoint import TrainerState
-from services.trainer.groups import GroupBuffer, Verdict
+from services.trainer.groups import GroupBuffer, Held, Verdict
 from shared.rollouts.interfaces import RolloutSource
 from shared.rollouts.record import encode_rollout
 
@@ -23,6 +23,10 @@ FILTERED = Counter(
 CAP_HIT = Counter(
     "steadyrl_trainer_dynamic_sampling_cap_hit_total",
     "Groups with equal rewards trained because the step's filter cap was reached",
+)
+NONFINITE = Counter(
+    "steadyrl_trainer_nonfinite_steps_total",
+    "Steps not applied because their inputs, loss or gradient norm were not finite (their rollouts dead-lettered)",
 )
 DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
 RESTORED = Counter(
@@ -95,6 +99,21 @@ class Intake:
         DEAD.labels(code).inc()
         self.count("dead_lettered")
         log.warning("event=rollout_dead_lettered entry=%s reason=%s message=%s", entry.decode(), code, message[:200])
+
+    async def nonfinite(self, groups: list[list[Held]], reason: str) -> None:
+        """A step that was not applied: its rollouts dead-lettered (`nonfinite_step`, payloads kept for
+        a look), their groups dead, the step counted. The model is as it was before it."""
+        NONFINITE.inc()
+        self.count("nonfinite_steps")
+        log.error("event=nonfinite_step rollouts=%d reason=%s", sum(map(len, groups)), reason)
+        for members in groups:
+            gid = members[0].rollout.group_id
+            self.buffer.dead_groups.add(gid)
+            for m in members:
+                message = f"step not applied: {reason}"
+                await self.source.dead_letter(m.entry, "nonfinite_step", message, encode_rollout(m.rollout), gid)
+                self._dead(m.entry, "nonfinite_step", message)
+        self.training = set()
 
     async def drop_stale(self, max_staleness: int) -> None:
         """Whole groups whose oldest token is more than max_staleness versions behind are dropped."""

@@ -35,22 +35,22 @@ STALL_AFTER = Gauge(
 
 
 def reward_metrics(rollouts) -> dict[str, float]:
-    """The share of a step's rollouts whose reward could not score them (`reward_failures`: a
-    reward that raises, hangs or returns no finite number scores 0; the orchestrator's stop rules
-    fail a run where this stays high), and per data mixture source among them its rollouts and their
-    mean reward (`source/NAME/rollouts`, `source/NAME/reward_mean`; none in a run of one source).
+    """The share of a step's rollouts whose reward could not score them after its retries
+    (`reward_failures`: left out of the loss; the orchestrator's stop rules fail a run where this
+    stays high), and per data mixture source among them its rollouts and the mean of the rewards
+    that scored (`source/NAME/rollouts`, `source/NAME/reward_mean`; none in a run of one source).
     Judged rollouts compared with a rule (`compare_with`) give `judge_agreement` (the share where
     the judge's reward and the rule's both are ≥ 0.5 or both below) and `judge_reference_reward_mean`."""
     out = {"reward_failures": sum(bool(r.reward_error) for r in rollouts) / max(len(rollouts), 1)}
-    compared = [r for r in rollouts if r.reference_reward is not None]
+    compared = [r for r in rollouts if r.reference_reward is not None and not r.reward_error]
     if compared:
         agree = sum((r.reward >= 0.5) == (r.reference_reward >= 0.5) for r in compared)
         out["judge_agreement"] = agree / len(compared)
         out["judge_reference_reward_mean"] = sum(r.reference_reward for r in compared) / len(compared)
     for name in sorted({r.source for r in rollouts if r.source}):
-        rewards = [r.reward for r in rollouts if r.source == name]
-        out[f"source/{name}/reward_mean"] = sum(rewards) / len(rewards)
-        out[f"source/{name}/rollouts"] = len(rewards)
+        rewards = [r.reward for r in rollouts if r.source == name and not r.reward_error]
+        out[f"source/{name}/reward_mean"] = sum(rewards) / max(len(rewards), 1)
+        out[f"source/{name}/rollouts"] = sum(r.source == name for r in rollouts)
     return out
 
 

@@ -43,7 +43,7 @@ from services.trainer.parallel import (
     prepare_reference,
     wants_bf16,
 )
-from services.trainer.training import StepConfig, resolve_recipe, train_step
+from services.trainer.training import NonFiniteStep, StepConfig, resolve_recipe, train_step
 from shared.core.lr_schedule import lr_factor
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype
@@ -258,7 +258,8 @@ class StepRunner:
         return adapter_state(self.model) if self.settings.lora.rank else self.model.state_dict()
 
     def step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
-        """One global step on whole groups (ordered by group, then sample index)."""
+        """One global step on whole groups (ordered by group, then sample index); NonFiniteStep
+        when it was not applied (the model and optimizer untouched)."""
         if self.world > 1:  # the other ranks train on the same global batch (see follow)
             broadcast_payloads([encode_rollout(r) for r in rollouts], version)
         return self._step(rollouts, version)
@@ -316,7 +317,10 @@ class StepRunner:
             if tag == GATHER:
                 gather_published(self.published())
                 continue
-            self._step([decode_rollout(p) for p in payloads], tag)
+            try:
+                self._step([decode_rollout(p) for p in payloads], tag)
+            except NonFiniteStep:  # every rank decided it alike: rank 0 settles its rollouts
+                continue
             steps += 1
 
     def stop_followers(self) -> None:

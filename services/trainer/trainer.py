@@ -28,6 +28,7 @@ from services.trainer.replica_idle import ReplicaIdle
 from services.trainer.step_log import StepLog, reward_metrics, trajectory_metrics
 from services.trainer.steps import StepRunner
 from services.trainer.stream import RedisRolloutSource
+from services.trainer.training import NonFiniteStep
 from services.trainer.version_publisher import VersionPublisher
 from shared.runstore.keys import RunKeys
 
@@ -240,7 +241,12 @@ class Trainer:
         rollouts = [m.rollout for group in groups for m in group]
         log.info("event=step_started step=%d rollouts=%d", self.state.step + 1, len(rollouts))
         async with self.model_lock:  # a Checkpoint request waits for the step, never saves half of one
-            metrics = await asyncio.to_thread(self.runner.step, rollouts, self.state.version)
+            try:
+                metrics = await asyncio.to_thread(self.runner.step, rollouts, self.state.version)
+            except NonFiniteStep as exc:  # nothing applied: no step, no version; its rollouts dead-lettered
+                await self.intake.nonfinite(groups, exc.reason)
+                self.last_step = self.step_ended = time.monotonic()
+                return {"nonfinite_step": 1.0}
             self.state.step += 1
             self.state.version += 1
             self.state.consumed.update(r.rollout_id for r in rollouts)

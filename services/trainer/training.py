@@ -3,6 +3,7 @@ statistics. Batches are laid out by `services.trainer.batch`; forwards run in `s
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,33 @@ from shared.core.terms import normalise
 from shared.models.routing import RoutingController
 
 REPLAY_MODES = ("off", "r2", "r3")
+
+
+class NonFiniteStep(RuntimeError):
+    """A step not applied: its inputs, loss or gradient norm were not finite. The model and the
+    optimizer are as they were before it (docs/internals/trainer.md)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Snapshot:
+    """The trainable parameters and the optimizer's state as they were, on the CPU, to undo the
+    updates of a step whose later mini-batch turned out non-finite (N > 1 only: one update is
+    checked before it is applied)."""
+
+    def __init__(self, model, optimizer) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.saved = [p.detach().to("cpu", copy=True) for p in self.params]
+        self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+
+    @torch.no_grad()
+    def restore(self, optimizer) -> None:
+        for param, saved in zip(self.params, self.saved, strict=True):
+            param.copy_(saved.to(param.device))
+        optimizer.state.clear()  # the state entries the undone updates made go too
+        optimizer.load_state_dict(self.optimizer_state)
 
 
 @dataclass(frozen=True)
@@ -42,8 +70,8 @@ class StepConfig:
     """On-policy distillation: per-token advantages coef · (log π_teacher − log μ) (0: off)."""
     distill_reward_weight: float = 0.0
     """... plus this weight of the task's sequence advantage."""
-    distill_max_gap: float = 0.0
-    """... the log-ratio clamped to ±this first (0: not clamped)."""
+    distill_max_gap: float = 10.0
+    """... the log-ratio clamped to ±this first (finite, > 0)."""
     distill_top_k_coef: float = 0.0
     """Weight of the KL from the teacher's top-k distribution to the policy's in the loss (0: off)."""
 
@@ -146,7 +174,8 @@ def plan_step(
 def step_advantages(batch: TrainBatch, rewards: torch.Tensor, group_size: int, config: StepConfig) -> torch.Tensor:
     """The step's advantages: the group baseline's [B] from `rewards`, or with distillation [B, S-1]
     per token (the teacher's log-ratio against μ, plus the task's by its weight)."""
-    sequence = group_advantages(rewards.view(-1, group_size), config.advantage).reshape(-1)
+    scored = None if batch.scored is None else batch.scored.view(-1, group_size)
+    sequence = group_advantages(rewards.view(-1, group_size), config.advantage, scored=scored).reshape(-1)
     if not config.distills:
         return sequence
     if batch.teacher_logprobs is None:
@@ -275,13 +304,15 @@ def update(
     """One optimizer step on `rows` (this rank's part of one mini-batch), its gradients
     accumulated over micro-batches of at most `compute.micro_batch_tokens` tokens. Every
     micro-batch divides by the mini-batch's normaliser (its valid tokens over all ranks), so the
-    update equals the unsplit one."""
+    update equals the unsplit one. NonFiniteStep, the update not applied, when the loss on any
+    rank or the global gradient norm is not finite."""
     whole = plan.batch.select(rows)
     counted = whole.loss_mask & torch.isfinite(whole.inference_logprobs)  # policy_loss drops the others
     tokens = _global_sum(counted.sum().to(compute.device), world)
     sequences = _global_sum(counted.any(dim=-1).sum().to(compute.device), world)
     chunks = token_budget_chunks(whole.lengths().tolist(), compute.micro_batch_tokens)
     optimizer.zero_grad(set_to_none=True)
+    nonfinite_loss = torch.zeros((), device=compute.device)
     for i, chunk in enumerate(chunks):
         picked = [rows[j] for j in chunk]
         mb = plan.batch.select(picked).trimmed().to(compute.device)
@@ -333,6 +364,7 @@ def update(
             if top:
                 loss = loss + teacher_kl_loss(forward, mb, config, stats, tokens, sequences)
             stats.add_total("loss_seconds", time.perf_counter() - started)
+            nonfinite_loss += (~torch.isfinite(loss.detach())).float()
             (loss * world).backward()
         stats.add_total("loss", loss.detach() / len(plan.rows_of))  # Σ over ranks, micro- and mini-batches
         stats.add_mean("entropy", forward.entropy_per_token.detach(), mb.loss_mask)
@@ -340,6 +372,11 @@ def update(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else float("inf")
     )
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    losses_bad = float(_global_sum(nonfinite_loss, world))  # every rank decides alike
+    if losses_bad or not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        what = "loss" if losses_bad else "gradient norm"
+        raise NonFiniteStep(f"the {what} of a mini-batch is not finite (gradient norm {float(grad_norm):g})")
     optimizer.step()
     stats.add_sum("grad_norm", grad_norm / world, 1.0 / world)  # every rank holds the same global norm
     stats.add_max("grad_norm_max", grad_norm.reshape(1))
@@ -357,6 +394,16 @@ def teacher_kl_loss(
     kl = torch.where(valid, kl, torch.zeros_like(kl))
     stats.add_mean("teacher_kl", kl.detach(), valid)
     return config.distill_top_k_coef * normalise(kl, valid, config.loss, tokens, sequences)
+
+
+def check_inputs(plan: StepPlan, old: OldPolicy, world: int, device: torch.device) -> None:
+    """NonFiniteStep before any update when what the loss is formed from is not finite on any rank:
+    the advantages (rewards, a KL in the reward, a teacher's log-ratios), π_old, π_ref."""
+    named = {"advantages": plan.advantages, "old logprobs": old.logprobs, "reference logprobs": old.reference}
+    bad = torch.tensor([float(v is not None and not bool(torch.isfinite(v).all())) for v in named.values()])
+    for name, flag in zip(named, _global_sum(bad.to(device), world).tolist(), strict=True):
+        if flag:
+            raise NonFiniteStep(f"the step's {name} are not all finite")
 
 
 def train_step(
@@ -400,16 +447,25 @@ def train_step(
         if config.loss.kl_in == "reward":
             kl_in_reward(plan, old.reference, group_size, config, stats, world)
         reference_seconds = lap()
-    for rows in plan.rows_of:
-        update(model, optimizer, routing, plan, old, rows, config, stats, world, compute)
+    check_inputs(plan, old, world, compute.device)
+    snapshot = Snapshot(model, optimizer) if len(plan.rows_of) > 1 else None
+    for i, rows in enumerate(plan.rows_of):
+        try:
+            update(model, optimizer, routing, plan, old, rows, config, stats, world, compute)
+        except NonFiniteStep:
+            if snapshot is not None and i > 0:  # the step's earlier updates are undone with it
+                snapshot.restore(optimizer)
+            raise
     update_seconds = lap()
     reduce_stats(stats, world)
     metrics = stats.result()
     mask = batch.loss_mask
     if batch.teacher_logprobs is not None and mask.any():  # log π_teacher − log μ: the reverse KL's sample, negated
         metrics["teacher_gap"] = float((batch.teacher_logprobs - batch.inference_logprobs)[mask].mean())
+    scored = batch.scored if batch.scored is not None else torch.ones(batch.size, dtype=torch.bool)
     metrics.update(
-        reward_mean=float(batch.rewards.mean()),
+        reward_mean=float(batch.rewards[scored].mean()) if scored.any() else 0.0,  # the rewards that scored
+        reward_excluded=float((~scored).sum()),  # rollouts whose reward failed: off the loss
         staleness_mean=float(plan.staleness[mask].mean()) if mask.any() else 0.0,
         staleness_max=float(plan.staleness[mask].max()) if mask.any() else 0.0,
         tokens=float(mask.sum()),

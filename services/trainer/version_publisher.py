@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from services.trainer.config import TrainerSettings
 from shared.runstore.keys import RunKeys, TrainerField
+from shared.runstore.run_instance import resolve_instance
 
 log = logging.getLogger("steadyrl.trainer")
 PUBLISH_FAILURES = Counter("steadyrl_trainer_publish_failures_total", "Version pushes that failed", ["code"])
@@ -37,6 +38,7 @@ class VersionPublisher:
         self.keys = RunKeys(settings.run_id)
         self.client = None  # a shared.weightsync publisher of the configured transport, made in the event loop
         self.published = 0  # the newest version pushed by this process (or found published)
+        self.instance = settings.run_instance  # the run's instance, signed into each version (`resume`)
 
     @property
     def enabled(self) -> bool:
@@ -81,7 +83,9 @@ class VersionPublisher:
     async def resume(self, version: int) -> int:
         """The version a (re)started trainer continues from: its checkpoint's `version`, or the
         next number past the newest published one when that is newer (the steps behind it were
-        lost with a crash; their numbers are never reused)."""
+        lost with a crash; their numbers are never reused). Learns the run's instance first."""
+        if self.enabled:
+            self.instance = await resolve_instance(self.settings, self.redis)
         published = await self.newest_published()
         if published > version:
             log.warning(
@@ -110,7 +114,8 @@ class VersionPublisher:
             from shared.weightsync.signing import Signer
 
             s = self.settings
-            signer = Signer.from_file(s.publish.signing_key_file, s.run_id) if s.publish.signing_key_file else None
+            key = s.publish.signing_key_file
+            signer = Signer.from_file(key, s.run_id, self.instance) if key else None
             self.client = make_publisher(
                 s.publish.transport,
                 s.weightsync_address,

@@ -5,13 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.runstore.redis_client import RedisSettings
 from shared.runtime.settings import VerifiedWeights
 
 
-class WeightSyncSettings(BaseSettings, VerifiedWeights):
+class WeightSyncSettings(RedisSettings, VerifiedWeights):
+    """Weight-sync reads one thing from the run's Redis: the run's instance, which every version it
+    takes must carry (set `redis_url`, or `run_instance` itself; docs/security.md)."""
+
     model_config = SettingsConfigDict(env_prefix="STEADYRL_WEIGHTSYNC_", extra="forbid")
 
     run_id: str = ""

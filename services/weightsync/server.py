@@ -17,12 +17,13 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.weightsync.config import WeightSyncSettings
-from services.weightsync.members import GRPC, Membership, Subscriber
-from services.weightsync.rendezvous import RendezvousError
+from services.weightsync.members import GRPC, Membership, Subscriber, SubscriberTaken
+from services.weightsync.rendezvous import RendezvousError, RendezvousRequestError, parse_amount
 from services.weightsync.store import VersionStore
 from services.weightsync.transfers import Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.runstore.run_instance import resolve_instance
 from shared.runtime.service_main import grpc_service, run_loops
 from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
 from shared.weightsync.manifest import (
@@ -157,9 +158,14 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                 )
 
     async def Watch(self, request, context):
-        subscriber = self.members.add(
-            Subscriber(request.subscriber_id or f"anonymous-{id(context)}", {GRPC, *request.transports}, request.host)
-        )
+        try:
+            subscriber = await self.members.join(
+                Subscriber(
+                    request.subscriber_id or f"anonymous-{id(context)}", {GRPC, *request.transports}, request.host
+                )
+            )
+        except SubscriberTaken as exc:
+            await self._fail(context, "watch", "subscriber_taken", grpc.StatusCode.ALREADY_EXISTS, str(exc))
         SUBSCRIBERS.set(len(self.members.subscribers))
         latest = self.store.latest
         if latest is not None and latest.manifest.version > request.after_version:
@@ -212,32 +218,41 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         self.transfers.report(request)
         return common_pb2.Empty()
 
-    async def RendezvousPut(self, request, context):
+    async def _rendezvous(self, context, call):
+        """One rendezvous call, its refusals as statuses: a malformed request INVALID_ARGUMENT, a key
+        space not open or past its bounds PERMISSION_DENIED, a key not set in time DEADLINE_EXCEEDED."""
         try:
-            self.transfers.rendezvous.put(request.epoch, request.rendezvous, request.key, request.value)
-        except RendezvousError as exc:
-            await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        return common_pb2.Empty()
-
-    async def RendezvousWait(self, request, context):
-        try:
-            value = await self.transfers.rendezvous.wait_async(
-                request.epoch, request.rendezvous, request.key, request.timeout_seconds
-            )
+            return await call()
+        except RendezvousRequestError as exc:
+            await self._fail(context, "rendezvous", "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RendezvousError as exc:
             await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except TimeoutError as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        return pb.RendezvousValue(value=value)
+
+    async def RendezvousPut(self, request, context):
+        async def put():
+            self.transfers.rendezvous.put(request.epoch, request.rendezvous, request.key, request.value, request.job)
+            return common_pb2.Empty()
+
+        return await self._rendezvous(context, put)
+
+    async def RendezvousWait(self, request, context):
+        async def wait():
+            value = await self.transfers.rendezvous.wait_async(
+                request.epoch, request.rendezvous, request.key, request.timeout_seconds, request.job
+            )
+            return pb.RendezvousValue(value=value)
+
+        return await self._rendezvous(context, wait)
 
     async def RendezvousAdd(self, request, context):
-        try:
-            total = self.transfers.rendezvous.add(
-                request.epoch, request.rendezvous, request.key, int(request.value or b"0")
-            )
-        except (RendezvousError, ValueError) as exc:
-            await self._fail(context, "rendezvous", "refused", grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        return pb.RendezvousValue(value=str(total).encode())
+        async def add():
+            amount = parse_amount(request.value)
+            total = self.transfers.rendezvous.add(request.epoch, request.rendezvous, request.key, amount, request.job)
+            return pb.RendezvousValue(value=str(total).encode())
+
+        return await self._rendezvous(context, add)
 
     async def Pull(self, request, context):
         started = time.perf_counter()
@@ -300,6 +315,22 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         return pb.VersionList(versions=[self.store.versions[v].info() for v in sorted(self.store.versions)])
 
 
+async def weightsync_instance(settings: WeightSyncSettings) -> str:
+    """The run instance weight-sync holds versions to: its `run_instance`, else the run's in Redis
+    when `redis_url` is set; else none (logged: an earlier run's version is then taken)."""
+    if settings.run_instance or "redis_url" not in settings.model_fields_set:
+        if not settings.run_instance:
+            log.warning("event=run_instance_unknown detail=no redis_url: versions of an earlier run are not refused")
+        return settings.run_instance
+    client = settings.redis()
+    try:
+        instance = await resolve_instance(settings, client)
+    finally:
+        await client.aclose()
+    log.info("event=run_instance instance=%s", instance)
+    return instance
+
+
 def _serialize_pull(item: pb.PullResponse | bytes) -> bytes:
     return item if isinstance(item, bytes) else item.SerializeToString()
 
@@ -328,6 +359,8 @@ async def serve(
 ) -> None:
     """Run until `stop` is set (or forever)."""
     servicer = WeightSyncServicer(settings)
+    if servicer.verifier is not None:
+        servicer.verifier.instance = await weightsync_instance(settings)
     stop = stop or asyncio.Event()
     async with grpc_service(
         "weightsync",

@@ -21,15 +21,17 @@ def distillation_advantages(
     coef: float,
     sequence_advantages: torch.Tensor | None = None,
     reward_weight: float = 0.0,
-    max_gap: float = 0.0,
+    max_gap: float = 10.0,
 ) -> torch.Tensor:
     """[B, T] advantages: coef · (log π_teacher − log μ) on the valid tokens (0 elsewhere, and where
-    either logprob is not finite), clamped to ±max_gap when it is > 0, plus reward_weight · Â (a [B]
+    either logprob is not finite), clamped to ±max_gap (finite, > 0), plus reward_weight · Â (a [B]
     sequence advantage) on them."""
+    if not 0 < max_gap < float("inf"):
+        raise ValueError(f"max_gap must be finite and > 0, got {max_gap}")
     valid = mask.bool() & torch.isfinite(teacher_logprobs) & torch.isfinite(behaviour_logprobs)
     gap = torch.where(valid, teacher_logprobs - behaviour_logprobs, torch.zeros_like(teacher_logprobs))
-    if max_gap > 0:  # a token the teacher all but rules out (log π_teacher ≈ −30) would drown the rest
-        gap = gap.clamp(-max_gap, max_gap)
+    # a token the teacher all but rules out (log π_teacher ≈ −30) would drown the rest
+    gap = gap.clamp(-max_gap, max_gap)
     advantages = coef * gap
     if sequence_advantages is not None and reward_weight:
         advantages = advantages + reward_weight * torch.where(

@@ -20,6 +20,11 @@ from shared.rpc.steadyrl.v1 import rollout_pb2
 
 # Slack for logprobs computed in low precision: a logprob above this is not a probability.
 MAX_LOGPROB = 1e-3
+# A logprob below this is no model's (a float32 log-softmax stays within a few hundred of 0); one that
+# low would overflow the ratios and KL estimates the loss forms from it.
+MIN_LOGPROB = -1e4
+# The largest |reward| the trainer takes: a group's sum and mean stay far inside float32, the loss's dtype.
+MAX_REWARD = 1e6
 _TRACE_DTYPES = {rollout_pb2.RoutingTrace.UINT8: np.uint8, rollout_pb2.RoutingTrace.UINT16: np.uint16}
 _MAX_TRACE_BYTES = 1 << 31  # an unpacked trace (a 256k-token rollout of a 48-layer top-8 model is ~100 MB)
 SOURCE_NAME = re.compile(r"[a-z0-9_]{0,64}")  # a mixture source's name (a metric key of the trainer), or empty
@@ -303,21 +308,28 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
     tokens = np.concatenate([rollout.prompt_token_ids, rollout.completion_token_ids]).astype(np.int64)
     if tokens.min() < 0 or (limits.vocab_size is not None and tokens.max() >= limits.vocab_size):
         raise RolloutError("token_range", f"token ids span [{tokens.min()}, {tokens.max()}], vocab {limits.vocab_size}")
-    logprobs = rollout.inference_logprobs
+    logprobs = np.asarray(rollout.inference_logprobs, dtype=np.float32)
     if not np.isfinite(logprobs).all():
         bad = int((~np.isfinite(logprobs)).sum())
         raise RolloutError("nonfinite_logprobs", f"{bad} of {completion_len} inference logprobs are NaN/inf")
-    if logprobs.max() > MAX_LOGPROB:
-        raise RolloutError("logprob_range", f"inference logprob {float(logprobs.max()):.4g} > 0")
-    teacher = rollout.teacher_logprobs
-    if teacher is not None and not (np.isfinite(teacher).all() and teacher.max() <= MAX_LOGPROB):
-        raise RolloutError("teacher_logprobs", "a teacher logprob is NaN, infinite or above 0")
+    if logprobs.max() > MAX_LOGPROB or logprobs.min() < MIN_LOGPROB:
+        raise RolloutError(
+            "logprob_range",
+            f"inference logprobs span [{float(logprobs.min()):.4g}, {float(logprobs.max()):.4g}], "
+            f"not within [{MIN_LOGPROB:g}, 0]",
+        )
+    if rollout.teacher_logprobs is not None and not logprobs_valid(rollout.teacher_logprobs):
+        raise RolloutError("teacher_logprobs", f"a teacher logprob is NaN, infinite or outside [{MIN_LOGPROB:g}, 0]")
     if rollout.teacher_top_ids is not None or rollout.teacher_top_logprobs is not None:
         _validate_teacher_top(rollout, limits)
-    if rollout.reference_reward is not None and not np.isfinite(rollout.reference_reward):
-        raise RolloutError("nonfinite_reward", f"reference_reward is {rollout.reference_reward}")
-    if not np.isfinite(rollout.reward) or not all(map(np.isfinite, rollout.env_metrics.values())):
-        raise RolloutError("nonfinite_reward", f"reward is {rollout.reward}, env_metrics {rollout.env_metrics}")
+    if rollout.reference_reward is not None and not reward_valid(rollout.reference_reward):
+        raise RolloutError(
+            "nonfinite_reward", f"reference_reward {rollout.reference_reward} is not within ±{MAX_REWARD:g}"
+        )
+    if not reward_valid(rollout.reward):
+        raise RolloutError("nonfinite_reward", f"reward {rollout.reward} is not a float32 within ±{MAX_REWARD:g}")
+    if not all(map(np.isfinite, rollout.env_metrics.values())):
+        raise RolloutError("nonfinite_reward", f"env_metrics {rollout.env_metrics} are not all finite")
     if rollout.loss_mask is not None and not rollout.model_tokens.any():
         raise RolloutError("empty", "the loss mask marks no model token")
     versions = rollout.policy_versions
@@ -330,6 +342,20 @@ def validate_rollout(rollout: Rollout, limits: RolloutLimits | None = None) -> R
     if rollout.routing_trace is not None:
         _validate_trace(rollout, limits)
     return rollout
+
+
+def reward_valid(value: float) -> bool:
+    """Whether a reward, as the float32 the loss holds, is finite and at most MAX_REWARD in size."""
+    return math.isfinite(value) and abs(value) <= MAX_REWARD
+
+
+def logprobs_valid(values: np.ndarray) -> bool:
+    """Whether logprobs, as float32, are all finite and within [MIN_LOGPROB, 0] (MAX_LOGPROB's slack)."""
+    with np.errstate(over="ignore"):  # a value past float32 becomes inf: refused below
+        values = np.asarray(values, dtype=np.float32)
+    return bool(
+        values.size == 0 or (np.isfinite(values).all() and values.min() >= MIN_LOGPROB and values.max() <= MAX_LOGPROB)
+    )
 
 
 def _validate_teacher_top(rollout: Rollout, limits: RolloutLimits) -> None:
@@ -347,8 +373,8 @@ def _validate_teacher_top(rollout: Rollout, limits: RolloutLimits) -> None:
         raise RolloutError("teacher_top", f"top-k token ids span [{ids.min()}, {ids.max()}], vocab {limits.vocab_size}")
     if ids.shape[1] > 1 and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
         raise RolloutError("teacher_top", "a top-k row names the same token twice")
-    if not (np.isfinite(logprobs).all() and logprobs.max() <= MAX_LOGPROB):
-        raise RolloutError("teacher_top", "a top-k logprob is NaN, infinite or above 0")
+    if not logprobs_valid(logprobs):
+        raise RolloutError("teacher_top", f"a top-k logprob is NaN, infinite or outside [{MIN_LOGPROB:g}, 0]")
     if np.exp(logprobs.astype(np.float64)).sum(axis=1).max() > 1 + 1e-2:
         raise RolloutError("teacher_top", "a top-k row's probabilities sum to more than 1")
 
@@ -391,7 +417,7 @@ def _scalars_valid(r: Rollout, limits: RolloutLimits) -> bool:
         and prompt + completion <= limits.max_total_tokens
         and len(r.inference_logprobs) == completion
         and len(r.policy_versions) == completion
-        and math.isfinite(r.reward)
+        and reward_valid(r.reward)
         and all(math.isfinite(v) for v in r.env_metrics.values())
         and (
             trace is None
@@ -411,7 +437,7 @@ def _arrays_valid(rollouts: list[Rollout], limits: RolloutLimits) -> bool:
     if tokens.min() < 0 or (limits.vocab_size is not None and tokens.max() >= limits.vocab_size):
         return False
     logprobs = np.concatenate([r.inference_logprobs for r in rollouts])
-    if not np.isfinite(logprobs).all() or logprobs.max() > MAX_LOGPROB:
+    if not logprobs_valid(logprobs):
         return False
     versions = np.concatenate([r.policy_versions for r in rollouts])
     falls = versions[1:] < versions[:-1]

@@ -88,3 +88,15 @@ def encode_samples(
             own.routing_trace.CopyFrom(trace_message(sample.routing_trace, sample.num_experts))
         out.append(shared + own.SerializeToString())
     return out
+
+
+def scored_problem(reasons: list[str], min_scored: int) -> str:
+    """Why a training group cannot be trained for its failed rewards ('' when it can): fewer than
+    `min_scored` (at most the group's size) of its completions scored (`reasons`: each one's
+    reward error, '' where it scored)."""
+    scored = sum(not reason for reason in reasons)
+    need = min(min_scored, len(reasons))
+    if scored >= need:
+        return ""
+    failed = sorted({reason.split(":")[0] for reason in reasons if reason})
+    return f"{scored} of {len(reasons)} rewards scored, {need} needed (failed: {', '.join(failed)})"

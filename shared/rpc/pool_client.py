@@ -13,8 +13,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 import grpc
+from prometheus_client import Counter
 
 log = logging.getLogger("steadyrl.pools")
+ATTEMPTS_FAILED = Counter(
+    "steadyrl_inference_pool_attempts_failed_total",
+    "Calls to a teacher or judge replica that failed (an error, a timeout, or a reply refused as unusable), by reason",
+    ["pool", "reason"],
+)
 # what another replica, or the same one later, may answer differently
 RETRYABLE = frozenset(
     {
@@ -71,11 +77,21 @@ class PoolClient:
         self.stubs = [stub(c) for c in self.channels]
         self._next = itertools.cycle(range(len(self.stubs)))
 
-    async def call(self, method: str, request, check: Callable[[object], str] | None = None) -> object:
+    async def call(
+        self,
+        method: str,
+        request,
+        check: Callable[[object], str] | None = None,
+        prefer: Callable[[object], str] | None = None,
+    ) -> object:
         """`method` of a replica's stub on `request`, at most `attempts` tries of `timeout_seconds`
-        each; `check(reply)` returns a reason when the reply is garbage ('' when it is good), which
-        counts as a failed attempt. Raises PoolError with the last reason."""
+        each. `check(reply)` returns a reason when the reply is unusable ('' when it is good): a
+        failed attempt. `prefer(reply)` returns a reason when another replica may answer better (a
+        verdict it could not read): a failed attempt too, but the first such reply is kept, and
+        taken when no attempt does better (the last attempt's is taken as it is). Reasons start
+        with a short code and a colon (the counter's label). Raises PoolError with the last reason."""
         reason = "no attempt"
+        usable = None  # the first reply only `prefer` found fault with
         first = next(self._next)  # calls start on the replicas in turn; a call's retries go on from its own start,
         for attempt in range(self.attempts):  # so concurrent calls never send one call twice to a dead replica
             index = (first + attempt) % len(self.stubs)
@@ -83,17 +99,26 @@ class PoolClient:
             try:
                 reply = await getattr(self.stubs[index], method)(request, timeout=self.timeout_seconds)
             except grpc.aio.AioRpcError as exc:
-                reason = f"{address}: {exc.code().name} {exc.details() or ''}".strip()
+                code = exc.code().name
+                reason = f"{address}: {code} {exc.details() or ''}".strip()
+                ATTEMPTS_FAILED.labels(self.pool, code.lower()).inc()
                 if exc.code() not in RETRYABLE:
                     raise PoolError(self.pool, reason) from None
             else:
                 problem = check(reply) if check else ""
+                if not problem and prefer is not None and attempt + 1 < self.attempts:
+                    problem = prefer(reply)
+                    usable = reply if problem and usable is None else usable
                 if not problem:
                     return reply
+                code = problem.split(":", 1)[0] if ":" in problem else "unusable"
+                ATTEMPTS_FAILED.labels(self.pool, code if code.isidentifier() else "unusable").inc()
                 reason = f"{address}: {problem}"
             log.warning("event=pool_call_failed pool=%s attempt=%d reason=%s", self.pool, attempt + 1, reason[:300])
             if attempt + 1 < self.attempts:
                 await asyncio.sleep(self.backoff_seconds * 2**attempt)
+        if usable is not None:  # no replica did better than a reply with unread verdicts: take it
+            return usable
         raise PoolError(self.pool, f"{self.attempts} attempts failed, the last: {reason}")
 
     async def wait_ready(self, poll_seconds: float = 30.0) -> float:

@@ -87,6 +87,13 @@ KEYS = {
     ),
     "trainer": Key("trainer", "HASH", "`TrainerField`s", "trainer", "trainer (restart)"),
     "run": Key("run", "HASH", "`RunField`s", "orchestrator", "orchestrator, `/v1/run`"),
+    "instance": Key(
+        "instance",
+        "STRING",
+        "the run's instance: 32 random hexadecimal characters, written once (SET NX), never changed",
+        "the first service of the run to start",
+        "trainer (signs it into every version), weight-sync and replicas (refuse another)",
+    ),
     "replicas": Key("replicas", "HASH", "replica → version", "orchestrator (heartbeats)", "orchestrator, `/v1/run`"),
     "replica_idle": Key(
         "replica_idle",

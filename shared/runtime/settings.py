@@ -63,6 +63,10 @@ class UnsignedWeights(BaseModel):
     """Publish (trainer) or take (weight-sync, replicas) weight versions without the trainer's
     signature. Then whoever holds the token can publish weights: for tests and a single trusted
     process, never a deployment (docs/security.md)."""
+    run_instance: str = Field("", pattern=r"^([0-9a-f]{32})?$")
+    """The run's instance, signed into every version (32 hexadecimal characters): a version that
+    carries another — an earlier run's — is refused. Empty: the one in the run's Redis, made there
+    by the first service of the run (docs/security.md)."""
 
 
 class VerifiedWeights(UnsignedWeights):

@@ -1,10 +1,11 @@
-"""Model-judged rewards: the reward names that a judge pool scores, the judge prompt a template
-fills, and the rules that turn a judge's verdict text into a reward. Pure: the pool calls live in
+"""Model-judged rewards: the reward names a judge pool scores, the judge prompt a template fills,
+and the grammar that turns a judge's verdict text into a reward. Pure: the pool calls live in
 services/inference/judge.py.
 
-`judge:NAME` — a generative judge answers the filled template NAME; its verdict is parsed by the
-template's rule (the last number, the last yes/no, or the last word looked up in a label map).
-`reward_model:NAME` — a sequence-classification model returns a scalar for the filled template.
+The completion sits between the template's markers, its markers and anchors taken out, so it can
+neither close its own block nor write a verdict the judge might copy; the verdict is what follows
+the anchor (`VERDICT:`), once, on the judge's last line, read strictly (a number or fraction,
+yes/no, or a label) and checked in float32 against the template's range.
 
 Details: docs/guides/pools.md"""
 
@@ -14,15 +15,19 @@ import math
 import re
 import string
 
+import numpy as np
+
 MODEL_REWARD = re.compile(r"^(judge|reward_model):([a-z0-9_]{1,64})$")
 PLACEHOLDERS = frozenset({"prompt", "response", "answer"})
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+FRACTION = re.compile(rf"(?P<num>{NUMBER.pattern})\s*/\s*(?P<den>{NUMBER.pattern})")
 YES = frozenset({"yes", "y", "true", "correct"})
 NO = frozenset({"no", "n", "false", "incorrect", "wrong"})
+DEFAULT_RANGE = (-1e4, 1e4)
 
 
 class VerdictError(ValueError):
-    """A verdict that no rule can read: `reason` says why (the rollout scores 0 with it)."""
+    """A verdict that no rule can read: `reason` says why (the sample's reward failed with it)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -59,39 +64,85 @@ def check_template(prompt: str) -> str:
     return prompt
 
 
-def render(template: str, prompt: str, response: str, answer: str) -> str:
-    """The judge's input for one completion."""
-    return template.format(prompt=prompt, response=response, answer=answer)
+def strip_all(text: str, needles: list[str]) -> str:
+    """`text` with every case-insensitive occurrence of each needle removed, again until none is left
+    (taking one out may join the text around it into another)."""
+    pattern = re.compile("|".join(re.escape(n) for n in needles if n), re.IGNORECASE) if any(needles) else None
+    while pattern is not None:
+        stripped = pattern.sub("", text)
+        if stripped == text:
+            return text
+        text = stripped
+    return text
 
 
-def last_word(text: str) -> str:
-    words = re.findall(r"[a-z0-9_]+", text.lower())
-    if not words:
+def delimit(response: str, markers: tuple[str, str], anchor: str, max_chars: int) -> str:
+    """The completion as the judge reads it: cut to `max_chars`, its markers and anchors taken out,
+    between the two markers."""
+    return markers[0] + strip_all(response[:max_chars], [*markers, anchor]) + markers[1]
+
+
+def render(
+    template: str,
+    prompt: str,
+    response: str,
+    answer: str,
+    markers: tuple[str, str] = ("", ""),
+    anchor: str = "",
+    max_chars: int = 1 << 30,
+) -> str:
+    """The judge's input for one completion (delimited by `markers`, see `delimit`)."""
+    return template.format(prompt=prompt, response=delimit(response, markers, anchor, max_chars), answer=answer)
+
+
+def verdict_text(text: str, anchor: str) -> str:
+    """What follows the anchor: it must appear exactly once (case-insensitive), on the judge's last
+    non-empty line. VerdictError `verdict:unparsed` or `verdict:ambiguous` (an echo of another's)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
         raise VerdictError("verdict:empty")
-    return words[-1]
+    if not anchor:
+        return lines[-1].strip()
+    count = text.lower().count(anchor.lower())
+    if count > 1:
+        raise VerdictError("verdict:ambiguous")
+    at = lines[-1].lower().find(anchor.lower())
+    if count == 0 or at < 0:
+        raise VerdictError("verdict:unparsed")
+    return lines[-1][at + len(anchor) :].strip()
 
 
-def parse_verdict(text: str, rule: str, labels: dict[str, float]) -> float:
-    """The reward a verdict gives under `rule` (number | yes_no | label); VerdictError when it
-    cannot be read. A judge writes its reasoning first and its verdict last, so each rule reads the
-    last number or word."""
+def read_number(word: str) -> float:
+    """A number or a fraction `a/b` (b > 0), the whole of `word`; VerdictError else."""
+    if NUMBER.fullmatch(word):
+        return float(word)
+    fraction = FRACTION.fullmatch(word)
+    if fraction and float(fraction["den"]) > 0:
+        return float(fraction["num"]) / float(fraction["den"])
+    raise VerdictError("verdict:unparsed")
+
+
+def parse_verdict(text: str, rule: str, labels: dict[str, float], anchor: str = "VERDICT:") -> float:
+    """The reward a judge's text gives under `rule` (number | yes_no | label), read strictly from
+    what follows its anchor (one trailing period allowed); VerdictError when it cannot be read."""
+    word = verdict_text(text, anchor).removesuffix(".").strip()
     if rule == "number":
-        numbers = NUMBER.findall(text)
-        if not numbers:
-            raise VerdictError("verdict:no_number")
-        value = float(numbers[-1])
-        if not math.isfinite(value):
-            raise VerdictError("verdict:nonfinite")
-        return value
-    word = last_word(text)
+        return read_number(word)
+    lowered = word.lower()
     if rule == "yes_no":
-        if word in YES:
+        if lowered in YES:
             return 1.0
-        if word in NO:
+        if lowered in NO:
             return 0.0
-        raise VerdictError("verdict:not_yes_no")
+        raise VerdictError("verdict:unparsed")
     if rule == "label":
-        if word not in labels:
+        if lowered not in labels:
             raise VerdictError("verdict:unknown_label")
-        return float(labels[word])
+        return float(labels[lowered])
     raise ValueError(f"unknown verdict rule {rule!r}; expected number, yes_no or label")
+
+
+def in_range(value: float, bounds: tuple[float, float]) -> bool:
+    """Whether `value`, as the float32 the loss will hold, is finite and within `bounds`."""
+    as_loss = float(np.float32(value)) if math.isfinite(value) and abs(value) < 3.4e38 else math.inf
+    return math.isfinite(as_loss) and bounds[0] <= as_loss <= bounds[1]

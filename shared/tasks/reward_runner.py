@@ -3,9 +3,11 @@
 Replicas score completions on their engine thread, where `signal.alarm` (math-verify's own time
 limit) cannot work. `RewardRunner` runs every reward that is not registered `inline` in a child
 process (`shared.tasks.reward_worker`, JSON lines over its stdin/stdout: no pickle). Each
-completion gets `timeout` seconds; a reward that hangs is killed with its process, scores 0 with
-the reason `timeout`, and a fresh process takes the rest. A reward that raises or returns a
-non-finite value scores 0 with its reason. Nothing a reward does stops the caller.
+completion gets `timeout` seconds; a reward that hangs is killed with its process (reason
+`timeout`) and a fresh process takes the rest. A call that raises, hangs or returns a non-finite
+value is a failed call, not a zero: it is tried again, up to `retries` times, and a completion
+whose every call failed keeps the last reason — the trainer leaves it out of the loss. Nothing a
+reward does stops the caller.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ log = logging.getLogger("steadyrl.rewards")
 @dataclass(frozen=True)
 class Score:
     value: float
-    reason: str = ""  # '' = a good value; else why it is 0: timeout, error:<type>, nonfinite, ...
+    reason: str = ""  # '' = a good value; else why it failed (value 0): timeout, error:<type>, nonfinite, ...
+    failures: tuple[str, ...] = ()  # the reasons of every failed call, retried ones included
 
 
 class _Worker:
@@ -71,8 +74,9 @@ class _Worker:
 class RewardRunner:
     """Score completions against an answer. Thread-safe; one reward process, started on demand."""
 
-    def __init__(self, timeout: float = 10.0) -> None:
+    def __init__(self, timeout: float = 10.0, retries: int = 0) -> None:
         self.timeout = timeout
+        self.retries = retries  # calls again for a completion whose call failed
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
 
@@ -81,6 +85,20 @@ class RewardRunner:
         resolve_reward(name)
 
     def score(self, name: str, completions: list[str], answer: str) -> list[Score]:
+        """Each completion's reward: its failed calls tried again (`retries`), each Score carrying
+        the reasons of its failed calls and, when none succeeded, the last as its reason."""
+        scores = self._score_once(name, completions, answer)
+        failures: list[tuple[str, ...]] = [(s.reason,) if s.reason else () for s in scores]
+        for _ in range(self.retries):
+            again = [i for i, s in enumerate(scores) if s.reason]
+            if not again:
+                break
+            for i, retried in zip(again, self._score_once(name, [completions[i] for i in again], answer), strict=True):
+                scores[i] = retried
+                failures[i] += (retried.reason,) if retried.reason else ()
+        return [Score(s.value if not s.reason else 0.0, s.reason, f) for s, f in zip(scores, failures, strict=True)]
+
+    def _score_once(self, name: str, completions: list[str], answer: str) -> list[Score]:
         if is_inline(name):
             fn = resolve_reward(name)
             return [Score(*score(fn, c, answer)) for c in completions]

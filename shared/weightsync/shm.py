@@ -11,6 +11,7 @@ import asyncio
 import json
 import mmap
 import os
+import secrets
 import struct
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.runtime.private_files import private_dir
 from shared.weightsync.base import (
     Bucket,
     Delivery,
@@ -102,11 +104,16 @@ def write_shm(
     head, header, size = _layout(tensors)
     start = len(head)
     manifest = empty_manifest(tensors, version, parent_version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        private_dir(path.parent)  # 0700 and this user's: no one else can plant or swap a version file
+    except PermissionError as exc:
+        raise WeightError(f"the version folder: {exc}") from None
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     if reuse is not None and reuse.exists() and reuse.stat().st_size == size:
-        os.replace(reuse, tmp)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        os.replace(reuse, tmp)  # a file of this private folder: opened as it is, never through a link
+        fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW)
+    else:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
         os.pwrite(fd, head, 0)
@@ -144,8 +151,11 @@ def map_version(path: str | Path) -> tuple[mmap.mmap, dict, int]:
     gone (pruned since it was announced), empty, cut short or not a version file: WeightError, so
     the version is refused like a bad byte, never a dead loop."""
     try:
-        with open(path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link planted in its place is refused
+        try:
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
         (size,) = struct.unpack("<Q", mapped[:8])
         header = json.loads(mapped[8 : 8 + size])
     except (OSError, ValueError, struct.error) as exc:  # ValueError: an empty file, a bad header
@@ -216,6 +226,8 @@ def prune_shm(directory: Path, keep: int, current: int) -> Path | None:
     the rest (a reader that mapped one keeps its pages). A file of a version above `current` is
     an earlier process's (a killed run of the same run id, a trainer resumed from an older
     checkpoint): deleted, or it would count among the newest and have `current` pruned at once."""
+    for stale in directory.glob(".v*.safetensors.*.tmp"):  # a write a crash cut short (none is under way)
+        stale.unlink(missing_ok=True)
     files = []
     for version, path in sorted((int(p.stem[1:]), p) for p in directory.glob("v*.safetensors")):
         if version > current:

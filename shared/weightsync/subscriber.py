@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -40,6 +41,24 @@ REFUSED = Counter(
 RESTORED = Counter("steadyrl_inference_weight_restores_total", "Whole versions applied after one failed half-way")
 Apply = Callable[[Delivery], Awaitable[float]]
 Base = Callable[[str, str], memoryview | None]  # (name, dtype) → the served version's bytes, or None
+
+
+def check_announcement(announcement: pb.VersionAnnouncement, served: int, verifier=None) -> None:
+    """WeightError unless the announced version may be taken: newer than `served`; with its
+    manifest on the announcement (every transport but gRPC), one that lists tensors, holds the
+    announced number and passes `verifier` (the trainer's signature, this run and its instance)."""
+    announced = announcement.version.version
+    if announced <= served:
+        raise WeightError(f"version {announced} is not newer than the served {served}")
+    if announcement.transport.kind == pb.GRPC:
+        return  # the manifest comes with the pull, checked there
+    manifest = announcement.manifest
+    if not manifest.tensors:
+        raise WeightError(f"version {announced} was announced without the manifest of its bytes")
+    if manifest.version != announced:
+        raise WeightError(f"version {announced} was announced with the manifest of version {manifest.version}")
+    if verifier is not None:
+        verifier.check(manifest)
 
 
 class WatchSubscriber(WeightSubscriber):
@@ -72,7 +91,9 @@ class WatchSubscriber(WeightSubscriber):
         self.manifest: pb.WeightManifest | None = None  # its manifest, once one came
         self.applied: list[int] = []
         self.received: dict[str, int] = {}  # versions received, by transport
-        self.refused = 0  # the newest version refused as corrupt (never asked for again)
+        # versions refused (bad bytes, not the trainer's), never asked for again: a set, not the
+        # highest, so that a refused number far ahead stops nothing of the trainer's own
+        self.refused: deque[int] = deque(maxlen=64)
         self.wire_bytes = 0
         self.reconnects = 0
         self.groups = Groups(address)
@@ -83,10 +104,12 @@ class WatchSubscriber(WeightSubscriber):
         return self._version
 
     def deliveries(self, announcement: pb.VersionAnnouncement) -> Delivery:
-        """The delivery of an announced version, by the transport it takes (WeightError: an
-        announced manifest that is not the run's trainer's)."""
-        if announcement.manifest.tensors and self.verifier is not None:
-            self.verifier.check(announcement.manifest)
+        """The delivery of an announced version, by the transport it takes. Every one is checked
+        before anything of it is used (WeightError otherwise): its number newer than the one served;
+        a manifest riding on the announcement (shm, collective) lists tensors, carries that same
+        number and is the run's trainer's; a gRPC pull's manifest is checked as it arrives
+        (`GrpcDelivery.open`: the number asked for, the trainer's signature)."""
+        check_announcement(announcement, self.version, self.verifier)
         return transport_of_kind(announcement.transport.kind).delivery(announcement, self)
 
     def pull(self, version: int, manifest: pb.WeightManifest | None = None, delta: bool = True) -> GrpcDelivery:
@@ -143,14 +166,14 @@ class WatchSubscriber(WeightSubscriber):
         """Apply one announced version; True when this subscriber should subscribe again."""
         version = announcement.version.version
         kind = announcement.transport.kind
-        if version <= max(self.version, self.refused):
+        if version <= self.version or version in self.refused:
             return False
         try:
             delivery = self.deliveries(announcement)
         except WeightError as exc:  # not the trainer's: never applied, never asked for again
             REFUSED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
             log.warning("event=weights_refused version=%d reason=signature error=%s", version, exc)
-            self.refused = max(self.refused, version)
+            self.refused.append(version)
             await self._report(stub, announcement, str(exc))
             return kind == pb.COLLECTIVE
         try:
@@ -178,7 +201,7 @@ class WatchSubscriber(WeightSubscriber):
                 _short(exc) if isinstance(exc, grpc.RpcError) else exc,
             )
             if kind == pb.GRPC:
-                self.refused = version
+                self.refused.append(version)
                 return False
             await self._report(stub, announcement, str(exc))
             await self._pull_when_held(version, announcement.transport.timeout_seconds * 2 or 120)

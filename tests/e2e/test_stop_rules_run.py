@@ -1,6 +1,7 @@
 """A run that can only fail is failed, with its reason, a non-zero exit and the alert's metric:
 every task past the model's context (dead-lettered: `dead_share`), and a
-reward that raises on every real completion (`reward_failures`)."""
+reward that raises on every real completion (retried, then every group dropped as `reward_failed`:
+`dead_share` too, with no step trained on a zero it never scored)."""
 
 import json
 import re
@@ -48,10 +49,10 @@ def run(out: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
             "dead_share",
             r"(\d+) of the last \1 train tasks were dead-lettered",  # the window: 40 or more, as tasks end
         ),
-        pytest.param(  # slow: the rule is tests/unit/test_stop_rules.py's, the failed run's path every-task-dies'
-            ('orchestrator.reward="tests.rewards:explode_after_dry_call"', "orchestrator.stop.window_steps=3"),
-            "reward_failures",
-            "the reward failed on 100% of the rollouts of the last 3 steps",
+        pytest.param(  # slow: the rule is every-task-dies'; a failed reward is retried, then its group dropped
+            ('orchestrator.reward="tests.rewards:explode_after_dry_call"', "orchestrator.stop.window_tasks=40"),
+            "dead_share",
+            r"(\d+) of the last \1 train tasks were dead-lettered",
             marks=pytest.mark.slow,
         ),
     ],
@@ -63,5 +64,7 @@ def test_a_run_that_can_only_fail_is_failed_with_its_reason(tmp_path, tiny_model
     assert summary["outcome"] == "failed" and summary["error"].startswith(f"{rule}: "), summary
     assert re.search(reason, summary["error"]) and summary["final_status"]["failure"]["rule"] == rule
     assert summary["steps"] < 50
+    if "explode" in overrides[0]:  # no step trains a zero for a reward that failed: none at all
+        assert summary["steps"] == 0
     log = (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
     assert f"event=run_failed run=tiny-arith rule={rule}" in log

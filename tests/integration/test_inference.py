@@ -291,6 +291,11 @@ class Replica:
         self.stop = asyncio.Event()
 
     async def __aenter__(self):
+        from shared.runstore.run_instance import run_instance
+
+        redis = Redis.from_url(self.settings.redis_url.get_secret_value())
+        self.signer.instance = await run_instance(redis, self.settings.run_id)  # this run's, as the trainer signs
+        await redis.aclose()
         ws_ready = asyncio.Event()
         ready = asyncio.Event()
         self.tasks = [asyncio.create_task(serve_weightsync(self.ws_settings, ws_ready, self.stop))]
@@ -374,6 +379,10 @@ async def _version_is(stub, version: int) -> bool:
 
 async def _completed(queue: WorkQueue, count: int) -> bool:
     return (await queue.depths()).completed >= count
+
+
+async def _dead(queue: WorkQueue, count: int) -> bool:
+    return (await queue.depths()).dead >= count
 
 
 def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_dir, redis_server, run_id):
@@ -501,7 +510,9 @@ async def _owned_by(redis, queue: WorkQueue, task_id: str, replica: bytes) -> bo
 def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_server, run_id):
     """On the engine thread of a running replica: math-verify scores a right answer 1.0 (its own
     time limit, signal.alarm, cannot work there), a plug-in reward loaded by path scores, and a
-    reward that hangs or raises scores 0 with a counted reason while the replica goes on."""
+    reward that hangs or raises is called again (`reward_retries`, 2), every failed call counted, and
+    never scored 0: its group of one scored nothing and is dead-lettered (`reward_failed`) while the
+    replica goes on."""
     from prometheus_client import REGISTRY
 
     from shared.tasks import RewardRunner
@@ -542,25 +553,26 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
                 task.sampling.temperature = 0
                 task.sampling.max_new_tokens = 6
                 await submit(queue, task)
-            await wait_for(lambda: _completed(queue, len(tasks)), 120)
+            await wait_for(lambda: _completed(queue, len(tasks) - 2), 120)
+            await wait_for(lambda: _dead(queue, 2), 120)
             alive = (await replica.stub.Status(common_pb2.Empty())).replica_id
             entries = await redis.xrange(queue.rollout_stream)
+            dead = await redis.hgetall(queue.run_keys.dead_counts)
         await redis.aclose()
-        return alive, entries
+        return alive, entries, dead
 
-    alive, entries = asyncio.run(asyncio.wait_for(main(), 240))
+    alive, entries, dead = asyncio.run(asyncio.wait_for(main(), 240))
     rewards = {decode_rollout(f[b"r"]).task_id: decode_rollout(f[b"r"]).reward for _, f in entries}
     assert alive == "replica-a"
     assert rewards == {
         "right": 1.0,
         "wrong": 0.0,
         "plugin": float(len(greedy[1])),
-        "hang": 0.0,
-        "explode": 0.0,
         "after": 1.0,
     }
-    assert failures("tests.rewards:hang", "timeout") == before["hang"] + 1
-    assert failures("tests.rewards:explode", "error") == before["explode"] + 1
+    assert dead == {b"reward_failed": b"2"}
+    assert failures("tests.rewards:hang", "timeout") == before["hang"] + 3  # the call and its 2 retries
+    assert failures("tests.rewards:explode", "error") == before["explode"] + 3
 
 
 def test_a_dead_engine_stops_the_replica_and_its_tasks_go_back(tmp_path, tiny_model_dir, redis_server, run_id):

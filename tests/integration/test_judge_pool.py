@@ -104,9 +104,12 @@ def test_a_judge_and_a_reward_model_answer_judge(tiny_model_dir, tmp_path, monke
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stream.read()
             out["generate"] = refused.value.code()
+            bare = {"anchor": "", "markers": ("", "")}  # the tiny policy's digits, read whole as the verdict
             templates = {
-                "sum": JudgeTemplate(prompt="{prompt}{response}?", rule="number", max_new_tokens=6),
-                "sum_checked": JudgeTemplate(prompt="{prompt}{response}?", rule="number", compare_with="exact_match"),
+                "sum": JudgeTemplate(prompt="{prompt}{response}?", rule="number", max_new_tokens=6, **bare),
+                "sum_checked": JudgeTemplate(
+                    prompt="{prompt}{response}?", rule="number", compare_with="exact_match", **bare
+                ),
             }
             rewards = RewardRunner()
             scoring = JudgeScoring(judge, templates, rewards)
@@ -134,9 +137,9 @@ def test_a_judge_and_a_reward_model_answer_judge(tiny_model_dir, tmp_path, monke
     assert reference is None and len(scores) == 2
     for score, text in zip(scores, [expected_texts[0], None], strict=True):
         if text is not None:  # the judge's verdict on "07+35=240?" is the first text above
-            value = parse_verdict(text, "number", {}) if any(c.isdigit() for c in text) else 0.0
+            value = parse_verdict(text, "number", {}, anchor="") if text.strip().isdigit() else 0.0
             assert score.value == value
-    assert all(s.reason in ("", "verdict:no_number") for s in scores)
+    assert all(s.reason in ("", "verdict:unparsed", "verdict:empty") for s in scores)
     assert out["compared"][1] == [1.0, 0.0]
     [rm_score], rm_reference = out["rm"]
     assert rm_score.value == pytest.approx(expected_scores[0], abs=1e-5) and rm_reference is None

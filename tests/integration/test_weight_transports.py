@@ -55,6 +55,7 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(
             await wait_for(lambda: _version_is(replica.stub, 1), 60)
             first = served(replica.engine)
             refused = {}
+            refusals = refused_by(kind)
             with pytest.raises(grpc.aio.AioRpcError) as err:  # no signature: the service refuses it
                 await unsigned.push(good[1], 2, 1, timeout=60)
             refused["unsigned"] = err.value.code()
@@ -69,15 +70,18 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(
                 refused["corrupt"] = await announce_tampered_file(signed, good[1], tmp_path / "shm" / "run", 2)
             else:  # the broadcast carries other bytes than the manifest's
                 refused["corrupt"] = await broadcast_mismatched(signed, good[1], corrupt, 2)
-            await asyncio.sleep(1.0)
+            if kind != "grpc":  # the replica got it, and refused it: however long that took, it is read after
+                await wait_for(lambda: refused_more(kind, refusals), 60)
+            refused["by_replica"] = refused_by(kind) - refusals
             after = (await replica.stub.Status(common_pb2.Empty())).version.version
+            still = served(replica.engine)
             received = received_by(kind)
             await signed.close()
             await unsigned.close()
-        return first, refused, after, received
+        return first, refused, after, still, received
 
     before = received_by(kind)
-    first, refused, after, received = asyncio.run(asyncio.wait_for(main(), 180))
+    first, refused, after, still, received = asyncio.run(asyncio.wait_for(main(), 180))
     expected = {k: v.float() for k, v in good[0].items()}
     assert all(torch.equal(first[k], expected[k]) for k in expected)  # bit-exact (bf16 values in fp32)
     assert received - before == 1  # it came by this transport (no fallback), and only the good version did
@@ -85,7 +89,9 @@ def test_a_transport_delivers_bit_exact_weights_and_refuses_bad_ones(
     assert (
         refused["corrupt"] == {"grpc": grpc.StatusCode.INVALID_ARGUMENT, "shm": "announced", "collective": "sent"}[kind]
     )
-    assert after == 1  # nothing corrupted was ever served
+    # the replica refused it (again, maybe, on a retry by gRPC); grpc's bad pushes never left the service
+    assert refused["by_replica"] >= 1 if kind != "grpc" else refused["by_replica"] == 0
+    assert after == 1 and all(torch.equal(still[k], first[k]) for k in first)  # nothing corrupted was ever served
 
 
 @pytest.mark.parametrize("kind", ["shm", "grpc"])
@@ -179,6 +185,17 @@ def received_by(kind: str) -> float:
     return REGISTRY.get_sample_value("steadyrl_inference_weight_versions_received_total", {"transport": kind}) or 0.0
 
 
+def refused_by(kind: str) -> float:
+    """Versions this process's replica refused that came by `kind` (its Prometheus counter)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("steadyrl_inference_weight_versions_refused_total", {"transport": kind}) or 0.0
+
+
+async def refused_more(kind: str, than: float) -> bool:
+    return refused_by(kind) > than
+
+
 async def announce_tampered_file(publisher, tensors, directory, version: int) -> str:
     """A version file digested as written, then changed before a replica maps it."""
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
@@ -255,6 +272,8 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
             "STEADYRL_WEIGHTSYNC_SPILL_DIR": str(tmp_path / "spill"),
             "STEADYRL_WEIGHTSYNC_COLLECTIVE_TIMEOUT_SECONDS": "20",
             "STEADYRL_WEIGHTSYNC_VERIFY_KEY_FILE": str(public),
+            "STEADYRL_WEIGHTSYNC_REDIS_URL": redis_server.url,  # the run's instance, as the replica's
+            "STEADYRL_WEIGHTSYNC_RUN_ID": "hosts",
         },
         "inference": {
             "STEADYRL_INFERENCE_HOST": "127.0.0.4",
@@ -288,7 +307,14 @@ def test_a_collective_version_crosses_three_addresses(tmp_path, tiny_model_dir, 
     async def main() -> list[int]:
         channel = grpc.aio.insecure_channel(f"127.0.0.4:{port}")
         stub = inference_pb2_grpc.InferenceStub(channel)
-        publisher = make_publisher("collective", f"127.0.0.3:{ws_port}", Signer.from_file(private, "hosts"))
+        from redis.asyncio import Redis
+
+        from shared.runstore.run_instance import run_instance
+
+        redis = Redis.from_url(redis_server.url)
+        instance = await run_instance(redis, "hosts")  # the trainer signs the run's instance
+        await redis.aclose()
+        publisher = make_publisher("collective", f"127.0.0.3:{ws_port}", Signer.from_file(private, "hosts", instance))
         served = []
         try:
             await wait_for(lambda: version_served_is(stub, 0), 120)  # up, serving its initial weights

@@ -31,8 +31,13 @@ def test_the_advantage_is_the_teacher_s_log_ratio_by_hand():
     ruled_out = torch.log(torch.tensor([[1e-13, 0.9, 0.5]]))
     clamped = distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 2.0, max_gap=0.5)
     assert clamped[0].tolist() == pytest.approx([-1.0, 1.0, 2 * math.log(0.5 / 0.4)])
-    raw = distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 1.0)
-    assert raw[0, 0].item() == pytest.approx(math.log(1e-13 / 0.25), rel=1e-5)  # ≈ −28.6: unbounded by default
+    wide = distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 1.0, max_gap=100.0)
+    assert wide[0, 0].item() == pytest.approx(math.log(1e-13 / 0.25), rel=1e-5)  # ≈ −28.6 within a wide bound
+    default = distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 1.0)
+    assert default[0, 0].item() == -10.0  # the default bound is finite
+    for gap in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="max_gap must be finite and > 0"):
+            distillation_advantages(ruled_out, BEHAVIOUR, torch.ones(1, 3), 1.0, max_gap=gap)
 
 
 def test_through_minirl_the_loss_and_gradient_equal_the_math_by_hand():
@@ -49,14 +54,18 @@ def test_through_minirl_the_loss_and_gradient_equal_the_math_by_hand():
 
 
 def test_a_teacher_reply_is_checked_before_it_rides_on_a_rollout():
+    """Teacher replicas are not trusted: every logprob, as the float32 the loss holds, must be
+    finite and within [-1e4, 0] — a reply of -3e38 (finite in float64 and float32) or -1e39
+    (inf in float32) is a failed attempt, never a signal."""
     good = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0]), pb.TokenLogprobs(logprobs=[-1.0])])
     assert reply_problem(good, [2, 1]) == ""
     assert "1 sequences scored, 2 sent" in reply_problem(pb.ScoreReply(sequences=good.sequences[:1]), [2, 1])
     assert "1 logprobs for 2" in reply_problem(pb.ScoreReply(sequences=[good.sequences[1], good.sequences[1]]), [2, 1])
-    nan = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[math.nan, -1.0]), good.sequences[1]])
-    assert "not a finite log-probability" in reply_problem(nan, [2, 1])
-    positive = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[0.5, -1.0]), good.sequences[1]])
-    assert "not a finite log-probability" in reply_problem(positive, [2, 1])
+    for value in (math.nan, 0.5, -3e38, -1e39, -math.inf, -1.0001e4):
+        bad = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[value, -1.0]), good.sequences[1]])
+        assert reply_problem(bad, [2, 1]).startswith("logprob_range: sequence 0"), value
+    edge = pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[-1e4, 0.0]), good.sequences[1]])
+    assert reply_problem(edge, [2, 1]) == ""
 
 
 def test_the_top_k_kl_equals_the_math_by_hand_and_its_gradient_does_not_fade():
@@ -116,12 +125,19 @@ def test_a_teacher_reply_s_top_k_is_checked_too():
         ]
     )
     assert reply_problem(good, [2], top_k=2) == ""
-    assert "4 top ids and 4 top logprobs for 2 tokens × k 3" in reply_problem(good, [2], top_k=3)
-    assert "0 top ids and 0 top logprobs for 2 tokens × k 2" in reply_problem(
+    assert reply_problem(good, [2], top_k=2, vocab_size=7) == ""
+    assert "4 ids, 4 logprobs for 2 tokens × k 3" in reply_problem(good, [2], top_k=3)
+    assert "0 ids, 0 logprobs for 2 tokens × k 2" in reply_problem(
         pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0])]), [2], top_k=2
     )
-    for ids, logprobs in (([3, -4, 5, 6], [-0.1, -3, -0.2, -2]), ([3, 4, 5, 6], [-0.1, math.inf, -0.2, -2])):
+    for ids, logprobs, problem in (
+        ([3, -4, 5, 6], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: top-k ids span [-4, 6]"),
+        ([3, 4, 5, 7], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: top-k ids span [3, 7], vocabulary 7"),
+        ([3, 3, 5, 6], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: a top-k row names the same token twice"),
+        ([3, 4, 5, 6], [-0.1, math.inf, -0.2, -2], "top_k_range: sequence 0"),
+        ([3, 4, 5, 6], [-0.1, -3e38, -0.2, -2], "top_k_range: sequence 0"),
+    ):
         bad = pb.ScoreReply(
             sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0], top_token_ids=ids, top_logprobs=logprobs)]
         )
-        assert "not a token and its finite log-probability" in reply_problem(bad, [2], top_k=2)
+        assert reply_problem(bad, [2], top_k=2, vocab_size=7).startswith(problem), (ids, logprobs)

@@ -225,7 +225,7 @@ def test_per_source_metrics_by_hand():
             "reward_failures": 0.25,
             "source/add/reward_mean": 0.5,  # (1 + 0 + 0.5) / 3
             "source/add/rollouts": 3,
-            "source/trace/reward_mean": 0.25,
+            "source/trace/reward_mean": 0.0,  # its one reward failed: no reward scored (left out of the loss)
             "source/trace/rollouts": 1,
         }
     )

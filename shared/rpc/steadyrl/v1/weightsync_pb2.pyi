@@ -46,7 +46,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter", "run_id")
+    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter", "run_id", "run_instance")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class WeightManifest(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     version: int
     parent_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -63,7 +64,8 @@ class WeightManifest(_message.Message):
     created_unix_ms: int
     adapter: AdapterInfo
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    run_instance: str
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., run_id: _Optional[str] = ..., run_instance: _Optional[str] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("base_digest", "config_json")
@@ -122,18 +124,20 @@ class Transport(_message.Message):
     def __init__(self, kind: _Optional[_Union[WeightTransportKind, str]] = ..., shm_path: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., rendezvous: _Optional[str] = ...) -> None: ...
 
 class RendezvousKey(_message.Message):
-    __slots__ = ("epoch", "rendezvous", "key", "value", "timeout_seconds")
+    __slots__ = ("epoch", "rendezvous", "key", "value", "timeout_seconds", "job")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     rendezvous: str
     key: str
     value: bytes
     timeout_seconds: float
-    def __init__(self, epoch: _Optional[int] = ..., rendezvous: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    job: str
+    def __init__(self, epoch: _Optional[int] = ..., rendezvous: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., job: _Optional[str] = ...) -> None: ...
 
 class RendezvousValue(_message.Message):
     __slots__ = ("value",)

@@ -98,7 +98,8 @@ class WeightSyncServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """ALREADY_EXISTS: another open stream holds the id
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -134,7 +135,9 @@ class WeightSyncServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RendezvousPut(self, request, context):
-        """The rendezvous of collective epochs, behind the deployment's token: no store port of its own.
+        """The rendezvous of collective epochs and of the trainer's nodes, behind the deployment's token: no
+        store port of its own. INVALID_ARGUMENT: a NaN or negative wait, an amount that is no int64;
+        PERMISSION_DENIED: a key space not open, or past its bounds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,7 +151,8 @@ class WeightSyncServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RendezvousAdd(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """atomic; the new total
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
