@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Literal
@@ -178,6 +179,10 @@ class JudgeTemplate(BaseModel):
     """`judge:`: the verdict follows this text (case-insensitive), which must appear once in the
     judge's reply, on its last line; it is taken out of the completion the judge reads. Empty: the
     whole last line is the verdict."""
+    verdict_pattern: str = ""
+    """`judge:`: a regular expression the judge's last line must match whole, its group `verdict`
+    read by the rule, in place of the anchor (for a judge trained to answer in a form of its own,
+    as the kit's `240 y`); no other line may match. Empty: the anchor."""
     markers: tuple[str, str] = ("<response>", "</response>")
     """What the completion is put between in {response}; both are taken out of the completion, so
     that it cannot close its own block. ("", "") leaves it undelimited."""
@@ -203,6 +208,13 @@ class JudgeTemplate(BaseModel):
         bad = [word for word in self.labels if word != word.lower() or not word.replace("_", "").isalnum()]
         if bad:
             raise ValueError(f"labels {bad}: a verdict word is lower-case letters, digits and _")
+        if self.verdict_pattern:
+            try:
+                groups = re.compile(self.verdict_pattern).groupindex
+            except re.error as exc:
+                raise ValueError(f"verdict_pattern {self.verdict_pattern!r}: {exc}") from None
+            if "verdict" not in groups:
+                raise ValueError(f"verdict_pattern {self.verdict_pattern!r} needs a group (?P<verdict>...)")
         low, high = self.reward_range
         if not (math.isfinite(low) and math.isfinite(high) and -MAX_REWARD <= low < high <= MAX_REWARD):
             raise ValueError(f"reward_range {self.reward_range}: finite, low < high, within ±{MAX_REWARD:g}")

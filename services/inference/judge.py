@@ -38,7 +38,9 @@ def reply_problem(reply: pb.JudgeReply, count: int, kind: str, template: JudgeTe
         if verdict.HasField("score"):
             return f"score_not_text: verdict {i}: a score where a generative judge's text was asked"
         try:
-            value = parse_verdict(verdict.text, template.rule, template.labels, template.anchor)
+            value = parse_verdict(
+                verdict.text, template.rule, template.labels, template.anchor, template.verdict_pattern
+            )
         except VerdictError:
             continue  # unread: `unread_problem` asks another replica
         if not in_range(value, template.reward_range):
@@ -52,7 +54,7 @@ def unread_problem(reply: pb.JudgeReply, kind: str, template: JudgeTemplate) -> 
         return ""
     for i, verdict in enumerate(reply.verdicts):
         try:
-            parse_verdict(verdict.text, template.rule, template.labels, template.anchor)
+            parse_verdict(verdict.text, template.rule, template.labels, template.anchor, template.verdict_pattern)
         except VerdictError as exc:
             return f"unparsed: verdict {i}: {exc.reason}"
     return ""
@@ -112,6 +114,8 @@ def verdict_score(verdict: pb.JudgeVerdict, kind: str, template: JudgeTemplate) 
     if kind == "reward_model":
         return Score(float(verdict.score))
     try:
-        return Score(parse_verdict(verdict.text, template.rule, template.labels, template.anchor))
+        return Score(
+            parse_verdict(verdict.text, template.rule, template.labels, template.anchor, template.verdict_pattern)
+        )
     except VerdictError as exc:
         return Score(0.0, exc.reason)

@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from shared.rollouts.record import MIN_LOGPROB, decode_rollout, encode_rollout, logprobs_valid
+from shared.rollouts.record import MIN_LOGPROB, decode_rollout, encode_rollout, logprobs_valid, top_k_problem
 from shared.rpc.pool_client import PoolClient
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 
@@ -51,13 +51,12 @@ def reply_problem(reply: pb.ScoreReply, lengths: list[int], top_k: int = 0, voca
             return f"top_k_count: sequence {i}: {tops[0]} ids, {tops[1]} logprobs for {length} tokens × k {top_k}"
         if not top_k:
             continue
-        if not logprobs_valid(np.fromiter(scored.top_logprobs, np.float64, tops[1])):
-            return f"top_k_range: sequence {i}: a top-k logprob that is not a finite log-probability"
         ids = np.fromiter(scored.top_token_ids, np.int64, tops[0]).reshape(length, top_k)
-        if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
-            return f"top_k_ids: sequence {i}: top-k ids span [{ids.min()}, {ids.max()}], vocabulary {vocab_size}"
-        if top_k > 1 and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
-            return f"top_k_ids: sequence {i}: a top-k row names the same token twice"
+        logprobs = np.fromiter(scored.top_logprobs, np.float64, tops[1]).reshape(length, top_k)
+        problem = top_k_problem(ids, logprobs, vocab_size)  # what the trainer would refuse, asked here
+        if problem:
+            code, detail = problem.split(": ", 1)
+            return f"{code}: sequence {i}: {detail}"
     return ""
 
 

@@ -237,8 +237,26 @@ def program_paths(command: list[str], cwd: str, search_path: str) -> list[Path]:
             out += [p for p in (Path(cwd, top), Path(cwd, top + ".py")) if top and _exists(p)]
         elif not word.startswith("-") and _exists(Path(cwd, word)) and not _system(os.path.abspath(Path(cwd, word))):
             named = Path(os.path.abspath(Path(cwd, word)))
-            out.append(named if named.is_dir() and not _broad(named) else _installation(named, bin_parent=False))
+            if named.is_dir():  # a directory named whole: bound unless it shows more than the program's own
+                out += [] if _broad(named) or _private(named) else [named]
+            else:  # a file: its directory, or the file alone where that directory holds others' secrets
+                directory = named.parent
+                out.append(named if _broad(directory) or _private(directory) else directory)
     return [p for p in dict.fromkeys(out) if not _broad(p)]
+
+
+def _private(path: Path) -> bool:
+    """Whether `path` lies in a hidden directory of the home directory (~/.ssh, ~/.aws, ~/.gnupg,
+    ~/.kube, ~/.pyenv, ...) or is a top-level directory (/work): a file named there is bound alone,
+    never the directory beside it. Read-only paths the operator names are bound whatever they are."""
+    real = os.path.realpath(path)
+    if real.count("/") == 1:
+        return True
+    for home in {os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.environ.get("HOME", "/"))}:
+        inside = home != "/" and _within(real, home) and real != home
+        if inside and any(part.startswith(".") for part in Path(os.path.relpath(real, home)).parts):
+            return True
+    return False
 
 
 def _exists(path: Path) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 from shared.envs import isolation, seccomp
 from shared.envs.cgroups import CallGroup
 
+RUNNER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # what the runner and bubblewrap see of an environment
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 OPEN_FILES = 32
 
@@ -97,6 +98,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
                 stderr=err,
                 start_new_session=True,
                 pass_fds=(filter_fd,),
+                env=RUNNER_ENV,  # bubblewrap, the sandbox's init, keeps its own: none of the caller's
             )
         os.close(filter_fd)
         filter_fd = None

@@ -35,6 +35,7 @@ ARCHES = {
             "io_uring_enter": 426,
             "io_uring_register": 427,
             "clone3": 435,
+            "socket": 41,
         },
     ),
     "aarch64": (
@@ -54,6 +55,7 @@ ARCHES = {
             "io_uring_enter": 426,
             "io_uring_register": 427,
             "clone3": 435,
+            "socket": 198,
         },
     ),
 }
@@ -62,16 +64,18 @@ X32 = 0x40000000  # x86_64's x32 ABI: its numbers carry this bit
 # which in clone's first argument is part of the exit signal
 NAMESPACES = 0x7E020000
 CLONE_NEWTIME = 0x80
+AF_VSOCK = 40  # a VM's socket to its hypervisor: no network namespace holds it
 
 
 @dataclass(frozen=True)
 class Deny:
-    """A call failed with `errno`; with `flags`, only when its first argument holds one of them (else it fails
-    with `otherwise`, or runs when that is None)."""
+    """A call failed with `errno`; with `flags`, only when its first argument holds one of them; with `equals`,
+    only when its first argument is that value (else it fails with `otherwise`, or runs when that is None)."""
 
     errno: int
     flags: int = 0
     otherwise: int | None = None
+    equals: int | None = None
 
 
 DENIED = {
@@ -79,6 +83,7 @@ DENIED = {
     "clone": Deny(errno.EPERM, NAMESPACES),
     "clone3": Deny(errno.ENOSYS),  # its flags sit in memory seccomp cannot read: libc then falls back to clone
     "setns": Deny(errno.EPERM),
+    "socket": Deny(errno.EAFNOSUPPORT, equals=AF_VSOCK),  # the host past the VM, outside any namespace
     **{
         name: Deny(errno.EPERM)
         for name in (
@@ -125,14 +130,15 @@ def program(rules: dict[str, Deny], machine: str | None = None) -> bytes | None:
     for name, deny in rules.items():
         if name not in numbers:
             continue
-        if not deny.flags:
+        if not deny.flags and deny.equals is None:
             ops += [(_JEQ_K, 0, 1, numbers[name]), (_RET_K, 0, 0, _fail(deny.errno))]
             continue
         otherwise = _ALLOW if deny.otherwise is None else _fail(deny.otherwise)
+        test = (_JSET_K, 0, 1, deny.flags) if deny.equals is None else (_JEQ_K, 0, 1, deny.equals)
         ops += [
             (_JEQ_K, 0, 4, numbers[name]),
             (_LD_W_ABS, 0, 0, _ARG0),
-            (_JSET_K, 0, 1, deny.flags),
+            test,
             (_RET_K, 0, 0, _fail(deny.errno)),
             (_RET_K, 0, 0, otherwise),
         ]

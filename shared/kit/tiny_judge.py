@@ -1,7 +1,7 @@
 """The tiny judge: a tiny model trained by the kit to say whether an answer to the arith task is
-right, for `judge:` rewards on a laptop. It reads "07+35=(240)?" (the answer it judges between the
-template's markers) and writes the right answer, then its verdict after the anchor: "240 verdict: y"
-or "240 verdict: n". Half its training pairs are wrong answers, mostly the kit's tiny
+right, for `judge:` rewards on a laptop. It reads "07+35=240?" and writes the right answer, then its
+verdict: "240 y" or "240 n" (its template's `verdict_pattern` reads that line whole). Half its
+training pairs are wrong answers, mostly the kit's tiny
 policy's own (a judge of synthetic misses alone copies a plausible answer instead of checking it).
 It stops once it agrees with exact match on held-out synthetic pairs and on the policy's samples.
 
@@ -32,12 +32,11 @@ from shared.kit.tiny import (
 from shared.tasks import Example
 from shared.tasks.judging import VerdictError, parse_verdict, render
 
-JUDGE_KEY = "arith_judge-4"
+JUDGE_KEY = "arith_judge-3"
 TEMPLATE = "{prompt}{response}?"  # [inference.judge.templates.NAME] prompt of the tiny judge
-MARKERS = ("(", ")")  # ... its markers: the completion it judges sits between them
-ANCHOR = "verdict:"  # ... its anchor (in the kit's lower-case alphabet)
+PATTERN = r"\d{1,4} (?P<verdict>[yn])"  # ... its verdict: its working, a space, y or n (the whole line)
 RULE = "yes_no"
-MAX_NEW_TOKENS = 16  # the answer (3 digits), " verdict: ", the verdict, EOS
+MAX_NEW_TOKENS = 6  # the answer (3 digits), a space, the verdict, EOS
 JUDGE_SPEC = TinySpec(sft_lr=3e-3, sft_max_steps=8000, sft_eval_every=500, sft_eval_size=300, target_accuracy=0.98)
 DIGITS = "0123456789"
 POLICY_SHARE = 0.6  # of the wrong candidates of a problem the policy answered wrongly: one of its answers
@@ -72,8 +71,8 @@ def judge_pair(
     """(the judge's training example, whether the candidate it judges is right)."""
     response = candidate(example.answer, rng, (misses or {}).get(example.prompt, []))
     right = response == example.answer
-    judged = render(TEMPLATE, example.prompt, response, example.answer, MARKERS, ANCHOR)
-    return Example(prompt=judged, answer=f"{example.answer} {ANCHOR} {'y' if right else 'n'}"), right
+    judged = render(TEMPLATE, example.prompt, response, example.answer)
+    return Example(prompt=judged, answer=f"{example.answer} {'y' if right else 'n'}"), right
 
 
 def verdicts(model, tokenizer, prompts: list[str]) -> list[float | None]:
@@ -81,7 +80,7 @@ def verdicts(model, tokenizer, prompts: list[str]) -> list[float | None]:
     out: list[float | None] = []
     for text in greedy_texts(model, tokenizer, prompts, MAX_NEW_TOKENS):
         try:
-            out.append(parse_verdict(text, RULE, {}, ANCHOR))
+            out.append(parse_verdict(text, RULE, {}, pattern=PATTERN))
         except VerdictError:
             out.append(None)
     return out
@@ -156,7 +155,7 @@ def train_judge(model, tokenizer, spec: TinySpec, seed: int, progress: BuildProg
     }
     held_out = [judge_pair(e, random.Random(f"{seed}:{i}")) for i, e in enumerate(held)]
     sampled = [
-        (Example(prompt=render(TEMPLATE, e.prompt, a[0], e.answer, MARKERS, ANCHOR), answer=""), a[0] == e.answer)
+        (Example(prompt=render(TEMPLATE, e.prompt, a[0], e.answer), answer=""), a[0] == e.answer)
         for e, a in zip(held, policy_answers(tokenizer, held, 1, seed + 1, progress), strict=True)
     ]
     rng = random.Random(seed)
@@ -210,8 +209,7 @@ def init_tiny_judge(
             task=JUDGE_KEY,
             seed=seed,
             template=TEMPLATE,
-            markers=list(MARKERS),
-            anchor=ANCHOR,
+            verdict_pattern=PATTERN,
             rule=RULE,
             max_new_tokens=MAX_NEW_TOKENS,
             init_seconds=round(time.perf_counter() - started, 2),

@@ -359,8 +359,7 @@ def logprobs_valid(values: np.ndarray) -> bool:
 
 
 def _validate_teacher_top(rollout: Rollout, limits: RolloutLimits) -> None:
-    """The teacher's top-k: ids and logprobs both, [C, k] each, ids in the vocabulary and distinct
-    in a row, logprobs finite and at most 0, each row's probabilities summing to at most 1."""
+    """The teacher's top-k: ids and logprobs both, [C, k] each, and `top_k_problem`'s checks."""
     ids, logprobs = rollout.teacher_top_ids, rollout.teacher_top_logprobs
     if ids is None or logprobs is None:
         raise RolloutError("teacher_top", "the teacher's top-k needs both its token ids and their logprobs")
@@ -369,14 +368,25 @@ def _validate_teacher_top(rollout: Rollout, limits: RolloutLimits) -> None:
         raise RolloutError(
             "teacher_top", f"top-k ids {ids.shape} and logprobs {logprobs.shape}, expected ({completion_len}, k)"
         )
-    if ids.min() < 0 or (limits.vocab_size is not None and ids.max() >= limits.vocab_size):
-        raise RolloutError("teacher_top", f"top-k token ids span [{ids.min()}, {ids.max()}], vocab {limits.vocab_size}")
+    problem = top_k_problem(ids, logprobs, limits.vocab_size)
+    if problem:
+        raise RolloutError("teacher_top", problem.split(": ", 1)[1])
+
+
+def top_k_problem(ids: np.ndarray, logprobs: np.ndarray, vocab_size: int | None) -> str:
+    """Why a teacher's top-k rows ([C, k] ids and logprobs) cannot be trained on ('' when they can),
+    `code: detail`: ids in the vocabulary and distinct in a row, logprobs as float32 finite and within
+    [MIN_LOGPROB, 0], each row's probabilities summing to at most 1 (1 % slack). The replica's pool
+    client and the trainer ask the same."""
+    if ids.size and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+        return f"top_k_ids: top-k token ids span [{ids.min()}, {ids.max()}], vocabulary {vocab_size}"
     if ids.shape[1] > 1 and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
-        raise RolloutError("teacher_top", "a top-k row names the same token twice")
+        return "top_k_ids: a top-k row names the same token twice"
     if not logprobs_valid(logprobs):
-        raise RolloutError("teacher_top", f"a top-k logprob is NaN, infinite or outside [{MIN_LOGPROB:g}, 0]")
-    if np.exp(logprobs.astype(np.float64)).sum(axis=1).max() > 1 + 1e-2:
-        raise RolloutError("teacher_top", "a top-k row's probabilities sum to more than 1")
+        return f"top_k_range: a top-k logprob is NaN, infinite or outside [{MIN_LOGPROB:g}, 0]"
+    if logprobs.size and np.exp(np.asarray(logprobs, dtype=np.float64)).sum(axis=1).max() > 1 + 1e-2:
+        return "top_k_sum: a top-k row's probabilities sum to more than 1"
+    return ""
 
 
 def surely_valid(rollouts: list[Rollout], limits: RolloutLimits) -> list[bool]:

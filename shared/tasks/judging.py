@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 import re
 import string
+import unicodedata
 
 import numpy as np
 
 MODEL_REWARD = re.compile(r"^(judge|reward_model):([a-z0-9_]{1,64})$")
 PLACEHOLDERS = frozenset({"prompt", "response", "answer"})
-NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
-FRACTION = re.compile(rf"(?P<num>{NUMBER.pattern})\s*/\s*(?P<den>{NUMBER.pattern})")
+# ASCII digits only (a verdict of "١٠" or "１０" is not a number here), no bare trailing point
+NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?", re.ASCII)
+FRACTION = re.compile(rf"(?P<num>{NUMBER.pattern})[ \t]*/[ \t]*(?P<den>{NUMBER.pattern})", re.ASCII)
 YES = frozenset({"yes", "y", "true", "correct"})
 NO = frozenset({"no", "n", "false", "incorrect", "wrong"})
 DEFAULT_RANGE = (-1e4, 1e4)
@@ -64,10 +66,22 @@ def check_template(prompt: str) -> str:
     return prompt
 
 
+ANGLES = {"<": r"(?:<|&lt;?|&#0*60;?|&#x0*3c;?)", ">": r"(?:>|&gt;?|&#0*62;?|&#x0*3e;?)"}  # and as HTML writes them
+
+
+def _loose(needle: str) -> str:
+    """A pattern of `needle` with any whitespace between its characters, angle brackets also as HTML
+    entities (what a judge may still read as the marker)."""
+    return r"\s*".join(ANGLES.get(c, re.escape(c)) for c in needle)
+
+
 def strip_all(text: str, needles: list[str]) -> str:
-    """`text` with every case-insensitive occurrence of each needle removed, again until none is left
-    (taking one out may join the text around it into another)."""
-    pattern = re.compile("|".join(re.escape(n) for n in needles if n), re.IGNORECASE) if any(needles) else None
+    """`text` in Unicode's compatibility form (full-width and other look-alikes folded, zero-width and
+    direction marks dropped) with every case-insensitive occurrence of each needle removed, spaced
+    out or written as HTML, again until none is left (taking one out may join the text around it
+    into another)."""
+    text = "".join(c for c in unicodedata.normalize("NFKC", text) if unicodedata.category(c) != "Cf")
+    pattern = re.compile("|".join(_loose(n) for n in needles if n), re.IGNORECASE) if any(needles) else None
     while pattern is not None:
         stripped = pattern.sub("", text)
         if stripped == text:
@@ -122,10 +136,27 @@ def read_number(word: str) -> float:
     raise VerdictError("verdict:unparsed")
 
 
-def parse_verdict(text: str, rule: str, labels: dict[str, float], anchor: str = "VERDICT:") -> float:
+def pattern_verdict(text: str, pattern: str) -> str:
+    """The `verdict` group of `pattern`, which the judge's last non-empty line must match whole (no
+    other line may: `verdict:ambiguous`, an echo); VerdictError `verdict:unparsed` else."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise VerdictError("verdict:empty")
+    compiled = re.compile(pattern)
+    match = compiled.fullmatch(lines[-1])
+    if match is None:
+        raise VerdictError("verdict:unparsed")
+    if any(compiled.fullmatch(line) for line in lines[:-1]):
+        raise VerdictError("verdict:ambiguous")
+    return match["verdict"]
+
+
+def parse_verdict(text: str, rule: str, labels: dict[str, float], anchor: str = "VERDICT:", pattern: str = "") -> float:
     """The reward a judge's text gives under `rule` (number | yes_no | label), read strictly from
-    what follows its anchor (one trailing period allowed); VerdictError when it cannot be read."""
-    word = verdict_text(text, anchor).removesuffix(".").strip()
+    what follows its anchor, or from `pattern`'s `verdict` group when a template gives one (one
+    trailing period allowed); VerdictError when it cannot be read."""
+    found = pattern_verdict(text, pattern) if pattern else verdict_text(text, anchor)
+    word = found.removesuffix(".").strip()
     if rule == "number":
         return read_number(word)
     lowered = word.lower()

@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.rollouts.record import MAX_REWARD
+
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
@@ -35,13 +37,17 @@ class Example:
 
 
 def score(fn: RewardFn, completion: str, answer: str) -> tuple[float, str]:
-    """(reward, reason): reason is '' for a good value, else why it is 0."""
+    """(reward, reason): reason is '' for a good value, else why the call failed (value 0): it
+    raised, returned no finite number, or one past what the loss holds (|r| > MAX_REWARD: 1e39 is
+    a finite float64 and an infinite float32)."""
     try:
         value = float(fn(completion, answer))
     except Exception as exc:  # noqa: BLE001 - a reward must never take a replica down, whatever it raises
         return 0.0, f"error:{type(exc).__name__}"
     if not math.isfinite(value):
         return 0.0, "nonfinite"
+    if abs(value) > MAX_REWARD:
+        return 0.0, "out_of_range"
     return value, ""
 
 

@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import secrets
+import stat
 import struct
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -151,8 +152,11 @@ def map_version(path: str | Path) -> tuple[mmap.mmap, dict, int]:
     gone (pruned since it was announced), empty, cut short or not a version file: WeightError, so
     the version is refused like a bad byte, never a dead loop."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link planted in its place is refused
+        # a link planted in its place is refused; a FIFO or a device never blocks the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path} is not a regular file")
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)

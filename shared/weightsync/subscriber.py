@@ -45,14 +45,15 @@ Base = Callable[[str, str], memoryview | None]  # (name, dtype) → the served v
 
 def check_announcement(announcement: pb.VersionAnnouncement, served: int, verifier=None) -> None:
     """WeightError unless the announced version may be taken: newer than `served`; with its
-    manifest on the announcement (every transport but gRPC), one that lists tensors, holds the
-    announced number and passes `verifier` (the trainer's signature, this run and its instance)."""
+    manifest on the announcement (every transport but gRPC, and gRPC when it sends one: its sizes
+    bound the pull), one that lists tensors, holds the announced number and passes `verifier` (the
+    trainer's signature, this run and its instance)."""
     announced = announcement.version.version
     if announced <= served:
         raise WeightError(f"version {announced} is not newer than the served {served}")
-    if announcement.transport.kind == pb.GRPC:
-        return  # the manifest comes with the pull, checked there
     manifest = announcement.manifest
+    if announcement.transport.kind == pb.GRPC and not manifest.tensors:
+        return  # the manifest comes with the pull, checked there (its deadline: an unsized pull's)
     if not manifest.tensors:
         raise WeightError(f"version {announced} was announced without the manifest of its bytes")
     if manifest.version != announced:

@@ -72,3 +72,12 @@ def test_without_retries_a_failed_reward_is_left_out_not_trained_as_zero():
         kept = rewards[g][scored[g]]
         expected = torch.where(scored[g], rewards[g] - kept.mean(), torch.zeros(8))
         assert advantages[g].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_a_reward_past_what_the_loss_holds_is_a_failed_reward_not_a_value():
+    runner = RewardRunner(timeout=10.0, retries=1)
+    try:
+        [score] = runner.score("tests.rewards:huge", ["x"], "y")
+    finally:
+        runner.close()
+    assert (score.value, score.reason, score.failures) == (0.0, "out_of_range", ("out_of_range", "out_of_range"))

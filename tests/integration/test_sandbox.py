@@ -98,6 +98,13 @@ def test_the_code_sees_no_environment_and_no_file_of_the_run(tmp_path, monkeypat
             f"found = {{p: os.path.exists(p) for p in {paths!r}}}",
             f"home = os.listdir({home!r}) if os.path.isdir({home!r}) else []",
             "seen = {'env': sorted(os.environ), 'found': found, 'root': sorted(os.listdir('/')), 'home': home}",
+            "others = {}",  # every process it can see (bubblewrap's init among them): their environments
+            "for pid in [p for p in os.listdir('/proc') if p.isdigit()]:",
+            "    try:",
+            "        others[pid] = open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace')",
+            "    except OSError:",
+            "        pass",
+            "seen['environs'] = others",
             "print(json.dumps(seen))",
         ]
     )
@@ -105,6 +112,9 @@ def test_the_code_sees_no_environment_and_no_file_of_the_run(tmp_path, monkeypat
     assert result.reason == "ok", result
     seen = json.loads(result.stdout)
     assert seen["env"] == ["HOME", "LANG", "PATH", "PWD", "TMPDIR"]
+    assert len(seen["environs"]) >= 2  # its own and bubblewrap's were read...
+    for pid, environ in seen["environs"].items():  # ...and none holds the caller's secrets
+        assert "pw@" not in environ and "STEADYRL_" not in environ and str(token) not in environ, (pid, environ)
     assert not any(seen["found"].values()), seen["found"]
     prefix = os.path.realpath(sys.base_prefix)  # the interpreter's own directory may lie in the home directory
     assert all(prefix.startswith(os.path.join(home, name) + "/") for name in seen["home"]), seen["home"]
@@ -335,3 +345,15 @@ def test_an_ordinary_program_with_threads_and_processes_still_runs():
     )
     result = run_python(code, LIMITS)
     assert (result.reason, result.stdout) == ("ok", "[0, 1, 2, 3] 42\n"), result
+
+
+def test_a_vsock_socket_to_a_vm_s_host_cannot_be_made():
+    """AF_VSOCK reaches a VM's host past any network namespace: refused (EAFNOSUPPORT), other families made."""
+    code = (
+        "import socket\n"
+        "try:\n    socket.socket(40, socket.SOCK_STREAM)\n    print('vsock made')\n"
+        "except OSError as exc:\n    print('vsock', exc.errno)\n"
+        "socket.socket(socket.AF_INET6).close(); socket.socket(socket.AF_UNIX).close(); print('others made')"
+    )
+    result = run_python(code, LIMITS)
+    assert result.reason == "ok" and result.stdout.split() == ["vsock", "97", "others", "made"], result

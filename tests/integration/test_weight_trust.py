@@ -2,16 +2,19 @@
 
 A replica watching a hostile weight-sync (a real gRPC server sending what an attacker would) is sent
 an unsigned tensor-less shm announcement of version 10^9, the same for a collective, an old signed
-version 1 announced as 7, and a version it already serves: it refuses each and stays where it is,
+version 1 announced as 7, a version it already serves, and the trainer's own next version over a
+FIFO (an open that would never return): it refuses each and stays where it is,
 and the trainer's next version (shm, signed) is still applied — a refused number far ahead blocks
 nothing. A weight-sync holding this run's instance from Redis refuses a version the same key signed
 for an earlier run (v500, "newer"), and the trainer's own next push goes through."""
 
 import asyncio
+import os
 
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.server import serve as serve_weightsync
@@ -59,6 +62,7 @@ def test_a_replica_refuses_every_announcement_it_cannot_verify(tmp_path, monkeyp
     old = write_shm(folder / "v1.safetensors", TENSORS, 1, 0, signer)
     good = write_shm(folder / "v3.safetensors", {"w": torch.ones(8)}, 3, 2, signer)
     served_two = write_shm(folder / "v2.safetensors", TENSORS, 2, 1, signer)
+    later = write_shm(folder / "v4.safetensors", TENSORS, 4, 3, signer)
     hostile = [
         shm(pb.WeightManifest(version=10**9), folder / "v1.safetensors"),  # unsigned, no tensors
         pb.VersionAnnouncement(
@@ -69,13 +73,20 @@ def test_a_replica_refuses_every_announcement_it_cannot_verify(tmp_path, monkeyp
         shm(old, folder / "v1.safetensors", announced=7),  # an old signed version under a new number
         shm(served_two, folder / "v2.safetensors"),  # not newer than what the replica serves
         shm(good, folder / "v3.safetensors"),  # the trainer's next version
+        shm(later, folder / "fifo"),  # the trainer's own next manifest over a FIFO: an open that would block
     ]
+    os.mkfifo(folder / "fifo")
     applied: list[int] = []
 
     async def apply(delivery) -> float:
-        delivery.prepare()
+        await asyncio.to_thread(delivery.prepare)  # off the event loop, as a replica applies
         applied.append(delivery.version)
         return 0.0
+
+    def refused_shm() -> float:
+        return REGISTRY.get_sample_value("steadyrl_inference_weight_versions_refused_total", {"transport": "shm"}) or 0
+
+    before = refused_shm()
 
     async def main():
         port = free_port()
@@ -95,7 +106,7 @@ def test_a_replica_refuses_every_announcement_it_cannot_verify(tmp_path, monkeyp
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
         for _ in range(400):
-            if applied:
+            if applied and refused_shm() > before:  # v3 applied, then the FIFO's v4 refused (not waited on)
                 break
             await asyncio.sleep(0.025)
         stop.set()
@@ -106,7 +117,8 @@ def test_a_replica_refuses_every_announcement_it_cannot_verify(tmp_path, monkeyp
 
     subscriber = asyncio.run(asyncio.wait_for(main(), 60))
     assert applied == [3] and subscriber.version == 3
-    assert sorted(subscriber.refused) == [7, 10**9, 10**9 + 1]
+    assert sorted(subscriber.refused)[:3] == [7, 10**9, 10**9 + 1]
+    assert refused_shm() > before  # the FIFO: refused at once ("not a regular file"), never blocked on
 
 
 def test_weight_sync_refuses_a_version_signed_for_an_earlier_run(tmp_path, redis_server, run_id, monkeypatch):

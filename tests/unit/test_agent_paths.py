@@ -52,3 +52,20 @@ def test_an_argument_that_cannot_be_a_path_names_nothing(tmp_path):
     (tmp_path / "agent.py").write_text("print(1)")
     words = ["sh", "-c", "x" * 5000, "a\x00b", "agent.py"]
     assert program_paths(words, str(tmp_path), "/usr/bin:/bin") == [tmp_path]
+
+
+def test_a_file_named_in_a_hidden_directory_of_home_is_bound_alone(tmp_path, monkeypatch):
+    """A recipe naming one file in ~/.ssh (or ~/.aws, ~/.config/...) shows that file, never the key
+    beside it; a hidden directory named whole is not bound at all (read_only_paths binds one on purpose)."""
+    home = tmp_path / "home"
+    secrets = home / ".ssh_like"
+    secrets.mkdir(parents=True)
+    (secrets / "known_hosts").write_text("host")
+    (secrets / "id_ed25519").write_text("KEY")
+    monkeypatch.setenv("HOME", str(home))
+    found = program_paths(["sh", str(secrets / "known_hosts"), str(secrets)], str(tmp_path), SYSTEM_PATH)
+    assert found == [secrets / "known_hosts"]
+    work = tmp_path / "work" / "agents"
+    work.mkdir(parents=True)
+    (work / "agent.py").write_text("")
+    assert program_paths(["sh", str(work / "agent.py")], str(tmp_path), SYSTEM_PATH) == [work]

@@ -131,11 +131,13 @@ def test_a_teacher_reply_s_top_k_is_checked_too():
         pb.ScoreReply(sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0])]), [2], top_k=2
     )
     for ids, logprobs, problem in (
-        ([3, -4, 5, 6], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: top-k ids span [-4, 6]"),
-        ([3, 4, 5, 7], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: top-k ids span [3, 7], vocabulary 7"),
+        ([3, -4, 5, 6], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: top-k token ids span [-4, 6]"),
+        ([3, 4, 5, 7], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: top-k token ids span [3, 7], vocabulary 7"),
         ([3, 3, 5, 6], [-0.1, -3, -0.2, -2], "top_k_ids: sequence 0: a top-k row names the same token twice"),
         ([3, 4, 5, 6], [-0.1, math.inf, -0.2, -2], "top_k_range: sequence 0"),
         ([3, 4, 5, 6], [-0.1, -3e38, -0.2, -2], "top_k_range: sequence 0"),
+        ([3, 4, 5, 6], [-0.1, -0.1, -0.2, -2], "top_k_sum: sequence 0"),  # 0.90 + 0.90: more than 1
+        ([3, 4, 5, 6], [0.0, 0.0, -0.2, -2], "top_k_sum: sequence 0"),
     ):
         bad = pb.ScoreReply(
             sequences=[pb.TokenLogprobs(logprobs=[-0.1, -2.0], top_token_ids=ids, top_logprobs=logprobs)]

@@ -116,5 +116,5 @@ def test_the_plan_starts_the_judge_pool_beside_the_teacher_pool(tmp_path, monkey
     for name, value in replica.items():  # the replica reads its templates back from its environment
         monkeypatch.setenv(name, value)
     template = InferenceSettings().judge.templates["arith"]
-    assert (template.rule, template.max_new_tokens, template.compare_with) == ("yes_no", 16, "exact_match")
-    assert (template.markers, template.anchor) == (("(", ")"), "verdict:")  # the kit judge's format
+    assert (template.rule, template.max_new_tokens, template.compare_with) == ("yes_no", 6, "exact_match")
+    assert (template.markers, template.verdict_pattern) == (("", ""), r"\d{1,4} (?P<verdict>[yn])")  # the kit's

@@ -69,3 +69,13 @@ def test_one_process_also_fails_every_fork_and_clone(machine):
 
 def test_an_unknown_architecture_has_no_program():
     assert seccomp.program(seccomp.DENIED, "riscv64") is None
+
+
+@pytest.mark.parametrize("machine", sorted(ARCH))
+def test_a_vsock_socket_is_refused_and_every_other_family_made(machine):
+    """AF_VSOCK reaches a VM's host past any network namespace; the families a program uses stay."""
+    program = seccomp.program(seccomp.DENIED, machine)
+    socket_nr = {"x86_64": 41, "aarch64": 198}[machine]
+    assert run(program, ARCH[machine], socket_nr, 40) == errno.EAFNOSUPPORT  # AF_VSOCK
+    for family in (1, 2, 10, 16, 41, 8):  # unix, inet, inet6, netlink, and neighbours of 40 in bits
+        assert run(program, ARCH[machine], socket_nr, family) == ALLOW, family
