@@ -37,9 +37,9 @@ def write_private(path: Path, data: str, mode: int = 0o600, replace: bool = Fals
 
 def private_dir(path: Path) -> Path:
     """`path` as a directory only this user may enter: made 0700 (its missing parents too) when new;
-    when there, PermissionError unless this user owns it, it is no symlink and neither group nor
-    others may write to it or enter it (a folder another user made first could hand its files to
-    them, or swap them)."""
+    when there, PermissionError unless this user owns it and it is no symlink (a folder another user
+    made first could hand its files to them, or swap them); one of this user's open to others (an
+    earlier version made them 0755) is closed to 0700."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         for parent in reversed([path, *path.parents]):
@@ -52,5 +52,5 @@ def private_dir(path: Path) -> Path:
     if info.st_uid != os.geteuid():
         raise PermissionError(f"{path} belongs to user {info.st_uid}, not to this process's ({os.geteuid()})")
     if info.st_mode & 0o077:
-        raise PermissionError(f"{path} is open to others (mode {info.st_mode & 0o777:o}): it must be 0700")
+        os.chmod(path, 0o700, follow_symlinks=False)
     return path
