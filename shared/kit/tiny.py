@@ -263,9 +263,23 @@ def init_tiny_model(
     task = task if isinstance(task, KitTask) else KitTask(task)
     spec = spec or task.spec()
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, task, seed)
-    if not (cached / "steadyrl_tiny.json").is_file():
-        _build_into(cached, spec, task, seed)
+    with building(cached) as needed:
+        if needed:
+            _build_into(cached, spec, task, seed)
     return deliver(cached, out)
+
+
+@contextmanager
+def building(cached: Path) -> Iterator[bool]:
+    """Whether `cached` still needs its build, under a lock that one builder at a time holds: a
+    second process (another test worker, a second `steadyrl run` on a fresh machine) waits for the
+    first, then finds the model built instead of building it again."""
+    import fcntl
+
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.with_name(cached.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield not (cached / "steadyrl_tiny.json").is_file()
 
 
 def deliver(cached: Path, out: str | Path | None) -> Path:

@@ -20,6 +20,7 @@ from shared.kit.build_progress import BuildProgress
 from shared.kit.tiny import (
     TinySpec,
     build_model,
+    building,
     cache_key,
     char_tokenizer,
     default_cache_dir,
@@ -198,23 +199,24 @@ def init_tiny_judge(
     """Build (or reuse from the cache) the tiny judge; copy it to `out` if given."""
     spec = spec or JUDGE_SPEC
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, JUDGE_KEY, seed)
-    if not (cached / "steadyrl_tiny.json").is_file():
-        started = time.perf_counter()
-        progress = BuildProgress(f"the kit's tiny judge (seed {seed})")
-        with deterministic():
-            tokenizer = char_tokenizer()
-            model = build_model(spec, seed)
-            report = train_judge(model, tokenizer, spec, seed, progress)
-        report.update(
-            task=JUDGE_KEY,
-            seed=seed,
-            template=TEMPLATE,
-            verdict_pattern=PATTERN,
-            rule=RULE,
-            max_new_tokens=MAX_NEW_TOKENS,
-            init_seconds=round(time.perf_counter() - started, 2),
-            spec=asdict(spec),
-        )
-        save_kit_model(cached, model, tokenizer, report)
-        progress.built(f"{report['sft_steps']} SFT steps, cached in {cached}")
+    with building(cached) as needed:
+        if needed:
+            started = time.perf_counter()
+            progress = BuildProgress(f"the kit's tiny judge (seed {seed})")
+            with deterministic():
+                tokenizer = char_tokenizer()
+                model = build_model(spec, seed)
+                report = train_judge(model, tokenizer, spec, seed, progress)
+            report.update(
+                task=JUDGE_KEY,
+                seed=seed,
+                template=TEMPLATE,
+                verdict_pattern=PATTERN,
+                rule=RULE,
+                max_new_tokens=MAX_NEW_TOKENS,
+                init_seconds=round(time.perf_counter() - started, 2),
+                spec=asdict(spec),
+            )
+            save_kit_model(cached, model, tokenizer, report)
+            progress.built(f"{report['sft_steps']} SFT steps, cached in {cached}")
     return deliver(cached, out)

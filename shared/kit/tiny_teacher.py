@@ -17,6 +17,7 @@ import torch
 from shared.kit.build_progress import BuildProgress
 from shared.kit.tiny import (
     TinySpec,
+    building,
     cache_key,
     char_tokenizer,
     cold_start,
@@ -51,26 +52,27 @@ def init_tiny_teacher(
     student = init_tiny_model(seed=seed, cache_dir=cache_dir)
     key = {"teacher": TEACHER_KEY, "student": student.name}
     cached = (cache_dir or default_cache_dir()) / cache_key(spec, key, seed)
-    if not (cached / "steadyrl_tiny.json").is_file():
-        from transformers import AutoModelForCausalLM
+    with building(cached) as needed:
+        if needed:
+            from transformers import AutoModelForCausalLM
 
-        started = time.perf_counter()
-        progress = BuildProgress(f"the kit's tiny teacher (seed {seed})")
-        with deterministic():
-            tokenizer = char_tokenizer()
-            model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
-            task = teacher_task(seed)
-            before = greedy_accuracy(model, tokenizer, task.split("eval", spec.sft_eval_size))
-            report = cold_start(model, tokenizer, task, spec, seed, progress)
-        report.update(
-            task=TEACHER_KEY,
-            seed=seed,
-            student=student.name,
-            student_accuracy=round(before, 4),
-            held_out=round(report.pop("greedy_accuracy"), 4),
-            init_seconds=round(time.perf_counter() - started, 2),
-            spec=asdict(spec),
-        )
-        save_kit_model(cached, model, tokenizer, report)
-        progress.built(f"{report['sft_steps']} SFT steps, cached in {cached}")
+            started = time.perf_counter()
+            progress = BuildProgress(f"the kit's tiny teacher (seed {seed})")
+            with deterministic():
+                tokenizer = char_tokenizer()
+                model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+                task = teacher_task(seed)
+                before = greedy_accuracy(model, tokenizer, task.split("eval", spec.sft_eval_size))
+                report = cold_start(model, tokenizer, task, spec, seed, progress)
+            report.update(
+                task=TEACHER_KEY,
+                seed=seed,
+                student=student.name,
+                student_accuracy=round(before, 4),
+                held_out=round(report.pop("greedy_accuracy"), 4),
+                init_seconds=round(time.perf_counter() - started, 2),
+                spec=asdict(spec),
+            )
+            save_kit_model(cached, model, tokenizer, report)
+            progress.built(f"{report['sft_steps']} SFT steps, cached in {cached}")
     return deliver(cached, out)

@@ -326,13 +326,14 @@ def test_the_evaluation_is_not_blind():
 
 
 GLOO = """
-import datetime, sys, torch, torch.distributed as dist
+import datetime, os, sys, torch, torch.distributed as dist
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 wait = datetime.timedelta(seconds=60)
 group = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=wait), rank, 2, wait)
 group.broadcast([torch.ones(4)]).wait()
 listening = [line.split() for path in ("/proc/net/tcp", "/proc/net/tcp6") for line in open(path).readlines()[1:]]
-print(sorted({int(f[1].rsplit(":", 1)[1], 16) for f in listening if f[3] == "0A"} - {port}))
+ports = sorted({int(f[1].rsplit(":", 1)[1], 16) for f in listening if f[3] == "0A"} - {port})
+os.write(1, f"{ports}\\n".encode())  # one write: the two ranks share the pipe and print() writes twice
 group.barrier().wait()
 """
 

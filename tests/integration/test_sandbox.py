@@ -52,9 +52,41 @@ ATTEMPTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def adopt_orphans():
+    """This process adopts its calls' orphans while a test runs (a child subreaper), so that what a
+    call leaves alive stays among its descendants: another test's sandboxes running beside it (a
+    second test worker) are not counted."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_CHILD_SUBREAPER = 36
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    yield
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # an adopted one that ended stays a zombie, unmatched
+
+
+def descends_from_this_process(pid: int) -> bool:
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:
+            stat_line = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat_line.rsplit(")", 1)[1].split()[1])
+    return False
+
+
 def sandbox_processes() -> list[str]:
-    done = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True)
-    return [line for line in done.stdout.splitlines() if "sandbox_runner.py" in line or "-I -S code.py" in line]
+    """The sandbox processes this test's calls left alive."""
+    done = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
+    found = []
+    for line in done.stdout.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if ("sandbox_runner.py" in args or "-I -S code.py" in args) and descends_from_this_process(int(pid)):
+            found.append(args)
+    return found
 
 
 def test_model_code_runs_and_writes_only_its_scratch_directory():
