@@ -336,12 +336,35 @@ class Launch:
         if self.http is not None:
             self.http.close()
             self.http = None
+        instance = self.run_instance()
         if self.redis is not None:
             self.redis.stop()
         trainer = next((s for s in self.services if s.name == "trainer"), None)
-        if trainer is not None:  # the shared-memory version files of this run (RAM, not disk)
-            shm = Path(trainer.env.get("STEADYRL_TRAINER_PUBLISH__SHM_DIR", "/dev/shm/steadyrl")) / self.config.run_id
-            shutil.rmtree(shm, ignore_errors=True)
+        if trainer is not None and instance is not None:  # this run's shared-memory version files (RAM, not disk)
+            from shared.weightsync.shm import run_folder
+
+            root = Path(trainer.env.get("STEADYRL_TRAINER_PUBLISH__SHM_DIR", "/dev/shm/steadyrl"))
+            folder = run_folder(root, self.config.run_id, instance)
+            shutil.rmtree(folder, ignore_errors=True)
+            if folder.parent != root:
+                with contextlib.suppress(OSError):  # the recipe's folder, once no other run of it has one there
+                    folder.parent.rmdir()
+
+    def run_instance(self) -> str | None:
+        """The run's instance as its Redis holds it ("" when none was made: unsigned weights), or
+        None when Redis cannot say (its version files are then left in place, not guessed at)."""
+        if self.redis is None or self.redis.process is None or self.redis.process.poll() is not None:
+            return None
+        import redis
+
+        from shared.runstore.keys import RunKeys
+
+        try:
+            with redis.Redis.from_url(self.redis.url, socket_timeout=5) as client:
+                value = client.get(RunKeys(self.config.run_id).instance)
+        except redis.RedisError:
+            return None
+        return value.decode() if value else ""
 
     def pids(self) -> dict[str, int]:
         """Process ids by service name (redis-server included), as they are now."""

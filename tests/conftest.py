@@ -9,16 +9,11 @@ HEAVY_FIXTURES = {"tiny_model_dir": "model", "calc_model_dir": "model", "redis_s
 
 def pytest_collection_modifyitems(config, items):
     """A test that builds the tiny model or starts redis-server is marked so (`model`, `process`):
-    the fast tier (`scripts/test --fast`) leaves those out. The whole runs of tests/e2e and
-    tests/chaos share one xdist group: under `scripts/test`'s two workers they run one after
-    another on one of them (two runs of one recipe would share its run id's shm folder), the other
-    tests beside them. `gpu` tests run only where CUDA is:
+    the fast tier (`scripts/test --fast`) leaves those out. `gpu` tests run only where CUDA is:
     elsewhere they are skipped, saying so (never faked)."""
     for item in items:
         for fixture in set(getattr(item, "fixturenames", ())) & HEAVY_FIXTURES.keys():
             item.add_marker(getattr(pytest.mark, HEAVY_FIXTURES[fixture]))
-        if {"e2e", "chaos"} & set(item.path.parts):  # whole runs: one worker runs them in turn (scripts/test)
-            item.add_marker(pytest.mark.xdist_group("runs"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

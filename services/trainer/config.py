@@ -179,7 +179,7 @@ class PublishSettings(BaseModel):
     """How each version's bytes reach the replicas (the signed manifest always goes through
     weight-sync): gRPC chunks, a shared-memory file (same host), or a torch.distributed broadcast."""
     shm_dir: Path = Path("/dev/shm/steadyrl")
-    """shm: version files go to <shm_dir>/<run_id>/ (the weight-sync service's shm_dir)."""
+    """shm: version files go to <shm_dir>/<run_id>/<run instance>/ (under the weight-sync service's shm_dir)."""
     shm_keep: int = Field(4, ge=1)
     """shm: version files kept (older ones are deleted; a reader keeps what it mapped)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"

@@ -111,6 +111,7 @@ class VersionPublisher:
         await self.redis.hset(self.keys.trainer, TrainerField.PUBLISHED_VERSION, version)  # before any byte leaves
         if self.client is None:
             from shared.weightsync import make_publisher
+            from shared.weightsync.shm import run_folder
             from shared.weightsync.signing import Signer
 
             s = self.settings
@@ -121,7 +122,7 @@ class VersionPublisher:
                 s.weightsync_address,
                 signer,
                 s.max_message_bytes,
-                s.publish.shm_dir / s.run_id,
+                run_folder(s.publish.shm_dir, s.run_id, self.instance),
                 s.publish.shm_keep,
             )
         try:

@@ -58,6 +58,12 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     mlflow = f"file://{tmp_path / 'mlruns'}"  # MLflow's store on disk (no server here), W&B offline
     hard = tmp_path / "hard.csv"  # a named eval set beside the task's own: 3-digit sums the model never saw
     hard.write_text("prompt,answer\n" + "".join(f"{a}+{b}=,{str(a + b)[::-1]}\n" for a, b in [(123, 456), (900, 99)]))
+    # another run of this recipe on this host, with its version files: this one must not touch them
+    shm = tmp_path / "shm"
+    sibling = shm / "tiny-arith" / ("ab" * 16)
+    sibling.mkdir(mode=0o700, parents=True)
+    for version in (1, 2, 3):
+        (sibling / f"v{version}.safetensors").write_bytes(b"another run's version %d" % version)
     done = subprocess.run(
         [
             sys.executable,
@@ -83,6 +89,8 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
             f'orchestrator.evals.sets={{hard = "{hard}"}}',
             "--set",
             "orchestrator.evals.policy=true",
+            "--set",
+            f"trainer.publish.shm_dir={shm}",
             "--set",
             f'run.tracking={{wandb_project = "e2e", wandb_mode = "offline", mlflow_tracking_uri = "{mlflow}"}}',
         ],
@@ -155,6 +163,11 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     # every process on one host: the versions went through shared memory, and the recipe says so
     assert (out / "logs" / "weightsync.log").read_text().count("transport=shm") >= 4
     assert 'trainer.publish.transport "shm"' in (out / "config.resolved.toml").read_text()
+    # its version files went to a folder of its own instance, removed at the end; the other run's stay
+    assert [p.name for p in (shm / "tiny-arith").iterdir()] == [sibling.name]
+    assert {p.name: p.read_bytes() for p in sibling.iterdir()} == {
+        f"v{v}.safetensors": b"another run's version %d" % v for v in (1, 2, 3)
+    }
     time.sleep(0.5)
     assert not [pid for pid in json.loads((out / "pids.json").read_text()).values() if alive(pid)]  # no orphan
     from transformers import AutoModelForCausalLM
