@@ -113,6 +113,8 @@ def _run(config: RunConfig, out: Path, progress: str) -> dict:
     supervisor = Supervisor(launch, lambda line: console.print(line, markup=False))
     try:
         launch.start_all(lambda s: console.print(f"  {s.name:<14} healthy on 127.0.0.1:{s.grpc_port}"))
+        for folder in launch.swept:
+            console.print(f"  removed the version files a stopped run of {config.run_id} left: {folder}", markup=False)
         launch.write_pids()
         start_run(launch, supervisor)
         status = watch(launch, supervisor, console, progress)

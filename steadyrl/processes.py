@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +50,8 @@ class Launch:
     gpus_available: int | None = None  # None: this machine's (steadyrl.placement.gpu_inventory)
     ports: PortReservations = field(default_factory=PortReservations)
     http: object | None = None  # the control plane's httpx.Client, made at the first call and kept
+    shm_claim: int | None = None  # the flock held on this run's shm folder (shared.weightsync.shm_folders)
+    swept: list[Path] = field(default_factory=list)  # version folders of stopped runs of this recipe, removed
 
     # --- setup ----------------------------------------------------------------------------------
 
@@ -262,6 +263,8 @@ class Launch:
         def healthy(service: Service) -> None:
             self.wait_healthy(service)
             pending.remove(service)
+            if service.name == "weightsync":  # the run's instance is made: before the trainer's first version
+                self.claim_shm_folder()
             if on_healthy is not None:
                 on_healthy(service)
 
@@ -339,16 +342,30 @@ class Launch:
         instance = self.run_instance()
         if self.redis is not None:
             self.redis.stop()
-        trainer = next((s for s in self.services if s.name == "trainer"), None)
-        if trainer is not None and instance is not None:  # this run's shared-memory version files (RAM, not disk)
-            from shared.weightsync.shm import run_folder
+        root = self.shm_root()
+        if root is not None and instance is not None:  # this run's shared-memory version files (RAM, not disk)
+            from shared.weightsync.shm_folders import release_run_folder
 
-            root = Path(trainer.env.get("STEADYRL_TRAINER_PUBLISH__SHM_DIR", "/dev/shm/steadyrl"))
-            folder = run_folder(root, self.config.run_id, instance)
-            shutil.rmtree(folder, ignore_errors=True)
-            if folder.parent != root:
-                with contextlib.suppress(OSError):  # the recipe's folder, once no other run of it has one there
-                    folder.parent.rmdir()
+            release_run_folder(root, self.config.run_id, instance, self.shm_claim)
+            self.shm_claim = None
+
+    def shm_root(self) -> Path | None:
+        """Where the trainer's shared-memory version folders go (None: no trainer planned)."""
+        trainer = next((s for s in self.services if s.name == "trainer"), None)
+        if trainer is None:
+            return None
+        return Path(trainer.env.get("STEADYRL_TRAINER_PUBLISH__SHM_DIR", "/dev/shm/steadyrl"))
+
+    def claim_shm_folder(self) -> None:
+        """Once the run has its instance (weight-sync made it): remove what killed runs of this recipe
+        left in shared memory, and claim this run's folder while the launcher lives."""
+        from shared.weightsync.shm_folders import claim_run_folder, sweep_run_folders
+
+        root, instance = self.shm_root(), self.run_instance()
+        if root is None or not instance or self.shm_claim is not None:
+            return
+        self.swept = sweep_run_folders(root, self.config.run_id, keep=instance)
+        self.shm_claim = claim_run_folder(root, self.config.run_id, instance)
 
     def run_instance(self) -> str | None:
         """The run's instance as its Redis holds it ("" when none was made: unsigned weights), or

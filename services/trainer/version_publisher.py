@@ -111,7 +111,7 @@ class VersionPublisher:
         await self.redis.hset(self.keys.trainer, TrainerField.PUBLISHED_VERSION, version)  # before any byte leaves
         if self.client is None:
             from shared.weightsync import make_publisher
-            from shared.weightsync.shm import run_folder
+            from shared.weightsync.shm_folders import run_folder
             from shared.weightsync.signing import Signer
 
             s = self.settings

@@ -224,14 +224,6 @@ class ShmDelivery(Delivery):
         return {"transport": str(self.transport), "path": self.path, "manifest": self.manifest.SerializeToString()}
 
 
-def run_folder(root: Path, run_id: str, instance: str) -> Path:
-    """Where a run's trainer writes its version files: `<root>/<run_id>/<instance>`, so that two runs
-    of one recipe on one host (two seeds side by side) never write, prune or remove each other's
-    files, and a restarted trainer of the same run (same instance) finds its own; `<root>/<run_id>`
-    for unsigned weights (no instance)."""
-    return Path(root) / run_id / instance if instance else Path(root) / run_id
-
-
 def prune_shm(directory: Path, keep: int, current: int) -> Path | None:
     """Keep the newest `keep` version files up to `current` (the version just written); of the
     older ones, return the newest to be written over (its pages are in memory already) and delete

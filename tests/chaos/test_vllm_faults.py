@@ -33,8 +33,7 @@ G = 8  # the three faults come within the first ~10 versions; the rest shows the
 def corrupt_versions(directory: Path, log: Path, timeout: float = 60.0) -> int:
     """Flip the last byte (the last tensor: the last bucket) of every version file the trainer
     renames into place, until the replica says it refused one; how many were flipped. A file is
-    told by its inode, not its name: the trainer renames a version over a file of that name left
-    by an earlier run of the same run id (a killed process's /dev/shm outlives it)."""
+    told by its inode, not its name: the trainer renames a new version over an old one's file."""
 
     def files() -> set[tuple[Path, int]]:
         out = set()
@@ -102,16 +101,16 @@ def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_an
             "trainer.publish.transport=shm",
         ],
     )
-    stale = [Path("/dev/shm/steadyrl") / config.run_id / f"v{v}.safetensors" for v in range(1, 400)]
-    stale[0].parent.mkdir(parents=True, exist_ok=True)
-    for path in stale:  # what a killed earlier run of this run id left (its own would be pruned at once)
-        path.write_bytes(b"stale")
+    stale = Path("/dev/shm/steadyrl") / config.run_id / ("cd" * 16)  # what a killed earlier run of this recipe left
+    stale.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for v in range(1, 400):
+        (stale / f"v{v}.safetensors").write_bytes(b"stale")
     with running(config, tmp_path, tiny_model_dir) as launch:
         replica = service(launch, "inference-0")
-        directory = Path(service(launch, "weightsync").env["STEADYRL_WEIGHTSYNC_SHM_DIR"]) / config.run_id
-        assert directory == stale[0].parent
+        root = Path(service(launch, "weightsync").env["STEADYRL_WEIGHTSYNC_SHM_DIR"])
+        directory = root / config.run_id / launch.run_instance()  # this run's own folder
+        assert launch.swept == [stale] and not stale.exists()  # no living run claimed it: removed at start
         flipped = corrupt_versions(directory, replica.log)
-        assert not any(path.exists() and path.stat().st_size == 5 for path in stale)  # pruned, or new versions
         restarted_at = len(replica.log.read_text())
         weightsync_restart(launch)
         # the replica lost its watch and takes versions from the new service again before it is killed

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.weightsync.shm_folders import claim_run_folder
 from tests.helpers import read_scalars
 
 pytestmark = pytest.mark.e2e
@@ -58,12 +59,14 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     mlflow = f"file://{tmp_path / 'mlruns'}"  # MLflow's store on disk (no server here), W&B offline
     hard = tmp_path / "hard.csv"  # a named eval set beside the task's own: 3-digit sums the model never saw
     hard.write_text("prompt,answer\n" + "".join(f"{a}+{b}=,{str(a + b)[::-1]}\n" for a, b in [(123, 456), (900, 99)]))
-    # another run of this recipe on this host, with its version files: this one must not touch them
+    # another run of this recipe living on this host (its claim held), with its version files: this
+    # one must not touch them (tests/unit/test_shm_folders.py: a dead run's are removed)
     shm = tmp_path / "shm"
     sibling = shm / "tiny-arith" / ("ab" * 16)
     sibling.mkdir(mode=0o700, parents=True)
     for version in (1, 2, 3):
         (sibling / f"v{version}.safetensors").write_bytes(b"another run's version %d" % version)
+    claim = claim_run_folder(shm, "tiny-arith", sibling.name)
     done = subprocess.run(
         [
             sys.executable,
@@ -164,7 +167,8 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
     assert (out / "logs" / "weightsync.log").read_text().count("transport=shm") >= 4
     assert 'trainer.publish.transport "shm"' in (out / "config.resolved.toml").read_text()
     # its version files went to a folder of its own instance, removed at the end; the other run's stay
-    assert [p.name for p in (shm / "tiny-arith").iterdir()] == [sibling.name]
+    os.close(claim)
+    assert sorted(p.name for p in (shm / "tiny-arith").iterdir()) == [f".{sibling.name}.lock", sibling.name]
     assert {p.name: p.read_bytes() for p in sibling.iterdir()} == {
         f"v{v}.safetensors": b"another run's version %d" % v for v in (1, 2, 3)
     }
