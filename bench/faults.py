@@ -25,14 +25,15 @@ ATTEMPT_SECONDS = 2.0  # the teacher pool's attempt timeout
 COLLECTIVE_TIMEOUT = 5.0  # weightsync.collective_timeout_seconds of the collective run
 
 
-def teacher_replica(model_dir: str, port: int, name: str) -> subprocess.Popen:
+def teacher_replica(model_dir: str, port: int, name: str, metrics_port: int = 0) -> subprocess.Popen:
+    """A teacher pool replica (services.inference, pool "teacher") on `port`, one torch thread."""
     env = {
         **os.environ,
-        "STEADYRL_INFERENCE_MODEL_PATH": model_dir,
+        "STEADYRL_INFERENCE_MODEL_PATH": str(model_dir),
         "STEADYRL_INFERENCE_DTYPE": "float32",
         "STEADYRL_INFERENCE_POOL": "teacher",
         "STEADYRL_INFERENCE_PORT": str(port),
-        "STEADYRL_INFERENCE_METRICS_PORT": "0",
+        "STEADYRL_INFERENCE_METRICS_PORT": str(metrics_port),
         "STEADYRL_INFERENCE_REPLICA_ID": name,
         "STEADYRL_INFERENCE_TORCH_THREADS": "1",
     }
@@ -40,6 +41,7 @@ def teacher_replica(model_dir: str, port: int, name: str) -> subprocess.Popen:
 
 
 def wait_serving(port: int, deadline: float = 180.0) -> None:
+    """Until the gRPC health of the server on `port` says SERVING (TimeoutError after `deadline`)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import struct
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -225,3 +227,12 @@ def kill_mid_run(recipe: Path, out: Path, settings: list[str], after_lines: int,
         if run.poll() is None:
             run.kill()
     return KilledRun(run.returncode, stdout, stderr, killed_at)
+
+
+def steadyrl_run(recipe: str, out: Path, settings: list[str], timeout: float = 600, progress: str = "plain"):
+    """`steadyrl run RECIPE --out OUT --set …` as a user types it (configs/RECIPE, from the repo root):
+    the finished process, its output captured."""
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "steadyrl.cli", "run", str(root / "configs" / recipe), "--out", str(out)]
+    argv += ["--progress", progress, *(part for setting in settings for part in ("--set", setting))]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=root)

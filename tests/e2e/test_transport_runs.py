@@ -1,14 +1,12 @@
 """The tiny demo learns on every weight transport, as it does on gRPC."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import steadyrl_run
+
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # slow: the collective transport runs a whole run in tests/chaos/test_weight_collective.py, grpc crosses
@@ -17,29 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.slow) for t in ("grpc", "collective")])
 def test_the_demo_learns_with_weights_on(tmp_path, tiny_model_dir, transport):
     out = tmp_path / "run"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "steadyrl.cli",
-            "run",
-            str(ROOT / "configs" / "tiny-arith.toml"),
-            "--out",
-            str(out),
-            "--set",
-            "run.steps=120",
-            "--set",
-            "orchestrator.evals.every=120",
-            "--set",
-            "orchestrator.evals.size=300",
-            "--set",
-            f"trainer.publish.transport={transport}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    settings = ["run.steps=120", "orchestrator.evals.every=120", "orchestrator.evals.size=300"]
+    done = steadyrl_run("tiny-arith.toml", out, [*settings, f"trainer.publish.transport={transport}"])
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     print(f"{transport}: eval {summary['eval_start']:.3f} → {summary['eval_end']:.3f} in {summary['wall_seconds']} s")
@@ -56,29 +33,8 @@ def test_the_demo_learns_in_40_steps(tmp_path, tiny_model_dir):
     4 sd below the mean gain and 2.8 sd of one eval's sampling error (0.028 at 0.42) above no gain.
     Each run's training reward rose too (the last 10 steps' mean over the first 10's: +0.035 to +0.074)."""
     out = tmp_path / "run"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "steadyrl.cli",
-            "run",
-            str(ROOT / "configs" / "tiny-arith.toml"),
-            "--out",
-            str(out),
-            "--progress",
-            "none",
-            "--set",
-            "run.steps=40",
-            "--set",
-            "orchestrator.evals.every=40",
-            "--set",
-            "orchestrator.evals.size=300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    settings = ["run.steps=40", "orchestrator.evals.every=40", "orchestrator.evals.size=300"]
+    done = steadyrl_run("tiny-arith.toml", out, settings, timeout=300, progress="none")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     rewards = [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]

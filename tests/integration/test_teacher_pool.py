@@ -7,14 +7,11 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
-import grpc
 import pytest
 
+from bench.faults import teacher_replica, wait_serving
 from shared.engines import make_engine
 from shared.rpc.pool_client import PoolClient, PoolError
 from shared.rpc.steadyrl.v1 import inference_pb2 as pb
@@ -22,42 +19,15 @@ from shared.rpc.steadyrl.v1 import inference_pb2_grpc
 from shared.runstore.redis_server import free_port
 
 
-def teacher(model_dir, port: int, metrics_port: int, name: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "STEADYRL_INFERENCE_MODEL_PATH": str(model_dir),
-        "STEADYRL_INFERENCE_DTYPE": "float32",
-        "STEADYRL_INFERENCE_POOL": "teacher",
-        "STEADYRL_INFERENCE_PORT": str(port),
-        "STEADYRL_INFERENCE_METRICS_PORT": str(metrics_port),
-        "STEADYRL_INFERENCE_REPLICA_ID": name,
-        "STEADYRL_INFERENCE_TORCH_THREADS": "1",
-    }
-    return subprocess.Popen([sys.executable, "-m", "services.inference"], env=env, stdout=subprocess.DEVNULL)
-
-
-def wait_serving(port: int, deadline: float = 120.0) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-        time.sleep(0.2)
-    raise TimeoutError(f"no teacher serving on {port}")
-
-
 def test_a_teacher_pool_scores_and_survives_a_dead_and_a_frozen_replica(tiny_model_dir, monkeypatch, caplog):
     """Outcomes only: how long a frozen replica's attempt takes is bench/faults.py's."""
     monkeypatch.delenv("STEADYRL_TOKEN", raising=False)
     ports = [free_port() for _ in range(5)]
     dead, (a, a_metrics), (b, b_metrics) = ports[0], ports[1:3], ports[3:5]
-    replicas = [teacher(tiny_model_dir, a, a_metrics, "teacher-0"), teacher(tiny_model_dir, b, b_metrics, "teacher-1")]
+    replicas = [
+        teacher_replica(tiny_model_dir, a, "teacher-0", a_metrics),
+        teacher_replica(tiny_model_dir, b, "teacher-1", b_metrics),
+    ]
     prompt, completion = [1, 5, 6, 7], [4, 5, 7, 7, 6, 5]
     engine = make_engine("torch", str(tiny_model_dir), "float32")
     [expected] = engine.score([(prompt, completion)], top_k=3)
@@ -224,7 +194,7 @@ def test_groups_that_finish_together_share_a_score_call(tiny_model_dir, monkeypa
 
     monkeypatch.delenv("STEADYRL_TOKEN", raising=False)
     port, metrics_port, dead = free_port(), free_port(), free_port()
-    replica = teacher(tiny_model_dir, port, metrics_port, "teacher-0")
+    replica = teacher_replica(tiny_model_dir, port, "teacher-0", metrics_port)
     rng = np.random.default_rng(5)
     groups = []
     for g in range(6):
