@@ -346,7 +346,8 @@ class Launch:
         if root is not None and instance is not None:  # this run's shared-memory version files (RAM, not disk)
             from shared.weightsync.shm_folders import release_run_folder
 
-            release_run_folder(root, self.config.run_id, instance, self.shm_claim)
+            if not release_run_folder(root, self.config.run_id, instance, self.shm_claim) and self.shm_claim:
+                os.close(self.shm_claim)  # not this run's claim after all: a later run's sweep removes the folder
             self.shm_claim = None
 
     def shm_root(self) -> Path | None:

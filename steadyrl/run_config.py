@@ -36,7 +36,7 @@ class RunSection(StepShape):
     model_config = ConfigDict(extra="forbid")
 
     id: str = "run"
-    """Run id: the Redis key space and the run directory's name."""
+    """Run id: the Redis key space and the run directory's name (no slash, brace, colon or space)."""
     replicas: int = Field(1, ge=1)
     """Inference replicas."""
     steps: int = Field(0, ge=0)

@@ -132,8 +132,20 @@ class TrainerField(StrEnum):
 
 
 def check_run_id(run_id: str) -> str:
-    if not run_id or any(c in run_id for c in "{}: ") or len(run_id) > 128:
-        raise ValueError(f"run_id {run_id!r} must be 1-128 characters without braces, colons or spaces")
+    """`run_id` when it can name a run's keys and its folders: 1-128 printable characters without
+    braces, colons, spaces or slashes, and not "." or ".." (it is a path component of the run's shm
+    folder and output directory)."""
+    if (
+        not run_id
+        or len(run_id) > 128
+        or run_id in (".", "..")
+        or any(c in run_id for c in "{}: /\\")
+        or not run_id.isprintable()
+    ):
+        raise ValueError(
+            f"run_id {run_id!r} must be 1-128 printable characters without braces, colons, spaces or slashes,"
+            ' and not "." or ".."'
+        )
     return run_id
 
 

@@ -90,7 +90,7 @@ def test_attribute_docstrings_come_from_the_class_and_its_bases():
     from steadyrl.run_config import RunSection
 
     docs = reference_docs.attribute_docs(RunSection)
-    assert docs["id"] == "Run id: the Redis key space and the run directory's name."
+    assert docs["id"] == "Run id: the Redis key space and the run directory's name (no slash, brace, colon or space)."
     assert docs["group_size"] == "G: samples per prompt."  # declared by StepShape, a base
     assert "_run_id" not in docs and "model_config" not in docs
 
