@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from bench.faults import teacher_replica, wait_serving
 from services.inference.config import JudgeTemplate
 from services.inference.judge import JudgeScoring
 from services.inference.teacher import TeacherScoring
@@ -21,7 +22,6 @@ from shared.runstore.redis_server import free_port
 from shared.tasks import RewardRunner
 from tests.hostile_pool import JUDGE_REPLIES, SCORE_REPLIES, serve
 from tests.integration.test_judge_pool import judge_replica
-from tests.integration.test_teacher_pool import teacher, wait_serving
 
 VOCAB = 64  # the tiny model's vocabulary
 
@@ -71,7 +71,7 @@ def test_a_hostile_judge_and_teacher_cost_attempts_never_values(tiny_model_dir, 
     judge_port, teacher_port, teacher_metrics = free_port(), free_port(), free_port()
     replicas = [
         judge_replica(tiny_model_dir, judge_port),
-        teacher(tiny_model_dir, teacher_port, teacher_metrics, "teacher-0"),
+        teacher_replica(tiny_model_dir, teacher_port, "teacher-0", teacher_metrics),
     ]
     # the tiny policy as a judge: it reads a sum and writes its digits, read whole as a number
     template = JudgeTemplate(prompt="{prompt}{response}", rule="number", anchor="", markers=("", ""))

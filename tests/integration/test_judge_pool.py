@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from bench.faults import wait_serving
 from services.inference.config import JudgeTemplate
 from services.inference.judge import JudgeScoring
 from shared.engines import Sampling, make_engine
@@ -24,7 +25,6 @@ from shared.rpc.steadyrl.v1 import inference_pb2_grpc
 from shared.runstore.redis_server import free_port
 from shared.tasks import RewardRunner
 from shared.tasks.judging import parse_verdict
-from tests.integration.test_teacher_pool import wait_serving
 
 TEXTS = ["07+35=240?", "11+22=330?", "90+19=901?"]
 
