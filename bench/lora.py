@@ -90,7 +90,7 @@ def step_peak(model_dir: str, side: str, rounds: int = ROUNDS) -> dict:
     high-water mark over a warm-up and `rounds` steps (reset to the loaded process first)."""
     from bench.trainer import rollouts
     from services.trainer.batch import collate
-    from services.trainer.training import StepConfig, train_step
+    from services.trainer.global_step import StepConfig, train_step
 
     torch.set_num_threads(1)
     batch = collate(rollouts(model_dir))
@@ -127,7 +127,7 @@ def peak_sides(model_dir, rounds: int = ROUNDS) -> dict:
 def step_sides(model_dir) -> dict:
     from bench.trainer import rollouts
     from services.trainer.batch import collate
-    from services.trainer.training import StepConfig, train_step
+    from services.trainer.global_step import StepConfig, train_step
 
     batch = collate(rollouts(model_dir))
     models = {}

@@ -60,7 +60,7 @@ def wider_model(model_dir):
 
 def measure(model, batch) -> dict:
     from services.trainer.forward import sequence_logprobs
-    from services.trainer.training import StepConfig, train_step
+    from services.trainer.global_step import StepConfig, train_step
     from shared.models.routing import RoutingController
 
     routing = RoutingController(model)

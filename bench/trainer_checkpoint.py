@@ -46,8 +46,8 @@ def worker(rank: int, world: int, port: int, side: str, root: str, out: str) -> 
     from services.trainer.batch import collate
     from services.trainer.checkpoint import flat_state, start_save
     from services.trainer.config import TrainerSettings
+    from services.trainer.global_step import StepConfig, train_step
     from services.trainer.parallel import full_state, prepare
-    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
     from shared.runtime.distributed import exit_rank
 

@@ -54,8 +54,8 @@ def measure(name: str, device: torch.device) -> dict:
     from bench.trainer_memory import wide_model
     from services.trainer.config import TrainerSettings
     from services.trainer.forward import Compute
+    from services.trainer.global_step import StepConfig, train_step
     from services.trainer.parallel import prepare
-    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
 
     precision, checkpointing, micro = SETTINGS[name]

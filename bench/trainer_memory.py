@@ -80,8 +80,8 @@ def worker(rank: int, world: int, port: int, parallel: str, out: str) -> None:
 
     from services.trainer.batch import collate
     from services.trainer.config import TrainerSettings
+    from services.trainer.global_step import StepConfig, train_step
     from services.trainer.parallel import prepare
-    from services.trainer.training import StepConfig, train_step
     from shared.models.routing import RoutingController
     from shared.runtime.distributed import exit_rank
     from shared.weightsync.manifest import CastView, describe

@@ -1,6 +1,6 @@
 """What the trainer trained and has not acknowledged yet, and the checkpoints that let it: a
 rollout is acknowledged (XACK, and appended to the `trained` ledger in one script) only once a
-checkpoint holding its update and its id is in place (services/trainer/trainer.py says why)."""
+checkpoint holding its update and its id is in place (services/trainer/loop.py says why)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from services.trainer.checkpoint import TrainerState
-from services.trainer.steps import PendingSave, StepRunner
+from services.trainer.model_runner import PendingSave, StepRunner
 from services.trainer.stream import RedisRolloutSource
 
 log = logging.getLogger("steadyrl.trainer")

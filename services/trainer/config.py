@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.trainer.training import StepConfig
+from services.trainer.global_step import StepConfig
 from shared.core.loss import LossConfig
 from shared.core.lr_schedule import Schedule
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
@@ -299,7 +299,7 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
 
     recipe: Literal["auto", "manual"] = "auto"
     """auto: replay and clipping from N and the observed staleness
-    (`services.trainer.training.resolve_recipe`); manual: as set (routing_replay, loss.clip)."""
+    (`services.trainer.global_step.resolve_recipe`); manual: as set (routing_replay, loss.clip)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Manual recipe: routing replay mode."""
     advantage: Literal["mean", "std", "loo"] = "mean"

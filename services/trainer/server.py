@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from services.trainer.config import TrainerSettings
-from services.trainer.trainer import Trainer
+from services.trainer.loop import Trainer
 from shared.rpc.steadyrl.v1 import common_pb2, trainer_pb2_grpc
 from shared.rpc.steadyrl.v1 import trainer_pb2 as pb
 from shared.runtime.metrics import loading

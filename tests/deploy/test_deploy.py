@@ -833,7 +833,7 @@ def exported_metric_names() -> set[str]:
         "services.weightsync.server",
         "services.inference.worker",
         "services.inference.server",
-        "services.trainer.trainer",
+        "services.trainer.loop",
         "services.orchestrator.orchestrator",
         "services.orchestrator.server",
     ):

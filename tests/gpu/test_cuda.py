@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from services.trainer.batch import collate
 from services.trainer.forward import Compute
-from services.trainer.training import StepConfig, train_step
+from services.trainer.global_step import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.rollouts.record import encode_rollout

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from services.trainer.batch import collate
 from services.trainer.checkpoint import load_model_weights
-from services.trainer.training import StepConfig, train_step
+from services.trainer.global_step import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from shared.rollouts.record import decode_rollout, encode_rollout

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.trainer.batch import collate
-from services.trainer.training import StepConfig, train_step
+from services.trainer.global_step import StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.lora import apply_lora, merged_state
 from shared.rollouts.record import Rollout
@@ -146,7 +146,7 @@ def test_a_lora_trainer_resumes_its_adapter_and_optimizer_from_its_checkpoint(tm
     published weights are the merged ones under the base model's names."""
     from services.trainer.checkpoint import TrainerState
     from services.trainer.config import TrainerSettings
-    from services.trainer.steps import StepRunner
+    from services.trainer.model_runner import StepRunner
 
     settings = TrainerSettings(
         model_path=str(tiny_model_dir),

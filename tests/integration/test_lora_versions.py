@@ -129,7 +129,7 @@ def test_adapter_versions_reach_the_torch_engine_by_every_transport_and_bad_ones
 @pytest.mark.parametrize("publish, adapter", [("adapter", True), ("merged", False)])
 def test_a_lora_trainer_publishes_the_adapter_or_the_merged_model(tmp_path, tiny_model_dir, publish, adapter):
     from services.trainer.config import TrainerSettings
-    from services.trainer.steps import StepRunner
+    from services.trainer.model_runner import StepRunner
 
     settings = TrainerSettings(
         model_path=str(tiny_model_dir),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.trainer.batch import collate
-from services.trainer.training import StepConfig, train_step
+from services.trainer.global_step import StepConfig, train_step
 from shared.core import LossConfig, policy_loss
 from shared.models import load_causal_lm
 from shared.rollouts.record import Rollout, RolloutError, decode_rollout, encode_rollout, validate_rollout

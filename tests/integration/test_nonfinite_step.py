@@ -12,7 +12,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from services.trainer.batch import collate
-from services.trainer.training import NonFiniteStep, StepConfig, train_step
+from services.trainer.global_step import NonFiniteStep, StepConfig, train_step
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController
 from tests.integration.test_trainer import GROUP, recorded_rollouts

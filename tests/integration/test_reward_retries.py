@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.trainer.batch import collate
-from services.trainer.training import StepConfig, step_advantages
+from services.trainer.global_step import StepConfig, step_advantages
 from shared.engines import Sample
 from shared.rollouts.record import RolloutTimings, decode_rollout
 from shared.rollouts.samples import encode_samples

@@ -15,8 +15,8 @@ from services.trainer.batch import collate, token_budget_chunks
 from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.forward import Compute, sequence_logprobs
+from services.trainer.global_step import StepConfig, train_step
 from services.trainer.parallel import full_state, prepare, prepare_reference
-from services.trainer.training import StepConfig, train_step
 from shared.core.loss import LossConfig
 from shared.models import load_causal_lm
 from shared.models.routing import RoutingController

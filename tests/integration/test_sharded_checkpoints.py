@@ -41,7 +41,7 @@ def worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    from services.trainer.steps import StepRunner
+    from services.trainer.model_runner import StepRunner
 
     settings = TrainerSettings(
         model_path=model_dir,

@@ -19,8 +19,8 @@ from services.trainer.batch import collate
 from services.trainer.checkpoint import load_model_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.forward import sequence_logprobs
+from services.trainer.global_step import StepConfig, train_step
 from services.trainer.server import serve as serve_trainer
-from services.trainer.training import StepConfig, train_step
 from shared.core.loss import LossConfig, policy_loss
 from shared.engines import Sampling, make_engine
 from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
@@ -504,7 +504,7 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
 
 async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):
     """A Trainer in this event loop that has read `rollouts` from the stream into its groups."""
-    from services.trainer.trainer import Trainer
+    from services.trainer.loop import Trainer
 
     redis = Redis.from_url(redis_server.url)
     await publish(redis, run_id, rollouts)
@@ -669,7 +669,7 @@ def test_a_written_checkpoint_lands_and_acknowledges_beside_the_next_step(
 def test_no_held_check_while_a_version_is_on_its_way_out(tmp_path, tiny_model_dir, redis_server, run_id):
     """Weight-sync's latest, asked while the trainer's last version is being announced, may be the
     one before: lowering `published` to it would publish that version again, refused as not newer."""
-    from services.trainer.trainer import Trainer
+    from services.trainer.loop import Trainer
 
     async def main():
         redis = Redis.from_url(redis_server.url)

@@ -92,7 +92,7 @@ def test_the_trainer_adds_the_top_k_kl_under_the_objective_s_normaliser():
     """teacher_kl_loss on 2 valid tokens of 3 (the third off the mask): coef · Σ KL / 2."""
     from services.trainer.batch import TrainBatch
     from services.trainer.forward import Forward
-    from services.trainer.training import StepConfig, teacher_kl_loss
+    from services.trainer.global_step import StepConfig, teacher_kl_loss
     from shared.core.stats import StepStats
 
     policy = torch.log(torch.tensor([[[0.5, 0.25], [0.1, 0.8], [0.3, 0.3]]]))

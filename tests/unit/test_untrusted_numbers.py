@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from services.trainer.batch import collate
 from services.trainer.config import TrainerSettings
-from services.trainer.training import StepConfig, step_advantages
+from services.trainer.global_step import StepConfig, step_advantages
 from shared.core.advantages import group_advantages
 from shared.rollouts.record import (
     MAX_REWARD,

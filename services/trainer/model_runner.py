@@ -35,6 +35,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.forward import Compute
+from services.trainer.global_step import NonFiniteStep, StepConfig, resolve_recipe, train_step
 from services.trainer.parallel import (
     GatheredView,
     gather_published,
@@ -43,7 +44,6 @@ from services.trainer.parallel import (
     prepare_reference,
     wants_bf16,
 )
-from services.trainer.training import NonFiniteStep, StepConfig, resolve_recipe, train_step
 from shared.core.lr_schedule import lr_factor
 from shared.models import load_causal_lm
 from shared.models.loading import resolve_dtype

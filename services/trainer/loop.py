@@ -22,13 +22,13 @@ from redis.asyncio import Redis
 from services.trainer.acknowledgements import Acknowledgements
 from services.trainer.config import TrainerSettings
 from services.trainer.final_model import write_final_model
+from services.trainer.global_step import NonFiniteStep
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
+from services.trainer.model_runner import StepRunner
 from services.trainer.replica_idle import ReplicaIdle
 from services.trainer.step_log import StepLog, reward_metrics, trajectory_metrics
-from services.trainer.steps import StepRunner
 from services.trainer.stream import RedisRolloutSource
-from services.trainer.training import NonFiniteStep
 from services.trainer.version_publisher import VersionPublisher
 from shared.runstore.keys import RunKeys
 
