@@ -101,8 +101,7 @@ def _run(config: RunConfig, out: Path, progress: str) -> dict:
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(config)
-    settle_auto_dtype(config, model_path)
-    settle_local_transport(config)
+    config = settle_local_transport(settle_auto_dtype(config, model_path))
     (out / "config.resolved.toml").write_text(config.as_toml())
     console.print(f"[bold]steadyrl run[/] {config.run_id} → {out}")
     for note in config.notes:

@@ -21,8 +21,8 @@ from shared.runstore.redis_server import RedisServer
 from shared.runtime.service_main import parent_death_signal
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
-from steadyrl.run_config import POOLS, RunConfig, resolve_pool_model
-from steadyrl.service_settings import check, pool_values, service_env, validate
+from steadyrl.run_config import POOLS, SERVICES, RunConfig, recipe_section, resolve_pool_model
+from steadyrl.service_settings import pool_values, settings_env, settings_for, validate
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Launch:
 
         c = self.config
         out = self.out
-        settings = check(c, self.gpus_available)
+        settings = {service: c.settings(service) for service in SERVICES}  # checked: `launcher.run`
         placement = placement_of(c, settings, self.gpus_available)
         ws, trainer, master, orch_grpc = (self.ports.take() for _ in range(4))
         self.http_port = self.ports.take()
@@ -79,8 +79,7 @@ class Launch:
             Service(
                 "weightsync",
                 ["-m", "services.weightsync"],
-                service_env(
-                    c,
+                self.env_of(
                     "weightsync",
                     {
                         **common,
@@ -100,8 +99,7 @@ class Launch:
             Service(
                 "trainer",
                 placement.trainer_argv(master),
-                service_env(
-                    c,
+                self.env_of(
                     "trainer",
                     {
                         **common,
@@ -136,8 +134,7 @@ class Launch:
                 Service(
                     "inference-policy" if is_policy else f"inference-{index}",
                     ["-m", "services.inference"],
-                    service_env(
-                        c,
+                    self.env_of(
                         "inference",
                         {
                             **common,
@@ -162,8 +159,7 @@ class Launch:
             Service(
                 "orchestrator",
                 ["-m", "services.orchestrator"],
-                service_env(
-                    c,
+                self.env_of(
                     "orchestrator",
                     {
                         "host": "127.0.0.1",
@@ -181,8 +177,11 @@ class Launch:
                 ports=(orch_grpc, self.http_port),
             )
         )
-        for service in self.services:
-            validate("inference" if service.name.startswith(POOLS) else service.name.split("-")[0], service.env)
+
+    def env_of(self, service: str, placed: dict) -> dict[str, str]:
+        """The variables of one process of `service`: the recipe's section and what the launch
+        places, checked once here (the recipe itself was checked before anything started)."""
+        return settings_env(settings_for(self.config, service, placed, self.model_path))
 
     def pool_services(self, name: str, common: dict, redis_url: str, placement) -> list[Service]:
         """The [teacher] or [judge] pool's replicas (none without one): inference processes in pool
@@ -202,7 +201,7 @@ class Launch:
                 "redis_url": redis_url,
                 "replica_id": f"{name}-{index}",
             }
-            env = service_env(self.config, "inference", values, alone=True)
+            env = settings_env(recipe_section("inference", values))
             devices = placement.visible(placement.pools[name][index])
             services.append(Service(f"{name}-{index}", ["-m", "services.inference"], env, port, devices, ports=(port,)))
         self.services.extend(services)

@@ -209,8 +209,8 @@ def toml_value(value: Any) -> str:
 
 
 def settings_page() -> str:
-    from steadyrl.run_config import SERVICES, SHARED, ModelSection, PoolSection, RunSection
-    from steadyrl.service_settings import DEPLOYMENT_FIELDS, PROBES, settings_class
+    from steadyrl.run_config import MODEL_PATH, SERVICES, SHARED, ModelSection, PoolSection, RunSection
+    from steadyrl.service_settings import DEPLOYMENT_FIELDS, settings_class
 
     copied: dict[str, list[str]] = {}
     for service, names in SHARED.items():
@@ -228,7 +228,7 @@ def settings_page() -> str:
         "secrets), not by a recipe.",
     ]
     parts += sections_of(RunSection, "run", lambda f, path: row(f, path, copies(copied, path)))
-    model_targets = [f"{s}.model_path" for s in PROBES if "model_path" in PROBES[s]]
+    model_targets = [f"{s}.model_path" for s in SERVICES if s in MODEL_PATH]
     parts.append("## [model]\n\n" + prose(ModelSection.__doc__))
     parts.append(
         table(
@@ -255,7 +255,7 @@ def settings_page() -> str:
             note = ""
             if top in shared:
                 note = f"*Set by {code('run.' + shared[top] + inside.removeprefix(top))}.* "
-            elif inside == "model_path" and "model_path" in PROBES[service]:
+            elif inside == "model_path" and service in MODEL_PATH:
                 note = f"*Set by {code('model.path')}.* "
             elif inside in DEPLOYMENT_FIELDS or top in DEPLOYMENT_FIELDS:
                 note = "*Placed by the deployment.* "
@@ -266,7 +266,20 @@ def settings_page() -> str:
             return [code(path), type_cell(f), default_text(f.default), code(env), note + prose(f.doc)]
 
         parts += sections_of(cls, service, service_row, heading=False)
+    parts.append(moved_settings_section())
     return page("Settings", "`steadyrl/run_config.py` and each service's `config.py`", *parts)
+
+
+def moved_settings_section() -> str:
+    """The flat names of before the sections, each refused with its new name until REMOVED_IN."""
+    from shared.runtime.moved_settings import MOVED, REMOVED_IN
+
+    rows = [[code(f"{s}.{old}"), code(f"{s}.{new}")] for s, names in MOVED.items() for old, new in names.items()]
+    return (
+        "## Moved settings\n\nThe flat names of before the services' settings had sections. A recipe, a `--set` "
+        f"or an environment variable that still uses one is refused with its new name until version {REMOVED_IN}; "
+        "from then on it is an unknown setting like any other.\n\n" + table(["Old name", "Now"], rows)
+    )
 
 
 HEADER_RUN = ["Setting", "Type", "Default", "Copied to", "Description"]

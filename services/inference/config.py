@@ -14,10 +14,8 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.rollouts.record import MAX_REWARD
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
-from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
-from shared.runtime.settings import VerifiedWeights
+from shared.runtime.settings import ApiServiceSettings, VerifiedWeights
 from shared.weightsync.base import TransportName
 
 
@@ -249,11 +247,9 @@ class JudgeClientSettings(PoolStart):
         return self
 
 
-class InferenceSettings(RedisSettings, VerifiedWeights):
+class InferenceSettings(ApiServiceSettings, VerifiedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", env_nested_delimiter="__", extra="forbid")
 
-    host: str = "127.0.0.1"
-    """Address the gRPC server binds to."""
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port (0 = any free port)."""
     metrics_port: int = Field(9102, ge=0, le=65535)
@@ -316,8 +312,6 @@ class InferenceSettings(RedisSettings, VerifiedWeights):
     weight_transports: list[TransportName] = [TransportName.SHM, TransportName.COLLECTIVE, TransportName.GRPC]
     """How this replica can receive versions: the weight-sync service says which one each version
     takes (shm only on its host); gRPC is always possible."""
-    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
-    """Largest gRPC message accepted or sent."""
     max_new_tokens_limit: int = Field(4096, ge=1)
     """Largest max_new_tokens a direct Generate request may ask for."""
     vllm: VllmSettings = VllmSettings()

@@ -15,10 +15,8 @@ from services.trainer.global_step import StepConfig
 from shared.core.loss import LossConfig
 from shared.core.lr_schedule import Schedule
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
-from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
-from shared.runtime.settings import StepShape, TrackingSettings, UnsignedWeights
+from shared.runtime.settings import ApiServiceSettings, StepShape, TrackingSettings, UnsignedWeights
 from shared.weightsync.base import TransportName
 
 
@@ -245,11 +243,9 @@ class DistillSettings(BaseModel):
         return self.coef > 0 or (self.top_k > 0 and self.top_k_coef > 0)
 
 
-class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
+class TrainerSettings(ApiServiceSettings, StepShape, UnsignedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
-    host: str = "127.0.0.1"
-    """Address the gRPC server binds to."""
     port: int = Field(50053, ge=0, le=65535)
     """gRPC port (0 = any free port)."""
     metrics_port: int = Field(9103, ge=0, le=65535)
@@ -271,8 +267,6 @@ class TrainerSettings(RedisSettings, StepShape, UnsignedWeights):
     """Name of this trainer in the stream's consumer group."""
     weightsync_address: str = ""
     """host:port of the weight-sync service; empty = do not publish versions."""
-    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
-    """Largest gRPC message."""
     mini_batches: int = Field(1, ge=1)
     """N: optimizer steps per global step (1 = on-policy)."""
     max_steps: int = Field(0, ge=0)

@@ -7,12 +7,10 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.runstore.redis_client import RedisSettings
-from shared.runtime.settings import VerifiedWeights
+from shared.runtime.settings import ApiServiceSettings, VerifiedWeights
 
 
-class WeightSyncSettings(RedisSettings, VerifiedWeights):
+class WeightSyncSettings(ApiServiceSettings, VerifiedWeights):
     """Weight-sync reads one thing from the run's Redis: the run's instance, which every version it
     takes must carry (set `redis_url`, or `run_instance` itself; docs/security.md)."""
 
@@ -20,8 +18,6 @@ class WeightSyncSettings(RedisSettings, VerifiedWeights):
 
     run_id: str = ""
     """The run it serves ([run] id): the `run` label on its metrics (empty: none)."""
-    host: str = "127.0.0.1"
-    """Address the gRPC server binds to."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port)."""
     metrics_port: int = Field(9101, ge=0, le=65535)
@@ -36,8 +32,6 @@ class WeightSyncSettings(RedisSettings, VerifiedWeights):
     """Where spilled versions are written."""
     chunk_bytes: int = Field(1024 * 1024, ge=1024)
     """Bytes per TensorChunk on Pull."""
-    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
-    """Largest gRPC message accepted or sent."""
     max_version_bytes: int = Field(256 * 1024**3, ge=1)
     """Largest total size of one version (a bigger manifest is refused before any byte)."""
     shm_dir: Path = Path("/dev/shm/steadyrl")

@@ -1,6 +1,7 @@
 """The flat setting names of before the services' settings had sections, each with its new dotted
 name: a recipe, a --set, a keyword or an environment variable still using one is refused with the
-name to use, never ignored."""
+name to use, never ignored. The table stays until version `REMOVED_IN` (docs/reference/settings.md
+says so); from then an old name is an unknown setting like any other."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import model_validator
+
+REMOVED_IN = "0.2.0"  # the release from which the old names are plain unknown settings (this table goes)
 
 MOVED: dict[str, dict[str, str]] = {
     "trainer": {
@@ -101,7 +104,7 @@ MOVED: dict[str, dict[str, str]] = {
 def moved_message(service: str, names: list[str]) -> str:
     """The error naming each moved setting's new name."""
     renames = ", ".join(f"{service}.{name} is now {service}.{MOVED[service][name]}" for name in names)
-    return f"settings moved into sections: {renames}"
+    return f"settings moved into sections: {renames} (the old names are refused with this hint until {REMOVED_IN})"
 
 
 def _old(value: Any) -> bool:

@@ -9,6 +9,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from shared.runstore.redis_client import RedisSettings
+from shared.runtime.service_lifecycle import Listen
+
 
 class StepShape(BaseModel):
     batch_prompts: int = Field(8, ge=1)
@@ -83,3 +87,33 @@ class VerifiedWeights(UnsignedWeights):
                 f"{what} takes only versions the run's trainer signed: set verify_key_file (the "
                 "public key; `steadyrl keys DIR` makes a pair), or unsigned_weights = true"
             )
+
+
+class ServiceSettings(RedisSettings):
+    """What every service's settings have: the Redis of the run, the address its servers bind to and
+    where it listens (`listen`). TLS and the token are the deployment's, the same for every service
+    (STEADYRL_TLS_*, STEADYRL_TOKEN_FILE: docs/security.md), read where the servers start."""
+
+    run_id: str = "default"
+    """The run it serves ([run] id)."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to."""
+
+    def listen(self) -> Listen:
+        """Where its gRPC API and /metrics listen."""
+        raise NotImplementedError
+
+
+class ApiServiceSettings(ServiceSettings):
+    """A service with a gRPC API and its own /metrics port (the trainer, the replicas, weight-sync;
+    the orchestrator serves /metrics on its HTTP port: its own `listen`)."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """gRPC port (0 = any free port)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Prometheus /metrics port (0 = any free port)."""
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024)
+    """Largest gRPC message accepted or sent."""
+
+    def listen(self) -> Listen:
+        return Listen(self.host, self.port, self.max_message_bytes, self.metrics_port, self.run_id)

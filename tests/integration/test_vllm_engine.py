@@ -269,7 +269,7 @@ def test_vllm_serves_adapter_versions_through_its_lora_support(lora_and_multitur
 def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_anything_starts(tiny_model_dir):
     from shared.engines.vllm_engine import VllmEngine
     from steadyrl.run_config import load_run_config
-    from steadyrl.service_settings import check, service_values
+    from steadyrl.service_settings import check
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU the vllm engine takes LoRA on MoE layers")
@@ -280,13 +280,11 @@ def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_a
     adapters = load_run_config(
         recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "inference.vllm.max_model_len=64"]
     )
-    values = service_values(adapters, "inference")
+    values = adapters.section_values("inference")
     assert values["lora"]["rank"] == 8 and values["lora"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert check(adapters)["inference"].lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention: runs
-    experts = load_run_config(
-        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "trainer.lora.target_experts=true"]
-    )
-    assert service_values(experts, "inference")["lora"]["targets"] == [
+    experts = ["trainer.lora.rank=8", "trainer.lora.target_experts=true"]
+    assert load_run_config(recipe, experts).section_values("inference")["lora"]["targets"] == [
         "q_proj",
         "k_proj",
         "v_proj",
@@ -294,8 +292,8 @@ def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_a
         "experts",
     ]
     with pytest.raises(ValueError, match="lora adapter versions that adapt the MoE experts"):
-        check(experts)
+        load_run_config(recipe, ['inference.engine="vllm"', *experts])  # a rule of the recipe
     merged = load_run_config(
         recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"']
     )
-    assert "lora" not in service_values(merged, "inference")  # whole versions: the engine needs no LoRA
+    assert "lora" not in merged.section_values("inference")  # whole versions: the engine needs no LoRA

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.run_config import SERVICES, load_run_config
-from steadyrl.service_settings import PROBES, service_env, validate
+from steadyrl.run_config import PROBES, SERVICES, load_run_config
+from steadyrl.service_settings import service_env, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = {p for p in (ROOT / "configs").glob("*.toml") if "grid" in tomllib.loads(p.read_text())}  # experiment grids
@@ -21,6 +21,53 @@ def test_recipe_validates(path):
     assert config.steps > 0 and config.replicas >= 1
     for service in SERVICES:
         validate(service, service_env(config, service, REQUIRED[service]))
+
+
+PLACED = {  # what `steadyrl run` places, as it would
+    "trainer": {
+        "port": 7001,
+        "metrics_port": 0,
+        "out_dir": "out/trainer",
+        "weightsync_address": "127.0.0.1:7000",
+        "publish": {"signing_key_file": "keys/sign"},
+        "redis_url": "redis://:pw@127.0.0.1:7005/0",
+    },
+    "inference": {
+        "port": 7002,
+        "replica_id": "replica-0",
+        "verify_key_file": "keys/verify",
+        "agent": {"hidden_paths": ["out"]},
+        "redis_url": "redis://:pw@127.0.0.1:7005/0",
+    },
+    "orchestrator": {"grpc_port": 7003, "http_port": 7004, "token": "a-token-of-the-run"},
+    "weightsync": {"port": 7000, "verify_key_file": "keys/verify", "spill_dir": "out/spill"},
+}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_each_service_is_typed_once_and_its_process_reads_the_same_object(path):
+    """The recipe's sections are the services' own settings objects; a process given the variables
+    generated from its object (`settings_env`) reads back exactly that object, secrets included."""
+    from services.trainer.config import TrainerSettings
+    from steadyrl.service_settings import build_settings, settings_class, settings_env, settings_for
+
+    config = load_run_config(path)
+    assert isinstance(config.trainer, TrainerSettings) and config.trainer.max_staleness == config.run.max_staleness
+    for service in SERVICES:
+        assert isinstance(config.settings(service), settings_class(service))
+        assert config.settings(service).run_id == config.run_id
+        settings = settings_for(config, service, PLACED[service], "model")
+        env = settings_env(settings)
+        assert all(k.startswith(f"STEADYRL_{service.upper()}_") for k in env)
+        read = build_settings(service, env)
+        assert read.model_dump(mode="json", exclude={"consumer"}) == settings.model_dump(
+            mode="json", exclude={"consumer"}
+        )
+        assert read.redis_url.get_secret_value() == settings.redis_url.get_secret_value()
+    orchestrator = build_settings(
+        "orchestrator", settings_env(settings_for(config, "orchestrator", PLACED["orchestrator"]))
+    )
+    assert orchestrator.token.get_secret_value() == "a-token-of-the-run"
 
 
 def test_a_typo_names_the_field(tmp_path):
@@ -128,7 +175,7 @@ def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
     ],
 )
 def test_an_old_flat_setting_is_refused_with_its_new_name(tmp_path, monkeypatch, where, service, old, new):
-    from steadyrl.service_settings import build_settings, settings_class
+    from steadyrl.service_settings import settings_class
 
     recipe = ROOT / "configs" / "tiny-arith.toml"
     if where == "recipe":
@@ -136,10 +183,9 @@ def test_an_old_flat_setting_is_refused_with_its_new_name(tmp_path, monkeypatch,
         recipe.write_text(
             (ROOT / "configs" / "tiny-arith.toml").read_text().replace("[trainer]\n", f"[trainer]\n{old}\n")
         )
-    config = load_run_config(recipe, [old] if where == "set" else [])
-    if where in ("recipe", "set"):  # what `steadyrl run` checks before any process starts
+    if where in ("recipe", "set"):  # refused where the recipe is loaded, before any process starts
         with pytest.raises(ValueError, match=re.escape(new)):
-            build_settings(service, service_env(config, service, REQUIRED[service]))
+            load_run_config(recipe, [old] if where == "set" else [])
         return
     if where == "env":  # a deployment's environment: the service refuses to start
         monkeypatch.setenv(old, "1")
@@ -159,9 +205,8 @@ def test_an_old_flat_setting_is_refused_with_its_new_name(tmp_path, monkeypatch,
     ],
 )
 def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
     with pytest.raises(ValueError, match=message):
-        validate("inference", service_env(config, "inference", REQUIRED["inference"]))
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
     from services.inference.server import engine_options
     from steadyrl.service_settings import build_settings
 
@@ -277,9 +322,8 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
     ],
 )
 def test_a_reward_that_cannot_serve_is_refused_before_the_run_starts(reward, message):
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"orchestrator.reward={reward}"])
     with pytest.raises(ValueError, match=message):
-        validate("orchestrator", service_env(config, "orchestrator", REQUIRED["orchestrator"]))
+        load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"orchestrator.reward={reward}"])
 
 
 def test_a_reward_with_the_wrong_signature_or_a_hang_is_refused():
@@ -322,12 +366,12 @@ def test_an_open_inference_dtype_is_the_faster_one_measured_and_every_service_re
     inference = service_env(config, "inference", REQUIRED["inference"])
     trainer = service_env(config, "trainer", REQUIRED["trainer"])
     assert inference["STEADYRL_INFERENCE_DTYPE"] == trainer["STEADYRL_TRAINER_PUBLISH__DTYPE"] == faster
-    settle_auto_dtype(config, "tiny")
+    config = settle_auto_dtype(config, "tiny")
     assert config.section("inference")["dtype"] == faster
     assert config.as_toml().startswith(f'# inference.dtype "auto" chose "{faster}": the faster on this CPU')
     named = load_run_config(ROOT / "configs" / "tiny-arith.toml")  # a recipe that names its dtype keeps it
     calls = len(asked)
-    settle_auto_dtype(named, "tiny")
+    named = settle_auto_dtype(named, "tiny")
     assert named.section("inference")["dtype"] == "bfloat16" and not named.notes and len(asked) == calls
 
 
@@ -337,3 +381,19 @@ def test_the_dtype_measurement_times_both_dtypes_on_the_model_s_shape():
 
     seconds = matmul_seconds.__wrapped__(64, 1, rows=8, rounds=2)
     assert set(seconds) == {"float32", "bfloat16"} and all(0 < s < float("inf") for s in seconds.values())
+
+
+def test_the_moved_names_table_ends_at_its_stated_version():
+    """The table of old flat names is kept only until the version the reference page states: a
+    release at or past it still carrying the table fails here."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from shared.runtime.moved_settings import MOVED, REMOVED_IN
+
+    assert MOVED and Version(version("steadyrl")) < Version(REMOVED_IN), (
+        f"steadyrl {version('steadyrl')} is at or past {REMOVED_IN}: remove shared/runtime/moved_settings.py"
+    )
+    page = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    assert f"until version {REMOVED_IN}" in page and "| `trainer.lr` | `trainer.optim.lr` |" in page

@@ -36,8 +36,8 @@ def steps(n, **fixed):
     "name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)]
 )
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
-    from steadyrl.run_config import SERVICES
-    from steadyrl.service_settings import PROBES, service_env, validate
+    from steadyrl.run_config import PROBES, SERVICES
+    from steadyrl.service_settings import service_env, validate
 
     grid = load_grid(ROOT / "configs" / name)
     names = [c.name for c in grid.configs]
@@ -245,14 +245,14 @@ def test_plain_progress_is_one_greppable_line_per_update():
 
     rows = progress_rows(
         {"trainer_version": 12, "replica_versions": {"r": 12}},
-        [{"step": 12, "reward_mean": 0.5, "mismatch_kl_k3": 3e-3, "staleness_max": 1, "tokens_per_s": 900}],
+        [{"step": 12, "reward_mean": 0.5, "mismatch_kl_k3": 3e-3, "staleness_peak": 1, "tokens_per_s": 900}],
         [{"version": 0, "accuracy": 0.4}, {"version": 10, "accuracy": 0.55}],
         48,
         6.0,
     )
     assert plain_line(rows) == (
         "progress step=12/48 trainer_version=12 reward=0.500 mismatch_KL_k3=3.00e-03 "
-        "staleness_max=1 tokens/s=900 eval_accuracy=v0:0.400,v10:0.550 ETA=18s"
+        "staleness_peak=1 tokens/s=900 eval_accuracy=v0:0.400,v10:0.550 ETA=18s"
     )
     rows = progress_rows({}, [], [{"version": 0, "accuracy": 0.4}], 48, 0.0, [{"version": 0, "accuracy": 0.35}])
     assert plain_line(rows).endswith(" eval_accuracy=v0:0.400 policy_eval=v0:0.350 ETA=-")

@@ -13,8 +13,7 @@ from services.orchestrator.data import Tasks
 from services.trainer.step_log import trajectory_metrics
 from shared.envs.calc import MulTask
 from shared.rollouts.record import Rollout
-from steadyrl.run_config import load_run_config
-from steadyrl.service_settings import service_values
+from steadyrl.run_config import load_run_config, section_values
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,14 +111,13 @@ def test_a_bad_environment_is_refused_before_anything_starts(fields, message):
 def test_a_recipe_with_an_agent_turns_the_replicas_endpoint_on():
     plain = load_run_config(ROOT / "configs" / "tiny-tools.toml")
     agent = load_run_config(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.trajectory.environment="agent:prog"'])
-    assert service_values(plain, "inference")["agent"]["endpoint"] is False
-    assert service_values(agent, "inference")["agent"]["endpoint"] is True
+    assert plain.section_values("inference")["agent"]["endpoint"] is False
+    assert agent.section_values("inference")["agent"]["endpoint"] is True
     forced = load_run_config(ROOT / "configs" / "tiny-tools.toml", ["inference.agent.endpoint=true"])
-    assert service_values(forced, "inference")["agent"]["endpoint"] is True
-    played = load_run_config(
-        ROOT / "configs" / "tiny-tools.toml", ['orchestrator.trajectory.environment="verifiers:x"']
-    )
-    assert service_values(played, "inference")["agent"]["endpoint"] is True
+    assert forced.section_values("inference")["agent"]["endpoint"] is True
+    played = {"orchestrator": {"trajectory": {"environment": "verifiers:x"}}}  # a package not installed here
+    values = section_values(plain.run, plain.model, played, {}, "inference")
+    assert values["agent"]["endpoint"] is True
 
 
 def test_calc_traces_train_the_model_s_turns_alone(calc_model_dir):
