@@ -58,7 +58,7 @@ def trainer_node_command(
             configs = [Path(p.strip()) for p in os.environ["STEADYRL_RECIPE"].split(",") if p.strip()]
             set_ = [*recipe_overrides(os.environ), *(set_ or [])]
         recipe = load_run_config(configs, set_ or []) if configs else None
-        env = service_env(recipe, "trainer", {"model_path": recipe.model.path}) if recipe else {}
+        env = service_env(recipe, "trainer") if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
         settings = build_settings("trainer", env)
         if not settings.parallel.rdzv_endpoint:

@@ -22,12 +22,11 @@ def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Seque
     """(orchestrator, inference) settings of a recipe (none: the defaults, the tiny model's arith
     task), with the model to evaluate; ValueError naming a bad field, a missing file or column."""
     from steadyrl.run_config import load_run_config
-    from steadyrl.service_settings import build_settings, service_env
+    from steadyrl.service_settings import settings_for
 
     config = load_run_config(list(recipes), overrides, allow_empty=True)
     orchestrator, inference = (
-        build_settings(service, service_env(config, service, {"model_path": model_dir}))
-        for service in ("orchestrator", "inference")
+        settings_for(config, service, {}, model_dir) for service in ("orchestrator", "inference")
     )
     orchestrator.check_dataset()
     return orchestrator, inference

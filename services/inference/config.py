@@ -14,6 +14,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.rollouts.record import MAX_REWARD
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
+from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
 from shared.runtime.settings import ApiServiceSettings, VerifiedWeights
 from shared.weightsync.base import TransportName
@@ -247,7 +248,7 @@ class JudgeClientSettings(PoolStart):
         return self
 
 
-class InferenceSettings(ApiServiceSettings, VerifiedWeights):
+class InferenceSettings(ApiServiceSettings, RedisSettings, VerifiedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_INFERENCE_", env_nested_delimiter="__", extra="forbid")
 
     port: int = Field(50052, ge=0, le=65535)

@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.orchestrator.stop_rules import StopRules
 from shared.rollouts.sampling import check_temperature
+from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
 from shared.runtime.settings import ServiceSettings, StepShape, TrackingSettings
 from shared.tasks.trace import MulTraceTask
@@ -301,7 +302,7 @@ class ControlSettings(BaseModel):
     """Largest HTTP request body accepted; a larger one is refused with 413 before it is read whole."""
 
 
-class OrchestratorSettings(ServiceSettings, StepShape):
+class OrchestratorSettings(ServiceSettings, RedisSettings, StepShape):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_ORCHESTRATOR_", env_nested_delimiter="__", extra="forbid")
 
     host: str = "127.0.0.1"

@@ -15,6 +15,7 @@ from services.trainer.global_step import StepConfig
 from shared.core.loss import LossConfig
 from shared.core.lr_schedule import Schedule
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
+from shared.runstore.redis_client import RedisSettings
 from shared.runtime.moved_settings import refuse_moved
 from shared.runtime.settings import ApiServiceSettings, StepShape, TrackingSettings, UnsignedWeights
 from shared.weightsync.base import TransportName
@@ -243,7 +244,7 @@ class DistillSettings(BaseModel):
         return self.coef > 0 or (self.top_k > 0 and self.top_k_coef > 0)
 
 
-class TrainerSettings(ApiServiceSettings, StepShape, UnsignedWeights):
+class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeights):
     model_config = SettingsConfigDict(env_prefix="STEADYRL_TRAINER_", env_nested_delimiter="__", extra="forbid")
 
     port: int = Field(50053, ge=0, le=65535)

@@ -7,10 +7,11 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.runstore.redis_client import RedisSettings
 from shared.runtime.settings import ApiServiceSettings, VerifiedWeights
 
 
-class WeightSyncSettings(ApiServiceSettings, VerifiedWeights):
+class WeightSyncSettings(ApiServiceSettings, RedisSettings, VerifiedWeights):
     """Weight-sync reads one thing from the run's Redis: the run's instance, which every version it
     takes must carry (set `redis_url`, or `run_instance` itself; docs/security.md)."""
 

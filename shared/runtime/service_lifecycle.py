@@ -55,10 +55,10 @@ class ServiceLifecycle(abc.ABC):
     @abc.abstractmethod
     def loops(self, stop: asyncio.Event) -> dict[str, Coroutine]: ...
 
-    async def drain(self) -> None:
+    async def drain(self) -> None:  # noqa: B027 - most services have nothing in flight to finish
         """Finish the work in flight once the loops stopped (health already NOT_SERVING)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a service that holds nothing releases nothing
         """Release what `setup` took (it may have stopped halfway)."""
 
 

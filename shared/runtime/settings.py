@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from shared.runstore.redis_client import RedisSettings
 from shared.runtime.service_lifecycle import Listen
 
 
@@ -89,9 +89,9 @@ class VerifiedWeights(UnsignedWeights):
             )
 
 
-class ServiceSettings(RedisSettings):
-    """What every service's settings have: the Redis of the run, the address its servers bind to and
-    where it listens (`listen`). TLS and the token are the deployment's, the same for every service
+class ServiceSettings(BaseSettings):
+    """What every service's settings have (each also a `RedisSettings`): the run, the address its
+    servers bind to and where it listens (`listen`). TLS and the token are the deployment's, the same for every service
     (STEADYRL_TLS_*, STEADYRL_TOKEN_FILE: docs/security.md), read where the servers start."""
 
     run_id: str = "default"
