@@ -26,6 +26,7 @@ POLICY_PREVIOUS_SERIES = "steadyrl_orchestrator_policy_eval_previous_accuracy"
 INSTANCE = "trainer:replay"
 FAILURE = re.compile(r"alertname: (\S+), time: ([0-9ywdhms]+),\s*exp:\[\],\s*got:\[\s*0:", re.MULTILINE)
 UNIT_MINUTES = {"y": 525_600, "w": 10_080, "d": 1_440, "h": 60, "m": 1}
+RENAMED = {"staleness_max": "staleness_peak"}  # metrics.jsonl keys of older runs → the names the rules read
 
 
 def minutes(duration: str) -> int:
@@ -149,7 +150,7 @@ def firing_steps(
 
 
 def replay_run(run_dir: Path, rules_file: Path) -> dict:
-    rows = _first_jsonl(run_dir, "metrics.jsonl", "trainer")
+    rows = [{RENAMED.get(k, k): v for k, v in row.items()} for row in _first_jsonl(run_dir, "metrics.jsonl", "trainer")]
     evals, policy_evals = (_first_jsonl(run_dir, name) for name in ("eval.jsonl", "policy-eval.jsonl"))
     gauges = {}
     recipe = Path(run_dir) / "config.resolved.toml"

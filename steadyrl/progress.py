@@ -29,7 +29,7 @@ def progress_rows(
         ("replica versions", str(status.get("replica_versions", {}))),
         ("reward", f"{last.get('reward_mean', 0):.3f}"),
         ("mismatch KL (k3)", f"{last.get('mismatch_kl_k3', 0):.2e}"),
-        ("staleness max", str(last.get("staleness_max", 0))),
+        ("staleness peak", str(last.get("staleness_peak", 0))),
         ("tokens/s", f"{last.get('tokens_per_s', 0):.0f}"),
         ("eval accuracy", ", ".join(f"v{e['version']}: {e['accuracy']:.3f}" for e in evals[-4:]) or "-"),
         *(

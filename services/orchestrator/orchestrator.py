@@ -357,7 +357,7 @@ class Orchestrator:
             "epoch": int(await self.field(RunField.EPOCH, "0")),
             "staleness": {
                 k: self.trainer_metrics[k]
-                for k in ("staleness_mean", "staleness_max", "dropped_stale")
+                for k in ("staleness_mean", "staleness_peak", "dropped_stale")
                 if k in self.trainer_metrics
             },
             "last_metrics": self.trainer_metrics,

@@ -6,13 +6,15 @@ import asyncio
 import hmac
 import logging
 import math
-from typing import Annotated
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from redis.asyncio import Redis
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.control import RedisUnavailable
@@ -22,7 +24,10 @@ from shared.rpc.http import BodyLimit
 from shared.rpc.steadyrl.v1 import common_pb2, orchestrator_pb2_grpc
 from shared.rpc.steadyrl.v1 import orchestrator_pb2 as pb
 from shared.runtime.metrics import registry_of
-from shared.runtime.service_main import grpc_service, run_loops
+from shared.runtime.service_lifecycle import Api, Listen, ServiceLifecycle, serve_service
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("steadyrl.orchestrator")
 REFUSED = Counter("steadyrl_orchestrator_auth_refused_total", "Requests refused for a missing or wrong token")
@@ -168,54 +173,70 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
+class OrchestratorService(ServiceLifecycle):
+    """The orchestrator on the service lifecycle: its loop and the HTTP control plane (under uvicorn)
+    as loops beside the gRPC API; its /metrics is served on the HTTP port."""
+
+    name = "orchestrator"
+
+    def __init__(self, settings: OrchestratorSettings) -> None:
+        self.settings = settings
+        self.redis: Redis | None = None
+        self.orchestrator: Orchestrator | None = None
+        self.http: uvicorn.Server | None = None
+        self.serving: asyncio.Task | None = None
+
+    def listen(self) -> Listen:
+        s = self.settings
+        return Listen(s.host, s.grpc_port, DEFAULT_MAX_MESSAGE_BYTES, None, s.run_id)
+
+    async def setup(self) -> Api:
+        import uvicorn
+
+        from shared.rpc.tls import tls_from_env, uvicorn_options
+
+        s = self.settings
+        self.redis = s.redis()
+        self.orchestrator = await asyncio.to_thread(Orchestrator, s, self.redis)
+        app = create_app(self.orchestrator, s.bearer_token(), s.control.max_request_bytes)
+        self.http = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=s.host,
+                port=s.http_port,
+                log_level="warning",
+                lifespan="off",
+                **uvicorn_options(tls_from_env()),
+            )
+        )
+        self.serving = asyncio.create_task(self.http.serve())
+        while not self.http.started:
+            if self.serving.done():  # the port is taken, TLS files are missing...
+                raise RuntimeError(f"the HTTP control plane did not start: {self.serving.exception()!r}")
+            await asyncio.sleep(0.02)
+        return Api(
+            [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, OrchestratorServicer(self.orchestrator))],
+            ["steadyrl.v1.Orchestrator"],
+            {"http_port": self.http.servers[0].sockets[0].getsockname()[1], "auth": s.bearer_token() is not None},
+        )
+
+    def loops(self, stop: asyncio.Event) -> dict[str, Coroutine]:
+        return {"orchestrator": self.orchestrator.run(stop), "http": _until(self.serving, stop)}
+
+    async def close(self) -> None:
+        if self.serving is not None:
+            self.http.should_exit = True
+            await asyncio.wait({self.serving}, timeout=10)
+        if self.orchestrator is not None:
+            await self.orchestrator.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
 async def serve(
     settings: OrchestratorSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
-    import uvicorn
-
-    from shared.rpc.tls import tls_from_env, uvicorn_options
-
-    stop = stop or asyncio.Event()
-    redis = settings.redis()
-    orchestrator = await asyncio.to_thread(Orchestrator, settings, redis)
-    app = create_app(orchestrator, settings.bearer_token(), settings.control.max_request_bytes)
-    http = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.http_port,
-            log_level="warning",
-            lifespan="off",
-            **uvicorn_options(tls_from_env()),
-        )
-    )
-    serving = asyncio.create_task(http.serve())
-    try:
-        while not http.started:
-            if serving.done():  # the port is taken, TLS files are missing...
-                raise RuntimeError(f"the HTTP control plane did not start: {serving.exception()!r}")
-            await asyncio.sleep(0.02)
-        async with grpc_service(
-            "orchestrator",
-            [(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, OrchestratorServicer(orchestrator))],
-            ["steadyrl.v1.Orchestrator"],
-            settings.host,
-            settings.grpc_port,
-            DEFAULT_MAX_MESSAGE_BYTES,
-            None,
-            ready,
-            run=settings.run_id,
-            http_port=http.servers[0].sockets[0].getsockname()[1],
-            auth=settings.bearer_token() is not None,
-        ) as grpc_serving:
-            await run_loops(
-                {"orchestrator": orchestrator.run(stop), "http": _until(serving, stop)}, stop, grpc_serving.health
-            )
-    finally:
-        http.should_exit = True
-        await asyncio.wait({serving}, timeout=10)
-        await orchestrator.close()
-        await redis.aclose()
+    await serve_service(OrchestratorService(settings), ready, stop)
 
 
 async def _until(serving: asyncio.Task, stop: asyncio.Event) -> None:

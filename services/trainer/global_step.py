@@ -96,15 +96,19 @@ class StepConfig:
             raise ValueError("R2 replays the π_old recompute's routing: it needs bypass off")
 
 
-def resolve_recipe(mini_batches: int, staleness_max: int, has_traces: bool) -> tuple[str, bool, str]:
+def resolve_recipe(mini_batches: int, staleness_peak: int, has_traces: bool) -> tuple[str, bool, str]:
     """The paper's recipe (§4 of arXiv 2512.01374: on-policy MiniRL; N = 2 clipping + R2;
     N ≥ 4 or async staleness ≥ 2 clipping + R3) → (replay, clip, why)."""
-    if mini_batches >= 4 or staleness_max >= 2:
+    if mini_batches >= 4 or staleness_peak >= 2:
         if has_traces:
-            return "r3", True, f"strongly off-policy (N={mini_batches}, staleness {staleness_max}): clip + R3"
-        return "r2", True, f"strongly off-policy (N={mini_batches}, staleness {staleness_max}) but no traces: clip + R2"
-    if mini_batches >= 2 or staleness_max >= 1:
-        return "r2", True, f"mildly off-policy (N={mini_batches}, staleness {staleness_max}): clip + R2"
+            return "r3", True, f"strongly off-policy (N={mini_batches}, staleness {staleness_peak}): clip + R3"
+        return (
+            "r2",
+            True,
+            f"strongly off-policy (N={mini_batches}, staleness {staleness_peak}) but no traces: clip + R2",
+        )
+    if mini_batches >= 2 or staleness_peak >= 1:
+        return "r2", True, f"mildly off-policy (N={mini_batches}, staleness {staleness_peak}): clip + R2"
     return "off", True, "on-policy (N=1, staleness 0): MiniRL + TIS, no replay"
 
 
@@ -467,7 +471,7 @@ def train_step(
         reward_mean=float(batch.rewards[scored].mean()) if scored.any() else 0.0,  # the rewards that scored
         reward_excluded=float((~scored).sum()),  # rollouts whose reward failed: off the loss
         staleness_mean=float(plan.staleness[mask].mean()) if mask.any() else 0.0,
-        staleness_max=float(plan.staleness[mask].max()) if mask.any() else 0.0,
+        staleness_peak=float(plan.staleness[mask].max()) if mask.any() else 0.0,
         tokens=float(mask.sum()),
         loss_seconds=metrics["loss_seconds"] / world,
     )

@@ -97,12 +97,12 @@ class PendingSave:
 
 
 def choose_recipe(
-    settings: TrainerSettings, staleness_max: int, has_traces: bool, is_moe: bool
+    settings: TrainerSettings, staleness_peak: int, has_traces: bool, is_moe: bool
 ) -> tuple[StepConfig, str, str]:
     """The step's settings from the recipe: (config, name, why). Pure."""
     s = settings
     if s.recipe == "auto":
-        replay, clip, why = resolve_recipe(s.mini_batches, staleness_max, has_traces)
+        replay, clip, why = resolve_recipe(s.mini_batches, staleness_peak, has_traces)
         if not is_moe:
             replay, why = "off", why + " (dense model: no replay)"
     else:
@@ -269,10 +269,10 @@ class StepRunner:
         started = time.perf_counter()
         batch = collate(rollouts, self.pad_token_id, self.settings.mask_truncated)
         collate_seconds = time.perf_counter() - started
-        staleness_max = (
+        staleness_peak = (
             int((version - batch.versions[batch.loss_mask]).clamp(min=0).max()) if batch.loss_mask.any() else 0
         )
-        config, recipe, why = choose_recipe(self.settings, staleness_max, batch.trace is not None, self.routing.is_moe)
+        config, recipe, why = choose_recipe(self.settings, staleness_peak, batch.trace is not None, self.routing.is_moe)
         if recipe != self.recipe:
             log.info("event=recipe recipe=%s why=%s", recipe, why)
             self.recipe = recipe

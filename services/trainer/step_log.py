@@ -26,7 +26,7 @@ STEP_SECONDS = Histogram(
 LAST = Gauge("steadyrl_trainer_last_metric", "The last step's diagnostics", ["name"])
 MAX_STALENESS = Gauge(
     "steadyrl_trainer_max_staleness",
-    "The run's max_staleness: SteadyrlStalenessOverBudget fires when staleness_max exceeds it",
+    "The run's max_staleness: SteadyrlStalenessOverBudget fires when staleness_peak exceeds it",
 )
 STALL_AFTER = Gauge(
     "steadyrl_trainer_stall_alert_seconds",

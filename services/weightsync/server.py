@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -24,7 +25,7 @@ from services.weightsync.transfers import Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runstore.run_instance import resolve_instance
-from shared.runtime.service_main import grpc_service, run_loops
+from shared.runtime.service_lifecycle import Api, Listen, ServiceLifecycle, serve_service
 from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
 from shared.weightsync.manifest import (
     WeightError,
@@ -354,24 +355,30 @@ def add_servicer(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
     weightsync_pb2_grpc.add_WeightSyncServicer_to_server(servicer, _PreEncodedPull(server))
 
 
+class WeightSyncService(ServiceLifecycle):
+    """Weight-sync on the service lifecycle: it serves its API until stopped; no loop of its own."""
+
+    name = "weightsync"
+
+    def __init__(self, settings: WeightSyncSettings) -> None:
+        self.settings = settings
+
+    def listen(self) -> Listen:
+        s = self.settings
+        return Listen(s.host, s.port, s.max_message_bytes, s.metrics_port, s.run_id)
+
+    async def setup(self) -> Api:
+        servicer = WeightSyncServicer(self.settings)
+        if servicer.verifier is not None:
+            servicer.verifier.instance = await weightsync_instance(self.settings)
+        return Api([(add_servicer, servicer)], ["steadyrl.v1.WeightSync"], {"signed": servicer.verifier is not None})
+
+    def loops(self, stop: asyncio.Event) -> dict[str, Coroutine]:
+        return {}
+
+
 async def serve(
     settings: WeightSyncSettings, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
     """Run until `stop` is set (or forever)."""
-    servicer = WeightSyncServicer(settings)
-    if servicer.verifier is not None:
-        servicer.verifier.instance = await weightsync_instance(settings)
-    stop = stop or asyncio.Event()
-    async with grpc_service(
-        "weightsync",
-        [(add_servicer, servicer)],
-        ["steadyrl.v1.WeightSync"],
-        settings.host,
-        settings.port,
-        settings.max_message_bytes,
-        settings.metrics_port,
-        ready,
-        run=settings.run_id,
-        signed=servicer.verifier is not None,
-    ) as serving:
-        await run_loops({}, stop, serving.health)
+    await serve_service(WeightSyncService(settings), ready, stop)

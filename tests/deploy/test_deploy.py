@@ -891,7 +891,7 @@ def test_dashboard_and_alerts_name_only_exported_metrics():
     ):
         assert topic in titles, topic
     used = " ".join(exprs)
-    for name in ("mismatch_kl_k3", "entropy", "staleness_max"):  # the collapse and budget alerts
+    for name in ("mismatch_kl_k3", "entropy", "staleness_peak"):  # the collapse and budget alerts
         assert name in used
 
 
@@ -984,7 +984,7 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
             "step": i + 1,
             "mismatch_kl_k3": k,
             "entropy": 0.5 - 0.002 * min(i, 49),
-            "staleness_max": 3 * (30 <= i < 50),
+            "staleness_peak": 3 * (30 <= i < 50),
             "reward_mean": 0.4 if i < 60 else 0.1,
             "recipe": "minirl",
         }
@@ -1012,7 +1012,7 @@ def test_replay_alerts_fires_on_a_collapsing_series_and_not_on_a_healthy_one():
         "SteadyrlPolicyUnderStart": list(range(80, 101)),
         "SteadyrlStalenessOverBudget": list(range(41, 51)),
     }
-    healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_max": 1, "reward_mean": 0.4} for row in collapsing]
+    healthy = [{**row, "mismatch_kl_k3": 0.005, "staleness_peak": 1, "reward_mean": 0.4} for row in collapsing]
     steady = [{"step": e["step"], "accuracy": 0.4} for e in evals]
     assert firing_steps(healthy, rules, budget, steady, steady) == {a: [] for a in fired}
 
@@ -1030,6 +1030,18 @@ def test_the_alerts_on_a_collapsed_grid_run():
     assert fired["SteadyrlPolicyUnderStart"] == list(range(50, 301))
     assert fired["SteadyrlEvalDrop"][0] == 50 and fired["SteadyrlRewardCollapse"][0] == 78
     assert fired["SteadyrlCollapseEarlyWarning"] == [] and fired["SteadyrlStalenessOverBudget"] == []
+
+
+def test_replay_alerts_reads_an_older_run_s_staleness_max_as_staleness_peak(tmp_path):
+    """Runs written before the rename (the collapsed grid run's metrics.jsonl) name the measured
+    staleness `staleness_max`: replayed, it is the `staleness_peak` the budget alert reads."""
+    from steadyrl.alert_replay import replay_run
+
+    rows = [{"step": s, "staleness_max": 3.0} for s in range(1, 21)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.resolved.toml").write_text("[run]\nmax_staleness = 1\n")
+    fired = replay_run(tmp_path, DEPLOY / "prometheus" / "alerts.yml")["firing_steps"]
+    assert fired["SteadyrlStalenessOverBudget"] == list(range(11, 21))
 
 
 def test_replay_alerts_says_when_promtool_cannot_run_the_rules(tmp_path):

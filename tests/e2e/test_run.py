@@ -30,7 +30,7 @@ TRAINER_KEYS = (
     "is_truncated_frac",
     "clip_frac",
     "staleness_mean",
-    "staleness_max",
+    "staleness_peak",
     "dropped_stale",
     "routing_agreement",
     "first_order_error",
