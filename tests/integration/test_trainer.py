@@ -139,7 +139,7 @@ def test_one_step_through_redis_equals_the_math_by_hand(tmp_path, tiny_model_dir
         "is_truncated_frac",
         "clip_frac",
         "staleness_mean",
-        "staleness_max",
+        "staleness_peak",
         "dropped_stale",
         "routing_agreement",
         "first_order_error",
@@ -643,18 +643,18 @@ def test_a_written_checkpoint_lands_and_acknowledges_beside_the_next_step(
         await trainer.step(trainer.buffer.complete()[:2])  # step 1: its checkpoint still being written
         gate.clear()
         unsettled = trainer.acks.saving is not None
-        trainer.stepping = trainer.begin_step(trainer.buffer.complete()[:2])  # step 2, held mid-step
+        trainer.stepping.begin(trainer.buffer.complete()[:2])  # step 2, held mid-step
         written.set()
         while not trainer.acks.save_done():
             await asyncio.sleep(0.01)
-        await trainer.keep_in_sync()
-        await asyncio.wait_for(asyncio.shield(trainer.settling), 30)
-        beside = not trainer.stepping.done()
+        await trainer.tend()
+        await asyncio.wait_for(asyncio.shield(trainer.settling.task), 30)
+        beside = not trainer.stepping.task.done()
         acknowledged = len(await redis.lrange(trainer.source.keys.trained, 0, -1))
         latest = (tmp_path / "trainer" / "checkpoints" / "LATEST").read_text().strip()
         gate.set()
-        await trainer.carried(trainer.stepping)
-        await trainer.announced()
+        await trainer.stepping.carry()
+        await trainer.publishing.announced()
         pool.shutdown()
         await redis.aclose()
         return unsettled, beside, acknowledged, latest, trainer.state.step
@@ -678,16 +678,17 @@ def test_no_held_check_while_a_version_is_on_its_way_out(tmp_path, tiny_model_di
         )
         trainer = Trainer(settings, redis)
         await trainer.source.open()
-        trainer.redis_id = await trainer.source.identity()
+        trainer.reading.redis_id = await trainer.source.identity()
         announcing = asyncio.get_running_loop().create_future()
-        trainer.announcing, trainer.next_held_check = announcing, 0.0
-        await trainer.keep_in_sync()
-        during = trainer.next_held_check
+        publishing = trainer.publishing
+        publishing.announcing, publishing.next_held_check = announcing, 0.0
+        await trainer.tend()
+        during = publishing.next_held_check
         announcing.set_result(None)
-        await trainer.keep_in_sync()  # out: the check runs (weight-sync unreachable: assumed held)
-        after = trainer.next_held_check
+        await trainer.tend()  # out: the check runs (weight-sync unreachable: assumed held)
+        after = publishing.next_held_check
         await redis.aclose()
-        return during, after, trainer.announcing
+        return during, after, publishing.announcing
 
     during, after, announcing = asyncio.run(asyncio.wait_for(main(), 60))
     assert during == 0.0 and after > 0.0 and announcing is None
