@@ -1,12 +1,12 @@
-"""A run recipe (TOML) and what each service's settings become.
+"""A run recipe (TOML) as one typed model, `Recipe`.
 
 Sections: [run] (`RunSection`: what several services must agree on), [model] (path; "tiny" = the kit's tiny MoE),
-[trainer], [inference], [orchestrator], [weightsync] (any STEADYRL_<SERVICE>_* field), and [teacher] / [judge]
-(`PoolSection`: a teacher pool for on-policy distillation, a judge pool for model-judged rewards). [run] values are
-copied into every service, and a service section that sets one is refused. Every section is validated against its
-service's settings model before any process starts, so a typo or a bad value is an error naming the field.
+[trainer], [inference], [orchestrator], [weightsync] (each typed as its service's own settings object, with the
+[run] values it needs: a service section that sets one is refused), and [teacher] / [judge] (`PoolSection`: a teacher
+pool for on-policy distillation, a judge pool for model-judged rewards). A recipe is typed once, when it loads: a
+typo, a bad value or a rule between sections broken is an error naming the field before any process starts.
 
-Details: docs/internals/cli.md"""
+Details: docs/internals/services.md, docs/internals/cli.md"""
 
 from __future__ import annotations
 
