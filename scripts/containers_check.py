@@ -133,7 +133,7 @@ def check_prometheus(result: dict, failures: list[str], during: float, ended: fl
     replicas = 1 if killed else 2
     if sum(1 for s in up if s["metric"].get("job") == "steadyrl-inference") < replicas:
         failures.append(f"fewer than {replicas} inference targets scraped")
-    published = promql(f'sum by (replica) (steadyrl_inference_rollouts_published_total{{run="{run}"}})', during)
+    published = promql(f'sum by (replica) (steadyrl_inference_rollouts_sent_total{{run="{run}"}})', during)
     result["rollouts_published_by_replica"] = {s["metric"].get("replica"): float(s["value"][1]) for s in published}
     if sum(1 for value in result["rollouts_published_by_replica"].values() if value > 0) < replicas:
         failures.append(f"fewer than {replicas} replicas leased and published work")

@@ -22,6 +22,7 @@ import shutil
 import socket
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -296,13 +297,12 @@ def _score(reward: str, answer: str, reference: str) -> tuple[float, str]:
     return score(resolve_reward(reward), answer, reference)
 
 
-async def serve_endpoint(engine: Engine, tokenizer, settings):
-    """The agent endpoint on a free loopback port and on a unix socket in a directory of its own, the one an
-    isolated agent program reaches from its network namespace (`settings`: the replica's): (its uvicorn server,
-    the task serving it). The socket's directory goes when the server stops."""
+@contextlib.asynccontextmanager
+async def served_endpoint(engine: Engine, tokenizer, settings) -> AsyncIterator[Endpoint]:
+    """The agent endpoint, served while open on a free loopback port and on a unix socket in a directory of its
+    own, the one an isolated agent program reaches from its network namespace (`settings`: the replica's). The
+    socket's directory goes when the server stops."""
     import uvicorn
-
-    from services.inference import trajectories
 
     tcp = socket.create_server(("127.0.0.1", 0))
     port = tcp.getsockname()[1]
@@ -315,10 +315,14 @@ async def serve_endpoint(engine: Engine, tokenizer, settings):
     server = uvicorn.Server(uvicorn.Config(endpoint.app(), log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve(sockets=[tcp, unix]))
     serving.add_done_callback(lambda _: shutil.rmtree(directory, ignore_errors=True))
-    while not server.started:
-        if serving.done():
-            raise RuntimeError(f"the agent endpoint did not start: {serving.exception()!r}")
-        await asyncio.sleep(0.02)
-    trajectories.ENDPOINT[:] = [endpoint]
-    log.info("event=agent_endpoint url=%s socket=%s", endpoint.base_url, isolation.endpoint[0])
-    return server, serving
+    try:
+        while not server.started:
+            if serving.done():
+                raise RuntimeError(f"the agent endpoint did not start: {serving.exception()!r}")
+            await asyncio.sleep(0.02)
+        log.info("event=agent_endpoint url=%s socket=%s", endpoint.base_url, isolation.endpoint[0])
+        yield endpoint
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serving, 5)

@@ -65,7 +65,7 @@ REWARD_FAILURES = Counter(
 )
 REWARDS_EXCLUDED = Counter(
     "steadyrl_inference_rewards_excluded_total",
-    "Completions whose every reward call failed: published with the reason, left out of the loss",
+    "Completions whose every reward call failed: sent with the reason, left out of the loss",
     ["reward"],
 )
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
-from services.inference import trajectories
-from services.inference.agents import serve_endpoint
+from services.inference.agents import Endpoint, served_endpoint
 from services.inference.config import InferenceSettings
 from services.inference.heartbeat import heartbeat
 from services.inference.judge import JudgeScoring
 from services.inference.metrics import POLICY_VERSION
-from services.inference.servicer import InferenceServicer
+from services.inference.servicer import InferenceServicer, engine_servicer, reward_model_servicer
 from services.inference.teacher import TeacherScoring
 from services.inference.weights import weights_loop
 from services.inference.worker import RolloutWorker
@@ -66,7 +66,7 @@ FIXED_POOLS = ("teacher", "judge")  # replicas on fixed weights that serve no ta
 def pool_client(settings: InferenceSettings, pool: str) -> PoolClient | None:
     """A rollout replica's client of the teacher or judge pool (None without one)."""
     section = getattr(settings, pool)
-    if not section.addresses or settings.pool in FIXED_POOLS:
+    if not section.addresses:
         return None
     return PoolClient(
         pool,
@@ -85,17 +85,28 @@ def reward_model(settings: InferenceSettings) -> SequenceClassifier | None:
     return SequenceClassifier(settings.model_path, settings.dtype, settings.torch_threads)
 
 
+@dataclass
+class ReplicaParts:
+    """A rollout replica's parts, for a caller that serves it in its own process (tests): `serve` fills them in
+    before it sets `ready`."""
+
+    endpoint: Endpoint | None = None
+    """The agent endpoint, where the replica serves one."""
+
+
 async def serve(
     settings: InferenceSettings,
     engine: Engine | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    parts: ReplicaParts | None = None,
 ) -> None:
     """Run the replica until `stop` is set (or forever)."""
     from shared.models import load_tokenizer
 
     owned = engine is None  # an engine handed in outlives this replica
     bind_default_executor(settings.torch_threads)
+    stop = stop or asyncio.Event()
     with loading("inference", settings.metrics_port, settings.host, settings.run_id, settings.pool):
         classifier = await asyncio.to_thread(reward_model, settings)
         if classifier is None:
@@ -103,83 +114,96 @@ async def serve(
     if classifier is not None:
         await serve_reward_model(settings, classifier, ready, stop)
         return
-    tokenizer = load_tokenizer(settings.model_path)
-    replica = settings.replica_id
-    stop = stop or asyncio.Event()
-    redis = settings.redis()
-    queue = WorkQueue(redis, settings.run_id, pool="rollouts" if settings.pool in FIXED_POOLS else settings.pool)
-    rewards = RewardRunner(settings.tasks.reward_timeout_seconds, settings.tasks.reward_retries)
-    teacher = pool_client(settings, "teacher")
-    judge = pool_client(settings, "judge")
-    worker = RolloutWorker(
-        engine,
-        tokenizer,
-        queue,
-        replica,
-        settings.tasks.lease_seconds,
-        settings.tasks.per_batch,
-        settings.tasks.idle_poll_seconds,
-        settings.return_routing_traces,
-        rewards,
-        settings.tasks.version_wait_seconds,
-        settings.tasks.max_inflight,
-        settings.tasks.batching,
-        TeacherScoring(teacher, settings.teacher.top_k, settings.teacher.batch_sequences, engine.vocab_size)
-        if teacher
-        else None,
-        JudgeScoring(judge, settings.judge.templates, rewards),
-        settings.tasks.reward_min_scored,
-    )
-    servicer = InferenceServicer(settings, engine, tokenizer, queue, worker)
-    POLICY_VERSION.labels(replica, settings.pool).set(engine.version)
-    if settings.pool in FIXED_POOLS:  # fixed weights, no task: it answers Score / Judge until stopped
-        loops = {"pool": stop.wait()}
-    else:
+    try:
+        tokenizer = load_tokenizer(settings.model_path)
+        if settings.pool in FIXED_POOLS:
+            await serve_pool(settings, engine, tokenizer, ready, stop)
+        else:
+            await serve_rollouts(settings, engine, tokenizer, ready, stop, parts or ReplicaParts())
+    finally:
+        if owned:
+            engine.close()
+
+
+async def serve_rollouts(
+    settings: InferenceSettings,
+    engine: Engine,
+    tokenizer,
+    ready: asyncio.Event | None,
+    stop: asyncio.Event,
+    parts: ReplicaParts,
+) -> None:
+    """A rollout (or policy_eval) replica: the rollout loop, the weights, the heartbeat, the agent endpoint and the
+    gRPC API until stopped."""
+    async with contextlib.AsyncExitStack() as stack:
+        redis = settings.redis()
+        stack.push_async_callback(redis.aclose)
+        queue = WorkQueue(redis, settings.run_id, pool=settings.pool)
+        rewards = RewardRunner(settings.tasks.reward_timeout_seconds, settings.tasks.reward_retries)
+        stack.callback(rewards.close)
+        teacher = pool_client(settings, "teacher")
+        judge = pool_client(settings, "judge")
+        for client in (teacher, judge):
+            if client is not None:
+                stack.push_async_callback(client.close)
+        if settings.agent.endpoint:
+            parts.endpoint = await stack.enter_async_context(served_endpoint(engine, tokenizer, settings))
+        worker = RolloutWorker(
+            engine,
+            tokenizer,
+            queue,
+            settings,
+            rewards,
+            teacher=TeacherScoring(teacher, settings.teacher.top_k, settings.teacher.batch_sequences, engine.vocab_size)
+            if teacher
+            else None,
+            judging=JudgeScoring(judge, settings.judge.templates, rewards),
+            endpoint=parts.endpoint,
+        )
+        POLICY_VERSION.labels(settings.replica_id, settings.pool).set(engine.version)
         loops = {"rollouts": worker.run(stop)}
         if settings.weightsync_address:
             loops["weights"] = weights_loop(settings, engine, stop, worker.version_changed)
         if settings.orchestrator_address:
             loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
-    endpoint = await serve_endpoint(engine, tokenizer, settings) if settings.agent.endpoint else None
-    try:
-        async with grpc_service(
-            "inference",
-            [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
-            ["steadyrl.v1.Inference"],
-            settings.host,
-            settings.port,
-            settings.max_message_bytes,
-            settings.metrics_port,
-            ready,
-            run=settings.run_id,
-            replica=replica,
-            engine=engine.name,
-            device=getattr(engine, "device", "cpu"),
-            traces=worker.return_traces,
-        ) as serving:
+        servicer = engine_servicer(settings, engine, tokenizer, queue, worker)
+        async with serving_api(settings, servicer, ready, engine, worker.return_traces) as serving:
             await run_loops(loops, stop, serving.health)
+
+
+async def serve_pool(
+    settings: InferenceSettings, engine: Engine, tokenizer, ready: asyncio.Event | None, stop: asyncio.Event
+) -> None:
+    """A teacher or judge pool's replica: fixed weights, no task; it answers Score / Judge until stopped."""
+    redis = settings.redis()
+    try:
+        queue = WorkQueue(redis, settings.run_id, pool="rollouts")  # whose pending tasks Status reports
+        servicer = engine_servicer(settings, engine, tokenizer, queue)
+        POLICY_VERSION.labels(settings.replica_id, settings.pool).set(engine.version)
+        traces = settings.return_routing_traces and engine.capabilities.routing_trace
+        async with serving_api(settings, servicer, ready, engine, traces) as serving:
+            await run_loops({"pool": stop.wait()}, stop, serving.health)
     finally:
-        if endpoint is not None:
-            trajectories.ENDPOINT.clear()
-            endpoint[0].should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(endpoint[1], 5)
         await redis.aclose()
-        for client in (teacher, judge):
-            if client is not None:
-                await client.close()
-        rewards.close()
-        if owned:
-            engine.close()
 
 
 async def serve_reward_model(
-    settings: InferenceSettings, classifier: SequenceClassifier, ready: asyncio.Event | None, stop: asyncio.Event | None
+    settings: InferenceSettings, classifier: SequenceClassifier, ready: asyncio.Event | None, stop: asyncio.Event
 ) -> None:
     """A judge pool's replica on a reward model: the Judge and Status RPCs until stopped."""
-    stop = stop or asyncio.Event()
-    servicer = InferenceServicer(settings, None, classifier.tokenizer, None, None, classifier)
-    async with grpc_service(
+    async with serving_api(settings, reward_model_servicer(settings, classifier), ready, classifier, False) as serving:
+        await run_loops({"pool": stop.wait()}, stop, serving.health)
+
+
+def serving_api(
+    settings: InferenceSettings,
+    servicer: InferenceServicer,
+    ready: asyncio.Event | None,
+    model: Engine | SequenceClassifier,
+    traces: bool,
+):
+    """The replica's gRPC API and /metrics while open (`ready` set once both listen)."""
+    return grpc_service(
         "inference",
         [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
         ["steadyrl.v1.Inference"],
@@ -190,8 +214,7 @@ async def serve_reward_model(
         ready,
         run=settings.run_id,
         replica=settings.replica_id,
-        engine=classifier.name,
-        device="cpu",
-        traces=False,
-    ) as serving:
-        await run_loops({"pool": stop.wait()}, stop, serving.health)
+        engine=model.name,
+        device=getattr(model, "device", "cpu"),
+        traces=traces,
+    )

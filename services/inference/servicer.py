@@ -1,12 +1,16 @@
-"""A replica's Inference gRPC API: `Generate` (one request, streamed token by token, every
-value checked first), `Score` (a teacher's logprobs of given completions: one prefill), `Judge` (a
-judge's greedy verdicts, or a reward model's scalars) and `Status`."""
+"""A replica's Inference gRPC API, one servicer made of the roles the replica plays: a rollout replica's
+`Generate` (one request, streamed token by token, every value checked first) and `Status`, a teacher's `Score`
+(logprobs of given completions: one prefill) and a judge's `Judge` (a generative judge's greedy verdicts, or a
+reward model's scalars). A replica with an engine plays them all (`engine_servicer`); one serving a reward model
+answers Judge and Status only (`reward_model_servicer`): an RPC whose role it lacks is UNIMPLEMENTED."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 
@@ -23,58 +27,46 @@ from shared.rpc.steadyrl.v1 import inference_pb2 as pb
 from shared.runstore.queues import WorkQueue
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(
-        self,
-        settings: InferenceSettings,
-        engine: Engine,
-        tokenizer,
-        queue: WorkQueue | None,
-        worker: RolloutWorker | None,
-        classifier: SequenceClassifier | None = None,
-    ) -> None:
+async def abort(context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
+    await context.abort(code, message)
+
+
+class Generation:
+    """A rollout replica's Generate: one request streamed token by token, every value checked first."""
+
+    def __init__(self, settings: InferenceSettings, engine: Engine, tokenizer) -> None:
         self.settings = settings
-        self.engine = engine  # None on a reward model's replica: it answers Judge and Status only
+        self.engine = engine
         self.tokenizer = tokenizer
-        self.queue = queue
-        self.worker = worker
-        self.classifier = classifier
 
-    async def _invalid(self, context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
-        await context.abort(code, message)
-
-    async def Generate(self, request, context):
-        if self.engine is None:
-            await self._invalid(context, "a reward model's replica does not generate", grpc.StatusCode.UNIMPLEMENTED)
+    async def stream(self, request, context):
         if request.prompt_token_ids:
             prompt = list(request.prompt_token_ids)
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
             if bad:
-                await self._invalid(
-                    context, f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})"
-                )
+                await abort(context, f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
         elif request.prompt_text:
             prompt = list(self.tokenizer(request.prompt_text).input_ids)
         else:
-            await self._invalid(context, "give prompt_token_ids or prompt_text")
+            await abort(context, "give prompt_token_ids or prompt_text")
         try:
             sampling = Sampling.from_proto(request.sampling)
         except ValueError as exc:
-            await self._invalid(context, str(exc))
+            await abort(context, str(exc))
         if sampling.max_new_tokens > self.settings.max_new_tokens_limit:
-            await self._invalid(
+            await abort(
                 context,
                 f"max_new_tokens {sampling.max_new_tokens} > limit {self.settings.max_new_tokens_limit}",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
         if len(prompt) + sampling.max_new_tokens > self.engine.max_model_len:
-            await self._invalid(
+            await abort(
                 context,
                 f"prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) > {self.engine.max_model_len}",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
         if request.return_routing_trace and not self.engine.capabilities.routing_trace:
-            await self._invalid(
+            await abort(
                 context,
                 f"the {self.engine.name} engine returns no routing traces here",
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -88,7 +80,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             job = asyncio.wrap_future(self.engine.start(prompt, sampling, request.return_routing_trace, on_token))
         except ValueError as exc:
-            await self._invalid(context, str(exc))
+            await abort(context, str(exc))
         try:
             while not (job.done() and events.empty()):
                 getter = asyncio.ensure_future(events.get())
@@ -113,73 +105,55 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             final.routing_trace = trace_message(sample.routing_trace, sample.num_experts).SerializeToString()
         yield final
 
-    async def Score(self, request, context):
-        """log p(each completion token | what precedes it) for every sequence, and the request's top_k
-        most likely tokens at each completion position, from one prefill."""
-        pool, replica = self.settings.pool, self.settings.replica_id
-        score = getattr(self.engine, "score", None)
-        if score is None:
-            engine = self.engine.name if self.engine else "reward model's"
-            POOL_FAILURES.labels(pool, replica, "unimplemented").inc()
-            await self._invalid(context, f"the {engine} engine does not score", grpc.StatusCode.UNIMPLEMENTED)
+
+class Scoring:
+    """A teacher's Score: log p(each completion token | what precedes it) for every sequence, and the
+    request's top_k most likely tokens at each completion position, from one prefill."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model = engine.model_path
+
+    def can(self) -> bool:
+        return getattr(self.engine, "score", None) is not None
+
+    async def score(self, request) -> tuple[list[pb.TokenLogprobs], int]:
+        """The scored sequences and their completion tokens; ValueError for a request that cannot be scored."""
         sequences = [(list(s.prompt_token_ids), list(s.completion_token_ids)) for s in request.sequences]
         if not sequences:
-            POOL_FAILURES.labels(pool, replica, "invalid").inc()
-            await self._invalid(context, "no sequence to score")
-        started = time.perf_counter()
-        POOL_QUEUE.labels(pool).inc()
-        try:
-            scored = await asyncio.to_thread(score, sequences, request.top_k)  # waits for the engine between two steps
-        except ValueError as exc:
-            POOL_FAILURES.labels(pool, replica, "invalid").inc()
-            await self._invalid(context, str(exc))
-        finally:
-            POOL_QUEUE.labels(pool).dec()
-        POOL_REQUESTS.labels(pool, replica, "Score").inc()
-        POOL_TOKENS.labels(pool, replica).inc(sum(len(c) for _, c in sequences))
-        POOL_SECONDS.labels(pool, replica).observe(time.perf_counter() - started)
-        return pb.ScoreReply(
-            sequences=[
-                pb.TokenLogprobs(
-                    logprobs=s.logprobs,
-                    top_token_ids=[t for row in s.top_ids for t in row],
-                    top_logprobs=[x for row in s.top_logprobs for x in row],
-                )
-                for s in scored
-            ],
-            model=self.engine.model_path,
-        )
+            raise ValueError("no sequence to score")
+        scored = await asyncio.to_thread(self.engine.score, sequences, request.top_k)  # between two engine steps
+        replies = [
+            pb.TokenLogprobs(
+                logprobs=s.logprobs,
+                top_token_ids=[t for row in s.top_ids for t in row],
+                top_logprobs=[x for row in s.top_logprobs for x in row],
+            )
+            for s in scored
+        ]
+        return replies, sum(len(c) for _, c in sequences)
 
-    async def Judge(self, request, context):
-        """A verdict per text: a reward model's scalar, or a generative judge's greedy completion of
-        at most `max_new_tokens` tokens (the texts batched in the engine)."""
-        pool, replica = self.settings.pool, self.settings.replica_id
-        texts = list(request.texts)
-        if not texts:
-            POOL_FAILURES.labels(pool, replica, "invalid").inc()
-            await self._invalid(context, "no text to judge")
-        started = time.perf_counter()
-        POOL_QUEUE.labels(pool).inc()
-        try:
-            if self.classifier is not None:
-                scores = await asyncio.to_thread(self.classifier.scores, texts)
-                verdicts = [pb.JudgeVerdict(score=value) for value in scores]
-                tokens = 0
-            else:
-                verdicts, tokens = await self._generate_verdicts(texts, request.max_new_tokens or 8)
-        except ValueError as exc:
-            POOL_FAILURES.labels(pool, replica, "invalid").inc()
-            await self._invalid(context, str(exc))
-        finally:
-            POOL_QUEUE.labels(pool).dec()
-        POOL_REQUESTS.labels(pool, replica, "Judge").inc()
-        POOL_TOKENS.labels(pool, replica).inc(tokens)
-        POOL_SECONDS.labels(pool, replica).observe(time.perf_counter() - started)
-        model = self.classifier.model_path if self.classifier else self.engine.model_path
-        return pb.JudgeReply(verdicts=verdicts, model=model)
 
-    async def _generate_verdicts(self, texts: list[str], max_new_tokens: int) -> tuple[list, int]:
-        """Greedy verdicts and the tokens generated; ValueError for a text that cannot be judged."""
+class Judging(Protocol):
+    """A judge's Judge: a verdict per text."""
+
+    model: str
+
+    async def verdicts(self, texts: list[str], max_new_tokens: int) -> tuple[list[pb.JudgeVerdict], int]:
+        """The verdicts and the tokens generated; ValueError for a text that cannot be judged."""
+        ...
+
+
+class GenerativeJudging:
+    """A generative judge's greedy completions of at most `max_new_tokens` tokens (the texts batched in the engine)."""
+
+    def __init__(self, settings: InferenceSettings, engine: Engine, tokenizer) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = engine.model_path
+
+    async def verdicts(self, texts: list[str], max_new_tokens: int) -> tuple[list[pb.JudgeVerdict], int]:
         if max_new_tokens > self.settings.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens {max_new_tokens} > limit {self.settings.max_new_tokens_limit}")
         prompts = [encode_prompt(self.tokenizer, text) for text in texts]
@@ -191,35 +165,136 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens)
         samples = await gathered(self.engine.start_many(prompts, sampling))
         completions = [s.token_ids for s in samples]
-        return [pb.JudgeVerdict(text=t) for t in decode_completions(self.tokenizer, completions)], sum(
-            map(len, completions)
+        verdicts = [pb.JudgeVerdict(text=t) for t in decode_completions(self.tokenizer, completions)]
+        return verdicts, sum(map(len, completions))
+
+
+class RewardModelJudging:
+    """A reward model's scalar per text (no token generated)."""
+
+    def __init__(self, classifier: SequenceClassifier) -> None:
+        self.classifier = classifier
+        self.model = classifier.model_path
+
+    async def verdicts(self, texts: list[str], max_new_tokens: int) -> tuple[list[pb.JudgeVerdict], int]:
+        scores = await asyncio.to_thread(self.classifier.scores, texts)
+        return [pb.JudgeVerdict(score=value) for value in scores], 0
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """The Inference API from a replica's roles (`status`: its Status reply; `generation`, `scoring`: None where the
+    replica plays no such role)."""
+
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        status: Callable[[], Awaitable[pb.InferenceStatus]],
+        judging: Judging,
+        *,
+        generation: Generation | None = None,
+        scoring: Scoring | None = None,
+    ) -> None:
+        self.settings = settings
+        self.status = status
+        self.judging = judging
+        self.generation = generation
+        self.scoring = scoring
+
+    async def Generate(self, request, context):
+        if self.generation is None:
+            await abort(context, "a reward model's replica does not generate", grpc.StatusCode.UNIMPLEMENTED)
+        async for event in self.generation.stream(request, context):
+            yield event
+
+    async def Score(self, request, context):
+        if self.scoring is None or not self.scoring.can():
+            engine = self.scoring.engine.name if self.scoring else "reward model's"
+            POOL_FAILURES.labels(self.settings.pool, self.settings.replica_id, "unimplemented").inc()
+            await abort(context, f"the {engine} engine does not score", grpc.StatusCode.UNIMPLEMENTED)
+        replies, tokens = await self._pool_call(context, "Score", self.scoring.score(request))
+        return pb.ScoreReply(sequences=replies, model=self.scoring.model)
+
+    async def Judge(self, request, context):
+        texts = list(request.texts)
+        if not texts:
+            POOL_FAILURES.labels(self.settings.pool, self.settings.replica_id, "invalid").inc()
+            await abort(context, "no text to judge")
+        verdicts, tokens = await self._pool_call(
+            context, "Judge", self.judging.verdicts(texts, request.max_new_tokens or 8)
         )
+        return pb.JudgeReply(verdicts=verdicts, model=self.judging.model)
 
     async def Status(self, request, context):
-        lag = 0
-        if self.queue is not None:
-            with contextlib.suppress(Exception):
-                lag = await self.queue.pending_count()
-        if self.engine is None:  # a reward model's replica
-            return pb.InferenceStatus(
-                replica_id=self.settings.replica_id,
-                engine=self.classifier.name,
-                model=self.classifier.model_path,
-                version=common_pb2.PolicyVersion(version=0),
-                capabilities=pb.EngineCapabilities(dtype=self.settings.dtype),
-                queue_lag=lag,
-            )
-        caps = self.engine.capabilities
+        return await self.status()
+
+    async def _pool_call(self, context, method: str, work: Awaitable[tuple]) -> tuple:
+        """`work`'s (reply, tokens) as a pool's call, counted: queued, requests, tokens, seconds; a ValueError
+        it raises answers INVALID_ARGUMENT."""
+        pool, replica = self.settings.pool, self.settings.replica_id
+        started = time.perf_counter()
+        POOL_QUEUE.labels(pool).inc()
+        try:
+            reply, tokens = await work
+        except ValueError as exc:
+            POOL_FAILURES.labels(pool, replica, "invalid").inc()
+            await abort(context, str(exc))
+        finally:
+            POOL_QUEUE.labels(pool).dec()
+        POOL_REQUESTS.labels(pool, replica, method).inc()
+        POOL_TOKENS.labels(pool, replica).inc(tokens)
+        POOL_SECONDS.labels(pool, replica).observe(time.perf_counter() - started)
+        return reply, tokens
+
+
+def engine_servicer(
+    settings: InferenceSettings, engine: Engine, tokenizer, queue: WorkQueue, worker: RolloutWorker | None = None
+) -> InferenceServicer:
+    """A replica with an engine plays every role (`worker`: a rollout replica's loop, whose progress Status
+    reports; `queue`: the work queue whose pending tasks Status reports)."""
+
+    async def status() -> pb.InferenceStatus:
+        caps = engine.capabilities
         return pb.InferenceStatus(
-            replica_id=self.settings.replica_id,
-            engine=self.engine.name,
-            model=self.engine.model_path,
-            version=common_pb2.PolicyVersion(version=self.engine.version),
+            replica_id=settings.replica_id,
+            engine=engine.name,
+            model=engine.model_path,
+            version=common_pb2.PolicyVersion(version=engine.version),
             capabilities=pb.EngineCapabilities(
                 routing_trace=caps.routing_trace, logprobs=caps.logprobs, hot_swap=caps.hot_swap, dtype=caps.dtype
             ),
-            queue_lag=lag,
-            rollouts_published=self.worker.published if self.worker else 0,
-            tokens_per_second=self.worker.tokens_per_second if self.worker else 0.0,
-            busy=bool(self.worker and self.worker.busy),
+            queue_lag=await queue_lag(queue),
+            rollouts_published=worker.sent if worker else 0,
+            tokens_per_second=worker.tokens_per_second if worker else 0.0,
+            busy=bool(worker and worker.busy),
         )
+
+    return InferenceServicer(
+        settings,
+        status,
+        GenerativeJudging(settings, engine, tokenizer),
+        generation=Generation(settings, engine, tokenizer),
+        scoring=Scoring(engine),
+    )
+
+
+def reward_model_servicer(settings: InferenceSettings, classifier: SequenceClassifier) -> InferenceServicer:
+    """A judge pool's replica on a reward model: Judge and Status only."""
+
+    async def status() -> pb.InferenceStatus:
+        return pb.InferenceStatus(
+            replica_id=settings.replica_id,
+            engine=classifier.name,
+            model=classifier.model_path,
+            version=common_pb2.PolicyVersion(version=0),
+            capabilities=pb.EngineCapabilities(dtype=settings.dtype),
+            queue_lag=0,
+        )
+
+    return InferenceServicer(settings, status, RewardModelJudging(classifier))
+
+
+async def queue_lag(queue: WorkQueue) -> int:
+    """The queue's pending tasks; 0 when Redis does not answer."""
+    with contextlib.suppress(Exception):
+        return await queue.pending_count()
+    return 0

@@ -1,6 +1,6 @@
 """A replica's multi-turn tasks: the task's environment plays each of its G trajectories
 (`shared.envs.trajectory.play`), all at once with every other task's sequences in the engine's
-continuous batch; the group is published as G rollouts whose loss masks mark the model's tokens.
+continuous batch; the group is sent as G rollouts whose loss masks mark the model's tokens.
 
 An environment that cannot be made, raises, hangs, answers malformed or overflows the budget ends
 its trajectory with a reason: the task is dead-lettered with it (a group is trained whole or not
@@ -14,7 +14,8 @@ import time
 import numpy as np
 from prometheus_client import Counter, Histogram
 
-from services.inference import agents
+from services.inference.agents import PREFIX as AGENT
+from services.inference.agents import Endpoint
 from services.inference.metrics import TOKENS, TokenRate
 from shared.engines import Engine
 from shared.envs import make_environment
@@ -55,15 +56,12 @@ def budget_of(task) -> Budget:
     )
 
 
-ENDPOINT: list[agents.Endpoint] = []  # the replica's agent endpoint, when it serves one
-
-
-def agents_endpoint() -> agents.Endpoint:
-    if not ENDPOINT:
+def _served(endpoint: Endpoint | None) -> Endpoint:
+    if endpoint is None:
         raise TrajectoryError(
             "env_error", "agent and verifiers tasks need the replica's OpenAI endpoint (inference.agent.endpoint)"
         )
-    return ENDPOINT[0]
+    return endpoint
 
 
 def _environment(name: str):
@@ -85,10 +83,12 @@ async def play_group(
     leased_ms: int,
     rate: TokenRate,
     min_scored: int = 2,
+    endpoint: Endpoint | None = None,
 ) -> list[bytes]:
     """The task's G rollouts, their model tokens counted (TrajectoryError: the first trajectory
     that failed, the others cancelled; `reward_failed`: a training group with fewer than
-    `min_scored` rewards that scored)."""
+    `min_scored` rewards that scored). `endpoint`: the replica's agent endpoint, which agent and
+    verifiers tasks play through."""
     task = checked.lease.task
     started_ms = now_ms()
     started = time.perf_counter()
@@ -99,11 +99,11 @@ async def play_group(
     try:
         if task.environment.startswith(VERIFIERS):  # the environment's rollout loop drives the engine
             plays.append(
-                asyncio.ensure_future(agents_endpoint().play_verifiers(task, checked.sampling, budget, return_traces))
+                asyncio.ensure_future(_served(endpoint).play_verifiers(task, checked.sampling, budget, return_traces))
             )
         for i in range(0 if plays else task.group_size):
-            if task.environment.startswith(agents.PREFIX):  # an agent program drives the engine itself
-                playing = agents_endpoint().play(task, text, checked.sampling, budget, return_traces, i)
+            if task.environment.startswith(AGENT):  # an agent program drives the engine itself
+                playing = _served(endpoint).play(task, text, checked.sampling, budget, return_traces, i)
             else:
                 playing = play(
                     engine,

@@ -1,9 +1,9 @@
-"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → publish, without batch
+"""The rollout loop of a replica: lease tasks → check → generate G samples each → score → send, without batch
 barriers.
 
-A task's G requests enter the engine once it is leased and checked; it is published once they are done. Up to
+A task's G requests enter the engine once it is leased and checked; its rollouts are sent once they are done. Up to
 `tasks.max_inflight` tasks stay with the engine (`tasks.batching = "barrier"`: the old behaviour, for comparison).
-Publishing and ending the lease are one atomic step (`WorkQueue.complete_many`), so a slow replica never duplicates
+Sending and ending the lease are one atomic step (`WorkQueue.complete_many`), so a slow replica never duplicates
 work. Unservable tasks go to the dead-letter stream with a reason; multi-turn tasks play their G trajectories
 (`services.inference.trajectories`).
 
@@ -19,8 +19,11 @@ import time
 
 import redis.exceptions
 
+from services.inference.agents import Endpoint
+from services.inference.config import InferenceSettings
 from services.inference.idle_clock import IdleClock
 from services.inference.judge import JudgeScoring
+from services.inference.leased_work import Checked, LeaseRenewal, Unservable, check_lease
 from services.inference.metrics import (
     BAD_TASKS,
     ENGINE_ERRORS,
@@ -37,8 +40,7 @@ from services.inference.metrics import (
     VERSION_WAITS,
     TokenRate,
 )
-from services.inference.rollout_publisher import LEASES_LOST, QUEUE_ERRORS, Publisher
-from services.inference.tasks import BadTask, Checked, LeaseRenewal, check_task
+from services.inference.rollout_sender import LEASES_LOST, QUEUE_ERRORS, RolloutSender
 from services.inference.teacher import TeacherScoring
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
@@ -54,7 +56,6 @@ from shared.tasks import RewardRunner
 from shared.tasks.shaping import overlong_penalty
 
 log = logging.getLogger("steadyrl.inference.worker")
-BATCHING = ("continuous", "barrier")
 # rollouts are scored and encoded on one thread: a reward process serves one call at a time, and
 # the event loop stays free for Redis and gRPC
 SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
@@ -69,48 +70,38 @@ class TooFewScored(ValueError):
 
 
 class RolloutWorker:
+    """A replica's rollout loop (`run`), on the replica's settings: its `replica_id`, `return_routing_traces` and
+    `tasks` ([inference.tasks]: leasing, batching, version waits, the scored rewards a group needs)."""
+
     def __init__(
         self,
         engine: Engine,
         tokenizer,
         queue: WorkQueue,
-        replica_id: str,
-        lease_seconds: float,
-        tasks_per_batch: int,
-        idle_poll_seconds: float,
-        return_traces: bool,
+        settings: InferenceSettings,
         rewards: RewardRunner | None = None,
-        version_wait_seconds: float = 120.0,
-        max_inflight_tasks: int = 16,
-        batching: str = "continuous",
+        *,
         teacher: TeacherScoring | None = None,
         judging: JudgeScoring | None = None,
-        reward_min_scored: int = 2,
+        endpoint: Endpoint | None = None,
     ) -> None:
-        if batching not in BATCHING:
-            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.queue = queue
-        self.replica_id = replica_id
-        self.lease_seconds = lease_seconds
-        self.tasks_per_batch = tasks_per_batch
-        self.idle_poll_seconds = idle_poll_seconds
-        self.max_inflight_tasks = max(max_inflight_tasks, 1)
-        self.batching = batching
-        self.return_traces = return_traces and engine.capabilities.routing_trace
+        self.replica_id = settings.replica_id
+        self.leasing = settings.tasks
+        self.return_traces = settings.return_routing_traces and engine.capabilities.routing_trace
         self.rewards = rewards or RewardRunner()
-        self.version_wait_seconds = version_wait_seconds
-        self.teacher = teacher  # on-policy distillation: a teacher pool scores each group before it is published
+        self.teacher = teacher  # on-policy distillation: a teacher pool scores each group before it is sent
         self.judging = judging or JudgeScoring(None, {}, self.rewards)  # judge:/reward_model: rewards
-        self.reward_min_scored = reward_min_scored  # a training group with fewer scored rewards is dropped
+        self.endpoint = endpoint  # the agent endpoint agent and verifiers tasks play through
         self.rate = TokenRate()
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
         self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
         self.new_version = asyncio.Event()  # set (and replaced) as a version lands in the engine
-        self.publisher = Publisher(queue, replica_id, self.held, self._hand_back)
+        self.sender = RolloutSender(queue, self.replica_id, self.held, self._requeue)
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
 
@@ -120,8 +111,8 @@ class RolloutWorker:
         landed.set()  # every waiter resumes in the same turn of the loop: their groups enter the engine together
 
     @property
-    def published(self) -> int:
-        return self.publisher.published
+    def sent(self) -> int:
+        return self.sender.sent
 
     @property
     def busy(self) -> bool:
@@ -132,16 +123,16 @@ class RolloutWorker:
         return self.rate.per_second
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Keep the engine full: lease while there is room, serve every task on its own, publish
+        """Keep the engine full: lease while there is room, serve every task on its own, send
         whatever is done in one Redis call at a time."""
-        renewal = LeaseRenewal(self.queue, self.replica_id, self.lease_seconds, self.held)
-        publisher = asyncio.create_task(self.publisher.loop())
+        renewal = LeaseRenewal(self.queue, self.replica_id, self.leasing.lease_seconds, self.held)
+        sending = asyncio.create_task(self.sender.loop())
         try:
             await self._pools_ready(stop)
             while not stop.is_set():
                 self._check_engine()
                 room = self._room()
-                leases = await self._lease(stop, min(room, self.tasks_per_batch)) if room else []
+                leases = await self._lease(stop, min(room, self.leasing.per_batch)) if room else []
                 if leases is None:  # Redis unreachable: backed off already
                     continue
                 for lease in leases:
@@ -151,11 +142,11 @@ class RolloutWorker:
                 INFLIGHT.labels(self.replica_id).set(len(self.inflight))
                 RUNNING.labels(self.replica_id).set(getattr(self.engine, "running", 0))
                 TOKENS_PER_SECOND.labels(self.replica_id).set(self.rate.per_second)
-                if leases and len(leases) == min(room, self.tasks_per_batch) and self._room():
+                if leases and len(leases) == min(room, self.leasing.per_batch) and self._room():
                     continue  # the queue may hold more: lease again at once
                 await self._wait(stop, poll=bool(self._room()))
         finally:
-            await finish_despite_cancellation(self._shutdown(publisher, renewal))
+            await finish_despite_cancellation(self._shutdown(sending, renewal))
 
     async def _pools_ready(self, stop: asyncio.Event) -> None:
         """Before the first lease, a replica of each pool this replica calls answers (bounded by the
@@ -175,9 +166,9 @@ class RolloutWorker:
         ready.result()
 
     def _room(self) -> int:
-        if self.batching == "barrier":
-            return 0 if self.inflight else self.tasks_per_batch
-        return self.max_inflight_tasks - len(self.inflight)
+        if self.leasing.batching == "barrier":
+            return 0 if self.inflight else self.leasing.per_batch
+        return self.leasing.max_inflight - len(self.inflight)
 
     def _check_engine(self) -> None:
         if (error := getattr(self.engine, "error", None)) is not None:
@@ -192,7 +183,7 @@ class RolloutWorker:
             await asyncio.wait(
                 {stopping, ended},
                 return_when=asyncio.FIRST_COMPLETED,
-                timeout=self.idle_poll_seconds if poll or not self.inflight else None,
+                timeout=self.leasing.idle_poll_seconds if poll or not self.inflight else None,
             )
         finally:
             stopping.cancel()
@@ -205,13 +196,13 @@ class RolloutWorker:
         try:
             leases = []
             if self._reclaim:  # a lease call's reply was lost: Redis may have leased us tasks we do not know of
-                leases = await self.queue.reclaim(self.replica_id, self.held, self.lease_seconds)
+                leases = await self.queue.reclaim(self.replica_id, self.held, self.leasing.lease_seconds)
                 self._reclaim = False
                 # none: the tasks it leased expired meanwhile and went back to the queue (the frozen
-                # replica's case): nothing of theirs is held here, nothing is published late
+                # replica's case): nothing of theirs is held here, nothing is sent late
                 log.warning("event=leases_reclaimed tasks=%s", ",".join(lease.task_id for lease in leases) or "none")
             if count > len(leases):
-                leases += await self.queue.lease(self.replica_id, self.lease_seconds, count - len(leases))
+                leases += await self.queue.lease(self.replica_id, self.leasing.lease_seconds, count - len(leases))
             self._delay = 0.1
             return leases
         except redis.exceptions.RedisError as exc:
@@ -224,12 +215,12 @@ class RolloutWorker:
 
     async def _serve(self, lease: Lease) -> None:
         """One task: check, wait for its version (bounded), generate its G samples, score and
-        encode them, and queue them for publishing; on any failure the lease goes back."""
+        encode them, and queue them for sending; on any failure the lease goes back."""
         try:
             try:
-                checked = check_task(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards, self.judging)
-            except BadTask as exc:
-                await self._give_up(lease, exc.code, exc.message)
+                checked = check_lease(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards, self.judging)
+            except Unservable as exc:
+                await self._dead_letter(lease, exc.code, exc.message)
                 return
             if not await self._version_ready(checked):
                 return
@@ -237,8 +228,8 @@ class RolloutWorker:
                 payloads = await (self._play if lease.task.environment else self._sample)(checked, now_ms())
             if payloads is not None and self.teacher is not None and not lease.task.is_eval:
                 payloads = await self._teacher_scored(lease, payloads)
-            if payloads is not None:  # else given up or handed back already
-                self.publisher.add(lease, payloads)
+            if payloads is not None:  # else dead-lettered or requeued already
+                self.sender.add(lease, payloads)
         finally:
             self.inflight.pop(lease.task_id, None)
             self.task_ended.set()
@@ -267,10 +258,10 @@ class RolloutWorker:
         return samples, RolloutTimings(leased_ms, started_ms, now_ms(), time.perf_counter() - started)
 
     async def _sample(self, checked: Checked, leased_ms: int) -> list[bytes] | None:
-        """A single-turn task's G rollouts, scored; None once handed back."""
+        """A single-turn task's G rollouts, scored; None once dead-lettered or requeued."""
         samples, timings = await self._generate(checked, leased_ms)
         if samples is None:
-            await self._hand_back(checked.lease.task_id, "generation failed")
+            await self._requeue(checked.lease.task_id, "generation failed")
             return None
         judged = None
         if self.judging.judges(checked.lease.task.task_name):
@@ -279,18 +270,18 @@ class RolloutWorker:
                 return None
         try:
             payloads = await asyncio.get_running_loop().run_in_executor(
-                SCORING, self._encode_task, checked.lease, samples, timings, judged
+                SCORING, self._encode_group, checked.lease, samples, timings, judged
             )
         except TooFewScored as exc:
-            await self._give_up(checked.lease, "reward_failed", str(exc))
+            await self._dead_letter(checked.lease, "reward_failed", str(exc))
             return None
         if payloads is None:
-            await self._hand_back(checked.lease.task_id, "the task's rollouts could not be scored or encoded")
+            await self._requeue(checked.lease.task_id, "the task's rollouts could not be scored or encoded")
         return payloads
 
     async def _play(self, checked: Checked, leased_ms: int) -> list[bytes] | None:
-        """A multi-turn task's G rollouts; None once given up (an environment failed) or handed
-        back (the engine failed)."""
+        """A multi-turn task's G rollouts; None once dead-lettered (an environment failed) or
+        requeued (the engine failed)."""
         lease = checked.lease
         try:
             return await play_group(
@@ -302,30 +293,31 @@ class RolloutWorker:
                 self.queue.run_id,
                 leased_ms,
                 self.rate,
-                self.reward_min_scored,
+                self.leasing.reward_min_scored,
+                self.endpoint,
             )
         except TrajectoryError as exc:
-            await self._give_up(lease, exc.code, exc.message)
-        except Exception as exc:  # noqa: BLE001 - any engine failure hands the task back
+            await self._dead_letter(lease, exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - any engine failure requeues the task
             ENGINE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=generation_failed task=%s error=%s", lease.task_id, exc)
-            await self._hand_back(lease.task_id, "generation failed")
+            await self._requeue(lease.task_id, "generation failed")
         return None
 
     async def _teacher_scored(self, lease: Lease, payloads: list[bytes]) -> list[bytes] | None:
-        """The group with the teacher's logprobs; None once handed back (the pool failed every attempt:
+        """The group with the teacher's logprobs; None once requeued (the pool failed every attempt:
         the queue retries the task and, past its attempts, dead-letters it with this reason)."""
         try:
             return await self.teacher.attach(payloads)
         except PoolError as exc:
             TEACHER_FAILURES.labels(self.replica_id).inc()
             log.warning("event=teacher_failed task=%s reason=%s", lease.task_id, exc.reason[:300])
-            await self._hand_back(lease.task_id, f"teacher: {exc.reason}")
+            await self._requeue(lease.task_id, f"teacher: {exc.reason}")
             return None
 
     async def _judged(self, lease: Lease, samples: list[Sample]) -> tuple[list, list[float] | None] | None:
         """The judge pool's rewards of the group (and the rule rewards they are compared with); None
-        once handed back (the pool failed every attempt: the queue retries the task and, past its
+        once requeued (the pool failed every attempt: the queue retries the task and, past its
         attempts, dead-letters it with this reason)."""
         task = lease.task
         prompt, *texts = decode_completions(self.tokenizer, [task.prompt_token_ids, *(s.token_ids for s in samples)])
@@ -334,31 +326,30 @@ class RolloutWorker:
         except PoolError as exc:
             JUDGE_FAILURES.labels(self.replica_id).inc()
             log.warning("event=judge_failed task=%s reason=%s", lease.task_id, exc.reason[:300])
-            await self._hand_back(lease.task_id, f"judge: {exc.reason}")
+            await self._requeue(lease.task_id, f"judge: {exc.reason}")
             return None
 
-    async def _give_up(self, lease: Lease, code: str, message: str) -> None:
+    async def _dead_letter(self, lease: Lease, code: str, message: str) -> None:
+        """Send a task that can never be served to the dead-letter stream with its reason (requeued
+        instead when Redis does not take it)."""
         BAD_TASKS.labels(code).inc()
         log.warning("event=task_dead_lettered task=%s code=%s reason=%s", lease.task_id, code, message)
         try:
             await self.queue.dead_letter(self.replica_id, lease.task_id, code, message)
             self.held.discard(lease.task_id)
-        except redis.exceptions.RedisError as exc:  # still held: handed back below
+        except redis.exceptions.RedisError as exc:  # still held: requeued below
             QUEUE_ERRORS.labels(self.replica_id).inc()
             log.warning("event=dead_letter_failed task=%s error=%s", lease.task_id, type(exc).__name__)
-            await self._hand_back(lease.task_id, f"dead letter failed: {message}")
+            await self._requeue(lease.task_id, f"dead letter failed: {message}")
 
-    async def _hand_back(self, task_id: str, reason: str) -> None:
-        """Stop renewing the task and give it back to the queue (if Redis is down, its lease expires
-        and it is retried all the same)."""
+    async def _requeue(self, task_id: str, reason: str) -> None:
+        """Stop renewing the task's lease and give the task back to the queue, this attempt failed with
+        the reason: the queue retries it (if Redis is down, its lease expires and it is retried all the
+        same). Redis refuses when the lease ran out meanwhile (it was retried elsewhere), counted and
+        logged as a lost lease like a refused send."""
         self.held.discard(task_id)
-        await self._give_back(task_id, f"handed back: {reason}")
-
-    async def _give_back(self, task_id: str, reason: str) -> None:
-        """Return a task to the queue; Redis refuses when its lease ran out meanwhile (it was
-        retried elsewhere), counted and logged as a lost lease like a refused publish."""
         with contextlib.suppress(redis.exceptions.RedisError):
-            if not await self.queue.fail(self.replica_id, task_id, reason):
+            if not await self.queue.fail(self.replica_id, task_id, f"handed back: {reason}"):
                 LEASES_LOST.labels(self.replica_id).inc()
                 log.warning("event=lease_lost task=%s on=hand_back", task_id)
 
@@ -366,7 +357,7 @@ class RolloutWorker:
         """Admission may ask for a policy version newer than the one served: wait for it, at most
         `tasks.version_wait_seconds`; a task still waiting then goes back with the reason."""
         need = checked.lease.task.min_policy_version
-        deadline = time.monotonic() + self.version_wait_seconds
+        deadline = time.monotonic() + self.leasing.version_wait_seconds
         while self.engine.version < need and time.monotonic() < deadline:
             # woken as a version lands (`version_changed`); the period covers any other way in
             with contextlib.suppress(asyncio.TimeoutError):
@@ -376,28 +367,28 @@ class RolloutWorker:
         VERSION_WAITS.labels(self.replica_id).inc()
         reason = (
             f"version_wait: needs policy version {need}, served {self.engine.version} after "
-            f"{self.version_wait_seconds:.0f}s"
+            f"{self.leasing.version_wait_seconds:.0f}s"
         )
         log.warning("event=version_wait_expired task=%s %s", checked.lease.task_id, reason)
-        await self._hand_back(checked.lease.task_id, reason)
+        await self._requeue(checked.lease.task_id, reason)
         return False
 
-    async def _shutdown(self, publisher: asyncio.Task, renewal: LeaseRenewal) -> None:
-        """Stopping: tasks still generating go back to the queue, finished ones are published."""
+    async def _shutdown(self, sending: asyncio.Task, renewal: LeaseRenewal) -> None:
+        """Stopping: tasks still generating go back to the queue, finished ones are sent."""
         serving = list(self.inflight.values())
         for task in serving:
             task.cancel()
         await asyncio.gather(*serving, return_exceptions=True)
-        publisher.cancel()
-        await asyncio.gather(publisher, return_exceptions=True)
+        sending.cancel()
+        await asyncio.gather(sending, return_exceptions=True)
         with contextlib.suppress(asyncio.TimeoutError, redis.exceptions.RedisError):
-            await asyncio.wait_for(self.publisher.publish(), 10)
+            await asyncio.wait_for(self.sender.send(), 10)
         left = sorted(self.held)
         await renewal.stop()  # never renews again, whatever Redis did to it
         for task_id in left:
-            await self._give_back(task_id, "handed back: the replica stopped")
+            await self._requeue(task_id, "the replica stopped")
 
-    def _encode_task(
+    def _encode_group(
         self, lease: Lease, samples: list[Sample], timings: RolloutTimings, judged: tuple | None = None
     ) -> list[bytes] | None:
         """The group's rollouts, scored by the task's reward (`judged`: the judge pool's rewards and
@@ -421,12 +412,12 @@ class RolloutWorker:
                         s.reason,
                         max(len(s.failures), 1),
                     )
-            problem = "" if task.is_eval else scored_problem([s.reason for s in scores], self.reward_min_scored)
+            problem = "" if task.is_eval else scored_problem([s.reason for s in scores], self.leasing.reward_min_scored)
             if problem:
                 raise TooFewScored(problem)
             if not task.run_id:
                 task.run_id = self.queue.run_id
-            shaping = task.overlong  # checked with the task (check_task)
+            shaping = task.overlong  # checked with the lease (check_lease)
             return encode_samples(
                 task,
                 samples,
@@ -445,7 +436,7 @@ class RolloutWorker:
             )
         except TooFewScored:
             raise
-        except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is handed back
+        except Exception as exc:  # noqa: BLE001 - a task that cannot be encoded is requeued
             TASK_ERRORS.labels(self.replica_id).inc()
             log.warning("event=task_failed task=%s error=%s", lease.task_id, exc)
             return None

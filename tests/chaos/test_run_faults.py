@@ -170,8 +170,8 @@ def test_redis_frozen_20s_as_a_checkpoint_lands(tmp_path):
     trainer = (out / "logs" / "trainer.log").read_text()
     assert "event=redis_unreachable" in trainer  # the freeze met the trainer after its checkpoint
     replica = (out / "logs" / "inference-0.log").read_text()
-    assert re.search(r"event=publish_failed tasks=\d+ error=\w+ retry=true", replica)
-    assert "event=publish_retried" in replica and "event=lease_lost" not in replica
+    assert re.search(r"event=send_failed tasks=\d+ error=\w+ retry=true", replica)
+    assert "event=send_retried" in replica and "event=lease_lost" not in replica
     assert "event=leases_expired" not in (out / "logs" / "orchestrator.log").read_text()
     assert "event=service_restarted" not in stderr
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from services.inference import agent_programs, trajectories
+from services.inference import agent_programs
 from services.inference.agent_programs import AgentIsolation
 from shared.envs import cgroups, isolation
 from shared.runstore.queues import WorkQueue
@@ -92,8 +92,8 @@ def test_a_session_answers_only_calls_that_carry_its_key(tmp_path, calc_model_di
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}):
-            endpoint = trajectories.ENDPOINT[0]
+        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}) as replica:
+            endpoint = replica.parts.endpoint
             await submit(queue, hold)
             await wait_for(lambda: _sessions(endpoint), 60)
             session_id, session = next(iter(endpoint.sessions.items()))

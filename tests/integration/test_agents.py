@@ -14,7 +14,6 @@ import urllib.request
 import torch
 from redis.asyncio import Redis
 
-from services.inference import trajectories
 from shared.models import load_causal_lm, load_tokenizer
 from shared.rollouts.record import decode_rollout, validate_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
@@ -63,7 +62,7 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}) as replica:
-            base = trajectories.ENDPOINT[0].base_url
+            base = replica.parts.endpoint.base_url
             bad = await asyncio.to_thread(
                 post, f"{base}/rollouts/nobody/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}
             )

@@ -15,6 +15,7 @@ import torch
 from redis.asyncio import Redis
 
 from services.inference.config import InferenceSettings
+from services.inference.server import ReplicaParts
 from services.inference.server import serve as serve_inference
 from services.weightsync.config import WeightSyncSettings
 from services.weightsync.server import serve as serve_weightsync
@@ -289,6 +290,7 @@ class Replica:
             **merge_tables({"verify_key_file": public, "tasks": {"lease_seconds": 5}}, overrides),
         )
         self.stop = asyncio.Event()
+        self.parts = ReplicaParts()  # the agent endpoint, once ready
 
     async def __aenter__(self):
         from shared.runstore.run_instance import run_instance
@@ -300,7 +302,11 @@ class Replica:
         ready = asyncio.Event()
         self.tasks = [asyncio.create_task(serve_weightsync(self.ws_settings, ws_ready, self.stop))]
         await ws_ready.wait()
-        self.tasks.append(asyncio.create_task(serve_inference(self.settings, self.engine, ready=ready, stop=self.stop)))
+        self.tasks.append(
+            asyncio.create_task(
+                serve_inference(self.settings, self.engine, ready=ready, stop=self.stop, parts=self.parts)
+            )
+        )
         await asyncio.wait_for(ready.wait(), 60)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)

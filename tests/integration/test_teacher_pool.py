@@ -138,6 +138,7 @@ def test_a_rollout_replica_leases_nothing_before_its_teacher_pool_answers(redis_
     task in `ready_seconds`, then ends with the reason; the queued task is still there, unleased."""
     from redis.asyncio import Redis
 
+    from services.inference.config import InferenceSettings
     from services.inference.teacher import TeacherScoring
     from services.inference.worker import RolloutWorker
     from shared.models import load_tokenizer
@@ -152,16 +153,14 @@ def test_a_rollout_replica_leases_nothing_before_its_teacher_pool_answers(redis_
         queue = WorkQueue(redis, run_id)
         await queue.submit_many([common_pb2.PromptTask(task_id="train-0", prompt_token_ids=[1, 2], group_size=2)])
         client = PoolClient("teacher", [nobody], inference_pb2_grpc.InferenceStub, 1.0, 1, ready_seconds=1.5)
+        settings = InferenceSettings(
+            model_path=str(tiny_model_dir),
+            replica_id="r0",
+            return_routing_traces=False,
+            tasks={"lease_seconds": 30.0, "per_batch": 4, "idle_poll_seconds": 0.05},
+        )
         worker = RolloutWorker(
-            engine,
-            load_tokenizer(str(tiny_model_dir)),
-            queue,
-            "r0",
-            30.0,
-            4,
-            0.05,
-            False,
-            teacher=TeacherScoring(client),
+            engine, load_tokenizer(str(tiny_model_dir)), queue, settings, teacher=TeacherScoring(client)
         )
         try:
             await worker.run(asyncio.Event())

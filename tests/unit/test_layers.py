@@ -2,8 +2,9 @@
 benchmarks nor the application layer (`steadyrl`); the services import neither the benchmarks
 nor the application layer; the benchmarks do not import the application layer (which runs them);
 `shared/core` is pure (torch and the standard library only); `shared` is packages alone, each
-importing only those below it (SHARED_ORDER); and within the benchmarks, the application and the
-library no two modules import each other, however indirectly. Checked on the source: every import statement and
+importing only those below it (SHARED_ORDER); no service imports another (each talks to the others over gRPC and
+Redis); and within the benchmarks, the application, the library and each service no two modules import each other,
+however indirectly. Checked on the source: every import statement (`from pkg import module` imports pkg.module) and
 every string naming a module (`importlib`, `-m`)."""
 
 import ast
@@ -17,9 +18,10 @@ FORBIDDEN = {"shared": ("services", "bench", "steadyrl"), "services": ("bench", 
 CORE_ALLOWED = {"torch", "shared", "__future__"} | set(sys.stdlib_module_names)
 
 
-def modules_named(path: Path, runtime_only: bool = False) -> set[str]:
+def modules_named(path: Path, runtime_only: bool = False, members: bool = False) -> set[str]:
     """The modules `path` names (imports, `importlib`, `-m`); `runtime_only`: not those imported
-    under `if TYPE_CHECKING:` (names for annotations alone)."""
+    under `if TYPE_CHECKING:` (names for annotations alone); `members`: also `pkg.name` for each
+    `from pkg import name`, the module a name imported from a package may be."""
     tree = ast.parse(path.read_text(), str(path))
     named = set()
     typing_only = set()
@@ -34,6 +36,8 @@ def modules_named(path: Path, runtime_only: bool = False) -> set[str]:
             named |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             named.add(node.module)
+            if members:
+                named |= {f"{node.module}.{alias.name}" for alias in node.names}
         elif (
             isinstance(node, ast.Call)
             and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")
@@ -75,7 +79,9 @@ def test_the_core_is_pure():
 def cycles(package: str, root: Path = ROOT) -> list[list[str]]:
     """The import cycles among the modules of `package` (each found once, from its smallest member)."""
     modules = {".".join(p.relative_to(root).with_suffix("").parts): p for p in sources(package, root)}
-    edges = {m: sorted({n for n in modules_named(p) if n in modules and n != m}) for m, p in modules.items()}
+    edges = {
+        m: sorted({n for n in modules_named(p, members=True) if n in modules and n != m}) for m, p in modules.items()
+    }
     found = []
 
     def visit(path: list[str]) -> None:
@@ -120,9 +126,29 @@ def test_shared_is_packages_that_import_downwards():
     assert not upward, sorted(upward)
 
 
-@pytest.mark.parametrize("package", ["bench", "steadyrl", "shared"])
+def services(root: Path = ROOT) -> list[str]:
+    return sorted(p.name for p in (root / "services").iterdir() if (p / "__init__.py").exists())
+
+
+def imports_across_services(root: Path = ROOT) -> set[str]:
+    """Each service another service's module imports (`from services import x` included), as `path → services.x`."""
+    return {
+        f"{path.relative_to(root)} → services.{name.split('.')[1]}"
+        for service in services(root)
+        for path in sources(f"services/{service}", root)
+        for name in modules_named(path, members=True)
+        if name.split(".")[0] == "services" and name.split(".")[1:2] not in ([], [service])
+    }
+
+
+@pytest.mark.parametrize("package", ["bench", "steadyrl", "shared", *(f"services/{s}" for s in services())])
 def test_no_module_imports_itself_through_others(package):
     assert not cycles(package), cycles(package)
+
+
+def test_no_service_imports_another():
+    assert services() == ["inference", "orchestrator", "trainer", "weightsync"]
+    assert not imports_across_services(), sorted(imports_across_services())
 
 
 def test_the_check_sees_a_violation(tmp_path):
@@ -141,3 +167,27 @@ def test_the_cycle_check_sees_a_circle_through_a_spawned_module(tmp_path):
     (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
     (tmp_path / "pkg" / "d.py").write_text("import pkg.a\n")
     assert cycles("pkg", tmp_path) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_the_cycle_check_sees_a_module_imported_from_its_package(tmp_path):
+    """`from pkg import b` imports the module pkg.b (even from inside a function); `from pkg.b import a` names a
+    member of pkg.b, not a module."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("from pkg.b import a\n")
+    assert cycles("pkg", tmp_path) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_service_check_sees_one_service_importing_another(tmp_path):
+    for service in ("trainer", "inference"):
+        (tmp_path / "services" / service).mkdir(parents=True)
+        (tmp_path / "services" / service / "__init__.py").write_text("")
+    (tmp_path / "services" / "trainer" / "loop.py").write_text(
+        "from services.trainer import config\nfrom services import inference\n"
+        "def f():\n    from services.inference.worker import RolloutWorker\n"
+    )
+    (tmp_path / "services" / "inference" / "worker.py").write_text("from services.inference import agents\n")
+    assert imports_across_services(tmp_path) == {"services/trainer/loop.py → services.inference"}
+    (tmp_path / "services" / "trainer" / "loop.py").write_text("def f():\n    from services import inference\n")
+    assert imports_across_services(tmp_path) == {"services/trainer/loop.py → services.inference"}

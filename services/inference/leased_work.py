@@ -1,4 +1,5 @@
-"""What a replica checks before it serves a leased task, and the renewal of a batch's leases."""
+"""A replica's leased work (tasks leased from the run's work queue; reward tasks are `shared.tasks`): what it
+checks before it serves a lease, and the renewal of the leases it holds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import redis.exceptions
 from prometheus_client import Counter
 
+from services.inference.agents import PREFIX as AGENT
 from services.inference.judge import JudgeScoring
 from shared.engines import Engine, Sampling
 from shared.envs import environment_factory, verifiers_adapter
@@ -20,15 +22,14 @@ from shared.tasks import RewardRunner
 from shared.tasks.judging import model_reward
 
 log = logging.getLogger("steadyrl.inference.worker")
-AGENT = "agent:"  # services.inference.agents.PREFIX: an agent program plays the task, scored by task_name
 MAX_GROUP_SIZE = 4096
 RENEW_ERRORS = Counter(
     "steadyrl_inference_lease_renew_errors_total", "Lease renewals Redis refused or timed out", ["replica"]
 )
 
 
-class BadTask(ValueError):
-    """A task that can never be served here: a reason code and its message."""
+class Unservable(ValueError):
+    """A leased task that can never be served here: a reason code and its message."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
@@ -40,42 +41,44 @@ def prompt_ids(task, tokenizer) -> list[int]:
     if task.prompt_token_ids:
         return list(task.prompt_token_ids)
     if not task.prompt_text:
-        raise BadTask("prompt", f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
+        raise Unservable("prompt", f"task {task.task_id} has neither prompt_token_ids nor prompt_text")
     if task.environment.startswith(VERIFIERS):  # its dataset row: what counts is the opening messages
         try:
             return render(tokenizer, [], verifiers_adapter.prompt_messages(task.prompt_text))
         except ValueError as exc:
-            raise BadTask("prompt", str(exc)) from None
+            raise Unservable("prompt", str(exc)) from None
     return list(tokenizer(task.prompt_text).input_ids)
 
 
 @dataclass
 class Checked:
+    """A lease that passed `check_lease`: its prompt's tokens and its sampling."""
+
     lease: Lease
     prompt: list[int]
     sampling: Sampling
 
 
-def check_task(
+def check_lease(
     lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: RewardRunner, judging: JudgeScoring | None = None
 ) -> Checked:
-    """The task's prompt and sampling, or BadTask when it can never be served here (`judging`: the
-    judge pool's client, which alone scores `judge:` and `reward_model:` rewards)."""
+    """The leased task's prompt and sampling, or Unservable when it can never be served here (`judging`:
+    the judge pool's client, which alone scores `judge:` and `reward_model:` rewards)."""
     task = lease.task
     if task.run_id and task.run_id != run_id:
-        raise BadTask("other_run", f"task of run {task.run_id!r} in the queue of {run_id!r}")
+        raise Unservable("other_run", f"task of run {task.run_id!r} in the queue of {run_id!r}")
     if not 1 <= task.group_size <= MAX_GROUP_SIZE:
-        raise BadTask("group_size", f"group_size {task.group_size} outside [1, {MAX_GROUP_SIZE}]")
+        raise Unservable("group_size", f"group_size {task.group_size} outside [1, {MAX_GROUP_SIZE}]")
     try:
         sampling = Sampling.from_proto(task.sampling)
     except ValueError as exc:
-        raise BadTask("sampling", str(exc)) from None
+        raise Unservable("sampling", str(exc)) from None
     prompt = prompt_ids(task, tokenizer)
     if not prompt or min(prompt) < 0 or max(prompt) >= engine.vocab_size:
-        raise BadTask("prompt", f"prompt token ids outside the vocabulary [0, {engine.vocab_size})")
+        raise Unservable("prompt", f"prompt token ids outside the vocabulary [0, {engine.vocab_size})")
     completion = max(sampling.max_new_tokens, task.budget.max_tokens) if task.environment else sampling.max_new_tokens
     if len(prompt) + completion > engine.max_model_len:
-        raise BadTask(
+        raise Unservable(
             "context",
             f"prompt ({len(prompt)}) + {'the trajectory budget' if task.environment else 'max_new_tokens'}"
             f" ({completion}) > the engine's {engine.max_model_len} positions",
@@ -84,37 +87,37 @@ def check_task(
     if overlong.buffer_tokens and not (
         overlong.buffer_tokens < sampling.max_new_tokens and 0 <= overlong.penalty <= 100 and not task.environment
     ):
-        raise BadTask(
+        raise Unservable(
             "overlong",
             f"overlong shaping of {overlong.buffer_tokens} tokens, penalty {overlong.penalty}: needs a buffer under "
             f"max_new_tokens ({sampling.max_new_tokens}), a penalty in [0, 100] and a single-turn task",
         )
     agent = task.environment.startswith(AGENT)
     if agent and not task.environment[len(AGENT) :].strip():
-        raise BadTask("environment", "an agent environment names its command: agent:COMMAND")
+        raise Unservable("environment", "an agent environment names its command: agent:COMMAND")
     if task.environment.startswith(VERIFIERS):
         try:
             verifiers_adapter.load(task.environment)  # imported once per replica and name, then cached
         except ValueError as exc:
-            raise BadTask("environment", str(exc)) from None
+            raise Unservable("environment", str(exc)) from None
         return Checked(lease, prompt, sampling)
     if model_reward(task.task_name) is not None:
         if task.environment:
-            raise BadTask("reward", f"{task.task_name!r}: a model-judged reward scores single-turn tasks only")
+            raise Unservable("reward", f"{task.task_name!r}: a model-judged reward scores single-turn tasks only")
         try:
             (judging or JudgeScoring(None, {}, rewards)).check(task.task_name)
         except KeyError as exc:
-            raise BadTask("reward", str(exc).strip("'\"")) from None
+            raise Unservable("reward", str(exc).strip("'\"")) from None
         return Checked(lease, prompt, sampling)
     try:
         environment_factory(task.environment) if task.environment and not agent else rewards.check(task.task_name)
     except KeyError as exc:
-        raise BadTask("environment" if task.environment and not agent else "reward", str(exc)) from None
+        raise Unservable("environment" if task.environment and not agent else "reward", str(exc)) from None
     return Checked(lease, prompt, sampling)
 
 
 class LeaseRenewal:
-    """Renews the leases of one batch until stopped. Stopping empties what it renews first, so
+    """Renews the leases a replica holds until stopped. Stopping empties what it renews first, so
     even a renewal stuck in a Redis call that outlives its cancellation renews nothing after."""
 
     def __init__(self, queue: WorkQueue, replica_id: str, lease_seconds: float, held: set[str]) -> None:

@@ -1,11 +1,11 @@
-"""A replica's publishing: each finished task's rollouts and the end of its lease in one Redis
-call (`WorkQueue.complete_many`), tasks batched while a call is out.
+"""A replica's sending of rollouts: each finished task's rollouts and the end of its lease in one
+Redis call (`WorkQueue.complete_many`), tasks batched while a call is out.
 
-A publish Redis does not answer (frozen, restarting) is tried again as soon as it answers — at
-most a second apart — the rollouts kept and the leases still renewed by the worker, so no task
-waits for its lease to expire; its outcome was unknown, so a retry that finds the task completed
-under this replica's own lease stamp knows the first try landed and never publishes it twice. One
-Redis refuses (a script error, out of memory) hands its tasks back at once.
+A send Redis does not answer (frozen, restarting) is tried again as soon as it answers — at most
+a second apart — the rollouts kept and the leases still renewed by the worker, so no task waits
+for its lease to expire; its outcome was unknown, so a retry that finds the task completed under
+this replica's own lease stamp knows the first try landed and never sends it twice. One Redis
+refuses (a script error, out of memory) requeues its tasks at once.
 """
 
 from __future__ import annotations
@@ -20,48 +20,50 @@ from prometheus_client import Counter
 from shared.runstore.queues import Lease, WorkQueue
 
 log = logging.getLogger("steadyrl.inference.worker")
-PUBLISHED = Counter("steadyrl_inference_rollouts_published_total", "Rollouts published to the stream", ["replica"])
+SENT = Counter("steadyrl_inference_rollouts_sent_total", "Rollouts sent to the rollout stream", ["replica"])
 LEASES_LOST = Counter(
     "steadyrl_inference_leases_lost_total", "Tasks finished after their lease was taken away", ["replica"]
 )
 QUEUE_ERRORS = Counter("steadyrl_inference_queue_errors_total", "Redis errors of the rollout loop", ["replica"])
 
 
-class Publisher:
+class RolloutSender:
+    """Sends the rollouts of finished tasks (`add`) to the rollout stream, ending their leases."""
+
     def __init__(
-        self, queue: WorkQueue, replica_id: str, held: set[str], hand_back: Callable[[str, str], Awaitable[None]]
+        self, queue: WorkQueue, replica_id: str, held: set[str], requeue: Callable[[str, str], Awaitable[None]]
     ) -> None:
         self.queue = queue
         self.replica_id = replica_id
         self.held = held
-        self.hand_back = hand_back
-        self.published = 0
+        self.requeue = requeue
+        self.sent = 0
         self.ready = asyncio.Event()
         self._ready: list[tuple[Lease, list[bytes]]] = []
-        self._unsure: set[str] = set()  # tasks whose publish may have landed without its reply reaching us
+        self._unsure: set[str] = set()  # tasks whose send may have landed without its reply reaching us
 
     def add(self, lease: Lease, payloads: list[bytes]) -> None:
         self._ready.append((lease, payloads))
         self.ready.set()
 
     async def loop(self) -> None:
-        """Publish what is ready; while Redis does not answer, try again every second at most, the
+        """Send what is ready; while Redis does not answer, try again every second at most, the
         rollouts kept and their leases renewed (no task waits for its lease to expire)."""
         delay = 0.1
         while True:
             await self.ready.wait()
             self.ready.clear()
-            if await self.publish():
+            if await self.send():
                 delay = 0.1
                 continue
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
             self.ready.set()
 
-    async def publish(self) -> bool:
-        """Publish every finished task's rollouts in one Redis round trip. False when Redis did not
+    async def send(self) -> bool:
+        """Send every finished task's rollouts in one Redis round trip. False when Redis did not
         answer: the batch stays ready for the next try. A task whose earlier try may have landed
-        (the reply was lost) is recognised by its lease stamp in `completed`, never published twice."""
+        (the reply was lost) is recognised by its lease stamp in `completed`, never sent twice."""
         batch = self._ready
         self._ready = []
         if not batch:
@@ -79,15 +81,15 @@ class Publisher:
             stamps = await self.queue.lease_stamps([lease.task_id for lease in unsure])
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:  # applied or not: unknown
             QUEUE_ERRORS.labels(self.replica_id).inc()
-            log.warning("event=publish_failed tasks=%d error=%s retry=true", len(batch), type(exc).__name__)
+            log.warning("event=send_failed tasks=%d error=%s retry=true", len(batch), type(exc).__name__)
             self._ready = batch + self._ready
             self._unsure |= {lease.task_id for lease, _ in batch}
             return False
         except redis.exceptions.RedisError as exc:  # refused (a script error, out of memory): not applied
             QUEUE_ERRORS.labels(self.replica_id).inc()
-            log.warning("event=publish_refused tasks=%d error=%s detail=%s", len(batch), type(exc).__name__, exc)
+            log.warning("event=send_refused tasks=%d error=%s detail=%s", len(batch), type(exc).__name__, exc)
             for lease, _ in batch:
-                await self.hand_back(lease.task_id, f"publish refused: {type(exc).__name__}")
+                await self.requeue(lease.task_id, f"send refused: {type(exc).__name__}")
             return True
         landed = {
             lease.task_id for lease in unsure if stamps.get(lease.task_id) == f"{self.replica_id}|{lease.attempt}"
@@ -97,11 +99,11 @@ class Publisher:
             self.held.discard(lease.task_id)
             self._unsure.discard(lease.task_id)
             if ok or lease.task_id in landed:
-                PUBLISHED.labels(self.replica_id).inc(len(payloads))
-                self.published += len(payloads)
+                SENT.labels(self.replica_id).inc(len(payloads))
+                self.sent += len(payloads)
                 if lease.task_id in retried:
                     log.info(
-                        "event=publish_retried task=%s landed=%s",
+                        "event=send_retried task=%s landed=%s",
                         lease.task_id,
                         "earlier" if lease.task_id in landed else "now",
                     )
