@@ -26,7 +26,7 @@ from shared.rpc.pool_client import PoolClient
 from shared.rpc.steadyrl.v1 import inference_pb2_grpc
 from shared.runstore.queues import WorkQueue
 from shared.runtime.metrics import loading
-from shared.runtime.service_main import grpc_service, run_loops
+from shared.runtime.service_lifecycle import Api, Listen, ServiceLifecycle, serve_service
 from shared.runtime.torch_threads import bind_default_executor
 from shared.tasks import RewardRunner
 
@@ -94,6 +94,102 @@ class ReplicaParts:
     """The agent endpoint, where the replica serves one."""
 
 
+class InferenceService(ServiceLifecycle):
+    """A replica on the one lifecycle: `setup` loads its model and builds what its kind serves (a
+    rollout replica: the rollout loop, the weights, the heartbeat, the agent endpoint; a teacher or
+    judge pool's replica: its RPCs on fixed weights; a judge's reward model: Judge without an
+    engine); `close` releases them, an engine it loaded last."""
+
+    name = "inference"
+
+    def __init__(self, settings: InferenceSettings, engine: Engine | None = None, parts: ReplicaParts | None = None):
+        self.settings = settings
+        self.engine = engine  # an engine handed in outlives this replica
+        self.parts = parts or ReplicaParts()
+        self.worker: RolloutWorker | None = None
+        self.resources = contextlib.AsyncExitStack()
+
+    def listen(self) -> Listen:
+        return self.settings.listen()
+
+    async def setup(self) -> Api:
+        from shared.models import load_tokenizer
+
+        s = self.settings
+        bind_default_executor(s.torch_threads)
+        with loading("inference", s.metrics_port, s.host, s.run_id, s.pool):
+            classifier = await asyncio.to_thread(reward_model, s)
+            if classifier is None and self.engine is None:
+                self.engine = await asyncio.to_thread(load_engine, s)
+                self.resources.callback(self.engine.close)
+        if classifier is not None:
+            return self.api(reward_model_servicer(s, classifier), classifier, traces=False)
+        redis = s.redis()
+        self.resources.push_async_callback(redis.aclose)
+        tokenizer = load_tokenizer(s.model_path)
+        POLICY_VERSION.labels(s.replica_id, s.pool).set(self.engine.version)
+        if s.pool in FIXED_POOLS:  # fixed weights, no task: it answers Score / Judge until stopped
+            queue = WorkQueue(redis, s.run_id, pool="rollouts")  # whose pending tasks Status reports
+            traces = s.return_routing_traces and self.engine.capabilities.routing_trace
+            return self.api(engine_servicer(s, self.engine, tokenizer, queue), self.engine, traces)
+        queue = WorkQueue(redis, s.run_id, pool=s.pool)
+        self.worker = await self.rollout_worker(tokenizer, queue)
+        return self.api(
+            engine_servicer(s, self.engine, tokenizer, queue, self.worker), self.engine, self.worker.return_traces
+        )
+
+    async def rollout_worker(self, tokenizer, queue: WorkQueue) -> RolloutWorker:
+        """A rollout (or policy_eval) replica's loop, with the reward process, the pools' clients and
+        the agent endpoint it uses."""
+        s, engine = self.settings, self.engine
+        rewards = RewardRunner(s.tasks.reward_timeout_seconds, s.tasks.reward_retries)
+        self.resources.callback(rewards.close)
+        teacher, judge = pool_client(s, "teacher"), pool_client(s, "judge")
+        for client in (teacher, judge):
+            if client is not None:
+                self.resources.push_async_callback(client.close)
+        if s.agent.endpoint:
+            self.parts.endpoint = await self.resources.enter_async_context(served_endpoint(engine, tokenizer, s))
+        return RolloutWorker(
+            engine,
+            tokenizer,
+            queue,
+            s,
+            rewards,
+            teacher=TeacherScoring(teacher, s.teacher.top_k, s.teacher.batch_sequences, engine.vocab_size)
+            if teacher
+            else None,
+            judging=JudgeScoring(judge, s.judge.templates, rewards),
+            endpoint=self.parts.endpoint,
+        )
+
+    def api(self, servicer: InferenceServicer, model: Engine | SequenceClassifier, traces: bool) -> Api:
+        return Api(
+            [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
+            ["steadyrl.v1.Inference"],
+            {
+                "replica": self.settings.replica_id,
+                "engine": model.name,
+                "device": getattr(model, "device", "cpu"),
+                "traces": traces,
+            },
+        )
+
+    def loops(self, stop: asyncio.Event) -> dict:
+        s = self.settings
+        if self.worker is None:  # a pool's replica: its RPCs until stopped
+            return {"pool": stop.wait()}
+        loops = {"rollouts": self.worker.run(stop)}
+        if s.weightsync_address:
+            loops["weights"] = weights_loop(s, self.engine, stop, self.worker.version_changed)
+        if s.orchestrator_address:
+            loops["heartbeat"] = heartbeat(s, self.engine, self.worker, stop)
+        return loops
+
+    async def close(self) -> None:
+        await self.resources.aclose()
+
+
 async def serve(
     settings: InferenceSettings,
     engine: Engine | None = None,
@@ -101,120 +197,5 @@ async def serve(
     stop: asyncio.Event | None = None,
     parts: ReplicaParts | None = None,
 ) -> None:
-    """Run the replica until `stop` is set (or forever)."""
-    from shared.models import load_tokenizer
-
-    owned = engine is None  # an engine handed in outlives this replica
-    bind_default_executor(settings.torch_threads)
-    stop = stop or asyncio.Event()
-    with loading("inference", settings.metrics_port, settings.host, settings.run_id, settings.pool):
-        classifier = await asyncio.to_thread(reward_model, settings)
-        if classifier is None:
-            engine = engine or await asyncio.to_thread(load_engine, settings)
-    if classifier is not None:
-        await serve_reward_model(settings, classifier, ready, stop)
-        return
-    try:
-        tokenizer = load_tokenizer(settings.model_path)
-        if settings.pool in FIXED_POOLS:
-            await serve_pool(settings, engine, tokenizer, ready, stop)
-        else:
-            await serve_rollouts(settings, engine, tokenizer, ready, stop, parts or ReplicaParts())
-    finally:
-        if owned:
-            engine.close()
-
-
-async def serve_rollouts(
-    settings: InferenceSettings,
-    engine: Engine,
-    tokenizer,
-    ready: asyncio.Event | None,
-    stop: asyncio.Event,
-    parts: ReplicaParts,
-) -> None:
-    """A rollout (or policy_eval) replica: the rollout loop, the weights, the heartbeat, the agent endpoint and the
-    gRPC API until stopped."""
-    async with contextlib.AsyncExitStack() as stack:
-        redis = settings.redis()
-        stack.push_async_callback(redis.aclose)
-        queue = WorkQueue(redis, settings.run_id, pool=settings.pool)
-        rewards = RewardRunner(settings.tasks.reward_timeout_seconds, settings.tasks.reward_retries)
-        stack.callback(rewards.close)
-        teacher = pool_client(settings, "teacher")
-        judge = pool_client(settings, "judge")
-        for client in (teacher, judge):
-            if client is not None:
-                stack.push_async_callback(client.close)
-        if settings.agent.endpoint:
-            parts.endpoint = await stack.enter_async_context(served_endpoint(engine, tokenizer, settings))
-        worker = RolloutWorker(
-            engine,
-            tokenizer,
-            queue,
-            settings,
-            rewards,
-            teacher=TeacherScoring(teacher, settings.teacher.top_k, settings.teacher.batch_sequences, engine.vocab_size)
-            if teacher
-            else None,
-            judging=JudgeScoring(judge, settings.judge.templates, rewards),
-            endpoint=parts.endpoint,
-        )
-        POLICY_VERSION.labels(settings.replica_id, settings.pool).set(engine.version)
-        loops = {"rollouts": worker.run(stop)}
-        if settings.weightsync_address:
-            loops["weights"] = weights_loop(settings, engine, stop, worker.version_changed)
-        if settings.orchestrator_address:
-            loops["heartbeat"] = heartbeat(settings, engine, worker, stop)
-        servicer = engine_servicer(settings, engine, tokenizer, queue, worker)
-        async with serving_api(settings, servicer, ready, engine, worker.return_traces) as serving:
-            await run_loops(loops, stop, serving.health)
-
-
-async def serve_pool(
-    settings: InferenceSettings, engine: Engine, tokenizer, ready: asyncio.Event | None, stop: asyncio.Event
-) -> None:
-    """A teacher or judge pool's replica: fixed weights, no task; it answers Score / Judge until stopped."""
-    redis = settings.redis()
-    try:
-        queue = WorkQueue(redis, settings.run_id, pool="rollouts")  # whose pending tasks Status reports
-        servicer = engine_servicer(settings, engine, tokenizer, queue)
-        POLICY_VERSION.labels(settings.replica_id, settings.pool).set(engine.version)
-        traces = settings.return_routing_traces and engine.capabilities.routing_trace
-        async with serving_api(settings, servicer, ready, engine, traces) as serving:
-            await run_loops({"pool": stop.wait()}, stop, serving.health)
-    finally:
-        await redis.aclose()
-
-
-async def serve_reward_model(
-    settings: InferenceSettings, classifier: SequenceClassifier, ready: asyncio.Event | None, stop: asyncio.Event
-) -> None:
-    """A judge pool's replica on a reward model: the Judge and Status RPCs until stopped."""
-    async with serving_api(settings, reward_model_servicer(settings, classifier), ready, classifier, False) as serving:
-        await run_loops({"pool": stop.wait()}, stop, serving.health)
-
-
-def serving_api(
-    settings: InferenceSettings,
-    servicer: InferenceServicer,
-    ready: asyncio.Event | None,
-    model: Engine | SequenceClassifier,
-    traces: bool,
-):
-    """The replica's gRPC API and /metrics while open (`ready` set once both listen)."""
-    return grpc_service(
-        "inference",
-        [(inference_pb2_grpc.add_InferenceServicer_to_server, servicer)],
-        ["steadyrl.v1.Inference"],
-        settings.host,
-        settings.port,
-        settings.max_message_bytes,
-        settings.metrics_port,
-        ready,
-        run=settings.run_id,
-        replica=settings.replica_id,
-        engine=model.name,
-        device=getattr(model, "device", "cpu"),
-        traces=traces,
-    )
+    """Run the replica until `stop` is set (or forever); `parts` are filled in before `ready` is set."""
+    await serve_service(InferenceService(settings, engine, parts), ready, stop)
