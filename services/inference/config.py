@@ -51,7 +51,7 @@ class TaskSettings(BaseModel):
     """Continuous batching: most leased tasks with the engine at once (their G requests each); the
     replica leases more as tasks finish. Size it so that G × this fills `max_num_seqs`."""
     batching: Literal["continuous", "barrier"] = "continuous"
-    """`continuous`: every task enters the engine when leased and is published when its G samples
+    """`continuous`: every task enters the engine when leased and is sent when its G samples
     are done. `barrier`: lease `per_batch`, wait for all of them, then lease again (the
     behaviour before continuous batching, kept for comparison)."""
     version_wait_seconds: float = Field(120.0, gt=0)

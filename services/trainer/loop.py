@@ -1,17 +1,10 @@
 """The trainer's loop: rollout stream → complete groups → one global step → checkpoint → publish.
 
-Four stages (services/trainer/stages/), each with its own task in flight and its own timestamps: reading (the
-stream into the group buffer), stepping (a global step: its line, its checkpoint begun, its version staged, under
-the model lock), settling (a written checkpoint put in place, its rollouts acknowledged) and publishing (a version
-announced to weight-sync; one that failed, again). What may run beside what is decided in `Trainer.tend` alone:
-while a step runs, the stream is read and judged, a written checkpoint lands and the last version is announced;
-a publish retried, weight-sync's held check and an acknowledgement cut off wait for the step's end.
-
-A rollout is acknowledged (XACK and the `trained` ledger, in one script) only once a checkpoint holding its update
-and its id is named by `LATEST`: no rollout is trained twice into the surviving model, none is skipped. Every step
-publishes a version; a trainer restarted from an older checkpoint publishes past the newest published number
-(`VersionPublisher.newest_published`), never reusing one. A stop carries the step under way to its end, publishes
-the last version and lets a checkpoint under way land.
+Four stages (services/trainer/stages/), each owning its task in flight and its timestamps: reading, stepping
+(under the model lock), settling (a checkpoint put in place, its rollouts acknowledged) and publishing. What may
+run beside what is decided in `Trainer.tend` alone: beside a step the stream is read, a written checkpoint lands
+and the last version is announced; a publish retried, weight-sync's held check and an acknowledgement cut off wait
+for the step's end. A rollout is acknowledged only once a checkpoint holding it is `LATEST`.
 
 Details: docs/internals/trainer.md"""
 
