@@ -1,3 +1,3 @@
 """The application layer: the `steadyrl` command line, `steadyrl run` (launcher, supervision,
-report), recipes (run_config), experiments and evaluation. It imports the library (`shared`), the
+report), recipes (recipe), experiments and evaluation. It imports the library (`shared`), the
 services' settings and the benchmarks; the library and the services never import it."""

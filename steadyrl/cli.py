@@ -49,7 +49,7 @@ def init_model(
     from shared.kit.tiny import init_tiny_model
     from shared.kit.tiny_precision import precision_routing_agreement
     from shared.runtime.logs import setup_logging
-    from steadyrl.run_config import KIT_POOL_MODELS, kit_pool_model
+    from steadyrl.recipe import KIT_POOL_MODELS, kit_pool_model
 
     setup_logging("init-model")  # a first build's progress lines (stderr; the report is stdout's)
     path = kit_pool_model(task, out, seed) if task in KIT_POOL_MODELS else init_tiny_model(out, task=task, seed=seed)
@@ -102,7 +102,7 @@ def run_command(
     from shared.runtime.logs import setup_logging
     from steadyrl.launcher import run
     from steadyrl.progress import PROGRESS
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import check, resolved
     from steadyrl.summary import exit_code
 
@@ -111,7 +111,7 @@ def run_command(
     try:
         if progress not in PROGRESS:
             raise ValueError(f"--progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
-        recipe = load_run_config(configs, set_ or [])
+        recipe = load_recipe(configs, set_ or [])
         if dry_run and gpus is not None:
             typer.echo(json.dumps(resolved(recipe, gpus), indent=2))
             return
@@ -166,12 +166,12 @@ def plan_command(
     Arithmetic, not a measurement. Exit code 2: recipe refused."""
     from steadyrl.launcher import resolve_model
     from steadyrl.plan import plan_recipe, render
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import settings_of
 
     named = " + ".join(str(c) for c in configs)
     try:
-        recipe = load_run_config(configs, set_ or [])
+        recipe = load_recipe(configs, set_ or [])
         settings = settings_of(recipe)  # sized for the recipe, not for this machine
         source = str(model_config) if model_config else resolve_model(recipe)  # "tiny": built when needed
         result = plan_recipe(recipe, settings, source, disk_gbps * 1e9)

@@ -50,14 +50,14 @@ def trainer_node_command(
 
     from steadyrl.launcher import resolve_model
     from steadyrl.placement import node_argv
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import build_settings, recipe_overrides, service_env
 
     try:
         if not configs and os.environ.get("STEADYRL_RECIPE", "").strip():  # a deployment's recipe
             configs = [Path(p.strip()) for p in os.environ["STEADYRL_RECIPE"].split(",") if p.strip()]
             set_ = [*recipe_overrides(os.environ), *(set_ or [])]
-        recipe = load_run_config(configs, set_ or []) if configs else None
+        recipe = load_recipe(configs, set_ or []) if configs else None
         env = service_env(recipe, "trainer") if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
         settings = build_settings("trainer", env)
@@ -108,7 +108,7 @@ def serve_command(
     from shared.rpc.auth import token_from_env
     from shared.rpc.secret_files import PlaceholderSecret, refuse_placeholder_files
     from shared.runtime.service_main import run_service
-    from steadyrl.run_config import POOLS, SERVICES, resolve_pool_model
+    from steadyrl.recipe import POOLS, SERVICES, resolve_pool_model
     from steadyrl.service_settings import deployed_settings, settings_class
 
     if service not in SERVICES:

@@ -21,10 +21,10 @@ DTYPES = ("float32", "bfloat16", "float16")  # a model is scored or exported in 
 def eval_settings(model_dir: str, recipes: Sequence[Path] = (), overrides: Sequence[str] = ()):
     """(orchestrator, inference) settings of a recipe (none: the defaults, the tiny model's arith
     task), with the model to evaluate; ValueError naming a bad field, a missing file or column."""
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import settings_for
 
-    config = load_run_config(list(recipes), overrides, allow_empty=True)
+    config = load_recipe(list(recipes), overrides, allow_empty=True)
     orchestrator, inference = (
         settings_for(config, service, {}, model_dir) for service in ("orchestrator", "inference")
     )

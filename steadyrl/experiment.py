@@ -17,7 +17,7 @@ from steadyrl.grid import (
     aggregate,
     columns,
     markdown_table,
-    run_config_for,
+    recipe_for,
     summarise_run,
 )
 from steadyrl.grid_plots import plot_grid
@@ -69,7 +69,7 @@ def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
 def check_recipes(grid: Grid, configs: list[GridConfig], extra: list[str] = ()) -> None:
     """Every configuration's recipe valid, and what the collapse rules read produced, before the first run starts."""
     for config in configs:
-        recipe = run_config_for(grid, config, 0, extra)
+        recipe = recipe_for(grid, config, 0, extra)
         if "policy_eval_drop" in grid.collapse and not recipe.section("orchestrator").get("evals", {}).get("policy"):
             raise ValueError(
                 f"configuration {config.name}: the collapse rule policy_eval_drop needs "
@@ -98,7 +98,7 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
                 import shutil
 
                 shutil.rmtree(run_dir)  # a run cut short starts again from nothing
-            summary = run(run_config_for(grid, config, seed, extra), run_dir, progress="none")
+            summary = run(recipe_for(grid, config, seed, extra), run_dir, progress="none")
             echo(
                 f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
                 f"eval {summary.get('eval_start')} → {summary.get('eval_end')}"

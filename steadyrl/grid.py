@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from steadyrl.evaluation import DTYPES
-from steadyrl.run_config import RunConfig, load_run_config
+from steadyrl.recipe import Recipe, load_recipe
 
 COLLAPSE_RULES = ("eval_drop", "entropy_below", "final_model_drop", "policy_eval_drop")
 
@@ -96,7 +96,7 @@ def load_grid(path: str | Path) -> Grid:
     )
 
 
-def run_config_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] = ()) -> RunConfig:
+def recipe_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] = ()) -> Recipe:
     """The recipe of one run: base, then the grid's overrides, the configuration's, the seed, `extra`."""
     overrides = [
         *grid.overrides,
@@ -106,7 +106,7 @@ def run_config_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] =
         f'run.id="{config.name}-s{seed}"',
         *extra,
     ]
-    return load_run_config(grid.base, overrides)
+    return load_recipe(grid.base, overrides)
 
 
 # --- summarising (pure) ---------------------------------------------------------------------------

@@ -17,13 +17,13 @@ from pathlib import Path
 
 from steadyrl.processes import Launch
 from steadyrl.progress import PROGRESS, watch
-from steadyrl.run_config import RunConfig
+from steadyrl.recipe import Recipe
 from steadyrl.service_settings import check, settle_auto_dtype, settle_local_transport
 from steadyrl.summary import finish
 from steadyrl.supervisor import Supervisor
 
 
-def resolve_model(config: RunConfig) -> str:
+def resolve_model(config: Recipe) -> str:
     path = config.model.path
     if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
         from shared.kit.tiny import KitTask, init_tiny_model
@@ -60,7 +60,7 @@ def interruptible():
             signal.signal(sig, handler)
 
 
-def run(config: RunConfig, out: Path, progress: str = "auto") -> dict:
+def run(config: Recipe, out: Path, progress: str = "auto") -> dict:
     """Run `config` to the end; returns the summary (also written to out/summary.json). The recipe
     is checked first: a bad value fails here, before any process starts. `progress`: "rich" (a
     live table), "plain" (a log line every ~5% of the steps and at each eval: for logs, nohup,
@@ -92,7 +92,7 @@ def start_run(launch: Launch, supervisor: Supervisor, timeout: float = 120.0) ->
         time.sleep(0.5)
 
 
-def _run(config: RunConfig, out: Path, progress: str) -> dict:
+def _run(config: Recipe, out: Path, progress: str) -> dict:
     import logging
 
     from rich.console import Console

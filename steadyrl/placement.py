@@ -155,7 +155,7 @@ def gpu_inventory() -> int:
 
 def placement_of(config, settings: dict, available: int | None = None) -> Placement:
     """The placement of a checked recipe (`steadyrl.service_settings.check`'s settings)."""
-    from steadyrl.run_config import POOLS
+    from steadyrl.recipe import POOLS
 
     trainer = settings["trainer"]
     inference = settings["inference"]

@@ -21,7 +21,7 @@ from shared.runstore.redis_server import RedisServer
 from shared.runtime.service_main import parent_death_signal
 from steadyrl.placement import placement_of, visible_gpus
 from steadyrl.ports import PortReservations
-from steadyrl.run_config import POOLS, SERVICES, RunConfig, recipe_section, resolve_pool_model
+from steadyrl.recipe import POOLS, SERVICES, Recipe, recipe_section, resolve_pool_model
 from steadyrl.service_settings import pool_values, settings_env, settings_for, validate
 
 
@@ -39,7 +39,7 @@ class Service:
 
 @dataclass
 class Launch:
-    config: RunConfig
+    config: Recipe
     out: Path
     model_path: str
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))

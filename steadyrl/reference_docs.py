@@ -209,7 +209,7 @@ def toml_value(value: Any) -> str:
 
 
 def settings_page() -> str:
-    from steadyrl.run_config import MODEL_PATH, SERVICES, SHARED, ModelSection, PoolSection, RunSection
+    from steadyrl.recipe import MODEL_PATH, SERVICES, SHARED, ModelSection, PoolSection, RunSection
     from steadyrl.service_settings import DEPLOYMENT_FIELDS, settings_class
 
     copied: dict[str, list[str]] = {}
@@ -267,7 +267,7 @@ def settings_page() -> str:
 
         parts += sections_of(cls, service, service_row, heading=False)
     parts.append(moved_settings_section())
-    return page("Settings", "`steadyrl/run_config.py` and each service's `config.py`", *parts)
+    return page("Settings", "`steadyrl/recipe.py` and each service's `config.py`", *parts)
 
 
 def moved_settings_section() -> str:

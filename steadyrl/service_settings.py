@@ -14,11 +14,11 @@ from pydantic import SecretStr, ValidationError
 
 from shared.engines.dtype_choice import AUTO
 from shared.runtime.moved_settings import moved_in_env, moved_message
-from steadyrl.run_config import (
+from steadyrl.recipe import (
     POOLS,
     SERVICES,
     SETTINGS,
-    RunConfig,
+    Recipe,
     inference_dtype,
     merge_tables,
     recipe_section,
@@ -65,7 +65,7 @@ DEPLOYMENT_FIELDS = frozenset(
 )
 
 
-def settle_auto_dtype(config: RunConfig, model_path: str) -> RunConfig:
+def settle_auto_dtype(config: Recipe, model_path: str) -> Recipe:
     """The recipe with the dtype "auto" chose written into it (every service then reads the same
     one), the resolved recipe's notes saying why."""
     if config.section("inference").get("dtype", AUTO) != AUTO:
@@ -74,7 +74,7 @@ def settle_auto_dtype(config: RunConfig, model_path: str) -> RunConfig:
     return config.with_values("inference", {"dtype": dtype}, f'inference.dtype "auto" chose "{dtype}": {why}')
 
 
-def settle_local_transport(config: RunConfig) -> RunConfig:
+def settle_local_transport(config: Recipe) -> Recipe:
     """Every process `steadyrl run` starts is on this host: versions travel through shared memory
     (`trainer.publish.transport = "shm"`) unless the recipe names a transport, or the host has no
     shm directory (gRPC then); the resolved recipe's notes say which."""
@@ -87,7 +87,7 @@ def settle_local_transport(config: RunConfig) -> RunConfig:
     return config.with_values("trainer", {"publish": {"transport": "shm"}}, note)
 
 
-def settings_for(config: RunConfig, service: str, placed: Mapping[str, Any], model_path: str | None = None):
+def settings_for(config: Recipe, service: str, placed: Mapping[str, Any], model_path: str | None = None):
     """A service's settings object for one process: the recipe's section with what the deployment
     places (`placed`: ports, addresses, files), checked. ValueError naming the field."""
     return recipe_section(service, merge_tables(config.section_values(service, model_path), placed))
@@ -115,7 +115,7 @@ def _plain(value: Any) -> Any:
 
 
 def service_env(
-    config: RunConfig, service: str, extra: Mapping[str, Any] | None = None, alone: bool = False
+    config: Recipe, service: str, extra: Mapping[str, Any] | None = None, alone: bool = False
 ) -> dict[str, str]:
     """STEADYRL_<SERVICE>_* variables of one service (nested settings: `__` between the names);
     `alone`: of `extra` only, not the recipe's section (a pool's replica)."""
@@ -184,7 +184,7 @@ def build_settings(service: str, env: Mapping[str, str]):
         raise ValueError(f"[{service}] {exc}") from None
 
 
-def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
+def check(config: Recipe, gpus_available: int | None = None) -> dict[str, Any]:
     """What a recipe needs of this machine (its datasets, the vllm engine, its GPUs, isolation for
     agent programs), before any process starts; returns each service's settings. Raises ValueError
     naming the field. The recipe itself was checked when it was loaded (`Recipe`)."""
@@ -225,13 +225,13 @@ def check(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any
     return settings
 
 
-def settings_of(config: RunConfig) -> dict[str, Any]:
+def settings_of(config: Recipe) -> dict[str, Any]:
     """Every service's settings object of the recipe (the model path as given), checked when the
     recipe was loaded but not against this machine (datasets, engines, GPUs: `check`)."""
     return {service: config.settings(service) for service in SERVICES}
 
 
-def resolved(config: RunConfig, gpus_available: int | None = None) -> dict[str, Any]:
+def resolved(config: Recipe, gpus_available: int | None = None) -> dict[str, Any]:
     """What `steadyrl run --dry-run` prints: the merged recipe, each service's settings as its
     process would read them (secrets masked; the model path as given: `tiny` is built at start)
     and the GPU placement."""
@@ -280,7 +280,7 @@ def recipe_overrides(environ: Mapping[str, str]) -> list[str]:
 POOL_PORT = 50052  # a deployed pool's gRPC port, behind the DNS name inference-<pool>
 
 
-def pool_values(config: RunConfig, name: str) -> dict[str, Any]:
+def pool_values(config: Recipe, name: str) -> dict[str, Any]:
     """What a [teacher] / [judge] pool's replica serves, as inference settings: the pool, its model
     (as the recipe gives it: a kit name such as tiny-judge is built where it starts), engine, dtype,
     threads. Its replicas read nothing else of the recipe ([inference] is the rollout replicas')."""
@@ -299,7 +299,7 @@ def pool_values(config: RunConfig, name: str) -> dict[str, Any]:
     }
 
 
-def pools_settings(config: RunConfig) -> dict[str, Any]:
+def pools_settings(config: Recipe) -> dict[str, Any]:
     """Each declared pool's replica settings (`steadyrl run --dry-run` prints them under `pools`)."""
     return {
         name: build_settings("inference", service_env(config, "inference", pool_values(config, name), alone=True))
@@ -315,14 +315,14 @@ def deployed_settings(service: str, environ: Mapping[str, str]):
     single keys (ports, addresses, secrets: what the deployment places). Without it, those variables
     alone; STEADYRL_RECIPE_SET's overrides apply to the recipe as `--set` does. Raises ValueError
     naming the recipe or the field."""
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
 
     prefix = f"STEADYRL_{service.upper()}_"
     own = {k: v for k, v in environ.items() if k.startswith(prefix)}
     recipe = environ.get(RECIPE_ENV, "").strip()
     if not recipe:
         return build_settings(service, own)
-    config = load_run_config([p.strip() for p in recipe.split(",") if p.strip()], recipe_overrides(environ))
+    config = load_recipe([p.strip() for p in recipe.split(",") if p.strip()], recipe_overrides(environ))
     pool = own.get(f"{prefix}POOL", "")
     if service == "inference" and pool in POOLS:  # a pool's replica: the pool's model, nothing of [inference]
         return build_settings(service, {**service_env(config, service, pool_values(config, pool), alone=True), **own})

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from shared.runstore.keys import RunKeys
 from shared.runstore.ledger import Ledger
 from steadyrl.processes import Launch
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from tests.helpers import running, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -207,7 +207,7 @@ SLOW_FAULTS = {
     "fault", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAULTS else f for f in sorted(FAULTS)]
 )
 def test_the_run_survives(fault, tmp_path, tiny_model_dir):
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith.toml",
         [
             f"run.steps={STEPS}",
@@ -298,7 +298,7 @@ def test_a_frozen_or_killed_policy_eval_replica_loses_no_round(fault, tmp_path, 
     or SIGKILLed and restarted while it holds π's tasks of a round: the leases expire, the tasks go
     back to that pool's list (no rollout replica takes them), and every round of μ and of π is
     written once, whole."""
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith.toml",
         [
             f"run.steps={STEPS}",
@@ -349,7 +349,7 @@ def test_a_multi_turn_run_survives_a_replica_killed_mid_trajectory(tmp_path, cal
     steps = 12
     b = 4
     g = 8
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-tools.toml",
         [
             f"run.steps={steps}",

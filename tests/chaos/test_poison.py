@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from shared.rollouts.record import Rollout, encode_rollout
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.runstore.keys import RunKeys
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from tests.chaos.test_faults import read_ledger
 from tests.helpers import running, wait_until
 
@@ -115,7 +115,7 @@ async def dead_letters(url: str) -> tuple[dict, dict, set[str], list[str]]:
 
 
 def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model_dir):
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith.toml",
         [
             f"run.steps={STEPS}",

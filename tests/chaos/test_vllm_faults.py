@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from tests.chaos.test_faults import assert_ledger, read_ledger, service, weightsync_restart
 from tests.helpers import running, wait_until
 
@@ -88,7 +88,7 @@ def kill_mid_update(launch, name: str) -> int:
 def test_a_vllm_replica_run_survives_a_corrupted_version_a_weightsync_restart_and_a_kill_mid_update(
     tmp_path, tiny_model_dir
 ):
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith-vllm-cpu.toml",
         [
             f"run.steps={STEPS}",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from tests.chaos.test_faults import read_ledger
 from tests.helpers import running, wait_until
 
@@ -25,7 +25,7 @@ TIMEOUT = 5.0
 
 
 def collective_config(replicas: int, steps: int = STEPS):
-    return load_run_config(
+    return load_recipe(
         ROOT / "configs" / "tiny-arith.toml",
         [
             f"run.steps={steps}",

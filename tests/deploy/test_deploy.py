@@ -262,10 +262,10 @@ def test_compose_resolves_the_recipe_as_steadyrl_run_does_and_keeps_secrets_in_f
     assert replicas["dns_sd_configs"][0]["refresh_interval"] == "5s"  # a replica started late is scraped soon
     assert services["inference-policy"]["networks"] == {"default": {"aliases": ["inference"]}}  # no failed lookup
     assert scrape["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
 
     assert doc["x-recipe"] == "/etc/steadyrl/tiny-arith.toml"  # `up` carries the recipe's run id, as the samples do
-    run_id = load_run_config(ROOT / "configs" / "tiny-arith.toml").run_id
+    run_id = load_recipe(ROOT / "configs" / "tiny-arith.toml").run_id
     assert all(
         job["honor_labels"] and job["relabel_configs"] == [{"target_label": "run", "replacement": run_id}]
         for job in scrape["scrape_configs"]

@@ -26,7 +26,7 @@ from shared.runstore.ledger import Ledger
 from shared.runstore.queues import WorkQueue
 from shared.runstore.redis_server import RedisServer
 from shared.tasks import MathTask
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from steadyrl.service_settings import check
 from tests.helpers import submit
 
@@ -52,7 +52,7 @@ def settings_of(example: str, monkeypatch) -> dict:
     if path:
         monkeypatch.syspath_prepend(str(ROOT / path))
         monkeypatch.setenv("PYTHONPATH", str(ROOT / path))
-    return check(load_run_config([ROOT / r for r in recipes]))
+    return check(load_recipe([ROOT / r for r in recipes]))
 
 
 def tasks_of(example: str, monkeypatch, model_dir) -> Tasks:

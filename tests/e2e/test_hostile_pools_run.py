@@ -39,7 +39,7 @@ def run_arm(out: Path, hostile: bool) -> dict:
     from shared.runstore.redis_server import free_port
     from steadyrl import launcher
     from steadyrl.processes import Launch
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from tests.hostile_pool import serve
 
     port = free_port()
@@ -74,7 +74,7 @@ def run_arm(out: Path, hostile: bool) -> dict:
     from shared.kit.tiny import init_tiny_model
 
     teacher = f'teacher.path="{init_tiny_model()}"'  # the kit's tiny policy as it starts: a teacher of its own
-    config = load_run_config(ROOT / "configs" / "tiny-judge.toml", [*OVERRIDES, teacher])
+    config = load_recipe(ROOT / "configs" / "tiny-judge.toml", [*OVERRIDES, teacher])
     original = launcher.Launch
     launcher.Launch = WithHostile if hostile else Launch
     started = time.time()

@@ -237,9 +237,9 @@ LAUNCHER = """
 import json, sys, time
 from pathlib import Path
 from steadyrl.processes import Launch
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 
-launch = Launch(load_run_config(Path(sys.argv[1]), []), Path(sys.argv[2]), sys.argv[3])
+launch = Launch(load_recipe(Path(sys.argv[1]), []), Path(sys.argv[2]), sys.argv[3])
 launch.start_redis()
 launch.plan(launch.redis.url)
 for service in launch.services:
@@ -282,9 +282,9 @@ def test_orchestrator_restart_mid_run_loses_and_duplicates_nothing(tmp_path, tin
 
     from shared.runstore.redis_server import RedisServer
     from steadyrl.processes import Launch
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
 
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith.toml",
         ["run.steps=6", "run.batch_prompts=4", "orchestrator.evals.every=0", "trainer.checkpoint.every=1"],
     )

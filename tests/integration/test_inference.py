@@ -30,7 +30,7 @@ from shared.runstore.queues import WorkQueue
 from shared.runstore.redis_server import free_port
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.signing import Signer, write_key_pair
-from steadyrl.run_config import merge_tables
+from steadyrl.recipe import merge_tables
 from tests.helpers import submit
 
 

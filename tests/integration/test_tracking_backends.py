@@ -132,17 +132,17 @@ def test_a_backend_that_fails_to_start_once_is_tried_again(tmp_path):
 def test_tracking_settings_reach_both_services_and_are_checked(monkeypatch):
     from pathlib import Path
 
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import service_env
 
     root = Path(__file__).resolve().parents[2]
-    config = load_run_config(root / "configs" / "tiny-arith.toml", ['run.tracking={wandb_project = "p"}'])
+    config = load_recipe(root / "configs" / "tiny-arith.toml", ['run.tracking={wandb_project = "p"}'])
     for service in ("trainer", "orchestrator"):
         env = service_env(config, service)
         assert env[f"STEADYRL_{service.upper()}_TRACKING__WANDB_PROJECT"] == "p"
     assert not any("TRACKING" in k for k in service_env(config, "inference"))
     with pytest.raises(ValueError, match="which \\[run\\] declares"):
-        load_run_config(root / "configs" / "tiny-arith.toml", ['trainer.tracking={wandb_project = "p"}'])
+        load_recipe(root / "configs" / "tiny-arith.toml", ['trainer.tracking={wandb_project = "p"}'])
     with pytest.raises(ValueError, match="wandb_mode"):
         TrackingSettings(wandb_mode="sometimes")
     import importlib.util

@@ -31,7 +31,7 @@ from shared.rollouts.samples import rollouts_from_samples
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.runstore.queues import WorkQueue
 from shared.tasks import get_reward
-from steadyrl.run_config import merge_tables
+from steadyrl.recipe import merge_tables
 from tests.helpers import publish
 
 GROUP = 4

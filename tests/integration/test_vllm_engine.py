@@ -268,7 +268,7 @@ def test_vllm_serves_adapter_versions_through_its_lora_support(lora_and_multitur
 
 def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_anything_starts(tiny_model_dir):
     from shared.engines.vllm_engine import VllmEngine
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import check
 
     if torch.cuda.is_available():
@@ -277,14 +277,14 @@ def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_a
         with pytest.raises(ValueError, match="LoRA adapters on a MoE model's experts need the vllm engine on a GPU"):
             VllmEngine(str(tiny_model_dir), "float32", lora_rank=8, lora_targets=targets)  # before vLLM starts
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
-    adapters = load_run_config(
+    adapters = load_recipe(
         recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", "inference.vllm.max_model_len=64"]
     )
     values = adapters.section_values("inference")
     assert values["lora"]["rank"] == 8 and values["lora"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert check(adapters)["inference"].lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention: runs
     experts = ["trainer.lora.rank=8", "trainer.lora.target_experts=true"]
-    assert load_run_config(recipe, experts).section_values("inference")["lora"]["targets"] == [
+    assert load_recipe(recipe, experts).section_values("inference")["lora"]["targets"] == [
         "q_proj",
         "k_proj",
         "v_proj",
@@ -292,8 +292,6 @@ def test_adapters_on_the_experts_of_a_moe_model_are_refused_on_vllm_cpu_before_a
         "experts",
     ]
     with pytest.raises(ValueError, match="lora adapter versions that adapt the MoE experts"):
-        load_run_config(recipe, ['inference.engine="vllm"', *experts])  # a rule of the recipe
-    merged = load_run_config(
-        recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"']
-    )
+        load_recipe(recipe, ['inference.engine="vllm"', *experts])  # a rule of the recipe
+    merged = load_recipe(recipe, ['inference.engine="vllm"', "trainer.lora.rank=8", 'trainer.lora.publish="merged"'])
     assert "lora" not in merged.section_values("inference")  # whole versions: the engine needs no LoRA

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from shared.runstore.keys import RunKeys
 from shared.runstore.ledger import Ledger
 from steadyrl.processes import Launch
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 
 pytestmark = pytest.mark.soak
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ async def ledger(url: str, run_id: str) -> dict:
 
 
 def test_soak(tmp_path, tiny_model_dir):
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith.toml",
         ["run.steps=0", "run.replicas=2", "orchestrator.evals.every=0", "trainer.checkpoint.every=10"],
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.run_config import PROBES, SERVICES, load_run_config
+from steadyrl.recipe import PROBES, SERVICES, load_recipe
 from steadyrl.service_settings import service_env, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ REQUIRED = PROBES  # the values only a deployment knows, as `steadyrl run` check
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_recipe_validates(path):
-    config = load_run_config(path)
+    config = load_recipe(path)
     assert config.steps > 0 and config.replicas >= 1
     for service in SERVICES:
         validate(service, service_env(config, service, REQUIRED[service]))
@@ -51,7 +51,7 @@ def test_each_service_is_typed_once_and_its_process_reads_the_same_object(path):
     from services.trainer.config import TrainerSettings
     from steadyrl.service_settings import build_settings, settings_class, settings_env, settings_for
 
-    config = load_run_config(path)
+    config = load_recipe(path)
     assert isinstance(config.trainer, TrainerSettings) and config.trainer.max_staleness == config.run.max_staleness
     for service in SERVICES:
         assert isinstance(config.settings(service), settings_class(service))
@@ -74,18 +74,18 @@ def test_a_typo_names_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text((ROOT / "configs" / "tiny-arith.toml").read_text().replace("lr = 1e-3", "learning_rate = 1e-3"))
     with pytest.raises(ValueError, match="learning_rate"):
-        validate("trainer", service_env(load_run_config(bad), "trainer", REQUIRED["trainer"]))
+        validate("trainer", service_env(load_recipe(bad), "trainer", REQUIRED["trainer"]))
     with pytest.raises(ValueError, match="section.key=value"):
-        load_run_config(bad, ["steps=3"])
-    overridden = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.lr=3e-4", "run.steps=7"])
+        load_recipe(bad, ["steps=3"])
+    overridden = load_recipe(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.lr=3e-4", "run.steps=7"])
     assert overridden.section("trainer")["optim"]["lr"] == 3e-4 and overridden.steps == 7
     env = service_env(overridden, "orchestrator", REQUIRED["orchestrator"])
     assert env["STEADYRL_ORCHESTRATOR_STEPS"] == "7" and env["STEADYRL_ORCHESTRATOR_RUN_ID"] == "tiny-arith"
     with pytest.raises(ValueError, match=r"\[model\][\s\S]*pth[\s\S]*Extra inputs"):  # not silently the tiny model
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.pth="/models/qwen"'])
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ['model.pth="/models/qwen"'])
     with pytest.raises(ValueError, match=r"\[model\][\s\S]*path[\s\S]*at least 1 character"):
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.path=""'])
-    assert load_run_config(ROOT / "configs" / "tiny-arith.toml", ['model.path="/m"']).model.path == "/m"
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ['model.path=""'])
+    assert load_recipe(ROOT / "configs" / "tiny-arith.toml", ['model.path="/m"']).model.path == "/m"
 
 
 @pytest.mark.process  # starts a steadyrl process: not in the fast tier
@@ -117,22 +117,22 @@ def test_a_bad_value_fails_before_any_process_starts(tmp_path):
 
 def test_services_cannot_disagree_on_what_run_declares():
     with pytest.raises(ValueError, match=r"\[trainer\] sets \['group_size'\].*run.group_size"):
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", ["trainer.group_size=4"])
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ["trainer.group_size=4"])
     with pytest.raises(ValueError, match=r"\[orchestrator\] sets \['batch_prompts'\]"):
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.batch_prompts=4"])
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["run.group_size=4"])
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.batch_prompts=4"])
+    config = load_recipe(ROOT / "configs" / "tiny-arith.toml", ["run.group_size=4"])
     trainer = service_env(config, "trainer", REQUIRED["trainer"])
     orchestrator = service_env(config, "orchestrator", REQUIRED["orchestrator"])
     assert trainer["STEADYRL_TRAINER_GROUP_SIZE"] == orchestrator["STEADYRL_ORCHESTRATOR_GROUP_SIZE"] == "4"
     with pytest.raises(ValueError, match="group_size"):
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", ["run.group_size=0"])
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ["run.group_size=0"])
 
 
 def test_nested_settings_travel_as_env_and_validate_from_it_alone(monkeypatch):
     from steadyrl.service_settings import build_settings
 
     monkeypatch.setenv("STEADYRL_TRAINER_OPTIM__LR", "0.5")  # this process's environment is not the service's
-    config = load_run_config(
+    config = load_recipe(
         ROOT / "configs" / "tiny-arith.toml", ["trainer.loss.eps_high=0.3", "trainer.loss.normalization=sequence"]
     )
     env = service_env(config, "trainer", REQUIRED["trainer"])
@@ -185,7 +185,7 @@ def test_an_old_flat_setting_is_refused_with_its_new_name(tmp_path, monkeypatch,
         )
     if where in ("recipe", "set"):  # refused where the recipe is loaded, before any process starts
         with pytest.raises(ValueError, match=re.escape(new)):
-            load_run_config(recipe, [old] if where == "set" else [])
+            load_recipe(recipe, [old] if where == "set" else [])
         return
     if where == "env":  # a deployment's environment: the service refuses to start
         monkeypatch.setenv(old, "1")
@@ -206,12 +206,12 @@ def test_an_old_flat_setting_is_refused_with_its_new_name(tmp_path, monkeypatch,
 )
 def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides)
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", overrides)
     from services.inference.server import engine_options
     from steadyrl.service_settings import build_settings
 
     for fmt in ("fp8", "fp4"):
-        fine = load_run_config(
+        fine = load_recipe(
             ROOT / "configs" / "tiny-arith.toml",
             [f"inference.quantization={fmt}", "inference.quantize_router=true", "inference.quantize_activations=true"],
         )
@@ -228,14 +228,14 @@ def test_quantization_settings_that_cannot_work_are_refused(overrides, message):
 def test_the_papers_geometry_keeps_the_mini_batch_and_grows_the_global_batch():
     base = ROOT / "configs" / "tiny-arith.toml"
     for n in (1, 2, 4):
-        config = load_run_config(base, ["run.mini_batch_prompts=8", f"trainer.mini_batches={n}"])
+        config = load_recipe(base, ["run.mini_batch_prompts=8", f"trainer.mini_batches={n}"])
         assert config.run.batch_prompts == 8 * n  # B = N × mini-batch, replacing the recipe's 32
         trainer = service_env(config, "trainer", REQUIRED["trainer"])
         assert trainer["STEADYRL_TRAINER_BATCH_PROMPTS"] == str(8 * n)
         assert "mini_batch_prompts = 8" in config.as_toml() and f"batch_prompts = {8 * n}" in config.as_toml()
-    assert load_run_config(base, ["trainer.mini_batches=4"]).run.batch_prompts == 32  # fixed global batch: N splits it
+    assert load_recipe(base, ["trainer.mini_batches=4"]).run.batch_prompts == 32  # fixed global batch: N splits it
     with pytest.raises(ValueError, match="mini_batches must be an integer"):
-        load_run_config(base, ["run.mini_batch_prompts=8", "trainer.mini_batches=0"])
+        load_recipe(base, ["run.mini_batch_prompts=8", "trainer.mini_batches=0"])
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
@@ -243,17 +243,17 @@ def test_quantized_vllm_without_a_gpu_is_refused_before_anything_starts(monkeypa
     from steadyrl.service_settings import check
 
     monkeypatch.setattr("shared.engines.vllm_unavailable", lambda: None)
-    config = load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [f"inference.quantization={fmt}"])
+    config = load_recipe(ROOT / "configs" / "tiny-arith-vllm-cpu.toml", [f"inference.quantization={fmt}"])
     with pytest.raises(ValueError, match=f'quantization = "{fmt}" on the vllm engine needs a GPU'):
         check(config, gpus_available=0)
     assert (
-        check(load_run_config(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine
+        check(load_recipe(ROOT / "configs" / "tiny-arith-vllm-cpu.toml"), gpus_available=0)["inference"].engine
         == "vllm"
     )
 
 
 def test_recipes_merge_left_to_right(tmp_path):
-    from steadyrl.run_config import merge_tables
+    from steadyrl.recipe import merge_tables
 
     assert merge_tables({"a": {"x": 1, "y": {"z": 2}}, "b": 1}, {"a": {"y": {"w": 3}}, "b": 2}) == {
         "a": {"x": 1, "y": {"z": 2, "w": 3}},
@@ -261,16 +261,16 @@ def test_recipes_merge_left_to_right(tmp_path):
     }
     gpu = tmp_path / "more.toml"
     gpu.write_text("[run]\nsteps = 7\n\n[trainer.optim]\nlr = 5e-4\n\n[trainer.loss]\neps_high = 0.3\n")
-    config = load_run_config([ROOT / "configs" / "tiny-arith.toml", gpu], ["trainer.loss.eps_low=0.1"])
+    config = load_recipe([ROOT / "configs" / "tiny-arith.toml", gpu], ["trainer.loss.eps_low=0.1"])
     assert config.steps == 7 and config.run.batch_prompts == 32  # the later file's keys win, the rest stays
     assert config.section("trainer")["optim"]["lr"] == 5e-4 and config.section("trainer")["checkpoint"]["every"] == 10
     assert config.section("trainer")["loss"] == {"eps_high": 0.3, "eps_low": 0.1}
     with pytest.raises(ValueError, match="does not exist"):
-        load_run_config([ROOT / "configs" / "tiny-arith.toml", tmp_path / "missing.toml"])
+        load_recipe([ROOT / "configs" / "tiny-arith.toml", tmp_path / "missing.toml"])
     bad = tmp_path / "bad.toml"
     bad.write_text("[run\n")
     with pytest.raises(ValueError, match="not valid TOML"):
-        load_run_config([bad])
+        load_recipe([bad])
 
 
 @pytest.mark.process  # starts a steadyrl process: not in the fast tier
@@ -323,7 +323,7 @@ def test_dry_run_prints_what_each_service_would_read_and_starts_nothing(tmp_path
 )
 def test_a_reward_that_cannot_serve_is_refused_before_the_run_starts(reward, message):
     with pytest.raises(ValueError, match=message):
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", [f"orchestrator.reward={reward}"])
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", [f"orchestrator.reward={reward}"])
 
 
 def test_a_reward_with_the_wrong_signature_or_a_hang_is_refused():
@@ -334,7 +334,7 @@ def test_a_reward_with_the_wrong_signature_or_a_hang_is_refused():
     with pytest.raises(ValueError, match="dry call on one example: timeout"):
         check_reward("tests.rewards:hang", "0", "0", timeout=1.0)
     assert check_reward("tests.rewards:length", "abc", "0") == 3.0
-    config = load_run_config(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.reward=tests.rewards:length"])
+    config = load_recipe(ROOT / "configs" / "tiny-arith.toml", ["orchestrator.reward=tests.rewards:length"])
     validate("orchestrator", service_env(config, "orchestrator", REQUIRED["orchestrator"]))
 
 
@@ -361,7 +361,7 @@ def test_an_open_inference_dtype_is_the_faster_one_measured_and_every_service_re
     assert f"{faster} 2.000 ms" in why and f"{slower} 3.000 ms" in why
     recipe = tmp_path / "open.toml"
     recipe.write_text((ROOT / "configs" / "tiny-arith.toml").read_text().replace('dtype = "bfloat16"\n', ""))
-    config = load_run_config(recipe)
+    config = load_recipe(recipe)
     assert "dtype" not in config.section("inference")
     inference = service_env(config, "inference", REQUIRED["inference"])
     trainer = service_env(config, "trainer", REQUIRED["trainer"])
@@ -369,7 +369,7 @@ def test_an_open_inference_dtype_is_the_faster_one_measured_and_every_service_re
     config = settle_auto_dtype(config, "tiny")
     assert config.section("inference")["dtype"] == faster
     assert config.as_toml().startswith(f'# inference.dtype "auto" chose "{faster}": the faster on this CPU')
-    named = load_run_config(ROOT / "configs" / "tiny-arith.toml")  # a recipe that names its dtype keeps it
+    named = load_recipe(ROOT / "configs" / "tiny-arith.toml")  # a recipe that names its dtype keeps it
     calls = len(asked)
     named = settle_auto_dtype(named, "tiny")
     assert named.section("inference")["dtype"] == "bfloat16" and not named.notes and len(asked) == calls

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from steadyrl.experiment import check_recipes
-from steadyrl.grid import aggregate, load_grid, markdown_table, run_config_for, summarise_run
+from steadyrl.grid import aggregate, load_grid, markdown_table, recipe_for, summarise_run
 from steadyrl.grid_plots import mean_curve, moving_mean, plot_grid
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,14 +36,14 @@ def steps(n, **fixed):
     "name,configs", [("paper-grid.toml", 11), ("paper-grid-v2.toml", 12), ("paper-grid-fp4.toml", 17)]
 )
 def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
-    from steadyrl.run_config import PROBES, SERVICES
+    from steadyrl.recipe import PROBES, SERVICES
     from steadyrl.service_settings import service_env, validate
 
     grid = load_grid(ROOT / "configs" / name)
     names = [c.name for c in grid.configs]
     assert len(names) == configs and len(set(names)) == configs
     for config in grid.configs:
-        recipe = run_config_for(grid, config, seed=2)
+        recipe = recipe_for(grid, config, seed=2)
         assert recipe.section("trainer")["seed"] == 2 and recipe.section("orchestrator")["data"]["seed"] == 2
         assert recipe.run_id == f"{config.name}-s2"
         for service in SERVICES:  # a typo in a configuration names the field

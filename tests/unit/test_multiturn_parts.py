@@ -13,7 +13,7 @@ from services.orchestrator.data import Tasks
 from services.trainer.step_log import trajectory_metrics
 from shared.envs.calc import MulTask
 from shared.rollouts.record import Rollout
-from steadyrl.run_config import load_run_config, section_values
+from steadyrl.recipe import load_recipe, section_values
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,11 +109,11 @@ def test_a_bad_environment_is_refused_before_anything_starts(fields, message):
 
 
 def test_a_recipe_with_an_agent_turns_the_replicas_endpoint_on():
-    plain = load_run_config(ROOT / "configs" / "tiny-tools.toml")
-    agent = load_run_config(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.trajectory.environment="agent:prog"'])
+    plain = load_recipe(ROOT / "configs" / "tiny-tools.toml")
+    agent = load_recipe(ROOT / "configs" / "tiny-tools.toml", ['orchestrator.trajectory.environment="agent:prog"'])
     assert plain.section_values("inference")["agent"]["endpoint"] is False
     assert agent.section_values("inference")["agent"]["endpoint"] is True
-    forced = load_run_config(ROOT / "configs" / "tiny-tools.toml", ["inference.agent.endpoint=true"])
+    forced = load_recipe(ROOT / "configs" / "tiny-tools.toml", ["inference.agent.endpoint=true"])
     assert forced.section_values("inference")["agent"]["endpoint"] is True
     played = {"orchestrator": {"trajectory": {"environment": "verifiers:x"}}}  # a package not installed here
     values = section_values(plain.run, plain.model, played, {}, "inference")

@@ -9,7 +9,7 @@ from services.inference.server import engine_options
 from steadyrl.placement import plan_placement
 from steadyrl.processes import Launch, start_after
 from steadyrl.progress import caught_up
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from steadyrl.service_settings import build_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ GPU_RUN = ["run.replicas=2", "inference.gpus_per_replica=2", "trainer.parallel.g
 def planned(tmp_path, overrides, gpus: int) -> Launch:
     tmp_path.mkdir(parents=True, exist_ok=True)
     launch = Launch(
-        load_run_config(ROOT / "configs" / "tiny-arith.toml", overrides), tmp_path, "model", gpus_available=gpus
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", overrides), tmp_path, "model", gpus_available=gpus
     )
     launch.plan("redis://127.0.0.1:1/0")
     return launch

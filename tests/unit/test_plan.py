@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from steadyrl.plan import model_config, model_size, plan, render
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 from steadyrl.service_settings import settings_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ RECIPES = {"gpu-qwen3-moe-math": "Qwen3-30B-A3B", "gpu-qwen3-math": "Qwen3-8B"}
 
 
 def sized(recipe: str, *overrides: str) -> dict:
-    config = load_run_config(ROOT / "configs" / f"{recipe}.toml", list(overrides))
+    config = load_recipe(ROOT / "configs" / f"{recipe}.toml", list(overrides))
     size = model_size(model_config(ROOT / "configs" / "models" / f"{RECIPES[recipe]}.json"))
     return plan(size, settings_of(config), config.replicas, 2e9)
 
@@ -85,7 +85,7 @@ def test_the_gpu_guide_shows_the_command_s_own_tables(recipe):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == render(sized(recipe), load_run_config(ROOT / "configs" / f"{recipe}.toml").run_id)
+    assert done.stdout.strip() == render(sized(recipe), load_recipe(ROOT / "configs" / f"{recipe}.toml").run_id)
     assert done.stdout.strip() in (ROOT / "docs" / "guides" / "gpus.md").read_text()
 
 
@@ -171,7 +171,7 @@ def test_the_gpu_overlay_holds_what_the_plan_says(tmp_path):
     from tests.deploy.test_deploy import render as render_overlay
 
     p = sized("gpu-qwen3-moe-math")
-    recipe = settings_of(load_run_config(ROOT / "configs" / "gpu-qwen3-moe-math.toml"))
+    recipe = settings_of(load_recipe(ROOT / "configs" / "gpu-qwen3-moe-math.toml"))
     assert undersized(render_overlay("gpu"), p, recipe) == []
     shutil.copytree(DEPLOY, tmp_path / "deploy", ignore=shutil.ignore_patterns("node_modules"))
     shutil.copytree(ROOT / "configs", tmp_path / "configs")

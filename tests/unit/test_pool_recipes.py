@@ -10,7 +10,7 @@ import pytest
 
 from services.inference.config import InferenceSettings
 from steadyrl.processes import Launch
-from steadyrl.run_config import load_run_config
+from steadyrl.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "tiny-arith.toml"
@@ -20,38 +20,38 @@ DISTILLED = ROOT / "configs" / "tiny-distill.toml"
 
 def test_the_teacher_section_is_validated_with_its_name():
     distils = "trainer.distill.coef=1.0"
-    config = load_run_config(RECIPE, ['teacher.path="/models/teacher"', "teacher.replicas=2", distils])
+    config = load_recipe(RECIPE, ['teacher.path="/models/teacher"', "teacher.replicas=2", distils])
     assert config.teacher.path == "/models/teacher" and config.teacher.replicas == 2
     assert '[teacher]\npath = "/models/teacher"' in config.as_toml()
-    assert load_run_config(RECIPE).teacher is None
+    assert load_recipe(RECIPE).teacher is None
     with pytest.raises(ValueError, match=r"(?s)\[teacher\].*pth"):
-        load_run_config(RECIPE, ['teacher.path="/m"', 'teacher.pth="/m"', distils])
+        load_recipe(RECIPE, ['teacher.path="/m"', 'teacher.pth="/m"', distils])
     with pytest.raises(ValueError, match=r"(?s)\[teacher\].*replicas"):
-        load_run_config(RECIPE, ['teacher.path="/m"', "teacher.replicas=0", distils])
+        load_recipe(RECIPE, ['teacher.path="/m"', "teacher.replicas=0", distils])
     # a teacher pool needs a distillation that reads it, and a distillation its teacher pool
     with pytest.raises(ValueError, match=r"\[teacher\] starts a teacher pool that nothing reads"):
-        load_run_config(RECIPE, ['teacher.path="/m"'])
+        load_recipe(RECIPE, ['teacher.path="/m"'])
     for setting in (distils, "trainer.distill.top_k=4"):
         with pytest.raises(ValueError, match=r"\[trainer.distill\] needs a teacher pool: add \[teacher\]"):
-            load_run_config(RECIPE, [setting])
+            load_recipe(RECIPE, [setting])
 
 
 def test_the_distillation_recipe_names_the_kit_teacher_and_each_pool_takes_its_own_kit_model():
-    config = load_run_config(DISTILLED)
+    config = load_recipe(DISTILLED)
     assert config.teacher.path == "tiny-teacher" and config.judge is None
     assert config.section("trainer")["distill"] == {"top_k": 8, "top_k_coef": 1.0, "coef": 0.0, "reward_weight": 0.0}
     assert config.section("orchestrator")["data"]["arith_fixed_width"] is False  # the teacher's format
     assert config.section("trainer")["mini_batches"] == 8 and config.run.steps == 2000
     with pytest.raises(ValueError, match=r"\[teacher\] path = 'tiny-judge' is the kit's judge: a teacher pool takes"):
-        load_run_config(DISTILLED, ['teacher.path="tiny-judge"'])
+        load_recipe(DISTILLED, ['teacher.path="tiny-judge"'])
     with pytest.raises(ValueError, match=r"\[judge\] path = 'tiny-teacher' is the kit's teacher: a judge pool takes"):
-        load_run_config(JUDGED, ['judge.path="tiny-teacher"'])
+        load_recipe(JUDGED, ['judge.path="tiny-teacher"'])
 
 
 def test_the_plan_starts_the_pool_and_points_the_rollout_replicas_at_it(tmp_path):
     overrides = ['teacher.path="/models/teacher"', "teacher.replicas=2", "run.replicas=2", "trainer.distill.top_k=5"]
     overrides.append("orchestrator.evals.policy=true")
-    launch = Launch(load_run_config(RECIPE, overrides), tmp_path, "model", gpus_available=0)
+    launch = Launch(load_recipe(RECIPE, overrides), tmp_path, "model", gpus_available=0)
     try:
         launch.plan("redis://127.0.0.1:1")
         by_name = {s.name: s for s in launch.services}
@@ -70,18 +70,18 @@ def test_the_plan_starts_the_pool_and_points_the_rollout_replicas_at_it(tmp_path
 
 
 def test_a_judged_reward_needs_its_pool_and_template_and_a_pool_needs_a_reward():
-    config = load_run_config(JUDGED)
+    config = load_recipe(JUDGED)
     assert config.judge.path == "tiny-judge" and '[judge]\npath = "tiny-judge"' in config.as_toml()
     with pytest.raises(ValueError, match=r"'judge:arith' needs a judge pool: add \[judge\]"):
-        load_run_config(RECIPE, ['orchestrator.reward="judge:arith"'])
+        load_recipe(RECIPE, ['orchestrator.reward="judge:arith"'])
     with pytest.raises(ValueError, match=r"names the template 'other'.*\[inference.judge.templates.other\]"):
-        load_run_config(JUDGED, ['orchestrator.reward="judge:other"'])
+        load_recipe(JUDGED, ['orchestrator.reward="judge:other"'])
     with pytest.raises(ValueError, match=r"\[judge\] starts a judge pool that no reward uses"):
-        load_run_config(RECIPE, ['judge.path="/models/judge"'])
+        load_recipe(RECIPE, ['judge.path="/models/judge"'])
     with pytest.raises(ValueError, match="tiny-judge writes verdicts"):
-        load_run_config(JUDGED, ['orchestrator.reward="reward_model:arith"'])
+        load_recipe(JUDGED, ['orchestrator.reward="reward_model:arith"'])
     with pytest.raises(ValueError, match=r"(?s)\[judge\].*replicas"):
-        load_run_config(JUDGED, ["judge.replicas=0"])
+        load_recipe(JUDGED, ["judge.replicas=0"])
 
 
 def test_the_plan_starts_the_judge_pool_beside_the_teacher_pool(tmp_path, monkeypatch):
@@ -92,7 +92,7 @@ def test_the_plan_starts_the_judge_pool_beside_the_teacher_pool(tmp_path, monkey
         "trainer.distill.coef=1.0",
     ]
     overrides += ['teacher.engine="vllm"', "teacher.max_model_len=64"]
-    launch = Launch(load_run_config(JUDGED, overrides), tmp_path, "model", gpus_available=0)
+    launch = Launch(load_recipe(JUDGED, overrides), tmp_path, "model", gpus_available=0)
     try:
         launch.plan("redis://127.0.0.1:1")
         by_name = {s.name: s for s in launch.services}

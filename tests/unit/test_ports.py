@@ -64,10 +64,10 @@ def test_the_launcher_holds_each_services_ports_until_it_starts(tmp_path):
 @pytest.mark.process  # starts a steadyrl process: not in the fast tier
 def test_the_runs_redis_listens_on_a_drawn_port(tmp_path):
     from steadyrl.processes import Launch
-    from steadyrl.run_config import load_run_config
+    from steadyrl.recipe import load_recipe
     from tests.unit.test_placement import ROOT
 
-    launch = Launch(load_run_config(ROOT / "configs" / "tiny-arith.toml", []), tmp_path, "model", gpus_available=0)
+    launch = Launch(load_recipe(ROOT / "configs" / "tiny-arith.toml", []), tmp_path, "model", gpus_available=0)
     redis = launch.start_redis()
     try:
         low, high = listen_range()

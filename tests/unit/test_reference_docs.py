@@ -87,7 +87,7 @@ def test_settings_give_each_field_its_type_default_variable_and_docstring(genera
 
 
 def test_attribute_docstrings_come_from_the_class_and_its_bases():
-    from steadyrl.run_config import RunSection
+    from steadyrl.recipe import RunSection
 
     docs = reference_docs.attribute_docs(RunSection)
     assert docs["id"] == "Run id: the Redis key space and the run directory's name (no slash, brace, colon or space)."

@@ -151,7 +151,7 @@ class Recipe(BaseModel):
     """The whole recipe, typed: [run], [model], each service's section as that service's own
     settings object (`TrainerSettings`, ...: its table, the [run] values it needs and what follows
     from the other sections, `section_values`), and the [teacher] / [judge] pools. Built once by
-    `load_run_config`, where the cross-service rules below are checked; what a deployment places
+    `load_recipe`, where the cross-service rules below are checked; what a deployment places
     (ports, addresses, files) comes later (`service_settings.settings_for`). docs/internals/services.md"""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
@@ -268,9 +268,6 @@ class Recipe(BaseModel):
         parts += [_table(name, self.tables[name]) for name in SERVICES if self.tables.get(name)]
         parts += [_table(name, self.pool(name).model_dump()) for name in POOLS if self.pool(name) is not None]
         return "\n".join(parts)
-
-
-RunConfig = Recipe
 
 
 def build_recipe(
@@ -471,9 +468,9 @@ def _pool(name: str, values: dict[str, Any]) -> PoolSection:
     return pool
 
 
-def load_run_config(
+def load_recipe(
     path: str | Path | Sequence[str | Path], overrides: Sequence[str] = (), allow_empty: bool = False
-) -> RunConfig:
+) -> Recipe:
     """A recipe from one TOML file, or several merged left to right (a later file's keys win, tables
     merge key by key), then `--set` overrides (on the defaults alone with `allow_empty`)."""
     paths = [path] if isinstance(path, str | Path) else list(path)
