@@ -53,15 +53,7 @@ class Trainer:
         self.publisher = VersionPublisher(settings, redis)
         self.acks = Acknowledgements(self.runner, self.source)  # trained, checkpointed, acknowledged
         self.paused = False
-        self.steplog = StepLog(
-            settings.out_dir,
-            settings.tensorboard,
-            settings.stall_alert_seconds,
-            settings.tracking,
-            settings.run_id,
-            settings.model_dump(mode="json"),
-            settings.max_staleness,
-        )
+        self.steplog = StepLog(settings)
         if self.runner.rank == 0:  # the rank that writes the lines (the others follow its commands)
             self.steplog.resume(self.state.step)
         self.model_lock = asyncio.Lock()  # one of: a step (train, checkpoint, publish), a Checkpoint request

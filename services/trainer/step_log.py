@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.runtime.settings import TrackingSettings
+from services.trainer.config import TrainerSettings
 from shared.runtime.tracking import ScalarLog
 
 STEPS = Counter("steadyrl_trainer_steps_total", "Global steps trained")
@@ -75,23 +75,14 @@ def trajectory_metrics(rollouts) -> dict[str, float]:
 
 
 class StepLog:
-    def __init__(
-        self,
-        out_dir: Path,
-        tensorboard: bool = True,
-        stall_alert_seconds: float = 600.0,
-        tracking: TrackingSettings | None = None,
-        run_id: str = "",
-        config: dict | None = None,
-        max_staleness: int = 1,
-    ) -> None:
-        self.out_dir = out_dir
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.out_dir = out_dir = settings.out_dir
         LAST_STEP.set(time.time())  # the process start counts as progress: no stall alert before a first step
-        STALL_AFTER.set(stall_alert_seconds)
-        MAX_STALENESS.set(max_staleness)
-        self.scalars = ScalarLog(
-            out_dir / "tensorboard" if tensorboard else None, tracking, run_id, "trainer", out_dir, config
-        )
+        STALL_AFTER.set(settings.stall_alert_seconds)
+        MAX_STALENESS.set(settings.max_staleness)
+        tensorboard = out_dir / "tensorboard" if settings.tensorboard else None
+        config = settings.model_dump(mode="json")  # what the tracking backends record of the run
+        self.scalars = ScalarLog(tensorboard, settings.tracking, settings.run_id, "trainer", out_dir, config)
 
     @property
     def path(self) -> Path:
