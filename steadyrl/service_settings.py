@@ -302,9 +302,7 @@ def pool_values(config: Recipe, name: str) -> dict[str, Any]:
 def pools_settings(config: Recipe) -> dict[str, Any]:
     """Each declared pool's replica settings (`steadyrl run --dry-run` prints them under `pools`)."""
     return {
-        name: build_settings("inference", service_env(config, "inference", pool_values(config, name), alone=True))
-        for name in POOLS
-        if config.pool(name) is not None
+        name: recipe_section("inference", pool_values(config, name)) for name in POOLS if config.pool(name) is not None
     }
 
 
