@@ -16,11 +16,17 @@ import json
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.engines.dtype_choice import AUTO
+
+if TYPE_CHECKING:  # imported when a recipe is first built (`build_recipe`): the CLI starts without them
+    from services.inference.config import InferenceSettings
+    from services.orchestrator.config import OrchestratorSettings
+    from services.trainer.config import TrainerSettings
+    from services.weightsync.config import WeightSyncSettings
 from shared.runtime.settings import StepShape, TrackingSettings
 
 SERVICES = ("trainer", "inference", "orchestrator", "weightsync")
@@ -164,14 +170,14 @@ class Recipe(BaseModel):
     judge: PoolSection | None = None
     notes: list[str] = []
     """What resolving the recipe decided (written as comments atop config.resolved.toml)."""
-    trainer: Any = None
-    """[trainer]: `services.trainer.config.TrainerSettings`."""
-    inference: Any = None
-    """[inference]: `services.inference.config.InferenceSettings`."""
-    orchestrator: Any = None
-    """[orchestrator]: `services.orchestrator.config.OrchestratorSettings`."""
-    weightsync: Any = None
-    """[weightsync]: `services.weightsync.config.WeightSyncSettings`."""
+    trainer: TrainerSettings | None = None
+    """[trainer], as the trainer's settings."""
+    inference: InferenceSettings | None = None
+    """[inference], as a rollout replica's settings."""
+    orchestrator: OrchestratorSettings | None = None
+    """[orchestrator], as the orchestrator's settings."""
+    weightsync: WeightSyncSettings | None = None
+    """[weightsync], as weight-sync's settings."""
 
     @model_validator(mode="before")
     @classmethod
@@ -280,6 +286,8 @@ def build_recipe(
 ) -> Recipe:
     """The typed recipe; a rule it breaks raises ValueError naming the section, as pydantic would
     not (its wrapper names the whole recipe)."""
+    if not Recipe.__pydantic_complete__:  # the services' classes, imported when a recipe is first built
+        Recipe.model_rebuild(_types_namespace={name: settings_class(s) for s, (_, name) in SETTINGS.items()})
     try:
         return Recipe(run=run, model=model, tables=tables, teacher=teacher, judge=judge, notes=list(notes))
     except ValidationError as exc:
@@ -369,16 +377,21 @@ def inference_dtype(inference: Mapping[str, Any], model_path: str) -> tuple[str,
     return choose_dtype(int(inference.get("gpus_per_replica", 0)), model_path, int(inference.get("torch_threads", 0)))
 
 
+def settings_class(service: str) -> type:
+    """The service's settings class (as its process reads it: from the environment)."""
+    import importlib
+
+    module, name = SETTINGS[service]
+    return getattr(importlib.import_module(module), name)
+
+
 @functools.cache
 def isolated_settings_class(service: str) -> type:
     """The service's settings class reading only what it is given (never this process's
     environment): how a recipe's section is typed."""
-    import importlib
-
     from pydantic_settings import PydanticBaseSettingsSource
 
-    module, name = SETTINGS[service]
-    cls = getattr(importlib.import_module(module), name)
+    cls = settings_class(service)
 
     def given_only(cls_, settings_cls, init_settings: PydanticBaseSettingsSource, **sources):
         return (init_settings,)

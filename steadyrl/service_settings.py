@@ -22,6 +22,7 @@ from steadyrl.recipe import (
     inference_dtype,
     merge_tables,
     recipe_section,
+    settings_class,
 )
 
 # What a deployment places rather than a recipe decides: where a service listens, whom it dials,
@@ -141,14 +142,6 @@ def _env_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return json.dumps(list(value))
     return str(value)
-
-
-def settings_class(service: str) -> type:
-    """The service's settings class (as its process reads it: from the environment)."""
-    import importlib
-
-    module, name = SETTINGS[service]
-    return getattr(importlib.import_module(module), name)
 
 
 def build_settings(service: str, env: Mapping[str, str]):
