@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from shared.runtime.jsonl import read_jsonl
 from steadyrl.processes import Launch
 
 REDIS = "redis-server"
@@ -32,6 +33,7 @@ class Supervisor:
         self.launch = launch
         self.echo = echo
         self.backoff: dict[str, Backoff] = {}
+        self.finished = False  # the trainer trained the run's last step
 
     def watched(self) -> Iterator[tuple[str, int | None, Callable[[], int]]]:
         """(name, exit code or None while running, restart → new pid) of every process to watch."""
@@ -42,7 +44,7 @@ class Supervisor:
             if service.process is None:  # removed on purpose
                 continue
             code = service.process.poll()
-            if service.name == "trainer" and code == 0:
+            if service.name == "trainer" and code == 0 and self.trainer_finished():
                 continue
 
             def restart(service=service) -> int:
@@ -50,6 +52,14 @@ class Supervisor:
                 return service.process.pid
 
             yield service.name, code, restart
+
+    def trainer_finished(self) -> bool:
+        """Whether the trainer's last step line is the run's last step (never, with run.steps = 0)."""
+        if not self.finished:
+            steps = self.launch.config.steps
+            lines = read_jsonl(self.launch.out / "trainer" / "metrics.jsonl") if steps else []
+            self.finished = bool(lines) and int(lines[-1].get("step", 0)) >= steps
+        return self.finished
 
     def check(self) -> None:
         """One look at every process: schedule a restart for one that exited, start those due.

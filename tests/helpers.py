@@ -193,13 +193,14 @@ class KilledRun:
     killed_at: int
 
 
-def kill_mid_run(recipe: Path, out: Path, settings: list[str], after_lines: int, victims: list[str]) -> KilledRun:
+def kill_mid_run(
+    recipe: Path, out: Path, settings: list[str], after_lines: int, victims: list[str], sig: int = 9
+) -> KilledRun:
     """Start `steadyrl run RECIPE --out OUT --set ...`, wait (up to 300 s) for `after_lines` lines of the
-    trainer's metrics.jsonl, SIGKILL the services named in `victims` (by the run's pids.json) and wait
-    (up to 600 s) for the run to end; it is killed if it has not."""
+    trainer's metrics.jsonl, send `sig` (SIGKILL) to the services named in `victims` (by the run's pids.json)
+    and wait (up to 600 s) for the run to end; it is killed if it has not."""
     import json
     import os
-    import signal
     import subprocess
     import sys
 
@@ -221,7 +222,7 @@ def kill_mid_run(recipe: Path, out: Path, settings: list[str], after_lines: int,
         killed_at = json.loads(metrics.read_text().splitlines()[-1])["step"]
         pids = json.loads((out / "pids.json").read_text())
         for name in victims:
-            os.kill(pids[name], signal.SIGKILL)
+            os.kill(pids[name], sig)
         stdout, stderr = run.communicate(timeout=600)
     finally:
         if run.poll() is None:

@@ -233,6 +233,23 @@ def test_a_signalled_run_stops_every_process_it_started(tmp_path, tiny_model_dir
     assert json.loads((out / "summary.json").read_text())["outcome"] == "interrupted"
 
 
+def test_a_trainer_stopped_with_sigterm_mid_run_is_restarted_and_the_run_trains_every_step(tmp_path, tiny_model_dir):
+    """SIGTERM stops a trainer cleanly (it checkpoints, exits 0): before the run's last step that is no
+    end of the run, and the supervisor starts it again like a crashed one (the run used to wait forever)."""
+    from tests.helpers import kill_mid_run
+
+    out = tmp_path / "run"
+    settings = ["run.steps=12", "orchestrator.evals.every=0", "run.restart_backoff_seconds=0.2"]
+    run = kill_mid_run(ROOT / "configs" / "tiny-arith.toml", out, settings, 4, ["trainer"], signal.SIGTERM)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"event=service_exited service=trainer code=0 ", run.stderr), run.stderr[-3000:]
+    assert "event=service_restarted service=trainer" in run.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["steps"] == 12 and run.killed_at < 12
+    steps = [line["step"] for line in map(json.loads, (out / "trainer" / "metrics.jsonl").read_text().splitlines())]
+    assert steps == list(range(1, 13))  # the stop's checkpoint kept every step: none trained twice, none lost
+
+
 LAUNCHER = """
 import json, sys, time
 from pathlib import Path
