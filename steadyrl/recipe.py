@@ -41,7 +41,7 @@ SETTINGS = {
 class RunSection(StepShape):
     """[run]: what the whole run shares."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     id: str = "run"
     """Run id: the Redis key space and the run directory's name (no slash, brace, colon or space)."""
@@ -74,7 +74,7 @@ class RunSection(StepShape):
 class ModelSection(BaseModel):
     """[model]: the policy every service loads."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     path: str = Field("tiny", min_length=1)
     """A Hugging Face model directory, or "tiny" (the cold-started tiny MoE, built for the run's
@@ -88,7 +88,7 @@ class PoolSection(BaseModel):
     sequence-classification model's scalars for `reward_model:NAME` (the templates:
     [inference.judge.templates.NAME]). docs/guides/pools.md"""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     path: str = Field(min_length=1)
     """The model directory (a Hugging Face directory, e.g. a finished run's final-model/), or

@@ -27,7 +27,7 @@ def _default_replica_id() -> str:
 class VllmSettings(BaseModel):
     """The vllm engine's own sizes ([inference.vllm])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_model_len: int = Field(1024, ge=16)
     """vLLM: longest prompt + completion (at most the model's positions: a longer one is clamped to them)."""
@@ -40,7 +40,7 @@ class VllmSettings(BaseModel):
 class TaskSettings(BaseModel):
     """Leasing and running tasks ([inference.tasks])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lease_seconds: float = Field(60.0, gt=0)
     """A leased task whose replica stops renewing is retried after this long."""
@@ -72,7 +72,7 @@ class TaskSettings(BaseModel):
 class AgentSettings(BaseModel):
     """The agent programs of `agent:COMMAND` tasks and their endpoint ([inference.agent]; docs/security.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     endpoint: bool = False
     """Serve the OpenAI-compatible chat endpoint the agent programs of `agent:COMMAND` tasks call
@@ -116,7 +116,7 @@ class AgentSettings(BaseModel):
 class ReplicaLoraSettings(BaseModel):
     """The LoRA adapters the vllm engine loads ([inference.lora])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     rank: int = Field(0, ge=0)
     """vllm: the largest LoRA rank of the adapter versions it loads (vLLM's enable_lora with
@@ -132,7 +132,7 @@ class ReplicaLoraSettings(BaseModel):
 class PoolStart(BaseModel):
     """What a rollout replica's client of a teacher or judge pool shares with the other's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     ready_seconds: float = Field(600.0, gt=0)
     """At start, a rollout replica leases no task until a replica of the pool answers (its model
@@ -162,7 +162,7 @@ class JudgeTemplate(BaseModel):
     """One judge prompt a reward names (`judge:NAME` or `reward_model:NAME`,
     [inference.judge.templates.NAME]): what the judge reads, and how its verdict becomes a reward."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: str = Field(min_length=1)
     """The judge's input, naming {response} (the completion) and optionally {prompt} (the task's

@@ -23,7 +23,7 @@ class DataSource(BaseModel):
     """The prompts of one source: a task kind and its dataset (the fields of [orchestrator.data] and of
     each of its mixture's sources)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     task: Literal["arith", "math", "mul_trace", "calc", "verifiers"] = "arith"
     """Dataset: synthetic addition, a local math file, multiplication as a worked trace of
@@ -163,7 +163,7 @@ def checked_reward(name: str) -> str:
 class EvalSettings(BaseModel):
     """Eval rounds ([orchestrator.evals])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     every: int = Field(10, ge=0)
     """Evaluate (greedy) every this many versions, plus at the start and the end (0 = never)."""
@@ -219,7 +219,7 @@ class EvalSettings(BaseModel):
 class TrajectorySettings(BaseModel):
     """Multi-turn rollouts ([orchestrator.trajectory])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     environment: str = ""
     """Multi-turn rollouts: the environment that plays every task — a registered name (`calc`), a
@@ -260,7 +260,7 @@ class TrajectorySettings(BaseModel):
 class SamplingSettings(BaseModel):
     """Sampling of training rollouts ([orchestrator.sampling])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     temperature: float = 1.0
     """Sampling temperature of training rollouts: 0 (greedy) or in [0.01, 100] (shared/rollouts/sampling.py)."""
@@ -292,7 +292,7 @@ class SamplingSettings(BaseModel):
 class ControlSettings(BaseModel):
     """The HTTP control plane's bounds ([orchestrator.control])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     timeout_seconds: float = Field(2.0, gt=0, le=60)
     """Bound on the Redis work behind one control-plane request: past it, GET /v1/run answers the

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class StopRules(BaseModel):
     """[orchestrator.stop]: when a run is failed instead of left to spin."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     stalled_seconds: float = Field(600.0, ge=0)
     """Fail the run when no step has been trained for this long while train tasks kept being

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.trainer.global_step import StepConfig
@@ -25,7 +25,7 @@ class LoraSettings(BaseModel):
     """LoRA RL ([trainer.lora]): the trainer trains an adapter of this rank over the frozen base
     (the router frozen too: never a target); rank 0 trains every weight."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     rank: int = Field(0, ge=0)
     """Adapter rank (0: off, full fine-tuning)."""
@@ -55,7 +55,7 @@ class LoraSettings(BaseModel):
 class OptimSettings(BaseModel):
     """The optimizer ([trainer.optim]): AdamW."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
@@ -73,11 +73,18 @@ class OptimSettings(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """A decaying schedule's last learning rate, as a share of `lr`."""
 
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_below_one(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"trainer.optim.adam_betas must each lie in [0, 1) (AdamW's), got {list(betas)}")
+        return betas
+
 
 class ParallelSettings(BaseModel):
     """Data parallelism and the torchrun job ([trainer.parallel])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """A full model per rank (ddp), or parameters, gradients and optimizer state sharded over the
@@ -130,7 +137,7 @@ class ParallelSettings(BaseModel):
 class ComputeSettings(BaseModel):
     """Where and how each rank computes ([trainer.compute])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Each rank's device: auto = cuda:LOCAL_RANK when CUDA is visible, else the CPU."""
@@ -149,7 +156,7 @@ class ComputeSettings(BaseModel):
 class CheckpointSettings(BaseModel):
     """Checkpoints ([trainer.checkpoint]): rollouts are acknowledged only once one holds them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     every: int = Field(1, ge=1)
     """Steps between checkpoints."""
@@ -166,7 +173,7 @@ class CheckpointSettings(BaseModel):
 class PublishSettings(BaseModel):
     """How each version is published ([trainer.publish]; docs/security.md for the signing)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     signing_key_file: Path | None = None
     """The run's private Ed25519 key (64 hexadecimal characters, `steadyrl keys DIR` makes a pair):
@@ -188,7 +195,7 @@ class PublishSettings(BaseModel):
 class StreamSettings(BaseModel):
     """Reading the rollout stream ([trainer.stream])."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     read_block_ms: int = Field(200, ge=1)
     """XREADGROUP block time while waiting for rollouts."""
@@ -204,7 +211,7 @@ class DynamicSamplingSettings(BaseModel):
     `trained:filtered`), and the orchestrator admits a task in its place, keeping every step's batch
     of informative groups full."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     """Filter groups with equal rewards (off: every group is trained, as in the paper)."""
@@ -222,7 +229,7 @@ class DistillSettings(BaseModel):
     its k most likely tokens (and one bucket for the rest) to the policy's at every position. Every
     rollout must carry what the teacher pool scored (a run with a [teacher] pool)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     coef: float = Field(0.0, ge=0)
     """Weight of the teacher's per-token signal (0: off, the task's reward alone)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from shared.runtime.service_lifecycle import Listen
@@ -32,7 +32,7 @@ class TrackingSettings(BaseModel):
     the evals). Each backend is off until named, never required, and never stops training: it logs
     from a thread of its own, and a backend that fails is logged and dropped."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     wandb_project: str = ""
     """Weights & Biases project (empty: off). Needs `pip install 'steadyrl[wandb]'` and, online,
@@ -91,8 +91,11 @@ class VerifiedWeights(UnsignedWeights):
 
 class ServiceSettings(BaseSettings):
     """What every service's settings have (each also a `RedisSettings`): the run, the address its
-    servers bind to and where it listens (`listen`). TLS and the token are the deployment's, the same for every service
-    (STEADYRL_TLS_*, STEADYRL_TOKEN_FILE: docs/security.md), read where the servers start."""
+    servers bind to and where it listens (`listen`); no setting takes an infinite or NaN number. TLS
+    and the token are the deployment's, the same for every service (STEADYRL_TLS_*,
+    STEADYRL_TOKEN_FILE: docs/security.md), read where the servers start."""
+
+    model_config = SettingsConfigDict(allow_inf_nan=False)
 
     run_id: str = "default"
     """The run it serves ([run] id)."""

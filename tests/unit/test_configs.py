@@ -397,3 +397,32 @@ def test_the_moved_names_table_ends_at_its_stated_version():
     )
     page = (ROOT / "docs" / "reference" / "settings.md").read_text()
     assert f"until version {REMOVED_IN}" in page and "| `trainer.lr` | `trainer.optim.lr` |" in page
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.optim.lr=inf",
+        "trainer.optim.lr=1e400",
+        "trainer.optim.grad_clip=inf",
+        "trainer.optim.adam_betas=[nan, 0.9]",
+        "trainer.loss.eps_high=inf",
+        "trainer.stall_alert_seconds=inf",
+        "run.restart_backoff_seconds=inf",
+        "orchestrator.stop.stalled_seconds=inf",
+        "inference.tasks.lease_seconds=nan",
+        "weightsync.collective_timeout_seconds=inf",
+    ],
+)
+def test_no_setting_takes_an_infinite_or_nan_number(override):
+    """An infinite backoff waited forever after a crash, an infinite learning rate dead-lettered every
+    task: every float of a recipe is finite, nested ones and [run]'s too."""
+    with pytest.raises(ValueError, match="finite number"):
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", [override])
+
+
+def test_adam_betas_lie_in_the_unit_interval():
+    with pytest.raises(ValueError, match=r"adam_betas must each lie in \[0, 1\)"):
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.adam_betas=[0.9, 1.5]"])
+    recipe = load_recipe(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.adam_betas=[0.9, 0.95]"])
+    assert recipe.trainer.optim.adam_betas == (0.9, 0.95)
