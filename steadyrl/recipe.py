@@ -189,6 +189,7 @@ class Recipe(BaseModel):
         data = dict(data)
         run, tables = data.get("run", RunSection()), data.setdefault("tables", {})
         run_values_declared_once(tables)
+        no_secrets(tables)
         pools = {name: data.get(name) for name in POOLS}
         model = data.get("model", ModelSection())
         for service in SERVICES:
@@ -306,6 +307,26 @@ def run_values_declared_once(tables: Mapping[str, Mapping[str, Any]]) -> None:
             raise ValueError(
                 f"[{service}] sets {clash}, which [run] declares for every service: set "
                 f"{', '.join('run.' + k for k, v in shared.items() if v in clash)} instead"
+            )
+
+
+def no_secrets(tables: Mapping[str, Mapping[str, Any]]) -> None:
+    """A recipe carries no secret (it is copied into every run directory, printed by --dry-run and
+    shared): the control plane's token and Redis's password are the deployment's."""
+    from urllib.parse import urlsplit
+
+    for service, table in tables.items():
+        if "token" in table:
+            raise ValueError(
+                f"[{service}] token is a secret, never a recipe's (the recipe is copied into every run directory): "
+                f"give it to the deployment (STEADYRL_TOKEN_FILE or {service}.token_file)"
+            )
+        url = table.get("redis_url")
+        if isinstance(url, str) and urlsplit(url).password is not None:
+            raise ValueError(
+                f"[{service}] redis_url carries a password, a secret never a recipe's (the recipe is copied into "
+                f"every run directory): give it to the deployment (redis_password_file, or STEADYRL_"
+                f"{service.upper()}_REDIS_URL)"
             )
 
 

@@ -95,7 +95,7 @@ class ServiceSettings(BaseSettings):
     and the token are the deployment's, the same for every service (STEADYRL_TLS_*,
     STEADYRL_TOKEN_FILE: docs/security.md), read where the servers start."""
 
-    model_config = SettingsConfigDict(allow_inf_nan=False)
+    model_config = SettingsConfigDict(allow_inf_nan=False, hide_input_in_errors=True)  # an error never echoes a secret
 
     run_id: str = "default"
     """The run it serves ([run] id)."""

@@ -426,3 +426,21 @@ def test_adam_betas_lie_in_the_unit_interval():
         load_recipe(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.adam_betas=[0.9, 1.5]"])
     recipe = load_recipe(ROOT / "configs" / "tiny-arith.toml", ["trainer.optim.adam_betas=[0.9, 0.95]"])
     assert recipe.trainer.optim.adam_betas == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('orchestrator.token="TOKSECRET123"', r"\[orchestrator\] token is a secret"),
+        ('trainer.redis_url="redis://:HUNTER2SECRET@127.0.0.1:6379/0"', r"\[trainer\] redis_url carries a password"),
+        ("orchestrator.redis_url=[1, 'HUNTER2SECRET']", r"redis_url\s+Input should be a valid string"),
+    ],
+)
+def test_a_recipe_carries_no_secret_and_an_error_never_echoes_one(override, message):
+    """A recipe is copied into every run directory and printed by --dry-run: a token or a Redis password in
+    it is refused, and no error message repeats what it was given for a service's setting."""
+    with pytest.raises(ValueError, match=message) as refused:
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", [override])
+    assert "SECRET" not in str(refused.value)
+    plain = load_recipe(ROOT / "configs" / "tiny-arith.toml", ['trainer.redis_url="redis://127.0.0.1:6379/0"'])
+    assert plain.trainer.redis_url.get_secret_value() == "redis://127.0.0.1:6379/0"  # no password: not a secret
