@@ -112,6 +112,9 @@ def _run(config: Recipe, out: Path, progress: str) -> dict:
     supervisor = Supervisor(launch, lambda line: console.print(line, markup=False))
     try:
         launch.start_all(lambda s: console.print(f"  {s.name:<14} healthy on 127.0.0.1:{s.grpc_port}"))
+        if launch.placed_over:  # a deployment's values: on this host `steadyrl run` places them
+            placed = ", ".join(launch.placed_over)
+            console.print(f"  placed by steadyrl run, not as the recipe sets them: {placed}", markup=False)
         for folder in launch.swept:
             console.print(f"  removed the version files a stopped run of {config.run_id} left: {folder}", markup=False)
         launch.write_pids()

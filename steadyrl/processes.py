@@ -52,6 +52,7 @@ class Launch:
     http: object | None = None  # the control plane's httpx.Client, made at the first call and kept
     shm_claim: int | None = None  # the flock held on this run's shm folder (shared.weightsync.shm_folders)
     swept: list[Path] = field(default_factory=list)  # version folders of stopped runs of this recipe, removed
+    placed_over: list[str] = field(default_factory=list)  # settings the recipe sets that this launch places
 
     # --- setup ----------------------------------------------------------------------------------
 
@@ -181,6 +182,10 @@ class Launch:
     def env_of(self, service: str, placed: dict) -> dict[str, str]:
         """The variables of one process of `service`: the recipe's section and what the launch
         places, checked once here (the recipe itself was checked before anything started)."""
+        table = self.config.section(service)
+        for key in sorted(_leaves(placed) & _leaves(table)):
+            if f"{service}.{key}" not in self.placed_over:
+                self.placed_over.append(f"{service}.{key}")
         return settings_env(settings_for(self.config, service, placed, self.model_path))
 
     def pool_services(self, name: str, common: dict, redis_url: str, placement) -> list[Service]:
@@ -406,3 +411,12 @@ def start_after(services: list[Service]) -> list[frozenset[str]]:
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, sig)  # the service and anything it spawned (vLLM workers)
+
+
+def _leaves(table: dict, prefix: str = "") -> set[str]:
+    """The dotted names of a table's values (`publish.signing_key_file`)."""
+    return {
+        name
+        for key, value in table.items()
+        for name in (_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key})
+    }

@@ -444,3 +444,19 @@ def test_a_recipe_carries_no_secret_and_an_error_never_echoes_one(override, mess
     assert "SECRET" not in str(refused.value)
     plain = load_recipe(ROOT / "configs" / "tiny-arith.toml", ['trainer.redis_url="redis://127.0.0.1:6379/0"'])
     assert plain.trainer.redis_url.get_secret_value() == "redis://127.0.0.1:6379/0"  # no password: not a secret
+
+
+def test_what_steadyrl_run_places_over_a_recipe_s_value_is_said(tmp_path):
+    """A recipe's trainer.host or port is a deployment's; `steadyrl run` places its own on this host and
+    names each one it placed over (it used to show the recipe's in config.resolved.toml and bind its own)."""
+    from steadyrl.processes import Launch
+
+    recipe = load_recipe(ROOT / "configs" / "tiny-arith.toml", ['trainer.host="0.0.0.0"', "trainer.port=6379"])
+    launch = Launch(recipe, tmp_path / "run", "model")
+    launch.plan("redis://127.0.0.1:6379/0")
+    assert launch.placed_over == ["trainer.host", "trainer.port"]
+    trainer = next(s for s in launch.services if s.name == "trainer")
+    assert trainer.env["STEADYRL_TRAINER_HOST"] == "127.0.0.1" and trainer.env["STEADYRL_TRAINER_PORT"] != "6379"
+    plain = Launch(load_recipe(ROOT / "configs" / "tiny-arith.toml"), tmp_path / "plain", "model")
+    plain.plan("redis://127.0.0.1:6379/0")
+    assert plain.placed_over == []
