@@ -164,9 +164,8 @@ def plan_command(
     """Size a recipe from its model's config: trainer memory per rank, checkpoint bytes and write
     time, weight version and weight-sync memory, Redis for a full queue, GPUs per service.
     Arithmetic, not a measurement. Exit code 2: recipe refused."""
-    from steadyrl.launcher import resolve_model
     from steadyrl.plan import plan_recipe, render
-    from steadyrl.recipe import load_recipe
+    from steadyrl.recipe import load_recipe, resolve_model
     from steadyrl.service_settings import settings_of
 
     named = " + ".join(str(c) for c in configs)

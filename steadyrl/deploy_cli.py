@@ -48,9 +48,8 @@ def trainer_node_command(
     import os
     import sys
 
-    from steadyrl.launcher import resolve_model
     from steadyrl.placement import node_argv
-    from steadyrl.recipe import load_recipe
+    from steadyrl.recipe import load_recipe, resolve_model
     from steadyrl.service_settings import build_settings, recipe_overrides, service_env
 
     try:
@@ -108,7 +107,7 @@ def serve_command(
     from shared.rpc.auth import token_from_env
     from shared.rpc.secret_files import PlaceholderSecret, refuse_placeholder_files
     from shared.runtime.service_main import run_service
-    from steadyrl.recipe import POOLS, SERVICES, resolve_pool_model
+    from steadyrl.recipe import SERVICES
     from steadyrl.service_settings import deployed_settings, settings_class
 
     if service not in SERVICES:
@@ -127,14 +126,30 @@ def serve_command(
     except PlaceholderSecret as exc:
         typer.echo(f"steadyrl serve: event=settings_refused service={service} reason={exc}", err=True)
         raise typer.Exit(ExitCode.REFUSED) from None
-    if service == "inference" and settings.pool in POOLS:  # a kit pool model (tiny-judge) is built here, cached
+    if getattr(settings, "model_path", None) in KIT_MODELS:  # built here and cached, as `steadyrl run` builds it
         from shared.runtime.logs import setup_logging
 
         setup_logging(service)  # the build's progress lines, before the service's own logging starts
-        settings.model_path = resolve_pool_model(settings.model_path)
+        settings.model_path = kit_model_of(settings.model_path, os.environ)
     if model_wait and getattr(settings, "model_path", None):
         _wait_for_model(service, settings.model_path, model_wait)
     run_service(service, settings_class(service), f"services.{service}.server", settings=settings)
+
+
+KIT_MODELS = ("tiny", "tiny-judge", "tiny-teacher")  # the kit's models a recipe may name
+
+
+def kit_model_of(name: str, environ) -> str:
+    """The directory of a kit model a deployed service loads: a pool's (tiny-judge, tiny-teacher), or
+    the tiny policy built for the task of the deployment's recipe (the arith task without one)."""
+    from shared.kit.tiny import init_tiny_model
+    from steadyrl.recipe import resolve_model, resolve_pool_model
+    from steadyrl.service_settings import deployed_recipe
+
+    if name != "tiny":
+        return resolve_pool_model(name)
+    recipe = deployed_recipe(environ)
+    return resolve_model(recipe) if recipe is not None else str(init_tiny_model())
 
 
 def _wait_for_model(service: str, path: str, seconds: float) -> None:

@@ -17,25 +17,10 @@ from pathlib import Path
 
 from steadyrl.processes import Launch
 from steadyrl.progress import PROGRESS, watch
-from steadyrl.recipe import Recipe
+from steadyrl.recipe import Recipe, resolve_model
 from steadyrl.service_settings import check, settle_auto_dtype, settle_local_transport
 from steadyrl.summary import finish
 from steadyrl.supervisor import Supervisor
-
-
-def resolve_model(config: Recipe) -> str:
-    path = config.model.path
-    if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
-        from shared.kit.tiny import KitTask, init_tiny_model
-
-        data = config.section("orchestrator").get("data", {})
-        if data.get("task") == "calc":  # the multi-turn kit model (its tokenizer has a chat template)
-            return str(init_tiny_model(task="calc", seed=int(data.get("seed", 0))))
-        if data.get("task") != "mul_trace":
-            return str(init_tiny_model())
-        kit = KitTask("mul_trace", **{k: data[k] for k in ("trace_max_answer_tokens", "trace_alpha") if k in data})
-        return str(init_tiny_model(task=kit, seed=int(data.get("seed", 0))))
-    return path
 
 
 @contextlib.contextmanager

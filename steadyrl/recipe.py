@@ -113,6 +113,22 @@ POOLS = ("teacher", "judge")  # the pool sections a recipe may declare
 KIT_POOL_MODELS = {"teacher": "tiny-teacher", "judge": "tiny-judge"}  # each pool's kit model, by its name
 
 
+def resolve_model(config: Recipe) -> str:
+    """The policy's model directory: the recipe's, or the kit's tiny model built for the run's task (cached)."""
+    path = config.model.path
+    if path == "tiny":  # cold-started on the run's task (the arith model for a math run)
+        from shared.kit.tiny import KitTask, init_tiny_model
+
+        data = config.section("orchestrator").get("data", {})
+        if data.get("task") == "calc":  # the multi-turn kit model (its tokenizer has a chat template)
+            return str(init_tiny_model(task="calc", seed=int(data.get("seed", 0))))
+        if data.get("task") != "mul_trace":
+            return str(init_tiny_model())
+        kit = KitTask("mul_trace", **{k: data[k] for k in ("trace_max_answer_tokens", "trace_alpha") if k in data})
+        return str(init_tiny_model(task=kit, seed=int(data.get("seed", 0))))
+    return path
+
+
 def kit_pool_model(pool: str, out: str | Path | None = None, seed: int = 0) -> Path:
     """The kit's model of a pool (`teacher` or `judge`), built and cached on first use; copied to `out` if given."""
     if pool == "judge":
@@ -513,7 +529,7 @@ def load_recipe(
     data: dict[str, Any] = {}
     for one in paths:
         if not Path(one).is_file():
-            raise ValueError(f"recipe {one} does not exist")
+            raise ValueError(f"recipe {one} {'is not a file' if Path(one).exists() else 'does not exist'}")
         try:
             layer = tomllib.loads(Path(one).read_text())
         except tomllib.TOMLDecodeError as exc:

@@ -18,6 +18,7 @@ from steadyrl.recipe import (
     POOLS,
     SERVICES,
     SETTINGS,
+    SHARED,
     Recipe,
     inference_dtype,
     merge_tables,
@@ -306,20 +307,33 @@ def deployed_settings(service: str, environ: Mapping[str, str]):
     single keys (ports, addresses, secrets: what the deployment places). Without it, those variables
     alone; STEADYRL_RECIPE_SET's overrides apply to the recipe as `--set` does. Raises ValueError
     naming the recipe or the field."""
-    from steadyrl.recipe import load_recipe
-
     prefix = f"STEADYRL_{service.upper()}_"
     own = {k: v for k, v in environ.items() if k.startswith(prefix)}
-    recipe = environ.get(RECIPE_ENV, "").strip()
-    if not recipe:
+    config = deployed_recipe(environ)
+    if config is None:
         return build_settings(service, own)
-    config = load_recipe([p.strip() for p in recipe.split(",") if p.strip()], recipe_overrides(environ))
+    declared = sorted(k for k in own if k.removeprefix(prefix).lower().split("__")[0] in SHARED[service].values())
+    if declared:  # [run]'s values are the whole deployment's: one service's own would disagree with the others
+        raise ValueError(
+            f"{', '.join(declared)} set what the recipe's [run] declares for every service: set it in the recipe "
+            f"or in {RECIPE_SET_ENV} (run.<name>=value), which every service of the deployment reads"
+        )
     pool = own.get(f"{prefix}POOL", "")
     if service == "inference" and pool in POOLS:  # a pool's replica: the pool's model, nothing of [inference]
         return build_settings(service, {**service_env(config, service, pool_values(config, pool), alone=True), **own})
     pools = {p: {"addresses": [f"inference-{p}:{POOL_PORT}"]} for p in POOLS if config.pool(p) is not None}
     placed = pools if service == "inference" else {}  # the rollout replicas reach each pool at its DNS name
     return build_settings(service, {**service_env(config, service, placed), **own})
+
+
+def deployed_recipe(environ: Mapping[str, str]) -> Recipe | None:
+    """The recipe a deployed service reads (STEADYRL_RECIPE, with STEADYRL_RECIPE_SET), None without one."""
+    from steadyrl.recipe import load_recipe
+
+    recipe = environ.get(RECIPE_ENV, "").strip()
+    if not recipe:
+        return None
+    return load_recipe([p.strip() for p in recipe.split(",") if p.strip()], recipe_overrides(environ))
 
 
 def validate(service: str, env: Mapping[str, str]) -> None:
