@@ -31,6 +31,15 @@ async def abort(context, message: str, code=grpc.StatusCode.INVALID_ARGUMENT):
     await context.abort(code, message)
 
 
+def text_bound(tokenizer, max_model_len: int) -> int:
+    """Characters a text may have before it is tokenized: a token covers at most the longest token's
+    characters, so a longer text is past `max_model_len` tokens for certain (4× slack for a normalizer
+    that joins characters). Checked first, so a text of megabytes is refused at once, not after seconds
+    of tokenizing on the replica's event loop."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return 4 * max(longest, 1) * max_model_len
+
+
 class Generation:
     """A rollout replica's Generate: one request streamed token by token, every value checked first."""
 
@@ -38,6 +47,7 @@ class Generation:
         self.settings = settings
         self.engine = engine
         self.tokenizer = tokenizer
+        self.max_chars = text_bound(tokenizer, engine.max_model_len)
 
     async def stream(self, request, context):
         if request.prompt_token_ids:
@@ -45,6 +55,12 @@ class Generation:
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
             if bad:
                 await abort(context, f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
+        elif len(request.prompt_text) > self.max_chars:
+            await abort(
+                context,
+                f"prompt_text of {len(request.prompt_text)} characters is past {self.engine.max_model_len} tokens",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
         elif request.prompt_text:
             prompt = list(self.tokenizer(request.prompt_text).input_ids)
         else:
@@ -152,10 +168,16 @@ class GenerativeJudging:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = engine.model_path
+        self.max_chars = text_bound(tokenizer, engine.max_model_len)
 
     async def verdicts(self, texts: list[str], max_new_tokens: int) -> tuple[list[pb.JudgeVerdict], int]:
         if max_new_tokens > self.settings.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens {max_new_tokens} > limit {self.settings.max_new_tokens_limit}")
+        long = next((i for i, text in enumerate(texts) if len(text) > self.max_chars), None)
+        if long is not None:
+            raise ValueError(
+                f"text {long}: {len(texts[long])} characters, past the judge's {self.engine.max_model_len}"
+            )
         prompts = [encode_prompt(self.tokenizer, text) for text in texts]
         for i, prompt in enumerate(prompts):
             if len(prompt) + max_new_tokens > self.engine.max_model_len:

@@ -100,6 +100,8 @@ def test_a_judge_and_a_reward_model_answer_judge(tiny_model_dir, tmp_path, monke
                 await judge.call("Judge", pb.JudgeRequest(texts=TEXTS, max_new_tokens=17))
             with pytest.raises(PoolError, match="INVALID_ARGUMENT text 0: .* > the judge's 64"):
                 await judge.call("Judge", pb.JudgeRequest(texts=["1" * 60], max_new_tokens=6))
+            with pytest.raises(PoolError, match="INVALID_ARGUMENT text 1: 4000000 characters, past the judge's 64"):
+                await judge.call("Judge", pb.JudgeRequest(texts=["1", "1" * 4_000_000], max_new_tokens=6))
             stream = inference_pb2_grpc.InferenceStub(rm.channels[0]).Generate(pb.GenerateRequest(prompt_text="1"))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stream.read()
