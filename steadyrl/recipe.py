@@ -41,7 +41,7 @@ SETTINGS = {
 class RunSection(StepShape):
     """[run]: what the whole run shares."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, hide_input_in_errors=True)
 
     id: str = "run"
     """Run id: the Redis key space and the run directory's name (no slash, brace, colon or space)."""

@@ -50,6 +50,8 @@ class Generation:
         self.max_chars = text_bound(tokenizer, engine.max_model_len)
 
     async def stream(self, request, context):
+        if request.prompt_token_ids and request.prompt_text:
+            await abort(context, "give prompt_token_ids or prompt_text, not both")
         if request.prompt_token_ids:
             prompt = list(request.prompt_token_ids)
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]

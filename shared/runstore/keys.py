@@ -142,8 +142,9 @@ def check_run_id(run_id: str) -> str:
         or any(c in run_id for c in "{}: /\\")
         or not run_id.isprintable()
     ):
+        shown = repr(run_id) if len(run_id) <= 140 else f"{run_id[:40]!r}… ({len(run_id)} characters)"
         raise ValueError(
-            f"run_id {run_id!r} must be 1-128 printable characters without braces, colons, spaces or slashes,"
+            f"run_id {shown} must be 1-128 printable characters without braces, colons, spaces or slashes,"
             ' and not "." or ".."'
         )
     return run_id

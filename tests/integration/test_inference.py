@@ -417,6 +417,7 @@ def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_d
                     prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=10_000)
                 ),
                 "megabytes": pb.GenerateRequest(prompt_text="1+2=" * 1_500_000),  # 6 MB: refused untokenized
+                "both": pb.GenerateRequest(prompt_token_ids=prompt, prompt_text="1+2="),
             }.items():
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     _ = [e async for e in replica.stub.Generate(bad)]
@@ -441,6 +442,7 @@ def test_generate_streams_tokens_and_refuses_bad_requests(tmp_path, tiny_model_d
     assert codes["vocab"][0] == grpc.StatusCode.INVALID_ARGUMENT and "999" in codes["vocab"][1]
     assert codes["top_p"][0] == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in codes["top_p"][1]
     assert codes["long"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes["both"] == (grpc.StatusCode.INVALID_ARGUMENT, "give prompt_token_ids or prompt_text, not both")
     assert codes["megabytes"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "6000000 characters" in codes["megabytes"][1]
     assert status.capabilities.dtype == "float32" and status.model == str(tiny_model_dir)
 
