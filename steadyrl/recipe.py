@@ -311,12 +311,22 @@ def build_recipe(
         errors = exc.errors()
         inner = [e.get("ctx", {}).get("error") for e in errors]
         if all(isinstance(e, ValueError) for e in inner):
-            raise ValueError("; ".join(str(e) for e in inner)) from None
-        raise ValueError(f"[recipe] {exc}") from None
+            raise ValueError(capped("; ".join(str(e) for e in inner))) from None
+        raise ValueError(capped(f"[recipe] {exc}")) from None
+
+
+def capped(message: str, limit: int = 4000) -> str:
+    """A refusal's message at most `limit` characters (a 100,000-character key is not repeated whole)."""
+    return message if len(message) <= limit else f"{message[: limit - 60]}… ({len(message)} characters in all)"
 
 
 def run_values_declared_once(tables: Mapping[str, Mapping[str, Any]]) -> None:
-    """A service table that sets a value [run] declares for every service is refused."""
+    """A service table that sets a value [run] or [model] declares for every service is refused."""
+    for service in MODEL_PATH:
+        if "model_path" in tables.get(service, {}):
+            raise ValueError(
+                f"[{service}] sets model_path, which [model] declares for every service: set model.path instead"
+            )
     for service, shared in SHARED.items():
         clash = sorted(set(tables.get(service, {})) & set(shared.values()))
         if clash:
@@ -338,11 +348,12 @@ def no_secrets(tables: Mapping[str, Mapping[str, Any]]) -> None:
                 f"give it to the deployment (STEADYRL_TOKEN_FILE or {service}.token_file)"
             )
         url = table.get("redis_url")
-        if isinstance(url, str) and urlsplit(url).password is not None:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is not None and (parts.username or parts.password is not None or "password=" in parts.query):
             raise ValueError(
-                f"[{service}] redis_url carries a password, a secret never a recipe's (the recipe is copied into "
-                f"every run directory): give it to the deployment (redis_password_file, or STEADYRL_"
-                f"{service.upper()}_REDIS_URL)"
+                f"[{service}] redis_url carries a password (or a user), a secret never a recipe's (the recipe is "
+                f"copied into every run directory): give it to the deployment (redis_password_file, or "
+                f"STEADYRL_{service.upper()}_REDIS_URL)"
             )
 
 
@@ -470,12 +481,19 @@ def _table(name: str, values: dict[str, Any]) -> str:
     return f"[{name}]\n" + "".join(f"{k} = {_value(v)}\n" for k, v in values.items())
 
 
+def shown(text: str, limit: int = 200) -> str:
+    """`text` for a message: whole when short, else its start and its length."""
+    return repr(text) if len(text) <= limit else f"{text[:60]!r}… ({len(text)} characters)"
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """`section.key=value` (value in TOML syntax, else a string) → (section, key, value). A key
     may be dotted (`trainer.loss.eps_low=0.1`) for a nested setting."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ValueError(f"--set expects section.key=value, got {text!r}")
+        raise ValueError(f"--set expects section.key=value, got {shown(text)}")
     path, raw = text.split("=", 1)
+    if len(path) > 200:
+        raise ValueError(f"--set names a setting of {len(path)} characters: {shown(path)}")
     section, key = path.strip().split(".", 1)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
@@ -555,7 +573,7 @@ def load_recipe(
         elif section in POOLS:
             _set(pools.setdefault(section, {}), key, value)
         else:
-            raise ValueError(f"unknown section {section!r} in --set {text!r}")
+            raise ValueError(f"unknown section {shown(section)} in --set {shown(text)}")
     if run.get("mini_batch_prompts"):
         run["batch_prompts"] = mini_batches(sections["trainer"]) * run["mini_batch_prompts"]
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -28,6 +28,22 @@ class RedisSettings(BaseSettings):
     carries none."""
     redis_timeout_seconds: float = Field(5.0, gt=0, le=300)
     """Bound on each Redis call (socket read and connect); a longer one fails and is recovered."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _a_redis_url(cls, url: SecretStr) -> SecretStr:
+        """Parsed as the client will parse it, when the settings are read (not at the first call); the
+        message never repeats the URL, which may carry a password."""
+        from redis.connection import parse_url
+
+        try:
+            parse_url(url.get_secret_value())
+        except ValueError:
+            raise ValueError(
+                "redis_url is not a Redis URL: redis://[[user]:password@]host[:port][/db], rediss://… or "
+                "unix://path (a numeric port)"
+            ) from None
+        return url
 
     def redis(self) -> Redis:
         from shared.rpc.secret_files import read_secret

@@ -434,6 +434,10 @@ def test_adam_betas_lie_in_the_unit_interval():
         ('orchestrator.token="TOKSECRET123"', r"\[orchestrator\] token is a secret"),
         ('trainer.redis_url="redis://:HUNTER2SECRET@127.0.0.1:6379/0"', r"\[trainer\] redis_url carries a password"),
         ("orchestrator.redis_url=[1, 'HUNTER2SECRET']", r"redis_url\s+Input should be a valid string"),
+        ('inference.redis_url="redis://127.0.0.1:6379/0?password=HUNTER2SECRET"', "redis_url carries a password"),
+        ('inference.redis_url="redis://HUNTER2SECRET@127.0.0.1:6379/0"', "redis_url carries a password"),
+        ('trainer.redis_url="redis://127.0.0.1:notaportSECRET/0"', "redis_url is not a Redis URL"),
+        ("weightsync.redis_url=HUNTER2SECRET", "redis_url is not a Redis URL"),
     ],
 )
 def test_a_recipe_carries_no_secret_and_an_error_never_echoes_one(override, message):
@@ -460,3 +464,14 @@ def test_what_steadyrl_run_places_over_a_recipe_s_value_is_said(tmp_path):
     plain = Launch(load_recipe(ROOT / "configs" / "tiny-arith.toml"), tmp_path / "plain", "model")
     plain.plan("redis://127.0.0.1:6379/0")
     assert plain.placed_over == []
+
+
+def test_a_service_section_cannot_set_the_model_and_a_huge_name_is_not_repeated():
+    """[model] declares the path for every service as [run] declares B and G (a service's model_path was
+    silently replaced by model.path); a --set name of 100,000 characters is refused without its whole text."""
+    with pytest.raises(ValueError, match=r"\[orchestrator\] sets model_path, which \[model\] declares"):
+        load_recipe(ROOT / "configs" / "tiny-arith.toml", ['orchestrator.model_path="foo"'])
+    for override in ("nosuchsection." + "A" * 100_000 + "=1", "trainer." + "k" * 100_000 + "=1"):
+        with pytest.raises(ValueError, match=r"--set names a setting of 1000\d\d characters") as refused:
+            load_recipe(ROOT / "configs" / "tiny-arith.toml", [override])
+        assert len(str(refused.value)) < 300

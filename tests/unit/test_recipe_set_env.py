@@ -61,3 +61,11 @@ def test_a_deployed_service_on_the_kit_s_tiny_model_gets_it_built_as_steadyrl_ru
     assert deployed_settings("trainer", {"STEADYRL_RECIPE": RECIPE}).model_path == "tiny"
     assert kit_model_of("tiny", {"STEADYRL_RECIPE": RECIPE}) == str(tiny_model_dir)
     assert kit_model_of("tiny", {}) == str(tiny_model_dir)  # no recipe: the arith task's
+
+
+@pytest.mark.parametrize("url", ['[1,"HUNTER2SECRET"]', "redis://:HUNTER2SECRET@127.0.0.1:notaport/0", "HUNTER2SECRET"])
+def test_a_deployed_service_s_malformed_redis_url_is_refused_when_read_and_never_repeated(url):
+    """It used to pass the settings and fail inside the client with a traceback (exit 1, not 2)."""
+    with pytest.raises(ValueError, match="redis_url") as refused:
+        deployed_settings("trainer", {"STEADYRL_RECIPE": RECIPE, "STEADYRL_TRAINER_REDIS_URL": url})
+    assert "HUNTER2SECRET" not in str(refused.value)
