@@ -166,35 +166,55 @@ def _get(data: dict, *path, default="–"):
 
 
 def peer_rows(peers: dict) -> list[str]:
-    """steadyrl.peers: steadyrl / TRL's GRPOTrainer on the demo, each ratio (of the mean curves of
-    the interleaved pairs) with its target and each pair's own."""
-    ours, trl, r, t = (_get(peers, k, default={}) for k in ("steadyrl", "trl", "ratios", "targets"))
-    each = peers.get("pair_ratios") or []
-    label = f"steadyrl / TRL GRPO, tiny-arith, {_get(peers, 'steps')} steps, mean curves of {len(each) or 1} pair(s)"
+    """steadyrl.peers: steadyrl (as the demo ships, and with its evals off) / TRL's GRPOTrainer at its
+    fastest, each ratio (of the mean curves of the interleaved pairs) with its target, each pair's
+    own and the machine's load around the runs."""
+    trl, t = _get(peers, "trl", default={}), _get(peers, "targets", default={})
+    shipped, off = (_get(peers, f"steadyrl_{side}", default={}) for side in ("as_shipped", "evals_off"))
+    r, r_off = (_get(peers, f"ratios_{side}", default={}) for side in ("as_shipped", "evals_off"))
+    each, each_off = (peers.get(f"pair_ratios_{side}") or [] for side in ("as_shipped", "evals_off"))
+    chosen = ", ".join(f"{k} = {_get(v, 'value')}" for k, v in _get(trl, "chosen", default={}).items())
+    label = (
+        f"steadyrl / TRL GRPO ({chosen or 'its defaults'}), tiny-arith, {_get(peers, 'steps')} steps, "
+        f"mean curves of {len(each) or 1} pair(s)"
+    )
 
-    def pairs(key: str) -> str:
-        return f"; pairs {', '.join(str(_get(p, key)) for p in each)}" if each else ""
+    def pairs(key: str, runs: list[dict]) -> str:
+        return f"; pairs {', '.join(str(_get(p, key)) for p in runs)}" if runs else ""
+
+    def load(side: dict) -> str:
+        runs = side.get("load") or []
+        return ", ".join(f"{_get(x, 'load_1min_before')}/{_get(x, 'machine_busy_share')}" for x in runs) or "–"
 
     rows = [
-        f"| peers | {label}: wall seconds per step ({_get(ours, 'seconds_per_step')} vs "
-        f"{_get(trl, 'seconds_per_step')}; the whole command {_get(ours, 'command_seconds')} vs "
-        f"{_get(trl, 'command_seconds')} s, ratio {_get(r, 'command_seconds')}{pairs('seconds_per_step')}) "
+        f"| peers | {label}: wall seconds per step, the demo as shipped, its evals included "
+        f"({_get(shipped, 'seconds_per_step')} vs {_get(trl, 'seconds_per_step')}{pairs('seconds_per_step', each)}) "
         f"| {_get(r, 'seconds_per_step')} | ≤ {_get(t, 'seconds_per_step')} |",
+        f"| peers | {label}: wall seconds per step, evals off "
+        f"({_get(off, 'seconds_per_step')} vs {_get(trl, 'seconds_per_step')}{pairs('seconds_per_step', each_off)}) "
+        f"| {_get(r_off, 'seconds_per_step')} | ≤ {_get(t, 'seconds_per_step_evals_off')} |",
+        f"| peers | {label}: the whole command, as shipped ({_get(shipped, 'command_seconds')} vs "
+        f"{_get(trl, 'command_seconds')} s{pairs('command_seconds', each)}) "
+        f"| {_get(r, 'command_seconds')} | ≤ {_get(t, 'command_seconds')} |",
     ]
     for a in (0.5, 0.6):
         target = f"≤ {_get(t, f'seconds_to_eval_{a}')}" if f"seconds_to_eval_{a}" in t else "–"
         rows.append(
-            f"| peers | {label}: seconds to eval {a} from the end of step 1 (one eval loop, greedy, fp32"
-            f"{pairs(f'seconds_to_eval_{a}')}) | {_get(r, f'seconds_to_eval_{a}')} | {target} |"
+            f"| peers | {label}: seconds to eval {a} from the end of step 1, as shipped (one eval loop, greedy, "
+            f"fp32{pairs(f'seconds_to_eval_{a}', each)}) | {_get(r, f'seconds_to_eval_{a}')} | {target} |"
         )
     rows.append(
-        f"| peers | {label}: eval at the last step (mean over the last quarter "
-        f"{_get(r, 'eval_at_equal_steps_last_quarter')}{pairs('eval_at_equal_steps')}) "
-        f"| {_get(r, 'eval_at_equal_steps')} | ≥ {_get(t, 'eval_at_equal_steps')} |"
+        f"| peers | {label}: eval at the last step, as shipped / evals off (mean over the last quarter "
+        f"{_get(r, 'eval_at_equal_steps_last_quarter')} / {_get(r_off, 'eval_at_equal_steps_last_quarter')}"
+        f"{pairs('eval_at_equal_steps', each)}) "
+        f"| {_get(r, 'eval_at_equal_steps')} / {_get(r_off, 'eval_at_equal_steps')} "
+        f"| ≥ {_get(t, 'eval_at_equal_steps')} |"
     )
     rows.append(
-        f"| peers | steadyrl's idle shares in those runs, trainer / replica | {_get(ours, 'trainer_idle_share')} / "
-        f"{_get(ours, 'replica_idle_share')} | – |"
+        f"| peers | steadyrl's idle shares, trainer / replica, as shipped {_get(shipped, 'trainer_idle_share')} / "
+        f"{_get(shipped, 'replica_idle_share')}, evals off {_get(off, 'trainer_idle_share')} / "
+        f"{_get(off, 'replica_idle_share')}; the machine's load before each run / its cores' busy share during it: "
+        f"TRL {load(trl)}; as shipped {load(shipped)}; evals off {load(off)} | – | – |"
     )
     return rows
 

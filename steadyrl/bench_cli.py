@@ -146,15 +146,16 @@ def bench_pools(
 
 @bench_app.command("peers")
 def bench_peers(
-    steps: int = typer.Option(200, min=2, help="Steps of each side."),
+    steps: int = typer.Option(0, min=0, help="Steps of each side (0: the recipe's, as the demo ships)."),
     every: int = typer.Option(10, min=1, help="Steps between the models both sides' evals score."),
     peer_python: str = typer.Option(
         "", help="A Python with TRL (default .venv-compare/bin/python: STEADYRL_EXTRAS=compare scripts/install)."
     ),
     pairs: int = typer.Option(3, min=1, help="Interleaved runs of each side; the ratios are of their mean curves."),
 ) -> None:
-    """steadyrl against TRL's GRPOTrainer on the tiny demo, the recipe matched (printed beside the
-    result): wall seconds per step, seconds to an eval accuracy, eval at equal steps, one eval loop."""
+    """steadyrl (as the demo ships, and with its evals off) against TRL's GRPOTrainer at its fastest
+    on the tiny demo, the recipe matched (printed beside the result): wall seconds per step, the
+    whole command, seconds to an eval accuracy, eval at equal steps (one eval loop), the load."""
     from steadyrl.peers import main as run
 
     typer.echo(json.dumps(run(steps, every, peer_python=peer_python or None, pairs=pairs)))

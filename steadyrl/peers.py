@@ -1,5 +1,7 @@
 """`steadyrl bench peers`: steadyrl against TRL's GRPOTrainer on steadyrl's own demo, in one run.
 
+steadyrl runs the demo twice in each pair: as it ships (its eval rounds every 50 steps included)
+and with its evals off; TRL runs with the settings that make it fastest here (`peers_trl.CHOSEN`).
 Both train the tiny MoE on the recipe's arith problems in the same order, with the same reward,
 batch geometry, sampling, optimizer and loss (`steadyrl.peers_trl` prints the GRPOConfig it used);
 both sides' models every `every` steps are scored by one eval loop (`steadyrl.evaluation.evaluate`:
@@ -19,8 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from steadyrl.peers_trl import CHOSEN
+
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = {"seconds_per_step": 0.8, "seconds_to_eval_0.6": 1.0, "eval_at_equal_steps": 0.95}
+TARGETS = {
+    "seconds_per_step": 0.6,
+    "seconds_per_step_evals_off": 0.5,
+    "command_seconds": 0.8,
+    "seconds_to_eval_0.6": 0.7,
+    "eval_at_equal_steps": 0.95,
+}
+SIDES = {"as_shipped": True, "evals_off": False}  # steadyrl's two runs in each pair: its eval rounds on or off
 DIFFERENCES = [
     "TRL samples with the model it trains, exactly on policy: it computes no old log-probs and no "
     "importance weight; steadyrl samples on its inference replica in the recipe's inference dtype, "
@@ -48,7 +59,41 @@ def score(model_dir: Path, recipe: Path) -> float:
     return evaluate(str(model_dir), [recipe], samples=0, dtype="float32")["accuracy"]
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot, from /proc/stat ((0, 0) elsewhere)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class Load:
+    """The machine's load around one run: the 1-minute load average before it, and the share of
+    every core busy (anyone's work, the run's included) while it ran."""
+
+    def __enter__(self) -> Load:
+        self.load_before = round(os.getloadavg()[0], 2)
+        self.ticks = machine_ticks()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, total = machine_ticks()
+        spent = total - self.ticks[1]
+        self.busy_share = round((busy - self.ticks[0]) / spent, 3) if spent else None
+
+    def record(self) -> dict:
+        return {"load_1min_before": self.load_before, "machine_busy_share": self.busy_share}
+
+
 def run_trl(python: str, model: str, recipe: Path, steps: int, every: int, out: Path) -> dict:
+    with Load() as load:
+        result = _run_trl(python, model, recipe, steps, every, out)
+    return {**result, **load.record()}
+
+
+def _run_trl(python: str, model: str, recipe: Path, steps: int, every: int, out: Path) -> dict:
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -70,25 +115,28 @@ def run_trl(python: str, model: str, recipe: Path, steps: int, every: int, out: 
     return result
 
 
-def run_steadyrl(model: str, recipe: Path, steps: int, every: int, out: Path) -> dict:
+def run_steadyrl(model: str, recipe: Path, steps: int, every: int, out: Path, evals: bool) -> dict:
+    """`steadyrl run` of the recipe for `steps` steps, a checkpoint every `every`; `evals`: its
+    eval rounds as the recipe sets them (as shipped), else none."""
     from shared.runtime.jsonl import read_jsonl
     from steadyrl.report import export_checkpoint
 
     settings = [
         f"run.steps={steps}",
-        "orchestrator.evals.every=0",
+        *([] if evals else ["orchestrator.evals.every=0"]),
         f"trainer.checkpoint.every={every}",
         f"trainer.checkpoint.keep={steps // every + 2}",
     ]
     started = time.perf_counter()
     command = [str(Path(sys.executable).with_name("steadyrl")), "run", str(recipe), "--out", str(out)]
-    done = subprocess.run(
-        [*command, "--progress", "none", *(a for s in settings for a in ("--set", s))],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
+    with Load() as load:
+        done = subprocess.run(
+            [*command, "--progress", "none", *(a for s in settings for a in ("--set", s))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
     seconds = round(time.perf_counter() - started, 1)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     if done.returncode != 0 or summary.get("outcome") != "finished":
@@ -104,6 +152,7 @@ def run_steadyrl(model: str, recipe: Path, steps: int, every: int, out: Path) ->
         "trainer_idle_share": summary.get("trainer_idle_share"),
         "replica_idle_share": summary.get("replica_idle_share"),
         "curve": curve,
+        **load.record(),
     }
 
 
@@ -147,14 +196,18 @@ def _per_step(curve: list[dict]) -> float:
 
 
 def main(
-    steps: int = 200, every: int = 10, recipe: Path | None = None, peer_python: str | None = None, pairs: int = 3
+    steps: int = 0, every: int = 10, recipe: Path | None = None, peer_python: str | None = None, pairs: int = 3
 ) -> dict:
-    """`pairs` interleaved runs of each side (TRL, steadyrl, TRL, ...); the ratios are those of each
-    side's mean curve (one 300-problem eval moves by about 3 points: a single pair's ratios at an
-    accuracy spread by ±0.3), each pair's own beside them."""
+    """`pairs` interleaved rounds (TRL, steadyrl as shipped, steadyrl with evals off, TRL, ...) of
+    `steps` steps each (0: the recipe's); the ratios are those of each side's mean curve (one
+    300-problem eval moves by about 3 points: a single pair's ratios at an accuracy spread by
+    ±0.3), each pair's own beside them, with the machine's load around every run."""
+    import tomllib
+
     from shared.kit.tiny import init_tiny_model
 
     recipe = recipe or ROOT / "configs" / "tiny-arith.toml"
+    steps = steps or int(tomllib.loads(recipe.read_text())["run"]["steps"])
     python = peer_python or str(ROOT / ".venv-compare" / "bin" / "python")
     if not Path(python).exists():
         raise RuntimeError(f"no Python with TRL at {python}: make one with `{COMPARE_VENV}` or pass --peer-python")
@@ -164,38 +217,77 @@ def main(
     for _ in range(pairs):
         with tempfile.TemporaryDirectory() as tmp:
             trl = run_trl(python, model, recipe, steps, every, Path(tmp) / "trl")
-            ours = run_steadyrl(model, recipe, steps, every, Path(tmp) / "steadyrl")
-        for side in (trl, ours):
-            side["curve"].insert(0, dict(base))
+            ours = {
+                side: run_steadyrl(model, recipe, steps, every, Path(tmp) / side, evals)
+                for side, evals in SIDES.items()
+            }
+        for run in (trl, *ours.values()):
+            run["curve"].insert(0, dict(base))
         runs.append((ours, trl))
-    ours = {
-        "command_seconds": _mean([o["command_seconds"] for o, _ in runs], 1),
-        "trainer_idle_share": _mean([o["trainer_idle_share"] for o, _ in runs], 3),
-        "replica_idle_share": _mean([o["replica_idle_share"] for o, _ in runs], 3),
-        "curve": mean_curve([o["curve"] for o, _ in runs]),
-    }
     trl = {
         "config": runs[0][1]["config"],
-        "command_seconds": _mean([t["command_seconds"] for _, t in runs], 1),
-        "curve": mean_curve([t["curve"] for _, t in runs]),
+        "chosen": {name: {"value": v, "why": why} for name, (v, why) in CHOSEN.items()},
+        **_side([t for _, t in runs]),
     }
-    for side in (ours, trl):
-        side["seconds_per_step"] = _per_step(side["curve"])
-    ratios = compare(ours["curve"], trl["curve"], steps)
-    ratios["command_seconds"] = ratio(ours["command_seconds"], trl["command_seconds"])
-    return {
+    result = {
         "benchmark": "peers",
         "peer": "trl.GRPOTrainer",
         "recipe": str(recipe.relative_to(ROOT)) if recipe.is_relative_to(ROOT) else str(recipe),
         "steps": steps,
         "eval_every": every,
         "pairs": pairs,
-        "steadyrl": ours,
         "trl": trl,
-        "ratios": ratios,
-        "pair_ratios": [compare(o["curve"], t["curve"], steps) for o, t in runs],
         "targets": TARGETS,
         "differences": DIFFERENCES,
+    }
+    for side in SIDES:
+        ours = _side([o[side] for o, _ in runs])
+        ratios = compare(ours["curve"], trl["curve"], steps)
+        ratios["command_seconds"] = ratio(ours["command_seconds"], trl["command_seconds"])
+        result[f"steadyrl_{side}"] = ours
+        result[f"ratios_{side}"] = ratios
+        result[f"pair_ratios_{side}"] = [
+            {
+                **compare(o[side]["curve"], t["curve"], steps),
+                "command_seconds": ratio(o[side]["command_seconds"], t["command_seconds"]),
+            }
+            for o, t in runs
+        ]
+    result["targets_met"] = targets_met(result)
+    return result
+
+
+def _side(runs: list[dict]) -> dict:
+    """One side's runs in one record: the mean curve, mean command seconds and idle shares, and
+    each run's load."""
+    side = {
+        "command_seconds": _mean([r["command_seconds"] for r in runs], 1),
+        "curve": mean_curve([r["curve"] for r in runs]),
+        "load": [{k: r.get(k) for k in ("load_1min_before", "machine_busy_share")} for r in runs],
+    }
+    for share in ("trainer_idle_share", "replica_idle_share"):
+        if share in runs[0]:
+            side[share] = _mean([r[share] for r in runs], 3)
+    side["seconds_per_step"] = _per_step(side["curve"])
+    return side
+
+
+def targets_met(result: dict) -> dict[str, bool | None]:
+    """Each target against its ratio: as shipped for seconds per step, the whole command and
+    seconds to eval 0.6; evals off for `seconds_per_step_evals_off`; eval at equal steps on both.
+    None where a ratio is missing (an accuracy never reached). Pure."""
+    shipped, off, t = result["ratios_as_shipped"], result["ratios_evals_off"], result["targets"]
+
+    def at_most(value, target):
+        return None if value is None else value <= target
+
+    equal = [r["eval_at_equal_steps"] for r in (shipped, off)]
+    return {
+        "seconds_per_step": at_most(shipped["seconds_per_step"], t["seconds_per_step"]),
+        "seconds_per_step_evals_off": at_most(off["seconds_per_step"], t["seconds_per_step_evals_off"]),
+        "command_seconds": at_most(shipped["command_seconds"], t["command_seconds"]),
+        "seconds_to_eval_0.6": at_most(shipped["seconds_to_eval_0.6"], t["seconds_to_eval_0.6"]),
+        "eval_at_equal_steps": None if None in equal else min(equal) >= t["eval_at_equal_steps"],
     }
 
 

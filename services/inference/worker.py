@@ -52,13 +52,14 @@ from shared.rollouts.samples import encode_samples, scored_problem
 from shared.rpc.pool_client import PoolError
 from shared.runstore.queues import Lease, WorkQueue, now_ms
 from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
+from shared.runtime.thread_names import name_os_thread
 from shared.tasks import RewardRunner
 from shared.tasks.shaping import overlong_penalty
 
 log = logging.getLogger("steadyrl.inference.worker")
 # rollouts are scored and encoded on one thread: a reward process serves one call at a time, and
 # the event loop stays free for Redis and gRPC
-SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
+SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring", initializer=name_os_thread)
 
 
 class EngineDead(RuntimeError):

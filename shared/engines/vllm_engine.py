@@ -38,6 +38,7 @@ from shared.engines.base import (
     generate_all,
     start_each,
 )
+from shared.runtime.thread_names import name_os_thread
 from shared.weightsync.base import Delivery, PartialVersion, StateDictDelivery
 from shared.weightsync.manifest import WeightError
 from shared.weightsync.shm import ShmDelivery, write_shm
@@ -161,9 +162,13 @@ class VllmEngine:
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
         self.last_update: dict = {}  # what the last weight update did in the worker (`vllm_backend.Status`)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="vllm-engine", daemon=True)
         self._thread.start()
         self.llm = self._call(self._open(options, version))
+
+    def _run_loop(self) -> None:
+        name_os_thread()
+        self._loop.run_forever()
 
     async def _open(self, options: dict, version: int):
         from vllm import AsyncEngineArgs

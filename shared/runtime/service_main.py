@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import importlib
 import logging
@@ -24,20 +23,13 @@ from dataclasses import dataclass
 from shared.runtime.exit_codes import ExitCode
 from shared.runtime.logs import setup_logging
 from shared.runtime.moved_settings import moved_in_env, moved_message
+from shared.runtime.thread_names import libc_prctl
 
 log = logging.getLogger("steadyrl.service")
 
 
 class LoopDied(RuntimeError):
     """A service loop ended by itself (an error, or a return it must never make)."""
-
-
-@functools.cache
-def _prctl():
-    import ctypes
-    import ctypes.util
-
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl  # find_library: a subprocess
 
 
 def parent_death_signal(sig: int):
@@ -47,7 +39,7 @@ def parent_death_signal(sig: int):
     as long as the parent (the signal comes when the forking thread ends)."""
     if sys.platform != "linux":
         return None
-    prctl = _prctl()
+    prctl = libc_prctl()
     return lambda: prctl(1, sig)  # PR_SET_PDEATHSIG
 
 

@@ -15,12 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shared.runtime.thread_names import name_os_thread
+
 _local = threading.local()
 _bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop → the count its executor binds
 
 
 def bind_torch_threads(threads: int) -> None:
-    """Give the calling thread `threads` intra-op threads (0: leave torch's default), once per thread."""
+    """Give the calling thread `threads` intra-op threads (0: leave torch's default), once per
+    thread; an executor's thread also gets its name at the OS (`name_os_thread`)."""
+    if getattr(_local, "named", False) is False:
+        name_os_thread()
+        _local.named = True
     if threads and getattr(_local, "threads", None) != threads:
         torch.set_num_threads(threads)
         _local.threads = threads
