@@ -1,5 +1,6 @@
 """A replica's sending of rollouts: each finished task's rollouts and the end of its lease in one
-Redis call (`WorkQueue.complete_many`), tasks batched while a call is out.
+Redis call (`WorkQueue.complete_many`), tasks batched while a call is out and while a burst of
+tasks is finishing (`services.inference.finishing`).
 
 A send Redis does not answer (frozen, restarting) is tried again as soon as it answers — at most
 a second apart — the rollouts kept and the leases still renewed by the worker, so no task waits
@@ -31,9 +32,15 @@ class RolloutSender:
     """Sends the rollouts of finished tasks (`add`) to the rollout stream, ending their leases."""
 
     def __init__(
-        self, queue: WorkQueue, replica_id: str, held: set[str], requeue: Callable[[str, str], Awaitable[None]]
+        self,
+        queue: WorkQueue,
+        replica_id: str,
+        held: set[str],
+        requeue: Callable[[str, str], Awaitable[None]],
+        settled: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.queue = queue
+        self.settled = settled  # awaited before each send: the tasks finishing now join it (`Finishing`)
         self.replica_id = replica_id
         self.held = held
         self.requeue = requeue
@@ -52,6 +59,8 @@ class RolloutSender:
         delay = 0.1
         while True:
             await self.ready.wait()
+            if self.settled is not None:
+                await self.settled()
             self.ready.clear()
             if await self.send():
                 delay = 0.1

@@ -21,6 +21,7 @@ import redis.exceptions
 
 from services.inference.agents import Endpoint
 from services.inference.config import InferenceSettings
+from services.inference.finishing import Finishing
 from services.inference.idle_clock import IdleClock
 from services.inference.judge import JudgeScoring
 from services.inference.leased_work import Checked, LeaseRenewal, Unservable, check_lease
@@ -102,7 +103,8 @@ class RolloutWorker:
         self.inflight: dict[str, asyncio.Task] = {}
         self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
         self.new_version = asyncio.Event()  # set (and replaced) as a version lands in the engine
-        self.sender = RolloutSender(queue, self.replica_id, self.held, self._requeue)
+        self.finishing = Finishing()  # tasks back from the engine, not yet handed to the sender
+        self.sender = RolloutSender(queue, self.replica_id, self.held, self._requeue, self.finishing.settled)
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
 
@@ -146,6 +148,7 @@ class RolloutWorker:
                 if leases and len(leases) == min(room, self.leasing.per_batch) and self._room():
                     continue  # the queue may hold more: lease again at once
                 await self._wait(stop, poll=bool(self._room()))
+                await self.finishing.settled()  # the places a burst of tasks frees, leased in one call
         finally:
             await finish_despite_cancellation(self._shutdown(sending, renewal))
 
@@ -233,6 +236,7 @@ class RolloutWorker:
                 self.sender.add(lease, payloads)
         finally:
             self.inflight.pop(lease.task_id, None)
+            self.finishing.end(lease.task_id)
             self.task_ended.set()
 
     async def _generate(self, checked: Checked, leased_ms: int) -> tuple[list[Sample] | None, RolloutTimings | None]:
@@ -261,6 +265,7 @@ class RolloutWorker:
     async def _sample(self, checked: Checked, leased_ms: int) -> list[bytes] | None:
         """A single-turn task's G rollouts, scored; None once dead-lettered or requeued."""
         samples, timings = await self._generate(checked, leased_ms)
+        self.finishing.begin(checked.lease.task_id)
         if samples is None:
             await self._requeue(checked.lease.task_id, "generation failed")
             return None

@@ -3,6 +3,7 @@ made from them."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from shared.models.loading import encode_prompt
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import ArithTask, Example, MathTask
 from shared.tasks.trace import MulTraceTask
+
+PROMPTS_CACHED = 65_536  # tokenized prompts kept (a few MB at most)
 
 TRAIN_ID = re.compile(r"^train-(\d+)$")  # a train task's id: train-<its number in the run>
 
@@ -139,6 +142,8 @@ class Tasks:
             **{name: [("", e) for e in examples] for name, examples in named.items()},
         }
         self.tokenizer = load_tokenizer(settings.model_path)
+        # a task's prompt is tokenized once: the train cycle revisits its examples every epoch
+        self._encoded = functools.lru_cache(maxsize=PROMPTS_CACHED)(self._encode)
 
     def train_task(self, i: int) -> tuple[str, Example]:
         """(source, example) of train task i: the source by the mixture's plan, the example its k-th
@@ -164,8 +169,11 @@ class Tasks:
 
     def prompt_ids(self, example: Example, source: str = "") -> list[int]:
         """The prompt's tokens: through the chat template (and system prompt) when its source asks."""
+        return list(self._encoded(source, example.prompt))
+
+    def _encode(self, source: str, prompt: str) -> tuple[int, ...]:
         data = self.source(source).data
-        return encode_prompt(self.tokenizer, example.prompt, data.chat_template == "auto", data.system_prompt)
+        return tuple(encode_prompt(self.tokenizer, prompt, data.chat_template == "auto", data.system_prompt))
 
     def make(
         self,

@@ -87,8 +87,13 @@ class EvalRounds:
         self.cursor = self.dead_cursor = "0-0"
 
     async def _json(self, name: str, default: str):
-        value = await self.redis.hget(self.keys.run, name)
-        return json.loads(value.decode() if value is not None else default)
+        (value,) = await self._jsons((name, default))
+        return value
+
+    async def _jsons(self, *fields: tuple[str, str]) -> list:
+        """JSON fields of the run hash in one read, each its default where it is absent."""
+        values = await self.redis.hmget(self.keys.run, [name for name, _ in fields])
+        return [json.loads(v.decode() if v is not None else d) for v, (_, d) in zip(values, fields, strict=True)]
 
     def steps(self, trainer_step: int) -> list[int]:
         s = self.settings
@@ -100,8 +105,7 @@ class EvalRounds:
         return steps
 
     async def schedule(self, trainer_step: int, trainer_version: int) -> None:
-        submitted = await self._json(RunField.EVALS_SUBMITTED, "[]")
-        requested = await self._json(RunField.EVAL_VERSIONS, "{}")
+        submitted, requested = await self._jsons((RunField.EVALS_SUBMITTED, "[]"), (RunField.EVAL_VERSIONS, "{}"))
         for step in [v for v in self.steps(trainer_step) if v <= trainer_step and v not in submitted]:
             version = max(0, step + trainer_version - trainer_step)  # the version step `step` made
             k = self.settings.evals.samples
@@ -138,9 +142,10 @@ class EvalRounds:
         reply = await self.redis.xread({self.keys.evals: self.cursor}, count=4096)
         if not reply and not dead:
             return
-        written = set(await self._json(RunField.EVALS_WRITTEN, "[]"))
-        policy_written = set(await self._json(RunField.POLICY_EVALS_WRITTEN, "[]"))
-        requested = await self._json(RunField.EVAL_VERSIONS, "{}")
+        written, policy_written, requested = await self._jsons(
+            (RunField.EVALS_WRITTEN, "[]"), (RunField.POLICY_EVALS_WRITTEN, "[]"), (RunField.EVAL_VERSIONS, "{}")
+        )
+        written, policy_written = set(written), set(policy_written)
         for entry_id, fields in reply[0][1] if reply else []:
             self.cursor = entry_id
             try:
@@ -343,8 +348,8 @@ class EvalRounds:
 
     async def _written(self) -> set[int]:
         """The rounds written for every model scored (μ, and π with policy_eval)."""
-        written = [set(await self._json(name, "[]")) for name in self._written_fields()]
-        return set.intersection(*written)
+        written = await self._jsons(*((name, "[]") for name in self._written_fields()))
+        return set.intersection(*map(set, written))
 
     def accuracies(self, policy: bool = False) -> dict[str, float]:
         """The main set's accuracy of each round so far (μ's, or π's) by step."""

@@ -229,11 +229,12 @@ class Orchestrator:
             )
             await pipe.execute()
 
-    async def admit(self) -> int:
+    async def admit(self, p: dict[str, int] | None = None) -> int:
         """Queue train tasks up to the staleness budget and `lookahead_batches` beyond it, each
-        asking for its minimum version (`min_versions`); returns how many were queued."""
+        asking for its minimum version (`min_versions`); returns how many were queued. `p`: this
+        tick's progress, read again when not given."""
         s = self.settings
-        p = await self.progress()
+        p = p or await self.progress()
         outstanding = p["submitted"] - (p["trained"] + p["dropped"] + p["filtered"] + p["dead"])
         budget = (s.max_staleness + 1 + s.lookahead_batches) * s.batch_prompts - outstanding
         if s.steps:
@@ -269,13 +270,14 @@ class Orchestrator:
         await self.sweep()
         await self.count_dead()
         await self.evals.collect()
-        if state == "running" and (verdict := await self.judge()) is not None:
+        p = await self.progress() if state == "running" else None  # one read a tick: only this service submits
+        if p is not None and (verdict := await self.judge(p)) is not None:
             await self.fail(verdict)
             state = "failed"
         if state == "running":
             await self.evals.schedule(self.trainer_step, self.trainer_version)
             if await self.evals.baseline_written():  # the step-0 eval runs on version 0 alone
-                await self.admit()
+                await self.admit(p)
             if await self.finished():
                 try:
                     await self.transition("finish")
@@ -288,9 +290,8 @@ class Orchestrator:
             await self.bounded.measure_clock(self.redis)
             self.bounded.keep(await self.status())
 
-    async def judge(self) -> Verdict | None:
+    async def judge(self, p: dict[str, int]) -> Verdict | None:
         """The stop rules on this tick's counts (stop_rules.py)."""
-        p = await self.progress()
         return self.stop_watch.observe(
             time.monotonic(), p["trained"], p["dead"], self.trainer_step, self.trainer_metrics
         )

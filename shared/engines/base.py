@@ -161,7 +161,7 @@ def check_request(
     if not prompt:
         raise ValueError("every prompt needs at least one token")
     for what, ids in (("prompt", prompt), ("stop", sampling.stop_token_ids)):
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab_size), None)  # bool is not int here
         if bad is not None:
             raise ValueError(f"{what} token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     if return_trace and no_trace is not None:

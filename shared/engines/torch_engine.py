@@ -140,18 +140,31 @@ class TorchEngine:
     def start_many(
         self, prompts: list[list[int]], sampling: Sampling, return_trace: bool = False, on_token: OnToken | None = None
     ) -> list[concurrent.futures.Future]:
-        seqs = [self._seq(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
+        checked: set[int] = set()  # a group's prompts are one list: checked once (ids of lists alive here)
+        seqs = []
+        for i, p in enumerate(prompts):
+            seqs.append(self._seq(p, sampling, return_trace, on_token if i == 0 else None, i, id(p) not in checked))
+            checked.add(id(p))
         return self._queue(seqs)
 
-    def _seq(self, prompt: list[int], sampling: Sampling, return_trace: bool, on_token: OnToken | None, index: int):
-        check_request(
-            prompt,
-            sampling,
-            return_trace,
-            self.max_model_len,
-            None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
-            self.vocab_size,
-        )
+    def _seq(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        return_trace: bool,
+        on_token: OnToken | None,
+        index: int,
+        check: bool = True,
+    ):
+        if check:
+            check_request(
+                prompt,
+                sampling,
+                return_trace,
+                self.max_model_len,
+                None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
+                self.vocab_size,
+            )
         seed = sampling.seed + index if sampling.seed else 0
         return Seq(list(prompt), sampling, seed, return_trace, on_token, SeqFuture())
 
