@@ -356,6 +356,20 @@ def markdown(result: dict) -> str:
         f"| trainer | the demo's cycle ({_get(costs, 'cycle_seconds')} s a step, {_get(costs, 'steps_measured')} "
         f"steps), share of each phase: " + ", ".join(f"{name} {value}" for name, value in shares.items()) + " | – | – |"
     )
+    control = _get(costs, "threads", "control_ms_per_step", default={})
+    busiest = _get(costs, "threads", "cpu_ms_per_step", default={})
+    work = ", ".join(
+        f"{service}.{name} {_get(busiest, service, name)}"
+        for service, name in (("trainer", "asyncio_0"), ("trainer", "asyncio_1"), ("inference", "torch-engine"))
+        if _get(busiest, service, name) != "–"
+    )
+    lines.append(
+        f"| trainer | the demo's control threads, CPU ms per step (each thread's utime + stime from /proc over "
+        f"{_get(costs, 'threads', 'steps')} steps of {_get(costs, 'threads', 'seconds_per_step')} s): "
+        + ", ".join(f"{k} {v}" for k, v in control.items() if k != "total")
+        + f"; beside them the update and the engine: {work or '–'} | {_get(control, 'total')} ms "
+        f"| ≤ {_get(costs, 'control_target_ms')} ms |"
+    )
     mem = b.get("trainer_memory", {})
     lines.append(
         f"| trainer memory | FSDP / DDP parameter + AdamW bytes per rank, 2 gloo ranks, "

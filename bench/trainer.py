@@ -107,6 +107,7 @@ def measure(model, batch) -> dict:
 
 
 DEMO_STEPS = 80
+CONTROL_TARGET_MS = 20  # the control threads' CPU per demo step, all together (bench.thread_cpu.CONTROL)
 # a step line's phases: inside the step (the trainer's thread), then what follows its line (the
 # checkpoint and the publish, reported on the next line) and the wait for rollouts before it
 PHASES = (
@@ -125,25 +126,23 @@ def demo_step_costs(steps: int = DEMO_STEPS) -> dict:
     """The demo recipe (configs/tiny-arith.toml) run for `steps` steps without evals: each phase's
     mean seconds and its share of the mean cycle (step line to step line), steps 21 on (past the
     start); `update` includes the loss math (`loss_seconds`, also given), `other` is the cycle
-    left (reading and decoding rollouts, bookkeeping, the step line)."""
-    import subprocess
+    left (reading and decoding rollouts, bookkeeping, the step line). With it, every service
+    thread's CPU milliseconds per step over steps 20 to `steps` - 5 (`bench.thread_cpu`): the
+    control threads' total against CONTROL_TARGET_MS."""
     import tempfile
     from pathlib import Path
 
+    from bench.thread_cpu import demo_threads
     from shared.runtime.jsonl import read_jsonl
 
-    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        done = subprocess.run(
-            [
-                str(Path(sys.executable).with_name("steadyrl")), "run", "configs/tiny-arith.toml", "--out", str(out),
-                "--progress", "none", "--set", f"run.steps={steps}", "--set", "orchestrator.evals.every=0",
-            ],
-            cwd=root, capture_output=True, text=True, timeout=1800,
-        )  # fmt: skip
-        if done.returncode != 0:
-            return {"error": done.stderr[-2000:]}
+        try:
+            threads = demo_threads(
+                "configs/tiny-arith.toml", [f"run.steps={steps}", "orchestrator.evals.every=0"], 20, steps - 5, out
+            )
+        except RuntimeError as exc:
+            return {"error": str(exc)}
         lines = [m for m in read_jsonl(out / "metrics.jsonl") if "step_seconds" in m]
     cycles = [(b["unix_ms"] - a["unix_ms"]) / 1000 for a, b in zip(lines, lines[1:], strict=False)][20:]
     later = lines[21:]  # the lines whose cycle is measured (each carries the previous step's publish)
@@ -160,6 +159,8 @@ def demo_step_costs(steps: int = DEMO_STEPS) -> dict:
     }
     result["share_of_cycle"]["other"] = round(1 - sum(result["share_of_cycle"].values()), 4)
     result["replica_idle_share"] = round(statistics.mean(m.get("replica_idle_share", 0.0) for m in later), 4)
+    result["threads"] = threads
+    result["control_target_ms"] = CONTROL_TARGET_MS
     return result
 
 

@@ -212,3 +212,55 @@ def test_a_redis_password_with_url_characters_works_escaped_in_the_url_or_from_a
             asyncio.run(ping(redis_url=bare, redis_password_file=tmp_path / "wrong"))
     finally:
         server.stop()
+
+
+class CountingQueue(WorkQueue):
+    """The real queue, counting the Redis calls that complete tasks and the tasks each carried."""
+
+    calls: list[int]
+
+    async def complete_many(self, replica_id, done, evals=frozenset()):
+        self.calls.append(len(done))
+        return await super().complete_many(replica_id, done, evals)
+
+
+def test_a_burst_of_finishing_tasks_is_sent_in_one_call_and_a_stuck_one_never_holds_the_rest(redis_server, run_id):
+    from services.inference.finishing import SETTLE_SECONDS, Finishing
+    from services.inference.rollout_sender import RolloutSender
+
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        queue = CountingQueue(redis, run_id)
+        queue.calls = []
+        for i in range(5):
+            await submit(queue, task(f"t{i}"))
+        leases = await queue.lease("r1", 30, count=5)
+        finishing = Finishing()
+
+        async def requeue(task_id: str, reason: str) -> None:
+            raise AssertionError(f"{task_id} requeued: {reason}")
+
+        sender = RolloutSender(queue, "r1", {lease.task_id for lease in leases}, requeue, finishing.settled)
+        sending = asyncio.create_task(sender.loop())
+        for lease in leases[:3]:  # three groups leave the engine together, then are scored one by one
+            finishing.begin(lease.task_id)
+        for lease in leases[:3]:
+            await asyncio.sleep(0.002)  # a group's scoring and encoding
+            sender.add(lease, [b"a", b"b"])
+            finishing.end(lease.task_id)
+        await asyncio.sleep(0.05)
+        assert queue.calls == [3]  # one Redis call for the burst, not one a task
+        finishing.begin(leases[3].task_id)  # one stuck in its scoring ...
+        sender.add(leases[4], [b"c", b"d"])  # ... holds the next send back at most SETTLE_SECONDS
+        started = asyncio.get_running_loop().time()
+        while len(queue.calls) < 2:
+            await asyncio.sleep(0.001)
+        waited = asyncio.get_running_loop().time() - started
+        sending.cancel()
+        entries = await redis.xrange(queue.rollout_stream)
+        await redis.aclose()
+        return queue.calls, waited, [e[1][b"task"] for e in entries]
+
+    calls, waited, tasks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert calls == [3, 1] and SETTLE_SECONDS * 0.9 <= waited <= 1.0
+    assert tasks == [b"t0", b"t0", b"t1", b"t1", b"t2", b"t2", b"t4", b"t4"]  # each once, nothing lost
