@@ -3,15 +3,15 @@ made from them."""
 
 from __future__ import annotations
 
-import functools
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.orchestrator.config import DataSettings, DataSource, MixtureSource, OrchestratorSettings
 from services.orchestrator.mixture import MixturePlan
 from shared.envs.calc import MulTask
 from shared.models import load_tokenizer
-from shared.models.loading import encode_prompt
+from shared.models.loading import encode_prompts
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import ArithTask, Example, MathTask
 from shared.tasks.trace import MulTraceTask
@@ -142,8 +142,8 @@ class Tasks:
             **{name: [("", e) for e in examples] for name, examples in named.items()},
         }
         self.tokenizer = load_tokenizer(settings.model_path)
-        # a task's prompt is tokenized once: the train cycle revisits its examples every epoch
-        self._encoded = functools.lru_cache(maxsize=PROMPTS_CACHED)(self._encode)
+        # (source, prompt) → its tokens, the newest PROMPTS_CACHED: a train cycle revisits its examples every epoch
+        self._encoded: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
 
     def train_task(self, i: int) -> tuple[str, Example]:
         """(source, example) of train task i: the source by the mixture's plan, the example its k-th
@@ -151,6 +151,12 @@ class Tasks:
         index, k = self.plan.task(i)
         source = self.ordered[index]
         return source.name, source.train[k % len(source.train)]
+
+    def make_trains(self, first: int, min_versions: list[int]) -> list[common_pb2.PromptTask]:
+        """Train tasks first, first + 1, ... (one a min version), their prompts tokenized together."""
+        examples = map(self.train_task, range(first, first + len(min_versions)))
+        self.encode([(source, example.prompt) for source, example in examples])
+        return [self.make_train(first + j, v) for j, v in enumerate(min_versions)]
 
     def make_train(self, i: int, min_version: int) -> common_pb2.PromptTask:
         """Train task i (`train-i`), the same whenever it is made: its source's example, G samples at
@@ -169,11 +175,24 @@ class Tasks:
 
     def prompt_ids(self, example: Example, source: str = "") -> list[int]:
         """The prompt's tokens: through the chat template (and system prompt) when its source asks."""
-        return list(self._encoded(source, example.prompt))
+        self.encode([(source, example.prompt)])
+        return list(self._encoded[(source, example.prompt)])
 
-    def _encode(self, source: str, prompt: str) -> tuple[int, ...]:
-        data = self.source(source).data
-        return tuple(encode_prompt(self.tokenizer, prompt, data.chat_template == "auto", data.system_prompt))
+    def encode(self, prompts: list[tuple[str, str]]) -> None:
+        """Tokenize the (source, prompt) pairs not cached yet, each source's in one batch call
+        (the tokenizer's per-call overhead dwarfs a short prompt's own work)."""
+        missing: dict[str, list[str]] = {}
+        for source, prompt in prompts:
+            if (source, prompt) in self._encoded:
+                self._encoded.move_to_end((source, prompt))
+            elif prompt not in missing.setdefault(source, []):
+                missing[source].append(prompt)
+        for source, texts in missing.items():
+            data = self.source(source).data
+            ids = encode_prompts(self.tokenizer, texts, data.chat_template == "auto", data.system_prompt)
+            self._encoded.update(((source, t), tuple(i)) for t, i in zip(texts, ids, strict=True))
+        while len(self._encoded) > PROMPTS_CACHED:
+            self._encoded.popitem(last=False)
 
     def make(
         self,

@@ -115,6 +115,7 @@ class EvalRounds:
                 + ([("k", k, temperature)] if k else [])
                 + ([("pi", 1, 0.0)] if self.settings.evals.policy else [])
             )
+            self.tasks.encode([(source, e.prompt) for problems in self.tasks.evals.values() for source, e in problems])
             tasks = [
                 self.tasks.make(eval_task_id(kind, name, step, j), example, group, t, True, version, source)
                 for kind, group, t in rounds

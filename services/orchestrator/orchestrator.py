@@ -247,7 +247,7 @@ class Orchestrator:
         versions, ahead = min_versions(
             self.trainer_version, outstanding, ahead, budget, s.batch_prompts, s.max_staleness, s.lookahead_batches
         )
-        tasks = [self.tasks.make_train(p["submitted"] + j, v) for j, v in enumerate(versions)]
+        tasks = self.tasks.make_trains(p["submitted"], versions)
         submitted = p["submitted"] + len(tasks)
         record = {
             RunField.SUBMITTED: submitted,

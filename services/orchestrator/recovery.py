@@ -85,7 +85,7 @@ class RedisWatch:
         s = self.settings
         submitted = int((await self.redis.hget(self.keys.run, RunField.SUBMITTED)) or 0)
         window = 4 * (s.max_staleness + 1 + s.lookahead_batches) * s.batch_prompts
-        ids = await self.queue.unknown([f"train-{i}" for i in range(max(0, submitted - window), submitted)])
+        ids = await self.queue.unknown("train-", max(0, submitted - window), submitted)
         if ids:
             settled = await self.ledger.settled_groups(ids)
             ids = [t for t in ids if t not in settled]

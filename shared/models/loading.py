@@ -95,6 +95,22 @@ def decode_completions(tokenizer, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
+def encode_prompts(tokenizer, texts: list[str], chat: bool = False, system_prompt: str = "") -> list[list[int]]:
+    """`encode_prompt` of each text; raw texts in one batch call of the tokenizer."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return [encode_prompt(tokenizer, t, chat, system_prompt) for t in texts]
+    if not texts:
+        return []
+    bos = tokenizer.bos_token_id
+    out = []
+    for ids in tokenizer(texts, add_special_tokens=True).input_ids:
+        ids = list(ids)
+        if bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        out.append(ids)
+    return out
+
+
 def encode_prompt(tokenizer, text: str, chat: bool = False, system_prompt: str = "") -> list[int]:
     """Token ids of a prompt: with `chat` and a tokenizer that has a chat template, the template's
     rendering of (system prompt,) the user's message and the assistant's turn opening; else the

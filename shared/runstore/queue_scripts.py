@@ -167,3 +167,16 @@ for i = 1, #owners, 2 do
 end
 return out
 """
+
+# KEYS: tasks completed; ARGV: prefix first last. The ids prefix..i for first <= i < last with neither a
+# task record nor a completed stamp, counted in Redis (one call, not two commands an id).
+UNKNOWN = """
+local out = {}
+for i = tonumber(ARGV[2]), tonumber(ARGV[3]) - 1 do
+  local id = ARGV[1] .. i
+  if redis.call('HEXISTS', KEYS[1], id) == 0 and redis.call('HEXISTS', KEYS[2], id) == 0 then
+    table.insert(out, id)
+  end
+end
+return out
+"""

@@ -86,6 +86,7 @@ class WorkQueue(RolloutSink):
         self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
         self._depths_by_kind = redis.register_script(scripts.DEPTHS_BY_KIND)
         self._reclaim = redis.register_script(scripts.RECLAIM)
+        self._unknown = redis.register_script(scripts.UNKNOWN)
 
     @property
     def keys(self) -> dict[str, str]:
@@ -181,17 +182,14 @@ class WorkQueue(RolloutSink):
                 await self._complete(keys, [task_id, replica_id, *rollouts], client=pipe)
             return [int(x) >= 0 for x in await pipe.execute()]
 
-    async def unknown(self, task_ids: list[str]) -> list[str]:
-        """The ids among `task_ids` with neither a task record (queued or leased) nor a completed
-        stamp: no replica can ever serve them. A task never passes through such a state; only
-        Redis losing writes (a host crash) leaves one there."""
-        if not task_ids:
+    async def unknown(self, prefix: str, first: int, last: int) -> list[str]:
+        """The ids `prefix`i (first <= i < last) with neither a task record (queued or leased) nor a
+        completed stamp: no replica can ever serve them. A task never passes through such a state;
+        only Redis losing writes (a host crash) leaves one there. One script call, whatever the range."""
+        if last <= first:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for task_id in task_ids:
-                pipe.hexists(self.run_keys.tasks, task_id).hexists(self.run_keys.completed, task_id)
-            found = await pipe.execute()
-        return [t for i, t in enumerate(task_ids) if not found[2 * i] and not found[2 * i + 1]]
+        found = await self._unknown(self._k("tasks", "completed"), [prefix, first, last])
+        return [x.decode() for x in found]
 
     async def dead_task_ids(self) -> set[str]:
         """The task ids the `dead` stream holds (its newest `dead_maxlen` entries)."""

@@ -264,3 +264,15 @@ def test_train_tasks_carry_the_overlong_shaping_and_evals_do_not(tiny_model_dir)
     evaluated = tasks.make("e", example, 1, 0.0, True, 0)
     assert (train.overlong.buffer_tokens, train.overlong.penalty) == (2, 0.5)
     assert not evaluated.HasField("overlong")
+
+
+def test_prompts_tokenized_in_one_batch_equal_one_by_one():
+    from shared.kit.tiny import char_tokenizer
+    from shared.models.loading import encode_prompt, encode_prompts
+
+    tokenizer = char_tokenizer()
+    texts = ["12+34=", "", "7+8=", "12+34=", "99+99="]
+    batch = encode_prompts(tokenizer, texts)
+    assert batch == [encode_prompt(tokenizer, t) for t in texts]
+    assert batch[1] == [tokenizer.bos_token_id] and all(ids[0] == tokenizer.bos_token_id for ids in batch)
+    assert encode_prompts(tokenizer, []) == []
