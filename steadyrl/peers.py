@@ -1,14 +1,11 @@
 """`steadyrl bench peers`: steadyrl against TRL's GRPOTrainer on steadyrl's own demo, in one run.
 
-steadyrl runs the demo twice in each pair: as it ships (its eval rounds every 50 steps included)
-and with its evals off; TRL runs with the settings that make it fastest here (`peers_trl.CHOSEN`).
-Both train the tiny MoE on the recipe's arith problems in the same order, with the same reward,
-batch geometry, sampling, optimizer and loss (`steadyrl.peers_trl` prints the GRPOConfig it used);
-both sides' models every `every` steps are scored by one eval loop (`steadyrl.evaluation.evaluate`:
-greedy, fp32, the recipe's held-out problems). Ratios are steadyrl / TRL of each side's mean curve
-over interleaved pairs of runs: wall seconds per step, seconds to an eval accuracy (from the end of
-step 1, so start-up is out), eval at equal steps.
-TRL runs with a Python that has it (the `compare` extra in a venv of its own).
+In each pair steadyrl runs the demo as it ships (its eval rounds included) and with its evals off;
+TRL runs with the settings that make it fastest here (`peers_trl.CHOSEN`), the recipe matched
+(`peers_trl` prints its GRPOConfig). One eval loop scores both sides' models every `every` steps.
+Ratios are steadyrl / TRL of each side's mean curve over interleaved pairs, the machine's load
+beside each run. TRL runs with a Python that has it (the `compare` extra in a venv of its own).
+Details: docs/internals/bench.md#steadyrlpeerspy-steadyrlpeers_trlpy
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ SHARED = {
         "steps": "steps",
         "tracking": "tracking",
     },
-    "inference": {"id": "run_id"},
+    "inference": {"id": "run_id", "group_size": "group_size"},
     "weightsync": {"id": "run_id"},
 }
 

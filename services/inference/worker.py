@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import time
 
 import redis.exceptions
@@ -63,6 +64,12 @@ log = logging.getLogger("steadyrl.inference.worker")
 SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring", initializer=name_os_thread)
 
 
+def free_places(max_inflight: int, sizes: list[int], widest: int) -> int:
+    """Tasks of `widest` samples that fit beside tasks of `sizes` samples when `max_inflight` such
+    tasks may run at once (a smaller task takes its share of a place, rounded up in total). Pure."""
+    return max_inflight - math.ceil(sum(sizes) / widest)
+
+
 class EngineDead(RuntimeError):
     """The engine can serve nothing any more: the replica must stop (its supervisor restarts it)."""
 
@@ -101,6 +108,8 @@ class RolloutWorker:
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
+        self.sizes: dict[str, int] = {}  # each task in flight: its G
+        self.widest = settings.group_size  # the run's G, or a wider task's: `max_inflight` counts tasks of this G
         self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
         self.new_version = asyncio.Event()  # set (and replaced) as a version lands in the engine
         self.finishing = Finishing()  # tasks back from the engine, not yet handed to the sender
@@ -140,6 +149,8 @@ class RolloutWorker:
                     continue
                 for lease in leases:
                     self.held.add(lease.task_id)
+                    self.sizes[lease.task_id] = max(1, lease.task.group_size)
+                    self.widest = max(self.widest, self.sizes[lease.task_id])
                     self.inflight[lease.task_id] = asyncio.create_task(self._serve(lease))
                 RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
                 INFLIGHT.labels(self.replica_id).set(len(self.inflight))
@@ -170,9 +181,14 @@ class RolloutWorker:
         ready.result()
 
     def _room(self) -> int:
+        """Tasks to lease now. `max_inflight` counts tasks of the widest group this replica has
+        leased; a smaller one takes its share (an eval prompt, one greedy sample, 1/G of a place):
+        an eval round fills the engine's batch as a training step does, instead of running 1/G of
+        it at a time (docs/internals/inference.md#eval-rounds)."""
         if self.leasing.batching == "barrier":
             return 0 if self.inflight else self.leasing.per_batch
-        return self.leasing.max_inflight - len(self.inflight)
+        sizes = [self.sizes.get(task_id, self.widest) for task_id in self.inflight]
+        return free_places(self.leasing.max_inflight, sizes, self.widest)
 
     def _check_engine(self) -> None:
         if (error := getattr(self.engine, "error", None)) is not None:
@@ -236,6 +252,7 @@ class RolloutWorker:
                 self.sender.add(lease, payloads)
         finally:
             self.inflight.pop(lease.task_id, None)
+            self.sizes.pop(lease.task_id, None)
             self.finishing.end(lease.task_id)
             self.task_ended.set()
 

@@ -1,12 +1,30 @@
 """The Lua scripts of the work queue (`shared.runstore.queues`): each state change of a task is one of
 these, run atomically by Redis. Key and argument order are given above each."""
 
+# KEYS: tasks pending pending:policy [record]; ARGV: policy_eval_prefix, number of record fields,
+# the record's field/value pairs, then (id, task bytes) pairs. Each task is queued unless its id is
+# (1 or 0 for each, in order) into its pool's list (by its id); the record is written in the same
+# step: a producer's cursor moves exactly when its tasks are queued.
 SUBMIT = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[1])
-  return 1
+local prefix, fields = ARGV[1], tonumber(ARGV[2])
+local out = {}
+for i = 3 + 2 * fields, #ARGV, 2 do
+  local id = ARGV[i]
+  if redis.call('HSETNX', KEYS[1], id, ARGV[i + 1]) == 1 then
+    if string.sub(id, 1, #prefix) == prefix then
+      redis.call('LPUSH', KEYS[3], id)
+    else
+      redis.call('LPUSH', KEYS[2], id)
+    end
+    table.insert(out, 1)
+  else
+    table.insert(out, 0)
+  end
 end
-return 0
+if fields > 0 then
+  redis.call('HSET', KEYS[4], unpack(ARGV, 3, 2 + 2 * fields))
+end
+return out
 """
 
 # KEYS: pending leases owners tasks attempts completed dead dead_counts; ARGV: now_ms lease_ms
@@ -50,23 +68,37 @@ end
 return kept
 """
 
-# KEYS: leases owners tasks attempts completed stream errors; ARGV: id replica r1 ... rN.
-# Each entry carries the lease stamp (`replica|attempt` of the lease being completed) and n, the
-# number of rollouts published together.
+# KEYS: leases owners tasks attempts completed rollouts evals errors; ARGV: replica, then for each
+# task: id, stream ('r': rollouts, 'e': evals), N, r1 ... rN. Each task on its own: published and its
+# lease ended only while the replica owns the lease (N for it), else nothing (-1 for it). Each entry
+# carries the lease stamp (`replica|attempt` of the lease being completed) and n, the number of
+# rollouts published together.
 COMPLETE = """
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -1 end
-local stamp = ARGV[2] .. '|' .. (redis.call('HGET', KEYS[4], ARGV[1]) or '0')
-local n = tostring(#ARGV - 2)
-for i = 3, #ARGV do
-  redis.call('XADD', KEYS[6], '*', 'task', ARGV[1], 'lease', stamp, 'n', n, 'r', ARGV[i])
+local replica = ARGV[1]
+local out = {}
+local i = 2
+while i <= #ARGV do
+  local id, n = ARGV[i], tonumber(ARGV[i + 2])
+  local stream = ARGV[i + 1] == 'e' and KEYS[7] or KEYS[6]
+  local first = i + 3
+  i = first + n
+  if redis.call('HGET', KEYS[2], id) ~= replica then
+    table.insert(out, -1)
+  else
+    local stamp = replica .. '|' .. (redis.call('HGET', KEYS[4], id) or '0')
+    for j = first, first + n - 1 do
+      redis.call('XADD', stream, '*', 'task', id, 'lease', stamp, 'n', tostring(n), 'r', ARGV[j])
+    end
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('HDEL', KEYS[4], id)
+    redis.call('HDEL', KEYS[8], id)
+    redis.call('HSET', KEYS[5], id, stamp)
+    table.insert(out, n)
+  end
 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HDEL', KEYS[7], ARGV[1])
-redis.call('HSET', KEYS[5], ARGV[1], stamp)
-return #ARGV - 2
+return out
 """
 
 # KEYS: leases owners errors; ARGV: id replica reason. Ends the lease now; the next sweep counts

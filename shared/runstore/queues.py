@@ -103,22 +103,23 @@ class WorkQueue(RolloutSink):
     async def submit_many(
         self, tasks: list[common_pb2.PromptTask], record: tuple[str, dict[str, int | str]] | None = None
     ) -> list[bool]:
-        """Queue tasks in one MULTI; per task: queued, or False when its id is already queued.
+        """Queue tasks in one script call; per task: queued, or False when its id is already queued.
 
-        `record` = (hash key, fields) is written in the same transaction: a producer's cursor
-        moves exactly when its tasks are queued, so a crash never resubmits or skips one."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for task in tasks:
-                if not task.task_id:
-                    raise ValueError("a task needs a task_id")
-                if not task.enqueued_unix_ms:
-                    task.enqueued_unix_ms = now_ms()
-                pending = POOLS[pool_of(task.task_id)]
-                await self._submit(self._k("tasks", pending), [task.task_id, task.SerializeToString()], client=pipe)
-            if record is not None:
-                pipe.hset(record[0], mapping=record[1])
-            results = await pipe.execute()
-        return [bool(x) for x in results[: len(tasks)]]
+        `record` = (hash key, fields) is written in the same step: a producer's cursor moves exactly
+        when its tasks are queued, so a crash never resubmits or skips one."""
+        args: list[bytes | str | int] = []
+        for task in tasks:
+            if not task.task_id:
+                raise ValueError("a task needs a task_id")
+            if not task.enqueued_unix_ms:
+                task.enqueued_unix_ms = now_ms()
+            args += [task.task_id, task.SerializeToString()]
+        fields = [x for pair in (record[1].items() if record else ()) for x in pair]
+        keys = self._k("tasks", "pending", "pending_policy") + ([record[0]] if record else [])
+        if not tasks and not fields:
+            return []
+        queued = await self._submit(keys, [POLICY_EVAL_PREFIX, len(fields) // 2, *fields, *args])
+        return [bool(x) for x in queued]
 
     async def lease(self, replica_id: str, lease_seconds: float, count: int = 1) -> list[Lease]:
         """Up to `count` tasks of this queue's pool, each leased to `replica_id` for `lease_seconds`.
@@ -171,16 +172,15 @@ class WorkQueue(RolloutSink):
     async def complete_many(
         self, replica_id: str, done: list[tuple[str, list[bytes]]], evals: set[str] = frozenset()
     ) -> list[bool]:
-        """`complete` for several tasks in one round trip (each task atomically on its own);
-        the rollouts of tasks in `evals` go to the `evals` stream."""
+        """`complete` for several tasks in one script call (each task on its own: one whose lease
+        was lost is refused alone); the rollouts of tasks in `evals` go to the `evals` stream."""
         if not done:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for task_id, rollouts in done:
-                stream = "evals" if task_id in evals else "rollouts"
-                keys = self._k("leases", "owners", "tasks", "attempts", "completed", stream, "errors")
-                await self._complete(keys, [task_id, replica_id, *rollouts], client=pipe)
-            return [int(x) >= 0 for x in await pipe.execute()]
+        args: list[bytes | str | int] = [replica_id]
+        for task_id, rollouts in done:
+            args += [task_id, "e" if task_id in evals else "r", len(rollouts), *rollouts]
+        keys = self._k("leases", "owners", "tasks", "attempts", "completed", "rollouts", "evals", "errors")
+        return [int(x) >= 0 for x in await self._complete(keys, args)]
 
     async def unknown(self, prefix: str, first: int, last: int) -> list[str]:
         """The ids `prefix`i (first <= i < last) with neither a task record (queued or leased) nor a
