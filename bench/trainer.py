@@ -1,5 +1,5 @@
 """Trainer benchmark on the tiny MoE (fp32): the share of a global step spent in the loss and
-correction math (shared.core.policy_loss), and the routing replay overhead of a training
+correction math (shared.core.loss.policy_loss), and the routing replay overhead of a training
 forward + backward (R3 replay vs free routing), measured side by side in one run; and where the
 trainer's cycle goes on the demo (`demo_step_costs`: each phase's share, from a short real run's
 metrics.jsonl). Prints one JSON object."""

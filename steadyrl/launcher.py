@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from steadyrl.processes import Launch
 from steadyrl.progress import PROGRESS, watch
 from steadyrl.recipe import Recipe, resolve_model
 from steadyrl.service_settings import check, settle_auto_dtype, settle_local_transport
-from steadyrl.summary import finish
+from steadyrl.summary import finish, render_plots
 from steadyrl.supervisor import Supervisor
 
 
@@ -95,6 +96,7 @@ def _run(config: Recipe, out: Path, progress: str) -> dict:
     started = time.time()
     summary: dict = {"run_id": config.run_id, "out": str(out), "model": model_path}
     supervisor = Supervisor(launch, lambda line: console.print(line, markup=False))
+    drawing, plots = ThreadPoolExecutor(1, thread_name_prefix="plots"), None
     try:
         launch.start_all(lambda s: console.print(f"  {s.name:<14} healthy on 127.0.0.1:{s.grpc_port}"))
         if launch.placed_over:  # a deployment's values: on this host `steadyrl run` places them
@@ -105,6 +107,8 @@ def _run(config: Recipe, out: Path, progress: str) -> dict:
         launch.write_pids()
         start_run(launch, supervisor)
         status = watch(launch, supervisor, console, progress)
+        if status.get("state") == "finished":  # its records are final: drawn while the services stop
+            plots = drawing.submit(render_plots, out)
         summary["final_status"] = status
         summary["outcome"] = status.get("state", "unknown")
         if "failure" in status:  # a stop rule failed it (services/orchestrator/stop_rules.py)
@@ -127,5 +131,6 @@ def _run(config: Recipe, out: Path, progress: str) -> dict:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     summary["wall_seconds"] = round(time.time() - started, 1)
-    finish(launch, summary)
+    finish(launch, summary, plots)
+    drawing.shutdown()
     return summary

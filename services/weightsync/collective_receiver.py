@@ -16,7 +16,7 @@ from services.weightsync.members import Membership
 from services.weightsync.rendezvous import Rendezvous
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.manifest import kind
+from shared.weightsync.base import kind
 
 log = logging.getLogger("steadyrl.weightsync")
 RECEIVED_BYTES = Counter("steadyrl_weightsync_collective_received_bytes_total", "Bytes received by broadcast")

@@ -26,14 +26,9 @@ from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runstore.run_instance import resolve_instance
 from shared.runtime.service_lifecycle import Api, Listen, ServiceLifecycle, serve_service
+from shared.weightsync.base import WeightError, kind
 from shared.weightsync.frames import Assembler, encode_chunk_frame, encode_delta
-from shared.weightsync.manifest import (
-    WeightError,
-    kind,
-    same_weights,
-    validate_manifest,
-    verify_payloads,
-)
+from shared.weightsync.manifest import same_weights, validate_manifest, verify_payloads
 from shared.weightsync.signing import verifier_of
 
 log = logging.getLogger("steadyrl.weightsync")

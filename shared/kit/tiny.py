@@ -16,12 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.kit.build_progress import BuildProgress
 from shared.tasks import ArithTask, Example, get_reward
 from shared.tasks.trace import MulTraceTask
+
+if TYPE_CHECKING:
+    import torch
 
 KIT_VERSION = "1"
 KIT_TASKS = ("arith", "mul_trace", "calc")
@@ -97,6 +99,8 @@ def build_model(spec: TinySpec, seed: int):
         router_aux_loss_coef=0.0,
         output_router_logits=False,
     )
+    import torch
+
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)
     model.generation_config.pad_token_id = 0
@@ -107,9 +111,17 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [[tokenizer.bos_token_id, *tokenizer.encode(p, add_special_tokens=False)] for p in prompts]
 
 
-@torch.no_grad()
 def greedy_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 8, batch: int = 256) -> list[str]:
     """Each prompt's greedy completion (BOS first, left-padded batches), special tokens dropped."""
+    import torch
+
+    with torch.no_grad():
+        return _greedy_texts(model, tokenizer, prompts, max_new_tokens, batch)
+
+
+def _greedy_texts(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int) -> list[str]:
+    import torch
+
     model.eval()
     texts: list[str] = []
     for start in range(0, len(prompts), batch):
@@ -139,6 +151,8 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], max_new_tokens: i
 
 def sft_batch(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [bos prompt answer eos] and labels on the answer and eos only."""
+    import torch
+
     rows = []
     labels = []
     for e in examples:
@@ -157,6 +171,8 @@ def cold_start(
 ) -> dict:
     """Supervised cold start until greedy eval accuracy ≥ target (or max steps), its steps and
     each eval shown by `progress`."""
+    import torch
+
     sizes = getattr(task, "max_split_size", None)
     train = task.split("train", min(20000, sizes("train")) if sizes else 20000)
     evaluation = task.split("eval", spec.sft_eval_size)
@@ -230,15 +246,15 @@ class KitTask:
 def cache_key(spec: TinySpec, task: KitTask | str | dict, seed: int) -> str:
     """The content key of a kit model: its spec, its task (a KitTask, or another kit model's key such
     as the judge's), its seed and the library versions that build it."""
-    import transformers
+    from importlib.metadata import version  # not the modules: a cached model's path costs no torch import
 
     payload = {
         "kit": KIT_VERSION,
         "spec": asdict(spec),
         "task": task.key() if isinstance(task, KitTask) else task,
         "seed": seed,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -300,6 +316,8 @@ def deliver(cached: Path, out: str | Path | None) -> Path:
 def deterministic() -> Iterator[None]:
     """torch's deterministic algorithms for the length of a kit model's build (then off again): a
     model built from the same key is the same on a rebuild."""
+    import torch
+
     torch.use_deterministic_algorithms(True)
     try:
         yield

@@ -207,3 +207,34 @@ class StateDictDelivery(Delivery):
 
     def worker_update(self) -> dict:
         raise WeightError("an in-process state dict reaches a vLLM worker as a shared-memory file")
+
+
+def kind(manifest) -> str:
+    """What a version is (its `WeightManifest`): `adapter` (a LoRA adapter over its base) or `full`
+    (whole weights)."""
+    return "adapter" if manifest.HasField("adapter") else "full"
+
+
+# The dtypes a version's tensors may have, by their torch name, and their bytes per element: a
+# manifest is checked without importing torch (tests/unit/test_weights.py holds these to torch's)
+WEIGHT_DTYPES = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "uint16": 2,
+    "int16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "uint32": 4,
+    "int32": 4,
+    "float32": 4,
+    "uint64": 8,
+    "int64": 8,
+    "float64": 8,
+}

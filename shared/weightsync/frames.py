@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.manifest import WeightError
+from shared.weightsync.base import WeightError
 
 ZSTD_LEVEL = 1
 

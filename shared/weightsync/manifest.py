@@ -11,25 +11,32 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import blake3
 import numpy as np
-import torch
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.base import WeightError
+from shared.weightsync.base import WEIGHT_DTYPES, WeightError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: weight-sync validates manifests without it
+    import torch
 
 CHECKSUM_ALGO = "blake3"
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor (CPU, contiguous), any dtype, without a copy where possible."""
+    import torch
+
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
-    torch_dtype = getattr(torch, dtype, None)
+    import torch
+
+    torch_dtype = getattr(torch, dtype, None) if dtype in WEIGHT_DTYPES else None
     if not isinstance(torch_dtype, torch.dtype):
         raise WeightError(f"unknown dtype {dtype!r}")
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
@@ -112,15 +119,12 @@ def empty_manifest(tensors: Mapping[str, torch.Tensor], version: int, parent_ver
     return manifest
 
 
-def kind(manifest: pb.WeightManifest) -> str:
-    """What a version is: `adapter` (a LoRA adapter over its base) or `full` (whole weights)."""
-    return "adapter" if manifest.HasField("adapter") else "full"
-
-
 def describe(tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, signer=None) -> pb.WeightManifest:
     """Manifest of `tensors` (name order kept), signed by `signer` (a `signing.Signer`) when given.
     Reads one tensor at a time and keeps none of their bytes: a mapping that materialises each
     tensor on access (a cast, a gather) is streamed, never copied whole."""
+    import torch
+
     manifest = empty_manifest(tensors, version, parent_version)
     scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
     for name in tensors:
@@ -164,12 +168,12 @@ def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None
         if not spec.name or spec.name in names:
             raise WeightError(f"tensor name {spec.name!r} is empty or repeated")
         names.add(spec.name)
-        dtype = getattr(torch, spec.dtype, None)
-        if not isinstance(dtype, torch.dtype):
+        itemsize = WEIGHT_DTYPES.get(spec.dtype)
+        if itemsize is None:
             raise WeightError(f"tensor {spec.name}: unknown dtype {spec.dtype!r}")
         if any(d < 0 for d in spec.shape):
             raise WeightError(f"tensor {spec.name}: negative dimension in {list(spec.shape)}")
-        expected = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
+        expected = int(np.prod(spec.shape, dtype=np.int64)) * itemsize
         if spec.nbytes != expected:
             raise WeightError(f"tensor {spec.name}: nbytes {spec.nbytes} != {expected} for its shape and dtype")
         if len(spec.checksum) != 32:

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runtime.private_files import write_private
-from shared.weightsync.manifest import WeightError
+from shared.weightsync.base import WeightError
 
 
 def _read_hex(path: Path, what: str) -> bytes:

@@ -136,3 +136,28 @@ def test_a_pull_is_bounded_by_the_size_of_its_version():
     assert pull_deadline(None) == pull_deadline(pb.WeightManifest(version=3)) == 600.0  # size unknown
     assert GrpcDelivery("127.0.0.1:1", 3, manifest).timeout == 33.0
     assert GrpcDelivery("127.0.0.1:1", 3, manifest, timeout=5.0).timeout == 5.0
+
+
+def test_the_weight_dtypes_a_manifest_may_name_are_torch_s_with_torch_s_sizes():
+    import torch
+
+    from shared.weightsync.base import WEIGHT_DTYPES
+
+    for name, size in WEIGHT_DTYPES.items():
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{name}" and dtype.itemsize == size
+    # what a trainer publishes (fp32, bf16, fp16; fp8 and packed NVFP4 weights) is among them
+    assert {"float32", "bfloat16", "float16", "float8_e4m3fn", "uint8", "int64", "bool"} <= set(WEIGHT_DTYPES)
+
+
+def test_a_manifest_naming_a_dtype_outside_them_is_refused_before_any_byte():
+    from shared.weightsync.manifest import bytes_to_tensor, validate_manifest
+
+    manifest = pb.WeightManifest(version=1, checksum_algo="blake3")
+    manifest.tensors.add(name="w", dtype="half", shape=[2], nbytes=4, checksum=bytes(32))  # an alias, not a name
+    with pytest.raises(WeightError, match="unknown dtype 'half'"):
+        validate_manifest(manifest, 1 << 20)
+    manifest.tensors[0].dtype = "float16"
+    validate_manifest(manifest, 1 << 20)
+    with pytest.raises(WeightError, match="unknown dtype 'qint8'"):
+        bytes_to_tensor(b"\0\0", "qint8", [2])
