@@ -12,8 +12,6 @@ from collections import OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from shared.rollouts.record import (
     Rollout,
     RolloutError,
@@ -138,7 +136,7 @@ class GroupBuffer:
             return self._poison(rollout, *problem)
         group = self.groups.setdefault(rollout.group_id, {})
         first = next(iter(group.values()), None)
-        if first is not None and not np.array_equal(first.rollout.prompt_token_ids, rollout.prompt_token_ids):
+        if first is not None and first.rollout.prompt_token_ids.tobytes() != rollout.prompt_token_ids.tobytes():
             return self._poison(rollout, "group_mismatch", "members of one group have different prompts")
         # validated: versions never decrease, so without a loss mask the first is the oldest
         oldest = int(rollout.policy_versions[0]) if rollout.loss_mask is None else rollout.min_version

@@ -26,6 +26,7 @@ MIN_LOGPROB = -1e4
 # The largest |reward| the trainer takes: a group's sum and mean stay far inside float32, the loss's dtype.
 MAX_REWARD = 1e6
 _TRACE_DTYPES = {rollout_pb2.RoutingTrace.UINT8: np.uint8, rollout_pb2.RoutingTrace.UINT16: np.uint16}
+_WIRE_DTYPES = {k: np.dtype(v).newbyteorder("<") for k, v in _TRACE_DTYPES.items()}  # a trace's bytes: little-endian
 _MAX_TRACE_BYTES = 1 << 31  # an unpacked trace (a 256k-token rollout of a 48-layer top-8 model is ~100 MB)
 SOURCE_NAME = re.compile(r"[a-z0-9_]{0,64}")  # a mixture source's name (a metric key of the trainer), or empty
 
@@ -196,7 +197,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         raise RolloutError("oversize", f"{len(data)} bytes > limit {limits.max_encoded_bytes}")
     msg = rollout_pb2.Rollout()
     try:
-        msg.ParseFromString(bytes(data))
+        msg.ParseFromString(data if isinstance(data, bytes) else bytes(data))
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise RolloutError("decode", f"not a steadyrl.v1.Rollout: {exc}") from None
     trace = None
@@ -232,7 +233,7 @@ def decode_rollout(data: bytes, limits: RolloutLimits | None = None) -> Rollout:
         ),
         loss_mask=_array(msg.loss_mask, bool) if len(msg.loss_mask) else None,
         turns=msg.turns,
-        env_metrics=dict(msg.env_metrics),
+        env_metrics=dict(msg.env_metrics) if len(msg.env_metrics) else {},
         reward_error=msg.reward_error[:200],
         source=msg.source,
         teacher_logprobs=_array(msg.teacher_logprobs, np.float32) if len(msg.teacher_logprobs) else None,
@@ -278,7 +279,7 @@ def decode_trace(trace: rollout_pb2.RoutingTrace) -> tuple[np.ndarray, int]:
             ) from None
     if len(data) != expected:
         raise RolloutError("trace_shape", f"routing trace holds {len(data)} bytes, shape {shape} needs {expected}")
-    ids = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    ids = np.frombuffer(data, dtype=_WIRE_DTYPES[trace.dtype]).astype(dtype)
     return ids.reshape(shape), trace.num_experts
 
 

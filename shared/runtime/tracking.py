@@ -69,9 +69,9 @@ class ScalarLog:
             self._writer = SummaryWriter(str(self.directory), flush_secs=5)
         if scalars:  # one event per step with every value (an event each cost a queue put and a pickle)
             from tensorboardX.proto.summary_pb2 import Summary
-            from tensorboardX.summary import scalar
 
-            values = [v for key, value in scalars.items() for v in scalar(key, value).value]
+            # the values as tensorboardX's `scalar` makes them, without its per-value numpy round trip
+            values = [Summary.Value(tag=key, simple_value=value) for key, value in scalars.items()]
             self._writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def flush(self) -> None:
