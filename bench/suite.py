@@ -363,12 +363,16 @@ def markdown(result: dict) -> str:
         for service, name in (("trainer", "asyncio_0"), ("trainer", "asyncio_1"), ("inference", "torch-engine"))
         if _get(busiest, service, name) != "–"
     )
-    lines.append(
-        f"| trainer | the demo's control threads, CPU ms per step (each thread's utime + stime from /proc over "
-        f"{_get(costs, 'threads', 'steps')} steps of {_get(costs, 'threads', 'seconds_per_step')} s): "
-        + ", ".join(f"{k} {v}" for k, v in control.items() if k != "total")
-        + f"; beside them the update and the engine: {work or '–'} | {_get(control, 'total')} ms "
-        f"| ≤ {_get(costs, 'control_target_ms')} ms |"
+    lines += (
+        []
+        if not control
+        else [
+            f"| trainer | the demo's control threads, CPU ms per step (each thread's utime + stime from /proc over "
+            f"{_get(costs, 'threads', 'steps')} steps of {_get(costs, 'threads', 'seconds_per_step')} s): "
+            + ", ".join(f"{k} {v}" for k, v in control.items() if k != "total")
+            + f"; beside them the update and the engine: {work or '–'} | {_get(control, 'total')} ms "
+            f"| ≤ {_get(costs, 'control_target_ms')} ms |"
+        ]
     )
     mem = b.get("trainer_memory", {})
     lines.append(

@@ -1,9 +1,9 @@
 """Per-thread CPU of a running `steadyrl run`, read from /proc: which thread of which service
-spends the two cores, per training step. `ThreadClock(root_pid)` snapshots every thread of the
-run's process tree (each thread's utime + stime, its name); two snapshots, divided by the steps
-between them, give CPU milliseconds per step by (service, thread). The control threads are those
-that do no model math: a replica's and the trainer's asyncio main thread, the orchestrator and
-Redis (docs/internals/performance.md). Linux only."""
+spends the two cores, per training step. `snapshot(root_pid)` reads every thread of the run's
+process tree (its utime + stime and its OS name, `shared.runtime.thread_names`); two snapshots,
+divided by the steps between them, give CPU milliseconds per step by service and thread. The
+control threads do no model math: a replica's and the trainer's asyncio main thread, the
+orchestrator and Redis (docs/internals/bench.md#benchthread_cpupy). Linux only."""
 
 from __future__ import annotations
 

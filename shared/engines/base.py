@@ -208,17 +208,20 @@ def gathered(futures: list[concurrent.futures.Future]) -> asyncio.Future:
     left = [len(futures)]
     lock = threading.Lock()
 
-    def settle() -> None:
+    def settle() -> None:  # every future is done: one locked read each
         if out.done():
             return
+        samples = []
         for future in futures:
-            if future.cancelled():
+            try:
+                samples.append(future.result(timeout=0))
+            except concurrent.futures.CancelledError:
                 out.cancel()
                 return
-            if future.exception() is not None:
-                out.set_exception(future.exception())
+            except BaseException as exc:  # noqa: BLE001 - the sample's own failure fails the group
+                out.set_exception(exc)
                 return
-        out.set_result([future.result() for future in futures])
+        out.set_result(samples)
 
     def one_done(_: concurrent.futures.Future) -> None:
         with lock:

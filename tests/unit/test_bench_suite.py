@@ -111,3 +111,29 @@ def test_the_pools_bench_sums_a_judged_run_by_hand():
     assert out["judge_agreement_mean"] == 0.75  # (0.5 + 0.7 + 0.9 + 0.9) / 4
     assert (out["judge_agreement_first_tenth"], out["judge_agreement_last_tenth"]) == (0.5, 0.9)  # a step each
     assert out["rollouts_per_s"] == 10.0 and out["evals"] == {0: 0.4, 2: 0.65, 4: 0.5}
+
+
+def test_the_benchmarks_page_gives_the_control_threads_cpu_against_its_target():
+    threads = {
+        "steps": 55,
+        "seconds_per_step": 0.09,
+        "cpu_ms_per_step": {"trainer": {"asyncio_0": 33.8}, "inference": {"torch-engine": 31.6}},
+        "control_ms_per_step": {
+            "inference.main": 10.5,
+            "trainer.main": 13.3,
+            "orchestrator.*": 5.1,
+            "redis.*": 5.1,
+            "total": 34.0,
+        },
+    }
+
+    def page_of(costs: dict) -> str:
+        return markdown(
+            {"machine": machine(), "date": "2026-12-07", "benchmarks": {"trainer": {"demo_step_costs": costs}}}
+        )
+
+    page = page_of({"threads": threads, "control_target_ms": 20})
+    (row,) = [line for line in page.splitlines() if "control threads" in line]
+    assert "inference.main 10.5, trainer.main 13.3, orchestrator.* 5.1, redis.* 5.1" in row
+    assert "trainer.asyncio_0 33.8, inference.torch-engine 31.6" in row and row.endswith("| 34.0 ms | ≤ 20 ms |")
+    assert "control threads" not in page_of({})  # none measured: no row
