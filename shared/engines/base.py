@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -199,11 +199,49 @@ def start_each(
     return [engine.start(p, sampling, return_trace, on_token if i == 0 else None, i) for i, p in enumerate(prompts)]
 
 
+class _Inbox:
+    """Callbacks another thread hands one event loop, run in the loop's next turn: the groups an
+    engine step finishes wake the loop once together (the first one's pipe write), not once each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = weakref.ref(loop)  # the inboxes are keyed by their loop: no reference keeps it alive
+        self.lock = threading.Lock()
+        self.waiting: list = []
+
+    def post(self, callback) -> None:
+        with self.lock:
+            self.waiting.append(callback)
+            if len(self.waiting) > 1:  # a wake-up is on its way: it runs this one too
+                return
+        loop = self.loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self.run)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            with self.lock:
+                self.waiting.clear()
+
+    def run(self) -> None:
+        with self.lock:
+            callbacks, self.waiting = self.waiting, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - one callback's failure must not strand the others
+                asyncio.get_running_loop().call_exception_handler({"message": "engine callback", "exception": exc})
+
+
+_inboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop → its _Inbox
+
+
 def gathered(futures: list[concurrent.futures.Future]) -> asyncio.Future:
     """One asyncio future for a group's engine futures: the event loop wakes once, as the last one
-    is done, not once per sample (a wake-up costs the engine thread a pipe write). Its result is
-    every sample in order; the first failure fails it; cancelling it does not cancel `futures`."""
+    is done, not once per sample (a wake-up costs the engine thread a pipe write), and once for
+    every group done at the same time (`_Inbox`). Its result is every sample in order; the first
+    failure fails it; cancelling it does not cancel `futures`."""
     loop = asyncio.get_running_loop()
+    inbox = _inboxes.get(loop) or _inboxes.setdefault(loop, _Inbox(loop))
     out = loop.create_future()
     left = [len(futures)]
     lock = threading.Lock()
@@ -228,8 +266,7 @@ def gathered(futures: list[concurrent.futures.Future]) -> asyncio.Future:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-                loop.call_soon_threadsafe(settle)
+            inbox.post(settle)
 
     if not futures:
         out.set_result([])
