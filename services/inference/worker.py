@@ -12,7 +12,6 @@ Details: docs/internals/inference.md"""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -43,6 +42,7 @@ from services.inference.metrics import (
     TokenRate,
 )
 from services.inference.rollout_sender import LEASES_LOST, QUEUE_ERRORS, RolloutSender
+from services.inference.scoring import Scoring
 from services.inference.teacher import TeacherScoring
 from services.inference.trajectories import play_group
 from shared.engines import Engine, Sample
@@ -54,14 +54,10 @@ from shared.rollouts.samples import encode_samples, scored_problem
 from shared.rpc.pool_client import PoolError
 from shared.runstore.queues import Lease, WorkQueue, now_ms
 from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
-from shared.runtime.thread_names import name_os_thread
 from shared.tasks import RewardRunner
 from shared.tasks.shaping import overlong_penalty
 
 log = logging.getLogger("steadyrl.inference.worker")
-# rollouts are scored and encoded on one thread: a reward process serves one call at a time, and
-# the event loop stays free for Redis and gRPC
-SCORING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring", initializer=name_os_thread)
 
 
 def free_places(max_inflight: int, sizes: list[int], widest: int) -> int:
@@ -113,6 +109,7 @@ class RolloutWorker:
         self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
         self.new_version = asyncio.Event()  # set (and replaced) as a version lands in the engine
         self.finishing = Finishing()  # tasks back from the engine, not yet handed to the sender
+        self.scoring = Scoring()  # rewards and encoding on the scoring thread, a loop turn's groups together
         self.sender = RolloutSender(queue, self.replica_id, self.held, self._requeue, self.finishing.settled)
         self._delay = 0.1  # backoff while Redis is unreachable
         self._reclaim = False  # a lease call failed: it may have leased tasks all the same
@@ -292,9 +289,7 @@ class RolloutWorker:
             if judged is None:
                 return None
         try:
-            payloads = await asyncio.get_running_loop().run_in_executor(
-                SCORING, self._encode_group, checked.lease, samples, timings, judged
-            )
+            payloads = await self.scoring.run(self._encode_group, checked.lease, samples, timings, judged)
         except TooFewScored as exc:
             await self._dead_letter(checked.lease, "reward_failed", str(exc))
             return None
