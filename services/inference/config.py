@@ -291,8 +291,8 @@ class InferenceSettings(ApiServiceSettings, RedisSettings, VerifiedWeights):
     run_id: str = "default"
     """Run whose work queue this replica serves."""
     group_size: int = Field(1, ge=1)
-    """The run's G ([run] group_size): `tasks.max_inflight` counts tasks of G samples, and a
-    task of fewer (an eval prompt) takes its share of a place (a wider one leased widens it)."""
+    """The run's G ([run] group_size): `tasks.max_inflight` counts tasks of G samples; a task of
+    fewer (an eval prompt) takes its share of a place, a wider one more than one."""
     pool: Literal["rollouts", "policy_eval", "teacher", "judge"] = "rollouts"
     """The tasks this replica serves: `rollouts` (training rollouts and the evals of the served
     model μ), `policy_eval` (only the evals of π, the trainer's weights as published, never

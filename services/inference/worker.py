@@ -24,7 +24,7 @@ from services.inference.config import InferenceSettings
 from services.inference.finishing import Finishing
 from services.inference.idle_clock import IdleClock
 from services.inference.judge import JudgeScoring
-from services.inference.leased_work import Checked, LeaseRenewal, Unservable, check_lease
+from services.inference.leased_work import MAX_GROUP_SIZE, Checked, LeaseRenewal, Unservable, check_lease
 from services.inference.metrics import (
     BAD_TASKS,
     ENGINE_ERRORS,
@@ -66,6 +66,12 @@ def free_places(max_inflight: int, sizes: list[int], widest: int) -> int:
     return max_inflight - math.ceil(sum(sizes) / widest)
 
 
+def place_size(group_size: int) -> int:
+    """The samples a leased task is counted for before it is checked: its G, within [1,
+    MAX_GROUP_SIZE] (a task claiming more is dead-lettered once checked). Pure."""
+    return min(max(1, group_size), MAX_GROUP_SIZE)
+
+
 class EngineDead(RuntimeError):
     """The engine can serve nothing any more: the replica must stop (its supervisor restarts it)."""
 
@@ -105,7 +111,7 @@ class RolloutWorker:
         self.held: set[str] = set()  # leases this replica renews
         self.inflight: dict[str, asyncio.Task] = {}
         self.sizes: dict[str, int] = {}  # each task in flight: its G
-        self.widest = settings.group_size  # the run's G, or a wider task's: `max_inflight` counts tasks of this G
+        self.widest = settings.group_size  # the run's G: `max_inflight` counts tasks of this G
         self.task_ended = asyncio.Event()  # set as a task leaves `inflight`: room to lease again
         self.new_version = asyncio.Event()  # set (and replaced) as a version lands in the engine
         self.finishing = Finishing()  # tasks back from the engine, not yet handed to the sender
@@ -146,8 +152,7 @@ class RolloutWorker:
                     continue
                 for lease in leases:
                     self.held.add(lease.task_id)
-                    self.sizes[lease.task_id] = max(1, lease.task.group_size)
-                    self.widest = max(self.widest, self.sizes[lease.task_id])
+                    self.sizes[lease.task_id] = place_size(lease.task.group_size)
                     self.inflight[lease.task_id] = asyncio.create_task(self._serve(lease))
                 RETRIED.labels(self.replica_id).inc(sum(1 for lease in leases if lease.attempt > 0))
                 INFLIGHT.labels(self.replica_id).set(len(self.inflight))
@@ -178,8 +183,8 @@ class RolloutWorker:
         ready.result()
 
     def _room(self) -> int:
-        """Tasks to lease now. `max_inflight` counts tasks of the widest group this replica has
-        leased; a smaller one takes its share (an eval prompt, one greedy sample, 1/G of a place):
+        """Tasks to lease now. `max_inflight` counts tasks of the run's G; a smaller one takes its
+        share (an eval prompt, one greedy sample, 1/G of a place), a wider one more than one:
         an eval round fills the engine's batch as a training step does, instead of running 1/G of
         it at a time (docs/internals/inference.md#eval-rounds)."""
         if self.leasing.batching == "barrier":

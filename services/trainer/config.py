@@ -319,7 +319,7 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
     dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()
     """DAPO's dynamic sampling: groups with equal rewards are filtered, not trained ([trainer.dynamic_sampling])."""
     loss: LossConfig = LossConfig()
-    """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/terms.py `LossConfig`). Its
+    """The policy loss ([trainer.loss], STEADYRL_TRAINER_LOSS__<FIELD>; shared/core/loss_config.py `LossConfig`). Its
     `clip` is the manual recipe's; the auto recipe decides clipping itself."""
 
     _refuse_moved = refuse_moved("trainer")
