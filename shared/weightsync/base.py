@@ -215,26 +215,18 @@ def kind(manifest) -> str:
     return "adapter" if manifest.HasField("adapter") else "full"
 
 
-# The dtypes a version's tensors may have, by their torch name, and their bytes per element: a
-# manifest is checked without importing torch (tests/unit/test_weights.py holds these to torch's)
-WEIGHT_DTYPES = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-    "uint16": 2,
-    "int16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "uint32": 4,
-    "int32": 4,
-    "float32": 4,
-    "uint64": 8,
-    "int64": 8,
-    "float64": 8,
+# The dtypes a version's tensors may have, by their torch name: their bytes per element and their
+# safetensors code (a version is spilled to, and mapped from, a safetensors file: `shm.ST_DTYPES`). A
+# manifest is checked against it without importing torch (tests/unit/test_weights.py holds it to torch's).
+WEIGHT_DTYPES: dict[str, tuple[int, str]] = {
+    "float32": (4, "F32"),
+    "bfloat16": (2, "BF16"),
+    "float16": (2, "F16"),
+    "float64": (8, "F64"),
+    "int64": (8, "I64"),
+    "int32": (4, "I32"),
+    "int16": (2, "I16"),
+    "int8": (1, "I8"),
+    "uint8": (1, "U8"),
+    "bool": (1, "BOOL"),
 }

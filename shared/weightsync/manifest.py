@@ -9,12 +9,12 @@ thread (7.3 vs 1.8 GiB/s), more on several.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import blake3
-import numpy as np
 
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.base import WEIGHT_DTYPES, WeightError
@@ -156,31 +156,35 @@ def same_weights(a: pb.WeightManifest, b: pb.WeightManifest) -> bool:
 
 
 def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None:
+    """WeightError naming the first thing wrong with a pushed manifest (a name or dtype shown cut,
+    never at length); byte counts in Python integers, which do not wrap."""
     if manifest.version == 0:
         raise WeightError("version must be >= 1")
     if not manifest.tensors:
         raise WeightError("manifest lists no tensors")
     if manifest.checksum_algo != CHECKSUM_ALGO:
-        raise WeightError(f"checksum_algo {manifest.checksum_algo!r}, expected {CHECKSUM_ALGO!r}")
+        raise WeightError(f"checksum_algo {manifest.checksum_algo[:32]!r}, expected {CHECKSUM_ALGO!r}")
     names = set()
     total = 0
     for spec in manifest.tensors:
+        name = _cut(spec.name)
         if not spec.name or spec.name in names:
-            raise WeightError(f"tensor name {spec.name!r} is empty or repeated")
+            raise WeightError(f"tensor name {name!r} is empty or repeated")
         names.add(spec.name)
-        itemsize = WEIGHT_DTYPES.get(spec.dtype)
-        if itemsize is None:
-            raise WeightError(f"tensor {spec.name}: unknown dtype {spec.dtype!r}")
+        if spec.dtype not in WEIGHT_DTYPES:
+            raise WeightError(f"tensor {name}: unknown dtype {_cut(spec.dtype, 32)!r}")
+        itemsize = WEIGHT_DTYPES[spec.dtype][0]
         if any(d < 0 for d in spec.shape):
-            raise WeightError(f"tensor {spec.name}: negative dimension in {list(spec.shape)}")
-        expected = int(np.prod(spec.shape, dtype=np.int64)) * itemsize
+            raise WeightError(f"tensor {name}: negative dimension in {_cut(str(list(spec.shape)))}")
+        expected = math.prod(spec.shape) * itemsize  # exact however large: a wrapped product matched a forged nbytes
         if spec.nbytes != expected:
-            raise WeightError(f"tensor {spec.name}: nbytes {spec.nbytes} != {expected} for its shape and dtype")
+            shown = expected if expected <= max_total_bytes else f"more than {max_total_bytes}"
+            raise WeightError(f"tensor {name}: nbytes {spec.nbytes} != {shown} for its shape and dtype")
         if len(spec.checksum) != 32:
-            raise WeightError(f"tensor {spec.name}: checksum must be 32 bytes")
+            raise WeightError(f"tensor {name}: checksum must be 32 bytes")
         total += spec.nbytes
-    if total > max_total_bytes:
-        raise WeightError(f"version holds {total} bytes > limit {max_total_bytes}")
+        if total > max_total_bytes:
+            raise WeightError(f"version holds more than {max_total_bytes} bytes (its limit)")
     if manifest.HasField("adapter"):
         if len(manifest.adapter.base_digest) != 32:
             raise WeightError("an adapter version names its base by a 32-byte digest")
@@ -190,6 +194,11 @@ def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None
             raise WeightError(f"the adapter's config is not JSON: {exc.msg}") from None
         if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
             raise WeightError("the adapter's config names no rank (r >= 1)")
+
+
+def _cut(text: str, most: int = 200) -> str:
+    """`text` as an error names it: at most `most` characters, longer shown cut."""
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def verify_payloads(manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:

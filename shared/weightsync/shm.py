@@ -25,6 +25,7 @@ import torch
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runtime.private_files import private_dir
 from shared.weightsync.base import (
+    WEIGHT_DTYPES,
     Bucket,
     Delivery,
     PublishOptions,
@@ -42,18 +43,7 @@ from shared.weightsync.manifest import (
     pieces,
 )
 
-ST_DTYPES = {
-    "float32": "F32",
-    "bfloat16": "BF16",
-    "float16": "F16",
-    "float64": "F64",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
+ST_DTYPES = {name: code for name, (_, code) in WEIGHT_DTYPES.items()}  # torch name → safetensors code
 ALIGN = 64
 CHUNK = 4 << 20
 

@@ -138,26 +138,46 @@ def test_a_pull_is_bounded_by_the_size_of_its_version():
     assert GrpcDelivery("127.0.0.1:1", 3, manifest, timeout=5.0).timeout == 5.0
 
 
-def test_the_weight_dtypes_a_manifest_may_name_are_torch_s_with_torch_s_sizes():
+def test_the_weight_dtypes_a_manifest_may_name_are_torch_s_with_torch_s_sizes_and_spill_to_safetensors():
     import torch
+    from safetensors.torch import _TYPES as SAFETENSORS_TYPES
 
     from shared.weightsync.base import WEIGHT_DTYPES
 
-    for name, size in WEIGHT_DTYPES.items():
+    for name, (size, code) in WEIGHT_DTYPES.items():
         dtype = getattr(torch, name)
         assert isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{name}" and dtype.itemsize == size
-    # what a trainer publishes (fp32, bf16, fp16; fp8 and packed NVFP4 weights) is among them
-    assert {"float32", "bfloat16", "float16", "float8_e4m3fn", "uint8", "int64", "bool"} <= set(WEIGHT_DTYPES)
+        assert SAFETENSORS_TYPES[code] == dtype  # the file a version spills to and is mapped from holds it
+    # what a trainer publishes (fp32, bf16, fp16) and a model's integer buffers are among them
+    assert {"float32", "bfloat16", "float16", "int64", "bool", "uint8"} <= set(WEIGHT_DTYPES)
+
+
+def _manifest(dtype: str, shape: list[int], nbytes: int) -> pb.WeightManifest:
+    manifest = pb.WeightManifest(version=1, checksum_algo="blake3")
+    manifest.tensors.add(name="w", dtype=dtype, shape=shape, nbytes=nbytes, checksum=bytes(32))
+    return manifest
 
 
 def test_a_manifest_naming_a_dtype_outside_them_is_refused_before_any_byte():
     from shared.weightsync.manifest import bytes_to_tensor, validate_manifest
 
-    manifest = pb.WeightManifest(version=1, checksum_algo="blake3")
-    manifest.tensors.add(name="w", dtype="half", shape=[2], nbytes=4, checksum=bytes(32))  # an alias, not a name
-    with pytest.raises(WeightError, match="unknown dtype 'half'"):
-        validate_manifest(manifest, 1 << 20)
-    manifest.tensors[0].dtype = "float16"
-    validate_manifest(manifest, 1 << 20)
+    for dtype in ("half", "qint8", "uint16", "float8_e4m3fn", "", "float32\x00"):  # an alias, unspillable, odd
+        with pytest.raises(WeightError, match="unknown dtype"):
+            validate_manifest(_manifest(dtype, [2], 4), 1 << 20)
+    validate_manifest(_manifest("float16", [2], 4), 1 << 20)
     with pytest.raises(WeightError, match="unknown dtype 'qint8'"):
         bytes_to_tensor(b"\0\0", "qint8", [2])
+    with pytest.raises(WeightError) as refused:  # a long dtype is named cut: the refusal fits a gRPC status
+        validate_manifest(_manifest("x" * 100_000, [2], 4), 1 << 20)
+    assert len(str(refused.value)) < 100
+
+
+def test_a_shape_whose_bytes_overflow_int64_is_refused_not_wrapped():
+    from shared.weightsync.manifest import validate_manifest
+
+    # these products wrap to 0, 4 and a negative count in int64: a forged nbytes matched them
+    for shape, nbytes in (([2**31, 2**31, 4], 0), ([2**63 - 1, 2**63 - 1], 4), ([2**60, 8], 0)):
+        with pytest.raises(WeightError, match=r"nbytes \d+ != more than 1048576"):
+            validate_manifest(_manifest("float32", shape, nbytes), 1 << 20)
+    with pytest.raises(WeightError, match="more than 1048576 bytes"):  # exact, and past the limit
+        validate_manifest(_manifest("uint8", [2**20 + 1], 2**20 + 1), 1 << 20)
