@@ -143,8 +143,11 @@ class EvalRounds:
         reply = await self.redis.xread({self.keys.evals: self.cursor}, count=4096)
         if not reply and not dead:
             return
-        written, policy_written, requested = await self._jsons(
-            (RunField.EVALS_WRITTEN, "[]"), (RunField.POLICY_EVALS_WRITTEN, "[]"), (RunField.EVAL_VERSIONS, "{}")
+        written, policy_written, requested, submitted = await self._jsons(
+            (RunField.EVALS_WRITTEN, "[]"),
+            (RunField.POLICY_EVALS_WRITTEN, "[]"),
+            (RunField.EVAL_VERSIONS, "{}"),
+            (RunField.EVALS_SUBMITTED, "[]"),
         )
         written, policy_written = set(written), set(policy_written)
         for entry_id, fields in reply[0][1] if reply else []:
@@ -166,13 +169,19 @@ class EvalRounds:
                 results.setdefault(step, {}).setdefault(name, _bucket()), rollout, prompt if kind == "k" else None
             )
         for policy, results, done in ((False, self.results, written), (True, self.policy_results, policy_written)):
-            for step, buckets in sorted(results.items()):
-                if step not in done and all(
+            # in step order: a round that completes before an earlier one waits for it (a replica leases a
+            # round's one-sample prompts a batch at a time, so rounds can finish out of order)
+            for step in sorted(set(submitted) | set(results)):
+                if step in done:
+                    continue
+                buckets = results.get(step, {})
+                if not all(
                     self._complete(buckets.get(name), len(examples), policy)
                     for name, examples in self.tasks.evals.items()
                 ):
-                    await self._write(step, buckets, int(requested.get(str(step), step)), policy)
-                    done.add(step)
+                    break
+                await self._write(step, buckets, int(requested.get(str(step), step)), policy)
+                done.add(step)
         await self.redis.hset(
             self.keys.run,
             mapping={

@@ -628,3 +628,37 @@ def test_train_tasks_redis_lost_whole_are_queued_again_and_no_other(
         await redis.aclose()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_eval_rounds_are_written_in_step_order_whichever_completes_first(
+    redis_server, run_id, tiny_model_dir, tmp_path
+):
+    async def main():
+        redis = Redis.from_url(redis_server.url)
+        settings = OrchestratorSettings(
+            model_path=str(tiny_model_dir),
+            redis_url=redis_server.url,
+            run_id=run_id,
+            out_dir=tmp_path,
+            batch_prompts=2,
+            group_size=2,
+            steps=4,
+            evals={"every": 2, "size": 2},
+        )
+        orchestrator, _ = await running_orchestrator(redis, settings)
+        await orchestrator.evals.schedule(2, 2)  # the rounds of steps 0 and 2 queued
+        for j in range(2):  # step 2's round completes first ...
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-2-{j}", 0, 1, 1.0)})
+        await orchestrator.evals.collect()
+        early = (tmp_path / "eval.jsonl").read_text().splitlines() if (tmp_path / "eval.jsonl").exists() else []
+        for j in range(2):  # ... then step 0's
+            await redis.xadd(orchestrator.keys.evals, {"r": eval_rollout(run_id, f"eval-0-{j}", 0, 1, float(j))})
+        await orchestrator.evals.collect()
+        await orchestrator.close()
+        await redis.aclose()
+        return early
+
+    early = asyncio.run(asyncio.wait_for(main(), 60))
+    assert early == []  # step 2's round waited for step 0's
+    lines = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 2] and [x["accuracy"] for x in lines] == [0.5, 1.0]
