@@ -30,11 +30,11 @@ async def orchestrator_on(redis_url: str, run_id: str, model_dir, out_dir, state
 def test_auth_transitions_status_and_admission(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             batch_prompts=2,
             group_size=2,
             steps=3,
@@ -119,11 +119,11 @@ def test_stop_is_final_even_when_sent_together_with_pauses(redis_server, run_id,
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             evals={"size": 5},
         )
         orchestrator = Orchestrator(settings, redis)
@@ -173,11 +173,11 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             batch_prompts=2,
             group_size=2,
             steps=3,
@@ -215,6 +215,13 @@ def test_training_waits_for_the_cold_start_eval(redis_server, run_id, tiny_model
     assert sum(t.startswith("train-") for t in pending) == 6  # admitted once the round is in (2 B and one lookahead B)
     first = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()][0]
     assert first["step"] == 0 and first["accuracy"] == 0.4 and first["policy_version_max"] == 0
+
+
+def run_settings(redis_server, run_id: str, model_dir, out_dir, **fields) -> OrchestratorSettings:
+    """An orchestrator's settings for one test's run: its Redis, run id, model and records, and `fields`."""
+    return OrchestratorSettings(
+        model_path=str(model_dir), redis_url=redis_server.url, run_id=run_id, out_dir=out_dir, **fields
+    )
 
 
 def eval_rollout(run_id: str, task: str, index: int, group: int, reward: float) -> bytes:
@@ -256,11 +263,11 @@ async def running_orchestrator(redis, settings: OrchestratorSettings):
 def test_sampled_evals_report_pass_and_mean_at_k(redis_server, run_id, tiny_model_dir, tmp_path):
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             batch_prompts=2,
             group_size=2,
             steps=3,
@@ -378,11 +385,11 @@ def test_policy_evals_go_to_their_pool_and_are_scored_apart(redis_server, run_id
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             batch_prompts=2,
             group_size=2,
             steps=3,
@@ -491,11 +498,11 @@ def test_pi_s_gauges_hold_its_first_round_and_its_two_latest_by_step(redis_serve
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             evals={"every": 2, "policy": True},
         )
         orchestrator = Orchestrator(settings, redis)
@@ -529,11 +536,11 @@ def test_an_eval_task_given_up_completes_its_round_as_dead(redis_server, run_id,
 
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             batch_prompts=2,
             group_size=2,
             steps=3,
@@ -635,11 +642,11 @@ def test_eval_rounds_are_written_in_step_order_whichever_completes_first(
 ):
     async def main():
         redis = Redis.from_url(redis_server.url)
-        settings = OrchestratorSettings(
-            model_path=str(tiny_model_dir),
-            redis_url=redis_server.url,
-            run_id=run_id,
-            out_dir=tmp_path,
+        settings = run_settings(
+            redis_server,
+            run_id,
+            tiny_model_dir,
+            tmp_path,
             batch_prompts=2,
             group_size=2,
             steps=4,
