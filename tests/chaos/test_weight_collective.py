@@ -88,12 +88,16 @@ def test_a_replica_killed_during_broadcasts_fails_one_broadcast_and_loses_nothin
 
 
 def test_a_replica_started_mid_run_catches_up_and_joins(tmp_path, tiny_model_dir):
-    config = collective_config(replicas=1, steps=150)  # long enough to still run when the joiner is up
+    config = collective_config(replicas=1, steps=150)
     with running(config, tmp_path, tiny_model_dir, past_version=10) as launch:
         template = next(s for s in launch.services if s.name == "inference-0")
         joined_at = launch.api("GET", "/v1/run")["trainer_version"]
+        # the run is held while the joiner starts (a step takes ~0.1 s: 150 steps could end first)
+        assert launch.api("POST", "/v1/run/pause")["state"] == "paused"
         joiner = launch.add_replica(template, "replica-late")
         launch.wait_healthy(joiner)
+        wait_until(launch, lambda s: s["replica_versions"].get("replica-late", -1) >= joined_at, timeout=60)
+        assert launch.api("POST", "/v1/run/resume")["state"] == "running"
         wait_until(launch, lambda s: s["state"] == "finished")
         # the replica reports its version on its heartbeat: the last one lands within a beat or two
         final = wait_until(launch, lambda s: s["replica_versions"].get("replica-late") == 150, timeout=30)
