@@ -7,15 +7,16 @@ import hmac
 import logging
 import math
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, get_args
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from redis.asyncio import Redis
 
+from services.orchestrator import api_models as api
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.control import RedisUnavailable
 from services.orchestrator.orchestrator import Orchestrator, TransitionRefused
@@ -33,7 +34,15 @@ log = logging.getLogger("steadyrl.orchestrator")
 REFUSED = Counter("steadyrl_orchestrator_auth_refused_total", "Requests refused for a missing or wrong token")
 
 BEARER = HTTPBearer(auto_error=False)
-ACTIONS = ("start", "pause", "resume", "stop")
+ACTIONS = get_args(api.Action)
+# `action` is declared to the schema, not to FastAPI: an unknown one gets 404 naming the actions, not a 422
+ACTION = {
+    "name": "action",
+    "in": "path",
+    "required": True,
+    "description": "The transition; any other is refused with 404.",
+    "schema": {"title": "Action", "type": "string", "enum": list(ACTIONS)},
+}
 
 
 def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes: int = 1 << 20) -> FastAPI:
@@ -46,6 +55,7 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
         description="Control plane of one steadyrl run. Every route but /health and /metrics needs "
         "`Authorization: Bearer <token>` when a token is configured (the OpenAPI "
         "document and its pages too).",
+        responses={413: api.TOO_LARGE},
     )
 
     def authorised(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
@@ -76,40 +86,74 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
         log.error("event=request_failed path=%s error=%r", request.url.path, exc)
         return JSONResponse(status_code=500, content={"detail": f"internal error: {type(exc).__name__}"})
 
-    @app.get("/health")
+    @app.get("/health", summary="Liveness", response_model=api.Health, response_description="The process is up.")
     async def health() -> dict:
         return {"ok": True}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=Response,  # text, not JSON (its 413, as every route's, is JSON)
+        responses={
+            200: {"description": "Prometheus's text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        },
+    )
     async def metrics() -> Response:
         return Response(generate_latest(registry_of(orchestrator.settings.run_id)), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/openapi.json", dependencies=[Depends(authorised)], include_in_schema=False)
+    guarded = APIRouter(dependencies=[Depends(authorised)], responses={401: api.UNAUTHORISED})
+
+    @guarded.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", dependencies=[Depends(authorised)], include_in_schema=False)
+    @guarded.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
-    @app.get("/redoc", dependencies=[Depends(authorised)], include_in_schema=False)
+    @guarded.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
-    @app.get("/v1/run", dependencies=[Depends(authorised)])
+    @guarded.get(
+        "/v1/run",
+        summary="The run's status",
+        response_model=api.RunStatus,
+        response_description="The run's status (the last one read, marked `stale`, when Redis does not answer).",
+        responses={
+            503: api.unavailable("Redis did not answer in time and no status was read before (else: 200, `stale`).")
+        },
+    )
     async def status() -> dict:
         """State, versions of the trainer and of every replica, queue depths, progress, evals. When
         Redis does not answer in time: the last status read, with `stale` saying when and why."""
         return await orchestrator.bounded.status(orchestrator.status())
 
-    @app.get("/v1/run/config", dependencies=[Depends(authorised)])
+    @guarded.get(
+        "/v1/run/config",
+        summary="The run's settings",
+        response_model=api.RunConfig,
+        response_description="The resolved settings.",
+    )
     async def config() -> dict:
         """The resolved settings of this run (secrets left out)."""
         return orchestrator.settings.model_dump(mode="json", exclude={"token", "redis_url", "token_file"})
 
-    @app.post("/v1/run/{action}", dependencies=[Depends(authorised)])
-    async def act(action: str) -> dict:
+    @guarded.post(
+        "/v1/run/{action}",
+        summary="Start, pause, resume or stop the run",
+        response_model=api.ActionReply,
+        response_description="The transition is applied.",
+        responses={
+            404: api.refusal(api.Error, "Not an action: `detail` names the four."),
+            409: api.refusal(api.Error, "Not allowed from the run's state (named in `detail`)."),
+            503: api.unavailable("Redis did not answer in time: the transition was not applied, and never will be."),
+        },
+        openapi_extra={"parameters": [ACTION]},
+    )
+    async def act(request: Request) -> dict:
         """start | pause | resume | stop the run (one atomic step each; stopped is final)."""
+        action = request.path_params["action"]
         if action not in ACTIONS:
             raise HTTPException(status_code=404, detail=f"unknown action {action!r}; one of {sorted(ACTIONS)}")
         try:
@@ -118,6 +162,7 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"run_id": orchestrator.settings.run_id, "state": state}
 
+    app.include_router(guarded)
     return app
 
 
