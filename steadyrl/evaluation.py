@@ -81,7 +81,7 @@ def evaluate(
                     tasks.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                     for s in outs[i * repeat : (i + 1) * repeat]
                 ]
-                scored = rewards.score(tasks.source(source).reward, texts, example.answer)
+                scored = rewards.score(tasks.source(source).reward, texts, example.answer, example.row())
                 failures.update(s.reason for s in scored if s.reason)
                 out.append([s.value for s in scored])
         return out

@@ -1,4 +1,5 @@
-"""Agent programs drive rollouts through an OpenAI-compatible endpoint on the replica.
+"""Agent programs drive rollouts through an OpenAI-compatible endpoint on the replica (the replica's side of
+`shared.envs.agent_protocol`).
 
 An `agent:COMMAND` task runs COMMAND once per trajectory (`agent_programs.py`: isolated, `OPENAI_BASE_URL` at this
 replica's `/rollouts/SESSION/v1`, `OPENAI_API_KEY` the session's key, the prompt in `STEADYRL_PROMPT`); its last
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import os
@@ -40,6 +42,7 @@ from services.inference.agent_wire import (
     sampling_of,
 )
 from shared.engines import Engine, Sampling
+from shared.envs import agent_protocol
 from shared.envs.base import Message
 from shared.envs.trajectory import Budget, Trajectory, TrajectoryError, render
 
@@ -218,7 +221,7 @@ class Endpoint:
             raise TrajectoryError("no_isolation", refused)
         command = shlex.split(task.environment[len(PREFIX) :])
         with self.session(task, sampling, budget, return_trace, index) as (session, url):
-            env = {"OPENAI_BASE_URL": url, "OPENAI_API_KEY": session.key, "STEADYRL_PROMPT": prompt}
+            env = agent_protocol.program_environment(url, session.key, prompt)
             try:
                 status, out, err = await agent_programs.run(command, env, self.isolation, budget.env_seconds)
             except TimeoutError:
@@ -230,10 +233,9 @@ class Endpoint:
         if status != 0:
             after = f" (after a refused call: {session.refused[:200]})" if session.refused else ""
             raise TrajectoryError("env_error", f"the agent exited {status}{after}: {err[-300:]}")
-        lines = [line for line in out.splitlines() if line.strip()]
         trajectory = _recorded(session, "the agent")
         trajectory.reward, trajectory.reward_error = await asyncio.to_thread(
-            _score, task.task_name, lines[-1] if lines else "", task.answer
+            _score, task.task_name, agent_protocol.answer_of(out), task.answer, task.reward_row
         )
         trajectory.finish_reason = "done"
         trajectory.env_metrics = {"model_calls": float(trajectory.turns)}
@@ -290,11 +292,21 @@ def _recorded(session: Session, who: str) -> Trajectory:
     return session.trajectory
 
 
-def _score(reward: str, answer: str, reference: str) -> tuple[float, str]:
-    """(reward, why it could not be scored: '' when it was)."""
-    from shared.tasks import resolve_reward, score
+def _score(reward: str, answer: str, reference: str, row: str) -> tuple[float, str]:
+    """(reward, why it could not be scored: '' when it was); `row`: the task's, checked with its lease."""
+    from shared.tasks.registry import score
+    from shared.tasks.reward_contract import Row
 
-    return score(resolve_reward(reward), answer, reference)
+    loaded = _loaded(reward)
+    return score(loaded.fn, answer, reference, loaded.keywords(Row.from_json(row)))
+
+
+@functools.lru_cache(maxsize=64)
+def _loaded(reward: str):
+    """The reward, its signature read once per name."""
+    from shared.tasks.registry import load_reward
+
+    return load_reward(reward)
 
 
 @contextlib.asynccontextmanager

@@ -20,6 +20,7 @@ from shared.envs.verifiers_adapter import PREFIX as VERIFIERS
 from shared.runstore.queues import Lease, WorkQueue
 from shared.tasks import RewardRunner
 from shared.tasks.judging import model_reward
+from shared.tasks.reward_contract import Row
 
 log = logging.getLogger("steadyrl.inference.worker")
 MAX_GROUP_SIZE = 4096
@@ -92,6 +93,10 @@ def check_lease(
             f"overlong shaping of {overlong.buffer_tokens} tokens, penalty {overlong.penalty}: needs a buffer under "
             f"max_new_tokens ({sampling.max_new_tokens}), a penalty in [0, 100] and a single-turn task",
         )
+    try:
+        Row.from_json(task.reward_row)  # untrusted: bounded, JSON values only
+    except ValueError as exc:
+        raise Unservable("reward_row", str(exc)) from None
     agent = task.environment.startswith(AGENT)
     if agent and not task.environment[len(AGENT) :].strip():
         raise Unservable("environment", "an agent environment names its command: agent:COMMAND")
@@ -107,7 +112,7 @@ def check_lease(
         try:
             (judging or JudgeScoring(None, {}, rewards)).check(task.task_name)
         except KeyError as exc:
-            raise Unservable("reward", str(exc).strip("'\"")) from None
+            raise Unservable("reward", str(exc.args[0] if exc.args else exc)) from None
         return Checked(lease, prompt, sampling)
     try:
         environment_factory(task.environment) if task.environment and not agent else rewards.check(task.task_name)

@@ -55,6 +55,7 @@ from shared.rpc.pool_client import PoolError
 from shared.runstore.queues import Lease, WorkQueue, now_ms
 from shared.runtime.service_main import finish_despite_cancellation, sleep_or_stop
 from shared.tasks import RewardRunner
+from shared.tasks.reward_contract import Row
 from shared.tasks.shaping import overlong_penalty
 
 log = logging.getLogger("steadyrl.inference.worker")
@@ -420,7 +421,8 @@ class RolloutWorker:
         try:
             if judged is None:
                 texts = decode_completions(self.tokenizer, [s.token_ids for s in samples])
-                scores, reference = self.rewards.score(task.task_name, texts, task.answer), None
+                row = Row.from_json(task.reward_row)  # checked with the lease
+                scores, reference = self.rewards.score(task.task_name, texts, task.answer, row), None
             else:
                 scores, reference = judged
             for s in scores:

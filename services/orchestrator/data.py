@@ -1,5 +1,5 @@
 """The run's data: train and eval examples (never overlapping unless allowed) and the prompt tasks
-made from them."""
+made from them, each carrying what its reward takes of its dataset row (none: nothing)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,32 @@ from shared.models import load_tokenizer
 from shared.models.loading import encode_prompts
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import ArithTask, Example, MathTask
+from shared.tasks.judging import is_model_reward
+from shared.tasks.registry import load_reward
+from shared.tasks.reward_contract import Reward
 from shared.tasks.trace import MulTraceTask
 
 PROMPTS_CACHED = 65_536  # tokenized prompts kept (a few MB at most)
 
 TRAIN_ID = re.compile(r"^train-(\d+)$")  # a train task's id: train-<its number in the run>
+
+
+def rule_reward(name: str) -> Reward | None:
+    """The rule reward `name` as loaded here, to read what it takes of a row; None for a model-judged
+    one or one that cannot load here (its tasks then carry no row)."""
+    if not name or is_model_reward(name):
+        return None
+    try:
+        return load_reward(name)
+    except KeyError:
+        return None
+
+
+def takes_row(settings: OrchestratorSettings, default: str) -> bool:
+    """Whether a reward of a source's tasks (the run's, else the task's `default`; the evals' own)
+    takes the dataset row: then its examples keep their rows' columns."""
+    names = {settings.reward or default, settings.evals.reward}
+    return any(reward.takes_row for reward in map(rule_reward, names) if reward is not None)
 
 
 def dataset(settings: OrchestratorSettings, data: DataSource | None = None) -> tuple[list[Example], list[Example], str]:
@@ -58,6 +79,7 @@ def dataset(settings: OrchestratorSettings, data: DataSource | None = None) -> t
         str(data.math_eval_path) if data.math_eval_path else None,
         prompt_column=data.prompt_column,
         answer_column=data.answer_column,
+        columns=takes_row(settings, "math_verify"),
     )
     if data.math_eval_path is None:  # hold the last evals.size rows out of training
         rows = task.split("train")
@@ -88,10 +110,11 @@ def eval_sets(settings: OrchestratorSettings, data: DataSource, train: list[Exam
     """The named eval sets (`evals.sets`), at most evals.size problems each, read as problems of
     source `data`, none a training problem unless allowed."""
     template = {} if data.task == "math" else {"template": "{problem}"}
+    columns = takes_row(settings, "math_verify" if data.task == "math" else "exact_match")
     out: dict[str, list[Example]] = {}
     for name, path in settings.evals.sets.items():
         out[name] = MathTask(
-            str(path), prompt_column=data.prompt_column, answer_column=data.answer_column, **template
+            str(path), prompt_column=data.prompt_column, answer_column=data.answer_column, columns=columns, **template
         ).split("train", settings.evals.size)
         refuse_overlap(data, train, out[name], f"problems of eval set {name!r}")
     return out
@@ -141,6 +164,7 @@ class Tasks:
             **(own if mixture else {}),
             **{name: [("", e) for e in examples] for name, examples in named.items()},
         }
+        self.rewards: dict[str, Reward | None] = {}  # each task reward as loaded here, to read what it takes of a row
         self.tokenizer = load_tokenizer(settings.model_path)
         # (source, prompt) → its tokens, the newest PROMPTS_CACHED: a train cycle revisits its examples every epoch
         self._encoded: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
@@ -194,6 +218,14 @@ class Tasks:
         while len(self._encoded) > PROMPTS_CACHED:
             self._encoded.popitem(last=False)
 
+    def reward_row(self, reward: str, example: Example) -> str:
+        """What `reward` takes of the example's row, as its task carries it ('' for nothing)."""
+        if reward not in self.rewards:
+            self.rewards[reward] = rule_reward(reward)
+        loaded = self.rewards[reward]
+        row = loaded.select(example.row()) if loaded is not None else None
+        return row.to_json() if row is not None else ""
+
     def make(
         self,
         task_id: str,
@@ -206,7 +238,7 @@ class Tasks:
     ) -> common_pb2.PromptTask:
         """A PromptTask of `source`, scored by its reward; a multi-turn one carries its prompt as text,
         for the environment to open the conversation with (the replica renders it), and its environment
-        and budget."""
+        and budget; each carries what its reward takes of the example's dataset row."""
         s = self.settings
         spec = self.source(source)
         environment = spec.environment
@@ -227,11 +259,12 @@ class Tasks:
             turns["overlong"] = common_pb2.OverlongShaping(
                 buffer_tokens=s.sampling.overlong_buffer, penalty=s.sampling.overlong_penalty
             )
+        reward = s.evals.reward if is_eval and s.evals.reward else spec.reward
         return common_pb2.PromptTask(
             task_id=task_id,
             run_id=s.run_id,
             group_id=task_id,
-            task_name=(s.evals.reward if is_eval and s.evals.reward else spec.reward),
+            task_name=reward,
             **turns,
             answer=example.answer,
             group_size=group_size,
@@ -243,4 +276,5 @@ class Tasks:
                 max_new_tokens=s.sampling.max_new_tokens,
             ),
             source=source,
+            reward_row=self.reward_row(reward, example),
         )

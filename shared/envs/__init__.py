@@ -17,6 +17,7 @@ def _calc() -> Environment:
 
 
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"calc": _calc}
+"""The registered environments by name: each a factory of a fresh `Environment`."""
 
 
 def environment_factory(name: str) -> Callable[[], Environment]:

@@ -1,7 +1,8 @@
 """Synthetic multi-digit addition with an exact-match reward, for the tiny CPU model.
 
-Prompt "417+86=", answer "503". Splits are generated from a seed; train and eval never share a
-problem.
+Prompt "417+86=", answer "503", and one column for a reward that asks for it: `carries`, how many
+carries the sum makes (2 here), a measure of its difficulty. Splits are generated from a seed; train
+and eval never share a problem.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ArithTask:
         width = self.digits if self.fixed_width else 0
         answer = f"{a + b:0{width + 1 if width else 0}d}" if width else str(a + b)
         answer = answer[::-1] if self.reverse else answer
-        return Example(prompt=f"{a:0{width}d}+{b:0{width}d}=", answer=answer)
+        return Example(prompt=f"{a:0{width}d}+{b:0{width}d}=", answer=answer, columns={"carries": carries(a, b)})
 
     @property
     def num_problems(self) -> int:
@@ -64,6 +65,16 @@ class ArithTask:
                 continue
             out.setdefault((a, b), self.example(a, b))
         return list(out.values())
+
+
+def carries(a: int, b: int) -> int:
+    """How many carries written addition of a and b makes, digit by digit."""
+    count = carry = 0
+    while a or b:
+        carry = int(a % 10 + b % 10 + carry >= 10)
+        count += carry
+        a, b = a // 10, b // 10
+    return count
 
 
 def _is_eval(a: int, b: int, seed: int) -> bool:

@@ -1,6 +1,8 @@
 """A math task for real models: prompts from a local dataset — JSONL, JSON (a list of rows), CSV,
 Parquet, or a directory written by `datasets.Dataset.save_to_disk` — with the prompt and answer
-columns named by settings (or found among the usual names), answers checked with math-verify."""
+columns named by settings (or found among the usual names), answers checked with math-verify. For a
+reward that asks for its row (`shared.tasks.reward_contract`), each example also keeps the row's prompt
+as given and its other columns, checked when the data is loaded."""
 
 from __future__ import annotations
 
@@ -9,15 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.tasks.registry import Example, register_reward
+from shared.tasks.reward_contract import RESERVED, Row
 
 PROMPT_KEYS = ("prompt", "problem", "question")
 ANSWER_KEYS = ("answer", "solution", "ground_truth")
 
 
-def _pick(row: dict, keys: tuple[str, ...], path: Path, index: int) -> str:
+def _pick(row: dict, keys: tuple[str, ...], path: Path, index: int) -> tuple[str, str]:
+    """(column, its value as text) of the first of `keys` the row has."""
     for key in keys:
         if key in row and row[key] is not None:
-            return str(row[key])
+            return key, str(row[key])
     raise ValueError(f"{path} row {index}: none of the columns {keys}")
 
 
@@ -85,20 +89,25 @@ class MathTask:
     reward_name: str = "math_verify"
     prompt_column: str = ""  # empty: the first of PROMPT_KEYS the rows have
     answer_column: str = ""  # empty: the first of ANSWER_KEYS
+    columns: bool = False
+    """Keep each row's prompt as given and its other columns (but completion, answer, prompt), for a
+    reward that asks for them: a row whose columns are no JSON values or too large is refused, named."""
 
     def split(self, name: str, size: int | None = None) -> list[Example]:
         path = Path(self.train_path if name == "train" else (self.eval_path or self.train_path))
         rows = read_rows(path)
-        prompts = (self.prompt_column,) if self.prompt_column else PROMPT_KEYS
-        answers = (self.answer_column,) if self.answer_column else ANSWER_KEYS
-        examples = [
-            Example(
-                prompt=self.template.format(problem=_pick(row, prompts, path, i)),
-                answer=_pick(row, answers, path, i),
-            )
-            for i, row in enumerate(rows)
-        ]
+        examples = [self._example(row, path, i) for i, row in enumerate(rows)]
         return examples if size is None else examples[:size]
+
+    def _example(self, row: dict, path: Path, index: int) -> Example:
+        prompt_key, problem = _pick(row, (self.prompt_column,) if self.prompt_column else PROMPT_KEYS, path, index)
+        answer_key, answer = _pick(row, (self.answer_column,) if self.answer_column else ANSWER_KEYS, path, index)
+        prompt = self.template.format(problem=problem)
+        if not self.columns:
+            return Example(prompt=prompt, answer=answer)
+        columns = {k: v for k, v in row.items() if k not in (prompt_key, answer_key) and k not in RESERVED}
+        Row(problem, columns).checked(f"{path} row {index}")
+        return Example(prompt=prompt, answer=answer, columns=columns, row_prompt=problem)
 
 
 @register_reward("math_verify")

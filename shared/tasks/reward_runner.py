@@ -22,7 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shared.tasks.registry import is_inline, resolve_reward, score
+from shared.tasks.registry import is_inline, load_reward, resolve_reward, score
+from shared.tasks.reward_contract import Reward, Row
 
 log = logging.getLogger("steadyrl.rewards")
 
@@ -79,44 +80,59 @@ class RewardRunner:
         self.retries = retries  # calls again for a completion whose call failed
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
+        self._loaded: dict[str, Reward] = {}  # each reward's signature, read once
 
     def check(self, name: str) -> None:
         """Raise KeyError now if `name` is neither a registered reward nor an importable path."""
-        resolve_reward(name)
+        self.reward(name)
 
-    def score(self, name: str, completions: list[str], answer: str) -> list[Score]:
+    def reward(self, name: str) -> Reward:
+        """The reward `name`, loaded once (KeyError when unknown)."""
+        if name not in self._loaded:
+            self._loaded[name] = load_reward(name)
+        return self._loaded[name]
+
+    def score(self, name: str, completions: list[str], answer: str, row: Row | None = None) -> list[Score]:
         """Each completion's reward: its failed calls tried again (`retries`), each Score carrying
-        the reasons of its failed calls and, when none succeeded, the last as its reason."""
-        scores = self._score_once(name, completions, answer)
+        the reasons of its failed calls and, when none succeeded, the last as its reason. `row`: the
+        task's dataset row, of which the reward gets what it takes (nothing: called as (completion, answer))."""
+        try:
+            row = self.reward(name).select(row) if row is not None else None
+        except KeyError:  # an unknown reward: every call fails, named, in the reward process
+            row = None
+        scores = self._score_once(name, completions, answer, row)
         failures: list[tuple[str, ...]] = [(s.reason,) if s.reason else () for s in scores]
         for _ in range(self.retries):
             again = [i for i, s in enumerate(scores) if s.reason]
             if not again:
                 break
-            for i, retried in zip(again, self._score_once(name, [completions[i] for i in again], answer), strict=True):
+            retried_scores = self._score_once(name, [completions[i] for i in again], answer, row)
+            for i, retried in zip(again, retried_scores, strict=True):
                 scores[i] = retried
                 failures[i] += (retried.reason,) if retried.reason else ()
         return [Score(s.value if not s.reason else 0.0, s.reason, f) for s, f in zip(scores, failures, strict=True)]
 
-    def _score_once(self, name: str, completions: list[str], answer: str) -> list[Score]:
+    def _score_once(self, name: str, completions: list[str], answer: str, row: Row | None) -> list[Score]:
         if is_inline(name):
-            fn = resolve_reward(name)
-            return [Score(*score(fn, c, answer)) for c in completions]
+            reward = self.reward(name)
+            keywords = reward.keywords(row)
+            return [Score(*score(reward.fn, c, answer, keywords)) for c in completions]
         with self._lock:
-            return self._score_isolated(name, completions, answer)
+            return self._score_isolated(name, completions, answer, row)
 
-    def _score_isolated(self, name: str, completions: list[str], answer: str) -> list[Score]:
+    def _score_isolated(self, name: str, completions: list[str], answer: str, row: Row | None) -> list[Score]:
         out: list[Score] = []
+        extra = {"row": row.to_object()} if row is not None else {}
         while len(out) < len(completions):
             worker = self._ensure_worker()
-            todo = completions[len(out) :]
+            requests = [{"reward": name, "completion": c, "answer": answer, **extra} for c in completions[len(out) :]]
             try:
-                worker.send([{"reward": name, "completion": c, "answer": answer} for c in todo])
+                worker.send(requests)
             except OSError:  # the process died between two calls
                 self._restart()
                 worker = self._ensure_worker()
-                worker.send([{"reward": name, "completion": c, "answer": answer} for c in todo])
-            for _ in todo:
+                worker.send(requests)
+            for _ in requests:
                 started = time.monotonic()
                 reply = worker.reply(started + self.timeout)
                 if reply is None:
@@ -146,25 +162,30 @@ class RewardRunner:
             self._restart()
 
 
-def check_reward(name: str, completion: str, answer: str, timeout: float = 10.0) -> float:
-    """Load a reward (registered name or `module:function`), check it takes (completion, answer),
-    and call it once in a reward process with a time limit: its value, or ValueError saying why it
-    cannot serve a run (not importable, wrong signature, raises, hangs, not a finite number)."""
+def check_reward(name: str, completion: str, answer: str, timeout: float = 10.0, row: Row | None = None) -> float:
+    """Load a reward (registered name or `module:function`), check it takes (completion, answer)
+    with a default for any other parameter, and call it once in a reward process with a time limit,
+    given what it takes of `row` as a run's task gives it (default: an empty prompt, no column): its
+    value, or ValueError saying why it cannot serve a run (not importable, wrong signature, raises,
+    hangs, not a finite number)."""
     import inspect
 
     try:
         fn = resolve_reward(name)
     except KeyError as exc:
-        raise ValueError(str(exc).strip("'\"")) from None
+        raise ValueError(str(exc.args[0] if exc.args else exc)) from None
     try:
         inspect.signature(fn).bind("completion", "answer")
     except TypeError as exc:
-        raise ValueError(f"reward {name!r} must take (completion, answer): {exc}") from None
+        raise ValueError(
+            f"reward {name!r} must take (completion, answer), any other parameter with a default (a task "
+            f"without that column calls it without): {exc}"
+        ) from None
     except ValueError:  # a builtin without a signature: the dry call below decides
         pass
     runner = RewardRunner(timeout)
     try:
-        (result,) = runner.score(name, [completion], answer)
+        (result,) = runner.score(name, [completion], answer, Row(prompt="") if row is None else row)
     finally:
         runner.close()
     if result.reason:

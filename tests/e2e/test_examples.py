@@ -177,12 +177,27 @@ def test_the_custom_reward_scores_a_replicas_rollouts(tmp_path, tiny_model_dir, 
     assert {t.task_name for t in tasks.values()} == {"reward:score"}
     from reward import score  # examples/custom-reward/reward.py, on the path as the README puts it
 
+    # its credit for 2 of 3 digits in place: 0.5 × 2/3 × (1 + carries) / (1 + the prompt's width of 2)
+    assert [score("241", "240", prompt="17+25=", carries=c) for c in (0, 1, 2)] == pytest.approx([1 / 9, 2 / 9, 1 / 3])
+    assert score("241", "240") == pytest.approx(1 / 3) and score("240", "240", prompt="17+25=") == 1.0
+    # each task carries the reward's two arguments of its row: its prompt and its carries, nothing else
+    rows = {i: json.loads(t.reward_row) for i, t in tasks.items()}
+    for row in rows.values():
+        a, b = (int(x) for x in row["prompt"].rstrip("=").split("+"))
+        assert row["columns"] == {"carries": sum((a % 10**k + b % 10**k) >= 10**k for k in (1, 2))}
+    assert len({row["columns"]["carries"] for row in rows.values()}) > 1, rows  # problems of more than one difficulty
+
     rollouts = play(tmp_path, tiny_model_dir, redis_server.url, run_id, tasks)
     tokenizer = load_tokenizer(tiny_model_dir)
+    without_row = []  # what the rewards would have been had the row not reached the reward process
     for r in rollouts.values():
         [text] = decode_completions(tokenizer, [r.completion_token_ids.tolist()])
-        assert r.reward_error == "" and r.reward == pytest.approx(score(text, tasks[r.task_id].answer))
+        row = rows[r.task_id]
+        want = score(text, tasks[r.task_id].answer, prompt=row["prompt"], carries=row["columns"]["carries"])
+        assert r.reward_error == "" and r.reward == pytest.approx(want)
+        without_row.append(score(text, tasks[r.task_id].answer))
     rewards = [r.reward for r in rollouts.values()]
+    assert rewards != pytest.approx(without_row)  # the replica's reward process got the row
     assert any(0 < x < 1 for x in rewards), rewards  # partial credit: no built-in reward gives it
 
 

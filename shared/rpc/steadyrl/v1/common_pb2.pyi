@@ -36,7 +36,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PromptTask(_message.Message):
-    __slots__ = ("task_id", "run_id", "group_id", "task_name", "prompt_token_ids", "prompt_text", "answer", "group_size", "sampling", "attempt", "is_eval", "min_policy_version", "enqueued_unix_ms", "environment", "budget", "overlong", "source")
+    __slots__ = ("task_id", "run_id", "group_id", "task_name", "prompt_token_ids", "prompt_text", "answer", "group_size", "sampling", "attempt", "is_eval", "min_policy_version", "enqueued_unix_ms", "environment", "budget", "overlong", "source", "reward_row")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PromptTask(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REWARD_ROW_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     group_id: str
@@ -71,7 +72,8 @@ class PromptTask(_message.Message):
     budget: TrajectoryBudget
     overlong: OverlongShaping
     source: str
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_name: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., answer: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt: _Optional[int] = ..., is_eval: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., environment: _Optional[str] = ..., budget: _Optional[_Union[TrajectoryBudget, _Mapping]] = ..., overlong: _Optional[_Union[OverlongShaping, _Mapping]] = ..., source: _Optional[str] = ...) -> None: ...
+    reward_row: str
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_name: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., answer: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt: _Optional[int] = ..., is_eval: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., environment: _Optional[str] = ..., budget: _Optional[_Union[TrajectoryBudget, _Mapping]] = ..., overlong: _Optional[_Union[OverlongShaping, _Mapping]] = ..., source: _Optional[str] = ..., reward_row: _Optional[str] = ...) -> None: ...
 
 class OverlongShaping(_message.Message):
     __slots__ = ("buffer_tokens", "penalty")
