@@ -60,11 +60,17 @@ def trainer_node_command(
         env = service_env(recipe, "trainer") if recipe else {}
         env.update({k: v for k, v in os.environ.items() if k.startswith("STEADYRL_TRAINER_")})
         settings = build_settings("trainer", env)
-        if not settings.parallel.rdzv_endpoint:
-            raise ValueError("trainer.parallel.rdzv_endpoint names the weight-sync service, where the nodes meet")
-        if node_rank is not None and node_rank >= settings.parallel.nodes:
+        nodes = settings.parallel.nodes
+        if node_rank is not None and node_rank >= nodes:
+            ranks = "0" if nodes == 1 else f"0 to {nodes - 1}"
             raise ValueError(
-                f"--node-rank {node_rank} is not one of trainer.parallel.nodes = {settings.parallel.nodes}"
+                f"--node-rank {node_rank} is past the last node: trainer.parallel.nodes = {nodes}, ranks {ranks}"
+            )
+        if not settings.parallel.rdzv_endpoint:
+            raise ValueError(
+                "trainer.parallel.rdzv_endpoint is unset: the nodes meet at the weight-sync service, so set it to "
+                "that service's host:port (--set trainer.parallel.rdzv_endpoint=HOST:PORT, or "
+                "STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT)"
             )
     except ValueError as exc:
         typer.echo(f"steadyrl trainer-node: {exc}", err=True)

@@ -11,12 +11,13 @@ is shown), summary.py (what is left, and the exit codes).
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from steadyrl.processes import Launch
+from steadyrl.processes import Launch, Service
 from steadyrl.progress import PROGRESS, watch
 from steadyrl.recipe import Recipe, resolve_model
 from steadyrl.service_settings import check, settle_auto_dtype, settle_local_transport
@@ -70,12 +71,57 @@ def start_run(launch: Launch, supervisor: Supervisor, timeout: float = 120.0) ->
             launch.api("POST", "/v1/run/start")
             return
         except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 409:  # the directory holds a run of this id already
+                state = launch.api("GET", "/v1/run")["state"]
+                if state == "running":  # its launcher stopped: the services pick it up where it was
+                    return
+                raise RuntimeError(
+                    f"{launch.out} holds a run of {launch.config.run_id} that is {state} (its Redis data and "
+                    "checkpoints): give --out a new directory, or leave --out out for runs/<id>-<time>"
+                ) from None
             if exc.response.status_code != 503 or time.monotonic() > deadline:
                 raise
         except httpx.TransportError:
             if time.monotonic() > deadline:
                 raise
         time.sleep(0.5)
+
+
+STARTED = re.compile(r"event=started service=\S+ port=\d+ metrics_port=(\d+)")
+
+
+def metrics_port(service: Service, wait: float = 5.0) -> int:
+    """The /metrics port `service` bound, as the last `event=started` line of its log says (`steadyrl run`
+    lets each service draw a free one); 0 when it serves none, or has not said within `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        text = service.log.read_text(errors="replace") if service.log and service.log.exists() else ""
+        found = STARTED.findall(text)
+        if found or time.monotonic() > deadline:
+            return int(found[-1]) if found else 0
+        time.sleep(0.1)
+
+
+def control_plane(launch: Launch) -> str:
+    """The orchestrator's HTTP API: the control plane, its /docs, and its /metrics."""
+    from shared.rpc.tls import tls_from_env
+
+    return f"{'https' if tls_from_env() else 'http'}://127.0.0.1:{launch.http_port}"
+
+
+def healthy_line(launch: Launch, service: Service) -> str:
+    """`NAME healthy: gRPC HOST:PORT, metrics URL`, shown as each service turns healthy."""
+    line = f"  {service.name:<14} healthy: gRPC 127.0.0.1:{service.grpc_port}"
+    if service.name == "orchestrator":  # its /metrics is on the control plane's port
+        return f"{line}, metrics {control_plane(launch)}/metrics"
+    port = metrics_port(service)
+    return f"{line}, metrics http://127.0.0.1:{port}/metrics" if port else line
+
+
+def control_plane_line(launch: Launch) -> str:
+    """Where to watch and steer the run, and the token it asks for; shown once every service is healthy."""
+    token = launch.out / "token"
+    return f"  {'control plane':<14} {control_plane(launch)}  /v1/run, /docs (bearer token: {token})"
 
 
 def _run(config: Recipe, out: Path, progress: str) -> dict:
@@ -90,20 +136,28 @@ def _run(config: Recipe, out: Path, progress: str) -> dict:
     config = settle_local_transport(settle_auto_dtype(config, model_path))
     (out / "config.resolved.toml").write_text(config.as_toml())
     console.print(f"[bold]steadyrl run[/] {config.run_id} → {out}")
+    # soft_wrap on the lines below: a path or an address is never broken across lines, whatever the width
     for note in config.notes:
-        console.print(f"  {note}", markup=False)
+        console.print(f"  {note}", markup=False, soft_wrap=True)
     launch = Launch(config, out, model_path)
     started = time.time()
     summary: dict = {"run_id": config.run_id, "out": str(out), "model": model_path}
     supervisor = Supervisor(launch, lambda line: console.print(line, markup=False))
     drawing, plots = ThreadPoolExecutor(1, thread_name_prefix="plots"), None
     try:
-        launch.start_all(lambda s: console.print(f"  {s.name:<14} healthy on 127.0.0.1:{s.grpc_port}"))
+        launch.start_all(lambda s: console.print(healthy_line(launch, s), markup=False, soft_wrap=True))
+        console.print(control_plane_line(launch), markup=False, soft_wrap=True)
         if launch.placed_over:  # a deployment's values: on this host `steadyrl run` places them
             placed = ", ".join(launch.placed_over)
-            console.print(f"  placed by steadyrl run, not as the recipe sets them: {placed}", markup=False)
+            console.print(
+                f"  placed by steadyrl run, not as the recipe sets them: {placed}", markup=False, soft_wrap=True
+            )
         for folder in launch.swept:
-            console.print(f"  removed the version files a stopped run of {config.run_id} left: {folder}", markup=False)
+            console.print(
+                f"  removed the version files a stopped run of {config.run_id} left: {folder}",
+                markup=False,
+                soft_wrap=True,
+            )
         launch.write_pids()
         start_run(launch, supervisor)
         status = watch(launch, supervisor, console, progress)

@@ -226,8 +226,9 @@ class TrajectorySettings(BaseModel):
     plug-in `module:factory` importable by the replicas (`shared.envs`; its reward replaces
     `reward`), or `agent:COMMAND`, an agent program run per trajectory against the replica's
     OpenAI-compatible endpoint (inference.agent.endpoint), its last line of output scored by `reward`,
-    or `verifiers:ENV_ID [{JSON kwargs}]`, a `verifiers` environment (extra `steadyrl[verifiers]`;
-    task `verifiers`: its dataset, its rollout loop, its rubric).
+    or `verifiers:ENV_ID [{JSON kwargs}]`, a `verifiers` environment (the `verifiers` extra:
+    `.venv/bin/pip install -e '.[verifiers]'` from the repository root; task `verifiers`: its
+    dataset, its rollout loop, its rubric).
     Empty: the task's own (`calc` for calc, none — one prompt, one completion — otherwise)."""
     max_turns: int = Field(4, ge=1)
     """Multi-turn: model turns per trajectory at most."""

@@ -1,6 +1,6 @@
-"""`verifiers` environments (the optional extra `steadyrl[verifiers]`, its classic API: `load_environment()`) as a
-run's environment: `environment = "verifiers:ENV_ID"`, or `"verifiers:ENV_ID {JSON}"` with `load_environment`'s
-keyword arguments.
+"""`verifiers` environments (the optional extra `verifiers`, `pip install -e '.[verifiers]'`; its classic API:
+`load_environment()`) as a run's environment: `environment = "verifiers:ENV_ID"`, or
+`"verifiers:ENV_ID {JSON}"` with `load_environment`'s keyword arguments.
 
 A replica plays each dataset row's G trajectories with the environment's own rollout loop, its model calls answered
 by the replica's OpenAI-compatible endpoint (one session per trajectory), and scores the group with the
@@ -45,7 +45,8 @@ def load(environment: str):
         import verifiers as vf
     except ImportError as exc:
         raise ValueError(
-            f"{environment!r} needs the verifiers package: pip install 'steadyrl[verifiers]' ({exc})"
+            f"{environment!r} needs the verifiers package: from the repository, "
+            f".venv/bin/pip install -e '.[verifiers]' ({exc})"
         ) from None
     try:
         env = vf.load_environment(env_id, **kwargs)

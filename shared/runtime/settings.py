@@ -35,7 +35,8 @@ class TrackingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     wandb_project: str = ""
-    """Weights & Biases project (empty: off). Needs `pip install 'steadyrl[wandb]'` and, online,
+    """Weights & Biases project (empty: off). Needs the `wandb` extra (from the repository root:
+    `.venv/bin/pip install -e '.[wandb]'`) and, online,
     WANDB_API_KEY in the environment. The trainer and the orchestrator log to two W&B runs of one
     group (the run id), `RUN/trainer` and `RUN/orchestrator`, resumed by a restarted service."""
     wandb_entity: str = ""
@@ -43,8 +44,8 @@ class TrackingSettings(BaseModel):
     wandb_mode: Literal["online", "offline"] = "online"
     """`offline`: W&B writes under the service's out_dir (`wandb/`), for `wandb sync` later."""
     mlflow_tracking_uri: str = ""
-    """MLflow tracking server, e.g. http://mlflow:5000 (empty: off). Needs
-    `pip install 'steadyrl[mlflow]'`. One MLflow run per service, `RUN/trainer` and
+    """MLflow tracking server, e.g. http://mlflow:5000 (empty: off). Needs the `mlflow` extra (from the
+    repository root: `.venv/bin/pip install -e '.[mlflow]'`). One MLflow run per service, `RUN/trainer` and
     `RUN/orchestrator`, tagged steadyrl.run_id."""
     mlflow_experiment: str = "steadyrl"
     """MLflow experiment the runs go to (created when missing)."""
@@ -58,7 +59,8 @@ class TrackingSettings(BaseModel):
             ("mlflow_tracking_uri", "mlflow", "mlflow"),
         ):
             if getattr(self, setting) and importlib.util.find_spec(module) is None:
-                raise ValueError(f"tracking.{setting} needs {module}: pip install 'steadyrl[{extra}]'")
+                install = f".venv/bin/pip install -e '.[{extra}]'"
+                raise ValueError(f"tracking.{setting} needs {module}: from the repository root, {install}")
         return self
 
 

@@ -107,10 +107,26 @@ def test_the_slurm_script_starts_one_trainer_node_per_node_meeting_at_weightsync
 
 
 def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous_or_a_node_rank_past_the_nodes():
+    """Each refusal names the setting by its one dotted path (and how to set it), never `trainer.trainer.…`."""
     env = {**os.environ, "STEADYRL_TRAINER_MODEL_PATH": "/models/m", "STEADYRL_TRAINER_PARALLEL__NODES": "2"}
+    unset = (
+        "trainer.parallel.rdzv_endpoint is unset: the nodes meet at the weight-sync service, so set it to that "
+        "service's host:port (--set trainer.parallel.rdzv_endpoint=HOST:PORT, or "
+        "STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT)"
+    )
     for extra, args, said in (
-        ({}, [], "rdzv_endpoint"),
-        ({"STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT": "weightsync:50051"}, ["--node-rank", "2"], "--node-rank 2"),
+        ({}, [], "trainer.parallel.nodes = 2 needs trainer.parallel.rdzv_endpoint = 'host:port'"),
+        (
+            {"STEADYRL_TRAINER_PARALLEL__RDZV_ENDPOINT": "weightsync:50051"},
+            ["--node-rank", "2"],
+            "--node-rank 2 is past the last node: trainer.parallel.nodes = 2, ranks 0 to 1",
+        ),
+        ({"STEADYRL_TRAINER_PARALLEL__NODES": "1"}, ["configs/tiny-arith.toml"], unset),  # a single-node recipe
+        (
+            {"STEADYRL_TRAINER_PARALLEL__NODES": "1"},
+            ["configs/tiny-arith.toml", "--node-rank", "1"],
+            "--node-rank 1 is past the last node: trainer.parallel.nodes = 1, ranks 0",
+        ),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "steadyrl.cli", "trainer-node", *args, "--dry-run"],
@@ -120,7 +136,7 @@ def test_trainer_node_refuses_a_multi_node_recipe_without_a_rendezvous_or_a_node
             text=True,
             timeout=120,
         )
-        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert done.returncode == 2 and said in done.stderr and "trainer.trainer" not in done.stderr, done.stderr
 
 
 def jobset_errors(jobset: dict) -> list[str]:

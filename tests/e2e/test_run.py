@@ -103,6 +103,15 @@ def test_steadyrl_run_tiny_arith_end_to_end(tmp_path, tiny_model_dir, monkeypatc
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # the banner: each service's gRPC and /metrics addresses as it turns healthy, then the control plane's URL
+    for name in ("weightsync", "trainer", "inference-0", "inference-1", "inference-policy", "orchestrator"):
+        address = rf"^  {name} +healthy: gRPC 127\.0\.0\.1:\d+, metrics http://127\.0\.0\.1:\d+/metrics$"
+        assert re.search(address, done.stderr, re.MULTILINE), (name, done.stderr[:3000])
+    started = (out / "logs" / "orchestrator.log").read_text()
+    http_port = re.search(r"event=started service=orchestrator .*http_port=(\d+)", started)[1]
+    token = re.escape(str(out / "token"))
+    control = rf"^  control plane  http://127\.0\.0\.1:{http_port}  /v1/run, /docs \(bearer token: {token}\)$"
+    assert re.search(control, done.stderr, re.MULTILINE), done.stderr[:3000]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["steps"] == 4 and summary["versions"] == 4, summary
     # every replica reported and ended on the last version
