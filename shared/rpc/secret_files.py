@@ -17,7 +17,7 @@ SECRET_FIELD_SUFFIXES = ("token_file", "password_file", "signing_key_file", "ver
 
 
 class PlaceholderSecret(ValueError):
-    """A secret still holds deploy/env.example's placeholder."""
+    """A secret still holds deploy/env.example's placeholder, or its file is empty."""
 
 
 def is_placeholder(value: str) -> bool:
@@ -34,9 +34,18 @@ def refuse_placeholder(value: str, what: str, make: str = MAKE_SECRET) -> str:
     return value
 
 
-def read_secret(path: Path, what: str, make: str = MAKE_SECRET) -> str | None:
-    """The stripped content of the secret file `path` (None when empty), a placeholder refused."""
-    return refuse_placeholder(Path(path).read_text().strip(), f"{what} ({path})", make) or None
+def refuse_empty(value: str, what: str, make: str = MAKE_SECRET) -> str:
+    """`value`, unless it is empty: a file named for a secret that holds none would otherwise turn the
+    check it guards off (an empty token file: no token asked for), so PlaceholderSecret says so."""
+    if not value.strip():
+        raise PlaceholderSecret(f"{what} is empty, not a secret: write one into it ({make}) and start again")
+    return value
+
+
+def read_secret(path: Path, what: str, make: str = MAKE_SECRET) -> str:
+    """The stripped content of the secret file `path`; an empty file or a placeholder refused."""
+    named = f"{what} ({path})"
+    return refuse_placeholder(refuse_empty(Path(path).read_text().strip(), named, make), named, make)
 
 
 def secret_files(settings: object) -> dict[str, Path]:
@@ -64,4 +73,4 @@ def refuse_placeholder_files(settings: object) -> None:
         except (OSError, UnicodeDecodeError):
             continue
         make = MAKE_KEYS if field.endswith("key_file") else MAKE_SECRET
-        refuse_placeholder(value, f"{field} ({path})", make)
+        refuse_placeholder(refuse_empty(value, f"{field} ({path})", make), f"{field} ({path})", make)

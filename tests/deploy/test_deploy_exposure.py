@@ -74,19 +74,18 @@ READERS = {
 }
 
 
-@pytest.mark.parametrize("secret", sorted(READERS))
-def test_a_placeholder_secret_stops_the_service_that_reads_it_naming_the_command(secret, tmp_path, tiny_model_dir):
+def start_with(secret: str, content: str, tmp_path, tiny_model_dir):
+    """The service that reads `secret` started as compose starts it, that secret's file holding
+    `content` and every other a real value: (the finished process, the real values)."""
     doc = compose()
-    variable = doc["secrets"][secret]["environment"]
-    service_name, command = READERS[secret]
+    service_name, _ = READERS[secret]
     service = doc["services"][service_name]
     assert secret in service["secrets"]
-    placeholder = example_values()[variable]
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     real = {name: f"real-{name}-0123456789abcdef" for name in doc["secrets"]}
     for name in service["secrets"]:
-        (secrets / name).write_text((placeholder if name == secret else real[name]) + "\n")
+        (secrets / name).write_text((content if name == secret else real[name]) + "\n")
     paths = {"/run/secrets": str(secrets), "/models/tiny": str(tiny_model_dir), "/spill": str(tmp_path / "spill")}
     paths |= {"/home/steadyrl/runs": str(tmp_path), "/tmp/steadyrl-cache": str(tmp_path / "cache")}
     paths |= {"/etc/steadyrl/": str(ROOT / "configs") + "/"}
@@ -100,10 +99,27 @@ def test_a_placeholder_secret_stops_the_service_that_reads_it_naming_the_command
         text=True,
         timeout=240,
     )
+    return done, real
+
+
+@pytest.mark.parametrize("secret", sorted(READERS))
+def test_a_placeholder_secret_stops_the_service_that_reads_it_naming_the_command(secret, tmp_path, tiny_model_dir):
+    placeholder = example_values()[compose()["secrets"][secret]["environment"]]
+    done, real = start_with(secret, placeholder, tmp_path, tiny_model_dir)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])  # refused: nothing started
     assert "event=settings_refused" in done.stderr and "deploy/env.example's placeholder" in done.stderr
-    assert f"/{secret}" in done.stderr and f"`{command}" in done.stderr, done.stderr[-1000:]
+    assert f"/{secret}" in done.stderr and f"`{READERS[secret][1]}" in done.stderr, done.stderr[-1000:]
     assert not any(value in done.stdout + done.stderr for value in real.values())  # no secret echoed
+
+
+@pytest.mark.parametrize("secret", ["token", "redis_password"])
+def test_an_empty_secret_stops_the_service_instead_of_turning_its_check_off(secret, tmp_path, tiny_model_dir):
+    """An empty STEADYRL_TOKEN in .env gives compose an empty secret file: read as "no token", every
+    gRPC server would have started without asking for one."""
+    done, real = start_with(secret, "", tmp_path, tiny_model_dir)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "event=settings_refused" in done.stderr and f"/{secret}) is empty, not a secret" in done.stderr
+    assert not any(value in done.stdout + done.stderr for value in real.values())
 
 
 def test_every_secret_of_env_example_is_a_placeholder_the_services_refuse(tmp_path, monkeypatch):
@@ -122,6 +138,9 @@ def test_every_secret_of_env_example_is_a_placeholder_the_services_refuse(tmp_pa
     monkeypatch.setenv("STEADYRL_TOKEN_FILE", str(token))
     with pytest.raises(PlaceholderSecret):  # where every gRPC server and client reads it
         token_from_env()
+    token.write_text(" \n")
+    with pytest.raises(PlaceholderSecret, match=r"STEADYRL_TOKEN_FILE \(.*\) is empty, not a secret"):
+        token_from_env()  # an empty file is no way to turn the token off
     token.write_text("a-real-token\n")
     assert token_from_env() == "a-real-token"
 
