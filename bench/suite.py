@@ -1,4 +1,4 @@
-"""`steadyrl bench all`: every benchmark in one run (weightsync, transport, inference, multi-turn,
+"""`steadyrl bench all`: every benchmark in one run (the demo as shipped, weightsync, transport, inference, multi-turn,
 LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, pools, peers), one JSON
 object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each
 benchmark runs in its own process, so none inherits another's threads or memory."""
@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # name → (module, arguments); the module prints one JSON object as its last line
 BENCHMARKS = {
+    "demo": ("bench.demo", []),  # the figures the README, the home page and the quickstart quote
     "weightsync": ("bench.weightsync", ["11", "3"]),
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
@@ -219,6 +220,26 @@ def peer_rows(peers: dict) -> list[str]:
     return rows
 
 
+def demo_rows(demo: dict) -> list[str]:
+    """The demo as shipped: its figures' min–max over the runs (no ratio: the pages quoting the demo
+    read them). Pure."""
+    if "spread" not in demo:
+        return []
+    s, n = demo["spread"], len(demo["runs"])
+
+    def span(key: str) -> str:
+        low, high = s[key]
+        return str(low) if low == high else f"{low}–{high}"
+
+    return [
+        f"| demo | `{demo['command']}` as shipped, {n} run(s): the whole command, s "
+        f"(the steps: {span('steps_seconds')}) "
+        f"| {span('command_seconds')} | – |",
+        f"| demo | greedy eval accuracy at version 0 → {span('eval_version_end')} (best {span('eval_best')}) "
+        f"| {span('eval_start')} → {span('eval_end')} | – |",
+    ]
+
+
 def markdown(result: dict) -> str:
     """The summary table of docs/BENCHMARKS.md: every ratio with its target."""
     m = result["machine"]
@@ -226,7 +247,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Benchmarks",
         "",
-        "Written by `steadyrl bench all --markdown docs/BENCHMARKS.md --json docs/benchmarks.json`; every figure",
+        "Written by `steadyrl bench all --markdown docs/BENCHMARKS.md --json docs/results.json`; every figure",
         "is a ratio of two things measured side by side in that one run (the JSON has the raw numbers).",
         "",
         f"Measured on {m['cores']} cores of {m['cpu']}, {m['memory_gib']} GiB, "
@@ -237,6 +258,7 @@ def markdown(result: dict) -> str:
         "| benchmark | figure (ratio measured side by side in one run) | value | target |",
         "|---|---|---|---|",
     ]
+    lines += demo_rows(b.get("demo", {}))
     ws = b.get("weightsync", {})
     lines += weight_rows(ws)
     delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})

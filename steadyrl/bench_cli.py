@@ -144,6 +144,17 @@ def bench_pools(
     typer.echo(json.dumps(run(target=target, judge_steps=judge_steps, **chosen)))
 
 
+@bench_app.command("demo")
+def bench_demo(runs: int = typer.Option(3, min=1, help="Runs, one after another.")) -> None:
+    """The demo as it ships (`steadyrl run configs/tiny-arith.toml`), several runs: eval accuracy at the
+    start, end and best, wall seconds of the command and of its steps, tokens, tasks dropped, idle shares,
+    the load; each figure's min–max. `bench all --only demo --update --json docs/results.json` records it
+    where the pages quoting the demo read it."""
+    from bench.demo import main as run
+
+    typer.echo(json.dumps(run(runs)))
+
+
 @bench_app.command("peers")
 def bench_peers(
     steps: int = typer.Option(0, min=0, help="Steps of each side (0: the recipe's, as the demo ships)."),

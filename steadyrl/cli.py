@@ -19,6 +19,11 @@ app = typer.Typer(
 )
 
 
+def examples(*lines: str) -> str:
+    """A command's help epilog: its examples, kept line by line (click rewraps other paragraphs)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 @app.command()
 def version() -> None:
     """Print the installed steadyrl version and its key dependencies."""
@@ -60,7 +65,14 @@ def init_model(
     typer.echo(json.dumps({"out": str(path), **report}, indent=2))
 
 
-@app.command("run")
+@app.command(
+    "run",
+    epilog=examples(
+        "steadyrl run configs/tiny-arith.toml",
+        "steadyrl run configs/tiny-arith.toml --set run.steps=50 --out runs/try",
+        "steadyrl run configs/tiny-arith.toml --dry-run",
+    ),
+)
 def run_command(
     configs: Annotated[
         list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML), merged left to right.")
@@ -127,7 +139,13 @@ def run_command(
                 "multi-node trainer runs `steadyrl trainer-node` on every node under a job launcher "
                 "(deploy/slurm/trainer.sbatch, the JobSet in deploy/k8s/components/multinode-trainer)"
             )
-    except ValueError as exc:
+        if out is not None and (out / "summary.json").is_file():  # a run that ended: its state is final
+            ended = json.loads((out / "summary.json").read_text()).get("outcome", "ended")
+            raise ValueError(
+                f"--out {out} holds a run that ended ({ended}): give a new directory, or leave --out out for "
+                "runs/<id>-<time>"
+            )
+    except (ValueError, json.JSONDecodeError) as exc:
         typer.echo(f"steadyrl run: {named}: {exc}", err=True)
         raise typer.Exit(ExitCode.REFUSED) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"
@@ -144,7 +162,13 @@ def run_command(
         raise typer.Exit(code)
 
 
-@app.command("plan")
+@app.command(
+    "plan",
+    epilog=examples(
+        "steadyrl plan configs/gpu-qwen3-moe-math.toml",
+        "steadyrl plan configs/tiny-arith.toml --json",
+    ),
+)
 def plan_command(
     configs: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="Run recipe(s) (TOML).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.key=value (repeatable).")] = None,
@@ -180,7 +204,12 @@ def plan_command(
     typer.echo(json.dumps(result, indent=2) if as_json else render(result, recipe.run_id))
 
 
-@app.command("export")
+@app.command(
+    "export",
+    epilog=examples(
+        "steadyrl export runs/tiny-arith-TIME --out exported/",
+    ),
+)
 def export_command(
     checkpoint: Annotated[
         Path,
@@ -229,7 +258,12 @@ def export_command(
     typer.echo(json.dumps({"checkpoint": str(step), "model": base, "out": str(out), "dtype": dtype}))
 
 
-@app.command("eval")
+@app.command(
+    "eval",
+    epilog=examples(
+        "steadyrl eval runs/tiny-arith-TIME/final-model --config configs/tiny-arith.toml",
+    ),
+)
 def eval_command(
     model_dir: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="HF model directory.")],
     config: Annotated[
@@ -313,7 +347,12 @@ def replay_alerts_command(
         typer.echo(json.dumps(replay_run(run_dir, rules)))
 
 
-@app.command("experiment")
+@app.command(
+    "experiment",
+    epilog=examples(
+        "steadyrl experiment configs/paper-grid.toml --seeds 3 --out runs/grid",
+    ),
+)
 def experiment_command(
     grid: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Grid of configurations (TOML).")],
     seeds: Annotated[int, typer.Option(min=1, help="Seeds per configuration (0..K-1).")] = 3,

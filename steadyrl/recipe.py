@@ -560,10 +560,10 @@ def load_recipe(
     sections = {name: json.loads(json.dumps(data.get(name, {}))) for name in SERVICES}
     for text in overrides:
         section, key, value = parse_override(text)
-        if section == "run":
-            run[key] = value
+        if section == "run":  # a dotted key reaches a nested table: run.tracking.wandb_project
+            _set(run, key, value)
         elif section == "model":
-            model[key] = value
+            _set(model, key, value)
         elif section in SERVICES:
             _set(sections[section], key, value)
         elif section in POOLS:

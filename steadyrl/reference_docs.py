@@ -226,6 +226,21 @@ def settings_page() -> str:
         "too), and refuses a service section that sets one. The settings marked *placed by the "
         "deployment* are decided by `steadyrl run`, compose or the manifests (ports, addresses, paths, "
         "secrets), not by a recipe.",
+        "## Values and precedence\n\n"
+        "`--set section.key=value` (repeatable; a nested key dotted, `trainer.loss.eps_low=0.1`, "
+        "`run.tracking.wandb_project=p`) reads the value as a TOML literal — `10`, `3e-4`, `true`, "
+        '`"text"`, `[1, 2]`, `{a = 1}` — and anything that is not one as the text it is '
+        "(`model.path=/models/Qwen3` is the string `/models/Qwen3`; quote a string that would read as "
+        'another type: `run.id="true"`).\n\n'
+        "`steadyrl run A.toml B.toml --set ...` (`plan` alike): the defaults, then "
+        "A, then B (tables merge key by key, a later file's value replaces an earlier one), then each `--set` "
+        "in the order given (a later one wins). Under `steadyrl serve` (compose, Kubernetes): the files "
+        "STEADYRL_RECIPE names, then STEADYRL_RECIPE_SET's overrides (as `--set`; every service of the "
+        "deployment reads the same), then the service's own `STEADYRL_<SERVICE>_*` variables, each over the "
+        "one key it names (what the deployment places: ports, addresses, secrets). A variable for a setting "
+        "[run] declares is refused (it would make that service disagree with the others: set it in the "
+        "recipe or STEADYRL_RECIPE_SET). Without STEADYRL_RECIPE, the variables alone over the defaults "
+        "below. `tests/unit/test_override_precedence.py` holds each of these.",
     ]
     parts += sections_of(RunSection, "run", lambda f, path: row(f, path, copies(copied, path)))
     model_targets = [f"{s}.model_path" for s in SERVICES if s in MODEL_PATH]
@@ -301,11 +316,32 @@ def row(f: Field, path: str, third: str) -> list[str]:
     return [code(path), type_cell(f), default_text(f.default), third, prose(f.doc)]
 
 
+def rank(row: list[str], inherited: bool) -> int:
+    """A table's order: what a recipe sets, the section's own settings before those every service
+    shares; then what [run] or [model] sets; what the deployment places last (each group in the order
+    the class declares it)."""
+    if row[-1].startswith("*Placed by"):
+        return 3
+    return 2 if row[-1].startswith("*Set by") else int(inherited)
+
+
 def sections_of(cls: type, path: str, rows_for: Callable[[Field, str], list[str]], heading: bool = True) -> list[str]:
     """One table for the plain fields of `cls`, then one per nested section (recursively)."""
     fields = fields_of(cls)
     header = HEADER_RUN if path.split(".")[0] == "run" else HEADER_SERVICE
-    plain = [rows_for(f, f"{path}.{f.name}") for f in fields if nested(f.annotation) is None]
+    inherited = {name for base in cls.__mro__[1:] for name in getattr(base, "model_fields", {})}
+    plain = [
+        row
+        for _, row in sorted(
+            (
+                (rank(row, f.name in inherited), row)
+                for f in fields
+                if nested(f.annotation) is None
+                for row in [rows_for(f, f"{path}.{f.name}")]
+            ),
+            key=lambda pair: pair[0],
+        )
+    ]
     level = "###" if "." in path else "##"
     head = f"{level} [{path}]\n\n{prose(cls.__doc__)}\n\n" if heading or "." in path else ""
     out = [head + table(header, plain)]
@@ -317,6 +353,12 @@ def sections_of(cls: type, path: str, rows_for: Callable[[Field, str], list[str]
 
 
 # --- CLI -----------------------------------------------------------------------------------------
+
+
+# the commands a user reaches for first, in this order; the others after them by name
+FIRST = {
+    name: i for i, name in enumerate(["run", "eval", "plan", "export", "init-model", "experiment", "serve", "keys"])
+}
 
 
 def cli_page() -> str:
@@ -331,7 +373,7 @@ def cli_page() -> str:
         )
         yield ctx.command_path, command.get_help(ctx).rstrip()
         if hasattr(command, "list_commands"):
-            for sub in sorted(command.list_commands(ctx)):
+            for sub in sorted(command.list_commands(ctx), key=lambda name: (FIRST.get(name, len(FIRST)), name)):
                 yield from helps(command.get_command(ctx, sub), sub, ctx)
 
     parts = []
@@ -340,7 +382,9 @@ def cli_page() -> str:
     return page(
         "Command line",
         "`steadyrl/cli.py` (each command's `--help`)",
-        "Every command and subcommand of `steadyrl`, with its `--help`. Exit codes: [Exit codes](exit-codes.md).",
+        "Every command and subcommand of `steadyrl`, with its `--help`, the ones used most first. A run: "
+        "`steadyrl run configs/tiny-arith.toml` (`--set section.key=value` overrides a setting: "
+        "[values and precedence](settings.md#values-and-precedence)). Exit codes: [Exit codes](exit-codes.md).",
         *parts,
     )
 
@@ -388,12 +432,32 @@ def metrics_page() -> str:
         "Every service serves its metrics on its `metrics_port` (the orchestrator on its HTTP port, "
         "`/metrics`). Every sample also carries a `run` label, the run the service serves, when it "
         "has one. A histogram is exposed as `NAME_bucket`, `NAME_sum` and `NAME_count`. The alert rules "
-        "that read them: [Alerts](alerts.md)."
+        "that read them: [Alerts](alerts.md). The keys of a step's line in metrics.jsonl (each also the `name` of "
+        "`steadyrl_trainer_last_metric`): [metrics.jsonl](step-metrics.md)."
     ]
     for group in ("trainer", "inference", "orchestrator", "weightsync", "every service"):
         if group in rows:
             parts.append(f"## {group.capitalize()}\n\n" + table(["Metric", "Type", "Labels", "Help"], rows[group]))
     return page("Metrics", "the Prometheus registry of the services' modules", *parts)
+
+
+def step_metrics_page() -> str:
+    from services.trainer.step_keys import GROUPS, PARTS
+
+    parts = [
+        "The trainer writes one line per step trained to `metrics.jsonl` in its output directory "
+        "(`trainer/metrics.jsonl` of a run, copied beside it at the end), the same keys as TensorBoard scalars "
+        "and to W&B / MLflow when tracking is on; the last step's value of each is the Prometheus gauge "
+        "`steadyrl_trainer_last_metric{name=KEY}` ([Metrics](metrics.md)). Means are token-weighted over the whole "
+        "step (every mini-batch, every rank). [The objective](../concepts/objective.md#measuring-it) says what "
+        "the diagnostics measure. A key with a part in angle brackets stands for a family: "
+        + ", ".join(f"`<{name}>` matches `{pattern}`" for name, pattern in PARTS.items())
+        + "."
+    ]
+    for title, keys in GROUPS.items():
+        rows = [[code(k.name), text(k.unit), text(k.when), text(k.meaning)] for k in keys]
+        parts.append(f"## {title}\n\n" + table(["Key", "Unit", "Present", "Meaning"], rows))
+    return page("metrics.jsonl", "`services/trainer/step_keys.py`", *parts)
 
 
 # --- Alerts --------------------------------------------------------------------------------------
@@ -654,28 +718,53 @@ def openapi_schema() -> dict:
 
 
 def schema_name(schema: dict) -> str:
+    """A schema in a few words: a named one linked to its `## Schema` section, any other spelled out."""
     if "$ref" in schema:
         name = schema["$ref"].split("/")[-1]
         return f"[{code(name)}](#schema-{name.lower()})"
+    if "anyOf" in schema or "oneOf" in schema:
+        return " or ".join(schema_name(s) for s in schema.get("anyOf", schema.get("oneOf")))
+    kind = code(schema.get("type", "any"))
+    if "enum" in schema:
+        return f"{kind}: one of " + ", ".join(code(str(value)) for value in schema["enum"])
     if schema.get("type") == "array":
         return f"array of {schema_name(schema.get('items', {}))}"
-    title = schema.get("title", "")
-    named = title and not title.startswith("Response ")  # FastAPI's name for an unnamed reply
-    return code(schema.get("type", "any")) + (f" ({text(title)})" if named else "")
+    if schema.get("type") == "object" and isinstance(schema.get("additionalProperties"), dict):
+        return f"object of {schema_name(schema['additionalProperties'])}"
+    return kind
 
 
 def rest_page() -> str:
+    """Every operation (its parameters, and each status with its body and when it happens), then every
+    schema a body names, in the order the operations reach them (a nested schema after its parent)."""
     schema = openapi_schema()
+    components = schema.get("components", {}).get("schemas", {})
     parts = [
         f"{text(schema['info']['description'])}\n\nServed on the orchestrator's `http_port`. The whole "
         f"OpenAPI document: [openapi.json](openapi.json) (the running service serves it at `/openapi.json`, "
-        "behind the token)."
+        "behind the token). Every status an operation answers is listed with its body; every error body is "
+        "JSON."
     ]
     rows = []
     for path, methods in schema["paths"].items():
         for method, op in methods.items():
             rows.append([f"[{method.upper()} {code(path)}](#{slug(method, path)})", text(op.get("summary", ""))])
     parts.append(table(["Route", "Summary"], rows))
+    reached: list[str] = []
+
+    def reach(node: Any) -> None:
+        """Append the schemas `node` names, each followed by those it names in turn."""
+        if isinstance(node, dict):
+            name = node.get("$ref", "").split("/")[-1]
+            if name in components and name not in reached:
+                reached.append(name)
+                reach(components[name])
+            for value in node.values():
+                reach(value)
+        elif isinstance(node, list):
+            for value in node:
+                reach(value)
+
     for path, methods in schema["paths"].items():
         for method, op in methods.items():
             lines = [f"## {method.upper()} {code(path)} {{ #{slug(method, path)} }}"]
@@ -685,9 +774,15 @@ def rest_page() -> str:
             if op.get("parameters"):
                 lines.append(
                     table(
-                        ["Parameter", "In", "Required", "Schema"],
+                        ["Parameter", "In", "Required", "Schema", "Description"],
                         [
-                            [code(p["name"]), p["in"], "yes" if p.get("required") else "no", schema_name(p["schema"])]
+                            [
+                                code(p["name"]),
+                                p["in"],
+                                "yes" if p.get("required") else "no",
+                                schema_name(p["schema"]),
+                                prose(p.get("description")),
+                            ]
                             for p in op["parameters"]
                         ],
                     )
@@ -698,30 +793,39 @@ def rest_page() -> str:
                     "Request body: "
                     + ", ".join(f"{code(kind)} {schema_name(c.get('schema', {}))}" for kind, c in content.items())
                 )
-            responses = [
-                [
-                    code(status),
-                    text(reply.get("description", "")),
-                    ", ".join(
-                        f"{code(kind)} {schema_name(c.get('schema', {}))}"
-                        for kind, c in reply.get("content", {}).items()
-                    )
-                    or "—",
+            responses = []
+            for status, reply in sorted(op.get("responses", {}).items()):
+                reach(reply)
+                headers = [
+                    f"Header {code(name)}: {prose(h.get('description'))}"
+                    for name, h in reply.get("headers", {}).items()
                 ]
-                for status, reply in op.get("responses", {}).items()
-            ]
-            lines.append(table(["Status", "Description", "Body"], responses))
+                responses.append(
+                    [
+                        code(status),
+                        "<br>".join([prose(reply.get("description")), *headers]),
+                        ", ".join(
+                            f"{code(kind)} {schema_name(c.get('schema', {}))}"
+                            for kind, c in reply.get("content", {}).items()
+                        )
+                        or "—",
+                    ]
+                )
+            lines.append(table(["Status", "When", "Body"], responses))
             parts.append("\n\n".join(line.rstrip("\n") for line in lines))
-    for name, component in sorted(schema.get("components", {}).get("schemas", {}).items()):
+    for name in reached + sorted(set(components) - set(reached)):
+        component = components[name]
         required = set(component.get("required", []))
+        lines = [f"## Schema {code(name)} {{ #schema-{name.lower()} }}", prose(component.get("description"))]
         rows = [
-            [code(field), schema_name(spec), "yes" if field in required else "no", text(spec.get("description", ""))]
+            [code(field), schema_name(spec), "yes" if field in required else "no", prose(spec.get("description"))]
             for field, spec in component.get("properties", {}).items()
         ]
-        parts.append(
-            f"## Schema {code(name)} {{ #schema-{name.lower()} }}\n\n"
-            + table(["Property", "Schema", "Required", "Description"], rows)
-        )
+        if rows:
+            lines.append(table(["Property", "Schema", "Required", "Description"], rows))
+        elif component.get("additionalProperties") is True:
+            lines.append("An object of any properties.")
+        parts.append("\n\n".join(line.rstrip("\n") for line in lines if line))
     return page("REST API", "the control plane's OpenAPI schema (`services/orchestrator/server.py`)", *parts)
 
 
@@ -772,6 +876,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "settings.md": settings_page,
     "cli.md": cli_page,
     "metrics.md": metrics_page,
+    "step-metrics.md": step_metrics_page,
     "alerts.md": alerts_page,
     "redis-keys.md": redis_keys_page,
     "grpc.md": grpc_page,
@@ -787,11 +892,24 @@ def generate() -> dict[Path, str]:
     return out
 
 
+def generate_all() -> dict[Path, str]:
+    """The reference files and the pages whose figures are rendered from the results."""
+    return {**generate(), **figure_pages()}
+
+
+def figure_pages() -> dict[Path, str]:
+    """The pages whose figures come from docs/results.json: BENCHMARKS.md whole, the others' blocks."""
+    from bench.suite import markdown
+    from steadyrl import results
+
+    return {Path("docs") / "BENCHMARKS.md": markdown(results.load()), **results.rendered_pages()}
+
+
 def differences(root: Path = ROOT) -> list[Path]:
-    """The reference files under `root` that differ from (or miss) what the code generates now."""
+    """The generated files under `root` that differ from (or miss) what the code and the results make now."""
     return [
         path
-        for path, content in generate().items()
+        for path, content in generate_all().items()
         if not (root / path).is_file() or (root / path).read_text() != content
     ]
 
@@ -802,7 +920,7 @@ def main(argv: list[str]) -> int:
         for path in stale:
             print(f"{path.as_posix()} differs from the code: run `{COMMAND}`", file=sys.stderr)
         return 1 if stale else 0
-    for path, content in generate().items():
+    for path, content in generate_all().items():
         (ROOT / path).parent.mkdir(parents=True, exist_ok=True)
         (ROOT / path).write_text(content)
         print(path.as_posix())

@@ -67,3 +67,29 @@ def calc_model_dir():
     from shared.kit.tiny import init_tiny_model
 
     return init_tiny_model(task="calc")
+
+
+@pytest.fixture(autouse=True)
+def step_lines_are_declared(request):
+    """After any test with a `tmp_path`: every key of every step line (one with a `recipe`: each
+    trainer step writes it) of a metrics.jsonl under it is declared in services/trainer/step_keys.py
+    (the metrics reference's source)."""
+    root = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if root is None:
+        return
+    import json
+
+    from services.trainer.step_keys import undeclared
+
+    for path in root.rglob("metrics.jsonl"):
+        keys = set()
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash the test caused
+            if isinstance(record, dict) and "recipe" in record:
+                keys.update(record)
+        missing = undeclared(keys)
+        assert not missing, f"{path.relative_to(root)}: keys not declared in services/trainer/step_keys.py: {missing}"

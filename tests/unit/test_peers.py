@@ -106,7 +106,7 @@ def test_the_benchmarks_page_shows_both_sides_trl_s_choices_and_the_load():
 
 
 def test_the_machine_s_load_is_measured_around_a_run():
-    from steadyrl.peers import Load, machine_ticks
+    from bench.load import Load, machine_ticks
 
     busy, total = machine_ticks()
     assert 0 < busy < total

@@ -44,7 +44,7 @@ def test_the_committed_page_is_what_the_code_generates(generated, path):
 
 
 def test_check_names_each_page_that_differs(generated, tmp_path, capsys):
-    for path, content in generated.items():
+    for path, content in {**generated, **reference_docs.figure_pages()}.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(content)
     assert reference_docs.differences(tmp_path) == []
@@ -52,6 +52,11 @@ def test_check_names_each_page_that_differs(generated, tmp_path, capsys):
     metrics.write_text(metrics.read_text().replace("| gauge |", "| counter |", 1))
     (tmp_path / reference_docs.OPENAPI).unlink()
     assert reference_docs.differences(tmp_path) == [reference_docs.OUT / "metrics.md", reference_docs.OPENAPI]
+    readme = tmp_path / "README.md"  # a figure typed over its rendered block is named too
+    typed = re.sub(r"(the whole command, from its start to its end \| )[^|]+", r"\g<1>1 s ", readme.read_text())
+    assert typed != readme.read_text()
+    readme.write_text(typed)
+    assert Path("README.md") in reference_docs.differences(tmp_path)
 
 
 def test_every_page_is_headed_as_generated_and_holds_nothing_of_this_machine(generated):
@@ -188,7 +193,7 @@ def test_rest_gives_every_route_and_writes_the_schema(generated):
     assert set(schema["paths"]) == {"/health", "/metrics", "/v1/run", "/v1/run/config", "/v1/run/{action}"}
     act = text.split("## POST `/v1/run/{action}`", 1)[1].split("\n## ", 1)[0]
     assert "Needs the bearer token." in act and rows(act)["`action`"][1:3] == ["path", "yes"]
-    assert rows(act)["`422`"][2] == "`application/json` [`HTTPValidationError`](#schema-httpvalidationerror)"
+    assert rows(act)["`409`"][2] == "`application/json` [`Error`](#schema-error)" and "`422`" not in rows(act)
     assert "No token needed." in text.split("## GET `/health`", 1)[1].split("\n## ", 1)[0]
 
 

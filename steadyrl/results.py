@@ -1,0 +1,145 @@
+"""The figures pages quote, rendered from the one results file, docs/results.json (written by
+`steadyrl bench all --json docs/results.json`, each benchmark dated with its run). A page marks a
+rendered figure with `<!-- results:NAME -->…<!-- /results:NAME -->`; `python -m steadyrl.reference_docs`
+writes what is between the markers, and its `--check` fails when a page differs
+(docs/internals/docs-site.md#figures)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path("docs") / "results.json"
+BLOCK = re.compile(r"(<!-- results:([a-z0-9-]+) -->)(.*?)(<!-- /results:\2 -->)", re.DOTALL)
+# the pages with rendered figures (relative to the repository)
+PAGES = (Path("README.md"), Path("docs/index.md"), Path("docs/quickstart.md"), Path("docs/guides/pools.md"))
+
+
+def load(root: Path = ROOT) -> dict:
+    return json.loads((root / RESULTS).read_text())
+
+
+def span(values: list[float], fmt: Callable[[float], str], unit: str = "") -> str:
+    """`a–b unit` over the runs, one value when they agree. Pure."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return f"{low}{unit}" if low == high else f"{low}–{high}{unit}"
+
+
+def percent(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def seconds(x: float) -> str:
+    return f"{x:.0f}"
+
+
+def count(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def share(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def machine_text(results: dict) -> str:
+    m = results["machine"]
+    return f"{m['cores']} cores of {m['cpu']}, {m['memory_gib']} GiB, {'a GPU' if m['gpu'] else 'no GPU'}"
+
+
+def runs_text(n: int) -> str:
+    return "one run" if n == 1 else f"{n} runs, min–max"
+
+
+def demo(results: dict) -> dict:
+    return results["benchmarks"]["demo"]
+
+
+def demo_table(results: dict) -> str:
+    d = demo(results)
+    runs = d["runs"]
+    column = {k: [r[k] for r in runs] for k in runs[0]}
+    steps = runs[0]["steps"]
+    idle = f"{span(column['trainer_idle_share'], share)} / {span(column['replica_idle_share'], share)}"
+    rows = [
+        (
+            f"greedy eval accuracy, {count(runs[0]['eval_prompts'])} held-out problems, version 0 → {steps}",
+            f"{span(column['eval_start'], percent, '%')} → {span(column['eval_end'], percent, '%')} "
+            f"(best {span(column['eval_best'], percent, '%')})",
+        ),
+        ("the whole command, from its start to its end", span(column["command_seconds"], seconds, " s")),
+        (f"of it, the {steps} steps", span(column["steps_seconds"], seconds, " s")),
+        ("completion tokens trained", span(column["tokens"], count)),
+        ("trainer / replica idle share per step (mean)", idle),
+        (
+            "tasks dropped as staler than the budget",
+            f"{span(column['dropped'], count)} of {count(runs[0]['submitted'])}",
+        ),
+        (
+            "the machine's load: 1-minute average before a run / share of both cores busy during it",
+            f"{span(column['load_1min_before'], share)} / {span(column['machine_busy_share'], share)}",
+        ),
+    ]
+    head = (
+        f"`{d['command']}` as it ships, measured by `steadyrl bench demo` on {machine_text(results)} "
+        f"({d.get('date', results['date'])}; {runs_text(len(runs))}):"
+    )
+    return "\n".join([head, "", "| | |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def demo_wall(results: dict) -> str:
+    d = demo(results)
+    walls = [r["command_seconds"] for r in d["runs"]]
+    date = d.get("date", results["date"])
+    return f"{span(walls, seconds, ' s')} ({runs_text(len(walls))}, {date}, `steadyrl bench demo`)"
+
+
+def pools(results: dict) -> dict:
+    return results["benchmarks"]["pools"]
+
+
+def last(evals: dict) -> float:
+    return evals[max(evals, key=int)]
+
+
+def pools_summary(results: dict) -> str:
+    p = pools(results)
+    judge, distill, rl = p["judge"], p["distill"], p["rl"]
+    judge_steps = max(map(int, judge["evals"]))
+    return (
+        f"On the demo, RL on the kit's tiny judge alone lifts the exact-match eval {judge['evals']['0']:.2f} → "
+        f"{last(judge['evals']):.2f} in {judge_steps} steps, and a student distilled from the kit's tiny teacher's "
+        f"top-8 distribution learns a format RL alone barely moves on: {distill['evals']['0']:.2f} → its teacher's "
+        f"{p['teacher']['held_out']:.2f} by step {count(distill['steps_to_teacher'])}, RL alone at most "
+        f"{max(rl['evals'].values()):.2f} in {count(p['steps'])} (`steadyrl bench pools`, {p.get('date', '')})."
+    )
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {
+    "demo-table": demo_table,
+    "demo-wall": demo_wall,
+    "pools-summary": pools_summary,
+}
+
+
+def render(text: str, results: dict) -> str:
+    """`text` with every block's inside written anew from `results`; an unknown block name is an error."""
+
+    def one(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in RENDERERS:
+            raise KeyError(f"unknown results block {name!r}; one of {sorted(RENDERERS)}")
+        inside = RENDERERS[name](results)
+        multiline = "\n" in match.group(3)
+        inside = f"\n{inside}\n" if multiline or "\n" in inside else inside
+        return match.group(1) + inside + match.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def rendered_pages(root: Path = ROOT) -> dict[Path, str]:
+    """Each page with rendered figures (relative path) and its text as the results make it."""
+    results = load(root)
+    return {page: render((root / page).read_text(), results) for page in PAGES}
