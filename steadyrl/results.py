@@ -86,7 +86,7 @@ def demo_table(results: dict) -> str:
         f"`{d['command']}` as it ships, measured by `steadyrl bench demo` on {machine_text(results)} "
         f"({d.get('date', results['date'])}; {runs_text(len(runs))}):"
     )
-    return "\n".join([head, "", "| | |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+    return "\n".join([head, "", "| what | measured |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
 
 
 def demo_wall(results: dict) -> str:
