@@ -116,7 +116,7 @@ def run_command(
     from steadyrl.progress import PROGRESS
     from steadyrl.recipe import load_recipe
     from steadyrl.service_settings import check, resolved
-    from steadyrl.summary import exit_code
+    from steadyrl.summary import exit_code, out_dir_in_use
 
     setup_logging("run")
     named = " + ".join(str(c) for c in configs)
@@ -139,13 +139,9 @@ def run_command(
                 "multi-node trainer runs `steadyrl trainer-node` on every node under a job launcher "
                 "(deploy/slurm/trainer.sbatch, the JobSet in deploy/k8s/components/multinode-trainer)"
             )
-        if out is not None and (out / "summary.json").is_file():  # a run that ended: its state is final
-            ended = json.loads((out / "summary.json").read_text()).get("outcome", "ended")
-            raise ValueError(
-                f"--out {out} holds a run that ended ({ended}): give a new directory, or leave --out out for "
-                "runs/<id>-<time>"
-            )
-    except (ValueError, json.JSONDecodeError) as exc:
+        if out is not None and (busy := out_dir_in_use(out)):  # nothing of a run there is overwritten
+            raise ValueError(busy)
+    except ValueError as exc:
         typer.echo(f"steadyrl run: {named}: {exc}", err=True)
         raise typer.Exit(ExitCode.REFUSED) from None
     out = out or Path("runs") / f"{recipe.run_id}-{_time.strftime('%Y%m%d-%H%M%S')}"

@@ -126,8 +126,8 @@ def serve_command(
             f"steadyrl serve: event=settings_refused service={service} reason={exc}".replace("\n", " "), err=True
         )
         raise typer.Exit(ExitCode.REFUSED) from None
-    try:  # deploy/env.example's placeholders: refused before anything starts, the command that makes one named
-        token_from_env()
+    try:  # no usable secret (a placeholder, empty, no readable file): refused before anything starts
+        settings.bearer_token() if hasattr(settings, "bearer_token") else token_from_env()
         refuse_placeholder_files(settings)
     except PlaceholderSecret as exc:
         typer.echo(f"steadyrl serve: event=settings_refused service={service} reason={exc}", err=True)

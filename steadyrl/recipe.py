@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -388,6 +389,8 @@ def section_values(
         values["publish"] = merge_tables({"dtype": dtype}, values.get("publish", {}))
     if service == "inference" and values.get("dtype", AUTO) == AUTO:
         values["dtype"] = inference_dtype(inference, model_path or model.path)[0]
+    if service == "inference":  # the plug-ins the run names: the only ones a replica imports or runs for a task
+        values["plugins"] = sorted(set(values.get("plugins", [])) | declared_plugins(tables.get("orchestrator", {})))
     if service == "inference":  # agent programs need the replicas' endpoint
         environment = str(tables.get("orchestrator", {}).get("trajectory", {}).get("environment", ""))
         values["agent"] = merge_tables(
@@ -408,6 +411,30 @@ def section_values(
     if service == "inference" and top_k and pools.get("teacher") is not None:  # what the trainer's loss reads
         values["teacher"] = merge_tables({"top_k": top_k}, values.get("teacher", {}))
     return values
+
+
+def declared_plugins(orchestrator: Mapping[str, Any]) -> set[str]:
+    """Every reward and environment the [orchestrator] table names that is a plug-in (`module:attr`,
+    `agent:`, `verifiers:`), however deep (a mixture source's, the evals'). Pure."""
+    found: set[str] = set()
+
+    def walk(value: Any, key: str = "") -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, str(k))
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v, key)
+        elif (
+            key in ("reward", "environment")
+            and isinstance(value, str)
+            and ":" in value
+            and not value.startswith(("judge:", "reward_model:"))  # the judge pool's, scored by no import
+        ):
+            found.add(value)
+
+    walk(orchestrator)
+    return found
 
 
 def inference_dtype(inference: Mapping[str, Any], model_path: str) -> tuple[str, str]:
@@ -468,13 +495,18 @@ def _value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_value(v)}" for k, v in value.items()) + "}"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
+        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + "}"
+    # a TOML basic string: JSON's escapes are TOML's, and DEL, which JSON leaves as it is, is escaped too
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _key(key: Any) -> str:
+    """A TOML key: bare when it can be, else quoted."""
+    return str(key) if re.fullmatch(r"[A-Za-z0-9_-]+", str(key)) else _value(str(key))
 
 
 def _table(name: str, values: dict[str, Any]) -> str:
-    return f"[{name}]\n" + "".join(f"{k} = {_value(v)}\n" for k, v in values.items())
+    return f"[{name}]\n" + "".join(f"{_key(k)} = {_value(v)}\n" for k, v in values.items())
 
 
 def shown(text: str, limit: int = 200) -> str:
@@ -491,6 +523,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     if len(path) > 200:
         raise ValueError(f"--set names a setting of {len(path)} characters: {shown(path)}")
     section, key = path.strip().split(".", 1)
+    if "\n" in raw or "\r" in raw:  # TOML would read what follows the break as more keys, and drop them
+        raise ValueError(f"--set {path}: its value spans lines; write a line break as \\n inside a quoted string")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

@@ -187,6 +187,9 @@ def check(config: Recipe, gpus_available: int | None = None) -> dict[str, Any]:
     settings = settings_of(config)
     placement_of(config, settings, gpus_available)
     settings["orchestrator"].check_dataset()
+    from services.orchestrator.data import check_rows
+
+    check_rows(settings["orchestrator"])
     inference = settings["inference"]
     if settings["orchestrator"].trajectory.environment.startswith("agent:") and inference.agent.isolation:
         from shared.envs.isolation import unavailable

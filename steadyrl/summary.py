@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from concurrent.futures import Future
+from pathlib import Path
 
 from shared.runtime.exit_codes import ExitCode
 from shared.runtime.jsonl import read_jsonl
@@ -18,6 +19,46 @@ EXIT_CODES = {
     "stopped": ExitCode.STOPPED,
     "interrupted": ExitCode.INTERRUPTED,
 }
+
+
+def out_dir_in_use(out: Path) -> str | None:
+    """Why `out` cannot take a new run, None when it can: it is a file, it holds a run that ended (its
+    summary.json), or a run's processes there are alive (pids.json: a second run would take its token,
+    logs and Redis files)."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a directory"
+    summary = out / "summary.json"
+    if summary.exists() or summary.is_symlink():
+        try:
+            ended = json.loads(summary.read_text()).get("outcome", "ended")
+        except (OSError, ValueError, AttributeError):
+            ended = f"its {summary.name} unreadable"
+        return (
+            f"--out {out} holds a run that ended ({ended}): give a new directory, or leave --out out for "
+            "runs/<id>-<time>"
+        )
+    try:
+        pids = json.loads((out / "pids.json").read_text())
+    except (OSError, ValueError):
+        return None
+    alive = sorted(name for name, pid in (pids.items() if isinstance(pids, dict) else []) if _ours(pid))
+    if alive:
+        return (
+            f"--out {out}: its run is still running ({', '.join(alive)} alive): stop it first, or give a new directory"
+        )
+    return None
+
+
+def _ours(pid: object) -> bool:
+    """Whether `pid` is alive and one of a run's processes (a service or its redis-server), not a
+    process that reused the number."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"services." in command or b"redis-server" in command
 
 
 def exit_code(outcome: str | None) -> int:

@@ -14,3 +14,7 @@ def everything(completion: str, answer: str, **row) -> float:
 def needs_prompt(completion: str, answer: str, prompt: str) -> float:
     """A row argument without a default: refused before a run (a task without the row could not call it)."""
     return float(bool(prompt))
+
+
+def positional_prompt(completion: str, answer: str, prompt: str = "", /) -> float:
+    return float(bool(prompt))

@@ -7,7 +7,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -322,6 +322,12 @@ class InferenceSettings(ApiServiceSettings, RedisSettings, VerifiedWeights):
     """The vllm engine's sizes ([inference.vllm])."""
     tasks: TaskSettings = TaskSettings()
     """Leasing and running tasks ([inference.tasks])."""
+    plugins: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=1024)
+    """The plug-ins this replica may import or run for a task: the `module:function` rewards and the
+    `module:factory`, `agent:COMMAND` and `verifiers:ENV_ID` environments the run's [orchestrator] names
+    (`steadyrl run` and the deployments add each one the recipe names). A leased task naming another
+    is dead-lettered (`undeclared`), never imported or run: a task in Redis can be forged. Built-in
+    rewards and environments need no entry."""
     agent: AgentSettings = AgentSettings()
     """Agent programs and their endpoint ([inference.agent])."""
     lora: ReplicaLoraSettings = ReplicaLoraSettings()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import redis.exceptions
@@ -60,14 +61,36 @@ class Checked:
     sampling: Sampling
 
 
+def undeclared_plugin(task, declared: Collection[str]) -> str | None:
+    """The plug-in the task names (a `module:function` reward, a `module:factory`, `agent:` or
+    `verifiers:` environment) that the run did not declare, None when all it names is built in or
+    declared. Checked before anything is imported or run: a task in Redis can be forged. Pure."""
+    if ":" in task.task_name and model_reward(task.task_name) is None and task.task_name not in declared:
+        return task.task_name
+    if ":" in task.environment and task.environment not in declared:
+        return task.environment
+    return None
+
+
 def check_lease(
-    lease: Lease, run_id: str, engine: Engine, tokenizer, rewards: RewardRunner, judging: JudgeScoring | None = None
+    lease: Lease,
+    run_id: str,
+    engine: Engine,
+    tokenizer,
+    rewards: RewardRunner,
+    judging: JudgeScoring | None = None,
+    declared: Collection[str] = (),
 ) -> Checked:
     """The leased task's prompt and sampling, or Unservable when it can never be served here (`judging`:
-    the judge pool's client, which alone scores `judge:` and `reward_model:` rewards)."""
+    the judge pool's client, which alone scores `judge:` and `reward_model:` rewards; `declared`: the
+    plug-ins the run names, inference.plugins)."""
     task = lease.task
     if task.run_id and task.run_id != run_id:
         raise Unservable("other_run", f"task of run {task.run_id!r} in the queue of {run_id!r}")
+    if (plugin := undeclared_plugin(task, declared)) is not None:
+        raise Unservable(
+            "undeclared", f"{plugin[:200]!r} is no reward or environment this run declares (inference.plugins)"
+        )
     if not 1 <= task.group_size <= MAX_GROUP_SIZE:
         raise Unservable("group_size", f"group_size {task.group_size} outside [1, {MAX_GROUP_SIZE}]")
     try:

@@ -107,6 +107,7 @@ class RolloutWorker:
         self.teacher = teacher  # on-policy distillation: a teacher pool scores each group before it is sent
         self.judging = judging or JudgeScoring(None, {}, self.rewards)  # judge:/reward_model: rewards
         self.endpoint = endpoint  # the agent endpoint agent and verifiers tasks play through
+        self.declared = frozenset(settings.plugins)  # the plug-ins a task may name: the run's own
         self.rate = TokenRate()
         self.idle = IdleClock()  # no task generating: the replica's idle share
         self.held: set[str] = set()  # leases this replica renews
@@ -241,7 +242,9 @@ class RolloutWorker:
         encode them, and queue them for sending; on any failure the lease goes back."""
         try:
             try:
-                checked = check_lease(lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards, self.judging)
+                checked = check_lease(
+                    lease, self.queue.run_id, self.engine, self.tokenizer, self.rewards, self.judging, self.declared
+                )
             except Unservable as exc:
                 await self._dead_letter(lease, exc.code, exc.message)
                 return

@@ -409,12 +409,13 @@ class OrchestratorSettings(ServiceSettings, RedisSettings, StepShape):
 
     def bearer_token(self) -> str | None:
         """This setting, else the deployment's token (STEADYRL_TOKEN_FILE / STEADYRL_TOKEN) that gRPC uses."""
-        from shared.rpc.secret_files import read_secret, refuse_placeholder
+        from shared.rpc.secret_files import read_secret, refuse_empty, refuse_placeholder
 
         if self.token_file is not None:
             return read_secret(self.token_file, "the control plane's token, token_file")
-        if self.token:
-            return refuse_placeholder(self.token.get_secret_value(), "the control plane's token, token")
+        if self.token is not None:  # set, even empty: an empty token would turn the check off
+            what = "the control plane's token, token"
+            return refuse_placeholder(refuse_empty(self.token.get_secret_value().strip(), what), what)
         from shared.rpc.auth import token_from_env
 
         return token_from_env()

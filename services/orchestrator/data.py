@@ -42,6 +42,14 @@ def takes_row(settings: OrchestratorSettings, default: str) -> bool:
     return any(reward.takes_row for reward in map(rule_reward, names) if reward is not None)
 
 
+def check_rows(settings: OrchestratorSettings) -> None:
+    """ValueError naming the file and row of a dataset row the run's reward would get and cannot (the
+    row's limits): `steadyrl run` calls it before any process starts, as the orchestrator loads them."""
+    for data in settings.data.sources():
+        if data.task == "math" and takes_row(settings, "math_verify"):
+            dataset(settings, data if settings.data.mixture else None)
+
+
 def dataset(settings: OrchestratorSettings, data: DataSource | None = None) -> tuple[list[Example], list[Example], str]:
     """(train, eval, reward) of source `data` (the run's [orchestrator.data] when it has no mixture);
     train and eval never share a problem unless allowed."""

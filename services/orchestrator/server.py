@@ -155,7 +155,7 @@ def create_app(orchestrator: Orchestrator, token: str | None, max_request_bytes:
         """start | pause | resume | stop the run (one atomic step each; stopped is final)."""
         action = request.path_params["action"]
         if action not in ACTIONS:
-            raise HTTPException(status_code=404, detail=f"unknown action {action!r}; one of {sorted(ACTIONS)}")
+            raise HTTPException(status_code=404, detail=f"unknown action {action[:64]!r}; one of {sorted(ACTIONS)}")
         try:
             state = await orchestrator.transition(action)
         except TransitionRefused as exc:

@@ -23,12 +23,17 @@ MESSAGE = "missing or wrong bearer token"
 
 def token_from_env() -> str | None:
     """The deployment's token; deploy/env.example's placeholder is refused (PlaceholderSecret)."""
-    from shared.rpc.secret_files import read_secret, refuse_placeholder
+    from shared.rpc.secret_files import PlaceholderSecret, read_secret, refuse_empty, refuse_placeholder
 
-    path = os.environ.get("STEADYRL_TOKEN_FILE")
-    if path:
+    if "STEADYRL_TOKEN_FILE" in os.environ:  # set, even empty: a file is meant (empty names none: refused)
+        path = os.environ["STEADYRL_TOKEN_FILE"]
+        if not path.strip():
+            raise PlaceholderSecret("STEADYRL_TOKEN_FILE is set but empty: name the token's file, or unset it")
         return read_secret(Path(path), "the deployment's token, STEADYRL_TOKEN_FILE")
-    return refuse_placeholder(os.environ.get("STEADYRL_TOKEN", ""), "the deployment's token, STEADYRL_TOKEN") or None
+    if "STEADYRL_TOKEN" in os.environ:  # set, even empty: an empty token would turn the check off
+        what = "the deployment's token, STEADYRL_TOKEN"
+        return refuse_placeholder(refuse_empty(os.environ["STEADYRL_TOKEN"].strip(), what), what)
+    return None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

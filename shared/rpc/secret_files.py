@@ -7,9 +7,12 @@ Values are never echoed. The deployment's secrets: docs/security.md."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 PLACEHOLDER = "change-me"
+MAX_SECRET_BYTES = 64 * 1024
 MAKE_SECRET = "`steadyrl secret` prints a new random one"
 MAKE_KEYS = "`steadyrl keys DIR` makes the pair"
 # the settings fields (dotted, as a service's settings dump them) that name a secret's file
@@ -17,7 +20,8 @@ SECRET_FIELD_SUFFIXES = ("token_file", "password_file", "signing_key_file", "ver
 
 
 class PlaceholderSecret(ValueError):
-    """A secret still holds deploy/env.example's placeholder, or its file is empty."""
+    """No usable secret: deploy/env.example's placeholder, an empty value, or a file that is no
+    readable one-line text file."""
 
 
 def is_placeholder(value: str) -> bool:
@@ -43,9 +47,32 @@ def refuse_empty(value: str, what: str, make: str = MAKE_SECRET) -> str:
 
 
 def read_secret(path: Path, what: str, make: str = MAKE_SECRET) -> str:
-    """The stripped content of the secret file `path`; an empty file or a placeholder refused."""
+    """The stripped text of the secret file `path`. Refused (PlaceholderSecret, naming the file, never its
+    content): one that cannot be opened, is no regular file (a directory, a FIFO that would block, a
+    device), is over MAX_SECRET_BYTES, is not UTF-8 text, holds a control character, is empty, or
+    holds the example's placeholder."""
     named = f"{what} ({path})"
-    return refuse_placeholder(refuse_empty(Path(path).read_text().strip(), named, make), named, make)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, then is refused below
+    except OSError as exc:
+        raise PlaceholderSecret(f"{named} cannot be opened: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PlaceholderSecret(f"{named} is no regular file: name the file that holds the secret")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            data = file.read(MAX_SECRET_BYTES + 1)
+        except OSError as exc:
+            raise PlaceholderSecret(f"{named} cannot be read: {exc.strerror}") from None
+    if len(data) > MAX_SECRET_BYTES:
+        raise PlaceholderSecret(f"{named} is over {MAX_SECRET_BYTES} bytes: a secret is one short line")
+    try:
+        value = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise PlaceholderSecret(f"{named} is not UTF-8 text ({make})") from None
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise PlaceholderSecret(f"{named} holds a control character: a secret is one line of text ({make})")
+    return refuse_placeholder(refuse_empty(value, named, make), named, make)
 
 
 def secret_files(settings: object) -> dict[str, Path]:
@@ -65,12 +92,7 @@ def secret_files(settings: object) -> dict[str, Path]:
 
 
 def refuse_placeholder_files(settings: object) -> None:
-    """PlaceholderSecret when a secret file the settings name holds a placeholder. A file that cannot
-    be read is left to the service, which says why when it reads it."""
+    """PlaceholderSecret when a secret file the settings name is no usable secret (`read_secret`):
+    refused before anything starts, not when the service first reads it."""
     for field, path in secret_files(settings).items():
-        try:
-            value = path.read_text()
-        except (OSError, UnicodeDecodeError):
-            continue
-        make = MAKE_KEYS if field.endswith("key_file") else MAKE_SECRET
-        refuse_placeholder(refuse_empty(value, f"{field} ({path})", make), f"{field} ({path})", make)
+        read_secret(path, field, MAKE_KEYS if field.endswith("key_file") else MAKE_SECRET)

@@ -25,6 +25,14 @@ def _pick(row: dict, keys: tuple[str, ...], path: Path, index: int) -> tuple[str
     raise ValueError(f"{path} row {index}: none of the columns {keys}")
 
 
+def _json(text: str, where: str) -> object:
+    """`text` parsed, or ValueError naming `where` (a nesting past the parser's depth included)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where} is not JSON: {str(exc)[:200]}") from None
+
+
 def read_rows(path: Path) -> list[dict]:
     """Every row of a local dataset file or saved dataset directory, as dicts."""
     if not path.exists():
@@ -33,9 +41,9 @@ def read_rows(path: Path) -> list[dict]:
         return _saved_dataset(path)
     if path.suffix == ".jsonl":
         with path.open() as f:
-            return [json.loads(line) for line in f if line.strip()]
+            return [_json(line, f"{path} line {i}") for i, line in enumerate(f, 1) if line.strip()]
     if path.suffix == ".json":
-        rows = json.loads(path.read_text())
+        rows = _json(path.read_text(), str(path))
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{path}: a .json dataset is a list of objects (one per row)")
         return rows

@@ -129,15 +129,23 @@ def _not_json(value: Any, depth: int) -> str:
     """Why `value` is no JSON value ('' when it is one)."""
     if depth > MAX_DEPTH:
         return f"nests deeper than {MAX_DEPTH}"
-    if value is None or isinstance(value, str | bool | int):
+    if value is None or isinstance(value, bool):
+        return ""
+    if isinstance(value, int):  # past this JSON's text of it hits Python's digit limit
+        return "" if value.bit_length() <= 1024 else "holds an integer past 1024 bits"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "holds text that is not valid Unicode (a lone surrogate)"
         return ""
     if isinstance(value, float):
         return "" if math.isfinite(value) else f"holds {value}, not a finite number"
     if isinstance(value, list):
         return next((p for p in (_not_json(v, depth + 1) for v in value) if p), "")
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            return "holds an object with a key that is not text"
+        if not all(isinstance(k, str) and not _not_json(k, depth) for k in value):
+            return "holds an object with a key that is not valid text"
         return next((p for p in (_not_json(v, depth + 1) for v in value.values()) if p), "")
     return f"holds a {type(value).__name__}"
 

@@ -175,7 +175,11 @@ def check_reward(name: str, completion: str, answer: str, timeout: float = 10.0,
     except KeyError as exc:
         raise ValueError(str(exc.args[0] if exc.args else exc)) from None
     try:
-        inspect.signature(fn).bind("completion", "answer")
+        signature = inspect.signature(fn)
+        signature.bind("completion", "answer")
+        lost = [p.name for p in list(signature.parameters.values())[2:] if p.kind is p.POSITIONAL_ONLY]
+        if lost:  # the row comes by keyword: such a parameter would only ever get its default
+            raise TypeError(f"{', '.join(lost)} positional-only: the prompt and the row's columns come by keyword")
     except TypeError as exc:
         raise ValueError(
             f"reward {name!r} must take (completion, answer), any other parameter with a default (a task "

@@ -55,7 +55,7 @@ async def publish_as(redis, keys: RunKeys, task: str, payloads: list[bytes], lea
         await redis.xadd(keys.rollouts, fields)
 
 
-async def inject(url: str) -> None:
+async def inject(url: str, marker: Path) -> None:
     redis = Redis.from_url(url)
     keys = RunKeys(RUN)
     # the rollout stream
@@ -84,6 +84,13 @@ async def inject(url: str) -> None:
         "eval-x-y": _with(good, task_id="eval-x-y", is_eval=True, group_size=1).SerializeToString(),
         "overlong-buffer": _with(  # a shaping buffer as long as the budget
             good, task_id="overlong-buffer", overlong=common_pb2.OverlongShaping(buffer_tokens=4, penalty=1.0)
+        ).SerializeToString(),
+        # plug-ins the run never named: pydoc.pipepager(completion, answer) would run the answer in a shell
+        "forged-reward": _with(
+            good, task_id="forged-reward", task_name="pydoc:pipepager", answer=f"touch {marker}-reward"
+        ).SerializeToString(),
+        "forged-agent": _with(
+            good, task_id="forged-agent", environment=f"agent:touch {marker}-agent", prompt_text="1+1="
         ).SerializeToString(),
     }
     for task_id, data in bad_tasks.items():
@@ -130,7 +137,7 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
         ],
     )
     with running(config, tmp_path, tiny_model_dir) as launch:
-        asyncio.run(inject(launch.redis.url))
+        asyncio.run(inject(launch.redis.url, tmp_path / "forged"))
         # finished, and the far-future task ran out of attempts too
         wait_until(
             launch, lambda status: status["state"] == "finished" and status["dead_letters"]["tasks"].get("attempts")
@@ -157,7 +164,9 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
         "eval_rollout": G,
     }
     assert dead_groups == {"evil-incomplete", "evil-overfull", "evil-missized"}
-    assert tasks_dead == {"decode": 1, "group_size": 1, "context": 1, "attempts": 1, "overlong": 1}
+    assert tasks_dead == {"decode": 1, "group_size": 1, "context": 1, "attempts": 1, "overlong": 1, "undeclared": 2}
+    assert any("'pydoc:pipepager' is no reward or environment this run declares" in r for r in task_reasons)
+    assert not list(tmp_path.glob("forged-*"))  # neither was imported nor run
     assert any("max_new_tokens (100000) > the engine's" in r for r in task_reasons)  # refused, not crashed
     assert any("version_wait" in r and "1000000000" in r for r in task_reasons)  # the reason names the wait
     assert "event=eval_rollout_refused" in (tmp_path / "logs" / "orchestrator.log").read_text()
@@ -165,6 +174,8 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
     accounted = {rid.split(":")[0] for rid in trained} | {rid.split(":")[0] for rid in dropped} | dead
     assert accounted >= {f"train-{i}" for i in range(submitted)}
     assert all(
-        t.startswith("train-") or t in {"garbage-task", "far-future", "zero-group", "too-long", "overlong-buffer"}
+        t.startswith("train-")
+        or t
+        in {"garbage-task", "far-future", "zero-group", "too-long", "overlong-buffer", "forged-reward", "forged-agent"}
         for t in accounted
     )

@@ -64,6 +64,7 @@ def test_401_404_409_and_413_on_a_real_redis(redis_server, run_id, tiny_model_di
     assert unknown.status_code == 404
     assert unknown.json() == {"detail": "unknown action 'explode'; one of ['pause', 'resume', 'start', 'stop']"}
     assert [replies["POST", a].status_code for a in ("START", "start%20", "x" * 300)] == [404, 404, 404]  # never 422
+    assert replies["POST", "x" * 300].json()["detail"].startswith(f"unknown action {'x' * 64!r};")  # not echoed whole
     assert replies["resume"].status_code == 409 and replies["resume"].json() == {
         "detail": "cannot resume a run that is created"
     }

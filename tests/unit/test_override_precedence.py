@@ -52,3 +52,29 @@ def test_under_serve_the_service_variables_win_over_the_recipe_set_over_the_file
         deployed_settings("trainer", {**base, "STEADYRL_TRAINER_GROUP_SIZE": "4"})
     alone = deployed_settings("trainer", {"STEADYRL_TRAINER_MODEL_PATH": "/m", "STEADYRL_TRAINER_OPTIM__LR": "0.01"})
     assert (alone.optim.lr, alone.max_steps) == (0.01, 0)  # no recipe: the variables over the defaults
+
+
+def test_a_value_that_spans_lines_is_refused_not_cut():
+    """TOML would read `run.steps=5\nsteps=7` as steps 5 and a second key, dropped without a word."""
+    for text in ("run.steps=5\nsteps=7", 'run.id="abc"\r\njunk=1'):
+        with pytest.raises(ValueError, match="its value spans lines"):
+            parse_override(text)
+
+
+def test_the_resolved_recipe_reads_back_whatever_its_strings_hold(tmp_path):
+    import tomllib
+
+    text = 'line1\nline2\x01\x7f tab\t quote" backslash\\ é'
+    recipe = load_recipe(RECIPE, [f"orchestrator.data.system_prompt={json_string(text)}"])
+    assert recipe.orchestrator.data.system_prompt == text
+    back = tomllib.loads(recipe.as_toml())  # config.resolved.toml: a recipe `steadyrl run` takes again
+    assert back["orchestrator"]["data"]["system_prompt"] == text
+    (tmp_path / "again.toml").write_text(recipe.as_toml())
+    assert load_recipe(tmp_path / "again.toml").orchestrator.data.system_prompt == text
+
+
+def json_string(text: str) -> str:
+    """`text` as a TOML basic string (JSON's escapes are TOML's; DEL escaped)."""
+    import json
+
+    return json.dumps(text).replace("\x7f", "\\u007f")

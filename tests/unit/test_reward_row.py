@@ -187,3 +187,45 @@ def test_a_parquet_column_that_is_no_json_value_is_refused_only_when_a_reward_ta
     assert MathTask(str(path)).split("train")[0].columns == {}  # a reward that takes no row: loaded as before
     with pytest.raises(ValueError, match=r"rows.parquet row 0: column 'day' holds a date; a reward gets JSON values"):
         MathTask(str(path), columns=True).split("train")
+
+
+def test_a_row_a_reward_would_get_is_checked_before_any_process_starts(tmp_path):
+    """`steadyrl run` (and --dry-run) refuse the data with exit 2, naming the file and row, instead of an
+    orchestrator that dies on it after every service started."""
+    from services.orchestrator.config import OrchestratorSettings
+    from services.orchestrator.data import check_rows
+
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1), "difficulty": i % 3} for i in range(40)]
+    bad = {
+        "nan": '{"question": "1+1=", "answer": "2", "difficulty": NaN}',
+        "deep": json.dumps({"question": "1+1=", "answer": "2", "difficulty": [[[[[0]]]]]}).replace(
+            "[[[[[0]]]]]", "[" * 5000 + "0" + "]" * 5000
+        ),
+        "huge": json.dumps({"question": "1+1=", "answer": "2", "difficulty": 10**2000}),
+        "surrogate": '{"question": "1+1=", "answer": "2", "difficulty": "\\ud800"}',
+    }
+    for name, line in bad.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows[:7]) + line + "\n")
+        path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in rows[7:]))
+        for reward, refused in (("tests.rewards_with_row:difficulty", True), ("exact_match", False)):
+            settings = OrchestratorSettings(
+                model_path="tiny",
+                reward=reward,
+                data={"task": "math", "math_path": str(path), "prompt_column": "question", "answer_column": "answer"},
+                evals={"size": 8},
+            )
+            if not refused and name in ("nan", "deep"):
+                continue  # not JSON: the file is refused by any reward, see below
+            if refused:
+                with pytest.raises(ValueError, match=rf"{path}( line 8| row \d+)"):
+                    check_rows(settings)
+            else:
+                check_rows(settings)  # a reward that reads no row: the large column is not its concern
+
+
+def test_a_parameter_no_keyword_can_reach_is_refused_at_the_check():
+    from shared.tasks.reward_runner import check_reward
+
+    with pytest.raises(ValueError, match="prompt positional-only: the prompt and the row's columns come by keyword"):
+        check_reward("tests.rewards_with_row:positional_prompt", "2", "2")
