@@ -187,7 +187,9 @@ def test_the_custom_reward_scores_a_replicas_rollouts(tmp_path, tiny_model_dir, 
         assert row["columns"] == {"carries": sum((a % 10**k + b % 10**k) >= 10**k for k in (1, 2))}
     assert len({row["columns"]["carries"] for row in rows.values()}) > 1, rows  # problems of more than one difficulty
 
-    rollouts = play(tmp_path, tiny_model_dir, redis_server.url, run_id, tasks)
+    declared = settings_of("custom-reward", monkeypatch)["inference"].plugins  # what its recipe gives the replicas
+    assert declared == ["reward:score"]
+    rollouts = play(tmp_path, tiny_model_dir, redis_server.url, run_id, tasks, {"plugins": declared})
     tokenizer = load_tokenizer(tiny_model_dir)
     without_row = []  # what the rewards would have been had the row not reached the reward process
     for r in rollouts.values():
@@ -213,7 +215,15 @@ def test_the_multi_turn_examples_play_through_a_replica(tmp_path, calc_model_dir
         "agent:python3 examples/agent-program/agent.py",
         "verifiers:vf_multiply",
     }
-    rollouts = play(tmp_path, calc_model_dir, redis_server.url, run_id, tasks, {"agent": {"endpoint": True}})
+    declared = sorted(  # what each example's recipe gives its replicas
+        p
+        for e in ("tool-environment", "agent-program", "verifiers-environment")
+        for p in settings_of(e, monkeypatch)["inference"].plugins
+    )
+    assert declared == sorted({t.environment for t in tasks.values()})
+    rollouts = play(
+        tmp_path, calc_model_dir, redis_server.url, run_id, tasks, {"agent": {"endpoint": True}, "plugins": declared}
+    )
     tokenizer = load_tokenizer(calc_model_dir)
     played: dict[str, list] = {}  # example → (rollout, tool calls answered, final answer right) per trajectory
     for r in rollouts.values():

@@ -63,6 +63,7 @@ def test_an_agent_program_finds_no_secret_no_process_and_leaves_nothing_behind(
             redis_server.url,
             run_id,
             agent={"endpoint": True, "env": ["STEADYRL_TEST_PASSED"], "hidden_paths": [run_dir]},
+            plugins=[probe.environment],
         ):
             await submit(queue, probe)
             await wait_for(lambda: _dead(queue, 1), 60)
@@ -92,7 +93,9 @@ def test_a_session_answers_only_calls_that_carry_its_key(tmp_path, calc_model_di
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}) as replica:
+        async with Replica(
+            tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}, plugins=[hold.environment]
+        ) as replica:
             endpoint = replica.parts.endpoint
             await submit(queue, hold)
             await wait_for(lambda: _sessions(endpoint), 60)

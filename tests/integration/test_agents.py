@@ -61,7 +61,10 @@ def test_an_agent_program_drives_trained_rollouts_through_the_openai_endpoint(
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}) as replica:
+        declared = sorted({t.environment for t in tasks if ":" in t.environment})  # as the recipe would name them
+        async with Replica(
+            tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}, plugins=declared
+        ) as replica:
             base = replica.parts.endpoint.base_url
             bad = await asyncio.to_thread(
                 post, f"{base}/rollouts/nobody/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}

@@ -555,7 +555,12 @@ def test_rewards_run_where_replicas_run_them(tmp_path, tiny_model_dir, redis_ser
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
         async with Replica(
-            tmp_path, tiny_model_dir, redis_server.url, run_id, tasks={"reward_timeout_seconds": 2, "per_batch": 1}
+            tmp_path,
+            tiny_model_dir,
+            redis_server.url,
+            run_id,
+            tasks={"reward_timeout_seconds": 2, "per_batch": 1},
+            plugins=sorted({reward for _, reward, _, _ in tasks if ":" in reward}),  # as the recipe would declare
         ) as replica:
             for name, reward, prompt, answer in tasks:
                 task = arith_task(name, prompt, answer, 1)

@@ -67,7 +67,10 @@ def test_a_replica_plays_multi_turn_tasks_and_dead_letters_bad_environments(
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, tasks={"per_batch": 1}) as replica:
+        declared = sorted({t.environment for t in tasks if ":" in t.environment})  # as the recipe would name them
+        async with Replica(
+            tmp_path, calc_model_dir, redis_server.url, run_id, tasks={"per_batch": 1}, plugins=declared
+        ) as replica:
             for task in tasks:
                 await submit(queue, task)
             await wait_for(lambda: _completed(queue, 3), 120)

@@ -73,7 +73,10 @@ def test_a_verifiers_environment_plays_trained_rollouts_through_the_replica(
     async def main():
         redis = Redis.from_url(redis_server.url)
         queue = WorkQueue(redis, run_id)
-        async with Replica(tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}) as replica:
+        declared = sorted({t.environment for t in tasks if ":" in t.environment})  # as the recipe would name them
+        async with Replica(
+            tmp_path, calc_model_dir, redis_server.url, run_id, agent={"endpoint": True}, plugins=declared
+        ) as replica:
             for task in tasks:
                 await submit(queue, task)
             await wait_for(lambda: _completed(queue, 2), 120)

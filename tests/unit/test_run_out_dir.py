@@ -29,6 +29,7 @@ class _Trainer:
 def test_an_out_directory_in_use_or_not_a_directory_is_refused_and_a_stale_one_is_not(tmp_path):
     import subprocess
     import sys
+    import time
 
     from steadyrl.summary import out_dir_in_use
 
@@ -43,6 +44,11 @@ def test_an_out_directory_in_use_or_not_a_directory_is_refused_and_a_stale_one_i
     live = tmp_path / "live"
     live.mkdir()
     service = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "services.trainer"])
+    cmdline = Path(f"/proc/{service.pid}/cmdline")
+    deadline = time.monotonic() + 30
+    while b"services.trainer" not in cmdline.read_bytes():  # until the child has exec'd its command
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     try:
         (live / "pids.json").write_text(json.dumps({"trainer": service.pid, "weightsync": 2**22 + 7}))
         assert (
