@@ -60,6 +60,10 @@ class RunSection(StepShape):
     any batch_prompts given). 0: batch_prompts is fixed and N splits it."""
     tracking: TrackingSettings = TrackingSettings()
     """[run.tracking]: W&B and MLflow (off unless named), for the trainer and the orchestrator."""
+    exact: bool = False
+    """Exact mode: the torch engine's replicas and the trainer compute with the same batch-invariant fp32
+    forwards, so a token's sampling logprob equals the trainer's bit for bit (every IS weight exactly 1 at
+    staleness 0) and a token that differs stops the step, named (docs/guides/exact.md)."""
     colocate: bool = False
     """`steadyrl run`: the replicas on the trainer's GPUs instead of their own (one machine with few
     GPUs; inference.gpus_per_replica <= trainer.parallel.gpus). Off: every process has its own GPUs."""
@@ -156,6 +160,7 @@ SHARED = {
         "max_staleness": "max_staleness",
         "steps": "max_steps",
         "tracking": "tracking",
+        "exact": "exact",
     },
     "orchestrator": {
         "id": "run_id",
@@ -165,7 +170,7 @@ SHARED = {
         "steps": "steps",
         "tracking": "tracking",
     },
-    "inference": {"id": "run_id", "group_size": "group_size"},
+    "inference": {"id": "run_id", "group_size": "group_size", "exact": "exact"},
     "weightsync": {"id": "run_id"},
 }
 
@@ -214,6 +219,24 @@ class Recipe(BaseModel):
                 values = section_values(run, model, tables, pools, service)
                 data[service] = recipe_section(service, merge_tables(values, PROBES[service]))
         return data
+
+    @model_validator(mode="after")
+    def _exact_samples_the_model(self) -> Recipe:
+        """Exact mode: every request samples the model's own distribution, as the trainer scores it."""
+        if not self.run.exact:
+            return self
+        sampling, evals = self.orchestrator.sampling, self.orchestrator.evals
+        if sampling.temperature not in (0.0, 1.0) or sampling.top_p < 1.0:
+            raise ValueError(
+                "run.exact: the trainer scores the model's own distribution, so orchestrator.sampling needs "
+                f"temperature 1 (or 0) and top_p 1, got temperature {sampling.temperature}, top_p {sampling.top_p}"
+            )
+        if evals.samples and evals.temperature != 1.0:
+            raise ValueError(
+                f"run.exact: the replicas sample at temperature 1 only; orchestrator.evals.temperature is "
+                f"{evals.temperature} with evals.samples = {evals.samples}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _judged_rewards_have_a_judge(self) -> Recipe:
@@ -385,10 +408,10 @@ def section_values(
         values["model_path"] = model_path or model.path
     inference, trainer = tables.get("inference", {}), tables.get("trainer", {})
     if service == "trainer":  # the replicas' dtype
-        dtype = inference_dtype(inference, model_path or model.path)[0]
+        dtype = inference_dtype(inference, model_path or model.path, run.exact)[0]
         values["publish"] = merge_tables({"dtype": dtype}, values.get("publish", {}))
     if service == "inference" and values.get("dtype", AUTO) == AUTO:
-        values["dtype"] = inference_dtype(inference, model_path or model.path)[0]
+        values["dtype"] = inference_dtype(inference, model_path or model.path, run.exact)[0]
     if service == "inference":  # the plug-ins the run names: the only ones a replica imports or runs for a task
         values["plugins"] = sorted(set(values.get("plugins", [])) | declared_plugins(tables.get("orchestrator", {})))
     if service == "inference":  # agent programs need the replicas' endpoint
@@ -437,12 +460,14 @@ def declared_plugins(orchestrator: Mapping[str, Any]) -> set[str]:
     return found
 
 
-def inference_dtype(inference: Mapping[str, Any], model_path: str) -> tuple[str, str]:
+def inference_dtype(inference: Mapping[str, Any], model_path: str, exact: bool = False) -> tuple[str, str]:
     """(dtype, why) the replicas serve: the [inference] table's, or with "auto" (the default) the
-    fastest here (`shared.engines.dtype_choice`, measured once per process)."""
+    fastest here (`shared.engines.dtype_choice`, measured once per process); float32 in exact mode."""
     dtype = inference.get("dtype", AUTO)
     if dtype != AUTO:
         return dtype, "set by the recipe"
+    if exact:
+        return "float32", "run.exact: the trainer's precision"
     from shared.engines.dtype_choice import choose_dtype
 
     return choose_dtype(int(inference.get("gpus_per_replica", 0)), model_path, int(inference.get("torch_threads", 0)))

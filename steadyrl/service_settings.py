@@ -72,7 +72,7 @@ def settle_auto_dtype(config: Recipe, model_path: str) -> Recipe:
     one), the resolved recipe's notes saying why."""
     if config.section("inference").get("dtype", AUTO) != AUTO:
         return config
-    dtype, why = inference_dtype(config.section("inference"), model_path)
+    dtype, why = inference_dtype(config.section("inference"), model_path, config.run.exact)
     return config.with_values("inference", {"dtype": dtype}, f'inference.dtype "auto" chose "{dtype}": {why}')
 
 

@@ -301,6 +301,9 @@ class InferenceSettings(ApiServiceSettings, RedisSettings, VerifiedWeights):
     run, answering Score for the rollout replicas: docs/guides/pools.md), or `judge` (no task: a
     judge pool's replica, answering Judge with a verdict or, for a sequence-classification model,
     a scalar)."""
+    exact: bool = False
+    """Exact mode (a recipe sets it with run.exact): the torch engine's batch-invariant fp32 forwards, so
+    every sampled token's logprob is the trainer's recompute of it bit for bit (docs/guides/exact.md)."""
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences the engine generates at once (vLLM's max_num_seqs; the torch engine's batch)."""
     update_mode: Literal["in_flight", "between_requests"] = "in_flight"
@@ -368,6 +371,23 @@ class InferenceSettings(ApiServiceSettings, RedisSettings, VerifiedWeights):
             return {}
         switches = ("quantize_router", "quantize_activations") if self.engine == "torch" else ()
         return {"quantization": self.quantization, **{name: True for name in switches if getattr(self, name)}}
+
+    @model_validator(mode="after")
+    def _exact_fits(self) -> InferenceSettings:
+        """Exact mode computes as the trainer does: the torch engine in fp32, one thread on a CPU."""
+        if not self.exact or self.pool in ("teacher", "judge"):
+            return self
+        refused = [
+            (self.engine != "torch", "inference.engine = 'torch' (vLLM's batch-invariant kernels are GPU ones)"),
+            (self.dtype not in ("float32", "fp32", "auto"), "inference.dtype = 'float32' (the trainer's)"),
+            (self.quantization != "none", "inference.quantization = 'none'"),
+            (not self.gpus_per_replica and self.torch_threads != 1, "inference.torch_threads = 1"),
+            (bool(self.lora.rank), "no inference.lora"),
+        ]
+        wanted = [need for bad, need in refused if bad]
+        if wanted:
+            raise ValueError(f"run.exact needs {'; '.join(wanted)}")
+        return self
 
     @model_validator(mode="after")
     def _quantization_fits(self) -> InferenceSettings:

@@ -44,6 +44,8 @@ def engine_options(settings: InferenceSettings) -> dict:
         options["threads"] = settings.torch_threads
     if settings.engine == "torch" and settings.gpus_per_replica:
         options["device"] = "cuda"
+    if settings.exact and settings.pool in ("rollouts", "policy_eval"):
+        options["exact"] = True
     if settings.engine == "vllm":
         options.update(
             max_model_len=settings.vllm.max_model_len,

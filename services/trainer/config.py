@@ -308,6 +308,9 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
     """Group baseline."""
     bypass: bool = False
     """π_old := μ_old (no recompute forward)."""
+    exact: bool = False
+    """Exact mode (a recipe sets it with run.exact): batch-invariant fp32 forwards, the replicas' own, and
+    every token sampled by the step's version checked bit for bit (docs/guides/exact.md)."""
     mask_truncated: bool = False
     """Truncated answers (finish reason "length": the token budget ran out before an end) leave the
     loss, as DAPO's overlong filtering does; their rewards still enter their group's advantages."""
@@ -352,6 +355,8 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
                 "the trainer signs every version it publishes: set publish.signing_key_file (`steadyrl keys "
                 "DIR` makes a pair), or unsigned_weights = true"
             )
+        if self.exact:
+            self._exact_fits()
         if self.optim.schedule != "constant" and not self.max_steps:
             raise ValueError(
                 f"trainer.optim.schedule = '{self.optim.schedule}' decays to the run's last step: set run.steps"
@@ -361,6 +366,24 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
                 "stream.read_block_ms must be shorter than redis_timeout_seconds (a blocked read would time out)"
             )
         return self
+
+    def _exact_fits(self) -> None:
+        """Exact mode computes as an exact replica does: one fp32 process, one thread on a CPU."""
+        parallel, compute = self.parallel, self.compute
+        refused = [
+            (compute.precision == "bf16-mixed", "trainer.compute.precision = 'fp32' (the replicas sample in fp32)"),
+            (
+                compute.device != "cuda" and not parallel.gpus and compute.torch_threads != 1,
+                "trainer.compute.torch_threads = 1",
+            ),
+            (compute.activation_checkpointing, "trainer.compute.activation_checkpointing = false"),
+            (self.publish.dtype != "float32", "trainer.publish.dtype = 'float32' (the weights as trained)"),
+            (bool(self.lora.rank), "no trainer.lora"),
+            ((parallel.gpus or parallel.ranks or parallel.nodes) > 1, "one trainer rank"),
+        ]
+        wanted = [need for bad, need in refused if bad]
+        if wanted:
+            raise ValueError(f"run.exact needs {'; '.join(wanted)}")
 
     @property
     def filter_cap(self) -> int:
@@ -380,6 +403,7 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
             distill_reward_weight=self.distill.reward_weight,
             distill_max_gap=self.distill.max_gap,
             distill_top_k_coef=self.distill.top_k_coef if self.distill.top_k else 0.0,
+            exact=self.exact,
         )
 
 

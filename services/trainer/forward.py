@@ -4,7 +4,8 @@ and on the device the step runs with, the loss math always in fp32.
 `Compute` says how a step is computed — never what it computes: the device, bf16 autocast over
 fp32 parameters (`bf16-mixed`: parameters, gradients and optimizer state stay fp32; under FSDP
 the same is a MixedPrecisionPolicy set where the model is sharded), and micro-batches of at most
-`compute.micro_batch_tokens` tokens whose gradients accumulate into one update.
+`compute.micro_batch_tokens` tokens whose gradients accumulate into one update; exact mode's
+batch-invariant forwards (`shared.models.batch_invariant`, the replicas' own).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from services.trainer.batch import TrainBatch
 from shared.core.diagnostics import entropy_from_logits
+from shared.models.batch_invariant import BatchInvariant
 from shared.models.routing import RoutingController
 
 
@@ -28,6 +30,8 @@ class Compute:
     """bf16-mixed: forwards under torch.autocast to this dtype (None: the parameters' dtype)."""
     micro_batch_tokens: int = 0
     """Tokens per micro-batch (gradient accumulation within a mini-batch); 0 = the whole mini-batch."""
+    exact: bool = False
+    """Batch-invariant forwards: a row's logprobs are those an exact-mode replica sampled with, bit for bit."""
 
 
 @dataclass
@@ -73,11 +77,12 @@ def sequence_logprobs(
     autocast = torch.autocast(
         compute.device.type, dtype=compute.autocast or torch.float32, enabled=compute.autocast is not None
     )
-    with routing_context(routing, replay, replay_mask, capture) as recording, autocast:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast
+    with BatchInvariant() if compute.exact else contextlib.nullcontext():
+        with routing_context(routing, replay, replay_mask, capture) as recording, autocast:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast
+        log_softmax = torch.log_softmax(logits, dim=-1)
     targets = batch.input_ids[:, 1:]
-    log_softmax = torch.log_softmax(logits, dim=-1)
     logprobs = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if entropy_grad:
         entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)

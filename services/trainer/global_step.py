@@ -30,6 +30,36 @@ class NonFiniteStep(RuntimeError):
         self.reason = reason
 
 
+class ExactMismatch(RuntimeError):
+    """Exact mode: a token's sampling logprob and the trainer's recompute of it at the same version
+    differ. Not a statistic: the batch-invariant forwards promise equal bits (docs/guides/exact.md)."""
+
+
+def check_exact(
+    logprobs: torch.Tensor, part: TrainBatch, staleness: torch.Tensor, version: int, stats: StepStats
+) -> None:
+    """Exact mode: `logprobs` ([rows, S − 1], π at `version` of `part`'s rows) equal μ bit for bit on
+    every completion token sampled by `version` (staleness 0; an older token's difference is the
+    staleness, not a mismatch), else ExactMismatch naming the first token that differs."""
+    checked = part.loss_mask.to(logprobs.device) & (staleness.to(logprobs.device) == 0)
+    width = min(logprobs.shape[1], checked.shape[1])
+    checked = checked[:, :width]
+    mine = logprobs[:, :width].detach()
+    sampled = part.inference_logprobs[:, :width].to(logprobs.device)
+    differs = checked & (mine != sampled)
+    stats.add_total("exact_tokens", checked.sum())
+    if bool(differs.any()):
+        row, position = (int(i) for i in differs.nonzero()[0])
+        first = int(part.loss_mask[row].nonzero()[0])  # the completion's first token sits here
+        count = int(differs.sum())
+        raise ExactMismatch(
+            f"exact mode: rollout {part.rollout_ids[row]} completion token {position - first} "
+            f"(id {int(part.input_ids[row, position + 1])}, version {version}) was sampled with logprob "
+            f"{float(sampled[row, position]).hex()} and the trainer computes {float(mine[row, position]).hex()} "
+            f"({count} token(s) of this batch differ)"
+        )
+
+
 class Snapshot:
     """The trainable parameters and the optimizer's state as they were, on the CPU, to undo the
     updates of a step whose later mini-batch turned out non-finite (N > 1 only: one update is
@@ -98,6 +128,8 @@ class StepPlan:
     local: TrainBatch  # this rank's rows of every mini-batch, in order
     position: dict[int, int]  # row of `batch` → row of `local`
     buckets: list[int]  # staleness buckets present in the global batch
+    version: int = 0  # the version the step trains (the model's before its updates)
+    local_rows: list[int] | None = None  # row of `local` → row of `batch`
 
 
 def plan_step(
@@ -123,7 +155,15 @@ def plan_step(
     mine = [row for rows in rows_of for row in rows]
     buckets = sorted({int(x) for x in staleness[batch.loss_mask].tolist()}) if batch.loss_mask.any() else []
     return StepPlan(
-        batch, advantages, staleness, rows_of, batch.select(mine), {row: i for i, row in enumerate(mine)}, buckets
+        batch,
+        advantages,
+        staleness,
+        rows_of,
+        batch.select(mine),
+        {row: i for i, row in enumerate(mine)},
+        buckets,
+        version,
+        mine,
     )
 
 
@@ -194,6 +234,9 @@ def recompute_old(
                 compute=compute,
             )
             logprobs[at, : part.width - 1] = forward.logprobs
+            if config.exact:
+                staleness = plan.staleness.index_select(0, torch.tensor([plan.local_rows[i] for i in chunk]))
+                check_exact(forward.logprobs, part, staleness[:, : part.width - 1], plan.version, stats)
             own = forward.routing
             if own is not None:
                 if captured is None:
@@ -256,6 +299,7 @@ def update(
     stats: StepStats,
     world: int,
     compute: Compute,
+    first: bool = True,
 ) -> None:
     """One optimizer step on `rows` (this rank's part of one mini-batch), its gradients
     accumulated over micro-batches of at most `compute.micro_batch_tokens` tokens. Every
@@ -298,6 +342,8 @@ def update(
             )
             if agreement:
                 record_agreement(stats, forward.routing, mb)
+            if config.exact and first and (old.fused or config.bypass):  # π at the step's version: this forward
+                check_exact(forward.logprobs, mb, staleness, plan.version, stats)
             if old.fused:
                 old_logprobs = forward.logprobs.detach()
             else:
@@ -407,7 +453,7 @@ def train_step(
     snapshot = Snapshot(model, optimizer) if len(plan.rows_of) > 1 else None
     for i, rows in enumerate(plan.rows_of):
         try:
-            update(model, optimizer, routing, plan, old, rows, config, stats, world, compute)
+            update(model, optimizer, routing, plan, old, rows, config, stats, world, compute, first=i == 0)
         except NonFiniteStep:
             if snapshot is not None and i > 0:  # the step's earlier updates are undone with it
                 snapshot.restore(optimizer)
@@ -429,6 +475,9 @@ def train_step(
     )
     for b in plan.buckets:
         metrics[f"staleness_tokens_s{b}"] = float((plan.staleness[mask] == b).sum())
+    if config.exact:  # every token checked bit for bit: each IS weight is exp(0), the correction the identity
+        metrics["exact_tokens"] = metrics.get("exact_tokens", 0.0)
+        metrics["is_identity"] = float(metrics["exact_tokens"] == metrics["tokens"])
     metrics.update(  # where the step's time went (docs/operate/metrics.md)
         plan_seconds=plan_seconds,
         old_logprobs_seconds=old_seconds,

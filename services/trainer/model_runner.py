@@ -44,8 +44,10 @@ from services.trainer.parallel import (
     prepare_reference,
     wants_bf16,
 )
+from services.trainer.past_versions import PastVersions
 from shared.core.lr_schedule import lr_factor
-from shared.models import load_causal_lm
+from shared.core.stats import StepStats
+from shared.models import batch_invariant, load_causal_lm
 from shared.models.loading import resolve_dtype
 from shared.models.lora import (
     ADAPTER,
@@ -111,6 +113,12 @@ def choose_recipe(
         why = "manual"
     if s.bypass and replay == "r2":
         replay, why = "off", why + " (bypass: no recompute to replay, R2 off)"
+    if s.exact:
+        why += (
+            "; exact: π equals μ bit for bit, every IS weight is 1 (the correction is the identity)"
+            if staleness_peak == 0
+            else "; exact: no mismatch, the IS weights correct the staleness alone"
+        )
     name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
         f"+{replay}" if replay != "off" else ""
     )
@@ -122,6 +130,8 @@ def choose_recipe(
         name += "+entropy"
     if s.dynamic_sampling.enabled:
         name += "+dynamic_sampling"
+    if s.exact:
+        name += "+exact"
     return s.step_config(replay, clip), name, why
 
 
@@ -133,6 +143,9 @@ class StepRunner:
         self.device = rank_device(s.compute.device)
         self.rank, self.world = init_from_env(self.device, s.parallel.collective_timeout_seconds)
         self.model = load_causal_lm(s.model_path, "float32")
+        if s.exact:  # the replicas' batch-invariant forwards (checked on the step's thread: _step)
+            batch_invariant.prepare(self.model)
+        self.kernels_checked = not s.exact
         if s.lora.rank:  # the adapter trains, the base (router included) stays frozen
             self.model = apply_lora(
                 self.model, s.lora.rank, s.lora.alpha, s.lora.dropout, s.lora.target_modules, s.lora.target_experts
@@ -153,9 +166,11 @@ class StepRunner:
         bf16 = wants_bf16(s, self.device)
         sharded = s.parallel.mode in ("fsdp", "hsdp") and self.world > 1
         self.compute = Compute(
-            self.device, torch.bfloat16 if bf16 and not sharded else None, s.compute.micro_batch_tokens
+            self.device, torch.bfloat16 if bf16 and not sharded else None, s.compute.micro_batch_tokens, s.exact
         )
         self.sharded = sharded
+        # exact mode: the last max_staleness versions' weights, to check the tokens they sampled
+        self.past = PastVersions(s.model_path, s.max_staleness, self.compute) if s.exact else None
         self.publish_dtype = resolve_dtype(s.publish.dtype)
         config = self.model.config
         self.pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
@@ -266,6 +281,9 @@ class StepRunner:
 
     def _step(self, rollouts: list[Rollout], version: int) -> dict[str, float]:
         bind_torch_threads(self.settings.compute.torch_threads)  # steps run on executor threads
+        if not self.kernels_checked:  # exact mode: on the kernels and thread count the steps use
+            batch_invariant.check_kernels(self.model, self.device)
+            self.kernels_checked = True
         started = time.perf_counter()
         batch = collate(rollouts, self.pad_token_id, self.settings.mask_truncated)
         collate_seconds = time.perf_counter() - started
@@ -282,6 +300,10 @@ class StepRunner:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        past = StepStats()
+        if self.past is not None:  # the tokens older versions sampled, under those versions
+            self.past.check(batch, version, past)
+            self.past.remember(version, self.model)
         metrics = train_step(
             self.parallel,
             self.optimizer,
@@ -296,6 +318,10 @@ class StepRunner:
             self.reference,
         )
         self.steps_done += 1
+        if self.past is not None:
+            checked = past.result()
+            metrics["exact_tokens"] += checked.get("exact_tokens", 0.0)
+            metrics["exact_unchecked_tokens"] = checked.get("exact_unchecked_tokens", 0.0)
         metrics["collate_seconds"] = collate_seconds
         metrics["lr"] = lr
         metrics["truncated_frac"] = sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)

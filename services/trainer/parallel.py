@@ -31,6 +31,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def wants_bf16(settings: TrainerSettings, device: torch.device) -> bool:
+    if settings.exact:  # the replicas' fp32 forwards (refused with bf16-mixed)
+        return False
     return settings.compute.precision == "bf16-mixed" or (
         settings.compute.precision == "auto" and device.type == "cuda"
     )

@@ -36,6 +36,9 @@ class StepConfig:
     """... the log-ratio clamped to ±this first (finite, > 0)."""
     distill_top_k_coef: float = 0.0
     """Weight of the KL from the teacher's top-k distribution to the policy's in the loss (0: off)."""
+    exact: bool = False
+    """Exact mode: π at the step's version equals μ bit for bit on every token sampled by that version,
+    or the step raises ExactMismatch naming the token (docs/guides/exact.md)."""
 
     @property
     def distills(self) -> bool:

@@ -104,6 +104,28 @@ OBJECTIVE = (
     ),
     StepKey("is_weight_mean", "weight", "Mean importance-sampling weight w_t over the valid tokens (after its cap)."),
     StepKey("is_weight_max", "weight", "Largest IS weight of the step."),
+    StepKey(
+        "exact_tokens",
+        "tokens",
+        "Tokens whose sampling logprob equalled, bit for bit, the trainer's recompute under the version that "
+        "sampled them (the step's own version in its forward, older ones with their kept weights). A token that "
+        "differs stops the step: ExactMismatch, naming it.",
+        "exact mode (run.exact)",
+    ),
+    StepKey(
+        "exact_unchecked_tokens",
+        "tokens",
+        "Tokens of an older version whose weights the trainer no longer holds (the versions before a restart): "
+        "not compared.",
+        "exact mode (run.exact)",
+    ),
+    StepKey(
+        "is_identity",
+        "0 or 1",
+        "1 when every token of the step was checked bit for bit (exact mode, staleness 0): every IS weight is "
+        "exactly 1, the correction computed and the identity; 0 when older tokens carry a staleness correction.",
+        "exact mode (run.exact)",
+    ),
     StepKey("is_truncated_frac", "fraction", "Share of valid tokens whose IS weight the cap truncated."),
     StepKey(
         "importance_ratio_mean", "ratio", "Mean ratio π_θ / π_old over the valid tokens (1 on a step's first update)."

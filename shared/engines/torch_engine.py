@@ -4,7 +4,8 @@ Sequences enter as they are submitted (`start`) and leave as they finish; every 
 full forward. `apply` copies a version into the model in place between decode steps: "in_flight" recomputes the
 running sequences' KV under it, "between_requests" lets them finish on the old weights (one version per rollout).
 Routing traces come from the forwards that sample. Device: the CPU or a GPU (`device="cuda"`); a seed gives the same
-tokens on the same device.
+tokens on the same device. `exact`: every forward batch-invariant (`shared.models.batch_invariant`), so a token's
+logprob is bit for bit the trainer's recompute of it (docs/guides/exact.md).
 
 Details: docs/internals/engines.md"""
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -41,6 +43,7 @@ from shared.engines.sequences import (
     sample_next,
 )
 from shared.engines.torch_weights import InPlaceWeights, load_model
+from shared.models import batch_invariant
 from shared.models.loading import resolve_dtype
 from shared.models.routing import RoutingController
 from shared.runtime.torch_threads import bind_torch_threads
@@ -76,9 +79,16 @@ class TorchEngine:
         quantize_router: bool = False,
         quantize_activations: bool = False,
         device: str = "cpu",
+        exact: bool = False,
     ) -> None:
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {update_mode!r}")
+        if exact and (resolve_dtype(dtype) != torch.float32 or quantization != "none"):
+            raise ValueError(
+                f"exact mode computes as the trainer does: dtype float32 and no quantization "
+                f"(got {dtype}, quantization {quantization})"
+            )
+        self.exact = exact
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"the torch engine was asked for {device} and no CUDA device is visible")
@@ -90,6 +100,8 @@ class TorchEngine:
         self.model, self.quantized, self.activations, notes = load_model(
             model_path, self.dtype, self.device, quantization, quantize_router, quantize_activations
         )
+        if exact:
+            batch_invariant.prepare(self.model)
         self.routing = RoutingController(self.model)
         self.quantization = quantization
         config = self.model.config
@@ -100,7 +112,11 @@ class TorchEngine:
         self.capabilities = Capabilities(
             routing_trace=self.routing.is_moe,
             dtype=str(self.dtype).removeprefix("torch."),
-            notes=(*notes, f"on {self.device}") if self.device.type != "cpu" else notes,
+            notes=(
+                *notes,
+                *([f"on {self.device}"] if self.device.type != "cpu" else []),
+                *(["exact: batch-invariant forwards"] if exact else []),
+            ),
         )
         self.weights = InPlaceWeights(self.model, self.quantized, quantization, self.model_path)
         self._version = version
@@ -117,9 +133,14 @@ class TorchEngine:
         self.steps = 0
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self.first_token_at: dict[int, float] = {}  # wall time of the first token each version produced
+        self._checked = threading.Event()  # the engine thread checked its kernels (exact mode)
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
         atexit.register(_close_at_exit, weakref.ref(self))
+        self._checked.wait()
+        if self.error is not None:
+            self._thread.join(30)
+            raise self.error
 
     # --- the public side ---------------------------------------------------------------------------
 
@@ -165,6 +186,12 @@ class TorchEngine:
                 None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
                 self.vocab_size,
             )
+            if self.exact and (sampling.temperature not in (0.0, 1.0) or sampling.top_p < 1.0 or sampling.top_k > 0):
+                raise ValueError(
+                    "exact mode samples the model's own distribution (temperature 1, or 0 for greedy; no top-k or "
+                    f"top-p), as the trainer scores it: got temperature {sampling.temperature}, top_k "
+                    f"{sampling.top_k}, top_p {sampling.top_p}"
+                )
         seed = sampling.seed + index if sampling.seed else 0
         return Seq(list(prompt), sampling, seed, return_trace, on_token, SeqFuture())
 
@@ -224,7 +251,8 @@ class TorchEngine:
         check_scored(sequences, self.vocab_size, self.max_model_len, top_k)
         out: list[Scored] = []
         start = 0
-        with self._lock, torch.inference_mode():
+        exact = batch_invariant.BatchInvariant() if self.exact else contextlib.nullcontext()
+        with self._lock, torch.inference_mode(), exact:
             bind_torch_threads(self.threads)
             while start < len(sequences):
                 end, longest = start, 0
@@ -278,7 +306,16 @@ class TorchEngine:
     def _run(self) -> None:
         bind_torch_threads(self.threads)
         try:
-            with torch.inference_mode():  # no autograd records on this thread: it only samples
+            if self.exact:  # on this thread's kernels and thread count, where the forwards run
+                batch_invariant.check_kernels(self.model, self.device)
+        except BaseException as exc:  # noqa: BLE001 - the constructor raises it
+            self.error = exc
+            return
+        finally:
+            self._checked.set()
+        exact = batch_invariant.BatchInvariant() if self.exact else contextlib.nullcontext()
+        try:
+            with torch.inference_mode(), exact:  # no autograd records on this thread: it only samples
                 self._loop()
         except BaseException as exc:  # noqa: BLE001 - the engine is dead: every waiter hears why
             self.error = exc
