@@ -377,7 +377,10 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
                 "trainer.compute.torch_threads = 1",
             ),
             (compute.activation_checkpointing, "trainer.compute.activation_checkpointing = false"),
-            (self.publish.dtype != "float32", "trainer.publish.dtype = 'float32' (the weights as trained)"),
+            (
+                self.publish.dtype != "float32",
+                "trainer.publish.dtype = 'float32' (the weights as trained; it follows inference.dtype: both float32)",
+            ),
             (bool(self.lora.rank), "no trainer.lora"),
             ((parallel.gpus or parallel.ranks or parallel.nodes) > 1, "one trainer rank"),
         ]
