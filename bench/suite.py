@@ -23,6 +23,7 @@ BENCHMARKS = {
     "multiturn": ("bench.multiturn", []),
     "lora": ("bench.lora", []),
     "mismatch": ("bench.mismatch", []),
+    "exact": ("bench.exact", []),
     "trainer": ("bench.trainer", []),
     "trainer_memory": ("bench.trainer_memory", []),
     "trainer_checkpoint": ("bench.trainer_checkpoint", []),
@@ -240,6 +241,34 @@ def demo_rows(demo: dict) -> list[str]:
     ]
 
 
+def exact_rows(exact: dict) -> list[str]:
+    """Exact mode's cost (engine tokens/s, trainer step seconds) and the demo with it beside the demo
+    without, at equal steps. Pure."""
+    if "engine" not in exact:
+        return []
+    e, t, d = exact["engine"], exact["trainer"], exact["demo"]
+    aim = _get(exact, "aim", "exact_over_normal_throughput")
+    rows = [
+        f"| exact | the demo's step on the torch engine (one thread): exact fp32 / normal bf16 as shipped, tokens/s "
+        f"({e['exact_tokens_per_s']} vs {e['normal_bf16_tokens_per_s']}; spread "
+        f"{'–'.join(map(str, e['exact_over_normal_bf16_spread']))}) | {e['exact_over_normal_bf16']} | ≥ {aim} |",
+        f"| exact | the same: exact / normal fp32, tokens/s ({e['exact_tokens_per_s']} vs "
+        f"{e['normal_fp32_tokens_per_s']}; spread {'–'.join(map(str, e['exact_over_normal_fp32_spread']))}) "
+        f"| {e['exact_over_normal_fp32']} | – |",
+        f"| exact | a demo-sized trainer step (256 rollouts one version behind): normal / exact step seconds "
+        f"({t['normal_step_seconds']} vs {t['exact_step_seconds']} s, every token checked; spread "
+        f"{'–'.join(map(str, t['normal_over_exact_spread']))}) | {t['normal_over_exact_step_seconds']} | ≥ {aim} |",
+        f"| exact | the demo, {d['pairs']} pairs run in turn: normal / exact seconds of its 400 steps (spread "
+        f"{'–'.join(map(str, d['normal_over_exact_spread']))}) | {d['normal_over_exact_steps_seconds']} | – |",
+    ]
+    for version, sides in d["eval_at_equal_steps"].items():
+        rows.append(
+            f"| exact | the demo's greedy eval at version {version}, exact vs normal (min–max over the runs) "
+            f"| {'–'.join(map(str, sides['exact']))} vs {'–'.join(map(str, sides['normal']))} | – |"
+        )
+    return rows
+
+
 def markdown(result: dict) -> str:
     """The summary table of docs/BENCHMARKS.md: every ratio with its target."""
     m = result["machine"]
@@ -259,6 +288,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     lines += demo_rows(b.get("demo", {}))
+    lines += exact_rows(b.get("exact", {}))
     ws = b.get("weightsync", {})
     lines += weight_rows(ws)
     delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})

@@ -6,13 +6,15 @@ position are replaced by formulations with one reduction order per element:
 
 - `linear`: at least 4 rows (MKL's sgemm is row-invariant from 4 rows on, one thread; below it
   switches kernels), padded with zero rows;
-- softmax, log-softmax and sums/means over the last dimension: a sequential `cumsum`, so padding
-  after a row's values adds exact zeros and never reorders what came before;
+- softmax, log-softmax and sums/means over the last dimension: a pairwise tree over the values padded
+  to a power of two with −0.0 (IEEE's additive identity), so a row's sum is the same tree whatever
+  padding follows it and whatever rows share its batch;
 - silu, sigmoid and rsqrt from `exp`, `sqrt` and IEEE arithmetic (their own kernels round a
   vector's tail elements differently from its body);
-- `scaled_dot_product_attention`: scores and the weighted sum of values as elementwise products
-  reduced by `cumsum` over the key axis in position order, so left padding, right padding, a KV
-  cache (decode) and a full forward give the same bits.
+- `scaled_dot_product_attention`: scores as elementwise products summed by that tree over the head
+  dimension; the keys of each row moved to start at index 0 (left padding removed), and the softmax's
+  denominator and the weighted sum of values summed by the tree over the key axis, so left padding,
+  right padding, a KV cache (decode) and a full forward give the same bits.
 
 The engine's sampling forwards and the trainer's forwards both run under it, so the sampling
 logprob and the recomputed one are one function of one sequence. `check_kernels` measures at
@@ -35,10 +37,25 @@ class NotInvariant(RuntimeError):
     """This machine's kernels do not hold a property exact mode relies on."""
 
 
+def _tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Σ over `dim` as a fixed tree over its values padded with −0.0 to a power of two (each level adds
+    the second half to the first): a wider padding only adds −0.0 to every value first, so padding
+    after a row's values changes no bit of its sum."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        shape = list(x.shape)
+        shape[dim] = width - n
+        x = torch.cat([x, x.new_full(shape, -0.0)], dim=dim)
+    while x.shape[dim] > 1:  # value i plus value i + half (unbind: a cheap backward)
+        low, high = x.unflatten(dim, (2, x.shape[dim] // 2)).unbind(dim)
+        x = low + high
+    return x if keepdim else x.squeeze(dim)
+
+
 def _last_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """Σ over the last dimension in index order (a sequential scan: trailing zeros change nothing)."""
-    total = x.cumsum(-1).narrow(-1, x.shape[-1] - 1, 1)
-    return total if keepdim else total.squeeze(-1)
+    return _tree_sum(x, -1, keepdim)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,17 +142,68 @@ def attention(
             bias = attn_mask
             allowed = allowed & (attn_mask > float("-inf"))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = _last_sum(query.unsqueeze(-2) * key.unsqueeze(-3)) * scale  # [B, H, Sq, Skv]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _ExactAttention.apply(query, key, value, allowed, bias, scale)
+    with torch.no_grad():
+        return _attention(query, key, value, allowed, bias, scale)
+
+
+def _attention(query, key, value, allowed, bias, scale: float) -> torch.Tensor:
+    """Exact attention's values (see `attention`)."""
+    kv_len = key.shape[-2]
+    products = query.unsqueeze(-1) * key.transpose(-1, -2).unsqueeze(-3)  # [B, H, Sq, D, Skv]
+    scores = _tree_sum(products, dim=-2) * scale  # [B, H, Sq, Skv]
     if bias is not None:
         scores = scores + bias
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    allowed = allowed.expand_as(scores)
+    scores = scores.masked_fill(~allowed, float("-inf"))  # e = exp(−inf) = +0 there
     peak = scores.amax(-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # a query with no key: output 0
     e = torch.exp(scores - peak)
+    # each row's keys from index 0 in position order, padded to a power of two: shift by its leading
+    # masked keys (left padding); every entry past its keys weighs 0
+    pad = allowed.any(dim=-2, keepdim=True).int().argmax(dim=-1, keepdim=True)  # [B, H, 1, 1]
+    width = 1 << max(kv_len - 1, 0).bit_length()
+    index = torch.arange(width, device=query.device) + pad  # [B, H, 1, width]
+    inside = index < kv_len
+    index = index.clamp(max=kv_len - 1)
+    e = torch.where(inside, e.gather(-1, index.expand(*e.shape[:-1], width)), 0.0)
+    value = value.gather(-2, index.transpose(-1, -2).expand(*value.shape[:-2], width, value.shape[-1]))
     denominator = _last_sum(e, keepdim=True)
     weights = e / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    weighted = weights.unsqueeze(-1) * value.unsqueeze(-3)  # [B, H, Sq, Skv, D]
-    return weighted.cumsum(-2).select(-2, kv_len - 1)
+    return _tree_sum(weights.unsqueeze(-1) * value.unsqueeze(-3), dim=-2)  # Σ over keys of [B, H, Sq, Skv, D]
+
+
+def _reference_attention(query, key, value, allowed, bias, scale: float) -> torch.Tensor:
+    """The same attention with torch's own kernels: what the backward differentiates."""
+    scores = (query @ key.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0
+    return weights @ value
+
+
+class _ExactAttention(torch.autograd.Function):
+    """Exact attention's values with the gradient of the same function computed by torch's own
+    kernels (a gradient is not part of what exact mode makes equal; its 5-D backward cost 3× the
+    forward)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, allowed, bias, scale):
+        ctx.save_for_backward(query, key, value, allowed, bias)
+        ctx.scale = scale
+        return _attention(query, key, value, allowed, bias, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, allowed, bias = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value)]
+        with torch.enable_grad():
+            out = _reference_attention(*inputs, allowed, bias, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
 
 
 def _sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None):

@@ -59,6 +59,20 @@ def test_attention_is_sdpa_and_a_query_depends_on_its_own_keys_alone():
     assert torch.equal(left[:, :, 0], torch.zeros_like(left[:, :, 0]))
 
 
+def test_attentions_gradient_is_sdpas():
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 6, 32, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, 1, 6, 32, generator=generator, requires_grad=True) for _ in range(2))
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[1, :, :, :2] = False  # the second row left-padded by two
+    upstream = torch.randn(2, 2, 6, 32, generator=generator)
+    ours = torch.autograd.grad((attention(q, k, v, attn_mask=mask) * upstream).sum(), (q, k, v))
+    theirs_out = F.scaled_dot_product_attention(q, k.expand(2, 2, 6, 32), v.expand(2, 2, 6, 32), attn_mask=mask)
+    theirs = torch.autograd.grad((theirs_out.nan_to_num(0.0) * upstream).sum(), (q, k, v))
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert torch.allclose(mine, reference, atol=1e-5)
+
+
 def test_the_mode_replaces_the_ops_and_they_match_torch():
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(5, 33, generator=generator) * 3
