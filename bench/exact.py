@@ -3,9 +3,9 @@
 - engine: the demo's step on one thread (32 arith prompts × 8 samples, 6 new tokens, temperature 1) on the
   torch engine, exact (fp32, batch-invariant) against normal as the demo ships (bfloat16) and normal in
   fp32, rounds interleaved; tokens/s medians and the medians of the paired ratios.
-- trainer: a demo-sized global step (the same 256 rollouts, tokens one version behind, as the async demo
-  trains them) through the trainer's StepRunner, exact (its stale-token check included) against normal,
-  interleaved; step-seconds medians and the median paired ratio.
+- trainer: demo-sized global steps (256 rollouts each, sampled by the exact engine with version v and
+  trained at v + 1, as the async demo trains them) through the trainer's StepRunner, exact (its check of
+  every token included) against normal, interleaved; step-seconds medians and the median paired ratio.
 - demo: `steadyrl run configs/tiny-arith-exact.toml` against `configs/tiny-arith.toml`, pairs run one
   after another; each run's eval at every eval round, command and step seconds, and the load.
 
@@ -74,6 +74,8 @@ def engine_side(rounds: int) -> dict:
 
 
 def trainer_side(rounds: int) -> dict:
+    """As the async demo trains: each batch sampled by the exact engine with version v's weights and
+    trained at v + 1 (one version behind), by an exact and a normal runner in turn."""
     import torch
 
     from services.trainer.config import TrainerSettings
@@ -88,17 +90,24 @@ def trainer_side(rounds: int) -> dict:
     model_dir = str(init_tiny_model(task="arith"))
     prompts = _prompts()
     engine = make_engine("torch", model_dir, "float32", threads=1, max_num_seqs=256, exact=True)
-    samples = engine.generate(
-        [p for p in prompts for _ in range(GROUP)],
-        Sampling(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=1),
-        return_trace=True,
-    )
-    engine.close()
-    batch = []
-    for g, prompt in enumerate(prompts):
-        task = common_pb2.PromptTask(task_id=f"t{g}", prompt_token_ids=prompt)
-        mine = samples[g * GROUP : (g + 1) * GROUP]
-        batch += rollouts_from_samples(task, mine, [float(i % 2) for i in range(GROUP)], "b", "torch", RolloutTimings())
+
+    def sample(runner: StepRunner, version: int, seed: int) -> list:
+        engine.update_weights(version, {k: v.detach().clone() for k, v in runner.model.state_dict().items()})
+        samples = engine.generate(
+            [p for p in prompts for _ in range(GROUP)],
+            Sampling(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed),
+            return_trace=True,
+        )
+        batch = []
+        for g, prompt in enumerate(prompts):
+            task = common_pb2.PromptTask(task_id=f"v{version}s{seed}t{g}", prompt_token_ids=prompt)
+            mine = samples[g * GROUP : (g + 1) * GROUP]
+            rewards = [float(i % 2) for i in range(GROUP)]
+            batch += rollouts_from_samples(task, mine, rewards, "b", "torch", RolloutTimings())
+        return batch
+
+    seconds: dict[str, list[float]] = {"exact": [], "normal": []}
+    checked = []
     with tempfile.TemporaryDirectory(prefix="steadyrl-bench-exact-") as tmp:
         runners = {
             name: StepRunner(
@@ -114,28 +123,32 @@ def trainer_side(rounds: int) -> dict:
                     publish={"dtype": "float32"},
                 )
             )
-            for name in ("exact", "normal")
+            for name in seconds
         }
-        seconds: dict[str, list[float]] = {name: [] for name in runners}
+        first, pending = sample(runners["exact"], 0, 1), sample(runners["exact"], 0, 2)
         for runner in runners.values():
-            runner.step(batch, 0)  # version 0's rollouts at version 0: the exact side keeps v0's weights
+            runner.step(first, 0)  # warm-up, at staleness 0
         for version in range(1, rounds + 1):
+            sampled = sample(runners["exact"], version, version + 2)  # the next batch, by this version
             for name, runner in runners.items():
                 started = time.perf_counter()
-                metrics = runner.step(batch, version)  # the rollouts one version behind, as the demo trains
+                metrics = runner.step(pending, version)  # one version behind, as the demo trains
                 seconds[name].append(time.perf_counter() - started)
-                if name == "exact" and version == 1:
-                    checked = (metrics["exact_tokens"], metrics["tokens"])
+                if name == "exact":
+                    checked.append((metrics["exact_tokens"], metrics["tokens"], metrics["staleness_peak"]))
+            pending = sampled
+    engine.close()
     pairs = [n / e for e, n in zip(seconds["exact"], seconds["normal"], strict=True)]
     return {
-        "rollouts": len(batch),
+        "rollouts": len(pending),
         "rounds": rounds,
         "exact_step_seconds": round(statistics.median(seconds["exact"]), 4),
         "normal_step_seconds": round(statistics.median(seconds["normal"]), 4),
         "normal_over_exact_step_seconds": round(statistics.median(pairs), 3),
         "normal_over_exact_spread": [round(min(pairs), 3), round(max(pairs), 3)],
-        "exact_tokens_checked": checked[0],
-        "tokens": checked[1],
+        "exact_tokens_checked": sum(c[0] for c in checked),
+        "tokens": sum(c[1] for c in checked),
+        "staleness_peak": max(c[2] for c in checked),
     }
 
 

@@ -1,5 +1,5 @@
 """`steadyrl bench all`: every benchmark in one run (the demo as shipped, weightsync, transport, inference, multi-turn,
-LoRA, mismatch, trainer, trainer memory and checkpoints, async, dynamic sampling, pools, peers), one JSON
+LoRA, mismatch, exact mode, trainer, trainer memory and checkpoints, async, dynamic sampling, pools, peers), one JSON
 object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each
 benchmark runs in its own process, so none inherits another's threads or memory."""
 

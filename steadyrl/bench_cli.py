@@ -155,6 +155,16 @@ def bench_demo(runs: int = typer.Option(3, min=1, help="Runs, one after another.
     typer.echo(json.dumps(run(runs)))
 
 
+@bench_app.command("exact")
+def bench_exact(pairs: int = typer.Option(3, min=1, help="Demo runs of each side, run in turn.")) -> None:
+    """Exact mode's cost and effect (docs/guides/exact.md): the torch engine's tokens/s on the demo's step,
+    exact / normal (bf16 as shipped, and fp32); a demo-sized trainer step's seconds, normal / exact; the
+    demo with `configs/tiny-arith-exact.toml` beside `configs/tiny-arith.toml`, eval at equal steps."""
+    from bench.exact import main as run
+
+    typer.echo(json.dumps(run(pairs)))
+
+
 @bench_app.command("peers")
 def bench_peers(
     steps: int = typer.Option(0, min=0, help="Steps of each side (0: the recipe's, as the demo ships)."),

@@ -15,7 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path("docs") / "results.json"
 BLOCK = re.compile(r"(<!-- results:([a-z0-9-]+) -->)(.*?)(<!-- /results:\2 -->)", re.DOTALL)
 # the pages with rendered figures (relative to the repository)
-PAGES = (Path("README.md"), Path("docs/index.md"), Path("docs/quickstart.md"), Path("docs/guides/pools.md"))
+PAGES = (
+    Path("README.md"),
+    Path("docs/index.md"),
+    Path("docs/quickstart.md"),
+    Path("docs/guides/pools.md"),
+    Path("docs/guides/exact.md"),
+)
 
 
 def load(root: Path = ROOT) -> dict:
@@ -117,7 +123,62 @@ def pools_summary(results: dict) -> str:
     )
 
 
+def exact_table(results: dict) -> str:
+    x = results["benchmarks"]["exact"]
+    e, t, d = x["engine"], x["trainer"], x["demo"]
+    runs = d["runs"]
+    rows = [
+        (
+            "replica tokens/s on the demo's step (256 sequences × 6 tokens, one thread), exact / normal bf16 as "
+            "shipped",
+            f"{e['exact_over_normal_bf16']} ({count(e['exact_tokens_per_s'])} vs "
+            f"{count(e['normal_bf16_tokens_per_s'])}; rounds {span(e['exact_over_normal_bf16_spread'], share)})",
+        ),
+        (
+            "the same, exact / normal fp32",
+            f"{e['exact_over_normal_fp32']} ({count(e['exact_tokens_per_s'])} vs "
+            f"{count(e['normal_fp32_tokens_per_s'])}; rounds {span(e['exact_over_normal_fp32_spread'], share)})",
+        ),
+        (
+            f"trainer seconds per step ({t['rollouts']} rollouts one version behind, every token checked), "
+            "normal / exact",
+            f"{t['normal_over_exact_step_seconds']} ({t['normal_step_seconds']:.3f} vs "
+            f"{t['exact_step_seconds']:.3f} s; rounds {span(t['normal_over_exact_spread'], share)})",
+        ),
+        (
+            "the demo's 400 steps, normal / exact seconds",
+            f"{d['normal_over_exact_steps_seconds']} (pairs {span(d['normal_over_exact_spread'], share)})",
+        ),
+        (
+            "tokens compared bit for bit in the exact demo runs / tokens trained",
+            f"{span([r['exact_tokens'] for r in runs['exact']], count)} / "
+            f"{span([r['tokens'] for r in runs['exact']], count)}",
+        ),
+    ]
+    for version, sides in d["eval_at_equal_steps"].items():
+        rows.append(
+            (
+                f"greedy eval accuracy at version {version}, exact / normal",
+                f"{span(sides['exact'], percent, '%')} / {span(sides['normal'], percent, '%')}",
+            )
+        )
+    load = [r["load_1min_before"] for side in runs.values() for r in side]
+    busy = [r["machine_busy_share"] for side in runs.values() for r in side]
+    rows.append(
+        (
+            "the machine's load before a demo run / share of both cores busy",
+            f"{span(load, share)} / {span(busy, share)}",
+        )
+    )
+    head = (
+        f"`steadyrl bench exact` on {machine_text(results)} ({x.get('date', results['date'])}; the demo "
+        f"{runs_text(d['pairs'])} of each side, run in turn):"
+    )
+    return "\n".join([head, "", "| what | measured |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
+    "exact-table": exact_table,
     "demo-table": demo_table,
     "demo-wall": demo_wall,
     "pools-summary": pools_summary,

@@ -11,10 +11,10 @@ position are replaced by formulations with one reduction order per element:
   padding follows it and whatever rows share its batch;
 - silu, sigmoid and rsqrt from `exp`, `sqrt` and IEEE arithmetic (their own kernels round a
   vector's tail elements differently from its body);
-- `scaled_dot_product_attention`: scores as elementwise products summed by that tree over the head
-  dimension; the keys of each row moved to start at index 0 (left padding removed), and the softmax's
-  denominator and the weighted sum of values summed by the tree over the key axis, so left padding,
-  right padding, a KV cache (decode) and a full forward give the same bits.
+- `scaled_dot_product_attention`: scores, the weighted sum of values and the softmax's denominator as
+  matmuls of at least 4 query rows and 16 keys (MKL reduces each element over the keys in index order
+  there, so masked keys before or after a row's own add exact zeros): left padding, right padding, a KV
+  cache (decode) and a full forward give the same bits.
 
 The engine's sampling forwards and the trainer's forwards both run under it, so the sampling
 logprob and the recomputed one are one function of one sequence. `check_kernels` measures at
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-MIN_ROWS = 4  # the fewest rows of a linear: below it MKL's sgemm takes row-count-specific kernels
+MIN_ROWS = 4  # the fewest rows of a matmul: below it MKL's sgemm takes row-count-specific kernels
+MIN_KEYS = 16  # the fewest keys of attention's score matmul: below 12 columns MKL takes another kernel
 
 
 class NotInvariant(RuntimeError):
@@ -126,11 +127,8 @@ def attention(
     key-position order: a query's output depends on its valid keys alone, wherever they sit."""
     if dropout_p:
         raise ValueError("exact attention has no dropout")
-    if key.shape[1] != query.shape[1]:
-        repeat = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(repeat, dim=1)
-        value = value.repeat_interleave(repeat, dim=1)
-    q_len, kv_len = query.shape[-2], key.shape[-2]
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[-2]
     allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
     if is_causal:
         allowed = torch.tril(allowed)
@@ -139,71 +137,38 @@ def attention(
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
         else:
-            bias = attn_mask
+            bias = attn_mask.expand(batch, heads, q_len, kv_len)
             allowed = allowed & (attn_mask > float("-inf"))
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return _ExactAttention.apply(query, key, value, allowed, bias, scale)
-    with torch.no_grad():
-        return _attention(query, key, value, allowed, bias, scale)
-
-
-def _attention(query, key, value, allowed, bias, scale: float) -> torch.Tensor:
-    """Exact attention's values (see `attention`)."""
-    kv_len = key.shape[-2]
-    products = query.unsqueeze(-1) * key.transpose(-1, -2).unsqueeze(-3)  # [B, H, Sq, D, Skv]
-    scores = _tree_sum(products, dim=-2) * scale  # [B, H, Sq, Skv]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    allowed = allowed.expand(batch, heads, q_len, kv_len)
+    short = MIN_KEYS - kv_len  # zero keys after the last, masked: the score matmul's kernel below 12 differs
+    if short > 0:
+        key, value = (torch.cat([t, t.new_zeros(*t.shape[:-2], short, t.shape[-1])], dim=-2) for t in (key, value))
+        allowed = torch.cat([allowed, allowed.new_zeros(batch, heads, q_len, short)], dim=-1)
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(batch, heads, q_len, short)], dim=-1)
+    # a group's query heads as rows of one matmul against their shared key head (no repeated keys)
+    rows = heads // kv_heads * q_len
+    grouped = query.reshape(batch, kv_heads, rows, head_dim)
+    scores = (_at_least_rows(grouped) @ key.transpose(-1, -2))[..., :rows, :] * scale
+    scores = scores.reshape(batch, heads, q_len, -1)
     if bias is not None:
         scores = scores + bias
-    allowed = allowed.expand_as(scores)
     scores = scores.masked_fill(~allowed, float("-inf"))  # e = exp(−inf) = +0 there
     peak = scores.amax(-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # a query with no key: output 0
-    e = torch.exp(scores - peak)
-    # each row's keys from index 0 in position order, padded to a power of two: shift by its leading
-    # masked keys (left padding); every entry past its keys weighs 0
-    pad = allowed.any(dim=-2, keepdim=True).int().argmax(dim=-1, keepdim=True)  # [B, H, 1, 1]
-    width = 1 << max(kv_len - 1, 0).bit_length()
-    index = torch.arange(width, device=query.device) + pad  # [B, H, 1, width]
-    inside = index < kv_len
-    index = index.clamp(max=kv_len - 1)
-    e = torch.where(inside, e.gather(-1, index.expand(*e.shape[:-1], width)), 0.0)
-    value = value.gather(-2, index.transpose(-1, -2).expand(*value.shape[:-2], width, value.shape[-1]))
-    denominator = _last_sum(e, keepdim=True)
-    weights = e / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    return _tree_sum(weights.unsqueeze(-1) * value.unsqueeze(-3), dim=-2)  # Σ over keys of [B, H, Sq, Skv, D]
+    e = torch.exp(scores - peak).reshape(batch, kv_heads, rows, -1)
+    # Σ_j e_j v_j and Σ_j e_j in one matmul (values with a column of ones): each in key-position order
+    summed = _at_least_rows(e) @ torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
+    summed = summed[..., :rows, :].reshape(batch, heads, q_len, head_dim + 1)
+    numerator, denominator = summed[..., :-1], summed[..., -1:]
+    return numerator / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
 
 
-def _reference_attention(query, key, value, allowed, bias, scale: float) -> torch.Tensor:
-    """The same attention with torch's own kernels: what the backward differentiates."""
-    scores = (query @ key.transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0
-    return weights @ value
-
-
-class _ExactAttention(torch.autograd.Function):
-    """Exact attention's values with the gradient of the same function computed by torch's own
-    kernels (a gradient is not part of what exact mode makes equal; its 5-D backward cost 3× the
-    forward)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, allowed, bias, scale):
-        ctx.save_for_backward(query, key, value, allowed, bias)
-        ctx.scale = scale
-        return _attention(query, key, value, allowed, bias, scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, value, allowed, bias = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value)]
-        with torch.enable_grad():
-            out = _reference_attention(*inputs, allowed, bias, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+def _at_least_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` ([..., rows, columns]) with zero rows added up to MIN_ROWS (a matmul's kernel below it differs)."""
+    short = MIN_ROWS - x.shape[-2]
+    return x if short <= 0 else torch.cat([x, x.new_zeros(*x.shape[:-2], short, x.shape[-1])], dim=-2)
 
 
 def _sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None):
@@ -282,9 +247,37 @@ def check_kernels(model: torch.nn.Module, device: torch.device | str = "cpu") ->
                     f"a linear of shape ({n}, {k}) gives a row different bits at {count} rows on this machine's "
                     "kernels: exact mode needs torch_threads = 1 and MKL's row-invariant sgemm"
                 )
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    _check_attention_matmuls(int(head_dim), generator, device)
     values = torch.randn(512, generator=generator).to(device) * 4
     for name, op in (("exp", torch.exp), ("log", lambda t: torch.log(t.abs() + 0.5)), ("sin", torch.sin)):
         whole = op(values)
         for start, length in ((0, 1), (3, 17), (5, 64), (33, 100), (200, 311)):
             if not torch.equal(op(values[start : start + length].clone()), whole[start : start + length]):
                 raise NotInvariant(f"elementwise {name} rounds an element by where it sits on this machine")
+
+
+def _check_attention_matmuls(head_dim: int, generator: torch.Generator, device) -> None:
+    """Attention's two matmuls: a query row's scores against the same keys, and a weights row against
+    the same values (with the ones column) wherever they sit among masked zeros, the same bits at any
+    batch, row count from MIN_ROWS and key count from MIN_KEYS."""
+    query = torch.randn(head_dim, generator=generator).to(device)
+    keys = torch.randn(MIN_KEYS, head_dim, generator=generator).to(device)
+    weights = torch.rand(10, generator=generator).to(device)
+    values = torch.randn(10, head_dim + 1, generator=generator).to(device)
+    seen: dict[str, set] = {"scores": set(), "weighted values": set()}
+    for batch, rows, width, offset in ((1, 4, 16, 0), (3, 5, 23, 6), (2, 14, 64, 54), (5, 33, 100, 3)):
+        q = torch.randn(batch, rows, head_dim, generator=generator).to(device)
+        q[-1, -1] = query
+        k = torch.randn(batch, width, head_dim, generator=generator).to(device)
+        k[-1, :MIN_KEYS] = keys
+        seen["scores"].add((q @ k.transpose(-1, -2))[-1, -1, :MIN_KEYS].cpu().numpy().tobytes())
+        p = torch.rand(batch, rows, width, generator=generator).to(device)
+        p[-1, -1] = 0.0
+        p[-1, -1, offset : offset + 10] = weights
+        v = torch.randn(batch, width, head_dim + 1, generator=generator).to(device)
+        v[-1, offset : offset + 10] = values
+        seen["weighted values"].add((p @ v)[-1, -1].cpu().numpy().tobytes())
+    for name, results in seen.items():
+        if len(results) > 1:
+            raise NotInvariant(f"attention's {name} matmul gives a row different bits by batch shape on this machine")

@@ -168,3 +168,45 @@ def test_eval_on_cuda_scores_what_it_does_on_the_cpu(tiny_model_dir):
     cpu = accuracy("cpu")
     cuda = accuracy("cuda")
     assert (cpu["device"], cuda["device"]) == ("cpu", "cuda") and cuda["accuracy"] == cpu["accuracy"] > 0
+
+
+def test_exact_mode_on_cuda_every_token_bit_for_bit(tiny_model_dir):
+    """Exact mode with the torch engine and the trainer's forward both on CUDA: the kernel check on
+    the device, then every sampled token's logprob against the trainer's recompute in another batch
+    layout, bit for bit (docs/guides/exact.md: what a GPU run of exact mode needs)."""
+    from services.trainer.forward import sequence_logprobs
+    from shared.engines import Sampling, make_engine
+    from shared.models import batch_invariant
+    from tests.integration.test_inference import prompts_of
+
+    engine = make_engine("torch", str(tiny_model_dir), "float32", device="cuda", max_num_seqs=5, exact=True)
+    prompts = prompts_of(12, seed=3)
+    prompts[2], prompts[7] = prompts[2][2:], prompts[7][:3]
+    futures = [
+        engine.start(p, Sampling(temperature=1.0, max_new_tokens=4 + 3 * (i % 4), seed=11), index=i)
+        for i, p in enumerate(prompts)
+    ]
+    samples = [f.result(120) for f in futures]
+    engine.close()
+    model = load_causal_lm(tiny_model_dir, "float32").to("cuda")
+    batch_invariant.prepare(model)
+    batch_invariant.check_kernels(model, "cuda")
+    rollouts = []
+    for i, (prompt, sample) in enumerate(zip(prompts, samples, strict=True)):
+        rollouts += recorded_like(f"t{i}", prompt, sample)
+    batch = collate(rollouts).to("cuda")
+    with torch.no_grad():
+        logprobs = sequence_logprobs(model, batch, compute=Compute(torch.device("cuda"), exact=True)).logprobs.cpu()
+    mask = batch.loss_mask.cpu()
+    differing = int(((logprobs != batch.inference_logprobs.cpu()) & mask).sum())
+    print(f"exact on cuda: {differing} of {int(mask.sum())} tokens differ")
+    assert differing == 0
+
+
+def recorded_like(task_id: str, prompt: list[int], sample) -> list:
+    from shared.rollouts.record import RolloutTimings
+    from shared.rollouts.samples import rollouts_from_samples
+    from shared.rpc.steadyrl.v1 import common_pb2
+
+    task = common_pb2.PromptTask(task_id=task_id, prompt_token_ids=prompt)
+    return rollouts_from_samples(task, [sample], [0.0], "gpu", "torch", RolloutTimings())

@@ -38,7 +38,7 @@ class Outcome:
     routes: int = 0  # (position, layer) pairs of the replica's traces
     routes_differing: int = 0
     long_versions: list[set[int]] = field(default_factory=list)  # versions in each long rollout
-    batch_sizes: set[int] = field(default_factory=set)  # rows of the engine's decode steps
+    batch_sizes: set = field(default_factory=set)  # rows of the engine's decode steps, "+n" its prefills
     first: dict = field(default_factory=dict)  # the step on the short group (version 0)
     second: dict = field(default_factory=dict)  # the step on the others (version 1)
 
@@ -56,16 +56,21 @@ def task(name: str, prompt: list[int]) -> common_pb2.PromptTask:
 
 
 def observed(engine, sizes: set[int]):
-    """The engine's decode steps, each recording its batch size and taking 10 ms more (so the long
-    group is still generating when the next version lands); the numbers are untouched."""
-    decode = engine._decode
+    """The engine's forwards, each recording its batch size (a decode step's rows, "+n" for a prefill
+    of n newcomers), a decode step taking 10 ms more (so the long group is still generating when the
+    next version lands); the numbers are untouched."""
+    decode, admit = engine._decode, engine._admit
 
     def step():
         sizes.add(len(engine._live))
         time.sleep(0.01)
         decode()
 
-    engine._decode = step
+    def admitted(seqs, tokens=None):
+        sizes.add(f"+{len(seqs)}")
+        admit(seqs, tokens)
+
+    engine._decode, engine._admit = step, admitted
 
 
 def trainer(tmp_path, model_dir, redis_url, run_id, exact: bool) -> StepRunner:
@@ -186,11 +191,12 @@ def test_exact_mode_every_token_bit_for_bit(tmp_path, tiny_model_dir, redis_serv
     out = scenario(tmp_path, tiny_model_dir, redis_server.url, run_id, exact=True)
     print(
         f"exact: {out.tokens} tokens, {out.differing} differ; {out.routes} routes, {out.routes_differing} differ; "
-        f"batch sizes {sorted(out.batch_sizes)}; long rollouts' versions {out.long_versions}"
+        f"batch sizes {sorted(map(str, out.batch_sizes))}; long rollouts' versions {out.long_versions}"
     )
     assert out.tokens == out.first["tokens"] + out.second["tokens"] >= 160
     assert all(versions == {0, 1} for versions in out.long_versions) and len(out.long_versions) == GROUP
-    assert len(out.batch_sizes) >= 3 and max(out.batch_sizes) <= 6
+    decodes = {size for size in out.batch_sizes if isinstance(size, int)}
+    assert len(out.batch_sizes) >= 3 and len(decodes) >= 2 and max(decodes) <= 6, out.batch_sizes
     assert_exact(out)
 
 
