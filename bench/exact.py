@@ -1,15 +1,9 @@
-"""`steadyrl bench exact`: what exact mode (run.exact) costs and whether the demo learns as well with it.
+"""`steadyrl bench exact`: exact mode's cost and whether the demo learns as well with it: the torch
+engine's tokens/s on the demo's step (exact / normal bf16 and fp32), a demo-sized trainer step's
+seconds (each batch one version behind, as the async demo trains; normal / exact), and the demo
+with and without exact mode, pairs run in turn, eval at equal steps. Prints one JSON object.
 
-- engine: the demo's step on one thread (32 arith prompts × 8 samples, 6 new tokens, temperature 1) on the
-  torch engine, exact (fp32, batch-invariant) against normal as the demo ships (bfloat16) and normal in
-  fp32, rounds interleaved; tokens/s medians and the medians of the paired ratios.
-- trainer: demo-sized global steps (256 rollouts each, sampled by the exact engine with version v and
-  trained at v + 1, as the async demo trains them) through the trainer's StepRunner, exact (its check of
-  every token included) against normal, interleaved; step-seconds medians and the median paired ratio.
-- demo: `steadyrl run configs/tiny-arith-exact.toml` against `configs/tiny-arith.toml`, pairs run one
-  after another; each run's eval at every eval round, command and step seconds, and the load.
-
-Prints one JSON object. docs/guides/exact.md"""
+Details: docs/internals/bench.md#benchexactpy"""
 
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
 """Batch-invariant forwards (exact mode): a token's numbers depend only on its own sequence.
 
-Inside `BatchInvariant` (a torch function mode, entered on the thread that computes), the ops of a
-transformers causal LM whose CPU kernels give a row different bits by batch size, padding or row
-position are replaced by formulations with one reduction order per element:
+Inside `BatchInvariant` (a torch function mode, entered on the thread that computes: the engine's
+thread and the trainer's forwards), the ops whose CPU kernels give a row other bits by batch size,
+padding, row position or KV cache are replaced by forms with one reduction order per element:
+linears of at least 4 rows, sums as a fixed tree, silu/sigmoid/rsqrt from exp and IEEE arithmetic,
+attention as padded matmuls. `check_kernels` measures at start that this machine's kernels hold
+what the forms rely on, and refuses exact mode if not.
 
-- `linear`: at least 4 rows (MKL's sgemm is row-invariant from 4 rows on, one thread; below it
-  switches kernels), padded with zero rows;
-- softmax, log-softmax and sums/means over the last dimension: a pairwise tree over the values padded
-  to a power of two with −0.0 (IEEE's additive identity), so a row's sum is the same tree whatever
-  padding follows it and whatever rows share its batch;
-- silu, sigmoid and rsqrt from `exp`, `sqrt` and IEEE arithmetic (their own kernels round a
-  vector's tail elements differently from its body);
-- `scaled_dot_product_attention`: scores, the weighted sum of values and the softmax's denominator as
-  matmuls of at least 4 query rows and 16 keys (MKL reduces each element over the keys in index order
-  there, so masked keys before or after a row's own add exact zeros): left padding, right padding, a KV
-  cache (decode) and a full forward give the same bits.
-
-The engine's sampling forwards and the trainer's forwards both run under it, so the sampling
-logprob and the recomputed one are one function of one sequence. `check_kernels` measures at
-start that this machine's kernels have the properties relied on, and refuses exact mode if not.
-
-Details: docs/guides/exact.md"""
+Details (each op, and why): docs/guides/exact.md"""
 
 from __future__ import annotations
 

@@ -11,19 +11,19 @@ from tests.helpers import steadyrl_run
 def test_the_exact_recipe_checks_every_token_bit_for_bit(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     settings = [
-        "run.steps=12",
-        "orchestrator.evals.every=6",
-        "orchestrator.evals.size=40",
-        "trainer.checkpoint.every=6",
+        "run.steps=8",
+        "orchestrator.evals.every=4",
+        "orchestrator.evals.size=20",
+        "trainer.checkpoint.every=4",
     ]
     done = steadyrl_run("tiny-arith-exact.toml", out, settings, progress="none")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["outcome"] == "finished" and summary["steps"] == 12, summary
+    assert summary["outcome"] == "finished" and summary["steps"] == 8, summary
     resolved = (out / "config.resolved.toml").read_text()
     assert 'dtype = "float32"' in resolved and "exact = true" in resolved
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(1, 13))
+    assert [x["step"] for x in lines] == list(range(1, 9))
     for x in lines:
         assert x["exact_tokens"] == x["tokens"] > 0 and x["exact_unchecked_tokens"] == 0, x
         assert x["recipe"] in ("minirl+tis+clip+exact", "minirl+tis+clip+r2+exact"), x["recipe"]
