@@ -114,6 +114,7 @@ class PoolSection(BaseModel):
     """GPUs of each replica of the pool, its own (after the trainer's and the rollout replicas'); 0: the CPU."""
 
 
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # inference.dtype's aliases
 POOLS = ("teacher", "judge")  # the pool sections a recipe may declare
 KIT_POOL_MODELS = {"teacher": "tiny-teacher", "judge": "tiny-judge"}  # each pool's kit model, by its name
 
@@ -230,6 +231,12 @@ class Recipe(BaseModel):
             raise ValueError(
                 "run.exact: the trainer scores the model's own distribution, so orchestrator.sampling needs "
                 f"temperature 1 (or 0) and top_p 1, got temperature {sampling.temperature}, top_p {sampling.top_p}"
+            )
+        trainer_gpu = bool(self.trainer.parallel.gpus) or self.trainer.compute.device == "cuda"
+        if trainer_gpu != bool(self.inference.gpus_per_replica):
+            raise ValueError(
+                "run.exact: the trainer and the replicas compute on one kind of device (a GPU's kernels are not "
+                "the CPU's): set trainer.parallel.gpus and inference.gpus_per_replica both to 0 or both above 0"
             )
         if evals.samples and evals.temperature != 1.0:
             raise ValueError(
@@ -407,8 +414,9 @@ def section_values(
     if service in MODEL_PATH:
         values["model_path"] = model_path or model.path
     inference, trainer = tables.get("inference", {}), tables.get("trainer", {})
-    if service == "trainer":  # the replicas' dtype
+    if service == "trainer":  # the replicas' dtype, by its full name (an alias such as bf16 too)
         dtype = inference_dtype(inference, model_path or model.path, run.exact)[0]
+        dtype = DTYPE_NAMES.get(dtype, dtype)
         values["publish"] = merge_tables({"dtype": dtype}, values.get("publish", {}))
     if service == "inference" and values.get("dtype", AUTO) == AUTO:
         values["dtype"] = inference_dtype(inference, model_path or model.path, run.exact)[0]

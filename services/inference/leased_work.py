@@ -97,6 +97,9 @@ def check_lease(
         sampling = Sampling.from_proto(task.sampling)
     except ValueError as exc:
         raise Unservable("sampling", str(exc)) from None
+    refused = getattr(engine, "refused_sampling", lambda _: None)(sampling)  # exact mode's
+    if refused is not None:
+        raise Unservable("sampling", refused)
     prompt = prompt_ids(task, tokenizer)
     if not prompt or min(prompt) < 0 or max(prompt) >= engine.vocab_size:
         raise Unservable("prompt", f"prompt token ids outside the vocabulary [0, {engine.vocab_size})")

@@ -379,7 +379,7 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
             (compute.activation_checkpointing, "trainer.compute.activation_checkpointing = false"),
             (
                 self.publish.dtype != "float32",
-                "trainer.publish.dtype = 'float32' (the weights as trained; it follows inference.dtype: both float32)",
+                "inference.dtype = 'float32' and trainer.publish.dtype = 'float32' (it follows inference.dtype)",
             ),
             (bool(self.lora.rank), "no trainer.lora"),
             ((parallel.gpus or parallel.ranks or parallel.nodes) > 1, "one trainer rank"),

@@ -21,18 +21,30 @@ from shared.core.terms import normalise
 from shared.models.routing import RoutingController
 
 
-class NonFiniteStep(RuntimeError):
-    """A step not applied: its inputs, loss or gradient norm were not finite. The model and the
-    optimizer are as they were before it (docs/internals/trainer.md)."""
+class StepNotApplied(RuntimeError):
+    """A step not applied, the model and the optimizer as they were before it: its rollouts are
+    dead-lettered with `code` and the reason (docs/internals/trainer.md)."""
+
+    code = "not_applied"
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
 
 
-class ExactMismatch(RuntimeError):
+class NonFiniteStep(StepNotApplied):
+    """Its inputs, loss or gradient norm were not finite."""
+
+    code = "nonfinite_step"
+
+
+class ExactMismatch(StepNotApplied):
     """Exact mode: a token's sampling logprob and the trainer's recompute of it at the same version
-    differ. Not a statistic: the batch-invariant forwards promise equal bits (docs/guides/exact.md)."""
+    differ (raised before any update). Not a statistic: the batch-invariant forwards promise equal
+    bits, so the step is not applied and its rollouts are dead-lettered naming the token
+    (docs/guides/exact.md)."""
+
+    code = "exact_mismatch"
 
 
 def check_exact(

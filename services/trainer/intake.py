@@ -28,6 +28,10 @@ NONFINITE = Counter(
     "steadyrl_trainer_nonfinite_steps_total",
     "Steps not applied because their inputs, loss or gradient norm were not finite (their rollouts dead-lettered)",
 )
+EXACT_MISMATCH = Counter(
+    "steadyrl_trainer_exact_mismatch_steps_total",
+    "Exact mode: steps not applied because a token's sampling logprob differed from the trainer's recompute",
+)
 DUPLICATES = Counter("steadyrl_trainer_rollouts_duplicate_total", "Rollouts delivered again and not retrained")
 RESTORED = Counter(
     "steadyrl_trainer_ledger_restored_total",
@@ -40,6 +44,7 @@ class Intake:
         self.source = source
         self.buffer = buffer
         self.state = state
+        self.oldest_checkable = 0  # exact mode: the oldest version whose tokens this trainer can check (its start's)
         # ids this process settled untrained → "dropped" (stale) or "filtered" (restored into a ledger that lost them)
         self.untrained: dict[str, str] = {}
         self.examined: set[str] = set()  # complete groups dynamic sampling looked at (each once)
@@ -100,24 +105,27 @@ class Intake:
         self.count("dead_lettered")
         log.warning("event=rollout_dead_lettered entry=%s reason=%s message=%s", entry.decode(), code, message[:200])
 
-    async def nonfinite(self, groups: list[list[Held]], reason: str) -> None:
-        """A step that was not applied: its rollouts dead-lettered (`nonfinite_step`, payloads kept for
-        a look), their groups dead, the step counted. The model is as it was before it."""
-        NONFINITE.inc()
-        self.count("nonfinite_steps")
-        log.error("event=nonfinite_step rollouts=%d reason=%s", sum(map(len, groups)), reason)
+    async def not_applied(self, groups: list[list[Held]], code: str, reason: str) -> None:
+        """A step that was not applied (`code`: nonfinite_step, or exact_mismatch in exact mode): its
+        rollouts dead-lettered with the reason (payloads kept for a look), their groups dead, the step
+        counted (`<code>s`). The model is as it was before it."""
+        {"nonfinite_step": NONFINITE, "exact_mismatch": EXACT_MISMATCH}.get(code, NONFINITE).inc()
+        self.count(f"{code}s")
+        log.error("event=%s rollouts=%d reason=%s", code, sum(map(len, groups)), reason)
         for members in groups:
             gid = members[0].rollout.group_id
             self.buffer.dead_groups.add(gid)
             for m in members:
                 message = f"step not applied: {reason}"
-                await self.source.dead_letter(m.entry, "nonfinite_step", message, encode_rollout(m.rollout), gid)
-                self._dead(m.entry, "nonfinite_step", message)
+                await self.source.dead_letter(m.entry, code, message, encode_rollout(m.rollout), gid)
+                self._dead(m.entry, code, message)
         self.training = set()
 
     async def drop_stale(self, max_staleness: int) -> None:
-        """Whole groups whose oldest token is more than max_staleness versions behind are dropped."""
-        for members in self.buffer.drop_stale(self.state.version - max_staleness):
+        """Whole groups whose oldest token is more than max_staleness versions behind are dropped, and in
+        exact mode those older than `oldest_checkable` (sampled by a version whose weights this trainer
+        never held: before its restart), which it could not compare bit for bit."""
+        for members in self.buffer.drop_stale(max(self.state.version - max_staleness, self.oldest_checkable)):
             await self.source.dropped([(m.entry, m.rollout.rollout_id) for m in members])
             self.untrained.update((m.rollout.rollout_id, "dropped") for m in members)
             DROPPED.inc(len(members))

@@ -101,6 +101,8 @@ class Trainer:
                         await asyncio.sleep(0.1)
                         continue
                     await self.tend()
+                    if not self.stepping.busy:  # groups that aged past the budget while held are not trained
+                        await self.intake.drop_stale(self.settings.max_staleness)
                     ready = self.buffer.complete()
                     if not self.stepping.busy and len(ready) >= self.settings.batch_prompts:
                         self.stepping.begin(ready[: self.settings.batch_prompts])
@@ -154,6 +156,8 @@ class Trainer:
                 await asyncio.sleep(1.0)
         else:
             return
+        if self.settings.exact:  # the weights of the versions before this start are gone: their tokens uncheckable
+            self.intake.oldest_checkable = self.state.version
         self.publishing.reported = self.progress()
         log.info(
             "event=trainer_ready step=%d version=%d claimed=%d recipe=%s",

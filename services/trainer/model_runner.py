@@ -35,7 +35,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.forward import Compute
-from services.trainer.global_step import NonFiniteStep, StepConfig, resolve_recipe, train_step
+from services.trainer.global_step import StepConfig, StepNotApplied, resolve_recipe, train_step
 from services.trainer.parallel import (
     GatheredView,
     gather_published,
@@ -345,7 +345,7 @@ class StepRunner:
                 continue
             try:
                 self._step([decode_rollout(p) for p in payloads], tag)
-            except NonFiniteStep:  # every rank decided it alike: rank 0 settles its rollouts
+            except StepNotApplied:  # every rank decided it alike: rank 0 settles its rollouts
                 continue
             steps += 1
 

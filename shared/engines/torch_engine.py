@@ -186,14 +186,22 @@ class TorchEngine:
                 None if self.capabilities.routing_trace else "this model has no MoE router: no routing trace to return",
                 self.vocab_size,
             )
-            if self.exact and (sampling.temperature not in (0.0, 1.0) or sampling.top_p < 1.0 or sampling.top_k > 0):
-                raise ValueError(
-                    "exact mode samples the model's own distribution (temperature 1, or 0 for greedy; no top-k or "
-                    f"top-p), as the trainer scores it: got temperature {sampling.temperature}, top_k "
-                    f"{sampling.top_k}, top_p {sampling.top_p}"
-                )
+            refused = self.refused_sampling(sampling)
+            if refused is not None:
+                raise ValueError(refused)
         seed = sampling.seed + index if sampling.seed else 0
         return Seq(list(prompt), sampling, seed, return_trace, on_token, SeqFuture())
+
+    def refused_sampling(self, sampling: Sampling) -> str | None:
+        """Why this engine never samples with `sampling` (None when it does): exact mode samples the
+        model's own distribution, the one the trainer scores."""
+        if self.exact and (sampling.temperature not in (0.0, 1.0) or sampling.top_p < 1.0 or sampling.top_k > 0):
+            return (
+                "exact mode samples the model's own distribution (temperature 1, or 0 for greedy; no top-k or "
+                f"top-p), as the trainer scores it: got temperature {sampling.temperature:g}, top_k "
+                f"{sampling.top_k}, top_p {sampling.top_p:g}"
+            )
+        return None
 
     def _queue(self, seqs: list[Seq]) -> list[concurrent.futures.Future]:
         with self._wake:

@@ -234,3 +234,94 @@ def test_a_wrong_sampled_logprob_stops_the_step_naming_the_token(tmp_path, tiny_
     logprobs.view(np.int32)[3] += 1  # the next float32 down: one bit
     with pytest.raises(ExactMismatch, match=r"rollout b:2 completion token 3 \(id \d+, version 0\)"):
         runner.step(bad, 1)
+
+
+def test_a_step_with_a_token_that_differs_is_not_applied_and_its_rollouts_are_dead_lettered(
+    tmp_path, tiny_model_dir, redis_server, run_id
+):
+    """In the trainer's loop: a batch holding one forged bit is not applied (no step, no version), its
+    rollouts dead-lettered as exact_mismatch naming the token, counted; the next batch trains."""
+    from prometheus_client import REGISTRY
+
+    from shared.engines import Sampling
+    from shared.rollouts.record import RolloutTimings
+    from shared.rollouts.samples import rollouts_from_samples
+    from tests.integration.test_trainer import trainer_holding
+
+    engine = make_engine("torch", str(tiny_model_dir), "float32", threads=1, exact=True)
+    prompts = prompts_of(4, seed=6)
+    samples = engine.generate(
+        [p for p in prompts for _ in range(GROUP)], Sampling(temperature=1.0, max_new_tokens=5, seed=2)
+    )
+    engine.close()
+    rollouts = []
+    for g, prompt in enumerate(prompts):
+        task = common_pb2.PromptTask(task_id=f"g{g}", run_id=run_id, prompt_token_ids=prompt)
+        mine = samples[g * GROUP : (g + 1) * GROUP]
+        rollouts += rollouts_from_samples(task, mine, [0.0, 1.0, 0.0, 1.0], "r", "torch", RolloutTimings())
+    rollouts[1].inference_logprobs.view(np.int32)[0] += 1  # group g0, sample 1, its first token: one bit
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("steadyrl_trainer_exact_mismatch_steps_total") or 0.0
+
+    async def main():
+        exact = {
+            "exact": True,
+            "batch_prompts": 2,
+            "group_size": GROUP,
+            "compute": {"torch_threads": 1},
+            "publish": {"dtype": "float32"},
+        }
+        redis, trainer = await trainer_holding(tmp_path, tiny_model_dir, redis_server, run_id, rollouts, **exact)
+        before = counted()
+        first = await trainer.step(["g0", "g1"])
+        after_bad = (trainer.state.step, trainer.state.version, counted() - before)
+        dead = await redis.xrange(trainer.source.keys.rollouts_dead)
+        second = await trainer.step(["g2", "g3"])
+        await trainer.close()
+        await redis.aclose()
+        return first, after_bad, dead, second
+
+    first, after_bad, dead, second = asyncio.run(asyncio.wait_for(main(), 120))
+    assert first == {"exact_mismatch": 1.0} and after_bad == (0, 0, 1.0)
+    assert len(dead) == 2 * GROUP and {f[b"reason"] for _, f in dead} == {b"exact_mismatch"}
+    message = dead[0][1][b"message"].decode()
+    assert message.startswith("step not applied: exact mode: rollout g0:1 completion token 0 (id ")
+    assert second["step"] == 1 and second["exact_tokens"] == second["tokens"] > 0
+
+
+def test_after_a_restart_tokens_of_versions_it_never_held_are_dropped_not_trained_unchecked(
+    tmp_path, tiny_model_dir, redis_server, run_id
+):
+    """Exact mode: a trainer started at version v (a restart: the weights of the versions before are
+    gone) drops, as stale, the groups holding a token of a version before v instead of training
+    them unchecked; a trainer not in exact mode keeps them (within the staleness budget)."""
+    from shared.engines import Sampling
+    from shared.rollouts.record import RolloutTimings
+    from shared.rollouts.samples import rollouts_from_samples
+    from tests.integration.test_trainer import trainer_holding
+
+    engine = make_engine("torch", str(tiny_model_dir), "float32", threads=1, exact=True)
+    [prompt] = prompts_of(1, seed=8)
+    samples = engine.generate([prompt] * GROUP, Sampling(temperature=1.0, max_new_tokens=4, seed=2))
+    engine.close()
+    task = common_pb2.PromptTask(task_id="old", run_id=run_id, prompt_token_ids=prompt)
+    rollouts = rollouts_from_samples(task, samples, [0.0, 1.0, 0.0, 1.0], "r", "torch", RolloutTimings())
+
+    async def held_after_start(exact: bool, index: int) -> tuple[int, int]:
+        settings = {"exact": exact, "group_size": GROUP, "compute": {"torch_threads": 1}}
+        settings["publish"] = {"dtype": "float32"}
+        redis, trainer = await trainer_holding(
+            tmp_path / str(index), tiny_model_dir, redis_server, f"{run_id}{index}", rollouts, **settings
+        )
+        trainer.state.version = 1  # restarted from a checkpoint of version 1: version 0's weights are gone
+        await trainer.start(asyncio.Event())
+        await trainer.intake.drop_stale(trainer.settings.max_staleness)
+        held = (trainer.buffer.held, trainer.intake.oldest_checkable)
+        await trainer.close()
+        await redis.aclose()
+        return held
+
+    exact = asyncio.run(asyncio.wait_for(held_after_start(True, 0), 120))
+    normal = asyncio.run(asyncio.wait_for(held_after_start(False, 1), 120))
+    assert exact == (0, 1) and normal == (GROUP, 0)

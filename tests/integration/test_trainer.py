@@ -502,13 +502,13 @@ def test_grpc_pause_resume_status_checkpoint(tmp_path, tiny_model_dir, redis_ser
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000002" / "shards").is_dir()
 
 
-async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts):
+async def trainer_holding(tmp_path, model_dir, redis_server, run_id, rollouts, **overrides):
     """A Trainer in this event loop that has read `rollouts` from the stream into its groups."""
     from services.trainer.loop import Trainer
 
     redis = Redis.from_url(redis_server.url)
     await publish(redis, run_id, rollouts)
-    trainer = Trainer(settings_for(tmp_path, model_dir, redis_server, run_id), redis)
+    trainer = Trainer(settings_for(tmp_path, model_dir, redis_server, run_id, **overrides), redis)
     await trainer.source.open()
     while trainer.buffer.held < len(rollouts):
         await trainer.intake.take(await trainer.source.read(50))

@@ -21,7 +21,7 @@ def test_the_exact_demo_types_with_both_sides_exact_in_float32():
 @pytest.mark.parametrize(
     ("setting", "named"),
     [
-        ("inference.dtype=bfloat16", "it follows inference.dtype: both float32"),
+        ("inference.dtype=bfloat16", "run.exact needs inference.dtype = 'float32'"),
         ("inference.engine=vllm", "inference.engine = 'torch'"),
         ("inference.torch_threads=2", "inference.torch_threads = 1"),
         ("inference.quantization=fp8", "inference.quantization = 'none'"),
@@ -39,6 +39,23 @@ def test_what_exact_mode_cannot_compute_is_refused_before_start(setting, named):
     with pytest.raises(ValueError, match="run.exact") as refused:
         load_recipe(EXACT, [setting])
     assert named in str(refused.value)
+
+
+def test_a_trainer_and_replicas_on_different_devices_are_refused():
+    with pytest.raises(ValueError, match="one kind of device"):
+        load_recipe(EXACT, ["trainer.parallel.gpus=1"])
+    with pytest.raises(ValueError, match="one kind of device"):
+        load_recipe(EXACT, ["inference.gpus_per_replica=1"])
+
+
+def test_another_recipe_turns_exact_on_once_its_replicas_compute_in_float32():
+    demo = EXACT.with_name("tiny-arith.toml")
+    with pytest.raises(ValueError, match="run.exact needs inference.dtype = 'float32'"):
+        load_recipe(demo, ["run.exact=true"])
+    config = load_recipe(demo, ["run.exact=true", "inference.dtype=float32"])
+    assert config.trainer.exact and config.inference.exact
+    # an alias of inference.dtype reaches the trainer's publishing by its full name
+    assert load_recipe(demo, ["inference.dtype=bf16"]).trainer.publish.dtype == "bfloat16"
 
 
 def test_sampled_evals_at_another_temperature_are_refused():
@@ -59,6 +76,19 @@ def test_the_engine_refuses_what_it_cannot_compute_exactly(tiny_model_dir):
             engine.start([5, 6, 7], Sampling(temperature=0.7, max_new_tokens=2))
         with pytest.raises(ValueError, match="no top-k or top-p"):
             engine.start([5, 6, 7], Sampling(temperature=1.0, top_p=0.5, max_new_tokens=2))
+        # a leased task asking for it is unservable at once (dead-lettered with the reason, never retried)
+        from services.inference.leased_work import Unservable, check_lease
+        from shared.rpc.steadyrl.v1 import common_pb2
+        from shared.runstore.queues import Lease
+        from shared.tasks.reward_runner import RewardRunner
+
+        task = common_pb2.PromptTask(
+            task_id="t", task_name="exact_match", prompt_token_ids=[5, 6, 7], group_size=2,
+            sampling=common_pb2.SamplingParams(temperature=0.7, max_new_tokens=2),
+        )  # fmt: skip
+        with pytest.raises(Unservable, match="exact mode samples the model's own distribution") as unservable:
+            check_lease(Lease("t", task, 0), "", engine, None, RewardRunner())
+        assert unservable.value.code == "sampling"
         [greedy] = engine.generate([[5, 6, 7]], Sampling(temperature=0.0, max_new_tokens=3))
         assert len(greedy.token_ids) >= 1 and all(lp <= 0 for lp in greedy.logprobs)
     finally:

@@ -14,7 +14,7 @@ from services.trainer.acknowledgements import Acknowledgements
 from services.trainer.checkpoint import TrainerState
 from services.trainer.config import TrainerSettings
 from services.trainer.final_model import write_final_model
-from services.trainer.global_step import NonFiniteStep
+from services.trainer.global_step import StepNotApplied
 from services.trainer.groups import GroupBuffer
 from services.trainer.intake import Intake
 from services.trainer.model_runner import StepRunner
@@ -114,10 +114,10 @@ class Stepping:
         async with self.model_lock:  # a Checkpoint request waits for the step, never saves half of one
             try:
                 metrics = await asyncio.to_thread(self.runner.step, rollouts, self.state.version)
-            except NonFiniteStep as exc:  # nothing applied: no step, no version; its rollouts dead-lettered
-                await self.intake.nonfinite(groups, exc.reason)
+            except StepNotApplied as exc:  # nothing applied: no step, no version; its rollouts dead-lettered
+                await self.intake.not_applied(groups, exc.code, exc.reason)
                 self.ended = time.monotonic()
-                return {"nonfinite_step": 1.0}
+                return {exc.code: 1.0}
             self.state.step += 1
             self.state.version += 1
             self.state.consumed.update(r.rollout_id for r in rollouts)
