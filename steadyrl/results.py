@@ -63,6 +63,11 @@ def demo(results: dict) -> dict:
     return results["benchmarks"]["demo"]
 
 
+def table(head: str, rows: list[tuple[str, str]]) -> str:
+    """`head`, then a two-column markdown table of (what, measured). Pure."""
+    return "\n".join([head, "", "| what | measured |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+
+
 def demo_table(results: dict) -> str:
     d = demo(results)
     runs = d["runs"]
@@ -92,7 +97,7 @@ def demo_table(results: dict) -> str:
         f"`{d['command']}` as it ships, measured by `steadyrl bench demo` on {machine_text(results)} "
         f"({d.get('date', results['date'])}; {runs_text(len(runs))}):"
     )
-    return "\n".join([head, "", "| what | measured |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+    return table(head, rows)
 
 
 def demo_wall(results: dict) -> str:
@@ -174,7 +179,7 @@ def exact_table(results: dict) -> str:
         f"`steadyrl bench exact` on {machine_text(results)} ({x.get('date', results['date'])}; the demo "
         f"{runs_text(d['pairs'])} of each side, run in turn):"
     )
-    return "\n".join([head, "", "| what | measured |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+    return table(head, rows)
 
 
 RENDERERS: dict[str, Callable[[dict], str]] = {

@@ -25,25 +25,18 @@ class NotInvariant(RuntimeError):
     """This machine's kernels do not hold a property exact mode relies on."""
 
 
-def _tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """Σ over `dim` as a fixed tree over its values padded with −0.0 to a power of two (each level adds
-    the second half to the first): a wider padding only adds −0.0 to every value first, so padding
-    after a row's values changes no bit of its sum."""
-    dim = dim % x.dim()
-    n = x.shape[dim]
+def _last_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """Σ over the last dimension as a fixed tree over its values padded with −0.0 to a power of two
+    (each level adds the second half to the first): a wider padding only adds −0.0 to every value
+    first, so padding after a row's values changes no bit of its sum, nor do the rows beside it."""
+    n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
-        shape = list(x.shape)
-        shape[dim] = width - n
-        x = torch.cat([x, x.new_full(shape, -0.0)], dim=dim)
-    while x.shape[dim] > 1:  # value i plus value i + half (unbind: a cheap backward)
-        low, high = x.unflatten(dim, (2, x.shape[dim] // 2)).unbind(dim)
+        x = torch.cat([x, x.new_full((*x.shape[:-1], width - n), -0.0)], dim=-1)
+    while x.shape[-1] > 1:  # value i plus value i + half (unbind: a cheap backward)
+        low, high = x.unflatten(-1, (2, x.shape[-1] // 2)).unbind(-2)
         x = low + high
-    return x if keepdim else x.squeeze(dim)
-
-
-def _last_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    return _tree_sum(x, -1, keepdim)
+    return x if keepdim else x.squeeze(-1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
