@@ -2,9 +2,10 @@
 a row per run (with the collapse rules), the mean ± std per configuration, the table.
 
 A grid file (TOML) names a base recipe (`[grid] base`), overrides every run shares (`set`), the `[collapse]` rules
-and the `[[config]]` entries, each a list of `--set` overrides. Seed s sets `trainer.seed` and
-`orchestrator.data.seed`. Every run writes DIR/<config>/seed-<s>; a finished run is not run again. With
-`eval_final_model` each run's final model is also scored as the trainer holds it (π): model-evals.jsonl.
+and the `[[config]]` entries, each a list of `--set` overrides (with `[[stress]]` entries: every stress × every
+entry, `STRESS-CONFIG`). Seed s
+sets `trainer.seed` and `orchestrator.data.seed`. Every run writes DIR/<config>/seed-<s>; a finished run is not run
+again. With `eval_final_model` each run's final model is also scored as the trainer holds it (π): model-evals.jsonl.
 
 Details: docs/internals/cli.md"""
 
@@ -62,9 +63,9 @@ class Grid:
 def load_grid(path: str | Path) -> Grid:
     path = Path(path)
     data = tomllib.loads(path.read_text())
-    unknown = set(data) - {"grid", "collapse", "config"}
+    unknown = set(data) - {"grid", "collapse", "config", "stress"}
     if unknown:
-        raise ValueError(f"unknown tables {sorted(unknown)} in {path}; expected grid, collapse, config")
+        raise ValueError(f"unknown tables {sorted(unknown)} in {path}; expected grid, collapse, config, stress")
     grid = data.get("grid", {})
     unknown = set(grid) - {"base", "set", "eval_final_model"}
     if unknown:
@@ -80,20 +81,36 @@ def load_grid(path: str | Path) -> Grid:
         raise ValueError(f"{path}: unknown collapse rules {sorted(bad)}; expected {', '.join(COLLAPSE_RULES)}")
     if "final_model_drop" in collapse and not final_dtype:
         raise ValueError(f"{path}: the collapse rule final_model_drop needs eval_final_model in [grid]")
-    configs = []
-    for entry in data.get("config", []):
-        name = str(entry.get("name", ""))
-        if not name or not name.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"{path}: every [[config]] needs a name of letters, digits, - and _; got {name!r}")
-        configs.append(GridConfig(name, str(entry.get("label", name)), [str(s) for s in entry.get("set", [])]))
+    configs = _entries(path, data, "config")
     if not configs:
         raise ValueError(f"{path}: no [[config]] entries")
+    stresses = _entries(path, data, "stress")
+    if stresses:  # the arena: every stress × every configuration
+        configs = [
+            GridConfig(f"{s.name}-{c.name}", f"{s.label}: {c.label}", [*s.overrides, *c.overrides])
+            for s in stresses
+            for c in configs
+        ]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: configuration names repeat: {names}")
     return Grid(
         (path.parent / grid["base"]).resolve(), [str(s) for s in grid.get("set", [])], configs, collapse, final_dtype
     )
+
+
+def _entries(path: Path, data: dict, table: str) -> list[GridConfig]:
+    """The [[config]] or [[stress]] entries: a name of letters, digits, - and _, a label, overrides."""
+    entries = []
+    for entry in data.get(table, []):
+        name = str(entry.get("name", ""))
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{path}: every [[{table}]] needs a name of letters, digits, - and _; got {name!r}")
+        unknown = set(entry) - {"name", "label", "set"}
+        if unknown:
+            raise ValueError(f"{path}: [[{table}]] {name}: unknown keys {sorted(unknown)}; expected name, label, set")
+        entries.append(GridConfig(name, str(entry.get("label", name)), [str(s) for s in entry.get("set", [])]))
+    return entries
 
 
 def recipe_for(grid: Grid, config: GridConfig, seed: int, extra: list[str] = ()) -> Recipe:

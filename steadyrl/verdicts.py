@@ -3,7 +3,9 @@
 
 A finding is a list of claims comparing recipes (`collapses_more`, `higher`, `never_collapses`, `no_gain`), each with
 its test; it is reproduced in a setting when all its claims hold there. The score is π's final float32 accuracy
-where the grid scored it, else μ's final eval. `python -m steadyrl.verdicts` prints the tables.
+where the grid scored it, else μ's final eval. The objective arena (configs/arena.toml) is judged by the same two
+tests, each objective against MiniRL under each stress (`arena_table`). `python -m steadyrl.verdicts` prints the
+tables.
 
 Details: docs/internals/cli.md"""
 
@@ -209,5 +211,72 @@ def tables() -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the objective arena (configs/arena.toml): its rule, fixed before its runs ----------------------
+
+ARENA_RESULTS = ("arena/results.csv",)  # under docs/reproduction, once runs are committed
+ARENA_OBJECTIVES = ("grpo", "dppo", "gspo", "cispo")  # each judged against MiniRL under the same stress
+
+
+def arena_cell(objective: str, stress: str, runs: list[Run]) -> str | None:
+    """One objective against MiniRL under one stress, by the page's rule: "more stable" / "less stable"
+    when one collapses more often (Fisher, one-sided p < 0.05, each direction), then "higher" / "lower"
+    when π's final score differs with Welch |t| ≥ 2, else "no difference shown"; None without both."""
+    mine, theirs = f"{stress}-{objective}", f"{stress}-minirl"
+    if not (matching(runs, (mine,)) and matching(runs, (theirs,))):
+        return None
+    words = []
+    for kind, a, b, word in (
+        ("collapses_more", theirs, mine, "more stable"),
+        ("collapses_more", mine, theirs, "less stable"),
+        ("higher", mine, theirs, "higher"),
+        ("higher", theirs, mine, "lower"),
+    ):
+        held, _ = judge(Claim(kind, (a,), (b,)), runs)
+        words += [word] * held
+    return ", ".join(words) or "no difference shown"
+
+
+def arena_table(runs: list[Run]) -> str:
+    """Per stress: each objective's collapses and final score, and its verdict against MiniRL; and
+    which reading holds there — the paper's (no objective more stable than MiniRL nor higher), the
+    DPPO critique's (DPPO more stable than MiniRL), or neither shown."""
+    if not runs:
+        return "No arena run is committed yet.\n"
+    stresses = list(dict.fromkeys(r.config.rsplit("-", 1)[0] for r in runs))
+    lines = [
+        "| stress | objective | runs | collapsed | final score (mean) | against MiniRL |",
+        "|---|---|---|---|---|---|",
+    ]
+    readings = []
+    for stress in stresses:
+        cells = {}
+        for objective in ("minirl", *ARENA_OBJECTIVES):
+            mine = matching(runs, (f"{stress}-{objective}",))
+            if not mine:
+                continue
+            cells[objective] = arena_cell(objective, stress, runs) if objective != "minirl" else "–"
+            mean = sum(r.score for r in mine) / len(mine)
+            lines.append(
+                f"| {stress} | {objective} | {len(mine)} | {sum(r.collapsed for r in mine)} | "
+                f"{mine[0].score_of} {mean:.3f} | {cells[objective] or '–'} |"
+            )
+        better = [o for o, c in cells.items() if c and ("more stable" in c or "higher" in c)]
+        if "more stable" in (cells.get("dppo") or ""):
+            reading = "the DPPO critique holds (DPPO more stable than MiniRL)"
+        elif "minirl" in cells and not better:
+            reading = "the paper's reading holds (no objective more stable than MiniRL nor higher)"
+        else:
+            reading = f"neither: {', '.join(better)} better than MiniRL"
+        readings.append(f"- {stress}: {reading}.")
+    return "\n".join([*lines, "", *readings]) + "\n"
+
+
+def arena_tables(root: Path = ROOT) -> str:
+    files = tuple(f for f in ARENA_RESULTS if (root / f).exists())
+    return arena_table(read_runs(files, root) if files else [])
+
+
 if __name__ == "__main__":
     print(tables(), end="")
+    print()
+    print(arena_tables(), end="")

@@ -65,9 +65,39 @@ def test_the_paper_grids_load_and_every_run_recipe_validates(name, configs):
     check_recipes(grid, grid.configs)  # what its collapse rules read, every configuration produces
 
 
+def test_the_arena_is_every_stress_times_every_objective_and_every_recipe_validates():
+    from steadyrl.recipe import PROBES, SERVICES
+    from steadyrl.service_settings import service_env, validate
+
+    grid = load_grid(ROOT / "configs" / "arena.toml")
+    stresses = ("fp4", "fp8", "stale4", "stale8", "n4", "n4r2", "n4r3", "exact")
+    objectives = ("minirl", "grpo", "dppo", "gspo", "cispo")
+    assert [c.name for c in grid.configs] == [f"{s}-{o}" for s in stresses for o in objectives]
+    for config in grid.configs:
+        recipe = recipe_for(grid, config, seed=3)
+        for service in SERVICES:
+            validate(service, service_env(recipe, service, PROBES[service]))
+        stress, objective = config.name.split("-")
+        assert recipe.trainer.loss.objective == objective and recipe.trainer.optim.lr == 2e-3
+        assert recipe.run.steps == 300 and recipe.run.exact == (stress == "exact")
+        assert recipe.inference.quantization == {"fp4": "fp4", "fp8": "fp8"}.get(stress, "none")
+        assert recipe.run.max_staleness == {"stale4": 4, "stale8": 8}.get(stress, 0)
+        assert recipe.trainer.mini_batches == (4 if stress.startswith("n4") else 1)
+        assert recipe.trainer.routing_replay == {"n4r2": "r2", "n4r3": "r3"}.get(stress, "off")
+    check_recipes(grid, grid.configs)
+
+
 @pytest.mark.parametrize(
     "text,error",
     [
+        (
+            '[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[stress]]\nname = "s"\nseeds = 2\n',
+            "\\[\\[stress\\]\\] s: unknown keys \\['seeds'\\]",
+        ),
+        (
+            '[grid]\nbase = "x.toml"\n[[config]]\nname = "a"\n[[stress]]\nname = "s t"\n',
+            "\\[\\[stress\\]\\] needs a name",
+        ),
         (
             '[grid]\nbase = "x.toml"\n[collapse]\nreward_below = 1\n[[config]]\nname = "a"\n',
             "unknown collapse rules \\['reward_below'\\]",

@@ -45,3 +45,38 @@ def test_the_reproduction_page_prints_the_rules_verdicts():
     generated = tables()
     assert generated in page
     assert "**2 of 6 reproduced**: (d), (e)." in generated  # what the committed results give today
+
+
+def test_the_arena_rule_on_synthetic_runs():
+    """Each verdict the arena table writes, each reading of a stress, from runs made up for it."""
+    from steadyrl.verdicts import arena_cell, arena_table
+
+    stable = [0.5, 0.52, 0.54, 0.5, 0.51, 0.53]
+    data = (
+        runs("fp4-minirl", [0.1, 0.12, 0.1, 0.11, 0.1, 0.12], 6)  # MiniRL collapses under fp4 every time
+        + runs("fp4-dppo", stable, 0)  # DPPO never: more stable (6/6 vs 0/6, p = 0.001) and higher
+        + runs("fp4-gspo", [0.1, 0.12, 0.1, 0.11, 0.1, 0.12], 6)  # as MiniRL: nothing shown
+        + runs("exact-minirl", stable, 0)
+        + runs("exact-cispo", [0.3, 0.32, 0.3, 0.31, 0.3, 0.32], 6)  # collapses where MiniRL does not, lower
+        + runs("exact-grpo", [0.5, 0.56, 0.52, 0.5, 0.53, 0.51], 0)
+    )
+    assert arena_cell("dppo", "fp4", data) == "more stable, higher"
+    assert arena_cell("gspo", "fp4", data) == "no difference shown"
+    assert arena_cell("cispo", "exact", data) == "less stable, lower"
+    assert arena_cell("grpo", "exact", data) == "no difference shown"
+    assert arena_cell("cispo", "fp4", data) is None  # no such runs
+    table = arena_table(data)
+    assert "| fp4 | dppo | 6 | 0 | π 0.517 | more stable, higher |" in table
+    assert "| fp4 | minirl | 6 | 6 | π 0.108 | – |" in table
+    assert "- fp4: the DPPO critique holds (DPPO more stable than MiniRL)." in table
+    assert "- exact: the paper's reading holds (no objective more stable than MiniRL nor higher)." in table
+    higher = data + runs("stale4-minirl", [0.3] * 3 + [0.32] * 3, 0) + runs("stale4-gspo", stable, 0)
+    assert "- stale4: neither: gspo better than MiniRL." in arena_table(higher)
+    assert arena_table([]) == "No arena run is committed yet.\n"
+
+
+def test_the_reproduction_page_prints_the_arena_rule_and_its_table():
+    from steadyrl.verdicts import arena_tables
+
+    page = (ROOT / "docs" / "REPRODUCTION.md").read_text()
+    assert "## The objective arena" in page and arena_tables() in page.split("## The objective arena")[1]
