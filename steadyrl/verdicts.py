@@ -220,16 +220,17 @@ ARENA_OBJECTIVES = ("grpo", "dppo", "gspo", "cispo")  # each judged against Mini
 def arena_cell(objective: str, stress: str, runs: list[Run]) -> str | None:
     """One objective against MiniRL under one stress, by the page's rule: "more stable" / "less stable"
     when one collapses more often (Fisher, one-sided p < 0.05, each direction), then "higher" / "lower"
-    when π's final score differs with Welch |t| ≥ 2, else "no difference shown"; None without both."""
+    when π's final score differs with Welch |t| ≥ 2 (with 2 runs a side or more), else "no difference
+    shown"; None without both."""
     mine, theirs = f"{stress}-{objective}", f"{stress}-minirl"
     if not (matching(runs, (mine,)) and matching(runs, (theirs,))):
         return None
     words = []
+    scored = min(len(matching(runs, (mine,))), len(matching(runs, (theirs,)))) >= 2  # Welch needs 2 a side
     for kind, a, b, word in (
         ("collapses_more", theirs, mine, "more stable"),
         ("collapses_more", mine, theirs, "less stable"),
-        ("higher", mine, theirs, "higher"),
-        ("higher", theirs, mine, "lower"),
+        *((("higher", mine, theirs, "higher"), ("higher", theirs, mine, "lower")) if scored else ()),
     ):
         held, _ = judge(Claim(kind, (a,), (b,)), runs)
         words += [word] * held
@@ -238,8 +239,9 @@ def arena_cell(objective: str, stress: str, runs: list[Run]) -> str | None:
 
 def arena_table(runs: list[Run]) -> str:
     """Per stress: each objective's collapses and final score, and its verdict against MiniRL; and
-    which reading holds there — the paper's (no objective more stable than MiniRL nor higher), the
-    DPPO critique's (DPPO more stable than MiniRL), or neither shown."""
+    which reading holds there — the DPPO critique's (DPPO more stable than MiniRL), the paper's
+    (MiniRL more stable than or above some objective, none more stable than it nor above it), or
+    neither."""
     if not runs:
         return "No arena run is committed yet.\n"
     stresses = list(dict.fromkeys(r.config.rsplit("-", 1)[0] for r in runs))
@@ -261,12 +263,15 @@ def arena_table(runs: list[Run]) -> str:
                 f"{mine[0].score_of} {mean:.3f} | {cells[objective] or '–'} |"
             )
         better = [o for o, c in cells.items() if c and ("more stable" in c or "higher" in c)]
+        worse = [o for o, c in cells.items() if c and ("less stable" in c or "lower" in c)]
         if "more stable" in (cells.get("dppo") or ""):
             reading = "the DPPO critique holds (DPPO more stable than MiniRL)"
-        elif "minirl" in cells and not better:
-            reading = "the paper's reading holds (no objective more stable than MiniRL nor higher)"
-        else:
+        elif better:
             reading = f"neither: {', '.join(better)} better than MiniRL"
+        elif worse:
+            reading = f"the paper's reading holds (MiniRL better than {', '.join(worse)}, none better than it)"
+        else:
+            reading = "neither shown (no difference with MiniRL)"
         readings.append(f"- {stress}: {reading}.")
     return "\n".join([*lines, "", *readings]) + "\n"
 

@@ -69,10 +69,14 @@ def test_the_arena_rule_on_synthetic_runs():
     assert "| fp4 | dppo | 6 | 0 | π 0.517 | more stable, higher |" in table
     assert "| fp4 | minirl | 6 | 6 | π 0.108 | – |" in table
     assert "- fp4: the DPPO critique holds (DPPO more stable than MiniRL)." in table
-    assert "- exact: the paper's reading holds (no objective more stable than MiniRL nor higher)." in table
+    assert "- exact: the paper's reading holds (MiniRL better than cispo, none better than it)." in table
     higher = data + runs("stale4-minirl", [0.3] * 3 + [0.32] * 3, 0) + runs("stale4-gspo", stable, 0)
     assert "- stale4: neither: gspo better than MiniRL." in arena_table(higher)
     assert arena_table([]) == "No arena run is committed yet.\n"
+    # one run a side (a pilot): the collapse test alone, no Welch on one score
+    pilot = runs("fp4-minirl", [0.18], 1) + runs("fp4-dppo", [0.13], 1)
+    assert arena_cell("dppo", "fp4", pilot) == "no difference shown"
+    assert "- fp4: neither shown (no difference with MiniRL)." in arena_table(pilot)
 
 
 def test_the_reproduction_page_prints_the_arena_rule_and_its_table():
