@@ -32,7 +32,7 @@ def source_numbers(results_data: dict, pointer: str) -> set[float]:
 def record_numbers() -> set[float]:
     found = set()
     for path in (ROOT / "docs" / "reproduction").rglob("*"):
-        if path.suffix in (".csv", ".md", ".jsonl", ".toml"):
+        if path.suffix in (".csv", ".md", ".json", ".jsonl", ".toml"):
             found |= {float(n.replace(",", "")) for n in NUMBER.findall(path.read_text())}
     return found
 
