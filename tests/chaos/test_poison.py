@@ -130,7 +130,7 @@ def test_poison_pills_are_dead_lettered_and_the_run_goes_on(tmp_path, tiny_model
             f"run.group_size={G}",
             "run.replicas=2",
             "orchestrator.evals.every=0",
-            "inference.tasks.lease_seconds=3",
+            "inference.tasks.lease_seconds=30",  # renewed every 10 s: a loaded CI box stalls a replica for seconds
             "inference.tasks.per_batch=2",
             "inference.tasks.version_wait_seconds=1",
             "orchestrator.max_attempts=2",
