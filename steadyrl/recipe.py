@@ -417,7 +417,8 @@ def section_values(
     if service == "trainer":  # the replicas' dtype, by its full name (an alias such as bf16 too)
         dtype = inference_dtype(inference, model_path or model.path, run.exact)[0]
         dtype = DTYPE_NAMES.get(dtype, dtype)
-        values["publish"] = merge_tables({"dtype": dtype}, values.get("publish", {}))
+        patchable = inference.get("engine", "torch") == "torch" and inference.get("quantization", "none") == "none"
+        values["publish"] = merge_tables({"dtype": dtype, "patches": patchable}, values.get("publish", {}))
     if service == "inference" and values.get("dtype", AUTO) == AUTO:
         values["dtype"] = inference_dtype(inference, model_path or model.path, run.exact)[0]
     if service == "inference":  # the plug-ins the run names: the only ones a replica imports or runs for a task

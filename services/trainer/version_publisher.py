@@ -124,6 +124,7 @@ class VersionPublisher:
                 s.max_message_bytes,
                 run_folder(s.publish.shm_dir, s.run_id, self.instance),
                 s.publish.shm_keep,
+                s.publish.patches,
             )
         try:
             complete = await self.client.stage(

@@ -21,7 +21,7 @@ from services.weightsync.config import WeightSyncSettings
 from services.weightsync.members import GRPC, Membership, Subscriber, SubscriberTaken
 from services.weightsync.rendezvous import RendezvousError, RendezvousRequestError, parse_amount
 from services.weightsync.store import VersionStore
-from services.weightsync.transfers import Transfers
+from services.weightsync.transfers import BaseNotHeld, Transfers
 from shared.rpc.steadyrl.v1 import common_pb2, weightsync_pb2_grpc
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.runstore.run_instance import resolve_instance
@@ -205,9 +205,11 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             )
         ANNOUNCED.labels(pb.WeightTransportKind.Name(kind).lower()).inc()
         try:
-            return self.transfers.announce(manifest, request.transport)
+            return await self.transfers.announce(manifest, request.transport)
         except ValueError as exc:
             await self._fail(context, "announce", "transport", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BaseNotHeld as exc:
+            await self._fail(context, "announce", "patch_base", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     async def Report(self, request, context):
         """How a collective went for the trainer or a member: a failure ends the epoch."""
@@ -257,6 +259,11 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         if version not in self.store.versions:
             await self._fail(context, "pull", "not_found", grpc.StatusCode.NOT_FOUND, f"version {version} is not held")
         target = self.store.versions[version]
+        for waited in (target, self.store.versions.get(request.base_version)):
+            if waited is not None and waited.ready is not None:  # a patch version being made whole
+                await waited.ready.wait()
+        if version not in self.store.versions:
+            await self._fail(context, "pull", "not_found", grpc.StatusCode.NOT_FOUND, f"version {version} is not held")
         base_version = request.base_version if request.base_version in self.store.versions else 0
         try:
             payloads = self.store.payloads(version)

@@ -8,6 +8,7 @@ Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class StoredVersion:
     path: Path | None = None
     shm_path: Path | None = None  # the trainer's shared-memory file of this version
     dropped: bool = False  # past `retain`: no longer held (a write of it under way deletes its file)
+    ready: asyncio.Event | None = None  # a patch version being made whole: set once its bytes are held
 
     @property
     def total_bytes(self) -> int:
@@ -61,6 +63,32 @@ class VersionStore:
         self.versions[manifest.version] = StoredVersion(manifest, None, shm_path=path)
         self._trim()
         self._write_ahead()
+
+    def add_pending(self, manifest: pb.WeightManifest) -> StoredVersion:
+        """A version whose bytes are being made (a patch applied to its base): listed, and pulled once
+        `complete` (or let go of by `discard`)."""
+        stored = self.versions[manifest.version] = StoredVersion(manifest, None, ready=asyncio.Event())
+        self._trim()
+        return stored
+
+    def complete(self, version: int, payloads: list[bytearray]) -> None:
+        """A pending version's bytes are held (if it is still listed)."""
+        stored = self.versions.get(version)
+        if stored is not None and stored.ready is not None:
+            if not stored.dropped:
+                stored.payloads = payloads
+            stored.ready.set()
+            stored.ready = None
+            self._trim()
+            self._write_ahead()
+
+    def discard(self, version: int) -> None:
+        """A pending version that could not be made: no longer listed (a pull waiting on it finds so)."""
+        stored = self.versions.pop(version, None)
+        if stored is not None:
+            stored.dropped = True
+            if stored.ready is not None:
+                stored.ready.set()
 
     def add(self, manifest: pb.WeightManifest, payloads: list[bytearray]) -> None:
         self.versions[manifest.version] = StoredVersion(manifest, payloads)
@@ -120,6 +148,8 @@ class VersionStore:
         stored = self.versions[version]
         if stored.payloads is not None:
             return stored.payloads
+        if stored.ready is not None:
+            raise WeightError(f"version {version} is still being made from its patch")
         if stored.dropped:
             raise WeightError(f"version {version} was let go of to make room for a newer one")
         from shared.weightsync.manifest import tensor_to_bytes  # torch: only a version read back from a file
@@ -128,8 +158,10 @@ class VersionStore:
         if stored.shm_path is not None:
             tensors = read_shm(stored.shm_path, stored.manifest)
             return [tensor_to_bytes(tensors[spec.name]) for spec in stored.manifest.tensors]
+        from shared.weightsync.patches import as_whole
+
         assert stored.path is not None
-        tensors = read_shm(stored.path / SPILL_FILE, stored.manifest)
+        tensors = read_shm(stored.path / SPILL_FILE, as_whole(stored.manifest))  # the file holds it whole
         return [bytearray(tensor_to_bytes(tensors[spec.name])) for spec in stored.manifest.tensors]
 
     def _write(self, stored: StoredVersion) -> None:

@@ -6,6 +6,7 @@ trainer and the members report it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import Callable
@@ -20,11 +21,44 @@ from services.weightsync.rendezvous import Rendezvous
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.base import kind
+from shared.weightsync.base import WeightError, kind
+from shared.weightsync.patches import patched_bytes
 
 log = logging.getLogger("steadyrl.weightsync")
 EPOCH = Gauge("steadyrl_weightsync_collective_epoch", "Current membership epoch of the collective group")
 MEMBERS = Gauge("steadyrl_weightsync_collective_members", "Replicas in the current collective epoch")
+
+
+class BaseNotHeld(Exception):
+    """A patch version this service cannot make whole: its base is not held (FAILED_PRECONDITION)."""
+
+
+def made_whole(
+    manifest: pb.WeightManifest, path: Path, base_manifest: pb.WeightManifest, base_payloads
+) -> list[bytearray]:
+    """Every tensor of a patch version, whole: its file's tensors as they are, its patches applied
+    to the base version's bytes (`base_payloads()`), each checked against the manifest's digest."""
+    from shared.weightsync.manifest import digest, tensor_to_bytes
+    from shared.weightsync.patches import Patch, apply_bytes
+    from shared.weightsync.shm import read_shm
+
+    held = read_shm(path, manifest)  # every tensor and patch checked against its digest
+    base = dict(zip((spec.name for spec in base_manifest.tensors), base_payloads(), strict=True))
+    base_specs = {spec.name: spec for spec in base_manifest.tensors}
+    out = []
+    for spec in manifest.tensors:
+        item = held[spec.name]
+        if isinstance(item, Patch):
+            old = base_specs.get(spec.name)
+            if old is None or old.dtype != spec.dtype or list(old.shape) != list(spec.shape):
+                raise WeightError(f"tensor {spec.name}: its base version holds no such tensor")
+            data = apply_bytes(base[spec.name], item.blob, spec)
+        else:
+            data = bytearray(tensor_to_bytes(item))
+        if digest(data) != spec.checksum:
+            raise WeightError(f"tensor {spec.name}: made whole, its bytes are not the manifest's")
+        out.append(data)
+    return out
 
 
 class Transfers:
@@ -57,19 +91,33 @@ class Transfers:
         root = self.settings.shm_dir.resolve()
         return path if root in path.parents and path.is_file() else None
 
-    def announce(self, manifest: pb.WeightManifest, transport: pb.Transport) -> pb.AnnounceReply:
+    async def announce(self, manifest: pb.WeightManifest, transport: pb.Transport) -> pb.AnnounceReply:
         """A version whose bytes travel off the push path, by the transport it names (ValueError:
-        one this service cannot take so)."""
-        take = {SHM: self.announce_shm, COLLECTIVE: self.announce_collective}.get(transport.kind)
-        if take is None:
-            raise ValueError("announce carries SHM or COLLECTIVE versions; gRPC versions are pushed")
-        return take(manifest, transport)
+        one this service cannot take so; BaseNotHeld: a patch against a version not held)."""
+        if transport.kind == SHM:
+            return await self.announce_shm(manifest, transport)
+        if transport.kind == COLLECTIVE:
+            return self.announce_collective(manifest, transport)
+        raise ValueError("announce carries SHM or COLLECTIVE versions; gRPC versions are pushed")
 
-    def announce_shm(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
+    async def announce_shm(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
+        """Held as the trainer's file (pulls read it), or, for a patch, made whole from the version it
+        patches (its replicas that hold that version apply the patch meanwhile; the others pull it
+        once it is whole)."""
         path = self.shm_path(requested.shm_path)
         if path is None:
             raise ValueError(f"{requested.shm_path} is not a file under {self.settings.shm_dir} on this host")
-        self.store.add_shm(manifest, path)
+        if manifest.patch_base:
+            base = self.store.versions.get(manifest.patch_base)
+            if base is None or base.dropped:
+                raise BaseNotHeld(
+                    f"version {manifest.version} patches version {manifest.patch_base}, which this service "
+                    "does not hold: publish it whole"
+                )
+            await asyncio.to_thread(self.store.make_room)
+            self.store.add_pending(manifest)
+        else:
+            self.store.add_shm(manifest, path)
         mapped = {s.id for s in self.members.subscribers.values() if SHM in s.transports and s.host == self.host}
         for subscriber in self.members.subscribers.values():
             if subscriber.id in mapped:
@@ -80,19 +128,45 @@ class Transfers:
                         transport=pb.Transport(kind=SHM, shm_path=str(path)),
                     )
                 )
+        if manifest.patch_base:
+            await self._make_whole(manifest, path)
         self.stored(manifest, skip=frozenset(mapped))
+        whole, patched = patched_bytes(manifest)
         log.info(
-            "event=version_published version=%d kind=%s transport=shm bytes=%d tensors=%d mapped_by=%d",
+            "event=version_published version=%d kind=%s transport=shm bytes=%d full_bytes=%d patch_bytes=%d "
+            "patch_base=%d tensors=%d patched=%d mapped_by=%d",
             manifest.version,
             kind(manifest),
             self.store.versions[manifest.version].total_bytes,
+            whole,
+            patched,
+            manifest.patch_base,
             len(manifest.tensors),
+            sum(spec.HasField("patch") for spec in manifest.tensors),
             len(mapped),
         )
         return pb.AnnounceReply(
             version=self.store.versions[manifest.version].info().version,
             transport=pb.Transport(kind=SHM, shm_path=str(path)),
         )
+
+    async def _make_whole(self, manifest: pb.WeightManifest, path: Path) -> None:
+        """A patch version's bytes, from its base's and its file, held (BaseNotHeld when they
+        cannot be made: the version is not held, and the trainer publishes it again whole)."""
+        base = self.store.versions.get(manifest.patch_base)
+        try:
+            if base is None:
+                raise WeightError(f"version {manifest.patch_base} was let go of")
+            if base.ready is not None:
+                await base.ready.wait()
+            payloads = await asyncio.to_thread(
+                made_whole, manifest, path, base.manifest, lambda: self.store.payloads(manifest.patch_base)
+            )
+        except (OSError, WeightError) as exc:
+            self.store.discard(manifest.version)
+            log.warning("event=patch_not_made version=%d base=%d error=%s", manifest.version, manifest.patch_base, exc)
+            raise BaseNotHeld(f"version {manifest.version} could not be made from its patch: {exc}") from None
+        self.store.complete(manifest.version, payloads)
 
     def announce_collective(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
         epoch = self.members.epoch_for_announce(requested.epoch)

@@ -1,7 +1,8 @@
 """The torch engine's model and weights: loaded (with the quantization it emulates), and written
 in place by each version — each bucket of a delivery copied into the model's own tensors (cast to
-the engine's dtype, moved to its device, re-rounded where the engine emulates a quantization),
-with no staged copy of the version."""
+the engine's dtype, moved to its device, re-rounded where the engine emulates a quantization), or
+a patched tensor's changed elements written into the bytes of the version it patches — with no
+staged copy of the version."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from shared.models.lora import adapter_refusal, inject
 from shared.models.quantization import QUANTIZATIONS, emulate, quantize_
 from shared.weightsync.base import Delivery, PartialVersion
 from shared.weightsync.manifest import WeightError, tensor_to_bytes
+from shared.weightsync.patches import Patch
 
 
 def load_model(
@@ -67,6 +69,12 @@ class InPlaceWeights:
             for bucket in delivery.buckets():
                 for name, tensor in bucket:
                     target = targets.get(name)
+                    if isinstance(tensor, Patch):  # the base version's bytes, held exactly, become this one's
+                        if target is None or name in self.quantized:
+                            raise WeightError(f"tensor {name}: a patch applies only to a tensor held as published")
+                        tensor.apply_to(target)
+                        copied.add(target.untyped_storage().data_ptr())
+                        continue
                     if target is None or target.shape != tensor.shape:
                         raise WeightError(
                             f"tensor {name}: not in the model, or shaped {tuple(tensor.shape)} "

@@ -22,11 +22,12 @@ def make_publisher(
     max_message_bytes: int | None = None,
     shm_dir: Path | None = None,
     shm_keep: int = 4,
+    patches: bool = False,
 ) -> WeightPublisher:
     """The trainer's publisher of the transport `name`, announcing through weight-sync at `address`."""
     from shared.weightsync.grpc import GrpcWeightPublisher
 
     chosen = transport(name)
-    options = PublishOptions(signer, max_message_bytes, shm_dir, shm_keep)
+    options = PublishOptions(signer, max_message_bytes, shm_dir, shm_keep, patches)
     extra = {"max_message_bytes": max_message_bytes} if max_message_bytes else {}
     return chosen.publisher(GrpcWeightPublisher(address, signer=signer, **extra), options)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 
-Bucket = list[tuple[str, "torch.Tensor"]]
+Bucket = list[tuple[str, "torch.Tensor"]]  # or (name, a `patches.Patch`) where the version is a patch
 BUCKET_BYTES = 256 << 20  # an in-process bucket: at most this many bytes (a larger tensor goes alone)
 
 
@@ -113,6 +113,7 @@ class PublishOptions:
     max_message_bytes: int | None = None
     shm_dir: Path | None = None  # shm: where the version files go
     shm_keep: int = 4  # shm: version files kept
+    patches: bool = False  # shm, collective: a tensor travels as its changed elements where that is smaller
 
 
 class Transport(ABC):
@@ -178,7 +179,7 @@ def batched(tensors: Iterable[tuple[str, torch.Tensor]], limit: int = BUCKET_BYT
     bucket: Bucket = []
     size = 0
     for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes  # a tensor's, or a patch's
         if bucket and size + nbytes > limit:
             yield bucket
             bucket = []

@@ -33,6 +33,7 @@ from shared.weightsync.base import (
 )
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.manifest import PIECE_BYTES, describe, digest, pieces
+from shared.weightsync.patches import count_bytes
 
 log = logging.getLogger("steadyrl.weightsync.client")
 
@@ -298,6 +299,7 @@ class CollectiveWeightPublisher(WeightPublisher):
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
     ):
         manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.signer)
+        count_bytes(manifest)
         device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
         backend = "nccl" if device.type == "cuda" else "gloo"
         reply = await self.grpc.stub.Announce(

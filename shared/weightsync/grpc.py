@@ -36,6 +36,7 @@ from shared.weightsync.manifest import (
     digest,
     tensor_to_bytes,
 )
+from shared.weightsync.patches import count_bytes
 
 log = logging.getLogger("steadyrl.weightsync.client")
 
@@ -62,6 +63,7 @@ class GrpcWeightPublisher(WeightPublisher):
         and sent, one at a time (a lazily cast or gathered mapping never exists whole); both passes
         run off the event loop."""
         manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.signer)
+        count_bytes(manifest)
 
         def chunks(index: int, name: str) -> list[pb.TensorChunk]:
             return list(iter_chunks(index, tensor_to_bytes(tensors[name]), self.chunk_bytes))

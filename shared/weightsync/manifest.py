@@ -182,6 +182,8 @@ def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None
             raise WeightError(f"tensor {name}: nbytes {spec.nbytes} != {shown} for its shape and dtype")
         if len(spec.checksum) != 32:
             raise WeightError(f"tensor {name}: checksum must be 32 bytes")
+        if spec.HasField("patch"):
+            _check_patch(spec, manifest, name, itemsize)
         total += spec.nbytes
         if total > max_total_bytes:
             raise WeightError(f"version holds more than {max_total_bytes} bytes (its limit)")
@@ -194,6 +196,19 @@ def validate_manifest(manifest: pb.WeightManifest, max_total_bytes: int) -> None
             raise WeightError(f"the adapter's config is not JSON: {exc.msg}") from None
         if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
             raise WeightError("the adapter's config names no rank (r >= 1)")
+
+
+def _check_patch(spec: pb.TensorSpec, manifest: pb.WeightManifest, name: str, itemsize: int) -> None:
+    """WeightError naming what is wrong with a tensor's patch entry (`patches.py`)."""
+    patch = spec.patch
+    if not 0 < manifest.patch_base < manifest.version:
+        raise WeightError(f"tensor {name}: a patch needs the manifest's patch_base, an older version")
+    if manifest.HasField("adapter"):
+        raise WeightError(f"tensor {name}: an adapter version is not patched")
+    if patch.count > spec.nbytes // itemsize or patch.nbytes > spec.nbytes or patch.index_nbytes > patch.nbytes:
+        raise WeightError(f"tensor {name}: its patch is larger than the tensor, or its sizes do not add up")
+    if len(patch.checksum) != 32:
+        raise WeightError(f"tensor {name}: a patch's checksum must be 32 bytes")
 
 
 def _cut(text: str, most: int = 200) -> str:

@@ -42,6 +42,7 @@ from shared.weightsync.manifest import (
     empty_manifest,
     pieces,
 )
+from shared.weightsync.patches import Patch, PatchEncoder, count_bytes, encode_version
 
 ST_DTYPES = {name: code for name, (_, code) in WEIGHT_DTYPES.items()}  # torch name → safetensors code
 ALIGN = 64
@@ -163,16 +164,26 @@ def shm_views(
     mapped: mmap.mmap, header: dict, start: int, manifest: pb.WeightManifest, verify: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of a mapped version file as a view (read-only memory: copy it, never write it),
-    checked against its manifest entry — name, dtype, shape, digest — before it is yielded."""
+    checked against its manifest entry — name, dtype, shape, digest — before it is yielded; a
+    patched tensor as its `Patch` (its patch's bytes checked against the patch's digest)."""
     buffer = np.frombuffer(mapped, dtype=np.uint8)
     for spec in manifest.tensors:
+        patched = spec.HasField("patch")  # the file holds the patch's bytes, a U8 entry of their length
+        dtype, shape, nbytes, checksum = (
+            ("uint8", [spec.patch.nbytes], spec.patch.nbytes, spec.patch.checksum)
+            if patched
+            else (spec.dtype, list(spec.shape), spec.nbytes, spec.checksum)
+        )
         entry = header.get(spec.name)
-        if entry is None or entry["dtype"] != ST_DTYPES.get(spec.dtype) or list(entry["shape"]) != list(spec.shape):
+        if entry is None or entry["dtype"] != ST_DTYPES.get(dtype) or list(entry["shape"]) != shape:
             raise WeightError(f"tensor {spec.name}: the file does not hold it as the manifest says")
         begin, end = entry["data_offsets"]
         view = buffer[start + begin : start + end]
-        if end - begin != spec.nbytes or (verify and digest(view) != spec.checksum):
+        if end - begin != nbytes or (verify and digest(view) != checksum):
             raise WeightError(f"tensor {spec.name}: checksum mismatch")
+        if patched:
+            yield spec.name, Patch(spec, view)
+            continue
         with warnings.catch_warnings():  # a read-only view: torch warns it is not writable
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(view)
@@ -238,11 +249,14 @@ class ShmWeightPublisher(WeightPublisher):
     """Each version written once to `directory/v<version>.safetensors`, over the file of one older
     than the newest `keep`, then announced."""
 
-    def __init__(self, grpc_publisher: GrpcWeightPublisher, directory: Path, keep: int = 4) -> None:
+    def __init__(
+        self, grpc_publisher: GrpcWeightPublisher, directory: Path, keep: int = 4, patches: bool = False
+    ) -> None:
         self.grpc = grpc_publisher
         self.directory = directory
         self.keep = keep
         self.spare: Path | None = None
+        self.encoder = PatchEncoder() if patches else None  # patches: the last version published, kept
 
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
@@ -254,20 +268,47 @@ class ShmWeightPublisher(WeightPublisher):
     ) -> Callable[[], Awaitable[pb.AnnounceReply]]:
         """The file written (the tensors read); its completion announces it and prunes the old ones."""
         path = self.directory / f"v{version}.safetensors"
-        manifest = await asyncio.to_thread(
-            write_shm, path, tensors, version, parent_version, self.grpc.signer, self.spare
-        )
+        if self.encoder is None:
+            manifest = await asyncio.to_thread(
+                write_shm, path, tensors, version, parent_version, self.grpc.signer, self.spare
+            )
+        else:
+            manifest = await asyncio.to_thread(self._write_patched, path, tensors, version, parent_version)
+        count_bytes(manifest)
 
         async def announce() -> pb.AnnounceReply:
-            reply = await self.grpc.stub.Announce(
-                pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
-                wait_for_ready=True,
-                timeout=timeout,
-            )
+            try:
+                reply = await self.grpc.stub.Announce(
+                    pb.AnnounceRequest(manifest=manifest, transport=pb.Transport(kind=pb.SHM, shm_path=str(path))),
+                    wait_for_ready=True,
+                    timeout=timeout,
+                )
+            except BaseException:
+                if self.encoder is not None:  # not out: the next version goes whole
+                    self.encoder.reset()
+                raise
             self.spare = prune_shm(self.directory, self.keep, version)
             return reply
 
         return announce
+
+    def _write_patched(
+        self, path: Path, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int
+    ) -> pb.WeightManifest:
+        """The version read once through the encoder and its file written: each tensor's patch
+        against the last version published, or the tensor whole; the manifest holds every tensor's
+        full digest and each patch's."""
+        try:
+            base, specs, payloads = encode_version(tensors, self.encoder)
+            write_shm(path, payloads, version, parent_version, reuse=self.spare, digests=False)
+        except BaseException:
+            self.encoder.reset()
+            raise
+        self.encoder.version = version
+        manifest = empty_manifest(tensors, version, parent_version)
+        manifest.patch_base = base
+        manifest.tensors.extend(specs)
+        return self.grpc.signer.sign(manifest) if self.grpc.signer is not None else manifest
 
     async def close(self) -> None:
         await self.grpc.close()
@@ -279,12 +320,14 @@ class ShmTransport(Transport):
     def publisher(self, grpc: GrpcWeightPublisher, options: PublishOptions) -> WeightPublisher:
         if options.shm_dir is None:
             raise ValueError("the shm transport needs a directory in shared memory")
-        return ShmWeightPublisher(grpc, options.shm_dir, options.shm_keep)
+        return ShmWeightPublisher(grpc, options.shm_dir, options.shm_keep, options.patches)
 
     def delivery(self, announcement: pb.VersionAnnouncement, subscriber) -> Delivery:
         return ShmDelivery(announcement.manifest, announcement.transport.shm_path)
 
     def worker_buckets(self, update, manifest: pb.WeightManifest, worker) -> Iterator[Bucket]:
+        if manifest.patch_base:
+            raise WeightError(f"version {manifest.version} is a patch: a vLLM worker takes versions whole")
         mapped, header, start = map_version(update.path)
         return batched(shm_views(mapped, header, start, manifest))
 

@@ -96,6 +96,7 @@ class WatchSubscriber(WeightSubscriber):
         # highest, so that a refused number far ahead stops nothing of the trainer's own
         self.refused: deque[int] = deque(maxlen=64)
         self.wire_bytes = 0
+        self.whole = 0  # patch versions taken whole instead (another version served, or bytes not held as published)
         self.reconnects = 0
         self.groups = Groups(address)
         self.ring = Staging()  # an in-process collective member's group and ring
@@ -111,7 +112,24 @@ class WatchSubscriber(WeightSubscriber):
         number and is the run's trainer's; a gRPC pull's manifest is checked as it arrives
         (`GrpcDelivery.open`: the number asked for, the trainer's signature)."""
         check_announcement(announcement, self.version, self.verifier)
+        manifest = announcement.manifest
+        if manifest.patch_base and announcement.transport.kind == pb.SHM and not self.takes_patch(manifest):
+            self.whole += 1
+            log.info(
+                "event=weights_whole version=%d patch_base=%d served=%d",
+                manifest.version,
+                manifest.patch_base,
+                self.version,
+            )
+            return self.pull(manifest.version, manifest)  # whole (or a delta against what it holds), never the patch
         return transport_of_kind(announcement.transport.kind).delivery(announcement, self)
+
+    def takes_patch(self, manifest: pb.WeightManifest) -> bool:
+        """Whether the engine holds exactly the bytes a patch version's patches apply to: it serves
+        their base version, whole, and holds every patched tensor as published (`base`)."""
+        if self.version != manifest.patch_base or self.manifest is None or self.base is None:
+            return False
+        return all(self.base(spec.name, spec.dtype) is not None for spec in manifest.tensors if spec.HasField("patch"))
 
     def pull(self, version: int, manifest: pb.WeightManifest | None = None, delta: bool = True) -> GrpcDelivery:
         """A gRPC pull of `version`: a delta against the served version when the engine holds its

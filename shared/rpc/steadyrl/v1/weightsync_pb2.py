@@ -26,55 +26,57 @@ _sym_db = _symbol_database.Default()
 from shared.rpc.steadyrl.v1 import common_pb2 as steadyrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csteadyrl/v1/weightsync.proto\x12\x0bsteadyrl.v1\x1a\x18steadyrl/v1/common.proto\"Z\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x0c\"\xf7\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x16\n\x0eparent_version\x18\x02 \x01(\x04\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.steadyrl.v1.TensorSpec\x12\x15\n\rchecksum_algo\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x12)\n\x07\x61\x64\x61pter\x18\x07 \x01(\x0b\x32\x18.steadyrl.v1.AdapterInfo\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x14\n\x0crun_instance\x18\t \x01(\t\"7\n\x0b\x41\x64\x61pterInfo\x12\x13\n\x0b\x62\x61se_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"A\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"q\n\x0bPushRequest\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifestH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.steadyrl.v1.TensorChunkH\x00\x42\x06\n\x04item\"P\n\tPushReply\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\xe7\x01\n\tTransport\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .steadyrl.v1.WeightTransportKind\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\t \x01(\x01\x12\x12\n\nrendezvous\x18\n \x01(\tJ\x04\x08\x06\x10\x07R\rstore_address\"t\n\rRendezvousKey\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nrendezvous\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0b\n\x03job\x18\x06 \x01(\t\" \n\x0fRendezvousValue\x12\r\n\x05value\x18\x01 \x01(\x0c\"k\n\x0f\x41nnounceRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifest\x12)\n\ttransport\x18\x02 \x01(\x0b\x32\x16.steadyrl.v1.Transport\"g\n\rAnnounceReply\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12)\n\ttransport\x18\x02 \x01(\x0b\x32\x16.steadyrl.v1.Transport\"b\n\x0eTransferReport\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x15\n\rsubscriber_id\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x80\x01\n\x0cWatchRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x34\n\ntransports\x18\x03 \x03(\x0e\x32 .steadyrl.v1.WeightTransportKind\x12\x0c\n\x04host\x18\x04 \x01(\t\"\xb1\x01\n\x13VersionAnnouncement\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12-\n\x08manifest\x18\x03 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifest\x12)\n\ttransport\x18\x04 \x01(\x0b\x32\x16.steadyrl.v1.Transport\"l\n\x0bPullRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x15\n\rsubscriber_id\x18\x03 \x01(\t\x12\x0e\n\x06stripe\x18\x04 \x01(\r\x12\x0f\n\x07stripes\x18\x05 \x01(\r\"\x99\x01\n\nPullHeader\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifest\x12.\n\tencodings\x18\x02 \x03(\x0e\x32\x1b.steadyrl.v1.TensorEncoding\x12\x16\n\x0e\x65ncoded_nbytes\x18\x03 \x03(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x04\"l\n\x0cPullResponse\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.steadyrl.v1.PullHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.steadyrl.v1.TensorChunkH\x00\x42\x06\n\x04item\"u\n\x0bVersionInfo\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x0f\n\x07on_disk\x18\x04 \x01(\x08\"9\n\x0bVersionList\x12*\n\x08versions\x18\x01 \x03(\x0b\x32\x18.steadyrl.v1.VersionInfo*S\n\x13WeightTransportKind\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x08\n\x04GRPC\x10\x01\x12\x07\n\x03SHM\x10\x02\x12\x0e\n\nCOLLECTIVE\x10\x03*X\n\x0eTensorEncoding\x12\x1f\n\x1bTENSOR_ENCODING_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\r\n\tUNCHANGED\x10\x02\x12\x0c\n\x08XOR_ZSTD\x10\x03\x32\x96\x05\n\nWeightSync\x12:\n\x04Push\x12\x18.steadyrl.v1.PushRequest\x1a\x16.steadyrl.v1.PushReply(\x01\x12\x46\n\x05Watch\x12\x19.steadyrl.v1.WatchRequest\x1a .steadyrl.v1.VersionAnnouncement0\x01\x12=\n\x04Pull\x12\x18.steadyrl.v1.PullRequest\x1a\x19.steadyrl.v1.PullResponse0\x01\x12\x36\n\x06Latest\x12\x12.steadyrl.v1.Empty\x1a\x18.steadyrl.v1.VersionInfo\x12\x34\n\x04List\x12\x12.steadyrl.v1.Empty\x1a\x18.steadyrl.v1.VersionList\x12\x44\n\x08\x41nnounce\x12\x1c.steadyrl.v1.AnnounceRequest\x1a\x1a.steadyrl.v1.AnnounceReply\x12\x39\n\x06Report\x12\x1b.steadyrl.v1.TransferReport\x1a\x12.steadyrl.v1.Empty\x12?\n\rRendezvousPut\x12\x1a.steadyrl.v1.RendezvousKey\x1a\x12.steadyrl.v1.Empty\x12J\n\x0eRendezvousWait\x12\x1a.steadyrl.v1.RendezvousKey\x1a\x1c.steadyrl.v1.RendezvousValue\x12I\n\rRendezvousAdd\x12\x1a.steadyrl.v1.RendezvousKey\x1a\x1c.steadyrl.v1.RendezvousValueb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csteadyrl/v1/weightsync.proto\x12\x0bsteadyrl.v1\x1a\x18steadyrl/v1/common.proto\"\x83\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x0c\x12\'\n\x05patch\x18\x06 \x01(\x0b\x32\x18.steadyrl.v1.TensorPatch\"T\n\x0bTensorPatch\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x14\n\x0cindex_nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x0c\"\x8b\x02\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x16\n\x0eparent_version\x18\x02 \x01(\x04\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.steadyrl.v1.TensorSpec\x12\x15\n\rchecksum_algo\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x12)\n\x07\x61\x64\x61pter\x18\x07 \x01(\x0b\x32\x18.steadyrl.v1.AdapterInfo\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x14\n\x0crun_instance\x18\t \x01(\t\x12\x12\n\npatch_base\x18\n \x01(\x04\"7\n\x0b\x41\x64\x61pterInfo\x12\x13\n\x0b\x62\x61se_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"A\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"q\n\x0bPushRequest\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifestH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.steadyrl.v1.TensorChunkH\x00\x42\x06\n\x04item\"P\n\tPushReply\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\xe7\x01\n\tTransport\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .steadyrl.v1.WeightTransportKind\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\t \x01(\x01\x12\x12\n\nrendezvous\x18\n \x01(\tJ\x04\x08\x06\x10\x07R\rstore_address\"t\n\rRendezvousKey\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nrendezvous\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0b\n\x03job\x18\x06 \x01(\t\" \n\x0fRendezvousValue\x12\r\n\x05value\x18\x01 \x01(\x0c\"k\n\x0f\x41nnounceRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifest\x12)\n\ttransport\x18\x02 \x01(\x0b\x32\x16.steadyrl.v1.Transport\"g\n\rAnnounceReply\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12)\n\ttransport\x18\x02 \x01(\x0b\x32\x16.steadyrl.v1.Transport\"b\n\x0eTransferReport\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x15\n\rsubscriber_id\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x80\x01\n\x0cWatchRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x34\n\ntransports\x18\x03 \x03(\x0e\x32 .steadyrl.v1.WeightTransportKind\x12\x0c\n\x04host\x18\x04 \x01(\t\"\xb1\x01\n\x13VersionAnnouncement\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12-\n\x08manifest\x18\x03 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifest\x12)\n\ttransport\x18\x04 \x01(\x0b\x32\x16.steadyrl.v1.Transport\"l\n\x0bPullRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x15\n\rsubscriber_id\x18\x03 \x01(\t\x12\x0e\n\x06stripe\x18\x04 \x01(\r\x12\x0f\n\x07stripes\x18\x05 \x01(\r\"\x99\x01\n\nPullHeader\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.steadyrl.v1.WeightManifest\x12.\n\tencodings\x18\x02 \x03(\x0e\x32\x1b.steadyrl.v1.TensorEncoding\x12\x16\n\x0e\x65ncoded_nbytes\x18\x03 \x03(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x04\"l\n\x0cPullResponse\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.steadyrl.v1.PullHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.steadyrl.v1.TensorChunkH\x00\x42\x06\n\x04item\"u\n\x0bVersionInfo\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.steadyrl.v1.PolicyVersion\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x0f\n\x07on_disk\x18\x04 \x01(\x08\"9\n\x0bVersionList\x12*\n\x08versions\x18\x01 \x03(\x0b\x32\x18.steadyrl.v1.VersionInfo*S\n\x13WeightTransportKind\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x08\n\x04GRPC\x10\x01\x12\x07\n\x03SHM\x10\x02\x12\x0e\n\nCOLLECTIVE\x10\x03*X\n\x0eTensorEncoding\x12\x1f\n\x1bTENSOR_ENCODING_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\r\n\tUNCHANGED\x10\x02\x12\x0c\n\x08XOR_ZSTD\x10\x03\x32\x96\x05\n\nWeightSync\x12:\n\x04Push\x12\x18.steadyrl.v1.PushRequest\x1a\x16.steadyrl.v1.PushReply(\x01\x12\x46\n\x05Watch\x12\x19.steadyrl.v1.WatchRequest\x1a .steadyrl.v1.VersionAnnouncement0\x01\x12=\n\x04Pull\x12\x18.steadyrl.v1.PullRequest\x1a\x19.steadyrl.v1.PullResponse0\x01\x12\x36\n\x06Latest\x12\x12.steadyrl.v1.Empty\x1a\x18.steadyrl.v1.VersionInfo\x12\x34\n\x04List\x12\x12.steadyrl.v1.Empty\x1a\x18.steadyrl.v1.VersionList\x12\x44\n\x08\x41nnounce\x12\x1c.steadyrl.v1.AnnounceRequest\x1a\x1a.steadyrl.v1.AnnounceReply\x12\x39\n\x06Report\x12\x1b.steadyrl.v1.TransferReport\x1a\x12.steadyrl.v1.Empty\x12?\n\rRendezvousPut\x12\x1a.steadyrl.v1.RendezvousKey\x1a\x12.steadyrl.v1.Empty\x12J\n\x0eRendezvousWait\x12\x1a.steadyrl.v1.RendezvousKey\x1a\x1c.steadyrl.v1.RendezvousValue\x12I\n\rRendezvousAdd\x12\x1a.steadyrl.v1.RendezvousKey\x1a\x1c.steadyrl.v1.RendezvousValueb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'steadyrl.v1.weightsync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTTRANSPORTKIND']._serialized_start=2299
-  _globals['_WEIGHTTRANSPORTKIND']._serialized_end=2382
-  _globals['_TENSORENCODING']._serialized_start=2384
-  _globals['_TENSORENCODING']._serialized_end=2472
-  _globals['_TENSORSPEC']._serialized_start=71
-  _globals['_TENSORSPEC']._serialized_end=161
-  _globals['_WEIGHTMANIFEST']._serialized_start=164
-  _globals['_WEIGHTMANIFEST']._serialized_end=411
-  _globals['_ADAPTERINFO']._serialized_start=413
-  _globals['_ADAPTERINFO']._serialized_end=468
-  _globals['_TENSORCHUNK']._serialized_start=470
-  _globals['_TENSORCHUNK']._serialized_end=535
-  _globals['_PUSHREQUEST']._serialized_start=537
-  _globals['_PUSHREQUEST']._serialized_end=650
-  _globals['_PUSHREPLY']._serialized_start=652
-  _globals['_PUSHREPLY']._serialized_end=732
-  _globals['_TRANSPORT']._serialized_start=735
-  _globals['_TRANSPORT']._serialized_end=966
-  _globals['_RENDEZVOUSKEY']._serialized_start=968
-  _globals['_RENDEZVOUSKEY']._serialized_end=1084
-  _globals['_RENDEZVOUSVALUE']._serialized_start=1086
-  _globals['_RENDEZVOUSVALUE']._serialized_end=1118
-  _globals['_ANNOUNCEREQUEST']._serialized_start=1120
-  _globals['_ANNOUNCEREQUEST']._serialized_end=1227
-  _globals['_ANNOUNCEREPLY']._serialized_start=1229
-  _globals['_ANNOUNCEREPLY']._serialized_end=1332
-  _globals['_TRANSFERREPORT']._serialized_start=1334
-  _globals['_TRANSFERREPORT']._serialized_end=1432
-  _globals['_WATCHREQUEST']._serialized_start=1435
-  _globals['_WATCHREQUEST']._serialized_end=1563
-  _globals['_VERSIONANNOUNCEMENT']._serialized_start=1566
-  _globals['_VERSIONANNOUNCEMENT']._serialized_end=1743
-  _globals['_PULLREQUEST']._serialized_start=1745
-  _globals['_PULLREQUEST']._serialized_end=1853
-  _globals['_PULLHEADER']._serialized_start=1856
-  _globals['_PULLHEADER']._serialized_end=2009
-  _globals['_PULLRESPONSE']._serialized_start=2011
-  _globals['_PULLRESPONSE']._serialized_end=2119
-  _globals['_VERSIONINFO']._serialized_start=2121
-  _globals['_VERSIONINFO']._serialized_end=2238
-  _globals['_VERSIONLIST']._serialized_start=2240
-  _globals['_VERSIONLIST']._serialized_end=2297
-  _globals['_WEIGHTSYNC']._serialized_start=2475
-  _globals['_WEIGHTSYNC']._serialized_end=3137
+  _globals['_WEIGHTTRANSPORTKIND']._serialized_start=2447
+  _globals['_WEIGHTTRANSPORTKIND']._serialized_end=2530
+  _globals['_TENSORENCODING']._serialized_start=2532
+  _globals['_TENSORENCODING']._serialized_end=2620
+  _globals['_TENSORSPEC']._serialized_start=72
+  _globals['_TENSORSPEC']._serialized_end=203
+  _globals['_TENSORPATCH']._serialized_start=205
+  _globals['_TENSORPATCH']._serialized_end=289
+  _globals['_WEIGHTMANIFEST']._serialized_start=292
+  _globals['_WEIGHTMANIFEST']._serialized_end=559
+  _globals['_ADAPTERINFO']._serialized_start=561
+  _globals['_ADAPTERINFO']._serialized_end=616
+  _globals['_TENSORCHUNK']._serialized_start=618
+  _globals['_TENSORCHUNK']._serialized_end=683
+  _globals['_PUSHREQUEST']._serialized_start=685
+  _globals['_PUSHREQUEST']._serialized_end=798
+  _globals['_PUSHREPLY']._serialized_start=800
+  _globals['_PUSHREPLY']._serialized_end=880
+  _globals['_TRANSPORT']._serialized_start=883
+  _globals['_TRANSPORT']._serialized_end=1114
+  _globals['_RENDEZVOUSKEY']._serialized_start=1116
+  _globals['_RENDEZVOUSKEY']._serialized_end=1232
+  _globals['_RENDEZVOUSVALUE']._serialized_start=1234
+  _globals['_RENDEZVOUSVALUE']._serialized_end=1266
+  _globals['_ANNOUNCEREQUEST']._serialized_start=1268
+  _globals['_ANNOUNCEREQUEST']._serialized_end=1375
+  _globals['_ANNOUNCEREPLY']._serialized_start=1377
+  _globals['_ANNOUNCEREPLY']._serialized_end=1480
+  _globals['_TRANSFERREPORT']._serialized_start=1482
+  _globals['_TRANSFERREPORT']._serialized_end=1580
+  _globals['_WATCHREQUEST']._serialized_start=1583
+  _globals['_WATCHREQUEST']._serialized_end=1711
+  _globals['_VERSIONANNOUNCEMENT']._serialized_start=1714
+  _globals['_VERSIONANNOUNCEMENT']._serialized_end=1891
+  _globals['_PULLREQUEST']._serialized_start=1893
+  _globals['_PULLREQUEST']._serialized_end=2001
+  _globals['_PULLHEADER']._serialized_start=2004
+  _globals['_PULLHEADER']._serialized_end=2157
+  _globals['_PULLRESPONSE']._serialized_start=2159
+  _globals['_PULLRESPONSE']._serialized_end=2267
+  _globals['_VERSIONINFO']._serialized_start=2269
+  _globals['_VERSIONINFO']._serialized_end=2386
+  _globals['_VERSIONLIST']._serialized_start=2388
+  _globals['_VERSIONLIST']._serialized_end=2445
+  _globals['_WEIGHTSYNC']._serialized_start=2623
+  _globals['_WEIGHTSYNC']._serialized_end=3285
 # @@protoc_insertion_point(module_scope)

@@ -32,21 +32,35 @@ UNCHANGED: TensorEncoding
 XOR_ZSTD: TensorEncoding
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "checksum")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "checksum", "patch")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     checksum: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+    patch: TensorPatch
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[bytes] = ..., patch: _Optional[_Union[TensorPatch, _Mapping]] = ...) -> None: ...
+
+class TensorPatch(_message.Message):
+    __slots__ = ("count", "index_nbytes", "nbytes", "checksum")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    index_nbytes: int
+    nbytes: int
+    checksum: bytes
+    def __init__(self, count: _Optional[int] = ..., index_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter", "run_id", "run_instance")
+    __slots__ = ("version", "parent_version", "tensors", "checksum_algo", "signature", "created_unix_ms", "adapter", "run_id", "run_instance", "patch_base")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +70,7 @@ class WeightManifest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_BASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     parent_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -65,7 +80,8 @@ class WeightManifest(_message.Message):
     adapter: AdapterInfo
     run_id: str
     run_instance: str
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., run_id: _Optional[str] = ..., run_instance: _Optional[str] = ...) -> None: ...
+    patch_base: int
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., checksum_algo: _Optional[str] = ..., signature: _Optional[bytes] = ..., created_unix_ms: _Optional[int] = ..., adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., run_id: _Optional[str] = ..., run_instance: _Optional[str] = ..., patch_base: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("base_digest", "config_json")

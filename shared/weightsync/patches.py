@@ -1,0 +1,272 @@
+"""A version as a patch: only the elements that changed since the version a receiver holds.
+
+At a real learning rate most elements of a bf16 version equal the previous version's bit for bit (the update is
+below half a unit in the last place), so a tensor travels as the flat indices of its changed elements (the zstd of
+the gaps between them, uint32) and their new bits XOR their old ones (zstd: the sign and exponent bits rarely change,
+so most of each XOR is zero). Chosen by measurement (docs/internals/weights.md): against the XOR of the whole tensor
+(+ zstd) it is smaller, and applying it touches only the changed elements, where the XOR touches every byte.
+
+The publisher's side (`PatchEncoder`) keeps the bytes of the last version it published, in the published dtype, and
+decides per tensor: a patch when it is at most `MAX_SHARE` of the tensor's bytes, else the tensor whole. A receiver
+applies a patch only to the bytes of exactly that base version (`WeightManifest.patch_base`); any other takes the
+version whole. Details: docs/internals/weights.md"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import blake3
+import numpy as np
+from prometheus_client import Counter
+
+from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
+from shared.weightsync.base import WEIGHT_DTYPES, WeightError
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_SHARE = 0.5  # a tensor is patched when its patch is at most this share of its bytes
+ZSTD_LEVEL = 1
+BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # an element's bits by its size
+MAX_ELEMENTS = 1 << 32  # gaps are uint32: a tensor of more elements travels whole
+WEIGHT_BYTES = Counter(
+    "steadyrl_weights_bytes_total",
+    "Bytes of the weight versions the trainer published, by how each tensor went: whole (full) or as a patch",
+    ["kind"],
+)
+
+
+@dataclass
+class Encoded:
+    """One tensor of a version as the encoder found it: its full digest, and its patch (None: whole)."""
+
+    digest: bytes
+    patch: bytes | None = None
+    count: int = 0
+    index_nbytes: int = 0
+
+
+def encode(indices: np.ndarray, xor: np.ndarray) -> tuple[bytes, int]:
+    """(patch bytes, bytes of its index part) of the changed elements' flat `indices` (ascending)
+    and their bits XOR the base's."""
+    import zstandard
+
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    gaps = np.diff(indices, prepend=0).astype(np.uint32) if len(indices) else np.empty(0, np.uint32)
+    index_part = compressor.compress(gaps.tobytes())
+    return index_part + compressor.compress(np.ascontiguousarray(xor).tobytes()), len(index_part)
+
+
+def decode(blob: bytes | memoryview | np.ndarray, spec: pb.TensorSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(flat indices int64, bits to XOR in) of a tensor's patch, checked against its manifest entry
+    (WeightError: a patch that does not decode to `count` ascending indices inside the tensor)."""
+    import zstandard
+
+    patch, itemsize = spec.patch, WEIGHT_DTYPES[spec.dtype][0]
+    numel = spec.nbytes // itemsize
+    raw = bytes(blob)
+    if len(raw) != patch.nbytes or patch.index_nbytes > patch.nbytes or patch.count > numel:
+        raise WeightError(f"tensor {spec.name}: a patch of {len(raw)} bytes does not match its entry")
+    try:
+        gaps = zstandard.ZstdDecompressor().decompress(raw[: patch.index_nbytes], max_output_size=4 * patch.count)
+        bits = zstandard.ZstdDecompressor().decompress(
+            raw[patch.index_nbytes :], max_output_size=itemsize * patch.count
+        )
+    except zstandard.ZstdError as exc:
+        raise WeightError(f"tensor {spec.name}: its patch does not decompress: {exc}") from None
+    if len(gaps) != 4 * patch.count or len(bits) != itemsize * patch.count:
+        raise WeightError(f"tensor {spec.name}: its patch does not hold {patch.count} elements")
+    steps = np.frombuffer(gaps, np.uint32).astype(np.int64)
+    if patch.count and ((steps[1:] == 0).any() or steps.sum() >= numel):
+        raise WeightError(f"tensor {spec.name}: its patch's indices repeat or fall outside it")
+    return np.cumsum(steps), np.frombuffer(bits, BITS[itemsize])
+
+
+def apply(target: torch.Tensor, blob, spec: pb.TensorSpec) -> None:
+    """Write a patch into `target` in place: the tensor of the base version (contiguous, the
+    manifest's dtype and shape) becomes this version's, bit for bit."""
+    import torch
+
+    indices, bits = decode(blob, spec)
+    if str(target.dtype).removeprefix("torch.") != spec.dtype or list(target.shape) != list(spec.shape):
+        raise WeightError(f"tensor {spec.name}: a patch applies to the manifest's dtype and shape only")
+    if not target.is_contiguous():
+        raise WeightError(f"tensor {spec.name}: a patch applies to a contiguous tensor only")
+    flat = target.view(getattr(torch, np.dtype(bits.dtype).name)).reshape(-1)
+    at = torch.from_numpy(indices).to(target.device)
+    flat[at] = flat[at] ^ torch.from_numpy(bits.copy()).to(target.device)
+
+
+def apply_bytes(base: bytearray | memoryview, blob, spec: pb.TensorSpec) -> bytearray:
+    """A new buffer: the base version's raw bytes of a tensor with its patch applied."""
+    indices, bits = decode(blob, spec)
+    out = bytearray(base)
+    flat = np.frombuffer(out, dtype=bits.dtype)
+    flat[indices] ^= bits
+    return out
+
+
+@dataclass
+class Patch:
+    """A patched tensor in a delivery's bucket: its manifest entry and its patch's bytes."""
+
+    spec: pb.TensorSpec
+    blob: memoryview | np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blob)
+
+    def apply_to(self, target: torch.Tensor) -> None:
+        apply(target, self.blob, self.spec)
+
+
+def check_patch(spec: pb.TensorSpec, digest_of) -> None:
+    """WeightError unless the patch's bytes hash to its signed digest (`digest_of(spec)`: theirs)."""
+    if digest_of(spec) != spec.patch.checksum:
+        raise WeightError(f"tensor {spec.name}: patch checksum mismatch")
+
+
+@dataclass
+class PatchEncoder:
+    """The publisher's copy of the last version it published (`held`: each tensor's bytes in the
+    published dtype, `version` its number) and, for each new version, what changed since."""
+
+    max_share: float = MAX_SHARE
+    held: dict[str, np.ndarray] = field(default_factory=dict)
+    layout: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    version: int = 0
+
+    def reset(self) -> None:
+        """Forget the version held: the next is published whole (a failed publish, a lost base)."""
+        self.held, self.layout, self.version = {}, {}, 0
+
+    def base_for(self, layout: Mapping[str, tuple[str, list[int]]]) -> int:
+        """The version a new one of `layout` (name → (dtype, shape)) can be patched against, 0: none."""
+        return self.version if self.version and dict(layout) == self.layout else 0
+
+    def update(self, name: str, meta: tuple[str, list[int]], pieces: Iterator[memoryview], patch: bool) -> Encoded:
+        """Read a tensor's new bytes piece by piece: hash them, keep them, and (`patch`) find the
+        elements that differ from the bytes held, giving up once more than half of them do."""
+        dtype, shape = meta
+        itemsize = WEIGHT_DTYPES[dtype][0]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        held = self.held.get(name)
+        if held is None or len(held) != nbytes:
+            held = self.held[name] = np.empty(nbytes, np.uint8)
+            patch = False
+        self.layout[name] = (dtype, list(shape))
+        patch = patch and 0 < nbytes // itemsize <= MAX_ELEMENTS
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if nbytes >= 1 << 22 else 1)
+        kind = BITS[itemsize]
+        indices, xors, count, at = [], [], 0, 0
+        for piece in pieces:
+            new = np.frombuffer(piece, np.uint8)
+            hasher.update(piece)
+            old = held[at : at + len(new)]
+            if patch:
+                fresh, stale = new.view(kind), old.view(kind)
+                changed = np.flatnonzero(fresh != stale)
+                count += len(changed)
+                if count * 2 > nbytes // itemsize:
+                    patch = False  # more than half changed: whole
+                else:
+                    indices.append(changed + at // itemsize)
+                    xors.append(fresh[changed] ^ stale[changed])
+            old[:] = new
+            at += len(new)
+        encoded = Encoded(hasher.digest())
+        if patch:
+            blob, index_nbytes = encode(
+                np.concatenate(indices) if indices else np.empty(0, np.int64),
+                np.concatenate(xors) if xors else np.empty(0, kind),
+            )
+            if len(blob) <= self.max_share * nbytes:
+                encoded.patch, encoded.count, encoded.index_nbytes = blob, count, index_nbytes
+        return encoded
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The bytes held of `name` as its tensor (a view: valid until the next version)."""
+        import torch
+
+        dtype, shape = self.layout[name]
+        return torch.from_numpy(self.held[name]).view(getattr(torch, dtype)).reshape(shape)
+
+    def forget_others(self, names: set[str]) -> None:
+        """Drop what is held of tensors the last version did not have."""
+        for name in set(self.held) - names:
+            del self.held[name]
+            self.layout.pop(name, None)
+
+
+def spec_of(name: str, meta: tuple[str, list[int]], encoded: Encoded) -> pb.TensorSpec:
+    """The manifest entry of a tensor the encoder read: its full digest, and its patch's when it has one."""
+    dtype, shape = meta
+    nbytes = int(np.prod(shape, dtype=np.int64)) * WEIGHT_DTYPES[dtype][0]
+    spec = pb.TensorSpec(name=name, dtype=dtype, shape=shape, nbytes=nbytes, checksum=encoded.digest)
+    if encoded.patch is not None:
+        from shared.weightsync.manifest import digest
+
+        spec.patch.CopyFrom(
+            pb.TensorPatch(
+                count=encoded.count,
+                index_nbytes=encoded.index_nbytes,
+                nbytes=len(encoded.patch),
+                checksum=digest(encoded.patch),
+            )
+        )
+    return spec
+
+
+def patched_bytes(manifest: pb.WeightManifest) -> tuple[int, int]:
+    """(bytes sent whole, bytes sent as patches) of a version as its transport carries it."""
+    whole = sum(spec.nbytes for spec in manifest.tensors if not spec.HasField("patch"))
+    return whole, sum(spec.patch.nbytes for spec in manifest.tensors if spec.HasField("patch"))
+
+
+def as_whole(manifest: pb.WeightManifest) -> pb.WeightManifest:
+    """A copy of `manifest` describing its version's bytes whole (a patch version made whole, as
+    a file holds it): no patches, no base."""
+    whole = pb.WeightManifest()
+    whole.CopyFrom(manifest)
+    whole.patch_base = 0
+    for spec in whole.tensors:
+        spec.ClearField("patch")
+    return whole
+
+
+def count_bytes(manifest: pb.WeightManifest) -> None:
+    """A published version's bytes into `steadyrl_weights_bytes_total{kind}`."""
+    whole, patched = patched_bytes(manifest)
+    WEIGHT_BYTES.labels("full").inc(whole)
+    WEIGHT_BYTES.labels("patch").inc(patched)
+
+
+def encode_version(
+    tensors: Mapping[str, torch.Tensor], encoder: PatchEncoder
+) -> tuple[int, list[pb.TensorSpec], dict[str, torch.Tensor]]:
+    """A version read once through `encoder`: (the version its patches apply to, 0 when none is; each
+    tensor's manifest entry; what the transport carries of each: its patch's bytes as a uint8
+    tensor, or the tensor whole, from the encoder's copy). A whole version when the encoder holds
+    none of this layout, or for an adapter (not patched)."""
+    import torch
+
+    from shared.weightsync.manifest import PIECE_BYTES, pieces
+    from shared.weightsync.shm import tensor_meta
+
+    layout = {name: tensor_meta(tensors, name) for name in tensors}
+    base = 0 if getattr(tensors, "adapter", None) is not None else encoder.base_for(layout)
+    scratch = torch.empty(PIECE_BYTES, dtype=torch.uint8)
+    specs, payloads = [], {}
+    for name, meta in layout.items():
+        encoded = encoder.update(name, meta, pieces(tensors, name, scratch), patch=bool(base))
+        specs.append(spec_of(name, meta, encoded))
+        payloads[name] = (
+            torch.frombuffer(bytearray(encoded.patch), dtype=torch.uint8)
+            if encoded.patch is not None
+            else encoder.tensor(name)
+        )
+    encoder.forget_others(set(layout))
+    return (base if any(spec.HasField("patch") for spec in specs) else 0), specs, payloads
