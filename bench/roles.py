@@ -141,8 +141,11 @@ def raw_send(port: str, nbytes: str) -> None:
 
 def roles() -> dict:
     from bench.refit_roles import replica, trainer
+    from bench.weight_patches import patch_trainer
 
-    return {f.__name__: f for f in (memcpy, blake3_pass, shm_floor, raw_recv, raw_send, trainer, replica)}
+    return {
+        f.__name__: f for f in (memcpy, blake3_pass, shm_floor, raw_recv, raw_send, trainer, replica, patch_trainer)
+    }
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 At a real learning rate most elements of a bf16 version equal the previous version's bit for bit (the update is
 below half a unit in the last place), so a tensor travels as the flat indices of its changed elements (the zstd of
-the gaps between them, uint32) and their new bits XOR their old ones (zstd: the sign and exponent bits rarely change,
-so most of each XOR is zero). Chosen by measurement (docs/internals/weights.md): against the XOR of the whole tensor
-(+ zstd) it is smaller, and applying it touches only the changed elements, where the XOR touches every byte.
+the gaps between them, one byte each below 255) and their new bits XOR their old ones (zstd: the sign and exponent
+bits rarely change, so most of each XOR is zero). Chosen by measurement (docs/internals/weights.md): against the XOR
+of the whole tensor (+ zstd) it is smaller, and applying it touches only the changed elements, where the XOR touches
+every byte.
 
 The publisher's side (`PatchEncoder`) keeps the bytes of the last version it published, in the published dtype, and
 decides per tensor: a patch when it is at most `MAX_SHARE` of the tensor's bytes, else the tensor whole. A receiver
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 MAX_SHARE = 0.5  # a tensor is patched when its patch is at most this share of its bytes
 ZSTD_LEVEL = 1
 BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # an element's bits by its size
-MAX_ELEMENTS = 1 << 32  # gaps are uint32: a tensor of more elements travels whole
 WEIGHT_BYTES = Counter(
     "steadyrl_weights_bytes_total",
     "Bytes of the weight versions the trainer published, by how each tensor went: whole (full) or as a patch",
@@ -48,15 +48,35 @@ class Encoded:
     index_nbytes: int = 0
 
 
-def encode(indices: np.ndarray, xor: np.ndarray) -> tuple[bytes, int]:
-    """(patch bytes, bytes of its index part) of the changed elements' flat `indices` (ascending)
-    and their bits XOR the base's."""
+def gap_bytes(indices: np.ndarray, start: int = 0) -> np.ndarray:
+    """The gaps between ascending flat indices (the first from `start`) as bytes: a gap g is g // 255
+    bytes of 255, then g % 255 (a byte below 255 ends a gap). At a few percent of elements changed a
+    gap is mostly one byte: four times less for zstd to read than uint32 gaps, and smaller."""
+    gaps = np.diff(indices, prepend=start)
+    big = gaps >= 255
+    if not big.any():
+        return gaps.astype(np.uint8)
+    runs = np.zeros(len(gaps), np.int64)
+    runs[big] = gaps[big] // 255
+    out = np.full(int(runs.sum()) + len(gaps), 255, np.uint8)
+    out[np.cumsum(runs + 1) - 1] = (gaps - 255 * runs).astype(np.uint8)
+    return out
+
+
+def compress(gaps: bytes, xor: np.ndarray) -> tuple[bytes, int]:
+    """(patch bytes, bytes of its index part) of the changed elements' gap bytes and their bits
+    XOR the base's."""
     import zstandard
 
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    gaps = np.diff(indices, prepend=0).astype(np.uint32) if len(indices) else np.empty(0, np.uint32)
-    index_part = compressor.compress(gaps.tobytes())
+    index_part = compressor.compress(gaps)
     return index_part + compressor.compress(np.ascontiguousarray(xor).tobytes()), len(index_part)
+
+
+def encode(indices: np.ndarray, xor: np.ndarray) -> tuple[bytes, int]:
+    """(patch bytes, bytes of its index part) of the changed elements' flat `indices` (ascending)
+    and their bits XOR the base's."""
+    return compress(gap_bytes(indices).tobytes(), xor)
 
 
 def decode(blob: bytes | memoryview | np.ndarray, spec: pb.TensorSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -69,19 +89,22 @@ def decode(blob: bytes | memoryview | np.ndarray, spec: pb.TensorSpec) -> tuple[
     raw = bytes(blob)
     if len(raw) != patch.nbytes or patch.index_nbytes > patch.nbytes or patch.count > numel:
         raise WeightError(f"tensor {spec.name}: a patch of {len(raw)} bytes does not match its entry")
+    most = patch.count + numel // 255 + 1  # the gaps' bytes: one per element, one per 255 of the tensor
     try:
-        gaps = zstandard.ZstdDecompressor().decompress(raw[: patch.index_nbytes], max_output_size=4 * patch.count)
+        gaps = zstandard.ZstdDecompressor().decompress(raw[: patch.index_nbytes], max_output_size=most)
         bits = zstandard.ZstdDecompressor().decompress(
             raw[patch.index_nbytes :], max_output_size=itemsize * patch.count
         )
     except zstandard.ZstdError as exc:
         raise WeightError(f"tensor {spec.name}: its patch does not decompress: {exc}") from None
-    if len(gaps) != 4 * patch.count or len(bits) != itemsize * patch.count:
+    steps = np.frombuffer(gaps, np.uint8)
+    ends = steps != 255
+    if len(bits) != itemsize * patch.count or int(ends.sum()) != patch.count or (len(steps) and not ends[-1]):
         raise WeightError(f"tensor {spec.name}: its patch does not hold {patch.count} elements")
-    steps = np.frombuffer(gaps, np.uint32).astype(np.int64)
-    if patch.count and ((steps[1:] == 0).any() or steps.sum() >= numel):
+    indices = np.cumsum(steps, dtype=np.int64)[ends]
+    if patch.count and ((np.diff(indices) <= 0).any() or indices[-1] >= numel):
         raise WeightError(f"tensor {spec.name}: its patch's indices repeat or fall outside it")
-    return np.cumsum(steps), np.frombuffer(bits, BITS[itemsize])
+    return indices, np.frombuffer(bits, BITS[itemsize])
 
 
 def apply(target: torch.Tensor, blob, spec: pb.TensorSpec) -> None:
@@ -158,11 +181,11 @@ class PatchEncoder:
             held = self.held[name] = np.empty(nbytes, np.uint8)
             patch = False
         self.layout[name] = (dtype, list(shape))
-        patch = patch and 0 < nbytes // itemsize <= MAX_ELEMENTS
+        patch = patch and nbytes > 0
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if nbytes >= 1 << 22 else 1)
         kind = BITS[itemsize]
-        indices, xors, count, at = [], [], 0, 0
-        for piece in pieces:
+        gaps, xors, count, at, last = [], [], 0, 0, 0
+        for piece in pieces:  # a piece at a time, in cache: compared, its changes taken, kept, hashed
             new = np.frombuffer(piece, np.uint8)
             hasher.update(piece)
             old = held[at : at + len(new)]
@@ -172,16 +195,17 @@ class PatchEncoder:
                 count += len(changed)
                 if count * 2 > nbytes // itemsize:
                     patch = False  # more than half changed: whole
-                else:
-                    indices.append(changed + at // itemsize)
-                    xors.append(fresh[changed] ^ stale[changed])
+                elif len(changed):
+                    changed += at // itemsize
+                    gaps.append(gap_bytes(changed, last))
+                    xors.append(fresh[changed - at // itemsize] ^ stale[changed - at // itemsize])
+                    last = int(changed[-1])
             old[:] = new
             at += len(new)
         encoded = Encoded(hasher.digest())
         if patch:
-            blob, index_nbytes = encode(
-                np.concatenate(indices) if indices else np.empty(0, np.int64),
-                np.concatenate(xors) if xors else np.empty(0, kind),
+            blob, index_nbytes = compress(
+                b"".join(g.tobytes() for g in gaps), np.concatenate(xors) if xors else np.empty(0, kind)
             )
             if len(blob) <= self.max_share * nbytes:
                 encoded.patch, encoded.count, encoded.index_nbytes = blob, count, index_nbytes

@@ -199,3 +199,14 @@ def test_the_signature_covers_each_patch_and_a_tampered_patch_file_is_refused(tm
     path.write_bytes(bytes(raw))
     with pytest.raises(WeightError, match="checksum mismatch"):
         read_shm(path, signed)
+
+
+def test_gaps_of_any_length_round_trip_through_their_bytes():
+    from shared.weightsync.patches import encode, gap_bytes
+
+    indices = np.array([0, 1, 255, 510, 511, 70_000, 70_254, 999_999])
+    assert list(gap_bytes(np.array([0, 255, 511]))) == [0, 255, 0, 255, 1]  # 255 = 255 + 0; 256 = 255 + 1
+    blob, index_nbytes = encode(indices, np.arange(8, dtype=np.int32))
+    spec = spec_with_patch(blob, 8, index_nbytes, numel=1_000_000)
+    got, bits = decode(blob, spec)
+    assert list(got) == list(indices) and list(bits) == list(range(8))

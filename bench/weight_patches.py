@@ -1,0 +1,202 @@
+"""Patch versions against whole ones, side by side on one clock (bench/clock.py): a trainer takes real Adam steps on
+real gradients and publishes each version by shm, whole or as a patch, the two alternated round by round; a replica
+(the torch engine in bf16, bench/refit_roles.py) serves each version's first token. Measured: the share of bf16
+elements each step changes, bytes per version patch / whole, refit seconds patch / whole, the replica's pause.
+
+Two models: a ~100M-parameter Qwen3-MoE (bench/trainer_memory.py's wide one, two layers) at lr 1e-6, where
+patches are meant to win; and the demo's model at the demo's lr (1e-3), where most elements change and the
+publisher must fall back to whole tensors at no measurable cost. Prints one JSON object.
+
+Details: docs/internals/bench.md"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.clock import cycle, expect, send, spawn, stop
+from bench.protocol import end, ready
+
+SIDES = ("whole", "patch")
+TARGETS = {"patch_over_whole_bytes": 0.05, "patch_over_whole_refit": 0.2, "demo_whole_over_patch_refit": 0.98}
+WARMUP = 2  # untimed rounds: each side's first use
+
+
+def patch_trainer(model_dir: str, address: str, shm_dir: str, signing_key: str, lr: str) -> None:
+    """fp32 master weights and Adam at `lr` on a batch of the kit's task; each round ("step SIDE
+    VERSION") one real optimizer step (untimed), then on `go` the version published in bf16 by shm,
+    whole or as a patch. The patch side's copy of the last version is kept current after a whole
+    one (untimed), as one publisher's would be."""
+    from shared.kit.tiny import TinySpec, char_tokenizer, sft_batch
+    from shared.models import load_causal_lm
+    from shared.weightsync import make_publisher
+    from shared.weightsync.manifest import CastView
+    from shared.weightsync.patches import encode_version, patched_bytes
+    from shared.weightsync.signing import Signer
+
+    model = load_causal_lm(model_dir, "float32").train()
+    ids, labels = sft_batch(char_tokenizer(), TinySpec().task().split("train", 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=float(lr))
+    params = model.state_dict()
+
+    def bf16() -> dict[str, torch.Tensor]:
+        return {name: t.detach().to(torch.bfloat16) for name, t in params.items()}
+
+    async def main() -> None:
+        signer = Signer.from_file(Path(signing_key))
+        publishers = {
+            side: make_publisher(
+                "shm", address, signer, shm_dir=Path(shm_dir) / side, shm_keep=2, patches=side == "patch"
+            )
+            for side in SIDES
+        }
+        sent: dict[int, tuple[int, int]] = {}
+        original = publishers["patch"]._write_patched
+
+        def recorded(path, tensors, version, parent):  # what the patch side sent of each version
+            manifest = original(path, tensors, version, parent)
+            sent[version] = patched_bytes(manifest)
+            return manifest
+
+        publishers["patch"]._write_patched = recorded
+        print('{"event": "started"}', flush=True)
+        while line := await asyncio.to_thread(sys.stdin.readline):
+            _, side, version = line.split()
+            version = int(version)
+            before = bf16()
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            after = bf16()
+            changed = sum(int((before[n].view(torch.int16) != after[n].view(torch.int16)).sum()) for n in after)
+            total = sum(t.numel() for t in after.values())
+            await asyncio.to_thread(ready)
+            await publishers[side].push(CastView(params, torch.bfloat16), version, version - 1, timeout=600)
+            finished = time.monotonic()
+            if side == "whole":  # the patch side's copy follows (untimed): its next patch is against this one
+                encoder = publishers["patch"].encoder
+                await asyncio.to_thread(encode_version, CastView(params, torch.bfloat16), encoder)
+                encoder.version = version
+            whole, patch = sent.get(version, (sum(t.numel() * 2 for t in after.values()), 0))
+            end(at=finished, kind=side, changed_share=changed / total, whole_bytes=whole, patch_bytes=patch)
+        for publisher in publishers.values():
+            await publisher.close()
+
+    asyncio.run(main())
+
+
+def rounds_of(model_dir: Path, lr: float, rounds: int, tmp: Path) -> list[dict]:
+    """`WARMUP` + `rounds` versions, the sides alternated (whole, patch / patch, whole): one record per
+    timed version with its side, refit seconds, the replica's pause and what was sent."""
+    from bench.weightsync import WeightSync
+    from shared.weightsync.signing import write_key_pair
+
+    shm_dir = tmp / "shm"
+    private, public = write_key_pair(tmp / "keys")
+    service = WeightSync(shm_dir, tmp / "spill", public)
+    processes = []
+    try:
+        trainer = spawn("patch_trainer", model_dir, service.address, shm_dir / "run", private, lr)
+        replica = spawn("replica", "torch", model_dir, service.address, "torch-0", public)
+        processes = [trainer, replica]
+        for process in processes:
+            expect(process, "started")
+        out = []
+        version = 0
+        for round_ in range((WARMUP + rounds + 1) // 2):
+            for side in SIDES if round_ % 2 == 0 else tuple(reversed(SIDES)):
+                version += 1
+                send([trainer], f"step {side} {version}")
+                send([replica], f"await {version}")
+                result = cycle(processes)
+                if version > WARMUP:
+                    published, served = result["reports"]
+                    out.append(
+                        {
+                            "side": side,
+                            "seconds": result["seconds"],
+                            "paused_seconds": served["paused_seconds"],
+                            "transport": served["transport"],
+                            **{k: published[k] for k in ("changed_share", "whole_bytes", "patch_bytes")},
+                        }
+                    )
+        return out
+    finally:
+        stop(processes)
+        service.close()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def summarise(records: list[dict], model_bytes: int) -> dict:
+    """Medians per side, patch / whole ratios of bytes and refit seconds, and their spread over the
+    interleaved pairs (each patch version beside the whole one next to it)."""
+    by = {side: [r for r in records if r["side"] == side] for side in SIDES}
+    pairs = list(zip(by["whole"], by["patch"], strict=False))
+    median = {side: statistics.median(r["seconds"] for r in rs) for side, rs in by.items()}
+    ratios = sorted(round(p["seconds"] / w["seconds"], 3) for w, p in pairs)
+    patch_bytes = [r["whole_bytes"] + r["patch_bytes"] for r in by["patch"]]
+    return {
+        "model_bytes": model_bytes,
+        "versions": len(records),
+        "pairs": len(pairs),
+        "changed_share": [
+            round(min(r["changed_share"] for r in records), 4),
+            round(max(r["changed_share"] for r in records), 4),
+        ],
+        "bytes_patch_over_whole": round(statistics.median(patch_bytes) / model_bytes, 4),
+        "bytes_patch_over_whole_range": [
+            round(min(patch_bytes) / model_bytes, 4),
+            round(max(patch_bytes) / model_bytes, 4),
+        ],
+        "tensors_whole_bytes": statistics.median(r["whole_bytes"] for r in by["patch"]),
+        "refit_seconds": {side: round(s, 4) for side, s in median.items()},
+        "refit_patch_over_whole": round(median["patch"] / median["whole"], 3),
+        "refit_patch_over_whole_spread": [ratios[0], ratios[-1]],
+        "paused_seconds": {
+            side: round(statistics.median(r["paused_seconds"] for r in rs), 4) for side, rs in by.items()
+        },
+        "transports": sorted({r["transport"] for r in records}),
+    }
+
+
+def main(rounds: int = 18, demo_rounds: int = 18) -> dict:
+    from bench.load import Load
+    from bench.trainer_memory import wide_model
+    from shared.kit.tiny import init_tiny_model
+    from shared.models import load_causal_lm
+
+    started = time.monotonic()
+    out: dict = {"benchmark": "weight_patches", "targets": TARGETS, "warmup_rounds": WARMUP}
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_tmp,
+        tempfile.TemporaryDirectory() as disk_tmp,
+    ):
+        model_dir = Path(disk_tmp) / "wide"
+        model = wide_model(num_hidden_layers=2)
+        model.save_pretrained(model_dir)
+        params = sum(t.numel() for t in model.state_dict().values())
+        del model
+        with Load() as load:
+            records = rounds_of(model_dir, 1e-6, rounds, Path(shm_tmp) / "wide")
+        out["qwen3_100m"] = {"params": params, "lr": 1e-6, **summarise(records, 2 * params), **load.record()}
+        demo = init_tiny_model()
+        demo_params = sum(t.numel() for t in load_causal_lm(demo, "float32").state_dict().values())
+        with Load() as load:
+            records = rounds_of(demo, 1e-3, demo_rounds, Path(shm_tmp) / "demo")
+        summary = summarise(records, 2 * demo_params)
+        summary["refit_whole_over_patch"] = round(1 / summary["refit_patch_over_whole"], 3)
+        out["demo"] = {"params": demo_params, "lr": 1e-3, **summary, **load.record()}
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(*(int(a) for a in sys.argv[1:]))))
