@@ -16,12 +16,24 @@ from services.weightsync.members import Membership
 from services.weightsync.rendezvous import Rendezvous
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
-from shared.weightsync.base import kind
+from shared.weightsync.base import WeightError, kind
+from shared.weightsync.manifest import digest
+from shared.weightsync.patches import Patch, apply_bytes
 
 log = logging.getLogger("steadyrl.weightsync")
 RECEIVED_BYTES = Counter("steadyrl_weightsync_collective_received_bytes_total", "Bytes received by broadcast")
 RECEIVE_SECONDS = Histogram("steadyrl_weightsync_collective_receive_seconds", "Duration of received broadcasts")
 FAILED = Counter("steadyrl_weightsync_collective_failures_total", "Collective transfers that failed", ["reason"])
+
+
+def patch_base(manifest: pb.WeightManifest, store: VersionStore) -> dict:
+    """A patch version's base bytes by tensor name ({} for a whole version; WeightError: not held)."""
+    if not manifest.patch_base:
+        return {}
+    held = store.versions.get(manifest.patch_base)
+    if held is None:
+        raise WeightError(f"version {manifest.patch_base}, the base of {manifest.version}, is not held")
+    return dict(zip((spec.name for spec in held.manifest.tensors), store.payloads(manifest.patch_base), strict=True))
 
 
 class CollectiveReceiver:
@@ -71,16 +83,23 @@ class CollectiveReceiver:
             def work():  # each bucket copied out of the ring into the version this service keeps
                 self.store.make_room()  # spill before the new bytes arrive
                 group = self._groups.get(transport, 1)
+                base = patch_base(manifest, self.store)
                 kept = {
-                    name: bytearray(tensor_to_bytes(tensor))
+                    name: apply_bytes(base[name], item.blob, item.spec)
+                    if isinstance(item, Patch)
+                    else bytearray(tensor_to_bytes(item))
                     for bucket in receive_buckets(group, transport, manifest, self._staging)
-                    for name, tensor in bucket
+                    for name, item in bucket
                 }
+                for spec in manifest.tensors:  # a patched one made whole: checked as the trainer made it
+                    if spec.HasField("patch") and digest(kept[spec.name]) != spec.checksum:
+                        raise WeightError(f"tensor {spec.name}: made whole, its bytes are not the manifest's")
                 return [kept[spec.name] for spec in manifest.tensors]
 
             payloads = await asyncio.to_thread(work)
         except Exception as exc:  # noqa: BLE001 - a dead member, a timeout, corrupted bytes
             FAILED.labels(type(exc).__name__).inc()
+            self.store.discard_pending(manifest.version)
             self._groups.drop()
             gone = self.members.fail(transport.epoch, manifest.version)
             log.warning(
@@ -93,7 +112,11 @@ class CollectiveReceiver:
             return
         finally:
             self._receiving = None
-        if manifest.version > self.latest():
+        pending = self.store.versions.get(manifest.version)
+        if pending is not None and pending.ready is not None:  # a patch version, listed since it was announced
+            self.store.complete(manifest.version, payloads)
+            self.stored(manifest, skip=members)
+        elif manifest.version > self.latest():
             self.store.add(manifest, payloads)
             self.stored(manifest, skip=members)
         RECEIVED_BYTES.inc(sum(len(p) for p in payloads))

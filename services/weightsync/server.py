@@ -85,6 +85,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                         await self._fail(
                             context, "push", "signature", grpc.StatusCode.PERMISSION_DENIED, str(exc), request_iterator
                         )
+                    pending = self.store.versions.get(manifest.version)
+                    if pending is not None and pending.ready is not None:  # a failed broadcast's patch, pushed whole
+                        self.store.discard(manifest.version)
                     latest = self.store.latest
                     if latest is not None and manifest.version <= latest.manifest.version:
                         held = self.store.versions.get(manifest.version)

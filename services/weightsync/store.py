@@ -82,6 +82,12 @@ class VersionStore:
             self._trim()
             self._write_ahead()
 
+    def discard_pending(self, version: int) -> None:
+        """`discard` of a version still pending (a whole one is left alone)."""
+        stored = self.versions.get(version)
+        if stored is not None and stored.ready is not None:
+            self.discard(version)
+
     def discard(self, version: int) -> None:
         """A pending version that could not be made: no longer listed (a pull waiting on it finds so)."""
         stored = self.versions.pop(version, None)

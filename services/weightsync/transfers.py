@@ -169,8 +169,17 @@ class Transfers:
         self.store.complete(manifest.version, payloads)
 
     def announce_collective(self, manifest: pb.WeightManifest, requested: pb.Transport) -> pb.AnnounceReply:
-        epoch = self.members.epoch_for_announce(requested.epoch)
         nccl = requested.backend == "nccl"  # a CPU service is no member of a GPU group: the trainer pushes too
+        if manifest.patch_base:  # listed at once: a member that cannot apply the patch pulls it once whole
+            base = self.store.versions.get(manifest.patch_base)
+            if nccl or base is None or base.dropped:
+                raise BaseNotHeld(
+                    f"version {manifest.version} patches version {manifest.patch_base}, which this service "
+                    f"{'receives no broadcast of' if nccl else 'does not hold'}: publish it whole"
+                )
+            self.store.make_room()
+            self.store.add_pending(manifest)
+        epoch = self.members.epoch_for_announce(requested.epoch)
         first = 1 if nccl else 2
         transport = pb.Transport(
             kind=COLLECTIVE,

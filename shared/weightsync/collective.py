@@ -33,7 +33,7 @@ from shared.weightsync.base import (
 )
 from shared.weightsync.grpc import GrpcWeightPublisher
 from shared.weightsync.manifest import PIECE_BYTES, describe, digest, pieces
-from shared.weightsync.patches import count_bytes
+from shared.weightsync.patches import Patch, PatchEncoder, count_bytes, encode_version, patch_manifest, wire_nbytes
 
 log = logging.getLogger("steadyrl.weightsync.client")
 
@@ -44,11 +44,11 @@ def buckets(manifest: pb.WeightManifest, bucket_bytes: int) -> list[list[int]]:
     plan: list[list[int]] = [[]]
     used = 0
     for index, spec in enumerate(manifest.tensors):
-        if plan[-1] and used + spec.nbytes > bucket_bytes:
+        if plan[-1] and used + wire_nbytes(spec) > bucket_bytes:
             plan.append([])
             used = 0
         plan[-1].append(index)
-        used += spec.nbytes
+        used += wire_nbytes(spec)
     return [b for b in plan if b]
 
 
@@ -171,7 +171,7 @@ class Staging:
 
 def _plan(manifest: pb.WeightManifest, transport: pb.Transport) -> tuple[list[list[int]], list[int]]:
     plan = buckets(manifest, transport.bucket_bytes)
-    return plan, [sum(manifest.tensors[i].nbytes for i in b) for b in plan]
+    return plan, [sum(wire_nbytes(manifest.tensors[i]) for i in b) for b in plan]
 
 
 def _options(transport: pb.Transport):
@@ -201,14 +201,15 @@ def send_version(
         bucket = ring[index % 2][: sizes[index]]  # two buckets' worth, not a second copy of the model
         at = 0
         for i in indices:
+            start = at
             if bucket.device.type == "cpu":  # cast a piece at a time into the bucket (`pieces`)
                 for piece in pieces(tensors, names[i], scratch):
                     bucket[at : at + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
                     at += len(piece)
-                continue
-            tensor = tensors[names[i]].detach().contiguous().reshape(-1)
-            bucket[at : at + manifest.tensors[i].nbytes].copy_(tensor.view(torch.uint8))
-            at += manifest.tensors[i].nbytes
+            else:
+                tensor = tensors[names[i]].detach().contiguous().reshape(-1).view(torch.uint8)
+                bucket[at : at + tensor.numel()].copy_(tensor)
+            at = start + wire_nbytes(manifest.tensors[i])  # a patch's slot is padded to 8 bytes
         if pending is not None:
             pending.wait()
         pending = group.broadcast([bucket], _options(transport))
@@ -249,10 +250,16 @@ def _checked(data: torch.Tensor, specs: list) -> tuple[Bucket, str]:
     bucket = []
     at = 0
     for spec in specs:
-        if digest(memoryview(host[at : at + spec.nbytes].numpy())) != spec.checksum:
+        patched = spec.HasField("patch")
+        size = spec.patch.nbytes if patched else spec.nbytes
+        view = memoryview(host[at : at + size].numpy())
+        if digest(view) != (spec.patch.checksum if patched else spec.checksum):
             return [], f"tensor {spec.name}: checksum mismatch"
-        bucket.append((spec.name, as_tensor(data[at : at + spec.nbytes], spec)))
-        at += spec.nbytes
+        if patched:  # its changed elements: the member applies them to its base's bytes
+            bucket.append((spec.name, Patch(spec, host[at : at + size].numpy())))
+        else:
+            bucket.append((spec.name, as_tensor(data[at : at + size], spec)))
+        at += wire_nbytes(spec)
     return bucket, ""
 
 
@@ -290,15 +297,40 @@ class CollectiveWeightPublisher(WeightPublisher):
     """Announce, then broadcast from rank 0 to the epoch's group (gloo for CPU tensors, nccl for
     CUDA ones), every wait bounded by the service's collective timeout."""
 
-    def __init__(self, grpc_publisher: GrpcWeightPublisher) -> None:
+    def __init__(self, grpc_publisher: GrpcWeightPublisher, patches: bool = False) -> None:
         self.grpc = grpc_publisher
         self.groups = Groups(grpc_publisher.address)
         self.staging = Staging()  # the buckets are filled from the tensors each version: one set serves all
+        self.encoder = PatchEncoder() if patches else None  # patches: the last version published, kept
 
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
     ):
-        manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.signer)
+        device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
+        if self.encoder is None or device.type == "cuda":  # nccl: weight-sync keeps a whole push of it
+            return await self._push(tensors, tensors, version, parent_version, timeout)
+        try:
+            base, specs, payloads = await asyncio.to_thread(encode_version, tensors, self.encoder)
+            self.encoder.version = version
+            manifest = patch_manifest(tensors, version, parent_version, base, specs, self.grpc.signer)
+            return await self._push(tensors, payloads, version, parent_version, timeout, manifest)
+        except BaseException:
+            self.encoder.reset()  # not out for sure: the next version goes whole
+            raise
+
+    async def _push(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        sent: Mapping[str, torch.Tensor],
+        version: int,
+        parent_version: int,
+        timeout: float | None,
+        manifest: pb.WeightManifest | None = None,
+    ):
+        """Announce and broadcast `sent` (the tensors, or a patch version's patches and whole
+        tensors, described by `manifest`); a failed broadcast pushes the tensors whole by gRPC."""
+        if manifest is None:
+            manifest = await asyncio.to_thread(describe, tensors, version, parent_version, self.grpc.signer)
         count_bytes(manifest)
         device = getattr(tensors, "device", None) or tensors[next(iter(tensors))].device
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -314,7 +346,7 @@ class CollectiveWeightPublisher(WeightPublisher):
         try:
 
             def broadcast() -> int:
-                return send_version(self.groups.get(transport, 0), transport, manifest, tensors, self.staging)
+                return send_version(self.groups.get(transport, 0), transport, manifest, sent, self.staging)
 
             await asyncio.to_thread(broadcast)
         except Exception as exc:  # noqa: BLE001 - a member died or stalled: the epoch ends, gRPC carries it
@@ -343,7 +375,7 @@ class CollectiveTransport(Transport):
     name = TransportName.COLLECTIVE
 
     def publisher(self, grpc: GrpcWeightPublisher, options: PublishOptions) -> WeightPublisher:
-        return CollectiveWeightPublisher(grpc)
+        return CollectiveWeightPublisher(grpc, options.patches)
 
     def delivery(self, announcement: pb.VersionAnnouncement, subscriber) -> Delivery:
         return CollectiveDelivery(announcement.manifest, announcement.transport, subscriber.groups, subscriber.ring)
@@ -352,7 +384,12 @@ class CollectiveTransport(Transport):
         spec = pb.Transport.FromString(update.spec)
         worker.groups.rendezvous = update.address  # weight-sync's, which holds the epoch's rendezvous
         try:
-            yield from receive_buckets(worker.groups.get(spec, spec.rank), spec, manifest, worker.ring)
+            received = receive_buckets(worker.groups.get(spec, spec.rank), spec, manifest, worker.ring)
+            if manifest.patch_base:  # received in step with the group, then refused: vLLM takes versions whole
+                for _ in received:
+                    pass
+                raise WeightError(f"version {manifest.version} is a patch: a vLLM worker takes versions whole")
+            yield from received
         except Exception:  # noqa: BLE001 - whatever ended the epoch, this worker leaves its group, then re-raises
             worker.groups.drop()
             raise

@@ -244,6 +244,24 @@ def spec_of(name: str, meta: tuple[str, list[int]], encoded: Encoded) -> pb.Tens
     return spec
 
 
+def wire_nbytes(spec: pb.TensorSpec) -> int:
+    """Bytes a tensor's entry takes in a broadcast bucket: its own, or its patch's rounded up to 8
+    (what follows a patch stays aligned for its dtype)."""
+    return -(-spec.patch.nbytes // 8) * 8 if spec.HasField("patch") else spec.nbytes
+
+
+def patch_manifest(
+    tensors: Mapping[str, torch.Tensor], version: int, parent_version: int, base: int, specs, signer
+) -> pb.WeightManifest:
+    """The (signed) manifest of a version `encode_version` read: its entries and their patches' base."""
+    from shared.weightsync.manifest import empty_manifest
+
+    manifest = empty_manifest(tensors, version, parent_version)
+    manifest.patch_base = base
+    manifest.tensors.extend(specs)
+    return signer.sign(manifest) if signer is not None else manifest
+
+
 def patched_bytes(manifest: pb.WeightManifest) -> tuple[int, int]:
     """(bytes sent whole, bytes sent as patches) of a version as its transport carries it."""
     whole = sum(spec.nbytes for spec in manifest.tensors if not spec.HasField("patch"))

@@ -42,7 +42,7 @@ from shared.weightsync.manifest import (
     empty_manifest,
     pieces,
 )
-from shared.weightsync.patches import Patch, PatchEncoder, count_bytes, encode_version
+from shared.weightsync.patches import Patch, PatchEncoder, count_bytes, encode_version, patch_manifest
 
 ST_DTYPES = {name: code for name, (_, code) in WEIGHT_DTYPES.items()}  # torch name → safetensors code
 ALIGN = 64
@@ -305,10 +305,7 @@ class ShmWeightPublisher(WeightPublisher):
             self.encoder.reset()
             raise
         self.encoder.version = version
-        manifest = empty_manifest(tensors, version, parent_version)
-        manifest.patch_base = base
-        manifest.tensors.extend(specs)
-        return self.grpc.signer.sign(manifest) if self.grpc.signer is not None else manifest
+        return patch_manifest(tensors, version, parent_version, base, specs, self.grpc.signer)
 
     async def close(self) -> None:
         await self.grpc.close()

@@ -62,6 +62,42 @@ def check_announcement(announcement: pb.VersionAnnouncement, served: int, verifi
         verifier.check(manifest)
 
 
+class WholeAfterBroadcast(Delivery):
+    """A patch version broadcast to a member that does not hold its base: the broadcast received
+    and let go of (the group stays in step), then the version pulled whole from weight-sync. A vLLM
+    worker, which joins the group itself, refuses it after receiving it (the epoch then ends)."""
+
+    transport = GrpcDelivery.transport
+
+    def __init__(self, broadcast: Delivery, pull: GrpcDelivery) -> None:
+        super().__init__(broadcast.manifest)
+        self.broadcast = broadcast
+        self.pull = pull
+        self.drained = False
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.pull.wire_bytes
+
+    def prepare(self) -> None:
+        if not self.drained:
+            for _ in self.broadcast.buckets():
+                pass
+            self.drained = True
+        self.pull.prepare()
+
+    def buckets(self):
+        self.prepare()
+        yield from self.pull.buckets()
+
+    def worker_update(self) -> dict:
+        return self.broadcast.worker_update()
+
+    def close(self) -> None:
+        self.broadcast.close()
+        self.pull.close()
+
+
 class WatchSubscriber(WeightSubscriber):
     """Watch weight-sync → each version's delivery by its transport (`base.transport_of_kind`) →
     `apply(delivery)` (the engine's, off the event loop), resuming after dropped streams."""
@@ -113,7 +149,8 @@ class WatchSubscriber(WeightSubscriber):
         (`GrpcDelivery.open`: the number asked for, the trainer's signature)."""
         check_announcement(announcement, self.version, self.verifier)
         manifest = announcement.manifest
-        if manifest.patch_base and announcement.transport.kind == pb.SHM and not self.takes_patch(manifest):
+        delivery = transport_of_kind(announcement.transport.kind).delivery(announcement, self)
+        if manifest.patch_base and announcement.transport.kind != pb.GRPC and not self.takes_patch(manifest):
             self.whole += 1
             log.info(
                 "event=weights_whole version=%d patch_base=%d served=%d",
@@ -121,8 +158,10 @@ class WatchSubscriber(WeightSubscriber):
                 manifest.patch_base,
                 self.version,
             )
-            return self.pull(manifest.version, manifest)  # whole (or a delta against what it holds), never the patch
-        return transport_of_kind(announcement.transport.kind).delivery(announcement, self)
+            # whole (or a delta against what it holds), never the patch; a broadcast is received first, in step
+            pull = self.pull(manifest.version, manifest)
+            return WholeAfterBroadcast(delivery, pull) if announcement.transport.kind == pb.COLLECTIVE else pull
+        return delivery
 
     def takes_patch(self, manifest: pb.WeightManifest) -> bool:
         """Whether the engine holds exactly the bytes a patch version's patches apply to: it serves

@@ -5,6 +5,7 @@ versions from the service, never a patch against bytes it does not hold; a tampe
 
 import asyncio
 
+import pytest
 import torch
 
 from shared.engines import make_engine
@@ -29,15 +30,18 @@ def held(engine) -> dict[str, bytes]:
 
 def step(master: dict[str, torch.Tensor], version: int, gen: torch.Generator) -> None:
     """What a trainer's small step does to its fp32 master (most bf16 elements stay the same); every
-    tenth version one tensor moves everywhere (it goes whole)."""
+    tenth version one tensor in the middle moves everywhere (it goes whole, after patches in its bucket)."""
     for tensor in master.values():
         tensor.add_(2e-5 * torch.randn(tensor.shape, generator=gen).sign())
     if version % 10 == 0:
-        first = next(iter(master))
-        master[first].mul_(1.01)
+        master[dense_of(master)].mul_(1.01)
 
 
-def subscriber(server: Server, engine, key, version: int = 0, refuses: int = 0) -> WatchSubscriber:
+def dense_of(state: dict) -> str:
+    return list(state)[len(state) // 2]
+
+
+def subscriber(server: Server, engine, key, kind: str, version: int = 0, refuses: int = 0) -> WatchSubscriber:
     async def apply(delivery) -> float:
         if delivery.version == refuses:  # an engine that cannot take this version, however it comes
             raise WeightError(f"version {refuses} refused by the engine")
@@ -47,7 +51,7 @@ def subscriber(server: Server, engine, key, version: int = 0, refuses: int = 0) 
         server.address,
         apply,
         f"replica-{id(engine)}",
-        transports=["shm", "grpc"],
+        transports=[kind, "grpc"],
         base=engine.weight_bytes,
         version=version,
         verifier=Verifier.from_file(key),
@@ -67,8 +71,9 @@ async def until(condition, seconds: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
+@pytest.mark.parametrize("kind", ["shm", "collective"])
 def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_takes_them_whole(
-    tmp_path, tiny_model_dir
+    tmp_path, tiny_model_dir, kind
 ):
     master = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
     a = make_engine("torch", str(tiny_model_dir), "bfloat16")  # watches every version
@@ -77,16 +82,16 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
     gen = torch.Generator().manual_seed(0)
 
     async def main():
-        server = Server(tmp_path, shm_dir=tmp_path / "shm")
+        server = Server(tmp_path, shm_dir=tmp_path / "shm", collective_timeout_seconds=20)
         await server.start()
         public = server.settings.verify_key_file
         subs = {
-            "a": subscriber(server, a, public),
-            "b": subscriber(server, b, public),
-            "c": subscriber(server, c, public),
+            "a": subscriber(server, a, public, kind),
+            "b": subscriber(server, b, public, kind),
+            "c": subscriber(server, c, public, kind),
         }
         tasks = {name: asyncio.create_task(s.run()) for name, s in subs.items()}
-        publisher = make_publisher("shm", server.address, server.signer, shm_dir=tmp_path / "shm" / "run", patches=True)
+        publisher = make_publisher(kind, server.address, server.signer, shm_dir=tmp_path / "shm" / "run", patches=True)
         sent, expected, mismatched = {}, {}, {"a": [], "b": [], "c": []}
         try:
             for version in range(1, VERSIONS + 1):
@@ -94,7 +99,7 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
                     step(master, version, gen)
                 if version == 21:  # b restarts: a new watch, its engine still at version 20 (no manifest known)
                     await gone(tasks["b"])
-                    subs["b"] = subscriber(server, b, public, version=20, refuses=41)
+                    subs["b"] = subscriber(server, b, public, kind, version=20, refuses=41 if kind == "shm" else 0)
                     tasks["b"] = asyncio.create_task(subs["b"].run())
                     await asyncio.sleep(0.3)  # watching before version 21 is announced
                 if version == 31:  # b's stream goes away for versions 31-33
@@ -107,7 +112,9 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
                 sent[version] = [after - was for after, was in zip(sent_bytes(), before, strict=True)]
                 expected[version] = published(master)
                 live = {"a": version, "c": version} | ({} if 31 <= version <= 33 else {"b": version})
-                if version == 41:  # b refused it: it serves 40, and the patch 42 is against bytes it does not hold
+                if (
+                    version == 41 and kind == "shm"
+                ):  # b refused it: it serves 40, and the patch 42 is against bytes it does not hold
                     live["b"] = 40
                     await until(lambda: 41 in subs["b"].refused)
                 await until(lambda: all(subs[n].version == v for n, v in live.items()))  # noqa: B023
@@ -127,18 +134,18 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
     assert mismatched == {"a": [], "b": [], "c": []}  # every replica, after every version, bit for bit
     assert pulled == expected[VERSIONS]
     a_sub, b_sub, c_sub = subs["a"], subs["b"], subs["c"]
-    assert a_sub.received == {"shm": VERSIONS} and a_sub.whole == 0  # every patch applied in place
+    assert a_sub.received == {kind: VERSIONS} and a_sub.whole == 0  # every patch applied in place
     # b restarted at 20: version 21 whole (no manifest of what it holds), then patches; after its stream came
-    # back at 34, the newest (33) by a gRPC pull against the bytes it held, then patches; 41 refused, so 42
-    # (a patch against 41) whole, then patches again
-    assert b_sub.whole == 2 and b_sub.received == {
-        "grpc": 3,
-        "shm": (30 - 22 + 1) + (40 - 34 + 1) + (VERSIONS - 43 + 1),
-    }
-    assert c_sub.whole == VERSIONS - 1 and c_sub.received == {"shm": 1, "grpc": VERSIONS - 1}
+    # back at 34, the newest (33) by a gRPC pull against the bytes it held, then patches; (shm) 41 refused, so
+    # 42 (a patch against 41) whole, then patches again
+    if kind == "shm":
+        assert b_sub.whole == 2 and b_sub.received == {"grpc": 3, kind: (30 - 22 + 1) + (40 - 34 + 1) + (50 - 43 + 1)}
+    else:
+        assert b_sub.whole == 1 and b_sub.received == {"grpc": 2, kind: (30 - 22 + 1) + (50 - 34 + 1)}
+    assert c_sub.whole == VERSIONS - 1 and c_sub.received == {kind: 1, "grpc": VERSIONS - 1}
     model = sum(len(data) for data in expected[VERSIONS].values())
     assert sent[1] == [model, 0]  # the first version whole; then (full, patch) bytes of each
-    dense = next(iter(expected[VERSIONS]))
+    dense = dense_of(expected[VERSIONS])
     for version in range(2, VERSIONS + 1):
         full, patch = sent[version]
         assert full == (len(expected[VERSIONS][dense]) if version % 10 == 0 else 0), version
