@@ -103,6 +103,10 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
                 f"{config.name} seed {seed}: {summary.get('outcome')} in {summary.get('wall_seconds')} s, "
                 f"eval {summary.get('eval_start')} → {summary.get('eval_end')}"
             )
+            if summary.get("outcome") == "interrupted":  # Ctrl-C or SIGTERM stops the grid, not one run of it
+                raise KeyboardInterrupt(
+                    f"the grid was interrupted at {config.name} seed {seed}; run it again to resume"
+                )
     return write_report(grid, configs, seeds, out, echo)
 
 

@@ -286,3 +286,21 @@ def test_plain_progress_is_one_greppable_line_per_update():
     )
     rows = progress_rows({}, [], [{"version": 0, "accuracy": 0.4}], 48, 0.0, [{"version": 0, "accuracy": 0.35}])
     assert plain_line(rows).endswith(" eval_accuracy=v0:0.400 policy_eval=v0:0.350 ETA=-")
+
+
+def test_an_interrupted_run_stops_the_grid(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) reaches the run in progress: it stops, and so does the grid, not just that run."""
+    import steadyrl.launcher
+    from steadyrl.experiment import run_grid
+
+    started = []
+
+    def run(recipe, run_dir, progress="none"):
+        started.append(run_dir.parent.name)
+        return {"outcome": "interrupted", "wall_seconds": 1.0}
+
+    monkeypatch.setattr(steadyrl.launcher, "run", run)
+    grid = load_grid(ROOT / "configs" / "arena.toml")
+    with pytest.raises(KeyboardInterrupt, match="fp4-minirl seed 0"):
+        run_grid(grid, 2, tmp_path, only=["fp4-minirl", "fp4-grpo"], echo=lambda line: None)
+    assert started == ["fp4-minirl"]
