@@ -1,4 +1,5 @@
-"""`steadyrl bench all`: every benchmark in one run (the demo as shipped, weightsync, transport, inference, multi-turn,
+"""`steadyrl bench all`: every benchmark in one run (the demo as shipped, weightsync, weight patches, transport,
+inference, multi-turn,
 LoRA, mismatch, exact mode, trainer, trainer memory and checkpoints, async, dynamic sampling, pools, peers), one JSON
 object with the machine it ran on, and optionally the markdown summary of docs/BENCHMARKS.md. Each
 benchmark runs in its own process, so none inherits another's threads or memory."""
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
     "demo": ("bench.demo", []),  # the figures the README, the home page and the quickstart quote
     "weightsync": ("bench.weightsync", ["11", "3"]),
+    "weight_patches": ("bench.weight_patches", []),
     "transport": ("bench.transport", []),
     "inference": ("bench.inference", []),
     "multiturn": ("bench.multiturn", []),
@@ -241,6 +243,30 @@ def demo_rows(demo: dict) -> list[str]:
     ]
 
 
+def patch_rows(patches: dict) -> list[str]:
+    """Patch versions against whole ones by shm: bytes and refit seconds, each model. Pure."""
+    rows = []
+    targets = patches.get("targets", {})
+    aims = {
+        "qwen3_100m": (f"≤ {targets.get('patch_over_whole_bytes')}", f"≤ {targets.get('patch_over_whole_refit')}"),
+        "demo": ("–", f"≤ {round(1 / targets.get('demo_whole_over_patch_refit', 1), 3)}"),
+    }
+    for key, label in (("qwen3_100m", "~108M Qwen3-MoE, lr 1e-6"), ("demo", "the demo's model, lr 1e-3")):
+        p = patches.get(key)
+        if not p:
+            continue
+        share = "–".join(map(str, p["changed_share"]))
+        rows += [
+            f"| weight_patches | {label}: bytes per version, patch / whole (bf16 elements changed per step "
+            f"{share}) | {p['bytes_patch_over_whole']} | {aims[key][0]} |",
+            f"| weight_patches | {label}: refit seconds by shm, patch / whole ({p['refit_seconds']['patch']} vs "
+            f"{p['refit_seconds']['whole']} s; spread {'–'.join(map(str, p['refit_patch_over_whole_spread']))} over "
+            f"{p['pairs']} pairs; paused {p['paused_seconds']['patch']} vs {p['paused_seconds']['whole']} s) | "
+            f"{p['refit_patch_over_whole']} | {aims[key][1]} |",
+        ]
+    return rows
+
+
 def exact_rows(exact: dict) -> list[str]:
     """Exact mode's cost (engine tokens/s, trainer step seconds) and the demo with it beside the demo
     without, at equal steps. Pure."""
@@ -291,6 +317,7 @@ def markdown(result: dict) -> str:
     lines += exact_rows(b.get("exact", {}))
     ws = b.get("weightsync", {})
     lines += weight_rows(ws)
+    lines += patch_rows(b.get("weight_patches", {}))
     delta = _get(ws, "tiny_bf16_delta_share_after_one_adamw_step", default={})
     if isinstance(delta, dict):
         for lr, share in delta.items():

@@ -246,6 +246,17 @@ class Recipe(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _patches_reach_replicas_that_apply_them(self) -> Recipe:
+        """trainer.publish.patches: only replicas holding the published bytes as they are apply a patch."""
+        if self.trainer.publish.patches and (self.inference.engine != "torch" or self.inference.quantization != "none"):
+            raise ValueError(
+                "trainer.publish.patches: a replica applies a patch only to the weights as published (the torch "
+                f"engine, unquantized); inference.engine is {self.inference.engine!r}, inference.quantization "
+                f"{self.inference.quantization!r}: every version would go whole by a pull. Set it to false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _judged_rewards_have_a_judge(self) -> Recipe:
         check_judged_rewards(self)
         return self
@@ -417,8 +428,7 @@ def section_values(
     if service == "trainer":  # the replicas' dtype, by its full name (an alias such as bf16 too)
         dtype = inference_dtype(inference, model_path or model.path, run.exact)[0]
         dtype = DTYPE_NAMES.get(dtype, dtype)
-        patchable = inference.get("engine", "torch") == "torch" and inference.get("quantization", "none") == "none"
-        values["publish"] = merge_tables({"dtype": dtype, "patches": patchable}, values.get("publish", {}))
+        values["publish"] = merge_tables({"dtype": dtype}, values.get("publish", {}))
     if service == "inference" and values.get("dtype", AUTO) == AUTO:
         values["dtype"] = inference_dtype(inference, model_path or model.path, run.exact)[0]
     if service == "inference":  # the plug-ins the run names: the only ones a replica imports or runs for a task

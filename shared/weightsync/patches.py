@@ -8,9 +8,10 @@ of the whole tensor (+ zstd) it is smaller, and applying it touches only the cha
 every byte.
 
 The publisher's side (`PatchEncoder`) keeps the bytes of the last version it published, in the published dtype, and
-decides per tensor: a patch when it is at most `MAX_SHARE` of the tensor's bytes, else the tensor whole. A receiver
-applies a patch only to the bytes of exactly that base version (`WeightManifest.patch_base`); any other takes the
-version whole. Details: docs/internals/weights.md"""
+decides per tensor: a patch when it is at most `MAX_SHARE` of the tensor's bytes, else the tensor whole (and, for
+the next `DENSE_REST` versions, whole without comparing: a run whose updates change most elements pays little). A
+receiver applies a patch only to the bytes of exactly that base version (`WeightManifest.patch_base`); any other takes
+the version whole. Details: docs/internals/weights.md"""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 MAX_SHARE = 0.5  # a tensor is patched when its patch is at most this share of its bytes
+DENSE_REST = 16  # a tensor found too changed to patch goes whole, uncompared, for this many versions
 ZSTD_LEVEL = 1
 BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # an element's bits by its size
 WEIGHT_BYTES = Counter(
@@ -161,10 +163,11 @@ class PatchEncoder:
     held: dict[str, np.ndarray] = field(default_factory=dict)
     layout: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     version: int = 0
+    resting: dict[str, int] = field(default_factory=dict)  # tensors going whole uncompared: versions left
 
     def reset(self) -> None:
         """Forget the version held: the next is published whole (a failed publish, a lost base)."""
-        self.held, self.layout, self.version = {}, {}, 0
+        self.held, self.layout, self.version, self.resting = {}, {}, 0, {}
 
     def base_for(self, layout: Mapping[str, tuple[str, list[int]]]) -> int:
         """The version a new one of `layout` (name → (dtype, shape)) can be patched against, 0: none."""
@@ -182,6 +185,10 @@ class PatchEncoder:
             patch = False
         self.layout[name] = (dtype, list(shape))
         patch = patch and nbytes > 0
+        if patch and self.resting.get(name, 0) > 0:  # found dense lately: whole, at the cost of a whole one
+            self.resting[name] -= 1
+            patch = False
+        tried = patch
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if nbytes >= 1 << 22 else 1)
         kind = BITS[itemsize]
         gaps, xors, count, at, last = [], [], 0, 0, 0
@@ -209,6 +216,8 @@ class PatchEncoder:
             )
             if len(blob) <= self.max_share * nbytes:
                 encoded.patch, encoded.count, encoded.index_nbytes = blob, count, index_nbytes
+        if tried and encoded.patch is None:
+            self.resting[name] = DENSE_REST
         return encoded
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -238,3 +238,20 @@ def test_the_full_batch_line_times_the_engine_and_generate_on_the_same_batch():
     assert side["engine_traces_over_generate"] == pytest.approx(rates[2] / rates[0], rel=1e-3)
     by_group = side["engine_by_group_tokens_per_s"]  # the same work, its groups started one after another
     assert by_group > 0 and side["by_group_over_one_batch"] == pytest.approx(by_group / rates[1], rel=1e-3)
+
+
+def test_the_patch_bench_alternates_whole_and_patch_versions_on_one_clock(tmp_path, tiny_model_dir):
+    """bench/weight_patches.py's rounds on the demo's model: the sides alternate, each version is served by shm,
+    the whole side sends the model's bytes and the patch side patches (the first tensors changed by a real step)."""
+    from bench.weight_patches import rounds_of, summarise
+
+    records = rounds_of(tiny_model_dir, 1e-6, 4, tmp_path)
+    assert [r["side"] for r in records] == ["patch", "whole", "whole", "patch"]  # after 2 warm-up versions
+    model = records[1]["whole_bytes"]
+    assert all(r["transport"] == "shm" for r in records)
+    assert all(r["whole_bytes"] == model and r["patch_bytes"] == 0 for r in records if r["side"] == "whole")
+    patched = [r for r in records if r["side"] == "patch"]
+    assert all(r["patch_bytes"] > 0 and r["whole_bytes"] + r["patch_bytes"] < 0.5 * model for r in patched)
+    summary = summarise(records, model)
+    assert summary["pairs"] == 2 and summary["bytes_patch_over_whole"] < 0.5
+    assert 0 < summary["changed_share"][0] <= summary["changed_share"][1] < 0.5

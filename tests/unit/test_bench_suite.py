@@ -137,3 +137,34 @@ def test_the_benchmarks_page_gives_the_control_threads_cpu_against_its_target():
     assert "inference.main 10.5, trainer.main 13.3, orchestrator.* 5.1, redis.* 5.1" in row
     assert "trainer.asyncio_0 33.8, inference.torch-engine 31.6" in row and row.endswith("| 34.0 ms | ≤ 20 ms |")
     assert "control threads" not in page_of({})  # none measured: no row
+
+
+def test_the_patch_rows_say_bytes_and_seconds_beside_their_targets():
+    from bench.suite import patch_rows
+
+    side = {
+        "changed_share": [0.027, 0.028],
+        "bytes_patch_over_whole": 0.018,
+        "refit_seconds": {"whole": 0.25, "patch": 0.5},
+        "refit_patch_over_whole": 2.0,
+        "refit_patch_over_whole_spread": [1.8, 2.4],
+        "pairs": 9,
+        "paused_seconds": {"whole": 0.02, "patch": 0.07},
+    }
+    rows = patch_rows(
+        {
+            "targets": {
+                "patch_over_whole_bytes": 0.05,
+                "patch_over_whole_refit": 0.2,
+                "demo_whole_over_patch_refit": 0.98,
+            },
+            "qwen3_100m": side,
+            "demo": side,
+        }
+    )
+    assert rows[0] == (
+        "| weight_patches | ~108M Qwen3-MoE, lr 1e-6: bytes per version, patch / whole (bf16 elements changed per "
+        "step 0.027–0.028) | 0.018 | ≤ 0.05 |"
+    )
+    assert rows[1].endswith("spread 1.8–2.4 over 9 pairs; paused 0.07 vs 0.02 s) | 2.0 | ≤ 0.2 |")
+    assert rows[3].endswith("| 2.0 | ≤ 1.02 |") and rows[2].endswith("| 0.018 | – |")

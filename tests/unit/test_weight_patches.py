@@ -210,3 +210,28 @@ def test_gaps_of_any_length_round_trip_through_their_bytes():
     spec = spec_with_patch(blob, 8, index_nbytes, numel=1_000_000)
     got, bits = decode(blob, spec)
     assert list(got) == list(indices) and list(bits) == list(range(8))
+
+
+def test_a_tensor_found_dense_goes_whole_uncompared_for_a_while_then_is_tried_again():
+    from shared.weightsync.patches import DENSE_REST
+
+    gen = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(4096, generator=gen)}]
+    for _ in range(DENSE_REST + 1):
+        states.append({"w": states[-1]["w"] * 1.01})  # every element changes
+    states.append({"w": states[-1]["w"].clone()})  # then none does
+    bases = [base for base, _, _ in encoded(states)]
+    assert bases[: DENSE_REST + 2] == [0] * (DENSE_REST + 2)  # whole: first, dense, then resting
+    assert bases[-1] == len(states) - 1  # tried again after its rest: an unchanged tensor is a patch
+
+
+def test_patches_are_refused_before_start_where_no_replica_could_apply_one():
+    from pathlib import Path
+
+    from steadyrl.recipe import load_recipe
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
+    assert load_recipe(demo).trainer.publish.patches is False  # off unless asked for
+    assert load_recipe(demo, ["trainer.publish.patches=true"]).trainer.publish.patches is True
+    with pytest.raises(ValueError, match="trainer.publish.patches: a replica applies a patch only"):
+        load_recipe(demo, ["trainer.publish.patches=true", "inference.quantization=fp8"])
