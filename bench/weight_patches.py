@@ -167,6 +167,41 @@ def summarise(records: list[dict], model_bytes: int) -> dict:
     }
 
 
+def formats(model_dir: Path, lr: float) -> dict:
+    """Bytes of one real Adam step's change in each candidate form, as shares of the bf16 version: int32
+    indices + raw values; zstd of uint32 gaps + raw values; zstd of the whole tensor XOR the last; and the
+    form patches use (zstd of byte gaps, zstd of the changed elements' XOR)."""
+    import numpy as np
+    import zstandard
+
+    from shared.kit.tiny import TinySpec, char_tokenizer, sft_batch
+    from shared.models import load_causal_lm
+    from shared.weightsync.patches import encode
+
+    model = load_causal_lm(model_dir, "float32").train()
+    ids, labels = sft_batch(char_tokenizer(), TinySpec().task().split("train", 8))
+    before = {
+        n: t.detach().to(torch.bfloat16).view(torch.int16).reshape(-1).numpy().copy()
+        for n, t in model.state_dict().items()
+    }
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model(input_ids=ids, labels=labels).loss.backward()
+    optimizer.step()
+    compress = zstandard.ZstdCompressor(level=1).compress
+    sizes = dict.fromkeys(("indices_values", "uint32_gaps_zstd", "whole_xor_zstd", "patch"), 0)
+    total = changed = 0
+    for name, tensor in model.state_dict().items():
+        new = tensor.detach().to(torch.bfloat16).view(torch.int16).reshape(-1).numpy()
+        old = before[name]
+        at = np.flatnonzero(new != old)
+        total, changed = total + 2 * new.size, changed + at.size
+        sizes["indices_values"] += 6 * at.size
+        sizes["uint32_gaps_zstd"] += len(compress(np.diff(at, prepend=0).astype(np.uint32).tobytes())) + 2 * at.size
+        sizes["whole_xor_zstd"] += len(compress((new ^ old).tobytes()))
+        sizes["patch"] += len(encode(at, new[at] ^ old[at])[0])
+    return {"changed_share": round(changed / (total / 2), 4), **{k: round(v / total, 4) for k, v in sizes.items()}}
+
+
 def main(rounds: int = 18, demo_rounds: int = 18) -> dict:
     from bench.load import Load
     from bench.trainer_memory import wide_model
@@ -187,6 +222,7 @@ def main(rounds: int = 18, demo_rounds: int = 18) -> dict:
         with Load() as load:
             records = rounds_of(model_dir, 1e-6, rounds, Path(shm_tmp) / "wide")
         out["qwen3_100m"] = {"params": params, "lr": 1e-6, **summarise(records, 2 * params), **load.record()}
+        out["qwen3_100m"]["formats"] = formats(model_dir, 1e-6)
         demo = init_tiny_model()
         demo_params = sum(t.numel() for t in load_causal_lm(demo, "float32").state_dict().values())
         with Load() as load:

@@ -21,6 +21,7 @@ PAGES = (
     Path("docs/quickstart.md"),
     Path("docs/guides/pools.md"),
     Path("docs/guides/exact.md"),
+    Path("docs/weights-at-scale.md"),
 )
 
 
@@ -182,7 +183,61 @@ def exact_table(results: dict) -> str:
     return table(head, rows)
 
 
+# What a version weighs in bf16 (parameters × 2 bytes), for the extrapolation on docs/weights-at-scale.md
+SCALES = (("7B (dense)", 7.6e9), ("Qwen3-30B-A3B", 30.5e9), ("Qwen3-235B-A22B", 235e9))
+LINK_BYTES_PER_S = 1.25e9  # a 10 Gb/s link between the trainer's host and a replica's
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3g} MB"
+
+
+def weights_scale(results: dict) -> str:
+    """Seconds per version against the model's size: measured here (whole and patch, by shm), then
+    extrapolated from the largest measured size's rate and the measured patch share. Pure."""
+    b = results["benchmarks"]
+    p, ws = b["weight_patches"], b["weightsync"]
+    measured = []
+    for key, label in (("demo", "the demo's model (lr 1e-3)"), ("qwen3_100m", "~108M Qwen3-MoE (lr 1e-6)")):
+        side = p[key]
+        measured.append(
+            (
+                f"{label}, {gb(side['model_bytes'])}",
+                f"whole {side['refit_seconds']['whole']:.3f} s, patch {side['refit_seconds']['patch']:.3f} s "
+                f"(patch / whole {side['refit_patch_over_whole']}; bytes {side['bytes_patch_over_whole']})",
+            )
+        )
+    big = ws["refit"]["torch"]["1"]["shm"]["seconds"]
+    nbytes = ws["model"]["bytes"]
+    measured.append(
+        (
+            f"~590M Qwen3-MoE ({ws['model']['layers']} layers), {gb(nbytes)}",
+            f"whole {big:.2f} s (`bench weightsync`, {ws.get('date', '')})",
+        )
+    )
+    rate = nbytes / big
+    patch_share = p["qwen3_100m"]["bytes_patch_over_whole"]
+    slower = p["qwen3_100m"]["refit_patch_over_whole"]
+    head = (
+        f"Measured on {machine_text(results)} (`steadyrl bench weight_patches`, {p.get('date', '')}; one trainer, "
+        "one torch replica, shm, one thread each; median of 9 interleaved pairs):"
+    )
+    rows = [*measured]
+    for name, params in SCALES:
+        version = 2 * params
+        rows.append(
+            (
+                f"{name}, {gb(version)} (extrapolated)",
+                f"this path: whole {version / rate:,.0f} s, patch ≈ {slower * version / rate:,.0f} s; its bytes "
+                f"alone over a 10 Gb/s link: whole {version / LINK_BYTES_PER_S:,.0f} s, "
+                f"patch {patch_share * version / LINK_BYTES_PER_S:,.1f} s",
+            )
+        )
+    return table(head, rows)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
+    "weights-scale": weights_scale,
     "exact-table": exact_table,
     "demo-table": demo_table,
     "demo-wall": demo_wall,

@@ -57,12 +57,21 @@ SOURCES = {
         record_numbers() | source_numbers(results.load(), "benchmarks.mismatch") | log_numbers()
     ),
     "docs/guides/pools.md": lambda: source_numbers(results.load(), "benchmarks.pools"),
+    # `steadyrl bench weight_patches` and `bench weightsync`
+    "docs/weights-at-scale.md": lambda: (
+        source_numbers(results.load(), "benchmarks.weight_patches")
+        | source_numbers(results.load(), "benchmarks.weightsync")
+    ),
     # each alert's threshold and duration, as the rules file declares them
     "docs/guides/operate.md": lambda: file_numbers(ROOT / "deploy" / "prometheus" / "alerts.yml"),
 }
 
 # (page, figure) that no run measured, and why each may stand
 NOT_MEASURED = {
+    # the extrapolation's stated link (steadyrl.results.LINK_BYTES_PER_S) and the peers' own published figures
+    ("docs/weights-at-scale.md", "1.25 GB/s"),
+    ("docs/weights-at-scale.md", "99 %"),
+    ("docs/weights-at-scale.md", "50×"),
     # a setting's default or a fixed limit, named beside its setting or constant
     ("docs/concepts/accounting.md", "60 s"),
     ("docs/concepts/glossary.md", "60 s"),
