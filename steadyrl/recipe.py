@@ -247,12 +247,12 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _patches_reach_replicas_that_apply_them(self) -> Recipe:
-        """trainer.publish.patches: only replicas holding the published bytes as they are apply a patch."""
-        if self.trainer.publish.patches and (self.inference.engine != "torch" or self.inference.quantization != "none"):
+        """trainer.publish.patches: the torch engine patches the weights it holds, so not re-rounded ones."""
+        if self.trainer.publish.patches and self.inference.engine == "torch" and self.inference.quantization != "none":
             raise ValueError(
-                "trainer.publish.patches: a replica applies a patch only to the weights as published (the torch "
-                f"engine, unquantized); inference.engine is {self.inference.engine!r}, inference.quantization "
-                f"{self.inference.quantization!r}: every version would go whole by a pull. Set it to false"
+                "trainer.publish.patches: the torch engine applies a patch only to the weights as published, and "
+                f"with inference.quantization {self.inference.quantization!r} it holds them re-rounded: every "
+                "version would go whole by a pull. Set it to false (vLLM replicas keep a copy to patch)"
             )
         return self
 

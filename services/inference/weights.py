@@ -56,6 +56,7 @@ def weights_loop(
         base=engine.weight_bytes,
         version=engine.version,
         verifier=verifier_of(settings, settings.run_id),
+        patchable=getattr(engine, "takes_patch", None),  # vLLM: its workers say; the torch engine: its bytes
     )
 
     async def watch() -> None:

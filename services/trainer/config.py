@@ -192,10 +192,10 @@ class PublishSettings(BaseModel):
     """Dtype of the published weights: the replicas' (`steadyrl run` sets it from inference.dtype)."""
     patches: bool = False
     """shm, collective: a tensor travels as its changed elements since the last version published where
-    that is at most half its bytes (the trainer keeps a copy of that version in the published dtype);
-    a replica that holds other bytes takes the version whole from weight-sync. Fewer bytes (0.018 of
-    a bf16 version at lr 1e-6), not fewer seconds on one host: docs/internals/weights.md. Torch
-    engine, unquantized replicas only."""
+    that is at most half its bytes (the trainer keeps a copy of that version in the published dtype;
+    so does each vLLM worker); a replica that holds other bytes takes the version whole from
+    weight-sync. Fewer bytes (0.018 of a bf16 version at lr 1e-6), not fewer seconds on one host:
+    docs/internals/weights.md. Not with a quantized torch engine."""
 
 
 class StreamSettings(BaseModel):

@@ -342,7 +342,12 @@ class VllmEngine:
         return self.apply(StateDictDelivery(version, state_dict))
 
     def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
-        return None  # the workers hold processed (packed, fused) weights: versions come whole
+        return None  # the workers hold processed (packed, fused) weights: gRPC pulls come whole
+
+    def takes_patch(self, manifest) -> bool:
+        """Whether a patch version applies here: the workers keep the published bytes of its base
+        (`shared.weightsync.vllm_receiver.KeptVersion`, from the first patch version on) and serve it."""
+        return self._version == manifest.patch_base == self.last_update.get("kept", 0) and not self._paused
 
     async def _update(self, info: dict, version: int) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

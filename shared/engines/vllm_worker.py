@@ -18,3 +18,12 @@ class WorkerExtension:
         """What the last weight update did in this worker (`shared.weightsync.vllm_backend.Status`)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.status.as_dict() if engine is not None and hasattr(engine, "status") else {}
+
+    def steadyrl_kept_digests(self) -> dict[str, str]:
+        """BLAKE3 of each tensor whose published bytes this worker keeps (to patch them), hexadecimal:
+        what a check holds against the version's manifest (`vllm_receiver.KeptVersion`)."""
+        from shared.weightsync.manifest import digest
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        kept = getattr(engine, "kept", None)
+        return {name: digest(memoryview(data)).hex() for name, data in (kept.tensors if kept else {}).items()}

@@ -384,12 +384,7 @@ class CollectiveTransport(Transport):
         spec = pb.Transport.FromString(update.spec)
         worker.groups.rendezvous = update.address  # weight-sync's, which holds the epoch's rendezvous
         try:
-            received = receive_buckets(worker.groups.get(spec, spec.rank), spec, manifest, worker.ring)
-            if manifest.patch_base:  # received in step with the group, then refused: vLLM takes versions whole
-                for _ in received:
-                    pass
-                raise WeightError(f"version {manifest.version} is a patch: a vLLM worker takes versions whole")
-            yield from received
+            yield from receive_buckets(worker.groups.get(spec, spec.rank), spec, manifest, worker.ring)
         except Exception:  # noqa: BLE001 - whatever ended the epoch, this worker leaves its group, then re-raises
             worker.groups.drop()
             raise

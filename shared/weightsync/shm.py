@@ -323,8 +323,6 @@ class ShmTransport(Transport):
         return ShmDelivery(announcement.manifest, announcement.transport.shm_path)
 
     def worker_buckets(self, update, manifest: pb.WeightManifest, worker) -> Iterator[Bucket]:
-        if manifest.patch_base:
-            raise WeightError(f"version {manifest.version} is a patch: a vLLM worker takes versions whole")
         mapped, header, start = map_version(update.path)
         return batched(shm_views(mapped, header, start, manifest))
 

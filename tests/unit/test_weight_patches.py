@@ -233,5 +233,5 @@ def test_patches_are_refused_before_start_where_no_replica_could_apply_one():
     demo = Path(__file__).resolve().parents[2] / "configs" / "tiny-arith.toml"
     assert load_recipe(demo).trainer.publish.patches is False  # off unless asked for
     assert load_recipe(demo, ["trainer.publish.patches=true"]).trainer.publish.patches is True
-    with pytest.raises(ValueError, match="trainer.publish.patches: a replica applies a patch only"):
+    with pytest.raises(ValueError, match="trainer.publish.patches: the torch engine applies a patch only"):
         load_recipe(demo, ["trainer.publish.patches=true", "inference.quantization=fp8"])
