@@ -248,6 +248,11 @@ class TorchEngine:
     def weight_bytes(self, name: str, dtype: str) -> memoryview | None:
         return self.weights.bytes_of(name, dtype)
 
+    def takes_patch(self, manifest) -> bool:
+        """Whether a patch version applies here: the engine serves its base, whole, and holds every
+        patched tensor as published (on the CPU or a GPU)."""
+        return self._version == manifest.patch_base and not self._broken and self.weights.holds_published(manifest)
+
     def score(
         self, sequences: list[tuple[list[int], list[int]]], top_k: int = 0, chunk_tokens: int = 16384
     ) -> list[Scored]:

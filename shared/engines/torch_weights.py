@@ -124,6 +124,21 @@ class InPlaceWeights:
                     f"the model{'' if target is None else f' ({list(target.shape)})'}"
                 )
 
+    def holds_published(self, manifest) -> bool:
+        """Whether every patched tensor of `manifest` is held as published (its dtype, not re-rounded,
+        contiguous) on whatever device: a patch then applies to it in place."""
+        for spec in manifest.tensors:
+            if spec.HasField("patch"):
+                target = self.targets.get(spec.name)
+                if (
+                    target is None
+                    or spec.name in self.quantized
+                    or str(target.dtype).removeprefix("torch.") != spec.dtype
+                    or not target.is_contiguous()
+                ):
+                    return False
+        return True
+
     def bytes_of(self, name: str, dtype: str) -> memoryview | None:
         """A tensor's bytes as published in `dtype`, when the engine holds exactly those (on the
         CPU, in that dtype, not re-rounded); else None."""

@@ -210,3 +210,45 @@ def recorded_like(task_id: str, prompt: list[int], sample) -> list:
 
     task = common_pb2.PromptTask(task_id=task_id, prompt_token_ids=prompt)
     return rollouts_from_samples(task, [sample], [0.0], "gpu", "torch", RolloutTimings())
+
+
+def test_patch_versions_into_a_cuda_torch_engine_bit_for_bit(tmp_path, tiny_model_dir):
+    """Patch versions by shm into the torch engine on CUDA: each patch applied on the device in place,
+    the engine's weights after every version the published bytes (docs/internals/weights.md)."""
+    import asyncio
+
+    from shared.engines import make_engine
+    from shared.weightsync import make_publisher
+    from shared.weightsync.manifest import CastView
+    from tests.integration.test_patch_versions import gone, held, published, step, subscriber, until
+    from tests.integration.test_weightsync import Server
+
+    master = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+    engine = make_engine("torch", str(tiny_model_dir), "bfloat16", device="cuda")
+    generator = torch.Generator().manual_seed(0)
+
+    async def main():
+        server = Server(tmp_path, shm_dir=tmp_path / "shm")
+        await server.start()
+        watch = subscriber(server, engine, server.settings.verify_key_file, "shm")
+        task = asyncio.create_task(watch.run())
+        publisher = make_publisher("shm", server.address, server.signer, shm_dir=tmp_path / "shm" / "run", patches=True)
+        differing = []
+        try:
+            for version in range(1, 13):
+                if version > 1:
+                    step(master, version, generator)
+                await publisher.push(CastView(master, torch.bfloat16), version, version - 1, timeout=60)
+                await until(lambda v=version: watch.version == v)
+                if held(engine) != published(master):
+                    differing.append(version)
+        finally:
+            await gone(task)
+            await publisher.close()
+            await server.stop()
+        return watch, differing
+
+    watch, differing = asyncio.run(asyncio.wait_for(main(), 240))
+    engine.close()
+    print(f"patch versions on cuda: {len(differing)} of 12 differ; received {watch.received}, whole {watch.whole}")
+    assert differing == [] and watch.received == {"shm": 12} and watch.whole == 0

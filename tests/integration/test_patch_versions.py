@@ -53,6 +53,7 @@ def subscriber(server: Server, engine, key, kind: str, version: int = 0, refuses
         f"replica-{id(engine)}",
         transports=[kind, "grpc"],
         base=engine.weight_bytes,
+        patchable=engine.takes_patch,  # as services/inference passes it
         version=version,
         verifier=Verifier.from_file(key),
     )
