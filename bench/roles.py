@@ -140,8 +140,8 @@ def raw_send(port: str, nbytes: str) -> None:
 
 
 def roles() -> dict:
+    from bench.patch_roles import patch_trainer
     from bench.refit_roles import replica, trainer
-    from bench.weight_patches import patch_trainer
 
     return {
         f.__name__: f for f in (memcpy, blake3_pass, shm_floor, raw_recv, raw_send, trainer, replica, patch_trainer)

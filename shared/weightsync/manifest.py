@@ -105,6 +105,16 @@ def pieces(tensors: Mapping[str, torch.Tensor], name: str, scratch: torch.Tensor
         yield memoryview(scratch[: count * out.element_size()].numpy())
 
 
+def tensor_meta(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[str, list[int]]:
+    """(dtype name, shape) of `tensors[name]`, without casting or gathering it when the mapping
+    can tell (`meta(name)`), else from the tensor itself."""
+    meta = getattr(tensors, "meta", None)
+    if meta is not None:
+        return meta(name)
+    tensor = tensors[name]
+    return str(tensor.dtype).removeprefix("torch."), list(tensor.shape)
+
+
 def empty_manifest(tensors: Mapping[str, torch.Tensor], version: int, parent_version: int) -> pb.WeightManifest:
     """A manifest of `tensors` without its tensor entries yet: the version, its parent, and what a
     `CastView` of an adapter says of it (`adapter`)."""

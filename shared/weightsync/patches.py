@@ -1,17 +1,9 @@
-"""A version as a patch: only the elements that changed since the version a receiver holds.
+"""A version as a patch: only the elements that changed since the version a receiver holds, as the zstd of the
+gaps between their flat indices (a byte each below 255) and the zstd of their new bits XOR their old ones. The
+publisher (`PatchEncoder`) keeps the last version it published and decides per tensor (a patch when it is at most
+`MAX_SHARE` of the bytes); a receiver applies one only to the exact bytes of `WeightManifest.patch_base`.
 
-At a real learning rate most elements of a bf16 version equal the previous version's bit for bit (the update is
-below half a unit in the last place), so a tensor travels as the flat indices of its changed elements (the zstd of
-the gaps between them, one byte each below 255) and their new bits XOR their old ones (zstd: the sign and exponent
-bits rarely change, so most of each XOR is zero). Chosen by measurement (docs/internals/weights.md): against the XOR
-of the whole tensor (+ zstd) it is smaller, and applying it touches only the changed elements, where the XOR touches
-every byte.
-
-The publisher's side (`PatchEncoder`) keeps the bytes of the last version it published, in the published dtype, and
-decides per tensor: a patch when it is at most `MAX_SHARE` of the tensor's bytes, else the tensor whole (and, for
-the next `DENSE_REST` versions, whole without comparing: a run whose updates change most elements pays little). A
-receiver applies a patch only to the bytes of exactly that base version (`WeightManifest.patch_base`); any other takes
-the version whole. Details: docs/internals/weights.md"""
+Details (the form's measurement, who applies what): docs/internals/weights.md"""
 
 from __future__ import annotations
 
@@ -304,8 +296,7 @@ def encode_version(
     none of this layout, or for an adapter (not patched)."""
     import torch
 
-    from shared.weightsync.manifest import PIECE_BYTES, pieces
-    from shared.weightsync.shm import tensor_meta
+    from shared.weightsync.manifest import PIECE_BYTES, pieces, tensor_meta
 
     layout = {name: tensor_meta(tensors, name) for name in tensors}
     base = 0 if getattr(tensors, "adapter", None) is not None else encoder.base_for(layout)

@@ -41,22 +41,13 @@ from shared.weightsync.manifest import (
     digest,
     empty_manifest,
     pieces,
+    tensor_meta,
 )
 from shared.weightsync.patches import Patch, PatchEncoder, count_bytes, encode_version, patch_manifest
 
 ST_DTYPES = {name: code for name, (_, code) in WEIGHT_DTYPES.items()}  # torch name → safetensors code
 ALIGN = 64
 CHUNK = 4 << 20
-
-
-def tensor_meta(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[str, list[int]]:
-    """(dtype name, shape) of `tensors[name]`, without casting or gathering it when the mapping
-    can tell (`meta(name)`), else from the tensor itself."""
-    meta = getattr(tensors, "meta", None)
-    if meta is not None:
-        return meta(name)
-    tensor = tensors[name]
-    return str(tensor.dtype).removeprefix("torch."), list(tensor.shape)
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
