@@ -51,7 +51,7 @@ def made_whole(
         if isinstance(item, Patch):
             old = base_specs.get(spec.name)
             if old is None or old.dtype != spec.dtype or list(old.shape) != list(spec.shape):
-                raise WeightError(f"tensor {spec.name}: its base version holds no such tensor")
+                raise WeightError(f"tensor {spec.name}: its base version holds no tensor of this name, dtype and shape")
             data = apply_bytes(base[spec.name], item.blob, spec)
         else:
             data = bytearray(tensor_to_bytes(item))

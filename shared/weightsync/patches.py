@@ -73,24 +73,39 @@ def encode(indices: np.ndarray, xor: np.ndarray) -> tuple[bytes, int]:
     return compress(gap_bytes(indices).tobytes(), xor)
 
 
+def bounded(data: bytes, most: int, name: str) -> bytes:
+    """`data` decompressed (zstd), read a MiB at a time and refused once past `most` bytes, whatever its
+    frame header claims: a small patch that expands to gigabytes costs at most `most` + 1 MiB."""
+    import io
+
+    import zstandard
+
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+            while len(out) <= most:
+                piece = reader.read(min(most + 1 - len(out), 1 << 20))
+                if not piece:
+                    break
+                out += piece
+    except zstandard.ZstdError as exc:
+        raise WeightError(f"tensor {name}: its patch does not decompress: {exc}") from None
+    if len(out) > most:
+        raise WeightError(f"tensor {name}: its patch decompresses past the {most} bytes its entry allows")
+    return bytes(out)
+
+
 def decode(blob: bytes | memoryview | np.ndarray, spec: pb.TensorSpec) -> tuple[np.ndarray, np.ndarray]:
     """(flat indices int64, bits to XOR in) of a tensor's patch, checked against its manifest entry
     (WeightError: a patch that does not decode to `count` ascending indices inside the tensor)."""
-    import zstandard
-
     patch, itemsize = spec.patch, WEIGHT_DTYPES[spec.dtype][0]
     numel = spec.nbytes // itemsize
     raw = bytes(blob)
     if len(raw) != patch.nbytes or patch.index_nbytes > patch.nbytes or patch.count > numel:
         raise WeightError(f"tensor {spec.name}: a patch of {len(raw)} bytes does not match its entry")
     most = patch.count + numel // 255 + 1  # the gaps' bytes: one per element, one per 255 of the tensor
-    try:
-        gaps = zstandard.ZstdDecompressor().decompress(raw[: patch.index_nbytes], max_output_size=most)
-        bits = zstandard.ZstdDecompressor().decompress(
-            raw[patch.index_nbytes :], max_output_size=itemsize * patch.count
-        )
-    except zstandard.ZstdError as exc:
-        raise WeightError(f"tensor {spec.name}: its patch does not decompress: {exc}") from None
+    gaps = bounded(raw[: patch.index_nbytes], most, spec.name)
+    bits = bounded(raw[patch.index_nbytes :], itemsize * patch.count, spec.name)
     steps = np.frombuffer(gaps, np.uint8)
     ends = steps != 255
     if len(bits) != itemsize * patch.count or int(ends.sum()) != patch.count or (len(steps) and not ends[-1]):

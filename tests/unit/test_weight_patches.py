@@ -235,3 +235,25 @@ def test_patches_are_refused_before_start_where_no_replica_could_apply_one():
     assert load_recipe(demo, ["trainer.publish.patches=true"]).trainer.publish.patches is True
     with pytest.raises(ValueError, match="trainer.publish.patches: the torch engine applies a patch only"):
         load_recipe(demo, ["trainer.publish.patches=true", "inference.quantization=fp8"])
+
+
+def test_a_patch_that_decompresses_past_its_entry_is_refused_after_reading_at_most_that():
+    """A decompression bomb (a few KiB of zstd expanding to 256 MiB, its size in the frame header) in either
+    stream of a patch for 3 elements: refused as soon as it passes what the entry allows."""
+    import zstandard
+
+    from shared.weightsync.patches import bounded, gap_bytes
+
+    bomb = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(bytes(256 << 20))
+    assert len(bomb) < 64 << 10
+    index = zstandard.ZstdCompressor().compress(gap_bytes(np.array([3, 7, 9])).tobytes())
+    values = zstandard.ZstdCompressor().compress(np.ones(3, np.int16).tobytes())
+    numel = 4096 * 4096
+    for blob, index_nbytes in ((bomb + values, len(bomb)), (index + bomb, len(index))):
+        spec = spec_with_patch(blob, 3, index_nbytes, numel=numel)
+        spec.dtype, spec.nbytes = "bfloat16", 2 * numel
+        with pytest.raises(WeightError, match="decompresses past the"):
+            decode(blob, spec)
+    assert bounded(values, 6, "w") == np.ones(3, np.int16).tobytes()
+    with pytest.raises(WeightError, match="decompresses past the 5 bytes"):
+        bounded(values, 5, "w")
