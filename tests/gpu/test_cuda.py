@@ -232,6 +232,7 @@ def test_patch_versions_into_a_cuda_torch_engine_bit_for_bit(tmp_path, tiny_mode
         await server.start()
         watch = subscriber(server, engine, server.settings.verify_key_file, "shm")
         task = asyncio.create_task(watch.run())
+        await until(lambda: len(server.servicer.members.subscribers) == 1)  # watching before version 1
         publisher = make_publisher("shm", server.address, server.signer, shm_dir=tmp_path / "shm" / "run", patches=True)
         differing = []
         try:

@@ -93,6 +93,7 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
             "c": subscriber(server, c, public, kind),
         }
         tasks = {name: asyncio.create_task(s.run()) for name, s in subs.items()}
+        await until(lambda: len(server.servicer.members.subscribers) == 3)  # all watching before version 1
         publisher = make_publisher(kind, server.address, server.signer, shm_dir=tmp_path / "shm" / "run", patches=True)
         sent, expected, mismatched = {}, {}, {"a": [], "b": [], "c": []}
         try:
@@ -101,9 +102,10 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
                     step(master, version, gen)
                 if version == 21:  # b restarts: a new watch, its engine still at version 20 (no manifest known)
                     await gone(tasks["b"])
+                    await until(lambda: len(server.servicer.members.subscribers) == 2)
                     subs["b"] = subscriber(server, b, public, kind, version=20, refuses=41 if kind == "shm" else 0)
                     tasks["b"] = asyncio.create_task(subs["b"].run())
-                    await asyncio.sleep(0.3)  # watching before version 21 is announced
+                    await until(lambda: len(server.servicer.members.subscribers) == 3)  # before 21 is announced
                 if version == 31:  # b's stream goes away for versions 31-33
                     await gone(tasks["b"])
                 if version == 34:  # back: the newest version (33) first, by a gRPC pull against the bytes it holds
