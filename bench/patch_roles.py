@@ -45,15 +45,6 @@ def patch_trainer(model_dir: str, address: str, shm_dir: str, signing_key: str, 
             )
             for side in SIDES
         }
-        sent: dict[int, tuple[int, int]] = {}
-        original = publishers["patch"]._write_patched
-
-        def recorded(path, tensors, version, parent):  # what the patch side sent of each version
-            manifest = original(path, tensors, version, parent)
-            sent[version] = patched_bytes(manifest)
-            return manifest
-
-        publishers["patch"]._write_patched = recorded
         print('{"event": "started"}', flush=True)
         while line := await asyncio.to_thread(sys.stdin.readline):
             _, side, version = line.split()
@@ -72,7 +63,7 @@ def patch_trainer(model_dir: str, address: str, shm_dir: str, signing_key: str, 
                 encoder = publishers["patch"].encoder
                 await asyncio.to_thread(encode_version, CastView(params, torch.bfloat16), encoder)
                 encoder.version = version
-            whole, patch = sent.get(version, (sum(t.numel() * 2 for t in after.values()), 0))
+            whole, patch = patched_bytes(publishers[side].last_manifest)  # what it sent of this version
             end(at=finished, kind=side, changed_share=changed / total, whole_bytes=whole, patch_bytes=patch)
         for publisher in publishers.values():
             await publisher.close()

@@ -248,6 +248,7 @@ class ShmWeightPublisher(WeightPublisher):
         self.keep = keep
         self.spare: Path | None = None
         self.encoder = PatchEncoder() if patches else None  # patches: the last version published, kept
+        self.last_manifest: pb.WeightManifest | None = None
 
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, parent_version: int = 0, timeout: float | None = 600.0
@@ -266,6 +267,7 @@ class ShmWeightPublisher(WeightPublisher):
         else:
             manifest = await asyncio.to_thread(self._write_patched, path, tensors, version, parent_version)
         count_bytes(manifest)
+        self.last_manifest = manifest  # what the last version staged sent (its patches, its whole tensors)
 
         async def announce() -> pb.AnnounceReply:
             try:
