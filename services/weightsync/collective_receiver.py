@@ -17,8 +17,7 @@ from services.weightsync.rendezvous import Rendezvous
 from services.weightsync.store import VersionStore
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.base import WeightError, kind
-from shared.weightsync.manifest import digest
-from shared.weightsync.patches import Patch, apply_bytes
+from shared.weightsync.patches import base_by_name, made_whole
 
 log = logging.getLogger("steadyrl.weightsync")
 RECEIVED_BYTES = Counter("steadyrl_weightsync_collective_received_bytes_total", "Bytes received by broadcast")
@@ -27,13 +26,13 @@ FAILED = Counter("steadyrl_weightsync_collective_failures_total", "Collective tr
 
 
 def patch_base(manifest: pb.WeightManifest, store: VersionStore) -> dict:
-    """A patch version's base bytes by tensor name ({} for a whole version; WeightError: not held)."""
+    """A patch version's base by tensor name, (entry, bytes) ({} for a whole version; WeightError: not held)."""
     if not manifest.patch_base:
         return {}
     held = store.versions.get(manifest.patch_base)
     if held is None:
         raise WeightError(f"version {manifest.patch_base}, the base of {manifest.version}, is not held")
-    return dict(zip((spec.name for spec in held.manifest.tensors), store.payloads(manifest.patch_base), strict=True))
+    return base_by_name(held.manifest, store.payloads(manifest.patch_base))
 
 
 class CollectiveReceiver:
@@ -75,7 +74,6 @@ class CollectiveReceiver:
         """Rank 1 of a collective: receive, verify, keep; tell the others to pull. A failure ends
         the epoch (the trainer then pushes the version over gRPC)."""
         from shared.weightsync.collective import receive_buckets
-        from shared.weightsync.manifest import tensor_to_bytes
 
         started = time.perf_counter()
         try:
@@ -84,16 +82,12 @@ class CollectiveReceiver:
                 self.store.make_room()  # spill before the new bytes arrive
                 group = self._groups.get(transport, 1)
                 base = patch_base(manifest, self.store)
+                specs = {spec.name: spec for spec in manifest.tensors}
                 kept = {
-                    name: apply_bytes(base[name], item.blob, item.spec)
-                    if isinstance(item, Patch)
-                    else bytearray(tensor_to_bytes(item))
+                    name: made_whole(specs[name], item, base)
                     for bucket in receive_buckets(group, transport, manifest, self._staging)
                     for name, item in bucket
                 }
-                for spec in manifest.tensors:  # a patched one made whole: checked as the trainer made it
-                    if spec.HasField("patch") and digest(kept[spec.name]) != spec.checksum:
-                        raise WeightError(f"tensor {spec.name}: made whole, its bytes are not the manifest's")
                 return [kept[spec.name] for spec in manifest.tensors]
 
             payloads = await asyncio.to_thread(work)

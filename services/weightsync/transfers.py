@@ -33,32 +33,17 @@ class BaseNotHeld(Exception):
     """A patch version this service cannot make whole: its base is not held (FAILED_PRECONDITION)."""
 
 
-def made_whole(
+def whole_from_file(
     manifest: pb.WeightManifest, path: Path, base_manifest: pb.WeightManifest, base_payloads
 ) -> list[bytearray]:
     """Every tensor of a patch version, whole: its file's tensors as they are, its patches applied
     to the base version's bytes (`base_payloads()`), each checked against the manifest's digest."""
-    from shared.weightsync.manifest import digest, tensor_to_bytes
-    from shared.weightsync.patches import Patch, apply_bytes
+    from shared.weightsync.patches import base_by_name, made_whole
     from shared.weightsync.shm import read_shm
 
     held = read_shm(path, manifest)  # every tensor and patch checked against its digest
-    base = dict(zip((spec.name for spec in base_manifest.tensors), base_payloads(), strict=True))
-    base_specs = {spec.name: spec for spec in base_manifest.tensors}
-    out = []
-    for spec in manifest.tensors:
-        item = held[spec.name]
-        if isinstance(item, Patch):
-            old = base_specs.get(spec.name)
-            if old is None or old.dtype != spec.dtype or list(old.shape) != list(spec.shape):
-                raise WeightError(f"tensor {spec.name}: its base version holds no tensor of this name, dtype and shape")
-            data = apply_bytes(base[spec.name], item.blob, spec)
-        else:
-            data = bytearray(tensor_to_bytes(item))
-        if digest(data) != spec.checksum:
-            raise WeightError(f"tensor {spec.name}: made whole, its bytes are not the manifest's")
-        out.append(data)
-    return out
+    base = base_by_name(base_manifest, base_payloads())
+    return [made_whole(spec, held[spec.name], base) for spec in manifest.tensors]
 
 
 class Transfers:
@@ -160,7 +145,7 @@ class Transfers:
             if base.ready is not None:
                 await base.ready.wait()
             payloads = await asyncio.to_thread(
-                made_whole, manifest, path, base.manifest, lambda: self.store.payloads(manifest.patch_base)
+                whole_from_file, manifest, path, base.manifest, lambda: self.store.payloads(manifest.patch_base)
             )
         except (OSError, WeightError) as exc:
             self.store.discard(manifest.version)

@@ -131,13 +131,41 @@ def apply(target: torch.Tensor, blob, spec: pb.TensorSpec) -> None:
     flat[at] = flat[at] ^ torch.from_numpy(bits.copy()).to(target.device)
 
 
+def apply_in_place(buffer: bytearray | np.ndarray, blob, spec: pb.TensorSpec) -> None:
+    """Write a patch into a writable buffer holding the base version's raw bytes of the tensor."""
+    indices, bits = decode(blob, spec)
+    if len(buffer) != spec.nbytes:
+        raise WeightError(f"tensor {spec.name}: its base holds {len(buffer)} bytes, not {spec.nbytes}")
+    np.frombuffer(buffer, dtype=bits.dtype)[indices] ^= bits
+
+
 def apply_bytes(base: bytearray | memoryview, blob, spec: pb.TensorSpec) -> bytearray:
     """A new buffer: the base version's raw bytes of a tensor with its patch applied."""
-    indices, bits = decode(blob, spec)
     out = bytearray(base)
-    flat = np.frombuffer(out, dtype=bits.dtype)
-    flat[indices] ^= bits
+    apply_in_place(out, blob, spec)
     return out
+
+
+def base_by_name(manifest: pb.WeightManifest, payloads) -> dict[str, tuple[pb.TensorSpec, bytes]]:
+    """A version's tensors as `made_whole` reads its base: name → (entry, raw bytes)."""
+    return {spec.name: (spec, data) for spec, data in zip(manifest.tensors, payloads, strict=True)}
+
+
+def made_whole(spec: pb.TensorSpec, item, base: Mapping[str, tuple[pb.TensorSpec, bytes]]) -> bytearray:
+    """A tensor of a patch version as weight-sync keeps it: its patch applied to the base version's
+    bytes of the same tensor (name, dtype, shape; `base`: name → (entry, bytes)) and checked against
+    the full digest, or its own bytes (checked already where they were read)."""
+    from shared.weightsync.manifest import digest, tensor_to_bytes
+
+    if not isinstance(item, Patch):
+        return bytearray(tensor_to_bytes(item))
+    old = base.get(spec.name)
+    if old is None or (old[0].dtype, list(old[0].shape)) != (spec.dtype, list(spec.shape)):
+        raise WeightError(f"tensor {spec.name}: its base version holds no tensor of this name, dtype and shape")
+    data = apply_bytes(old[1], item.blob, spec)
+    if digest(data) != spec.checksum:
+        raise WeightError(f"tensor {spec.name}: made whole, its bytes are not the manifest's")
+    return data
 
 
 @dataclass
@@ -153,12 +181,6 @@ class Patch:
 
     def apply_to(self, target: torch.Tensor) -> None:
         apply(target, self.blob, self.spec)
-
-
-def check_patch(spec: pb.TensorSpec, digest_of) -> None:
-    """WeightError unless the patch's bytes hash to its signed digest (`digest_of(spec)`: theirs)."""
-    if digest_of(spec) != spec.patch.checksum:
-        raise WeightError(f"tensor {spec.name}: patch checksum mismatch")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
 from shared.rpc.steadyrl.v1 import weightsync_pb2 as pb
 from shared.weightsync.base import WeightError, transport
 from shared.weightsync.collective import Groups, Staging
-from shared.weightsync.patches import Patch, decode
+from shared.weightsync.patches import Patch, apply_in_place
 from shared.weightsync.vllm_backend import Status, checkpoint_layout
 from shared.weightsync.vllm_cpu import PackedExperts, repack_cpu_experts
 
@@ -57,8 +57,7 @@ class KeptVersion:
                 held = self.tensors.get(name)
                 if held is None:
                     raise WeightError(f"tensor {name}: patched, and not kept")
-                indices, bits = decode(item.blob, item.spec)
-                np.frombuffer(held, dtype=bits.dtype)[indices] ^= bits
+                apply_in_place(held, item.blob, item.spec)
                 item = torch.from_numpy(held).view(getattr(torch, item.spec.dtype)).reshape(list(item.spec.shape))
             elif self.keeping:
                 raw = item.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
