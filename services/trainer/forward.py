@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.batch import TrainBatch
+from services.trainer.shared_prefix import plan_prefix, prefix_logits, prefix_trace, shareable
 from shared.core.diagnostics import entropy_from_logits
 from shared.models.batch_invariant import BatchInvariant
 from shared.models.routing import RoutingController
@@ -32,6 +33,9 @@ class Compute:
     """Tokens per micro-batch (gradient accumulation within a mini-batch); 0 = the whole mini-batch."""
     exact: bool = False
     """Batch-invariant forwards: a row's logprobs are those an exact-mode replica sampled with, bit for bit."""
+    shared_prefix: bool = False
+    """Each distinct prompt prefix of a batch computed once (services.trainer.shared_prefix), where
+    the model is unwrapped, the routing free or captured and the forwards not exact."""
 
 
 @dataclass
@@ -69,17 +73,25 @@ def sequence_logprobs(
     compute: Compute = Compute(),
     entropy_grad: bool = False,
     teacher_top: bool = False,
+    share_prefix: bool = True,
 ) -> Forward:  # noqa: B008
     """One forward of the training engine over `batch`: next-token logprobs and entropy, in fp32
     whatever the parameters' or the autocast dtype. `replay` ([B, S, L, K] with `replay_mask`
     [B, S]) forces the routing; `capture` records it; `entropy_grad`: the entropy keeps its graph
-    (an entropy bonus in the loss); `teacher_top`: log π at the batch's teacher top-k ids too."""
+    (an entropy bonus in the loss); `teacher_top`: log π at the batch's teacher top-k ids too;
+    `share_prefix`: the caller routes no replay around this call, so `compute.shared_prefix` may apply."""
     autocast = torch.autocast(
         compute.device.type, dtype=compute.autocast or torch.float32, enabled=compute.autocast is not None
     )
     with BatchInvariant() if compute.exact else contextlib.nullcontext():
+        prefix = None
+        if compute.shared_prefix and share_prefix and replay is None and not compute.exact and shareable(model):
+            prefix = plan_prefix(batch.input_ids, batch.attention_mask, batch.loss_mask)
         with routing_context(routing, replay, replay_mask, capture) as recording, autocast:
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            if prefix is None:
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            else:
+                logits = prefix_logits(model, batch.input_ids, batch.attention_mask, prefix)
         logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast
         log_softmax = torch.log_softmax(logits, dim=-1)
     targets = batch.input_ids[:, 1:]
@@ -89,7 +101,10 @@ def sequence_logprobs(
     else:
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())
-    captured = recording.trace(batch.input_ids.shape) if capture else None
+    captured = None
+    if capture:
+        rows, width = batch.input_ids.shape
+        captured = recording.trace((rows, width)) if prefix is None else prefix_trace(recording, rows, width, prefix)
     top = log_softmax.gather(-1, batch.teacher_top_ids) if teacher_top else None
     return Forward(logprobs, entropy, captured, top)
 

@@ -351,6 +351,7 @@ def update(
                 compute=compute,
                 entropy_grad=bonus,
                 teacher_top=top,
+                share_prefix=replay is None,  # the replay context above covers one forward's tokens
             )
             if agreement:
                 record_agreement(stats, forward.routing, mb)

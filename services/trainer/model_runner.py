@@ -166,7 +166,11 @@ class StepRunner:
         bf16 = wants_bf16(s, self.device)
         sharded = s.parallel.mode in ("fsdp", "hsdp") and self.world > 1
         self.compute = Compute(
-            self.device, torch.bfloat16 if bf16 and not sharded else None, s.compute.micro_batch_tokens, s.exact
+            self.device,
+            torch.bfloat16 if bf16 and not sharded else None,
+            s.compute.micro_batch_tokens,
+            s.exact,
+            shared_prefix=s.compute.shared_prefix,
         )
         self.sharded = sharded
         # exact mode: the last max_staleness versions' weights, to check the tokens they sampled

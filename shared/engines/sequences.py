@@ -5,7 +5,6 @@ the columns no row uses any more."""
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import math
 from dataclasses import dataclass, field
 
@@ -13,16 +12,7 @@ import numpy as np
 import torch
 
 from shared.engines.base import OnToken, Sample, Sampling, processed_logprobs
-
-
-class SeqFuture(concurrent.futures.Future):
-    """A sequence's future; cancelling it while it runs aborts the sequence at the next step."""
-
-    aborted = False
-
-    def cancel(self) -> bool:
-        self.aborted = True
-        return super().cancel()
+from shared.engines.seq_future import SeqFuture
 
 
 @dataclass(eq=False)

@@ -54,11 +54,11 @@ class Recording:
     num_layers: int
     calls: list[list[torch.Tensor]] = field(default_factory=list)
 
-    def trace(self, batch_shape: tuple[int, int] | torch.Size) -> torch.Tensor:
-        """The trace of the last forward as [B, T, layers, top_k] (int64)."""
-        if not self.calls or len(self.calls[-1]) != self.num_layers:
+    def trace(self, batch_shape: tuple[int, int] | torch.Size, call: int = -1) -> torch.Tensor:
+        """The trace of the last forward (or of `call`, counted as a list index) as [B, T, layers, top_k] (int64)."""
+        if len(self.calls) < abs(call) or len(self.calls[call]) != self.num_layers:
             raise RuntimeError("no complete forward was captured")
-        per_layer = torch.stack(self.calls[-1], dim=1)  # [N, L, K]
+        per_layer = torch.stack(self.calls[call], dim=1)  # [N, L, K]
         batch, seq = batch_shape
         if per_layer.shape[0] != batch * seq:
             raise ValueError(f"captured {per_layer.shape[0]} tokens, batch shape {tuple(batch_shape)}")
