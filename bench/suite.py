@@ -244,7 +244,8 @@ def demo_rows(demo: dict) -> list[str]:
 
 
 def patch_rows(patches: dict) -> list[str]:
-    """Patch versions against whole ones by shm: bytes and refit seconds, each model. Pure."""
+    """Patch versions against whole ones: bytes, and refit seconds on each transport measured (shm's
+    figures at the top of each model's, the others' under `by_transport`), each model. Pure."""
     rows = []
     targets = patches.get("targets", {})
     aims = {
@@ -256,14 +257,19 @@ def patch_rows(patches: dict) -> list[str]:
         if not p:
             continue
         share = "–".join(map(str, p["changed_share"]))
-        rows += [
+        rows.append(
             f"| weight_patches | {label}: bytes per version, patch / whole (bf16 elements changed per step "
-            f"{share}) | {p['bytes_patch_over_whole']} | {aims[key][0]} |",
-            f"| weight_patches | {label}: refit seconds by shm, patch / whole ({p['refit_seconds']['patch']} vs "
-            f"{p['refit_seconds']['whole']} s; spread {'–'.join(map(str, p['refit_patch_over_whole_spread']))} over "
-            f"{p['pairs']} pairs; paused {p['paused_seconds']['patch']} vs {p['paused_seconds']['whole']} s) | "
-            f"{p['refit_patch_over_whole']} | {aims[key][1]} |",
-        ]
+            f"{share}) | {p['bytes_patch_over_whole']} | {aims[key][0]} |"
+        )
+        for transport, t in p.get("by_transport", {"shm": p}).items():  # before by_transport: shm's alone
+            spread = "–".join(map(str, t["refit_patch_over_whole_spread"]))
+            whole = f"; {t['patch_taken_whole']} patch versions taken whole" if t.get("patch_taken_whole") else ""
+            rows.append(
+                f"| weight_patches | {label}: refit seconds by {transport}, patch / whole "
+                f"({t['refit_seconds']['patch']} vs {t['refit_seconds']['whole']} s; spread {spread} over "
+                f"{t['pairs']} pairs; paused {t['paused_seconds']['patch']} vs {t['paused_seconds']['whole']} s"
+                f"{whole}) | {t['refit_patch_over_whole']} | {aims[key][1]} |"
+            )
     return rows
 
 
@@ -428,6 +434,14 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| trainer | routing replay overhead on forward + backward, {size} "
             f"| {_get(tr, size, 'replay_overhead')} | ≤ 0.10 |"
+        )
+    sp = _get(tr, "shared_prefix", default={})
+    if sp:
+        low, high = _get(sp, "shared_over_whole_spread", default=["–", "–"])
+        lines.append(
+            f"| trainer | the demo's step ({_get(sp, 'rows')} rows, N = 1, one thread), each prompt prefix once / "
+            f"whole rows ({_get(sp, 'step_seconds_shared_prefix')} vs {_get(sp, 'step_seconds_whole_rows')} s; "
+            f"{_get(sp, 'pairs')} interleaved pairs {low}–{high}) | {_get(sp, 'shared_over_whole')} | – |"
         )
     costs = _get(tr, "demo_step_costs", default={})
     shares = _get(costs, "share_of_cycle", default={})

@@ -18,7 +18,7 @@ GROUP = 8
 ROUNDS = 5
 
 
-def rollouts(model_dir):
+def rollouts(model_dir, groups: int = GROUPS, max_new_tokens: int = 8):
     from shared.engines import Sampling, make_engine
     from shared.kit.tiny import TinySpec, char_tokenizer, encode_prompts
     from shared.rollouts.record import RolloutTimings
@@ -26,11 +26,11 @@ def rollouts(model_dir):
     from shared.rpc.steadyrl.v1 import common_pb2
 
     engine = make_engine("torch", str(model_dir), "bfloat16")
-    examples = TinySpec().task(seed=2).split("train", GROUPS)
+    examples = TinySpec().task(seed=2).split("train", groups)
     prompts = encode_prompts(char_tokenizer(), [e.prompt for e in examples])
     samples = engine.generate(
         [p for p in prompts for _ in range(GROUP)],
-        Sampling(temperature=1.0, max_new_tokens=8, seed=1),
+        Sampling(temperature=1.0, max_new_tokens=max_new_tokens, seed=1),
         return_trace=True,
     )
     out = []
@@ -103,6 +103,45 @@ def measure(model, batch) -> dict:
         "forward_backward_seconds_free": round(free_s, 4),
         "forward_backward_seconds_replay": round(replay_s, 4),
         "replay_overhead": round(replay_s / free_s - 1, 4),
+    }
+
+
+def shared_prefix(model_dir, rounds: int = 15) -> dict:
+    """The demo's step (32 prompts × 8 samples, 6 new tokens, N = 1, one thread) with each distinct prompt prefix
+    computed once against whole rows (services.trainer.shared_prefix), interleaved round by round:
+    median seconds per step of each and their ratio, with its spread over the pairs."""
+    from services.trainer.batch import collate
+    from services.trainer.forward import Compute
+    from services.trainer.global_step import StepConfig, train_step
+    from shared.models import load_causal_lm
+    from shared.models.routing import RoutingController
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the demo's trainer.compute.torch_threads
+    batch = collate(rollouts(model_dir, groups=32, max_new_tokens=6))
+    sides = {}
+    for shared in (False, True):
+        model = load_causal_lm(model_dir, "float32").train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        sides[shared] = (model, RoutingController(model), optimizer, Compute(shared_prefix=shared), [])
+    for round_ in range(rounds + 2):  # two untimed rounds first
+        for shared in (False, True) if round_ % 2 == 0 else (True, False):
+            model, routing, optimizer, compute, times = sides[shared]
+            started = time.perf_counter()
+            train_step(model, optimizer, routing, batch, GROUP, StepConfig(), 0, compute=compute)
+            if round_ >= 2:
+                times.append(time.perf_counter() - started)
+    torch.set_num_threads(threads)
+    whole, shared = sides[False][4], sides[True][4]
+    pairs = sorted(round(s / w, 3) for w, s in zip(whole, shared, strict=True))
+    return {
+        "rows": batch.size,
+        "width": int(batch.input_ids.shape[1]),
+        "step_seconds_whole_rows": round(statistics.median(whole), 4),
+        "step_seconds_shared_prefix": round(statistics.median(shared), 4),
+        "shared_over_whole": round(statistics.median(shared) / statistics.median(whole), 3),
+        "shared_over_whole_spread": [pairs[0], pairs[-1]],
+        "pairs": len(pairs),
     }
 
 
@@ -181,6 +220,7 @@ def main() -> dict:
         "threads": torch.get_num_threads(),
         "tiny": measure(load_causal_lm(model_dir, "float32").train(), batch),
         "wider": measure(wider_model(model_dir), batch),
+        "shared_prefix": shared_prefix(model_dir),
         "demo_step_costs": demo_step_costs(),
         "target_loss_math_share": 0.03,
         "target_replay_overhead": 0.10,

@@ -1,7 +1,8 @@
 """Patch versions against whole ones, side by side on one clock (bench/clock.py): a trainer takes real Adam steps on
-real gradients and publishes each version by shm, whole or as a patch, the two alternated round by round; a replica
-(the torch engine in bf16, bench/refit_roles.py) serves each version's first token. Measured: the share of bf16
-elements each step changes, bytes per version patch / whole, refit seconds patch / whole, the replica's pause.
+real gradients and publishes each version by shm or by collective (a gloo broadcast), whole or as a patch, the four
+alternated round by round; a replica (the torch engine in bf16, bench/refit_roles.py) serves each version's first
+token. Measured: the share of bf16 elements each step changes, bytes per version patch / whole, refit seconds patch /
+whole on each transport, the replica's pause.
 
 Two models: a ~100M-parameter Qwen3-MoE (bench/trainer_memory.py's wide one, two layers) at lr 1e-6, where
 patches are meant to win; and the demo's model at the demo's lr (1e-3), where most elements change and the
@@ -22,16 +23,18 @@ from pathlib import Path
 import torch
 
 from bench.clock import cycle, expect, send, spawn, stop
-from bench.patch_roles import SIDES
+from bench.patch_roles import COMBOS, SIDES, TRANSPORTS
+from bench.weightsync import WeightSync
 
 TARGETS = {"patch_over_whole_bytes": 0.05, "patch_over_whole_refit": 0.2, "demo_whole_over_patch_refit": 0.98}
-WARMUP = 2  # untimed rounds: each side's first use
+WARMUP = len(COMBOS)  # untimed versions, one round: each (transport, side)'s first use, the collective's group
 
 
 def rounds_of(model_dir: Path, lr: float, rounds: int, tmp: Path) -> list[dict]:
-    """`WARMUP` + `rounds` versions, the sides alternated (whole, patch / patch, whole): one record per
-    timed version with its side, refit seconds, the replica's pause and what was sent."""
-    from bench.weightsync import WeightSync
+    """An untimed round of `WARMUP` versions, then `rounds` timed versions per transport (half whole, half
+    patch): each round one version per (transport, side), in `COMBOS` order or reversed, alternately. One
+    record per timed version: its transport, side, refit seconds, the replica's pause and transport (a
+    patch version it took whole comes by grpc), what was sent and the version its patches apply to."""
     from shared.weightsync.signing import write_key_pair
 
     shm_dir = tmp / "shm"
@@ -46,21 +49,23 @@ def rounds_of(model_dir: Path, lr: float, rounds: int, tmp: Path) -> list[dict]:
             expect(process, "started")
         out = []
         version = 0
-        for round_ in range((WARMUP + rounds + 1) // 2):
-            for side in SIDES if round_ % 2 == 0 else tuple(reversed(SIDES)):
+        for round_ in range(1 + (rounds + 1) // 2):
+            for transport, side in COMBOS if round_ % 2 == 0 else tuple(reversed(COMBOS)):
                 version += 1
-                send([trainer], f"step {side} {version}")
+                send([trainer], f"step {transport} {side} {version}")
                 send([replica], f"await {version}")
                 result = cycle(processes)
                 if version > WARMUP:
                     published, served = result["reports"]
                     out.append(
                         {
+                            "transport": transport,
                             "side": side,
+                            "version": version,
                             "seconds": result["seconds"],
                             "paused_seconds": served["paused_seconds"],
-                            "transport": served["transport"],
-                            **{k: published[k] for k in ("changed_share", "whole_bytes", "patch_bytes")},
+                            "served_by": served["transport"],
+                            **{k: published[k] for k in ("changed_share", "whole_bytes", "patch_bytes", "patch_base")},
                         }
                     )
         return out
@@ -70,16 +75,15 @@ def rounds_of(model_dir: Path, lr: float, rounds: int, tmp: Path) -> list[dict]:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def summarise(records: list[dict], model_bytes: int) -> dict:
-    """Medians per side, patch / whole ratios of bytes and refit seconds, and their spread over the
-    interleaved pairs (each patch version beside the whole one next to it)."""
+def one_transport(records: list[dict], model_bytes: int) -> dict:
+    """One transport's versions: medians per side, patch / whole ratios of bytes and refit seconds, and
+    their spread over the interleaved pairs (each patch version beside the whole one next to it)."""
     by = {side: [r for r in records if r["side"] == side] for side in SIDES}
     pairs = list(zip(by["whole"], by["patch"], strict=False))
     median = {side: statistics.median(r["seconds"] for r in rs) for side, rs in by.items()}
     ratios = sorted(round(p["seconds"] / w["seconds"], 3) for w, p in pairs)
     patch_bytes = [r["whole_bytes"] + r["patch_bytes"] for r in by["patch"]]
     return {
-        "model_bytes": model_bytes,
         "versions": len(records),
         "pairs": len(pairs),
         "changed_share": [
@@ -94,12 +98,22 @@ def summarise(records: list[dict], model_bytes: int) -> dict:
         "tensors_whole_bytes": statistics.median(r["whole_bytes"] for r in by["patch"]),
         "refit_seconds": {side: round(s, 4) for side, s in median.items()},
         "refit_patch_over_whole": round(median["patch"] / median["whole"], 3),
+        "refit_whole_over_patch": round(median["whole"] / median["patch"], 3),
         "refit_patch_over_whole_spread": [ratios[0], ratios[-1]],
         "paused_seconds": {
             side: round(statistics.median(r["paused_seconds"] for r in rs), 4) for side, rs in by.items()
         },
-        "transports": sorted({r["transport"] for r in records}),
+        "transports": sorted({r["served_by"] for r in records}),
+        # patch versions the replica did not take as patches (by grpc, whole): they measure no patch
+        "patch_taken_whole": sum(r["served_by"] != r["transport"] for r in by["patch"]),
     }
+
+
+def summarise(records: list[dict], model_bytes: int) -> dict:
+    """shm's figures at the top (the keys they always had), every transport's under `by_transport`."""
+    by_transport = {t: one_transport([r for r in records if r["transport"] == t], model_bytes) for t in TRANSPORTS}
+    top = {k: v for k, v in by_transport["shm"].items() if k not in ("refit_whole_over_patch", "patch_taken_whole")}
+    return {"model_bytes": model_bytes, **top, "by_transport": by_transport}
 
 
 def formats(model_dir: Path, lr: float) -> dict:
@@ -163,7 +177,7 @@ def main(rounds: int = 18, demo_rounds: int = 18) -> dict:
         with Load() as load:
             records = rounds_of(demo, 1e-3, demo_rounds, Path(shm_tmp) / "demo")
         summary = summarise(records, 2 * demo_params)
-        summary["refit_whole_over_patch"] = round(1 / summary["refit_patch_over_whole"], 3)
+        summary["refit_whole_over_patch"] = summary["by_transport"]["shm"]["refit_whole_over_patch"]
         out["demo"] = {"params": demo_params, "lr": 1e-3, **summary, **load.record()}
     out["seconds"] = round(time.monotonic() - started, 1)
     return out

@@ -167,12 +167,15 @@ def bench_exact(pairs: int = typer.Option(3, min=1, help="Demo runs of each side
 
 @bench_app.command("weight_patches")
 def bench_weight_patches(
-    rounds: int = typer.Option(18, min=2, help="Timed versions of the ~100M model, whole and patch alternated."),
-    demo_rounds: int = typer.Option(18, min=2, help="Timed versions of the demo's model."),
+    rounds: int = typer.Option(
+        18, min=2, help="Timed versions of the ~100M model per transport (shm, collective), whole and patch alternated."
+    ),
+    demo_rounds: int = typer.Option(18, min=2, help="Timed versions of the demo's model per transport."),
 ) -> None:
-    """Patch versions against whole ones by shm, side by side (docs/internals/weights.md): a ~100M Qwen3-MoE at
-    lr 1e-6 (real Adam steps) and the demo's model at lr 1e-3: the share of bf16 elements changed, bytes per
-    version patch / whole, refit seconds patch / whole with their spread, the replica's pause, the load."""
+    """Patch versions against whole ones by shm and by collective, side by side (docs/internals/weights.md): a ~100M
+    Qwen3-MoE at lr 1e-6 (real Adam steps) and the demo's model at lr 1e-3: the share of bf16 elements changed,
+    bytes per version patch / whole, refit seconds patch / whole per transport with their spread, the replica's
+    pause, the load."""
     from bench.weight_patches import main as run
 
     typer.echo(json.dumps(run(rounds, demo_rounds)))

@@ -193,18 +193,26 @@ def gb(nbytes: float) -> str:
 
 
 def weights_scale(results: dict) -> str:
-    """Seconds per version against the model's size: measured here (whole and patch, by shm), then
-    extrapolated from the largest measured size's rate and the measured patch share. Pure."""
+    """Seconds per version against the model's size: measured here (whole and patch, by shm, and by
+    collective where the results hold it), then extrapolated from the largest measured size's rate and
+    the measured patch share. Pure."""
     b = results["benchmarks"]
     p, ws = b["weight_patches"], b["weightsync"]
     measured = []
     for key, label in (("demo", "the demo's model (lr 1e-3)"), ("qwen3_100m", "~108M Qwen3-MoE (lr 1e-6)")):
         side = p[key]
+        collective = side.get("by_transport", {}).get("collective")
+        beside = (
+            f"; by collective: whole {collective['refit_seconds']['whole']:.3f} s, patch "
+            f"{collective['refit_seconds']['patch']:.3f} s (patch / whole {collective['refit_patch_over_whole']})"
+            if collective
+            else ""
+        )
         measured.append(
             (
                 f"{label}, {gb(side['model_bytes'])}",
                 f"whole {side['refit_seconds']['whole']:.3f} s, patch {side['refit_seconds']['patch']:.3f} s "
-                f"(patch / whole {side['refit_patch_over_whole']}; bytes {side['bytes_patch_over_whole']})",
+                f"(patch / whole {side['refit_patch_over_whole']}; bytes {side['bytes_patch_over_whole']}){beside}",
             )
         )
     big = ws["refit"]["torch"]["1"]["shm"]["seconds"]
@@ -218,9 +226,10 @@ def weights_scale(results: dict) -> str:
     rate = nbytes / big
     patch_share = p["qwen3_100m"]["bytes_patch_over_whole"]
     slower = p["qwen3_100m"]["refit_patch_over_whole"]
+    transports = "shm and collective (gloo)" if "by_transport" in p["qwen3_100m"] else "shm"
     head = (
         f"Measured on {machine_text(results)} (`steadyrl bench weight_patches`, {p.get('date', '')}; one trainer, "
-        "one torch replica, shm, one thread each; median of 9 interleaved pairs):"
+        f"one torch replica, {transports}, one thread each; median of 9 interleaved pairs):"
     )
     rows = [*measured]
     for name, params in SCALES:

@@ -79,7 +79,9 @@ class CollectiveReceiver:
         try:
 
             def work():  # each bucket copied out of the ring into the version this service keeps
-                self.store.make_room()  # spill before the new bytes arrive
+                listed = self.store.versions.get(manifest.version)
+                if listed is None or listed.ready is None:  # a patch version made its room as it was announced:
+                    self.store.make_room()  # again, with it listed, would let go of its base (retain 2)
                 group = self._groups.get(transport, 1)
                 base = patch_base(manifest, self.store)
                 specs = {spec.name: spec for spec in manifest.tensors}

@@ -240,18 +240,26 @@ def test_the_full_batch_line_times_the_engine_and_generate_on_the_same_batch():
     assert by_group > 0 and side["by_group_over_one_batch"] == pytest.approx(by_group / rates[1], rel=1e-3)
 
 
-def test_the_patch_bench_alternates_whole_and_patch_versions_on_one_clock(tmp_path, tiny_model_dir):
-    """bench/weight_patches.py's rounds on the demo's model: the sides alternate, each version is served by shm,
-    the whole side sends the model's bytes and the patch side patches (the first tensors changed by a real step)."""
-    from bench.weight_patches import rounds_of, summarise
+def test_the_patch_bench_alternates_transports_and_sides_on_one_clock(tmp_path, tiny_model_dir):
+    """bench/weight_patches.py's rounds on the demo's model: shm and collective, whole and patch, each round in turn
+    (the order reversed every other round); each version is served by the transport it was published by, the whole
+    side sends the model's bytes and every patch version is a patch against the version before it (the replica's)."""
+    from bench.patch_roles import COMBOS
+    from bench.weight_patches import WARMUP, rounds_of, summarise
 
     records = rounds_of(tiny_model_dir, 1e-6, 4, tmp_path)
-    assert [r["side"] for r in records] == ["patch", "whole", "whole", "patch"]  # after 2 warm-up versions
+    assert [(r["transport"], r["side"]) for r in records] == [*reversed(COMBOS), *COMBOS]  # after a warm-up round
+    assert [r["version"] for r in records] == list(range(WARMUP + 1, WARMUP + 9))
+    assert all(r["served_by"] == r["transport"] for r in records)  # no patch version taken whole (by grpc)
     model = records[1]["whole_bytes"]
-    assert all(r["transport"] == "shm" for r in records)
     assert all(r["whole_bytes"] == model and r["patch_bytes"] == 0 for r in records if r["side"] == "whole")
     patched = [r for r in records if r["side"] == "patch"]
+    assert all(r["patch_base"] == r["version"] - 1 for r in patched)
     assert all(r["patch_bytes"] > 0 and r["whole_bytes"] + r["patch_bytes"] < 0.5 * model for r in patched)
     summary = summarise(records, model)
     assert summary["pairs"] == 2 and summary["bytes_patch_over_whole"] < 0.5
     assert 0 < summary["changed_share"][0] <= summary["changed_share"][1] < 0.5
+    for transport, side in summary["by_transport"].items():
+        assert side["pairs"] == 2 and side["versions"] == 4 and side["patch_taken_whole"] == 0
+        assert side["transports"] == [transport] and side["bytes_patch_over_whole"] < 0.5
+    assert summary["refit_seconds"] == summary["by_transport"]["shm"]["refit_seconds"]

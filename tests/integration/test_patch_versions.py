@@ -84,7 +84,8 @@ def test_fifty_patch_versions_are_bit_exact_and_a_replica_holding_other_bytes_ta
     gen = torch.Generator().manual_seed(0)
 
     async def main():
-        server = Server(tmp_path, shm_dir=tmp_path / "shm", collective_timeout_seconds=20)
+        # two versions retained: the fewest that hold a patch version and its base
+        server = Server(tmp_path, shm_dir=tmp_path / "shm", collective_timeout_seconds=20, retain_versions=2)
         await server.start()
         public = server.settings.verify_key_file
         subs = {

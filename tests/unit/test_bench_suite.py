@@ -139,6 +139,25 @@ def test_the_benchmarks_page_gives_the_control_threads_cpu_against_its_target():
     assert "control threads" not in page_of({})  # none measured: no row
 
 
+def test_the_benchmarks_page_gives_the_shared_prefix_step_against_whole_rows():
+    shared = {
+        "rows": 256,
+        "step_seconds_whole_rows": 0.0544,
+        "step_seconds_shared_prefix": 0.0359,
+        "shared_over_whole": 0.659,
+        "shared_over_whole_spread": [0.596, 0.933],
+        "pairs": 10,
+    }
+
+    def page_of(trainer: dict) -> str:
+        return markdown({"machine": machine(), "date": "2026-12-07", "benchmarks": {"trainer": trainer}})
+
+    (row,) = [line for line in page_of({"shared_prefix": shared}).splitlines() if "prefix once" in line]
+    assert "(0.0359 vs 0.0544 s; 10 interleaved pairs 0.596–0.933) | 0.659 | – |" in row
+    assert "256 rows" in row
+    assert "prefix once" not in page_of({})  # none measured: no row
+
+
 def test_the_patch_rows_say_bytes_and_seconds_beside_their_targets():
     from bench.suite import patch_rows
 
@@ -151,20 +170,79 @@ def test_the_patch_rows_say_bytes_and_seconds_beside_their_targets():
         "pairs": 9,
         "paused_seconds": {"whole": 0.02, "patch": 0.07},
     }
-    rows = patch_rows(
-        {
-            "targets": {
-                "patch_over_whole_bytes": 0.05,
-                "patch_over_whole_refit": 0.2,
-                "demo_whole_over_patch_refit": 0.98,
-            },
-            "qwen3_100m": side,
-            "demo": side,
-        }
-    )
+    targets = {"patch_over_whole_bytes": 0.05, "patch_over_whole_refit": 0.2, "demo_whole_over_patch_refit": 0.98}
+    rows = patch_rows({"targets": targets, "qwen3_100m": side, "demo": side})  # shm's alone, as results were
     assert rows[0] == (
         "| weight_patches | ~108M Qwen3-MoE, lr 1e-6: bytes per version, patch / whole (bf16 elements changed per "
         "step 0.027–0.028) | 0.018 | ≤ 0.05 |"
     )
-    assert rows[1].endswith("spread 1.8–2.4 over 9 pairs; paused 0.07 vs 0.02 s) | 2.0 | ≤ 0.2 |")
-    assert rows[3].endswith("| 2.0 | ≤ 1.02 |") and rows[2].endswith("| 0.018 | – |")
+    assert rows[1] == (
+        "| weight_patches | ~108M Qwen3-MoE, lr 1e-6: refit seconds by shm, patch / whole (0.5 vs 0.25 s; "
+        "spread 1.8–2.4 over 9 pairs; paused 0.07 vs 0.02 s) | 2.0 | ≤ 0.2 |"
+    )
+    assert rows[3].endswith("| 2.0 | ≤ 1.02 |") and rows[2].endswith("| 0.018 | – |") and len(rows) == 4
+
+    collective = {
+        **side,
+        "refit_seconds": {"whole": 0.3, "patch": 0.045},
+        "refit_patch_over_whole": 0.15,
+        "refit_patch_over_whole_spread": [0.12, 0.19],
+        "paused_seconds": {"whole": 0.03, "patch": 0.01},
+        "patch_taken_whole": 1,
+    }
+    each = {**side, "by_transport": {"shm": {**side, "patch_taken_whole": 0}, "collective": collective}}
+    rows = patch_rows({"targets": targets, "qwen3_100m": each, "demo": each})  # a row per transport
+    assert len(rows) == 6 and rows[1] == (
+        "| weight_patches | ~108M Qwen3-MoE, lr 1e-6: refit seconds by shm, patch / whole (0.5 vs 0.25 s; "
+        "spread 1.8–2.4 over 9 pairs; paused 0.07 vs 0.02 s) | 2.0 | ≤ 0.2 |"
+    )
+    assert rows[2] == (
+        "| weight_patches | ~108M Qwen3-MoE, lr 1e-6: refit seconds by collective, patch / whole (0.045 vs 0.3 s; "
+        "spread 0.12–0.19 over 9 pairs; paused 0.01 vs 0.03 s; 1 patch versions taken whole) | 0.15 | ≤ 0.2 |"
+    )
+    assert rows[4].endswith("| 2.0 | ≤ 1.02 |") and rows[5].endswith("| 0.15 | ≤ 1.02 |")
+
+
+def test_the_patch_summary_keeps_shm_at_the_top_and_each_transport_beside():
+    """bench/weight_patches.py `summarise` on made-up records: medians, pair ratios and bytes per transport, and a
+    patch version the replica took whole (by grpc) counted against its transport."""
+    from bench.weight_patches import summarise
+
+    def record(transport, side, version, seconds, served=None, patch_bytes=20):
+        whole = side == "whole"
+        return {
+            "transport": transport,
+            "side": side,
+            "version": version,
+            "seconds": seconds,
+            "paused_seconds": seconds / 10,
+            "served_by": served or transport,
+            "changed_share": version / 100,
+            "whole_bytes": 1000 if whole else 100,
+            "patch_bytes": 0 if whole else patch_bytes,
+            "patch_base": 0 if whole else version - 1,
+        }
+
+    records = [
+        record("collective", "patch", 5, 0.05, served="grpc"),
+        record("collective", "whole", 6, 0.5),
+        record("shm", "patch", 7, 0.1, patch_bytes=20),
+        record("shm", "whole", 8, 0.4),
+        record("shm", "whole", 9, 0.2),
+        record("shm", "patch", 10, 0.3, patch_bytes=40),
+        record("collective", "whole", 11, 0.5),
+        record("collective", "patch", 12, 0.15),
+    ]
+    summary = summarise(records, 1000)
+    shm, collective = summary["by_transport"]["shm"], summary["by_transport"]["collective"]
+    assert summary["model_bytes"] == 1000 and summary["versions"] == 4 and summary["pairs"] == 2
+    assert summary["refit_seconds"] == {"whole": 0.3, "patch": 0.2} == shm["refit_seconds"]
+    assert summary["refit_patch_over_whole"] == 0.667 and shm["refit_whole_over_patch"] == 1.5
+    assert summary["refit_patch_over_whole_spread"] == [0.25, 1.5]  # 0.1 / 0.4 and 0.3 / 0.2
+    assert summary["paused_seconds"] == {"whole": 0.03, "patch": 0.02}
+    assert summary["bytes_patch_over_whole"] == 0.13 and summary["bytes_patch_over_whole_range"] == [0.12, 0.14]
+    assert summary["changed_share"] == [0.07, 0.1] and summary["transports"] == ["shm"]
+    assert shm["patch_taken_whole"] == 0 and "patch_taken_whole" not in summary
+    assert collective["refit_seconds"] == {"whole": 0.5, "patch": 0.1}
+    assert collective["refit_patch_over_whole"] == 0.2 and collective["refit_patch_over_whole_spread"] == [0.1, 0.3]
+    assert collective["patch_taken_whole"] == 1 and collective["transports"] == ["collective", "grpc"]

@@ -220,3 +220,24 @@ def test_every_value_listed_as_not_measured_is_still_on_its_page():
         if figure not in {m.group(0) for m in FIGURE.finditer(strip((ROOT / page).read_text()))}
     ]
     assert stale == []
+
+
+def test_the_weights_scale_table_puts_collective_beside_shm_where_measured():
+    """`bench weight_patches` with `by_transport`: each measured model's row says the collective's seconds and
+    ratio after shm's, and the head names both transports; the shm figures and the extrapolation stay as they were."""
+    import copy
+
+    data = copy.deepcopy(results.load())
+    before = results.weights_scale(data)
+    for key, whole, patch, ratio in (("demo", 0.0131, 0.0142, 1.084), ("qwen3_100m", 0.31, 0.052, 0.168)):
+        side = data["benchmarks"]["weight_patches"][key]
+        collective = {"refit_seconds": {"whole": whole, "patch": patch}, "refit_patch_over_whole": ratio}
+        side["by_transport"] = {"shm": side, "collective": collective}
+    after = results.weights_scale(data)
+    assert "shm, one thread each" in before and "shm and collective (gloo), one thread each" in after
+    rows = after.splitlines()
+    (demo,) = [row for row in rows if row.startswith("| the demo's model")]
+    (wide,) = [row for row in rows if row.startswith("| ~108M Qwen3-MoE")]
+    assert demo.endswith("; by collective: whole 0.013 s, patch 0.014 s (patch / whole 1.084) |")
+    assert wide.endswith("; by collective: whole 0.310 s, patch 0.052 s (patch / whole 0.168) |")
+    assert [r for r in rows if "extrapolated" in r] == [r for r in before.splitlines() if "extrapolated" in r]
