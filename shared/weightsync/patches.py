@@ -1,7 +1,8 @@
 """A version as a patch: only the elements that changed since the version a receiver holds, as the zstd of the
 gaps between their flat indices (a byte each below 255) and the zstd of their new bits XOR their old ones. The
 publisher (`PatchEncoder`) keeps the last version it published and decides per tensor (a patch when it is at most
-`MAX_SHARE` of the bytes); a receiver applies one only to the exact bytes of `WeightManifest.patch_base`.
+`MAX_SHARE` of the bytes) and per version (whole when the patched version would still be more than `MAX_SHARE` of
+it); a receiver applies one only to the exact bytes of `WeightManifest.patch_base`.
 
 Details (the form's measurement, who applies what): docs/internals/weights.md"""
 
@@ -302,8 +303,13 @@ def patch_manifest(
 
 def patched_bytes(manifest: pb.WeightManifest) -> tuple[int, int]:
     """(bytes sent whole, bytes sent as patches) of a version as its transport carries it."""
-    whole = sum(spec.nbytes for spec in manifest.tensors if not spec.HasField("patch"))
-    return whole, sum(spec.patch.nbytes for spec in manifest.tensors if spec.HasField("patch"))
+    return patched_bytes_of(manifest.tensors)
+
+
+def patched_bytes_of(specs) -> tuple[int, int]:
+    """(bytes sent whole, bytes sent as patches) of these manifest entries."""
+    whole = sum(spec.nbytes for spec in specs if not spec.HasField("patch"))
+    return whole, sum(spec.patch.nbytes for spec in specs if spec.HasField("patch"))
 
 
 def as_whole(manifest: pb.WeightManifest) -> pb.WeightManifest:
@@ -348,4 +354,12 @@ def encode_version(
             else encoder.tensor(name)
         )
     encoder.forget_others(set(layout))
+    whole, patched = patched_bytes_of(specs)
+    if patched and whole + patched > encoder.max_share * sum(spec.nbytes for spec in specs):
+        # most of the version changed: whole, and every tensor rests (the demo's lr: nothing to gain)
+        for spec in specs:
+            if spec.HasField("patch"):
+                spec.ClearField("patch")
+                payloads[spec.name] = encoder.tensor(spec.name)
+            encoder.resting[spec.name] = DENSE_REST
     return (base if any(spec.HasField("patch") for spec in specs) else 0), specs, payloads

@@ -60,7 +60,7 @@ def test_a_patch_applied_to_the_base_gives_the_new_bytes_exactly(dtype):
 
 def test_a_tensor_that_changes_densely_goes_whole_and_an_unchanged_one_as_an_empty_patch():
     gen = torch.Generator().manual_seed(0)
-    first = {"dense": torch.randn(4096, generator=gen), "same": torch.randn(4096, generator=gen)}
+    first = {"dense": torch.randn(4096, generator=gen), "same": torch.randn(3 * 4096, generator=gen)}
     second = {"dense": first["dense"] * 1.001 + 1e-3, "same": first["same"].clone()}
     _, (_, specs, payloads) = encoded([first, second])
     dense, same = specs
@@ -223,6 +223,25 @@ def test_a_tensor_found_dense_goes_whole_uncompared_for_a_while_then_is_tried_ag
     bases = [base for base, _, _ in encoded(states)]
     assert bases[: DENSE_REST + 2] == [0] * (DENSE_REST + 2)  # whole: first, dense, then resting
     assert bases[-1] == len(states) - 1  # tried again after its rest: an unchanged tensor is a patch
+
+
+def test_a_version_mostly_changed_goes_whole_and_rests_though_some_tensors_would_patch():
+    from shared.weightsync.patches import DENSE_REST
+
+    gen = torch.Generator().manual_seed(0)
+    first = {"dense": torch.randn(3 * 4096, generator=gen), "sparse": torch.randn(4096, generator=gen)}
+    second = {"dense": first["dense"] * 1.01, "sparse": changed_copy(first["sparse"], 0.3, 1)}
+    third = {"dense": second["dense"].clone(), "sparse": second["sparse"].clone()}  # nothing changes
+    (_, _, _), (base, specs, payloads), (rest_base, _, _) = encoded([first, second, third])
+    # alone, "sparse" would patch (30 % of it changed), but with "dense" whole the version is > half its bytes
+    assert base == 0 and not any(spec.HasField("patch") for spec in specs)
+    for name in ("sparse", "dense"):  # bit for bit (a NaN among the changes)
+        assert torch.equal(payloads[name].view(torch.int32), second[name].view(torch.int32))
+    assert rest_base == 0  # every tensor rests, uncompared, though nothing changed
+    # and alone the sparse tensor is a patch
+    (_, _, _), (alone, (spec,), _) = encoded([{"sparse": first["sparse"]}, {"sparse": second["sparse"]}])
+    assert alone == 1 and spec.HasField("patch") and spec.patch.count == int(0.3 * 4096)
+    assert DENSE_REST > 1
 
 
 def test_patches_are_refused_before_start_where_no_replica_could_apply_one():
