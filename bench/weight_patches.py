@@ -1,12 +1,9 @@
-"""Patch versions against whole ones, side by side on one clock (bench/clock.py): a trainer takes real Adam steps on
-real gradients and publishes each version by shm or by collective (a gloo broadcast), whole or as a patch, the four
-alternated round by round; a replica (the torch engine in bf16, bench/refit_roles.py) serves each version's first
-token. Measured: the share of bf16 elements each step changes, bytes per version patch / whole, refit seconds patch /
-whole on each transport, the replica's pause.
-
-Two models: a ~100M-parameter Qwen3-MoE (bench/trainer_memory.py's wide one, two layers) at lr 1e-6, where
-patches are meant to win; and the demo's model at the demo's lr (1e-3), where most elements change and the
-publisher must fall back to whole tensors at no measurable cost. Prints one JSON object.
+"""Patch versions against whole ones, side by side on one clock (bench/clock.py): a trainer takes real Adam steps and
+publishes each version by shm or by collective (gloo), whole or as a patch, the four alternated round by round; a
+replica (the torch engine in bf16) serves each version's first token. Measured: the share of bf16 elements each step
+changes, bytes per version patch / whole, refit seconds patch / whole on each transport, the replica's pause; on a
+~100M-parameter Qwen3-MoE at lr 1e-6 and on the demo's model at its lr 1e-3 (where the publisher must fall back to
+whole versions at no measurable cost). Prints one JSON object.
 
 Details: docs/internals/bench.md"""
 

@@ -91,7 +91,8 @@ def sequence_logprobs(
             if prefix is None:
                 logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             else:
-                logits = prefix_logits(model, batch.input_ids, batch.attention_mask, prefix)
+                logits, shared = prefix_logits(model, batch.input_ids, batch.attention_mask, prefix)
+                prefix = prefix if shared else None  # the whole rows ran after all: the last call's trace
         logits = logits[:, :-1].float()  # the loss math in fp32, outside autocast
         log_softmax = torch.log_softmax(logits, dim=-1)
     targets = batch.input_ids[:, 1:]

@@ -43,11 +43,23 @@ def plan_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask
     return PrefixPlan(length, unique, inverse)
 
 
-def prefix_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: PrefixPlan) -> torch.Tensor:
+UNSHARED: set[type] = set()
+"""Model classes whose cache is no DynamicCache (a hybrid or static one): whole rows from then on."""
+
+
+def prefix_logits(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: PrefixPlan
+) -> tuple[torch.Tensor, bool]:
     """The logits [B, S, V] of `model(input_ids, attention_mask)`, each distinct prefix run once:
-    its keys and values are gathered to its rows and the rows' remainders attend to them."""
+    its keys and values are gathered to its rows and the rows' remainders attend to them. False
+    beside them where the model's cache could not be gathered and the whole rows were run instead."""
+    from transformers import DynamicCache
+
     head = model(input_ids=plan.unique, attention_mask=torch.ones_like(plan.unique), use_cache=True)
     cache = head.past_key_values
+    if not isinstance(cache, DynamicCache):
+        UNSHARED.add(type(model))
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits, False
     cache.batch_select_indices(plan.inverse)  # indexing keeps the graph: each row's gradient reaches its prefix
     tail = model(
         input_ids=input_ids[:, plan.length :],
@@ -55,7 +67,7 @@ def prefix_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         past_key_values=cache,
         use_cache=True,
     )
-    return torch.cat([head.logits.index_select(0, plan.inverse), tail.logits], dim=1)
+    return torch.cat([head.logits.index_select(0, plan.inverse), tail.logits], dim=1), True
 
 
 def prefix_trace(recording, rows: int, width: int, plan: PrefixPlan) -> torch.Tensor:
@@ -68,11 +80,12 @@ def prefix_trace(recording, rows: int, width: int, plan: PrefixPlan) -> torch.Te
 def shareable(model) -> bool:
     """A plain module the prefix's cache can pass through: not wrapped for data parallelism (DDP
     expects one forward per backward, FSDP gathers per forward) and not recomputing activations
-    (transformers turns the cache off under gradient checkpointing)."""
+    (transformers turns the cache off under gradient checkpointing), and not of a class whose cache
+    could not be gathered."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return False
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):  # prepare() shards the root too
+    if isinstance(model, FSDPModule) or type(model) in UNSHARED:  # prepare() shards the root too
         return False
     return not getattr(model, "is_gradient_checkpointing", False)

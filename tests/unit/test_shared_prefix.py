@@ -123,6 +123,38 @@ def test_whole_rows_where_the_cache_cannot_pass(tiny_model_dir):
     routing.close()
 
 
+class OtherCache(torch.nn.Module):
+    """A model whose cache is no DynamicCache (as a hybrid or static one would be)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        if kwargs.get("use_cache"):
+            out.past_key_values = tuple(out.past_key_values.layers)
+        return out
+
+
+def test_a_cache_that_cannot_be_gathered_runs_whole_rows_from_then_on(tiny_model_dir):
+    inner = load_causal_lm(tiny_model_dir, "float32").eval()
+    model = OtherCache(inner)
+    routing = RoutingController(inner)
+    batch = grouped_batch()
+    calls = counting(model)
+    on = Compute(shared_prefix=True)
+    with torch.no_grad():
+        plain = sequence_logprobs(inner, batch, routing, capture=True)
+        first = sequence_logprobs(model, batch, routing, capture=True, compute=on)
+        again = sequence_logprobs(model, batch, routing, capture=True, compute=on)
+    rows, width = batch.input_ids.shape
+    assert calls == [3 * 4, rows * width, rows * width]  # the prefix tried once, then whole rows
+    for forward in (first, again):
+        assert torch.equal(forward.logprobs, plain.logprobs) and torch.equal(forward.routing, plain.routing)
+    routing.close()
+
+
 @pytest.mark.parametrize("config", [StepConfig(), StepConfig(mini_batches=2, replay="r2")])
 def test_a_step_with_a_shared_prefix_is_the_step_with_whole_rows(tiny_model_dir, config):
     torch.manual_seed(0)
