@@ -27,7 +27,9 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    positions: list[np.ndarray] = field(default_factory=list)  # routing of each fed position [L, K]
+    positions: list[np.ndarray] = field(
+        default_factory=list
+    )  # routing of the fed positions, a chunk [n, L, K] a forward
     finish: str = ""  # stop | length | abort | error
     error: BaseException | None = None
 
@@ -123,7 +125,7 @@ def forward(model, routing, activations, input_ids, attention, positions, cache,
         routed = routed.reshape(len(rows), input_ids.shape[1], *routed.shape[1:]).cpu().numpy()
         for row, (seq, count) in enumerate(zip(rows, fed, strict=True)):
             if seq.trace:
-                seq.positions.extend(routed[row, input_ids.shape[1] - count :])
+                seq.positions.append(routed[row, input_ids.shape[1] - count :])
     return out.logits[:, -1, :], out.past_key_values
 
 
@@ -149,7 +151,7 @@ def prefill(
         for i in m:
             source[i] = u
             if rows[i] is not computed[u] and rows[i].trace:
-                rows[i].positions.extend(computed[u].positions[-len(sequences[i]) :])
+                rows[i].positions.append(computed[u].positions[-1])  # this prefill's chunk: the same sequence
     pick = torch.tensor(source, device=device)
     for layer in cache.layers:
         layer.keys = layer.keys.index_select(0, pick)
@@ -176,7 +178,7 @@ def result_of(seq: Seq, num_experts: int) -> Sample:
     last one never is."""
     sample = Sample(seq.tokens, seq.logprobs, seq.versions, seq.finish)
     if seq.trace:
-        trace = np.stack(seq.positions[: len(seq.prompt) + len(seq.tokens) - 1])
+        trace = np.concatenate(seq.positions)[: len(seq.prompt) + len(seq.tokens) - 1]
         sample.routing_trace = trace.astype(np.uint16 if num_experts > 256 else np.uint8)
         sample.num_experts = num_experts
     return sample
