@@ -247,12 +247,19 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _patches_reach_replicas_that_apply_them(self) -> Recipe:
-        """trainer.publish.patches: the torch engine patches the weights it holds, so not re-rounded ones."""
+        """trainer.publish.patches: the torch engine patches the weights it holds, so not re-rounded ones;
+        weight-sync holds a patch version's base beside it."""
         if self.trainer.publish.patches and self.inference.engine == "torch" and self.inference.quantization != "none":
             raise ValueError(
                 "trainer.publish.patches: the torch engine applies a patch only to the weights as published, and "
                 f"with inference.quantization {self.inference.quantization!r} it holds them re-rounded: every "
                 "version would go whole by a pull. Set it to false (vLLM replicas keep a copy to patch)"
+            )
+        if self.trainer.publish.patches and self.weightsync.retain_versions < 2:
+            raise ValueError(
+                "trainer.publish.patches: weight-sync makes each patch version whole from the version before it, "
+                f"so it must hold both: weightsync.retain_versions is {self.weightsync.retain_versions}; set it to "
+                "2 or more (or the patches to false)"
             )
         return self
 

@@ -234,10 +234,11 @@ def test_the_full_batch_line_times_the_engine_and_generate_on_the_same_batch():
     assert (side["sequences"], side["new_tokens"], side["threads"]) == (256, 6, 1)
     rates = [side[f"{name}_tokens_per_s"] for name in ("generate", "engine", "engine_traces")]
     assert all(rate > 0 for rate in rates), side
-    assert side["engine_over_generate"] == pytest.approx(rates[1] / rates[0], rel=1e-3)
-    assert side["engine_traces_over_generate"] == pytest.approx(rates[2] / rates[0], rel=1e-3)
+    # the ratios are rounded to 3 places, the rates to 1: equal within the rounding (a ratio of 0.14 read 0.13979)
+    assert side["engine_over_generate"] == pytest.approx(rates[1] / rates[0], abs=6e-4)
+    assert side["engine_traces_over_generate"] == pytest.approx(rates[2] / rates[0], abs=6e-4)
     by_group = side["engine_by_group_tokens_per_s"]  # the same work, its groups started one after another
-    assert by_group > 0 and side["by_group_over_one_batch"] == pytest.approx(by_group / rates[1], rel=1e-3)
+    assert by_group > 0 and side["by_group_over_one_batch"] == pytest.approx(by_group / rates[1], abs=6e-4)
 
 
 def test_the_patch_bench_alternates_transports_and_sides_on_one_clock(tmp_path, tiny_model_dir):

@@ -254,6 +254,11 @@ def test_patches_are_refused_before_start_where_no_replica_could_apply_one():
     assert load_recipe(demo, ["trainer.publish.patches=true"]).trainer.publish.patches is True
     with pytest.raises(ValueError, match="trainer.publish.patches: the torch engine applies a patch only"):
         load_recipe(demo, ["trainer.publish.patches=true", "inference.quantization=fp8"])
+    with pytest.raises(ValueError, match="weightsync.retain_versions is 1; set it to 2 or more"):
+        load_recipe(demo, ["trainer.publish.patches=true", "weightsync.retain_versions=1"])
+    assert load_recipe(
+        demo, ["trainer.publish.patches=true", "weightsync.retain_versions=2"]
+    ).weightsync.retain_versions
 
 
 def test_a_patch_that_decompresses_past_its_entry_is_refused_after_reading_at_most_that():
