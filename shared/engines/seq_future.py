@@ -102,20 +102,20 @@ class SeqFuture(concurrent.futures.Future):
             event = self._event
         event.wait(timeout)
 
-    def result(self, timeout: float | None = None):
+    def _finished(self, timeout: float | None) -> None:
+        """Wait up to `timeout` for the end; raise unless it ended with a result or an exception."""
         self._wait(timeout)
         if self.cancelled():
             raise concurrent.futures.CancelledError()
         if self._state != FINISHED:
             raise TimeoutError()
+
+    def result(self, timeout: float | None = None):
+        self._finished(timeout)
         if self._exception is not None:
             raise self._exception
         return self._result
 
     def exception(self, timeout: float | None = None):
-        self._wait(timeout)
-        if self.cancelled():
-            raise concurrent.futures.CancelledError()
-        if self._state != FINISHED:
-            raise TimeoutError()
+        self._finished(timeout)
         return self._exception
