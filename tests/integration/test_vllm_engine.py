@@ -200,26 +200,30 @@ def test_vllm_serves_bit_exact_versions_from_every_transport(tmp_path, tiny_mode
         assert [s["token_ids"] for s in samples] == expected
         assert float(delta.max()) < 1e-4
     # patch versions: the workers keep the published bytes from the first one (pulled whole) on, and apply
-    # the next ones to them: what the engine then generates is the torch engine's with version 7 whole
-    from tests.integration.vllm_transport_probe import patch_versions
+    # the next ones to them: what the engine then generates is the torch engine's with version 50 whole
+    from shared.weightsync.manifest import digest, tensor_to_bytes
+    from tests.integration.vllm_transport_probe import PATCH_VERSIONS, patch_versions
 
     patched = out["patches"]
-    assert patched["received"] == {"shm": 3, "grpc": 1} and patched["kept"] == 7
-    from shared.weightsync.manifest import digest, tensor_to_bytes
+    last = 3 + PATCH_VERSIONS
+    assert last == 50 and patched["received"] == {"shm": PATCH_VERSIONS - 1, "grpc": 1} and patched["kept"] == last
+    every = patch_versions(str(tiny_model_dir), PATCH_VERSIONS)  # version 4 first
 
-    published = {
-        name: digest(tensor_to_bytes(t)).hex() for name, t in patch_versions(str(tiny_model_dir), 4)[-1].items()
-    }
-    assert patched["kept_digests"] == published  # the bytes the worker patched are version 7's, bit for bit
+    def published(version: int) -> dict[str, str]:
+        return {name: digest(tensor_to_bytes(t)).hex() for name, t in every[version - 4].items()}
+
+    # the bytes the worker patched are each version's, bit for bit: every tenth, and the last
+    assert sorted(int(v) for v in patched["kept_at"]) == [10, 20, 30, 40, 50]
+    for version, digests in patched["kept_at"].items():
+        assert digests == published(int(version)), version
+    assert patched["kept_digests"] == published(last)
     reference = load_causal_lm(tiny_model_dir, "float32")
-    reference.load_state_dict(
-        {k: v.float() for k, v in patch_versions(str(tiny_model_dir), 4)[-1].items()}, strict=False
-    )
+    reference.load_state_dict({k: v.float() for k, v in every[-1].items()}, strict=False)
     torch_engine = make_engine("torch", str(tiny_model_dir), "float32")
-    torch_engine.update_weights(7, reference.state_dict())
+    torch_engine.update_weights(last, reference.state_dict())
     expected = [s.token_ids for s in torch_engine.generate(prompts, Sampling(temperature=0, max_new_tokens=10))]
     assert [s["token_ids"] for s in patched["samples"]] == expected
-    assert all(s["versions"] == [7] * len(s["token_ids"]) for s in patched["samples"])
+    assert all(s["versions"] == [last] * len(s["token_ids"]) for s in patched["samples"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM's own fp8 runs")

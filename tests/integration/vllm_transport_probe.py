@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 TRANSPORTS = ("grpc", "shm", "collective")
+PATCH_VERSIONS = 47  # versions 4 to 50 by shm with patches on
 
 
 async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: list[list[int]]) -> dict:
@@ -43,25 +44,33 @@ async def run(model_dir: str, redis_url: str, run_id: str, tmp: Path, prompts: l
                 "received": received_by(kind) - before,
                 "samples": [vars(s) for s in greedy],
             }
-        # patches by shm: version 4 whole, 5 (the workers keep no bytes yet) whole by a gRPC pull, 6 and 7 patches
+        # patches by shm: version 4 whole, 5 (the workers keep no bytes yet) whole by a gRPC pull, 6 to 50
+        # patches; the bytes the workers keep are read back every tenth version
         publisher = make_publisher("shm", address, replica.signer, shm_dir=tmp / "shm" / "run", patches=True)
         before = {kind: received_by(kind) for kind in ("shm", "grpc")}
-        for version, tensors in enumerate(patch_versions(model_dir, 4), 4):
+        kept_at = {}
+        for version, tensors in enumerate(patch_versions(model_dir, PATCH_VERSIONS), 4):
             await publisher.push(tensors, version, version - 1, timeout=120)
             await wait_for(lambda v=version: _version_is(replica.stub, v), 120)
+            if version % 10 == 0:
+                kept_at[version] = await asyncio.to_thread(kept_digests, engine)
         await publisher.close()
         greedy = await asyncio.to_thread(engine.generate, prompts, Sampling(temperature=0, max_new_tokens=10))
         out["patches"] = {
-            "version": 7,
+            "version": 3 + PATCH_VERSIONS,
             "received": {kind: received_by(kind) - was for kind, was in before.items()},
             "kept": engine.last_update.get("kept"),
-            "kept_digests": (
-                await asyncio.to_thread(lambda: engine._call(engine.llm.collective_rpc("steadyrl_kept_digests")))
-            )[0],
+            "kept_digests": await asyncio.to_thread(kept_digests, engine),
+            "kept_at": kept_at,
             "samples": [vars(s) for s in greedy],
         }
     engine.close()
     return out
+
+
+def kept_digests(engine) -> dict[str, str]:
+    """The first worker's digest of each tensor's kept published bytes."""
+    return engine._call(engine.llm.collective_rpc("steadyrl_kept_digests"))[0]
 
 
 def patch_versions(model_dir: str, count: int) -> list[dict]:
