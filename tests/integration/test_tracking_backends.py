@@ -180,6 +180,10 @@ def test_a_restarted_service_continues_its_runs(tmp_path, mlflow_store):
 
     tracking = TrackingSettings(wandb_project="steadyrl-test", wandb_mode="offline", mlflow_tracking_uri=mlflow_store)
     for steps in ([1, 2], [3, 4]):  # the first process, then the restarted one
+        if steps[0] > 1:  # W&B names an offline run's folder by its start second and id: a restart within the same
+            started = int(time.time())  # second (never a real one's) would write over the first's records
+            while int(time.time()) == started:
+                time.sleep(0.05)
         log = ScalarLog(None, tracking, "exp-4", "trainer", tmp_path / "out", {"lr": 0.001})
         for step in steps:
             log.add(step, {"reward_mean": step / 10})
