@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from services.orchestrator.config import DataSettings, DataSource, MixtureSource, OrchestratorSettings
 from services.orchestrator.mixture import MixturePlan
 from shared.envs.calc import MulTask
-from shared.models import load_tokenizer
-from shared.models.loading import encode_prompts
 from shared.rpc.steadyrl.v1 import common_pb2
 from shared.tasks import ArithTask, Example, MathTask
 from shared.tasks.judging import is_model_reward
+from shared.tasks.prompt_tokenizer import encode_prompts, load_prompt_tokenizer
 from shared.tasks.registry import load_reward
 from shared.tasks.reward_contract import Reward
 from shared.tasks.trace import MulTraceTask
@@ -173,7 +172,7 @@ class Tasks:
             **{name: [("", e) for e in examples] for name, examples in named.items()},
         }
         self.rewards: dict[str, Reward | None] = {}  # each task reward as loaded here, to read what it takes of a row
-        self.tokenizer = load_tokenizer(settings.model_path)
+        self.tokenizer = load_prompt_tokenizer(settings.model_path)
         # (source, prompt) → its tokens, the newest PROMPTS_CACHED: a train cycle revisits its examples every epoch
         self._encoded: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from shared.tasks.prompt_tokenizer import encode_prompt, encode_prompts  # noqa: F401 - where callers find them
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -93,38 +95,3 @@ def decode_completions(tokenizer, token_ids: list[list[int]]) -> list[str]:
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return backend.decode_batch([list(ids) for ids in token_ids], skip_special_tokens=True)
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
-
-
-def encode_prompts(tokenizer, texts: list[str], chat: bool = False, system_prompt: str = "") -> list[list[int]]:
-    """`encode_prompt` of each text; raw texts in one batch call of the tokenizer."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        return [encode_prompt(tokenizer, t, chat, system_prompt) for t in texts]
-    if not texts:
-        return []
-    bos = tokenizer.bos_token_id
-    out = []
-    for ids in tokenizer(texts, add_special_tokens=True).input_ids:
-        ids = list(ids)
-        if bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        out.append(ids)
-    return out
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = False, system_prompt: str = "") -> list[int]:
-    """Token ids of a prompt: with `chat` and a tokenizer that has a chat template, the template's
-    rendering of (system prompt,) the user's message and the assistant's turn opening; else the
-    raw text, starting with the BOS token when the tokenizer has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": text}
-        ]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns a dict by default)
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    ids = list(tokenizer(text, add_special_tokens=True).input_ids)
-    bos = tokenizer.bos_token_id
-    if bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-    return ids

@@ -222,9 +222,10 @@ def test_prompts_go_through_the_tokenizers_chat_template_when_it_has_one(tmp_pat
     raw = Tasks(OrchestratorSettings(model_path=str(tiny_model_dir), evals={"size": 5}, data={"train_size": 5}))
     example = raw.train[0]
     plain = list(raw.make("t", example, 2, 1.0, False, 0).prompt_token_ids)
-    assert plain == [raw.tokenizer.bos_token_id, *raw.tokenizer.encode(example.prompt, add_special_tokens=False)]
+    tokenizer = load_tokenizer(tiny_model_dir)  # transformers' (the orchestrator reads tokenizer.json alone)
+    assert plain == [tokenizer.bos_token_id, *tokenizer.encode(example.prompt, add_special_tokens=False)]
 
-    tokenizer = load_tokenizer(tiny_model_dir)  # the same tokenizer with a chat template
+    # the same tokenizer with a chat template
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(tmp_path)
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
