@@ -311,7 +311,8 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
 
     recipe: Literal["auto", "manual"] = "auto"
     """auto: replay and clipping from N and the observed staleness
-    (`services.trainer.global_step.resolve_recipe`); manual: as set (routing_replay, loss.clip)."""
+    (`services.trainer.global_step.resolve_recipe`), and DPPO for MiniRL from max_staleness 4
+    (`resolve_objective`: the objective arena); manual: as set (routing_replay, loss.clip, loss.objective)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Manual recipe: routing replay mode."""
     advantage: Literal["mean", "std", "loo"] = "mean"
@@ -404,9 +405,9 @@ class TrainerSettings(ApiServiceSettings, RedisSettings, StepShape, UnsignedWeig
         ds = self.dynamic_sampling
         return (ds.max_filtered_per_step or self.batch_prompts) if ds.enabled else 0
 
-    def step_config(self, replay: str, clip: bool) -> StepConfig:
+    def step_config(self, replay: str, clip: bool, objective: str = "") -> StepConfig:
         return StepConfig(
-            loss=replace(self.loss, clip=clip),
+            loss=replace(self.loss, clip=clip, objective=objective or self.loss.objective),
             advantage=self.advantage,
             mini_batches=self.mini_batches,
             replay=replay,

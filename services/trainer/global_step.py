@@ -106,6 +106,20 @@ def resolve_recipe(mini_batches: int, staleness_peak: int, has_traces: bool) -> 
     return "off", True, "on-policy (N=1, staleness 0): MiniRL + TIS, no replay"
 
 
+STALE_DPPO = 4
+"""The run's max_staleness from which the auto recipe trains DPPO instead of MiniRL: in the objective
+arena, staleness up to 4 and up to 8 collapsed MiniRL's runs and not DPPO's (docs/REPRODUCTION.md)."""
+
+
+def resolve_objective(objective: str, max_staleness: int) -> tuple[str, str]:
+    """The auto recipe's objective for the run → (objective, why): the default MiniRL becomes DPPO
+    from max_staleness STALE_DPPO on (the objective arena's finding); an objective the recipe chose
+    otherwise stays. Once per run, from the bound, not per step."""
+    if objective == "minirl" and max_staleness >= STALE_DPPO:
+        return "dppo", f"max_staleness {max_staleness} >= {STALE_DPPO}: DPPO (the objective arena)"
+    return objective, ""
+
+
 def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:
     if world > 1:
         import torch.distributed as dist

@@ -35,7 +35,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.forward import Compute
-from services.trainer.global_step import StepConfig, StepNotApplied, resolve_recipe, train_step
+from services.trainer.global_step import StepConfig, StepNotApplied, resolve_objective, resolve_recipe, train_step
 from services.trainer.parallel import (
     GatheredView,
     gather_published,
@@ -103,10 +103,13 @@ def choose_recipe(
 ) -> tuple[StepConfig, str, str]:
     """The step's settings from the recipe: (config, name, why). Pure."""
     s = settings
+    objective = s.loss.objective
     if s.recipe == "auto":
         replay, clip, why = resolve_recipe(s.mini_batches, staleness_peak, has_traces)
         if not is_moe:
             replay, why = "off", why + " (dense model: no replay)"
+        objective, because = resolve_objective(objective, s.max_staleness)
+        why += f"; {because}" if because else ""
     else:
         replay = s.routing_replay
         clip = s.loss.clip
@@ -119,7 +122,7 @@ def choose_recipe(
             if staleness_peak == 0
             else "; exact: no mismatch, the IS weights correct the staleness alone"
         )
-    name = f"{s.loss.objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
+    name = f"{objective}{'+tis' if s.loss.train_infer_is else ''}{'+clip' if clip else ''}" + (
         f"+{replay}" if replay != "off" else ""
     )
     if s.distill.enabled:  # what the paper's recipe leaves out, named when a recipe adds it
@@ -132,7 +135,7 @@ def choose_recipe(
         name += "+dynamic_sampling"
     if s.exact:
         name += "+exact"
-    return s.step_config(replay, clip), name, why
+    return s.step_config(replay, clip, objective), name, why
 
 
 class StepRunner:
