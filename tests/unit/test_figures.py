@@ -82,7 +82,6 @@ NOT_MEASURED = {
     ("docs/guides/operate.md", "5 s"),
     ("docs/guides/operate.md", "15 s"),
     ("docs/guides/operate.md", "85%"),
-    ("docs/guides/operate.md", "5×"),
     ("docs/guides/pools.md", "30 s"),
     ("docs/internals/weights.md", "30 s"),
     ("docs/internals/weights.md", "50 MB/s"),

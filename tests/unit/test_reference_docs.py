@@ -145,18 +145,15 @@ def test_alerts_give_every_rule_of_the_file(generated):
         if "alert" in rule
     ]
     assert re.findall(r"^### (\w+)$", text, re.MULTILINE) == [rule["alert"] for rule in rules]
-    early = text.split("### SteadyrlCollapseEarlyWarning\n", 1)[1].split("\n### ", 1)[0]
-    facts = rows(early)
-    assert (
-        facts["For"][1] == "`5m`"
-        and facts["Severity"][1] == "`warning`"
-        and facts["Label `experimental`"][1] == "`true`"
-    )
+    reward = text.split("### SteadyrlRewardCollapse\n", 1)[1].split("\n### ", 1)[0]
+    facts = rows(reward)
+    assert facts["For"][1] == "`10m`" and facts["Severity"][1] == "`warning`"
     assert facts["Runbook"][1] == (  # a link the strict build of the site checks
-        "[guides/operate.md#alert-steadyrlcollapseearlywarning](../guides/operate.md#alert-steadyrlcollapseearlywarning)"
+        "[guides/operate.md#alert-steadyrlrewardcollapse](../guides/operate.md#alert-steadyrlrewardcollapse)"
     )
-    assert early.lstrip().startswith("EXPERIMENTAL. The paper's early warning")  # the rule's comment
-    assert '```promql\nsteadyrl_trainer_last_metric{name="mismatch_kl_k3"}' in early
+    assert reward.lstrip().startswith("The training reward's 30 min mean under half")  # the rule's comment
+    assert '```promql\navg_over_time(steadyrl_trainer_last_metric{name="reward_mean"}[30m])' in reward
+    assert "SteadyrlCollapseEarlyWarning" not in text
 
 
 def test_redis_keys_print_the_declaration(generated):
