@@ -27,3 +27,25 @@ def test_scalars_off_write_nothing(tmp_path, monkeypatch):
     log.add(1, {"x": 1.0})
     log.close()
     assert list(off.iterdir()) == [] and list(tmp_path.iterdir()) == [off]  # no event file anywhere it could go
+
+
+def test_a_process_without_torch_writes_scalars_without_importing_it(tmp_path):
+    """The orchestrator never computes: its scalars reach TensorBoard without torch loaded, and a
+    later `import torch` in that process still works."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from shared.runtime.tracking import ScalarLog\n"
+        f"log = ScalarLog(__import__('pathlib').Path({str(tmp_path / 'tb')!r}))\n"
+        "log.add(3, {'eval_accuracy': 0.5})\n"
+        "log.close()\n"
+        "print('torch' in sys.modules)\n"
+        "import torch\n"
+        "print(torch.ones(2).sum().item())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "2.0"]
+    assert read_scalars(tmp_path / "tb") == {"eval_accuracy": [(3, 0.5)]}
