@@ -26,8 +26,8 @@ PLAIN_KEYS = {  # tokenizer_config.json keys that change nothing in how a text i
 
 
 class TokenizerJson:
-    """tokenizer.json through `tokenizers`, with the part of transformers' interface encode_prompts
-    uses: `tokenizer(texts, add_special_tokens=True).input_ids`, bos_token_id, chat_template."""
+    """tokenizer.json through `tokenizers`, with the part of transformers' interface the orchestrator's
+    tasks use: `tokenizer(texts, add_special_tokens=True).input_ids`, decode, bos_token_id, chat_template."""
 
     chat_template = None
 
@@ -43,6 +43,10 @@ class TokenizerJson:
         text = token.get("content") if isinstance(token, dict) else token
         return self.backend.token_to_id(text) if text else None
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (no clean-up of spaces: a config asking for it takes transformers' path)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
     def __call__(self, texts: str | list[str], add_special_tokens: bool = True) -> SimpleNamespace:
         batch = [texts] if isinstance(texts, str) else list(texts)
         ids = [e.ids for e in self.backend.encode_batch(batch, add_special_tokens=add_special_tokens)]
@@ -56,7 +60,7 @@ def plain_tokenizer_config(directory: Path) -> dict | None:
         return None
     path = directory / "tokenizer_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    if not isinstance(config, dict) or set(config) - PLAIN_KEYS:
+    if not isinstance(config, dict) or set(config) - PLAIN_KEYS or config.get("clean_up_tokenization_spaces"):
         return None
     return config if config.get("tokenizer_class", "PreTrainedTokenizerFast") in GENERIC_CLASSES else None
 

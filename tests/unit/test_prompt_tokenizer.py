@@ -2,6 +2,7 @@
 exactly as transformers does, and transformers wherever it might not."""
 
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,12 @@ def test_the_kit_tokenizer_encodes_every_prompt_as_transformers_does(tiny_model_
     for chat in (False, True):
         assert encode_prompts(light, texts, chat) == encode_prompts(full, texts, chat)
     assert light(texts[0]).input_ids == full(texts[0]).input_ids
+    rng = random.Random(0)
+    samples = [[rng.randrange(len(light.backend.get_vocab())) for _ in range(rng.randrange(0, 40))] for _ in range(300)]
+    for skip in (False, True):  # what `steadyrl eval` reads back of the model's answers
+        assert [light.decode(ids, skip_special_tokens=skip) for ids in samples] == [
+            full.decode(ids, skip_special_tokens=skip) for ids in samples
+        ]
     assert (light.bos_token_id, light.eos_token_id, light.pad_token_id) == (
         full.bos_token_id,
         full.eos_token_id,
@@ -36,6 +43,7 @@ def test_any_setting_transformers_applies_sends_the_tokenizer_through_transforme
         "jinja": lambda d, c: (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}"),
         "add_bos_token": lambda d, c: c.update(add_bos_token=True),
         "class": lambda d, c: c.update(tokenizer_class="LlamaTokenizerFast"),
+        "clean_up": lambda d, c: c.update(clean_up_tokenization_spaces=True),
     }
     for name, change in changes.items():
         directory = tmp_path / name
