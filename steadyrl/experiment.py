@@ -88,7 +88,12 @@ def recorded_rows(out: Path) -> dict[tuple[str, int], dict]:
             elif text in ("True", "False"):
                 row[key] = text == "True"
             else:
-                number = float(text)  # a column of the CSV that is no number is refused here
+                try:
+                    number = float(text)
+                except ValueError:
+                    raise ValueError(
+                        f"{path}: {row.get('config')} seed {row.get('seed')}: column {key} holds {text!r}, not a number"
+                    ) from None
                 row[key] = int(number) if key in ("seed", "steps", "nonfinite_steps") else number
         recorded[(row["config"], row["seed"])] = row
     return recorded

@@ -311,15 +311,19 @@ def test_a_recorded_row_stands_for_its_run_and_the_record_grows_by_new_seeds(tmp
     """The committed arena results.csv as the record: seeds 0..5 are not run again, seed 6 is, and
     every recorded row (other configurations' too) is written back beside the new one, typed back."""
     import csv
-    import shutil
 
     import steadyrl.experiment
     import steadyrl.launcher
     from steadyrl.experiment import recorded_rows, run_grid
 
-    shutil.copy(ROOT / "docs" / "reproduction" / "arena" / "results.csv", tmp_path / "results.csv")
+    with (ROOT / "docs" / "reproduction" / "arena" / "results.csv").open(newline="") as f:
+        committed = [row for row in csv.DictReader(f) if int(row["seed"]) < 6]  # the record of seeds 0-5
+    with (tmp_path / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(committed[0]))
+        writer.writeheader()
+        writer.writerows(committed)
     before = recorded_rows(tmp_path)
-    assert len(before) == 120 and before[("stale4-dppo", 3)]["collapsed"] is False
+    assert len(before) == len(committed) >= 120 and before[("stale4-dppo", 3)]["collapsed"] is False
     assert isinstance(before[("fp4-minirl", 0)]["final_model_eval"], float)
     started = []
 
@@ -336,9 +340,21 @@ def test_a_recorded_row_stands_for_its_run_and_the_record_grows_by_new_seeds(tmp
     assert started == [("stale4-minirl", "seed-6"), ("stale4-dppo", "seed-6")]
     with (tmp_path / "results.csv").open(newline="") as f:
         written = list(csv.DictReader(f))
-    assert len(written) == 122
+    assert len(written) == len(committed) + 2
     after = recorded_rows(tmp_path)
     assert {k: v for k, v in after.items() if k[1] < 6} == before
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stale4-minirl"]["seeds"] == 7 and summary["stale4-minirl"]["collapsed"] == 6
     assert summary["stale4-dppo"]["collapsed"] == 0 and "fp4-minirl" not in summary
+
+
+def test_a_recorded_row_that_is_no_number_is_refused_naming_its_cell(tmp_path):
+    from steadyrl.experiment import recorded_rows
+
+    (tmp_path / "results.csv").write_text(
+        "config,seed,outcome,eval_final\nfp4-minirl,0,finished,0.3\nfp4-grpo,1,finished,x\n"
+    )
+    with pytest.raises(ValueError, match="fp4-grpo seed 1: column eval_final holds 'x', not a number"):
+        recorded_rows(tmp_path)
+    (tmp_path / "results.csv").write_text("config,seed,outcome,eval_final\nfp4-grpo,1,failed,x\n")
+    assert recorded_rows(tmp_path) == {}  # a run that did not finish is run again, whatever its row holds
