@@ -7,7 +7,12 @@ from pathlib import Path
 
 import torch
 
-from shared.tasks.prompt_tokenizer import encode_prompt, encode_prompts  # noqa: F401 - where callers find them
+from shared.tasks.prompt_tokenizer import (  # noqa: F401 - where callers find them
+    encode_prompt,
+    encode_prompts,
+    load_tokenizer,
+    local_model_dir,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -26,13 +31,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
-
-
-def _local_dir(path: str | os.PathLike) -> Path:
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"{directory} is not a local Hugging Face model directory (no config.json)")
-    return directory
 
 
 def wait_for_model(path: str | os.PathLike, seconds: float, log=None, every: float = 30.0) -> None:
@@ -56,14 +54,10 @@ def load_causal_lm(path: str | os.PathLike, dtype: str | torch.dtype = "float32"
     """A transformers causal LM from a local directory, in `dtype`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        local_model_dir(path), dtype=resolve_dtype(dtype), local_files_only=True
+    )
     return model.to(device).eval()
-
-
-def load_tokenizer(path: str | os.PathLike):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
 
 
 TOKENIZER_FILES = (

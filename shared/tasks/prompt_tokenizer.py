@@ -71,9 +71,22 @@ def load_prompt_tokenizer(path: str | os.PathLike):
     config = plain_tokenizer_config(directory) if (directory / "config.json").is_file() else None
     if config is not None:
         return TokenizerJson(directory, config)
-    from shared.models.loading import load_tokenizer
-
     return load_tokenizer(path)
+
+
+def local_model_dir(path: str | os.PathLike) -> Path:
+    """`path` as a local Hugging Face model directory (its config.json there), else FileNotFoundError."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} is not a local Hugging Face model directory (no config.json)")
+    return directory
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """transformers' tokenizer of a local model directory (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(local_model_dir(path), local_files_only=True)
 
 
 def encode_prompts(tokenizer, texts: list[str], chat: bool = False, system_prompt: str = "") -> list[list[int]]:
