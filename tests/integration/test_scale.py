@@ -45,10 +45,14 @@ def step(
     lr: float = 1e-3,
     lora: int = 0,
     reference_dir: str = "",
+    sgd: bool = False,
 ):
     torch.manual_seed(0)
     model = lora_model(model_dir, lora)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # SGD at lr 1: the weights move by the gradient itself. AdamW's first step moves each weight by
+    # lr·g/(|g|+eps), which turns a gradient near eps summed in another order into up to lr/2.
+    optimizer = torch.optim.SGD(trained, lr=1.0) if sgd else torch.optim.AdamW(trained, lr=lr)
     reference = load_causal_lm(reference_dir, "float32").eval().requires_grad_(False) if reference_dir else None
     metrics = train_step(
         model,
@@ -84,10 +88,10 @@ def test_micro_batches_make_the_unsplit_update(tiny_model_dir):
     lengths = collate(rollouts).lengths().tolist()
     budget = next(b for b in range(max(lengths), sum(lengths)) if len(token_budget_chunks(lengths, b)) == 3)
     for config in (StepConfig(replay="r2"), StepConfig(replay="r3"), StepConfig(loss=StepConfig().loss.grpo())):
-        whole, whole_metrics = step(tiny_model_dir, rollouts, config)
-        split, split_metrics = step(tiny_model_dir, rollouts, config, Compute(micro_batch_tokens=budget))
-        worst = worst_difference(whole.state_dict(), split.state_dict())
-        print(f"{config.replay} {config.loss.normalization}: 3 micro-batches vs 1, max |Δparam| {worst:.2e}")
+        whole, whole_metrics = step(tiny_model_dir, rollouts, config, sgd=True)
+        split, split_metrics = step(tiny_model_dir, rollouts, config, Compute(micro_batch_tokens=budget), sgd=True)
+        worst = worst_difference(whole.state_dict(), split.state_dict())  # the gradients' difference
+        print(f"{config.replay} {config.loss.normalization}: 3 micro-batches vs 1, max |Δgrad| {worst:.2e}")
         assert worst <= 1e-6
         for key in ("loss", "mismatch_kl_k3", "is_weight_max", "entropy", "grad_norm"):
             assert abs(whole_metrics[key] - split_metrics[key]) <= 1e-5 * max(1, abs(whole_metrics[key])), key
