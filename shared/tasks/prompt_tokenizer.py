@@ -1,7 +1,8 @@
 """Prompt text to token ids, for the services that never compute (the orchestrator): a model
 directory whose tokenizer.json is the whole tokenizer (a generic fast tokenizer, no chat template,
 no setting transformers would apply on top) is read by the `tokenizers` library alone, in
-milliseconds and without importing torch; any other goes through transformers' AutoTokenizer.
+milliseconds and without importing torch; any other goes through transformers' AutoTokenizer
+(`load_tokenizer`, which the services that compute load as well).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def plain_tokenizer_config(directory: Path) -> dict | None:
     if not (directory / "tokenizer.json").is_file() or (directory / "chat_template.jinja").exists():
         return None
     path = directory / "tokenizer_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        return None  # transformers reads it and says what is wrong
     if not isinstance(config, dict) or set(config) - PLAIN_KEYS or config.get("clean_up_tokenization_spaces"):
         return None
     return config if config.get("tokenizer_class", "PreTrainedTokenizerFast") in GENERIC_CLASSES else None

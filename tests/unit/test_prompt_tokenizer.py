@@ -44,13 +44,15 @@ def test_any_setting_transformers_applies_sends_the_tokenizer_through_transforme
         "add_bos_token": lambda d, c: c.update(add_bos_token=True),
         "class": lambda d, c: c.update(tokenizer_class="LlamaTokenizerFast"),
         "clean_up": lambda d, c: c.update(clean_up_tokenization_spaces=True),
+        "not_json": lambda d, c: c.update(broken=True),
     }
     for name, change in changes.items():
         directory = tmp_path / name
         shutil.copytree(tiny_model_dir, directory)
         config = json.loads((directory / "tokenizer_config.json").read_text())
         change(directory, config)
-        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        text = json.dumps(config)
+        (directory / "tokenizer_config.json").write_text(text[:-3] if config.get("broken") else text)
         try:
             tokenizer = load_prompt_tokenizer(directory)
         except Exception as exc:  # noqa: BLE001 - transformers refusing the class is also "not the light path"
